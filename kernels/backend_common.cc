@@ -1,0 +1,217 @@
+#include "lossd/kernels/backend_common.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "lossd/kernels/status_macros.h"
+
+namespace lossd {
+namespace {
+
+absl::Status Invalid(absl::string_view field, absl::string_view expected, absl::string_view got) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", expected, ", got ", got));
+}
+
+bool IsKnownDType(DType dtype) {
+  return dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat16;
+}
+
+}  // namespace
+
+absl::string_view DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return "float32";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat16: return "float16";
+  }
+  return "unknown";
+}
+
+absl::string_view ReductionName(Reduction reduction) {
+  switch (reduction) {
+    case Reduction::kMean: return "mean";
+    case Reduction::kSum: return "sum";
+    case Reduction::kNone: return "none";
+  }
+  return "unknown";
+}
+
+absl::Status ValidateOptions(const LossOptions& o) {
+  if (o.reduction != Reduction::kMean && o.reduction != Reduction::kSum &&
+      o.reduction != Reduction::kNone) {
+    return Invalid("reduction", "mean, sum or none", absl::StrCat(static_cast<int>(o.reduction)));
+  }
+  if (!(o.label_smoothing >= 0.0 && o.label_smoothing <= 1.0)) {
+    return Invalid("label_smoothing", "a value in [0, 1]", absl::StrCat(o.label_smoothing));
+  }
+  if (!(o.z_loss_scale >= 0.0 && std::isfinite(o.z_loss_scale))) {
+    return Invalid("z_loss_scale", "a finite value >= 0", absl::StrCat(o.z_loss_scale));
+  }
+  if (!(o.logit_softcap >= 0.0 && std::isfinite(o.logit_softcap))) {
+    return Invalid("logit_softcap", "0 (off) or a finite value > 0", absl::StrCat(o.logit_softcap));
+  }
+  if (!(o.temperature > 0.0 && std::isfinite(o.temperature))) {
+    return Invalid("temperature", "a finite value > 0", absl::StrCat(o.temperature));
+  }
+  if (!std::isfinite(o.grad_scale)) {
+    return Invalid("grad_scale", "a finite value", absl::StrCat(o.grad_scale));
+  }
+  if (!(o.mean_denominator >= 0.0 && std::isfinite(o.mean_denominator))) {
+    return Invalid("mean_denominator", "0 (count this call) or a finite value > 0",
+                   absl::StrCat(o.mean_denominator));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateCall(const BatchInputs& in, const WeightView& weight, const LossOptions& options,
+                          const TokenOutputs& out, const DeviceBuffer* grad_weight) {
+  RETURN_IF_ERROR(ValidateOptions(options));
+  if (weight.data == nullptr || weight.vocab_size <= 0 || weight.hidden_size <= 0) {
+    return absl::FailedPreconditionError("weight: expected a loaded [V, H] head");
+  }
+  if (!IsKnownDType(weight.dtype)) {
+    return Invalid("weight.dtype", "float32, bfloat16 or float16",
+                   absl::StrCat(static_cast<int>(weight.dtype)));
+  }
+  const size_t weight_elements = static_cast<size_t>(weight.vocab_size) * weight.hidden_size;
+  if (weight.data->bytes() < weight_elements * DTypeSize(weight.dtype)) {
+    return Invalid("weight", absl::StrCat(weight_elements * DTypeSize(weight.dtype), " bytes"),
+                   absl::StrCat(weight.data->bytes()));
+  }
+  if (in.num_tokens < 0) return Invalid("num_tokens", "a count >= 0", absl::StrCat(in.num_tokens));
+  if (in.hidden_size != weight.hidden_size) {
+    return Invalid("hidden_size", absl::StrCat(weight.hidden_size, " (the head's H)"),
+                   absl::StrCat(in.hidden_size));
+  }
+  if (!IsKnownDType(in.hidden_dtype)) {
+    return Invalid("hidden_dtype", "float32, bfloat16 or float16",
+                   absl::StrCat(static_cast<int>(in.hidden_dtype)));
+  }
+  if (in.num_tokens > 0 && (in.hidden == nullptr || in.labels == nullptr)) {
+    return Invalid("hidden/labels", "non-null buffers", "null");
+  }
+  for (int64_t i = 0; i < in.num_tokens; ++i) {
+    const int64_t y = in.labels[i];
+    if (y != options.ignore_index && (y < 0 || y >= weight.vocab_size)) {
+      return Invalid(absl::StrCat("labels[", i, "]"),
+                     absl::StrCat("a token id in [0, ", weight.vocab_size, ") or ignore_index ",
+                                  options.ignore_index),
+                     absl::StrCat(y));
+    }
+  }
+  if (in.token_weights != nullptr) {
+    for (int64_t i = 0; i < in.num_tokens; ++i) {
+      if (!std::isfinite(in.token_weights[i])) {
+        return Invalid(absl::StrCat("token_weights[", i, "]"), "a finite value",
+                       absl::StrCat(in.token_weights[i]));
+      }
+    }
+  }
+  if (out.top_k < 0 || out.top_k > kMaxTopK || out.top_k > weight.vocab_size) {
+    return Invalid("top_k", absl::StrCat("a value in [0, ", std::min<int64_t>(kMaxTopK, weight.vocab_size), "]"),
+                   absl::StrCat(out.top_k));
+  }
+  if (out.top_k > 0 && (out.top_k_logprob == nullptr || out.top_k_token == nullptr)) {
+    return Invalid("top_k", "buffers for both log-probabilities and token ids", "null");
+  }
+  if (out.grad_hidden != nullptr && !IsKnownDType(out.grad_hidden_dtype)) {
+    return Invalid("grad_hidden_dtype", "float32, bfloat16 or float16",
+                   absl::StrCat(static_cast<int>(out.grad_hidden_dtype)));
+  }
+  if (grad_weight != nullptr && grad_weight->bytes() < weight_elements * sizeof(float)) {
+    return Invalid("grad_weight", absl::StrCat(weight_elements * sizeof(float), " bytes (fp32 [V, H])"),
+                   absl::StrCat(grad_weight->bytes()));
+  }
+  return absl::OkStatus();
+}
+
+ProblemShape ShapeOfCall(const BatchInputs& in, const WeightView& weight, const TokenOutputs& out,
+                         bool grad_weight) {
+  ProblemShape shape;
+  shape.num_tokens = in.num_tokens;
+  shape.hidden_size = weight.hidden_size;
+  shape.vocab_size = weight.vocab_size;
+  shape.hidden_dtype = in.hidden_dtype;
+  shape.weight_dtype = weight.dtype;
+  shape.grad_hidden = out.grad_hidden != nullptr;
+  shape.grad_weight = grad_weight;
+  shape.grad_hidden_dtype = out.grad_hidden_dtype;
+  shape.top_k = out.top_k;
+  return shape;
+}
+
+int64_t CountCountedRows(const int64_t* labels, int64_t num_tokens, int64_t ignore_index) {
+  int64_t counted = 0;
+  for (int64_t i = 0; i < num_tokens; ++i) counted += labels[i] != ignore_index;
+  return counted;
+}
+
+namespace {
+
+// The largest x in [lo, hi] with fits(x), assuming fits is monotone (true below, false above);
+// lo - 1 when even lo does not fit.
+template <typename Fits>
+int64_t LargestFitting(int64_t lo, int64_t hi, Fits fits) {
+  if (lo > hi || !fits(lo)) return lo - 1;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (fits(mid)) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+}  // namespace
+
+absl::StatusOr<ChunkPlan> ChooseChunkPlan(const ProblemShape& shape, size_t budget_bytes,
+                                          const TileLimits& limits, WorkspaceBytesFn bytes_for) {
+  const int64_t n = std::max<int64_t>(shape.num_tokens, 1);
+  const int64_t v = shape.vocab_size;
+  auto plan_of = [&](int64_t rows, int64_t cols) {
+    return ChunkPlan{rows, cols, bytes_for(rows, cols)};
+  };
+
+  // One pass over the whole vocabulary per token chunk.
+  const int64_t max_rows = std::min(n, limits.max_token_chunk);
+  const int64_t single_rows = LargestFitting(
+      1, max_rows, [&](int64_t rows) { return bytes_for(rows, v) <= budget_bytes; });
+  if (single_rows >= std::min(max_rows, limits.min_single_pass_rows)) return plan_of(single_rows, v);
+
+  // Vocabulary tiles: keep a useful number of rows and take the widest tile that fits, trading rows
+  // for width only when even the narrowest tile does not fit.
+  const int64_t multiple = std::max<int64_t>(limits.vocab_chunk_multiple, 1);
+  const int64_t min_cols = std::min(v, limits.min_vocab_chunk);
+  for (int64_t rows = std::min(n, limits.two_pass_token_chunk); rows >= 1; rows /= 2) {
+    const int64_t units = LargestFitting(1, (v + multiple - 1) / multiple, [&](int64_t u) {
+      return bytes_for(rows, std::min(v, u * multiple)) <= budget_bytes;
+    });
+    const int64_t cols = std::min(v, units * multiple);
+    if (units >= 1 && cols >= min_cols) return plan_of(rows, cols);
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "workspace budget: expected at least ", bytes_for(1, min_cols),
+      " bytes for the smallest tile (1 token x ", min_cols, " vocabulary columns), got ",
+      budget_bytes));
+}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    owner_ = other.owner_;
+    data_ = other.data_;
+    bytes_ = other.bytes_;
+    other.owner_ = nullptr;
+    other.data_ = nullptr;
+    other.bytes_ = 0;
+  }
+  return *this;
+}
+
+void DeviceBuffer::Reset() {
+  if (owner_ != nullptr && data_ != nullptr) owner_->Free(data_, bytes_);
+  owner_ = nullptr;
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
+}  // namespace lossd

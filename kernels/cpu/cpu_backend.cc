@@ -1,0 +1,419 @@
+#include "kernels/cpu/cpu_backend.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "lossd/kernels/backend_common.h"
+#include "lossd/kernels/loss_math.h"
+#include "lossd/kernels/optimizer_math.h"
+#include "lossd/kernels/status_macros.h"
+
+namespace lossd {
+namespace {
+
+// Rows of W converted to fp32 at a time when W is stored in 16 bits (OpenBLAS has no bf16 GEMM).
+constexpr int64_t kWeightSlabRows = 1024;
+
+constexpr TileLimits kCpuTileLimits = {
+    /*max_token_chunk=*/4096,
+    /*min_single_pass_rows=*/64,
+    /*two_pass_token_chunk=*/256,
+    /*min_vocab_chunk=*/256,
+    /*vocab_chunk_multiple=*/256,
+};
+
+// The workspace of one call, carved from the caller's buffer.
+struct CpuWorkspace {
+  float* logits;            // [Nc, Vc]: z, then dL/da in place
+  float* hidden32;          // [Nc, H] when the hidden states are not fp32
+  float* grad_hidden32;     // [Nc, H] when dL/dh is wanted in 16 bits
+  float* weight32;          // [slab, H] when W is not fp32
+  RowStats* stats;          // [Nc]
+  RowGradient* row_grads;   // [Nc]
+  float* top_values;        // [Nc, k], best first
+  int32_t* top_tokens;      // [Nc, k]
+};
+
+CpuWorkspace CarveWorkspace(WorkspaceArena& arena, const ProblemShape& s, int64_t rows,
+                            int64_t cols) {
+  CpuWorkspace w{};
+  const int64_t h = s.hidden_size;
+  w.logits = arena.Take<float>(rows * cols);
+  if (s.hidden_dtype != DType::kFloat32) w.hidden32 = arena.Take<float>(rows * h);
+  if (s.grad_hidden && s.grad_hidden_dtype != DType::kFloat32) {
+    w.grad_hidden32 = arena.Take<float>(rows * h);
+  }
+  if (s.weight_dtype != DType::kFloat32) {
+    w.weight32 = arena.Take<float>(std::min(cols, kWeightSlabRows) * h);
+  }
+  w.stats = arena.Take<RowStats>(rows);
+  if (WantsGradients(s)) w.row_grads = arena.Take<RowGradient>(rows);
+  if (s.top_k > 0) {
+    w.top_values = arena.Take<float>(rows * s.top_k);
+    w.top_tokens = arena.Take<int32_t>(rows * s.top_k);
+  }
+  return w;
+}
+
+void ConvertToFloat(const void* src, DType dtype, int64_t offset, int64_t count, float* dst) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < count; ++i) dst[i] = LoadAsFloat(src, dtype, offset + i);
+}
+
+// Calls fn(w_slab, slab_first_row, slab_rows) over rows [v0, v0 + cols) of W as fp32: W itself when
+// it is fp32, else slabs converted into `scratch`.
+template <typename Fn>
+void ForEachWeightSlab(const WeightView& w, int64_t v0, int64_t cols, float* scratch, Fn fn) {
+  const int64_t h = w.hidden_size;
+  if (w.dtype == DType::kFloat32) {
+    fn(static_cast<const float*>(w.data->data()) + v0 * h, v0, cols);
+    return;
+  }
+  for (int64_t s0 = v0; s0 < v0 + cols; s0 += kWeightSlabRows) {
+    const int64_t rows = std::min(kWeightSlabRows, v0 + cols - s0);
+    ConvertToFloat(w.data->data(), w.dtype, s0 * h, rows * h, scratch);
+    fn(scratch, s0, rows);
+  }
+}
+
+// z[:, 0:cols] = transform(h W[v0:v0+cols]^T), leading dimension ld.
+void ComputeLogits(const float* hidden32, int64_t rows, const WeightView& w, int64_t v0,
+                   int64_t cols, float* weight32, const LogitTransform& transform, float* z,
+                   int64_t ld) {
+  const int64_t h = w.hidden_size;
+  ForEachWeightSlab(w, v0, cols, weight32, [&](const float* slab, int64_t s0, int64_t slab_rows) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, slab_rows, h, 1.0f, hidden32, h, slab,
+                h, 0.0f, z + (s0 - v0), ld);
+  });
+  if (transform.identity()) return;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = z + r * ld;
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) row[c] = TransformLogit(row[c], transform);
+  }
+}
+
+// Keeps the k largest (value, token) of a row, best first; on equal values the lower token wins
+// because tokens arrive in increasing order and only a strictly larger value displaces.
+void UpdateTopK(const float* z, int64_t cols, int64_t v0, int k, float* values, int32_t* tokens) {
+  for (int64_t c = 0; c < cols; ++c) {
+    const float x = z[c];
+    if (!(x > values[k - 1])) continue;
+    int j = k - 1;
+    while (j > 0 && x > values[j - 1]) {
+      values[j] = values[j - 1];
+      tokens[j] = tokens[j - 1];
+      --j;
+    }
+    values[j] = x;
+    tokens[j] = static_cast<int32_t>(v0 + c);
+  }
+}
+
+// Sums over a row run in fp32 over short blocks (vectorized) and in double across blocks, so the
+// rounding error stays near kSumBlock * 2^-24 whatever V is.
+constexpr int64_t kSumBlock = 256;
+
+// Statistics of one row over one vocabulary tile.
+RowStats TileRowStats(const float* z, int64_t cols, int64_t v0, int64_t label) {
+  float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+  for (int64_t c = 0; c < cols; ++c) m = std::max(m, z[c]);
+  RowStats s = EmptyRowStats();
+  if (label >= v0 && label < v0 + cols) s.target = z[label - v0];
+  int64_t argmax = 0;
+  while (argmax < cols && !(z[argmax] == m)) ++argmax;
+  double sum_z = 0.0;
+  double sum_exp = 0.0;
+  double sum_exp_shifted = 0.0;
+  for (int64_t b0 = 0; b0 < cols; b0 += kSumBlock) {
+    const int64_t b1 = std::min(cols, b0 + kSumBlock);
+    float block_z = 0.0f;
+    float block_exp = 0.0f;
+    float block_exp_shifted = 0.0f;
+#pragma omp simd reduction(+ : block_z, block_exp, block_exp_shifted)
+    for (int64_t c = b0; c < b1; ++c) {
+      const float d = z[c] - m;
+      const float e = Exp(d);
+      block_z += z[c];
+      block_exp += e;
+      block_exp_shifted += e * d;
+    }
+    sum_z += block_z;
+    sum_exp += block_exp;
+    sum_exp_shifted += block_exp_shifted;
+  }
+  s.sum_z = static_cast<float>(sum_z);
+  if (argmax == cols) return s;  // no comparable value (a NaN row): sum_z carries the NaN
+  s.max = m;
+  s.sum_exp = static_cast<float>(sum_exp);
+  s.sum_exp_shifted = static_cast<float>(sum_exp_shifted);
+  s.argmax = static_cast<int32_t>(v0 + argmax);
+  return s;
+}
+
+// z[0:cols] <- dL/da in place.
+void RowLogitGradients(float* z, int64_t cols, int64_t v0, const RowGradient& g,
+                       const LogitTransform& transform) {
+  const bool label_here = g.label >= v0 && g.label < v0 + cols;
+  const float label_z = label_here ? z[g.label - v0] : 0.0f;
+#pragma omp simd
+  for (int64_t c = 0; c < cols; ++c) z[c] = LogitGradient(z[c], false, g, transform);
+  if (label_here) z[g.label - v0] = LogitGradient(label_z, true, g, transform);
+}
+
+class CpuBackend final : public Backend {
+ public:
+  absl::string_view kind() const override { return "cpu"; }
+
+  std::string Describe() const override {
+    return absl::StrCat("cpu: ", openblas_get_num_threads(), " BLAS threads, ",
+                        omp_get_max_threads(), " OpenMP threads, ", openblas_get_config());
+  }
+
+  absl::StatusOr<DeviceMemory> QueryMemory() const override {
+    std::ifstream meminfo("/proc/meminfo");
+    std::string key;
+    int64_t value_kib = 0;
+    std::string unit;
+    int64_t total = -1;
+    int64_t available = -1;
+    while (meminfo >> key >> value_kib >> unit) {
+      if (key == "MemTotal:") total = value_kib * 1024;
+      if (key == "MemAvailable:") available = value_kib * 1024;
+    }
+    if (total < 0 || available < 0) return absl::UnavailableError("/proc/meminfo: unreadable");
+    return DeviceMemory{total, total - available};
+  }
+
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
+    const size_t rounded = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
+    void* data = std::aligned_alloc(256, rounded);
+    if (data == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat("host memory: could not allocate ", bytes, " bytes"));
+    }
+    return DeviceBuffer(this, data, bytes);
+  }
+
+  absl::Status CopyToDevice(const void* host, size_t bytes, DeviceBuffer& dst,
+                            size_t dst_offset) override {
+    if (dst_offset + bytes > dst.bytes()) return absl::OutOfRangeError("copy past the buffer's end");
+    std::memcpy(static_cast<char*>(dst.data()) + dst_offset, host, bytes);
+    return absl::OkStatus();
+  }
+
+  absl::Status CopyToHost(const DeviceBuffer& src, size_t src_offset, size_t bytes,
+                          void* host) override {
+    if (src_offset + bytes > src.bytes()) return absl::OutOfRangeError("copy past the buffer's end");
+    std::memcpy(host, static_cast<const char*>(src.data()) + src_offset, bytes);
+    return absl::OkStatus();
+  }
+
+  absl::Status Zero(DeviceBuffer& buffer) override {
+    std::memset(buffer.data(), 0, buffer.bytes());
+    return absl::OkStatus();
+  }
+
+  absl::Status AddFloat32(DeviceBuffer& dst, const DeviceBuffer& src, int64_t count) override {
+    float* d = static_cast<float*>(dst.data());
+    const float* s = static_cast<const float*>(src.data());
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < count; ++i) d[i] += s[i];
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<double> SumSquaresFloat32(const DeviceBuffer& x, int64_t count) override {
+    // Fixed blocks summed in order, so the result does not depend on the thread count.
+    constexpr int64_t kBlocks = 256;
+    const float* data = static_cast<const float*>(x.data());
+    std::vector<double> partial(kBlocks, 0.0);
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < kBlocks; ++b) {
+      const int64_t begin = count * b / kBlocks;
+      const int64_t end = count * (b + 1) / kBlocks;
+      double sum = 0.0;
+      for (int64_t i = begin; i < end; ++i) sum += static_cast<double>(data[i]) * data[i];
+      partial[b] = sum;
+    }
+    double total = 0.0;
+    for (double p : partial) total += p;
+    return total;
+  }
+
+  absl::Status OptimizerStep(const OptimizerConfig& config, const OptimizerTensors& t) override {
+    const OptimizerScalars s = MakeOptimizerScalars(config);
+    const float* grad = static_cast<const float*>(t.grad->data());
+    float* state1 = t.state1 != nullptr ? static_cast<float*>(t.state1->data()) : nullptr;
+    float* state2 = t.state2 != nullptr ? static_cast<float*>(t.state2->data()) : nullptr;
+    if (config.kind == OptimizerConfig::Kind::kAdamW && (state1 == nullptr || state2 == nullptr)) {
+      return absl::FailedPreconditionError("AdamW: expected both moment buffers");
+    }
+    void* weight = t.weight->data();
+    const bool adamw = config.kind == OptimizerConfig::Kind::kAdamW;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < t.count; ++i) {
+      float w = LoadAsFloat(weight, t.weight_dtype, i);
+      if (adamw) {
+        AdamWUpdate(w, grad[i], state1[i], state2[i], s);
+      } else {
+        float unused = 0.0f;
+        SgdUpdate(w, grad[i], state1 != nullptr ? state1[i] : unused, s);
+      }
+      StoreFromFloat(weight, t.weight_dtype, i, w);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const override {
+    return ChooseChunkPlan(shape, budget_bytes, kCpuTileLimits, [&](int64_t rows, int64_t cols) {
+      WorkspaceArena arena(nullptr, 0);
+      CarveWorkspace(arena, shape, rows, cols);
+      return arena.used();
+    });
+  }
+
+  absl::StatusOr<BatchSummary> Compute(const BatchInputs& in, const WeightView& weight,
+                                       const LossOptions& options, const TokenOutputs& out,
+                                       DeviceBuffer* grad_weight, DeviceBuffer& workspace) override;
+
+ protected:
+  void Free(void* data, size_t) override { std::free(data); }
+};
+
+absl::StatusOr<BatchSummary> CpuBackend::Compute(const BatchInputs& in, const WeightView& weight,
+                                                 const LossOptions& options,
+                                                 const TokenOutputs& out,
+                                                 DeviceBuffer* grad_weight,
+                                                 DeviceBuffer& workspace) {
+  RETURN_IF_ERROR(ValidateCall(in, weight, options, out, grad_weight));
+  const ProblemShape shape = ShapeOfCall(in, weight, out, grad_weight != nullptr);
+  ASSIGN_OR_RETURN(const ChunkPlan plan, Plan(shape, workspace.bytes()));
+
+  const int64_t n = in.num_tokens;
+  const int64_t h = weight.hidden_size;
+  const int64_t v = weight.vocab_size;
+  const int64_t chunk_rows = plan.token_chunk;
+  const int64_t tile_cols = plan.vocab_chunk;
+  const int k = out.top_k;
+  const bool gradients = WantsGradients(shape);
+  const LogitTransform transform = MakeLogitTransform(options);
+  const LossTerms terms{options.label_smoothing, options.z_loss_scale, v};
+  const int64_t counted_total = CountCountedRows(in.labels, n, options.ignore_index);
+  const double multiplier = GradientMultiplier(options, counted_total);
+
+  WorkspaceArena arena(workspace.data(), workspace.bytes());
+  const CpuWorkspace ws = CarveWorkspace(arena, shape, chunk_rows, tile_cols);
+
+  BatchSummary summary;
+  summary.counted_tokens = counted_total;
+  summary.token_chunk = chunk_rows;
+  summary.vocab_chunk = tile_cols;
+  summary.workspace_bytes = static_cast<int64_t>(arena.used());
+  float* grad_weight32 = grad_weight != nullptr ? static_cast<float*>(grad_weight->data()) : nullptr;
+
+  for (int64_t r0 = 0; r0 < n; r0 += chunk_rows) {
+    const int64_t rows = std::min(chunk_rows, n - r0);
+    const int64_t* labels = in.labels + r0;
+    const float* hidden32 = static_cast<const float*>(in.hidden) + r0 * h;
+    if (in.hidden_dtype != DType::kFloat32) {
+      ConvertToFloat(in.hidden, in.hidden_dtype, r0 * h, rows * h, ws.hidden32);
+      hidden32 = ws.hidden32;
+    }
+
+    // Pass 1: row statistics over every vocabulary tile.
+    std::fill(ws.stats, ws.stats + rows, EmptyRowStats());
+    if (k > 0) {
+      std::fill(ws.top_values, ws.top_values + rows * k, -INFINITY);
+      std::fill(ws.top_tokens, ws.top_tokens + rows * k, 0);
+    }
+    for (int64_t v0 = 0; v0 < v; v0 += tile_cols) {
+      const int64_t cols = std::min(tile_cols, v - v0);
+      ComputeLogits(hidden32, rows, weight, v0, cols, ws.weight32, transform, ws.logits, tile_cols);
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* z = ws.logits + r * tile_cols;
+        MergeRowStats(ws.stats[r], TileRowStats(z, cols, v0, labels[r]));
+        if (k > 0) UpdateTopK(z, cols, v0, k, ws.top_values + r * k, ws.top_tokens + r * k);
+      }
+    }
+
+    // Per-row results, summed in row order in double.
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r0 + r;
+      const bool counted = labels[r] != options.ignore_index;
+      const float w = in.token_weights != nullptr ? in.token_weights[i] : 1.0f;
+      const RowResult res = FinishRow(ws.stats[r], counted, w, terms);
+      summary.all_finite = summary.all_finite && res.finite;
+      summary.loss_sum += res.loss;
+      summary.correct_tokens += counted && ws.stats[r].argmax == labels[r];
+      if (out.loss != nullptr) out.loss[i] = res.loss;
+      if (out.logprob != nullptr) out.logprob[i] = res.logprob;
+      if (out.lse != nullptr) out.lse[i] = res.lse;
+      if (out.entropy != nullptr) out.entropy[i] = res.entropy;
+      if (out.argmax != nullptr) out.argmax[i] = ws.stats[r].argmax;
+      for (int j = 0; j < k; ++j) {
+        out.top_k_logprob[i * k + j] = ws.top_values[r * k + j] - res.lse;
+        out.top_k_token[i * k + j] = ws.top_tokens[r * k + j];
+      }
+      if (gradients) ws.row_grads[r] = MakeRowGradient(res.lse, labels[r], counted, w, multiplier, terms);
+    }
+    if (!gradients) continue;
+
+    // Pass 2: dL/da tile by tile (recomputing the logits when the vocabulary is tiled), then
+    // dh += dA W and dW += dA^T h.
+    float* grad_hidden32 = nullptr;
+    if (shape.grad_hidden) {
+      grad_hidden32 = out.grad_hidden_dtype == DType::kFloat32
+                          ? static_cast<float*>(out.grad_hidden) + r0 * h
+                          : ws.grad_hidden32;
+      std::fill(grad_hidden32, grad_hidden32 + rows * h, 0.0f);
+    }
+    const bool logits_resident = tile_cols >= v;
+    for (int64_t v0 = 0; v0 < v; v0 += tile_cols) {
+      const int64_t cols = std::min(tile_cols, v - v0);
+      if (!logits_resident) {
+        ComputeLogits(hidden32, rows, weight, v0, cols, ws.weight32, transform, ws.logits, tile_cols);
+      }
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) {
+        RowLogitGradients(ws.logits + r * tile_cols, cols, v0, ws.row_grads[r], transform);
+      }
+      if (grad_hidden32 != nullptr) {
+        ForEachWeightSlab(weight, v0, cols, ws.weight32,
+                          [&](const float* slab, int64_t s0, int64_t slab_rows) {
+                            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, h, slab_rows,
+                                        1.0f, ws.logits + (s0 - v0), tile_cols, slab, h, 1.0f,
+                                        grad_hidden32, h);
+                          });
+      }
+      if (grad_weight32 != nullptr) {
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, h, rows, 1.0f, ws.logits,
+                    tile_cols, hidden32, h, 1.0f, grad_weight32 + v0 * h, h);
+      }
+    }
+    if (shape.grad_hidden && out.grad_hidden_dtype != DType::kFloat32) {
+#pragma omp parallel for schedule(static)
+      for (int64_t e = 0; e < rows * h; ++e) {
+        StoreFromFloat(out.grad_hidden, out.grad_hidden_dtype, r0 * h + e, grad_hidden32[e]);
+      }
+    }
+  }
+  summary.loss = ReducedLoss(options, summary.loss_sum, counted_total);
+  return summary;
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> CreateCpuBackend() { return std::make_unique<CpuBackend>(); }
+
+}  // namespace lossd

@@ -1,0 +1,146 @@
+// The one interface every compute backend (CPU, CUDA) implements. It carries no device types:
+// memory on the backend's device is an opaque DeviceBuffer that only its backend dereferences.
+#ifndef LOSSD_KERNELS_BACKEND_H_
+#define LOSSD_KERNELS_BACKEND_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "lossd/kernels/types.h"
+
+namespace lossd {
+
+class Backend;
+
+// Memory on a backend's device (host memory for the CPU backend), freed by its owner.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Backend* owner, void* data, size_t bytes) : owner_(owner), data_(data), bytes_(bytes) {}
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { Reset(); }
+
+  void Reset();
+  void* data() { return data_; }
+  const void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  Backend* owner_ = nullptr;
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// W, [vocab_size, hidden_size] row-major, resident on the backend's device.
+struct WeightView {
+  const DeviceBuffer* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+};
+
+// What a call will compute; enough to plan its chunking and size its workspace.
+struct ProblemShape {
+  int64_t num_tokens = 0;
+  int64_t hidden_size = 0;
+  int64_t vocab_size = 0;
+  DType hidden_dtype = DType::kFloat32;
+  DType weight_dtype = DType::kFloat32;
+  bool grad_hidden = false;
+  bool grad_weight = false;
+  DType grad_hidden_dtype = DType::kFloat32;
+  int top_k = 0;
+};
+
+// Tokens x vocabulary tiling. When vocab_chunk < vocab_size and gradients are wanted, the logits of
+// each tile are computed twice (lse first, then the gradient): 8NHV flops instead of 6NHV.
+struct ChunkPlan {
+  int64_t token_chunk = 0;
+  int64_t vocab_chunk = 0;
+  size_t workspace_bytes = 0;
+};
+
+struct DeviceMemory {
+  int64_t total_bytes = 0;
+  int64_t used_bytes = 0;
+};
+
+struct OptimizerConfig {
+  enum class Kind : int { kSgd = 0, kAdamW = 1 };
+  Kind kind = Kind::kSgd;
+  double learning_rate = 1e-3;
+  double momentum = 0.0;  // SGD
+  double beta1 = 0.9;     // AdamW
+  double beta2 = 0.999;
+  double epsilon = 1e-8;
+  double weight_decay = 0.0;  // SGD: L2 added to the gradient; AdamW: decoupled
+  int64_t step = 1;           // 1-based count of this update, for AdamW's bias correction
+  double grad_multiplier = 1.0;  // applied to the gradient first (global-norm clipping)
+};
+
+// Buffers of one optimizer update; count elements each. Gradient and state are fp32.
+struct OptimizerTensors {
+  DeviceBuffer* weight = nullptr;
+  DType weight_dtype = DType::kFloat32;
+  const DeviceBuffer* grad = nullptr;
+  DeviceBuffer* state1 = nullptr;  // SGD momentum buffer or AdamW first moment
+  DeviceBuffer* state2 = nullptr;  // AdamW second moment
+  int64_t count = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual absl::string_view kind() const = 0;  // "cpu" or "cuda"
+  virtual std::string Describe() const = 0;   // human-readable device and library versions
+  // Total and used memory of the device, as its driver (or the OS, for the CPU) reports them now.
+  virtual absl::StatusOr<DeviceMemory> QueryMemory() const = 0;
+
+  virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
+  virtual absl::Status CopyToDevice(const void* host, size_t bytes, DeviceBuffer& dst,
+                                    size_t dst_offset) = 0;
+  virtual absl::Status CopyToHost(const DeviceBuffer& src, size_t src_offset, size_t bytes,
+                                  void* host) = 0;
+  virtual absl::Status Zero(DeviceBuffer& buffer) = 0;
+  // dst[i] += src[i] for count fp32 elements, in a fixed order.
+  virtual absl::Status AddFloat32(DeviceBuffer& dst, const DeviceBuffer& src, int64_t count) = 0;
+  // sum_i x[i]^2 over count fp32 elements, accumulated in double in a fixed order.
+  virtual absl::StatusOr<double> SumSquaresFloat32(const DeviceBuffer& x, int64_t count) = 0;
+  virtual absl::Status OptimizerStep(const OptimizerConfig& config,
+                                     const OptimizerTensors& tensors) = 0;
+
+  // The chunking for `shape` whose workspace fits `budget_bytes`, or RESOURCE_EXHAUSTED when even
+  // the smallest tile does not fit. Peak extra memory of Compute is plan.workspace_bytes.
+  virtual absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const = 0;
+
+  // Computes one batch. The workspace's size is the budget: Compute plans against it exactly as
+  // Plan(shape, workspace.bytes()) does and uses no other scratch memory on the device.
+  // dL/dW is accumulated (+=) into grad_weight ([V, H] fp32) when it is not null.
+  virtual absl::StatusOr<BatchSummary> Compute(const BatchInputs& inputs, const WeightView& weight,
+                                               const LossOptions& options,
+                                               const TokenOutputs& outputs,
+                                               DeviceBuffer* grad_weight,
+                                               DeviceBuffer& workspace) = 0;
+
+ protected:
+  friend class DeviceBuffer;
+  virtual void Free(void* data, size_t bytes) = 0;
+};
+
+// "cpu", "cuda", "cuda:N" or "auto" (CUDA when a device is present, else CPU). The CUDA backend is a
+// module loaded at run time; `cuda_module_path` overrides where it is looked for.
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view device,
+                                                       absl::string_view cuda_module_path = {});
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_BACKEND_H_

@@ -1,0 +1,75 @@
+// What every backend does the same way before it computes: check the call, plan the chunking, and
+// carve the caller's workspace. Host code only; pointers carved here may be device addresses.
+#ifndef LOSSD_KERNELS_BACKEND_COMMON_H_
+#define LOSSD_KERNELS_BACKEND_COMMON_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "lossd/kernels/backend.h"
+#include "lossd/kernels/types.h"
+
+namespace lossd {
+
+// Checks every field of a Compute call and names the first bad one with what was expected.
+// Labels are checked too: any label outside [0, V) that is not ignore_index is rejected.
+absl::Status ValidateCall(const BatchInputs& inputs, const WeightView& weight,
+                          const LossOptions& options, const TokenOutputs& outputs,
+                          const DeviceBuffer* grad_weight);
+absl::Status ValidateOptions(const LossOptions& options);
+
+ProblemShape ShapeOfCall(const BatchInputs& inputs, const WeightView& weight,
+                         const TokenOutputs& outputs, bool grad_weight);
+
+inline bool WantsGradients(const ProblemShape& shape) {
+  return shape.grad_hidden || shape.grad_weight;
+}
+
+int64_t CountCountedRows(const int64_t* labels, int64_t num_tokens, int64_t ignore_index);
+
+// How a backend likes its tiles.
+struct TileLimits {
+  int64_t max_token_chunk;          // rows per chunk never exceed this
+  int64_t min_single_pass_rows;     // fewer full-vocabulary rows than this: tile the vocabulary
+  int64_t two_pass_token_chunk;     // rows per chunk once the vocabulary is tiled
+  int64_t min_vocab_chunk;          // the narrowest vocabulary tile worth a GEMM
+  int64_t vocab_chunk_multiple;     // vocabulary tiles are multiples of this (unless V itself)
+};
+
+// Bytes of workspace for `token_chunk` rows and `vocab_chunk` columns, as the backend carves it.
+using WorkspaceBytesFn = absl::FunctionRef<size_t(int64_t token_chunk, int64_t vocab_chunk)>;
+
+// The largest tiles whose workspace fits `budget_bytes`: full-vocabulary token chunks when at least
+// min_single_pass_rows of them fit (one pass, 6NHV flops with gradients), else vocabulary tiles.
+absl::StatusOr<ChunkPlan> ChooseChunkPlan(const ProblemShape& shape, size_t budget_bytes,
+                                          const TileLimits& limits, WorkspaceBytesFn bytes_for);
+
+// Hands out aligned pieces of one workspace allocation. With a null base it only measures, so that
+// a backend computes its workspace size with the same code that carves it.
+class WorkspaceArena {
+ public:
+  static constexpr size_t kAlignment = 256;
+
+  WorkspaceArena(void* base, size_t capacity) : base_(static_cast<char*>(base)), capacity_(capacity) {}
+
+  template <typename T>
+  T* Take(int64_t count) {
+    const size_t start = (used_ + kAlignment - 1) / kAlignment * kAlignment;
+    used_ = start + static_cast<size_t>(count) * sizeof(T);
+    return base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + start);
+  }
+  size_t used() const { return used_; }
+  bool fits() const { return used_ <= capacity_; }
+
+ private:
+  char* base_;
+  size_t capacity_;
+  size_t used_ = 0;
+};
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_BACKEND_COMMON_H_

@@ -1,0 +1,253 @@
+// Scalar math shared by the CPU and CUDA backends: logit transform, per-row statistics and their
+// merge, the per-row loss, and the per-logit gradient. Written once so that the CPU tests cover the
+// same formulas the GPU runs.
+//
+// Per row: a = h W^T, z = cap(a) / T with cap(a) = c tanh(a / c) (identity when c = 0),
+//   lse = log sum_v exp z_v,  p_v = exp(z_v - lse),
+//   loss = w [ (1 - eps)(lse - z_y) + eps (lse - mean_v z_v) + s lse^2 ],
+//   dL/dz_v = g [ p_v (1 + 2 s lse) - eps / V - (1 - eps) [v = y] ],  g = w * reduction scale * grad_scale,
+//   dL/da_v = dL/dz_v * (1 / T) * (1 - (z_v T / c)^2)   (the last factor only with a soft cap).
+#ifndef LOSSD_KERNELS_LOSS_MATH_H_
+#define LOSSD_KERNELS_LOSS_MATH_H_
+
+#include <cmath>
+#include <cstdint>
+
+#include "lossd/kernels/half.h"
+#include "lossd/kernels/host_device.h"
+#include "lossd/kernels/types.h"
+
+namespace lossd {
+
+// exp(x) for x <= 88. On the host a branch-free Cephes-style polynomial (about 2 ulp) that the
+// compiler vectorizes inside row loops; on the device CUDA's expf.
+LOSSD_HD float Exp(float x) {
+#if defined(__CUDA_ARCH__)
+  return expf(x);
+#else
+  x = x < -87.33654f ? -87.33654f : (x > 88.37626f ? 88.37626f : x);
+  // Round x / ln 2 to the nearest integer n with the 1.5 * 2^23 trick (exact for |n| < 2^22).
+  constexpr float kRound = 12582912.0f;
+  const float n = (x * 1.44269504088896341f + kRound) - kRound;
+  // r = x - n ln2, with ln2 split in two so that n * ln2_hi is exact.
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t biased = static_cast<int32_t>(n) + 127;
+  return p * BitsToFloat(static_cast<uint32_t>(biased) << 23);
+#endif
+}
+
+// tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|): no overflow, vectorizable on the host.
+LOSSD_HD float Tanh(float x) {
+#if defined(__CUDA_ARCH__)
+  return tanhf(x);
+#else
+  const float ax = x < 0.0f ? -x : x;
+  const float e = Exp(-2.0f * ax);
+  const float t = (1.0f - e) / (1.0f + e);
+  return x < 0.0f ? -t : t;
+#endif
+}
+
+LOSSD_HD bool IsFinite(double x) {
+#if defined(__CUDA_ARCH__)
+  return isfinite(x);
+#else
+  return std::isfinite(x);
+#endif
+}
+
+// The soft cap and temperature of one call, resolved from LossOptions.
+struct LogitTransform {
+  float softcap = 0.0f;          // c, 0 = off
+  float temperature = 1.0f;      // T
+  float inv_temperature = 1.0f;  // 1 / T
+  bool identity() const { return softcap == 0.0f && temperature == 1.0f; }
+};
+
+inline LogitTransform MakeLogitTransform(const LossOptions& options) {
+  LogitTransform t;
+  t.softcap = static_cast<float>(options.logit_softcap);
+  t.temperature = static_cast<float>(options.temperature);
+  t.inv_temperature = static_cast<float>(1.0 / options.temperature);
+  return t;
+}
+
+// z = cap(a) / T.
+LOSSD_HD float TransformLogit(float a, const LogitTransform& t) {
+  if (t.softcap > 0.0f) a = t.softcap * Tanh(a / t.softcap);
+  return a * t.inv_temperature;
+}
+
+// dz/da expressed through z itself, so the raw logit need not be kept: tanh(a / c) = z T / c.
+LOSSD_HD float TransformDerivative(float z, const LogitTransform& t) {
+  float d = t.inv_temperature;
+  if (t.softcap > 0.0f) {
+    const float th = z * t.temperature / t.softcap;
+    d *= 1.0f - th * th;
+  }
+  return d;
+}
+
+// Running statistics of one row over the vocabulary columns seen so far. Two partial statistics
+// over disjoint column sets merge exactly (up to rounding), so tiles, threads and shards combine in
+// any fixed order.
+struct RowStats {
+  float max;                // m = max_v z_v
+  float sum_exp;            // sum_v exp(z_v - m)
+  float sum_exp_shifted;    // sum_v exp(z_v - m) (z_v - m) <= 0, for the entropy
+  float sum_z;              // sum_v z_v, for label smoothing
+  float target;             // z_y, from the tile that holds the label (0 elsewhere)
+  int32_t argmax;           // lowest id among the maxima
+};
+
+LOSSD_HD RowStats EmptyRowStats() {
+  RowStats s;
+  s.max = -INFINITY;
+  s.sum_exp = 0.0f;
+  s.sum_exp_shifted = 0.0f;
+  s.sum_z = 0.0f;
+  s.target = 0.0f;
+  s.argmax = -1;
+  return s;
+}
+
+// Folds `other` into `into`: m = max(m1, m2), s = s1 e^(m1 - m) + s2 e^(m2 - m), and the shifted
+// sum moves to the new max as t' = (t + (m_i - m) s_i) e^(m_i - m).
+LOSSD_HD void MergeRowStats(RowStats& into, const RowStats& other) {
+  into.sum_z += other.sum_z;
+  into.target += other.target;
+  if (other.argmax < 0) return;
+  if (into.argmax < 0) {
+    into.max = other.max;
+    into.sum_exp = other.sum_exp;
+    into.sum_exp_shifted = other.sum_exp_shifted;
+    into.argmax = other.argmax;
+    return;
+  }
+  const float m = into.max > other.max ? into.max : other.max;
+  const float d_into = into.max - m;
+  const float d_other = other.max - m;
+  const float c_into = Exp(d_into);
+  const float c_other = Exp(d_other);
+  into.sum_exp_shifted = (into.sum_exp_shifted + d_into * into.sum_exp) * c_into +
+                         (other.sum_exp_shifted + d_other * other.sum_exp) * c_other;
+  into.sum_exp = into.sum_exp * c_into + other.sum_exp * c_other;
+  if (other.max > into.max || (other.max == into.max && other.argmax < into.argmax)) {
+    into.argmax = other.argmax;
+  }
+  into.max = m;
+}
+
+// Loss terms of one call, resolved from LossOptions.
+struct LossTerms {
+  double label_smoothing = 0.0;
+  double z_loss_scale = 0.0;
+  int64_t vocab_size = 0;
+};
+
+struct RowResult {
+  float lse;
+  float logprob;  // 0 for ignored rows
+  float loss;     // weighted; 0 for ignored rows
+  float entropy;
+  bool finite;    // the row's logits and statistics were all finite
+};
+
+// Per-row results from complete statistics, in double so that lse - z_y does not cancel badly.
+LOSSD_HD RowResult FinishRow(const RowStats& s, bool counted, float weight, const LossTerms& terms) {
+  const double log_sum = std::log(static_cast<double>(s.sum_exp));
+  const double lse = static_cast<double>(s.max) + log_sum;
+  const double entropy = log_sum - static_cast<double>(s.sum_exp_shifted) / s.sum_exp;
+  const double mean_z = static_cast<double>(s.sum_z) / static_cast<double>(terms.vocab_size);
+  RowResult r;
+  r.lse = static_cast<float>(lse);
+  r.entropy = static_cast<float>(entropy);
+  r.logprob = 0.0f;
+  r.loss = 0.0f;
+  if (counted) {
+    const double logprob = (static_cast<double>(s.target) - s.max) - log_sum;
+    const double eps = terms.label_smoothing;
+    const double loss = (1.0 - eps) * (-logprob) + eps * (lse - mean_z) +
+                        terms.z_loss_scale * lse * lse;
+    r.logprob = static_cast<float>(logprob);
+    r.loss = static_cast<float>(weight * loss);
+  }
+  r.finite = IsFinite(lse) && IsFinite(mean_z) && IsFinite(entropy) && IsFinite(r.loss);
+  return r;
+}
+
+// The per-row constants of dL/dz_v = scale_p * p_v - offset - label_term [v = y].
+struct RowGradient {
+  float lse;
+  float scale_p;     // g (1 + 2 s lse)
+  float offset;      // g eps / V
+  float label_term;  // g (1 - eps)
+  int64_t label;     // -1 when the row is ignored
+};
+
+// g = weight * multiplier, where the multiplier holds the reduction's scale and grad_scale.
+LOSSD_HD RowGradient MakeRowGradient(float lse, int64_t label, bool counted, float weight,
+                                     double multiplier, const LossTerms& terms) {
+  RowGradient r;
+  const double g = counted ? static_cast<double>(weight) * multiplier : 0.0;
+  r.lse = lse;
+  r.scale_p = static_cast<float>(g * (1.0 + 2.0 * terms.z_loss_scale * lse));
+  r.offset = static_cast<float>(g * terms.label_smoothing / static_cast<double>(terms.vocab_size));
+  r.label_term = static_cast<float>(g * (1.0 - terms.label_smoothing));
+  r.label = counted ? label : -1;
+  return r;
+}
+
+// dL/da for one logit; the one-hot term is applied in fp32 whatever the input dtype.
+LOSSD_HD float LogitGradient(float z, bool is_label, const RowGradient& g, const LogitTransform& t) {
+  const float dz = g.scale_p * Exp(z - g.lse) - g.offset - (is_label ? g.label_term : 0.0f);
+  return dz * TransformDerivative(z, t);
+}
+
+// D of the mean: the caller's whole-batch count when given, else this call's counted rows.
+inline double MeanDenominator(const LossOptions& options, int64_t counted_rows) {
+  return options.mean_denominator > 0 ? options.mean_denominator
+                                      : static_cast<double>(counted_rows);
+}
+
+// The factor every row's gradient is multiplied by: grad_scale / D for the mean, grad_scale else.
+// A mean over zero counted rows is defined as 0 with a zero gradient (torch returns NaN there).
+inline double GradientMultiplier(const LossOptions& options, int64_t counted_rows) {
+  if (options.reduction != Reduction::kMean) return options.grad_scale;
+  const double denominator = MeanDenominator(options, counted_rows);
+  return denominator > 0 ? options.grad_scale / denominator : 0.0;
+}
+
+inline double ReducedLoss(const LossOptions& options, double loss_sum, int64_t counted_rows) {
+  if (options.reduction != Reduction::kMean) return loss_sum;
+  const double denominator = MeanDenominator(options, counted_rows);
+  return denominator > 0 ? loss_sum / denominator : 0.0;
+}
+
+// Loads element i of a tensor of the given dtype as fp32.
+LOSSD_HD float LoadAsFloat(const void* data, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::kBFloat16: return BFloat16ToFloat(static_cast<const uint16_t*>(data)[i]);
+    case DType::kFloat16: return Float16ToFloat(static_cast<const uint16_t*>(data)[i]);
+    default: return static_cast<const float*>(data)[i];
+  }
+}
+
+LOSSD_HD void StoreFromFloat(void* data, DType dtype, int64_t i, float value) {
+  switch (dtype) {
+    case DType::kBFloat16: static_cast<uint16_t*>(data)[i] = FloatToBFloat16(value); break;
+    case DType::kFloat16: static_cast<uint16_t*>(data)[i] = FloatToFloat16(value); break;
+    default: static_cast<float*>(data)[i] = value; break;
+  }
+}
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_LOSS_MATH_H_

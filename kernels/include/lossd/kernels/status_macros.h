@@ -1,0 +1,26 @@
+// Status plumbing shared by every layer of lossd.
+#ifndef LOSSD_KERNELS_STATUS_MACROS_H_
+#define LOSSD_KERNELS_STATUS_MACROS_H_
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+#define LOSSD_CONCAT_INNER_(a, b) a##b
+#define LOSSD_CONCAT_(a, b) LOSSD_CONCAT_INNER_(a, b)
+
+// Returns from the enclosing function when `expr` (an absl::Status) is not OK.
+#define RETURN_IF_ERROR(expr)                         \
+  do {                                                \
+    ::absl::Status lossd_status_ = (expr);            \
+    if (!lossd_status_.ok()) return lossd_status_;    \
+  } while (0)
+
+// `ASSIGN_OR_RETURN(auto x, MakeX());` unwraps an absl::StatusOr or returns its error.
+#define ASSIGN_OR_RETURN(lhs, expr) \
+  LOSSD_ASSIGN_OR_RETURN_IMPL_(LOSSD_CONCAT_(lossd_statusor_, __LINE__), lhs, expr)
+#define LOSSD_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
+  auto tmp = (expr);                                 \
+  if (!tmp.ok()) return tmp.status();                \
+  lhs = std::move(tmp).value()
+
+#endif  // LOSSD_KERNELS_STATUS_MACROS_H_

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs every Debian package lossd needs (idempotent; run as root or with sudo available) and
+# builds the project into build/. The CUDA backend module is built when nvcc is found; pass
+# -DLOSSD_WITH_CUDA=OFF in LOSSD_CMAKE_ARGS to skip it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(
+  build-essential cmake ninja-build pkg-config
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
+  prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
+  nlohmann-json3-dev
+  python3-grpcio python3-protobuf python3-numpy python3-pytest python3-torch
+  prometheus
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+cuda_args=()
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  cuda_args=(-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
+fi
+# shellcheck disable=SC2086
+cmake -S . -B build -G Ninja "${cuda_args[@]}" ${LOSSD_CMAKE_ARGS:-}
+cmake --build build --parallel "$(nproc)"

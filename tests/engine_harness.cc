@@ -1,0 +1,180 @@
+#include "tests/engine_harness.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include "lossd/kernels/half.h"
+#include "lossd/kernels/loss_math.h"
+#include "lossd/kernels/status_macros.h"
+
+namespace lossd::testing {
+
+std::vector<std::string> AvailableBackends() {
+  std::vector<std::string> names = {"cpu"};
+  if (CreateBackend("cuda").ok()) names.push_back("cuda");
+  return names;
+}
+
+std::unique_ptr<Backend> MakeBackend(const std::string& name) {
+  auto backend = CreateBackend(name);
+  return backend.ok() ? std::move(backend).value() : nullptr;
+}
+
+uint64_t FreshSeed() {
+  if (const char* replay = std::getenv("LOSSD_TEST_SEED")) return std::strtoull(replay, nullptr, 10);
+  std::random_device device;
+  return (static_cast<uint64_t>(device()) << 32) ^ device();
+}
+
+namespace {
+
+// Rounds `values` to `dtype`, writing the typed bytes and replacing values by what they became.
+std::vector<uint8_t> RoundToDType(std::vector<double>& values, DType dtype) {
+  std::vector<uint8_t> bytes(values.size() * DTypeSize(dtype));
+  for (size_t i = 0; i < values.size(); ++i) {
+    StoreFromFloat(bytes.data(), dtype, static_cast<int64_t>(i), static_cast<float>(values[i]));
+    values[i] = LoadAsFloat(bytes.data(), dtype, static_cast<int64_t>(i));
+  }
+  return bytes;
+}
+
+}  // namespace
+
+Problem MakeProblem(const ProblemSpec& spec, std::mt19937_64& rng) {
+  Problem p;
+  p.spec = spec;
+  ReferenceProblem& r = p.reference;
+  r.num_tokens = spec.num_tokens;
+  r.hidden_size = spec.hidden_size;
+  r.vocab_size = spec.vocab_size;
+  r.options = spec.options;
+  r.top_k = spec.top_k;
+
+  std::normal_distribution<double> normal(0.0, 1.0);
+  const double weight_scale = spec.logit_scale / std::sqrt(static_cast<double>(spec.hidden_size));
+  r.hidden.resize(spec.num_tokens * spec.hidden_size);
+  for (double& x : r.hidden) x = normal(rng);
+  r.weight.resize(spec.vocab_size * spec.hidden_size);
+  for (double& x : r.weight) x = normal(rng) * weight_scale;
+  p.hidden_bytes = RoundToDType(r.hidden, spec.hidden_dtype);
+  p.weight_bytes = RoundToDType(r.weight, spec.weight_dtype);
+
+  std::uniform_int_distribution<int64_t> token(0, spec.vocab_size - 1);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  r.labels.resize(spec.num_tokens);
+  for (int64_t& y : r.labels) {
+    y = unit(rng) < spec.ignore_fraction ? spec.options.ignore_index : token(rng);
+  }
+  if (spec.token_weights) {
+    for (int64_t i = 0; i < spec.num_tokens; ++i) {
+      p.token_weights.push_back(static_cast<float>(-1.0 + 3.0 * unit(rng)));
+      r.token_weights.push_back(p.token_weights.back());
+    }
+  }
+  return p;
+}
+
+absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
+                                    const RunRequest& request) {
+  const ProblemSpec& s = problem.spec;
+  const int64_t n = s.num_tokens;
+  const int64_t h = s.hidden_size;
+  const int64_t v = s.vocab_size;
+  const int k = s.top_k;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+
+  ASSIGN_OR_RETURN(DeviceBuffer weight_buffer, backend.Allocate(problem.weight_bytes.size()));
+  RETURN_IF_ERROR(backend.CopyToDevice(problem.weight_bytes.data(), problem.weight_bytes.size(),
+                                       weight_buffer, 0));
+  DeviceBuffer grad_weight_buffer;
+  if (request.grad_weight) {
+    ASSIGN_OR_RETURN(grad_weight_buffer, backend.Allocate(v * h * sizeof(float)));
+    RETURN_IF_ERROR(backend.Zero(grad_weight_buffer));
+  }
+
+  ProblemShape shape;
+  shape.num_tokens = n;
+  shape.hidden_size = h;
+  shape.vocab_size = v;
+  shape.hidden_dtype = s.hidden_dtype;
+  shape.weight_dtype = s.weight_dtype;
+  shape.grad_hidden = request.grad_hidden;
+  shape.grad_weight = request.grad_weight;
+  shape.grad_hidden_dtype = request.grad_hidden_dtype;
+  shape.top_k = k;
+  ASSIGN_OR_RETURN(const ChunkPlan plan, backend.Plan(shape, request.budget_bytes));
+  ASSIGN_OR_RETURN(DeviceBuffer workspace, backend.Allocate(plan.workspace_bytes));
+
+  EngineRun run;
+  run.loss.assign(n, nan);
+  run.logprob.assign(n, nan);
+  run.lse.assign(n, nan);
+  run.entropy.assign(n, nan);
+  run.argmax.assign(n, -7);
+  run.top_k_logprob.assign(n * k, nan);
+  run.top_k_token.assign(n * k, -7);
+  std::vector<uint8_t> grad_hidden_bytes(n * h * DTypeSize(request.grad_hidden_dtype), 0xff);
+
+  BatchInputs in;
+  in.hidden = problem.hidden_bytes.data();
+  in.hidden_dtype = s.hidden_dtype;
+  in.num_tokens = n;
+  in.hidden_size = h;
+  in.labels = problem.reference.labels.data();
+  in.token_weights = problem.token_weights.empty() ? nullptr : problem.token_weights.data();
+
+  TokenOutputs out;
+  out.loss = run.loss.data();
+  out.logprob = run.logprob.data();
+  out.lse = run.lse.data();
+  out.entropy = run.entropy.data();
+  out.argmax = run.argmax.data();
+  out.top_k = k;
+  out.top_k_logprob = k > 0 ? run.top_k_logprob.data() : nullptr;
+  out.top_k_token = k > 0 ? run.top_k_token.data() : nullptr;
+  out.grad_hidden = request.grad_hidden ? grad_hidden_bytes.data() : nullptr;
+  out.grad_hidden_dtype = request.grad_hidden_dtype;
+
+  const WeightView weight{&weight_buffer, s.weight_dtype, v, h};
+  ASSIGN_OR_RETURN(run.summary,
+                   backend.Compute(in, weight, s.options, out,
+                                   request.grad_weight ? &grad_weight_buffer : nullptr, workspace));
+  if (request.grad_hidden) {
+    run.grad_hidden.resize(n * h);
+    for (int64_t i = 0; i < n * h; ++i) {
+      run.grad_hidden[i] = LoadAsFloat(grad_hidden_bytes.data(), request.grad_hidden_dtype, i);
+    }
+  }
+  if (request.grad_weight) {
+    run.grad_weight.resize(v * h);
+    RETURN_IF_ERROR(backend.CopyToHost(grad_weight_buffer, 0, v * h * sizeof(float),
+                                       run.grad_weight.data()));
+  }
+  return run;
+}
+
+double RelativeError(const std::vector<float>& actual, const std::vector<double>& expected) {
+  if (actual.size() != expected.size()) return std::numeric_limits<double>::infinity();
+  double diff = 0.0;
+  double norm = 0.0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const double d = static_cast<double>(actual[i]) - expected[i];
+    diff += d * d;
+    norm += expected[i] * expected[i];
+  }
+  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+}
+
+double MaxAbsError(const std::vector<float>& actual, const std::vector<double>& expected) {
+  if (actual.size() != expected.size()) return std::numeric_limits<double>::infinity();
+  double worst = 0.0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const double d = std::abs(static_cast<double>(actual[i]) - expected[i]);
+    if (!(d <= worst)) worst = d;  // NaN propagates as the worst error
+  }
+  return worst;
+}
+
+}  // namespace lossd::testing

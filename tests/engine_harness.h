@@ -1,0 +1,76 @@
+// Shared pieces of the engine tests: random problems rounded to their dtypes, one engine run with
+// poisoned outputs, and error measures against the float64 reference.
+#ifndef LOSSD_TESTS_ENGINE_HARNESS_H_
+#define LOSSD_TESTS_ENGINE_HARNESS_H_
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "lossd/kernels/backend.h"
+#include "tests/reference.h"
+
+namespace lossd::testing {
+
+// The backends this machine can run: always "cpu", plus "cuda" when a GPU and the module are found.
+std::vector<std::string> AvailableBackends();
+std::unique_ptr<Backend> MakeBackend(const std::string& name);
+
+// A seed from std::random_device, or $LOSSD_TEST_SEED to replay a failure.
+uint64_t FreshSeed();
+
+struct ProblemSpec {
+  int64_t num_tokens = 1;
+  int64_t hidden_size = 16;
+  int64_t vocab_size = 100;
+  DType hidden_dtype = DType::kFloat32;
+  DType weight_dtype = DType::kFloat32;
+  double logit_scale = 3.0;      // standard deviation of the raw logits
+  double ignore_fraction = 0.0;  // share of labels set to ignore_index
+  bool token_weights = false;    // random weights in [-1, 2], negatives included
+  LossOptions options;
+  int top_k = 0;
+};
+
+// A problem in the engine's wire form (typed bytes) and as doubles of the same rounded values.
+struct Problem {
+  ProblemSpec spec;
+  std::vector<uint8_t> hidden_bytes;
+  std::vector<uint8_t> weight_bytes;
+  std::vector<float> token_weights;
+  ReferenceProblem reference;
+};
+
+Problem MakeProblem(const ProblemSpec& spec, std::mt19937_64& rng);
+
+struct EngineRun {
+  BatchSummary summary;
+  std::vector<float> loss, logprob, lse, entropy;
+  std::vector<int32_t> argmax;
+  std::vector<float> top_k_logprob;
+  std::vector<int32_t> top_k_token;
+  std::vector<float> grad_hidden;  // converted to fp32 from grad_hidden_dtype
+  std::vector<float> grad_weight;
+};
+
+struct RunRequest {
+  bool grad_hidden = true;
+  bool grad_weight = true;
+  DType grad_hidden_dtype = DType::kFloat32;
+  size_t budget_bytes = 64u << 20;
+};
+
+// Uploads W, runs one Compute with every per-token output requested and NaN-poisoned, and reads
+// everything back. Returns the engine's error status when Compute fails.
+absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
+                                    const RunRequest& request);
+
+// ||a - b||_F / ||b||_F, or ||a||_F when b is all zeros.
+double RelativeError(const std::vector<float>& actual, const std::vector<double>& expected);
+double MaxAbsError(const std::vector<float>& actual, const std::vector<double>& expected);
+
+}  // namespace lossd::testing
+
+#endif  // LOSSD_TESTS_ENGINE_HARNESS_H_

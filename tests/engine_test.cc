@@ -1,0 +1,407 @@
+// Every engine option and output against the float64 reference, on every available backend.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <ostream>
+
+#include "lossd/kernels/backend.h"
+#include "tests/engine_harness.h"
+#include "tests/reference.h"
+
+namespace lossd::testing {
+namespace {
+
+constexpr size_t kKiB = 1024;
+constexpr size_t kMiB = 1024 * 1024;
+
+// Error bounds, relative Frobenius unless noted, for fp32 or 16-bit inputs with fp32 outputs.
+constexpr double kLossBound = 1e-6;
+constexpr double kGradBound = 2e-5;
+// Absolute bound on logprob, lse, entropy and top-k values: fp32 logits carry an absolute error
+// proportional to their magnitude, so the bound scales with max |z|.
+double LogitBound(double max_abs_logit) { return 1e-5 * (1.0 + max_abs_logit); }
+// dL/dh returned in bf16 is rounded to 8 significant bits: a relative error of at most 2^-9 per
+// element on top of the engine's own, so 2^-8 bounds the whole.
+constexpr double kBf16GradBound = 1.0 / 256;
+
+enum class Tiling { kAny, kTokenChunks, kVocabTiles };
+
+struct EngineCase {
+  const char* name;
+  const char* why;
+  ProblemSpec spec;
+  size_t budget = 64 * kMiB;
+  Tiling tiling = Tiling::kAny;
+  bool gradients = true;
+  DType grad_hidden_dtype = DType::kFloat32;
+  double grad_bound = kGradBound;
+};
+
+void PrintTo(const EngineCase& c, std::ostream* os) { *os << c.name; }
+
+// At logit scale 1e3 the fp32 product itself carries an absolute error of about
+// |z| 2^-24 sqrt(H) ~ 5e-4, and p - onehot inherits it wherever two logits nearly tie; the float64
+// reference does not round there, so the gradient bound grows with the logits (observed up to
+// 2.1e-5 over many seeds, bounded here with a 5x margin).
+constexpr double kExtremeLogitGradBound = 1e-4;
+
+LossOptions With(Reduction reduction) {
+  LossOptions o;
+  o.reduction = reduction;
+  return o;
+}
+
+LossOptions SmoothingOptions() {
+  LossOptions o;
+  o.label_smoothing = 0.1;
+  return o;
+}
+
+LossOptions ZLossSoftcapOptions() {
+  LossOptions o;
+  o.z_loss_scale = 1e-3;
+  o.logit_softcap = 30.0;
+  return o;
+}
+
+LossOptions TemperatureOptions() {
+  LossOptions o;
+  o.temperature = 0.7;
+  return o;
+}
+
+LossOptions SumWithGradScale() {
+  LossOptions o = With(Reduction::kSum);
+  o.grad_scale = 0.5;
+  return o;
+}
+
+LossOptions EverythingOptions() {
+  LossOptions o;
+  o.label_smoothing = 0.05;
+  o.logit_softcap = 20.0;
+  o.temperature = 1.3;
+  o.z_loss_scale = 1e-4;
+  return o;
+}
+
+LossOptions SliceOfBatch() {
+  LossOptions o;
+  o.mean_denominator = 1000.0;
+  return o;
+}
+
+ProblemSpec Spec(int64_t n, int64_t h, int64_t v) {
+  ProblemSpec s;
+  s.num_tokens = n;
+  s.hidden_size = h;
+  s.vocab_size = v;
+  s.top_k = 5;
+  return s;
+}
+
+template <typename Fn>
+ProblemSpec Spec(int64_t n, int64_t h, int64_t v, Fn customize) {
+  ProblemSpec s = Spec(n, h, v);
+  customize(s);
+  return s;
+}
+
+const EngineCase kCases[] = {
+    {"basic", "a small fp32 batch with every output", Spec(37, 64, 1000)},
+    {"chunk_crossing", "several token chunks; N and V are multiples of no chunk size",
+     Spec(301, 96, 5003), 2 * kMiB, Tiling::kTokenChunks},
+    {"vocab_tiled", "two passes over vocabulary tiles; V is not a multiple of the tile",
+     Spec(301, 96, 5003), 256 * kKiB, Tiling::kVocabTiles},
+    {"single_token", "N = 1", Spec(1, 64, 3001)},
+    {"all_ignored", "every label ignored: loss 0, zero gradients, row statistics still filled",
+     Spec(33, 32, 700, [](ProblemSpec& s) { s.ignore_fraction = 1.0; })},
+    {"extreme_logits", "logits of scale 1e3: the max shift must carry the whole lse",
+     Spec(40, 64, 2000, [](ProblemSpec& s) { s.logit_scale = 1e3; }), 64 * kMiB, Tiling::kAny,
+     /*gradients=*/true, DType::kFloat32, kExtremeLogitGradBound},
+    {"large_vocab", "V = 128256 (Llama 3) in one pass, top-20",
+     Spec(12, 32, 128256, [](ProblemSpec& s) { s.top_k = 20; })},
+    {"large_vocab_tiled", "V = 152064 (Qwen 2) tiled by a 1 MiB budget", Spec(12, 32, 152064),
+     1 * kMiB, Tiling::kVocabTiles},
+    {"smoothing_ignore", "label smoothing with ignored rows: the mean counts only kept rows",
+     Spec(64, 48, 1500, [](ProblemSpec& s) {
+       s.options = SmoothingOptions();
+       s.ignore_fraction = 0.3;
+     })},
+    {"zloss_softcap", "z-loss through a soft cap, with logits large enough to saturate it",
+     Spec(50, 48, 1200, [](ProblemSpec& s) {
+       s.options = ZLossSoftcapOptions();
+       s.logit_scale = 40.0;
+     })},
+    {"temperature", "temperature != 1 scales z and the gradient",
+     Spec(50, 48, 1200, [](ProblemSpec& s) { s.options = TemperatureOptions(); })},
+    {"weights_none", "per-token weights (negative ones too) with reduction none",
+     Spec(45, 48, 900, [](ProblemSpec& s) {
+       s.options = With(Reduction::kNone);
+       s.token_weights = true;
+       s.ignore_fraction = 0.2;
+     })},
+    {"sum_grad_scale", "reduction sum with an upstream gradient of 0.5",
+     Spec(45, 48, 900, [](ProblemSpec& s) { s.options = SumWithGradScale(); })},
+    {"bf16_inputs", "bf16 hidden states and head, fp32 outputs", Spec(129, 128, 4099, [](ProblemSpec& s) {
+       s.hidden_dtype = DType::kBFloat16;
+       s.weight_dtype = DType::kBFloat16;
+     })},
+    {"fp16_hidden_fp32_head", "fp16 hidden states against an fp32 head",
+     Spec(70, 64, 2100, [](ProblemSpec& s) { s.hidden_dtype = DType::kFloat16; })},
+    {"top_k_max", "the largest top-k the engine offers", Spec(20, 32, 777, [](ProblemSpec& s) {
+       s.top_k = kMaxTopK;
+     })},
+    {"everything_tiled", "bf16, smoothing, soft cap, temperature, z-loss, weights over vocab tiles",
+     Spec(150, 64, 3333, [](ProblemSpec& s) {
+       s.hidden_dtype = DType::kBFloat16;
+       s.weight_dtype = DType::kBFloat16;
+       s.options = EverythingOptions();
+       s.token_weights = true;
+       s.ignore_fraction = 0.1;
+       s.logit_scale = 25.0;
+     }),
+     256 * kKiB, Tiling::kVocabTiles},
+    {"slice_of_batch", "a slice of a larger batch: the mean divides by the caller's count",
+     Spec(40, 32, 800, [](ProblemSpec& s) { s.options = SliceOfBatch(); })},
+    {"scoring_only", "no gradients wanted: one pass even over vocabulary tiles",
+     Spec(90, 64, 6000, [](ProblemSpec& s) { s.top_k = 10; }), 256 * kKiB, Tiling::kVocabTiles,
+     /*gradients=*/false},
+    {"bf16_grad_hidden", "dL/dh returned in bf16", Spec(64, 64, 1000), 64 * kMiB, Tiling::kAny,
+     /*gradients=*/true, DType::kBFloat16},
+};
+
+class EngineCaseTest : public ::testing::TestWithParam<std::tuple<std::string, EngineCase>> {};
+
+TEST_P(EngineCaseTest, MatchesFloat64Reference) {
+  const auto& [backend_name, c] = GetParam();
+  auto backend = MakeBackend(backend_name);
+  if (backend == nullptr) GTEST_SKIP() << backend_name << " backend not available on this machine";
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << c.name << " (" << c.why << "), LOSSD_TEST_SEED=" << seed);
+  std::mt19937_64 rng(seed);
+  const Problem problem = MakeProblem(c.spec, rng);
+  const ReferenceResult ref = ComputeReference(problem.reference);
+
+  RunRequest request;
+  request.grad_hidden = c.gradients;
+  request.grad_weight = c.gradients;
+  request.grad_hidden_dtype = c.grad_hidden_dtype;
+  request.budget_bytes = c.budget;
+  auto run_or = RunEngine(*backend, problem, request);
+  ASSERT_TRUE(run_or.ok()) << run_or.status();
+  const EngineRun& run = *run_or;
+  const BatchSummary& s = run.summary;
+  const int64_t n = c.spec.num_tokens;
+  const int k = c.spec.top_k;
+
+  switch (c.tiling) {
+    case Tiling::kTokenChunks:
+      EXPECT_LT(s.token_chunk, n);
+      EXPECT_NE(n % s.token_chunk, 0);
+      EXPECT_EQ(s.vocab_chunk, c.spec.vocab_size);
+      break;
+    case Tiling::kVocabTiles:
+      EXPECT_LT(s.vocab_chunk, c.spec.vocab_size);
+      EXPECT_NE(c.spec.vocab_size % s.vocab_chunk, 0);
+      break;
+    case Tiling::kAny:
+      break;
+  }
+  EXPECT_LE(static_cast<size_t>(s.workspace_bytes), c.budget);
+  EXPECT_TRUE(s.all_finite);
+  EXPECT_EQ(s.counted_tokens, ref.counted_tokens);
+
+  if (ref.loss == 0.0) {
+    EXPECT_EQ(s.loss, 0.0);
+  } else {
+    EXPECT_LE(std::abs(s.loss - ref.loss) / std::abs(ref.loss), kLossBound)
+        << "loss " << s.loss << " vs " << ref.loss;
+  }
+  EXPECT_LE(RelativeError(run.loss, ref.token_loss), kLossBound);
+
+  const double logit_bound = LogitBound(ref.max_abs_logit);
+  EXPECT_LE(MaxAbsError(run.logprob, ref.logprob), logit_bound);
+  EXPECT_LE(MaxAbsError(run.lse, ref.lse), logit_bound);
+  EXPECT_LE(MaxAbsError(run.entropy, ref.entropy), logit_bound);
+
+  // argmax and top-k may differ from the reference only between logits closer than the bound.
+  const int64_t v = c.spec.vocab_size;
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_GE(run.argmax[i], 0);
+    ASSERT_LT(run.argmax[i], v);
+    EXPECT_GE(ref.logits[i * v + run.argmax[i]], ref.logits[i * v + ref.argmax[i]] - logit_bound)
+        << "row " << i;
+    for (int j = 0; j < k; ++j) {
+      const int32_t token = run.top_k_token[i * k + j];
+      ASSERT_GE(token, 0);
+      ASSERT_LT(token, v);
+      EXPECT_NEAR(run.top_k_logprob[i * k + j], ref.top_k_logprob[i * k + j], logit_bound);
+      EXPECT_NEAR(ref.logits[i * v + token] - ref.lse[i], ref.top_k_logprob[i * k + j], logit_bound);
+    }
+  }
+
+  if (c.gradients) {
+    const double grad_hidden_bound =
+        c.grad_hidden_dtype == DType::kFloat32 ? c.grad_bound : kBf16GradBound;
+    EXPECT_LE(RelativeError(run.grad_hidden, ref.grad_hidden), grad_hidden_bound);
+    EXPECT_LE(RelativeError(run.grad_weight, ref.grad_weight), c.grad_bound);
+  }
+}
+
+std::string CaseName(const ::testing::TestParamInfo<EngineCaseTest::ParamType>& info) {
+  return std::get<0>(info.param) + "_" + std::get<1>(info.param).name;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, EngineCaseTest,
+                         ::testing::Combine(::testing::Values("cpu", "cuda"),
+                                            ::testing::ValuesIn(kCases)),
+                         CaseName);
+
+class EngineBackendTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    backend_ = MakeBackend(GetParam());
+    if (backend_ == nullptr) GTEST_SKIP() << GetParam() << " backend not available on this machine";
+  }
+  std::unique_ptr<Backend> backend_;
+};
+
+void ExpectBitwiseEqual(const EngineRun& a, const EngineRun& b) {
+  auto same = [](const auto& x, const auto& y) {
+    return x.size() == y.size() &&
+           std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
+  };
+  EXPECT_EQ(a.summary.loss, b.summary.loss);
+  EXPECT_TRUE(same(a.loss, b.loss));
+  EXPECT_TRUE(same(a.logprob, b.logprob));
+  EXPECT_TRUE(same(a.lse, b.lse));
+  EXPECT_TRUE(same(a.entropy, b.entropy));
+  EXPECT_TRUE(same(a.argmax, b.argmax));
+  EXPECT_TRUE(same(a.top_k_logprob, b.top_k_logprob));
+  EXPECT_TRUE(same(a.top_k_token, b.top_k_token));
+  EXPECT_TRUE(same(a.grad_hidden, b.grad_hidden));
+  EXPECT_TRUE(same(a.grad_weight, b.grad_weight));
+}
+
+TEST_P(EngineBackendTest, IdenticalCallsGiveIdenticalBits) {
+  std::mt19937_64 rng(FreshSeed());
+  for (size_t budget : {64 * kMiB, 256 * kKiB}) {  // one pass, then vocabulary tiles
+    ProblemSpec spec = Spec(333, 128, 7001);
+    spec.options = EverythingOptions();
+    spec.token_weights = true;
+    const Problem problem = MakeProblem(spec, rng);
+    RunRequest request;
+    request.budget_bytes = budget;
+    auto first = RunEngine(*backend_, problem, request);
+    auto second = RunEngine(*backend_, problem, request);
+    ASSERT_TRUE(first.ok()) << first.status();
+    ASSERT_TRUE(second.ok()) << second.status();
+    ExpectBitwiseEqual(*first, *second);
+  }
+}
+
+TEST_P(EngineBackendTest, GradWeightAccumulatesAcrossCalls) {
+  std::mt19937_64 rng(FreshSeed());
+  const Problem problem = MakeProblem(Spec(50, 32, 600), rng);
+  const ReferenceResult ref = ComputeReference(problem.reference);
+  auto weight = backend_->Allocate(problem.weight_bytes.size());
+  auto grad = backend_->Allocate(600 * 32 * sizeof(float));
+  ASSERT_TRUE(weight.ok() && grad.ok());
+  ASSERT_TRUE(backend_->CopyToDevice(problem.weight_bytes.data(), problem.weight_bytes.size(),
+                                     *weight, 0).ok());
+  ASSERT_TRUE(backend_->Zero(*grad).ok());
+  auto workspace = backend_->Allocate(8 * kMiB);
+  ASSERT_TRUE(workspace.ok());
+  BatchInputs in;
+  in.hidden = problem.hidden_bytes.data();
+  in.num_tokens = 50;
+  in.hidden_size = 32;
+  in.labels = problem.reference.labels.data();
+  const WeightView view{&*weight, DType::kFloat32, 600, 32};
+  for (int call = 0; call < 3; ++call) {
+    auto summary = backend_->Compute(in, view, problem.spec.options, TokenOutputs{}, &*grad, *workspace);
+    ASSERT_TRUE(summary.ok()) << summary.status();
+  }
+  std::vector<float> accumulated(600 * 32);
+  ASSERT_TRUE(backend_->CopyToHost(*grad, 0, accumulated.size() * sizeof(float), accumulated.data()).ok());
+  std::vector<double> expected = ref.grad_weight;
+  for (double& x : expected) x *= 3;
+  EXPECT_LE(RelativeError(accumulated, expected), kGradBound);
+}
+
+TEST_P(EngineBackendTest, RejectsBadCallsNamingTheField) {
+  std::mt19937_64 rng(FreshSeed());
+  Problem problem = MakeProblem(Spec(4, 8, 50), rng);
+  problem.reference.labels[3] = 50;  // one past the vocabulary
+  auto status = RunEngine(*backend_, problem, RunRequest{}).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("labels[3]"), std::string::npos) << status;
+
+  problem = MakeProblem(Spec(4, 8, 50), rng);
+  problem.spec.options.temperature = 0.0;
+  status = RunEngine(*backend_, problem, RunRequest{}).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("temperature"), std::string::npos) << status;
+
+  problem = MakeProblem(Spec(4, 8, 50), rng);
+  problem.spec.top_k = kMaxTopK + 1;
+  status = RunEngine(*backend_, problem, RunRequest{}).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("top_k"), std::string::npos) << status;
+}
+
+TEST_P(EngineBackendTest, NonFiniteHiddenStatesAreReported) {
+  std::mt19937_64 rng(FreshSeed());
+  Problem problem = MakeProblem(Spec(8, 16, 300), rng);
+  float* hidden = reinterpret_cast<float*>(problem.hidden_bytes.data());
+  hidden[5 * 16 + 3] = std::numeric_limits<float>::quiet_NaN();
+  auto run = RunEngine(*backend_, problem, RunRequest{});
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_FALSE(run->summary.all_finite);
+  hidden[5 * 16 + 3] = std::numeric_limits<float>::infinity();
+  run = RunEngine(*backend_, problem, RunRequest{});
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_FALSE(run->summary.all_finite);
+}
+
+TEST_P(EngineBackendTest, PlansStayWithinTheBudget) {
+  for (int64_t v : {1000, 32000, 128256, 256000}) {
+    for (size_t budget : {64 * kKiB, 1 * kMiB, 16 * kMiB, 256 * kMiB}) {
+      ProblemShape shape;
+      shape.num_tokens = 16384;
+      shape.hidden_size = 2048;
+      shape.vocab_size = v;
+      shape.hidden_dtype = DType::kBFloat16;
+      shape.weight_dtype = DType::kBFloat16;
+      shape.grad_hidden = true;
+      shape.grad_weight = true;
+      shape.grad_hidden_dtype = DType::kBFloat16;
+      shape.top_k = 20;
+      auto plan = backend_->Plan(shape, budget);
+      if (!plan.ok()) {
+        EXPECT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted);
+        continue;
+      }
+      EXPECT_LE(plan->workspace_bytes, budget) << "V=" << v << " budget=" << budget;
+      EXPECT_GE(plan->token_chunk, 1);
+      EXPECT_GE(plan->vocab_chunk, 1);
+      EXPECT_LE(plan->vocab_chunk, v);
+    }
+  }
+  ProblemShape tiny;
+  tiny.num_tokens = 10;
+  tiny.hidden_size = 4096;
+  tiny.vocab_size = 128256;
+  auto refused = backend_->Plan(tiny, 1000);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(refused.status().message().find("workspace budget"), std::string::npos);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, EngineBackendTest, ::testing::Values("cpu", "cuda"),
+                         [](const auto& info) { return info.param; });
+
+}  // namespace
+}  // namespace lossd::testing

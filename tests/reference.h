@@ -1,0 +1,50 @@
+// A plain float64 implementation of linear cross-entropy that materializes the [N, V] logits.
+// Written from the definitions, independently of kernels/include/lossd/kernels/loss_math.h, so
+// that the engine is checked against the math rather than against itself.
+#ifndef LOSSD_TESTS_REFERENCE_H_
+#define LOSSD_TESTS_REFERENCE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "lossd/kernels/types.h"
+
+namespace lossd::testing {
+
+struct ReferenceProblem {
+  int64_t num_tokens = 0;
+  int64_t hidden_size = 0;
+  int64_t vocab_size = 0;
+  std::vector<double> hidden;         // [N, H], the values the engine sees after rounding
+  std::vector<double> weight;         // [V, H]
+  std::vector<int64_t> labels;        // [N]
+  std::vector<double> token_weights;  // [N] or empty
+  LossOptions options;
+  int top_k = 0;
+};
+
+struct ReferenceResult {
+  double loss = 0.0;                  // reduced
+  double loss_sum = 0.0;
+  int64_t counted_tokens = 0;
+  std::vector<double> token_loss;     // [N]
+  std::vector<double> logprob;        // [N], 0 for ignored rows
+  std::vector<double> lse;            // [N]
+  std::vector<double> entropy;        // [N]
+  std::vector<int64_t> argmax;        // [N]
+  std::vector<double> logits;         // [N, V] z after soft cap and temperature
+  std::vector<double> top_k_logprob;  // [N, k]
+  std::vector<int64_t> top_k_token;   // [N, k]
+  std::vector<double> grad_hidden;    // [N, H]
+  std::vector<double> grad_weight;    // [V, H]
+  double max_abs_logit = 0.0;
+};
+
+ReferenceResult ComputeReference(const ReferenceProblem& problem);
+
+// The reduced loss alone, for finite-difference checks of the reference's own gradients.
+double ReferenceLoss(const ReferenceProblem& problem);
+
+}  // namespace lossd::testing
+
+#endif  // LOSSD_TESTS_REFERENCE_H_
