@@ -1,0 +1,685 @@
+// The CUDA backend: cuBLAS for the products, own kernels (cuda_kernels.cu) for everything else,
+// with the CPU backend's semantics. Per token chunk: the rows go to the device, pass 1 computes
+// every vocabulary tile's logits and merges their statistics, the host finishes the rows exactly as
+// the CPU backend does, then pass 2 turns each tile into dL/da (recomputing its logits when the
+// vocabulary is tiled) and accumulates dL/dh and dL/dW.
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/cuda/cuda_kernels.cuh"
+#include "kernels/cuda/cuda_module.h"
+#include "kernels/cuda/cuda_status.h"
+#include "lossd/kernels/backend_common.h"
+#include "lossd/kernels/loss_math.h"
+#include "lossd/kernels/optimizer_math.h"
+#include "lossd/kernels/status_macros.h"
+
+namespace lossd::cuda {
+namespace {
+
+constexpr TileLimits kCudaTileLimits = {
+    /*max_token_chunk=*/16384,
+    /*min_single_pass_rows=*/256,
+    /*two_pass_token_chunk=*/4096,
+    /*min_vocab_chunk=*/1024,
+    /*vocab_chunk_multiple=*/256,
+};
+
+// Rows of W converted to fp32 at a time when the products run in fp32 but W is stored in 16 bits.
+constexpr int64_t kWeightSlabRows = 4096;
+// Logit tiles' rows start on 64-byte boundaries (16 fp32), as cuBLAS's tensor-core kernels prefer.
+constexpr int64_t kLeadingDimensionMultiple = 16;
+// The split scale S keeps |S dL/da| below 2^kSplitMaxExponent, under fp16's largest value (~2^16).
+constexpr int kSplitMaxExponent = 14;
+
+// Both GEMM operands in one dtype: the shared one when hidden and W agree (tensor cores for
+// 16-bit), else fp32 with the 16-bit side converted.
+DType ProductDType(const ProblemShape& s) {
+  return s.hidden_dtype == s.weight_dtype ? s.hidden_dtype : DType::kFloat32;
+}
+
+int64_t LeadingDimension(int64_t cols) {
+  return (cols + kLeadingDimensionMultiple - 1) / kLeadingDimensionMultiple *
+         kLeadingDimensionMultiple;
+}
+
+// The workspace of one call, carved from the caller's buffer; d_* are device addresses.
+struct CudaWorkspace {
+  void* d_cublas;             // cuBLAS's scratch: its GEMMs allocate nothing and stay deterministic
+  void* d_hidden;             // [Nc, H] the chunk as sent, in hidden_dtype
+  float* d_hidden32;          // [Nc, H] when the products run in fp32 but hidden is 16-bit
+  float* d_weight32;          // [slab, H] when the products run in fp32 but W is 16-bit
+  int64_t* d_labels;          // [Nc]
+  float* d_logits;            // [Nc, ld]: a, then z, then dL/da (fp32 products)
+  uint16_t* d_grad_hi;        // [Nc, ld] 16-bit products: S dL/da = hi + lo
+  uint16_t* d_grad_lo;        // [Nc, ld]
+  float* d_grad_hidden32;     // [Nc, H]
+  uint16_t* d_grad_hidden16;  // [Nc, H] when dL/dh is wanted in 16 bits
+  RowStats* d_stats;          // [Nc]
+  RowGradient* d_row_grads;   // [Nc]
+  float* d_top_values;        // [Nc, k], best first
+  int32_t* d_top_tokens;      // [Nc, k]
+};
+
+CudaWorkspace CarveWorkspace(WorkspaceArena& arena, const ProblemShape& s, int64_t rows,
+                             int64_t cols, size_t cublas_bytes) {
+  CudaWorkspace w{};
+  const int64_t h = s.hidden_size;
+  const DType product = ProductDType(s);
+  const bool gradients = WantsGradients(s);
+  w.d_cublas = arena.Take<char>(static_cast<int64_t>(cublas_bytes));
+  w.d_hidden = arena.Take<char>(rows * h * static_cast<int64_t>(DTypeSize(s.hidden_dtype)));
+  if (s.hidden_dtype != product) w.d_hidden32 = arena.Take<float>(rows * h);
+  if (s.weight_dtype != product) {
+    w.d_weight32 = arena.Take<float>(std::min(cols, kWeightSlabRows) * h);
+  }
+  w.d_labels = arena.Take<int64_t>(rows);
+  w.d_logits = arena.Take<float>(rows * LeadingDimension(cols));
+  if (gradients && product != DType::kFloat32) {
+    w.d_grad_hi = arena.Take<uint16_t>(rows * LeadingDimension(cols));
+    w.d_grad_lo = arena.Take<uint16_t>(rows * LeadingDimension(cols));
+  }
+  if (s.grad_hidden) {
+    w.d_grad_hidden32 = arena.Take<float>(rows * h);
+    if (s.grad_hidden_dtype != DType::kFloat32) w.d_grad_hidden16 = arena.Take<uint16_t>(rows * h);
+  }
+  w.d_stats = arena.Take<RowStats>(rows);
+  if (gradients) w.d_row_grads = arena.Take<RowGradient>(rows);
+  if (s.top_k > 0) {
+    w.d_top_values = arena.Take<float>(rows * s.top_k);
+    w.d_top_tokens = arena.Take<int32_t>(rows * s.top_k);
+  }
+  return w;
+}
+
+// ---- cuBLAS ----
+
+// A row-major GEMM operand.
+struct Matrix {
+  const void* data;
+  DType dtype;
+  int64_t ld;
+
+  // The same matrix starting `offset` elements further on (a later row of W, a later column of dA).
+  Matrix At(int64_t offset) const {
+    return {static_cast<const char*>(data) + offset * static_cast<int64_t>(DTypeSize(dtype)), dtype,
+            ld};
+  }
+};
+
+cudaDataType_t CudaDataType(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16: return CUDA_R_16BF;
+    case DType::kFloat16: return CUDA_R_16F;
+    default: return CUDA_R_32F;
+  }
+}
+
+// C[m, n] = alpha op(A) op(B) + beta C, row-major, C fp32. cuBLAS is column-major, where a stored
+// row-major X reads as X^T, so it computes C^T = op(B)^T op(A)^T with the same transpose flags.
+absl::Status RowMajorGemm(cublasHandle_t cublas, bool transpose_a, bool transpose_b, int64_t m,
+                          int64_t n, int64_t k, float alpha, const Matrix& a, const Matrix& b,
+                          float beta, float* c, int64_t ldc, bool allow_tf32) {
+  const cublasComputeType_t compute =
+      a.dtype == DType::kFloat32 && allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  return CublasStatus(
+      cublasGemmEx_64(cublas, transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                      transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha, b.data,
+                      CudaDataType(b.dtype), b.ld, a.data, CudaDataType(a.dtype), a.ld, &beta, c,
+                      CUDA_R_32F, ldc, compute, CUBLAS_GEMM_DEFAULT),
+      "cublasGemmEx");
+}
+
+// ---- Streams ----
+
+// A stream with its own cuBLAS handle. One call holds one at a time, so handles are never shared
+// between threads and each handle has one stream and one workspace, which keeps cuBLAS's choice of
+// kernels, and so its results, the same from call to call.
+struct StreamContext {
+  cudaStream_t stream = nullptr;
+  cublasHandle_t cublas = nullptr;
+};
+
+class StreamPool {
+ public:
+  StreamPool() = default;
+  StreamPool(const StreamPool&) = delete;
+  StreamPool& operator=(const StreamPool&) = delete;
+  ~StreamPool() {
+    for (const StreamContext& context : idle_) {
+      cublasDestroy(context.cublas);
+      cudaStreamDestroy(context.stream);
+    }
+  }
+
+  // An idle context, or a new one on the current device.
+  absl::StatusOr<StreamContext> Acquire() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!idle_.empty()) {
+        const StreamContext context = idle_.back();
+        idle_.pop_back();
+        return context;
+      }
+    }
+    StreamContext context;
+    RETURN_IF_ERROR(CudaStatus(cudaStreamCreateWithFlags(&context.stream, cudaStreamNonBlocking),
+                               "cudaStreamCreateWithFlags"));
+    absl::Status status = CublasStatus(cublasCreate(&context.cublas), "cublasCreate");
+    if (status.ok()) {
+      status = CublasStatus(cublasSetStream(context.cublas, context.stream), "cublasSetStream");
+    }
+    if (!status.ok()) {
+      if (context.cublas != nullptr) cublasDestroy(context.cublas);
+      cudaStreamDestroy(context.stream);
+      return status;
+    }
+    return context;
+  }
+
+  void Release(const StreamContext& context) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    idle_.push_back(context);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<StreamContext> idle_;
+};
+
+// ---- One Compute call ----
+
+class ChunkedCompute {
+ public:
+  ChunkedCompute(const BatchInputs& in, const WeightView& weight, const LossOptions& options,
+                 const TokenOutputs& out, DeviceBuffer* grad_weight, const ProblemShape& shape,
+                 const ChunkPlan& plan, const CudaWorkspace& ws, const StreamContext& context)
+      : in_(in),
+        weight_(weight),
+        options_(options),
+        out_(out),
+        shape_(shape),
+        ws_(ws),
+        stream_(context.stream),
+        cublas_(context.cublas),
+        d_grad_weight_(grad_weight != nullptr ? static_cast<float*>(grad_weight->data()) : nullptr),
+        h_(weight.hidden_size),
+        v_(weight.vocab_size),
+        chunk_rows_(plan.token_chunk),
+        tile_cols_(plan.vocab_chunk),
+        ld_(LeadingDimension(plan.vocab_chunk)),
+        k_(out.top_k),
+        product_dtype_(ProductDType(shape)),
+        gradients_(WantsGradients(shape)),
+        transform_(MakeLogitTransform(options)),
+        terms_{options.label_smoothing, options.z_loss_scale, weight.vocab_size},
+        counted_total_(CountCountedRows(in.labels, in.num_tokens, options.ignore_index)),
+        multiplier_(GradientMultiplier(options, counted_total_)),
+        stats_(chunk_rows_),
+        row_grads_(chunk_rows_),
+        top_values_(chunk_rows_ * k_),
+        top_tokens_(chunk_rows_ * k_) {}
+
+  absl::Status Run(BatchSummary& summary) {
+    summary.counted_tokens = counted_total_;
+    for (int64_t r0 = 0; r0 < in_.num_tokens; r0 += chunk_rows_) {
+      const int64_t rows = std::min(chunk_rows_, in_.num_tokens - r0);
+      RETURN_IF_ERROR(LoadChunk(r0, rows));
+      RETURN_IF_ERROR(RowStatistics(rows));
+      RETURN_IF_ERROR(FinishRows(r0, rows, summary));
+      if (gradients_) RETURN_IF_ERROR(Gradients(r0, rows));
+    }
+    summary.loss = ReducedLoss(options_, summary.loss_sum, counted_total_);
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+    return CudaStatus(cudaMemcpyAsync(dst, src, bytes, kind, stream_), "cudaMemcpyAsync");
+  }
+
+  // The chunk's hidden rows and labels on the device, hidden in the product dtype.
+  absl::Status LoadChunk(int64_t r0, int64_t rows) {
+    const size_t hidden_bytes = DTypeSize(in_.hidden_dtype) * static_cast<size_t>(rows * h_);
+    RETURN_IF_ERROR(Copy(
+        ws_.d_hidden, static_cast<const char*>(in_.hidden) + r0 * h_ * DTypeSize(in_.hidden_dtype),
+        hidden_bytes, cudaMemcpyHostToDevice));
+    RETURN_IF_ERROR(
+        Copy(ws_.d_labels, in_.labels + r0, rows * sizeof(int64_t), cudaMemcpyHostToDevice));
+    hidden_ = {ws_.d_hidden, in_.hidden_dtype, h_};
+    if (in_.hidden_dtype != product_dtype_) {
+      RETURN_IF_ERROR(
+          LaunchConvertToFloat(ws_.d_hidden, in_.hidden_dtype, rows * h_, ws_.d_hidden32, stream_));
+      hidden_ = {ws_.d_hidden32, DType::kFloat32, h_};
+    }
+    return absl::OkStatus();
+  }
+
+  // Calls fn(w, first_row, rows) over rows [v0, v0 + cols) of W in the product dtype: W itself, or
+  // slabs of it converted to fp32.
+  template <typename Fn>
+  absl::Status ForEachWeightSlab(int64_t v0, int64_t cols, Fn fn) {
+    const Matrix w{weight_.data->data(), weight_.dtype, h_};
+    if (weight_.dtype == product_dtype_) return fn(w.At(v0 * h_), v0, cols);
+    for (int64_t s0 = v0; s0 < v0 + cols; s0 += kWeightSlabRows) {
+      const int64_t rows = std::min(kWeightSlabRows, v0 + cols - s0);
+      RETURN_IF_ERROR(LaunchConvertToFloat(w.At(s0 * h_).data, weight_.dtype, rows * h_,
+                                           ws_.d_weight32, stream_));
+      RETURN_IF_ERROR(fn(Matrix{ws_.d_weight32, DType::kFloat32, h_}, s0, rows));
+    }
+    return absl::OkStatus();
+  }
+
+  LogitTile Tile(int64_t rows, int64_t v0, int64_t cols) const {
+    return {ws_.d_logits, rows, cols, ld_, v0};
+  }
+
+  // Raw logits a = h W[v0 : v0 + cols]^T into the logits tile.
+  absl::Status ComputeLogits(int64_t rows, int64_t v0, int64_t cols) {
+    return ForEachWeightSlab(v0, cols, [&](const Matrix& w, int64_t s0, int64_t slab_rows) {
+      return RowMajorGemm(cublas_, false, true, rows, slab_rows, h_, 1.0f, hidden_, w, 0.0f,
+                          ws_.d_logits + (s0 - v0), ld_, options_.allow_tf32);
+    });
+  }
+
+  // Pass 1: statistics and top-k of every row over every vocabulary tile; leaves z in the tile.
+  absl::Status RowStatistics(int64_t rows) {
+    RETURN_IF_ERROR(
+        LaunchResetRows(rows, k_, ws_.d_stats, ws_.d_top_values, ws_.d_top_tokens, stream_));
+    for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
+      const int64_t cols = std::min(tile_cols_, v_ - v0);
+      RETURN_IF_ERROR(ComputeLogits(rows, v0, cols));
+      RETURN_IF_ERROR(LaunchMergeTileRowStats(Tile(rows, v0, cols), ws_.d_labels, transform_,
+                                              !transform_.identity(), ws_.d_stats, stream_));
+      RETURN_IF_ERROR(LaunchMergeTileTopK(Tile(rows, v0, cols), k_, ws_.d_top_values,
+                                          ws_.d_top_tokens, stream_));
+    }
+    return absl::OkStatus();
+  }
+
+  // Per-row results on the host, summed in row order in double, exactly as the CPU backend does.
+  absl::Status FinishRows(int64_t r0, int64_t rows, BatchSummary& summary) {
+    RETURN_IF_ERROR(
+        Copy(stats_.data(), ws_.d_stats, rows * sizeof(RowStats), cudaMemcpyDeviceToHost));
+    if (k_ > 0) {
+      RETURN_IF_ERROR(Copy(top_values_.data(), ws_.d_top_values, rows * k_ * sizeof(float),
+                           cudaMemcpyDeviceToHost));
+      RETURN_IF_ERROR(Copy(top_tokens_.data(), ws_.d_top_tokens, rows * k_ * sizeof(int32_t),
+                           cudaMemcpyDeviceToHost));
+    }
+    RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"));
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r0 + r;
+      const int64_t label = in_.labels[i];
+      const bool counted = label != options_.ignore_index;
+      const float w = in_.token_weights != nullptr ? in_.token_weights[i] : 1.0f;
+      const RowResult res = FinishRow(stats_[r], counted, w, terms_);
+      summary.all_finite = summary.all_finite && res.finite;
+      summary.loss_sum += res.loss;
+      summary.correct_tokens += counted && stats_[r].argmax == label;
+      if (out_.loss != nullptr) out_.loss[i] = res.loss;
+      if (out_.logprob != nullptr) out_.logprob[i] = res.logprob;
+      if (out_.lse != nullptr) out_.lse[i] = res.lse;
+      if (out_.entropy != nullptr) out_.entropy[i] = res.entropy;
+      if (out_.argmax != nullptr) out_.argmax[i] = stats_[r].argmax;
+      for (int j = 0; j < k_; ++j) {
+        out_.top_k_logprob[i * k_ + j] = top_values_[r * k_ + j] - res.lse;
+        out_.top_k_token[i * k_ + j] = top_tokens_[r * k_ + j];
+      }
+      if (gradients_) {
+        row_grads_[r] = MakeRowGradient(res.lse, label, counted, w, multiplier_, terms_);
+      }
+    }
+    if (!gradients_) return absl::OkStatus();
+    return Copy(ws_.d_row_grads, row_grads_.data(), rows * sizeof(RowGradient),
+                cudaMemcpyHostToDevice);
+  }
+
+  // A power of two S with |S dL/da| < 2^kSplitMaxExponent for every logit of the chunk, from the
+  // bound |dL/da| <= (|scale_p| + |offset| + |label_term|) / T (p <= 1 and the soft cap's factor
+  // is in [0, 1]). It keeps the hi/lo halves of fp16 splits inside fp16's range; multiplying and
+  // dividing by a power of two is exact.
+  float SplitScale(int64_t rows) const {
+    float bound = 0.0f;
+    for (int64_t r = 0; r < rows; ++r) {
+      const RowGradient& g = row_grads_[r];
+      bound =
+          std::max(bound, (std::fabs(g.scale_p) + std::fabs(g.offset) + std::fabs(g.label_term)) *
+                              transform_.inv_temperature);
+    }
+    if (!(bound > 0.0f) || !std::isfinite(bound)) return 1.0f;
+    int exponent = 0;
+    std::frexp(bound, &exponent);  // bound < 2^exponent
+    return std::ldexp(1.0f, std::clamp(kSplitMaxExponent - exponent, -100, 100));
+  }
+
+  // Pass 2: dL/da per tile, then dh += dA W and dW += dA^T h. For 16-bit products dA = (hi + lo) /
+  // S runs as two tensor-core GEMMs each (rounding dA to 16 bits alone would lose about 8 bits).
+  absl::Status Gradients(int64_t r0, int64_t rows) {
+    GradientSplit split;
+    if (product_dtype_ != DType::kFloat32) {
+      split = {product_dtype_, SplitScale(rows), ws_.d_grad_hi, ws_.d_grad_lo};
+    }
+    std::vector<Matrix> parts;
+    if (split.dtype == DType::kFloat32) {
+      parts = {{ws_.d_logits, DType::kFloat32, ld_}};
+    } else {
+      parts = {{ws_.d_grad_hi, split.dtype, ld_}, {ws_.d_grad_lo, split.dtype, ld_}};
+    }
+    const float alpha = 1.0f / split.scale;
+    if (shape_.grad_hidden) {
+      RETURN_IF_ERROR(
+          CudaStatus(cudaMemsetAsync(ws_.d_grad_hidden32, 0, rows * h_ * sizeof(float), stream_),
+                     "cudaMemsetAsync"));
+    }
+    const bool logits_resident = tile_cols_ >= v_;  // pass 1 left z of the only tile in place
+    for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
+      const int64_t cols = std::min(tile_cols_, v_ - v0);
+      if (!logits_resident) RETURN_IF_ERROR(ComputeLogits(rows, v0, cols));
+      RETURN_IF_ERROR(LaunchLogitGradients(Tile(rows, v0, cols), ws_.d_row_grads, transform_,
+                                           !logits_resident && !transform_.identity(), split,
+                                           stream_));
+      if (shape_.grad_hidden) {
+        RETURN_IF_ERROR(
+            ForEachWeightSlab(v0, cols, [&](const Matrix& w, int64_t s0, int64_t slab_rows) {
+              for (const Matrix& part : parts) {
+                RETURN_IF_ERROR(RowMajorGemm(cublas_, false, false, rows, h_, slab_rows, alpha,
+                                             part.At(s0 - v0), w, 1.0f, ws_.d_grad_hidden32, h_,
+                                             options_.allow_tf32));
+              }
+              return absl::OkStatus();
+            }));
+      }
+      if (d_grad_weight_ != nullptr) {
+        for (const Matrix& part : parts) {
+          RETURN_IF_ERROR(RowMajorGemm(cublas_, true, false, cols, h_, rows, alpha, part, hidden_,
+                                       1.0f, d_grad_weight_ + v0 * h_, h_, options_.allow_tf32));
+        }
+      }
+    }
+    if (!shape_.grad_hidden) return absl::OkStatus();
+    const size_t out_size = DTypeSize(out_.grad_hidden_dtype);
+    char* host = static_cast<char*>(out_.grad_hidden) + r0 * h_ * out_size;
+    if (out_.grad_hidden_dtype == DType::kFloat32) {
+      return Copy(host, ws_.d_grad_hidden32, rows * h_ * out_size, cudaMemcpyDeviceToHost);
+    }
+    RETURN_IF_ERROR(LaunchConvertFromFloat(ws_.d_grad_hidden32, rows * h_, out_.grad_hidden_dtype,
+                                           ws_.d_grad_hidden16, stream_));
+    return Copy(host, ws_.d_grad_hidden16, rows * h_ * out_size, cudaMemcpyDeviceToHost);
+  }
+
+  const BatchInputs& in_;
+  const WeightView& weight_;
+  const LossOptions& options_;
+  const TokenOutputs& out_;
+  const ProblemShape& shape_;
+  const CudaWorkspace& ws_;
+  cudaStream_t stream_;
+  cublasHandle_t cublas_;
+  float* d_grad_weight_;
+  const int64_t h_;
+  const int64_t v_;
+  const int64_t chunk_rows_;
+  const int64_t tile_cols_;
+  const int64_t ld_;
+  const int k_;
+  const DType product_dtype_;
+  const bool gradients_;
+  const LogitTransform transform_;
+  const LossTerms terms_;
+  const int64_t counted_total_;
+  const double multiplier_;
+  Matrix hidden_{};  // the chunk's hidden rows in the product dtype
+  // Host copies of the chunk's per-row state.
+  std::vector<RowStats> stats_;
+  std::vector<RowGradient> row_grads_;
+  std::vector<float> top_values_;
+  std::vector<int32_t> top_tokens_;
+};
+
+// ---- The backend ----
+
+absl::Status CheckFloat32Count(const DeviceBuffer& buffer, int64_t count, absl::string_view name) {
+  if (count < 0 || static_cast<size_t>(count) * sizeof(float) > buffer.bytes()) {
+    return absl::OutOfRangeError(absl::StrCat(name, ": expected at least ", count,
+                                              " fp32 elements, got ", buffer.bytes(), " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, std::string description, size_t cublas_workspace_bytes)
+      : device_(device),
+        description_(std::move(description)),
+        cublas_workspace_bytes_(cublas_workspace_bytes) {}
+
+  ~CudaBackend() override { cudaSetDevice(device_); }  // the pool's streams and handles live there
+
+  absl::string_view kind() const override { return "cuda"; }
+  std::string Describe() const override { return description_; }
+
+  absl::StatusOr<DeviceMemory> QueryMemory() const override {
+    RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
+    size_t free_bytes = 0;
+    size_t total_bytes = 0;
+    RETURN_IF_ERROR(CudaStatus(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
+    return DeviceMemory{static_cast<int64_t>(total_bytes),
+                        static_cast<int64_t>(total_bytes - free_bytes)};
+  }
+
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
+    RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
+    void* data = nullptr;
+    RETURN_IF_ERROR(CudaStatus(cudaMalloc(&data, std::max<size_t>(bytes, 1)),
+                               absl::StrCat("cudaMalloc of ", bytes, " bytes")));
+    return DeviceBuffer(this, data, bytes);
+  }
+
+  absl::Status CopyToDevice(const void* host, size_t bytes, DeviceBuffer& dst,
+                            size_t dst_offset) override {
+    if (dst_offset + bytes > dst.bytes()) {
+      return absl::OutOfRangeError("copy past the buffer's end");
+    }
+    return RunOnStream([&](const StreamContext& c) {
+      return CudaStatus(cudaMemcpyAsync(static_cast<char*>(dst.data()) + dst_offset, host, bytes,
+                                        cudaMemcpyHostToDevice, c.stream),
+                        "cudaMemcpyAsync");
+    });
+  }
+
+  absl::Status CopyToHost(const DeviceBuffer& src, size_t src_offset, size_t bytes,
+                          void* host) override {
+    if (src_offset + bytes > src.bytes()) {
+      return absl::OutOfRangeError("copy past the buffer's end");
+    }
+    return RunOnStream([&](const StreamContext& c) {
+      return CudaStatus(cudaMemcpyAsync(host, static_cast<const char*>(src.data()) + src_offset,
+                                        bytes, cudaMemcpyDeviceToHost, c.stream),
+                        "cudaMemcpyAsync");
+    });
+  }
+
+  absl::Status Zero(DeviceBuffer& buffer) override {
+    return RunOnStream([&](const StreamContext& c) {
+      return CudaStatus(cudaMemsetAsync(buffer.data(), 0, buffer.bytes(), c.stream),
+                        "cudaMemsetAsync");
+    });
+  }
+
+  absl::Status AddFloat32(DeviceBuffer& dst, const DeviceBuffer& src, int64_t count) override {
+    RETURN_IF_ERROR(CheckFloat32Count(dst, count, "dst"));
+    RETURN_IF_ERROR(CheckFloat32Count(src, count, "src"));
+    return RunOnStream([&](const StreamContext& c) {
+      return LaunchAddFloat32(static_cast<float*>(dst.data()),
+                              static_cast<const float*>(src.data()), count, c.stream);
+    });
+  }
+
+  absl::StatusOr<double> SumSquaresFloat32(const DeviceBuffer& x, int64_t count) override {
+    RETURN_IF_ERROR(CheckFloat32Count(x, count, "x"));
+    ASSIGN_OR_RETURN(DeviceBuffer d_partials, Allocate(kSumSquaresBlocks * sizeof(double)));
+    std::vector<double> partials(kSumSquaresBlocks);
+    RETURN_IF_ERROR(RunOnStream([&](const StreamContext& c) {
+      RETURN_IF_ERROR(LaunchSumSquaresPartials(static_cast<const float*>(x.data()), count,
+                                               static_cast<double*>(d_partials.data()), c.stream));
+      return CudaStatus(
+          cudaMemcpyAsync(partials.data(), d_partials.data(), partials.size() * sizeof(double),
+                          cudaMemcpyDeviceToHost, c.stream),
+          "cudaMemcpyAsync");
+    }));
+    double total = 0.0;
+    for (double p : partials) total += p;
+    return total;
+  }
+
+  absl::Status OptimizerStep(const OptimizerConfig& config, const OptimizerTensors& t) override {
+    const bool adamw = config.kind == OptimizerConfig::Kind::kAdamW;
+    if (adamw && (t.state1 == nullptr || t.state2 == nullptr)) {
+      return absl::FailedPreconditionError("AdamW: expected both moment buffers");
+    }
+    if (t.weight == nullptr || t.grad == nullptr ||
+        t.weight->bytes() < static_cast<size_t>(t.count) * DTypeSize(t.weight_dtype)) {
+      return absl::OutOfRangeError(absl::StrCat("weight: expected ", t.count, " elements"));
+    }
+    RETURN_IF_ERROR(CheckFloat32Count(*t.grad, t.count, "grad"));
+    if (t.state1 != nullptr) RETURN_IF_ERROR(CheckFloat32Count(*t.state1, t.count, "state1"));
+    if (t.state2 != nullptr) RETURN_IF_ERROR(CheckFloat32Count(*t.state2, t.count, "state2"));
+    auto state = [](DeviceBuffer* b) {
+      return b != nullptr ? static_cast<float*>(b->data()) : nullptr;
+    };
+    return RunOnStream([&](const StreamContext& c) {
+      return LaunchOptimizerStep(config.kind, MakeOptimizerScalars(config), t.weight->data(),
+                                 t.weight_dtype, static_cast<const float*>(t.grad->data()),
+                                 state(t.state1), state(t.state2), t.count, c.stream);
+    });
+  }
+
+  absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const override {
+    return ChooseChunkPlan(shape, budget_bytes, kCudaTileLimits, [&](int64_t rows, int64_t cols) {
+      WorkspaceArena arena(nullptr, 0);
+      CarveWorkspace(arena, shape, rows, cols, cublas_workspace_bytes_);
+      return arena.used();
+    });
+  }
+
+  absl::StatusOr<BatchSummary> Compute(const BatchInputs& in, const WeightView& weight,
+                                       const LossOptions& options, const TokenOutputs& out,
+                                       DeviceBuffer* grad_weight,
+                                       DeviceBuffer& workspace) override {
+    RETURN_IF_ERROR(ValidateCall(in, weight, options, out, grad_weight));
+    const ProblemShape shape = ShapeOfCall(in, weight, out, grad_weight != nullptr);
+    ASSIGN_OR_RETURN(const ChunkPlan plan, Plan(shape, workspace.bytes()));
+    WorkspaceArena arena(workspace.data(), workspace.bytes());
+    const CudaWorkspace ws =
+        CarveWorkspace(arena, shape, plan.token_chunk, plan.vocab_chunk, cublas_workspace_bytes_);
+    BatchSummary summary;
+    summary.token_chunk = plan.token_chunk;
+    summary.vocab_chunk = plan.vocab_chunk;
+    summary.workspace_bytes = static_cast<int64_t>(arena.used());
+    RETURN_IF_ERROR(RunOnStream([&](const StreamContext& c) {
+      RETURN_IF_ERROR(
+          CublasStatus(cublasSetWorkspace(c.cublas, ws.d_cublas, cublas_workspace_bytes_),
+                       "cublasSetWorkspace"));
+      ChunkedCompute call(in, weight, options, out, grad_weight, shape, plan, ws, c);
+      return call.Run(summary);
+    }));
+    return summary;
+  }
+
+  // Creates the first stream context, so that a cuBLAS that cannot start fails at creation.
+  absl::Status Warm() {
+    return RunOnStream([](const StreamContext&) { return absl::OkStatus(); });
+  }
+
+ protected:
+  void Free(void* data, size_t) override {
+    cudaSetDevice(device_);
+    cudaFree(data);
+  }
+
+ private:
+  // Runs fn(context) on a pooled stream of this device and waits for the stream, also when fn
+  // failed, so that no work of a call outlives the buffers its caller may free next.
+  template <typename Fn>
+  absl::Status RunOnStream(Fn fn) const {
+    RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
+    ASSIGN_OR_RETURN(const StreamContext context, streams_.Acquire());
+    const absl::Status status = fn(context);
+    const absl::Status synced =
+        CudaStatus(cudaStreamSynchronize(context.stream), "cudaStreamSynchronize");
+    streams_.Release(context);
+    return status.ok() ? synced : status;
+  }
+
+  const int device_;
+  const std::string description_;
+  const size_t cublas_workspace_bytes_;
+  mutable StreamPool streams_;
+};
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int ordinal) {
+  int count = 0;
+  const cudaError_t error = cudaGetDeviceCount(&count);
+  if (error != cudaSuccess) {
+    return absl::UnavailableError(absl::StrCat("no CUDA device: ", cudaGetErrorString(error)));
+  }
+  if (ordinal < 0 || ordinal >= count) {
+    return absl::UnavailableError(
+        absl::StrCat("no CUDA device ", ordinal, ": ", count, " device(s) present"));
+  }
+  RETURN_IF_ERROR(CudaStatus(cudaSetDevice(ordinal), "cudaSetDevice"));
+  cudaDeviceProp props;
+  RETURN_IF_ERROR(CudaStatus(cudaGetDeviceProperties(&props, ordinal), "cudaGetDeviceProperties"));
+  int runtime_version = 0;
+  int driver_version = 0;
+  RETURN_IF_ERROR(CudaStatus(cudaRuntimeGetVersion(&runtime_version), "cudaRuntimeGetVersion"));
+  RETURN_IF_ERROR(CudaStatus(cudaDriverGetVersion(&driver_version), "cudaDriverGetVersion"));
+  int cublas_version[3] = {0, 0, 0};
+  const libraryPropertyType parts[3] = {MAJOR_VERSION, MINOR_VERSION, PATCH_LEVEL};
+  for (int i = 0; i < 3; ++i) {
+    RETURN_IF_ERROR(
+        CublasStatus(cublasGetProperty(parts[i], &cublas_version[i]), "cublasGetProperty"));
+  }
+  const std::string description = absl::StrFormat(
+      "cuda:%d %s (sm_%d%d, %d SMs, %.1f GiB); CUDA runtime %d.%d, driver %d.%d; cuBLAS %d.%d.%d",
+      ordinal, props.name, props.major, props.minor, props.multiProcessorCount,
+      static_cast<double>(props.totalGlobalMem) / (1u << 30), runtime_version / 1000,
+      runtime_version % 1000 / 10, driver_version / 1000, driver_version % 1000 / 10,
+      cublas_version[0], cublas_version[1], cublas_version[2]);
+  // cuBLAS's recommended workspace: 32 MiB on Hopper and later, 4 MiB before.
+  const size_t cublas_workspace_bytes = (props.major >= 9 ? 32u : 4u) << 20;
+  auto backend = std::make_unique<CudaBackend>(ordinal, description, cublas_workspace_bytes);
+  RETURN_IF_ERROR(backend->Warm());
+  return backend;
+}
+
+}  // namespace
+}  // namespace lossd::cuda
+
+extern "C" {
+
+int lossd_cuda_module_abi(void) { return LOSSD_CUDA_MODULE_ABI; }
+
+lossd::Backend* lossd_cuda_create_backend(int device_ordinal, char* error, size_t error_capacity) {
+  absl::StatusOr<std::unique_ptr<lossd::Backend>> backend =
+      lossd::cuda::CreateCudaBackend(device_ordinal);
+  if (backend.ok()) return backend->release();
+  if (error != nullptr && error_capacity > 0) {
+    std::snprintf(error, error_capacity, "%s", std::string(backend.status().message()).c_str());
+  }
+  return nullptr;
+}
+
+}  // extern "C"
