@@ -91,23 +91,8 @@ absl::Status ValidateCall(const BatchInputs& in, const WeightView& weight, const
   if (in.num_tokens > 0 && (in.hidden == nullptr || in.labels == nullptr)) {
     return Invalid("hidden/labels", "non-null buffers", "null");
   }
-  for (int64_t i = 0; i < in.num_tokens; ++i) {
-    const int64_t y = in.labels[i];
-    if (y != options.ignore_index && (y < 0 || y >= weight.vocab_size)) {
-      return Invalid(absl::StrCat("labels[", i, "]"),
-                     absl::StrCat("a token id in [0, ", weight.vocab_size, ") or ignore_index ",
-                                  options.ignore_index),
-                     absl::StrCat(y));
-    }
-  }
-  if (in.token_weights != nullptr) {
-    for (int64_t i = 0; i < in.num_tokens; ++i) {
-      if (!std::isfinite(in.token_weights[i])) {
-        return Invalid(absl::StrCat("token_weights[", i, "]"), "a finite value",
-                       absl::StrCat(in.token_weights[i]));
-      }
-    }
-  }
+  RETURN_IF_ERROR(ValidateLabels(in.labels, in.num_tokens, weight.vocab_size, options.ignore_index));
+  if (in.token_weights != nullptr) RETURN_IF_ERROR(ValidateTokenWeights(in.token_weights, in.num_tokens));
   if (out.top_k < 0 || out.top_k > kMaxTopK || out.top_k > weight.vocab_size) {
     return Invalid("top_k", absl::StrCat("a value in [0, ", std::min<int64_t>(kMaxTopK, weight.vocab_size), "]"),
                    absl::StrCat(out.top_k));
@@ -122,6 +107,30 @@ absl::Status ValidateCall(const BatchInputs& in, const WeightView& weight, const
   if (grad_weight != nullptr && grad_weight->bytes() < weight_elements * sizeof(float)) {
     return Invalid("grad_weight", absl::StrCat(weight_elements * sizeof(float), " bytes (fp32 [V, H])"),
                    absl::StrCat(grad_weight->bytes()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateLabels(const int64_t* labels, int64_t count, int64_t vocab_size,
+                            int64_t ignore_index, int64_t first_index) {
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t y = labels[i];
+    if (y != ignore_index && (y < 0 || y >= vocab_size)) {
+      return Invalid(absl::StrCat("labels[", first_index + i, "]"),
+                     absl::StrCat("a token id in [0, ", vocab_size, ") or ignore_index ",
+                                  ignore_index),
+                     absl::StrCat(y));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateTokenWeights(const float* weights, int64_t count, int64_t first_index) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (!std::isfinite(weights[i])) {
+      return Invalid(absl::StrCat("token_weights[", first_index + i, "]"), "a finite value",
+                     absl::StrCat(weights[i]));
+    }
   }
   return absl::OkStatus();
 }

@@ -20,6 +20,11 @@ absl::Status ValidateCall(const BatchInputs& inputs, const WeightView& weight,
                           const LossOptions& options, const TokenOutputs& outputs,
                           const DeviceBuffer* grad_weight);
 absl::Status ValidateOptions(const LossOptions& options);
+// Labels in [0, vocab_size) or ignore_index; weights finite. `first_index` offsets the reported
+// position for callers that check a slice of a larger batch.
+absl::Status ValidateLabels(const int64_t* labels, int64_t count, int64_t vocab_size,
+                            int64_t ignore_index, int64_t first_index = 0);
+absl::Status ValidateTokenWeights(const float* weights, int64_t count, int64_t first_index = 0);
 
 ProblemShape ShapeOfCall(const BatchInputs& inputs, const WeightView& weight,
                          const TokenOutputs& outputs, bool grad_weight);

@@ -1,0 +1,367 @@
+#include "server/compute_call.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "lossd/kernels/backend_common.h"
+#include "lossd/kernels/loss_math.h"
+#include "lossd/kernels/status_macros.h"
+#include "server/proto_convert.h"
+
+namespace lossd::server {
+namespace {
+
+absl::Status Invalid(absl::string_view field, absl::string_view expected, absl::string_view got) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", expected, ", got ", got));
+}
+
+double SecondsSince(absl::Time start) { return absl::ToDoubleSeconds(absl::Now() - start); }
+
+// The validated first message of a call.
+struct CallSpec {
+  std::shared_ptr<Head> head;
+  uint64_t version = 0;
+  LossOptions options;  // mean_denominator already resolved to the whole batch's D
+  int64_t num_tokens = 0;
+  int64_t hidden_size = 0;
+  DType hidden_dtype = DType::kFloat32;
+  std::vector<int64_t> labels;
+  std::vector<float> token_weights;
+  int64_t counted_tokens = 0;
+  v1::OutputSelection outputs;
+  DType grad_hidden_dtype = DType::kFloat32;
+};
+
+absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::ComputeStart& start) {
+  CallSpec spec;
+  ASSIGN_OR_RETURN(spec.head, env.heads->Get(start.head()));
+  const Head& head = *spec.head;
+  spec.version = head.version();
+  if (start.has_head_version() && start.head_version() != spec.version) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("head_version: the call is pinned to version ", start.head_version(),
+                     " of head '", head.name(), "', which is now at version ", spec.version));
+  }
+  ASSIGN_OR_RETURN(spec.options, FromProto(start.options()));
+  if (start.num_tokens() < 0 || start.num_tokens() > env.limits.max_tokens_per_call) {
+    return Invalid("num_tokens", absl::StrCat("a count in [0, ", env.limits.max_tokens_per_call, "]"),
+                   absl::StrCat(start.num_tokens()));
+  }
+  spec.num_tokens = start.num_tokens();
+  if (start.hidden_size() != head.hidden_size()) {
+    return Invalid("hidden_size", absl::StrCat(head.hidden_size(), " (head '", head.name(), "')"),
+                   absl::StrCat(start.hidden_size()));
+  }
+  spec.hidden_size = start.hidden_size();
+  ASSIGN_OR_RETURN(spec.hidden_dtype, FromProto(start.hidden_dtype(), "hidden_dtype"));
+  if (start.labels_size() != spec.num_tokens) {
+    return Invalid("labels", absl::StrCat(spec.num_tokens, " entries (num_tokens)"),
+                   absl::StrCat(start.labels_size()));
+  }
+  if (start.token_weights_size() != 0 && start.token_weights_size() != spec.num_tokens) {
+    return Invalid("token_weights", absl::StrCat("0 or ", spec.num_tokens, " entries (num_tokens)"),
+                   absl::StrCat(start.token_weights_size()));
+  }
+  spec.labels.assign(start.labels().begin(), start.labels().end());
+  spec.token_weights.assign(start.token_weights().begin(), start.token_weights().end());
+  RETURN_IF_ERROR(ValidateLabels(spec.labels.data(), spec.num_tokens, head.vocab_size(),
+                                 spec.options.ignore_index));
+  RETURN_IF_ERROR(ValidateTokenWeights(spec.token_weights.data(),
+                                       static_cast<int64_t>(spec.token_weights.size())));
+
+  spec.outputs = start.outputs();
+  const int top_k = spec.outputs.top_k();
+  if (top_k < 0 || top_k > kMaxTopK || top_k > head.vocab_size()) {
+    return Invalid("outputs.top_k",
+                   absl::StrCat("a value in [0, ", std::min<int64_t>(kMaxTopK, head.vocab_size()), "]"),
+                   absl::StrCat(top_k));
+  }
+  ASSIGN_OR_RETURN(spec.grad_hidden_dtype, FromProto(spec.outputs.grad_hidden_dtype(),
+                                                     "outputs.grad_hidden_dtype", spec.hidden_dtype));
+  spec.counted_tokens = CountCountedRows(spec.labels.data(), spec.num_tokens, spec.options.ignore_index);
+  // Every engine chunk divides by the whole batch's D, so the chunks' gradients add up to the
+  // batch's.
+  if (spec.options.mean_denominator == 0) {
+    spec.options.mean_denominator = static_cast<double>(spec.counted_tokens);
+  }
+  return spec;
+}
+
+// Per-row outputs of one engine chunk, in host memory.
+struct ChunkOutputs {
+  std::vector<float> loss, logprob, lse, entropy, top_k_logprob;
+  std::vector<int32_t> argmax, top_k_token;
+  std::vector<uint8_t> grad_hidden;
+
+  TokenOutputs Bind(const v1::OutputSelection& want, int64_t rows, int64_t hidden_size,
+                    DType grad_dtype) {
+    TokenOutputs out;
+    auto bind = [rows](bool wanted, auto& buffer, int64_t per_row) {
+      buffer.resize(wanted ? rows * per_row : 0);
+      return wanted ? buffer.data() : nullptr;
+    };
+    out.loss = bind(want.token_loss(), loss, 1);
+    out.logprob = bind(want.logprob(), logprob, 1);
+    out.lse = bind(want.lse(), lse, 1);
+    out.entropy = bind(want.entropy(), entropy, 1);
+    out.argmax = bind(want.argmax(), argmax, 1);
+    out.top_k = want.top_k();
+    out.top_k_logprob = bind(want.top_k() > 0, top_k_logprob, want.top_k());
+    out.top_k_token = bind(want.top_k() > 0, top_k_token, want.top_k());
+    out.grad_hidden = bind(want.grad_hidden(), grad_hidden, hidden_size * DTypeSize(grad_dtype));
+    out.grad_hidden_dtype = grad_dtype;
+    return out;
+  }
+};
+
+class ComputeCall {
+ public:
+  ComputeCall(const ComputeEnvironment& env, ComputeStream& stream) : env_(env), stream_(stream) {}
+
+  absl::Status Run() {
+    v1::ComputeRequest request;
+    if (!stream_.Read(&request)) {
+      return stream_.IsCancelled() ? absl::CancelledError("call cancelled before its start message")
+                                   : Invalid("start", "a ComputeStart as the first message",
+                                             "an empty stream");
+    }
+    if (!request.has_start()) {
+      return Invalid("start", "a ComputeStart as the first message", "a chunk");
+    }
+    ASSIGN_OR_RETURN(spec_, ParseStart(env_, request.start()));
+    RETURN_IF_ERROR(Prepare());
+
+    const absl::Time queue_start = absl::Now();
+    ASSIGN_OR_RETURN(admission_,
+                     env_.scheduler->Admit(admitted_bytes_, [this] { return stream_.IsCancelled(); },
+                                           env_.limits.max_admission_wait));
+    queue_seconds_ = SecondsSince(queue_start);
+    if (env_.metrics != nullptr) env_.metrics->ObserveQueueSeconds(queue_seconds_);
+    RETURN_IF_ERROR(AllocateBuffers());
+
+    RETURN_IF_ERROR(ReceiveAndCompute());
+    if (buffered_rows_ > 0) RETURN_IF_ERROR(ComputeBuffered());
+    if (staging_.data() != nullptr) {
+      RETURN_IF_ERROR(spec_.head->CommitGradient(spec_.version, staging_, spec_.counted_tokens));
+    }
+    RETURN_IF_ERROR(SendSummary());
+    Account();
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status Prepare() {
+    const Head& head = *spec_.head;
+    row_bytes_ = spec_.hidden_size * static_cast<int64_t>(DTypeSize(spec_.hidden_dtype));
+    ProblemShape shape;
+    shape.num_tokens = std::max<int64_t>(spec_.num_tokens, 1);
+    shape.hidden_size = spec_.hidden_size;
+    shape.vocab_size = head.vocab_size();
+    shape.hidden_dtype = spec_.hidden_dtype;
+    shape.weight_dtype = head.dtype();
+    shape.grad_hidden = spec_.outputs.grad_hidden();
+    shape.grad_weight = spec_.outputs.accumulate_grad_weight();
+    shape.grad_hidden_dtype = spec_.grad_hidden_dtype;
+    shape.top_k = spec_.outputs.top_k();
+    ASSIGN_OR_RETURN(plan_, env_.backend->Plan(shape, env_.limits.workspace_budget_bytes));
+    staging_bytes_ = shape.grad_weight ? head.vocab_size() * head.hidden_size() * sizeof(float) : 0;
+    admitted_bytes_ = static_cast<int64_t>(plan_.workspace_bytes + staging_bytes_);
+    return absl::OkStatus();
+  }
+
+  absl::Status AllocateBuffers() {
+    ASSIGN_OR_RETURN(workspace_, env_.backend->Allocate(plan_.workspace_bytes));
+    workspace_charge_ = MemoryCharge(env_.ledger, MemoryPurpose::kWorkspace, plan_.workspace_bytes);
+    if (staging_bytes_ > 0) {
+      ASSIGN_OR_RETURN(staging_, env_.backend->Allocate(staging_bytes_));
+      RETURN_IF_ERROR(env_.backend->Zero(staging_));
+      staging_charge_ = MemoryCharge(env_.ledger, MemoryPurpose::kGradients, staging_bytes_);
+    }
+    rows_.resize(plan_.token_chunk * row_bytes_);
+    return absl::OkStatus();
+  }
+
+  absl::Status ReceiveAndCompute() {
+    v1::ComputeRequest request;
+    while (stream_.Read(&request)) {
+      if (request.has_start()) {
+        return Invalid("start", "exactly one ComputeStart, first", "a second one");
+      }
+      const std::string& hidden = request.chunk().hidden();
+      const int64_t bytes = static_cast<int64_t>(hidden.size());
+      if (bytes % row_bytes_ != 0) {
+        return Invalid("chunk.hidden",
+                       absl::StrCat("whole rows of ", spec_.hidden_size, " ",
+                                    DTypeName(spec_.hidden_dtype), " values (", row_bytes_,
+                                    " bytes each)"),
+                       absl::StrCat(bytes, " bytes"));
+      }
+      const int64_t rows = bytes / row_bytes_;
+      if (received_rows_ + rows > spec_.num_tokens) {
+        return Invalid("chunk.hidden", absl::StrCat(spec_.num_tokens, " rows in all (num_tokens)"),
+                       absl::StrCat("at least ", received_rows_ + rows));
+      }
+      if (env_.metrics != nullptr) env_.metrics->AddBytesReceived(bytes);
+      for (int64_t taken = 0; taken < rows;) {
+        const int64_t take = std::min(rows - taken, plan_.token_chunk - buffered_rows_);
+        std::memcpy(rows_.data() + buffered_rows_ * row_bytes_, hidden.data() + taken * row_bytes_,
+                    take * row_bytes_);
+        buffered_rows_ += take;
+        taken += take;
+        if (buffered_rows_ == plan_.token_chunk) RETURN_IF_ERROR(ComputeBuffered());
+      }
+      received_rows_ += rows;
+    }
+    if (stream_.IsCancelled()) {
+      return absl::CancelledError("call cancelled mid-stream; nothing was accumulated");
+    }
+    if (received_rows_ != spec_.num_tokens) {
+      return Invalid("chunk.hidden", absl::StrCat(spec_.num_tokens, " rows (num_tokens)"),
+                     absl::StrCat(received_rows_, " before the stream ended"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ComputeBuffered() {
+    const int64_t first = computed_rows_;
+    const int64_t rows = buffered_rows_;
+    BatchInputs in;
+    in.hidden = rows_.data();
+    in.hidden_dtype = spec_.hidden_dtype;
+    in.num_tokens = rows;
+    in.hidden_size = spec_.hidden_size;
+    in.labels = spec_.labels.data() + first;
+    in.token_weights = spec_.token_weights.empty() ? nullptr : spec_.token_weights.data() + first;
+    const TokenOutputs out =
+        outputs_.Bind(spec_.outputs, rows, spec_.hidden_size, spec_.grad_hidden_dtype);
+
+    const absl::Time start = absl::Now();
+    BatchSummary summary;
+    RETURN_IF_ERROR(spec_.head->WithWeights(spec_.version, [&](const WeightView& weight) {
+      ASSIGN_OR_RETURN(summary, env_.backend->Compute(in, weight, spec_.options, out,
+                                                      staging_.data() ? &staging_ : nullptr,
+                                                      workspace_));
+      return absl::OkStatus();
+    }));
+    const double seconds = SecondsSince(start);
+    compute_seconds_ += seconds;
+    if (env_.metrics != nullptr) env_.metrics->ObserveComputeSeconds(seconds);
+    if (!summary.all_finite) {
+      if (env_.metrics != nullptr) env_.metrics->CountNonFiniteCall();
+      return absl::InvalidArgumentError(absl::StrCat(
+          "chunk.hidden: rows [", first, ", ", first + rows,
+          ") give non-finite logits (NaN or Inf in the hidden states or the head); nothing was "
+          "accumulated"));
+    }
+    loss_sum_ += summary.loss_sum;
+    correct_tokens_ += summary.correct_tokens;
+    peak_workspace_bytes_ = std::max(peak_workspace_bytes_, summary.workspace_bytes);
+    RETURN_IF_ERROR(SendResults(first, rows));
+    computed_rows_ += rows;
+    buffered_rows_ = 0;
+    return absl::OkStatus();
+  }
+
+  // Streams one chunk's results, split so that no message exceeds the result message limit.
+  absl::Status SendResults(int64_t first, int64_t rows) {
+    const v1::OutputSelection& want = spec_.outputs;
+    const int k = want.top_k();
+    const int64_t grad_row_bytes =
+        want.grad_hidden() ? spec_.hidden_size * static_cast<int64_t>(DTypeSize(spec_.grad_hidden_dtype)) : 0;
+    const int64_t row_bytes = grad_row_bytes + 4 * (5 + 2 * k) + 16;
+    const int64_t rows_per_message =
+        std::max<int64_t>(1, env_.limits.max_result_message_bytes / row_bytes);
+    for (int64_t r0 = 0; r0 < rows; r0 += rows_per_message) {
+      const int64_t n = std::min(rows_per_message, rows - r0);
+      v1::ComputeResponse response;
+      v1::ComputeResult& result = *response.mutable_result();
+      result.set_row_offset(first + r0);
+      result.set_num_rows(n);
+      auto copy = [&](const auto& source, int64_t per_row, auto* target) {
+        if (!source.empty()) {
+          target->Add(source.begin() + r0 * per_row, source.begin() + (r0 + n) * per_row);
+        }
+      };
+      copy(outputs_.loss, 1, result.mutable_token_loss());
+      copy(outputs_.logprob, 1, result.mutable_logprob());
+      copy(outputs_.lse, 1, result.mutable_lse());
+      copy(outputs_.entropy, 1, result.mutable_entropy());
+      copy(outputs_.argmax, 1, result.mutable_argmax());
+      copy(outputs_.top_k_logprob, k, result.mutable_top_k_logprob());
+      copy(outputs_.top_k_token, k, result.mutable_top_k_token());
+      if (want.grad_hidden()) {
+        result.set_grad_hidden(outputs_.grad_hidden.data() + r0 * grad_row_bytes, n * grad_row_bytes);
+        result.set_grad_hidden_dtype(ToProto(spec_.grad_hidden_dtype));
+      }
+      RETURN_IF_ERROR(Send(response));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status SendSummary() {
+    v1::ComputeResponse response;
+    v1::ComputeSummary& s = *response.mutable_summary();
+    s.set_loss(ReducedLoss(spec_.options, loss_sum_, spec_.counted_tokens));
+    s.set_loss_sum(loss_sum_);
+    s.set_counted_tokens(spec_.counted_tokens);
+    s.set_correct_tokens(correct_tokens_);
+    s.set_head_version(spec_.version);
+    s.set_grad_weight_accumulated(staging_.data() != nullptr);
+    s.set_queue_seconds(queue_seconds_);
+    s.set_compute_seconds(compute_seconds_);
+    s.set_peak_workspace_bytes(peak_workspace_bytes_);
+    s.set_backend(std::string(env_.backend->kind()));
+    return Send(response);
+  }
+
+  absl::Status Send(const v1::ComputeResponse& response) {
+    if (!stream_.Write(response)) {
+      return absl::CancelledError("client went away while results were sent; nothing was accumulated");
+    }
+    if (env_.metrics != nullptr) env_.metrics->AddBytesSent(static_cast<int64_t>(response.ByteSizeLong()));
+    return absl::OkStatus();
+  }
+
+  void Account() {
+    if (env_.metrics == nullptr) return;
+    const bool training = spec_.outputs.grad_hidden() || spec_.outputs.accumulate_grad_weight();
+    env_.metrics->AddTokens(training ? "train" : "score", spec_.num_tokens);
+    env_.metrics->AddLogitsBytesAvoided(spec_.num_tokens * spec_.head->vocab_size() *
+                                        static_cast<int64_t>(sizeof(float)));
+  }
+
+  const ComputeEnvironment& env_;
+  ComputeStream& stream_;
+  CallSpec spec_;
+  ChunkPlan plan_;
+  int64_t row_bytes_ = 0;
+  size_t staging_bytes_ = 0;
+  int64_t admitted_bytes_ = 0;
+  Admission admission_;
+  DeviceBuffer workspace_;
+  DeviceBuffer staging_;
+  MemoryCharge workspace_charge_;
+  MemoryCharge staging_charge_;
+  std::vector<uint8_t> rows_;
+  ChunkOutputs outputs_;
+  int64_t buffered_rows_ = 0;
+  int64_t received_rows_ = 0;
+  int64_t computed_rows_ = 0;
+  double loss_sum_ = 0.0;
+  int64_t correct_tokens_ = 0;
+  int64_t peak_workspace_bytes_ = 0;
+  double queue_seconds_ = 0.0;
+  double compute_seconds_ = 0.0;
+};
+
+}  // namespace
+
+absl::Status RunComputeCall(const ComputeEnvironment& env, ComputeStream& stream) {
+  return ComputeCall(env, stream).Run();
+}
+
+}  // namespace lossd::server

@@ -1,0 +1,51 @@
+// One Compute stream: validate the start message, wait for admission, compute fixed-size row
+// chunks as rows arrive, stream results back, and commit dL/dW only when the whole call succeeded.
+//
+// The engine runs on chunks whose size depends only on the batch shape and the workspace budget,
+// never on how the client split its messages, so results are bitwise identical for any split.
+#ifndef LOSSD_SERVER_COMPUTE_CALL_H_
+#define LOSSD_SERVER_COMPUTE_CALL_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "lossd/kernels/backend.h"
+#include "lossd/v1/lossd.pb.h"
+#include "server/head_store.h"
+#include "server/memory_ledger.h"
+#include "server/metrics.h"
+#include "server/scheduler.h"
+
+namespace lossd::server {
+
+// The stream as the call sees it; gRPC's ServerReaderWriter in the service, a script in tests.
+class ComputeStream {
+ public:
+  virtual ~ComputeStream() = default;
+  virtual bool Read(v1::ComputeRequest* request) = 0;
+  virtual bool Write(const v1::ComputeResponse& response) = 0;
+  virtual bool IsCancelled() const = 0;
+};
+
+struct ComputeLimits {
+  size_t workspace_budget_bytes = 256u << 20;
+  int64_t max_tokens_per_call = int64_t{1} << 24;
+  int64_t max_result_message_bytes = 4 << 20;
+  absl::Duration max_admission_wait = absl::Seconds(300);
+};
+
+struct ComputeEnvironment {
+  Backend* backend;
+  HeadStore* heads;
+  Scheduler* scheduler;
+  Metrics* metrics;  // may be null
+  MemoryLedger* ledger;
+  ComputeLimits limits;
+};
+
+absl::Status RunComputeCall(const ComputeEnvironment& env, ComputeStream& stream);
+
+}  // namespace lossd::server
+
+#endif  // LOSSD_SERVER_COMPUTE_CALL_H_

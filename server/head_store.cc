@@ -1,0 +1,326 @@
+#include "server/head_store.h"
+
+#include <cmath>
+#include <random>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "lossd/kernels/loss_math.h"
+#include "lossd/kernels/status_macros.h"
+
+namespace lossd::server {
+namespace {
+
+std::vector<uint8_t> ConvertOnHost(std::vector<uint8_t> data, DType from, DType to) {
+  if (from == to) return data;
+  const int64_t count = static_cast<int64_t>(data.size() / DTypeSize(from));
+  std::vector<uint8_t> out(count * DTypeSize(to));
+  for (int64_t i = 0; i < count; ++i) StoreFromFloat(out.data(), to, i, LoadAsFloat(data.data(), from, i));
+  return out;
+}
+
+absl::StatusOr<DeviceBuffer> UploadBuffer(Backend& backend, const void* data, size_t bytes) {
+  ASSIGN_OR_RETURN(DeviceBuffer buffer, backend.Allocate(bytes));
+  RETURN_IF_ERROR(backend.CopyToDevice(data, bytes, buffer, 0));
+  return buffer;
+}
+
+absl::Status VersionMoved(const std::string& head, uint64_t expected, uint64_t now, bool retired) {
+  if (retired) {
+    return absl::AbortedError(absl::StrCat("head '", head, "' was replaced by an upload during the "
+                                           "call; nothing was accumulated, retry"));
+  }
+  return absl::AbortedError(absl::StrCat("head '", head, "' moved from version ", expected, " to ",
+                                         now, " during the call; nothing was accumulated, retry"));
+}
+
+}  // namespace
+
+Head::Head(Backend& backend, MemoryLedger& ledger, const HeadState& state, std::string source)
+    : backend_(backend),
+      ledger_(ledger),
+      name_(state.head),
+      vocab_size_(state.vocab_size),
+      hidden_size_(state.hidden_size),
+      dtype_(state.weight_dtype),
+      version_(state.version),
+      steps_(state.steps),
+      source_(std::move(source)) {}
+
+absl::StatusOr<std::shared_ptr<Head>> Head::Create(Backend& backend, MemoryLedger& ledger,
+                                                   const HeadState& state, std::string source) {
+  const int64_t elements = state.vocab_size * state.hidden_size;
+  if (state.vocab_size <= 0 || state.hidden_size <= 0 ||
+      state.weight.size() != static_cast<size_t>(elements) * DTypeSize(state.weight_dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head '", state.head, "': expected ", elements * DTypeSize(state.weight_dtype),
+        " bytes of W [", state.vocab_size, ", ", state.hidden_size, "] in ",
+        DTypeName(state.weight_dtype), ", got ", state.weight.size()));
+  }
+  std::shared_ptr<Head> head(new Head(backend, ledger, state, std::move(source)));
+  ASSIGN_OR_RETURN(head->weight_, UploadBuffer(backend, state.weight.data(), state.weight.size()));
+  head->weight_charge_ = MemoryCharge(&ledger, MemoryPurpose::kWeights, state.weight.size());
+  absl::MutexLock lock(&head->grad_mu_);
+  ASSIGN_OR_RETURN(head->grad_, backend.Allocate(elements * sizeof(float)));
+  RETURN_IF_ERROR(backend.Zero(head->grad_));
+  head->grad_charge_ = MemoryCharge(&ledger, MemoryPurpose::kGradients, elements * sizeof(float));
+  if (state.optimizer != OptimizerKind::kNone) {
+    RETURN_IF_ERROR(head->EnsureOptimizerState(state.optimizer));
+    RETURN_IF_ERROR(backend.CopyToDevice(state.state1.data(), state.state1.size() * sizeof(float),
+                                         head->state1_, 0));
+    if (state.optimizer == OptimizerKind::kAdamW) {
+      RETURN_IF_ERROR(backend.CopyToDevice(state.state2.data(), state.state2.size() * sizeof(float),
+                                           head->state2_, 0));
+    }
+  }
+  return head;
+}
+
+uint64_t Head::version() const {
+  absl::ReaderMutexLock lock(&weight_mu_);
+  return version_;
+}
+
+HeadSummary Head::Summary() const {
+  HeadSummary s;
+  s.name = name_;
+  s.vocab_size = vocab_size_;
+  s.hidden_size = hidden_size_;
+  s.dtype = dtype_;
+  absl::ReaderMutexLock weight_lock(&weight_mu_);
+  s.version = version_;
+  s.steps = steps_;
+  s.source = source_;
+  absl::MutexLock grad_lock(&grad_mu_);
+  s.accumulated_tokens = accumulated_tokens_;
+  s.accumulated_calls = accumulated_calls_;
+  s.optimizer = optimizer_;
+  return s;
+}
+
+absl::Status Head::WithWeights(uint64_t expected_version,
+                               absl::FunctionRef<absl::Status(const WeightView&)> fn) {
+  absl::ReaderMutexLock lock(&weight_mu_);
+  if (retired_ || version_ != expected_version) {
+    return VersionMoved(name_, expected_version, version_, retired_);
+  }
+  return fn(WeightView{&weight_, dtype_, vocab_size_, hidden_size_});
+}
+
+absl::Status Head::CommitGradient(uint64_t expected_version, const DeviceBuffer& staged,
+                                  int64_t tokens) {
+  absl::ReaderMutexLock weight_lock(&weight_mu_);
+  if (retired_ || version_ != expected_version) {
+    return VersionMoved(name_, expected_version, version_, retired_);
+  }
+  absl::MutexLock grad_lock(&grad_mu_);
+  RETURN_IF_ERROR(backend_.AddFloat32(grad_, staged, vocab_size_ * hidden_size_));
+  accumulated_tokens_ += tokens;
+  ++accumulated_calls_;
+  return absl::OkStatus();
+}
+
+absl::Status Head::ZeroGradient() {
+  absl::MutexLock lock(&grad_mu_);
+  RETURN_IF_ERROR(backend_.Zero(grad_));
+  accumulated_tokens_ = 0;
+  accumulated_calls_ = 0;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TensorSnapshot> Head::ReadGradient(DType dtype) {
+  TensorSnapshot snapshot;
+  std::vector<uint8_t> grad(vocab_size_ * hidden_size_ * sizeof(float));
+  {
+    absl::ReaderMutexLock weight_lock(&weight_mu_);
+    absl::MutexLock grad_lock(&grad_mu_);
+    RETURN_IF_ERROR(backend_.CopyToHost(grad_, 0, grad.size(), grad.data()));
+    snapshot.version = version_;
+    snapshot.accumulated_tokens = accumulated_tokens_;
+  }
+  snapshot.data = ConvertOnHost(std::move(grad), DType::kFloat32, dtype);
+  snapshot.dtype = dtype;
+  return snapshot;
+}
+
+absl::StatusOr<TensorSnapshot> Head::ReadWeight(DType dtype) {
+  TensorSnapshot snapshot;
+  std::vector<uint8_t> weight(weight_.bytes());
+  {
+    absl::ReaderMutexLock lock(&weight_mu_);
+    RETURN_IF_ERROR(backend_.CopyToHost(weight_, 0, weight.size(), weight.data()));
+    snapshot.version = version_;
+  }
+  snapshot.data = ConvertOnHost(std::move(weight), dtype_, dtype);
+  snapshot.dtype = dtype;
+  return snapshot;
+}
+
+absl::Status Head::EnsureOptimizerState(OptimizerKind kind) {
+  if (optimizer_ == kind) return absl::OkStatus();
+  const size_t bytes = vocab_size_ * hidden_size_ * sizeof(float);
+  state_charge_.Reset();
+  state1_.Reset();
+  state2_.Reset();
+  optimizer_ = OptimizerKind::kNone;
+  ASSIGN_OR_RETURN(state1_, backend_.Allocate(bytes));
+  RETURN_IF_ERROR(backend_.Zero(state1_));
+  if (kind == OptimizerKind::kAdamW) {
+    ASSIGN_OR_RETURN(state2_, backend_.Allocate(bytes));
+    RETURN_IF_ERROR(backend_.Zero(state2_));
+  }
+  state_charge_ = MemoryCharge(&ledger_, MemoryPurpose::kOptimizerState,
+                               kind == OptimizerKind::kAdamW ? 2 * bytes : bytes);
+  optimizer_ = kind;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config, double max_grad_norm,
+                                       bool keep_grad, std::optional<uint64_t> expected_version) {
+  absl::WriterMutexLock weight_lock(&weight_mu_);
+  if (expected_version.has_value() && *expected_version != version_) {
+    return absl::FailedPreconditionError(absl::StrCat("head_version: expected the head's current ",
+                                                      version_, ", got ", *expected_version));
+  }
+  absl::MutexLock grad_lock(&grad_mu_);
+  const int64_t count = vocab_size_ * hidden_size_;
+  ASSIGN_OR_RETURN(const double sum_squares, backend_.SumSquaresFloat32(grad_, count));
+  StepOutcome outcome;
+  outcome.grad_norm = std::sqrt(sum_squares);
+  if (!std::isfinite(outcome.grad_norm)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "gradient of head '", name_, "' has a non-finite norm; step refused, nothing changed"));
+  }
+  // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
+  if (max_grad_norm > 0) {
+    outcome.clip_multiplier = std::min(1.0, max_grad_norm / (outcome.grad_norm + 1e-6));
+  }
+  const OptimizerKind kind =
+      config.kind == OptimizerConfig::Kind::kAdamW ? OptimizerKind::kAdamW : OptimizerKind::kSgd;
+  const bool fresh_state = optimizer_ != kind;
+  RETURN_IF_ERROR(EnsureOptimizerState(kind));
+  if (fresh_state) steps_ = 0;
+  OptimizerConfig effective = config;
+  effective.step = steps_ + 1;
+  effective.grad_multiplier = outcome.clip_multiplier;
+  OptimizerTensors tensors;
+  tensors.weight = &weight_;
+  tensors.weight_dtype = dtype_;
+  tensors.grad = &grad_;
+  tensors.state1 = &state1_;
+  tensors.state2 = kind == OptimizerKind::kAdamW ? &state2_ : nullptr;
+  tensors.count = count;
+  RETURN_IF_ERROR(backend_.OptimizerStep(effective, tensors));
+  outcome.accumulated_tokens = accumulated_tokens_;
+  if (!keep_grad) {
+    RETURN_IF_ERROR(backend_.Zero(grad_));
+    accumulated_tokens_ = 0;
+    accumulated_calls_ = 0;
+  }
+  ++steps_;
+  outcome.version = ++version_;
+  return outcome;
+}
+
+absl::Status Head::ReplaceWeight(const std::vector<uint8_t>& weight, DType dtype, std::string source) {
+  std::vector<uint8_t> stored = ConvertOnHost(weight, dtype, dtype_);
+  if (stored.size() != weight_.bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("weight: expected ", weight_.bytes(),
+                                                   " bytes, got ", stored.size()));
+  }
+  absl::WriterMutexLock weight_lock(&weight_mu_);
+  absl::MutexLock grad_lock(&grad_mu_);
+  RETURN_IF_ERROR(backend_.CopyToDevice(stored.data(), stored.size(), weight_, 0));
+  RETURN_IF_ERROR(backend_.Zero(grad_));
+  accumulated_tokens_ = 0;
+  accumulated_calls_ = 0;
+  state_charge_.Reset();
+  state1_.Reset();
+  state2_.Reset();
+  optimizer_ = OptimizerKind::kNone;
+  steps_ = 0;
+  source_ = std::move(source);
+  ++version_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<HeadState> Head::ExportState() {
+  HeadState state;
+  state.head = name_;
+  state.vocab_size = vocab_size_;
+  state.hidden_size = hidden_size_;
+  state.weight_dtype = dtype_;
+  state.weight.resize(weight_.bytes());
+  absl::ReaderMutexLock weight_lock(&weight_mu_);
+  absl::MutexLock grad_lock(&grad_mu_);
+  state.version = version_;
+  state.steps = steps_;
+  RETURN_IF_ERROR(backend_.CopyToHost(weight_, 0, state.weight.size(), state.weight.data()));
+  state.optimizer = optimizer_;
+  const int64_t count = vocab_size_ * hidden_size_;
+  if (optimizer_ != OptimizerKind::kNone) {
+    state.state1.resize(count);
+    RETURN_IF_ERROR(backend_.CopyToHost(state1_, 0, count * sizeof(float), state.state1.data()));
+  }
+  if (optimizer_ == OptimizerKind::kAdamW) {
+    state.state2.resize(count);
+    RETURN_IF_ERROR(backend_.CopyToHost(state2_, 0, count * sizeof(float), state.state2.data()));
+  }
+  return state;
+}
+
+void Head::Retire() {
+  absl::WriterMutexLock lock(&weight_mu_);
+  retired_ = true;
+}
+
+absl::StatusOr<std::shared_ptr<Head>> HeadStore::Get(const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = heads_.find(name);
+  if (it != heads_.end()) return it->second;
+  std::vector<std::string> names;
+  for (const auto& [key, unused] : heads_) names.push_back(key);
+  return absl::NotFoundError(absl::StrCat("head: no head named '", name, "' (serving: ",
+                                          names.empty() ? "none" : absl::StrJoin(names, ", "), ")"));
+}
+
+std::vector<std::shared_ptr<Head>> HeadStore::List() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<Head>> heads;
+  for (const auto& [unused, head] : heads_) heads.push_back(head);
+  return heads;
+}
+
+absl::Status HeadStore::Put(std::shared_ptr<Head> head, bool replace) {
+  absl::MutexLock lock(&mu_);
+  auto [it, inserted] = heads_.try_emplace(head->name(), head);
+  if (!inserted) {
+    if (!replace) {
+      return absl::AlreadyExistsError(absl::StrCat("head: '", head->name(),
+                                                   "' exists; set replace to overwrite it"));
+    }
+    it->second->Retire();
+    it->second = std::move(head);
+  }
+  return absl::OkStatus();
+}
+
+HeadState MakeDemoHead(const std::string& name, int64_t vocab_size, int64_t hidden_size,
+                       DType dtype, uint64_t seed) {
+  HeadState state;
+  state.head = name;
+  state.vocab_size = vocab_size;
+  state.hidden_size = hidden_size;
+  state.weight_dtype = dtype;
+  state.version = 1;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(hidden_size)));
+  state.weight.resize(vocab_size * hidden_size * DTypeSize(dtype));
+  for (int64_t i = 0; i < vocab_size * hidden_size; ++i) {
+    StoreFromFloat(state.weight.data(), dtype, i, normal(rng));
+  }
+  return state;
+}
+
+}  // namespace lossd::server

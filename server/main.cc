@@ -1,0 +1,98 @@
+// lossd_server: serves lm_head heads over gRPC and exports metrics for Prometheus.
+#include <csignal>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/time/time.h"
+#include "server/server.h"
+
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "gRPC address, HOST:PORT (port 0: any free port)");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
+          "HTTP address of the Prometheus /metrics endpoint; empty turns it off");
+ABSL_FLAG(std::string, device, "auto", "compute device: auto, cpu, cuda or cuda:N");
+ABSL_FLAG(int64_t, workspace_budget_mib, 256,
+          "per-call workspace budget in MiB; the engine's chunking keeps every call under it");
+ABSL_FLAG(int64_t, compute_memory_mib, 0,
+          "device memory admitted calls may hold together, in MiB (0: room for --max_running_calls "
+          "training calls on the largest head)");
+ABSL_FLAG(int, max_running_calls, 2, "Compute calls running on the device at once");
+ABSL_FLAG(int, max_queued_calls, 64, "Compute calls waiting for admission before new ones are refused");
+ABSL_FLAG(int64_t, max_message_mib, 256, "largest gRPC message accepted or sent, in MiB");
+ABSL_FLAG(std::string, token_file, "", "file whose first line is the bearer token every call must carry");
+ABSL_FLAG(std::string, tls_cert_file, "", "PEM certificate chain; with --tls_key_file turns TLS on");
+ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
+ABSL_FLAG(std::string, checkpoint_dir, "", "directory to resume heads from and save checkpoints to");
+ABSL_FLAG(int, keep_checkpoints, 3, "checkpoints kept per head");
+ABSL_FLAG(std::vector<std::string>, heads, {},
+          "comma-separated NAME=PATH[#TENSOR] heads from safetensors files (tensor default: "
+          "lm_head.weight, else model.embed_tokens.weight)");
+ABSL_FLAG(std::string, head_dtype, "float32", "storage dtype of heads: float32 or bfloat16");
+ABSL_FLAG(int64_t, demo_vocab_size, 32000, "vocabulary of the demo head served when no head is given");
+ABSL_FLAG(int64_t, demo_hidden_size, 512, "hidden size of the demo head");
+ABSL_FLAG(uint64_t, demo_seed, 0, "seed of the demo head's random init");
+ABSL_FLAG(int, drain_seconds, 30, "on SIGTERM, how long in-flight calls may run before they are cancelled");
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("lossd_server: linear cross-entropy as a service.\n"
+                               "  lossd_server --heads=main=model.safetensors --device=cuda");
+  absl::ParseCommandLine(argc, argv);
+
+  // Block the stop signals before any thread starts, so that only sigwait below receives them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  lossd::server::ServerConfig config;
+  config.listen_address = absl::GetFlag(FLAGS_listen);
+  config.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
+  config.device = absl::GetFlag(FLAGS_device);
+  config.workspace_budget_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_workspace_budget_mib)) << 20;
+  config.compute_memory_bytes = absl::GetFlag(FLAGS_compute_memory_mib) << 20;
+  config.max_running_calls = absl::GetFlag(FLAGS_max_running_calls);
+  config.max_queued_calls = absl::GetFlag(FLAGS_max_queued_calls);
+  config.max_message_bytes = absl::GetFlag(FLAGS_max_message_mib) << 20;
+  config.token_file = absl::GetFlag(FLAGS_token_file);
+  config.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
+  config.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);
+  config.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  config.keep_checkpoints = absl::GetFlag(FLAGS_keep_checkpoints);
+  config.heads = absl::GetFlag(FLAGS_heads);
+  config.demo.vocab_size = absl::GetFlag(FLAGS_demo_vocab_size);
+  config.demo.hidden_size = absl::GetFlag(FLAGS_demo_hidden_size);
+  config.demo.seed = absl::GetFlag(FLAGS_demo_seed);
+  auto dtype = lossd::server::ParseDType(absl::GetFlag(FLAGS_head_dtype));
+  if (!dtype.ok()) {
+    std::fprintf(stderr, "lossd_server: --head_%s\n", std::string(dtype.status().message()).c_str());
+    return 2;
+  }
+  config.head_dtype = *dtype;
+
+  auto server = lossd::server::LossServer::Start(config);
+  if (!server.ok()) {
+    std::fprintf(stderr, "lossd_server: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  for (const std::string& line : (*server)->startup_log()) {
+    std::fprintf(stderr, "lossd_server: %s\n", line.c_str());
+  }
+  std::fprintf(stderr, "lossd_server: serving gRPC on %s (port %d)\n", config.listen_address.c_str(),
+               (*server)->port());
+  if ((*server)->metrics_port() != 0) {
+    std::fprintf(stderr, "lossd_server: metrics on http://%s/metrics (port %d)\n",
+                 config.metrics_address.c_str(), (*server)->metrics_port());
+  }
+
+  int received = 0;
+  sigwait(&stop_signals, &received);
+  std::fprintf(stderr, "lossd_server: signal %d, draining in-flight calls (up to %d s)\n", received,
+               absl::GetFlag(FLAGS_drain_seconds));
+  (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
+  std::fprintf(stderr, "lossd_server: stopped\n");
+  return 0;
+}

@@ -1,0 +1,142 @@
+#include "server/metrics.h"
+
+#include <map>
+#include <mutex>
+#include <utility>
+
+namespace lossd::server {
+namespace {
+
+// Seconds from 1 ms to 2 minutes: a scoring call of a few tokens up to a long training batch.
+const prometheus::Histogram::BucketBoundaries kSecondsBuckets = {
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120};
+
+class StateCollector : public prometheus::Collectable {
+ public:
+  void SetReader(std::function<std::vector<GaugeSample>()> reader) {
+    std::lock_guard<std::mutex> lock(mu_);
+    reader_ = std::move(reader);
+  }
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    std::vector<GaugeSample> samples;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (reader_) samples = reader_();
+    }
+    // Samples of one name form one family, in first-seen order.
+    std::vector<prometheus::MetricFamily> families;
+    std::map<std::string, size_t> index;
+    for (GaugeSample& s : samples) {
+      auto [it, inserted] = index.emplace(s.name, families.size());
+      if (inserted) {
+        prometheus::MetricFamily family;
+        family.name = s.name;
+        family.help = s.help;
+        family.type = prometheus::MetricType::Gauge;
+        families.push_back(std::move(family));
+      }
+      prometheus::ClientMetric metric;
+      for (auto& [key, value] : s.labels) metric.label.push_back({key, value});
+      metric.gauge.value = s.value;
+      families[it->second].metric.push_back(std::move(metric));
+    }
+    return families;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::function<std::vector<GaugeSample>()> reader_;
+};
+
+}  // namespace
+
+Metrics::Metrics()
+    : registry_(std::make_shared<prometheus::Registry>()),
+      state_collector_(std::make_shared<StateCollector>()),
+      requests_(prometheus::BuildCounter()
+                    .Name("lossd_requests_total")
+                    .Help("Finished RPCs by method and gRPC status code.")
+                    .Register(*registry_)),
+      request_seconds_(prometheus::BuildHistogram()
+                           .Name("lossd_request_seconds")
+                           .Help("Wall time of RPCs from first byte to status, by method.")
+                           .Register(*registry_)),
+      queue_seconds_(prometheus::BuildHistogram()
+                         .Name("lossd_queue_seconds")
+                         .Help("Time Compute calls waited for admission to the device.")
+                         .Register(*registry_)
+                         .Add({}, kSecondsBuckets)),
+      compute_seconds_(prometheus::BuildHistogram()
+                           .Name("lossd_compute_seconds")
+                           .Help("Time Compute calls spent inside the engine.")
+                           .Register(*registry_)
+                           .Add({}, kSecondsBuckets)),
+      tokens_(prometheus::BuildCounter()
+                  .Name("lossd_tokens_total")
+                  .Help("Tokens (rows of hidden states) processed, by kind of call.")
+                  .Register(*registry_)),
+      bytes_received_(prometheus::BuildCounter()
+                          .Name("lossd_received_bytes_total")
+                          .Help("Tensor payload bytes received from clients.")
+                          .Register(*registry_)
+                          .Add({})),
+      bytes_sent_(prometheus::BuildCounter()
+                      .Name("lossd_sent_bytes_total")
+                      .Help("Tensor and result payload bytes sent to clients.")
+                      .Register(*registry_)
+                      .Add({})),
+      logits_bytes_avoided_(prometheus::BuildCounter()
+                                .Name("lossd_logits_bytes_avoided_total")
+                                .Help("Bytes of fp32 [tokens x vocabulary] logits that clients did "
+                                      "not have to materialize.")
+                                .Register(*registry_)
+                                .Add({})),
+      nonfinite_calls_(prometheus::BuildCounter()
+                           .Name("lossd_nonfinite_calls_total")
+                           .Help("Compute calls that met NaN or Inf logits and were refused.")
+                           .Register(*registry_)
+                           .Add({})),
+      admission_rejected_(prometheus::BuildCounter()
+                              .Name("lossd_admission_rejected_total")
+                              .Help("Compute calls refused admission, by reason.")
+                              .Register(*registry_)),
+      steps_(prometheus::BuildCounter()
+                 .Name("lossd_optimizer_steps_total")
+                 .Help("Optimizer steps applied, by head.")
+                 .Register(*registry_)),
+      in_flight_(prometheus::BuildGauge()
+                     .Name("lossd_inflight_calls")
+                     .Help("RPCs being served now.")
+                     .Register(*registry_)
+                     .Add({})) {}
+
+void Metrics::SetStateReader(std::function<std::vector<GaugeSample>()> reader) {
+  static_cast<StateCollector&>(*state_collector_).SetReader(std::move(reader));
+}
+
+void Metrics::RecordRequest(const std::string& method, const char* code, double seconds) {
+  requests_.Add({{"method", method}, {"code", code}}).Increment();
+  request_seconds_.Add({{"method", method}}, kSecondsBuckets).Observe(seconds);
+}
+
+void Metrics::ObserveQueueSeconds(double seconds) { queue_seconds_.Observe(seconds); }
+void Metrics::ObserveComputeSeconds(double seconds) { compute_seconds_.Observe(seconds); }
+
+void Metrics::AddTokens(const std::string& kind, int64_t tokens) {
+  tokens_.Add({{"kind", kind}}).Increment(static_cast<double>(tokens));
+}
+
+void Metrics::AddBytesReceived(int64_t bytes) { bytes_received_.Increment(static_cast<double>(bytes)); }
+void Metrics::AddBytesSent(int64_t bytes) { bytes_sent_.Increment(static_cast<double>(bytes)); }
+void Metrics::AddLogitsBytesAvoided(int64_t bytes) {
+  logits_bytes_avoided_.Increment(static_cast<double>(bytes));
+}
+void Metrics::CountNonFiniteCall() { nonfinite_calls_.Increment(); }
+void Metrics::CountAdmissionRejected(const std::string& reason) {
+  admission_rejected_.Add({{"reason", reason}}).Increment();
+}
+void Metrics::CountStep(const std::string& head) { steps_.Add({{"head", head}}).Increment(); }
+void Metrics::AddInFlight(int delta) { in_flight_.Increment(delta); }
+
+}  // namespace lossd::server

@@ -1,0 +1,72 @@
+// Prometheus metrics of the service: one `lossd_` prefix, base units, `_total` counters.
+// Event metrics are updated as requests run; state metrics (memory, queue, heads) are read at
+// scrape time through a callback so that they are never stale.
+#ifndef LOSSD_SERVER_METRICS_H_
+#define LOSSD_SERVER_METRICS_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <prometheus/collectable.h>
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/metric_family.h>
+#include <prometheus/registry.h>
+
+namespace lossd::server {
+
+// One gauge sample read at scrape time.
+struct GaugeSample {
+  std::string name;   // full metric name, lossd_ prefixed
+  std::string help;
+  std::vector<std::pair<std::string, std::string>> labels;
+  double value;
+};
+
+class Metrics {
+ public:
+  Metrics();
+
+  // Called on every scrape; returns the current state gauges.
+  void SetStateReader(std::function<std::vector<GaugeSample>()> reader);
+
+  void RecordRequest(const std::string& method, const char* code, double seconds);
+  void ObserveQueueSeconds(double seconds);
+  void ObserveComputeSeconds(double seconds);
+  void AddTokens(const std::string& kind, int64_t tokens);
+  void AddBytesReceived(int64_t bytes);
+  void AddBytesSent(int64_t bytes);
+  // Bytes of fp32 logits ([tokens, vocabulary]) that the caller did not have to materialize.
+  void AddLogitsBytesAvoided(int64_t bytes);
+  void CountNonFiniteCall();
+  void CountAdmissionRejected(const std::string& reason);
+  void CountStep(const std::string& head);
+  void AddInFlight(int delta);
+
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+  std::shared_ptr<prometheus::Collectable> state_collector() const { return state_collector_; }
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<prometheus::Collectable> state_collector_;
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Histogram>& request_seconds_;
+  prometheus::Histogram& queue_seconds_;
+  prometheus::Histogram& compute_seconds_;
+  prometheus::Family<prometheus::Counter>& tokens_;
+  prometheus::Counter& bytes_received_;
+  prometheus::Counter& bytes_sent_;
+  prometheus::Counter& logits_bytes_avoided_;
+  prometheus::Counter& nonfinite_calls_;
+  prometheus::Family<prometheus::Counter>& admission_rejected_;
+  prometheus::Family<prometheus::Counter>& steps_;
+  prometheus::Gauge& in_flight_;
+};
+
+}  // namespace lossd::server
+
+#endif  // LOSSD_SERVER_METRICS_H_

@@ -1,0 +1,132 @@
+#include "server/proto_convert.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "lossd/kernels/backend_common.h"
+#include "lossd/kernels/status_macros.h"
+
+namespace lossd::server {
+namespace {
+
+absl::Status Invalid(absl::string_view field, absl::string_view expected, absl::string_view got) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", expected, ", got ", got));
+}
+
+bool IsFiniteAtLeast(double value, double low) { return std::isfinite(value) && value >= low; }
+
+}  // namespace
+
+absl::StatusOr<DType> FromProto(v1::DType dtype, absl::string_view field,
+                                std::optional<DType> fallback) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32: return DType::kFloat32;
+    case v1::DTYPE_BFLOAT16: return DType::kBFloat16;
+    case v1::DTYPE_FLOAT16: return DType::kFloat16;
+    case v1::DTYPE_UNSPECIFIED:
+      if (fallback.has_value()) return *fallback;
+      break;
+    default:
+      break;
+  }
+  return Invalid(field, "DTYPE_FLOAT32, DTYPE_BFLOAT16 or DTYPE_FLOAT16",
+                 v1::DType_IsValid(dtype) ? v1::DType_Name(dtype) : absl::StrCat(static_cast<int>(dtype)));
+}
+
+v1::DType ToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return v1::DTYPE_FLOAT32;
+    case DType::kBFloat16: return v1::DTYPE_BFLOAT16;
+    case DType::kFloat16: return v1::DTYPE_FLOAT16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+absl::StatusOr<LossOptions> FromProto(const v1::LossOptions& p) {
+  LossOptions o;
+  switch (p.reduction()) {
+    case v1::REDUCTION_MEAN: o.reduction = Reduction::kMean; break;
+    case v1::REDUCTION_SUM: o.reduction = Reduction::kSum; break;
+    case v1::REDUCTION_NONE: o.reduction = Reduction::kNone; break;
+    default:
+      return Invalid("options.reduction", "REDUCTION_MEAN, REDUCTION_SUM or REDUCTION_NONE",
+                     absl::StrCat(static_cast<int>(p.reduction())));
+  }
+  if (p.has_ignore_index()) o.ignore_index = p.ignore_index();
+  o.label_smoothing = p.label_smoothing();
+  o.z_loss_scale = p.z_loss_scale();
+  o.logit_softcap = p.logit_softcap();
+  if (p.has_temperature()) o.temperature = p.temperature();
+  if (p.has_grad_scale()) o.grad_scale = p.grad_scale();
+  o.mean_denominator = p.mean_denominator();
+  o.allow_tf32 = p.allow_tf32();
+  absl::Status status = ValidateOptions(o);
+  if (!status.ok()) return absl::InvalidArgumentError(absl::StrCat("options.", status.message()));
+  return o;
+}
+
+absl::StatusOr<OptimizerConfig> FromProto(const v1::StepRequest& request) {
+  OptimizerConfig c;
+  switch (request.optimizer_case()) {
+    case v1::StepRequest::kSgd: {
+      const v1::SgdConfig& sgd = request.sgd();
+      c.kind = OptimizerConfig::Kind::kSgd;
+      c.learning_rate = sgd.learning_rate();
+      c.momentum = sgd.momentum();
+      c.weight_decay = sgd.weight_decay();
+      if (!IsFiniteAtLeast(c.momentum, 0.0)) {
+        return Invalid("sgd.momentum", "a finite value >= 0", absl::StrCat(c.momentum));
+      }
+      break;
+    }
+    case v1::StepRequest::kAdamw: {
+      const v1::AdamWConfig& adamw = request.adamw();
+      c.kind = OptimizerConfig::Kind::kAdamW;
+      c.learning_rate = adamw.learning_rate();
+      c.weight_decay = adamw.weight_decay();
+      if (adamw.has_beta1()) c.beta1 = adamw.beta1();
+      if (adamw.has_beta2()) c.beta2 = adamw.beta2();
+      if (adamw.has_epsilon()) c.epsilon = adamw.epsilon();
+      if (!(c.beta1 >= 0.0 && c.beta1 < 1.0)) {
+        return Invalid("adamw.beta1", "a value in [0, 1)", absl::StrCat(c.beta1));
+      }
+      if (!(c.beta2 >= 0.0 && c.beta2 < 1.0)) {
+        return Invalid("adamw.beta2", "a value in [0, 1)", absl::StrCat(c.beta2));
+      }
+      if (!(std::isfinite(c.epsilon) && c.epsilon > 0.0)) {
+        return Invalid("adamw.epsilon", "a finite value > 0", absl::StrCat(c.epsilon));
+      }
+      break;
+    }
+    default:
+      return Invalid("optimizer", "sgd or adamw", "neither");
+  }
+  if (!IsFiniteAtLeast(c.learning_rate, 0.0)) {
+    return Invalid("learning_rate", "a finite value >= 0", absl::StrCat(c.learning_rate));
+  }
+  if (!IsFiniteAtLeast(c.weight_decay, 0.0)) {
+    return Invalid("weight_decay", "a finite value >= 0", absl::StrCat(c.weight_decay));
+  }
+  if (!IsFiniteAtLeast(request.max_grad_norm(), 0.0)) {
+    return Invalid("max_grad_norm", "0 (off) or a finite value > 0",
+                   absl::StrCat(request.max_grad_norm()));
+  }
+  return c;
+}
+
+v1::HeadInfo ToProto(const HeadSummary& s) {
+  v1::HeadInfo info;
+  info.set_name(s.name);
+  info.set_vocab_size(s.vocab_size);
+  info.set_hidden_size(s.hidden_size);
+  info.set_dtype(ToProto(s.dtype));
+  info.set_version(s.version);
+  info.set_source(s.source);
+  info.set_accumulated_tokens(s.accumulated_tokens);
+  info.set_accumulated_calls(s.accumulated_calls);
+  info.set_optimizer(static_cast<v1::OptimizerState::Kind>(s.optimizer));
+  info.set_steps(s.steps);
+  return info;
+}
+
+}  // namespace lossd::server

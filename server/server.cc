@@ -1,0 +1,265 @@
+#include "server/server.h"
+
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "lossd/kernels/status_macros.h"
+#include "server/storage/checkpoint.h"
+#include "server/storage/safetensors.h"
+
+namespace lossd::server {
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view flag) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) return absl::NotFoundError(absl::StrCat(flag, ": cannot read ", path));
+  std::stringstream contents;
+  contents << file.rdbuf();
+  return contents.str();
+}
+
+struct HeadSpec {
+  std::string name;
+  std::string path;
+  std::string tensor;  // empty: lm_head.weight, then model.embed_tokens.weight
+};
+
+absl::StatusOr<HeadSpec> ParseHeadSpec(absl::string_view text) {
+  std::pair<std::string, std::string> name_rest = absl::StrSplit(text, absl::MaxSplits('=', 1));
+  std::pair<std::string, std::string> path_tensor =
+      absl::StrSplit(name_rest.second, absl::MaxSplits('#', 1));
+  HeadSpec spec{name_rest.first, path_tensor.first, path_tensor.second};
+  if (spec.name.empty() || spec.path.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--heads: expected NAME=PATH or NAME=PATH#TENSOR, got \"", text, "\""));
+  }
+  RETURN_IF_ERROR(storage::ValidateCheckpointHeadName(spec.name));
+  return spec;
+}
+
+absl::StatusOr<HeadState> LoadSafetensorsHead(const HeadSpec& spec, DType dtype, std::string* source) {
+  ASSIGN_OR_RETURN(const storage::SafetensorsFile file, storage::SafetensorsFile::Open(spec.path));
+  std::string tensor_name = spec.tensor;
+  if (tensor_name.empty()) {
+    tensor_name = file.Tensor("lm_head.weight").ok() ? "lm_head.weight" : "model.embed_tokens.weight";
+  }
+  ASSIGN_OR_RETURN(const storage::TensorRef tensor, file.Tensor(tensor_name));
+  if (tensor.shape.size() != 2 || tensor.shape[0] <= 0 || tensor.shape[1] <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(spec.path, ": tensor '", tensor_name,
+                                                   "': expected a 2-D [vocab, hidden] shape"));
+  }
+  HeadState state;
+  state.head = spec.name;
+  state.vocab_size = tensor.shape[0];
+  state.hidden_size = tensor.shape[1];
+  state.weight_dtype = dtype;
+  state.version = 1;
+  ASSIGN_OR_RETURN(state.weight, storage::ReadAsDType(tensor, dtype));
+  *source = absl::StrCat(spec.path, "#", tensor_name, " (", tensor.dtype, ")");
+  return state;
+}
+
+}  // namespace
+
+absl::StatusOr<DType> ParseDType(absl::string_view name) {
+  if (name == "float32" || name == "fp32") return DType::kFloat32;
+  if (name == "bfloat16" || name == "bf16") return DType::kBFloat16;
+  if (name == "float16" || name == "fp16") return DType::kFloat16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("dtype: expected float32, bfloat16 or float16, got \"", name, "\""));
+}
+
+absl::Status LossServer::LoadHeads(const ServerConfig& config) {
+  if (!config.checkpoint_dir.empty()) {
+    ASSIGN_OR_RETURN(const storage::ResumeResult resumed,
+                     storage::ResumeFromDirectory(config.checkpoint_dir));
+    for (const std::string& skipped : resumed.skipped) {
+      startup_log_.push_back(absl::StrCat("skipped checkpoint: ", skipped));
+    }
+    for (const HeadState& state : resumed.heads) {
+      const std::string source = absl::StrCat("checkpoint ", config.checkpoint_dir, " (version ",
+                                              state.version, ")");
+      ASSIGN_OR_RETURN(auto head, Head::Create(*backend_, ledger_, state, source));
+      RETURN_IF_ERROR(heads_.Put(head, false));
+      startup_log_.push_back(absl::StrCat("head '", state.head, "' resumed from ", source));
+    }
+  }
+  for (const std::string& text : config.heads) {
+    ASSIGN_OR_RETURN(const HeadSpec spec, ParseHeadSpec(text));
+    if (heads_.Get(spec.name).ok()) {
+      startup_log_.push_back(absl::StrCat("head '", spec.name, "': ", spec.path,
+                                          " not loaded, its checkpoint is newer"));
+      continue;
+    }
+    std::string source;
+    ASSIGN_OR_RETURN(const HeadState state, LoadSafetensorsHead(spec, config.head_dtype, &source));
+    ASSIGN_OR_RETURN(auto head, Head::Create(*backend_, ledger_, state, source));
+    RETURN_IF_ERROR(heads_.Put(head, false));
+    startup_log_.push_back(absl::StrCat("head '", spec.name, "' [", state.vocab_size, ", ",
+                                        state.hidden_size, "] from ", source));
+  }
+  if (heads_.List().empty()) {
+    const DemoHeadConfig& demo = config.demo;
+    const HeadState state =
+        MakeDemoHead(demo.name, demo.vocab_size, demo.hidden_size, config.head_dtype, demo.seed);
+    const std::string source = absl::StrCat("demo: seeded random init (seed ", demo.seed, ")");
+    ASSIGN_OR_RETURN(auto head, Head::Create(*backend_, ledger_, state, source));
+    RETURN_IF_ERROR(heads_.Put(head, false));
+    startup_log_.push_back(absl::StrCat("head '", demo.name, "' [", demo.vocab_size, ", ",
+                                        demo.hidden_size, "] ", DTypeName(config.head_dtype),
+                                        ", ", source));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<GaugeSample> LossServer::ReadState() const {
+  std::vector<GaugeSample> samples;
+  const bool host = backend_->kind() == "cpu";
+  if (auto memory = backend_->QueryMemory(); memory.ok()) {
+    const std::string device = std::string(backend_->kind());
+    samples.push_back({"lossd_device_memory_total_bytes",
+                       "Memory of the compute device (host RAM for the CPU backend).",
+                       {{"device", device}}, static_cast<double>(memory->total_bytes)});
+    samples.push_back({"lossd_device_memory_used_bytes",
+                       host ? "Host RAM in use by all processes (CPU backend)."
+                            : "Device memory in use by all processes, from the driver.",
+                       {{"device", device}}, static_cast<double>(memory->used_bytes)});
+  }
+  for (int p = 0; p < kMemoryPurposeCount; ++p) {
+    const auto purpose = static_cast<MemoryPurpose>(p);
+    samples.push_back({"lossd_memory_bytes", "Memory the server holds now, by purpose.",
+                       {{"purpose", MemoryPurposeName(purpose)}},
+                       static_cast<double>(ledger_.current(purpose))});
+  }
+  for (int p = 0; p < kMemoryPurposeCount; ++p) {
+    const auto purpose = static_cast<MemoryPurpose>(p);
+    samples.push_back({"lossd_memory_peak_bytes", "Most memory the server has held, by purpose.",
+                       {{"purpose", MemoryPurposeName(purpose)}},
+                       static_cast<double>(ledger_.peak(purpose))});
+  }
+  samples.push_back({"lossd_queue_depth", "Compute calls waiting for admission.", {},
+                     static_cast<double>(scheduler_->queued())});
+  samples.push_back({"lossd_running_calls", "Compute calls admitted to the device.", {},
+                     static_cast<double>(scheduler_->running())});
+  samples.push_back({"lossd_compute_budget_bytes", "Device memory the scheduler admits calls against.",
+                     {}, static_cast<double>(scheduler_->capacity_bytes())});
+  samples.push_back({"lossd_compute_admitted_bytes", "Device memory admitted calls hold now.", {},
+                     static_cast<double>(scheduler_->admitted_bytes())});
+  for (const auto& head : heads_.List()) {
+    const HeadSummary s = head->Summary();
+    samples.push_back({"lossd_head_version", "Version of each head; grows with every step or upload.",
+                       {{"head", s.name}}, static_cast<double>(s.version)});
+    samples.push_back({"lossd_head_accumulated_tokens",
+                       "Tokens in each head's gradient accumulator since it was last zeroed.",
+                       {{"head", s.name}}, static_cast<double>(s.accumulated_tokens)});
+  }
+  samples.push_back({"lossd_build_info", "Constant 1, labelled with the version and backend.",
+                     {{"version", "0.1.0"}, {"backend", std::string(backend_->kind())}}, 1.0});
+  return samples;
+}
+
+absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig& config,
+                                                              std::unique_ptr<Backend> backend) {
+  std::unique_ptr<LossServer> server(new LossServer());
+  if (backend == nullptr) {
+    ASSIGN_OR_RETURN(backend, CreateBackend(config.device));
+  }
+  server->backend_ = std::move(backend);
+  server->startup_log_.push_back(absl::StrCat("backend: ", server->backend_->Describe()));
+  RETURN_IF_ERROR(server->LoadHeads(config));
+
+  int64_t largest_head_elements = 0;
+  for (const auto& head : server->heads_.List()) {
+    largest_head_elements = std::max(largest_head_elements, head->vocab_size() * head->hidden_size());
+  }
+  // Room for max_running_calls training calls on the largest head: workspace plus staging dL/dW.
+  const int64_t compute_memory =
+      config.compute_memory_bytes > 0
+          ? config.compute_memory_bytes
+          : config.max_running_calls * (static_cast<int64_t>(config.workspace_budget_bytes) +
+                                        largest_head_elements * static_cast<int64_t>(sizeof(float)));
+  server->scheduler_ =
+      std::make_unique<Scheduler>(compute_memory, config.max_running_calls, config.max_queued_calls);
+
+  ServiceOptions options;
+  options.compute.workspace_budget_bytes = config.workspace_budget_bytes;
+  options.compute.max_result_message_bytes = std::min<int64_t>(config.max_message_bytes / 2, 8 << 20);
+  options.max_fetch_chunk_bytes = config.max_message_bytes / 2;
+  options.checkpoint_dir = config.checkpoint_dir;
+  options.keep_checkpoints = config.keep_checkpoints;
+  if (!config.token_file.empty()) {
+    ASSIGN_OR_RETURN(std::string token, ReadFile(config.token_file, "--token_file"));
+    options.bearer_token = std::string(absl::StripAsciiWhitespace(token));
+    if (options.bearer_token.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("--token_file: ", config.token_file, " is empty"));
+    }
+  }
+  server->service_ = std::make_unique<LossService>(*server->backend_, server->heads_,
+                                                   *server->scheduler_, server->metrics_,
+                                                   server->ledger_, std::move(options));
+
+  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+  if (!config.tls_cert_file.empty() || !config.tls_key_file.empty()) {
+    ASSIGN_OR_RETURN(std::string cert, ReadFile(config.tls_cert_file, "--tls_cert_file"));
+    ASSIGN_OR_RETURN(std::string key, ReadFile(config.tls_key_file, "--tls_key_file"));
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({key, cert});
+    credentials = grpc::SslServerCredentials(ssl);
+  }
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(config.listen_address, credentials, &server->port_);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
+  builder.RegisterService(server->service_.get());
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("--listen: cannot bind ", config.listen_address));
+  }
+  server->server_->GetHealthCheckService()->SetServingStatus(true);
+
+  if (!config.metrics_address.empty()) {
+    try {
+      server->exposer_ = std::make_unique<prometheus::Exposer>(config.metrics_address);
+    } catch (const std::exception& e) {
+      return absl::UnavailableError(
+          absl::StrCat("--metrics_listen: cannot serve ", config.metrics_address, ": ", e.what()));
+    }
+    LossServer* raw = server.get();
+    server->metrics_.SetStateReader([raw] { return raw->ReadState(); });
+    server->exposer_->RegisterCollectable(server->metrics_.registry());
+    server->exposer_->RegisterCollectable(server->metrics_.state_collector());
+  }
+  return server;
+}
+
+int LossServer::metrics_port() const {
+  if (exposer_ == nullptr) return 0;
+  const std::vector<int> ports = exposer_->GetListeningPorts();
+  return ports.empty() ? 0 : ports.front();
+}
+
+void LossServer::Shutdown(absl::Duration drain) {
+  if (shut_down_) return;
+  shut_down_ = true;
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(drain));
+  server_->Wait();
+}
+
+LossServer::~LossServer() {
+  if (server_ != nullptr) Shutdown(absl::ZeroDuration());
+  metrics_.SetStateReader(nullptr);
+}
+
+}  // namespace lossd::server

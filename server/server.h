@@ -1,0 +1,92 @@
+// A running lossd server: backend, heads, scheduler, gRPC service and metrics endpoint, wired
+// from one configuration. main() and the end-to-end tests both start servers through this.
+#ifndef LOSSD_SERVER_SERVER_H_
+#define LOSSD_SERVER_SERVER_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/server.h>
+#include <prometheus/exposer.h>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "lossd/kernels/backend.h"
+#include "server/head_store.h"
+#include "server/memory_ledger.h"
+#include "server/metrics.h"
+#include "server/scheduler.h"
+#include "server/service.h"
+
+namespace lossd::server {
+
+struct DemoHeadConfig {
+  std::string name = "demo";
+  int64_t vocab_size = 32000;
+  int64_t hidden_size = 512;
+  uint64_t seed = 0;
+};
+
+struct ServerConfig {
+  std::string listen_address = "127.0.0.1:50051";  // port 0 picks a free port
+  std::string metrics_address = "127.0.0.1:9464";  // empty: no /metrics endpoint
+  std::string device = "auto";                     // auto, cpu, cuda, cuda:N
+  size_t workspace_budget_bytes = 256u << 20;      // per call
+  int64_t compute_memory_bytes = 0;                // 0: enough for max_running_calls calls
+  int max_running_calls = 2;
+  int max_queued_calls = 64;
+  int64_t max_message_bytes = 256 << 20;
+  std::string token_file;                          // bearer token, first line
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string checkpoint_dir;                      // resume from and save to
+  int keep_checkpoints = 3;
+  // "NAME=PATH" or "NAME=PATH#TENSOR": a head from a safetensors file. The tensor defaults to
+  // lm_head.weight, then model.embed_tokens.weight (tied embeddings).
+  std::vector<std::string> heads;
+  DType head_dtype = DType::kFloat32;              // storage dtype of heads loaded from files
+  DemoHeadConfig demo;                             // served when no other head is configured
+};
+
+class LossServer {
+ public:
+  // Loads heads, binds the ports and starts serving. `backend` overrides config.device.
+  static absl::StatusOr<std::unique_ptr<LossServer>> Start(const ServerConfig& config,
+                                                           std::unique_ptr<Backend> backend = nullptr);
+  ~LossServer();
+
+  int port() const { return port_; }
+  int metrics_port() const;
+  // Stops accepting calls, lets in-flight calls finish up to `drain`, then cancels the rest.
+  void Shutdown(absl::Duration drain);
+
+  Backend& backend() { return *backend_; }
+  HeadStore& heads() { return heads_; }
+  MemoryLedger& ledger() { return ledger_; }
+  Metrics& metrics() { return metrics_; }
+  const std::vector<std::string>& startup_log() const { return startup_log_; }
+
+ private:
+  LossServer() = default;
+  absl::Status LoadHeads(const ServerConfig& config);
+  std::vector<GaugeSample> ReadState() const;
+
+  std::unique_ptr<Backend> backend_;
+  MemoryLedger ledger_;
+  HeadStore heads_;
+  Metrics metrics_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<LossService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  int port_ = 0;
+  bool shut_down_ = false;
+  std::vector<std::string> startup_log_;
+};
+
+absl::StatusOr<DType> ParseDType(absl::string_view name);
+
+}  // namespace lossd::server
+
+#endif  // LOSSD_SERVER_SERVER_H_

@@ -1,0 +1,297 @@
+#include "server/service.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "lossd/kernels/loss_math.h"
+#include "lossd/kernels/status_macros.h"
+#include "server/grpc_status.h"
+#include "server/proto_convert.h"
+#include "server/storage/checkpoint.h"
+
+namespace lossd::server {
+namespace {
+
+class GrpcComputeStream final : public ComputeStream {
+ public:
+  GrpcComputeStream(grpc::ServerContext* context,
+                    grpc::ServerReaderWriter<v1::ComputeResponse, v1::ComputeRequest>* stream)
+      : context_(context), stream_(stream) {}
+  bool Read(v1::ComputeRequest* request) override { return stream_->Read(request); }
+  bool Write(const v1::ComputeResponse& response) override { return stream_->Write(response); }
+  bool IsCancelled() const override { return context_->IsCancelled(); }
+
+ private:
+  grpc::ServerContext* context_;
+  grpc::ServerReaderWriter<v1::ComputeResponse, v1::ComputeRequest>* stream_;
+};
+
+// Compares every byte whatever the first difference, so the time taken says nothing about the token.
+bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
+  unsigned char difference = a.size() == b.size() ? 0 : 1;
+  const size_t n = std::max(a.size(), b.size());
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    difference |= x ^ y;
+  }
+  return difference == 0;
+}
+
+absl::Status Invalid(absl::string_view field, absl::string_view expected, absl::string_view got) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", expected, ", got ", got));
+}
+
+}  // namespace
+
+LossService::LossService(Backend& backend, HeadStore& heads, Scheduler& scheduler, Metrics& metrics,
+                         MemoryLedger& ledger, ServiceOptions options)
+    : backend_(backend),
+      heads_(heads),
+      scheduler_(scheduler),
+      metrics_(metrics),
+      ledger_(ledger),
+      options_(std::move(options)) {}
+
+absl::Status LossService::Authenticate(const grpc::ServerContext& context) const {
+  if (options_.bearer_token.empty()) return absl::OkStatus();
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find("authorization");
+  const absl::string_view presented =
+      it == metadata.end() ? absl::string_view() : absl::string_view(it->second.data(), it->second.size());
+  const std::string expected = absl::StrCat("Bearer ", options_.bearer_token);
+  if (!ConstantTimeEquals(presented, expected)) {
+    return absl::UnauthenticatedError(
+        "authorization: expected metadata \"authorization: Bearer <token>\" with the server's token");
+  }
+  return absl::OkStatus();
+}
+
+template <typename Body>
+grpc::Status LossService::Serve(const char* method, grpc::ServerContext* context, Body&& body) {
+  const absl::Time start = absl::Now();
+  metrics_.AddInFlight(1);
+  absl::Status status = Authenticate(*context);
+  if (status.ok()) status = body();
+  metrics_.AddInFlight(-1);
+  const grpc::Status result = ToGrpcStatus(status);
+  metrics_.RecordRequest(method, GrpcCodeName(result.error_code()),
+                         absl::ToDoubleSeconds(absl::Now() - start));
+  return result;
+}
+
+grpc::Status LossService::Compute(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::ComputeResponse, v1::ComputeRequest>* stream) {
+  return Serve("Compute", context, [&] {
+    GrpcComputeStream compute_stream(context, stream);
+    const ComputeEnvironment env{&backend_, &heads_, &scheduler_, &metrics_, &ledger_,
+                                 options_.compute};
+    absl::Status status = RunComputeCall(env, compute_stream);
+    if (status.code() == absl::StatusCode::kResourceExhausted) {
+      metrics_.CountAdmissionRejected(absl::StrContains(status.message(), "queue") ? "queue_full"
+                                                                                    : "over_budget");
+    }
+    return status;
+  });
+}
+
+grpc::Status LossService::ListHeads(grpc::ServerContext* context, const v1::ListHeadsRequest*,
+                                    v1::ListHeadsResponse* response) {
+  return Serve("ListHeads", context, [&] {
+    for (const auto& head : heads_.List()) *response->add_heads() = ToProto(head->Summary());
+    response->set_backend(backend_.Describe());
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status LossService::GetHead(grpc::ServerContext* context, const v1::GetHeadRequest* request,
+                                  v1::HeadInfo* response) {
+  return Serve("GetHead", context, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(auto head, heads_.Get(request->head()));
+    *response = ToProto(head->Summary());
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
+    grpc::ServerReader<v1::UploadHeadRequest>* reader) {
+  v1::UploadHeadRequest request;
+  if (!reader->Read(&request) || !request.has_start()) {
+    return Invalid("start", "an UploadHeadStart as the first message", "none");
+  }
+  const v1::UploadHeadStart start = request.start();
+  RETURN_IF_ERROR(storage::ValidateCheckpointHeadName(start.head()));
+  if (start.vocab_size() <= 0 || start.hidden_size() <= 0) {
+    return Invalid("vocab_size/hidden_size", "positive sizes",
+                   absl::StrCat(start.vocab_size(), " x ", start.hidden_size()));
+  }
+  ASSIGN_OR_RETURN(const DType wire_dtype, FromProto(start.dtype(), "dtype"));
+  ASSIGN_OR_RETURN(const DType storage_dtype,
+                   FromProto(start.storage_dtype(), "storage_dtype", DType::kFloat32));
+  // Checked before the product so that absurd declared sizes cannot overflow it.
+  const int64_t max_elements = options_.max_head_bytes / 4;
+  if (start.vocab_size() > max_elements || start.hidden_size() > max_elements ||
+      start.vocab_size() * start.hidden_size() > max_elements) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "vocab_size x hidden_size: expected at most ", max_elements, " elements (",
+        options_.max_head_bytes, " bytes as float32), got ", start.vocab_size(), " x ",
+        start.hidden_size()));
+  }
+  auto existing = heads_.Get(start.head());
+  if (existing.ok() && !start.replace()) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("head: '", start.head(), "' exists; set replace to overwrite it"));
+  }
+  const size_t expected_bytes = start.vocab_size() * start.hidden_size() * DTypeSize(wire_dtype);
+  std::vector<uint8_t> weight;
+  weight.reserve(expected_bytes);
+  while (reader->Read(&request)) {
+    if (request.has_start()) return Invalid("start", "exactly one UploadHeadStart, first", "a second one");
+    const std::string& bytes = request.weight();
+    if (weight.size() + bytes.size() > expected_bytes) {
+      return Invalid("weight", absl::StrCat(expected_bytes, " bytes (vocab_size x hidden_size x ",
+                                            DTypeSize(wire_dtype), ")"),
+                     absl::StrCat("at least ", weight.size() + bytes.size()));
+    }
+    weight.insert(weight.end(), bytes.begin(), bytes.end());
+    metrics_.AddBytesReceived(static_cast<int64_t>(bytes.size()));
+  }
+  if (weight.size() != expected_bytes) {
+    return Invalid("weight", absl::StrCat(expected_bytes, " bytes"),
+                   absl::StrCat(weight.size(), " before the stream ended"));
+  }
+  const std::string source = absl::StrCat("upload (", DTypeName(wire_dtype), ")");
+  if (existing.ok() && (*existing)->vocab_size() == start.vocab_size() &&
+      (*existing)->hidden_size() == start.hidden_size() && (*existing)->dtype() == storage_dtype) {
+    RETURN_IF_ERROR((*existing)->ReplaceWeight(weight, wire_dtype, source));
+    return ToProto((*existing)->Summary());
+  }
+  HeadState state;
+  state.head = start.head();
+  state.vocab_size = start.vocab_size();
+  state.hidden_size = start.hidden_size();
+  state.weight_dtype = storage_dtype;
+  state.version = existing.ok() ? (*existing)->version() + 1 : 1;
+  state.weight = std::move(weight);
+  if (wire_dtype != storage_dtype) {
+    std::vector<uint8_t> converted(state.vocab_size * state.hidden_size * DTypeSize(storage_dtype));
+    for (int64_t i = 0; i < state.vocab_size * state.hidden_size; ++i) {
+      StoreFromFloat(converted.data(), storage_dtype, i, LoadAsFloat(state.weight.data(), wire_dtype, i));
+    }
+    state.weight = std::move(converted);
+  }
+  ASSIGN_OR_RETURN(auto head, Head::Create(backend_, ledger_, state, source));
+  RETURN_IF_ERROR(heads_.Put(head, start.replace()));
+  return ToProto(head->Summary());
+}
+
+grpc::Status LossService::UploadHead(grpc::ServerContext* context,
+                                     grpc::ServerReader<v1::UploadHeadRequest>* reader,
+                                     v1::HeadInfo* response) {
+  return Serve("UploadHead", context, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(*response, ReceiveUpload(reader));
+    return absl::OkStatus();
+  });
+}
+
+absl::Status LossService::StreamTensor(const v1::FetchTensorRequest& request, bool gradient,
+                                       grpc::ServerWriter<v1::TensorChunk>* writer) {
+  ASSIGN_OR_RETURN(auto head, heads_.Get(request.head()));
+  ASSIGN_OR_RETURN(const DType dtype, FromProto(request.dtype(), "dtype", DType::kFloat32));
+  if (request.max_chunk_bytes() < 0 || request.max_chunk_bytes() > options_.max_fetch_chunk_bytes) {
+    return Invalid("max_chunk_bytes", absl::StrCat("0 (default) to ", options_.max_fetch_chunk_bytes),
+                   absl::StrCat(request.max_chunk_bytes()));
+  }
+  ASSIGN_OR_RETURN(const TensorSnapshot snapshot,
+                   gradient ? head->ReadGradient(dtype) : head->ReadWeight(dtype));
+  const int64_t chunk_bytes =
+      request.max_chunk_bytes() > 0 ? request.max_chunk_bytes() : options_.default_fetch_chunk_bytes;
+  const int64_t row_bytes = head->hidden_size() * static_cast<int64_t>(DTypeSize(dtype));
+  const int64_t rows_per_chunk = std::max<int64_t>(1, chunk_bytes / row_bytes);
+  for (int64_t r0 = 0; r0 < head->vocab_size(); r0 += rows_per_chunk) {
+    const int64_t rows = std::min(rows_per_chunk, head->vocab_size() - r0);
+    v1::TensorChunk chunk;
+    chunk.set_row_offset(r0);
+    chunk.set_num_rows(rows);
+    chunk.set_vocab_size(head->vocab_size());
+    chunk.set_hidden_size(head->hidden_size());
+    chunk.set_dtype(ToProto(dtype));
+    chunk.set_data(snapshot.data.data() + r0 * row_bytes, rows * row_bytes);
+    chunk.set_head_version(snapshot.version);
+    chunk.set_accumulated_tokens(snapshot.accumulated_tokens);
+    if (!writer->Write(chunk)) return absl::CancelledError("client went away during the fetch");
+    metrics_.AddBytesSent(rows * row_bytes);
+  }
+  return absl::OkStatus();
+}
+
+grpc::Status LossService::FetchWeight(grpc::ServerContext* context,
+                                      const v1::FetchTensorRequest* request,
+                                      grpc::ServerWriter<v1::TensorChunk>* writer) {
+  return Serve("FetchWeight", context, [&] { return StreamTensor(*request, false, writer); });
+}
+
+grpc::Status LossService::FetchGradWeight(grpc::ServerContext* context,
+                                          const v1::FetchTensorRequest* request,
+                                          grpc::ServerWriter<v1::TensorChunk>* writer) {
+  return Serve("FetchGradWeight", context, [&] { return StreamTensor(*request, true, writer); });
+}
+
+grpc::Status LossService::ZeroGradWeight(grpc::ServerContext* context,
+                                         const v1::ZeroGradWeightRequest* request,
+                                         v1::ZeroGradWeightResponse* response) {
+  return Serve("ZeroGradWeight", context, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(auto head, heads_.Get(request->head()));
+    RETURN_IF_ERROR(head->ZeroGradient());
+    response->set_head_version(head->version());
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status LossService::Step(grpc::ServerContext* context, const v1::StepRequest* request,
+                               v1::StepResponse* response) {
+  return Serve("Step", context, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(auto head, heads_.Get(request->head()));
+    ASSIGN_OR_RETURN(const OptimizerConfig config, FromProto(*request));
+    std::optional<uint64_t> pinned;
+    if (request->has_head_version()) pinned = request->head_version();
+    ASSIGN_OR_RETURN(const StepOutcome outcome,
+                     head->Step(config, request->max_grad_norm(), request->keep_grad(), pinned));
+    response->set_head_version(outcome.version);
+    response->set_grad_norm(outcome.grad_norm);
+    response->set_clip_multiplier(outcome.clip_multiplier);
+    response->set_accumulated_tokens(outcome.accumulated_tokens);
+    metrics_.CountStep(head->name());
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status LossService::SaveCheckpoint(grpc::ServerContext* context,
+                                         const v1::SaveCheckpointRequest* request,
+                                         v1::SaveCheckpointResponse* response) {
+  return Serve("SaveCheckpoint", context, [&]() -> absl::Status {
+    if (options_.checkpoint_dir.empty()) {
+      return absl::FailedPreconditionError(
+          "checkpoint_dir: the server was started without --checkpoint_dir");
+    }
+    std::vector<std::shared_ptr<Head>> targets;
+    if (request->head().empty()) {
+      targets = heads_.List();
+    } else {
+      ASSIGN_OR_RETURN(auto head, heads_.Get(request->head()));
+      targets.push_back(std::move(head));
+    }
+    for (const auto& head : targets) {
+      ASSIGN_OR_RETURN(const HeadState state, head->ExportState());
+      ASSIGN_OR_RETURN(std::string path, storage::SaveCheckpoint(options_.checkpoint_dir, state,
+                                                                 options_.keep_checkpoints));
+      response->add_paths(std::move(path));
+    }
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace lossd::server

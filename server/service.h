@@ -1,0 +1,70 @@
+// The gRPC face of lossd: lossd.v1.LossService over the head store, scheduler and engine.
+#ifndef LOSSD_SERVER_SERVICE_H_
+#define LOSSD_SERVER_SERVICE_H_
+
+#include <string>
+
+#include "lossd/v1/lossd.grpc.pb.h"
+#include "server/compute_call.h"
+#include "server/head_store.h"
+#include "server/memory_ledger.h"
+#include "server/metrics.h"
+#include "server/scheduler.h"
+
+namespace lossd::server {
+
+struct ServiceOptions {
+  ComputeLimits compute;
+  int64_t max_head_bytes = int64_t{16} << 30;     // refuses uploads that declare more
+  int64_t default_fetch_chunk_bytes = 4 << 20;
+  int64_t max_fetch_chunk_bytes = 64 << 20;
+  std::string bearer_token;                       // empty: no authentication
+  std::string checkpoint_dir;                     // empty: SaveCheckpoint is refused
+  int keep_checkpoints = 3;
+};
+
+class LossService final : public v1::LossService::Service {
+ public:
+  LossService(Backend& backend, HeadStore& heads, Scheduler& scheduler, Metrics& metrics,
+              MemoryLedger& ledger, ServiceOptions options);
+
+  grpc::Status Compute(grpc::ServerContext* context,
+                       grpc::ServerReaderWriter<v1::ComputeResponse, v1::ComputeRequest>* stream) override;
+  grpc::Status ListHeads(grpc::ServerContext* context, const v1::ListHeadsRequest* request,
+                         v1::ListHeadsResponse* response) override;
+  grpc::Status GetHead(grpc::ServerContext* context, const v1::GetHeadRequest* request,
+                       v1::HeadInfo* response) override;
+  grpc::Status UploadHead(grpc::ServerContext* context,
+                          grpc::ServerReader<v1::UploadHeadRequest>* reader,
+                          v1::HeadInfo* response) override;
+  grpc::Status FetchWeight(grpc::ServerContext* context, const v1::FetchTensorRequest* request,
+                           grpc::ServerWriter<v1::TensorChunk>* writer) override;
+  grpc::Status FetchGradWeight(grpc::ServerContext* context, const v1::FetchTensorRequest* request,
+                               grpc::ServerWriter<v1::TensorChunk>* writer) override;
+  grpc::Status ZeroGradWeight(grpc::ServerContext* context, const v1::ZeroGradWeightRequest* request,
+                              v1::ZeroGradWeightResponse* response) override;
+  grpc::Status Step(grpc::ServerContext* context, const v1::StepRequest* request,
+                    v1::StepResponse* response) override;
+  grpc::Status SaveCheckpoint(grpc::ServerContext* context, const v1::SaveCheckpointRequest* request,
+                              v1::SaveCheckpointResponse* response) override;
+
+ private:
+  // Authenticates, counts the call in flight, runs `body`, and records its code and duration.
+  template <typename Body>
+  grpc::Status Serve(const char* method, grpc::ServerContext* context, Body&& body);
+  absl::Status Authenticate(const grpc::ServerContext& context) const;
+  absl::Status StreamTensor(const v1::FetchTensorRequest& request, bool gradient,
+                            grpc::ServerWriter<v1::TensorChunk>* writer);
+  absl::StatusOr<v1::HeadInfo> ReceiveUpload(grpc::ServerReader<v1::UploadHeadRequest>* reader);
+
+  Backend& backend_;
+  HeadStore& heads_;
+  Scheduler& scheduler_;
+  Metrics& metrics_;
+  MemoryLedger& ledger_;
+  const ServiceOptions options_;
+};
+
+}  // namespace lossd::server
+
+#endif  // LOSSD_SERVER_SERVICE_H_

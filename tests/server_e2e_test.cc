@@ -1,0 +1,459 @@
+// End-to-end: a real lossd server on loopback, called over gRPC.
+#include <gtest/gtest.h>
+#include <grpcpp/generic/generic_stub.h>
+
+#include <cmath>
+#include <cstring>
+#include <condition_variable>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "tests/engine_harness.h"
+#include "tests/reference.h"
+#include "tests/server_harness.h"
+
+namespace lossd::testing {
+namespace {
+
+constexpr int64_t kVocab = 2999;
+constexpr int64_t kHidden = 48;
+constexpr char kHead[] = "e2e";
+
+// Engine bounds (see engine_test.cc): the server adds no error of its own.
+constexpr double kLossBound = 1e-6;
+constexpr double kGradBound = 2e-5;
+
+struct Batch {
+  std::vector<float> hidden;
+  std::vector<int64_t> labels;
+};
+
+Batch RandomBatch(int64_t n, std::mt19937_64& rng, double ignore_fraction = 0.0) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int64_t> token(0, kVocab - 1);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  Batch b;
+  b.hidden.resize(n * kHidden);
+  for (float& x : b.hidden) x = normal(rng);
+  b.labels.resize(n);
+  for (int64_t& y : b.labels) y = unit(rng) < ignore_fraction ? -100 : token(rng);
+  return b;
+}
+
+v1::ComputeStart TrainingStart(const std::string& head, const Batch& batch) {
+  v1::ComputeStart start;
+  start.set_head(head);
+  start.set_num_tokens(static_cast<int64_t>(batch.labels.size()));
+  start.set_hidden_size(kHidden);
+  start.set_hidden_dtype(v1::DTYPE_FLOAT32);
+  for (int64_t y : batch.labels) start.add_labels(y);
+  v1::OutputSelection& out = *start.mutable_outputs();
+  out.set_token_loss(true);
+  out.set_logprob(true);
+  out.set_lse(true);
+  out.set_entropy(true);
+  out.set_argmax(true);
+  out.set_top_k(5);
+  out.set_grad_hidden(true);
+  out.set_accumulate_grad_weight(true);
+  return start;
+}
+
+ReferenceResult Reference(const std::vector<float>& weight, const Batch& batch, int64_t vocab = kVocab) {
+  ReferenceProblem p;
+  p.num_tokens = static_cast<int64_t>(batch.labels.size());
+  p.hidden_size = kHidden;
+  p.vocab_size = vocab;
+  p.hidden.assign(batch.hidden.begin(), batch.hidden.end());
+  p.weight.assign(weight.begin(), weight.end());
+  p.labels = batch.labels;
+  p.top_k = 5;
+  return ComputeReference(p);
+}
+
+std::vector<float> AsFloats(const std::string& bytes) {
+  std::vector<float> values(bytes.size() / sizeof(float));
+  std::memcpy(values.data(), bytes.data(), values.size() * sizeof(float));
+  return values;
+}
+
+std::vector<float> RandomWeight(int64_t vocab, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(kHidden)));
+  std::vector<float> w(vocab * kHidden);
+  for (float& x : w) x = normal(rng);
+  return w;
+}
+
+class ServerE2eTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    server::ServerConfig config;
+    config.demo = {kHead, kVocab, kHidden, 7};
+    // 1 MiB holds about 80 rows of this head: a 300-row batch runs as several engine chunks.
+    config.workspace_budget_bytes = 1 << 20;
+    config.max_running_calls = 4;
+    server_ = StartTestServer(config).release();
+    ASSERT_NE(server_, nullptr);
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override {
+    rng_.seed(FreshSeed());
+    stub_ = ConnectTo(server_->port());
+  }
+  grpc::Status ZeroGrad(const std::string& head) {
+    grpc::ClientContext context;
+    v1::ZeroGradWeightRequest request;
+    request.set_head(head);
+    v1::ZeroGradWeightResponse response;
+    return stub_->ZeroGradWeight(&context, request, &response);
+  }
+
+  static server::LossServer* server_;
+  std::mt19937_64 rng_;
+  std::unique_ptr<v1::LossService::Stub> stub_;
+};
+
+server::LossServer* ServerE2eTest::server_ = nullptr;
+
+TEST_F(ServerE2eTest, ComputeMatchesFloat64Reference) {
+  const std::string head = "reference";
+  const std::vector<float> weight = RandomWeight(kVocab, rng_);
+  ASSERT_TRUE(Upload(*stub_, head, kVocab, kHidden, weight, false).ok());
+  const Batch batch = RandomBatch(300, rng_, 0.1);
+  const ReferenceResult ref = Reference(weight, batch);
+
+  const ComputeOutcome out = CallCompute(*stub_, TrainingStart(head, batch), FloatBytes(batch.hidden), 37);
+  ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+  EXPECT_GT(out.result_messages, 1);
+  EXPECT_TRUE(out.summary.grad_weight_accumulated());
+  EXPECT_EQ(out.summary.counted_tokens(), ref.counted_tokens);
+  EXPECT_LE(std::abs(out.summary.loss() - ref.loss) / ref.loss, kLossBound);
+  EXPECT_LE(RelativeError(out.token_loss, ref.token_loss), kLossBound);
+  EXPECT_LE(MaxAbsError(out.logprob, ref.logprob), 1e-5 * (1 + ref.max_abs_logit));
+  EXPECT_LE(RelativeError(AsFloats(out.grad_hidden), ref.grad_hidden), kGradBound);
+  const FetchedTensor grad = Fetch(*stub_, head, true);
+  ASSERT_TRUE(grad.status.ok()) << grad.status.error_message();
+  EXPECT_LE(RelativeError(grad.values, ref.grad_weight), kGradBound);
+}
+
+TEST_F(ServerE2eTest, AnySplitOfTheBatchGivesIdenticalBits) {
+  const Batch batch = RandomBatch(211, rng_);
+  const std::string hidden = FloatBytes(batch.hidden);
+  std::vector<ComputeOutcome> outcomes;
+  std::vector<std::vector<float>> grads;
+  for (int64_t rows_per_message : {211, 50, 7, 1}) {
+    ASSERT_TRUE(ZeroGrad(kHead).ok());
+    outcomes.push_back(CallCompute(*stub_, TrainingStart(kHead, batch), hidden, rows_per_message));
+    ASSERT_TRUE(outcomes.back().status.ok()) << outcomes.back().status.error_message();
+    grads.push_back(Fetch(*stub_, kHead, true).values);
+  }
+  for (size_t i = 1; i < outcomes.size(); ++i) {
+    EXPECT_EQ(outcomes[i].summary.loss(), outcomes[0].summary.loss());
+    EXPECT_EQ(outcomes[i].grad_hidden, outcomes[0].grad_hidden);
+    EXPECT_EQ(outcomes[i].token_loss, outcomes[0].token_loss);
+    EXPECT_EQ(outcomes[i].top_k_token, outcomes[0].top_k_token);
+    EXPECT_EQ(0, std::memcmp(grads[i].data(), grads[0].data(), grads[0].size() * sizeof(float)));
+  }
+}
+
+TEST_F(ServerE2eTest, FailedOrCancelledCallsLeaveTheGradientUntouched) {
+  const Batch committed = RandomBatch(120, rng_);
+  ASSERT_TRUE(ZeroGrad(kHead).ok());
+  ASSERT_TRUE(CallCompute(*stub_, TrainingStart(kHead, committed), FloatBytes(committed.hidden), 40)
+                  .status.ok());
+  const std::vector<float> before = Fetch(*stub_, kHead, true).values;
+
+  std::uniform_int_distribution<int> cancel_point(0, 12);
+  for (int trial = 0; trial < 20; ++trial) {
+    const Batch batch = RandomBatch(240, rng_);
+    const int cancel_after = cancel_point(rng_);
+    const ComputeOutcome out =
+        CallCompute(*stub_, TrainingStart(kHead, batch), FloatBytes(batch.hidden), 20, cancel_after);
+    EXPECT_EQ(out.status.error_code(), grpc::StatusCode::CANCELLED) << "cancel after " << cancel_after;
+  }
+  Batch poisoned = RandomBatch(240, rng_);
+  poisoned.hidden[201 * kHidden + 5] = std::nanf("");
+  const ComputeOutcome nan_call =
+      CallCompute(*stub_, TrainingStart(kHead, poisoned), FloatBytes(poisoned.hidden), 60);
+  EXPECT_EQ(nan_call.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(nan_call.status.error_message().find("non-finite"), std::string::npos);
+
+  const std::vector<float> after = Fetch(*stub_, kHead, true).values;
+  ASSERT_EQ(after.size(), before.size());
+  EXPECT_EQ(0, std::memcmp(after.data(), before.data(), before.size() * sizeof(float)));
+}
+
+struct BadStart {
+  const char* name;
+  const char* why;
+  grpc::StatusCode code;
+  const char* field;  // the message must name it
+  void (*spoil)(v1::ComputeStart&, std::string& hidden);
+};
+
+const BadStart kBadStarts[] = {
+    {"unknown_head", "no such head", grpc::StatusCode::NOT_FOUND, "head",
+     [](v1::ComputeStart& s, std::string&) { s.set_head("missing"); }},
+    {"hidden_size", "H differs from the head's", grpc::StatusCode::INVALID_ARGUMENT, "hidden_size",
+     [](v1::ComputeStart& s, std::string&) { s.set_hidden_size(kHidden + 1); }},
+    {"dtype_unspecified", "the dtype must be said", grpc::StatusCode::INVALID_ARGUMENT, "hidden_dtype",
+     [](v1::ComputeStart& s, std::string&) { s.set_hidden_dtype(v1::DTYPE_UNSPECIFIED); }},
+    {"labels_count", "one label per row", grpc::StatusCode::INVALID_ARGUMENT, "labels",
+     [](v1::ComputeStart& s, std::string&) { s.mutable_labels()->RemoveLast(); }},
+    {"label_range", "a label past the vocabulary", grpc::StatusCode::INVALID_ARGUMENT, "labels[3]",
+     [](v1::ComputeStart& s, std::string&) { s.set_labels(3, kVocab); }},
+    {"weights_count", "weights are all or nothing", grpc::StatusCode::INVALID_ARGUMENT, "token_weights",
+     [](v1::ComputeStart& s, std::string&) { s.add_token_weights(1.0f); }},
+    {"top_k", "above the largest k offered", grpc::StatusCode::INVALID_ARGUMENT, "top_k",
+     [](v1::ComputeStart& s, std::string&) { s.mutable_outputs()->set_top_k(65); }},
+    {"temperature", "zero temperature", grpc::StatusCode::INVALID_ARGUMENT, "temperature",
+     [](v1::ComputeStart& s, std::string&) { s.mutable_options()->set_temperature(0.0); }},
+    {"smoothing", "label smoothing above 1", grpc::StatusCode::INVALID_ARGUMENT, "label_smoothing",
+     [](v1::ComputeStart& s, std::string&) { s.mutable_options()->set_label_smoothing(1.5); }},
+    {"stale_version", "pinned to a version the head left", grpc::StatusCode::FAILED_PRECONDITION,
+     "head_version", [](v1::ComputeStart& s, std::string&) { s.set_head_version(999999); }},
+    {"partial_row", "bytes that are not whole rows", grpc::StatusCode::INVALID_ARGUMENT, "chunk.hidden",
+     [](v1::ComputeStart&, std::string& h) { h.resize(h.size() - 3); }},
+    {"missing_rows", "the stream ends early", grpc::StatusCode::INVALID_ARGUMENT, "chunk.hidden",
+     [](v1::ComputeStart&, std::string& h) { h.resize(h.size() - kHidden * 4); }},
+    {"extra_rows", "more rows than declared", grpc::StatusCode::INVALID_ARGUMENT, "chunk.hidden",
+     [](v1::ComputeStart&, std::string& h) { h += std::string(kHidden * 4, '\0'); }},
+    {"negative_count", "a negative row count", grpc::StatusCode::INVALID_ARGUMENT, "num_tokens",
+     [](v1::ComputeStart& s, std::string&) { s.set_num_tokens(-4); }},
+};
+
+class BadComputeTest : public ServerE2eTest, public ::testing::WithParamInterface<BadStart> {};
+
+TEST_P(BadComputeTest, GetsItsCodeAndNamesTheField) {
+  const BadStart& bad = GetParam();
+  SCOPED_TRACE(bad.why);
+  ASSERT_TRUE(ZeroGrad(kHead).ok());
+  const Batch batch = RandomBatch(10, rng_);
+  v1::ComputeStart start = TrainingStart(kHead, batch);
+  std::string hidden = FloatBytes(batch.hidden);
+  bad.spoil(start, hidden);
+  const ComputeOutcome out = CallCompute(*stub_, start, hidden, 4);
+  EXPECT_EQ(out.status.error_code(), bad.code) << out.status.error_message();
+  EXPECT_NE(out.status.error_message().find(bad.field), std::string::npos) << out.status.error_message();
+  const FetchedTensor grad = Fetch(*stub_, kHead, true);
+  EXPECT_TRUE(std::all_of(grad.values.begin(), grad.values.end(), [](float x) { return x == 0.0f; }));
+  // The server still serves.
+  EXPECT_TRUE(CallCompute(*stub_, TrainingStart(kHead, batch), FloatBytes(batch.hidden), 10).status.ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, BadComputeTest, ::testing::ValuesIn(kBadStarts),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST_F(ServerE2eTest, EightConcurrentStreamsAreAllCorrect) {
+  const std::vector<float> weight = Fetch(*stub_, kHead, false).values;
+  std::vector<Batch> batches;
+  for (int i = 0; i < 8; ++i) batches.push_back(RandomBatch(90 + 13 * i, rng_));
+  std::vector<ComputeOutcome> outcomes(8);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 8; ++i) {
+    threads.emplace_back([&, i] {
+      auto stub = ConnectTo(server_->port());
+      v1::ComputeStart start = TrainingStart(kHead, batches[i]);
+      start.mutable_outputs()->set_accumulate_grad_weight(false);
+      outcomes[i] = CallCompute(*stub, start, FloatBytes(batches[i].hidden), 16);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 8; ++i) {
+    ASSERT_TRUE(outcomes[i].status.ok()) << outcomes[i].status.error_message();
+    const ReferenceResult ref = Reference(weight, batches[i]);
+    EXPECT_LE(std::abs(outcomes[i].summary.loss() - ref.loss) / ref.loss, kLossBound) << "stream " << i;
+    EXPECT_LE(RelativeError(AsFloats(outcomes[i].grad_hidden), ref.grad_hidden), kGradBound);
+  }
+}
+
+// The update torch.optim.SGD(momentum) / AdamW would make, in double.
+void ReferenceSgd(std::vector<double>& w, const std::vector<float>& g, std::vector<double>& buf,
+                  double lr, double momentum, double wd) {
+  for (size_t i = 0; i < w.size(); ++i) {
+    const double d = g[i] + wd * w[i];
+    buf[i] = momentum * buf[i] + d;
+    w[i] -= lr * buf[i];
+  }
+}
+
+void ReferenceAdamW(std::vector<double>& w, const std::vector<float>& g, std::vector<double>& m,
+                    std::vector<double>& v, int step, double lr, double b1, double b2, double eps,
+                    double wd) {
+  for (size_t i = 0; i < w.size(); ++i) {
+    w[i] *= 1 - lr * wd;
+    m[i] = b1 * m[i] + (1 - b1) * g[i];
+    v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i];
+    const double m_hat = m[i] / (1 - std::pow(b1, step));
+    const double v_hat = v[i] / (1 - std::pow(b2, step));
+    w[i] -= lr * m_hat / (std::sqrt(v_hat) + eps);
+  }
+}
+
+TEST_F(ServerE2eTest, StepsMatchTorchOptimizerFormulas) {
+  for (const bool adamw : {false, true}) {
+    const std::string head = adamw ? "step-adamw" : "step-sgd";
+    const int64_t vocab = 257;
+    const std::vector<float> initial = RandomWeight(vocab, rng_);
+    ASSERT_TRUE(Upload(*stub_, head, vocab, kHidden, initial, true).ok());
+    std::vector<double> w(initial.begin(), initial.end());
+    std::vector<double> state1(w.size(), 0.0), state2(w.size(), 0.0);
+    for (int step = 1; step <= 3; ++step) {
+      Batch batch = RandomBatch(64, rng_);
+      for (int64_t& y : batch.labels) y %= vocab;
+      ASSERT_TRUE(CallCompute(*stub_, TrainingStart(head, batch), FloatBytes(batch.hidden), 64).status.ok());
+      const FetchedTensor grad = Fetch(*stub_, head, true);
+      grpc::ClientContext context;
+      v1::StepRequest request;
+      request.set_head(head);
+      if (adamw) {
+        request.mutable_adamw()->set_learning_rate(1e-2);
+        request.mutable_adamw()->set_weight_decay(0.1);
+        ReferenceAdamW(w, grad.values, state1, state2, step, 1e-2, 0.9, 0.999, 1e-8, 0.1);
+      } else {
+        request.mutable_sgd()->set_learning_rate(0.5);
+        request.mutable_sgd()->set_momentum(0.9);
+        request.mutable_sgd()->set_weight_decay(0.01);
+        ReferenceSgd(w, grad.values, state1, 0.5, 0.9, 0.01);
+      }
+      v1::StepResponse response;
+      const grpc::Status status = stub_->Step(&context, request, &response);
+      ASSERT_TRUE(status.ok()) << status.error_message();
+      EXPECT_EQ(response.head_version(), grad.version + 1);
+      const FetchedTensor updated = Fetch(*stub_, head, false);
+      double diff = 0.0, norm = 0.0;
+      for (size_t i = 0; i < w.size(); ++i) {
+        diff += (updated.values[i] - w[i]) * (updated.values[i] - w[i]);
+        norm += w[i] * w[i];
+      }
+      // fp32 updates of fp32 weights: a few ulps per step.
+      EXPECT_LE(std::sqrt(diff / norm), 1e-6) << head << " step " << step;
+      // The accumulator was zeroed by the step.
+      const FetchedTensor zeroed = Fetch(*stub_, head, true);
+      EXPECT_TRUE(std::all_of(zeroed.values.begin(), zeroed.values.end(), [](float x) { return x == 0; }));
+    }
+  }
+}
+
+TEST_F(ServerE2eTest, PinnedCallsFailOnceTheHeadMoved) {
+  const std::string head = "pinned";
+  ASSERT_TRUE(Upload(*stub_, head, 300, kHidden, RandomWeight(300, rng_), true).ok());
+  const FetchedTensor before = Fetch(*stub_, head, false);
+  grpc::ClientContext context;
+  v1::StepRequest request;
+  request.set_head(head);
+  request.mutable_sgd()->set_learning_rate(0.1);
+  v1::StepResponse response;
+  ASSERT_TRUE(stub_->Step(&context, request, &response).ok());
+  Batch batch = RandomBatch(8, rng_);
+  for (int64_t& y : batch.labels) y %= 300;
+  v1::ComputeStart start = TrainingStart(head, batch);
+  start.set_head_version(before.version);
+  const ComputeOutcome out = CallCompute(*stub_, start, FloatBytes(batch.hidden), 8);
+  EXPECT_EQ(out.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  start.set_head_version(response.head_version());
+  EXPECT_TRUE(CallCompute(*stub_, start, FloatBytes(batch.hidden), 8).status.ok());
+}
+
+TEST_F(ServerE2eTest, HealthServiceReportsServing) {
+  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(server_->port()),
+                                     grpc::InsecureChannelCredentials());
+  grpc::ClientContext context;
+  // grpc.health.v1.Health/Check with an empty HealthCheckRequest; SERVING is field 1 = 1.
+  grpc::GenericStub generic(channel);
+  grpc::Slice empty;
+  grpc::ByteBuffer request(&empty, 1);
+  grpc::ByteBuffer reply;
+  std::mutex mu;
+  std::condition_variable done_cv;
+  bool done = false;
+  grpc::Status status;
+  generic.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &reply,
+                    [&](grpc::Status s) {
+                      std::lock_guard<std::mutex> lock(mu);
+                      status = s;
+                      done = true;
+                      done_cv.notify_one();
+                    });
+  std::unique_lock<std::mutex> lock(mu);
+  done_cv.wait(lock, [&] { return done; });
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(reply.Dump(&slices).ok());
+  std::string bytes;
+  for (auto& s : slices) bytes += std::string(reinterpret_cast<const char*>(s.begin()), s.size());
+  EXPECT_EQ(bytes, std::string("\x08\x01", 2));
+}
+
+TEST(ServerCheckpointTest, RestartResumesBitwiseIdenticalWeightsAndOptimizerState) {
+  const std::string dir = ::testing::TempDir() + "/lossd-ckpt-" + std::to_string(FreshSeed());
+  std::mt19937_64 rng(FreshSeed());
+  server::ServerConfig config;
+  config.checkpoint_dir = dir;
+  config.demo = {"ckpt", 400, kHidden, 3};
+  auto run_step = [&](v1::LossService::Stub& stub, const Batch& batch) {
+    ASSERT_TRUE(CallCompute(stub, TrainingStart("ckpt", batch), FloatBytes(batch.hidden), 50).status.ok());
+    grpc::ClientContext context;
+    v1::StepRequest request;
+    request.set_head("ckpt");
+    request.mutable_adamw()->set_learning_rate(1e-2);
+    v1::StepResponse response;
+    ASSERT_TRUE(stub.Step(&context, request, &response).ok());
+  };
+  Batch first = RandomBatch(50, rng), second = RandomBatch(50, rng);
+  for (Batch* b : {&first, &second}) for (int64_t& y : b->labels) y %= 400;
+
+  std::vector<float> continued;
+  {
+    auto server = StartTestServer(config);
+    ASSERT_NE(server, nullptr);
+    auto stub = ConnectTo(server->port());
+    run_step(*stub, first);
+    grpc::ClientContext context;
+    v1::SaveCheckpointRequest request;
+    v1::SaveCheckpointResponse response;
+    ASSERT_TRUE(stub->SaveCheckpoint(&context, request, &response).ok());
+    ASSERT_EQ(response.paths_size(), 1);
+    run_step(*stub, second);
+    continued = Fetch(*stub, "ckpt", false).values;
+  }
+  auto restarted = StartTestServer(config);
+  ASSERT_NE(restarted, nullptr);
+  auto stub = ConnectTo(restarted->port());
+  const FetchedTensor resumed = Fetch(*stub, "ckpt", false);
+  EXPECT_EQ(resumed.version, 2u);  // the demo head starts at 1; one step
+  run_step(*stub, second);         // AdamW moments must have been restored for this to match
+  const std::vector<float> replayed = Fetch(*stub, "ckpt", false).values;
+  ASSERT_EQ(replayed.size(), continued.size());
+  EXPECT_EQ(0, std::memcmp(replayed.data(), continued.data(), continued.size() * sizeof(float)));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ServerAuthTest, TokenIsRequiredWhenConfigured) {
+  const std::string token_file = ::testing::TempDir() + "/lossd-token-" + std::to_string(FreshSeed());
+  { std::ofstream(token_file) << "s3cret-token\n"; }
+  server::ServerConfig config;
+  config.token_file = token_file;
+  config.demo = {"auth", 100, kHidden, 1};
+  auto server = StartTestServer(config);
+  ASSERT_NE(server, nullptr);
+  for (const std::string& token : {std::string(), std::string("wrong"), std::string("s3cret-token")}) {
+    auto stub = ConnectTo(server->port());
+    grpc::ClientContext context;
+    if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
+    v1::ListHeadsResponse response;
+    const grpc::Status status = stub->ListHeads(&context, v1::ListHeadsRequest(), &response);
+    EXPECT_EQ(status.error_code(), token == "s3cret-token" ? grpc::StatusCode::OK
+                                                           : grpc::StatusCode::UNAUTHENTICATED);
+  }
+  std::filesystem::remove(token_file);
+}
+
+}  // namespace
+}  // namespace lossd::testing

@@ -1,0 +1,132 @@
+#include "tests/server_harness.h"
+
+#include <cstring>
+
+#include "lossd/kernels/backend.h"
+#include "lossd/kernels/half.h"
+#include "lossd/kernels/loss_math.h"
+
+namespace lossd::testing {
+
+std::unique_ptr<server::LossServer> StartTestServer(server::ServerConfig config, bool metrics) {
+  config.listen_address = "127.0.0.1:0";
+  config.metrics_address = metrics ? "127.0.0.1:0" : "";
+  auto backend = CreateBackend("cpu");
+  if (!backend.ok()) return nullptr;
+  auto server = server::LossServer::Start(config, std::move(backend).value());
+  return server.ok() ? std::move(server).value() : nullptr;
+}
+
+std::unique_ptr<v1::LossService::Stub> ConnectTo(int port, const std::string& token) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(256 << 20);
+  args.SetMaxSendMessageSize(256 << 20);
+  auto channel = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port),
+                                           grpc::InsecureChannelCredentials(), args);
+  return v1::LossService::NewStub(channel);
+}
+
+namespace {
+
+template <typename T, typename Field>
+void Append(std::vector<T>& into, const Field& field) {
+  into.insert(into.end(), field.begin(), field.end());
+}
+
+void AddToken(grpc::ClientContext& context, const std::string& token) {
+  if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
+}
+
+}  // namespace
+
+ComputeOutcome CallCompute(v1::LossService::Stub& stub, const v1::ComputeStart& start,
+                           const std::string& hidden, int64_t rows_per_message, int cancel_after,
+                           const std::string& token) {
+  ComputeOutcome outcome;
+  grpc::ClientContext context;
+  AddToken(context, token);
+  auto stream = stub.Compute(&context);
+  v1::ComputeRequest request;
+  *request.mutable_start() = start;
+  bool open = stream->Write(request);
+  const int64_t row_bytes =
+      start.num_tokens() > 0 ? static_cast<int64_t>(hidden.size()) / start.num_tokens() : 1;
+  const int64_t message_bytes = std::max<int64_t>(1, rows_per_message) * row_bytes;
+  int sent = 0;
+  for (size_t offset = 0; open && offset < hidden.size(); offset += message_bytes, ++sent) {
+    if (sent == cancel_after) break;
+    v1::ComputeRequest chunk;
+    chunk.mutable_chunk()->set_hidden(hidden.substr(offset, message_bytes));
+    open = stream->Write(chunk);
+  }
+  if (sent == cancel_after) {
+    context.TryCancel();
+  } else {
+    stream->WritesDone();
+  }
+  v1::ComputeResponse response;
+  while (stream->Read(&response)) {
+    if (response.has_summary()) {
+      outcome.summary = response.summary();
+      continue;
+    }
+    const v1::ComputeResult& r = response.result();
+    ++outcome.result_messages;
+    Append(outcome.token_loss, r.token_loss());
+    Append(outcome.logprob, r.logprob());
+    Append(outcome.lse, r.lse());
+    Append(outcome.entropy, r.entropy());
+    Append(outcome.argmax, r.argmax());
+    Append(outcome.top_k_logprob, r.top_k_logprob());
+    Append(outcome.top_k_token, r.top_k_token());
+    outcome.grad_hidden += r.grad_hidden();
+  }
+  outcome.status = stream->Finish();
+  return outcome;
+}
+
+FetchedTensor Fetch(v1::LossService::Stub& stub, const std::string& head, bool gradient) {
+  FetchedTensor fetched;
+  grpc::ClientContext context;
+  v1::FetchTensorRequest request;
+  request.set_head(head);
+  request.set_max_chunk_bytes(1 << 16);  // many chunks, so reassembly is exercised
+  auto reader = gradient ? stub.FetchGradWeight(&context, request) : stub.FetchWeight(&context, request);
+  v1::TensorChunk chunk;
+  while (reader->Read(&chunk)) {
+    const size_t old_size = fetched.values.size();
+    fetched.values.resize(old_size + chunk.data().size() / sizeof(float));
+    std::memcpy(fetched.values.data() + old_size, chunk.data().data(), chunk.data().size());
+    fetched.version = chunk.head_version();
+  }
+  fetched.status = reader->Finish();
+  return fetched;
+}
+
+grpc::Status Upload(v1::LossService::Stub& stub, const std::string& head, int64_t vocab_size,
+                    int64_t hidden_size, const std::vector<float>& weight, bool replace) {
+  grpc::ClientContext context;
+  v1::HeadInfo info;
+  auto writer = stub.UploadHead(&context, &info);
+  v1::UploadHeadRequest start;
+  start.mutable_start()->set_head(head);
+  start.mutable_start()->set_vocab_size(vocab_size);
+  start.mutable_start()->set_hidden_size(hidden_size);
+  start.mutable_start()->set_dtype(v1::DTYPE_FLOAT32);
+  start.mutable_start()->set_replace(replace);
+  writer->Write(start);
+  const std::string bytes = FloatBytes(weight);
+  for (size_t offset = 0; offset < bytes.size(); offset += 1 << 16) {
+    v1::UploadHeadRequest piece;
+    piece.set_weight(bytes.substr(offset, 1 << 16));
+    if (!writer->Write(piece)) break;
+  }
+  writer->WritesDone();
+  return writer->Finish();
+}
+
+std::string FloatBytes(const std::vector<float>& values) {
+  return std::string(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
+}
+
+}  // namespace lossd::testing

@@ -1,0 +1,55 @@
+// A real lossd server on loopback and a raw client for the end-to-end tests.
+#ifndef LOSSD_TESTS_SERVER_HARNESS_H_
+#define LOSSD_TESTS_SERVER_HARNESS_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "lossd/v1/lossd.grpc.pb.h"
+#include "server/server.h"
+
+namespace lossd::testing {
+
+// Starts a CPU server on 127.0.0.1 with free ports; no metrics endpoint unless `metrics` (an
+// Exposer takes seconds to destroy, so test binaries share one).
+std::unique_ptr<server::LossServer> StartTestServer(server::ServerConfig config, bool metrics = false);
+
+std::unique_ptr<v1::LossService::Stub> ConnectTo(int port, const std::string& token = "");
+
+// Everything a Compute call streamed back, reassembled by row.
+struct ComputeOutcome {
+  grpc::Status status;
+  v1::ComputeSummary summary;
+  std::vector<float> token_loss, logprob, lse, entropy, top_k_logprob;
+  std::vector<int32_t> argmax, top_k_token;
+  std::string grad_hidden;  // raw bytes, rows in order
+  int64_t result_messages = 0;
+};
+
+// Sends `start`, then `hidden` in messages of `rows_per_message` rows. With `cancel_after` >= 0
+// the call is cancelled after that many chunk messages.
+ComputeOutcome CallCompute(v1::LossService::Stub& stub, const v1::ComputeStart& start,
+                           const std::string& hidden, int64_t rows_per_message,
+                           int cancel_after = -1, const std::string& token = "");
+
+// The head's W or accumulated gradient as float32, and its version.
+struct FetchedTensor {
+  grpc::Status status;
+  std::vector<float> values;
+  uint64_t version = 0;
+};
+FetchedTensor Fetch(v1::LossService::Stub& stub, const std::string& head, bool gradient);
+
+grpc::Status Upload(v1::LossService::Stub& stub, const std::string& head, int64_t vocab_size,
+                    int64_t hidden_size, const std::vector<float>& weight, bool replace);
+
+// Exactly the bytes' float32 values.
+std::string FloatBytes(const std::vector<float>& values);
+
+}  // namespace lossd::testing
+
+#endif  // LOSSD_TESTS_SERVER_HARNESS_H_
