@@ -11,6 +11,8 @@
 #include <random>
 #include <thread>
 
+#include "lossd/kernels/half.h"
+#include "server/storage/safetensors.h"
 #include "tests/engine_harness.h"
 #include "tests/reference.h"
 #include "tests/server_harness.h"
@@ -453,6 +455,74 @@ TEST(ServerAuthTest, TokenIsRequiredWhenConfigured) {
                                                            : grpc::StatusCode::UNAUTHENTICATED);
   }
   std::filesystem::remove(token_file);
+}
+
+// Hugging Face checkpoints: lm_head.weight by default, the embedding for tied heads, any tensor
+// on request; bf16 on disk becomes the configured storage dtype.
+TEST(ServerStartupTest, LoadsHeadsFromSafetensors) {
+  std::mt19937_64 rng(FreshSeed());
+  const std::string dir = ::testing::TempDir() + "/lossd-heads-" + std::to_string(FreshSeed());
+  std::filesystem::create_directories(dir);
+  const int64_t vocab = 321;
+  const std::vector<float> lm_head = RandomWeight(vocab, rng);
+  const std::vector<float> embedding = RandomWeight(vocab, rng);
+  std::vector<uint16_t> lm_head_bf16(lm_head.size());
+  std::vector<float> lm_head_rounded(lm_head.size());
+  for (size_t i = 0; i < lm_head.size(); ++i) {
+    lm_head_bf16[i] = FloatToBFloat16(lm_head[i]);
+    lm_head_rounded[i] = BFloat16ToFloat(lm_head_bf16[i]);
+  }
+  const std::vector<int64_t> shape = {vocab, kHidden};
+  ASSERT_TRUE(storage::WriteSafetensorsAtomically(
+                  dir + "/untied.safetensors",
+                  {{"lm_head.weight", "BF16", shape, lm_head_bf16.data(), lm_head_bf16.size() * 2},
+                   {"model.embed_tokens.weight", "F32", shape, embedding.data(), embedding.size() * 4}},
+                  {})
+                  .ok());
+  ASSERT_TRUE(storage::WriteSafetensorsAtomically(
+                  dir + "/tied.safetensors",
+                  {{"model.embed_tokens.weight", "F32", shape, embedding.data(), embedding.size() * 4}},
+                  {})
+                  .ok());
+  server::ServerConfig config;
+  config.heads = {"untied=" + dir + "/untied.safetensors", "tied=" + dir + "/tied.safetensors",
+                  "chosen=" + dir + "/untied.safetensors#model.embed_tokens.weight"};
+  auto server = StartTestServer(config);
+  ASSERT_NE(server, nullptr);
+  auto stub = ConnectTo(server->port());
+  EXPECT_EQ(Fetch(*stub, "untied", false).values, lm_head_rounded);
+  EXPECT_EQ(Fetch(*stub, "tied", false).values, embedding);
+  EXPECT_EQ(Fetch(*stub, "chosen", false).values, embedding);
+  EXPECT_EQ(Fetch(*stub, "demo", false).status.error_code(), grpc::StatusCode::NOT_FOUND);
+
+  config.heads = {"broken=" + dir + "/untied.safetensors#no.such.tensor"};
+  auto refused = server::LossServer::Start(config, CreateBackend("cpu").value());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(refused.status().message().find("no.such.tensor"), std::string::npos);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ServerLimitsTest, OverBudgetCallsAndOversizedMessagesAreResourceExhausted) {
+  std::mt19937_64 rng(FreshSeed());
+  server::ServerConfig config;
+  config.demo = {"small", 500, kHidden, 1};
+  config.compute_memory_bytes = 1 << 16;  // smaller than one call's workspace and staging gradient
+  config.max_message_bytes = 1 << 20;
+  auto server = StartTestServer(config);
+  ASSERT_NE(server, nullptr);
+  auto stub = ConnectTo(server->port());
+  Batch batch = RandomBatch(16, rng);
+  for (int64_t& y : batch.labels) y %= 500;
+  const ComputeOutcome over_budget =
+      CallCompute(*stub, TrainingStart("small", batch), FloatBytes(batch.hidden), 16);
+  EXPECT_EQ(over_budget.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(over_budget.status.error_message().find("budget"), std::string::npos);
+
+  Batch large = RandomBatch(8000, rng);  // 1.5 MiB in one message, over the 1 MiB limit
+  for (int64_t& y : large.labels) y %= 500;
+  const ComputeOutcome oversized =
+      CallCompute(*stub, TrainingStart("small", large), FloatBytes(large.hidden), 8000);
+  EXPECT_EQ(oversized.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
 }
 
 }  // namespace
