@@ -112,7 +112,7 @@ ProblemSpec Spec(int64_t n, int64_t h, int64_t v, Fn customize) {
 const EngineCase kCases[] = {
     {"basic", "a small fp32 batch with every output", Spec(37, 64, 1000)},
     {"chunk_crossing", "several token chunks; N and V are multiples of no chunk size",
-     Spec(301, 96, 5003), 2 * kMiB, Tiling::kTokenChunks},
+     Spec(701, 96, 5003), 8 * kMiB, Tiling::kTokenChunks},
     {"vocab_tiled", "two passes over vocabulary tiles; V is not a multiple of the tile",
      Spec(301, 96, 5003), 256 * kKiB, Tiling::kVocabTiles},
     {"single_token", "N = 1", Spec(1, 64, 3001)},

@@ -56,7 +56,6 @@ int64_t LeadingDimension(int64_t cols) {
 
 // The workspace of one call, carved from the caller's buffer; d_* are device addresses.
 struct CudaWorkspace {
-  void* d_cublas;             // cuBLAS's scratch: its GEMMs allocate nothing and stay deterministic
   void* d_hidden;             // [Nc, H] the chunk as sent, in hidden_dtype
   float* d_hidden32;          // [Nc, H] when the products run in fp32 but hidden is 16-bit
   float* d_weight32;          // [slab, H] when the products run in fp32 but W is 16-bit
@@ -73,12 +72,11 @@ struct CudaWorkspace {
 };
 
 CudaWorkspace CarveWorkspace(WorkspaceArena& arena, const ProblemShape& s, int64_t rows,
-                             int64_t cols, size_t cublas_bytes) {
+                             int64_t cols) {
   CudaWorkspace w{};
   const int64_t h = s.hidden_size;
   const DType product = ProductDType(s);
   const bool gradients = WantsGradients(s);
-  w.d_cublas = arena.Take<char>(static_cast<int64_t>(cublas_bytes));
   w.d_hidden = arena.Take<char>(rows * h * static_cast<int64_t>(DTypeSize(s.hidden_dtype)));
   if (s.hidden_dtype != product) w.d_hidden32 = arena.Take<float>(rows * h);
   if (s.weight_dtype != product) {
@@ -143,24 +141,24 @@ absl::Status RowMajorGemm(cublasHandle_t cublas, bool transpose_a, bool transpos
 
 // ---- Streams ----
 
-// A stream with its own cuBLAS handle. One call holds one at a time, so handles are never shared
-// between threads and each handle has one stream and one workspace, which keeps cuBLAS's choice of
-// kernels, and so its results, the same from call to call.
+// A stream with its own cuBLAS handle and scratch. One call holds one at a time, so handles are
+// never shared between threads and each handle has one stream and one workspace, which keeps
+// cuBLAS's choice of kernels, and so its results, the same from call to call. The scratch is the
+// backend's fixed overhead (like OpenBLAS's buffers on the CPU), allocated once per stream and
+// not part of any call's workspace budget; with it cuBLAS allocates nothing during a call.
 struct StreamContext {
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
+  void* d_cublas_workspace = nullptr;
 };
 
 class StreamPool {
  public:
-  StreamPool() = default;
+  explicit StreamPool(size_t cublas_workspace_bytes) : cublas_workspace_bytes_(cublas_workspace_bytes) {}
   StreamPool(const StreamPool&) = delete;
   StreamPool& operator=(const StreamPool&) = delete;
   ~StreamPool() {
-    for (const StreamContext& context : idle_) {
-      cublasDestroy(context.cublas);
-      cudaStreamDestroy(context.stream);
-    }
+    for (const StreamContext& context : idle_) Destroy(context);
   }
 
   // An idle context, or a new one on the current device.
@@ -180,9 +178,17 @@ class StreamPool {
     if (status.ok()) {
       status = CublasStatus(cublasSetStream(context.cublas, context.stream), "cublasSetStream");
     }
+    if (status.ok()) {
+      status = CudaStatus(cudaMalloc(&context.d_cublas_workspace, cublas_workspace_bytes_),
+                          "cudaMalloc (cuBLAS workspace)");
+    }
+    if (status.ok()) {
+      status = CublasStatus(cublasSetWorkspace(context.cublas, context.d_cublas_workspace,
+                                               cublas_workspace_bytes_),
+                            "cublasSetWorkspace");
+    }
     if (!status.ok()) {
-      if (context.cublas != nullptr) cublasDestroy(context.cublas);
-      cudaStreamDestroy(context.stream);
+      Destroy(context);
       return status;
     }
     return context;
@@ -194,6 +200,13 @@ class StreamPool {
   }
 
  private:
+  static void Destroy(const StreamContext& context) {
+    if (context.cublas != nullptr) cublasDestroy(context.cublas);
+    if (context.d_cublas_workspace != nullptr) cudaFree(context.d_cublas_workspace);
+    if (context.stream != nullptr) cudaStreamDestroy(context.stream);
+  }
+
+  const size_t cublas_workspace_bytes_;
   std::mutex mutex_;
   std::vector<StreamContext> idle_;
 };
@@ -461,9 +474,7 @@ absl::Status CheckFloat32Count(const DeviceBuffer& buffer, int64_t count, absl::
 class CudaBackend final : public Backend {
  public:
   CudaBackend(int device, std::string description, size_t cublas_workspace_bytes)
-      : device_(device),
-        description_(std::move(description)),
-        cublas_workspace_bytes_(cublas_workspace_bytes) {}
+      : device_(device), description_(std::move(description)), streams_(cublas_workspace_bytes) {}
 
   ~CudaBackend() override { cudaSetDevice(device_); }  // the pool's streams and handles live there
 
@@ -569,7 +580,7 @@ class CudaBackend final : public Backend {
   absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const override {
     return ChooseChunkPlan(shape, budget_bytes, kCudaTileLimits, [&](int64_t rows, int64_t cols) {
       WorkspaceArena arena(nullptr, 0);
-      CarveWorkspace(arena, shape, rows, cols, cublas_workspace_bytes_);
+      CarveWorkspace(arena, shape, rows, cols);
       return arena.used();
     });
   }
@@ -582,16 +593,12 @@ class CudaBackend final : public Backend {
     const ProblemShape shape = ShapeOfCall(in, weight, out, grad_weight != nullptr);
     ASSIGN_OR_RETURN(const ChunkPlan plan, Plan(shape, workspace.bytes()));
     WorkspaceArena arena(workspace.data(), workspace.bytes());
-    const CudaWorkspace ws =
-        CarveWorkspace(arena, shape, plan.token_chunk, plan.vocab_chunk, cublas_workspace_bytes_);
+    const CudaWorkspace ws = CarveWorkspace(arena, shape, plan.token_chunk, plan.vocab_chunk);
     BatchSummary summary;
     summary.token_chunk = plan.token_chunk;
     summary.vocab_chunk = plan.vocab_chunk;
     summary.workspace_bytes = static_cast<int64_t>(arena.used());
     RETURN_IF_ERROR(RunOnStream([&](const StreamContext& c) {
-      RETURN_IF_ERROR(
-          CublasStatus(cublasSetWorkspace(c.cublas, ws.d_cublas, cublas_workspace_bytes_),
-                       "cublasSetWorkspace"));
       ChunkedCompute call(in, weight, options, out, grad_weight, shape, plan, ws, c);
       return call.Run(summary);
     }));
@@ -625,7 +632,6 @@ class CudaBackend final : public Backend {
 
   const int device_;
   const std::string description_;
-  const size_t cublas_workspace_bytes_;
   mutable StreamPool streams_;
 };
 
