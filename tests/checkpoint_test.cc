@@ -185,9 +185,9 @@ INSTANTIATE_TEST_SUITE_P(DTypesAndOptimizers, CheckpointRoundTripTest,
                                          std::tuple(DType::kFloat16, OptimizerKind::kAdamW),
                                          std::tuple(DType::kFloat32, OptimizerKind::kAdamW),
                                          std::tuple(DType::kBFloat16, OptimizerKind::kAdamW)),
-                         [](const auto& info) {
-                           return absl::StrCat(DTypeName(std::get<0>(info.param)), "_",
-                                               OptimizerKindName(std::get<1>(info.param)));
+                         [](const auto& param_info) {
+                           return absl::StrCat(DTypeName(std::get<0>(param_info.param)), "_",
+                                               OptimizerKindName(std::get<1>(param_info.param)));
                          });
 
 TEST(CheckpointTest, SavingTheSameVersionAgainReplacesIt) {
@@ -272,23 +272,24 @@ TEST(CheckpointTest, RejectsInconsistentStatesWithoutWriting) {
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   ScratchDir dir;
+  // clang-format off
   const struct {
     const char* reason;
     std::function<void(CheckpointState&)> damage;
     const char* fragment;
-    // clang-format off
   } cases[] = {
-      {"weight one byte short", [](CheckpointState& s) { s.weight.pop_back(); }, "weight"},
-      {"zero vocabulary", [](CheckpointState& s) { s.vocab_size = 0; }, "positive"},
-      {"negative steps", [](CheckpointState& s) { s.steps = -1; }, "steps"},
-      {"shape too large", [](CheckpointState& s) { s.vocab_size = s.hidden_size = int64_t{1} << 40; }, "too large"},
-      {"SGD without momentum", [](CheckpointState& s) { s.state1.clear(); }, "state1"},
-      {"SGD with a second moment", [](CheckpointState& s) { s.state2 = s.state1; }, "state2"},
-      {"no optimizer but state", [](CheckpointState& s) { s.optimizer = OptimizerKind::kNone; }, "state1"},
-      {"AdamW without second moment", [](CheckpointState& s) { s.optimizer = OptimizerKind::kAdamW; }, "state2"},
-      {"state of the wrong length", [](CheckpointState& s) { s.state1.push_back(0.0f); }, "state1"},
-      {"unknown optimizer", [](CheckpointState& s) { s.optimizer = static_cast<OptimizerKind>(7); }, "optimizer"},
-  };  // clang-format on
+      {"weight one byte short", [](auto& s) { s.weight.pop_back(); }, "weight"},
+      {"zero vocabulary", [](auto& s) { s.vocab_size = 0; }, "positive"},
+      {"negative steps", [](auto& s) { s.steps = -1; }, "steps"},
+      {"shape too large", [](auto& s) { s.vocab_size = s.hidden_size = int64_t{1} << 40; }, "too large"},
+      {"SGD without momentum", [](auto& s) { s.state1.clear(); }, "state1"},
+      {"SGD with a second moment", [](auto& s) { s.state2 = s.state1; }, "state2"},
+      {"no optimizer but state", [](auto& s) { s.optimizer = OptimizerKind::kNone; }, "state1"},
+      {"AdamW without second moment", [](auto& s) { s.optimizer = OptimizerKind::kAdamW; }, "state2"},
+      {"state of the wrong length", [](auto& s) { s.state1.push_back(0.0f); }, "state1"},
+      {"unknown optimizer", [](auto& s) { s.optimizer = static_cast<OptimizerKind>(7); }, "optimizer"},
+  };
+  // clang-format on
 
   for (const auto& c : cases) {
     SCOPED_TRACE(c.reason);
@@ -336,11 +337,14 @@ std::vector<InvalidCheckpointCase> InvalidCheckpointCases() {
       {"vocab_mismatch", "metadata shape differs from the weight",
        [](auto& tensors, auto& metadata) { metadata["vocab_size"] = absl::StrCat(tensors[0].shape[0] + 1); },
        invalid, "shape does not match"},
+      {"vocab_enormous", "metadata claims a shape far beyond the file, which must not be allocated",
+       set("vocab_size", "4000000000000"), invalid, "shape does not match"},
       {"hidden_mismatch", "metadata shape differs from the weight",
        [](auto& tensors, auto& metadata) { metadata["hidden_size"] = absl::StrCat(tensors[0].shape[1] + 1); },
        invalid, "shape does not match"},
       {"optimizer_unknown", "no such optimizer", set("optimizer", "adam"), invalid, "optimizer"},
-      {"optimizer_needs_more", "AdamW needs a second moment", set("optimizer", "adamw"), invalid, "optimizer.state2"},
+      {"optimizer_needs_more", "AdamW needs a second moment",
+       set("optimizer", "adamw"), invalid, "optimizer.state2"},
       {"optimizer_none_with_state", "state tensors without an optimizer", set("optimizer", "none"), invalid,
        "do not match optimizer none"},
       {"extra_tensor", "a tensor the format does not have",
@@ -357,7 +361,8 @@ std::vector<InvalidCheckpointCase> InvalidCheckpointCases() {
       {"checksum_missing", "no checksum for the weight", erase("crc32c.weight"), invalid, "crc32c.weight"},
       {"checksum_wrong", "checksum does not match the data", set("crc32c.optimizer.state1", "00000000"),
        absl::StatusCode::kDataLoss, "CRC-32C"},
-  };  // clang-format on
+  };
+  // clang-format on
 }
 
 class InvalidCheckpointTest : public testing::TestWithParam<InvalidCheckpointCase> {};
@@ -395,8 +400,8 @@ TEST_P(InvalidCheckpointTest, IsRejectedWithTheReason) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, InvalidCheckpointTest, testing::ValuesIn(InvalidCheckpointCases()),
-                         [](const testing::TestParamInfo<InvalidCheckpointCase>& info) {
-                           return info.param.id;
+                         [](const testing::TestParamInfo<InvalidCheckpointCase>& param_info) {
+                           return param_info.param.id;
                          });
 
 TEST(CheckpointTest, TruncatedCheckpointsAreDataLoss) {

@@ -51,8 +51,9 @@ const Crc32cTables& Crc32cLookup() {
       t[0][byte] = crc;
     }
     for (size_t k = 1; k < t.size(); ++k) {
-      for (uint32_t byte = 0; byte < 256; ++byte)
+      for (uint32_t byte = 0; byte < 256; ++byte) {
         t[k][byte] = (t[k - 1][byte] >> 8) ^ t[0][t[k - 1][byte] & 0xff];
+      }
     }
     return t;
   }();
@@ -175,14 +176,14 @@ absl::StatusOr<HeadDirectoryListing> ListHeadDirectory(const fs::path& head_dir,
   return listing;
 }
 
-absl::Status PruneOldCheckpoints(const fs::path& head_dir, absl::string_view head, const std::string& written,
-                                 int keep_last) {
+absl::Status PruneOldCheckpoints(const fs::path& head_dir, absl::string_view head, uint64_t written_version,
+                                 const std::string& written, int keep_last) {
   if (keep_last <= 0) return absl::OkStatus();
   ASSIGN_OR_RETURN(const HeadDirectoryListing listing, ListHeadDirectory(head_dir, head));
   bool removed_any = false;
   for (size_t i = static_cast<size_t>(keep_last); i < listing.checkpoints.size(); ++i) {
-    const std::string& path = listing.checkpoints[i].second;
-    if (path == written) continue;
+    const auto& [version, path] = listing.checkpoints[i];
+    if (version == written_version) continue;
     std::error_code error;
     fs::remove(path, error);
     if (error) {
@@ -194,11 +195,11 @@ absl::Status PruneOldCheckpoints(const fs::path& head_dir, absl::string_view hea
   return removed_any ? FsyncDirectory(head_dir.string()) : absl::OkStatus();
 }
 
-// Copies a validated checkpoint tensor out of the file after checking its dtype, shape and
-// checksum.
-absl::Status ReadCheckpointTensor(const SafetensorsFile& file, const std::string& name,
-                                  const std::string& expected_dtype, int64_t vocab_size, int64_t hidden_size,
-                                  void* out) {
+// The tensor `name` once its dtype, its shape (the metadata's [V, H]) and its checksum are right.
+// Checking the shape first means nothing is allocated from the metadata's numbers alone.
+absl::StatusOr<TensorRef> VerifiedTensor(const SafetensorsFile& file, const std::string& name,
+                                         const std::string& expected_dtype, int64_t vocab_size,
+                                         int64_t hidden_size) {
   const std::string where = absl::StrCat(file.source(), ": tensor '", name, "'");
   ASSIGN_OR_RETURN(const TensorRef tensor, file.Tensor(name));
   if (tensor.dtype != expected_dtype) {
@@ -218,8 +219,13 @@ absl::Status ReadCheckpointTensor(const SafetensorsFile& file, const std::string
     return absl::DataLossError(absl::StrCat(where, ": CRC-32C of the data is ", actual,
                                             ", the metadata says ", stored->second, " (corrupt file)"));
   }
-  if (tensor.bytes > 0) std::memcpy(out, tensor.data, tensor.bytes);
-  return absl::OkStatus();
+  return tensor;
+}
+
+std::vector<float> CopyFloats(const TensorRef& tensor) {
+  std::vector<float> values(tensor.bytes / sizeof(float));
+  if (!values.empty()) std::memcpy(values.data(), tensor.data, tensor.bytes);
+  return values;
 }
 
 }  // namespace
@@ -308,7 +314,7 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& dir, const Checkpo
 
   const std::string path = CheckpointPath(dir, state.head, state.version);
   RETURN_IF_ERROR(WriteSafetensorsAtomically(path, tensors, metadata));
-  RETURN_IF_ERROR(PruneOldCheckpoints(head_dir, state.head, path, keep_last));
+  RETURN_IF_ERROR(PruneOldCheckpoints(head_dir, state.head, state.version, path, keep_last));
   return path;
 }
 
@@ -369,31 +375,25 @@ absl::StatusOr<CheckpointState> LoadCheckpoint(const std::string& path) {
                                                    absl::StrJoin(expected_tensors, ", ")));
   }
 
-  ASSIGN_OR_RETURN(const TensorRef weight, file.Tensor(kWeightTensor));
-  auto weight_dtype = DTypeFromSafetensors(weight.dtype);
+  ASSIGN_OR_RETURN(const TensorRef weight_entry, file.Tensor(kWeightTensor));
+  auto weight_dtype = DTypeFromSafetensors(weight_entry.dtype);
   if (!weight_dtype.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat(path, ": tensor 'weight': ", weight_dtype.status().message()));
   }
   state.weight_dtype = *weight_dtype;
-  size_t weight_bytes = 0, state_bytes = 0;
-  if (!ProductFits(state.vocab_size, state.hidden_size, DTypeSize(state.weight_dtype), &weight_bytes) ||
-      !ProductFits(state.vocab_size, state.hidden_size, sizeof(float), &state_bytes)) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": metadata: shape [", state.vocab_size, ", ",
-                                                   state.hidden_size, "] is too large"));
-  }
-  state.weight.resize(weight_bytes);
-  RETURN_IF_ERROR(ReadCheckpointTensor(file, kWeightTensor, weight.dtype, state.vocab_size, state.hidden_size,
-                                       state.weight.data()));
+  ASSIGN_OR_RETURN(const TensorRef weight, VerifiedTensor(file, kWeightTensor, weight_entry.dtype,
+                                                          state.vocab_size, state.hidden_size));
+  state.weight.assign(weight.data, weight.data + weight.bytes);
   if (has_state1) {
-    state.state1.resize(state_bytes / sizeof(float));
-    RETURN_IF_ERROR(ReadCheckpointTensor(file, kState1Tensor, "F32", state.vocab_size, state.hidden_size,
-                                         state.state1.data()));
+    ASSIGN_OR_RETURN(const TensorRef state1,
+                     VerifiedTensor(file, kState1Tensor, "F32", state.vocab_size, state.hidden_size));
+    state.state1 = CopyFloats(state1);
   }
   if (has_state2) {
-    state.state2.resize(state_bytes / sizeof(float));
-    RETURN_IF_ERROR(ReadCheckpointTensor(file, kState2Tensor, "F32", state.vocab_size, state.hidden_size,
-                                         state.state2.data()));
+    ASSIGN_OR_RETURN(const TensorRef state2,
+                     VerifiedTensor(file, kState2Tensor, "F32", state.vocab_size, state.hidden_size));
+    state.state2 = CopyFloats(state2);
   }
   return state;
 }
