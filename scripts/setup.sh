@@ -10,7 +10,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev
   nlohmann-json3-dev
-  python3-grpcio python3-protobuf python3-numpy python3-pytest python3-torch
+  python3-grpcio python3-protobuf python3-numpy python3-pytest python3-torch python3-yaml
   prometheus
 )
 

@@ -7,6 +7,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/time/time.h"
 #include "server/server.h"
 
@@ -39,6 +41,11 @@ ABSL_FLAG(int, drain_seconds, 30, "on SIGTERM, how long in-flight calls may run 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("lossd_server: linear cross-entropy as a service.\n"
                                "  lossd_server --heads=main=model.safetensors --device=cuda");
+  // Abseil lists under --help only flags defined in a file named after the program; ours live here.
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "main.cc"); };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
 
   // Block the stop signals before any thread starts, so that only sigwait below receives them.
