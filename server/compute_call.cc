@@ -1,8 +1,10 @@
 #include "server/compute_call.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,7 +26,8 @@ double SecondsSince(absl::Time start) { return absl::ToDoubleSeconds(absl::Now()
 // The validated first message of a call.
 struct CallSpec {
   std::shared_ptr<Head> head;
-  uint64_t version = 0;
+  std::optional<uint64_t> pinned_version;
+  uint64_t version = 0;  // taken once the call is admitted, so time in the queue cannot stale it
   LossOptions options;  // mean_denominator already resolved to the whole batch's D
   int64_t num_tokens = 0;
   int64_t hidden_size = 0;
@@ -36,16 +39,23 @@ struct CallSpec {
   DType grad_hidden_dtype = DType::kFloat32;
 };
 
+// Sets spec.version to the head's current version, which a pinned call must match.
+absl::Status CheckPinnedVersion(CallSpec& spec) {
+  spec.version = spec.head->version();
+  if (spec.pinned_version.has_value() && *spec.pinned_version != spec.version) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("head_version: the call is pinned to version ", *spec.pinned_version,
+                     " of head '", spec.head->name(), "', which is now at version ", spec.version));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::ComputeStart& start) {
   CallSpec spec;
   ASSIGN_OR_RETURN(spec.head, env.heads->Get(start.head()));
   const Head& head = *spec.head;
-  spec.version = head.version();
-  if (start.has_head_version() && start.head_version() != spec.version) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("head_version: the call is pinned to version ", start.head_version(),
-                     " of head '", head.name(), "', which is now at version ", spec.version));
-  }
+  if (start.has_head_version()) spec.pinned_version = start.head_version();
+  RETURN_IF_ERROR(CheckPinnedVersion(spec));
   ASSIGN_OR_RETURN(spec.options, FromProto(start.options()));
   if (start.num_tokens() < 0 || start.num_tokens() > env.limits.max_tokens_per_call) {
     return Invalid("num_tokens", absl::StrCat("a count in [0, ", env.limits.max_tokens_per_call, "]"),
@@ -140,15 +150,24 @@ class ComputeCall {
                      env_.scheduler->Admit(admitted_bytes_, [this] { return stream_.IsCancelled(); },
                                            env_.limits.max_admission_wait));
     queue_seconds_ = SecondsSince(queue_start);
+    RETURN_IF_ERROR(CheckPinnedVersion(spec_));
     if (env_.metrics != nullptr) env_.metrics->ObserveQueueSeconds(queue_seconds_);
     RETURN_IF_ERROR(AllocateBuffers());
 
     RETURN_IF_ERROR(ReceiveAndCompute());
     if (buffered_rows_ > 0) RETURN_IF_ERROR(ComputeBuffered());
     if (staging_.data() != nullptr) {
+      RETURN_IF_ERROR(CheckStagedGradientIsFinite());
+      // The last point at which a cancelled call can still leave the accumulator untouched.
+      if (stream_.IsCancelled()) {
+        return absl::CancelledError("call cancelled before its dL/dW was committed; nothing was accumulated");
+      }
       RETURN_IF_ERROR(spec_.head->CommitGradient(spec_.version, staging_, spec_.counted_tokens));
     }
-    RETURN_IF_ERROR(SendSummary());
+    const absl::Status sent = SendSummary();
+    // Once dL/dW is committed the call has taken effect: failing it now, because the client left
+    // before its summary, would report as failed (so: nothing accumulated) a gradient that was.
+    if (!sent.ok() && staging_.data() == nullptr) return sent;
     Account();
     return absl::OkStatus();
   }
@@ -264,6 +283,19 @@ class ComputeCall {
     computed_rows_ += rows;
     buffered_rows_ = 0;
     return absl::OkStatus();
+  }
+
+  // Finite logits do not make dL/dW finite: under a soft cap an infinite hidden value gives capped
+  // logits but 0 * Inf = NaN in dL/dW, and a huge grad_scale overflows it. A non-finite sum of
+  // squares (taken in double, so finite values cannot overflow it) means a non-finite entry.
+  absl::Status CheckStagedGradientIsFinite() {
+    const int64_t count = spec_.head->vocab_size() * spec_.head->hidden_size();
+    ASSIGN_OR_RETURN(const double sum_squares, env_.backend->SumSquaresFloat32(staging_, count));
+    if (std::isfinite(sum_squares)) return absl::OkStatus();
+    if (env_.metrics != nullptr) env_.metrics->CountNonFiniteCall();
+    return absl::InvalidArgumentError(
+        "chunk.hidden: this call's dL/dW has non-finite values (Inf in the hidden states under "
+        "options.logit_softcap, or an overflow from options.grad_scale); nothing was accumulated");
   }
 
   // Streams one chunk's results, split so that no message exceeds the result message limit.

@@ -65,6 +65,7 @@ class LossServer {
   HeadStore& heads() { return heads_; }
   MemoryLedger& ledger() { return ledger_; }
   Metrics& metrics() { return metrics_; }
+  const Scheduler& scheduler() const { return *scheduler_; }
   const std::vector<std::string>& startup_log() const { return startup_log_; }
 
  private:

@@ -1,6 +1,7 @@
 #include "server/service.h"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -131,10 +132,9 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
   ASSIGN_OR_RETURN(const DType wire_dtype, FromProto(start.dtype(), "dtype"));
   ASSIGN_OR_RETURN(const DType storage_dtype,
                    FromProto(start.storage_dtype(), "storage_dtype", DType::kFloat32));
-  // Checked before the product so that absurd declared sizes cannot overflow it.
+  // Checked by division: the product of absurd declared sizes overflows int64 (2^32 x 2^32 is 0).
   const int64_t max_elements = options_.max_head_bytes / 4;
-  if (start.vocab_size() > max_elements || start.hidden_size() > max_elements ||
-      start.vocab_size() * start.hidden_size() > max_elements) {
+  if (start.vocab_size() > max_elements / start.hidden_size()) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "vocab_size x hidden_size: expected at most ", max_elements, " elements (",
         options_.max_head_bytes, " bytes as float32), got ", start.vocab_size(), " x ",
@@ -162,6 +162,14 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
   if (weight.size() != expected_bytes) {
     return Invalid("weight", absl::StrCat(expected_bytes, " bytes"),
                    absl::StrCat(weight.size(), " before the stream ended"));
+  }
+  // A non-finite W would fail every later call on the head; refuse it at the door.
+  for (int64_t i = 0; i < start.vocab_size() * start.hidden_size(); ++i) {
+    const float value = LoadAsFloat(weight.data(), wire_dtype, i);
+    if (!std::isfinite(value)) {
+      return Invalid(absl::StrCat("weight[", i / start.hidden_size(), ", ", i % start.hidden_size(), "]"),
+                     "a finite value", absl::StrCat(value));
+    }
   }
   const std::string source = absl::StrCat("upload (", DTypeName(wire_dtype), ")");
   if (existing.ok() && (*existing)->vocab_size() == start.vocab_size() &&

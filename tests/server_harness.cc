@@ -85,9 +85,11 @@ ComputeOutcome CallCompute(v1::LossService::Stub& stub, const v1::ComputeStart& 
   return outcome;
 }
 
-FetchedTensor Fetch(v1::LossService::Stub& stub, const std::string& head, bool gradient) {
+FetchedTensor Fetch(v1::LossService::Stub& stub, const std::string& head, bool gradient,
+                    const std::string& token) {
   FetchedTensor fetched;
   grpc::ClientContext context;
+  AddToken(context, token);
   v1::FetchTensorRequest request;
   request.set_head(head);
   request.set_max_chunk_bytes(1 << 16);  // many chunks, so reassembly is exercised
@@ -104,8 +106,10 @@ FetchedTensor Fetch(v1::LossService::Stub& stub, const std::string& head, bool g
 }
 
 grpc::Status Upload(v1::LossService::Stub& stub, const std::string& head, int64_t vocab_size,
-                    int64_t hidden_size, const std::vector<float>& weight, bool replace) {
+                    int64_t hidden_size, const std::vector<float>& weight, bool replace,
+                    const std::string& token) {
   grpc::ClientContext context;
+  AddToken(context, token);
   v1::HeadInfo info;
   auto writer = stub.UploadHead(&context, &info);
   v1::UploadHeadRequest start;

@@ -42,10 +42,12 @@ struct FetchedTensor {
   std::vector<float> values;
   uint64_t version = 0;
 };
-FetchedTensor Fetch(v1::LossService::Stub& stub, const std::string& head, bool gradient);
+FetchedTensor Fetch(v1::LossService::Stub& stub, const std::string& head, bool gradient,
+                    const std::string& token = "");
 
 grpc::Status Upload(v1::LossService::Stub& stub, const std::string& head, int64_t vocab_size,
-                    int64_t hidden_size, const std::vector<float>& weight, bool replace);
+                    int64_t hidden_size, const std::vector<float>& weight, bool replace,
+                    const std::string& token = "");
 
 // Exactly the bytes' float32 values.
 std::string FloatBytes(const std::vector<float>& values);

@@ -360,12 +360,10 @@ absl::StatusOr<CheckpointState> LoadCheckpoint(const std::string& path) {
   state.optimizer = *kind;
 
   const auto [has_state1, has_state2] = StatesOf(state.optimizer);
-  const std::set<std::string> expected_tensors = [&] {
-    std::set<std::string> names = {kWeightTensor};
-    if (has_state1) names.insert(kState1Tensor);
-    if (has_state2) names.insert(kState2Tensor);
-    return names;
-  }();
+  // Built in place: clang before 16 cannot capture structured bindings in a lambda.
+  std::set<std::string> expected_tensors = {kWeightTensor};
+  if (has_state1) expected_tensors.insert(kState1Tensor);
+  if (has_state2) expected_tensors.insert(kState2Tensor);
   const std::vector<std::string> names = file.TensorNames();
   if (std::set<std::string>(names.begin(), names.end()) != expected_tensors) {
     std::vector<std::string> quoted;

@@ -352,8 +352,11 @@ absl::Status SafetensorsFile::ParseHeader() {
     for (const nlohmann::json& dim : *shape) {
       uint64_t value = 0;
       if (!AsNonNegativeInt64(dim, &value)) {
+        // dump() recurses into arrays and objects, which a crafted header nests deep enough to
+        // overflow the stack; they are named by type instead.
+        const std::string shown = dim.is_structured() ? std::string(dim.type_name()) : dim.dump();
         return absl::InvalidArgumentError(
-            absl::StrCat(where, ": shape: ", dim.dump(), " is not a non-negative integer"));
+            absl::StrCat(where, ": shape: ", Printable(shown, 80), " is not a non-negative integer"));
       }
       tensor.shape.push_back(static_cast<int64_t>(value));
     }

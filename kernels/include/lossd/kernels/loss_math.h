@@ -38,7 +38,9 @@ LOSSD_HD float Exp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t biased = static_cast<int32_t>(n) + 127;
+  // A NaN x (a NaN or infinite logit in the row) leaves n NaN, and converting NaN to an integer is
+  // undefined; p is already NaN then, so any exponent keeps the result NaN.
+  const int32_t biased = static_cast<int32_t>(n == n ? n : 0.0f) + 127;
   return p * BitsToFloat(static_cast<uint32_t>(biased) << 23);
 #endif
 }

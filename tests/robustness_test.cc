@@ -1,0 +1,1420 @@
+// Robustness of a real lossd server on loopback: malformed requests, abandoned streams, many
+// concurrent clients, authentication and TLS. Crash safety of checkpoints is checked against the
+// real binary in tests/python/test_crash_safety.py. Figures are recorded as test properties
+// (--gtest_output=xml) and summarized in tests/ROBUSTNESS.md.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "server/grpc_status.h"
+#include "tests/engine_harness.h"
+#include "tests/reference.h"
+#include "tests/server_harness.h"
+
+namespace lossd::testing {
+namespace {
+
+using grpc::StatusCode;
+using server::MemoryPurpose;
+
+// The engine's bounds against the float64 reference (engine_test.cc); the server adds no error.
+constexpr double kLossBound = 1e-6;
+constexpr double kGradBound = 2e-5;
+
+struct Batch {
+  std::vector<float> hidden;
+  std::vector<int64_t> labels;
+};
+
+Batch RandomBatch(int64_t rows, int64_t vocab, int64_t hidden_size, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int64_t> token(0, vocab - 1);
+  Batch batch;
+  batch.hidden.resize(rows * hidden_size);
+  for (float& x : batch.hidden) x = normal(rng);
+  batch.labels.resize(rows);
+  for (int64_t& y : batch.labels) y = token(rng);
+  return batch;
+}
+
+std::vector<float> RandomWeight(int64_t vocab, int64_t hidden_size, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(hidden_size)));
+  std::vector<float> weight(vocab * hidden_size);
+  for (float& x : weight) x = normal(rng);
+  return weight;
+}
+
+// A start for `batch`: scoring asks for per-token results only; training also asks for dL/dh and
+// adds dL/dW to the head's accumulator.
+v1::ComputeStart StartFor(const std::string& head, const Batch& batch, int64_t hidden_size,
+                          bool training) {
+  v1::ComputeStart start;
+  start.set_head(head);
+  start.set_num_tokens(static_cast<int64_t>(batch.labels.size()));
+  start.set_hidden_size(hidden_size);
+  start.set_hidden_dtype(v1::DTYPE_FLOAT32);
+  for (int64_t y : batch.labels) start.add_labels(y);
+  v1::OutputSelection& out = *start.mutable_outputs();
+  out.set_token_loss(true);
+  out.set_top_k(3);
+  out.set_grad_hidden(training);
+  out.set_accumulate_grad_weight(training);
+  return start;
+}
+
+ReferenceResult Reference(const std::vector<float>& weight, int64_t vocab, int64_t hidden_size,
+                          const Batch& batch) {
+  ReferenceProblem problem;
+  problem.num_tokens = static_cast<int64_t>(batch.labels.size());
+  problem.hidden_size = hidden_size;
+  problem.vocab_size = vocab;
+  problem.hidden.assign(batch.hidden.begin(), batch.hidden.end());
+  problem.weight.assign(weight.begin(), weight.end());
+  problem.labels = batch.labels;
+  problem.top_k = 3;
+  return ComputeReference(problem);
+}
+
+// The engine's loss bound relative to the loss or, where training made the loss small next to the
+// logits, to the largest logit: fp32 logits carry an error that scales with their magnitude.
+bool LossMatches(double actual, const ReferenceResult& ref) {
+  return std::abs(actual - ref.loss) <=
+         kLossBound * std::max(std::abs(ref.loss), 1.0 + ref.max_abs_logit);
+}
+
+std::vector<float> AsFloats(const std::string& bytes) {
+  std::vector<float> values(bytes.size() / sizeof(float));
+  std::memcpy(values.data(), bytes.data(), values.size() * sizeof(float));
+  return values;
+}
+
+bool BitwiseEqual(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+std::chrono::system_clock::time_point In(absl::Duration duration) {
+  return std::chrono::system_clock::now() + absl::ToChronoMilliseconds(duration);
+}
+
+// A channel with its own connection (gRPC shares connections between channels to one address
+// unless told otherwise), so that dropping it closes that connection.
+std::shared_ptr<grpc::Channel> PrivateChannel(int port) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetMaxReceiveMessageSize(64 << 20);
+  return grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port),
+                                   grpc::InsecureChannelCredentials(), args);
+}
+
+// What calls hold on the server now: workspace, gradient memory (the heads' accumulators plus the
+// staging gradients of running training calls), scheduler slots and admitted bytes.
+struct CallResources {
+  int64_t workspace_bytes = 0;
+  int64_t gradient_bytes = 0;
+  int running = 0;
+  int queued = 0;
+  int64_t admitted_bytes = 0;
+};
+
+CallResources ReadCallResources(server::LossServer& server) {
+  return {server.ledger().current(MemoryPurpose::kWorkspace),
+          server.ledger().current(MemoryPurpose::kGradients), server.scheduler().running(),
+          server.scheduler().queued(), server.scheduler().admitted_bytes()};
+}
+
+// Whether the server comes to hold nothing for calls beyond the heads' accumulators
+// (`accumulator_bytes`). A call's server side may still be unwinding when its client sees the
+// status (a cancelled client sees it at once), so this polls for up to 10 s.
+::testing::AssertionResult SettlesToIdle(server::LossServer& server, int64_t accumulator_bytes) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  CallResources state;
+  while (true) {
+    state = ReadCallResources(server);
+    if (state.workspace_bytes == 0 && state.gradient_bytes == accumulator_bytes &&
+        state.running == 0 && state.queued == 0 && state.admitted_bytes == 0) {
+      return ::testing::AssertionSuccess();
+    }
+    if (absl::Now() > deadline) break;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return ::testing::AssertionFailure()
+         << "after 10 s the server still holds workspace " << state.workspace_bytes
+         << " B, gradients " << state.gradient_bytes << " B (accumulators: " << accumulator_bytes
+         << " B), running " << state.running << ", queued " << state.queued << ", admitted "
+         << state.admitted_bytes << " B";
+}
+
+// Compute calls the server has ended, by status code, from its request counter.
+std::map<std::string, int64_t> ComputeCallsByCode(server::LossServer& server) {
+  std::map<std::string, int64_t> calls;
+  for (const prometheus::MetricFamily& family : server.metrics().registry()->Collect()) {
+    if (family.name != "lossd_requests_total") continue;
+    for (const prometheus::ClientMetric& metric : family.metric) {
+      std::map<std::string, std::string> labels;
+      for (const auto& label : metric.label) labels[label.name] = label.value;
+      if (labels["method"] == "Compute") {
+        calls[labels["code"]] += std::llround(metric.counter.value);
+      }
+    }
+  }
+  return calls;
+}
+
+int64_t Total(const std::map<std::string, int64_t>& counts) {
+  int64_t total = 0;
+  for (const auto& [unused, count] : counts) total += count;
+  return total;
+}
+
+// Engine chunks computed so far, from the compute-seconds histogram.
+int64_t EngineChunksComputed(server::LossServer& server) {
+  for (const prometheus::MetricFamily& family : server.metrics().registry()->Collect()) {
+    if (family.name == "lossd_compute_seconds") {
+      return static_cast<int64_t>(family.metric.at(0).histogram.sample_count);
+    }
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input: every malformed request gets its code and a message naming the field, and changes
+// nothing: W, the accumulated gradient, the heads and the server's memory stay as they were.
+
+constexpr char kHead[] = "robust";
+constexpr int64_t kVocab = 300;
+constexpr int64_t kHidden = 32;
+constexpr int64_t kRows = 12;
+constexpr int64_t kRowsPerMessage = 4;
+constexpr uint64_t kHeadVersion = 2;  // the suite's set-up steps the head once
+constexpr char kUploadHead[] = "fresh";
+constexpr int64_t kUploadVocab = 50;
+
+enum class Rpc { kCompute, kUpload, kStep, kFetchWeight };
+
+// One valid call of each kind, which a row spoils.
+struct Script {
+  std::vector<v1::ComputeRequest> compute;    // a training start, then kRows rows in 3 chunks
+  std::vector<v1::UploadHeadRequest> upload;  // a new head kUploadHead [50, 32], in 2 pieces
+  v1::StepRequest step;                       // SGD on kHead
+  v1::FetchTensorRequest fetch;               // W of kHead
+};
+
+v1::ComputeStart& StartOf(Script& s) { return *s.compute.front().mutable_start(); }
+std::string& ChunkOf(Script& s, size_t message) {
+  return *s.compute.at(message).mutable_chunk()->mutable_hidden();
+}
+v1::UploadHeadStart& UploadStartOf(Script& s) { return *s.upload.front().mutable_start(); }
+void SetValue(std::string& rows, int64_t row, int64_t column, float value) {
+  std::memcpy(rows.data() + (row * kHidden + column) * sizeof(float), &value, sizeof(float));
+}
+
+struct BadRow {
+  const char* name;
+  const char* why;
+  Rpc rpc;
+  StatusCode code;
+  const char* field;  // the message must contain it
+  void (*spoil)(Script&);
+};
+
+void PrintTo(const BadRow& row, std::ostream* os) { *os << row.name; }
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr StatusCode kInvalid = StatusCode::INVALID_ARGUMENT;
+
+const BadRow kBadRows[] = {
+    // Compute: the order and shape of the stream.
+    {"chunk_before_start", "rows arrive before any ComputeStart", Rpc::kCompute, kInvalid, "start",
+     [](Script& s) { s.compute.erase(s.compute.begin()); }},
+    {"start_twice", "a second ComputeStart right after the first", Rpc::kCompute, kInvalid, "start",
+     [](Script& s) { s.compute.insert(s.compute.begin() + 1, s.compute.front()); }},
+    {"duplicate_start_mid_stream", "a ComputeStart between chunks", Rpc::kCompute, kInvalid, "start",
+     [](Script& s) { s.compute.insert(s.compute.begin() + 2, s.compute.front()); }},
+    {"empty_stream", "half-closed without a message", Rpc::kCompute, kInvalid, "start",
+     [](Script& s) { s.compute.clear(); }},
+    {"start_without_rows", "12 tokens declared, none sent", Rpc::kCompute, kInvalid, "chunk.hidden",
+     [](Script& s) { s.compute.resize(1); }},
+    {"truncated_row", "a message ends 3 bytes into a row", Rpc::kCompute, kInvalid, "chunk.hidden",
+     [](Script& s) { ChunkOf(s, 1).resize(ChunkOf(s, 1).size() - 3); }},
+    {"stray_byte", "one byte past whole rows", Rpc::kCompute, kInvalid, "chunk.hidden",
+     [](Script& s) { ChunkOf(s, 2).push_back('\0'); }},
+    {"missing_rows", "the stream ends a message early", Rpc::kCompute, kInvalid, "chunk.hidden",
+     [](Script& s) { s.compute.pop_back(); }},
+    {"extra_row", "one row more than num_tokens", Rpc::kCompute, kInvalid, "chunk.hidden",
+     [](Script& s) { ChunkOf(s, 3).append(kHidden * sizeof(float), '\0'); }},
+    {"fp32_bytes_declared_bf16", "float32 rows sent as bfloat16 are twice the rows", Rpc::kCompute,
+     kInvalid, "chunk.hidden", [](Script& s) { StartOf(s).set_hidden_dtype(v1::DTYPE_BFLOAT16); }},
+    // Compute: the start message, field by field.
+    {"unknown_head", "no head of that name", Rpc::kCompute, StatusCode::NOT_FOUND, "head",
+     [](Script& s) { StartOf(s).set_head("missing"); }},
+    {"empty_head", "the head must be named", Rpc::kCompute, StatusCode::NOT_FOUND, "head",
+     [](Script& s) { StartOf(s).set_head(""); }},
+    {"stale_pinned_version", "pinned to version 1, which the head has left",
+     Rpc::kCompute, StatusCode::FAILED_PRECONDITION, "head_version",
+     [](Script& s) { StartOf(s).set_head_version(kHeadVersion - 1); }},
+    {"future_pinned_version", "pinned to a version the head never had", Rpc::kCompute,
+     StatusCode::FAILED_PRECONDITION, "head_version",
+     [](Script& s) { StartOf(s).set_head_version(kHeadVersion + 1000); }},
+    {"num_tokens_negative", "a negative row count", Rpc::kCompute, kInvalid, "num_tokens",
+     [](Script& s) { StartOf(s).set_num_tokens(-1); }},
+    {"num_tokens_1e12", "a trillion rows, far over the per-call limit", Rpc::kCompute, kInvalid,
+     "num_tokens", [](Script& s) { StartOf(s).set_num_tokens(1'000'000'000'000); }},
+    {"hidden_size_mismatch", "H differs from the head's", Rpc::kCompute, kInvalid, "hidden_size",
+     [](Script& s) { StartOf(s).set_hidden_size(kHidden + 1); }},
+    {"hidden_size_huge", "2^40 columns", Rpc::kCompute, kInvalid, "hidden_size",
+     [](Script& s) { StartOf(s).set_hidden_size(int64_t{1} << 40); }},
+    {"hidden_dtype_unspecified", "the dtype must be said", Rpc::kCompute, kInvalid, "hidden_dtype",
+     [](Script& s) { StartOf(s).set_hidden_dtype(v1::DTYPE_UNSPECIFIED); }},
+    {"hidden_dtype_7", "an enum value the contract does not define", Rpc::kCompute, kInvalid,
+     "hidden_dtype", [](Script& s) { StartOf(s).set_hidden_dtype(static_cast<v1::DType>(7)); }},
+    {"labels_one_short", "one label fewer than num_tokens", Rpc::kCompute, kInvalid, "labels",
+     [](Script& s) { StartOf(s).mutable_labels()->RemoveLast(); }},
+    {"labels_one_extra", "one label more than num_tokens", Rpc::kCompute, kInvalid, "labels",
+     [](Script& s) { StartOf(s).add_labels(0); }},
+    {"label_vocab_size", "the first id past the vocabulary", Rpc::kCompute, kInvalid, "labels[5]",
+     [](Script& s) { StartOf(s).set_labels(5, kVocab); }},
+    {"label_minus_one", "negative, and not the default ignore_index -100", Rpc::kCompute, kInvalid,
+     "labels[5]", [](Script& s) { StartOf(s).set_labels(5, -1); }},
+    {"label_default_ignore_under_other_ignore", "-100 is no longer ignored with ignore_index -1",
+     Rpc::kCompute, kInvalid, "labels[5]",
+     [](Script& s) {
+       StartOf(s).mutable_options()->set_ignore_index(-1);
+       StartOf(s).set_labels(5, -100);
+     }},
+    {"label_int64_min", "the most negative id", Rpc::kCompute, kInvalid, "labels[5]",
+     [](Script& s) { StartOf(s).set_labels(5, std::numeric_limits<int64_t>::min()); }},
+    {"token_weights_count", "weights are all or nothing", Rpc::kCompute, kInvalid, "token_weights",
+     [](Script& s) { StartOf(s).add_token_weights(1.0f); }},
+    {"token_weight_nan", "a NaN weight", Rpc::kCompute, kInvalid, "token_weights[2]",
+     [](Script& s) {
+       for (int i = 0; i < kRows; ++i) StartOf(s).add_token_weights(i == 2 ? std::nanf("") : 1.0f);
+     }},
+    {"token_weight_inf", "an infinite weight", Rpc::kCompute, kInvalid, "token_weights[2]",
+     [](Script& s) {
+       for (int i = 0; i < kRows; ++i) StartOf(s).add_token_weights(i == 2 ? INFINITY : 1.0f);
+     }},
+    {"reduction_9", "an enum value the contract does not define", Rpc::kCompute, kInvalid,
+     "options.reduction",
+     [](Script& s) { StartOf(s).mutable_options()->set_reduction(static_cast<v1::Reduction>(9)); }},
+    {"label_smoothing_negative", "smoothing below 0", Rpc::kCompute, kInvalid,
+     "options.label_smoothing",
+     [](Script& s) { StartOf(s).mutable_options()->set_label_smoothing(-1); }},
+    {"label_smoothing_2", "smoothing above 1", Rpc::kCompute, kInvalid, "options.label_smoothing",
+     [](Script& s) { StartOf(s).mutable_options()->set_label_smoothing(2); }},
+    {"label_smoothing_nan", "NaN passes naive range checks", Rpc::kCompute, kInvalid,
+     "options.label_smoothing",
+     [](Script& s) { StartOf(s).mutable_options()->set_label_smoothing(kNaN); }},
+    {"temperature_0", "division by zero", Rpc::kCompute, kInvalid, "options.temperature",
+     [](Script& s) { StartOf(s).mutable_options()->set_temperature(0); }},
+    {"temperature_negative", "flips the logits", Rpc::kCompute, kInvalid, "options.temperature",
+     [](Script& s) { StartOf(s).mutable_options()->set_temperature(-1); }},
+    {"temperature_inf", "flattens every logit to 0", Rpc::kCompute, kInvalid, "options.temperature",
+     [](Script& s) { StartOf(s).mutable_options()->set_temperature(kInf); }},
+    {"temperature_nan", "NaN passes naive range checks", Rpc::kCompute, kInvalid,
+     "options.temperature",
+     [](Script& s) { StartOf(s).mutable_options()->set_temperature(kNaN); }},
+    {"z_loss_nan", "NaN passes naive range checks", Rpc::kCompute, kInvalid, "options.z_loss_scale",
+     [](Script& s) { StartOf(s).mutable_options()->set_z_loss_scale(kNaN); }},
+    {"z_loss_negative", "rewards large logits", Rpc::kCompute, kInvalid, "options.z_loss_scale",
+     [](Script& s) { StartOf(s).mutable_options()->set_z_loss_scale(-1); }},
+    {"softcap_negative", "a cap of -3", Rpc::kCompute, kInvalid, "options.logit_softcap",
+     [](Script& s) { StartOf(s).mutable_options()->set_logit_softcap(-3); }},
+    {"softcap_inf", "an infinite cap", Rpc::kCompute, kInvalid, "options.logit_softcap",
+     [](Script& s) { StartOf(s).mutable_options()->set_logit_softcap(kInf); }},
+    {"grad_scale_inf", "an infinite upstream gradient", Rpc::kCompute, kInvalid,
+     "options.grad_scale", [](Script& s) { StartOf(s).mutable_options()->set_grad_scale(kInf); }},
+    {"grad_scale_nan", "a NaN upstream gradient", Rpc::kCompute, kInvalid, "options.grad_scale",
+     [](Script& s) { StartOf(s).mutable_options()->set_grad_scale(kNaN); }},
+    {"mean_denominator_negative", "a denominator of -1", Rpc::kCompute, kInvalid,
+     "options.mean_denominator",
+     [](Script& s) { StartOf(s).mutable_options()->set_mean_denominator(-1); }},
+    {"mean_denominator_inf", "an infinite denominator", Rpc::kCompute, kInvalid,
+     "options.mean_denominator",
+     [](Script& s) { StartOf(s).mutable_options()->set_mean_denominator(kInf); }},
+    {"top_k_negative", "k of -1", Rpc::kCompute, kInvalid, "outputs.top_k",
+     [](Script& s) { StartOf(s).mutable_outputs()->set_top_k(-1); }},
+    {"top_k_65", "one above the largest k offered", Rpc::kCompute, kInvalid, "outputs.top_k",
+     [](Script& s) { StartOf(s).mutable_outputs()->set_top_k(65); }},
+    {"grad_hidden_dtype_7", "an enum value the contract does not define", Rpc::kCompute, kInvalid,
+     "outputs.grad_hidden_dtype",
+     [](Script& s) {
+       StartOf(s).mutable_outputs()->set_grad_hidden_dtype(static_cast<v1::DType>(7));
+     }},
+    // Compute: rows whose values make the results non-finite, in the last chunk so that earlier
+    // chunks were computed and staged.
+    {"nan_row", "a NaN hidden value", Rpc::kCompute, kInvalid, "chunk.hidden",
+     [](Script& s) { SetValue(ChunkOf(s, 3), 2, 5, std::nanf("")); }},
+    {"inf_row", "an infinite hidden value", Rpc::kCompute, kInvalid, "chunk.hidden",
+     [](Script& s) { SetValue(ChunkOf(s, 3), 2, 5, INFINITY); }},
+    {"inf_under_softcap", "the cap keeps the logits finite, but dL/dW = 0 * Inf is NaN",
+     Rpc::kCompute, kInvalid, "chunk.hidden",
+     [](Script& s) {
+       StartOf(s).mutable_options()->set_logit_softcap(30);
+       SetValue(ChunkOf(s, 3), 2, 5, INFINITY);
+     }},
+    {"grad_scale_overflow", "finite logits, but grad_scale 1e38 overflows dL/dW to Inf",
+     Rpc::kCompute, kInvalid, "options.grad_scale",
+     [](Script& s) {
+       StartOf(s).mutable_options()->set_grad_scale(1e38);
+       for (size_t m = 1; m < s.compute.size(); ++m) {
+         std::string& rows = ChunkOf(s, m);
+         for (int64_t r = 0; r < kRowsPerMessage; ++r) SetValue(rows, r, 0, 1e4f);
+       }
+     }},
+    // UploadHead.
+    {"upload_onto_existing_head", "replacing a head must be asked for", Rpc::kUpload,
+     StatusCode::ALREADY_EXISTS, "head", [](Script& s) { UploadStartOf(s).set_head(kHead); }},
+    {"upload_name_empty", "a head needs a name", Rpc::kUpload, kInvalid, "head",
+     [](Script& s) { UploadStartOf(s).set_head(""); }},
+    {"upload_name_parent_path", "\"../x\" would escape the checkpoint directory", Rpc::kUpload,
+     kInvalid, "head", [](Script& s) { UploadStartOf(s).set_head("../x"); }},
+    {"upload_name_200_chars", "longer than a checkpoint file name allows", Rpc::kUpload, kInvalid,
+     "head", [](Script& s) { UploadStartOf(s).set_head(std::string(200, 'h')); }},
+    {"upload_name_nul", "a NUL byte in the name", Rpc::kUpload, kInvalid, "head",
+     [](Script& s) { UploadStartOf(s).set_head(std::string("a\0b", 3)); }},
+    {"upload_vocab_zero", "an empty head", Rpc::kUpload, kInvalid, "vocab_size",
+     [](Script& s) { UploadStartOf(s).set_vocab_size(0); }},
+    {"upload_hidden_negative", "a negative H", Rpc::kUpload, kInvalid, "hidden_size",
+     [](Script& s) { UploadStartOf(s).set_hidden_size(-32); }},
+    {"upload_sizes_1e12", "10^24 elements", Rpc::kUpload, StatusCode::RESOURCE_EXHAUSTED,
+     "vocab_size",
+     [](Script& s) {
+       UploadStartOf(s).set_vocab_size(1'000'000'000'000);
+       UploadStartOf(s).set_hidden_size(1'000'000'000'000);
+     }},
+    {"upload_product_wraps_to_zero", "2^32 x 2^32 is 0 in int64 arithmetic", Rpc::kUpload,
+     StatusCode::RESOURCE_EXHAUSTED, "vocab_size",
+     [](Script& s) {
+       UploadStartOf(s).set_vocab_size(int64_t{1} << 32);
+       UploadStartOf(s).set_hidden_size(int64_t{1} << 32);
+     }},
+    {"upload_product_wraps_negative", "2^32 x (2^31 + 1) is negative in int64 arithmetic",
+     Rpc::kUpload, StatusCode::RESOURCE_EXHAUSTED, "vocab_size",
+     [](Script& s) {
+       UploadStartOf(s).set_vocab_size(int64_t{1} << 32);
+       UploadStartOf(s).set_hidden_size((int64_t{1} << 31) + 1);
+     }},
+    {"upload_dtype_unspecified", "the bytes' dtype must be said", Rpc::kUpload, kInvalid, "dtype",
+     [](Script& s) { UploadStartOf(s).set_dtype(v1::DTYPE_UNSPECIFIED); }},
+    {"upload_dtype_7", "an enum value the contract does not define", Rpc::kUpload, kInvalid,
+     "dtype", [](Script& s) { UploadStartOf(s).set_dtype(static_cast<v1::DType>(7)); }},
+    {"upload_storage_dtype_9", "an enum value the contract does not define", Rpc::kUpload,
+     kInvalid, "storage_dtype",
+     [](Script& s) { UploadStartOf(s).set_storage_dtype(static_cast<v1::DType>(9)); }},
+    {"upload_more_bytes", "one float more than V x H", Rpc::kUpload, kInvalid, "weight",
+     [](Script& s) { s.upload.back().mutable_weight()->append(4, '\0'); }},
+    {"upload_fewer_bytes", "the last piece is missing", Rpc::kUpload, kInvalid, "weight",
+     [](Script& s) { s.upload.pop_back(); }},
+    {"upload_partial_float", "one byte short of V x H floats", Rpc::kUpload, kInvalid, "weight",
+     [](Script& s) { s.upload.back().mutable_weight()->pop_back(); }},
+    {"upload_nan_weight", "a NaN in W would fail every later call on the head", Rpc::kUpload,
+     kInvalid, "weight[",
+     [](Script& s) {
+       const float nan = std::numeric_limits<float>::quiet_NaN();
+       s.upload.back().mutable_weight()->replace(8, 4, reinterpret_cast<const char*>(&nan), 4);
+     }},
+    {"upload_replace_short", "replacing the test head with too few bytes must not touch it",
+     Rpc::kUpload, kInvalid, "weight",
+     [](Script& s) {
+       UploadStartOf(s).set_head(kHead);
+       UploadStartOf(s).set_vocab_size(kVocab);
+       UploadStartOf(s).set_replace(true);
+     }},
+    {"upload_weight_before_start", "bytes before any UploadHeadStart", Rpc::kUpload, kInvalid,
+     "start", [](Script& s) { std::swap(s.upload[0], s.upload[1]); }},
+    {"upload_start_twice", "a second UploadHeadStart", Rpc::kUpload, kInvalid, "start",
+     [](Script& s) { s.upload.insert(s.upload.begin() + 1, s.upload.front()); }},
+    {"upload_empty_stream", "half-closed without a message", Rpc::kUpload, kInvalid, "start",
+     [](Script& s) { s.upload.clear(); }},
+    // Step.
+    {"step_no_optimizer", "neither sgd nor adamw", Rpc::kStep, kInvalid, "optimizer",
+     [](Script& s) { s.step.clear_optimizer(); }},
+    {"step_unknown_head", "no head of that name", Rpc::kStep, StatusCode::NOT_FOUND, "head",
+     [](Script& s) { s.step.set_head("missing"); }},
+    {"step_stale_version", "pinned to version 1, which the head has left", Rpc::kStep,
+     StatusCode::FAILED_PRECONDITION, "head_version",
+     [](Script& s) { s.step.set_head_version(kHeadVersion - 1); }},
+    {"sgd_negative_lr", "ascends the loss", Rpc::kStep, kInvalid, "learning_rate",
+     [](Script& s) { s.step.mutable_sgd()->set_learning_rate(-0.1); }},
+    {"sgd_nan_lr", "NaN passes naive range checks", Rpc::kStep, kInvalid, "learning_rate",
+     [](Script& s) { s.step.mutable_sgd()->set_learning_rate(kNaN); }},
+    {"sgd_negative_momentum", "momentum of -1", Rpc::kStep, kInvalid, "sgd.momentum",
+     [](Script& s) { s.step.mutable_sgd()->set_momentum(-1); }},
+    {"sgd_inf_weight_decay", "an infinite decay", Rpc::kStep, kInvalid, "weight_decay",
+     [](Script& s) { s.step.mutable_sgd()->set_weight_decay(kInf); }},
+    {"adamw_negative_lr", "ascends the loss", Rpc::kStep, kInvalid, "learning_rate",
+     [](Script& s) { s.step.mutable_adamw()->set_learning_rate(-1e-3); }},
+    {"adamw_beta1_1", "the bias correction divides by 1 - beta1^t = 0", Rpc::kStep, kInvalid,
+     "adamw.beta1",
+     [](Script& s) {
+       s.step.mutable_adamw()->set_learning_rate(1e-3);
+       s.step.mutable_adamw()->set_beta1(1);
+     }},
+    {"adamw_beta2_nan", "NaN passes naive range checks", Rpc::kStep, kInvalid, "adamw.beta2",
+     [](Script& s) {
+       s.step.mutable_adamw()->set_learning_rate(1e-3);
+       s.step.mutable_adamw()->set_beta2(kNaN);
+     }},
+    {"adamw_epsilon_0", "divides by zero where the second moment is 0", Rpc::kStep, kInvalid,
+     "adamw.epsilon",
+     [](Script& s) {
+       s.step.mutable_adamw()->set_learning_rate(1e-3);
+       s.step.mutable_adamw()->set_epsilon(0);
+     }},
+    {"max_grad_norm_negative", "a clip norm of -1", Rpc::kStep, kInvalid, "max_grad_norm",
+     [](Script& s) { s.step.set_max_grad_norm(-1); }},
+    // FetchWeight.
+    {"fetch_unknown_head", "no head of that name", Rpc::kFetchWeight, StatusCode::NOT_FOUND, "head",
+     [](Script& s) { s.fetch.set_head("missing"); }},
+    {"fetch_dtype_7", "an enum value the contract does not define", Rpc::kFetchWeight, kInvalid,
+     "dtype", [](Script& s) { s.fetch.set_dtype(static_cast<v1::DType>(7)); }},
+    {"fetch_negative_chunk", "a chunk of -1 bytes", Rpc::kFetchWeight, kInvalid, "max_chunk_bytes",
+     [](Script& s) { s.fetch.set_max_chunk_bytes(-1); }},
+};
+
+grpc::Status Send(v1::LossService::Stub& stub, Rpc rpc, const Script& script) {
+  grpc::ClientContext context;
+  context.set_deadline(In(absl::Seconds(20)));
+  switch (rpc) {
+    case Rpc::kCompute: {
+      auto stream = stub.Compute(&context);
+      for (const auto& message : script.compute) {
+        if (!stream->Write(message)) break;
+      }
+      stream->WritesDone();
+      v1::ComputeResponse response;
+      while (stream->Read(&response)) continue;
+      return stream->Finish();
+    }
+    case Rpc::kUpload: {
+      v1::HeadInfo info;
+      auto writer = stub.UploadHead(&context, &info);
+      for (const auto& message : script.upload) {
+        if (!writer->Write(message)) break;
+      }
+      writer->WritesDone();
+      return writer->Finish();
+    }
+    case Rpc::kStep: {
+      v1::StepResponse response;
+      return stub.Step(&context, script.step, &response);
+    }
+    case Rpc::kFetchWeight: {
+      auto reader = stub.FetchWeight(&context, script.fetch);
+      v1::TensorChunk chunk;
+      while (reader->Read(&chunk)) continue;
+      return reader->Finish();
+    }
+  }
+  return grpc::Status(StatusCode::INTERNAL, "unknown rpc");
+}
+
+class BadInputTest : public ::testing::TestWithParam<BadRow> {
+ protected:
+  // A head with a version past 1, optimizer state and a non-zero accumulated gradient, so that a
+  // row that moved any of them would show.
+  static void SetUpTestSuite() {
+    std::mt19937_64 rng(FreshSeed());
+    server::ServerConfig config;
+    config.demo = {kHead, kVocab, kHidden, 11};
+    config.workspace_budget_bytes = 1 << 20;
+    server_ = StartTestServer(config).release();
+    ASSERT_NE(server_, nullptr);
+    auto stub = ConnectTo(server_->port());
+    const Batch first = RandomBatch(kRows, kVocab, kHidden, rng);
+    ASSERT_TRUE(
+        CallCompute(*stub, StartFor(kHead, first, kHidden, true), FloatBytes(first.hidden), kRows)
+            .status.ok());
+    grpc::ClientContext context;
+    v1::StepRequest step;
+    step.set_head(kHead);
+    step.mutable_sgd()->set_learning_rate(0.1);
+    step.mutable_sgd()->set_momentum(0.9);
+    v1::StepResponse stepped;
+    ASSERT_TRUE(stub->Step(&context, step, &stepped).ok());
+    ASSERT_EQ(stepped.head_version(), kHeadVersion);
+    batch_ = new Batch(RandomBatch(kRows, kVocab, kHidden, rng));
+    ASSERT_TRUE(CallCompute(*stub, StartFor(kHead, *batch_, kHidden, true),
+                            FloatBytes(batch_->hidden), kRows)
+                    .status.ok());
+    probe_ = new Batch(RandomBatch(kRows, kVocab, kHidden, rng));
+    probe_ref_ =
+        new ReferenceResult(Reference(Fetch(*stub, kHead, false).values, kVocab, kHidden, *probe_));
+    upload_weight_ = new std::vector<float>(RandomWeight(kUploadVocab, kHidden, rng));
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    delete batch_;
+    delete probe_;
+    delete probe_ref_;
+    delete upload_weight_;
+  }
+
+  static Script ValidScript() {
+    Script s;
+    s.compute.emplace_back();
+    *s.compute.back().mutable_start() = StartFor(kHead, *batch_, kHidden, true);
+    const std::string rows = FloatBytes(batch_->hidden);
+    const size_t message_bytes = kRowsPerMessage * kHidden * sizeof(float);
+    for (size_t offset = 0; offset < rows.size(); offset += message_bytes) {
+      s.compute.emplace_back();
+      s.compute.back().mutable_chunk()->set_hidden(rows.substr(offset, message_bytes));
+    }
+    s.upload.emplace_back();
+    v1::UploadHeadStart& start = *s.upload.back().mutable_start();
+    start.set_head(kUploadHead);
+    start.set_vocab_size(kUploadVocab);
+    start.set_hidden_size(kHidden);
+    start.set_dtype(v1::DTYPE_FLOAT32);
+    const std::string weight = FloatBytes(*upload_weight_);
+    for (const std::string& piece :
+         {weight.substr(0, weight.size() / 2), weight.substr(weight.size() / 2)}) {
+      s.upload.emplace_back();
+      s.upload.back().set_weight(piece);
+    }
+    s.step.set_head(kHead);
+    s.step.mutable_sgd()->set_learning_rate(0.1);
+    s.fetch.set_head(kHead);
+    return s;
+  }
+
+  static server::LossServer* server_;
+  static Batch* batch_;  // the valid call's rows
+  static Batch* probe_;  // a scoring call that shows the server still computes right
+  static ReferenceResult* probe_ref_;
+  static std::vector<float>* upload_weight_;
+};
+
+server::LossServer* BadInputTest::server_ = nullptr;
+Batch* BadInputTest::batch_ = nullptr;
+Batch* BadInputTest::probe_ = nullptr;
+ReferenceResult* BadInputTest::probe_ref_ = nullptr;
+std::vector<float>* BadInputTest::upload_weight_ = nullptr;
+
+TEST_P(BadInputTest, GetsItsCodeNamesTheFieldAndChangesNothing) {
+  const BadRow& row = GetParam();
+  SCOPED_TRACE(row.why);
+  auto stub = ConnectTo(server_->port());
+  const FetchedTensor weight_before = Fetch(*stub, kHead, false);
+  const FetchedTensor grad_before = Fetch(*stub, kHead, true);
+  ASSERT_TRUE(weight_before.status.ok() && grad_before.status.ok());
+  ASSERT_EQ(weight_before.version, kHeadVersion);
+  const int64_t gradient_bytes = server_->ledger().current(MemoryPurpose::kGradients);
+  const int64_t optimizer_bytes = server_->ledger().current(MemoryPurpose::kOptimizerState);
+
+  Script script = ValidScript();
+  row.spoil(script);
+  const grpc::Status status = Send(*stub, row.rpc, script);
+  EXPECT_EQ(status.error_code(), row.code) << status.error_message();
+  EXPECT_NE(status.error_message().find(row.field), std::string::npos)
+      << "the message does not name " << row.field << ": " << status.error_message();
+
+  EXPECT_TRUE(SettlesToIdle(*server_, gradient_bytes));
+  EXPECT_EQ(server_->ledger().current(MemoryPurpose::kOptimizerState), optimizer_bytes);
+  const FetchedTensor weight_after = Fetch(*stub, kHead, false);
+  const FetchedTensor grad_after = Fetch(*stub, kHead, true);
+  EXPECT_EQ(weight_after.version, kHeadVersion);
+  EXPECT_TRUE(BitwiseEqual(weight_after.values, weight_before.values)) << "W changed";
+  EXPECT_TRUE(BitwiseEqual(grad_after.values, grad_before.values))
+      << "the accumulated gradient changed";
+  EXPECT_EQ(server_->heads().List().size(), 1u) << "a failed upload left a head behind";
+
+  const ComputeOutcome probe =
+      CallCompute(*stub, StartFor(kHead, *probe_, kHidden, false), FloatBytes(probe_->hidden), 5);
+  ASSERT_TRUE(probe.status.ok()) << probe.status.error_message();
+  EXPECT_TRUE(LossMatches(probe.summary.loss(), *probe_ref_));
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, BadInputTest, ::testing::ValuesIn(kBadRows),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// ---------------------------------------------------------------------------------------------
+// Cancellations and disconnects: clients that cancel, drop their connection or stop sending at
+// random points of a training stream leave no workspace, staging gradient or scheduler slot
+// behind, never reach the accumulator, and later calls are still right.
+
+constexpr char kCancelHead[] = "abandoned";
+constexpr int64_t kCancelVocab = 2000;
+constexpr int64_t kCancelHidden = 64;
+constexpr int64_t kCancelRows = 480;
+constexpr int64_t kCancelRowsPerMessage = 20;
+constexpr int kCancelTrials = 100;
+constexpr int kCancelClients = 4;  // over 2 running slots, so that some calls wait in the queue
+constexpr absl::Duration kStallDeadline = absl::Milliseconds(150);
+
+enum class Abandon { kCancel, kDisconnect, kStall };
+
+const char* AbandonName(Abandon how) {
+  switch (how) {
+    case Abandon::kCancel: return "cancel";
+    case Abandon::kDisconnect: return "disconnect";
+    case Abandon::kStall: return "stall";
+  }
+  return "?";
+}
+
+// Opens a training stream on a connection of its own, writes the first `messages` of `script`
+// (the start, then chunks), waits `pause` and abandons the call without half-closing it: cancels
+// it, drops stream, context and channel, or stops sending until its deadline passes. Returns the
+// status the client saw, or nothing for a disconnect.
+std::optional<StatusCode> AbandonCall(int port, const std::vector<v1::ComputeRequest>& script,
+                                      int messages, absl::Duration pause, Abandon how) {
+  auto channel = PrivateChannel(port);
+  auto stub = v1::LossService::NewStub(channel);
+  auto context = std::make_unique<grpc::ClientContext>();
+  if (how == Abandon::kStall) context->set_deadline(In(kStallDeadline));
+  auto stream = stub->Compute(context.get());
+  for (int i = 0; i < messages && stream->Write(script[i]); ++i) continue;
+  absl::SleepFor(pause);
+  switch (how) {
+    case Abandon::kCancel: context->TryCancel(); break;
+    case Abandon::kDisconnect:
+      stream.reset();
+      context.reset();
+      stub.reset();
+      channel.reset();
+      return std::nullopt;
+    case Abandon::kStall: absl::SleepFor(kStallDeadline); break;
+  }
+  v1::ComputeResponse response;
+  while (stream->Read(&response)) continue;
+  return stream->Finish().error_code();
+}
+
+std::vector<v1::ComputeRequest> TrainingScript(const Batch& batch) {
+  std::vector<v1::ComputeRequest> script(1);
+  *script.front().mutable_start() = StartFor(kCancelHead, batch, kCancelHidden, true);
+  const std::string rows = FloatBytes(batch.hidden);
+  const size_t message_bytes = kCancelRowsPerMessage * kCancelHidden * sizeof(float);
+  for (size_t offset = 0; offset < rows.size(); offset += message_bytes) {
+    script.emplace_back();
+    script.back().mutable_chunk()->set_hidden(rows.substr(offset, message_bytes));
+  }
+  return script;
+}
+
+TEST(CancellationTest, AbandonedStreamsLeakNothingAndAccumulateNothing) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "LOSSD_TEST_SEED=" << seed);
+  std::mt19937_64 rng(seed);
+  server::ServerConfig config;
+  config.demo = {kCancelHead, kCancelVocab, kCancelHidden, 5};
+  config.workspace_budget_bytes = 1 << 20;  // about 100 rows per engine chunk
+  config.max_running_calls = 2;
+  auto server = StartTestServer(config);
+  ASSERT_NE(server, nullptr);
+  auto stub = ConnectTo(server->port());
+  const Batch committed = RandomBatch(kCancelRows, kCancelVocab, kCancelHidden, rng);
+  ASSERT_TRUE(CallCompute(*stub, StartFor(kCancelHead, committed, kCancelHidden, true),
+                          FloatBytes(committed.hidden), kCancelRowsPerMessage)
+                  .status.ok());
+  const FetchedTensor weight = Fetch(*stub, kCancelHead, false);
+  const FetchedTensor grad_before = Fetch(*stub, kCancelHead, true);
+  const int64_t accumulator_bytes = server->ledger().current(MemoryPurpose::kGradients);
+
+  // Every write point from "nothing sent" to "every row sent, no half-close", each way of leaving.
+  struct Trial {
+    Abandon how;
+    int messages;
+    absl::Duration pause;
+    std::vector<v1::ComputeRequest> script;
+  };
+  const int script_messages = 1 + static_cast<int>(kCancelRows / kCancelRowsPerMessage);
+  std::uniform_int_distribution<int> how(0, 2), messages(0, script_messages), pause_ms(0, 30);
+  std::vector<Trial> trials;
+  for (int i = 0; i < kCancelTrials; ++i) {
+    trials.push_back({static_cast<Abandon>(how(rng)), messages(rng),
+                      absl::Milliseconds(pause_ms(rng)),
+                      TrainingScript(RandomBatch(kCancelRows, kCancelVocab, kCancelHidden, rng))});
+  }
+  const std::map<std::string, int64_t> calls_before = ComputeCallsByCode(*server);
+  const int64_t chunks_before = EngineChunksComputed(*server);
+  std::vector<std::optional<StatusCode>> seen(kCancelTrials);
+  std::atomic<int> next{0};
+  const absl::Time start = absl::Now();
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kCancelClients; ++c) {
+    clients.emplace_back([&] {
+      for (int i = next++; i < kCancelTrials; i = next++) {
+        seen[i] = AbandonCall(server->port(), trials[i].script, trials[i].messages, trials[i].pause,
+                              trials[i].how);
+      }
+    });
+  }
+  for (auto& client : clients) client.join();
+  RecordProperty("abandon_trials_seconds",
+                 absl::StrCat(absl::ToDoubleSeconds(absl::Now() - start)));
+
+  std::map<std::string, int> counts;
+  for (int i = 0; i < kCancelTrials; ++i) {
+    const Trial& trial = trials[i];
+    ++counts[AbandonName(trial.how)];
+    SCOPED_TRACE(::testing::Message() << "trial " << i << ": " << AbandonName(trial.how)
+                                      << " after " << trial.messages << " messages");
+    if (trial.how != Abandon::kDisconnect) {
+      EXPECT_EQ(seen[i], trial.how == Abandon::kCancel ? StatusCode::CANCELLED
+                                                       : StatusCode::DEADLINE_EXCEEDED);
+    }
+  }
+  for (const auto& [name, count] : counts) RecordProperty(absl::StrCat(name, "_trials"), count);
+
+  EXPECT_TRUE(SettlesToIdle(*server, accumulator_bytes));
+  EXPECT_EQ(server->ledger().current(MemoryPurpose::kWorkspace), 0);
+  // Every abandoned call reached the server and none of them ended there as a success.
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  std::map<std::string, int64_t> calls = ComputeCallsByCode(*server);
+  while (Total(calls) < Total(calls_before) + kCancelTrials && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(5));
+    calls = ComputeCallsByCode(*server);
+  }
+  EXPECT_EQ(Total(calls), Total(calls_before) + kCancelTrials);
+  EXPECT_EQ(calls["OK"], calls_before.at("OK"));
+  for (const auto& [code, count] : calls) {
+    const auto before = calls_before.find(code);
+    RecordProperty(absl::StrCat("server_", code),
+                   count - (before == calls_before.end() ? 0 : before->second));
+  }
+  RecordProperty("engine_chunks_computed_in_abandoned_calls",
+                 EngineChunksComputed(*server) - chunks_before);
+  const FetchedTensor grad_after = Fetch(*stub, kCancelHead, true);
+  EXPECT_TRUE(BitwiseEqual(grad_after.values, grad_before.values))
+      << "an abandoned call accumulated";
+
+  // A later call computes and commits exactly what the reference says.
+  const Batch fresh = RandomBatch(kCancelRows, kCancelVocab, kCancelHidden, rng);
+  const ReferenceResult ref = Reference(weight.values, kCancelVocab, kCancelHidden, fresh);
+  const ComputeOutcome out = CallCompute(*stub, StartFor(kCancelHead, fresh, kCancelHidden, true),
+                                         FloatBytes(fresh.hidden), kCancelRowsPerMessage);
+  ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+  EXPECT_TRUE(LossMatches(out.summary.loss(), ref));
+  EXPECT_LE(RelativeError(AsFloats(out.grad_hidden), ref.grad_hidden), kGradBound);
+  const FetchedTensor grad_committed = Fetch(*stub, kCancelHead, true);
+  std::vector<float> added(grad_committed.values.size());
+  for (size_t i = 0; i < added.size(); ++i) {
+    added[i] = grad_committed.values[i] - grad_before.values[i];
+  }
+  EXPECT_LE(RelativeError(added, ref.grad_weight), kGradBound);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Load: 32 clients with 50 mixed calls each on the CPU backend. Every result is checked against
+// the float64 reference for the W version it was computed on; the only error allowed is ABORTED
+// for a training call on a head that a concurrent Step moved (retried); the scheduler and the
+// memory ledger stay within their bounds throughout.
+
+constexpr int kLoadClients = 32;
+constexpr int kCallsPerClient = 50;
+constexpr int64_t kLoadVocab = 512;
+constexpr int64_t kLoadHidden = 64;
+constexpr int64_t kLoadRows = 32;
+constexpr int64_t kLoadRowsPerMessage = 8;
+constexpr int kLoadBatches = 16;
+constexpr int kLoadRunning = 2;
+constexpr int kLoadQueued = 64;
+constexpr size_t kLoadWorkspaceBudget = 1 << 20;
+constexpr char kFrozenHead[] = "frozen";    // never stepped: one reference per batch
+constexpr char kSteppedHead[] = "stepped";  // stepped while other clients train on it
+
+enum class LoadCall { kScoreFrozen, kTrainFrozen, kTrainStepped, kFetchGrad, kStepStepped };
+// Relative frequencies of the calls above.
+const std::vector<double> kLoadMix = {32, 26, 26, 12, 4};
+
+// The scheduler's and the ledger's bounds, checked by polling while the clients run.
+struct BoundsWatch {
+  int64_t samples = 0;
+  int64_t violations = 0;
+  std::string first_violation;
+  int peak_queued = 0;
+  int peak_running = 0;
+  int64_t peak_admitted_bytes = 0;
+  int64_t peak_workspace_bytes = 0;
+};
+
+void WatchBounds(server::LossServer& server, const std::atomic<bool>& done,
+                 int64_t accumulator_bytes, BoundsWatch& watch) {
+  const int64_t staging_bytes = kLoadVocab * kLoadHidden * static_cast<int64_t>(sizeof(float));
+  while (!done) {
+    const CallResources s = ReadCallResources(server);
+    ++watch.samples;
+    watch.peak_queued = std::max(watch.peak_queued, s.queued);
+    watch.peak_running = std::max(watch.peak_running, s.running);
+    watch.peak_admitted_bytes = std::max(watch.peak_admitted_bytes, s.admitted_bytes);
+    watch.peak_workspace_bytes = std::max(watch.peak_workspace_bytes, s.workspace_bytes);
+    const bool within =
+        s.admitted_bytes <= server.scheduler().capacity_bytes() && s.running <= kLoadRunning &&
+        s.queued <= kLoadQueued &&
+        s.workspace_bytes <= kLoadRunning * static_cast<int64_t>(kLoadWorkspaceBudget) &&
+        s.gradient_bytes <= accumulator_bytes + kLoadRunning * staging_bytes;
+    if (!within && watch.violations++ == 0) {
+      watch.first_violation = absl::StrCat("admitted ", s.admitted_bytes, " B, running ", s.running,
+                                           ", queued ", s.queued, ", workspace ", s.workspace_bytes,
+                                           " B, gradients ", s.gradient_bytes, " B");
+    }
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+}
+
+// What one client saw; merged after the run.
+struct ClientLog {
+  int64_t rpcs = 0;
+  int64_t compute_calls = 0;
+  int64_t tokens = 0;
+  int64_t aborted = 0;
+  std::vector<int> frozen_trained;  // per batch: committed training calls on kFrozenHead
+  struct SteppedCall {
+    uint64_t version;
+    int batch;
+    double loss;
+  };
+  std::vector<SteppedCall> stepped_calls;
+  std::vector<std::string> failures;  // unexpected errors and wrong results
+};
+
+class LoadTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    seed_ = FreshSeed();
+    std::mt19937_64 rng(seed_);
+    server::ServerConfig config;
+    config.demo = {kFrozenHead, kLoadVocab, kLoadHidden, 3};
+    config.workspace_budget_bytes = kLoadWorkspaceBudget;
+    config.max_running_calls = kLoadRunning;
+    config.max_queued_calls = kLoadQueued;
+    server_ = StartTestServer(config);
+    ASSERT_NE(server_, nullptr);
+    auto stub = ConnectTo(server_->port());
+    ASSERT_TRUE(Upload(*stub, kSteppedHead, kLoadVocab, kLoadHidden,
+                       RandomWeight(kLoadVocab, kLoadHidden, rng), false)
+                    .ok());
+    frozen_weight_ = Fetch(*stub, kFrozenHead, false).values;
+    const FetchedTensor stepped = Fetch(*stub, kSteppedHead, false);
+    stepped_weights_[stepped.version] = stepped.values;
+    for (int b = 0; b < kLoadBatches; ++b) {
+      batches_.push_back(RandomBatch(kLoadRows, kLoadVocab, kLoadHidden, rng));
+      frozen_refs_.push_back(Reference(frozen_weight_, kLoadVocab, kLoadHidden, batches_.back()));
+    }
+  }
+
+  void RunClient(uint64_t seed, ClientLog& log) {
+    std::mt19937_64 rng(seed);
+    std::discrete_distribution<int> pick_call(kLoadMix.begin(), kLoadMix.end());
+    std::uniform_int_distribution<int> pick_batch(0, kLoadBatches - 1);
+    log.frozen_trained.assign(kLoadBatches, 0);
+    // Calls fail fast while a channel is not connected, so a connection attempt lost to a
+    // loaded machine would fail every call of the client: connect first, with gRPC's retries.
+    auto channel = PrivateChannel(server_->port());
+    if (!channel->WaitForConnected(In(absl::Seconds(30)))) {
+      log.failures.push_back("could not connect within 30 s");
+      return;
+    }
+    auto stub = v1::LossService::NewStub(channel);
+    auto fail = [&](absl::string_view what, const grpc::Status& status) {
+      log.failures.push_back(absl::StrCat(what, ": ", server::GrpcCodeName(status.error_code()),
+                                          " ", status.error_message()));
+    };
+    for (int i = 0; i < kCallsPerClient; ++i) {
+      const auto call = static_cast<LoadCall>(pick_call(rng));
+      const int b = pick_batch(rng);
+      const Batch& batch = batches_[b];
+      const std::string hidden = FloatBytes(batch.hidden);
+      switch (call) {
+        case LoadCall::kScoreFrozen:
+        case LoadCall::kTrainFrozen: {
+          const bool training = call == LoadCall::kTrainFrozen;
+          const ComputeOutcome out =
+              CallCompute(*stub, StartFor(kFrozenHead, batch, kLoadHidden, training), hidden,
+                          kLoadRowsPerMessage);
+          ++log.rpcs;
+          ++log.compute_calls;
+          if (!out.status.ok()) {
+            fail("frozen compute", out.status);
+            break;
+          }
+          log.tokens += kLoadRows;
+          const ReferenceResult& ref = frozen_refs_[b];
+          if (!LossMatches(out.summary.loss(), ref) ||
+              RelativeError(out.token_loss, ref.token_loss) > kLossBound ||
+              (training &&
+               RelativeError(AsFloats(out.grad_hidden), ref.grad_hidden) > kGradBound)) {
+            log.failures.push_back(absl::StrCat("frozen compute on batch ", b, ": loss ",
+                                                out.summary.loss(), ", reference ", ref.loss));
+          }
+          if (training) ++log.frozen_trained[b];
+          break;
+        }
+        case LoadCall::kTrainStepped: {
+          ComputeOutcome out;
+          do {
+            out = CallCompute(*stub, StartFor(kSteppedHead, batch, kLoadHidden, true), hidden,
+                              kLoadRowsPerMessage);
+            ++log.rpcs;
+            ++log.compute_calls;
+            log.aborted += out.status.error_code() == StatusCode::ABORTED;
+          } while (out.status.error_code() == StatusCode::ABORTED);
+          if (!out.status.ok()) {
+            fail("stepped compute", out.status);
+            break;
+          }
+          log.tokens += kLoadRows;
+          log.stepped_calls.push_back({out.summary.head_version(), b, out.summary.loss()});
+          break;
+        }
+        case LoadCall::kFetchGrad: {
+          const bool frozen = b % 2 == 0;
+          const FetchedTensor grad = Fetch(*stub, frozen ? kFrozenHead : kSteppedHead, true);
+          ++log.rpcs;
+          if (!grad.status.ok()) {
+            fail("fetch gradient", grad.status);
+          } else if (grad.values.size() != static_cast<size_t>(kLoadVocab * kLoadHidden) ||
+                     !std::all_of(grad.values.begin(), grad.values.end(),
+                                  [](float x) { return std::isfinite(x); })) {
+            log.failures.push_back("fetched gradient is not V x H finite values");
+          }
+          break;
+        }
+        case LoadCall::kStepStepped: {
+          // Steps are serialized here (not in the server) so that W of every version is fetched
+          // before the next step moves it.
+          std::lock_guard<std::mutex> lock(step_mu_);
+          grpc::ClientContext context;
+          v1::StepRequest request;
+          request.set_head(kSteppedHead);
+          request.mutable_sgd()->set_learning_rate(0.05);
+          request.mutable_sgd()->set_momentum(0.9);
+          v1::StepResponse response;
+          const grpc::Status status = stub->Step(&context, request, &response);
+          const FetchedTensor weight = Fetch(*stub, kSteppedHead, false);
+          log.rpcs += 2;
+          if (!status.ok() || !weight.status.ok()) {
+            fail("step", status.ok() ? weight.status : status);
+          } else if (weight.version != response.head_version()) {
+            log.failures.push_back("W moved between a step and its fetch");
+          } else {
+            stepped_weights_[weight.version] = weight.values;
+          }
+          break;
+        }
+      }
+    }
+  }
+
+  uint64_t seed_ = 0;  // of the batches, the heads and the clients' call mixes
+  std::unique_ptr<server::LossServer> server_;
+  std::vector<Batch> batches_;
+  std::vector<float> frozen_weight_;
+  std::vector<ReferenceResult> frozen_refs_;
+  std::mutex step_mu_;
+  std::map<uint64_t, std::vector<float>> stepped_weights_;  // guarded by step_mu_ while clients run
+};
+
+TEST_F(LoadTest, ConcurrentMixedCallsAreAllCorrectAndStayWithinBounds) {
+  const int64_t accumulator_bytes = server_->ledger().current(MemoryPurpose::kGradients);
+  std::atomic<bool> done{false};
+  BoundsWatch watch;
+  std::thread watcher([&] { WatchBounds(*server_, done, accumulator_bytes, watch); });
+  std::vector<ClientLog> logs(kLoadClients);
+  SCOPED_TRACE(::testing::Message() << "LOSSD_TEST_SEED=" << seed_);
+  std::mt19937_64 seeds(seed_ + 1);
+  const absl::Time start = absl::Now();
+  std::vector<std::thread> clients;
+  for (int c = 0; c < kLoadClients; ++c) {
+    clients.emplace_back([this, seed = seeds(), &log = logs[c]] { RunClient(seed, log); });
+  }
+  for (auto& client : clients) client.join();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  done = true;
+  watcher.join();
+
+  ClientLog total;
+  total.frozen_trained.assign(kLoadBatches, 0);
+  for (const ClientLog& log : logs) {
+    total.rpcs += log.rpcs;
+    total.compute_calls += log.compute_calls;
+    total.tokens += log.tokens;
+    total.aborted += log.aborted;
+    for (int b = 0; b < kLoadBatches; ++b) total.frozen_trained[b] += log.frozen_trained[b];
+    total.stepped_calls.insert(total.stepped_calls.end(), log.stepped_calls.begin(),
+                               log.stepped_calls.end());
+    total.failures.insert(total.failures.end(), log.failures.begin(), log.failures.end());
+  }
+  EXPECT_TRUE(total.failures.empty())
+      << total.failures.size() << " failures, the first: " << total.failures.front();
+  EXPECT_EQ(watch.violations, 0) << "over " << watch.samples
+                                 << " samples; the first: " << watch.first_violation;
+  EXPECT_TRUE(SettlesToIdle(*server_, accumulator_bytes));
+
+  // Training calls on the stepped head match the reference for the version they report; one
+  // reference per (version, batch), computed on every core.
+  const absl::Time verify_start = absl::Now();
+  std::map<std::pair<uint64_t, int>, ReferenceResult> stepped_refs;
+  for (const ClientLog::SteppedCall& call : total.stepped_calls) {
+    ASSERT_TRUE(stepped_weights_.count(call.version))
+        << "no W recorded for version " << call.version;
+    stepped_refs.try_emplace({call.version, call.batch});
+  }
+  std::vector<std::pair<const std::pair<uint64_t, int>, ReferenceResult>*> pending;
+  for (auto& entry : stepped_refs) pending.push_back(&entry);
+  std::atomic<size_t> next{0};
+  std::vector<std::thread> workers;
+  for (unsigned w = 0; w < std::max(2u, std::thread::hardware_concurrency()); ++w) {
+    workers.emplace_back([&] {
+      for (size_t i = next++; i < pending.size(); i = next++) {
+        const auto& [version, batch] = pending[i]->first;
+        pending[i]->second =
+            Reference(stepped_weights_.at(version), kLoadVocab, kLoadHidden, batches_[batch]);
+      }
+    });
+  }
+  for (auto& worker : workers) worker.join();
+  for (const ClientLog::SteppedCall& call : total.stepped_calls) {
+    const ReferenceResult& ref = stepped_refs.at({call.version, call.batch});
+    EXPECT_TRUE(LossMatches(call.loss, ref))
+        << "version " << call.version << ", batch " << call.batch << ": loss " << call.loss
+        << ", reference " << ref.loss << ", largest logit " << ref.max_abs_logit;
+  }
+  RecordProperty("verify_seconds", absl::StrCat(absl::ToDoubleSeconds(absl::Now() - verify_start)));
+
+  // The frozen head's accumulator holds exactly the committed training calls.
+  auto stub = ConnectTo(server_->port());
+  std::vector<double> expected(kLoadVocab * kLoadHidden, 0.0);
+  int64_t expected_tokens = 0;
+  for (int b = 0; b < kLoadBatches; ++b) {
+    for (size_t i = 0; i < expected.size(); ++i) {
+      expected[i] += total.frozen_trained[b] * frozen_refs_[b].grad_weight[i];
+    }
+    expected_tokens += total.frozen_trained[b] * frozen_refs_[b].counted_tokens;
+  }
+  grpc::ClientContext context;
+  v1::GetHeadRequest request;
+  request.set_head(kFrozenHead);
+  v1::HeadInfo info;
+  ASSERT_TRUE(stub->GetHead(&context, request, &info).ok());
+  EXPECT_EQ(info.accumulated_tokens(), expected_tokens);
+  EXPECT_LE(RelativeError(Fetch(*stub, kFrozenHead, true).values, expected), kGradBound);
+
+  RecordProperty("clients", kLoadClients);
+  RecordProperty("rpcs", total.rpcs);
+  RecordProperty("compute_calls", total.compute_calls);
+  RecordProperty("aborted_and_retried", total.aborted);
+  RecordProperty("steps", static_cast<int>(stepped_weights_.size()) - 1);
+  RecordProperty("seconds", absl::StrCat(seconds));
+  RecordProperty("rpcs_per_second", absl::StrCat(total.rpcs / seconds));
+  RecordProperty("compute_calls_per_second", absl::StrCat(total.compute_calls / seconds));
+  RecordProperty("tokens_per_second", absl::StrCat(total.tokens / seconds));
+  RecordProperty("peak_queued", watch.peak_queued);
+  RecordProperty("peak_running", watch.peak_running);
+  RecordProperty("peak_admitted_bytes", absl::StrCat(watch.peak_admitted_bytes));
+  RecordProperty("compute_budget_bytes", absl::StrCat(server_->scheduler().capacity_bytes()));
+  RecordProperty("peak_workspace_bytes", absl::StrCat(watch.peak_workspace_bytes));
+  RecordProperty("bound_samples", absl::StrCat(watch.samples));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Authentication and TLS: with a token configured, a call without it or with anything else in
+// its place is UNAUTHENTICATED and reaches nothing; with a certificate, TLS clients that trust it
+// are served and plaintext or untrusting clients cannot connect.
+
+constexpr char kToken[] = "s3cret-token";
+constexpr char kGuardedHead[] = "guarded";
+constexpr int64_t kGuardedVocab = 200;
+
+std::string WriteTokenFile(const std::string& dir) {
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/token";
+  std::ofstream(path) << kToken << "\n";
+  return path;
+}
+
+struct BadCredential {
+  const char* name;
+  const char* why;
+  const char* authorization;  // the metadata value sent; null sends none
+};
+
+void PrintTo(const BadCredential& credential, std::ostream* os) { *os << credential.name; }
+
+const BadCredential kBadCredentials[] = {
+    {"none", "no authorization metadata at all", nullptr},
+    {"empty_token", "the scheme without a token", "Bearer "},
+    {"wrong_token", "another token", "Bearer wrong-token"},
+    {"token_prefix", "a prefix of the token, as a byte-by-byte compare that stops early accepts",
+     "Bearer s3cret"},
+    {"token_extended", "the token with a byte more", "Bearer s3cret-token2"},
+    {"bare_token", "the token without its scheme", "s3cret-token"},
+    {"basic_scheme", "the token under another scheme", "Basic s3cret-token"},
+};
+
+void Authorize(grpc::ClientContext& context, const char* authorization) {
+  if (authorization != nullptr) context.AddMetadata("authorization", authorization);
+  context.set_deadline(In(absl::Seconds(20)));
+}
+
+// Each RPC of the service once, sent with `authorization`: the writing ones aim at kGuardedHead.
+struct RpcOutcome {
+  const char* rpc;
+  grpc::Status status;
+  int64_t messages_received = 0;  // stream messages that reached the client
+};
+
+std::vector<RpcOutcome> CallEveryRpc(v1::LossService::Stub& stub, const char* authorization,
+                                     const Batch& batch, const std::vector<float>& other_weight) {
+  std::vector<RpcOutcome> outcomes;
+  {
+    grpc::ClientContext context;
+    Authorize(context, authorization);
+    auto stream = stub.Compute(&context);
+    v1::ComputeRequest request;
+    *request.mutable_start() = StartFor(kGuardedHead, batch, kHidden, true);
+    stream->Write(request);
+    request.mutable_chunk()->set_hidden(FloatBytes(batch.hidden));
+    stream->Write(request);
+    stream->WritesDone();
+    RpcOutcome outcome{"Compute", grpc::Status(), 0};
+    v1::ComputeResponse response;
+    while (stream->Read(&response)) ++outcome.messages_received;
+    outcome.status = stream->Finish();
+    outcomes.push_back(outcome);
+  }
+  {
+    grpc::ClientContext context;
+    Authorize(context, authorization);
+    v1::HeadInfo info;
+    auto writer = stub.UploadHead(&context, &info);
+    v1::UploadHeadRequest request;
+    v1::UploadHeadStart& start = *request.mutable_start();
+    start.set_head(kGuardedHead);
+    start.set_vocab_size(kGuardedVocab);
+    start.set_hidden_size(kHidden);
+    start.set_dtype(v1::DTYPE_FLOAT32);
+    start.set_replace(true);
+    writer->Write(request);
+    request.set_weight(FloatBytes(other_weight));
+    writer->Write(request);
+    writer->WritesDone();
+    outcomes.push_back({"UploadHead", writer->Finish()});
+  }
+  for (const bool gradient : {false, true}) {
+    grpc::ClientContext context;
+    Authorize(context, authorization);
+    v1::FetchTensorRequest request;
+    request.set_head(kGuardedHead);
+    auto reader =
+        gradient ? stub.FetchGradWeight(&context, request) : stub.FetchWeight(&context, request);
+    RpcOutcome outcome{gradient ? "FetchGradWeight" : "FetchWeight", grpc::Status(), 0};
+    v1::TensorChunk chunk;
+    while (reader->Read(&chunk)) ++outcome.messages_received;
+    outcome.status = reader->Finish();
+    outcomes.push_back(outcome);
+  }
+  {
+    grpc::ClientContext context;
+    Authorize(context, authorization);
+    v1::ZeroGradWeightRequest request;
+    request.set_head(kGuardedHead);
+    v1::ZeroGradWeightResponse response;
+    outcomes.push_back({"ZeroGradWeight", stub.ZeroGradWeight(&context, request, &response)});
+  }
+  {
+    grpc::ClientContext context;
+    Authorize(context, authorization);
+    v1::StepRequest request;
+    request.set_head(kGuardedHead);
+    request.mutable_sgd()->set_learning_rate(0.5);
+    v1::StepResponse response;
+    outcomes.push_back({"Step", stub.Step(&context, request, &response)});
+  }
+  {
+    grpc::ClientContext context;
+    Authorize(context, authorization);
+    v1::SaveCheckpointResponse response;
+    outcomes.push_back({"SaveCheckpoint", stub.SaveCheckpoint(&context, {}, &response)});
+  }
+  {
+    grpc::ClientContext context;
+    Authorize(context, authorization);
+    v1::ListHeadsResponse response;
+    outcomes.push_back({"ListHeads", stub.ListHeads(&context, {}, &response)});
+  }
+  {
+    grpc::ClientContext context;
+    Authorize(context, authorization);
+    v1::GetHeadRequest request;
+    request.set_head(kGuardedHead);
+    v1::HeadInfo response;
+    outcomes.push_back({"GetHead", stub.GetHead(&context, request, &response)});
+  }
+  return outcomes;
+}
+
+class AuthTest : public ::testing::TestWithParam<BadCredential> {
+ protected:
+  // W and the gradient are compared bitwise around every row, so a call that slipped through shows.
+  static void SetUpTestSuite() {
+    std::mt19937_64 rng(FreshSeed());
+    dir_ = new std::string(::testing::TempDir() + "/lossd-auth-" + std::to_string(FreshSeed()));
+    server::ServerConfig config;
+    config.token_file = WriteTokenFile(*dir_);
+    config.demo = {kGuardedHead, kGuardedVocab, kHidden, 13};
+    server_ = StartTestServer(config).release();
+    ASSERT_NE(server_, nullptr);
+    batch_ = new Batch(RandomBatch(16, kGuardedVocab, kHidden, rng));
+    other_weight_ = new std::vector<float>(RandomWeight(kGuardedVocab, kHidden, rng));
+    auto stub = ConnectTo(server_->port());
+    ASSERT_TRUE(CallCompute(*stub, StartFor(kGuardedHead, *batch_, kHidden, true),
+                            FloatBytes(batch_->hidden), 16, -1, kToken)
+                    .status.ok());
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    std::filesystem::remove_all(*dir_);
+    delete dir_;
+    delete batch_;
+    delete other_weight_;
+  }
+
+  static server::LossServer* server_;
+  static std::string* dir_;
+  static Batch* batch_;
+  static std::vector<float>* other_weight_;  // what a slipped-through upload would write
+};
+
+server::LossServer* AuthTest::server_ = nullptr;
+std::string* AuthTest::dir_ = nullptr;
+Batch* AuthTest::batch_ = nullptr;
+std::vector<float>* AuthTest::other_weight_ = nullptr;
+
+TEST_P(AuthTest, RejectedCredentialsReachNothing) {
+  const BadCredential& credential = GetParam();
+  SCOPED_TRACE(credential.why);
+  auto stub = ConnectTo(server_->port());
+  const FetchedTensor weight_before = Fetch(*stub, kGuardedHead, false, kToken);
+  const FetchedTensor grad_before = Fetch(*stub, kGuardedHead, true, kToken);
+  ASSERT_TRUE(weight_before.status.ok() && grad_before.status.ok());
+
+  for (const RpcOutcome& outcome :
+       CallEveryRpc(*stub, credential.authorization, *batch_, *other_weight_)) {
+    EXPECT_EQ(outcome.status.error_code(), StatusCode::UNAUTHENTICATED)
+        << outcome.rpc << ": " << outcome.status.error_message();
+    EXPECT_NE(outcome.status.error_message().find("authorization"), std::string::npos)
+        << outcome.rpc;
+    EXPECT_EQ(outcome.messages_received, 0) << outcome.rpc << " streamed data back";
+  }
+
+  const FetchedTensor weight_after = Fetch(*stub, kGuardedHead, false, kToken);
+  const FetchedTensor grad_after = Fetch(*stub, kGuardedHead, true, kToken);
+  EXPECT_EQ(weight_after.version, weight_before.version);
+  EXPECT_TRUE(BitwiseEqual(weight_after.values, weight_before.values)) << "W changed";
+  EXPECT_TRUE(BitwiseEqual(grad_after.values, grad_before.values)) << "the gradient changed";
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, AuthTest, ::testing::ValuesIn(kBadCredentials),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// The same calls with the token all get through (SaveCheckpoint then fails on its own terms).
+TEST_F(AuthTest, TheTokenOpensEveryRpc) {
+  auto stub = ConnectTo(server_->port());
+  const std::string authorization = std::string("Bearer ") + kToken;
+  for (const RpcOutcome& outcome :
+       CallEveryRpc(*stub, authorization.c_str(), *batch_, *other_weight_)) {
+    const StatusCode expected = std::string(outcome.rpc) == "SaveCheckpoint"
+                                    ? StatusCode::FAILED_PRECONDITION
+                                    : StatusCode::OK;
+    EXPECT_EQ(outcome.status.error_code(), expected)
+        << outcome.rpc << ": " << outcome.status.error_message();
+  }
+}
+
+// A self-signed P-256 certificate for 127.0.0.1 from the openssl CLI; empty paths when it failed.
+struct Certificate {
+  std::string cert_file;
+  std::string key_file;
+  std::string pem;
+};
+
+Certificate MakeCertificate(const std::string& dir, const std::string& name) {
+  std::filesystem::create_directories(dir);
+  Certificate certificate{dir + "/" + name + ".crt", dir + "/" + name + ".key", ""};
+  const std::string command =
+      "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 1"
+      " -subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1,DNS:localhost -keyout " +
+      certificate.key_file + " -out " + certificate.cert_file + " >/dev/null 2>&1";
+  if (std::system(command.c_str()) != 0) return {};
+  std::ifstream file(certificate.cert_file);
+  certificate.pem.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+  return certificate;
+}
+
+std::unique_ptr<v1::LossService::Stub> ConnectWithTls(int port, const std::string& trusted_pem) {
+  grpc::SslCredentialsOptions options;
+  options.pem_root_certs = trusted_pem;
+  return v1::LossService::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::SslCredentials(options)));
+}
+
+grpc::Status ListHeads(v1::LossService::Stub& stub, const char* authorization) {
+  grpc::ClientContext context;
+  Authorize(context, authorization);
+  v1::ListHeadsResponse response;
+  return stub.ListHeads(&context, {}, &response);
+}
+
+TEST(TlsTest, ServesTrustingTlsClientsOnly) {
+  const uint64_t seed = FreshSeed();
+  std::mt19937_64 rng(seed);
+  const std::string dir = ::testing::TempDir() + "/lossd-tls-" + std::to_string(seed);
+  const Certificate server_certificate = MakeCertificate(dir, "server");
+  const Certificate other_certificate = MakeCertificate(dir, "other");
+  ASSERT_FALSE(server_certificate.pem.empty() || other_certificate.pem.empty())
+      << "the openssl CLI could not make test certificates";
+  server::ServerConfig config;
+  config.tls_cert_file = server_certificate.cert_file;
+  config.tls_key_file = server_certificate.key_file;
+  config.token_file = WriteTokenFile(dir);
+  config.demo = {kGuardedHead, kGuardedVocab, kHidden, 17};
+  auto server = StartTestServer(config);
+  ASSERT_NE(server, nullptr);
+  const std::string authorization = std::string("Bearer ") + kToken;
+
+  // Trusting client: served, and right.
+  auto tls = ConnectWithTls(server->port(), server_certificate.pem);
+  EXPECT_TRUE(ListHeads(*tls, authorization.c_str()).ok());
+  const FetchedTensor weight = Fetch(*tls, kGuardedHead, false, kToken);
+  ASSERT_TRUE(weight.status.ok()) << weight.status.error_message();
+  const Batch batch = RandomBatch(24, kGuardedVocab, kHidden, rng);
+  const ComputeOutcome out = CallCompute(*tls, StartFor(kGuardedHead, batch, kHidden, true),
+                                         FloatBytes(batch.hidden), 8, -1, kToken);
+  ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+  const ReferenceResult ref = Reference(weight.values, kGuardedVocab, kHidden, batch);
+  EXPECT_TRUE(LossMatches(out.summary.loss(), ref));
+  EXPECT_LE(RelativeError(AsFloats(out.grad_hidden), ref.grad_hidden), kGradBound);
+  // TLS does not replace the token.
+  EXPECT_EQ(ListHeads(*tls, nullptr).error_code(), StatusCode::UNAUTHENTICATED);
+
+  // Plaintext and untrusting clients never get a connection.
+  EXPECT_EQ(ListHeads(*ConnectTo(server->port()), authorization.c_str()).error_code(),
+            StatusCode::UNAVAILABLE);
+  EXPECT_EQ(ListHeads(*ConnectWithTls(server->port(), other_certificate.pem), authorization.c_str())
+                .error_code(),
+            StatusCode::UNAVAILABLE);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace lossd::testing
