@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"
-#include "lossd/kernels/status_macros.h"
+#include "lossd/common/status_macros.h"
 #include "server/proto_convert.h"
 
 namespace lossd::server {

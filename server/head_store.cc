@@ -7,7 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "lossd/kernels/loss_math.h"
-#include "lossd/kernels/status_macros.h"
+#include "lossd/common/status_macros.h"
 
 namespace lossd::server {
 namespace {

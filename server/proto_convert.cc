@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "lossd/kernels/backend_common.h"
-#include "lossd/kernels/status_macros.h"
+#include "lossd/common/status_macros.h"
 
 namespace lossd::server {
 namespace {

@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "lossd/kernels/status_macros.h"
+#include "lossd/common/status_macros.h"
 #include "server/storage/checkpoint.h"
 #include "server/storage/safetensors.h"
 
@@ -194,6 +194,7 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   options.compute.workspace_budget_bytes = config.workspace_budget_bytes;
   options.compute.max_result_message_bytes = std::min<int64_t>(config.max_message_bytes / 2, 8 << 20);
   options.max_fetch_chunk_bytes = config.max_message_bytes / 2;
+  options.default_fetch_chunk_bytes = std::min<int64_t>(4 << 20, options.max_fetch_chunk_bytes);
   options.checkpoint_dir = config.checkpoint_dir;
   options.keep_checkpoints = config.keep_checkpoints;
   if (!config.token_file.empty()) {

@@ -7,7 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "lossd/kernels/loss_math.h"
-#include "lossd/kernels/status_macros.h"
+#include "lossd/common/status_macros.h"
 #include "server/grpc_status.h"
 #include "server/proto_convert.h"
 #include "server/storage/checkpoint.h"

@@ -1,3 +1,11 @@
+// The row loops call the shared scalar math (Exp, LogitGradient), whose clamps and selects are
+// float comparisons. Under GCC's default -ftrapping-math they stay branches, which keeps every row
+// loop scalar (about a fifth of a forward pass at H=1024); without it they become vector compares
+// and blends. Nothing here reads floating-point exception flags. The pragma covers the whole file,
+// headers included, because GCC does not inline a function compiled with other optimization flags
+// into a row loop.
+#pragma GCC optimize("no-trapping-math")
+
 #include "kernels/cpu/cpu_backend.h"
 
 #include <cblas.h>
@@ -15,7 +23,7 @@
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/kernels/optimizer_math.h"
-#include "lossd/kernels/status_macros.h"
+#include "lossd/common/status_macros.h"
 
 namespace lossd {
 namespace {
@@ -124,15 +132,50 @@ void UpdateTopK(const float* z, int64_t cols, int64_t v0, int k, float* values, 
 // rounding error stays near kSumBlock * 2^-24 whatever V is.
 constexpr int64_t kSumBlock = 256;
 
+// The row loops below are compiled twice, for AVX2 + FMA (x86-64-v3) and for baseline x86-64, and
+// the dynamic loader picks one per process. The two differ in the last bits (the AVX2 copy fuses
+// multiply-adds and sums 8 lanes at a time), but on one machine every call runs the same copy, so
+// identical calls still give identical bits.
+//
+// Not under ThreadSanitizer: the loader runs a multiversioned function's resolver before TSan is
+// initialized, and GCC and Clang (before 22, llvm-project#163369) instrument it, so the program
+// crashes at load.
+#if defined(__SANITIZE_THREAD__)
+#define LOSSD_ROW_LOOP
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define LOSSD_ROW_LOOP
+#endif
+#endif
+#ifndef LOSSD_ROW_LOOP
+#define LOSSD_ROW_LOOP __attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
+
+// The first column of z[0:cols] equal to m, or cols. A plain scan with an early exit stays scalar
+// and would cost as much as the rest of TileRowStats; blocks are screened with a vectorizable
+// any-equal first, and only the block holding m is scanned.
+int64_t FirstEqual(const float* z, int64_t cols, float m) {
+  constexpr int64_t kBlock = 64;
+  int64_t b0 = 0;
+  for (; b0 < cols; b0 += kBlock) {
+    const int64_t b1 = std::min(cols, b0 + kBlock);
+    int found = 0;
+#pragma omp simd reduction(| : found)
+    for (int64_t c = b0; c < b1; ++c) found |= z[c] == m;
+    if (found) break;
+  }
+  while (b0 < cols && !(z[b0] == m)) ++b0;
+  return b0;
+}
+
 // Statistics of one row over one vocabulary tile.
-RowStats TileRowStats(const float* z, int64_t cols, int64_t v0, int64_t label) {
+LOSSD_ROW_LOOP RowStats TileRowStats(const float* z, int64_t cols, int64_t v0, int64_t label) {
   float m = -INFINITY;
 #pragma omp simd reduction(max : m)
   for (int64_t c = 0; c < cols; ++c) m = std::max(m, z[c]);
   RowStats s = EmptyRowStats();
   if (label >= v0 && label < v0 + cols) s.target = z[label - v0];
-  int64_t argmax = 0;
-  while (argmax < cols && !(z[argmax] == m)) ++argmax;
+  const int64_t argmax = FirstEqual(z, cols, m);
   double sum_z = 0.0;
   double sum_exp = 0.0;
   double sum_exp_shifted = 0.0;
@@ -163,8 +206,8 @@ RowStats TileRowStats(const float* z, int64_t cols, int64_t v0, int64_t label) {
 }
 
 // z[0:cols] <- dL/da in place.
-void RowLogitGradients(float* z, int64_t cols, int64_t v0, const RowGradient& g,
-                       const LogitTransform& transform) {
+LOSSD_ROW_LOOP void RowLogitGradients(float* z, int64_t cols, int64_t v0, const RowGradient& g,
+                                      const LogitTransform& transform) {
   const bool label_here = g.label >= v0 && g.label < v0 + cols;
   const float label_z = label_here ? z[g.label - v0] : 0.0f;
 #pragma omp simd

@@ -23,7 +23,7 @@
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/kernels/optimizer_math.h"
-#include "lossd/kernels/status_macros.h"
+#include "lossd/common/status_macros.h"
 
 namespace lossd::cuda {
 namespace {

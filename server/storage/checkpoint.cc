@@ -17,7 +17,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "lossd/kernels/status_macros.h"
+#include "lossd/common/status_macros.h"
 #include "server/storage/safetensors.h"
 
 namespace lossd::storage {

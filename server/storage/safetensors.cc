@@ -17,7 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "lossd/kernels/half.h"
-#include "lossd/kernels/status_macros.h"
+#include "lossd/common/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace lossd::storage {

@@ -1,6 +1,6 @@
-// Status plumbing shared by every layer of lossd.
-#ifndef LOSSD_KERNELS_STATUS_MACROS_H_
-#define LOSSD_KERNELS_STATUS_MACROS_H_
+// Status plumbing shared by every layer of lossd, header-only so the client can use it too.
+#ifndef LOSSD_COMMON_STATUS_MACROS_H_
+#define LOSSD_COMMON_STATUS_MACROS_H_
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -23,4 +23,4 @@
   if (!tmp.ok()) return tmp.status();                \
   lhs = std::move(tmp).value()
 
-#endif  // LOSSD_KERNELS_STATUS_MACROS_H_
+#endif  // LOSSD_COMMON_STATUS_MACROS_H_

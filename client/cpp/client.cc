@@ -1,0 +1,629 @@
+#include "lossd/client/client.h"
+
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/support/channel_arguments.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "lossd/common/status_macros.h"
+
+namespace lossd::client {
+namespace {
+
+// Room beside a message's payload for its field tags, lengths and small fields.
+constexpr int64_t kMessageOverheadBytes = 1024;
+// Chunks of a few MiB let the server compute early rows while later ones are still in flight, and
+// stream over loopback about as fast as much larger messages do.
+constexpr int64_t kTargetMessageBytes = int64_t{4} << 20;
+// Below this a start message with labels of any useful batch would not fit.
+constexpr int64_t kMinMessageBytes = int64_t{64} << 10;
+constexpr int kMaxTopK = 64;
+
+absl::Status Invalid(absl::string_view field, absl::string_view expected, absl::string_view got) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", expected, ", got ", got));
+}
+
+// The server broke the wire contract; the call's data cannot be trusted.
+absl::Status ServerViolation(absl::string_view what) {
+  return absl::InternalError(absl::StrCat("server sent ", what));
+}
+
+int ClampToInt(int64_t value) { return static_cast<int>(std::min<int64_t>(value, INT_MAX)); }
+
+v1::DType ToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return v1::DTYPE_FLOAT32;
+    case DType::kBFloat16: return v1::DTYPE_BFLOAT16;
+    case DType::kFloat16: return v1::DTYPE_FLOAT16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+absl::StatusOr<DType> FromProto(v1::DType dtype, absl::string_view field) {
+  switch (dtype) {
+    case v1::DTYPE_FLOAT32: return DType::kFloat32;
+    case v1::DTYPE_BFLOAT16: return DType::kBFloat16;
+    case v1::DTYPE_FLOAT16: return DType::kFloat16;
+    default: return ServerViolation(absl::StrCat(field, " = ", static_cast<int>(dtype), ", not a dtype"));
+  }
+}
+
+Optimizer FromProto(v1::OptimizerState::Kind kind) {
+  switch (kind) {
+    case v1::OptimizerState::KIND_SGD: return Optimizer::kSgd;
+    case v1::OptimizerState::KIND_ADAMW: return Optimizer::kAdamW;
+    default: return Optimizer::kNone;
+  }
+}
+
+absl::StatusOr<HeadInfo> FromProto(const v1::HeadInfo& proto) {
+  HeadInfo info;
+  info.name = proto.name();
+  info.vocab_size = proto.vocab_size();
+  info.hidden_size = proto.hidden_size();
+  ASSIGN_OR_RETURN(info.dtype, FromProto(proto.dtype(), "HeadInfo.dtype"));
+  info.version = proto.version();
+  info.source = proto.source();
+  info.accumulated_tokens = proto.accumulated_tokens();
+  info.accumulated_calls = proto.accumulated_calls();
+  info.optimizer = FromProto(proto.optimizer());
+  info.steps = proto.steps();
+  return info;
+}
+
+v1::Reduction ToProto(Reduction reduction) {
+  switch (reduction) {
+    case Reduction::kMean: return v1::REDUCTION_MEAN;
+    case Reduction::kSum: return v1::REDUCTION_SUM;
+    case Reduction::kNone: return v1::REDUCTION_NONE;
+  }
+  return v1::REDUCTION_MEAN;
+}
+
+void ToProto(const LossOptions& options, v1::LossOptions& proto) {
+  proto.set_reduction(ToProto(options.reduction));
+  proto.set_ignore_index(options.ignore_index);
+  proto.set_label_smoothing(options.label_smoothing);
+  proto.set_z_loss_scale(options.z_loss_scale);
+  proto.set_logit_softcap(options.logit_softcap);
+  proto.set_temperature(options.temperature);
+  proto.set_grad_scale(options.grad_scale);
+  proto.set_mean_denominator(options.mean_denominator);
+  proto.set_allow_tf32(options.allow_tf32);
+}
+
+void ToProto(const OutputSelection& outputs, v1::OutputSelection& proto) {
+  proto.set_token_loss(outputs.token_loss);
+  proto.set_logprob(outputs.logprob);
+  proto.set_lse(outputs.lse);
+  proto.set_entropy(outputs.entropy);
+  proto.set_argmax(outputs.argmax);
+  proto.set_top_k(outputs.top_k);
+  proto.set_grad_hidden(outputs.grad_hidden);
+  if (outputs.grad_hidden_dtype.has_value()) {
+    proto.set_grad_hidden_dtype(ToProto(*outputs.grad_hidden_dtype));
+  }
+  proto.set_accumulate_grad_weight(outputs.accumulate_grad_weight);
+}
+
+absl::Status ValidateComputeRequest(const ComputeRequest& request) {
+  const TensorView& hidden = request.hidden;
+  if (hidden.rows < 0) return Invalid("hidden.rows", "a count >= 0", absl::StrCat(hidden.rows));
+  if (hidden.cols <= 0) return Invalid("hidden.cols", "the head's hidden size", absl::StrCat(hidden.cols));
+  if (hidden.rows > 0 && hidden.data == nullptr) {
+    return Invalid("hidden.data", "a pointer to the rows", "null");
+  }
+  if (static_cast<int64_t>(request.labels.size()) != hidden.rows) {
+    return Invalid("labels", absl::StrCat(hidden.rows, " entries (hidden.rows)"),
+                   absl::StrCat(request.labels.size()));
+  }
+  if (!request.token_weights.empty() && static_cast<int64_t>(request.token_weights.size()) != hidden.rows) {
+    return Invalid("token_weights", absl::StrCat("0 or ", hidden.rows, " entries (hidden.rows)"),
+                   absl::StrCat(request.token_weights.size()));
+  }
+  // Checked here as well as on the server because the result buffers are sized by it.
+  if (request.outputs.top_k < 0 || request.outputs.top_k > kMaxTopK) {
+    return Invalid("outputs.top_k", absl::StrCat("a value in [0, ", kMaxTopK, "]"),
+                   absl::StrCat(request.outputs.top_k));
+  }
+  if (request.rows_per_message < 0) {
+    return Invalid("rows_per_message", "0 (automatic) or a positive count",
+                   absl::StrCat(request.rows_per_message));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> RowsPerMessage(int64_t requested, int64_t row_bytes, int64_t max_message_bytes) {
+  const int64_t payload_limit = max_message_bytes - kMessageOverheadBytes;
+  if (row_bytes > payload_limit) {
+    return Invalid(
+        "hidden",
+        absl::StrCat("rows of at most ", payload_limit, " bytes (max_message_bytes ", max_message_bytes, ")"),
+        absl::StrCat(row_bytes, " bytes per row"));
+  }
+  if (requested == 0) return std::max<int64_t>(1, std::min(kTargetMessageBytes, payload_limit) / row_bytes);
+  if (requested > payload_limit / row_bytes) {
+    return Invalid("rows_per_message",
+                   absl::StrCat("at most ", payload_limit / row_bytes, " rows of ", row_bytes,
+                                " bytes (max_message_bytes ", max_message_bytes, ")"),
+                   absl::StrCat(requested));
+  }
+  return requested;
+}
+
+// Which rows of a result have arrived, so that results streamed in any order are each placed once
+// and a missing or repeated row is an error rather than silently zero.
+class RowCoverage {
+ public:
+  explicit RowCoverage(int64_t rows) : seen_(static_cast<size_t>(rows), false) {}
+
+  absl::Status Mark(int64_t offset, int64_t count) {
+    const int64_t rows = static_cast<int64_t>(seen_.size());
+    if (offset < 0 || count < 0 || offset > rows || count > rows - offset) {
+      return ServerViolation(
+          absl::StrCat("rows [", offset, ", ", offset + count, ") of a ", rows, "-row result"));
+    }
+    for (int64_t row = offset; row < offset + count; ++row) {
+      if (seen_[row]) return ServerViolation(absl::StrCat("row ", row, " twice"));
+      seen_[row] = true;
+    }
+    covered_ += count;
+    return absl::OkStatus();
+  }
+
+  bool complete() const { return covered_ == static_cast<int64_t>(seen_.size()); }
+  int64_t covered() const { return covered_; }
+
+ private:
+  std::vector<bool> seen_;
+  int64_t covered_ = 0;
+};
+
+// Places per-row results into the buffers of one Compute call as they arrive.
+class ResultAssembler {
+ public:
+  ResultAssembler(const ComputeRequest& request, ComputeResult& result)
+      : want_(request.outputs),
+        rows_(request.hidden.rows),
+        grad_dtype_(request.outputs.grad_hidden_dtype.value_or(request.hidden.dtype)),
+        grad_row_bytes_(request.hidden.cols * static_cast<int64_t>(DTypeSize(grad_dtype_))),
+        result_(result),
+        coverage_(request.hidden.rows) {
+    auto size = [this](bool wanted, auto& buffer, int64_t per_row) {
+      if (wanted) buffer.resize(rows_ * per_row);
+    };
+    size(want_.token_loss, result_.token_loss, 1);
+    size(want_.logprob, result_.logprob, 1);
+    size(want_.lse, result_.lse, 1);
+    size(want_.entropy, result_.entropy, 1);
+    size(want_.argmax, result_.argmax, 1);
+    size(want_.top_k > 0, result_.top_k_logprob, want_.top_k);
+    size(want_.top_k > 0, result_.top_k_token, want_.top_k);
+    result_.top_k = want_.top_k;
+    if (want_.grad_hidden) {
+      result_.grad_hidden.bytes.resize(rows_ * grad_row_bytes_);
+      result_.grad_hidden.dtype = grad_dtype_;
+      result_.grad_hidden.rows = rows_;
+      result_.grad_hidden.cols = request.hidden.cols;
+    }
+  }
+
+  absl::Status Add(const v1::ComputeResponse& response) {
+    if (summary_received_) return ServerViolation("a message after the summary");
+    if (response.has_summary()) {
+      summary_received_ = true;
+      StoreSummary(response.summary());
+      return absl::OkStatus();
+    }
+    if (!response.has_result()) return ServerViolation("a response with neither result nor summary");
+    return Place(response.result());
+  }
+
+  absl::Status Finish() {
+    if (!summary_received_) return ServerViolation("no summary before ending the call");
+    if (!coverage_.complete()) {
+      return ServerViolation(absl::StrCat("results for ", coverage_.covered(), " of ", rows_, " rows"));
+    }
+    result_.grad_hidden.head_version = result_.summary.head_version;
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status Place(const v1::ComputeResult& piece) {
+    const int64_t offset = piece.row_offset();
+    const int64_t count = piece.num_rows();
+    RETURN_IF_ERROR(coverage_.Mark(offset, count));
+    RETURN_IF_ERROR(
+        PlaceField("token_loss", piece.token_loss(), want_.token_loss, 1, offset, count, result_.token_loss));
+    RETURN_IF_ERROR(PlaceField("logprob", piece.logprob(), want_.logprob, 1, offset, count, result_.logprob));
+    RETURN_IF_ERROR(PlaceField("lse", piece.lse(), want_.lse, 1, offset, count, result_.lse));
+    RETURN_IF_ERROR(PlaceField("entropy", piece.entropy(), want_.entropy, 1, offset, count, result_.entropy));
+    RETURN_IF_ERROR(PlaceField("argmax", piece.argmax(), want_.argmax, 1, offset, count, result_.argmax));
+    RETURN_IF_ERROR(PlaceField("top_k_logprob", piece.top_k_logprob(), want_.top_k > 0, want_.top_k, offset,
+                               count, result_.top_k_logprob));
+    RETURN_IF_ERROR(PlaceField("top_k_token", piece.top_k_token(), want_.top_k > 0, want_.top_k, offset,
+                               count, result_.top_k_token));
+    const int64_t grad_bytes = want_.grad_hidden ? count * grad_row_bytes_ : 0;
+    if (static_cast<int64_t>(piece.grad_hidden().size()) != grad_bytes) {
+      return ServerViolation(absl::StrCat(piece.grad_hidden().size(), " bytes of grad_hidden for ", count,
+                                          " rows, expected ", grad_bytes));
+    }
+    if (grad_bytes > 0) {
+      if (piece.grad_hidden_dtype() != ToProto(grad_dtype_)) {
+        return ServerViolation(absl::StrCat("grad_hidden_dtype ", static_cast<int>(piece.grad_hidden_dtype()),
+                                            ", expected ", DTypeName(grad_dtype_)));
+      }
+      std::memcpy(result_.grad_hidden.bytes.data() + offset * grad_row_bytes_, piece.grad_hidden().data(),
+                  grad_bytes);
+    }
+    return absl::OkStatus();
+  }
+
+  template <typename Field, typename Buffer>
+  absl::Status PlaceField(absl::string_view name, const Field& field, bool wanted, int64_t per_row,
+                          int64_t offset, int64_t count, Buffer& buffer) {
+    const int64_t expected = wanted ? count * per_row : 0;
+    if (field.size() != expected) {
+      return ServerViolation(
+          absl::StrCat(field.size(), " values of ", name, " for ", count, " rows, expected ", expected));
+    }
+    std::copy(field.begin(), field.end(), buffer.begin() + offset * per_row);
+    return absl::OkStatus();
+  }
+
+  void StoreSummary(const v1::ComputeSummary& proto) {
+    ComputeSummary& s = result_.summary;
+    s.loss = proto.loss();
+    s.loss_sum = proto.loss_sum();
+    s.counted_tokens = proto.counted_tokens();
+    s.correct_tokens = proto.correct_tokens();
+    s.head_version = proto.head_version();
+    s.grad_weight_accumulated = proto.grad_weight_accumulated();
+    s.queue_seconds = proto.queue_seconds();
+    s.compute_seconds = proto.compute_seconds();
+    s.peak_workspace_bytes = proto.peak_workspace_bytes();
+    s.backend = proto.backend();
+  }
+
+  const OutputSelection& want_;
+  const int64_t rows_;
+  const DType grad_dtype_;
+  const int64_t grad_row_bytes_;
+  ComputeResult& result_;
+  RowCoverage coverage_;
+  bool summary_received_ = false;
+};
+
+}  // namespace
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  // gRPC and absl share the canonical code numbering (0..16).
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+absl::Status ValidateChannelOptions(const ChannelOptions& options) {
+  if (options.address.empty()) return Invalid("address", "HOST:PORT", "an empty string");
+  if (options.max_message_bytes < kMinMessageBytes || options.max_message_bytes > INT_MAX) {
+    return Invalid("max_message_bytes", absl::StrCat("a size in [", kMinMessageBytes, ", ", INT_MAX, "]"),
+                   absl::StrCat(options.max_message_bytes));
+  }
+  if (options.deadline <= absl::ZeroDuration()) {
+    return Invalid("deadline", "a positive duration (infinite: none)",
+                   absl::FormatDuration(options.deadline));
+  }
+  if (options.keepalive_time <= absl::ZeroDuration() || options.keepalive_timeout <= absl::ZeroDuration()) {
+    return Invalid("keepalive_time/keepalive_timeout", "positive durations",
+                   absl::StrCat(absl::FormatDuration(options.keepalive_time), " / ",
+                                absl::FormatDuration(options.keepalive_timeout)));
+  }
+  return absl::OkStatus();
+}
+
+std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options) {
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(ClampToInt(options.max_message_bytes));
+  args.SetMaxReceiveMessageSize(ClampToInt(options.max_message_bytes));
+  // An infinite keepalive time clamps to INT_MAX ms, which gRPC reads as "off".
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, ClampToInt(absl::ToInt64Milliseconds(options.keepalive_time)));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+              ClampToInt(absl::ToInt64Milliseconds(options.keepalive_timeout)));
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (!options.tls_root_cert_pem.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_root_cert_pem;
+    credentials = grpc::SslCredentials(ssl);
+  }
+  return grpc::CreateCustomChannel(options.address, credentials, args);
+}
+
+absl::StatusOr<Client> Client::Connect(ChannelOptions options) {
+  RETURN_IF_ERROR(ValidateChannelOptions(options));
+  std::shared_ptr<grpc::Channel> channel = MakeChannel(options);
+  return Client(std::move(channel), std::move(options));
+}
+
+Client::Client(std::shared_ptr<grpc::Channel> channel, ChannelOptions options)
+    : options_(std::move(options)), stub_(v1::LossService::NewStub(std::move(channel))) {}
+
+Client::Client(Client&&) noexcept = default;
+Client& Client::operator=(Client&&) noexcept = default;
+Client::~Client() = default;
+
+void Client::PrepareContext(grpc::ClientContext& context) const {
+  // Metadata rather than call credentials: gRPC sends call credentials only over TLS, and a
+  // loopback or in-cluster server may run plaintext with a token.
+  if (!options_.bearer_token.empty()) {
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", options_.bearer_token));
+  }
+  if (options_.deadline != absl::InfiniteDuration()) {
+    context.set_deadline(absl::ToChronoTime(absl::Now() + options_.deadline));
+  }
+}
+
+absl::StatusOr<HeadList> Client::ListHeads() const {
+  grpc::ClientContext context;
+  PrepareContext(context);
+  v1::ListHeadsResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->ListHeads(&context, v1::ListHeadsRequest(), &response)));
+  HeadList list;
+  list.backend = response.backend();
+  for (const v1::HeadInfo& head : response.heads()) {
+    ASSIGN_OR_RETURN(HeadInfo info, FromProto(head));
+    list.heads.push_back(std::move(info));
+  }
+  return list;
+}
+
+absl::StatusOr<HeadInfo> Client::GetHead(const std::string& head) const {
+  grpc::ClientContext context;
+  PrepareContext(context);
+  v1::GetHeadRequest request;
+  request.set_head(head);
+  v1::HeadInfo response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->GetHead(&context, request, &response)));
+  return FromProto(response);
+}
+
+absl::StatusOr<HeadInfo> Client::UploadHead(const std::string& head, const TensorView& weight,
+                                            DType storage_dtype, bool replace) const {
+  if (weight.rows <= 0 || weight.cols <= 0) {
+    return Invalid("weight", "a [vocab_size, hidden_size] matrix with both sizes positive",
+                   absl::StrCat("[", weight.rows, ", ", weight.cols, "]"));
+  }
+  if (weight.data == nullptr) return Invalid("weight.data", "a pointer to the values", "null");
+  grpc::ClientContext context;
+  PrepareContext(context);
+  v1::HeadInfo response;
+  std::unique_ptr<grpc::ClientWriter<v1::UploadHeadRequest>> writer = stub_->UploadHead(&context, &response);
+  v1::UploadHeadRequest start_message;
+  v1::UploadHeadStart& start = *start_message.mutable_start();
+  start.set_head(head);
+  start.set_vocab_size(weight.rows);
+  start.set_hidden_size(weight.cols);
+  start.set_dtype(ToProto(weight.dtype));
+  start.set_storage_dtype(ToProto(storage_dtype));
+  start.set_replace(replace);
+  bool open = writer->Write(start_message);
+  // The server accepts W in pieces of any size, so pieces need not end on a row.
+  const int64_t piece_bytes =
+      std::min(kTargetMessageBytes, options_.max_message_bytes - kMessageOverheadBytes);
+  const char* bytes = static_cast<const char*>(weight.data);
+  const int64_t total_bytes = weight.num_bytes();
+  for (int64_t offset = 0; open && offset < total_bytes; offset += piece_bytes) {
+    v1::UploadHeadRequest piece;
+    piece.set_weight(bytes + offset, std::min(piece_bytes, total_bytes - offset));
+    open = writer->Write(piece);
+  }
+  // A failed Write means the server already ended the call; Finish returns its status.
+  if (open) writer->WritesDone();
+  RETURN_IF_ERROR(FromGrpcStatus(writer->Finish()));
+  return FromProto(response);
+}
+
+absl::StatusOr<Tensor> Client::FetchWeight(const std::string& head, DType dtype) const {
+  return FetchTensor(head, dtype, /*gradient=*/false);
+}
+
+absl::StatusOr<Tensor> Client::FetchGradWeight(const std::string& head, DType dtype) const {
+  return FetchTensor(head, dtype, /*gradient=*/true);
+}
+
+absl::StatusOr<Tensor> Client::FetchTensor(const std::string& head, DType dtype, bool gradient) const {
+  grpc::ClientContext context;
+  PrepareContext(context);
+  v1::FetchTensorRequest request;
+  request.set_head(head);
+  request.set_dtype(ToProto(dtype));
+  // Half the message limit: the server allows chunks up to half of its own limit, so with equal
+  // limits on both ends the request is accepted and every chunk fits this channel.
+  request.set_max_chunk_bytes(std::min(kTargetMessageBytes, options_.max_message_bytes / 2));
+  std::unique_ptr<grpc::ClientReader<v1::TensorChunk>> reader =
+      gradient ? stub_->FetchGradWeight(&context, request) : stub_->FetchWeight(&context, request);
+
+  Tensor tensor;
+  tensor.dtype = dtype;
+  std::optional<RowCoverage> coverage;
+  absl::Status assembled = absl::OkStatus();
+  v1::TensorChunk chunk;
+  while (assembled.ok() && reader->Read(&chunk)) {
+    assembled = [&]() -> absl::Status {
+      if (!coverage.has_value()) {
+        if (chunk.vocab_size() <= 0 || chunk.hidden_size() <= 0 ||
+            chunk.vocab_size() > INT64_MAX / 4 / chunk.hidden_size()) {
+          return ServerViolation(
+              absl::StrCat("a [", chunk.vocab_size(), ", ", chunk.hidden_size(), "] tensor"));
+        }
+        tensor.rows = chunk.vocab_size();
+        tensor.cols = chunk.hidden_size();
+        tensor.head_version = chunk.head_version();
+        tensor.accumulated_tokens = chunk.accumulated_tokens();
+        tensor.bytes.resize(tensor.rows * tensor.cols * DTypeSize(dtype));
+        coverage.emplace(tensor.rows);
+      }
+      if (chunk.vocab_size() != tensor.rows || chunk.hidden_size() != tensor.cols ||
+          chunk.head_version() != tensor.head_version || chunk.dtype() != ToProto(dtype)) {
+        return ServerViolation("chunks of different tensors, versions or dtypes in one fetch");
+      }
+      RETURN_IF_ERROR(coverage->Mark(chunk.row_offset(), chunk.num_rows()));
+      const int64_t row_bytes = tensor.cols * static_cast<int64_t>(DTypeSize(dtype));
+      if (static_cast<int64_t>(chunk.data().size()) != chunk.num_rows() * row_bytes) {
+        return ServerViolation(absl::StrCat(chunk.data().size(), " bytes for ", chunk.num_rows(), " rows of ",
+                                            row_bytes, " bytes"));
+      }
+      std::memcpy(tensor.bytes.data() + chunk.row_offset() * row_bytes, chunk.data().data(),
+                  chunk.data().size());
+      return absl::OkStatus();
+    }();
+  }
+  if (!assembled.ok()) context.TryCancel();
+  const grpc::Status status = reader->Finish();
+  RETURN_IF_ERROR(assembled);
+  RETURN_IF_ERROR(FromGrpcStatus(status));
+  if (!coverage.has_value() || !coverage->complete()) {
+    return ServerViolation(absl::StrCat("an incomplete tensor (", coverage ? coverage->covered() : 0,
+                                        " rows) before ending the fetch"));
+  }
+  return tensor;
+}
+
+absl::StatusOr<uint64_t> Client::ZeroGrad(const std::string& head) const {
+  grpc::ClientContext context;
+  PrepareContext(context);
+  v1::ZeroGradWeightRequest request;
+  request.set_head(head);
+  v1::ZeroGradWeightResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->ZeroGradWeight(&context, request, &response)));
+  return response.head_version();
+}
+
+absl::StatusOr<StepResult> Client::Step(const StepOptions& options) const {
+  v1::StepRequest request;
+  request.set_head(options.head);
+  if (const auto* sgd = std::get_if<SgdOptions>(&options.optimizer)) {
+    v1::SgdConfig& config = *request.mutable_sgd();
+    config.set_learning_rate(sgd->learning_rate);
+    config.set_momentum(sgd->momentum);
+    config.set_weight_decay(sgd->weight_decay);
+  } else {
+    const AdamWOptions& adamw = std::get<AdamWOptions>(options.optimizer);
+    v1::AdamWConfig& config = *request.mutable_adamw();
+    config.set_learning_rate(adamw.learning_rate);
+    config.set_beta1(adamw.beta1);
+    config.set_beta2(adamw.beta2);
+    config.set_epsilon(adamw.epsilon);
+    config.set_weight_decay(adamw.weight_decay);
+  }
+  request.set_max_grad_norm(options.max_grad_norm);
+  request.set_keep_grad(options.keep_grad);
+  if (options.head_version.has_value()) request.set_head_version(*options.head_version);
+
+  grpc::ClientContext context;
+  PrepareContext(context);
+  v1::StepResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->Step(&context, request, &response)));
+  StepResult result;
+  result.head_version = response.head_version();
+  result.grad_norm = response.grad_norm();
+  result.clip_multiplier = response.clip_multiplier();
+  result.accumulated_tokens = response.accumulated_tokens();
+  return result;
+}
+
+absl::StatusOr<std::vector<std::string>> Client::SaveCheckpoint(const std::string& head) const {
+  grpc::ClientContext context;
+  PrepareContext(context);
+  v1::SaveCheckpointRequest request;
+  request.set_head(head);
+  v1::SaveCheckpointResponse response;
+  RETURN_IF_ERROR(FromGrpcStatus(stub_->SaveCheckpoint(&context, request, &response)));
+  return std::vector<std::string>(response.paths().begin(), response.paths().end());
+}
+
+absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) const {
+  RETURN_IF_ERROR(ValidateComputeRequest(request));
+  const TensorView& hidden = request.hidden;
+  const int64_t row_bytes = hidden.cols * static_cast<int64_t>(DTypeSize(hidden.dtype));
+  ASSIGN_OR_RETURN(const int64_t rows_per_message,
+                   RowsPerMessage(request.rows_per_message, row_bytes, options_.max_message_bytes));
+
+  v1::ComputeRequest start_message;
+  v1::ComputeStart& start = *start_message.mutable_start();
+  start.set_head(request.head);
+  if (request.head_version.has_value()) start.set_head_version(*request.head_version);
+  ToProto(request.options, *start.mutable_options());
+  ToProto(request.outputs, *start.mutable_outputs());
+  start.set_num_tokens(hidden.rows);
+  start.set_hidden_size(hidden.cols);
+  start.set_hidden_dtype(ToProto(hidden.dtype));
+  start.mutable_labels()->Add(request.labels.begin(), request.labels.end());
+  start.mutable_token_weights()->Add(request.token_weights.begin(), request.token_weights.end());
+  const int64_t start_bytes = static_cast<int64_t>(start_message.ByteSizeLong());
+  if (start_bytes > options_.max_message_bytes) {
+    return Invalid("labels",
+                   absl::StrCat("a start message within max_message_bytes (", options_.max_message_bytes,
+                                " bytes); split the batch into several calls"),
+                   absl::StrCat(hidden.rows, " tokens in ", start_bytes, " bytes"));
+  }
+
+  ComputeResult result;
+  ResultAssembler assembler(request, result);
+  grpc::ClientContext context;
+  PrepareContext(context);
+  const absl::Time call_start = absl::Now();
+  std::unique_ptr<grpc::ClientReaderWriter<v1::ComputeRequest, v1::ComputeResponse>> stream =
+      stub_->Compute(&context);
+
+  // The writer thread owns the sending half of the stream: Write blocks under flow control, and the
+  // server stops reading rows while its own results wait to be read, so sending and reading from
+  // one thread could wait on each other forever for a large batch.
+  int64_t bytes_sent = 0;
+  int64_t messages_sent = 0;
+  std::thread writer([&] {
+    if (!stream->Write(start_message)) return;
+    bytes_sent += start_bytes;
+    ++messages_sent;
+    const char* rows = static_cast<const char*>(hidden.data);
+    for (int64_t first = 0; first < hidden.rows; first += rows_per_message) {
+      const int64_t count = std::min(rows_per_message, hidden.rows - first);
+      v1::ComputeRequest chunk;
+      chunk.mutable_chunk()->set_hidden(rows + first * row_bytes, count * row_bytes);
+      // A failed Write means the call has ended (the server returned an error, or it was
+      // cancelled); the reader learns why from Finish.
+      if (!stream->Write(chunk)) return;
+      bytes_sent += static_cast<int64_t>(chunk.ByteSizeLong());
+      ++messages_sent;
+    }
+    stream->WritesDone();
+  });
+
+  absl::Status assembled = absl::OkStatus();
+  v1::ComputeResponse response;
+  while (stream->Read(&response)) {
+    result.bytes_received += static_cast<int64_t>(response.ByteSizeLong());
+    ++result.messages_received;
+    assembled = assembler.Add(response);
+    if (!assembled.ok()) {
+      // Unblocks the writer and tells the server to stop: the results can no longer be used.
+      context.TryCancel();
+      break;
+    }
+  }
+  writer.join();
+  const grpc::Status status = stream->Finish();
+  RETURN_IF_ERROR(assembled);
+  RETURN_IF_ERROR(FromGrpcStatus(status));
+  RETURN_IF_ERROR(assembler.Finish());
+  result.wall_seconds = absl::ToDoubleSeconds(absl::Now() - call_start);
+  result.bytes_sent = bytes_sent;
+  result.messages_sent = messages_sent;
+  return result;
+}
+
+}  // namespace lossd::client

@@ -1,0 +1,225 @@
+// The C++ client of lossd: typed calls over lossd.v1.LossService.
+//
+//   auto client = lossd::client::Client::Connect({.address = "127.0.0.1:50051"});
+//   lossd::client::ComputeRequest request;
+//   request.head = "main";
+//   request.hidden = {hidden.data(), lossd::client::DType::kBFloat16, num_tokens, hidden_size};
+//   request.labels = labels;
+//   request.outputs.grad_hidden = true;
+//   auto result = client->Compute(request);   // result->summary.loss, result->grad_hidden
+//
+// Every call returns the server's gRPC status as an absl::Status with the same code and message.
+// A Client is cheap to move and safe to use from several threads at once (one channel, shared).
+#ifndef LOSSD_CLIENT_CLIENT_H_
+#define LOSSD_CLIENT_CLIENT_H_
+
+#include <grpcpp/channel.h>
+#include <grpcpp/support/status.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "lossd/client/tensor.h"
+#include "lossd/v1/lossd.grpc.pb.h"
+
+namespace lossd::client {
+
+struct ChannelOptions {
+  std::string address = "127.0.0.1:50051";
+  std::string bearer_token;       // sent as "authorization: Bearer <token>" on every call
+  std::string tls_root_cert_pem;  // empty: plaintext; else TLS, trusting these roots
+  // Largest message sent or received, set on the channel explicitly because gRPC's default receive
+  // limit (4 MiB) is smaller than one batch. Compute and UploadHead split what they send to fit it,
+  // and fetches ask for chunks of at most half of it. Compute results come in messages the server
+  // sizes, at most min(half its own limit, 8 MiB): a limit below that can refuse them.
+  int64_t max_message_bytes = int64_t{256} << 20;
+  absl::Duration deadline = absl::InfiniteDuration();  // per call
+  // HTTP/2 keepalive pings on an idle connection. A server with gRPC's default policy answers
+  // pings more frequent than every 5 minutes with GOAWAY, so the default stays at that.
+  absl::Duration keepalive_time = absl::Minutes(5);
+  absl::Duration keepalive_timeout = absl::Seconds(20);
+};
+
+// The one place channels are built: message size limits and keepalive arguments set explicitly,
+// TLS when root certificates are given. Options must have passed ValidateChannelOptions.
+std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options);
+absl::Status ValidateChannelOptions(const ChannelOptions& options);
+
+// The same code (gRPC and absl share the canonical numbering) and the server's message.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+enum class Optimizer { kNone, kSgd, kAdamW };
+
+struct HeadInfo {
+  std::string name;
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  DType dtype = DType::kFloat32;  // storage dtype of W on the server
+  uint64_t version = 0;
+  std::string source;
+  int64_t accumulated_tokens = 0;  // in the gradient accumulator since it was last zeroed
+  int64_t accumulated_calls = 0;
+  Optimizer optimizer = Optimizer::kNone;  // kind of optimizer state held
+  int64_t steps = 0;
+};
+
+struct HeadList {
+  std::vector<HeadInfo> heads;
+  std::string backend;  // the server's compute backend, described by the server
+};
+
+enum class Reduction { kMean, kSum, kNone };
+
+// Mirrors lossd.v1.LossOptions; defaults follow torch.nn.functional.cross_entropy.
+struct LossOptions {
+  Reduction reduction = Reduction::kMean;
+  int64_t ignore_index = -100;
+  double label_smoothing = 0.0;  // [0, 1]
+  double z_loss_scale = 0.0;     // >= 0: adds scale * lse^2 per token
+  double logit_softcap = 0.0;    // > 0: logits <- cap * tanh(logits / cap); 0 = off
+  double temperature = 1.0;      // > 0, applied after the soft cap
+  double grad_scale = 1.0;       // multiplies dL/dh and dL/dW
+  // The mean's denominator when this batch is one slice of a larger one; 0 counts this batch's
+  // non-ignored tokens.
+  double mean_denominator = 0.0;
+  bool allow_tf32 = false;       // GPU only
+};
+
+// Which per-token results to stream back; the summary always comes.
+struct OutputSelection {
+  bool token_loss = false;
+  bool logprob = false;
+  bool lse = false;
+  bool entropy = false;
+  bool argmax = false;
+  int top_k = 0;  // 0..64
+  bool grad_hidden = false;
+  std::optional<DType> grad_hidden_dtype;  // unset: the dtype of the hidden states
+  // Adds this batch's dL/dW to the head's accumulator on the server, all or nothing.
+  bool accumulate_grad_weight = false;
+};
+
+struct ComputeRequest {
+  std::string head;
+  std::optional<uint64_t> head_version;  // set: FAILED_PRECONDITION unless the head is there
+  LossOptions options;
+  OutputSelection outputs;
+  TensorView hidden;                     // [num_tokens, hidden_size]
+  absl::Span<const int64_t> labels;      // num_tokens token ids or ignore_index
+  absl::Span<const float> token_weights; // empty, or num_tokens weights
+  // Hidden rows per chunk message; 0 picks as many as fit in min(4 MiB, max_message_bytes), small
+  // enough that the server computes early chunks while later ones are still on the wire.
+  int64_t rows_per_message = 0;
+};
+
+struct ComputeSummary {
+  double loss = 0.0;  // reduced as asked (the sum for Reduction::kNone)
+  double loss_sum = 0.0;
+  int64_t counted_tokens = 0;  // tokens whose label is not ignore_index
+  int64_t correct_tokens = 0;  // counted tokens whose argmax is the label
+  uint64_t head_version = 0;
+  bool grad_weight_accumulated = false;
+  double queue_seconds = 0.0;  // server: waiting for admission
+  double compute_seconds = 0.0;  // server: inside the engine
+  int64_t peak_workspace_bytes = 0;
+  std::string backend;
+};
+
+// Per-token vectors are in row order and empty unless asked for.
+struct ComputeResult {
+  ComputeSummary summary;
+  std::vector<float> token_loss;
+  std::vector<float> logprob;
+  std::vector<float> lse;
+  std::vector<float> entropy;
+  std::vector<int32_t> argmax;
+  int top_k = 0;
+  std::vector<float> top_k_logprob;  // [num_tokens, top_k], best first
+  std::vector<int32_t> top_k_token;  // [num_tokens, top_k]
+  Tensor grad_hidden;                // [num_tokens, hidden_size] when asked for
+  // Seen by the client: the whole call, and the serialized message bytes each way.
+  double wall_seconds = 0.0;
+  int64_t bytes_sent = 0;
+  int64_t bytes_received = 0;
+  int64_t messages_sent = 0;
+  int64_t messages_received = 0;
+};
+
+// Optimizer settings; torch.optim semantics, with the wire contract's defaults.
+struct SgdOptions {
+  double learning_rate = 0.0;
+  double momentum = 0.0;
+  double weight_decay = 0.0;
+};
+struct AdamWOptions {
+  double learning_rate = 0.0;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double epsilon = 1e-8;
+  double weight_decay = 0.0;  // the wire contract's default (torch's AdamW uses 0.01)
+};
+
+struct StepOptions {
+  std::string head;
+  std::variant<SgdOptions, AdamWOptions> optimizer;
+  double max_grad_norm = 0.0;  // > 0: clip by global norm first
+  bool keep_grad = false;      // false: the server zeroes the accumulator after the step
+  std::optional<uint64_t> head_version;  // set: FAILED_PRECONDITION unless the head is there
+};
+
+struct StepResult {
+  uint64_t head_version = 0;
+  double grad_norm = 0.0;  // before clipping
+  double clip_multiplier = 1.0;
+  int64_t accumulated_tokens = 0;
+};
+
+class Client {
+ public:
+  // Validates the options and builds the channel; it connects on the first call.
+  static absl::StatusOr<Client> Connect(ChannelOptions options);
+
+  Client(Client&&) noexcept;
+  Client& operator=(Client&&) noexcept;
+  ~Client();
+
+  absl::StatusOr<HeadList> ListHeads() const;
+  absl::StatusOr<HeadInfo> GetHead(const std::string& head) const;
+  // Creates the head (or, with `replace`, overwrites it) from `weight`, [vocab_size, hidden_size].
+  absl::StatusOr<HeadInfo> UploadHead(const std::string& head, const TensorView& weight,
+                                      DType storage_dtype = DType::kFloat32, bool replace = false) const;
+  absl::StatusOr<Tensor> FetchWeight(const std::string& head, DType dtype = DType::kFloat32) const;
+  absl::StatusOr<Tensor> FetchGradWeight(const std::string& head, DType dtype = DType::kFloat32) const;
+  // Returns the head's version.
+  absl::StatusOr<uint64_t> ZeroGrad(const std::string& head) const;
+  absl::StatusOr<StepResult> Step(const StepOptions& options) const;
+  // An empty `head` saves every head; returns the checkpoint paths on the server.
+  absl::StatusOr<std::vector<std::string>> SaveCheckpoint(const std::string& head = "") const;
+
+  // Streams the batch in chunk messages from a writer thread while this thread reads the results,
+  // so results arrive while rows are still being sent and neither side blocks the other.
+  absl::StatusOr<ComputeResult> Compute(const ComputeRequest& request) const;
+
+  const ChannelOptions& options() const { return options_; }
+
+ private:
+  Client(std::shared_ptr<grpc::Channel> channel, ChannelOptions options);
+  // Adds the bearer token and the deadline to a call's context.
+  void PrepareContext(grpc::ClientContext& context) const;
+  absl::StatusOr<Tensor> FetchTensor(const std::string& head, DType dtype, bool gradient) const;
+
+  ChannelOptions options_;
+  std::unique_ptr<v1::LossService::Stub> stub_;  // holds the channel
+};
+
+}  // namespace lossd::client
+
+#endif  // LOSSD_CLIENT_CLIENT_H_

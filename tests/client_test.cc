@@ -1,0 +1,562 @@
+// The C++ client library against a real lossd server on loopback, and the .npy reader/writer.
+#include "lossd/client/client.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
+#include "client/cpp/npy.h"
+#include "lossd/kernels/half.h"
+#include "tests/engine_harness.h"
+#include "tests/reference.h"
+#include "tests/server_harness.h"
+
+namespace lossd::testing {
+namespace {
+
+using client::ChannelOptions;
+using client::Client;
+using client::ComputeRequest;
+using client::ComputeResult;
+
+constexpr int64_t kVocab = 2999;
+constexpr int64_t kHidden = 48;
+constexpr char kHead[] = "client";
+
+// Engine bounds (see engine_test.cc): neither the server nor the client adds error of its own.
+constexpr double kLossBound = 1e-6;
+constexpr double kGradBound = 2e-5;
+
+std::vector<float> RandomNormal(int64_t count, float stddev, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, stddev);
+  std::vector<float> values(count);
+  for (float& value : values) value = normal(rng);
+  return values;
+}
+
+std::vector<int64_t> RandomLabels(int64_t count, int64_t vocab, double ignore_fraction,
+                                  std::mt19937_64& rng) {
+  std::uniform_int_distribution<int64_t> token(0, vocab - 1);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  std::vector<int64_t> labels(count);
+  for (int64_t& label : labels) label = unit(rng) < ignore_fraction ? -100 : token(rng);
+  return labels;
+}
+
+ReferenceProblem MakeReferenceProblem(const std::vector<float>& hidden, const std::vector<float>& weight,
+                                      const std::vector<int64_t>& labels, int64_t hidden_size, int top_k) {
+  ReferenceProblem problem;
+  problem.num_tokens = static_cast<int64_t>(labels.size());
+  problem.hidden_size = hidden_size;
+  problem.vocab_size = static_cast<int64_t>(weight.size()) / hidden_size;
+  problem.hidden.assign(hidden.begin(), hidden.end());
+  problem.weight.assign(weight.begin(), weight.end());
+  problem.labels = labels;
+  problem.top_k = top_k;
+  return problem;
+}
+
+std::vector<double> AsDoubles(const std::vector<int32_t>& values) { return {values.begin(), values.end()}; }
+
+class ClientTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    server::ServerConfig config;
+    config.demo = {kHead, kVocab, kHidden, 11};
+    // 1 MiB of workspace holds about 80 rows of this head: batches run as several engine chunks.
+    config.workspace_budget_bytes = 1 << 20;
+    config.max_running_calls = 4;
+    server_ = StartTestServer(config).release();
+    ASSERT_NE(server_, nullptr);
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override { rng_.seed(FreshSeed()); }
+
+  static ChannelOptions OptionsFor(int port) {
+    ChannelOptions options;
+    options.address = "127.0.0.1:" + std::to_string(port);
+    // A hang is a failure here, not a stuck test run.
+    options.deadline = absl::Seconds(20);
+    return options;
+  }
+  static Client Connect(ChannelOptions options) {
+    absl::StatusOr<Client> client = Client::Connect(std::move(options));
+    EXPECT_TRUE(client.ok()) << client.status();
+    return std::move(client).value();
+  }
+  // A fresh head of random W with this test's name, so tests do not share gradients or versions.
+  std::vector<float> UploadRandomHead(const Client& client, const std::string& head, int64_t vocab = kVocab) {
+    std::vector<float> weight =
+        RandomNormal(vocab * kHidden, 1.0f / std::sqrt(static_cast<float>(kHidden)), rng_);
+    absl::StatusOr<client::HeadInfo> info =
+        client.UploadHead(head, {weight.data(), client::DType::kFloat32, vocab, kHidden});
+    EXPECT_TRUE(info.ok()) << info.status();
+    return weight;
+  }
+
+  static server::LossServer* server_;
+  std::mt19937_64 rng_;
+};
+
+server::LossServer* ClientTest::server_ = nullptr;
+
+TEST_F(ClientTest, ComputeMatchesFloat64Reference) {
+  const Client client = Connect(OptionsFor(server_->port()));
+  const std::vector<float> weight = UploadRandomHead(client, "reference");
+  const int64_t n = 300;
+  const std::vector<float> hidden = RandomNormal(n * kHidden, 1.0f, rng_);
+  const std::vector<int64_t> labels = RandomLabels(n, kVocab, 0.1, rng_);
+  const ReferenceResult ref = ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 5));
+
+  ComputeRequest request;
+  request.head = "reference";
+  request.hidden = {hidden.data(), client::DType::kFloat32, n, kHidden};
+  request.labels = labels;
+  request.rows_per_message = 37;  // many chunk messages that do not line up with engine chunks
+  request.outputs = {.token_loss = true,
+                     .logprob = true,
+                     .lse = true,
+                     .entropy = true,
+                     .argmax = true,
+                     .top_k = 5,
+                     .grad_hidden = true,
+                     .accumulate_grad_weight = true};
+  const absl::StatusOr<ComputeResult> result = client.Compute(request);
+  ASSERT_TRUE(result.ok()) << result.status();
+
+  EXPECT_EQ(result->messages_sent, 1 + (n + 36) / 37);
+  EXPECT_GT(result->messages_received, 2);
+  EXPECT_TRUE(result->summary.grad_weight_accumulated);
+  EXPECT_EQ(result->summary.counted_tokens, ref.counted_tokens);
+  EXPECT_LE(std::abs(result->summary.loss - ref.loss) / ref.loss, kLossBound);
+  EXPECT_LE(RelativeError(result->token_loss, ref.token_loss), kLossBound);
+  EXPECT_LE(MaxAbsError(result->logprob, ref.logprob), 1e-5 * (1 + ref.max_abs_logit));
+  EXPECT_LE(MaxAbsError(result->lse, ref.lse), 1e-5 * (1 + ref.max_abs_logit));
+  EXPECT_LE(MaxAbsError(result->entropy, ref.entropy), 1e-4);
+  EXPECT_EQ(AsDoubles(result->argmax), std::vector<double>(ref.argmax.begin(), ref.argmax.end()));
+  EXPECT_EQ(result->top_k, 5);
+  ASSERT_EQ(result->top_k_logprob.size(), static_cast<size_t>(n * 5));
+  EXPECT_LE(MaxAbsError(result->top_k_logprob, ref.top_k_logprob), 1e-5 * (1 + ref.max_abs_logit));
+  EXPECT_EQ(result->grad_hidden.rows, n);
+  EXPECT_EQ(result->grad_hidden.cols, kHidden);
+  EXPECT_EQ(result->grad_hidden.head_version, result->summary.head_version);
+  EXPECT_LE(RelativeError(client::ToFloat32(result->grad_hidden), ref.grad_hidden), kGradBound);
+
+  const absl::StatusOr<client::Tensor> grad = client.FetchGradWeight("reference");
+  ASSERT_TRUE(grad.ok()) << grad.status();
+  EXPECT_EQ(grad->accumulated_tokens, ref.counted_tokens);
+  EXPECT_LE(RelativeError(client::ToFloat32(*grad), ref.grad_weight), kGradBound);
+}
+
+TEST_F(ClientTest, BatchLargerThanTheMessageLimitStreamsBothWaysAtOnce) {
+  // Both ends limited to 1 MiB messages; 16 MiB of hidden rows go out and 16 MiB of dL/dh come
+  // back. Results stream back while rows are still being sent; a client that sent everything before
+  // reading would stall once the flow-control windows on both sides filled up.
+  server::ServerConfig config;
+  config.demo = {"wide", 64, 512, 3};
+  config.max_message_bytes = 1 << 20;
+  // Engine chunks of about a thousand rows, so that the server answers early rows before it has
+  // read the later ones.
+  config.workspace_budget_bytes = 1 << 20;
+  std::unique_ptr<server::LossServer> small_messages = StartTestServer(config);
+  ASSERT_NE(small_messages, nullptr);
+  ChannelOptions options = OptionsFor(small_messages->port());
+  options.max_message_bytes = 1 << 20;
+  const Client client = Connect(options);
+  const absl::StatusOr<client::Tensor> weight = client.FetchWeight("wide");
+  ASSERT_TRUE(weight.ok()) << weight.status();
+
+  const int64_t n = 8192, hidden_size = 512;
+  const std::vector<float> hidden = RandomNormal(n * hidden_size, 1.0f, rng_);
+  const std::vector<int64_t> labels = RandomLabels(n, 64, 0.0, rng_);
+  ComputeRequest request;
+  request.head = "wide";
+  request.hidden = {hidden.data(), client::DType::kFloat32, n, hidden_size};
+  request.labels = labels;
+  request.outputs.grad_hidden = true;
+  request.outputs.token_loss = true;
+  const absl::StatusOr<ComputeResult> result = client.Compute(request);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_GE(result->messages_sent, 1 + 16);  // no message above 1 MiB
+  EXPECT_GE(result->messages_received, 16);
+  EXPECT_GE(result->bytes_sent, n * hidden_size * 4);
+
+  const ReferenceResult ref =
+      ComputeReference(MakeReferenceProblem(hidden, client::ToFloat32(*weight), labels, hidden_size, 0));
+  EXPECT_LE(std::abs(result->summary.loss - ref.loss) / ref.loss, kLossBound);
+  EXPECT_LE(RelativeError(result->token_loss, ref.token_loss), kLossBound);
+  EXPECT_LE(RelativeError(client::ToFloat32(result->grad_hidden), ref.grad_hidden), kGradBound);
+
+  // An error in the first rows ends the call while most rows are still unsent: the writer must
+  // notice and stop rather than block, and the server's status must come through.
+  std::vector<float> poisoned = hidden;
+  poisoned[0] = std::numeric_limits<float>::quiet_NaN();
+  request.hidden.data = poisoned.data();
+  const absl::StatusOr<ComputeResult> failed = client.Compute(request);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(failed.status().message().find("non-finite"), absl::string_view::npos) << failed.status();
+}
+
+TEST_F(ClientTest, ErrorsKeepTheServersCodeAndMessage) {
+  const Client client = Connect(OptionsFor(server_->port()));
+  const std::vector<float> hidden = RandomNormal(4 * 8, 1.0f, rng_);
+  const std::vector<int64_t> labels = {1, 2, 3, 4};
+  ComputeRequest request;
+  request.head = kHead;
+  request.hidden = {hidden.data(), client::DType::kFloat32, 4, 8};
+  request.labels = labels;
+  absl::StatusOr<ComputeResult> result = client.Compute(request);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(result.status().message(), "hidden_size: expected 48 (head 'client'), got 8");
+
+  request.head = "no-such-head";
+  result = client.Compute(request);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kNotFound) << result.status();
+  EXPECT_NE(result.status().message().find("no-such-head"), absl::string_view::npos) << result.status();
+
+  const std::vector<float> rows = RandomNormal(4 * kHidden, 1.0f, rng_);
+  request.head = kHead;
+  request.hidden = {rows.data(), client::DType::kFloat32, 4, kHidden};
+  request.head_version = 12345;
+  result = client.Compute(request);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition) << result.status();
+  EXPECT_NE(result.status().message().find("pinned to version 12345"), absl::string_view::npos)
+      << result.status();
+
+  // Caught before anything is sent.
+  request.head_version.reset();
+  request.labels = absl::MakeConstSpan(labels).subspan(0, 3);
+  result = client.Compute(request);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(result.status().message(), "labels: expected 4 entries (hidden.rows), got 3");
+
+  EXPECT_EQ(client.GetHead("missing").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(
+      client.Step({.head = kHead, .optimizer = client::SgdOptions{.learning_rate = -1.0}}).status().code(),
+      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client.SaveCheckpoint().status().code(), absl::StatusCode::kFailedPrecondition);
+
+  ChannelOptions unreachable = OptionsFor(1);  // nothing listens on port 1
+  unreachable.deadline = absl::Seconds(5);
+  EXPECT_EQ(Connect(unreachable).ListHeads().status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(ClientTest, BearerTokenIsSentOnEveryCall) {
+  const std::filesystem::path token_file =
+      std::filesystem::temp_directory_path() / ("lossd-client-token-" + std::to_string(FreshSeed()));
+  std::ofstream(token_file) << "s3cret\n";
+  server::ServerConfig config;
+  config.demo = {"secured", 100, 16, 1};
+  config.token_file = token_file.string();
+  std::unique_ptr<server::LossServer> secured = StartTestServer(config);
+  std::filesystem::remove(token_file);
+  ASSERT_NE(secured, nullptr);
+
+  ChannelOptions options = OptionsFor(secured->port());
+  const absl::Status refused = Connect(options).ListHeads().status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnauthenticated) << refused;
+  options.bearer_token = "s3cret";
+  const Client client = Connect(options);
+  EXPECT_TRUE(client.ListHeads().ok());
+  const std::vector<float> hidden(16, 0.5f);
+  const std::vector<int64_t> labels = {7};
+  const absl::StatusOr<ComputeResult> result = client.Compute(
+      {.head = "secured", .hidden = {hidden.data(), client::DType::kFloat32, 1, 16}, .labels = labels});
+  EXPECT_TRUE(result.ok()) << result.status();
+}
+
+TEST_F(ClientTest, UploadAndFetchRoundTrip) {
+  // 1 MiB messages: the fetch arrives in several chunks and the upload in several pieces.
+  ChannelOptions options = OptionsFor(server_->port());
+  options.max_message_bytes = 1 << 20;
+  const Client client = Connect(options);
+  const int64_t vocab = 7001;  // 7001 rows of 192 bytes: 1.3 MiB, not a whole number of chunks
+  const std::vector<float> weight = UploadRandomHead(client, "roundtrip", vocab);
+
+  const absl::StatusOr<client::Tensor> fetched = client.FetchWeight("roundtrip");
+  ASSERT_TRUE(fetched.ok()) << fetched.status();
+  EXPECT_EQ(fetched->rows, vocab);
+  EXPECT_EQ(fetched->cols, kHidden);
+  EXPECT_EQ(fetched->dtype, client::DType::kFloat32);
+  EXPECT_EQ(client::ToFloat32(*fetched), weight);
+
+  // The server rounds to bfloat16 exactly as the client's own conversion does.
+  const absl::StatusOr<client::Tensor> as_bf16 = client.FetchWeight("roundtrip", client::DType::kBFloat16);
+  ASSERT_TRUE(as_bf16.ok()) << as_bf16.status();
+  EXPECT_EQ(as_bf16->bytes, client::EncodeFromFloat32(weight, client::DType::kBFloat16));
+
+  // Replacing needs `replace`; the bfloat16 upload is stored as float32 exactly.
+  const std::string bf16 = client::EncodeFromFloat32(weight, client::DType::kBFloat16);
+  const client::TensorView bf16_view{bf16.data(), client::DType::kBFloat16, vocab, kHidden};
+  EXPECT_EQ(client.UploadHead("roundtrip", bf16_view).status().code(), absl::StatusCode::kAlreadyExists);
+  const absl::StatusOr<client::HeadInfo> replaced =
+      client.UploadHead("roundtrip", bf16_view, client::DType::kFloat32, /*replace=*/true);
+  ASSERT_TRUE(replaced.ok()) << replaced.status();
+  EXPECT_GT(replaced->version, fetched->head_version);
+  const absl::StatusOr<client::Tensor> refetched = client.FetchWeight("roundtrip");
+  ASSERT_TRUE(refetched.ok());
+  EXPECT_EQ(client::ToFloat32(*refetched), client::DecodeToFloat32(bf16, client::DType::kBFloat16));
+
+  const absl::StatusOr<client::HeadList> list = client.ListHeads();
+  ASSERT_TRUE(list.ok());
+  EXPECT_FALSE(list->backend.empty());
+  EXPECT_TRUE(std::any_of(list->heads.begin(), list->heads.end(), [](const client::HeadInfo& h) {
+    return h.name == "roundtrip" && h.vocab_size == 7001;
+  }));
+}
+
+TEST_F(ClientTest, SgdStepMovesWeightAgainstTheGradient) {
+  const Client client = Connect(OptionsFor(server_->port()));
+  const std::vector<float> weight = UploadRandomHead(client, "train");
+  const int64_t n = 64;
+  const std::vector<float> hidden = RandomNormal(n * kHidden, 1.0f, rng_);
+  const std::vector<int64_t> labels = RandomLabels(n, kVocab, 0.0, rng_);
+  ComputeRequest request;
+  request.head = "train";
+  request.hidden = {hidden.data(), client::DType::kFloat32, n, kHidden};
+  request.labels = labels;
+  request.outputs.accumulate_grad_weight = true;
+  const absl::StatusOr<ComputeResult> before = client.Compute(request);
+  ASSERT_TRUE(before.ok()) << before.status();
+  const absl::StatusOr<client::Tensor> grad = client.FetchGradWeight("train");
+  ASSERT_TRUE(grad.ok()) << grad.status();
+  EXPECT_EQ(grad->accumulated_tokens, n);
+
+  const absl::StatusOr<client::StepResult> step =
+      client.Step({.head = "train",
+                   .optimizer = client::SgdOptions{.learning_rate = 0.5},
+                   .head_version = grad->head_version});
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->head_version, grad->head_version + 1);
+  EXPECT_EQ(step->accumulated_tokens, n);
+  EXPECT_EQ(step->clip_multiplier, 1.0);
+  const std::vector<float> g = client::ToFloat32(*grad);
+  double norm = 0.0;
+  for (float value : g) norm += static_cast<double>(value) * value;
+  EXPECT_NEAR(step->grad_norm, std::sqrt(norm), 1e-5 * std::sqrt(norm));
+
+  const absl::StatusOr<client::Tensor> stepped = client.FetchWeight("train");
+  ASSERT_TRUE(stepped.ok());
+  const std::vector<float> w = client::ToFloat32(*stepped);
+  for (size_t i = 0; i < w.size(); ++i) ASSERT_NEAR(w[i], weight[i] - 0.5f * g[i], 1e-6f) << i;
+
+  // The step zeroed the accumulator; the loss of the same batch went down.
+  const absl::StatusOr<client::Tensor> zeroed = client.FetchGradWeight("train");
+  ASSERT_TRUE(zeroed.ok());
+  EXPECT_EQ(zeroed->accumulated_tokens, 0);
+  request.outputs.accumulate_grad_weight = false;
+  const absl::StatusOr<ComputeResult> after = client.Compute(request);
+  ASSERT_TRUE(after.ok());
+  EXPECT_LT(after->summary.loss, before->summary.loss);
+  EXPECT_EQ(after->summary.head_version, step->head_version);
+  const absl::StatusOr<uint64_t> version = client.ZeroGrad("train");
+  ASSERT_TRUE(version.ok());
+  EXPECT_EQ(*version, step->head_version);
+}
+
+TEST(ChannelOptionsTest, RejectsUnusableSettings) {
+  ChannelOptions options;
+  options.max_message_bytes = 1000;
+  EXPECT_EQ(Client::Connect(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options = ChannelOptions();
+  options.max_message_bytes = int64_t{4} << 30;  // gRPC's limits are ints
+  EXPECT_EQ(Client::Connect(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options = ChannelOptions();
+  options.address.clear();
+  EXPECT_EQ(Client::Connect(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options = ChannelOptions();
+  options.deadline = absl::ZeroDuration();
+  EXPECT_EQ(Client::Connect(options).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The client's conversions, independent code, agree with the engine's half.h bit for bit.
+TEST(TensorTest, ConversionsMatchTheEngine) {
+  std::string all_halves(2 * 65536, '\0');
+  for (uint32_t bits = 0; bits < 65536; ++bits) std::memcpy(&all_halves[2 * bits], &bits, 2);
+  const std::vector<float> from_fp16 = client::DecodeToFloat32(all_halves, client::DType::kFloat16);
+  const std::vector<float> from_bf16 = client::DecodeToFloat32(all_halves, client::DType::kBFloat16);
+  for (uint32_t bits = 0; bits < 65536; ++bits) {
+    const float fp16 = Float16ToFloat(static_cast<uint16_t>(bits));
+    const float bf16 = BFloat16ToFloat(static_cast<uint16_t>(bits));
+    ASSERT_TRUE(std::memcmp(&from_fp16[bits], &fp16, 4) == 0) << bits;
+    ASSERT_TRUE(std::memcmp(&from_bf16[bits], &bf16, 4) == 0) << bits;
+  }
+
+  std::mt19937_64 rng(FreshSeed());
+  std::uniform_int_distribution<uint32_t> any_bits;
+  std::vector<float> values = {0.0f,
+                               -0.0f,
+                               1.0f,
+                               65504.0f,
+                               65519.99f,
+                               65520.0f,
+                               5.96e-8f,
+                               2.98e-8f,
+                               1e-10f,
+                               std::numeric_limits<float>::infinity(),
+                               std::numeric_limits<float>::quiet_NaN(),
+                               std::numeric_limits<float>::denorm_min(),
+                               3.3895314e38f};
+  for (int i = 0; i < 200000; ++i) {
+    const uint32_t bits = any_bits(rng);
+    float value;
+    std::memcpy(&value, &bits, 4);
+    values.push_back(value);
+  }
+  const std::string fp16 = client::EncodeFromFloat32(values, client::DType::kFloat16);
+  const std::string bf16 = client::EncodeFromFloat32(values, client::DType::kBFloat16);
+  for (size_t i = 0; i < values.size(); ++i) {
+    const uint16_t expected_fp16 = FloatToFloat16(values[i]);
+    const uint16_t expected_bf16 = FloatToBFloat16(values[i]);
+    ASSERT_EQ(std::memcmp(&fp16[2 * i], &expected_fp16, 2), 0) << values[i];
+    ASSERT_EQ(std::memcmp(&bf16[2 * i], &expected_bf16, 2), 0) << values[i];
+  }
+  EXPECT_EQ(client::ParseDType("bf16").value(), client::DType::kBFloat16);
+  EXPECT_EQ(client::ParseDType("FP16").value(), client::DType::kFloat16);
+  EXPECT_FALSE(client::ParseDType("float64").ok());
+}
+
+// ---------------------------------------------------------------------------------------------
+// .npy files
+
+std::string NpyFile(absl::string_view version_and_length, absl::string_view header, absl::string_view data) {
+  return absl::StrCat("\x93NUMPY", version_and_length, header, data);
+}
+
+// A version 1.0 file with this header text (padded with a newline) and data.
+std::string NpyV1(const std::string& header, absl::string_view data) {
+  const std::string text = header + "\n";
+  const char length[2] = {static_cast<char>(text.size() & 0xff), static_cast<char>(text.size() >> 8)};
+  return NpyFile(absl::StrCat(absl::string_view("\x01\x00", 2), absl::string_view(length, 2)), text, data);
+}
+
+TEST(NpyTest, RoundTripsEveryDTypeAndShape) {
+  const std::vector<std::pair<client::NpyDType, std::vector<int64_t>>> cases = {
+      {client::NpyDType::kFloat32, {3, 5}},   {client::NpyDType::kFloat16, {7}},
+      {client::NpyDType::kUInt16, {2, 3, 4}}, {client::NpyDType::kInt64, {}},
+      {client::NpyDType::kInt32, {0, 9}},     {client::NpyDType::kFloat32, {1, 1, 1, 1}},
+  };
+  std::mt19937_64 rng(FreshSeed());
+  for (const auto& [dtype, shape] : cases) {
+    client::NpyArray array;
+    array.dtype = dtype;
+    array.shape = shape;
+    array.data.resize(array.num_elements() * client::NpyItemSize(dtype));
+    for (char& byte : array.data) byte = static_cast<char>(rng());
+    const absl::StatusOr<std::string> bytes = client::SerializeNpy(dtype, shape, array.data);
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    // NumPy's layout: the data starts at a multiple of 64 bytes, after a newline.
+    EXPECT_EQ((bytes->size() - array.data.size()) % 64, 0u);
+    EXPECT_EQ((*bytes)[bytes->size() - array.data.size() - 1], '\n');
+    const absl::StatusOr<client::NpyArray> parsed = client::ParseNpy(*bytes, "test.npy");
+    ASSERT_TRUE(parsed.ok()) << parsed.status();
+    EXPECT_EQ(parsed->dtype, dtype);
+    EXPECT_EQ(parsed->shape, shape);
+    EXPECT_EQ(parsed->data, array.data);
+  }
+
+  const std::filesystem::path path =
+      std::filesystem::temp_directory_path() / ("lossd-npy-" + std::to_string(FreshSeed()) + ".npy");
+  client::NpyArray array{client::NpyDType::kFloat32, {2, 2}, std::string(16, '\x01')};
+  ASSERT_TRUE(client::WriteNpyFile(path.string(), array.dtype, array.shape, array.data).ok());
+  const absl::StatusOr<client::NpyArray> read = client::ReadNpyFile(path.string());
+  std::filesystem::remove(path);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(read->data, array.data);
+  EXPECT_EQ(client::ReadNpyFile(path.string()).status().code(), absl::StatusCode::kNotFound);
+
+  EXPECT_EQ(client::SerializeNpy(client::NpyDType::kInt64, {3}, std::string(16, '\0')).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(NpyTest, ReadsHeadersAsNumPyWritesThem) {
+  // Version 2.0 (4-byte header length), double quotes, other key order, 1-tuples, no trailing comma.
+  const std::string header = "{\"shape\": (2,), 'fortran_order': False, 'descr': '<i4'}\n";
+  const char length[4] = {static_cast<char>(header.size()), 0, 0, 0};
+  const std::string v2 = NpyFile(absl::StrCat(absl::string_view("\x02\x00", 2), absl::string_view(length, 4)),
+                                 header, std::string(8, '\x02'));
+  const absl::StatusOr<client::NpyArray> parsed = client::ParseNpy(v2, "v2.npy");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->dtype, client::NpyDType::kInt32);
+  EXPECT_EQ(parsed->shape, std::vector<int64_t>{2});
+  const std::string spaced = NpyV1("{'descr':'<f2','fortran_order':False,'shape':( 1 , 2 , ),}   ", "abcd");
+  EXPECT_TRUE(client::ParseNpy(spaced, "spaced.npy").ok()) << client::ParseNpy(spaced, "spaced.npy").status();
+}
+
+TEST(NpyTest, RejectsMalformedFiles) {
+  const std::string f4 = "{'descr': '<f4', 'fortran_order': False, 'shape': (2,), }";
+  const std::string eight_bytes(8, '\0');
+  struct BadFile {
+    std::string reason;
+    std::string bytes;
+    absl::StatusCode code;
+  };
+  const std::vector<BadFile> bad_files = {
+      {"empty file", "", absl::StatusCode::kDataLoss},
+      {"not an npy file", "PK\x03\x04 zip data", absl::StatusCode::kInvalidArgument},
+      {"cut inside the preamble", std::string("\x93NUMPY\x01\x00\x10", 9), absl::StatusCode::kDataLoss},
+      {"version 3.0", NpyFile(absl::string_view("\x03\x00\x00\x00\x00\x00", 6), "", ""),
+       absl::StatusCode::kInvalidArgument},
+      {"header length past the end", NpyFile(absl::string_view("\x01\x00\xff\x00", 4), "{}", ""),
+       absl::StatusCode::kDataLoss},
+      {"header longer than the limit", NpyFile(absl::string_view("\x02\x00\x00\x00\x01\x00", 6), "", ""),
+       absl::StatusCode::kInvalidArgument},
+      {"header not a dictionary", NpyV1("['<f4', False, (2,)]", eight_bytes),
+       absl::StatusCode::kInvalidArgument},
+      {"missing shape", NpyV1("{'descr': '<f4', 'fortran_order': False}", eight_bytes),
+       absl::StatusCode::kInvalidArgument},
+      {"unknown key", NpyV1("{'descr': '<f4', 'fortran_order': False, 'shape': (2,), 'x': 1}", eight_bytes),
+       absl::StatusCode::kInvalidArgument},
+      {"duplicate key",
+       NpyV1("{'descr': '<f4', 'descr': '<f4', 'fortran_order': False, 'shape': (2,)}", eight_bytes),
+       absl::StatusCode::kInvalidArgument},
+      {"big-endian data", NpyV1("{'descr': '>f4', 'fortran_order': False, 'shape': (2,)}", eight_bytes),
+       absl::StatusCode::kInvalidArgument},
+      {"float64 data", NpyV1("{'descr': '<f8', 'fortran_order': False, 'shape': (1,)}", eight_bytes),
+       absl::StatusCode::kInvalidArgument},
+      {"Fortran order", NpyV1("{'descr': '<f4', 'fortran_order': True, 'shape': (2,)}", eight_bytes),
+       absl::StatusCode::kInvalidArgument},
+      {"fortran_order not a bool", NpyV1("{'descr': '<f4', 'fortran_order': 0, 'shape': (2,)}", eight_bytes),
+       absl::StatusCode::kInvalidArgument},
+      {"negative dimension", NpyV1("{'descr': '<f4', 'fortran_order': False, 'shape': (-2,)}", eight_bytes),
+       absl::StatusCode::kInvalidArgument},
+      {"shape (2) is not a tuple",
+       NpyV1("{'descr': '<f4', 'fortran_order': False, 'shape': (2)}", eight_bytes),
+       absl::StatusCode::kInvalidArgument},
+      {"dimension overflows int64",
+       NpyV1("{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999999999999,)}", eight_bytes),
+       absl::StatusCode::kInvalidArgument},
+      {"element count overflows",
+       NpyV1("{'descr': '<f4', 'fortran_order': False, 'shape': (4294967296, 4294967296)}", eight_bytes),
+       absl::StatusCode::kInvalidArgument},
+      {"bytes overflow",
+       NpyV1("{'descr': '<i8', 'fortran_order': False, 'shape': (2305843009213693952,)}", ""),
+       absl::StatusCode::kInvalidArgument},
+      {"unterminated string", NpyV1("{'descr: '<f4'}", eight_bytes), absl::StatusCode::kInvalidArgument},
+      {"text after the dictionary", NpyV1(f4 + " junk", eight_bytes), absl::StatusCode::kInvalidArgument},
+      {"truncated data", NpyV1(f4, eight_bytes.substr(0, 7)), absl::StatusCode::kDataLoss},
+      {"trailing bytes", NpyV1(f4, eight_bytes + "x"), absl::StatusCode::kInvalidArgument},
+  };
+  for (const BadFile& bad : bad_files) {
+    const absl::StatusOr<client::NpyArray> parsed = client::ParseNpy(bad.bytes, "bad.npy");
+    EXPECT_EQ(parsed.status().code(), bad.code) << bad.reason << ": " << parsed.status();
+    EXPECT_TRUE(absl::StartsWith(parsed.status().message(), "bad.npy: "))
+        << bad.reason << ": " << parsed.status();
+  }
+}
+
+}  // namespace
+}  // namespace lossd::testing

@@ -1,0 +1,186 @@
+"""lossctl run as a user would, against the real lossd_server binary on loopback."""
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "python"))
+from server_process import ServerProcess  # noqa: E402
+
+LOSSCTL = os.environ.get("LOSSCTL_BIN", "build/bin/lossctl")
+VOCAB, HIDDEN = 1000, 64
+SUBCOMMANDS = ["heads", "head", "compute", "fetch-grad", "fetch-weight", "zero-grad", "step", "save",
+               "upload", "bench"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint_dir):
+    with ServerProcess("--device=cpu", f"--demo_vocab_size={VOCAB}", f"--demo_hidden_size={HIDDEN}",
+                       f"--checkpoint_dir={checkpoint_dir}", metrics=False) as s:
+        yield s
+
+
+def lossctl(*args, server=None, expect=0):
+    command = [LOSSCTL, *([f"--server={server.address}"] if server else []), *map(str, args)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == expect, f"{command} exited {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def log_softmax(logits):
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
+def test_help_describes_every_subcommand():
+    top = lossctl("--help")
+    for name in SUBCOMMANDS:
+        assert name in top.stdout
+        sub = lossctl(name, "--help")
+        assert f"Usage: lossctl {name}" in sub.stdout
+        assert "--server" in sub.stdout
+    assert "--grad_out" in lossctl("compute", "--help").stdout
+
+
+def test_usage_errors_exit_2():
+    assert "unknown subcommand" in lossctl("frobnicate", expect=2).stderr
+    assert "unknown flag --bogus" in lossctl("heads", "--bogus", expect=2).stderr
+    assert "--out is required" in lossctl("fetch-grad", expect=2).stderr
+    assert "--lr is required" in lossctl("step", "--optimizer=sgd", expect=2).stderr
+    assert "--synthetic" in lossctl("compute", "--synthetic=abc", expect=2).stderr
+
+
+def test_heads_lists_the_demo_head(server):
+    out = lossctl("heads", server=server).stdout
+    assert re.search(rf"^demo\s+{VOCAB}\s+{HIDDEN}\s+float32", out, re.M), out
+    assert "vocab_size:         1000" in lossctl("head", "demo", server=server).stdout
+
+
+def test_compute_from_files_matches_numpy(server, tmp_path):
+    lossctl("fetch-weight", "--head=demo", "--out", tmp_path / "w.npy", server=server)
+    weight = np.load(tmp_path / "w.npy").astype(np.float64)
+    rng = np.random.default_rng(5)
+    hidden = rng.standard_normal((3, 40, HIDDEN)).astype(np.float32)  # [batch, seq, H] flattens
+    labels = rng.integers(0, VOCAB, (3, 40))
+    labels[0, :5] = -100
+    np.save(tmp_path / "h.npy", hidden)
+    np.save(tmp_path / "y.npy", labels)
+    out = lossctl("compute", "--head=demo", "--hidden", tmp_path / "h.npy", "--labels", tmp_path / "y.npy",
+                  "--top_k=4", "--out", tmp_path / "o.json", server=server).stdout
+
+    logp = log_softmax(hidden.reshape(-1, HIDDEN).astype(np.float64) @ weight.T)
+    flat = labels.reshape(-1)
+    counted = flat != -100
+    token_logp = logp[np.arange(flat.size), np.where(counted, flat, 0)]
+    expected_loss = -token_logp[counted].mean()
+    loss = float(re.search(r"^loss (\S+) \(mean\)", out, re.M).group(1))
+    assert abs(loss - expected_loss) <= 1e-5 * expected_loss, out
+    assert f"{counted.sum()} counted" in out
+
+    results = json.load(open(tmp_path / "o.json"))
+    assert results["counted_tokens"] == counted.sum()
+    np.testing.assert_allclose(np.array(results["logprob"])[counted], token_logp[counted],
+                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(np.array(results["top_k_token"])[:, 0], logp.argmax(axis=1))
+    assert len(results["top_k_logprob"][0]) == 4
+
+
+def test_accumulate_fetch_grad_and_step(server, tmp_path):
+    lossctl("zero-grad", "--head=demo", server=server)
+    out = lossctl("compute", "--head=demo", "--synthetic=256", "--seed=3", "--accumulate", "--grad",
+                  "--grad_out", tmp_path / "dh.npy", server=server).stdout
+    assert "dL/dW added to the head's accumulator" in out
+    assert re.search(r"^time \S+ s wall", out, re.M), out
+    assert np.load(tmp_path / "dh.npy").shape == (256, HIDDEN)
+
+    out = lossctl("fetch-grad", "--head=demo", "--out", tmp_path / "grad.npy", server=server).stdout
+    assert "256 accumulated tokens" in out
+    grad = np.load(tmp_path / "grad.npy")
+    assert grad.shape == (VOCAB, HIDDEN) and grad.dtype == np.float32
+    assert np.abs(grad).max() > 0
+    bf16 = lossctl("fetch-grad", "--head=demo", "--dtype=bf16", "--out", tmp_path / "grad16.npy",
+                   server=server)
+    assert "<u2" in bf16.stdout
+    widened = (np.load(tmp_path / "grad16.npy").astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_allclose(widened, grad, rtol=1e-2, atol=1e-9)
+
+    described = lossctl("head", "demo", server=server).stdout
+    version = int(re.search(r"^version:\s+(\d+)", described, re.M).group(1))
+    out = lossctl("step", "--head=demo", "--optimizer=adamw", "--lr=1e-3", "--max_grad_norm=1",
+                  server=server).stdout
+    assert f"version {version} -> {version + 1}" in out, out
+    assert "gradient zeroed" in out
+    lossctl("fetch-grad", "--head=demo", "--out", tmp_path / "after.npy", server=server)
+    assert not np.load(tmp_path / "after.npy").any()
+    assert "momentum is an SGD setting" in lossctl("step", "--head=demo", "--optimizer=adamw", "--lr=1",
+                                                   "--momentum=0.9", server=server, expect=2).stderr
+
+
+def test_upload_safetensors_then_save(server, tmp_path, checkpoint_dir):
+    # With one head on the server, --head may be left out.
+    assert "zeroed the gradient of head demo" in lossctl("zero-grad", server=server).stdout
+    weight = np.random.default_rng(2).standard_normal((50, HIDDEN)).astype(np.float32)
+    header = json.dumps({"lm_head.weight": {"dtype": "F32", "shape": list(weight.shape),
+                                            "data_offsets": [0, weight.nbytes]}}).encode()
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header + weight.tobytes())
+    out = lossctl("upload", "--head=small", "--weight", tmp_path / "model.safetensors", server=server).stdout
+    assert "uploaded head small: [50, 64]" in out
+    lossctl("fetch-weight", "--head=small", "--out", tmp_path / "back.npy", server=server)
+    np.testing.assert_array_equal(np.load(tmp_path / "back.npy"), weight)
+    err = lossctl("upload", "--head=small", "--weight", tmp_path / "model.safetensors", server=server,
+                  expect=1).stderr
+    assert "ALREADY_EXISTS" in err
+    # Two heads now: calls that need one must name it.
+    assert "name one" in lossctl("zero-grad", server=server, expect=2).stderr
+
+    saved = lossctl("save", "--head=small", server=server).stdout
+    path = re.search(r"^saved (\S+)", saved, re.M).group(1)
+    assert os.path.exists(path) and path.startswith(str(checkpoint_dir))
+
+
+def test_bench_reports_throughput_and_latency(server):
+    done = lossctl("bench", "--head=demo", "--tokens=64", "--calls=6", "--streams=2", "--grad", server=server)
+    assert re.search(r"^6 calls in \S+ s: \S+ calls/s, \S+ tokens/s", done.stdout, re.M), done.stdout
+    assert re.search(r"sent \S+ GB/s, received \S+ GB/s", done.stdout), done.stdout
+    assert re.search(r"latency p50 \S+ s, p90 \S+ s, p99 \S+ s", done.stdout), done.stdout
+    assert "6/6 calls" in done.stderr  # the progress line's last state
+
+
+def test_wrong_hidden_size_exits_1_with_the_servers_message(server, tmp_path):
+    np.save(tmp_path / "narrow.npy", np.zeros((4, 32), np.float32))
+    err = lossctl("compute", "--head=demo", "--hidden", tmp_path / "narrow.npy", server=server,
+                  expect=1).stderr
+    assert f"INVALID_ARGUMENT: hidden_size: expected {HIDDEN} (head 'demo'), got 32" in err, err
+
+
+def test_unreachable_server_exits_1():
+    err = lossctl("--server=127.0.0.1:1", "--deadline_seconds=5", "heads", expect=1).stderr
+    assert "UNAVAILABLE" in err
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/openssl"), reason="needs openssl to make a certificate")
+def test_tls_and_bearer_token(tmp_path):
+    cert, key, token = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "token"
+    subprocess.run(["/usr/bin/openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", key, "-out", cert], check=True, capture_output=True)
+    token.write_text("s3cret\n")
+    with ServerProcess("--device=cpu", "--demo_vocab_size=100", "--demo_hidden_size=16",
+                       f"--tls_cert_file={cert}", f"--tls_key_file={key}", f"--token_file={token}",
+                       metrics=False) as secured:
+        out = lossctl("heads", f"--tls_ca_file={cert}", f"--token_file={token}", server=secured).stdout
+        assert re.search(r"^demo\s+100\s+16", out, re.M), out
+        lossctl("compute", "--synthetic=8", f"--tls_ca_file={cert}", f"--token_file={token}", server=secured)
+        err = lossctl("heads", f"--tls_ca_file={cert}", server=secured, expect=1).stderr
+        assert "UNAUTHENTICATED" in err, err
