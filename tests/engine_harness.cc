@@ -7,7 +7,7 @@
 
 #include "lossd/kernels/half.h"
 #include "lossd/kernels/loss_math.h"
-#include "lossd/kernels/status_macros.h"
+#include "lossd/common/status_macros.h"
 
 namespace lossd::testing {
 
