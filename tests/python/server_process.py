@@ -1,6 +1,8 @@
 """Starts the real lossd_server binary on loopback for tests and stops it afterwards."""
+import atexit
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -71,3 +73,21 @@ def generate_stubs(proto_root, out_dir):
     for package in ("lossd", "lossd/v1"):
         open(os.path.join(out_dir, package, "__init__.py"), "a").close()
     sys.path.insert(0, out_dir)
+
+
+def ensure_python_client():
+    """Makes `import lossd` give the Python client: the build tree's package when PYTHONPATH
+    holds it (CMake's lossd_python target), else a copy of client/python/lossd with stubs
+    generated in a temporary directory."""
+    try:
+        import lossd.v1.lossd_pb2_grpc  # noqa: F401
+        import lossd.client  # noqa: F401
+        return
+    except ImportError:
+        for name in [name for name in sys.modules if name == "lossd" or name.startswith("lossd.")]:
+            del sys.modules[name]
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out_dir = tempfile.mkdtemp(prefix="lossd-python-")
+    atexit.register(shutil.rmtree, out_dir, True)
+    shutil.copytree(os.path.join(repo, "client", "python", "lossd"), os.path.join(out_dir, "lossd"))
+    generate_stubs(os.path.join(repo, "proto"), out_dir)

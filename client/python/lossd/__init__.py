@@ -1,0 +1,12 @@
+"""Python client of lossd, the linear cross-entropy server.
+
+lossd.Client is the numpy-level client (one method per RPC); lossd.torch.RemoteHead is a
+torch.nn.Module whose forward returns the loss and whose backward gives dL/dh, with W, its
+gradient and its optimizer state living on the server. lossd.torch is imported on demand so that
+scoring clients need no torch.
+"""
+from lossd.client import OUTPUT_NAMES, Client, HeadInfo, LossdError, LossResult, StepInfo
+from lossd._tensors import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+
+__all__ = ["Client", "HeadInfo", "LossdError", "LossResult", "OUTPUT_NAMES", "StepInfo",
+           "bfloat16_bits_to_float32", "float32_to_bfloat16_bits"]

@@ -1,0 +1,387 @@
+"""The numpy-level client of a lossd server: one method per RPC of lossd/v1/lossd.proto.
+
+Arrays go in and come out as numpy arrays. bfloat16 tensors are uint16 arrays of bit patterns
+(see lossd._tensors); float64 inputs are rounded to float32 before they are sent.
+"""
+import dataclasses
+from typing import Iterable, List, Optional
+
+import grpc
+import numpy as np
+
+from lossd import _tensors
+from lossd.v1 import lossd_pb2 as pb
+from lossd.v1 import lossd_pb2_grpc as pb_grpc
+
+_MIB = 1 << 20
+# Room for a message's framing and non-tensor fields beside its tensor bytes.
+_MESSAGE_OVERHEAD_BYTES = 64 * 1024
+# Messages of a few MiB keep a stream moving: the server computes the first rows while later
+# ones are still in flight, and each message stays far from any size limit.
+_TARGET_MESSAGE_BYTES = 4 * _MIB
+
+_REDUCTIONS = {"mean": pb.REDUCTION_MEAN, "sum": pb.REDUCTION_SUM, "none": pb.REDUCTION_NONE}
+_OPTIMIZER_NAMES = {
+    pb.OptimizerState.KIND_NONE: "none",
+    pb.OptimizerState.KIND_SGD: "sgd",
+    pb.OptimizerState.KIND_ADAMW: "adamw",
+}
+# The per-token outputs compute() can ask for by name; top-k has its own argument.
+OUTPUT_NAMES = ("token_loss", "logprob", "lse", "entropy", "argmax", "grad_hidden")
+
+
+class LossdError(RuntimeError):
+    """A failed call: the gRPC status code name (e.g. "INVALID_ARGUMENT") and the server's
+    message."""
+
+    def __init__(self, method, code, message):
+        super().__init__(f"{method}: {code}: {message}")
+        self.method = method
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def from_rpc_error(cls, method, error):
+        return cls(method, error.code().name, error.details() or "")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadInfo:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    dtype: str                # storage dtype of W on the server
+    version: int              # increases with every step and upload
+    source: str
+    accumulated_tokens: int   # tokens in the gradient accumulator since it was zeroed
+    accumulated_calls: int
+    optimizer: str            # "none", "sgd" or "adamw": the optimizer state the server holds
+    steps: int
+
+    @classmethod
+    def from_proto(cls, info):
+        return cls(name=info.name, vocab_size=info.vocab_size, hidden_size=info.hidden_size,
+                   dtype=_tensors.dtype_name(info.dtype), version=info.version, source=info.source,
+                   accumulated_tokens=info.accumulated_tokens,
+                   accumulated_calls=info.accumulated_calls,
+                   optimizer=_OPTIMIZER_NAMES.get(info.optimizer, str(info.optimizer)),
+                   steps=info.steps)
+
+
+@dataclasses.dataclass
+class LossResult:
+    """The summary of one compute() call and the per-token outputs it asked for (the others
+    are None)."""
+    loss: float                  # reduced as asked (the sum for reduction "none")
+    loss_sum: float
+    counted_tokens: int          # tokens whose label is not ignore_index
+    correct_tokens: int          # counted tokens whose argmax is the label
+    head_version: int            # the version of W the call used
+    grad_weight_accumulated: bool
+    queue_seconds: float
+    compute_seconds: float
+    peak_workspace_bytes: int
+    backend: str
+    token_loss: Optional[np.ndarray] = None     # [N] float32, weighted, before the reduction
+    logprob: Optional[np.ndarray] = None        # [N] float32, log p(label); 0 for ignored rows
+    lse: Optional[np.ndarray] = None            # [N] float32
+    entropy: Optional[np.ndarray] = None        # [N] float32
+    argmax: Optional[np.ndarray] = None         # [N] int32
+    top_k_logprob: Optional[np.ndarray] = None  # [N, k] float32, best first
+    top_k_token: Optional[np.ndarray] = None    # [N, k] int32
+    grad_hidden: Optional[np.ndarray] = None    # [N, H] grad_hidden_dtype (bfloat16: uint16 bits)
+
+    @property
+    def accuracy(self):
+        return self.correct_tokens / self.counted_tokens if self.counted_tokens else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    head_version: int
+    grad_norm: float          # of the accumulated gradient, before clipping
+    clip_multiplier: float    # 1 when not clipped
+    accumulated_tokens: int
+
+
+class Client:
+    """A connection to one lossd server.
+
+    address: "host:port". token: the bearer token the server was started with (--token_file).
+    tls_root_cert: PEM bytes, or the path of a PEM file, of the CA that signed the server's
+    certificate; turns TLS on. max_message_bytes bounds every message sent or received (gRPC's own
+    default of 4 MiB is too small for tensors). timeout: seconds each call may take, None for no
+    deadline.
+    """
+
+    def __init__(self, address, token=None, tls_root_cert=None, max_message_bytes=256 * _MIB,
+                 timeout=None):
+        options = [("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.max_receive_message_length", max_message_bytes)]
+        if tls_root_cert is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            if isinstance(tls_root_cert, str):
+                with open(tls_root_cert, "rb") as f:
+                    tls_root_cert = f.read()
+            credentials = grpc.ssl_channel_credentials(root_certificates=tls_root_cert)
+            self._channel = grpc.secure_channel(address, credentials, options=options)
+        self._stub = pb_grpc.LossServiceStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._max_message_bytes = max_message_bytes
+        self._timeout = timeout
+        self.address = address
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _unary(self, method, request):
+        try:
+            return getattr(self._stub, method)(request, timeout=self._timeout,
+                                               metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise LossdError.from_rpc_error(method, error) from None
+
+    def _responses(self, method, request):
+        """The responses of a server-streaming or bidirectional call, as they arrive."""
+        try:
+            yield from getattr(self._stub, method)(request, timeout=self._timeout,
+                                                   metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise LossdError.from_rpc_error(method, error) from None
+
+    def _rows_per_message(self, row_bytes):
+        budget = min(_TARGET_MESSAGE_BYTES, self._max_message_bytes - _MESSAGE_OVERHEAD_BYTES)
+        return max(1, budget // max(1, row_bytes))
+
+    # Heads -----------------------------------------------------------------------------------
+
+    def list_heads(self) -> List[HeadInfo]:
+        response = self._unary("ListHeads", pb.ListHeadsRequest())
+        return [HeadInfo.from_proto(info) for info in response.heads]
+
+    def get_head(self, head) -> HeadInfo:
+        return HeadInfo.from_proto(self._unary("GetHead", pb.GetHeadRequest(head=head)))
+
+    def upload_head(self, head, weight, storage_dtype="float32", replace=False) -> HeadInfo:
+        """Creates head `head` with W = weight [V, H] (float32/float64/float16, or bfloat16 as
+        uint16 bits), stored on the server as storage_dtype. Replacing an existing head must be
+        asked for; it zeroes the head's gradient and optimizer state and bumps its version."""
+        wire_name, weight = _tensors.as_wire_array(weight)
+        if weight.ndim != 2:
+            raise ValueError(f"weight: expected a [vocab_size, hidden_size] array, got shape "
+                             f"{weight.shape}")
+        start = pb.UploadHeadStart(head=head, vocab_size=weight.shape[0],
+                                   hidden_size=weight.shape[1],
+                                   dtype=_tensors.wire_enum(wire_name),
+                                   storage_dtype=_tensors.wire_enum(storage_dtype), replace=replace)
+        rows = self._rows_per_message(weight.shape[1] * weight.itemsize)
+
+        def requests():
+            yield pb.UploadHeadRequest(start=start)
+            for r0 in range(0, weight.shape[0], rows):
+                yield pb.UploadHeadRequest(weight=weight[r0:r0 + rows].tobytes())
+
+        try:
+            info = self._stub.UploadHead(requests(), timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise LossdError.from_rpc_error("UploadHead", error) from None
+        return HeadInfo.from_proto(info)
+
+    def _fetch(self, method, head, dtype):
+        chunk_bytes = min(_TARGET_MESSAGE_BYTES, self._max_message_bytes // 2)
+        tensor = None
+        received = 0
+        for chunk in self._responses(method, pb.FetchTensorRequest(
+                head=head, dtype=_tensors.wire_enum(dtype), max_chunk_bytes=chunk_bytes)):
+            if tensor is None:
+                tensor = np.empty((chunk.vocab_size, chunk.hidden_size),
+                                  dtype=_tensors.numpy_dtype(dtype))
+            tensor[chunk.row_offset:chunk.row_offset + chunk.num_rows] = _tensors.from_wire(
+                chunk.data, dtype, (chunk.num_rows, chunk.hidden_size))
+            received += chunk.num_rows
+        if tensor is None or received != tensor.shape[0]:
+            raise LossdError(method, "INTERNAL",
+                             f"the server sent {received} rows of a {dtype} tensor "
+                             f"{None if tensor is None else tensor.shape}")
+        return tensor
+
+    def fetch_weight(self, head, dtype="float32") -> np.ndarray:
+        """W [V, H] as dtype ("float32", "float16", or "bfloat16" as uint16 bits)."""
+        return self._fetch("FetchWeight", head, dtype)
+
+    def fetch_grad_weight(self, head, dtype="float32") -> np.ndarray:
+        """The accumulated dL/dW [V, H] as dtype."""
+        return self._fetch("FetchGradWeight", head, dtype)
+
+    def zero_grad(self, head) -> int:
+        """Zeroes the head's gradient accumulator; returns the head's version."""
+        return self._unary("ZeroGradWeight", pb.ZeroGradWeightRequest(head=head)).head_version
+
+    def step(self, head, optimizer="sgd", *, lr, momentum=0.0, betas=(0.9, 0.999), eps=1e-8,
+             weight_decay=None, max_grad_norm=0.0, keep_grad=False,
+             head_version=None) -> StepInfo:
+        """One optimizer step on W with the accumulated gradient, with torch.optim.SGD or
+        torch.optim.AdamW semantics. weight_decay None takes torch's default for the optimizer
+        (SGD 0, AdamW 0.01). max_grad_norm > 0 clips by the gradient's norm first (as
+        torch.nn.utils.clip_grad_norm_). The gradient is zeroed afterwards unless keep_grad.
+        head_version pins the step: FAILED_PRECONDITION unless the head is at that version."""
+        request = pb.StepRequest(head=head, max_grad_norm=max_grad_norm, keep_grad=keep_grad)
+        if optimizer == "sgd":
+            request.sgd.CopyFrom(pb.SgdConfig(
+                learning_rate=lr, momentum=momentum,
+                weight_decay=0.0 if weight_decay is None else weight_decay))
+        elif optimizer == "adamw":
+            if momentum:
+                raise ValueError("momentum: SGD only; AdamW takes betas")
+            request.adamw.CopyFrom(pb.AdamWConfig(
+                learning_rate=lr, beta1=betas[0], beta2=betas[1], epsilon=eps,
+                weight_decay=0.01 if weight_decay is None else weight_decay))
+        else:
+            raise ValueError(f"optimizer: expected 'sgd' or 'adamw', got {optimizer!r}")
+        if head_version is not None:
+            request.head_version = head_version
+        response = self._unary("Step", request)
+        return StepInfo(head_version=response.head_version, grad_norm=response.grad_norm,
+                        clip_multiplier=response.clip_multiplier,
+                        accumulated_tokens=response.accumulated_tokens)
+
+    def save_checkpoint(self, head="") -> List[str]:
+        """Writes checkpoints of one head (every head when empty); returns their paths."""
+        return list(self._unary("SaveCheckpoint", pb.SaveCheckpointRequest(head=head)).paths)
+
+    # Compute ---------------------------------------------------------------------------------
+
+    def compute(self, head, hidden, labels, *, weights=None, reduction="mean", ignore_index=-100,
+                label_smoothing=0.0, z_loss_scale=0.0, logit_softcap=0.0, temperature=1.0,
+                grad_scale=1.0, mean_denominator=0.0, outputs: Iterable[str] = (), top_k=0,
+                grad_hidden_dtype=None, accumulate_grad_weight=False, head_version=None,
+                allow_tf32=False, rows_per_message=None) -> LossResult:
+        """Cross-entropy of hidden [N, H] against labels [N] under head `head`.
+
+        The loss options follow torch.nn.functional.cross_entropy; weights [N] multiply each
+        token's loss and gradient without entering the mean's denominator, which counts the
+        non-ignored tokens (or is mean_denominator when > 0, for one slice of a larger batch).
+        grad_scale multiplies dL/dh and dL/dW (the upstream gradient), not the loss.
+
+        outputs names the per-token results to return, from OUTPUT_NAMES; top_k > 0 adds the k
+        most likely tokens and their log-probabilities. grad_hidden_dtype (default: the dtype
+        hidden travels in) is the dtype of grad_hidden. accumulate_grad_weight adds this call's
+        dL/dW to the head's accumulator, all or nothing. head_version pins the call to a version
+        of W (FAILED_PRECONDITION otherwise).
+
+        The rows stream to the server in messages of rows_per_message rows (default: a few MiB,
+        within max_message_bytes); results stream back per computed chunk while later rows are
+        still in flight and are put back together by row offset.
+        """
+        hidden_dtype, hidden = _tensors.as_wire_array(hidden)
+        if hidden.ndim != 2:
+            raise ValueError(f"hidden: expected a [num_tokens, hidden_size] array, got shape "
+                             f"{hidden.shape}")
+        num_tokens, hidden_size = hidden.shape
+        labels = np.asarray(labels, dtype=np.int64).reshape(-1)
+        if labels.shape[0] != num_tokens:
+            raise ValueError(f"labels: expected {num_tokens} entries (rows of hidden), got "
+                             f"{labels.shape[0]}")
+        if weights is not None:
+            weights = np.asarray(weights, dtype=np.float32).reshape(-1)
+            if weights.shape[0] != num_tokens:
+                raise ValueError(f"weights: expected {num_tokens} entries (rows of hidden), got "
+                                 f"{weights.shape[0]}")
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction: expected one of {', '.join(_REDUCTIONS)}, got "
+                             f"{reduction!r}")
+        wanted = set(outputs)
+        unknown = wanted - set(OUTPUT_NAMES)
+        if unknown:
+            raise ValueError(f"outputs: unknown {sorted(unknown)}; expected names from "
+                             f"{', '.join(OUTPUT_NAMES)}")
+        grad_dtype = hidden_dtype if grad_hidden_dtype is None else grad_hidden_dtype
+
+        start = pb.ComputeStart(
+            head=head,
+            options=pb.LossOptions(
+                reduction=_REDUCTIONS[reduction], ignore_index=ignore_index,
+                label_smoothing=label_smoothing, z_loss_scale=z_loss_scale,
+                logit_softcap=logit_softcap, temperature=temperature, grad_scale=grad_scale,
+                mean_denominator=mean_denominator, allow_tf32=allow_tf32),
+            outputs=pb.OutputSelection(
+                token_loss="token_loss" in wanted, logprob="logprob" in wanted,
+                lse="lse" in wanted, entropy="entropy" in wanted, argmax="argmax" in wanted,
+                top_k=top_k, grad_hidden="grad_hidden" in wanted,
+                grad_hidden_dtype=_tensors.wire_enum(grad_dtype),
+                accumulate_grad_weight=accumulate_grad_weight),
+            num_tokens=num_tokens, hidden_size=hidden_size,
+            hidden_dtype=_tensors.wire_enum(hidden_dtype), labels=labels.tolist(),
+            token_weights=[] if weights is None else weights.tolist())
+        if head_version is not None:
+            start.head_version = head_version
+        rows = rows_per_message or self._rows_per_message(hidden_size * hidden.itemsize)
+
+        def requests():
+            yield pb.ComputeRequest(start=start)
+            for r0 in range(0, num_tokens, rows):
+                rows_bytes = hidden[r0:r0 + rows].tobytes()
+                yield pb.ComputeRequest(chunk=pb.ComputeChunk(hidden=rows_bytes))
+
+        return _assemble(self._responses("Compute", requests()), wanted, top_k, num_tokens,
+                         hidden_size, grad_dtype)
+
+    def score(self, head, hidden, token_ids, *, top_k=0, entropy=False, temperature=1.0,
+              logit_softcap=0.0, ignore_index=-100) -> LossResult:
+        """Per-token log-probabilities of token_ids [N] given hidden [N, H] (logprob), with the
+        top_k most likely tokens (top_k_token, top_k_logprob) and the entropy when asked.
+        Nothing is accumulated on the server."""
+        outputs = ["logprob"] + (["entropy"] if entropy else [])
+        return self.compute(head, hidden, token_ids, reduction="sum", ignore_index=ignore_index,
+                            temperature=temperature, logit_softcap=logit_softcap,
+                            outputs=outputs, top_k=top_k)
+
+
+def _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype):
+    """A LossResult from a Compute call's responses: per-chunk results placed by row offset as
+    they arrive, then the summary."""
+    per_token = {name: np.empty(num_tokens, np.float32)
+                 for name in ("token_loss", "logprob", "lse", "entropy") if name in wanted}
+    if "argmax" in wanted:
+        per_token["argmax"] = np.empty(num_tokens, np.int32)
+    if top_k > 0:
+        per_token["top_k_logprob"] = np.empty((num_tokens, top_k), np.float32)
+        per_token["top_k_token"] = np.empty((num_tokens, top_k), np.int32)
+    if "grad_hidden" in wanted:
+        per_token["grad_hidden"] = np.empty((num_tokens, hidden_size),
+                                            _tensors.numpy_dtype(grad_dtype))
+    received = 0
+    summary = None
+    for response in responses:
+        if response.HasField("summary"):
+            summary = response.summary
+            continue
+        chunk = response.result
+        first, end = chunk.row_offset, chunk.row_offset + chunk.num_rows
+        if first < 0 or end > num_tokens:
+            raise LossdError("Compute", "INTERNAL",
+                             f"result rows [{first}, {end}) outside [0, {num_tokens})")
+        for name, array in per_token.items():
+            if name == "grad_hidden":
+                array[first:end] = _tensors.from_wire(chunk.grad_hidden, grad_dtype,
+                                                      (chunk.num_rows, hidden_size))
+            else:
+                array[first:end] = np.asarray(getattr(chunk, name), array.dtype).reshape(
+                    array[first:end].shape)
+        received += chunk.num_rows
+    if summary is None or received != num_tokens:
+        raise LossdError("Compute", "INTERNAL", f"results for {received} of {num_tokens} rows"
+                         f"{'' if summary else ' and no summary'}")
+    return LossResult(
+        loss=summary.loss, loss_sum=summary.loss_sum, counted_tokens=summary.counted_tokens,
+        correct_tokens=summary.correct_tokens, head_version=summary.head_version,
+        grad_weight_accumulated=summary.grad_weight_accumulated,
+        queue_seconds=summary.queue_seconds, compute_seconds=summary.compute_seconds,
+        peak_workspace_bytes=summary.peak_workspace_bytes, backend=summary.backend, **per_token)

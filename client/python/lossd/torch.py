@@ -1,0 +1,281 @@
+"""PyTorch layer of the lossd client: RemoteHead, an lm_head whose W [V, H] lives on a server.
+
+    head = RemoteHead(lossd.Client("127.0.0.1:50051"), "main")
+    loss = head(hidden, labels)      # hidden [..., H] from the model body, labels [...]
+    loss.backward()                  # hidden.grad = dL/dh; dL/dW accumulates on the server
+    body_optimizer.step()
+    head.step("adamw", lr=3e-4)      # the server steps W with its own AdamW state
+
+The loss is torch.nn.functional.cross_entropy(hidden @ W.T, labels, ...) with the same options
+(plus per-token weights, z-loss, logit soft cap and temperature, see the lossd engine), computed on
+the server without the [N, V] logits ever existing anywhere.
+
+Backward semantics
+------------------
+* Under autograd (torch.is_grad_enabled() and hidden.requires_grad), forward asks the server for
+  dL/dh and adds dL/dW for an upstream gradient of 1 to the head's accumulator, in the same call
+  (accumulate_grad_weight). backward(g) returns g * dL/dh (reduction "none": g[i] * dL/dh_i per
+  row). When g is not exactly 1 (all ones for "none"), backward makes ONE correction call with the
+  same hidden rows that accumulates only dL/dW: grad_scale = g - 1 for "mean"/"sum", per-token
+  weights w_i * (g_i - 1) for "none". dL/dW is linear in the upstream gradient, so afterwards both
+  hidden.grad and the server's dL/dW equal what torch computes for the same loss times g, up to
+  float32 rounding. The correction is pinned to the head version the forward used; if W was
+  stepped in between, backward fails with FAILED_PRECONDITION. Backward through the same graph a
+  second time (retain_graph=True) accumulates g2 * dL/dW in full, as torch would.
+* Without autograd (inside torch.no_grad(), or hidden.requires_grad False) forward is a plain
+  scoring call: no gradients, nothing accumulated on the server.
+* A forward under autograd whose backward is never called has still accumulated its dL/dW (for
+  upstream 1). Call head.zero_grad() (ZeroGradWeight on the server) after such a forward, and run
+  evaluation under torch.no_grad(). model.zero_grad() on a parent module does not reach the server;
+  head.step() zeroes the server's gradient after the step (unless keep_grad=True).
+* The correction adds (g - 1) * dL/dW to the float32 accumulator that already holds 1 * dL/dW, so
+  its absolute rounding is about 6e-8 * |dL/dW|: relative to g * dL/dW that is fine for g of order
+  1 or larger (loss scaling), poorer for |g| << 0.01. For gradient accumulation prefer
+  mean_denominator (the whole batch's token count, the same for every micro-batch) over dividing
+  the loss: the upstream gradient then stays 1 and no correction call is made.
+
+Training only W on fixed hidden states (no autograd on hidden) is a Client.compute call with
+accumulate_grad_weight=True followed by head.step().
+
+Dtypes: float32 and float64 hidden states travel as float32, bfloat16 and float16 as themselves.
+dL/dh comes back in bfloat16 for bfloat16 inputs and in float32 otherwise (float16 would flush the
+small per-token gradients of a large mean to zero), and hidden.grad has hidden's dtype. The loss is
+float64 for float64 inputs, float32 otherwise.
+"""
+import dataclasses
+from typing import Optional
+
+import numpy as np
+import torch
+from torch.autograd.function import once_differentiable
+
+from lossd.client import Client, HeadInfo, StepInfo
+
+_WIRE_NAME_OF_TORCH_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16",
+                             torch.float16: "float16"}
+
+
+def _wire_array(tensor):
+    """A CPU numpy array of a float tensor in the dtype it travels in (bfloat16 as uint16 bits)."""
+    tensor = tensor.detach()
+    if tensor.dtype == torch.float64:
+        tensor = tensor.float()
+    if tensor.dtype not in _WIRE_NAME_OF_TORCH_DTYPE:
+        raise TypeError(f"hidden: expected a float32, float64, bfloat16 or float16 tensor, got "
+                        f"{tensor.dtype}")
+    tensor = tensor.cpu().contiguous()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(np.uint16)
+    return tensor.numpy()
+
+
+def _tensor_from_wire(array, dtype_name):
+    """The torch tensor of a numpy array received as dtype_name (bfloat16: uint16 bits)."""
+    if dtype_name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def _wire_dtype_name(dtype):
+    if dtype not in _WIRE_NAME_OF_TORCH_DTYPE:
+        raise TypeError(f"dtype: expected torch.float32, torch.bfloat16 or torch.float16, got "
+                        f"{dtype}")
+    return _WIRE_NAME_OF_TORCH_DTYPE[dtype]
+
+
+def _grad_hidden_wire_dtype(hidden_dtype):
+    return "bfloat16" if hidden_dtype == torch.bfloat16 else "float32"
+
+
+def _loss_dtype(hidden_dtype):
+    return torch.float64 if hidden_dtype == torch.float64 else torch.float32
+
+
+@dataclasses.dataclass
+class _LossCall:
+    """What a forward sent, kept for the calls its backward may make."""
+    client: Client
+    head: str
+    labels: np.ndarray             # [N] int64
+    weights: Optional[np.ndarray]  # [N] float32 or None
+    reduction: str
+    options: dict                  # the remaining loss options, as Client.compute arguments
+
+    def compute(self, hidden, **kwargs):
+        return self.client.compute(self.head, _wire_array(hidden), self.labels,
+                                   weights=self.weights, reduction=self.reduction,
+                                   **self.options, **kwargs)
+
+
+class _RemoteCrossEntropy(torch.autograd.Function):
+    """loss(hidden [N, H]) with dL/dh from the server; dL/dW accumulates on the server."""
+
+    @staticmethod
+    def forward(ctx, hidden, call):
+        result = call.compute(
+            hidden, outputs=["grad_hidden"] + (["token_loss"] if call.reduction == "none" else []),
+            grad_hidden_dtype=_grad_hidden_wire_dtype(hidden.dtype), accumulate_grad_weight=True)
+        ctx.save_for_backward(hidden)
+        ctx.call = call
+        ctx.head_version = result.head_version
+        ctx.grad_hidden = _tensor_from_wire(result.grad_hidden,
+                                            _grad_hidden_wire_dtype(hidden.dtype))
+        # The forward's own accumulation stands for an upstream gradient of 1 until a backward
+        # corrects it; later backwards through the same graph accumulate in full.
+        ctx.accumulated_upstream = 1.0
+        return _loss_tensor(result, call.reduction, hidden)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, upstream):
+        hidden, = ctx.saved_tensors
+        call = ctx.call
+        math_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        grad_hidden = ctx.grad_hidden.to(device=hidden.device, dtype=math_dtype)
+        upstream = upstream.detach().to(math_dtype)
+        if call.reduction == "none":
+            grad_hidden = grad_hidden * upstream.reshape(-1, 1)
+        else:
+            grad_hidden = grad_hidden * upstream
+        _accumulate_grad_weight_correction(ctx, hidden, upstream.cpu())
+        return grad_hidden.to(hidden.dtype), None
+
+
+def _accumulate_grad_weight_correction(ctx, hidden, upstream):
+    """Brings the server's dL/dW from ctx.accumulated_upstream times this call's dL/dW to
+    `upstream` times it more, with one call that accumulates only dL/dW (it is linear in the
+    upstream gradient)."""
+    call = ctx.call
+    already = ctx.accumulated_upstream
+    ctx.accumulated_upstream = 0.0
+    if call.reduction != "none":
+        scale = float(upstream) - already
+        if scale != 0.0:
+            call.compute(hidden, grad_scale=scale, accumulate_grad_weight=True,
+                         head_version=ctx.head_version)
+        return
+    weights = np.ones(len(call.labels)) if call.weights is None else call.weights.astype(np.float64)
+    correction = weights * (upstream.reshape(-1).numpy() - already)
+    # Rows with a zero correction or an ignored label add nothing: send only the others.
+    rows = np.flatnonzero((correction != 0.0) & (call.labels != call.options["ignore_index"]))
+    if rows.size == 0:
+        return
+    partial = dataclasses.replace(call, labels=call.labels[rows],
+                                  weights=correction[rows].astype(np.float32))
+    partial.compute(hidden[torch.from_numpy(rows).to(hidden.device)], accumulate_grad_weight=True,
+                    head_version=ctx.head_version)
+
+
+def _loss_tensor(result, reduction, hidden):
+    dtype = _loss_dtype(hidden.dtype)
+    if reduction == "none":
+        return torch.from_numpy(result.token_loss).to(device=hidden.device, dtype=dtype)
+    return torch.tensor(result.loss, dtype=dtype, device=hidden.device)
+
+
+@dataclasses.dataclass
+class Scores:
+    """Per-token scores of RemoteHead.score, shaped like token_ids (top-k: plus a last dim k)."""
+    logprob: torch.Tensor                    # log p(token_ids), float32
+    top_k_logprob: Optional[torch.Tensor]    # [..., k] float32, best first; None when k = 0
+    top_k_token: Optional[torch.Tensor]      # [..., k] int64
+    entropy: Optional[torch.Tensor]          # float32; None unless asked
+
+
+class RemoteHead(torch.nn.Module):
+    """The lm_head W [V, H] named `head` on a lossd server, as a loss module (see the module
+    docstring for what forward and backward do). client: a lossd.Client or an address."""
+
+    def __init__(self, client, head):
+        super().__init__()
+        self.client = client if isinstance(client, Client) else Client(client)
+        self.head = head
+
+    @classmethod
+    def upload(cls, client, head, weight, storage_dtype="float32", replace=False):
+        """Creates head `head` on the server with W = weight [V, H] and returns its RemoteHead."""
+        client = client if isinstance(client, Client) else Client(client)
+        client.upload_head(head, _wire_array(weight), storage_dtype=storage_dtype,
+                           replace=replace)
+        return cls(client, head)
+
+    def extra_repr(self):
+        return f"head={self.head!r}, address={self.client.address!r}"
+
+    def forward(self, hidden, labels, *, weights=None, reduction="mean", ignore_index=-100,
+                label_smoothing=0.0, z_loss_scale=0.0, logit_softcap=0.0, temperature=1.0,
+                mean_denominator=0):
+        """The cross-entropy of hidden [..., H] against labels [...]: a scalar for "mean" and
+        "sum", labels' shape for "none". weights [...] multiply each token's loss and gradient
+        and do not enter the mean's denominator (the count of non-ignored tokens, or
+        mean_denominator when > 0)."""
+        labels = torch.as_tensor(labels)
+        flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+        labels_shape = labels.shape
+        call = _LossCall(
+            client=self.client, head=self.head,
+            labels=labels.detach().reshape(-1).to("cpu", torch.int64).numpy(),
+            weights=None if weights is None else
+            torch.as_tensor(weights).detach().reshape(-1).to("cpu", torch.float32).numpy(),
+            reduction=reduction,
+            options=dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
+                         z_loss_scale=z_loss_scale, logit_softcap=logit_softcap,
+                         temperature=temperature, mean_denominator=mean_denominator))
+        if len(call.labels) != flat_hidden.shape[0]:
+            raise ValueError(f"labels: expected {flat_hidden.shape[0]} entries (the rows of "
+                             f"hidden {tuple(hidden.shape)}), got shape {tuple(labels_shape)}")
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            loss = _RemoteCrossEntropy.apply(flat_hidden, call)
+        else:
+            result = call.compute(flat_hidden,
+                                  outputs=["token_loss"] if reduction == "none" else [])
+            loss = _loss_tensor(result, reduction, hidden)
+        return loss.reshape(labels_shape) if reduction == "none" else loss
+
+    @torch.no_grad()
+    def score(self, hidden, token_ids, top_k=0, entropy=False, temperature=1.0,
+              logit_softcap=0.0):
+        """log p(token_ids) under the head for hidden [..., H], with the top_k most likely tokens
+        and the entropy when asked. Nothing is accumulated on the server."""
+        token_ids = torch.as_tensor(token_ids)
+        flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+        ids = token_ids.detach().reshape(-1).to("cpu", torch.int64).numpy()
+        result = self.client.score(self.head, _wire_array(flat_hidden), ids, top_k=top_k,
+                                   entropy=entropy, temperature=temperature,
+                                   logit_softcap=logit_softcap)
+        shape = tuple(token_ids.shape)
+        device = hidden.device
+
+        def as_tensor(array, dtype, extra_shape=()):
+            tensor = torch.from_numpy(array).to(device=device, dtype=dtype)
+            return tensor.reshape(shape + extra_shape)
+
+        return Scores(
+            logprob=as_tensor(result.logprob, torch.float32),
+            top_k_logprob=(as_tensor(result.top_k_logprob, torch.float32, (top_k,))
+                           if top_k else None),
+            top_k_token=as_tensor(result.top_k_token, torch.int64, (top_k,)) if top_k else None,
+            entropy=as_tensor(result.entropy, torch.float32) if entropy else None)
+
+    def info(self) -> HeadInfo:
+        return self.client.get_head(self.head)
+
+    def zero_grad(self, set_to_none=True):
+        """Zeroes dL/dW on the server. The module has no local parameters; set_to_none is
+        accepted for nn.Module compatibility."""
+        self.client.zero_grad(self.head)
+
+    def step(self, optimizer="adamw", **kwargs) -> StepInfo:
+        """An optimizer step on the server; the arguments are Client.step's (lr, momentum, betas,
+        eps, weight_decay, max_grad_norm, keep_grad, head_version)."""
+        return self.client.step(self.head, optimizer, **kwargs)
+
+    def fetch_weight(self, dtype=torch.float32) -> torch.Tensor:
+        """W [V, H] as a CPU tensor of dtype (float32, bfloat16 or float16)."""
+        name = _wire_dtype_name(dtype)
+        return _tensor_from_wire(self.client.fetch_weight(self.head, name), name)
+
+    def fetch_grad_weight(self, dtype=torch.float32) -> torch.Tensor:
+        """The accumulated dL/dW [V, H] as a CPU tensor of dtype."""
+        name = _wire_dtype_name(dtype)
+        return _tensor_from_wire(self.client.fetch_grad_weight(self.head, name), name)

@@ -1,0 +1,20 @@
+# The Python client's tests: the real lossd_server binary on loopback, the lossd package as the
+# lossd_python target assembles it (client/python/CMakeLists.txt), Debian's python3 with
+# python3-grpcio, python3-protobuf, python3-numpy, python3-pytest and python3-torch.
+if(NOT TARGET lossd_python)
+  add_subdirectory(${CMAKE_CURRENT_LIST_DIR}/../../client/python ${CMAKE_BINARY_DIR}/client/python)
+endif()
+
+set(LOSSD_PYTHON_TEST_ENVIRONMENT
+  "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;PYTHONPATH=${LOSSD_PYTHON_DIR};OMP_NUM_THREADS=2")
+
+# Loss, dL/dh and dL/dW against torch's float64 F.cross_entropy; scoring, errors, upload, steps.
+add_test(NAME python_client
+  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_client.py)
+# A tiny transformer LM trained with a local head and with a RemoteHead: the loss curves agree.
+add_test(NAME python_training_example
+  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
+          ${CMAKE_CURRENT_LIST_DIR}/test_training_example.py)
+set_tests_properties(python_client python_training_example PROPERTIES
+  ENVIRONMENT "${LOSSD_PYTHON_TEST_ENVIRONMENT}"
+  TIMEOUT 300)
