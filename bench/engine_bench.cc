@@ -1,0 +1,562 @@
+// engine_bench: the CPU engine against its two peers on the same BLAS, in one process and one run,
+// so that their ratios are comparable on a noisy machine.
+//
+// For each shape (N tokens, H hidden, V vocabulary; fp32) and each pass (forward: loss and
+// logprobs; forward+backward: also dL/dh and dL/dW accumulated), three methods:
+//   engine  Backend::Compute with the workspace budget (--budget-mib), chunked, never [N, V];
+//   naive   materializes logits[N, V] = h W^T, log-softmax, dz = (softmax - onehot) / N in place,
+//           dh = dz W, dW += dz^T h; skipped when its [N, V] buffer exceeds --naive-cap-gib;
+//   floor   only the GEMMs the engine issues for its chunks and tiles (from Backend::Plan), with no
+//           elementwise work and without recomputing tiles: the BLAS cost of the useful flops.
+// Useful flops are 2NHV forward and 6NHV forward+backward for every method.
+//
+// Each measurement is one warm-up run (on the first token chunk), then the median of up to --reps
+// timed runs (fewer when one run would exceed --rep-seconds); the three methods of a pass take
+// turns. A table goes to stderr, one JSON object per measurement to stdout (and to --json FILE).
+// The engine's loss and dL/dh are checked against the naive baseline; the exit status is 1 when
+// they disagree.
+#include <cblas.h>
+#include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "lossd/common/status_macros.h"
+#include "lossd/kernels/backend.h"
+#include "lossd/kernels/loss_math.h"
+#include "nlohmann/json.hpp"
+
+namespace lossd {
+namespace {
+
+struct Shape {
+  int64_t n, h, v;
+};
+
+// Spans N = 1k..16k, H = 1k..4k and V = 32k..152k (Llama 2, Llama 3 and Qwen 2 vocabularies), with
+// single- and multi-chunk plans; N=16384, V=128256 is where the memory target is read. One
+// forward+backward there is 13 TFLOP, so the list stays short: about 10 minutes on 2 cores.
+const std::vector<Shape> kDefaultShapes = {
+    {1024, 1024, 32000},  {4096, 1024, 32000},   {1024, 2048, 128256},
+    {1024, 4096, 152064}, {16384, 1024, 128256},
+};
+const std::vector<Shape> kQuickShapes = {{512, 1024, 32000}, {1024, 1024, 32000}};
+
+enum class Pass { kForward, kForwardBackward };
+
+absl::string_view PassSuffix(Pass pass) { return pass == Pass::kForward ? "fwd" : "fwd_bwd"; }
+double UsefulFlops(const Shape& s, Pass pass) {
+  return (pass == Pass::kForward ? 2.0 : 6.0) * s.n * s.h * s.v;
+}
+double Gib(double bytes) { return bytes / (1024.0 * 1024.0 * 1024.0); }
+
+absl::StatusOr<std::vector<Shape>> ParseShapes(absl::string_view text) {
+  std::vector<Shape> shapes;
+  for (absl::string_view item : absl::StrSplit(text, ';', absl::SkipWhitespace())) {
+    std::vector<absl::string_view> parts = absl::StrSplit(item, ',');
+    Shape s{};
+    if (parts.size() != 3 || !absl::SimpleAtoi(parts[0], &s.n) ||
+        !absl::SimpleAtoi(parts[1], &s.h) || !absl::SimpleAtoi(parts[2], &s.v) || s.n <= 0 ||
+        s.h <= 0 || s.v <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--shapes: expected positive N,H,V triples separated by ';', got '", item, "'"));
+    }
+    shapes.push_back(s);
+  }
+  if (shapes.empty()) return absl::InvalidArgumentError("--shapes: expected at least one N,H,V");
+  return shapes;
+}
+
+struct Options {
+  std::vector<Shape> shapes = kDefaultShapes;
+  size_t budget_bytes = size_t{256} << 20;
+  int reps = 3;
+  double rep_seconds = 20.0;
+  double naive_cap_gib = 6.0;
+  std::string json_path;
+};
+
+constexpr char kUsage[] = R"(usage: engine_bench [flags]
+  --shapes N,H,V;N,H,V;...  run these shapes instead of the default list
+  --quick                   small shapes only, about 30 seconds in all
+  --budget-mib M            the engine's workspace budget in MiB (default 256)
+  --reps R                  timed runs per measurement after one warm-up, median kept (default 3)
+  --rep-seconds S           fewer runs when one is long: clamp(S / run seconds, 1, R) (default 20)
+  --naive-cap-gib G         skip the naive baseline when its [N, V] logits exceed G GiB (default 6)
+  --json FILE               also write the JSON lines to FILE
+)";
+
+// Flags as --name=value or --name value.
+absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
+  Options o;
+  std::string shapes;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const size_t equals = arg.find('=');
+    const std::string name = arg.substr(0, equals);
+    if (name == "--quick") {
+      quick = true;
+      continue;
+    }
+    static const std::set<std::string> kValueFlags = {
+        "--shapes", "--budget-mib", "--reps", "--rep-seconds", "--naive-cap-gib", "--json"};
+    if (!kValueFlags.contains(name)) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag '", arg, "'\n", kUsage));
+    }
+    std::string value;
+    if (equals != std::string::npos) {
+      value = arg.substr(equals + 1);
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": expected a value"));
+    }
+    int64_t budget_mib = 0;
+    bool valid = true;
+    if (name == "--shapes") {
+      shapes = value;
+    } else if (name == "--budget-mib") {
+      valid = absl::SimpleAtoi(value, &budget_mib) && budget_mib > 0;
+      o.budget_bytes = static_cast<size_t>(budget_mib) << 20;
+    } else if (name == "--reps") {
+      valid = absl::SimpleAtoi(value, &o.reps) && o.reps >= 1;
+    } else if (name == "--rep-seconds") {
+      valid = absl::SimpleAtod(value, &o.rep_seconds) && o.rep_seconds >= 0;
+    } else if (name == "--naive-cap-gib") {
+      valid = absl::SimpleAtod(value, &o.naive_cap_gib) && o.naive_cap_gib >= 0;
+    } else if (name == "--json") {
+      o.json_path = value;
+    }
+    if (!valid) return absl::InvalidArgumentError(absl::StrCat(name, ": bad value '", value, "'"));
+  }
+  if (quick) o.shapes = kQuickShapes;
+  if (!shapes.empty()) {
+    ASSIGN_OR_RETURN(o.shapes, ParseShapes(shapes));
+  }
+  return o;
+}
+
+nlohmann::json DescribeMachine() {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  std::string cpu = "unknown";
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  for (std::string line; std::getline(cpuinfo, line);) {
+    if (line.rfind("model name", 0) == 0) {
+      cpu = line.substr(line.find(':') + 2);
+      break;
+    }
+  }
+  return {{"hostname", host},
+          {"cpu", cpu},
+          {"threads", omp_get_max_threads()},
+          {"blas_threads", openblas_get_num_threads()},
+          {"blas", openblas_get_config()}};
+}
+
+// Deterministic pseudo-random fill, parallel and fast enough for multi-GB weights: uniform with
+// standard deviation `stddev` from a counter-based SplitMix64 hash.
+void FillUniform(float* data, int64_t count, double stddev, uint64_t stream) {
+  const float half_width = static_cast<float>(stddev * std::sqrt(3.0));
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < count; ++i) {
+    uint64_t z = (stream << 40) + static_cast<uint64_t>(i) + 0x9e3779b97f4a7c15ULL;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    z ^= z >> 31;
+    const float unit = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    data[i] = (2.0f * unit - 1.0f) * half_width;
+  }
+}
+
+// Everything one shape's measurements share. W and dL/dW live in backend memory (host memory for
+// the CPU backend), so the peers read the very bytes the engine reads.
+struct Problem {
+  Shape shape;
+  std::vector<float> hidden;         // [N, H]
+  std::vector<int64_t> labels;       // [N]
+  DeviceBuffer weight;               // [V, H]
+  DeviceBuffer grad_weight;          // [V, H], accumulated into by every backward run
+  std::vector<float> loss, logprob;  // [N], written by the engine and by the naive baseline
+  std::vector<float> engine_grad_hidden, naive_grad_hidden, floor_grad_hidden;  // [N, H]
+  double engine_loss = 0.0, naive_loss = 0.0;
+};
+
+absl::StatusOr<std::unique_ptr<Problem>> MakeProblem(Backend& backend, const Shape& s) {
+  auto p = std::make_unique<Problem>();
+  p->shape = s;
+  p->hidden.resize(s.n * s.h);
+  FillUniform(p->hidden.data(), s.n * s.h, 1.0, 1);
+  p->labels.resize(s.n);
+  for (int64_t i = 0; i < s.n; ++i) p->labels[i] = (i * 7919 + 13) % s.v;
+  const size_t weight_bytes = static_cast<size_t>(s.v) * s.h * sizeof(float);
+  ASSIGN_OR_RETURN(p->weight, backend.Allocate(weight_bytes));
+  // Logits with standard deviation 3, as a trained head gives.
+  FillUniform(static_cast<float*>(p->weight.data()), s.v * s.h, 3.0 / std::sqrt(double(s.h)), 2);
+  ASSIGN_OR_RETURN(p->grad_weight, backend.Allocate(weight_bytes));
+  RETURN_IF_ERROR(backend.Zero(p->grad_weight));
+  p->loss.resize(s.n);
+  p->logprob.resize(s.n);
+  for (auto* grad : {&p->engine_grad_hidden, &p->naive_grad_hidden, &p->floor_grad_hidden}) {
+    grad->resize(s.n * s.h);
+  }
+  return p;
+}
+
+const float* Weight(const Problem& p) { return static_cast<const float*>(p.weight.data()); }
+float* GradWeight(Problem& p) { return static_cast<float*>(p.grad_weight.data()); }
+
+ProblemShape EngineShape(const Shape& s, Pass pass) {
+  ProblemShape shape;
+  shape.num_tokens = s.n;
+  shape.hidden_size = s.h;
+  shape.vocab_size = s.v;
+  shape.grad_hidden = pass == Pass::kForwardBackward;
+  shape.grad_weight = pass == Pass::kForwardBackward;
+  return shape;
+}
+
+// Each method runs on the first `n` tokens: all of them when timed, one token chunk to warm up.
+absl::Status RunEngine(Backend& backend, Problem& p, Pass pass, DeviceBuffer& workspace,
+                       int64_t n) {
+  BatchInputs in;
+  in.hidden = p.hidden.data();
+  in.num_tokens = n;
+  in.hidden_size = p.shape.h;
+  in.labels = p.labels.data();
+  TokenOutputs out;
+  out.loss = p.loss.data();
+  out.logprob = p.logprob.data();
+  const bool backward = pass == Pass::kForwardBackward;
+  if (backward) out.grad_hidden = p.engine_grad_hidden.data();
+  const WeightView weight{&p.weight, DType::kFloat32, p.shape.v, p.shape.h};
+  ASSIGN_OR_RETURN(const BatchSummary summary,
+                   backend.Compute(in, weight, LossOptions{}, out,
+                                   backward ? &p.grad_weight : nullptr, workspace));
+  p.engine_loss = summary.loss;
+  return absl::OkStatus();
+}
+
+// One row of the naive baseline: log-softmax, and with `backward` dz = (softmax - onehot) / N in
+// place. Compiled like the engine's row loops (AVX2 + FMA clone, no trapping math, the same Exp),
+// so that the comparison isolates what materializing [N, V] costs.
+__attribute__((target_clones("arch=x86-64-v3", "default"))) float NaiveRow(
+    float* z, int64_t v, int64_t label, bool backward, float inv_n) {
+  float max = -INFINITY;
+#pragma omp simd reduction(max : max)
+  for (int64_t c = 0; c < v; ++c) max = std::max(max, z[c]);
+  float sum_exp = 0.0f;
+#pragma omp simd reduction(+ : sum_exp)
+  for (int64_t c = 0; c < v; ++c) sum_exp += Exp(z[c] - max);
+  const float lse = max + std::log(sum_exp);
+  const float logprob = z[label] - lse;
+  if (backward) {
+#pragma omp simd
+    for (int64_t c = 0; c < v; ++c) z[c] = Exp(z[c] - lse) * inv_n;
+    z[label] -= inv_n;
+  }
+  return logprob;
+}
+
+// The textbook implementation. `logits` holds N * V floats.
+void RunNaive(Problem& p, Pass pass, float* logits, int64_t n) {
+  const int64_t h = p.shape.h, v = p.shape.v;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, v, h, 1.0f, p.hidden.data(), h, Weight(p),
+              h, 0.0f, logits, v);
+  const float inv_n = 1.0f / static_cast<float>(n);
+  const bool backward = pass == Pass::kForwardBackward;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    p.logprob[i] = NaiveRow(logits + i * v, v, p.labels[i], backward, inv_n);
+    p.loss[i] = -p.logprob[i];
+  }
+  double loss_sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) loss_sum += p.loss[i];
+  p.naive_loss = loss_sum / n;
+  if (!backward) return;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, h, v, 1.0f, logits, v, Weight(p), h,
+              0.0f, p.naive_grad_hidden.data(), h);
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v, h, n, 1.0f, logits, v, p.hidden.data(), h,
+              1.0f, GradWeight(p), h);
+}
+
+// The engine's GEMMs for `plan`, each tile computed once, on a [token_chunk, vocab_chunk] buffer.
+void RunFloor(Problem& p, Pass pass, const ChunkPlan& plan, float* tile, int64_t n) {
+  const int64_t h = p.shape.h, v = p.shape.v;
+  const int64_t ld = plan.vocab_chunk;
+  for (int64_t r0 = 0; r0 < n; r0 += plan.token_chunk) {
+    const int64_t rows = std::min(plan.token_chunk, n - r0);
+    const float* hidden = p.hidden.data() + r0 * h;
+    float* grad_hidden = p.floor_grad_hidden.data() + r0 * h;
+    for (int64_t v0 = 0; v0 < v; v0 += plan.vocab_chunk) {
+      const int64_t cols = std::min(plan.vocab_chunk, v - v0);
+      const float* weight = Weight(p) + v0 * h;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, h, 1.0f, hidden, h, weight,
+                  h, 0.0f, tile, ld);
+      if (pass == Pass::kForward) continue;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, h, cols, 1.0f, tile, ld, weight,
+                  h, v0 == 0 ? 0.0f : 1.0f, grad_hidden, h);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, h, rows, 1.0f, tile, ld, hidden, h,
+                  1.0f, GradWeight(p) + v0 * h, h);
+    }
+  }
+}
+
+struct Timing {
+  double seconds = 0.0;  // median of the timed runs
+  int reps = 0;
+};
+
+// One row of the report.
+struct Result {
+  Shape shape;
+  std::string method;  // engine_fwd, naive_fwd_bwd, ...
+  Pass pass;
+  std::optional<Timing> timing;  // empty when skipped
+  std::string skipped;           // why, when skipped
+  size_t peak_extra_bytes = 0;
+  std::optional<double> ratio_to_floor, ratio_to_naive;
+  int64_t token_chunk = 0, vocab_chunk = 0;
+};
+
+using Clock = std::chrono::steady_clock;
+
+absl::StatusOr<double> TimeOnce(const std::function<absl::Status(int64_t)>& run, int64_t rows) {
+  const auto start = Clock::now();
+  RETURN_IF_ERROR(run(rows));
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t mid = values.size() / 2;
+  return values.size() % 2 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
+}
+
+// One method of a pass and how to run it on the first `rows` tokens.
+struct Contender {
+  Result* result;
+  std::function<absl::Status(int64_t rows)> run;
+};
+
+// One warm-up run each, then timed rounds that run every contender in turn, so that a slow spell
+// of the shared machine hits all of them rather than one. The warm-up covers the first token chunk
+// only: that already touches every buffer (W, dL/dW, workspace, logits), starts the threads and
+// fills the caches, at a fraction of a full run's cost on large shapes.
+absl::Status MeasureInRounds(const Options& options, int64_t num_tokens, int64_t warm_up_tokens,
+                             const std::vector<Contender>& contenders) {
+  double longest_run = 0.0;  // estimated for all tokens from the warm-up
+  for (const Contender& c : contenders) {
+    ASSIGN_OR_RETURN(const double seconds, TimeOnce(c.run, warm_up_tokens));
+    longest_run = std::max(longest_run, seconds * num_tokens / warm_up_tokens);
+  }
+  const int reps = static_cast<int>(
+      std::clamp(options.rep_seconds / longest_run, 1.0, static_cast<double>(options.reps)));
+  std::vector<std::vector<double>> seconds(contenders.size());
+  for (int round = 0; round < reps; ++round) {
+    for (size_t i = 0; i < contenders.size(); ++i) {
+      ASSIGN_OR_RETURN(const double s, TimeOnce(contenders[i].run, num_tokens));
+      seconds[i].push_back(s);
+    }
+  }
+  for (size_t i = 0; i < contenders.size(); ++i) {
+    contenders[i].result->timing = Timing{Median(seconds[i]), reps};
+  }
+  return absl::OkStatus();
+}
+
+std::string FormatRatio(const std::optional<double>& ratio) {
+  return ratio ? absl::StrFormat("%.3f", *ratio) : "-";
+}
+
+void PrintTableHeader() {
+  std::cerr << absl::StrFormat("%-20s %-14s %4s %10s %9s %8s %8s %11s  %s\n", "shape N,H,V",
+                               "method", "reps", "seconds", "GFLOP/s", "x floor", "x naive",
+                               "extra MiB", "chunk Nc x Vc");
+}
+
+void PrintTableRow(const Result& r) {
+  const std::string shape = absl::StrCat(r.shape.n, ",", r.shape.h, ",", r.shape.v);
+  if (!r.timing) {
+    std::cerr << absl::StrFormat("%-20s %-14s %4s %10s %9s %8s %8s %11.1f  %s\n", shape, r.method,
+                                 "-", "-", "-", "-", "-", r.peak_extra_bytes / 1048576.0,
+                                 r.skipped);
+    return;
+  }
+  const std::string chunk =
+      r.token_chunk > 0 ? absl::StrCat(r.token_chunk, " x ", r.vocab_chunk) : "-";
+  std::cerr << absl::StrFormat("%-20s %-14s %4d %10.3f %9.1f %8s %8s %11.1f  %s\n", shape, r.method,
+                               r.timing->reps, r.timing->seconds,
+                               UsefulFlops(r.shape, r.pass) / r.timing->seconds / 1e9,
+                               FormatRatio(r.ratio_to_floor), FormatRatio(r.ratio_to_naive),
+                               r.peak_extra_bytes / 1048576.0, chunk);
+}
+
+nlohmann::json ToJson(const Result& r, const nlohmann::json& machine, size_t budget_bytes) {
+  nlohmann::json j = {
+      {"machine", machine},
+      {"shape", {{"n", r.shape.n}, {"h", r.shape.h}, {"v", r.shape.v}}},
+      {"dtype", "float32"},
+      {"method", r.method},
+      {"budget_bytes", budget_bytes},
+      {"peak_extra_bytes", r.peak_extra_bytes},
+  };
+  auto number_or_null = [](const std::optional<double>& x) {
+    return x ? nlohmann::json(*x) : nlohmann::json(nullptr);
+  };
+  j["seconds"] = number_or_null(r.timing ? std::optional(r.timing->seconds) : std::nullopt);
+  j["gflops"] = number_or_null(r.timing ? std::optional(UsefulFlops(r.shape, r.pass) /
+                                                          r.timing->seconds / 1e9)
+                                         : std::nullopt);
+  j["reps"] = r.timing ? r.timing->reps : 0;
+  j["ratio_to_floor"] = number_or_null(r.ratio_to_floor);
+  j["ratio_to_naive"] = number_or_null(r.ratio_to_naive);
+  if (r.token_chunk > 0) j["chunk"] = {{"tokens", r.token_chunk}, {"vocab", r.vocab_chunk}};
+  if (!r.skipped.empty()) j["skipped"] = r.skipped;
+  return j;
+}
+
+// ||a - b|| / ||b|| in double.
+double RelativeDifference(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0.0, norm = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = double(a[i]) - b[i];
+    diff += d * d;
+    norm += double(b[i]) * b[i];
+  }
+  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+}
+
+// The six measurements of one shape: floor, engine and naive, for each pass.
+absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
+                                               const Options& options, bool& check_failed) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Problem> p, MakeProblem(backend, s));
+  const size_t naive_bytes = static_cast<size_t>(s.n) * s.v * sizeof(float);
+  const bool naive_fits = Gib(naive_bytes) <= options.naive_cap_gib;
+  std::vector<float> naive_logits;
+  if (naive_fits) naive_logits.assign(static_cast<size_t>(s.n) * s.v, 0.0f);  // touched up front
+
+  std::vector<Result> results;
+  for (Pass pass : {Pass::kForward, Pass::kForwardBackward}) {
+    ASSIGN_OR_RETURN(const ChunkPlan plan,
+                     backend.Plan(EngineShape(s, pass), options.budget_bytes));
+    const std::string suffix(PassSuffix(pass));
+
+    Result floor{s, "floor_" + suffix, pass};
+    floor.peak_extra_bytes = plan.token_chunk * plan.vocab_chunk * sizeof(float);
+    floor.token_chunk = plan.token_chunk;
+    floor.vocab_chunk = plan.vocab_chunk;
+    std::vector<float> tile(plan.token_chunk * plan.vocab_chunk, 0.0f);
+    Result engine{s, "engine_" + suffix, pass};
+    engine.peak_extra_bytes = plan.workspace_bytes;
+    engine.token_chunk = plan.token_chunk;
+    engine.vocab_chunk = plan.vocab_chunk;
+    ASSIGN_OR_RETURN(DeviceBuffer workspace, backend.Allocate(plan.workspace_bytes));
+    Result naive{s, "naive_" + suffix, pass};
+    naive.peak_extra_bytes = naive_bytes;
+
+    std::vector<Contender> contenders = {
+        {&floor,
+         [&](int64_t n) {
+           RunFloor(*p, pass, plan, tile.data(), n);
+           return absl::OkStatus();
+         }},
+        {&engine, [&](int64_t n) { return RunEngine(backend, *p, pass, workspace, n); }},
+    };
+    if (naive_fits) {
+      contenders.push_back({&naive, [&](int64_t n) {
+                              RunNaive(*p, pass, naive_logits.data(), n);
+                              return absl::OkStatus();
+                            }});
+    } else {
+      naive.skipped = absl::StrFormat("skipped: needs %.1f GiB", Gib(naive_bytes));
+    }
+    RETURN_IF_ERROR(MeasureInRounds(options, s.n, std::min(s.n, plan.token_chunk), contenders));
+
+    for (Result* r : {&floor, &engine, &naive}) {
+      if (r->timing) {
+        r->ratio_to_floor = r->timing->seconds / floor.timing->seconds;
+        if (naive.timing) r->ratio_to_naive = r->timing->seconds / naive.timing->seconds;
+      }
+      PrintTableRow(*r);
+    }
+    results.insert(results.end(), {floor, engine, naive});
+  }
+
+  if (naive_fits) {
+    const double loss_difference =
+        std::abs(p->engine_loss - p->naive_loss) / std::abs(p->naive_loss);
+    const double grad_difference = RelativeDifference(p->engine_grad_hidden, p->naive_grad_hidden);
+    const bool agree = loss_difference < 1e-4 && grad_difference < 1e-3;
+    check_failed = check_failed || !agree;
+    std::cerr << absl::StrFormat(
+        "%-20s check engine vs naive: loss %.6f vs %.6f (rel %.1e), dL/dh rel %.1e: %s\n", "",
+        p->engine_loss, p->naive_loss, loss_difference, grad_difference,
+        agree ? "agree" : "DISAGREE");
+  }
+  return results;
+}
+
+absl::Status Run(const Options& options) {
+  std::ofstream json_file;
+  if (!options.json_path.empty()) {
+    json_file.open(options.json_path);
+    if (!json_file) {
+      return absl::InvalidArgumentError(absl::StrCat("--json: cannot write ", options.json_path));
+    }
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateBackend("cpu"));
+  const nlohmann::json machine = DescribeMachine();
+  std::cerr << "machine: " << machine.dump() << "\n"
+            << "engine workspace budget " << (options.budget_bytes >> 20) << " MiB; useful flops "
+            << "2NHV forward, 6NHV forward+backward; seconds are medians\n";
+  PrintTableHeader();
+
+  bool check_failed = false;
+  for (const Shape& s : options.shapes) {
+    ASSIGN_OR_RETURN(const std::vector<Result> results,
+                     BenchShape(*backend, s, options, check_failed));
+    for (const Result& r : results) {
+      const std::string line = ToJson(r, machine, options.budget_bytes).dump();
+      std::cout << line << std::endl;
+      if (json_file.is_open()) json_file << line << std::endl;
+    }
+  }
+  if (check_failed) return absl::InternalError("the engine disagrees with the naive baseline");
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace lossd
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--help" || std::string(argv[i]) == "-h") {
+      std::cout << lossd::kUsage;
+      return 0;
+    }
+  }
+  absl::StatusOr<lossd::Options> options = lossd::ParseOptions(argc, argv);
+  absl::Status status = options.ok() ? lossd::Run(*options) : options.status();
+  if (!status.ok()) {
+    std::cerr << "engine_bench: " << status.message() << "\n";
+    return 1;
+  }
+  return 0;
+}
