@@ -21,43 +21,21 @@
 #include "gtest/gtest.h"
 #include "lossd/kernels/half.h"
 #include "server/storage/safetensors.h"
+#include "tests/scratch_files.h"
 
 namespace lossd::storage {
 namespace {
+
+using ::lossd::testing::ReadFile;
+using ::lossd::testing::ScratchDir;
+using ::lossd::testing::WriteFile;
 
 namespace fs = std::filesystem;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-class ScratchDir {
- public:
-  ScratchDir() {
-    std::string pattern = testing::TempDir() + "lossd_checkpoint_XXXXXX";
-    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  const std::string& path() const { return path_; }
-  std::string File(const std::string& relative) const { return (fs::path(path_) / relative).string(); }
 
- private:
-  std::string path_;
-};
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  return contents.str();
-}
-
-void WriteFile(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
 
 std::set<std::string> FileNames(const std::string& dir) {
   std::set<std::string> names;
@@ -130,7 +108,7 @@ TEST(Crc32cTest, MatchesPublishedVectors) {
 
 TEST(Crc32cTest, ContinuesAcrossSplitsAtAnyOffset) {
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   std::vector<uint8_t> bytes(1000);
   for (uint8_t& byte : bytes) byte = static_cast<uint8_t>(rng());
@@ -141,11 +119,11 @@ TEST(Crc32cTest, ContinuesAcrossSplitsAtAnyOffset) {
   }
 }
 
-class CheckpointRoundTripTest : public testing::TestWithParam<std::tuple<DType, OptimizerKind>> {};
+class CheckpointRoundTripTest : public ::testing::TestWithParam<std::tuple<DType, OptimizerKind>> {};
 
 TEST_P(CheckpointRoundTripTest, LoadsBackBitForBit) {
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   const auto [dtype, optimizer] = GetParam();
   const CheckpointState state = RandomState(rng, "lm_head", 42, dtype, optimizer);
@@ -180,7 +158,7 @@ TEST_P(CheckpointRoundTripTest, LoadsBackBitForBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(DTypesAndOptimizers, CheckpointRoundTripTest,
-                         testing::Values(std::tuple(DType::kFloat32, OptimizerKind::kNone),
+                         ::testing::Values(std::tuple(DType::kFloat32, OptimizerKind::kNone),
                                          std::tuple(DType::kBFloat16, OptimizerKind::kSgd),
                                          std::tuple(DType::kFloat16, OptimizerKind::kAdamW),
                                          std::tuple(DType::kFloat32, OptimizerKind::kAdamW),
@@ -192,7 +170,7 @@ INSTANTIATE_TEST_SUITE_P(DTypesAndOptimizers, CheckpointRoundTripTest,
 
 TEST(CheckpointTest, SavingTheSameVersionAgainReplacesIt) {
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   ScratchDir dir;
   ASSERT_TRUE(
@@ -208,7 +186,7 @@ TEST(CheckpointTest, SavingTheSameVersionAgainReplacesIt) {
 
 TEST(CheckpointTest, KeepsOnlyTheNewestCheckpoints) {
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   ScratchDir dir;
   const auto name = [](uint64_t version) {
@@ -244,14 +222,14 @@ TEST(CheckpointTest, KeepsOnlyTheNewestCheckpoints) {
 
 TEST(CheckpointTest, RejectsUnsafeHeadNames) {
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   ScratchDir dir;
   for (const std::string& head :
        {std::string(""), std::string("."), std::string(".."), std::string("a/b"), std::string("../escape"),
         std::string("/abs"), std::string("with space"), std::string("na\xc3\xafve"),
         std::string("nul\0byte", 8), std::string("a\\b"), std::string(129, 'x')}) {
-    SCOPED_TRACE(testing::Message() << "head \"" << head << "\"");
+    SCOPED_TRACE(::testing::Message() << "head \"" << head << "\"");
     EXPECT_EQ(ValidateCheckpointHeadName(head).code(), absl::StatusCode::kInvalidArgument);
     CheckpointState state = RandomState(rng, "ok", 1, DType::kFloat32, OptimizerKind::kNone);
     state.head = head;
@@ -269,7 +247,7 @@ TEST(CheckpointTest, RejectsUnsafeHeadNames) {
 
 TEST(CheckpointTest, RejectsInconsistentStatesWithoutWriting) {
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   ScratchDir dir;
   // clang-format off
@@ -365,13 +343,13 @@ std::vector<InvalidCheckpointCase> InvalidCheckpointCases() {
   // clang-format on
 }
 
-class InvalidCheckpointTest : public testing::TestWithParam<InvalidCheckpointCase> {};
+class InvalidCheckpointTest : public ::testing::TestWithParam<InvalidCheckpointCase> {};
 
 TEST_P(InvalidCheckpointTest, IsRejectedWithTheReason) {
   const InvalidCheckpointCase& c = GetParam();
   SCOPED_TRACE(c.reason);
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   ScratchDir dir;
   CheckpointState state = RandomState(rng, "h", 5, DType::kFloat32, OptimizerKind::kSgd);
@@ -399,14 +377,14 @@ TEST_P(InvalidCheckpointTest, IsRejectedWithTheReason) {
   EXPECT_THAT(std::string(status.message()), HasSubstr(c.fragment));
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, InvalidCheckpointTest, testing::ValuesIn(InvalidCheckpointCases()),
-                         [](const testing::TestParamInfo<InvalidCheckpointCase>& param_info) {
+INSTANTIATE_TEST_SUITE_P(Cases, InvalidCheckpointTest, ::testing::ValuesIn(InvalidCheckpointCases()),
+                         [](const ::testing::TestParamInfo<InvalidCheckpointCase>& param_info) {
                            return param_info.param.id;
                          });
 
 TEST(CheckpointTest, TruncatedCheckpointsAreDataLoss) {
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   ScratchDir dir;
   absl::StatusOr<std::string> path =
@@ -423,7 +401,7 @@ TEST(CheckpointTest, TruncatedCheckpointsAreDataLoss) {
   cuts.push_back(whole.size() - 1);
   const std::string cut_path = dir.File("cut.safetensors");
   for (const size_t cut : cuts) {
-    SCOPED_TRACE(testing::Message() << "cut at " << cut << " of " << whole.size());
+    SCOPED_TRACE(::testing::Message() << "cut at " << cut << " of " << whole.size());
     WriteFile(cut_path, whole.substr(0, cut));
     const absl::Status status = LoadCheckpoint(cut_path).status();
     EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
@@ -432,7 +410,7 @@ TEST(CheckpointTest, TruncatedCheckpointsAreDataLoss) {
 
 TEST(CheckpointTest, FlippedDataBitIsDataLoss) {
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   ScratchDir dir;
   absl::StatusOr<std::string> path =
@@ -466,7 +444,7 @@ TEST(ResumeTest, MissingDirectoryIsEmpty) {
 
 TEST(ResumeTest, PicksTheNewestCheckpointThatLoads) {
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   ScratchDir dir;
   const auto save = [&](const std::string& head, uint64_t version, OptimizerKind optimizer) {
@@ -512,7 +490,7 @@ TEST(ResumeTest, PicksTheNewestCheckpointThatLoads) {
   ExpectSameState(result->heads[2], epsilon_v9);
 
   const std::vector<std::string>& skipped = result->skipped;
-  ASSERT_EQ(skipped.size(), 5u) << testing::PrintToString(skipped);
+  ASSERT_EQ(skipped.size(), 5u) << ::testing::PrintToString(skipped);
   const auto skipped_for = [&](const std::string& path) {
     for (const std::string& line : skipped) {
       if (absl::StartsWith(line, path + ": ")) return line;
@@ -528,7 +506,7 @@ TEST(ResumeTest, PicksTheNewestCheckpointThatLoads) {
 
 TEST(ResumeTest, ListsEntriesThatAreNotCheckpoints) {
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   ScratchDir dir;
   ASSERT_TRUE(

@@ -21,48 +21,19 @@
 #include "gtest/gtest.h"
 #include "lossd/kernels/half.h"
 #include "nlohmann/json.hpp"
+#include "tests/scratch_files.h"
 
 namespace lossd::storage {
 namespace {
+
+using ::lossd::testing::ReadFile;
+using ::lossd::testing::ScratchDir;
+using ::lossd::testing::WriteFile;
 
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-// A fresh directory under the test's temp dir, removed with everything in it.
-class ScratchDir {
- public:
-  ScratchDir() {
-    std::string pattern = testing::TempDir() + "lossd_safetensors_XXXXXX";
-    if (::mkdtemp(pattern.data()) != nullptr) path_ = pattern;
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  const std::string& path() const { return path_; }
-  std::string File(const std::string& name) const { return (fs::path(path_) / name).string(); }
-  std::set<std::string> Names() const {
-    std::set<std::string> names;
-    for (const auto& entry : fs::directory_iterator(path_)) names.insert(entry.path().filename().string());
-    return names;
-  }
-
- private:
-  std::string path_;
-};
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream contents;
-  contents << in.rdbuf();
-  return contents.str();
-}
-
-void WriteFile(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
 
 std::vector<float> RandomFloats(size_t count, std::mt19937& rng) {
   std::normal_distribution<float> normal(0.0f, 3.0f);
@@ -105,11 +76,11 @@ std::string FileWithHeader(const std::string& header, size_t data_bytes) {
 
 uint32_t FreshSeed() { return std::random_device{}(); }
 
-class SafetensorsRoundTripTest : public testing::TestWithParam<DType> {};
+class SafetensorsRoundTripTest : public ::testing::TestWithParam<DType> {};
 
 TEST_P(SafetensorsRoundTripTest, WritesAndReadsBackRandomTensorsBitForBit) {
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   const DType dtype = GetParam();
   const int64_t rows = std::uniform_int_distribution<int64_t>(1, 64)(rng);
@@ -161,14 +132,14 @@ TEST_P(SafetensorsRoundTripTest, WritesAndReadsBackRandomTensorsBitForBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllDTypes, SafetensorsRoundTripTest,
-                         testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
-                         [](const testing::TestParamInfo<DType>& param_info) {
+                         ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16),
+                         [](const ::testing::TestParamInfo<DType>& param_info) {
                            return std::string(DTypeName(param_info.param));
                          });
 
 TEST(SafetensorsTest, ReadAsDTypeConvertsLikeHalfH) {
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   const std::vector<float> values = RandomFloats(257, rng);
   for (const DType source : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
@@ -178,7 +149,7 @@ TEST(SafetensorsTest, ReadAsDTypeConvertsLikeHalfH) {
     ASSERT_TRUE(as_float.ok()) << as_float.status();
     const std::vector<float> decoded = DecodeFloat32(*as_float);
     for (const DType target : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
-      SCOPED_TRACE(testing::Message() << DTypeName(source) << " -> " << DTypeName(target));
+      SCOPED_TRACE(::testing::Message() << DTypeName(source) << " -> " << DTypeName(target));
       absl::StatusOr<std::vector<uint8_t>> converted = ReadAsDType(tensor, target);
       ASSERT_TRUE(converted.ok()) << converted.status();
       // Every conversion goes through the exact fp32 value of the source element.
@@ -273,7 +244,7 @@ TEST(SafetensorsTest, ReadsHandBuiltHuggingFaceFile) {
 
 TEST(SafetensorsTest, SerializationIsDeterministicAndAligned) {
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   std::vector<std::vector<uint8_t>> buffers;
   std::vector<TensorToWrite> tensors;
@@ -335,7 +306,7 @@ TEST(SafetensorsTest, MissingTensorListsSomeNames) {
   EXPECT_THAT(std::string(status.message()), HasSubstr("15 tensors"));
   EXPECT_THAT(std::string(status.message()), HasSubstr("'t00'"));
   EXPECT_THAT(std::string(status.message()), HasSubstr("'t09'"));
-  EXPECT_THAT(std::string(status.message()), testing::Not(HasSubstr("'t10'")));
+  EXPECT_THAT(std::string(status.message()), ::testing::Not(HasSubstr("'t10'")));
   EXPECT_THAT(std::string(status.message()), HasSubstr("and 5 more"));
 }
 
@@ -446,7 +417,7 @@ std::vector<MalformedCase> MalformedCases() {
   // clang-format on
 }
 
-class MalformedHeaderTest : public testing::TestWithParam<MalformedCase> {};
+class MalformedHeaderTest : public ::testing::TestWithParam<MalformedCase> {};
 
 TEST_P(MalformedHeaderTest, IsRejectedNamingTheField) {
   const MalformedCase& c = GetParam();
@@ -467,8 +438,8 @@ TEST_P(MalformedHeaderTest, IsRejectedNamingTheField) {
   EXPECT_THAT(std::string(from_disk.message()), StartsWith(path + ": "));
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, MalformedHeaderTest, testing::ValuesIn(MalformedCases()),
-                         [](const testing::TestParamInfo<MalformedCase>& param_info) {
+INSTANTIATE_TEST_SUITE_P(Cases, MalformedHeaderTest, ::testing::ValuesIn(MalformedCases()),
+                         [](const ::testing::TestParamInfo<MalformedCase>& param_info) {
                            return param_info.param.id;
                          });
 
@@ -494,7 +465,7 @@ std::string ValidTestFile(std::mt19937& rng) {
 
 TEST(SafetensorsTest, EveryTruncationIsDataLoss) {
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   const std::string whole = ValidTestFile(rng);
   ASSERT_FALSE(whole.empty());
@@ -502,7 +473,7 @@ TEST(SafetensorsTest, EveryTruncationIsDataLoss) {
   ScratchDir dir;
   const std::string path = dir.File("cut.safetensors");
   for (size_t cut = 0; cut < whole.size(); ++cut) {
-    SCOPED_TRACE(testing::Message() << "cut at " << cut << " of " << whole.size());
+    SCOPED_TRACE(::testing::Message() << "cut at " << cut << " of " << whole.size());
     const absl::Status status = SafetensorsFile::FromBytes(whole.substr(0, cut)).status();
     EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
     if (cut % 5 == 0) {
@@ -516,7 +487,7 @@ TEST(SafetensorsTest, EveryTruncationIsDataLoss) {
 // outside the buffer (run under ASan to make the latter visible).
 TEST(SafetensorsTest, RandomlyDamagedFilesNeverCrash) {
   const uint32_t seed = FreshSeed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   const std::string whole = ValidTestFile(rng);
   ASSERT_FALSE(whole.empty());
@@ -550,12 +521,12 @@ TEST(SafetensorsTest, RandomlyDamagedFilesNeverCrash) {
   EXPECT_GT(loaded, 0);
 }
 
-class AtomicWriteTest : public testing::Test {
+class AtomicWriteTest : public ::testing::Test {
  protected:
   void SetUp() override {
     ASSERT_FALSE(dir_.path().empty());
     const uint32_t seed = FreshSeed();
-    seed_trace_.emplace(__FILE__, __LINE__, testing::Message() << "seed " << seed);
+    seed_trace_.emplace(__FILE__, __LINE__, ::testing::Message() << "seed " << seed);
     std::mt19937 rng(seed);
     old_values_ = RandomFloats(64, rng);
     new_values_ = RandomFloats(1 << 18, rng);  // 1 MiB
@@ -575,7 +546,7 @@ class AtomicWriteTest : public testing::Test {
   }
 
   ScratchDir dir_;
-  std::optional<testing::ScopedTrace> seed_trace_;
+  std::optional<::testing::ScopedTrace> seed_trace_;
   std::vector<float> old_values_, new_values_;
   std::string path_;
   std::string old_bytes_;
