@@ -18,6 +18,6 @@ add_test(NAME python_training_example
 set_tests_properties(python_client python_training_example PROPERTIES
   ENVIRONMENT "${LOSSD_PYTHON_TEST_ENVIRONMENT}"
   TIMEOUT 300)
-# Two trainings of a small transformer: about 80 s on an idle 2-core machine, several times that
+# Two trainings of a small transformer: about 30 s on a quiet 2-core machine, several times that
 # when the machine is shared.
 set_tests_properties(python_training_example PROPERTIES TIMEOUT 900)

@@ -16,8 +16,8 @@ import score_text  # noqa: E402
 import train_tiny_lm  # noqa: E402
 
 STEPS = 60
-# See train_tiny_lm's docstring: 10x the largest drift measured over 60 steps.
-MAX_LOSS_DIFFERENCE = 2e-4
+# See train_tiny_lm's docstring: 20x the largest difference measured over 60 steps (15 seeds).
+MAX_LOSS_DIFFERENCE = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_remote_head_training_follows_local_training(server):
     assert len(result.remote_losses) == STEPS
     assert result.max_abs_difference < MAX_LOSS_DIFFERENCE, result
     first, last = result.local_losses[0], sum(result.local_losses[-10:]) / 10
-    assert first > 5.0 and last < first - 1.5, result
+    assert first > 5.0 and last < first - 2.5, result
 
 
 def test_score_text_prints_a_logprob_per_byte(server, capsys):

@@ -18,7 +18,8 @@ import train_tiny_lm
 
 
 def printable(byte):
-    return repr(chr(byte))[1:-1] if byte < 128 else f"\\x{byte:02x}"
+    """A byte as a quoted character ('a', ' ', '\\n'), or its hex escape beyond ASCII."""
+    return repr(chr(byte)) if byte < 128 else f"'\\x{byte:02x}'"
 
 
 def main(argv=None):
@@ -44,7 +45,7 @@ def main(argv=None):
 
     print(f"{'byte':>6} {'log p':>8} {'entropy':>8}  top-3 guesses")
     for i, byte in enumerate(text[1:].tolist()):
-        guesses = "  ".join(f"{printable(t)!s:>4} {lp:6.2f}" for t, lp in
+        guesses = "  ".join(f"{printable(t):>6} {lp:6.2f}" for t, lp in
                             zip(scores.top_k_token[i].tolist(), scores.top_k_logprob[i].tolist()))
         print(f"{printable(byte):>6} {scores.logprob[i].item():8.3f} "
               f"{scores.entropy[i].item():8.3f}  {guesses}")
