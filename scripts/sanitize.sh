@@ -88,7 +88,15 @@ fi
 cmake --build build-tsan --target "${tsan_tests[@]}"
 build_tsan_abseil build-tsan/abseil-tsan
 (
-  export LD_LIBRARY_PATH="$PWD/build-tsan/abseil-tsan/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  tsan_abseil="$PWD/build-tsan/abseil-tsan/lib"
+  export LD_LIBRARY_PATH="$tsan_abseil${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # Inline templates such as absl::call_once's CallOnceImpl are weak symbols that every abseil
+  # library defines, and the loader binds all uses to the first library that defines one: without
+  # preloading, that is an uninstrumented Debian library (libabsl_random_internal_pool_urbg), so
+  # the once-initialization of abseil's allocator arena was invisible to TSan and its first use from
+  # a second thread was reported as a race. Preloading puts the instrumented copies first.
+  # Only the test binaries get it: the libraries need the TSan runtime linked into them.
+  preload="LD_PRELOAD=$(find "$tsan_abseil" -name 'libabsl_*.so.*' -type l | sort | paste -sd:)"
   # libomp's own synchronization is invisible to TSan, so every parallel region would look like a
   # race. LLVM's Archer (an OpenMP tool shipped with libomp) tells TSan about it instead, so the
   # engine's OpenMP loops are checked with two threads.
@@ -98,9 +106,9 @@ build_tsan_abseil build-tsan/abseil-tsan
   # ignore_noninstrumented_modules: Archer's requirement; accesses inside Debian's libraries are
   # not checked, calls into them still synchronize.
   export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1"
-  run_test build-tsan/bin/engine_test --gtest_filter='*/cpu_basic:*/cpu_vocab_tiled:*/cpu_everything_tiled:*/cpu_bf16_grad_hidden:*/cpu_top_k_max:*IdenticalCalls*/cpu:*GradWeightAccumulates*/cpu'
-  run_test build-tsan/bin/server_e2e_test
+  run_test env "$preload" build-tsan/bin/engine_test --gtest_filter='*/cpu_basic:*/cpu_vocab_tiled:*/cpu_everything_tiled:*/cpu_bf16_grad_hidden:*/cpu_top_k_max:*IdenticalCalls*/cpu:*GradWeightAccumulates*/cpu'
+  run_test env "$preload" build-tsan/bin/server_e2e_test
   if ((with_robustness_test)); then
-    run_test build-tsan/bin/robustness_test --gtest_filter='CancellationTest.*:LoadTest.*'
+    run_test env "$preload" build-tsan/bin/robustness_test --gtest_filter='CancellationTest.*:LoadTest.*'
   fi
 )
