@@ -170,6 +170,18 @@ int64_t LargestFitting(int64_t lo, int64_t hi, Fits fits) {
   return lo;
 }
 
+// Rows per chunk for a batch of n rows when at most `fitting` fit: as few chunks as chunks of
+// `fitting` rows rounded down to a multiple of `multiple` allow, evened out and still multiples
+// (the last chunk takes the rest). OpenBLAS's sgemm, for one, runs about
+// 15% slower at 523 rows than at 512 on a 2-core AVX2 machine.
+int64_t AlignedTokenChunk(int64_t n, int64_t fitting, int64_t multiple) {
+  if (fitting >= n || multiple <= 1 || fitting < multiple) return fitting;
+  const int64_t aligned = fitting / multiple * multiple;
+  const int64_t chunks = (n + aligned - 1) / aligned;
+  const int64_t balanced = ((n + chunks - 1) / chunks + multiple - 1) / multiple * multiple;
+  return std::min(aligned, balanced);
+}
+
 }  // namespace
 
 absl::StatusOr<ChunkPlan> ChooseChunkPlan(const ProblemShape& shape, size_t budget_bytes,
@@ -184,7 +196,9 @@ absl::StatusOr<ChunkPlan> ChooseChunkPlan(const ProblemShape& shape, size_t budg
   const int64_t max_rows = std::min(n, limits.max_token_chunk);
   const int64_t single_rows = LargestFitting(
       1, max_rows, [&](int64_t rows) { return bytes_for(rows, v) <= budget_bytes; });
-  if (single_rows >= std::min(max_rows, limits.min_single_pass_rows)) return plan_of(single_rows, v);
+  if (single_rows >= std::min(max_rows, limits.min_single_pass_rows)) {
+    return plan_of(AlignedTokenChunk(n, single_rows, limits.token_chunk_multiple), v);
+  }
 
   // Vocabulary tiles: keep a useful number of rows and take the widest tile that fits, trading rows
   // for width only when even the narrowest tile does not fit.

@@ -7,6 +7,7 @@
 #include <ostream>
 
 #include "lossd/kernels/backend.h"
+#include "lossd/kernels/backend_common.h"
 #include "tests/engine_harness.h"
 #include "tests/reference.h"
 
@@ -399,6 +400,48 @@ TEST_P(EngineBackendTest, PlansStayWithinTheBudget) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(refused.status().message().find("workspace budget"), std::string::npos);
 }
+
+// ChooseChunkPlan on a backend-free workspace model of rows * cols * 4 bytes, V = 1000 columns.
+struct TokenChunkCase {
+  const char* name;
+  int64_t num_tokens;
+  int64_t rows_that_fit;
+  int64_t expected_chunk;
+};
+
+class TokenChunkTest : public ::testing::TestWithParam<TokenChunkCase> {};
+
+TEST_P(TokenChunkTest, AlignsAndBalancesChunksThatSplitTheBatch) {
+  const TokenChunkCase& c = GetParam();
+  constexpr int64_t kVocab = 1000;
+  constexpr TileLimits kLimits = {/*max_token_chunk=*/4096, /*min_single_pass_rows=*/16,
+                                  /*two_pass_token_chunk=*/256, /*min_vocab_chunk=*/256,
+                                  /*vocab_chunk_multiple=*/256, /*token_chunk_multiple=*/64};
+  ProblemShape shape;
+  shape.num_tokens = c.num_tokens;
+  shape.hidden_size = 8;
+  shape.vocab_size = kVocab;
+  const auto plan = ChooseChunkPlan(shape, c.rows_that_fit * kVocab * 4, kLimits,
+                                    [](int64_t rows, int64_t cols) { return size_t(rows * cols * 4); });
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->token_chunk, c.expected_chunk);
+  EXPECT_EQ(plan->vocab_chunk, kVocab);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Plans, TokenChunkTest,
+    ::testing::Values(
+        // 523 rows fit: eight aligned chunks of 512 cover 4096 exactly.
+        TokenChunkCase{"rounds_down_to_the_multiple", 4096, 523, 512},
+        // 1100 rows need three chunks of at most 512; 384 + 384 + 332 beats 512 + 512 + 76.
+        TokenChunkCase{"evens_out_the_chunks", 1100, 523, 384},
+        // The whole batch fits: one chunk of exactly N, whatever N is.
+        TokenChunkCase{"whole_batch_unaligned", 300, 523, 300},
+        // Fewer rows fit than one multiple: alignment would leave nothing, so take what fits.
+        TokenChunkCase{"below_one_multiple", 4096, 40, 40},
+        // Already aligned and even: unchanged.
+        TokenChunkCase{"already_aligned", 2048, 1024, 1024}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 INSTANTIATE_TEST_SUITE_P(Backends, EngineBackendTest, ::testing::Values("cpu", "cuda"),
                          [](const auto& info) { return info.param; });

@@ -37,6 +37,7 @@ constexpr TileLimits kCpuTileLimits = {
     /*two_pass_token_chunk=*/256,
     /*min_vocab_chunk=*/256,
     /*vocab_chunk_multiple=*/256,
+    /*token_chunk_multiple=*/64,
 };
 
 // The workspace of one call, carved from the caller's buffer.

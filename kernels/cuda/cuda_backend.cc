@@ -34,6 +34,7 @@ constexpr TileLimits kCudaTileLimits = {
     /*two_pass_token_chunk=*/4096,
     /*min_vocab_chunk=*/1024,
     /*vocab_chunk_multiple=*/256,
+    /*token_chunk_multiple=*/128,
 };
 
 // Rows of W converted to fp32 at a time when the products run in fp32 but W is stored in 16 bits.

@@ -42,6 +42,7 @@ struct TileLimits {
   int64_t two_pass_token_chunk;     // rows per chunk once the vocabulary is tiled
   int64_t min_vocab_chunk;          // the narrowest vocabulary tile worth a GEMM
   int64_t vocab_chunk_multiple;     // vocabulary tiles are multiples of this (unless V itself)
+  int64_t token_chunk_multiple;     // partial-batch token chunks are multiples of this when larger
 };
 
 // Bytes of workspace for `token_chunk` rows and `vocab_chunk` columns, as the backend carves it.
@@ -49,6 +50,8 @@ using WorkspaceBytesFn = absl::FunctionRef<size_t(int64_t token_chunk, int64_t v
 
 // The largest tiles whose workspace fits `budget_bytes`: full-vocabulary token chunks when at least
 // min_single_pass_rows of them fit (one pass, 6NHV flops with gradients), else vocabulary tiles.
+// Token chunks that split the batch are aligned to token_chunk_multiple and balanced, so that the
+// GEMMs see row counts their kernels divide evenly and the last chunk is not a sliver.
 absl::StatusOr<ChunkPlan> ChooseChunkPlan(const ProblemShape& shape, size_t budget_bytes,
                                           const TileLimits& limits, WorkspaceBytesFn bytes_for);
 
