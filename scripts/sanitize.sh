@@ -10,16 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-missing=()
-for p in clang-14 libclang-rt-14-dev libomp-14-dev dpkg-dev; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if ((${#missing[@]})); then
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
+source scripts/ensure_packages.sh
+ensure_packages clang-14 libclang-rt-14-dev libomp-14-dev dpkg-dev
 
 configure() {  # build dir, LOSSD_SANITIZE value
   CC=clang-14 CXX=clang++-14 cmake -S . -B "$1" -G Ninja -DLOSSD_WITH_CUDA=OFF -DLOSSD_SANITIZE="$2" \
@@ -101,7 +93,7 @@ build_tsan_abseil build-tsan/abseil-tsan
   # race. LLVM's Archer (an OpenMP tool shipped with libomp) tells TSan about it instead, so the
   # engine's OpenMP loops are checked with two threads.
   export OMP_TOOL_LIBRARIES=/usr/lib/llvm-14/lib/libarcher.so OMP_NUM_THREADS=2
-  # OpenBLAS's own pthread pool is uninstrumented; one thread keeps BLAS calls on the caller's.
+  # OpenBLAS runs its GEMMs on the calling thread: its threading is outside this check.
   export OPENBLAS_NUM_THREADS=1
   # ignore_noninstrumented_modules: Archer's requirement; accesses inside Debian's libraries are
   # not checked, calls into them still synchronize.
