@@ -157,6 +157,20 @@ def test_bench_reports_throughput_and_latency(server):
     assert "6/6 calls" in done.stderr  # the progress line's last state
 
 
+def test_bench_json_counts_every_byte_of_the_rows_each_way(server):
+    done = lossctl("bench", "--head=demo", "--tokens=64", "--calls=4", "--streams=2", "--grad",
+                   "--json", server=server)
+    totals = json.loads(done.stdout)
+    assert (totals["calls"], totals["tokens_per_call"], totals["streams"]) == (4, 64, 2)
+    rows_bytes = 4 * 64 * HIDDEN * 4  # float32 rows out, float32 dL/dh back
+    # Payloads are the rows plus labels and per-token results, so a little more than the rows.
+    assert rows_bytes <= totals["bytes_sent"] < 1.1 * rows_bytes + 4096
+    assert rows_bytes <= totals["bytes_received"] < 1.1 * rows_bytes + 4096
+    assert 0 < totals["latency_p50"] <= totals["latency_max"] <= totals["seconds"]
+    assert totals["tokens_per_second"] == pytest.approx(4 * 64 / totals["seconds"], rel=1e-3)
+    assert 0 < totals["server_compute_seconds"]
+
+
 def test_wrong_hidden_size_exits_1_with_the_servers_message(server, tmp_path):
     np.save(tmp_path / "narrow.npy", np.zeros((4, 32), np.float32))
     err = lossctl("compute", "--head=demo", "--hidden", tmp_path / "narrow.npy", server=server,

@@ -759,6 +759,19 @@ absl::Status RunBench(const Flags& flags) {
 
   const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
   std::sort(totals.latencies.begin(), totals.latencies.end());
+  if (flags.Bool("json")) {
+    absl::PrintF(
+        "{\"calls\": %d, \"tokens_per_call\": %d, \"streams\": %d, \"dtype\": \"%s\", "
+        "\"seconds\": %.6f, \"tokens_per_second\": %.1f, \"bytes_sent\": %d, "
+        "\"bytes_received\": %d, \"latency_p50\": %.6f, \"latency_p90\": %.6f, "
+        "\"latency_max\": %.6f, \"server_compute_seconds\": %.6f, "
+        "\"server_queue_seconds\": %.6f}\n",
+        calls, tokens, streams, DTypeName(dtype), elapsed, calls * tokens / elapsed,
+        totals.bytes_sent, totals.bytes_received, Percentile(totals.latencies, 0.5),
+        Percentile(totals.latencies, 0.9), totals.latencies.back(), totals.compute_seconds,
+        totals.queue_seconds);
+    return absl::OkStatus();
+  }
   absl::PrintF("%d calls in %.3f s: %.2f calls/s, %.0f tokens/s\n", calls, elapsed, calls / elapsed,
                calls * tokens / elapsed);
   absl::PrintF("sent %.3f GB/s, received %.3f GB/s (gRPC message payloads)\n",
@@ -875,7 +888,10 @@ const std::vector<Subcommand>& Subcommands() {
         {"dtype", FlagKind::kString, "float32", "dtype of the hidden rows"},
         {"seed", FlagKind::kInt, "0", "seed of the synthetic batch"},
         {"grad", FlagKind::kBool, "false", "ask for dL/dh"},
-        {"accumulate", FlagKind::kBool, "false", "add dL/dW to the head's accumulator on every call"}},
+        {"accumulate", FlagKind::kBool, "false", "add dL/dW to the head's accumulator on every call"},
+        {"json", FlagKind::kBool, "false",
+         "print the totals as one JSON object (seconds, tokens/s, bytes each way, latencies, "
+         "server compute and queue seconds summed over calls)"}},
        RunBench},
   };
   return *subcommands;
