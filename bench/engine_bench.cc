@@ -6,9 +6,11 @@
 //   engine  Backend::Compute with the workspace budget (--budget-mib), chunked, never [N, V];
 //   naive   materializes logits[N, V] = h W^T, log-softmax, dz = (softmax - onehot) / N in place,
 //           dh = dz W, dW += dz^T h; skipped when its [N, V] buffer exceeds --naive-cap-gib;
-//   floor   only the GEMMs the engine issues for its chunks and tiles (from Backend::Plan), with no
-//           elementwise work and without recomputing tiles: the BLAS cost of the useful flops.
-// Useful flops are 2NHV forward and 6NHV forward+backward for every method.
+//   floor   the GEMMs alone (logits, dh, dW) with no elementwise work, over the whole batch or in
+//           blocks of rows whose logits fill at most 1 GiB (large enough for BLAS's full rate):
+//           the cost of the useful flops on this BLAS, independent of the engine's plan.
+// Useful flops are 2NHV forward and 6NHV forward+backward for every method. --methods picks a
+// subset (one per process, say, to measure each one's memory on its own).
 //
 // Each measurement is one warm-up run (on the first token chunk), then the median of up to --reps
 // timed runs (fewer when one run would exceed --rep-seconds); the three methods of a pass take
@@ -82,8 +84,12 @@ absl::StatusOr<std::vector<Shape>> ParseShapes(absl::string_view text) {
   return shapes;
 }
 
+constexpr size_t kFloorBlockBytes = size_t{1} << 30;
+
 struct Options {
   std::vector<Shape> shapes = kDefaultShapes;
+  std::set<std::string> methods = {"floor", "engine", "naive"};
+  std::set<Pass> passes = {Pass::kForward, Pass::kForwardBackward};
   size_t budget_bytes = size_t{256} << 20;
   int reps = 3;
   double rep_seconds = 20.0;
@@ -98,6 +104,8 @@ constexpr char kUsage[] = R"(usage: engine_bench [flags]
   --reps R                  timed runs per measurement after one warm-up, median kept (default 3)
   --rep-seconds S           fewer runs when one is long: clamp(S / run seconds, 1, R) (default 20)
   --naive-cap-gib G         skip the naive baseline when its [N, V] logits exceed G GiB (default 6)
+  --methods M,M             run only these of floor, engine, naive (default all three)
+  --passes P,P              run only these of fwd, fwd_bwd (default both)
   --json FILE               also write the JSON lines to FILE
 )";
 
@@ -115,7 +123,8 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
       continue;
     }
     static const std::set<std::string> kValueFlags = {
-        "--shapes", "--budget-mib", "--reps", "--rep-seconds", "--naive-cap-gib", "--json"};
+        "--shapes", "--budget-mib", "--reps",    "--rep-seconds",
+        "--naive-cap-gib", "--methods", "--passes", "--json"};
     if (!kValueFlags.contains(name)) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag '", arg, "'\n", kUsage));
     }
@@ -140,6 +149,18 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
       valid = absl::SimpleAtod(value, &o.rep_seconds) && o.rep_seconds >= 0;
     } else if (name == "--naive-cap-gib") {
       valid = absl::SimpleAtod(value, &o.naive_cap_gib) && o.naive_cap_gib >= 0;
+    } else if (name == "--methods") {
+      o.methods.clear();
+      for (absl::string_view m : absl::StrSplit(value, ',')) {
+        valid = valid && (m == "floor" || m == "engine" || m == "naive");
+        o.methods.insert(std::string(m));
+      }
+    } else if (name == "--passes") {
+      o.passes.clear();
+      for (absl::string_view pass : absl::StrSplit(value, ',')) {
+        valid = valid && (pass == "fwd" || pass == "fwd_bwd");
+        o.passes.insert(pass == "fwd" ? Pass::kForward : Pass::kForwardBackward);
+      }
     } else if (name == "--json") {
       o.json_path = value;
     }
@@ -198,7 +219,8 @@ struct Problem {
   double engine_loss = 0.0, naive_loss = 0.0;
 };
 
-absl::StatusOr<std::unique_ptr<Problem>> MakeProblem(Backend& backend, const Shape& s) {
+absl::StatusOr<std::unique_ptr<Problem>> MakeProblem(Backend& backend, const Shape& s,
+                                                     const std::set<std::string>& methods) {
   auto p = std::make_unique<Problem>();
   p->shape = s;
   p->hidden.resize(s.n * s.h);
@@ -213,8 +235,12 @@ absl::StatusOr<std::unique_ptr<Problem>> MakeProblem(Backend& backend, const Sha
   RETURN_IF_ERROR(backend.Zero(p->grad_weight));
   p->loss.resize(s.n);
   p->logprob.resize(s.n);
-  for (auto* grad : {&p->engine_grad_hidden, &p->naive_grad_hidden, &p->floor_grad_hidden}) {
-    grad->resize(s.n * s.h);
+  // Only the methods that run get an output buffer, so that a process running one method holds
+  // only what that method needs.
+  for (const auto& [method, grad] :
+       {std::pair{"engine", &p->engine_grad_hidden}, std::pair{"naive", &p->naive_grad_hidden},
+        std::pair{"floor", &p->floor_grad_hidden}}) {
+    if (methods.contains(method)) grad->resize(s.n * s.h);
   }
   return p;
 }
@@ -296,25 +322,25 @@ void RunNaive(Problem& p, Pass pass, float* logits, int64_t n) {
               1.0f, GradWeight(p), h);
 }
 
-// The engine's GEMMs for `plan`, each tile computed once, on a [token_chunk, vocab_chunk] buffer.
-void RunFloor(Problem& p, Pass pass, const ChunkPlan& plan, float* tile, int64_t n) {
+// Rows per floor block: the whole batch when its logits fit kFloorBlockBytes, else a multiple of 64.
+int64_t FloorBlockRows(const Shape& s) {
+  const int64_t fitting = std::max<int64_t>(1, kFloorBlockBytes / (s.v * sizeof(float)));
+  return fitting >= s.n ? s.n : std::max<int64_t>(fitting / 64 * 64, std::min<int64_t>(fitting, 64));
+}
+
+// The useful GEMMs, in blocks of `block_rows` tokens over the whole vocabulary.
+void RunFloor(Problem& p, Pass pass, int64_t block_rows, float* logits, int64_t n) {
   const int64_t h = p.shape.h, v = p.shape.v;
-  const int64_t ld = plan.vocab_chunk;
-  for (int64_t r0 = 0; r0 < n; r0 += plan.token_chunk) {
-    const int64_t rows = std::min(plan.token_chunk, n - r0);
+  for (int64_t r0 = 0; r0 < n; r0 += block_rows) {
+    const int64_t rows = std::min(block_rows, n - r0);
     const float* hidden = p.hidden.data() + r0 * h;
-    float* grad_hidden = p.floor_grad_hidden.data() + r0 * h;
-    for (int64_t v0 = 0; v0 < v; v0 += plan.vocab_chunk) {
-      const int64_t cols = std::min(plan.vocab_chunk, v - v0);
-      const float* weight = Weight(p) + v0 * h;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, cols, h, 1.0f, hidden, h, weight,
-                  h, 0.0f, tile, ld);
-      if (pass == Pass::kForward) continue;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, h, cols, 1.0f, tile, ld, weight,
-                  h, v0 == 0 ? 0.0f : 1.0f, grad_hidden, h);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, h, rows, 1.0f, tile, ld, hidden, h,
-                  1.0f, GradWeight(p) + v0 * h, h);
-    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, v, h, 1.0f, hidden, h, Weight(p), h,
+                0.0f, logits, v);
+    if (pass == Pass::kForward) continue;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, h, v, 1.0f, logits, v, Weight(p),
+                h, 0.0f, p.floor_grad_hidden.data() + r0 * h, h);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v, h, rows, 1.0f, logits, v, hidden, h,
+                1.0f, GradWeight(p), h);
   }
 }
 
@@ -443,63 +469,75 @@ double RelativeDifference(const std::vector<float>& a, const std::vector<float>&
   return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
 }
 
-// The six measurements of one shape: floor, engine and naive, for each pass.
+// The measurements of one shape: floor, engine and naive (those --methods names), for each pass.
 absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
                                                const Options& options, bool& check_failed) {
-  ASSIGN_OR_RETURN(std::unique_ptr<Problem> p, MakeProblem(backend, s));
+  ASSIGN_OR_RETURN(std::unique_ptr<Problem> p, MakeProblem(backend, s, options.methods));
+  const bool with_floor = options.methods.contains("floor");
+  const bool with_engine = options.methods.contains("engine");
+  const bool with_naive = options.methods.contains("naive");
   const size_t naive_bytes = static_cast<size_t>(s.n) * s.v * sizeof(float);
   const bool naive_fits = Gib(naive_bytes) <= options.naive_cap_gib;
   std::vector<float> naive_logits;
-  if (naive_fits) naive_logits.assign(static_cast<size_t>(s.n) * s.v, 0.0f);  // touched up front
+  if (with_naive && naive_fits) naive_logits.assign(static_cast<size_t>(s.n) * s.v, 0.0f);
+  const int64_t floor_rows = FloorBlockRows(s);
+  std::vector<float> floor_logits;  // touched up front, like every buffer here
+  if (with_floor) floor_logits.assign(static_cast<size_t>(floor_rows) * s.v, 0.0f);
 
   std::vector<Result> results;
-  for (Pass pass : {Pass::kForward, Pass::kForwardBackward}) {
+  for (Pass pass : options.passes) {
     ASSIGN_OR_RETURN(const ChunkPlan plan,
                      backend.Plan(EngineShape(s, pass), options.budget_bytes));
     const std::string suffix(PassSuffix(pass));
 
     Result floor{s, "floor_" + suffix, pass};
-    floor.peak_extra_bytes = plan.token_chunk * plan.vocab_chunk * sizeof(float);
-    floor.token_chunk = plan.token_chunk;
-    floor.vocab_chunk = plan.vocab_chunk;
-    std::vector<float> tile(plan.token_chunk * plan.vocab_chunk, 0.0f);
+    floor.peak_extra_bytes = floor_logits.size() * sizeof(float);
+    floor.token_chunk = floor_rows;
+    floor.vocab_chunk = s.v;
     Result engine{s, "engine_" + suffix, pass};
     engine.peak_extra_bytes = plan.workspace_bytes;
     engine.token_chunk = plan.token_chunk;
     engine.vocab_chunk = plan.vocab_chunk;
-    ASSIGN_OR_RETURN(DeviceBuffer workspace, backend.Allocate(plan.workspace_bytes));
+    DeviceBuffer workspace;
+    if (with_engine) {
+      ASSIGN_OR_RETURN(workspace, backend.Allocate(plan.workspace_bytes));
+    }
     Result naive{s, "naive_" + suffix, pass};
     naive.peak_extra_bytes = naive_bytes;
 
-    std::vector<Contender> contenders = {
-        {&floor,
-         [&](int64_t n) {
-           RunFloor(*p, pass, plan, tile.data(), n);
-           return absl::OkStatus();
-         }},
-        {&engine, [&](int64_t n) { return RunEngine(backend, *p, pass, workspace, n); }},
-    };
-    if (naive_fits) {
+    std::vector<Contender> contenders;
+    if (with_floor) {
+      contenders.push_back({&floor, [&](int64_t n) {
+                              RunFloor(*p, pass, floor_rows, floor_logits.data(), n);
+                              return absl::OkStatus();
+                            }});
+    }
+    if (with_engine) {
+      contenders.push_back(
+          {&engine, [&](int64_t n) { return RunEngine(backend, *p, pass, workspace, n); }});
+    }
+    if (with_naive && naive_fits) {
       contenders.push_back({&naive, [&](int64_t n) {
                               RunNaive(*p, pass, naive_logits.data(), n);
                               return absl::OkStatus();
                             }});
-    } else {
+    } else if (with_naive) {
       naive.skipped = absl::StrFormat("skipped: needs %.1f GiB", Gib(naive_bytes));
     }
     RETURN_IF_ERROR(MeasureInRounds(options, s.n, std::min(s.n, plan.token_chunk), contenders));
 
     for (Result* r : {&floor, &engine, &naive}) {
+      if (!options.methods.contains(r->method.substr(0, r->method.find('_')))) continue;
       if (r->timing) {
-        r->ratio_to_floor = r->timing->seconds / floor.timing->seconds;
+        if (floor.timing) r->ratio_to_floor = r->timing->seconds / floor.timing->seconds;
         if (naive.timing) r->ratio_to_naive = r->timing->seconds / naive.timing->seconds;
       }
       PrintTableRow(*r);
+      results.push_back(*r);
     }
-    results.insert(results.end(), {floor, engine, naive});
   }
 
-  if (naive_fits) {
+  if (with_engine && !naive_logits.empty()) {
     const double loss_difference =
         std::abs(p->engine_loss - p->naive_loss) / std::abs(p->naive_loss);
     const double grad_difference = RelativeDifference(p->engine_grad_hidden, p->naive_grad_hidden);
