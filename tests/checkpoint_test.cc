@@ -460,8 +460,9 @@ TEST(ResumeTest, PicksTheNewestCheckpointThatLoads) {
   const std::string alpha_v3_path = save("alpha", 3, OptimizerKind::kSgd).second;
   const std::string alpha_v3_bytes = ReadFile(alpha_v3_path);
   WriteFile(alpha_v3_path, alpha_v3_bytes.substr(0, alpha_v3_bytes.size() / 2));
-  // ...and an interrupted save left its temporary file behind.
-  const std::string stray = alpha_v3_path + ".tmp-123-0123456789abcdef";
+  // ...and an interrupted save left its temporary file behind. Its writer's id is above Linux's
+  // largest pid_max (2^22), so no process can hold it.
+  const std::string stray = alpha_v3_path + ".tmp-4194305-0123456789abcdef";
   WriteFile(stray, alpha_v3_bytes.substr(0, 100));
 
   // beta: the newest has one flipped bit in the weight (the last tensor in the file).
@@ -498,7 +499,8 @@ TEST(ResumeTest, PicksTheNewestCheckpointThatLoads) {
     return std::string("(not skipped)");
   };
   EXPECT_THAT(skipped_for(alpha_v3_path), HasSubstr("truncated"));
-  EXPECT_THAT(skipped_for(stray), HasSubstr("temporary file"));
+  EXPECT_THAT(skipped_for(stray), HasSubstr("temporary file of an interrupted save, removed"));
+  EXPECT_FALSE(fs::exists(stray));
   EXPECT_THAT(skipped_for(beta_v7_path), HasSubstr("CRC-32C"));
   EXPECT_THAT(skipped_for(gamma_v1_path), HasSubstr("header length"));
   EXPECT_THAT(skipped_for(CheckpointPath(dir.path(), "delta", 2)), HasSubstr("head 'alpha'"));
@@ -523,6 +525,38 @@ TEST(ResumeTest, ListsEntriesThatAreNotCheckpoints) {
                                            dir.File("bad name") + ": not a valid head name",
                                            dir.File("h/h-v1.safetensors") + ": not a checkpoint file name"));
 }
+
+TEST(ResumeTest, RemovesTemporaryFilesOfGoneWritersOnly) {
+  const uint32_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  ScratchDir dir;
+  const absl::StatusOr<std::string> saved =
+      SaveCheckpoint(dir.path(), RandomState(rng, "h", 4, DType::kFloat32, OptimizerKind::kNone));
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  const std::string v5 = CheckpointPath(dir.path(), "h", 5);
+  // Above any pid_max: its writer is gone, so a crash cut its save short.
+  const std::string gone = v5 + ".tmp-4194305-00112233aabbccdd";
+  // pid 1 always runs: possibly another server saving into a shared directory right now.
+  const std::string running = v5 + ".tmp-1-00112233aabbccdd";
+  // Looks like a temporary file but the random part is not 16 hex digits: not one of ours.
+  const std::string foreign = v5 + ".tmp-4194305-xyz";
+  for (const std::string& path : {gone, running, foreign}) WriteFile(path, "partial");
+
+  absl::StatusOr<ResumeResult> result = ResumeFromDirectory(dir.path());
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_EQ(result->heads.size(), 1u);
+  EXPECT_EQ(result->heads[0].version, 4u);
+  // In the order of the file names.
+  EXPECT_THAT(result->skipped,
+              ElementsAre(running + ": temporary file of a save by process 1, which is running; kept",
+                          gone + ": temporary file of an interrupted save, removed",
+                          foreign + ": not a checkpoint file name"));
+  EXPECT_FALSE(fs::exists(gone));
+  EXPECT_TRUE(fs::exists(running));
+  EXPECT_TRUE(fs::exists(foreign));
+}
+
 
 }  // namespace
 }  // namespace lossd::storage

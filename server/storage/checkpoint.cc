@@ -1,10 +1,15 @@
 #include "server/storage/checkpoint.h"
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <bit>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
@@ -17,6 +22,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "lossd/common/status_macros.h"
 #include "server/storage/safetensors.h"
 
@@ -143,6 +149,32 @@ std::optional<uint64_t> VersionFromFileName(absl::string_view head, absl::string
     return std::nullopt;
   }
   return version;
+}
+
+// The process id in "<checkpoint file name>.tmp-<pid>-<16 hex digits>", the temporary file an
+// atomic write of one of the head's checkpoints creates (WriteSafetensorsAtomically).
+std::optional<pid_t> TemporaryFileWriter(absl::string_view head, absl::string_view file_name) {
+  const size_t marker = file_name.rfind(".tmp-");
+  if (marker == absl::string_view::npos || !VersionFromFileName(head, file_name.substr(0, marker))) {
+    return std::nullopt;
+  }
+  const std::vector<absl::string_view> parts =
+      absl::StrSplit(file_name.substr(marker + std::strlen(".tmp-")), '-');
+  int64_t pid = 0;
+  if (parts.size() != 2 || parts[1].size() != 16 ||
+      !std::all_of(parts[1].begin(), parts[1].end(), absl::ascii_isxdigit) ||
+      !std::all_of(parts[0].begin(), parts[0].end(), absl::ascii_isdigit) ||
+      !absl::SimpleAtoi(parts[0], &pid) || pid <= 0 || pid > std::numeric_limits<pid_t>::max()) {
+    return std::nullopt;
+  }
+  return static_cast<pid_t>(pid);
+}
+
+// A temporary file whose writer is gone is what a crash mid-save leaves; one whose writer still
+// runs may be another server's save in progress on a shared directory. This process has not
+// started a save yet, so a file bearing its own (reused) id is stale too.
+bool WriterIsGone(pid_t writer) {
+  return writer == ::getpid() || (::kill(writer, 0) != 0 && errno == ESRCH);
 }
 
 absl::Status FilesystemError(const std::error_code& error, absl::string_view what) {
@@ -423,10 +455,19 @@ absl::StatusOr<ResumeResult> ResumeFromDirectory(const std::string& dir) {
     }
     ASSIGN_OR_RETURN(const HeadDirectoryListing listing, ListHeadDirectory(entry, head));
     for (const std::string& other : listing.others) {
-      result.skipped.push_back(
-          absl::StrCat(other, absl::StrContains(fs::path(other).filename().string(), ".tmp-")
-                                  ? ": temporary file of an interrupted save"
-                                  : ": not a checkpoint file name"));
+      const std::optional<pid_t> writer = TemporaryFileWriter(head, fs::path(other).filename().string());
+      if (!writer) {
+        result.skipped.push_back(absl::StrCat(other, ": not a checkpoint file name"));
+      } else if (!WriterIsGone(*writer)) {
+        result.skipped.push_back(absl::StrCat(other, ": temporary file of a save by process ", *writer,
+                                              ", which is running; kept"));
+      } else {
+        std::error_code remove_error;
+        fs::remove(other, remove_error);
+        result.skipped.push_back(absl::StrCat(other, ": temporary file of an interrupted save, ",
+                                              remove_error ? "cannot remove it: " + remove_error.message()
+                                                           : std::string("removed")));
+      }
     }
     for (const auto& [version, path] : listing.checkpoints) {
       absl::StatusOr<CheckpointState> loaded = LoadCheckpoint(path);

@@ -66,9 +66,10 @@ struct ResumeResult {
 };
 
 // For every head subdirectory of `dir`, loads the newest checkpoint that loads cleanly (and whose
-// metadata names the same head and version as its file name). Newer ones that fail, stray
-// temporary files of interrupted saves and unrecognized entries are listed in `skipped`. A
-// missing `dir` gives an empty result; an unreadable one is an error.
+// metadata names the same head and version as its file name). Newer ones that fail, temporary
+// files of saves and unrecognized entries are listed in `skipped`. Temporary files whose writing
+// process is gone (a save cut short by a crash) are removed; those of a running process are kept.
+// A missing `dir` gives an empty result; an unreadable one is an error.
 absl::StatusOr<ResumeResult> ResumeFromDirectory(const std::string& dir);
 
 // CRC-32C (Castagnoli), the checksum stored in checkpoint metadata. `crc` continues a previous

@@ -3,8 +3,8 @@
 The server trains a 20 MB head (V=20000, H=256, fp32, AdamW: 60 MB per checkpoint) and saves it
 again and again while a timer kills it with SIGKILL at a random moment, often in the middle of a
 save. After every kill it is restarted on the same --checkpoint_dir and must resume from the newest
-complete checkpoint, bitwise identical to the W fetched right before that save, whatever temporary
-files the interrupted saves left. Truncated or corrupted checkpoint files are refused with a
+complete checkpoint, bitwise identical to the W fetched right before that save, and remove the
+temporary files the interrupted saves left. Truncated or corrupted checkpoint files are refused with a
 "skipped checkpoint: <path>: <reason>" startup line and the previous complete one is used.
 """
 import collections
@@ -117,6 +117,7 @@ def test_sigkill_at_random_moments_resumes_the_newest_complete_checkpoint(pb, ch
     kills = collections.Counter()
     save_seconds = []
     for trial in range(KILL_TRIALS):
+        left_behind = temporary_files(checkpoint_dir)
         with start_server(checkpoint_dir) as server, open_channel(server) as channel:
             stub = pb[1].LossServiceStub(channel)
             version, weight = fetch_weight(pb, stub)
@@ -130,12 +131,14 @@ def test_sigkill_at_random_moments_resumes_the_newest_complete_checkpoint(pb, ch
                 initial = initial or weight
                 assert weight == initial, context
             assert version >= acked, context + f": the save of version {acked} returned, but was lost"
-            # Interrupted saves' temporary files are reported and passed over, never loaded.
+            # Interrupted saves' temporary files are reported and removed, never loaded.
             reported = set()
             for line in skipped_lines(server):
-                assert line.endswith(": temporary file of an interrupted save"), context + ": " + line
+                assert line.endswith(": temporary file of an interrupted save, removed"), \
+                    context + ": " + line
                 reported.add(os.path.basename(line.split("skipped checkpoint: ", 1)[1].rsplit(": ", 1)[0]))
-            assert reported == temporary_files(checkpoint_dir), context
+            assert reported == left_behind, context
+            assert not temporary_files(checkpoint_dir), context
 
             # Most kills aim into a save's write: a save first copies and checksums the state and
             # ends with a rename, directory fsync and pruning, so the aim skips its first fifth.
