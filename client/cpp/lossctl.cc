@@ -703,6 +703,7 @@ absl::Status RunBench(const Flags& flags) {
   request.labels = labels;
   request.outputs.grad_hidden = flags.Bool("grad");
   request.outputs.accumulate_grad_weight = flags.Bool("accumulate");
+  request.rows_per_message = flags.Int("rows_per_message");
 
   absl::FPrintF(stderr, "bench: head %s [%d x %d], %d tokens of %s per call, %d calls, %d at a time%s%s\n",
                 head.name, head.vocab_size, head.hidden_size, tokens, DTypeName(dtype), calls, streams,
@@ -889,6 +890,9 @@ const std::vector<Subcommand>& Subcommands() {
         {"seed", FlagKind::kInt, "0", "seed of the synthetic batch"},
         {"grad", FlagKind::kBool, "false", "ask for dL/dh"},
         {"accumulate", FlagKind::kBool, "false", "add dL/dW to the head's accumulator on every call"},
+        {"rows_per_message", FlagKind::kInt, "0",
+         "hidden rows per chunk message; 0 sends about 4 MiB each, --tokens sends the whole batch "
+         "in one message, so that the server computes nothing before all of it has arrived"},
         {"json", FlagKind::kBool, "false",
          "print the totals as one JSON object (seconds, tokens/s, bytes each way, latencies, "
          "server compute and queue seconds summed over calls)"}},
