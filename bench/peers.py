@@ -1,0 +1,551 @@
+#!/usr/bin/env python3
+"""lossd against what its users would otherwise run, side by side on this machine.
+
+Methods, each measured in a process of its own (so that its peak resident memory is its own), all
+doing a forward and backward pass of fp32 cross-entropy over hidden [N, H] and W [V, H] (loss,
+dL/dh and dL/dW):
+  torch_naive    F.cross_entropy(hidden @ W.T, labels), backward: where training scripts start.
+  torch_chunked  the usual hand-written fix: token chunks of F.linear + F.cross_entropy, each
+                 chunk's backward run before the next (W.grad accumulates), as many rows per chunk
+                 as lossd's workspace budget gives the engine.
+  engine         the lossd engine in-process (bench/engine_bench --methods engine).
+  floor          the GEMMs alone, 6NHV flops, on the same BLAS (engine_bench --methods floor).
+  remote_cpp     a Compute call to lossd_server over loopback gRPC from the C++ client (lossctl
+                 bench), dL/dh returned and dL/dW accumulated on the server; the server is a
+                 process of its own, its peak memory reported separately.
+  remote_python  the same call from the Python client (lossd.Client.compute).
+Every process gets the same thread count (OMP_NUM_THREADS, torch.set_num_threads) and an address
+space cap (--memory-cap-gib): a method that cannot fit is recorded as out of memory.
+
+Transport: Compute calls on a 16-row head, where compute is negligible, give the wire throughput
+(hidden rows in, dL/dh out; fp32 and bf16; one stream and the batch split over several), next to
+this machine's single-thread memcpy bandwidth. Remote/in-process ratios are measured two ways:
+rows streamed in messages of about 4 MiB, each token chunk computed as soon as its rows are in, and
+the whole batch sent as one message, so that the server computes nothing before all of it arrived
+(C++ client only, to keep the run under 20 minutes on 2 cores).
+
+Writes bench/results/<machine>-<date>/ (or --out): results.jsonl (one object per measurement),
+results.md (tables) and time_vs_n.png, memory_vs_n.png, transport.png. Run it through
+bench/peers.sh, which installs what it needs and builds the binaries first.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 1 << 30
+MIB = 1 << 20
+
+# (V, H, N values): sweeps over N at H=2048 for Llama 2's and Llama 3's vocabularies, and Qwen 2's
+# head shape (V=152064, H=2048, N=2048 on a GPU) scaled to 512 tokens for 2 CPU cores.
+FULL_SHAPES = [(32000, 2048, [1024, 4096, 16384]),
+               (128256, 2048, [512, 2048, 4096]),
+               (152064, 2048, [512])]
+QUICK_SHAPES = [(32000, 1024, [256, 1024]), (128256, 1024, [256])]
+TRANSPORT_TOKENS, QUICK_TRANSPORT_TOKENS = 16384, 4096
+TRANSPORT_HIDDEN = 2048
+TRANSPORT_VOCAB = 16
+TRANSPORT_STREAMS = [1, 4]
+OUT_OF_MEMORY = "out of memory"
+
+
+# --------------------------------------------------------------------------------------------
+# Workers: one method in this process, one JSON object on stdout.
+
+def synthetic_problem(n, h, v, seed=0):
+    """Hidden states and labels like engine_bench's: N(0, 1) rows and logits of std ~3."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g)
+    weight = torch.randn(v, h, generator=g) * (3.0 / h ** 0.5)
+    labels = torch.randint(0, v, (n,), generator=g)
+    return hidden, weight, labels
+
+
+def torch_step(method, hidden, weight, labels, chunk_rows):
+    """One forward+backward over all of hidden (a leaf); returns the loss and dL/dh (W.grad holds
+    dL/dW)."""
+    import torch
+    import torch.nn.functional as F
+    weight.grad = None
+    n = hidden.shape[0]
+    if method == "torch_naive":
+        hidden = hidden.detach().requires_grad_()
+        loss = F.cross_entropy(hidden @ weight.T, labels)
+        loss.backward()
+        return float(loss), hidden.grad
+    total = 0.0
+    grad_hidden = torch.empty_like(hidden)
+    for r0 in range(0, n, chunk_rows):
+        rows = hidden[r0:r0 + chunk_rows].detach().requires_grad_()
+        loss = F.cross_entropy(F.linear(rows, weight), labels[r0:r0 + chunk_rows],
+                               reduction="sum") / n
+        loss.backward()
+        grad_hidden[r0:r0 + chunk_rows] = rows.grad
+        total += float(loss)
+    return total, grad_hidden
+
+
+def median_seconds(call, reps):
+    """Median wall time of `reps` calls of call(); returns it and the last call's result."""
+    times, result = [], None
+    for _ in range(reps):
+        start = time.perf_counter()
+        result = call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def run_worker(args):
+    n, h, v = args.shape
+    warm_up_rows = min(n, 64)
+    try:
+        if args.worker in ("torch_naive", "torch_chunked"):
+            import torch
+            torch.set_num_threads(args.threads)
+            hidden, weight, labels = synthetic_problem(n, h, v)
+            weight.requires_grad_()
+            torch_step(args.worker, hidden[:warm_up_rows], weight, labels[:warm_up_rows],
+                       args.chunk_rows)
+            seconds, (loss, _) = median_seconds(
+                lambda: torch_step(args.worker, hidden, weight, labels, args.chunk_rows), args.reps)
+            result = {"seconds": seconds, "loss": loss}
+        elif args.worker == "remote_python":
+            import numpy as np
+            from lossd import Client
+            rng = np.random.default_rng(0)
+            hidden = rng.standard_normal((n, h), dtype=np.float32)
+            labels = rng.integers(0, v, n)
+            with Client(args.address) as client:
+                def call(rows):
+                    return client.compute("demo", hidden[:rows], labels[:rows],
+                                          outputs=["grad_hidden"], accumulate_grad_weight=True)
+                call(warm_up_rows)
+                seconds, summary = median_seconds(lambda: call(n), args.reps)
+            result = {"seconds": seconds, "loss": summary.loss,
+                      "server_compute_seconds": summary.compute_seconds}
+        else:
+            raise ValueError(f"unknown worker {args.worker}")
+    except MemoryError as error:
+        result = {"error": OUT_OF_MEMORY, "detail": str(error)[:200]}
+    except RuntimeError as error:  # torch's allocator failing under the cap
+        if "alloc" not in str(error):
+            raise
+        result = {"error": OUT_OF_MEMORY, "detail": str(error).splitlines()[0][:200]}
+    print(json.dumps(result), flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# The driver.
+
+class Runner:
+    def __init__(self, args):
+        self.args = args
+        self.bin = os.path.join(args.build_dir, "bin")
+        self.env = dict(os.environ, OMP_NUM_THREADS=str(args.threads),
+                        OPENBLAS_NUM_THREADS=str(args.threads),
+                        PYTHONPATH=os.pathsep.join(filter(None, [
+                            os.path.join(args.build_dir, "python"),
+                            os.environ.get("PYTHONPATH")])))
+        self.cap_bytes = int(args.memory_cap_gib * GIB)
+
+    def limit_memory(self):
+        resource.setrlimit(resource.RLIMIT_AS, (self.cap_bytes, self.cap_bytes))
+
+    def launch(self, argv):
+        """Runs argv under the cap; returns (exit code, stdout, stderr, peak RSS bytes)."""
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            process = subprocess.Popen(argv, stdout=out, stderr=err, env=self.env,
+                                       preexec_fn=self.limit_memory)
+            _, status, usage = os.wait4(process.pid, 0)
+            process.returncode = os.waitstatus_to_exitcode(status)
+            out.seek(0)
+            err.seek(0)
+            return (process.returncode, out.read().decode(), err.read().decode(),
+                    usage.ru_maxrss * 1024)
+
+    def worker(self, method, n, h, v, chunk_rows=0, address=""):
+        argv = [sys.executable, os.path.abspath(__file__), "--worker", method,
+                "--shape", str(n), str(h), str(v), "--threads", str(self.args.threads),
+                "--reps", str(self.args.reps), "--chunk-rows", str(chunk_rows or n),
+                "--address", address]
+        code, out, err, rss = self.launch(argv)
+        if code != 0:
+            return {"error": failure(err, code)}, rss
+        return json.loads(out.strip().splitlines()[-1]), rss
+
+    def engine_bench(self, method, n, h, v):
+        argv = [os.path.join(self.bin, "engine_bench"), "--methods", method, "--passes", "fwd_bwd",
+                "--shapes", f"{n},{h},{v}", "--reps", str(self.args.reps),
+                "--budget-mib", str(self.args.budget_mib)]
+        code, out, err, rss = self.launch(argv)
+        if code != 0:
+            return {"error": failure(err, code)}, rss
+        row = json.loads(out.strip().splitlines()[-1])
+        return {"seconds": row["seconds"], "chunk": row.get("chunk")}, rss
+
+    def lossctl_bench(self, address, head, tokens, streams=1, dtype="float32", accumulate=True,
+                      warmup=0, rows_per_message=0):
+        """One batch of `tokens` rows, split over `streams` concurrent calls."""
+        argv = [os.path.join(self.bin, "lossctl"), f"--server={address}", "bench",
+                f"--head={head}", f"--tokens={tokens // streams}", f"--calls={streams}",
+                f"--streams={streams}", f"--warmup={warmup}", f"--dtype={dtype}", "--grad",
+                f"--rows_per_message={rows_per_message}", "--json"]
+        if accumulate:
+            argv.append("--accumulate")
+        code, out, err, rss = self.launch(argv)
+        if code != 0:
+            return {"error": failure(err, code)}, rss
+        return json.loads(out.strip().splitlines()[-1]), rss
+
+
+def failure(stderr, code):
+    text = stderr.strip().splitlines()
+    if code in (-6, -9) or any(word in stderr for word in ("bad_alloc", "RESOURCE_EXHAUSTED",
+                                                           "Cannot allocate", "can't allocate")):
+        return OUT_OF_MEMORY
+    return f"exit {code}: {text[-1] if text else ''}"[:300]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """lossd_server with the demo head [V, H] (and a [16, H] head for transport), CPU backend."""
+
+    def __init__(self, runner, v, h):
+        self.runner = runner
+        self.address = f"127.0.0.1:{free_port()}"
+        self.log = tempfile.NamedTemporaryFile(prefix="lossd-bench-", suffix=".log")
+        argv = [os.path.join(runner.bin, "lossd_server"), f"--listen={self.address}",
+                "--metrics_listen=", "--device=cpu", f"--demo_vocab_size={v}",
+                f"--demo_hidden_size={h}", f"--workspace_budget_mib={runner.args.budget_mib}"]
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env=runner.env, preexec_fn=runner.limit_memory)
+        import numpy as np
+        from lossd import Client, LossdError
+        with Client(self.address) as client:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    client.list_heads()
+                    break
+                except LossdError:  # not listening yet
+                    if self.process.poll() is not None or time.monotonic() > deadline:
+                        self.log.seek(0)
+                        raise RuntimeError("lossd_server did not start:\n" +
+                                           self.log.read().decode())
+                    time.sleep(0.2)
+            client.upload_head("wire", np.zeros((TRANSPORT_VOCAB, h), np.float32))
+            # Warm-up: threads started, first allocations made.
+            client.compute("demo", np.zeros((64, h), np.float32), np.zeros(64, np.int64),
+                           outputs=["grad_hidden"], accumulate_grad_weight=True)
+
+    def peak_rss(self):
+        with open(f"/proc/{self.process.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        return None
+
+    def stop(self):
+        self.process.terminate()
+        self.process.wait(timeout=60)
+        self.log.close()
+
+
+def memcpy_gbps():
+    """Single-thread copy bandwidth: bytes read per second copying 256 MiB."""
+    import numpy as np
+    src = np.ones(256 * MIB // 4, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = min(timed(lambda: np.copyto(dst, src)) for _ in range(5))
+    return src.nbytes / best / 1e9
+
+
+def timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def describe_machine(threads):
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    with open("/proc/meminfo") as f:
+        mem_kib = int(f.readline().split()[1])
+    torch_version = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
+                                   capture_output=True, text=True).stdout.strip()
+    return {"hostname": socket.gethostname(), "cpu": cpu, "cores": os.cpu_count(),
+            "threads": threads, "memory_gib": round(mem_kib / (1 << 20), 1), "torch": torch_version,
+            "python": platform.python_version()}
+
+
+def bench_shape(runner, v, h, n, record):
+    """Every method at one shape; returns the measurements and the server's peak memory."""
+    rows = {}
+    for method in ("engine", "floor"):
+        rows[method] = runner.engine_bench(method, n, h, v)
+    # The chunked torch peer takes as many rows per chunk as the engine's budget gives it.
+    chunk_rows = (rows["engine"][0].get("chunk") or {}).get("tokens") or n
+    rows["torch_naive"] = runner.worker("torch_naive", n, h, v)
+    rows["torch_chunked"] = runner.worker("torch_chunked", n, h, v, chunk_rows=chunk_rows)
+    server = Server(runner, v, h)
+    try:
+        rows["remote_cpp"] = runner.lossctl_bench(server.address, "demo", n)
+        whole, _ = runner.lossctl_bench(server.address, "demo", n, rows_per_message=n)
+        if "seconds" in whole:
+            rows["remote_cpp"][0]["whole_batch_seconds"] = whole["seconds"]
+        rows["remote_python"] = runner.worker("remote_python", n, h, v, address=server.address)
+        server_rss = server.peak_rss()
+    finally:
+        server.stop()
+    # What every method must hold: hidden and dL/dh [N, H], W and dL/dW [V, H], fp32.
+    tensors = 4 * (2 * n * h + 2 * v * h)
+    base = {"v": v, "h": h, "n": n, "flops": 6.0 * n * h * v, "tensor_bytes": tensors}
+    engine_s = rows["engine"][0].get("seconds")
+    for method, (result, rss) in rows.items():
+        entry = dict(base, method=method, peak_rss_bytes=rss)
+        entry.update({k: result[k] for k in ("seconds", "error", "chunk") if k in result})
+        if method == "torch_chunked":
+            entry["chunk_rows"] = chunk_rows
+        if method.startswith("remote_"):
+            entry["server_peak_rss_bytes"] = server_rss
+            if "server_compute_seconds" in result:
+                entry["server_compute_seconds"] = result["server_compute_seconds"]
+            if engine_s and "seconds" in result:
+                entry["ratio_to_in_process"] = result["seconds"] / engine_s
+            if engine_s and "whole_batch_seconds" in result:
+                entry["whole_batch_seconds"] = result["whole_batch_seconds"]
+                entry["whole_batch_ratio_to_in_process"] = result["whole_batch_seconds"] / engine_s
+        record(entry)
+
+
+def bench_transport(runner, tokens, record):
+    h = TRANSPORT_HIDDEN
+    server = Server(runner, TRANSPORT_VOCAB, h)
+    try:
+        for dtype in ("float32", "bfloat16"):
+            for streams in TRANSPORT_STREAMS:
+                result, _ = runner.lossctl_bench(server.address, "wire", tokens, streams=streams,
+                                                 dtype=dtype, accumulate=False, warmup=1)
+                entry = {"method": "transport", "dtype": dtype, "streams": streams,
+                         "n": tokens, "h": h}
+                if "error" in result:
+                    entry["error"] = result["error"]
+                else:
+                    entry.update(seconds=result["seconds"],
+                                 in_gbps=result["bytes_sent"] / result["seconds"] / 1e9,
+                                 out_gbps=result["bytes_received"] / result["seconds"] / 1e9)
+                record(entry)
+    finally:
+        server.stop()
+    record({"method": "memcpy", "gbps": memcpy_gbps()})
+
+
+# --------------------------------------------------------------------------------------------
+# Report.
+
+SWEEP_METHODS = ["torch_naive", "torch_chunked", "engine", "floor", "remote_cpp", "remote_python"]
+
+
+def fmt_seconds(entry):
+    return entry.get("error") or f"{entry['seconds']:.3f}"
+
+
+def write_markdown(path, machine, command, entries):
+    sweep = [e for e in entries if e["method"] in SWEEP_METHODS]
+    shapes = sorted({(e["v"], e["h"], e["n"]) for e in sweep})
+    by = {(e["v"], e["h"], e["n"], e["method"]): e for e in sweep}
+    lines = [f"# lossd against its peers: {machine['cpu']}, {machine['threads']} threads",
+             "", f"Date: {machine['date']}. Machine: {json.dumps(machine)}.", "",
+             f"Command: `{command}`", "",
+             "Forward + backward (loss, dL/dh, dL/dW), fp32. Seconds are medians; ratios are time over the floor's and over torch naive's. Memory is each "
+             "process's peak resident set; for the remote methods, the client's, with the "
+             "server's in the last column. `tensors` is what every method must hold (hidden and "
+             "dL/dh, W and dL/dW, in one process or split between client and server).", "",
+             "| V, H, N | method | seconds | tokens/s | x floor | x torch naive | peak MiB | "
+             "tensors MiB | server MiB |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for shape in shapes:
+        floor = by.get(shape + ("floor",), {}).get("seconds")
+        naive = by.get(shape + ("torch_naive",), {}).get("seconds")
+        for method in SWEEP_METHODS:
+            e = by.get(shape + (method,))
+            if e is None:
+                continue
+            s = e.get("seconds")
+            cells = [f"{shape[0]}, {shape[1]}, {shape[2]}", method, fmt_seconds(e),
+                     f"{shape[2] / s:.0f}" if s else "-",
+                     f"{s / floor:.3f}" if s and floor else "-",
+                     f"{s / naive:.3f}" if s and naive else "-",
+                     f"{e['peak_rss_bytes'] / MIB:.0f}", f"{e['tensor_bytes'] / MIB:.0f}",
+                     f"{e['server_peak_rss_bytes'] / MIB:.0f}" if e.get("server_peak_rss_bytes") else ""]
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Remote against in-process", "",
+              "Remote time over the engine's in-process time: rows streamed in messages of about "
+              "4 MiB (each token chunk computed as soon as its rows are in, results streamed "
+              "back), and the whole batch sent as one message, so that nothing is computed "
+              "before all of it has arrived.", "",
+              "| V, H, N | client | streamed | whole batch first | in-process s |",
+              "| --- | --- | ---: | ---: | ---: |"]
+    for shape in shapes:
+        for method in ("remote_cpp", "remote_python"):
+            e = by.get(shape + (method,))
+            engine = by.get(shape + ("engine",), {}).get("seconds")
+            if e and "ratio_to_in_process" in e:
+                whole = e.get("whole_batch_ratio_to_in_process")
+                lines.append(f"| {shape[0]}, {shape[1]}, {shape[2]} | {method[7:]} | "
+                             f"{e['ratio_to_in_process']:.3f} | "
+                             f"{f'{whole:.3f}' if whole else '-'} | {engine:.3f} |")
+    transport = [e for e in entries if e["method"] == "transport"]
+    memcpy = next((e["gbps"] for e in entries if e["method"] == "memcpy"), None)
+    if transport:
+        lines += ["", "## Transport", "",
+                  f"A Compute call on a [{TRANSPORT_VOCAB}, {TRANSPORT_HIDDEN}] head: hidden rows "
+                  "in, dL/dh out, from the C++ client; GB/s of message payload each way. "
+                  f"Single-thread memcpy on this machine: {memcpy:.2f} GB/s.", "",
+                  "| dtype | streams | tokens | seconds | in GB/s | out GB/s |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for e in transport:
+            if "error" in e:
+                lines.append(f"| {e['dtype']} | {e['streams']} | {e['n']} | {e['error']} | | |")
+            else:
+                lines.append(f"| {e['dtype']} | {e['streams']} | {e['n']} | {e['seconds']:.3f} | "
+                             f"{e['in_gbps']:.2f} | {e['out_gbps']:.2f} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def write_plots(out_dir, entries):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    sweep = [e for e in entries if e["method"] in SWEEP_METHODS]
+    groups = sorted({(e["v"], e["h"]) for e in sweep})
+    # The memory plot shows the server for the remote methods: that is where lossd's memory is.
+    for name, key, label, methods in (
+            ("time_vs_n.png", "seconds", "seconds (fwd + bwd)", SWEEP_METHODS),
+            ("memory_vs_n.png", "peak_rss_bytes", "peak resident GiB",
+             ["torch_naive", "torch_chunked", "engine", "floor", "server"])):
+        fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
+        for ax, (v, h) in zip(axes[0], groups):
+            for method in methods:
+                source, field = ("remote_cpp", "server_peak_rss_bytes") if method == "server" \
+                    else (method, key)
+                points = sorted((e["n"], e[field]) for e in sweep
+                                if (e["v"], e["h"], e["method"]) == (v, h, source)
+                                and e.get("seconds") and e.get(field))
+                if points:
+                    xs, ys = zip(*points)
+                    ys = [y / GIB for y in ys] if key == "peak_rss_bytes" else ys
+                    ax.plot(xs, ys, marker="o", label=method)
+                for e in sweep:
+                    if (e["v"], e["h"], e["method"]) == (v, h, source) and e.get("error"):
+                        ax.annotate(f"{method}: " + ("out of memory" if e["error"] == OUT_OF_MEMORY
+                                                     else "failed"),
+                                    (e["n"], ax.get_ylim()[0]), fontsize=7, rotation=90,
+                                    va="bottom")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"V={v}, H={h}")
+            ax.set_xlabel("tokens N")
+            ax.set_ylabel(label)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, name), dpi=110)
+        plt.close(fig)
+    transport = [e for e in entries if e["method"] == "transport" and "error" not in e]
+    if transport:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        labels = [f"{e['dtype']}\n{e['streams']} stream{'s' if e['streams'] > 1 else ''}"
+                  for e in transport]
+        xs = range(len(transport))
+        ax.bar([x - 0.2 for x in xs], [e["in_gbps"] for e in transport], 0.4, label="rows in")
+        ax.bar([x + 0.2 for x in xs], [e["out_gbps"] for e in transport], 0.4, label="dL/dh out")
+        memcpy = next((e["gbps"] for e in entries if e["method"] == "memcpy"), None)
+        if memcpy:
+            ax.axhline(memcpy, color="gray", linestyle="--", label="memcpy, 1 thread")
+        ax.set_xticks(list(xs), labels)
+        ax.set_ylabel("GB/s")
+        ax.set_title("Compute call wire throughput, loopback")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "transport.png"), dpi=110)
+        plt.close(fig)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes, about 2 minutes")
+    parser.add_argument("--build-dir", default=os.path.join(REPO, "build"))
+    parser.add_argument("--out", help="results folder (default bench/results/<machine>-<date>)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--reps", type=int, default=1, help="timed runs per measurement, median")
+    parser.add_argument("--budget-mib", type=int, default=256, help="lossd's workspace budget")
+    parser.add_argument("--memory-cap-gib", type=float, default=6.0,
+                        help="address-space cap of every process; 6 GiB of this 24 GiB machine "
+                             "plays the part of an accelerator's memory")
+    # Worker mode (internal).
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--shape", type=int, nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--chunk-rows", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--address", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        run_worker(args)
+        return
+
+    args.build_dir = os.path.abspath(args.build_dir)
+    sys.path.insert(0, os.path.join(args.build_dir, "python"))
+    machine = describe_machine(args.threads)
+    machine["date"] = datetime.date.today().isoformat()
+    machine_name = "".join(c if c.isalnum() else "-" for c in machine["cpu"].lower()).strip("-")
+    out_dir = args.out or os.path.join(REPO, "bench", "results",
+                                       f"{machine_name}-{machine['threads']}t-{machine['date']}")
+    os.makedirs(out_dir, exist_ok=True)
+    command = "bench/peers.sh " + " ".join(sys.argv[1:])
+    runner = Runner(args)
+    entries = []
+    started = time.monotonic()
+
+    def record(entry):
+        entry = dict(entry, machine=machine)
+        entries.append(entry)
+        shown = {k: v for k, v in entry.items() if k != "machine"}
+        print(f"[{time.monotonic() - started:6.0f} s] {json.dumps(shown)}", file=sys.stderr,
+              flush=True)
+
+    for v, h, ns in QUICK_SHAPES if args.quick else FULL_SHAPES:
+        for n in ns:
+            bench_shape(runner, v, h, n, record)
+    bench_transport(runner, QUICK_TRANSPORT_TOKENS if args.quick else TRANSPORT_TOKENS, record)
+
+    with open(os.path.join(out_dir, "results.jsonl"), "w") as f:
+        for entry in entries:
+            f.write(json.dumps(entry) + "\n")
+    write_markdown(os.path.join(out_dir, "results.md"), machine, command, entries)
+    write_plots(out_dir, entries)
+    print(f"wrote {out_dir} in {time.monotonic() - started:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
