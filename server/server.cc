@@ -254,7 +254,12 @@ void LossServer::Shutdown(absl::Duration drain) {
   if (shut_down_) return;
   shut_down_ = true;
   server_->GetHealthCheckService()->SetServingStatus(false);
-  server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(drain));
+  // gRPC's own Shutdown(deadline) also waits for idle client connections to hang up, up to the
+  // deadline (seconds, for a client that keeps its channel open). So the service refuses new
+  // calls and drains the running ones itself, then gRPC closes everything at once.
+  service_->StopAccepting();
+  service_->WaitForCallsInFlight(absl::Now() + drain);
+  server_->Shutdown(std::chrono::system_clock::now());
   server_->Wait();
 }
 

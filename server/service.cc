@@ -70,13 +70,37 @@ absl::Status LossService::Authenticate(const grpc::ServerContext& context) const
   return absl::OkStatus();
 }
 
+void LossService::StopAccepting() {
+  absl::MutexLock lock(&calls_mu_);
+  accepting_ = false;
+}
+
+bool LossService::WaitForCallsInFlight(absl::Time deadline) {
+  absl::MutexLock lock(&calls_mu_);
+  auto none_left = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(calls_mu_) { return calls_in_flight_ == 0; };
+  return calls_mu_.AwaitWithDeadline(absl::Condition(&none_left), deadline);
+}
+
 template <typename Body>
 grpc::Status LossService::Serve(const char* method, grpc::ServerContext* context, Body&& body) {
   const absl::Time start = absl::Now();
+  {
+    absl::MutexLock lock(&calls_mu_);
+    if (!accepting_) {
+      metrics_.RecordRequest(method, "UNAVAILABLE", 0.0);
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          "the server is shutting down and takes no new calls");
+    }
+    ++calls_in_flight_;
+  }
   metrics_.AddInFlight(1);
   absl::Status status = Authenticate(*context);
   if (status.ok()) status = body();
   metrics_.AddInFlight(-1);
+  {
+    absl::MutexLock lock(&calls_mu_);
+    --calls_in_flight_;
+  }
   const grpc::Status result = ToGrpcStatus(status);
   metrics_.RecordRequest(method, GrpcCodeName(result.error_code()),
                          absl::ToDoubleSeconds(absl::Now() - start));

@@ -4,6 +4,10 @@
 
 #include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/compute_call.h"
 #include "server/head_store.h"
@@ -48,6 +52,12 @@ class LossService final : public v1::LossService::Service {
   grpc::Status SaveCheckpoint(grpc::ServerContext* context, const v1::SaveCheckpointRequest* request,
                               v1::SaveCheckpointResponse* response) override;
 
+  // Shutdown, in two steps. StopAccepting: from now on every call is refused with UNAVAILABLE.
+  // WaitForCallsInFlight: returns once the calls already running have returned, or at
+  // `deadline`; true when none is left.
+  void StopAccepting();
+  bool WaitForCallsInFlight(absl::Time deadline);
+
  private:
   // Authenticates, counts the call in flight, runs `body`, and records its code and duration.
   template <typename Body>
@@ -63,6 +73,10 @@ class LossService final : public v1::LossService::Service {
   Metrics& metrics_;
   MemoryLedger& ledger_;
   const ServiceOptions options_;
+
+  absl::Mutex calls_mu_;
+  bool accepting_ ABSL_GUARDED_BY(calls_mu_) = true;
+  int calls_in_flight_ ABSL_GUARDED_BY(calls_mu_) = 0;
 };
 
 }  // namespace lossd::server

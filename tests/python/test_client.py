@@ -4,7 +4,10 @@ References are torch's own float64 computations on W fetched from the server. Bo
 engine's: loss relative error 1e-6, gradients relative Frobenius error 2e-5 (the server computes in
 float32 from float32 inputs).
 """
+import signal
 import subprocess
+import threading
+import time
 import uuid
 
 import numpy as np
@@ -358,3 +361,44 @@ def test_tls_and_bearer_token(tmp_path):
             with pytest.raises(lossd.LossdError) as error:
                 anonymous.list_heads()
             assert error.value.code == "UNAUTHENTICATED"
+
+
+def test_sigterm_finishes_running_calls_refuses_new_ones_and_ignores_idle_clients():
+    vocab, hidden_size, tokens = 32000, 256, 16384  # a call of a few seconds on 2 cores
+    rng = np.random.default_rng()
+    hidden = rng.standard_normal((tokens, hidden_size), dtype=np.float32)
+    labels = rng.integers(0, vocab, tokens)
+    with ServerProcess("--device=cpu", f"--demo_vocab_size={vocab}",
+                       f"--demo_hidden_size={hidden_size}", metrics=False) as server, \
+            lossd.Client(server.address, timeout=120) as idle, \
+            lossd.Client(server.address, timeout=120) as busy:
+        idle.list_heads()  # a connection that stays open and idle through the shutdown
+        outcome = {}
+
+        def call():
+            try:
+                outcome["result"] = busy.compute("demo", hidden, labels, outputs=["grad_hidden"])
+            except lossd.LossdError as error:
+                outcome["error"] = error
+            outcome["ended"] = time.monotonic()
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        time.sleep(0.5)
+        server.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while "draining in-flight calls" not in server.output() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert "ended" not in outcome, "the call ended before the signal: make it longer"
+        with pytest.raises(lossd.LossdError) as refused:
+            idle.list_heads()
+        assert refused.value.code == "UNAVAILABLE"
+        assert "shutting down" in refused.value.message
+        caller.join()
+        assert server.process.wait(timeout=30) == 0
+        exited = time.monotonic()
+        assert "error" not in outcome, outcome.get("error")
+        assert outcome["result"].grad_hidden.shape == (tokens, hidden_size)
+        # The idle connection does not hold the exit: it follows the last call at once.
+        assert exited - outcome["ended"] < 2.0

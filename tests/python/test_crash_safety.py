@@ -54,7 +54,6 @@ def start_server(checkpoint_dir):
 
 
 def open_channel(server):
-    """Close it before stopping the server: an open idle connection holds a SIGTERM drain for seconds."""
     return grpc.insecure_channel(server.address, options=[("grpc.max_receive_message_length", 64 << 20)])
 
 
