@@ -1,5 +1,6 @@
 #include "server/server.h"
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -12,6 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "lossd/common/status_macros.h"
 #include "server/storage/checkpoint.h"
 #include "server/storage/safetensors.h"
@@ -256,10 +259,15 @@ void LossServer::Shutdown(absl::Duration drain) {
   server_->GetHealthCheckService()->SetServingStatus(false);
   // gRPC's own Shutdown(deadline) also waits for idle client connections to hang up, up to the
   // deadline (seconds, for a client that keeps its channel open). So the service refuses new
-  // calls and drains the running ones itself, then gRPC closes everything at once.
+  // calls and drains the running ones itself; gRPC then gets a short grace to deliver the last
+  // calls' statuses (a handler that has returned may not have sent its status yet, and
+  // cancelling it would report a call that took effect as failed) before it closes everything.
+  constexpr absl::Duration kStatusGrace = absl::Milliseconds(500);
+  const absl::Time deadline = absl::Now() + drain;
   service_->StopAccepting();
-  service_->WaitForCallsInFlight(absl::Now() + drain);
-  server_->Shutdown(std::chrono::system_clock::now());
+  const bool drained = service_->WaitForCallsInFlight(deadline);
+  const absl::Time close_at = drained ? std::min(deadline, absl::Now() + kStatusGrace) : absl::Now();
+  server_->Shutdown(absl::ToChronoTime(close_at));
   server_->Wait();
 }
 
