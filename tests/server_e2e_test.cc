@@ -334,11 +334,10 @@ TEST_F(ServerE2eTest, StepsMatchTorchOptimizerFormulas) {
         diff += (updated.values[i] - w[i]) * (updated.values[i] - w[i]);
         norm += w[i] * w[i];
       }
-      // fp32 updates of fp32 weights against float64 ones: each step rounds W and the moments
-      // in about 8 operations (AdamW: decay, two moment updates, two bias corrections, sqrt,
-      // divide, subtract), and the float64 reference keeps its moments exact, so the error grows
-      // by up to 8 units of 2^-24 per step.
-      EXPECT_LE(std::sqrt(diff / norm), step * 8 * 0x1p-24) << head << " step " << step;
+      // fp32 updates of fp32 weights against float64 ones: each step rounds W a few times (decay,
+      // update, subtraction), half a unit of 2^-24 each, adding up in RMS; about 0.65 units after
+      // the first AdamW step and 1.3 after the third are typical. One unit per step plus one.
+      EXPECT_LE(std::sqrt(diff / norm), (step + 1) * 0x1p-24) << head << " step " << step;
       // The accumulator was zeroed by the step.
       const FetchedTensor zeroed = Fetch(*stub_, head, true);
       EXPECT_TRUE(std::all_of(zeroed.values.begin(), zeroed.values.end(), [](float x) { return x == 0; }));

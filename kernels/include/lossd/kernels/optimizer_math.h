@@ -21,6 +21,11 @@ struct OptimizerScalars {
   float grad_multiplier;
   float step_size;           // AdamW: lr / (1 - beta1^t)
   float inv_sqrt_bias2;      // AdamW: 1 / sqrt(1 - beta2^t)
+  // 1 - beta1, 1 - beta2 and 1 - lr wd, taken in double before rounding (as torch does): in fp32
+  // from the rounded betas, 1 - 0.999f is off by 1.3e-5 relative, and v with it.
+  float one_minus_beta1;
+  float one_minus_beta2;
+  float decay;
 };
 
 inline OptimizerScalars MakeOptimizerScalars(const OptimizerConfig& c) {
@@ -35,6 +40,9 @@ inline OptimizerScalars MakeOptimizerScalars(const OptimizerConfig& c) {
   const double t = static_cast<double>(c.step);
   s.step_size = static_cast<float>(c.learning_rate / (1.0 - std::pow(c.beta1, t)));
   s.inv_sqrt_bias2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(c.beta2, t)));
+  s.one_minus_beta1 = static_cast<float>(1.0 - c.beta1);
+  s.one_minus_beta2 = static_cast<float>(1.0 - c.beta2);
+  s.decay = static_cast<float>(1.0 - c.learning_rate * c.weight_decay);
   return s;
 }
 
@@ -52,9 +60,9 @@ LOSSD_HD void SgdUpdate(float& w, float g, float& momentum_buffer, const Optimiz
 // w -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps).
 LOSSD_HD void AdamWUpdate(float& w, float g, float& m, float& v, const OptimizerScalars& s) {
   g *= s.grad_multiplier;
-  w *= 1.0f - s.learning_rate * s.weight_decay;
-  m = s.beta1 * m + (1.0f - s.beta1) * g;
-  v = s.beta2 * v + (1.0f - s.beta2) * g * g;
+  w *= s.decay;
+  m = s.beta1 * m + s.one_minus_beta1 * g;
+  v = s.beta2 * v + s.one_minus_beta2 * g * g;
   w -= s.step_size * m / (sqrtf(v) * s.inv_sqrt_bias2 + s.epsilon);
 }
 
