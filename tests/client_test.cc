@@ -71,12 +71,8 @@ std::vector<double> AsDoubles(const std::vector<int32_t>& values) { return {valu
 class ClientTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    server::ServerConfig config;
-    config.demo = {kHead, kVocab, kHidden, 11};
-    // 1 MiB of workspace holds about 80 rows of this head: batches run as several engine chunks.
-    config.workspace_budget_bytes = 1 << 20;
-    config.max_running_calls = 4;
-    server_ = StartTestServer(config).release();
+    // About 80 rows of this head per engine chunk: a few-hundred-row batch runs as several.
+    server_ = StartTestServer(MultiChunkDemoConfig(kHead, kVocab, kHidden, 11)).release();
     ASSERT_NE(server_, nullptr);
   }
   static void TearDownTestSuite() {

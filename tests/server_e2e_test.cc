@@ -92,12 +92,8 @@ std::vector<float> RandomWeight(int64_t vocab, std::mt19937_64& rng) {
 class ServerE2eTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    server::ServerConfig config;
-    config.demo = {kHead, kVocab, kHidden, 7};
-    // 1 MiB holds about 80 rows of this head: a 300-row batch runs as several engine chunks.
-    config.workspace_budget_bytes = 1 << 20;
-    config.max_running_calls = 4;
-    server_ = StartTestServer(config).release();
+    // About 80 rows of this head per engine chunk: a few-hundred-row batch runs as several.
+    server_ = StartTestServer(MultiChunkDemoConfig(kHead, kVocab, kHidden, 7)).release();
     ASSERT_NE(server_, nullptr);
   }
   static void TearDownTestSuite() {

@@ -17,6 +17,15 @@ std::unique_ptr<server::LossServer> StartTestServer(server::ServerConfig config,
   return server.ok() ? std::move(server).value() : nullptr;
 }
 
+server::ServerConfig MultiChunkDemoConfig(const std::string& head, int64_t vocab, int64_t hidden,
+                                          uint64_t seed) {
+  server::ServerConfig config;
+  config.demo = {head, vocab, hidden, seed};
+  config.workspace_budget_bytes = 1 << 20;
+  config.max_running_calls = 4;
+  return config;
+}
+
 std::unique_ptr<v1::LossService::Stub> ConnectTo(int port, const std::string& token) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(256 << 20);

@@ -18,6 +18,11 @@ namespace lossd::testing {
 // Exposer takes seconds to destroy, so test binaries share one).
 std::unique_ptr<server::LossServer> StartTestServer(server::ServerConfig config, bool metrics = false);
 
+// A demo head [vocab, hidden] behind a 1 MiB workspace budget, so that batches of a few hundred
+// rows run as several engine chunks, and four calls at once.
+server::ServerConfig MultiChunkDemoConfig(const std::string& head, int64_t vocab, int64_t hidden,
+                                          uint64_t seed);
+
 std::unique_ptr<v1::LossService::Stub> ConnectTo(int port, const std::string& token = "");
 
 // Everything a Compute call streamed back, reassembled by row.
