@@ -210,7 +210,9 @@ void RunOne(const Script& script) {
   limits.max_tokens_per_call = kMaxTokensPerCall;
   limits.max_result_message_bytes = script.result_message_bytes;
   limits.max_admission_wait = absl::ZeroDuration();
-  const ComputeEnvironment env{&backend, &heads, &scheduler, /*metrics=*/nullptr, &ledger, limits};
+  BufferCache buffers(backend, ledger, scheduler.capacity_bytes());
+  const ComputeEnvironment env{&backend, &heads,    &scheduler, /*metrics=*/nullptr,
+                               &ledger,  &buffers, limits};
 
   const auto grad_before = head->ReadGradient(DType::kFloat32);
   Require(grad_before.ok(), "the gradient reads before the call");
@@ -225,6 +227,8 @@ void RunOne(const Script& script) {
           "the call's staging gradient is released");
   Require(scheduler.running() == 0 && scheduler.queued() == 0 && scheduler.admitted_bytes() == 0,
           "the call leaves the scheduler");
+  Require(ledger.current(MemoryPurpose::kCache) == buffers.idle_bytes(),
+          "the call's buffers are back in the cache, charged to it");
 
   const auto grad_after = head->ReadGradient(DType::kFloat32);
   Require(grad_after.ok(), "the gradient reads after the call");

@@ -156,18 +156,19 @@ class ComputeCall {
 
     RETURN_IF_ERROR(ReceiveAndCompute());
     if (buffered_rows_ > 0) RETURN_IF_ERROR(ComputeBuffered());
-    if (staging_.data() != nullptr) {
+    if (staging_.held()) {
       RETURN_IF_ERROR(CheckStagedGradientIsFinite());
       // The last point at which a cancelled call can still leave the accumulator untouched.
       if (stream_.IsCancelled()) {
         return absl::CancelledError("call cancelled before its dL/dW was committed; nothing was accumulated");
       }
-      RETURN_IF_ERROR(spec_.head->CommitGradient(spec_.version, staging_, spec_.counted_tokens));
+      RETURN_IF_ERROR(
+          spec_.head->CommitGradient(spec_.version, staging_.buffer(), spec_.counted_tokens));
     }
     const absl::Status sent = SendSummary();
     // Once dL/dW is committed the call has taken effect: failing it now, because the client left
     // before its summary, would report as failed (so: nothing accumulated) a gradient that was.
-    if (!sent.ok() && staging_.data() == nullptr) return sent;
+    if (!sent.ok() && !staging_.held()) return sent;
     Account();
     return absl::OkStatus();
   }
@@ -193,12 +194,10 @@ class ComputeCall {
   }
 
   absl::Status AllocateBuffers() {
-    ASSIGN_OR_RETURN(workspace_, env_.backend->Allocate(plan_.workspace_bytes));
-    workspace_charge_ = MemoryCharge(env_.ledger, MemoryPurpose::kWorkspace, plan_.workspace_bytes);
+    ASSIGN_OR_RETURN(workspace_, env_.buffers->Acquire(plan_.workspace_bytes, MemoryPurpose::kWorkspace));
     if (staging_bytes_ > 0) {
-      ASSIGN_OR_RETURN(staging_, env_.backend->Allocate(staging_bytes_));
-      RETURN_IF_ERROR(env_.backend->Zero(staging_));
-      staging_charge_ = MemoryCharge(env_.ledger, MemoryPurpose::kGradients, staging_bytes_);
+      ASSIGN_OR_RETURN(staging_, env_.buffers->Acquire(staging_bytes_, MemoryPurpose::kGradients));
+      RETURN_IF_ERROR(env_.backend->Zero(staging_.buffer()));
     }
     rows_.resize(plan_.token_chunk * row_bytes_);
     return absl::OkStatus();
@@ -262,8 +261,8 @@ class ComputeCall {
     BatchSummary summary;
     RETURN_IF_ERROR(spec_.head->WithWeights(spec_.version, [&](const WeightView& weight) {
       ASSIGN_OR_RETURN(summary, env_.backend->Compute(in, weight, spec_.options, out,
-                                                      staging_.data() ? &staging_ : nullptr,
-                                                      workspace_));
+                                                      staging_.held() ? &staging_.buffer() : nullptr,
+                                                      workspace_.buffer()));
       return absl::OkStatus();
     }));
     const double seconds = SecondsSince(start);
@@ -290,7 +289,7 @@ class ComputeCall {
   // squares (taken in double, so finite values cannot overflow it) means a non-finite entry.
   absl::Status CheckStagedGradientIsFinite() {
     const int64_t count = spec_.head->vocab_size() * spec_.head->hidden_size();
-    ASSIGN_OR_RETURN(const double sum_squares, env_.backend->SumSquaresFloat32(staging_, count));
+    ASSIGN_OR_RETURN(const double sum_squares, env_.backend->SumSquaresFloat32(staging_.buffer(), count));
     if (std::isfinite(sum_squares)) return absl::OkStatus();
     if (env_.metrics != nullptr) env_.metrics->CountNonFiniteCall();
     return absl::InvalidArgumentError(
@@ -342,7 +341,7 @@ class ComputeCall {
     s.set_counted_tokens(spec_.counted_tokens);
     s.set_correct_tokens(correct_tokens_);
     s.set_head_version(spec_.version);
-    s.set_grad_weight_accumulated(staging_.data() != nullptr);
+    s.set_grad_weight_accumulated(staging_.held());
     s.set_queue_seconds(queue_seconds_);
     s.set_compute_seconds(compute_seconds_);
     s.set_peak_workspace_bytes(peak_workspace_bytes_);
@@ -374,10 +373,8 @@ class ComputeCall {
   size_t staging_bytes_ = 0;
   int64_t admitted_bytes_ = 0;
   Admission admission_;
-  DeviceBuffer workspace_;
-  DeviceBuffer staging_;
-  MemoryCharge workspace_charge_;
-  MemoryCharge staging_charge_;
+  BufferLease workspace_;
+  BufferLease staging_;
   std::vector<uint8_t> rows_;
   ChunkOutputs outputs_;
   int64_t buffered_rows_ = 0;

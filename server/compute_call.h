@@ -12,6 +12,7 @@
 #include "absl/time/time.h"
 #include "lossd/kernels/backend.h"
 #include "lossd/v1/lossd.pb.h"
+#include "server/buffer_cache.h"
 #include "server/head_store.h"
 #include "server/memory_ledger.h"
 #include "server/metrics.h"
@@ -41,6 +42,7 @@ struct ComputeEnvironment {
   Scheduler* scheduler;
   Metrics* metrics;  // may be null
   MemoryLedger* ledger;
+  BufferCache* buffers;  // workspaces and staging gradients
   ComputeLimits limits;
 };
 

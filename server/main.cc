@@ -22,6 +22,9 @@ ABSL_FLAG(int64_t, compute_memory_mib, 0,
           "device memory admitted calls may hold together, in MiB (0: room for --max_running_calls "
           "training calls on the largest head)");
 ABSL_FLAG(int, max_running_calls, 2, "Compute calls running on the device at once");
+ABSL_FLAG(bool, cache_call_buffers, true,
+          "keep calls' workspaces and staging dL/dW for the next call (within --compute_memory_mib) "
+          "instead of freeing them");
 ABSL_FLAG(int, max_queued_calls, 64, "Compute calls waiting for admission before new ones are refused");
 ABSL_FLAG(int64_t, max_message_mib, 256, "largest gRPC message accepted or sent, in MiB");
 ABSL_FLAG(std::string, token_file, "", "file whose first line is the bearer token every call must carry");
@@ -62,6 +65,7 @@ int main(int argc, char** argv) {
   config.workspace_budget_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_workspace_budget_mib)) << 20;
   config.compute_memory_bytes = absl::GetFlag(FLAGS_compute_memory_mib) << 20;
   config.max_running_calls = absl::GetFlag(FLAGS_max_running_calls);
+  config.cache_call_buffers = absl::GetFlag(FLAGS_cache_call_buffers);
   config.max_queued_calls = absl::GetFlag(FLAGS_max_queued_calls);
   config.max_message_bytes = absl::GetFlag(FLAGS_max_message_mib) << 20;
   config.token_file = absl::GetFlag(FLAGS_token_file);

@@ -10,6 +10,7 @@ const char* MemoryPurposeName(MemoryPurpose purpose) {
     case MemoryPurpose::kGradients: return "gradients";
     case MemoryPurpose::kOptimizerState: return "optimizer_state";
     case MemoryPurpose::kWorkspace: return "workspace";
+    case MemoryPurpose::kCache: return "cache";
   }
   return "unknown";
 }

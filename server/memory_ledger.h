@@ -13,8 +13,9 @@ enum class MemoryPurpose : int {
   kGradients = 1,        // heads' accumulators and the per-call staging gradients
   kOptimizerState = 2,
   kWorkspace = 3,
+  kCache = 4,            // idle call buffers kept for the next call
 };
-inline constexpr int kMemoryPurposeCount = 4;
+inline constexpr int kMemoryPurposeCount = 5;
 const char* MemoryPurposeName(MemoryPurpose purpose);
 
 class MemoryLedger {

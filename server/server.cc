@@ -192,6 +192,8 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
                                         largest_head_elements * static_cast<int64_t>(sizeof(float)));
   server->scheduler_ =
       std::make_unique<Scheduler>(compute_memory, config.max_running_calls, config.max_queued_calls);
+  server->buffers_ = std::make_unique<BufferCache>(*server->backend_, server->ledger_,
+                                                   config.cache_call_buffers ? compute_memory : 0);
 
   ServiceOptions options;
   options.compute.workspace_budget_bytes = config.workspace_budget_bytes;
@@ -209,7 +211,8 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   }
   server->service_ = std::make_unique<LossService>(*server->backend_, server->heads_,
                                                    *server->scheduler_, server->metrics_,
-                                                   server->ledger_, std::move(options));
+                                                   server->ledger_, *server->buffers_,
+                                                   std::move(options));
 
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
   if (!config.tls_cert_file.empty() || !config.tls_key_file.empty()) {

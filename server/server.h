@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "lossd/kernels/backend.h"
+#include "server/buffer_cache.h"
 #include "server/head_store.h"
 #include "server/memory_ledger.h"
 #include "server/metrics.h"
@@ -36,6 +37,7 @@ struct ServerConfig {
   int64_t compute_memory_bytes = 0;                // 0: enough for max_running_calls calls
   int max_running_calls = 2;
   int max_queued_calls = 64;
+  bool cache_call_buffers = true;                  // keep workspaces and staging dL/dW between calls
   int64_t max_message_bytes = 256 << 20;
   std::string token_file;                          // bearer token, first line
   std::string tls_cert_file;
@@ -66,6 +68,7 @@ class LossServer {
   MemoryLedger& ledger() { return ledger_; }
   Metrics& metrics() { return metrics_; }
   const Scheduler& scheduler() const { return *scheduler_; }
+  BufferCache& buffers() { return *buffers_; }
   const std::vector<std::string>& startup_log() const { return startup_log_; }
 
  private:
@@ -78,6 +81,7 @@ class LossServer {
   HeadStore heads_;
   Metrics metrics_;
   std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<BufferCache> buffers_;
   std::unique_ptr<LossService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;

@@ -48,12 +48,13 @@ absl::Status Invalid(absl::string_view field, absl::string_view expected, absl::
 }  // namespace
 
 LossService::LossService(Backend& backend, HeadStore& heads, Scheduler& scheduler, Metrics& metrics,
-                         MemoryLedger& ledger, ServiceOptions options)
+                         MemoryLedger& ledger, BufferCache& buffers, ServiceOptions options)
     : backend_(backend),
       heads_(heads),
       scheduler_(scheduler),
       metrics_(metrics),
       ledger_(ledger),
+      buffers_(buffers),
       options_(std::move(options)) {}
 
 absl::Status LossService::Authenticate(const grpc::ServerContext& context) const {
@@ -112,8 +113,8 @@ grpc::Status LossService::Compute(
     grpc::ServerReaderWriter<v1::ComputeResponse, v1::ComputeRequest>* stream) {
   return Serve("Compute", context, [&] {
     GrpcComputeStream compute_stream(context, stream);
-    const ComputeEnvironment env{&backend_, &heads_, &scheduler_, &metrics_, &ledger_,
-                                 options_.compute};
+    const ComputeEnvironment env{&backend_, &heads_,  &scheduler_, &metrics_,
+                                 &ledger_,  &buffers_, options_.compute};
     absl::Status status = RunComputeCall(env, compute_stream);
     if (status.code() == absl::StatusCode::kResourceExhausted) {
       metrics_.CountAdmissionRejected(absl::StrContains(status.message(), "queue") ? "queue_full"

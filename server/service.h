@@ -10,6 +10,7 @@
 
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/compute_call.h"
+#include "server/buffer_cache.h"
 #include "server/head_store.h"
 #include "server/memory_ledger.h"
 #include "server/metrics.h"
@@ -30,7 +31,7 @@ struct ServiceOptions {
 class LossService final : public v1::LossService::Service {
  public:
   LossService(Backend& backend, HeadStore& heads, Scheduler& scheduler, Metrics& metrics,
-              MemoryLedger& ledger, ServiceOptions options);
+              MemoryLedger& ledger, BufferCache& buffers, ServiceOptions options);
 
   grpc::Status Compute(grpc::ServerContext* context,
                        grpc::ServerReaderWriter<v1::ComputeResponse, v1::ComputeRequest>* stream) override;
@@ -72,6 +73,7 @@ class LossService final : public v1::LossService::Service {
   Scheduler& scheduler_;
   Metrics& metrics_;
   MemoryLedger& ledger_;
+  BufferCache& buffers_;
   const ServiceOptions options_;
 
   absl::Mutex calls_mu_;

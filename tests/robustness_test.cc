@@ -123,23 +123,28 @@ std::shared_ptr<grpc::Channel> PrivateChannel(int port) {
 }
 
 // What calls hold on the server now: workspace, gradient memory (the heads' accumulators plus the
-// staging gradients of running training calls), scheduler slots and admitted bytes.
+// staging gradients of running training calls), scheduler slots and admitted bytes, and the idle
+// call buffers kept for reuse.
 struct CallResources {
   int64_t workspace_bytes = 0;
   int64_t gradient_bytes = 0;
   int running = 0;
   int queued = 0;
   int64_t admitted_bytes = 0;
+  int64_t cache_bytes = 0;
 };
 
 CallResources ReadCallResources(server::LossServer& server) {
   return {server.ledger().current(MemoryPurpose::kWorkspace),
-          server.ledger().current(MemoryPurpose::kGradients), server.scheduler().running(),
-          server.scheduler().queued(), server.scheduler().admitted_bytes()};
+          server.ledger().current(MemoryPurpose::kGradients),
+          server.scheduler().running(),
+          server.scheduler().queued(),
+          server.scheduler().admitted_bytes(),
+          server.ledger().current(MemoryPurpose::kCache)};
 }
 
 // Whether the server comes to hold nothing for calls beyond the heads' accumulators
-// (`accumulator_bytes`). A call's server side may still be unwinding when its client sees the
+// (`accumulator_bytes`) and idle buffers within the compute budget. A call's server side may still be unwinding when its client sees the
 // status (a cancelled client sees it at once), so this polls for up to 10 s.
 ::testing::AssertionResult SettlesToIdle(server::LossServer& server, int64_t accumulator_bytes) {
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
@@ -147,7 +152,9 @@ CallResources ReadCallResources(server::LossServer& server) {
   while (true) {
     state = ReadCallResources(server);
     if (state.workspace_bytes == 0 && state.gradient_bytes == accumulator_bytes &&
-        state.running == 0 && state.queued == 0 && state.admitted_bytes == 0) {
+        state.running == 0 && state.queued == 0 && state.admitted_bytes == 0 &&
+        state.cache_bytes <= server.scheduler().capacity_bytes() &&
+        state.cache_bytes == server.buffers().idle_bytes()) {
       return ::testing::AssertionSuccess();
     }
     if (absl::Now() > deadline) break;
@@ -157,7 +164,8 @@ CallResources ReadCallResources(server::LossServer& server) {
          << "after 10 s the server still holds workspace " << state.workspace_bytes
          << " B, gradients " << state.gradient_bytes << " B (accumulators: " << accumulator_bytes
          << " B), running " << state.running << ", queued " << state.queued << ", admitted "
-         << state.admitted_bytes << " B";
+         << state.admitted_bytes << " B, idle buffers " << state.cache_bytes << " B (capacity "
+         << server.scheduler().capacity_bytes() << " B)";
 }
 
 // Compute calls the server has ended, by status code, from its request counter.
@@ -861,11 +869,13 @@ void WatchBounds(server::LossServer& server, const std::atomic<bool>& done,
         s.admitted_bytes <= server.scheduler().capacity_bytes() && s.running <= kLoadRunning &&
         s.queued <= kLoadQueued &&
         s.workspace_bytes <= kLoadRunning * static_cast<int64_t>(kLoadWorkspaceBudget) &&
-        s.gradient_bytes <= accumulator_bytes + kLoadRunning * staging_bytes;
+        s.gradient_bytes <= accumulator_bytes + kLoadRunning * staging_bytes &&
+        s.cache_bytes <= server.scheduler().capacity_bytes();
     if (!within && watch.violations++ == 0) {
       watch.first_violation = absl::StrCat("admitted ", s.admitted_bytes, " B, running ", s.running,
                                            ", queued ", s.queued, ", workspace ", s.workspace_bytes,
-                                           " B, gradients ", s.gradient_bytes, " B");
+                                           " B, gradients ", s.gradient_bytes, " B, idle buffers ",
+                                           s.cache_bytes, " B");
     }
     absl::SleepFor(absl::Milliseconds(1));
   }

@@ -1,0 +1,91 @@
+#include "server/buffer_cache.h"
+
+#include <utility>
+
+namespace lossd::server {
+
+BufferLease& BufferLease::operator=(BufferLease&& other) noexcept {
+  if (this != &other) {
+    Release();
+    cache_ = std::exchange(other.cache_, nullptr);
+    buffer_ = std::move(other.buffer_);
+    charge_ = std::move(other.charge_);
+  }
+  return *this;
+}
+
+void BufferLease::Release() {
+  if (cache_ == nullptr) return;
+  charge_.Reset();
+  std::exchange(cache_, nullptr)->Return(std::move(buffer_));
+}
+
+BufferCache::BufferCache(Backend& backend, MemoryLedger& ledger, int64_t capacity_bytes)
+    : backend_(backend), ledger_(ledger), capacity_bytes_(capacity_bytes) {}
+
+BufferCache::~BufferCache() { Clear(); }
+
+absl::StatusOr<BufferLease> BufferCache::Acquire(size_t bytes, MemoryPurpose purpose) {
+  const int64_t size = static_cast<int64_t>(bytes);
+  DeviceBuffer buffer;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = idle_.begin(); it != idle_.end(); ++it) {
+      if (it->buffer.bytes() != bytes) continue;
+      buffer = std::move(it->buffer);
+      idle_.erase(it);
+      idle_bytes_ -= size;
+      break;
+    }
+    if (buffer.data() == nullptr) EvictFor(size);
+    leased_bytes_ += size;
+  }
+  if (buffer.data() == nullptr) {
+    absl::StatusOr<DeviceBuffer> fresh = backend_.Allocate(bytes);
+    if (!fresh.ok()) {
+      // Idle buffers of other sizes may be what stands in the way on a full device.
+      Clear();
+      fresh = backend_.Allocate(bytes);
+    }
+    if (!fresh.ok()) {
+      absl::MutexLock lock(&mu_);
+      leased_bytes_ -= size;
+      return fresh.status();
+    }
+    buffer = *std::move(fresh);
+  }
+  return BufferLease(this, std::move(buffer), MemoryCharge(&ledger_, purpose, size));
+}
+
+void BufferCache::Return(DeviceBuffer buffer) {
+  const int64_t size = static_cast<int64_t>(buffer.bytes());
+  absl::MutexLock lock(&mu_);
+  leased_bytes_ -= size;
+  if (size > capacity_bytes_) return;  // freed here, outside the list
+  EvictFor(size);
+  idle_.push_front({std::move(buffer), MemoryCharge(&ledger_, MemoryPurpose::kCache, size)});
+  idle_bytes_ += size;
+}
+
+void BufferCache::EvictFor(int64_t incoming) {
+  while (!idle_.empty() && leased_bytes_ + idle_bytes_ + incoming > capacity_bytes_) {
+    idle_bytes_ -= static_cast<int64_t>(idle_.back().buffer.bytes());
+    idle_.pop_back();
+  }
+}
+
+int64_t BufferCache::idle_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return idle_bytes_;
+}
+
+void BufferCache::Clear() {
+  std::list<Idle> freed;
+  {
+    absl::MutexLock lock(&mu_);
+    freed.swap(idle_);
+    idle_bytes_ = 0;
+  }
+}
+
+}  // namespace lossd::server
