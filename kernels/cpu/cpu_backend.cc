@@ -47,6 +47,7 @@ struct CpuWorkspace {
   float* grad_hidden32;     // [Nc, H] when dL/dh is wanted in 16 bits
   float* weight32;          // [slab, H] when W is not fp32
   RowStats* stats;          // [Nc]
+  RowResult* results;       // [Nc]
   RowGradient* row_grads;   // [Nc]
   float* top_values;        // [Nc, k], best first
   int32_t* top_tokens;      // [Nc, k]
@@ -65,6 +66,7 @@ CpuWorkspace CarveWorkspace(WorkspaceArena& arena, const ProblemShape& s, int64_
     w.weight32 = arena.Take<float>(std::min(cols, kWeightSlabRows) * h);
   }
   w.stats = arena.Take<RowStats>(rows);
+  w.results = arena.Take<RowResult>(rows);
   if (WantsGradients(s)) w.row_grads = arena.Take<RowGradient>(rows);
   if (s.top_k > 0) {
     w.top_values = arena.Take<float>(rows * s.top_k);
@@ -169,17 +171,17 @@ int64_t FirstEqual(const float* z, int64_t cols, float m) {
   return b0;
 }
 
-// Statistics of one row over one vocabulary tile.
-LOSSD_ROW_LOOP RowStats TileRowStats(const float* z, int64_t cols, int64_t v0, int64_t label) {
-  float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-  for (int64_t c = 0; c < cols; ++c) m = std::max(m, z[c]);
-  RowStats s = EmptyRowStats();
-  if (label >= v0 && label < v0 + cols) s.target = z[label - v0];
-  const int64_t argmax = FirstEqual(z, cols, m);
-  double sum_z = 0.0;
-  double sum_exp = 0.0;
-  double sum_exp_shifted = 0.0;
+// What the statistics pass of one tile computes beyond the max, argmax and sum of exponentials.
+struct TileStatsWork {
+  bool extra_sums;  // sum_z and sum_exp_shifted: only label smoothing and entropy read them
+  bool store_exp;   // z[c] <- exp(z[c] - m), so that the gradient pass needs no second exp
+};
+
+// The sums of TileRowStats over z[0:cols]; compiled once per kind of work so that each loop
+// vectorizes without branches.
+template <bool kExtraSums, bool kStoreExp>
+inline __attribute__((always_inline)) void TileSums(float* z, int64_t cols, float m, double& sum_exp,
+                                                    double& sum_exp_shifted, double& sum_z) {
   for (int64_t b0 = 0; b0 < cols; b0 += kSumBlock) {
     const int64_t b1 = std::min(cols, b0 + kSumBlock);
     float block_z = 0.0f;
@@ -189,16 +191,48 @@ LOSSD_ROW_LOOP RowStats TileRowStats(const float* z, int64_t cols, int64_t v0, i
     for (int64_t c = b0; c < b1; ++c) {
       const float d = z[c] - m;
       const float e = Exp(d);
-      block_z += z[c];
       block_exp += e;
-      block_exp_shifted += e * d;
+      if constexpr (kExtraSums) {
+        block_z += z[c];
+        block_exp_shifted += e * d;
+      }
+      if constexpr (kStoreExp) z[c] = e;
     }
-    sum_z += block_z;
     sum_exp += block_exp;
-    sum_exp_shifted += block_exp_shifted;
+    if constexpr (kExtraSums) {
+      sum_z += block_z;
+      sum_exp_shifted += block_exp_shifted;
+    }
+  }
+}
+
+// Statistics of one row over one vocabulary tile.
+LOSSD_ROW_LOOP RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t label,
+                                     TileStatsWork work) {
+  float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+  for (int64_t c = 0; c < cols; ++c) m = std::max(m, z[c]);
+  RowStats s = EmptyRowStats();
+  if (label >= v0 && label < v0 + cols) s.target = z[label - v0];
+  const int64_t argmax = FirstEqual(z, cols, m);
+  if (argmax == cols) {
+    // No comparable value: a NaN row. The NaN sum_z marks it through any merge.
+    s.sum_z = NAN;
+    return s;
+  }
+  double sum_z = 0.0;
+  double sum_exp = 0.0;
+  double sum_exp_shifted = 0.0;
+  if (work.extra_sums && work.store_exp) {
+    TileSums<true, true>(z, cols, m, sum_exp, sum_exp_shifted, sum_z);
+  } else if (work.extra_sums) {
+    TileSums<true, false>(z, cols, m, sum_exp, sum_exp_shifted, sum_z);
+  } else if (work.store_exp) {
+    TileSums<false, true>(z, cols, m, sum_exp, sum_exp_shifted, sum_z);
+  } else {
+    TileSums<false, false>(z, cols, m, sum_exp, sum_exp_shifted, sum_z);
   }
   s.sum_z = static_cast<float>(sum_z);
-  if (argmax == cols) return s;  // no comparable value (a NaN row): sum_z carries the NaN
   s.max = m;
   s.sum_exp = static_cast<float>(sum_exp);
   s.sum_exp_shifted = static_cast<float>(sum_exp_shifted);
@@ -214,6 +248,15 @@ LOSSD_ROW_LOOP void RowLogitGradients(float* z, int64_t cols, int64_t v0, const 
 #pragma omp simd
   for (int64_t c = 0; c < cols; ++c) z[c] = LogitGradient(z[c], false, g, transform);
   if (label_here) z[g.label - v0] = LogitGradient(label_z, true, g, transform);
+}
+
+// e[0:cols] = exp(z - m) over a whole row <- dL/da in place.
+LOSSD_ROW_LOOP void RowLogitGradientsFromExp(float* e, int64_t cols, const RowGradient& g,
+                                             float exp_scale, const LogitTransform& transform) {
+  const float label_e = g.label >= 0 ? e[g.label] : 0.0f;
+#pragma omp simd
+  for (int64_t c = 0; c < cols; ++c) e[c] = LogitGradientFromExp(e[c], false, g, exp_scale, transform);
+  if (g.label >= 0) e[g.label] = LogitGradientFromExp(label_e, true, g, exp_scale, transform);
 }
 
 class CpuBackend final : public Backend {
@@ -384,29 +427,54 @@ absl::StatusOr<BatchSummary> CpuBackend::Compute(const BatchInputs& in, const We
       hidden32 = ws.hidden32;
     }
 
-    // Pass 1: row statistics over every vocabulary tile.
+    // Pass 1: row statistics over every vocabulary tile. When one tile holds the whole vocabulary,
+    // each row is finished while it is still in cache: statistics, results, and for training
+    // dL/da in place, from the exponentials the statistics pass leaves when there is no soft cap.
     std::fill(ws.stats, ws.stats + rows, EmptyRowStats());
     if (k > 0) {
       std::fill(ws.top_values, ws.top_values + rows * k, -INFINITY);
       std::fill(ws.top_tokens, ws.top_tokens + rows * k, 0);
     }
+    const auto finish_row = [&](int64_t r) {
+      const bool counted = labels[r] != options.ignore_index;
+      const float w = in.token_weights != nullptr ? in.token_weights[r0 + r] : 1.0f;
+      ws.results[r] = FinishRow(ws.stats[r], counted, w, terms);
+      if (gradients) {
+        ws.row_grads[r] = MakeRowGradient(ws.results[r].lse, labels[r], counted, w, multiplier, terms);
+      }
+    };
+    const bool logits_resident = tile_cols >= v;
+    const TileStatsWork work{/*extra_sums=*/out.entropy != nullptr || options.label_smoothing != 0.0,
+                             /*store_exp=*/logits_resident && gradients && transform.softcap == 0.0f};
     for (int64_t v0 = 0; v0 < v; v0 += tile_cols) {
       const int64_t cols = std::min(tile_cols, v - v0);
       ComputeLogits(hidden32, rows, weight, v0, cols, ws.weight32, transform, ws.logits, tile_cols);
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < rows; ++r) {
-        const float* z = ws.logits + r * tile_cols;
-        MergeRowStats(ws.stats[r], TileRowStats(z, cols, v0, labels[r]));
+        float* z = ws.logits + r * tile_cols;
         if (k > 0) UpdateTopK(z, cols, v0, k, ws.top_values + r * k, ws.top_tokens + r * k);
+        MergeRowStats(ws.stats[r], TileRowStats(z, cols, v0, labels[r], work));
+        if (!logits_resident) continue;
+        finish_row(r);
+        if (!gradients) continue;
+        if (work.store_exp) {
+          RowLogitGradientsFromExp(z, cols, ws.row_grads[r],
+                                   ExpGradientScale(ws.row_grads[r], ws.stats[r].sum_exp), transform);
+        } else {
+          RowLogitGradients(z, cols, v0, ws.row_grads[r], transform);
+        }
       }
     }
+    if (!logits_resident) {
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) finish_row(r);
+    }
 
-    // Per-row results, summed in row order in double.
+    // Per-row outputs, and the loss summed in row order in double.
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = r0 + r;
       const bool counted = labels[r] != options.ignore_index;
-      const float w = in.token_weights != nullptr ? in.token_weights[i] : 1.0f;
-      const RowResult res = FinishRow(ws.stats[r], counted, w, terms);
+      const RowResult& res = ws.results[r];
       summary.all_finite = summary.all_finite && res.finite;
       summary.loss_sum += res.loss;
       summary.correct_tokens += counted && ws.stats[r].argmax == labels[r];
@@ -419,11 +487,10 @@ absl::StatusOr<BatchSummary> CpuBackend::Compute(const BatchInputs& in, const We
         out.top_k_logprob[i * k + j] = ws.top_values[r * k + j] - res.lse;
         out.top_k_token[i * k + j] = ws.top_tokens[r * k + j];
       }
-      if (gradients) ws.row_grads[r] = MakeRowGradient(res.lse, labels[r], counted, w, multiplier, terms);
     }
     if (!gradients) continue;
 
-    // Pass 2: dL/da tile by tile (recomputing the logits when the vocabulary is tiled), then
+    // Pass 2: dL/da tile by tile where the vocabulary is tiled (recomputing the logits), then
     // dh += dA W and dW += dA^T h.
     float* grad_hidden32 = nullptr;
     if (shape.grad_hidden) {
@@ -432,15 +499,14 @@ absl::StatusOr<BatchSummary> CpuBackend::Compute(const BatchInputs& in, const We
                           : ws.grad_hidden32;
       std::fill(grad_hidden32, grad_hidden32 + rows * h, 0.0f);
     }
-    const bool logits_resident = tile_cols >= v;
     for (int64_t v0 = 0; v0 < v; v0 += tile_cols) {
       const int64_t cols = std::min(tile_cols, v - v0);
       if (!logits_resident) {
         ComputeLogits(hidden32, rows, weight, v0, cols, ws.weight32, transform, ws.logits, tile_cols);
-      }
 #pragma omp parallel for schedule(static)
-      for (int64_t r = 0; r < rows; ++r) {
-        RowLogitGradients(ws.logits + r * tile_cols, cols, v0, ws.row_grads[r], transform);
+        for (int64_t r = 0; r < rows; ++r) {
+          RowLogitGradients(ws.logits + r * tile_cols, cols, v0, ws.row_grads[r], transform);
+        }
       }
       if (grad_hidden32 != nullptr) {
         ForEachWeightSlab(weight, v0, cols, ws.weight32,

@@ -213,6 +213,19 @@ LOSSD_HD float LogitGradient(float z, bool is_label, const RowGradient& g, const
   return dz * TransformDerivative(z, t);
 }
 
+// The same dL/da from e_v = exp(z_v - m), which a statistics pass over the whole row can leave in
+// place: p_v = e_v / sum_exp, so scale_p p_v = exp_scale e_v with exp_scale = scale_p / sum_exp,
+// and no second exp is needed. Only without a soft cap, where dz/da = 1 / T does not depend on z.
+LOSSD_HD float ExpGradientScale(const RowGradient& g, float sum_exp) {
+  return static_cast<float>(static_cast<double>(g.scale_p) / sum_exp);
+}
+
+LOSSD_HD float LogitGradientFromExp(float e, bool is_label, const RowGradient& g, float exp_scale,
+                                    const LogitTransform& t) {
+  const float dz = exp_scale * e - g.offset - (is_label ? g.label_term : 0.0f);
+  return dz * t.inv_temperature;
+}
+
 // D of the mean: the caller's whole-batch count when given, else this call's counted rows.
 inline double MeanDenominator(const LossOptions& options, int64_t counted_rows) {
   return options.mean_denominator > 0 ? options.mean_denominator
