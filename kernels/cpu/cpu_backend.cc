@@ -40,6 +40,11 @@ constexpr TileLimits kCpuTileLimits = {
     /*token_chunk_multiple=*/64,
 };
 
+// Rows are processed in blocks of kSumBlock columns: sums run in fp32 within a block (vectorized)
+// and in double across blocks, so the rounding error stays near kSumBlock * 2^-24 whatever V is.
+constexpr int64_t kSumBlock = 256;
+constexpr int64_t BlocksPerRow(int64_t cols) { return (cols + kSumBlock - 1) / kSumBlock; }
+
 // The workspace of one call, carved from the caller's buffer.
 struct CpuWorkspace {
   float* logits;            // [Nc, Vc]: z, then dL/da in place
@@ -49,6 +54,7 @@ struct CpuWorkspace {
   RowStats* stats;          // [Nc]
   RowResult* results;       // [Nc]
   RowGradient* row_grads;   // [Nc]
+  float* block_max;         // [Nc, ceil(Vc / kSumBlock)]: running maxima of the exponentials kept
   float* top_values;        // [Nc, k], best first
   int32_t* top_tokens;      // [Nc, k]
 };
@@ -67,7 +73,10 @@ CpuWorkspace CarveWorkspace(WorkspaceArena& arena, const ProblemShape& s, int64_
   }
   w.stats = arena.Take<RowStats>(rows);
   w.results = arena.Take<RowResult>(rows);
-  if (WantsGradients(s)) w.row_grads = arena.Take<RowGradient>(rows);
+  if (WantsGradients(s)) {
+    w.row_grads = arena.Take<RowGradient>(rows);
+    w.block_max = arena.Take<float>(rows * BlocksPerRow(cols));
+  }
   if (s.top_k > 0) {
     w.top_values = arena.Take<float>(rows * s.top_k);
     w.top_tokens = arena.Take<int32_t>(rows * s.top_k);
@@ -131,10 +140,6 @@ void UpdateTopK(const float* z, int64_t cols, int64_t v0, int k, float* values, 
   }
 }
 
-// Sums over a row run in fp32 over short blocks (vectorized) and in double across blocks, so the
-// rounding error stays near kSumBlock * 2^-24 whatever V is.
-constexpr int64_t kSumBlock = 256;
-
 // The row loops below are compiled twice, for AVX2 + FMA (x86-64-v3) and for baseline x86-64, and
 // the dynamic loader picks one per process. The two differ in the last bits (the AVX2 copy fuses
 // multiply-adds and sums 8 lanes at a time), but on one machine every call runs the same copy, so
@@ -174,65 +179,93 @@ int64_t FirstEqual(const float* z, int64_t cols, float m) {
 // What the statistics pass of one tile computes beyond the max, argmax and sum of exponentials.
 struct TileStatsWork {
   bool extra_sums;  // sum_z and sum_exp_shifted: only label smoothing and entropy read them
-  bool store_exp;   // z[c] <- exp(z[c] - m), so that the gradient pass needs no second exp
+  bool store_exp;   // z[c] <- exp(z[c] - m_b) with m_b the running max at z's block
 };
 
-// The sums of TileRowStats over z[0:cols]; compiled once per kind of work so that each loop
-// vectorizes without branches.
+// The sums over one block z[0:cols] against the running max m, added to the tile's; compiled once
+// per kind of work so that each loop vectorizes without branches.
 template <bool kExtraSums, bool kStoreExp>
-inline __attribute__((always_inline)) void TileSums(float* z, int64_t cols, float m, double& sum_exp,
-                                                    double& sum_exp_shifted, double& sum_z) {
-  for (int64_t b0 = 0; b0 < cols; b0 += kSumBlock) {
-    const int64_t b1 = std::min(cols, b0 + kSumBlock);
-    float block_z = 0.0f;
-    float block_exp = 0.0f;
-    float block_exp_shifted = 0.0f;
+inline __attribute__((always_inline)) void BlockSums(float* z, int64_t cols, float m, double& sum_exp,
+                                                     double& sum_exp_shifted, double& sum_z) {
+  float block_z = 0.0f;
+  float block_exp = 0.0f;
+  float block_exp_shifted = 0.0f;
 #pragma omp simd reduction(+ : block_z, block_exp, block_exp_shifted)
-    for (int64_t c = b0; c < b1; ++c) {
-      const float d = z[c] - m;
-      const float e = Exp(d);
-      block_exp += e;
-      if constexpr (kExtraSums) {
-        block_z += z[c];
-        block_exp_shifted += e * d;
-      }
-      if constexpr (kStoreExp) z[c] = e;
-    }
-    sum_exp += block_exp;
+  for (int64_t c = 0; c < cols; ++c) {
+    const float d = z[c] - m;
+    const float e = Exp(d);
+    block_exp += e;
     if constexpr (kExtraSums) {
-      sum_z += block_z;
-      sum_exp_shifted += block_exp_shifted;
+      block_z += z[c];
+      block_exp_shifted += e * d;
     }
+    if constexpr (kStoreExp) z[c] = e;
+  }
+  sum_exp += block_exp;
+  if constexpr (kExtraSums) {
+    sum_z += block_z;
+    sum_exp_shifted += block_exp_shifted;
   }
 }
 
-// Statistics of one row over one vocabulary tile.
+bool AnyNaN(const float* z, int64_t cols) {
+  int found = 0;
+#pragma omp simd reduction(| : found)
+  for (int64_t c = 0; c < cols; ++c) found |= z[c] != z[c];
+  return found != 0;
+}
+
+// Statistics of one row over one vocabulary tile, reading it once: block by block (a block stays
+// in L1 between its max and its sums), against a running max m. When a block raises the max to
+// m', the sums so far move to it as in MergeRowStats: s' = s e^(m - m'),
+// t' = (t + (m - m') s) e^(m - m'). With work.store_exp, block b's exponentials are taken against
+// the running max of that block, which is recorded in block_max[b] for the gradient pass.
 LOSSD_ROW_LOOP RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t label,
-                                     TileStatsWork work) {
-  float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-  for (int64_t c = 0; c < cols; ++c) m = std::max(m, z[c]);
+                                     TileStatsWork work, float* block_max) {
   RowStats s = EmptyRowStats();
   if (label >= v0 && label < v0 + cols) s.target = z[label - v0];
-  const int64_t argmax = FirstEqual(z, cols, m);
-  if (argmax == cols) {
-    // No comparable value: a NaN row. The NaN sum_z marks it through any merge.
-    s.sum_z = NAN;
-    return s;
-  }
+  float m = -INFINITY;
+  int64_t argmax = -1;
+  bool saw_nan = false;
   double sum_z = 0.0;
   double sum_exp = 0.0;
   double sum_exp_shifted = 0.0;
-  if (work.extra_sums && work.store_exp) {
-    TileSums<true, true>(z, cols, m, sum_exp, sum_exp_shifted, sum_z);
-  } else if (work.extra_sums) {
-    TileSums<true, false>(z, cols, m, sum_exp, sum_exp_shifted, sum_z);
-  } else if (work.store_exp) {
-    TileSums<false, true>(z, cols, m, sum_exp, sum_exp_shifted, sum_z);
-  } else {
-    TileSums<false, false>(z, cols, m, sum_exp, sum_exp_shifted, sum_z);
+  for (int64_t b0 = 0; b0 < cols; b0 += kSumBlock) {
+    const int64_t len = std::min(kSumBlock, cols - b0);
+    float* block = z + b0;
+    float bm = -INFINITY;
+#pragma omp simd reduction(max : bm)
+    for (int64_t c = 0; c < len; ++c) bm = std::max(bm, block[c]);
+    if (bm > m) {  // equal maxima keep the earlier, lower id
+      if (argmax >= 0) {
+        const float shift = m - bm;
+        const double scale = Exp(shift);
+        sum_exp_shifted = (sum_exp_shifted + shift * sum_exp) * scale;
+        sum_exp *= scale;
+      }
+      m = bm;
+      argmax = b0 + FirstEqual(block, len, bm);
+    }
+    if (work.store_exp) block_max[b0 / kSumBlock] = m;
+    if (argmax < 0) {
+      // Nothing comparable yet: the block holds only -inf (exponentials 0) and NaN.
+      saw_nan = saw_nan || AnyNaN(block, len);
+      if (work.store_exp) std::fill(block, block + len, 0.0f);
+      continue;
+    }
+    if (work.extra_sums && work.store_exp) {
+      BlockSums<true, true>(block, len, m, sum_exp, sum_exp_shifted, sum_z);
+    } else if (work.extra_sums) {
+      BlockSums<true, false>(block, len, m, sum_exp, sum_exp_shifted, sum_z);
+    } else if (work.store_exp) {
+      BlockSums<false, true>(block, len, m, sum_exp, sum_exp_shifted, sum_z);
+    } else {
+      BlockSums<false, false>(block, len, m, sum_exp, sum_exp_shifted, sum_z);
+    }
   }
-  s.sum_z = static_cast<float>(sum_z);
+  // A NaN (or a row of -inf) marks the row non-finite through any merge by its NaN sum_z.
+  s.sum_z = saw_nan || argmax < 0 ? NAN : static_cast<float>(sum_z);
+  if (argmax < 0) return s;
   s.max = m;
   s.sum_exp = static_cast<float>(sum_exp);
   s.sum_exp_shifted = static_cast<float>(sum_exp_shifted);
@@ -250,13 +283,25 @@ LOSSD_ROW_LOOP void RowLogitGradients(float* z, int64_t cols, int64_t v0, const 
   if (label_here) z[g.label - v0] = LogitGradient(label_z, true, g, transform);
 }
 
-// e[0:cols] = exp(z - m) over a whole row <- dL/da in place.
-LOSSD_ROW_LOOP void RowLogitGradientsFromExp(float* e, int64_t cols, const RowGradient& g,
-                                             float exp_scale, const LogitTransform& transform) {
+// e[0:cols], a whole row left by TileRowStats with store_exp (block b against block_max[b]),
+// <- dL/da in place. e_v exp(m_b - m) = exp(z_v - m), so block b's factor is
+// ExpGradientScale * exp(m_b - m).
+LOSSD_ROW_LOOP void RowLogitGradientsFromExp(float* e, int64_t cols, const float* block_max,
+                                             const RowStats& stats, const RowGradient& g,
+                                             const LogitTransform& transform) {
+  const float row_scale = ExpGradientScale(g, stats.sum_exp);
+  const auto block_scale = [&](int64_t b) { return row_scale * Exp(block_max[b] - stats.max); };
   const float label_e = g.label >= 0 ? e[g.label] : 0.0f;
+  for (int64_t b0 = 0; b0 < cols; b0 += kSumBlock) {
+    const int64_t len = std::min(kSumBlock, cols - b0);
+    const float scale = block_scale(b0 / kSumBlock);
+    float* block = e + b0;
 #pragma omp simd
-  for (int64_t c = 0; c < cols; ++c) e[c] = LogitGradientFromExp(e[c], false, g, exp_scale, transform);
-  if (g.label >= 0) e[g.label] = LogitGradientFromExp(label_e, true, g, exp_scale, transform);
+    for (int64_t c = 0; c < len; ++c) block[c] = LogitGradientFromExp(block[c], false, g, scale, transform);
+  }
+  if (g.label >= 0) {
+    e[g.label] = LogitGradientFromExp(label_e, true, g, block_scale(g.label / kSumBlock), transform);
+  }
 }
 
 class CpuBackend final : public Backend {
@@ -453,13 +498,13 @@ absl::StatusOr<BatchSummary> CpuBackend::Compute(const BatchInputs& in, const We
       for (int64_t r = 0; r < rows; ++r) {
         float* z = ws.logits + r * tile_cols;
         if (k > 0) UpdateTopK(z, cols, v0, k, ws.top_values + r * k, ws.top_tokens + r * k);
-        MergeRowStats(ws.stats[r], TileRowStats(z, cols, v0, labels[r], work));
+        float* block_max = work.store_exp ? ws.block_max + r * BlocksPerRow(tile_cols) : nullptr;
+        MergeRowStats(ws.stats[r], TileRowStats(z, cols, v0, labels[r], work, block_max));
         if (!logits_resident) continue;
         finish_row(r);
         if (!gradients) continue;
         if (work.store_exp) {
-          RowLogitGradientsFromExp(z, cols, ws.row_grads[r],
-                                   ExpGradientScale(ws.row_grads[r], ws.stats[r].sum_exp), transform);
+          RowLogitGradientsFromExp(z, cols, block_max, ws.stats[r], ws.row_grads[r], transform);
         } else {
           RowLogitGradients(z, cols, v0, ws.row_grads[r], transform);
         }
