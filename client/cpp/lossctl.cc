@@ -34,6 +34,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "client/cpp/npy.h"
+#include "lossd/common/message_allocator.h"
 #include "lossd/common/status_macros.h"
 #include "lossd/client/client.h"
 #include "nlohmann/json.hpp"
@@ -1005,4 +1006,7 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace lossd::client
 
-int main(int argc, char** argv) { return lossd::client::Main(argc, argv); }
+int main(int argc, char** argv) {
+  lossd::KeepMessageBuffersInHeap();
+  return lossd::client::Main(argc, argv);
+}
