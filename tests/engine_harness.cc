@@ -82,7 +82,7 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   const int64_t n = s.num_tokens;
   const int64_t h = s.hidden_size;
   const int64_t v = s.vocab_size;
-  const int k = s.top_k;
+  const int k = request.loss_only ? 0 : s.top_k;
   const float nan = std::numeric_limits<float>::quiet_NaN();
 
   ASSIGN_OR_RETURN(DeviceBuffer weight_buffer, backend.Allocate(problem.weight_bytes.size()));
@@ -127,10 +127,12 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
 
   TokenOutputs out;
   out.loss = run.loss.data();
-  out.logprob = run.logprob.data();
-  out.lse = run.lse.data();
-  out.entropy = run.entropy.data();
-  out.argmax = run.argmax.data();
+  if (!request.loss_only) {
+    out.logprob = run.logprob.data();
+    out.lse = run.lse.data();
+    out.entropy = run.entropy.data();
+    out.argmax = run.argmax.data();
+  }
   out.top_k = k;
   out.top_k_logprob = k > 0 ? run.top_k_logprob.data() : nullptr;
   out.top_k_token = k > 0 ? run.top_k_token.data() : nullptr;

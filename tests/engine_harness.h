@@ -60,10 +60,13 @@ struct RunRequest {
   bool grad_weight = true;
   DType grad_hidden_dtype = DType::kFloat32;
   size_t budget_bytes = 64u << 20;
+  // Of the per-token outputs only the loss, so that the engine may skip the work of the others
+  // (argmax, entropy, top-k); the others stay NaN / -7.
+  bool loss_only = false;
 };
 
-// Uploads W, runs one Compute with every per-token output requested and NaN-poisoned, and reads
-// everything back. Returns the engine's error status when Compute fails.
+// Uploads W, runs one Compute with every per-token output requested (unless loss_only) and
+// NaN-poisoned, and reads everything back. Returns the engine's error status when Compute fails.
 absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
                                     const RunRequest& request);
 

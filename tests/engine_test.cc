@@ -249,6 +249,31 @@ TEST_P(EngineCaseTest, MatchesFloat64Reference) {
         c.grad_hidden_dtype == DType::kFloat32 ? c.grad_bound : kBf16GradBound;
     EXPECT_LE(RelativeError(run.grad_hidden, ref.grad_hidden), grad_hidden_bound);
     EXPECT_LE(RelativeError(run.grad_weight, ref.grad_weight), c.grad_bound);
+    // The bound callers use to skip checking dL/dW for overflow must hold; a backend that
+    // computes none reports +inf.
+    double max_grad_weight = 0.0;
+    for (double g : ref.grad_weight) max_grad_weight = std::max(max_grad_weight, std::abs(g));
+    EXPECT_GE(s.grad_weight_bound, max_grad_weight * (1.0 - 1e-6));
+    if (backend_name == "cpu") EXPECT_TRUE(std::isfinite(s.grad_weight_bound));
+  }
+
+  // Asked for the loss alone, the engine skips the entropy and label-smoothing sums (unless the
+  // loss needs them) and the top-k; the loss and the gradients must not change beyond the bounds.
+  request.loss_only = true;
+  auto lean_or = RunEngine(*backend, problem, request);
+  ASSERT_TRUE(lean_or.ok()) << lean_or.status();
+  const EngineRun& lean = *lean_or;
+  EXPECT_TRUE(lean.summary.all_finite);
+  EXPECT_LE(RelativeError(lean.loss, ref.token_loss), kLossBound);
+  if (ref.counted_tokens > 0) {
+    EXPECT_LE(std::abs(lean.summary.loss - ref.loss) / std::abs(ref.loss), kLossBound);
+  }
+  EXPECT_EQ(lean.summary.correct_tokens, s.correct_tokens);
+  if (c.gradients) {
+    const double grad_hidden_bound =
+        c.grad_hidden_dtype == DType::kFloat32 ? c.grad_bound : kBf16GradBound;
+    EXPECT_LE(RelativeError(lean.grad_hidden, ref.grad_hidden), grad_hidden_bound);
+    EXPECT_LE(RelativeError(lean.grad_weight, ref.grad_weight), c.grad_bound);
   }
 }
 

@@ -55,6 +55,7 @@ struct CpuWorkspace {
   RowResult* results;       // [Nc]
   RowGradient* row_grads;   // [Nc]
   float* block_max;         // [Nc, ceil(Vc / kSumBlock)]: running maxima of the exponentials kept
+  float* hidden_max_abs;    // [Nc] when dL/dW is wanted: max_j |h_ij|, for its bound
   float* top_values;        // [Nc, k], best first
   int32_t* top_tokens;      // [Nc, k]
 };
@@ -77,6 +78,7 @@ CpuWorkspace CarveWorkspace(WorkspaceArena& arena, const ProblemShape& s, int64_
     w.row_grads = arena.Take<RowGradient>(rows);
     w.block_max = arena.Take<float>(rows * BlocksPerRow(cols));
   }
+  if (s.grad_weight) w.hidden_max_abs = arena.Take<float>(rows);
   if (s.top_k > 0) {
     w.top_values = arena.Take<float>(rows * s.top_k);
     w.top_tokens = arena.Take<int32_t>(rows * s.top_k);
@@ -206,6 +208,13 @@ inline __attribute__((always_inline)) void BlockSums(float* z, int64_t cols, flo
     sum_z += block_z;
     sum_exp_shifted += block_exp_shifted;
   }
+}
+
+LOSSD_ROW_LOOP float MaxAbs(const float* x, int64_t count) {
+  float m = 0.0f;
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < count; ++i) m = std::max(m, std::fabs(x[i]));
+  return m;
 }
 
 bool AnyNaN(const float* z, int64_t cols) {
@@ -461,6 +470,7 @@ absl::StatusOr<BatchSummary> CpuBackend::Compute(const BatchInputs& in, const We
   summary.token_chunk = chunk_rows;
   summary.vocab_chunk = tile_cols;
   summary.workspace_bytes = static_cast<int64_t>(arena.used());
+  summary.grad_weight_bound = 0.0;
   float* grad_weight32 = grad_weight != nullptr ? static_cast<float*>(grad_weight->data()) : nullptr;
 
   for (int64_t r0 = 0; r0 < n; r0 += chunk_rows) {
@@ -487,6 +497,7 @@ absl::StatusOr<BatchSummary> CpuBackend::Compute(const BatchInputs& in, const We
       if (gradients) {
         ws.row_grads[r] = MakeRowGradient(ws.results[r].lse, labels[r], counted, w, multiplier, terms);
       }
+      if (grad_weight32 != nullptr) ws.hidden_max_abs[r] = MaxAbs(hidden32 + r * h, h);
     };
     const bool logits_resident = tile_cols >= v;
     const TileStatsWork work{/*extra_sums=*/out.entropy != nullptr || options.label_smoothing != 0.0,
@@ -531,6 +542,10 @@ absl::StatusOr<BatchSummary> CpuBackend::Compute(const BatchInputs& in, const We
       for (int j = 0; j < k; ++j) {
         out.top_k_logprob[i * k + j] = ws.top_values[r * k + j] - res.lse;
         out.top_k_token[i * k + j] = ws.top_tokens[r * k + j];
+      }
+      if (grad_weight32 != nullptr) {
+        summary.grad_weight_bound +=
+            LogitGradientBound(ws.row_grads[r], transform) * ws.hidden_max_abs[r];
       }
     }
     if (!gradients) continue;

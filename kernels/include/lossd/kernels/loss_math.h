@@ -213,6 +213,14 @@ LOSSD_HD float LogitGradient(float z, bool is_label, const RowGradient& g, const
   return dz * TransformDerivative(z, t);
 }
 
+// max_v |dL/da_v| <= (|scale_p| + |offset| + |label_term|) / T, since 0 <= p_v <= 1 and the soft
+// cap's factor 1 - tanh^2 is at most 1.
+LOSSD_HD double LogitGradientBound(const RowGradient& g, const LogitTransform& t) {
+  return (std::fabs(static_cast<double>(g.scale_p)) + std::fabs(static_cast<double>(g.offset)) +
+          std::fabs(static_cast<double>(g.label_term))) *
+         static_cast<double>(t.inv_temperature);
+}
+
 // The same dL/da from e_v = exp(z_v - m), which a statistics pass over the whole row can leave in
 // place: p_v = e_v / sum_exp, so scale_p p_v = exp_scale e_v with exp_scale = scale_p / sum_exp,
 // and no second exp is needed. Only without a soft cap, where dz/da = 1 / T does not depend on z.

@@ -11,6 +11,7 @@
 #define LOSSD_KERNELS_TYPES_H_
 
 #include <cstddef>
+#include <cmath>
 #include <cstdint>
 #include "absl/strings/string_view.h"
 
@@ -80,6 +81,11 @@ struct BatchSummary {
   int64_t token_chunk = 0;      // rows per chunk the plan chose
   int64_t vocab_chunk = 0;      // vocabulary columns per tile the plan chose
   int64_t workspace_bytes = 0;  // peak workspace used by the call
+  // With dL/dW: a bound on |entry| of this call's contribution to it,
+  // sum_i max_v |dL/da_iv| * max_j |h_ij|; +inf when the backend does not compute one. A caller
+  // that must know the contribution is finite can skip reading it when the bound is far below
+  // FLT_MAX.
+  double grad_weight_bound = HUGE_VAL;
 };
 
 }  // namespace lossd
