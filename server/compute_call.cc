@@ -157,6 +157,8 @@ class ComputeCall {
     RETURN_IF_ERROR(ReceiveAndCompute());
     if (buffered_rows_ > 0) RETURN_IF_ERROR(ComputeBuffered());
     if (staging_.held()) {
+      // The first engine chunk stores its dL/dW; a call without rows has none to store.
+      if (computed_rows_ == 0) RETURN_IF_ERROR(env_.backend->Zero(staging_.buffer()));
       RETURN_IF_ERROR(CheckStagedGradientIsFinite());
       // The last point at which a cancelled call can still leave the accumulator untouched.
       if (stream_.IsCancelled()) {
@@ -196,8 +198,8 @@ class ComputeCall {
   absl::Status AllocateBuffers() {
     ASSIGN_OR_RETURN(workspace_, env_.buffers->Acquire(plan_.workspace_bytes, MemoryPurpose::kWorkspace));
     if (staging_bytes_ > 0) {
+      // Not zeroed: the first engine chunk stores into it (LossOptions::overwrite_grad_weight).
       ASSIGN_OR_RETURN(staging_, env_.buffers->Acquire(staging_bytes_, MemoryPurpose::kGradients));
-      RETURN_IF_ERROR(env_.backend->Zero(staging_.buffer()));
     }
     rows_.resize(plan_.token_chunk * row_bytes_);
     return absl::OkStatus();
@@ -257,10 +259,12 @@ class ComputeCall {
     const TokenOutputs out =
         outputs_.Bind(spec_.outputs, rows, spec_.hidden_size, spec_.grad_hidden_dtype);
 
+    LossOptions options = spec_.options;
+    options.overwrite_grad_weight = first == 0;
     const absl::Time start = absl::Now();
     BatchSummary summary;
     RETURN_IF_ERROR(spec_.head->WithWeights(spec_.version, [&](const WeightView& weight) {
-      ASSIGN_OR_RETURN(summary, env_.backend->Compute(in, weight, spec_.options, out,
+      ASSIGN_OR_RETURN(summary, env_.backend->Compute(in, weight, options, out,
                                                       staging_.held() ? &staging_.buffer() : nullptr,
                                                       workspace_.buffer()));
       return absl::OkStatus();

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <ostream>
 
 #include "lossd/kernels/backend.h"
@@ -356,6 +357,52 @@ TEST_P(EngineBackendTest, GradWeightAccumulatesAcrossCalls) {
   std::vector<double> expected = ref.grad_weight;
   for (double& x : expected) x *= 3;
   EXPECT_LE(RelativeError(accumulated, expected), kGradBound);
+}
+
+// overwrite_grad_weight stores the call's dL/dW over whatever the buffer held (NaN here), with the
+// whole vocabulary in one tile and with several token chunks and vocabulary tiles, where only the
+// first chunk may store; the next call without it adds.
+TEST_P(EngineBackendTest, OverwriteStoresTheCallsGradWeight) {
+  std::mt19937_64 rng(FreshSeed());
+  const int64_t n = 301, h = 96, v = 5003;
+  const Problem problem = MakeProblem(Spec(n, h, v), rng);
+  const ReferenceResult ref = ComputeReference(problem.reference);
+  auto weight = backend_->Allocate(problem.weight_bytes.size());
+  auto grad = backend_->Allocate(v * h * sizeof(float));
+  ASSERT_TRUE(weight.ok() && grad.ok());
+  ASSERT_TRUE(backend_->CopyToDevice(problem.weight_bytes.data(), problem.weight_bytes.size(),
+                                     *weight, 0).ok());
+  const WeightView view{&*weight, DType::kFloat32, v, h};
+  BatchInputs in;
+  in.hidden = problem.hidden_bytes.data();
+  in.num_tokens = n;
+  in.hidden_size = h;
+  in.labels = problem.reference.labels.data();
+  for (const size_t budget : {8 * kMiB, 256 * kKiB}) {
+    SCOPED_TRACE(::testing::Message() << "budget " << budget);
+    auto workspace = backend_->Allocate(budget);
+    ASSERT_TRUE(workspace.ok());
+    const std::vector<float> poison(v * h, std::numeric_limits<float>::quiet_NaN());
+    ASSERT_TRUE(backend_->CopyToDevice(poison.data(), poison.size() * sizeof(float), *grad, 0).ok());
+    LossOptions options = problem.spec.options;
+    options.overwrite_grad_weight = true;
+    auto stored = backend_->Compute(in, view, options, TokenOutputs{}, &*grad, *workspace);
+    ASSERT_TRUE(stored.ok()) << stored.status();
+    if (budget < kMiB) {
+      EXPECT_LT(stored->token_chunk, n) << "the small budget must split the tokens";
+      EXPECT_LT(stored->vocab_chunk, v) << "the small budget must tile the vocabulary";
+    }
+    std::vector<float> values(v * h);
+    ASSERT_TRUE(backend_->CopyToHost(*grad, 0, values.size() * sizeof(float), values.data()).ok());
+    EXPECT_LE(RelativeError(values, ref.grad_weight), kGradBound);
+
+    options.overwrite_grad_weight = false;
+    ASSERT_TRUE(backend_->Compute(in, view, options, TokenOutputs{}, &*grad, *workspace).ok());
+    ASSERT_TRUE(backend_->CopyToHost(*grad, 0, values.size() * sizeof(float), values.data()).ok());
+    std::vector<double> twice = ref.grad_weight;
+    for (double& x : twice) x *= 2;
+    EXPECT_LE(RelativeError(values, twice), kGradBound);
+  }
 }
 
 TEST_P(EngineBackendTest, RejectsBadCallsNamingTheField) {

@@ -577,8 +577,10 @@ absl::StatusOr<BatchSummary> CpuBackend::Compute(const BatchInputs& in, const We
                           });
       }
       if (grad_weight32 != nullptr) {
+        // The first chunk's product stores when the caller asked for dL/dW alone.
+        const float beta = options.overwrite_grad_weight && r0 == 0 ? 0.0f : 1.0f;
         cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, h, rows, 1.0f, ws.logits,
-                    tile_cols, hidden32, h, 1.0f, grad_weight32 + v0 * h, h);
+                    tile_cols, hidden32, h, beta, grad_weight32 + v0 * h, h);
       }
     }
     if (shape.grad_hidden && out.grad_hidden_dtype != DType::kFloat32) {

@@ -360,17 +360,13 @@ class ChunkedCompute {
                 cudaMemcpyHostToDevice);
   }
 
-  // A power of two S with |S dL/da| < 2^kSplitMaxExponent for every logit of the chunk, from the
-  // bound |dL/da| <= (|scale_p| + |offset| + |label_term|) / T (p <= 1 and the soft cap's factor
-  // is in [0, 1]). It keeps the hi/lo halves of fp16 splits inside fp16's range; multiplying and
+  // A power of two S with |S dL/da| < 2^kSplitMaxExponent for every logit of the chunk, from
+  // LogitGradientBound. It keeps the hi/lo halves of fp16 splits inside fp16's range; multiplying and
   // dividing by a power of two is exact.
   float SplitScale(int64_t rows) const {
     float bound = 0.0f;
     for (int64_t r = 0; r < rows; ++r) {
-      const RowGradient& g = row_grads_[r];
-      bound =
-          std::max(bound, (std::fabs(g.scale_p) + std::fabs(g.offset) + std::fabs(g.label_term)) *
-                              transform_.inv_temperature);
+      bound = std::max(bound, static_cast<float>(LogitGradientBound(row_grads_[r], transform_)));
     }
     if (!(bound > 0.0f) || !std::isfinite(bound)) return 1.0f;
     int exponent = 0;
@@ -416,9 +412,12 @@ class ChunkedCompute {
             }));
       }
       if (d_grad_weight_ != nullptr) {
+        // The first product into dL/dW stores when the caller asked for dL/dW alone.
+        float beta = options_.overwrite_grad_weight && r0 == 0 ? 0.0f : 1.0f;
         for (const Matrix& part : parts) {
           RETURN_IF_ERROR(RowMajorGemm(cublas_, true, false, cols, h_, rows, alpha, part, hidden_,
-                                       1.0f, d_grad_weight_ + v0 * h_, h_, options_.allow_tf32));
+                                       beta, d_grad_weight_ + v0 * h_, h_, options_.allow_tf32));
+          beta = 1.0f;
         }
       }
     }

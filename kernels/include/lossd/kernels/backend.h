@@ -124,7 +124,8 @@ class Backend {
 
   // Computes one batch. The workspace's size is the budget: Compute plans against it exactly as
   // Plan(shape, workspace.bytes()) does and uses no other scratch memory on the device.
-  // dL/dW is accumulated (+=) into grad_weight ([V, H] fp32) when it is not null.
+  // dL/dW is accumulated (+=) into grad_weight ([V, H] fp32) when it is not null, or stored there
+  // with options.overwrite_grad_weight.
   virtual absl::StatusOr<BatchSummary> Compute(const BatchInputs& inputs, const WeightView& weight,
                                                const LossOptions& options,
                                                const TokenOutputs& outputs,

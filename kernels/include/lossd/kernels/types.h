@@ -43,6 +43,9 @@ struct LossOptions {
   double mean_denominator = 0.0;
   // Lets GPU backends run fp32 products on TF32 tensor cores (about 10 bits of mantissa).
   bool allow_tf32 = false;
+  // Stores this call's dL/dW into grad_weight instead of adding it, so that a caller staging one
+  // call's gradient need not zero the buffer first. Every entry is written when the call has rows.
+  bool overwrite_grad_weight = false;
 };
 
 // One batch of tokens. All pointers are host memory owned by the caller.
