@@ -394,9 +394,12 @@ absl::Status MeasureInRounds(const Options& options, int64_t num_tokens, int64_t
   }
   const int reps = static_cast<int>(
       std::clamp(options.rep_seconds / longest_run, 1.0, static_cast<double>(options.reps)));
+  // Each round starts with the next contender, so that none always runs first (after the
+  // warm-up's allocations) or right after the same neighbour.
   std::vector<std::vector<double>> seconds(contenders.size());
   for (int round = 0; round < reps; ++round) {
-    for (size_t i = 0; i < contenders.size(); ++i) {
+    for (size_t j = 0; j < contenders.size(); ++j) {
+      const size_t i = (j + round) % contenders.size();
       ASSIGN_OR_RETURN(const double s, TimeOnce(contenders[i].run, num_tokens));
       seconds[i].push_back(s);
     }
@@ -478,11 +481,22 @@ absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
   const bool with_naive = options.methods.contains("naive");
   const size_t naive_bytes = static_cast<size_t>(s.n) * s.v * sizeof(float);
   const bool naive_fits = Gib(naive_bytes) <= options.naive_cap_gib;
-  std::vector<float> naive_logits;
-  if (with_naive && naive_fits) naive_logits.assign(static_cast<size_t>(s.n) * s.v, 0.0f);
+  // Every method's large buffers come from the backend's allocator (huge pages on the CPU), so
+  // that the comparison is between algorithms, not allocators; touched up front.
+  const auto touched = [&](size_t bytes) -> absl::StatusOr<DeviceBuffer> {
+    ASSIGN_OR_RETURN(DeviceBuffer buffer, backend.Allocate(bytes));
+    RETURN_IF_ERROR(backend.Zero(buffer));
+    return buffer;
+  };
+  DeviceBuffer naive_logits;
+  if (with_naive && naive_fits) {
+    ASSIGN_OR_RETURN(naive_logits, touched(naive_bytes));
+  }
   const int64_t floor_rows = FloorBlockRows(s);
-  std::vector<float> floor_logits;  // touched up front, like every buffer here
-  if (with_floor) floor_logits.assign(static_cast<size_t>(floor_rows) * s.v, 0.0f);
+  DeviceBuffer floor_logits;
+  if (with_floor) {
+    ASSIGN_OR_RETURN(floor_logits, touched(static_cast<size_t>(floor_rows) * s.v * sizeof(float)));
+  }
 
   std::vector<Result> results;
   for (Pass pass : options.passes) {
@@ -491,7 +505,7 @@ absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
     const std::string suffix(PassSuffix(pass));
 
     Result floor{s, "floor_" + suffix, pass};
-    floor.peak_extra_bytes = floor_logits.size() * sizeof(float);
+    floor.peak_extra_bytes = floor_logits.bytes();
     floor.token_chunk = floor_rows;
     floor.vocab_chunk = s.v;
     Result engine{s, "engine_" + suffix, pass};
@@ -508,7 +522,7 @@ absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
     std::vector<Contender> contenders;
     if (with_floor) {
       contenders.push_back({&floor, [&](int64_t n) {
-                              RunFloor(*p, pass, floor_rows, floor_logits.data(), n);
+                              RunFloor(*p, pass, floor_rows, static_cast<float*>(floor_logits.data()), n);
                               return absl::OkStatus();
                             }});
     }
@@ -518,7 +532,7 @@ absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
     }
     if (with_naive && naive_fits) {
       contenders.push_back({&naive, [&](int64_t n) {
-                              RunNaive(*p, pass, naive_logits.data(), n);
+                              RunNaive(*p, pass, static_cast<float*>(naive_logits.data()), n);
                               return absl::OkStatus();
                             }});
     } else if (with_naive) {
@@ -537,7 +551,7 @@ absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
     }
   }
 
-  if (with_engine && !naive_logits.empty()) {
+  if (with_engine && naive_logits.data() != nullptr) {
     const double loss_difference =
         std::abs(p->engine_loss - p->naive_loss) / std::abs(p->naive_loss);
     const double grad_difference = RelativeDifference(p->engine_grad_hidden, p->naive_grad_hidden);
