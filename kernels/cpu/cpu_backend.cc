@@ -10,7 +10,6 @@
 
 #include <cblas.h>
 #include <omp.h>
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <cmath>
@@ -339,19 +338,11 @@ class CpuBackend final : public Backend {
   }
 
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
-    // Buffers of 2 MiB and more (W, gradients, workspaces) are aligned to and backed by huge
-    // pages where the kernel allows them (transparent_hugepage "madvise" or "always"): GEMMs and
-    // row loops stream through them, and 4 KiB pages cost TLB misses, about 4% of a training
-    // call at V = 128256, H = 2048.
-    constexpr size_t kHugePage = size_t{2} << 20;
-    const bool huge = bytes >= kHugePage;
-    const size_t alignment = huge ? kHugePage : 256;
-    const size_t rounded = (std::max<size_t>(bytes, 1) + alignment - 1) / alignment * alignment;
-    void* data = std::aligned_alloc(alignment, rounded);
+    const size_t rounded = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
+    void* data = std::aligned_alloc(256, rounded);
     if (data == nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat("host memory: could not allocate ", bytes, " bytes"));
     }
-    if (huge) madvise(data, rounded, MADV_HUGEPAGE);  // advice only: failure leaves 4 KiB pages
     return DeviceBuffer(this, data, bytes);
   }
 
