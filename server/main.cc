@@ -10,7 +10,6 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/time/time.h"
-#include "lossd/common/message_allocator.h"
 #include "server/server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "gRPC address, HOST:PORT (port 0: any free port)");
@@ -51,7 +50,6 @@ int main(int argc, char** argv) {
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
-  lossd::KeepMessageBuffersInHeap();
 
   // Block the stop signals before any thread starts, so that only sigwait below receives them.
   sigset_t stop_signals;
