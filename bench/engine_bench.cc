@@ -481,8 +481,8 @@ absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
   const bool with_naive = options.methods.contains("naive");
   const size_t naive_bytes = static_cast<size_t>(s.n) * s.v * sizeof(float);
   const bool naive_fits = Gib(naive_bytes) <= options.naive_cap_gib;
-  // Every method's large buffers come from the backend's allocator (huge pages on the CPU), so
-  // that the comparison is between algorithms, not allocators; touched up front.
+  // Every method's large buffers come from the backend's allocator, so that the comparison is
+  // between algorithms, not allocators; touched up front.
   const auto touched = [&](size_t bytes) -> absl::StatusOr<DeviceBuffer> {
     ASSIGN_OR_RETURN(DeviceBuffer buffer, backend.Allocate(bytes));
     RETURN_IF_ERROR(backend.Zero(buffer));
