@@ -178,7 +178,9 @@ const EngineCase kCases[] = {
 class EngineCaseTest : public ::testing::TestWithParam<std::tuple<std::string, EngineCase>> {};
 
 TEST_P(EngineCaseTest, MatchesFloat64Reference) {
-  const auto& [backend_name, c] = GetParam();
+  // Named, not a structured binding: clang before 16 cannot capture bindings in lambdas.
+  const std::string& backend_name = std::get<0>(GetParam());
+  const EngineCase& c = std::get<1>(GetParam());
   auto backend = MakeBackend(backend_name);
   if (backend == nullptr) GTEST_SKIP() << backend_name << " backend not available on this machine";
   const uint64_t seed = FreshSeed();
