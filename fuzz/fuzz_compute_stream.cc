@@ -20,6 +20,7 @@
 // Run it with OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 (scripts/fuzz.sh does): one input at a time
 // gains nothing from thread pools, and their scheduling would make coverage less repeatable.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -118,6 +119,7 @@ class ScriptedStream : public ComputeStream {
   }
 
   bool IsCancelled() const override { return cancelled_; }
+  void Cancel() override { cancelled_ = true; }
 
   const std::vector<v1::ComputeResponse>& responses() const { return responses_; }
   bool client_left() const { return client_left_; }
@@ -128,7 +130,7 @@ class ScriptedStream : public ComputeStream {
   int reads_ = 0;
   int writes_ = 0;
   size_t next_request_ = 0;
-  bool cancelled_ = false;
+  std::atomic<bool> cancelled_ = false;  // set by reads and writes, on different threads
   bool client_left_ = false;
   std::vector<v1::ComputeResponse> responses_;
 };

@@ -9,10 +9,6 @@
 namespace lossd {
 namespace {
 
-absl::Status Invalid(absl::string_view field, absl::string_view expected, absl::string_view got) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", expected, ", got ", got));
-}
-
 bool IsKnownDType(DType dtype) {
   return dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat16;
 }
@@ -40,25 +36,25 @@ absl::string_view ReductionName(Reduction reduction) {
 absl::Status ValidateOptions(const LossOptions& o) {
   if (o.reduction != Reduction::kMean && o.reduction != Reduction::kSum &&
       o.reduction != Reduction::kNone) {
-    return Invalid("reduction", "mean, sum or none", absl::StrCat(static_cast<int>(o.reduction)));
+    return InvalidField("reduction", "mean, sum or none", absl::StrCat(static_cast<int>(o.reduction)));
   }
   if (!(o.label_smoothing >= 0.0 && o.label_smoothing <= 1.0)) {
-    return Invalid("label_smoothing", "a value in [0, 1]", absl::StrCat(o.label_smoothing));
+    return InvalidField("label_smoothing", "a value in [0, 1]", absl::StrCat(o.label_smoothing));
   }
   if (!(o.z_loss_scale >= 0.0 && std::isfinite(o.z_loss_scale))) {
-    return Invalid("z_loss_scale", "a finite value >= 0", absl::StrCat(o.z_loss_scale));
+    return InvalidField("z_loss_scale", "a finite value >= 0", absl::StrCat(o.z_loss_scale));
   }
   if (!(o.logit_softcap >= 0.0 && std::isfinite(o.logit_softcap))) {
-    return Invalid("logit_softcap", "0 (off) or a finite value > 0", absl::StrCat(o.logit_softcap));
+    return InvalidField("logit_softcap", "0 (off) or a finite value > 0", absl::StrCat(o.logit_softcap));
   }
   if (!(o.temperature > 0.0 && std::isfinite(o.temperature))) {
-    return Invalid("temperature", "a finite value > 0", absl::StrCat(o.temperature));
+    return InvalidField("temperature", "a finite value > 0", absl::StrCat(o.temperature));
   }
   if (!std::isfinite(o.grad_scale)) {
-    return Invalid("grad_scale", "a finite value", absl::StrCat(o.grad_scale));
+    return InvalidField("grad_scale", "a finite value", absl::StrCat(o.grad_scale));
   }
   if (!(o.mean_denominator >= 0.0 && std::isfinite(o.mean_denominator))) {
-    return Invalid("mean_denominator", "0 (count this call) or a finite value > 0",
+    return InvalidField("mean_denominator", "0 (count this call) or a finite value > 0",
                    absl::StrCat(o.mean_denominator));
   }
   return absl::OkStatus();
@@ -71,41 +67,41 @@ absl::Status ValidateCall(const BatchInputs& in, const WeightView& weight, const
     return absl::FailedPreconditionError("weight: expected a loaded [V, H] head");
   }
   if (!IsKnownDType(weight.dtype)) {
-    return Invalid("weight.dtype", "float32, bfloat16 or float16",
+    return InvalidField("weight.dtype", "float32, bfloat16 or float16",
                    absl::StrCat(static_cast<int>(weight.dtype)));
   }
   const size_t weight_elements = static_cast<size_t>(weight.vocab_size) * weight.hidden_size;
   if (weight.data->bytes() < weight_elements * DTypeSize(weight.dtype)) {
-    return Invalid("weight", absl::StrCat(weight_elements * DTypeSize(weight.dtype), " bytes"),
+    return InvalidField("weight", absl::StrCat(weight_elements * DTypeSize(weight.dtype), " bytes"),
                    absl::StrCat(weight.data->bytes()));
   }
-  if (in.num_tokens < 0) return Invalid("num_tokens", "a count >= 0", absl::StrCat(in.num_tokens));
+  if (in.num_tokens < 0) return InvalidField("num_tokens", "a count >= 0", absl::StrCat(in.num_tokens));
   if (in.hidden_size != weight.hidden_size) {
-    return Invalid("hidden_size", absl::StrCat(weight.hidden_size, " (the head's H)"),
+    return InvalidField("hidden_size", absl::StrCat(weight.hidden_size, " (the head's H)"),
                    absl::StrCat(in.hidden_size));
   }
   if (!IsKnownDType(in.hidden_dtype)) {
-    return Invalid("hidden_dtype", "float32, bfloat16 or float16",
+    return InvalidField("hidden_dtype", "float32, bfloat16 or float16",
                    absl::StrCat(static_cast<int>(in.hidden_dtype)));
   }
   if (in.num_tokens > 0 && (in.hidden == nullptr || in.labels == nullptr)) {
-    return Invalid("hidden/labels", "non-null buffers", "null");
+    return InvalidField("hidden/labels", "non-null buffers", "null");
   }
   RETURN_IF_ERROR(ValidateLabels(in.labels, in.num_tokens, weight.vocab_size, options.ignore_index));
   if (in.token_weights != nullptr) RETURN_IF_ERROR(ValidateTokenWeights(in.token_weights, in.num_tokens));
   if (out.top_k < 0 || out.top_k > kMaxTopK || out.top_k > weight.vocab_size) {
-    return Invalid("top_k", absl::StrCat("a value in [0, ", std::min<int64_t>(kMaxTopK, weight.vocab_size), "]"),
+    return InvalidField("top_k", absl::StrCat("a value in [0, ", std::min<int64_t>(kMaxTopK, weight.vocab_size), "]"),
                    absl::StrCat(out.top_k));
   }
   if (out.top_k > 0 && (out.top_k_logprob == nullptr || out.top_k_token == nullptr)) {
-    return Invalid("top_k", "buffers for both log-probabilities and token ids", "null");
+    return InvalidField("top_k", "buffers for both log-probabilities and token ids", "null");
   }
   if (out.grad_hidden != nullptr && !IsKnownDType(out.grad_hidden_dtype)) {
-    return Invalid("grad_hidden_dtype", "float32, bfloat16 or float16",
+    return InvalidField("grad_hidden_dtype", "float32, bfloat16 or float16",
                    absl::StrCat(static_cast<int>(out.grad_hidden_dtype)));
   }
   if (grad_weight != nullptr && grad_weight->bytes() < weight_elements * sizeof(float)) {
-    return Invalid("grad_weight", absl::StrCat(weight_elements * sizeof(float), " bytes (fp32 [V, H])"),
+    return InvalidField("grad_weight", absl::StrCat(weight_elements * sizeof(float), " bytes (fp32 [V, H])"),
                    absl::StrCat(grad_weight->bytes()));
   }
   return absl::OkStatus();
@@ -116,7 +112,7 @@ absl::Status ValidateLabels(const int64_t* labels, int64_t count, int64_t vocab_
   for (int64_t i = 0; i < count; ++i) {
     const int64_t y = labels[i];
     if (y != ignore_index && (y < 0 || y >= vocab_size)) {
-      return Invalid(absl::StrCat("labels[", first_index + i, "]"),
+      return InvalidField(absl::StrCat("labels[", first_index + i, "]"),
                      absl::StrCat("a token id in [0, ", vocab_size, ") or ignore_index ",
                                   ignore_index),
                      absl::StrCat(y));
@@ -128,7 +124,7 @@ absl::Status ValidateLabels(const int64_t* labels, int64_t count, int64_t vocab_
 absl::Status ValidateTokenWeights(const float* weights, int64_t count, int64_t first_index) {
   for (int64_t i = 0; i < count; ++i) {
     if (!std::isfinite(weights[i])) {
-      return Invalid(absl::StrCat("token_weights[", first_index + i, "]"), "a finite value",
+      return InvalidField(absl::StrCat("token_weights[", first_index + i, "]"), "a finite value",
                      absl::StrCat(weights[i]));
     }
   }

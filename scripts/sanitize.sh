@@ -2,9 +2,10 @@
 # Runs the C++ tests under sanitizers, built with clang-14 without CUDA:
 #   build-asan  AddressSanitizer + UndefinedBehaviorSanitizer (+ LeakSanitizer): every GoogleTest
 #               binary of the project (the build targets named *_test).
-#   build-tsan  ThreadSanitizer: the engine's OpenMP paths, the whole server end-to-end suite
-#               (concurrent streams, cancellation, scheduler limits, steps racing calls) and, where
-#               robustness_test exists, its abandoned-stream and 32-client load tests.
+#   build-tsan  ThreadSanitizer: the engine's OpenMP paths, the Compute call's row reader, the
+#               whole server end-to-end suite (concurrent streams, cancellation, scheduler limits,
+#               steps racing calls) and, where robustness_test exists, its abandoned-stream and
+#               32-client load tests.
 # Exits non-zero on any test failure or sanitizer report. Run after scripts/setup.sh, which installs
 # the project's libraries. Needs network access to Debian's archive for the TSan abseil (below).
 set -euo pipefail
@@ -73,7 +74,7 @@ cmake --build build-asan --target "${asan_tests[@]}"
 
 # ---- TSan ----
 configure build-tsan thread
-tsan_tests=(engine_test server_e2e_test)
+tsan_tests=(engine_test row_reader_test server_e2e_test)
 with_robustness_test=0
 if [[ " $(test_targets build-tsan | tr '\n' ' ') " == *" robustness_test "* ]]; then
   with_robustness_test=1
@@ -101,6 +102,7 @@ build_tsan_abseil build-tsan/abseil-tsan
   # not checked, calls into them still synchronize.
   export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1"
   run_test env "$preload" build-tsan/bin/engine_test --gtest_filter='*/cpu_basic:*/cpu_vocab_tiled:*/cpu_everything_tiled:*/cpu_bf16_grad_hidden:*/cpu_top_k_max:*IdenticalCalls*/cpu:*GradWeightAccumulates*/cpu'
+  run_test env "$preload" build-tsan/bin/row_reader_test
   run_test env "$preload" build-tsan/bin/server_e2e_test
   if ((with_robustness_test)); then
     run_test env "$preload" build-tsan/bin/robustness_test --gtest_filter='CancellationTest.*:LoadTest.*'

@@ -13,13 +13,10 @@
 #include "lossd/kernels/loss_math.h"
 #include "lossd/common/status_macros.h"
 #include "server/proto_convert.h"
+#include "server/row_reader.h"
 
 namespace lossd::server {
 namespace {
-
-absl::Status Invalid(absl::string_view field, absl::string_view expected, absl::string_view got) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", expected, ", got ", got));
-}
 
 double SecondsSince(absl::Time start) { return absl::ToDoubleSeconds(absl::Now() - start); }
 
@@ -58,22 +55,22 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   RETURN_IF_ERROR(CheckPinnedVersion(spec));
   ASSIGN_OR_RETURN(spec.options, FromProto(start.options()));
   if (start.num_tokens() < 0 || start.num_tokens() > env.limits.max_tokens_per_call) {
-    return Invalid("num_tokens", absl::StrCat("a count in [0, ", env.limits.max_tokens_per_call, "]"),
+    return InvalidField("num_tokens", absl::StrCat("a count in [0, ", env.limits.max_tokens_per_call, "]"),
                    absl::StrCat(start.num_tokens()));
   }
   spec.num_tokens = start.num_tokens();
   if (start.hidden_size() != head.hidden_size()) {
-    return Invalid("hidden_size", absl::StrCat(head.hidden_size(), " (head '", head.name(), "')"),
+    return InvalidField("hidden_size", absl::StrCat(head.hidden_size(), " (head '", head.name(), "')"),
                    absl::StrCat(start.hidden_size()));
   }
   spec.hidden_size = start.hidden_size();
   ASSIGN_OR_RETURN(spec.hidden_dtype, FromProto(start.hidden_dtype(), "hidden_dtype"));
   if (start.labels_size() != spec.num_tokens) {
-    return Invalid("labels", absl::StrCat(spec.num_tokens, " entries (num_tokens)"),
+    return InvalidField("labels", absl::StrCat(spec.num_tokens, " entries (num_tokens)"),
                    absl::StrCat(start.labels_size()));
   }
   if (start.token_weights_size() != 0 && start.token_weights_size() != spec.num_tokens) {
-    return Invalid("token_weights", absl::StrCat("0 or ", spec.num_tokens, " entries (num_tokens)"),
+    return InvalidField("token_weights", absl::StrCat("0 or ", spec.num_tokens, " entries (num_tokens)"),
                    absl::StrCat(start.token_weights_size()));
   }
   spec.labels.assign(start.labels().begin(), start.labels().end());
@@ -86,7 +83,7 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   spec.outputs = start.outputs();
   const int top_k = spec.outputs.top_k();
   if (top_k < 0 || top_k > kMaxTopK || top_k > head.vocab_size()) {
-    return Invalid("outputs.top_k",
+    return InvalidField("outputs.top_k",
                    absl::StrCat("a value in [0, ", std::min<int64_t>(kMaxTopK, head.vocab_size()), "]"),
                    absl::StrCat(top_k));
   }
@@ -136,11 +133,11 @@ class ComputeCall {
     v1::ComputeRequest request;
     if (!stream_.Read(&request)) {
       return stream_.IsCancelled() ? absl::CancelledError("call cancelled before its start message")
-                                   : Invalid("start", "a ComputeStart as the first message",
+                                   : InvalidField("start", "a ComputeStart as the first message",
                                              "an empty stream");
     }
     if (!request.has_start()) {
-      return Invalid("start", "a ComputeStart as the first message", "a chunk");
+      return InvalidField("start", "a ComputeStart as the first message", "a chunk");
     }
     ASSIGN_OR_RETURN(spec_, ParseStart(env_, request.start()));
     RETURN_IF_ERROR(Prepare());
@@ -155,7 +152,6 @@ class ComputeCall {
     RETURN_IF_ERROR(AllocateBuffers());
 
     RETURN_IF_ERROR(ReceiveAndCompute());
-    if (buffered_rows_ > 0) RETURN_IF_ERROR(ComputeBuffered());
     if (staging_.held()) {
       // The first engine chunk stores its dL/dW; a call without rows has none to store.
       if (computed_rows_ == 0) RETURN_IF_ERROR(env_.backend->Zero(staging_.buffer()));
@@ -178,7 +174,6 @@ class ComputeCall {
  private:
   absl::Status Prepare() {
     const Head& head = *spec_.head;
-    row_bytes_ = spec_.hidden_size * static_cast<int64_t>(DTypeSize(spec_.hidden_dtype));
     ProblemShape shape;
     shape.num_tokens = std::max<int64_t>(spec_.num_tokens, 1);
     shape.hidden_size = spec_.hidden_size;
@@ -201,56 +196,30 @@ class ComputeCall {
       // Not zeroed: the first engine chunk stores into it (LossOptions::overwrite_grad_weight).
       ASSIGN_OR_RETURN(staging_, env_.buffers->Acquire(staging_bytes_, MemoryPurpose::kGradients));
     }
-    rows_.resize(plan_.token_chunk * row_bytes_);
     return absl::OkStatus();
   }
 
+  // Computes each engine chunk as soon as its rows are in, while the reader takes the next.
   absl::Status ReceiveAndCompute() {
-    v1::ComputeRequest request;
-    while (stream_.Read(&request)) {
-      if (request.has_start()) {
-        return Invalid("start", "exactly one ComputeStart, first", "a second one");
-      }
-      const std::string& hidden = request.chunk().hidden();
-      const int64_t bytes = static_cast<int64_t>(hidden.size());
-      if (bytes % row_bytes_ != 0) {
-        return Invalid("chunk.hidden",
-                       absl::StrCat("whole rows of ", spec_.hidden_size, " ",
-                                    DTypeName(spec_.hidden_dtype), " values (", row_bytes_,
-                                    " bytes each)"),
-                       absl::StrCat(bytes, " bytes"));
-      }
-      const int64_t rows = bytes / row_bytes_;
-      if (received_rows_ + rows > spec_.num_tokens) {
-        return Invalid("chunk.hidden", absl::StrCat(spec_.num_tokens, " rows in all (num_tokens)"),
-                       absl::StrCat("at least ", received_rows_ + rows));
-      }
-      if (env_.metrics != nullptr) env_.metrics->AddBytesReceived(bytes);
-      for (int64_t taken = 0; taken < rows;) {
-        const int64_t take = std::min(rows - taken, plan_.token_chunk - buffered_rows_);
-        std::memcpy(rows_.data() + buffered_rows_ * row_bytes_, hidden.data() + taken * row_bytes_,
-                    take * row_bytes_);
-        buffered_rows_ += take;
-        taken += take;
-        if (buffered_rows_ == plan_.token_chunk) RETURN_IF_ERROR(ComputeBuffered());
-      }
-      received_rows_ += rows;
+    RowLayout layout;
+    layout.num_tokens = spec_.num_tokens;
+    layout.hidden_size = spec_.hidden_size;
+    layout.dtype = spec_.hidden_dtype;
+    layout.chunk_rows = plan_.token_chunk;
+    RowReader reader(stream_, env_.metrics, layout);  // on failure, stops reading as it goes
+    while (computed_rows_ < spec_.num_tokens) {
+      ASSIGN_OR_RETURN(const RowChunk chunk, reader.Next());
+      RETURN_IF_ERROR(ComputeChunk(chunk));
+      reader.Release();
     }
-    if (stream_.IsCancelled()) {
-      return absl::CancelledError("call cancelled mid-stream; nothing was accumulated");
-    }
-    if (received_rows_ != spec_.num_tokens) {
-      return Invalid("chunk.hidden", absl::StrCat(spec_.num_tokens, " rows (num_tokens)"),
-                     absl::StrCat(received_rows_, " before the stream ended"));
-    }
-    return absl::OkStatus();
+    return reader.Finish();
   }
 
-  absl::Status ComputeBuffered() {
-    const int64_t first = computed_rows_;
-    const int64_t rows = buffered_rows_;
+  absl::Status ComputeChunk(const RowChunk& chunk) {
+    const int64_t first = chunk.first_row;
+    const int64_t rows = chunk.num_rows;
     BatchInputs in;
-    in.hidden = rows_.data();
+    in.hidden = chunk.rows;
     in.hidden_dtype = spec_.hidden_dtype;
     in.num_tokens = rows;
     in.hidden_size = spec_.hidden_size;
@@ -285,7 +254,6 @@ class ComputeCall {
     peak_workspace_bytes_ = std::max(peak_workspace_bytes_, summary.workspace_bytes);
     RETURN_IF_ERROR(SendResults(first, rows));
     computed_rows_ += rows;
-    buffered_rows_ = 0;
     return absl::OkStatus();
   }
 
@@ -318,8 +286,10 @@ class ComputeCall {
         std::max<int64_t>(1, env_.limits.max_result_message_bytes / row_bytes);
     for (int64_t r0 = 0; r0 < rows; r0 += rows_per_message) {
       const int64_t n = std::min(rows_per_message, rows - r0);
-      v1::ComputeResponse response;
-      v1::ComputeResult& result = *response.mutable_result();
+      // One message kept for the whole call: Clear keeps its buffers, so the next message's
+      // payload needs no fresh allocation (whose pages would fault in as it is written).
+      v1::ComputeResult& result = *result_message_.mutable_result();
+      result.Clear();
       result.set_row_offset(first + r0);
       result.set_num_rows(n);
       auto copy = [&](const auto& source, int64_t per_row, auto* target) {
@@ -338,7 +308,7 @@ class ComputeCall {
         result.set_grad_hidden(outputs_.grad_hidden.data() + r0 * grad_row_bytes, n * grad_row_bytes);
         result.set_grad_hidden_dtype(ToProto(spec_.grad_hidden_dtype));
       }
-      RETURN_IF_ERROR(Send(response));
+      RETURN_IF_ERROR(Send(result_message_));
     }
     return absl::OkStatus();
   }
@@ -379,16 +349,13 @@ class ComputeCall {
   ComputeStream& stream_;
   CallSpec spec_;
   ChunkPlan plan_;
-  int64_t row_bytes_ = 0;
   size_t staging_bytes_ = 0;
   int64_t admitted_bytes_ = 0;
   Admission admission_;
   BufferLease workspace_;
   BufferLease staging_;
-  std::vector<uint8_t> rows_;
   ChunkOutputs outputs_;
-  int64_t buffered_rows_ = 0;
-  int64_t received_rows_ = 0;
+  v1::ComputeResponse result_message_;
   int64_t computed_rows_ = 0;
   double loss_sum_ = 0.0;
   int64_t correct_tokens_ = 0;

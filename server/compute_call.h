@@ -13,21 +13,13 @@
 #include "lossd/kernels/backend.h"
 #include "lossd/v1/lossd.pb.h"
 #include "server/buffer_cache.h"
+#include "server/compute_stream.h"
 #include "server/head_store.h"
 #include "server/memory_ledger.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
 
 namespace lossd::server {
-
-// The stream as the call sees it; gRPC's ServerReaderWriter in the service, a script in tests.
-class ComputeStream {
- public:
-  virtual ~ComputeStream() = default;
-  virtual bool Read(v1::ComputeRequest* request) = 0;
-  virtual bool Write(const v1::ComputeResponse& response) = 0;
-  virtual bool IsCancelled() const = 0;
-};
 
 struct ComputeLimits {
   size_t workspace_budget_bytes = 256u << 20;

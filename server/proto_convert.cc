@@ -9,10 +9,6 @@
 namespace lossd::server {
 namespace {
 
-absl::Status Invalid(absl::string_view field, absl::string_view expected, absl::string_view got) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", expected, ", got ", got));
-}
-
 bool IsFiniteAtLeast(double value, double low) { return std::isfinite(value) && value >= low; }
 
 }  // namespace
@@ -29,7 +25,7 @@ absl::StatusOr<DType> FromProto(v1::DType dtype, absl::string_view field,
     default:
       break;
   }
-  return Invalid(field, "DTYPE_FLOAT32, DTYPE_BFLOAT16 or DTYPE_FLOAT16",
+  return InvalidField(field, "DTYPE_FLOAT32, DTYPE_BFLOAT16 or DTYPE_FLOAT16",
                  v1::DType_IsValid(dtype) ? v1::DType_Name(dtype) : absl::StrCat(static_cast<int>(dtype)));
 }
 
@@ -49,7 +45,7 @@ absl::StatusOr<LossOptions> FromProto(const v1::LossOptions& p) {
     case v1::REDUCTION_SUM: o.reduction = Reduction::kSum; break;
     case v1::REDUCTION_NONE: o.reduction = Reduction::kNone; break;
     default:
-      return Invalid("options.reduction", "REDUCTION_MEAN, REDUCTION_SUM or REDUCTION_NONE",
+      return InvalidField("options.reduction", "REDUCTION_MEAN, REDUCTION_SUM or REDUCTION_NONE",
                      absl::StrCat(static_cast<int>(p.reduction())));
   }
   if (p.has_ignore_index()) o.ignore_index = p.ignore_index();
@@ -75,7 +71,7 @@ absl::StatusOr<OptimizerConfig> FromProto(const v1::StepRequest& request) {
       c.momentum = sgd.momentum();
       c.weight_decay = sgd.weight_decay();
       if (!IsFiniteAtLeast(c.momentum, 0.0)) {
-        return Invalid("sgd.momentum", "a finite value >= 0", absl::StrCat(c.momentum));
+        return InvalidField("sgd.momentum", "a finite value >= 0", absl::StrCat(c.momentum));
       }
       break;
     }
@@ -88,27 +84,27 @@ absl::StatusOr<OptimizerConfig> FromProto(const v1::StepRequest& request) {
       if (adamw.has_beta2()) c.beta2 = adamw.beta2();
       if (adamw.has_epsilon()) c.epsilon = adamw.epsilon();
       if (!(c.beta1 >= 0.0 && c.beta1 < 1.0)) {
-        return Invalid("adamw.beta1", "a value in [0, 1)", absl::StrCat(c.beta1));
+        return InvalidField("adamw.beta1", "a value in [0, 1)", absl::StrCat(c.beta1));
       }
       if (!(c.beta2 >= 0.0 && c.beta2 < 1.0)) {
-        return Invalid("adamw.beta2", "a value in [0, 1)", absl::StrCat(c.beta2));
+        return InvalidField("adamw.beta2", "a value in [0, 1)", absl::StrCat(c.beta2));
       }
       if (!(std::isfinite(c.epsilon) && c.epsilon > 0.0)) {
-        return Invalid("adamw.epsilon", "a finite value > 0", absl::StrCat(c.epsilon));
+        return InvalidField("adamw.epsilon", "a finite value > 0", absl::StrCat(c.epsilon));
       }
       break;
     }
     default:
-      return Invalid("optimizer", "sgd or adamw", "neither");
+      return InvalidField("optimizer", "sgd or adamw", "neither");
   }
   if (!IsFiniteAtLeast(c.learning_rate, 0.0)) {
-    return Invalid("learning_rate", "a finite value >= 0", absl::StrCat(c.learning_rate));
+    return InvalidField("learning_rate", "a finite value >= 0", absl::StrCat(c.learning_rate));
   }
   if (!IsFiniteAtLeast(c.weight_decay, 0.0)) {
-    return Invalid("weight_decay", "a finite value >= 0", absl::StrCat(c.weight_decay));
+    return InvalidField("weight_decay", "a finite value >= 0", absl::StrCat(c.weight_decay));
   }
   if (!IsFiniteAtLeast(request.max_grad_norm(), 0.0)) {
-    return Invalid("max_grad_norm", "0 (off) or a finite value > 0",
+    return InvalidField("max_grad_norm", "0 (off) or a finite value > 0",
                    absl::StrCat(request.max_grad_norm()));
   }
   return c;

@@ -23,6 +23,7 @@ class GrpcComputeStream final : public ComputeStream {
   bool Read(v1::ComputeRequest* request) override { return stream_->Read(request); }
   bool Write(const v1::ComputeResponse& response) override { return stream_->Write(response); }
   bool IsCancelled() const override { return context_->IsCancelled(); }
+  void Cancel() override { context_->TryCancel(); }
 
  private:
   grpc::ServerContext* context_;
@@ -39,10 +40,6 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
     difference |= x ^ y;
   }
   return difference == 0;
-}
-
-absl::Status Invalid(absl::string_view field, absl::string_view expected, absl::string_view got) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", expected, ", got ", got));
 }
 
 }  // namespace
@@ -146,12 +143,12 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
     grpc::ServerReader<v1::UploadHeadRequest>* reader) {
   v1::UploadHeadRequest request;
   if (!reader->Read(&request) || !request.has_start()) {
-    return Invalid("start", "an UploadHeadStart as the first message", "none");
+    return InvalidField("start", "an UploadHeadStart as the first message", "none");
   }
   const v1::UploadHeadStart start = request.start();
   RETURN_IF_ERROR(storage::ValidateCheckpointHeadName(start.head()));
   if (start.vocab_size() <= 0 || start.hidden_size() <= 0) {
-    return Invalid("vocab_size/hidden_size", "positive sizes",
+    return InvalidField("vocab_size/hidden_size", "positive sizes",
                    absl::StrCat(start.vocab_size(), " x ", start.hidden_size()));
   }
   ASSIGN_OR_RETURN(const DType wire_dtype, FromProto(start.dtype(), "dtype"));
@@ -174,10 +171,10 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
   std::vector<uint8_t> weight;
   weight.reserve(expected_bytes);
   while (reader->Read(&request)) {
-    if (request.has_start()) return Invalid("start", "exactly one UploadHeadStart, first", "a second one");
+    if (request.has_start()) return InvalidField("start", "exactly one UploadHeadStart, first", "a second one");
     const std::string& bytes = request.weight();
     if (weight.size() + bytes.size() > expected_bytes) {
-      return Invalid("weight", absl::StrCat(expected_bytes, " bytes (vocab_size x hidden_size x ",
+      return InvalidField("weight", absl::StrCat(expected_bytes, " bytes (vocab_size x hidden_size x ",
                                             DTypeSize(wire_dtype), ")"),
                      absl::StrCat("at least ", weight.size() + bytes.size()));
     }
@@ -185,14 +182,14 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
     metrics_.AddBytesReceived(static_cast<int64_t>(bytes.size()));
   }
   if (weight.size() != expected_bytes) {
-    return Invalid("weight", absl::StrCat(expected_bytes, " bytes"),
+    return InvalidField("weight", absl::StrCat(expected_bytes, " bytes"),
                    absl::StrCat(weight.size(), " before the stream ended"));
   }
   // A non-finite W would fail every later call on the head; refuse it at the door.
   for (int64_t i = 0; i < start.vocab_size() * start.hidden_size(); ++i) {
     const float value = LoadAsFloat(weight.data(), wire_dtype, i);
     if (!std::isfinite(value)) {
-      return Invalid(absl::StrCat("weight[", i / start.hidden_size(), ", ", i % start.hidden_size(), "]"),
+      return InvalidField(absl::StrCat("weight[", i / start.hidden_size(), ", ", i % start.hidden_size(), "]"),
                      "a finite value", absl::StrCat(value));
     }
   }
@@ -235,7 +232,7 @@ absl::Status LossService::StreamTensor(const v1::FetchTensorRequest& request, bo
   ASSIGN_OR_RETURN(auto head, heads_.Get(request.head()));
   ASSIGN_OR_RETURN(const DType dtype, FromProto(request.dtype(), "dtype", DType::kFloat32));
   if (request.max_chunk_bytes() < 0 || request.max_chunk_bytes() > options_.max_fetch_chunk_bytes) {
-    return Invalid("max_chunk_bytes", absl::StrCat("0 (default) to ", options_.max_fetch_chunk_bytes),
+    return InvalidField("max_chunk_bytes", absl::StrCat("0 (default) to ", options_.max_fetch_chunk_bytes),
                    absl::StrCat(request.max_chunk_bytes()));
   }
   ASSIGN_OR_RETURN(const TensorSnapshot snapshot,

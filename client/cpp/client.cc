@@ -25,10 +25,6 @@ constexpr int64_t kTargetMessageBytes = int64_t{4} << 20;
 constexpr int64_t kMinMessageBytes = int64_t{64} << 10;
 constexpr int kMaxTopK = 64;
 
-absl::Status Invalid(absl::string_view field, absl::string_view expected, absl::string_view got) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", expected, ", got ", got));
-}
-
 // The server broke the wire contract; the call's data cannot be trusted.
 absl::Status ServerViolation(absl::string_view what) {
   return absl::InternalError(absl::StrCat("server sent ", what));
@@ -114,26 +110,26 @@ void ToProto(const OutputSelection& outputs, v1::OutputSelection& proto) {
 
 absl::Status ValidateComputeRequest(const ComputeRequest& request) {
   const TensorView& hidden = request.hidden;
-  if (hidden.rows < 0) return Invalid("hidden.rows", "a count >= 0", absl::StrCat(hidden.rows));
-  if (hidden.cols <= 0) return Invalid("hidden.cols", "the head's hidden size", absl::StrCat(hidden.cols));
+  if (hidden.rows < 0) return InvalidField("hidden.rows", "a count >= 0", absl::StrCat(hidden.rows));
+  if (hidden.cols <= 0) return InvalidField("hidden.cols", "the head's hidden size", absl::StrCat(hidden.cols));
   if (hidden.rows > 0 && hidden.data == nullptr) {
-    return Invalid("hidden.data", "a pointer to the rows", "null");
+    return InvalidField("hidden.data", "a pointer to the rows", "null");
   }
   if (static_cast<int64_t>(request.labels.size()) != hidden.rows) {
-    return Invalid("labels", absl::StrCat(hidden.rows, " entries (hidden.rows)"),
+    return InvalidField("labels", absl::StrCat(hidden.rows, " entries (hidden.rows)"),
                    absl::StrCat(request.labels.size()));
   }
   if (!request.token_weights.empty() && static_cast<int64_t>(request.token_weights.size()) != hidden.rows) {
-    return Invalid("token_weights", absl::StrCat("0 or ", hidden.rows, " entries (hidden.rows)"),
+    return InvalidField("token_weights", absl::StrCat("0 or ", hidden.rows, " entries (hidden.rows)"),
                    absl::StrCat(request.token_weights.size()));
   }
   // Checked here as well as on the server because the result buffers are sized by it.
   if (request.outputs.top_k < 0 || request.outputs.top_k > kMaxTopK) {
-    return Invalid("outputs.top_k", absl::StrCat("a value in [0, ", kMaxTopK, "]"),
+    return InvalidField("outputs.top_k", absl::StrCat("a value in [0, ", kMaxTopK, "]"),
                    absl::StrCat(request.outputs.top_k));
   }
   if (request.rows_per_message < 0) {
-    return Invalid("rows_per_message", "0 (automatic) or a positive count",
+    return InvalidField("rows_per_message", "0 (automatic) or a positive count",
                    absl::StrCat(request.rows_per_message));
   }
   return absl::OkStatus();
@@ -142,14 +138,14 @@ absl::Status ValidateComputeRequest(const ComputeRequest& request) {
 absl::StatusOr<int64_t> RowsPerMessage(int64_t requested, int64_t row_bytes, int64_t max_message_bytes) {
   const int64_t payload_limit = max_message_bytes - kMessageOverheadBytes;
   if (row_bytes > payload_limit) {
-    return Invalid(
+    return InvalidField(
         "hidden",
         absl::StrCat("rows of at most ", payload_limit, " bytes (max_message_bytes ", max_message_bytes, ")"),
         absl::StrCat(row_bytes, " bytes per row"));
   }
   if (requested == 0) return std::max<int64_t>(1, std::min(kTargetMessageBytes, payload_limit) / row_bytes);
   if (requested > payload_limit / row_bytes) {
-    return Invalid("rows_per_message",
+    return InvalidField("rows_per_message",
                    absl::StrCat("at most ", payload_limit / row_bytes, " rows of ", row_bytes,
                                 " bytes (max_message_bytes ", max_message_bytes, ")"),
                    absl::StrCat(requested));
@@ -310,17 +306,17 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 }
 
 absl::Status ValidateChannelOptions(const ChannelOptions& options) {
-  if (options.address.empty()) return Invalid("address", "HOST:PORT", "an empty string");
+  if (options.address.empty()) return InvalidField("address", "HOST:PORT", "an empty string");
   if (options.max_message_bytes < kMinMessageBytes || options.max_message_bytes > INT_MAX) {
-    return Invalid("max_message_bytes", absl::StrCat("a size in [", kMinMessageBytes, ", ", INT_MAX, "]"),
+    return InvalidField("max_message_bytes", absl::StrCat("a size in [", kMinMessageBytes, ", ", INT_MAX, "]"),
                    absl::StrCat(options.max_message_bytes));
   }
   if (options.deadline <= absl::ZeroDuration()) {
-    return Invalid("deadline", "a positive duration (infinite: none)",
+    return InvalidField("deadline", "a positive duration (infinite: none)",
                    absl::FormatDuration(options.deadline));
   }
   if (options.keepalive_time <= absl::ZeroDuration() || options.keepalive_timeout <= absl::ZeroDuration()) {
-    return Invalid("keepalive_time/keepalive_timeout", "positive durations",
+    return InvalidField("keepalive_time/keepalive_timeout", "positive durations",
                    absl::StrCat(absl::FormatDuration(options.keepalive_time), " / ",
                                 absl::FormatDuration(options.keepalive_timeout)));
   }
@@ -395,10 +391,10 @@ absl::StatusOr<HeadInfo> Client::GetHead(const std::string& head) const {
 absl::StatusOr<HeadInfo> Client::UploadHead(const std::string& head, const TensorView& weight,
                                             DType storage_dtype, bool replace) const {
   if (weight.rows <= 0 || weight.cols <= 0) {
-    return Invalid("weight", "a [vocab_size, hidden_size] matrix with both sizes positive",
+    return InvalidField("weight", "a [vocab_size, hidden_size] matrix with both sizes positive",
                    absl::StrCat("[", weight.rows, ", ", weight.cols, "]"));
   }
-  if (weight.data == nullptr) return Invalid("weight.data", "a pointer to the values", "null");
+  if (weight.data == nullptr) return InvalidField("weight.data", "a pointer to the values", "null");
   grpc::ClientContext context;
   PrepareContext(context);
   v1::HeadInfo response;
@@ -567,7 +563,7 @@ absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) con
   start.mutable_token_weights()->Add(request.token_weights.begin(), request.token_weights.end());
   const int64_t start_bytes = static_cast<int64_t>(start_message.ByteSizeLong());
   if (start_bytes > options_.max_message_bytes) {
-    return Invalid("labels",
+    return InvalidField("labels",
                    absl::StrCat("a start message within max_message_bytes (", options_.max_message_bytes,
                                 " bytes); split the batch into several calls"),
                    absl::StrCat(hidden.rows, " tokens in ", start_bytes, " bytes"));
@@ -591,9 +587,9 @@ absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) con
     bytes_sent += start_bytes;
     ++messages_sent;
     const char* rows = static_cast<const char*>(hidden.data);
+    v1::ComputeRequest chunk;  // reused: setting its rows again keeps the string's buffer
     for (int64_t first = 0; first < hidden.rows; first += rows_per_message) {
       const int64_t count = std::min(rows_per_message, hidden.rows - first);
-      v1::ComputeRequest chunk;
       chunk.mutable_chunk()->set_hidden(rows + first * row_bytes, count * row_bytes);
       // A failed Write means the call has ended (the server returned an error, or it was
       // cancelled); the reader learns why from Finish.

@@ -4,6 +4,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 #define LOSSD_CONCAT_INNER_(a, b) a##b
 #define LOSSD_CONCAT_(a, b) LOSSD_CONCAT_INNER_(a, b)
@@ -22,5 +24,15 @@
   auto tmp = (expr);                                 \
   if (!tmp.ok()) return tmp.status();                \
   lhs = std::move(tmp).value()
+
+namespace lossd {
+
+// The one shape of lossd's bad-input errors: "<field>: expected <what>, got <what came>".
+inline absl::Status InvalidField(absl::string_view field, absl::string_view expected,
+                                 absl::string_view got) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", expected, ", got ", got));
+}
+
+}  // namespace lossd
 
 #endif  // LOSSD_COMMON_STATUS_MACROS_H_

@@ -1,0 +1,98 @@
+// Reads a Compute call's hidden rows on a thread of its own, into engine-chunk-sized buffers, so
+// that the next chunk's rows arrive while the engine computes the current one and its results go
+// out: the two directions of the stream overlap instead of taking turns. Two buffers: the one the
+// engine reads and the one being filled; the reader waits for the engine before refilling.
+//
+// Chunk boundaries follow the engine's plan, never the client's messages, so the results do not
+// depend on how the client split its rows.
+#ifndef LOSSD_SERVER_ROW_READER_H_
+#define LOSSD_SERVER_ROW_READER_H_
+
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "lossd/kernels/types.h"
+#include "server/compute_stream.h"
+#include "server/metrics.h"
+
+namespace lossd::server {
+
+struct RowLayout {
+  int64_t num_tokens = 0;   // rows the call announced
+  int64_t hidden_size = 0;  // values per row
+  DType dtype = DType::kFloat32;
+  int64_t chunk_rows = 1;   // rows per buffer; the last chunk holds what is left
+};
+
+// Rows [first_row, first_row + num_rows) of the call, contiguous.
+struct RowChunk {
+  const void* rows = nullptr;
+  int64_t first_row = 0;
+  int64_t num_rows = 0;
+};
+
+class RowReader {
+ public:
+  // How long Stop waits, by default, for a Read to return before cancelling the stream.
+  static constexpr absl::Duration kStopGrace = absl::Seconds(5);
+
+  // Starts reading at once; `stream` and `metrics` (may be null) must outlive the reader.
+  RowReader(ComputeStream& stream, Metrics* metrics, const RowLayout& layout,
+            absl::Duration stop_grace = kStopGrace);
+  RowReader(const RowReader&) = delete;
+  RowReader& operator=(const RowReader&) = delete;
+  ~RowReader() { Stop(); }
+
+  // The next chunk, once all its rows are in; the previous chunk must have been released. An
+  // error (a malformed message, a short or cancelled stream) as soon as the reader meets it.
+  absl::StatusOr<RowChunk> Next();
+  // Hands the chunk from Next back for refilling.
+  void Release();
+  // Once every chunk was taken: waits for the stream to end and says whether it ended well
+  // (exactly num_tokens rows, nothing after them).
+  absl::Status Finish();
+  // Ends reading early (the call failed): the reader stops after the message it waits for. A
+  // client that sends nothing more gets its stream cancelled after the stop grace. Idempotent.
+  void Stop();
+
+ private:
+  static constexpr int kBuffers = 2;
+
+  void ReadAll();
+  absl::Status ReadRows();
+  absl::Status TakeMessage(const v1::ComputeRequest& request);
+  // Waits until the buffer for chunk filling_chunk_ is free again; false if told to stop.
+  bool WaitForFreeBuffer();
+  int64_t RowsInChunk(int64_t chunk) const;
+
+  ComputeStream& stream_;
+  Metrics* const metrics_;
+  const RowLayout layout_;
+  const int64_t row_bytes_;
+  const absl::Duration stop_grace_;
+  std::vector<uint8_t> buffers_[kBuffers];
+
+  // Only the reader thread touches these.
+  int64_t received_rows_ = 0;
+  int64_t filling_chunk_ = 0;
+  int64_t rows_in_filling_ = 0;  // rows of chunk filling_chunk_ already in its buffer
+
+  absl::Mutex mu_;
+  int64_t filled_ ABSL_GUARDED_BY(mu_) = 0;    // chunks complete and handed over
+  int64_t taken_ ABSL_GUARDED_BY(mu_) = 0;     // chunks returned by Next
+  int64_t released_ ABSL_GUARDED_BY(mu_) = 0;  // chunks given back
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;     // the reader thread has finished
+  absl::Status status_ ABSL_GUARDED_BY(mu_);   // how it finished
+
+  std::thread thread_;  // last: started once everything above is set up
+};
+
+}  // namespace lossd::server
+
+#endif  // LOSSD_SERVER_ROW_READER_H_

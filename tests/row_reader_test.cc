@@ -1,0 +1,247 @@
+// The Compute call's row reader: chunks cut by the engine's plan whatever the client's message
+// sizes, reading ahead by one chunk and no more, every malformed stream named, and a stop that
+// neither waits forever on a silent client nor cancels one that is still sending.
+#include "server/row_reader.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+
+namespace lossd::server {
+namespace {
+
+constexpr int64_t kHidden = 3;
+constexpr int64_t kRowBytes = kHidden * sizeof(float);
+
+// The client side: a fixed list of messages, then the end of the stream, or silence until the
+// call is cancelled.
+class ScriptedStream final : public ComputeStream {
+ public:
+  explicit ScriptedStream(std::vector<v1::ComputeRequest> requests, bool silent_at_end = false)
+      : requests_(std::move(requests)), silent_at_end_(silent_at_end) {}
+
+  bool Read(v1::ComputeRequest* request) override {
+    absl::MutexLock lock(&mu_);
+    if (next_ == requests_.size() && silent_at_end_) {
+      waiting_in_silence_ = true;
+      mu_.Await(absl::Condition(&cancelled_));
+    }
+    if (cancelled_ || next_ == requests_.size()) return false;
+    *request = requests_[next_++];
+    return true;
+  }
+  bool Write(const v1::ComputeResponse&) override { return true; }
+  bool IsCancelled() const override {
+    absl::MutexLock lock(&mu_);
+    return cancelled_;
+  }
+  void Cancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+  }
+
+  // Waits until a Read waits for a message that will never come.
+  void AwaitSilence() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&waiting_in_silence_));
+  }
+
+  // Waits until `count` messages were read, or `timeout` passed; the number read.
+  size_t AwaitReads(size_t count, absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    const auto reached = [this, count]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return next_ >= count; };
+    mu_.AwaitWithTimeout(absl::Condition(&reached), timeout);
+    return next_;
+  }
+
+ private:
+  const std::vector<v1::ComputeRequest> requests_;
+  const bool silent_at_end_;
+  mutable absl::Mutex mu_;
+  size_t next_ ABSL_GUARDED_BY(mu_) = 0;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool waiting_in_silence_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+std::vector<float> RandomRows(int64_t rows, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> value(-1.0f, 1.0f);
+  std::vector<float> data(rows * kHidden);
+  for (float& x : data) x = value(rng);
+  return data;
+}
+
+v1::ComputeRequest Message(const std::vector<float>& data, int64_t first_row, int64_t rows) {
+  v1::ComputeRequest request;
+  request.mutable_chunk()->set_hidden(reinterpret_cast<const char*>(data.data() + first_row * kHidden),
+                                      rows * kRowBytes);
+  return request;
+}
+
+// `rows_per_message` rows in each message, the last one shorter.
+std::vector<v1::ComputeRequest> Split(const std::vector<float>& data, int64_t rows_per_message) {
+  const int64_t rows = static_cast<int64_t>(data.size()) / kHidden;
+  std::vector<v1::ComputeRequest> requests;
+  for (int64_t first = 0; first < rows; first += rows_per_message) {
+    requests.push_back(Message(data, first, std::min(rows_per_message, rows - first)));
+  }
+  return requests;
+}
+
+RowLayout Layout(int64_t num_tokens, int64_t chunk_rows) {
+  RowLayout layout;
+  layout.num_tokens = num_tokens;
+  layout.hidden_size = kHidden;
+  layout.dtype = DType::kFloat32;
+  layout.chunk_rows = chunk_rows;
+  return layout;
+}
+
+struct SplitCase {
+  const char* why;
+  int64_t num_tokens;
+  int64_t chunk_rows;
+  int64_t rows_per_message;
+};
+
+const SplitCase kSplits[] = {
+    {"one message per chunk", 12, 4, 4},
+    {"messages smaller than chunks, not dividing them", 13, 5, 3},
+    {"messages larger than chunks: one message fills several", 13, 3, 7},
+    {"one message for the whole call", 10, 4, 10},
+    {"one chunk for the whole call", 6, 8, 2},
+    {"one row", 1, 4, 1},
+    {"row-by-row messages across chunks", 9, 4, 1},
+};
+
+class RowReaderSplitTest : public ::testing::TestWithParam<SplitCase> {};
+
+TEST_P(RowReaderSplitTest, ChunksFollowThePlanNotTheMessages) {
+  const SplitCase& c = GetParam();
+  SCOPED_TRACE(c.why);
+  const std::vector<float> data = RandomRows(c.num_tokens, 7);
+  ScriptedStream stream(Split(data, c.rows_per_message));
+  RowReader reader(stream, nullptr, Layout(c.num_tokens, c.chunk_rows));
+  for (int64_t first = 0; first < c.num_tokens; first += c.chunk_rows) {
+    absl::StatusOr<RowChunk> chunk = reader.Next();
+    ASSERT_TRUE(chunk.ok()) << chunk.status();
+    EXPECT_EQ(chunk->first_row, first);
+    EXPECT_EQ(chunk->num_rows, std::min(c.chunk_rows, c.num_tokens - first));
+    EXPECT_EQ(std::memcmp(chunk->rows, data.data() + first * kHidden, chunk->num_rows * kRowBytes), 0);
+    reader.Release();
+  }
+  EXPECT_TRUE(reader.Finish().ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Splits, RowReaderSplitTest, ::testing::ValuesIn(kSplits));
+
+TEST(RowReaderTest, ReadsTheNextChunkWhileOneIsHeldButNoFurther) {
+  const int64_t chunk_rows = 4;
+  const std::vector<float> data = RandomRows(4 * chunk_rows, 11);
+  ScriptedStream stream(Split(data, 2));  // 8 messages, two per chunk
+  RowReader reader(stream, nullptr, Layout(4 * chunk_rows, chunk_rows));
+  ASSERT_TRUE(reader.Next().ok());
+  // Chunk 0 held: chunk 1 is read into the other buffer, then the first message of chunk 2
+  // waits for a buffer.
+  EXPECT_EQ(stream.AwaitReads(5, absl::Seconds(10)), 5u);
+  EXPECT_EQ(stream.AwaitReads(6, absl::Milliseconds(100)), 5u) << "read past a free buffer";
+  reader.Release();
+  EXPECT_EQ(stream.AwaitReads(7, absl::Seconds(10)), 7u);
+  reader.Stop();
+}
+
+TEST(RowReaderTest, EmptyCallEndsWell) {
+  ScriptedStream stream({});
+  RowReader reader(stream, nullptr, Layout(0, 4));
+  EXPECT_TRUE(reader.Finish().ok());
+}
+
+struct StreamErrorCase {
+  const char* why;
+  std::vector<v1::ComputeRequest> (*script)(const std::vector<float>& data);
+  absl::StatusCode code;
+  const char* names;  // in the message
+};
+
+const StreamErrorCase kStreamErrors[] = {
+    {"the stream ends one row short",
+     [](const std::vector<float>& data) { return std::vector{Message(data, 0, 7)}; },
+     absl::StatusCode::kInvalidArgument, "8 rows (num_tokens)"},
+    {"one row more than announced",
+     [](const std::vector<float>& data) {
+       return std::vector{Message(data, 0, 8), Message(data, 0, 1)};
+     },
+     absl::StatusCode::kInvalidArgument, "8 rows in all"},
+    {"a message that is not whole rows",
+     [](const std::vector<float>& data) {
+       v1::ComputeRequest request = Message(data, 0, 2);
+       request.mutable_chunk()->mutable_hidden()->pop_back();
+       return std::vector{request};
+     },
+     absl::StatusCode::kInvalidArgument, "whole rows of 3 float32 values (12 bytes each)"},
+    {"a second start message after rows",
+     [](const std::vector<float>& data) {
+       v1::ComputeRequest start;
+       start.mutable_start()->set_num_tokens(8);
+       return std::vector{Message(data, 0, 4), start};
+     },
+     absl::StatusCode::kInvalidArgument, "exactly one ComputeStart"},
+};
+
+class RowReaderStreamErrorTest : public ::testing::TestWithParam<StreamErrorCase> {};
+
+TEST_P(RowReaderStreamErrorTest, IsNamedAndEndsTheCall) {
+  const StreamErrorCase& c = GetParam();
+  SCOPED_TRACE(c.why);
+  const std::vector<float> data = RandomRows(8, 3);
+  ScriptedStream stream(c.script(data));
+  RowReader reader(stream, nullptr, Layout(8, 8));
+  absl::StatusOr<RowChunk> chunk = reader.Next();
+  absl::Status status = chunk.status();
+  if (chunk.ok()) {  // the error came after the last row
+    reader.Release();
+    status = reader.Finish();
+  }
+  EXPECT_EQ(status.code(), c.code) << status;
+  EXPECT_NE(status.message().find(c.names), std::string::npos) << status;
+}
+
+INSTANTIATE_TEST_SUITE_P(Errors, RowReaderStreamErrorTest, ::testing::ValuesIn(kStreamErrors));
+
+TEST(RowReaderTest, CancelledStreamIsReportedAsCancelled) {
+  const std::vector<float> data = RandomRows(8, 5);
+  ScriptedStream stream(Split(data, 2));
+  stream.Cancel();
+  RowReader reader(stream, nullptr, Layout(8, 4));
+  EXPECT_EQ(reader.Next().status().code(), absl::StatusCode::kCancelled);
+}
+
+TEST(RowReaderTest, StopCancelsAClientThatSendsNothingMore) {
+  const std::vector<float> data = RandomRows(8, 9);
+  ScriptedStream stream(Split(data, 4), /*silent_at_end=*/true);
+  RowReader reader(stream, nullptr, Layout(12, 4), absl::Milliseconds(50));
+  ASSERT_TRUE(reader.Next().ok());
+  stream.AwaitSilence();
+  const absl::Time start = absl::Now();
+  reader.Stop();  // the reader waits for a third message that never comes
+  EXPECT_TRUE(stream.IsCancelled());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
+TEST(RowReaderTest, StopLeavesAClientThatIsStillSendingUncancelled) {
+  const std::vector<float> data = RandomRows(40, 13);
+  ScriptedStream stream(Split(data, 1));
+  RowReader reader(stream, nullptr, Layout(40, 4), absl::Seconds(30));
+  ASSERT_TRUE(reader.Next().ok());
+  reader.Stop();  // the reader is held by a full buffer: stopping frees it without a Read
+  EXPECT_FALSE(stream.IsCancelled());
+}
+
+}  // namespace
+}  // namespace lossd::server
