@@ -1,5 +1,6 @@
 #include "server/head_store.h"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <utility>
@@ -314,11 +315,24 @@ HeadState MakeDemoHead(const std::string& name, int64_t vocab_size, int64_t hidd
   state.hidden_size = hidden_size;
   state.weight_dtype = dtype;
   state.version = 1;
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(hidden_size)));
   state.weight.resize(vocab_size * hidden_size * DTypeSize(dtype));
-  for (int64_t i = 0; i < vocab_size * hidden_size; ++i) {
-    StoreFromFloat(state.weight.data(), dtype, i, normal(rng));
+  // Each block of rows draws from its own stream, so that the blocks fill in parallel (a
+  // [152064, 2048] head took 14 s on one core) and W does not depend on the thread count. Four
+  // seed words keep these streams apart from three-word ones such as lossctl's.
+  constexpr int64_t kRowsPerBlock = 256;
+  constexpr uint32_t kDemoHeadStream = 0x6c6f7373;
+  const int64_t blocks = (vocab_size + kRowsPerBlock - 1) / kRowsPerBlock;
+  const float stddev = 1.0f / std::sqrt(static_cast<float>(hidden_size));
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t block = 0; block < blocks; ++block) {
+    std::seed_seq words{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
+                        kDemoHeadStream, static_cast<uint32_t>(block)};
+    std::mt19937_64 rng(words);
+    std::normal_distribution<float> normal(0.0f, stddev);
+    const int64_t end = std::min(vocab_size, (block + 1) * kRowsPerBlock) * hidden_size;
+    for (int64_t i = block * kRowsPerBlock * hidden_size; i < end; ++i) {
+      StoreFromFloat(state.weight.data(), dtype, i, normal(rng));
+    }
   }
   return state;
 }

@@ -321,9 +321,8 @@ absl::StatusOr<std::vector<float>> ReadTokenWeights(const std::string& path, int
   return weights;
 }
 
-// Random streams derived from (--seed, purpose): independent of each other and of a plain
-// std::mt19937_64(seed), which is how the server initializes its demo head (hidden rows drawn from
-// that stream would be copies of W's rows).
+// Random streams derived from (--seed, purpose): independent of each other and of the streams of
+// the server's demo head (hidden rows drawn from one of those would be copies of W's rows).
 std::mt19937_64 SeededStream(uint64_t seed, uint32_t purpose) {
   std::seed_seq sequence{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), purpose};
   return std::mt19937_64(sequence);
