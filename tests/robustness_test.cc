@@ -78,6 +78,21 @@ v1::ComputeStart StartFor(const std::string& head, const Batch& batch, int64_t h
   return start;
 }
 
+// A whole training call for `batch` as messages: its start, then its rows `rows_per_message` at a
+// time.
+std::vector<v1::ComputeRequest> TrainingScript(const std::string& head, const Batch& batch,
+                                               int64_t hidden_size, int64_t rows_per_message) {
+  std::vector<v1::ComputeRequest> script(1);
+  *script.front().mutable_start() = StartFor(head, batch, hidden_size, true);
+  const std::string rows = FloatBytes(batch.hidden);
+  const size_t message_bytes = rows_per_message * hidden_size * sizeof(float);
+  for (size_t offset = 0; offset < rows.size(); offset += message_bytes) {
+    script.emplace_back();
+    script.back().mutable_chunk()->set_hidden(rows.substr(offset, message_bytes));
+  }
+  return script;
+}
+
 ReferenceResult Reference(const std::vector<float>& weight, int64_t vocab, int64_t hidden_size,
                           const Batch& batch) {
   ReferenceProblem problem;
@@ -577,14 +592,7 @@ class BadInputTest : public ::testing::TestWithParam<BadRow> {
 
   static Script ValidScript() {
     Script s;
-    s.compute.emplace_back();
-    *s.compute.back().mutable_start() = StartFor(kHead, *batch_, kHidden, true);
-    const std::string rows = FloatBytes(batch_->hidden);
-    const size_t message_bytes = kRowsPerMessage * kHidden * sizeof(float);
-    for (size_t offset = 0; offset < rows.size(); offset += message_bytes) {
-      s.compute.emplace_back();
-      s.compute.back().mutable_chunk()->set_hidden(rows.substr(offset, message_bytes));
-    }
+    s.compute = TrainingScript(kHead, *batch_, kHidden, kRowsPerMessage);
     s.upload.emplace_back();
     v1::UploadHeadStart& start = *s.upload.back().mutable_start();
     start.set_head(kUploadHead);
@@ -706,18 +714,6 @@ std::optional<StatusCode> AbandonCall(int port, const std::vector<v1::ComputeReq
   return stream->Finish().error_code();
 }
 
-std::vector<v1::ComputeRequest> TrainingScript(const Batch& batch) {
-  std::vector<v1::ComputeRequest> script(1);
-  *script.front().mutable_start() = StartFor(kCancelHead, batch, kCancelHidden, true);
-  const std::string rows = FloatBytes(batch.hidden);
-  const size_t message_bytes = kCancelRowsPerMessage * kCancelHidden * sizeof(float);
-  for (size_t offset = 0; offset < rows.size(); offset += message_bytes) {
-    script.emplace_back();
-    script.back().mutable_chunk()->set_hidden(rows.substr(offset, message_bytes));
-  }
-  return script;
-}
-
 TEST(CancellationTest, AbandonedStreamsLeakNothingAndAccumulateNothing) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(::testing::Message() << "LOSSD_TEST_SEED=" << seed);
@@ -750,7 +746,8 @@ TEST(CancellationTest, AbandonedStreamsLeakNothingAndAccumulateNothing) {
   for (int i = 0; i < kCancelTrials; ++i) {
     trials.push_back({static_cast<Abandon>(how(rng)), messages(rng),
                       absl::Milliseconds(pause_ms(rng)),
-                      TrainingScript(RandomBatch(kCancelRows, kCancelVocab, kCancelHidden, rng))});
+                      TrainingScript(kCancelHead, RandomBatch(kCancelRows, kCancelVocab, kCancelHidden, rng),
+                                     kCancelHidden, kCancelRowsPerMessage)});
   }
   const std::map<std::string, int64_t> calls_before = ComputeCallsByCode(*server);
   const int64_t chunks_before = EngineChunksComputed(*server);
