@@ -109,14 +109,18 @@ absl::Status Head::WithWeights(uint64_t expected_version,
   return fn(WeightView{&weight_, dtype_, vocab_size_, hidden_size_});
 }
 
-absl::Status Head::CommitGradient(uint64_t expected_version, const DeviceBuffer& staged,
-                                  int64_t tokens) {
+absl::Status Head::CommitGradient(uint64_t expected_version, DeviceBuffer& staged, int64_t tokens) {
   absl::ReaderMutexLock weight_lock(&weight_mu_);
   if (retired_ || version_ != expected_version) {
     return VersionMoved(name_, expected_version, version_, retired_);
   }
   absl::MutexLock grad_lock(&grad_mu_);
-  RETURN_IF_ERROR(backend_.AddFloat32(grad_, staged, vocab_size_ * hidden_size_));
+  // Every reset of accumulated_calls_ to 0 zeroes grad_ with it.
+  if (accumulated_calls_ == 0 && staged.bytes() == grad_.bytes()) {
+    std::swap(grad_, staged);
+  } else {
+    RETURN_IF_ERROR(backend_.AddFloat32(grad_, staged, vocab_size_ * hidden_size_));
+  }
   accumulated_tokens_ += tokens;
   ++accumulated_calls_;
   return absl::OkStatus();

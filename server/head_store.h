@@ -77,7 +77,10 @@ class Head {
   absl::Status WithWeights(uint64_t expected_version, absl::FunctionRef<absl::Status(const WeightView&)> fn);
 
   // Adds a call's staged dL/dW to the accumulator if the head is still at `expected_version`.
-  absl::Status CommitGradient(uint64_t expected_version, const DeviceBuffer& staged, int64_t tokens);
+  // An accumulator that holds no call yet is all zeros, so there the two buffers trade places
+  // instead: `staged` (same size, same backend) becomes the accumulator and gets the zeros. On the
+  // CPU a V x H add is several percent of a short call (0.2 s of a 5.6 s call at V = 128256).
+  absl::Status CommitGradient(uint64_t expected_version, DeviceBuffer& staged, int64_t tokens);
   absl::Status ZeroGradient();
   absl::StatusOr<TensorSnapshot> ReadGradient(DType dtype);
   absl::StatusOr<TensorSnapshot> ReadWeight(DType dtype);

@@ -140,6 +140,41 @@ TEST_F(ServerE2eTest, ComputeMatchesFloat64Reference) {
   EXPECT_LE(RelativeError(grad.values, ref.grad_weight), kGradBound);
 }
 
+// The first call after a reset takes the accumulator's place (it held zeros), later ones add to
+// it; either way the accumulator holds the sum of the calls since the reset.
+TEST_F(ServerE2eTest, AccumulatorHoldsTheSumOfTheCallsSinceItsReset) {
+  const std::string head = "accumulate";
+  const std::vector<float> weight = RandomWeight(kVocab, rng_);
+  ASSERT_TRUE(Upload(*stub_, head, kVocab, kHidden, weight, false).ok());
+  const Batch first = RandomBatch(150, rng_);
+  const Batch second = RandomBatch(90, rng_);
+  const std::vector<double> first_ref = Reference(weight, first).grad_weight;
+  const std::vector<double> second_ref = Reference(weight, second).grad_weight;
+  std::vector<double> both_ref(first_ref.size());
+  for (size_t i = 0; i < both_ref.size(); ++i) both_ref[i] = first_ref[i] + second_ref[i];
+  auto train = [&](const Batch& batch) {
+    const ComputeOutcome out = CallCompute(*stub_, TrainingStart(head, batch), FloatBytes(batch.hidden), 40);
+    ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+  };
+  auto expect_grad = [&](const std::vector<double>& expected, const char* after) {
+    const FetchedTensor grad = Fetch(*stub_, head, true);
+    ASSERT_TRUE(grad.status.ok()) << grad.status.error_message();
+    EXPECT_LE(RelativeError(grad.values, expected), kGradBound) << "after " << after;
+  };
+  const int64_t gradient_bytes = server_->ledger().current(server::MemoryPurpose::kGradients);
+
+  train(first);
+  expect_grad(first_ref, "the first call");
+  train(second);
+  expect_grad(both_ref, "a second call");
+  ASSERT_TRUE(ZeroGrad(head).ok());
+  expect_grad(std::vector<double>(first_ref.size(), 0.0), "a reset");  // error: ||grad||
+  train(second);
+  expect_grad(second_ref, "a reset and one call");
+  EXPECT_EQ(server_->ledger().current(server::MemoryPurpose::kGradients), gradient_bytes)
+      << "trading buffers must not change what is charged";
+}
+
 TEST_F(ServerE2eTest, AnySplitOfTheBatchGivesIdenticalBits) {
   const Batch batch = RandomBatch(211, rng_);
   const std::string hidden = FloatBytes(batch.hidden);
