@@ -55,7 +55,7 @@ absl::Status ValidateOptions(const LossOptions& o) {
   }
   if (!(o.mean_denominator >= 0.0 && std::isfinite(o.mean_denominator))) {
     return InvalidField("mean_denominator", "0 (count this call) or a finite value > 0",
-                   absl::StrCat(o.mean_denominator));
+                        absl::StrCat(o.mean_denominator));
   }
   return absl::OkStatus();
 }
@@ -68,21 +68,21 @@ absl::Status ValidateCall(const BatchInputs& in, const WeightView& weight, const
   }
   if (!IsKnownDType(weight.dtype)) {
     return InvalidField("weight.dtype", "float32, bfloat16 or float16",
-                   absl::StrCat(static_cast<int>(weight.dtype)));
+                        absl::StrCat(static_cast<int>(weight.dtype)));
   }
   const size_t weight_elements = static_cast<size_t>(weight.vocab_size) * weight.hidden_size;
   if (weight.data->bytes() < weight_elements * DTypeSize(weight.dtype)) {
     return InvalidField("weight", absl::StrCat(weight_elements * DTypeSize(weight.dtype), " bytes"),
-                   absl::StrCat(weight.data->bytes()));
+                        absl::StrCat(weight.data->bytes()));
   }
   if (in.num_tokens < 0) return InvalidField("num_tokens", "a count >= 0", absl::StrCat(in.num_tokens));
   if (in.hidden_size != weight.hidden_size) {
     return InvalidField("hidden_size", absl::StrCat(weight.hidden_size, " (the head's H)"),
-                   absl::StrCat(in.hidden_size));
+                        absl::StrCat(in.hidden_size));
   }
   if (!IsKnownDType(in.hidden_dtype)) {
     return InvalidField("hidden_dtype", "float32, bfloat16 or float16",
-                   absl::StrCat(static_cast<int>(in.hidden_dtype)));
+                        absl::StrCat(static_cast<int>(in.hidden_dtype)));
   }
   if (in.num_tokens > 0 && (in.hidden == nullptr || in.labels == nullptr)) {
     return InvalidField("hidden/labels", "non-null buffers", "null");
@@ -91,18 +91,18 @@ absl::Status ValidateCall(const BatchInputs& in, const WeightView& weight, const
   if (in.token_weights != nullptr) RETURN_IF_ERROR(ValidateTokenWeights(in.token_weights, in.num_tokens));
   if (out.top_k < 0 || out.top_k > kMaxTopK || out.top_k > weight.vocab_size) {
     return InvalidField("top_k", absl::StrCat("a value in [0, ", std::min<int64_t>(kMaxTopK, weight.vocab_size), "]"),
-                   absl::StrCat(out.top_k));
+                        absl::StrCat(out.top_k));
   }
   if (out.top_k > 0 && (out.top_k_logprob == nullptr || out.top_k_token == nullptr)) {
     return InvalidField("top_k", "buffers for both log-probabilities and token ids", "null");
   }
   if (out.grad_hidden != nullptr && !IsKnownDType(out.grad_hidden_dtype)) {
     return InvalidField("grad_hidden_dtype", "float32, bfloat16 or float16",
-                   absl::StrCat(static_cast<int>(out.grad_hidden_dtype)));
+                        absl::StrCat(static_cast<int>(out.grad_hidden_dtype)));
   }
   if (grad_weight != nullptr && grad_weight->bytes() < weight_elements * sizeof(float)) {
     return InvalidField("grad_weight", absl::StrCat(weight_elements * sizeof(float), " bytes (fp32 [V, H])"),
-                   absl::StrCat(grad_weight->bytes()));
+                        absl::StrCat(grad_weight->bytes()));
   }
   return absl::OkStatus();
 }
@@ -113,9 +113,9 @@ absl::Status ValidateLabels(const int64_t* labels, int64_t count, int64_t vocab_
     const int64_t y = labels[i];
     if (y != ignore_index && (y < 0 || y >= vocab_size)) {
       return InvalidField(absl::StrCat("labels[", first_index + i, "]"),
-                     absl::StrCat("a token id in [0, ", vocab_size, ") or ignore_index ",
-                                  ignore_index),
-                     absl::StrCat(y));
+                          absl::StrCat("a token id in [0, ", vocab_size, ") or ignore_index ",
+                                       ignore_index),
+                          absl::StrCat(y));
     }
   }
   return absl::OkStatus();
@@ -125,7 +125,7 @@ absl::Status ValidateTokenWeights(const float* weights, int64_t count, int64_t f
   for (int64_t i = 0; i < count; ++i) {
     if (!std::isfinite(weights[i])) {
       return InvalidField(absl::StrCat("token_weights[", first_index + i, "]"), "a finite value",
-                     absl::StrCat(weights[i]));
+                          absl::StrCat(weights[i]));
     }
   }
   return absl::OkStatus();

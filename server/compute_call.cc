@@ -56,22 +56,22 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   ASSIGN_OR_RETURN(spec.options, FromProto(start.options()));
   if (start.num_tokens() < 0 || start.num_tokens() > env.limits.max_tokens_per_call) {
     return InvalidField("num_tokens", absl::StrCat("a count in [0, ", env.limits.max_tokens_per_call, "]"),
-                   absl::StrCat(start.num_tokens()));
+                        absl::StrCat(start.num_tokens()));
   }
   spec.num_tokens = start.num_tokens();
   if (start.hidden_size() != head.hidden_size()) {
     return InvalidField("hidden_size", absl::StrCat(head.hidden_size(), " (head '", head.name(), "')"),
-                   absl::StrCat(start.hidden_size()));
+                        absl::StrCat(start.hidden_size()));
   }
   spec.hidden_size = start.hidden_size();
   ASSIGN_OR_RETURN(spec.hidden_dtype, FromProto(start.hidden_dtype(), "hidden_dtype"));
   if (start.labels_size() != spec.num_tokens) {
     return InvalidField("labels", absl::StrCat(spec.num_tokens, " entries (num_tokens)"),
-                   absl::StrCat(start.labels_size()));
+                        absl::StrCat(start.labels_size()));
   }
   if (start.token_weights_size() != 0 && start.token_weights_size() != spec.num_tokens) {
     return InvalidField("token_weights", absl::StrCat("0 or ", spec.num_tokens, " entries (num_tokens)"),
-                   absl::StrCat(start.token_weights_size()));
+                        absl::StrCat(start.token_weights_size()));
   }
   spec.labels.assign(start.labels().begin(), start.labels().end());
   spec.token_weights.assign(start.token_weights().begin(), start.token_weights().end());
@@ -84,8 +84,8 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   const int top_k = spec.outputs.top_k();
   if (top_k < 0 || top_k > kMaxTopK || top_k > head.vocab_size()) {
     return InvalidField("outputs.top_k",
-                   absl::StrCat("a value in [0, ", std::min<int64_t>(kMaxTopK, head.vocab_size()), "]"),
-                   absl::StrCat(top_k));
+                        absl::StrCat("a value in [0, ", std::min<int64_t>(kMaxTopK, head.vocab_size()), "]"),
+                        absl::StrCat(top_k));
   }
   ASSIGN_OR_RETURN(spec.grad_hidden_dtype, FromProto(spec.outputs.grad_hidden_dtype(),
                                                      "outputs.grad_hidden_dtype", spec.hidden_dtype));
@@ -134,7 +134,7 @@ class ComputeCall {
     if (!stream_.Read(&request)) {
       return stream_.IsCancelled() ? absl::CancelledError("call cancelled before its start message")
                                    : InvalidField("start", "a ComputeStart as the first message",
-                                             "an empty stream");
+                                                  "an empty stream");
     }
     if (!request.has_start()) {
       return InvalidField("start", "a ComputeStart as the first message", "a chunk");

@@ -26,7 +26,7 @@ absl::StatusOr<DType> FromProto(v1::DType dtype, absl::string_view field,
       break;
   }
   return InvalidField(field, "DTYPE_FLOAT32, DTYPE_BFLOAT16 or DTYPE_FLOAT16",
-                 v1::DType_IsValid(dtype) ? v1::DType_Name(dtype) : absl::StrCat(static_cast<int>(dtype)));
+                      v1::DType_IsValid(dtype) ? v1::DType_Name(dtype) : absl::StrCat(static_cast<int>(dtype)));
 }
 
 v1::DType ToProto(DType dtype) {
@@ -46,7 +46,7 @@ absl::StatusOr<LossOptions> FromProto(const v1::LossOptions& p) {
     case v1::REDUCTION_NONE: o.reduction = Reduction::kNone; break;
     default:
       return InvalidField("options.reduction", "REDUCTION_MEAN, REDUCTION_SUM or REDUCTION_NONE",
-                     absl::StrCat(static_cast<int>(p.reduction())));
+                          absl::StrCat(static_cast<int>(p.reduction())));
   }
   if (p.has_ignore_index()) o.ignore_index = p.ignore_index();
   o.label_smoothing = p.label_smoothing();
@@ -105,7 +105,7 @@ absl::StatusOr<OptimizerConfig> FromProto(const v1::StepRequest& request) {
   }
   if (!IsFiniteAtLeast(request.max_grad_norm(), 0.0)) {
     return InvalidField("max_grad_norm", "0 (off) or a finite value > 0",
-                   absl::StrCat(request.max_grad_norm()));
+                        absl::StrCat(request.max_grad_norm()));
   }
   return c;
 }

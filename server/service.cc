@@ -149,7 +149,7 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
   RETURN_IF_ERROR(storage::ValidateCheckpointHeadName(start.head()));
   if (start.vocab_size() <= 0 || start.hidden_size() <= 0) {
     return InvalidField("vocab_size/hidden_size", "positive sizes",
-                   absl::StrCat(start.vocab_size(), " x ", start.hidden_size()));
+                        absl::StrCat(start.vocab_size(), " x ", start.hidden_size()));
   }
   ASSIGN_OR_RETURN(const DType wire_dtype, FromProto(start.dtype(), "dtype"));
   ASSIGN_OR_RETURN(const DType storage_dtype,
@@ -175,22 +175,22 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
     const std::string& bytes = request.weight();
     if (weight.size() + bytes.size() > expected_bytes) {
       return InvalidField("weight", absl::StrCat(expected_bytes, " bytes (vocab_size x hidden_size x ",
-                                            DTypeSize(wire_dtype), ")"),
-                     absl::StrCat("at least ", weight.size() + bytes.size()));
+                                                 DTypeSize(wire_dtype), ")"),
+                          absl::StrCat("at least ", weight.size() + bytes.size()));
     }
     weight.insert(weight.end(), bytes.begin(), bytes.end());
     metrics_.AddBytesReceived(static_cast<int64_t>(bytes.size()));
   }
   if (weight.size() != expected_bytes) {
     return InvalidField("weight", absl::StrCat(expected_bytes, " bytes"),
-                   absl::StrCat(weight.size(), " before the stream ended"));
+                        absl::StrCat(weight.size(), " before the stream ended"));
   }
   // A non-finite W would fail every later call on the head; refuse it at the door.
   for (int64_t i = 0; i < start.vocab_size() * start.hidden_size(); ++i) {
     const float value = LoadAsFloat(weight.data(), wire_dtype, i);
     if (!std::isfinite(value)) {
       return InvalidField(absl::StrCat("weight[", i / start.hidden_size(), ", ", i % start.hidden_size(), "]"),
-                     "a finite value", absl::StrCat(value));
+                          "a finite value", absl::StrCat(value));
     }
   }
   const std::string source = absl::StrCat("upload (", DTypeName(wire_dtype), ")");
@@ -233,7 +233,7 @@ absl::Status LossService::StreamTensor(const v1::FetchTensorRequest& request, bo
   ASSIGN_OR_RETURN(const DType dtype, FromProto(request.dtype(), "dtype", DType::kFloat32));
   if (request.max_chunk_bytes() < 0 || request.max_chunk_bytes() > options_.max_fetch_chunk_bytes) {
     return InvalidField("max_chunk_bytes", absl::StrCat("0 (default) to ", options_.max_fetch_chunk_bytes),
-                   absl::StrCat(request.max_chunk_bytes()));
+                        absl::StrCat(request.max_chunk_bytes()));
   }
   ASSIGN_OR_RETURN(const TensorSnapshot snapshot,
                    gradient ? head->ReadGradient(dtype) : head->ReadWeight(dtype));

@@ -117,20 +117,20 @@ absl::Status ValidateComputeRequest(const ComputeRequest& request) {
   }
   if (static_cast<int64_t>(request.labels.size()) != hidden.rows) {
     return InvalidField("labels", absl::StrCat(hidden.rows, " entries (hidden.rows)"),
-                   absl::StrCat(request.labels.size()));
+                        absl::StrCat(request.labels.size()));
   }
   if (!request.token_weights.empty() && static_cast<int64_t>(request.token_weights.size()) != hidden.rows) {
     return InvalidField("token_weights", absl::StrCat("0 or ", hidden.rows, " entries (hidden.rows)"),
-                   absl::StrCat(request.token_weights.size()));
+                        absl::StrCat(request.token_weights.size()));
   }
   // Checked here as well as on the server because the result buffers are sized by it.
   if (request.outputs.top_k < 0 || request.outputs.top_k > kMaxTopK) {
     return InvalidField("outputs.top_k", absl::StrCat("a value in [0, ", kMaxTopK, "]"),
-                   absl::StrCat(request.outputs.top_k));
+                        absl::StrCat(request.outputs.top_k));
   }
   if (request.rows_per_message < 0) {
     return InvalidField("rows_per_message", "0 (automatic) or a positive count",
-                   absl::StrCat(request.rows_per_message));
+                        absl::StrCat(request.rows_per_message));
   }
   return absl::OkStatus();
 }
@@ -146,9 +146,9 @@ absl::StatusOr<int64_t> RowsPerMessage(int64_t requested, int64_t row_bytes, int
   if (requested == 0) return std::max<int64_t>(1, std::min(kTargetMessageBytes, payload_limit) / row_bytes);
   if (requested > payload_limit / row_bytes) {
     return InvalidField("rows_per_message",
-                   absl::StrCat("at most ", payload_limit / row_bytes, " rows of ", row_bytes,
-                                " bytes (max_message_bytes ", max_message_bytes, ")"),
-                   absl::StrCat(requested));
+                        absl::StrCat("at most ", payload_limit / row_bytes, " rows of ", row_bytes,
+                                     " bytes (max_message_bytes ", max_message_bytes, ")"),
+                        absl::StrCat(requested));
   }
   return requested;
 }
@@ -309,16 +309,16 @@ absl::Status ValidateChannelOptions(const ChannelOptions& options) {
   if (options.address.empty()) return InvalidField("address", "HOST:PORT", "an empty string");
   if (options.max_message_bytes < kMinMessageBytes || options.max_message_bytes > INT_MAX) {
     return InvalidField("max_message_bytes", absl::StrCat("a size in [", kMinMessageBytes, ", ", INT_MAX, "]"),
-                   absl::StrCat(options.max_message_bytes));
+                        absl::StrCat(options.max_message_bytes));
   }
   if (options.deadline <= absl::ZeroDuration()) {
     return InvalidField("deadline", "a positive duration (infinite: none)",
-                   absl::FormatDuration(options.deadline));
+                        absl::FormatDuration(options.deadline));
   }
   if (options.keepalive_time <= absl::ZeroDuration() || options.keepalive_timeout <= absl::ZeroDuration()) {
     return InvalidField("keepalive_time/keepalive_timeout", "positive durations",
-                   absl::StrCat(absl::FormatDuration(options.keepalive_time), " / ",
-                                absl::FormatDuration(options.keepalive_timeout)));
+                        absl::StrCat(absl::FormatDuration(options.keepalive_time), " / ",
+                                     absl::FormatDuration(options.keepalive_timeout)));
   }
   return absl::OkStatus();
 }
@@ -392,7 +392,7 @@ absl::StatusOr<HeadInfo> Client::UploadHead(const std::string& head, const Tenso
                                             DType storage_dtype, bool replace) const {
   if (weight.rows <= 0 || weight.cols <= 0) {
     return InvalidField("weight", "a [vocab_size, hidden_size] matrix with both sizes positive",
-                   absl::StrCat("[", weight.rows, ", ", weight.cols, "]"));
+                        absl::StrCat("[", weight.rows, ", ", weight.cols, "]"));
   }
   if (weight.data == nullptr) return InvalidField("weight.data", "a pointer to the values", "null");
   grpc::ClientContext context;
@@ -564,9 +564,9 @@ absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) con
   const int64_t start_bytes = static_cast<int64_t>(start_message.ByteSizeLong());
   if (start_bytes > options_.max_message_bytes) {
     return InvalidField("labels",
-                   absl::StrCat("a start message within max_message_bytes (", options_.max_message_bytes,
-                                " bytes); split the batch into several calls"),
-                   absl::StrCat(hidden.rows, " tokens in ", start_bytes, " bytes"));
+                        absl::StrCat("a start message within max_message_bytes (", options_.max_message_bytes,
+                                     " bytes); split the batch into several calls"),
+                        absl::StrCat(hidden.rows, " tokens in ", start_bytes, " bytes"));
   }
 
   ComputeResult result;
