@@ -320,8 +320,8 @@ HeadState MakeDemoHead(const std::string& name, int64_t vocab_size, int64_t hidd
   state.weight_dtype = dtype;
   state.version = 1;
   state.weight.resize(vocab_size * hidden_size * DTypeSize(dtype));
-  // Each block of rows draws from its own stream, so that the blocks fill in parallel (a
-  // [152064, 2048] head took 14 s on one core) and W does not depend on the thread count. Four
+  // Each block of rows draws from its own stream, so that the blocks fill in parallel (drawing W
+  // on one core was most of a large head's start) and W does not depend on the thread count. Four
   // seed words keep these streams apart from three-word ones such as lossctl's.
   constexpr int64_t kRowsPerBlock = 256;
   constexpr uint32_t kDemoHeadStream = 0x6c6f7373;
