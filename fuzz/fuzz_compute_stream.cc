@@ -120,6 +120,8 @@ class ScriptedStream : public ComputeStream {
 
   bool IsCancelled() const override { return cancelled_; }
   void Cancel() override { cancelled_ = true; }
+  // Shared memory names another process's descriptors; its checks are exercised end to end.
+  bool PeerIsLocal() const override { return false; }
 
   const std::vector<v1::ComputeResponse>& responses() const { return responses_; }
   bool client_left() const { return client_left_; }
@@ -213,8 +215,9 @@ void RunOne(const Script& script) {
   limits.max_result_message_bytes = script.result_message_bytes;
   limits.max_admission_wait = absl::ZeroDuration();
   BufferCache buffers(backend, ledger, scheduler.capacity_bytes());
-  const ComputeEnvironment env{&backend, &heads,    &scheduler, /*metrics=*/nullptr,
-                               &ledger,  &buffers, limits};
+  static SharedMemoryMaps shared_memory_maps;  // never reached: the scripted peer is not local
+  const ComputeEnvironment env{&backend, &heads,   &scheduler,          /*metrics=*/nullptr,
+                               &ledger,  &buffers, &shared_memory_maps, limits};
 
   const auto grad_before = head->ReadGradient(DType::kFloat32);
   Require(grad_before.ok(), "the gradient reads before the call");

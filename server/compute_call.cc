@@ -13,6 +13,7 @@
 #include "lossd/common/status_macros.h"
 #include "server/proto_convert.h"
 #include "server/row_reader.h"
+#include "server/shared_memory.h"
 
 namespace lossd::server {
 namespace {
@@ -33,6 +34,7 @@ struct CallSpec {
   int64_t counted_tokens = 0;
   v1::OutputSelection outputs;
   DType grad_hidden_dtype = DType::kFloat32;
+  std::optional<v1::SharedMemory> shared_memory;  // set: rows and dL/dh in the client's memfd
 };
 
 // Sets spec.version to the head's current version, which a pinned call must match.
@@ -88,6 +90,7 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   }
   ASSIGN_OR_RETURN(spec.grad_hidden_dtype, FromProto(spec.outputs.grad_hidden_dtype(),
                                                      "outputs.grad_hidden_dtype", spec.hidden_dtype));
+  if (start.has_shared_memory()) spec.shared_memory = start.shared_memory();
   spec.counted_tokens = CountCountedRows(spec.labels.data(), spec.num_tokens, spec.options.ignore_index);
   // Every engine chunk divides by the whole batch's D, so the chunks' gradients add up to the
   // batch's.
@@ -103,8 +106,9 @@ struct ChunkOutputs {
   std::vector<int32_t> argmax, top_k_token;
   std::vector<uint8_t> grad_hidden;
 
+  // dL/dh goes to `grad_hidden_target` when given (shared memory), else to this chunk's buffer.
   TokenOutputs Bind(const v1::OutputSelection& want, int64_t rows, int64_t hidden_size,
-                    DType grad_dtype) {
+                    DType grad_dtype, void* grad_hidden_target) {
     TokenOutputs out;
     auto bind = [rows](bool wanted, auto& buffer, int64_t per_row) {
       buffer.resize(wanted ? rows * per_row : 0);
@@ -118,7 +122,9 @@ struct ChunkOutputs {
     out.top_k = want.top_k();
     out.top_k_logprob = bind(want.top_k() > 0, top_k_logprob, want.top_k());
     out.top_k_token = bind(want.top_k() > 0, top_k_token, want.top_k());
-    out.grad_hidden = bind(want.grad_hidden(), grad_hidden, hidden_size * DTypeSize(grad_dtype));
+    out.grad_hidden = grad_hidden_target != nullptr
+                          ? grad_hidden_target
+                          : bind(want.grad_hidden(), grad_hidden, hidden_size * DTypeSize(grad_dtype));
     out.grad_hidden_dtype = grad_dtype;
     return out;
   }
@@ -139,6 +145,7 @@ class ComputeCall {
       return InvalidField("start", "a ComputeStart as the first message", "a chunk");
     }
     ASSIGN_OR_RETURN(spec_, ParseStart(env_, request.start()));
+    if (spec_.shared_memory.has_value()) RETURN_IF_ERROR(MapSharedMemory());
     RETURN_IF_ERROR(Prepare());
 
     const absl::Time queue_start = absl::Now();
@@ -189,6 +196,35 @@ class ComputeCall {
     return absl::OkStatus();
   }
 
+  // Before admission, so that a call that cannot use shared memory fails without waiting for, or
+  // holding, a place on the device: nothing may follow the start message, since the rows are in
+  // the memfd, and the memfd must be mapped.
+  absl::Status MapSharedMemory() {
+    if (!env_.limits.allow_shared_memory) {
+      return absl::FailedPreconditionError(
+          "shared_memory: this server takes rows only in ComputeChunk messages (it runs with "
+          "--shared_memory=false)");
+    }
+    if (!stream_.PeerIsLocal()) {
+      return absl::FailedPreconditionError(
+          "shared_memory: only a client on the server's host (loopback or Unix socket) may use it; "
+          "send the rows in ComputeChunk messages");
+    }
+    v1::ComputeRequest extra;
+    if (stream_.Read(&extra)) {
+      return InvalidField("chunk", "no messages after a start with shared_memory (the rows are in the memfd)",
+                          "a message");
+    }
+    if (stream_.IsCancelled()) return absl::CancelledError("call cancelled before it was admitted");
+    const uint64_t values = static_cast<uint64_t>(spec_.num_tokens) * static_cast<uint64_t>(spec_.hidden_size);
+    const uint64_t grad_hidden_bytes =
+        spec_.outputs.grad_hidden() ? values * DTypeSize(spec_.grad_hidden_dtype) : 0;
+    ASSIGN_OR_RETURN(shared_memory_, env_.shared_memory->Map(*spec_.shared_memory,
+                                                             values * DTypeSize(spec_.hidden_dtype),
+                                                             grad_hidden_bytes));
+    return absl::OkStatus();
+  }
+
   absl::Status AllocateBuffers() {
     ASSIGN_OR_RETURN(workspace_, env_.buffers->Acquire(plan_.workspace_bytes, MemoryPurpose::kWorkspace));
     if (staging_bytes_ > 0) {
@@ -198,8 +234,17 @@ class ComputeCall {
     return absl::OkStatus();
   }
 
-  // Computes each engine chunk as soon as its rows are in, while the reader takes the next.
+  // Computes each engine chunk as soon as its rows are in, while the reader takes the next; rows
+  // in shared memory are computed where they lie.
   absl::Status ReceiveAndCompute() {
+    if (spec_.shared_memory.has_value()) {
+      const int64_t row_bytes = spec_.hidden_size * static_cast<int64_t>(DTypeSize(spec_.hidden_dtype));
+      for (int64_t first = 0; first < spec_.num_tokens; first += plan_.token_chunk) {
+        const int64_t rows = std::min(plan_.token_chunk, spec_.num_tokens - first);
+        RETURN_IF_ERROR(ComputeChunk({shared_memory_.hidden() + first * row_bytes, first, rows}));
+      }
+      return absl::OkStatus();
+    }
     RowLayout layout;
     layout.num_tokens = spec_.num_tokens;
     layout.hidden_size = spec_.hidden_size;
@@ -224,8 +269,13 @@ class ComputeCall {
     in.hidden_size = spec_.hidden_size;
     in.labels = spec_.labels.data() + first;
     in.token_weights = spec_.token_weights.empty() ? nullptr : spec_.token_weights.data() + first;
-    const TokenOutputs out =
-        outputs_.Bind(spec_.outputs, rows, spec_.hidden_size, spec_.grad_hidden_dtype);
+    uint8_t* shared_grad_hidden = nullptr;
+    if (spec_.shared_memory.has_value() && spec_.outputs.grad_hidden()) {
+      shared_grad_hidden = shared_memory_.grad_hidden() +
+                           first * spec_.hidden_size * static_cast<int64_t>(DTypeSize(spec_.grad_hidden_dtype));
+    }
+    const TokenOutputs out = outputs_.Bind(spec_.outputs, rows, spec_.hidden_size,
+                                           spec_.grad_hidden_dtype, shared_grad_hidden);
 
     LossOptions options = spec_.options;
     options.overwrite_grad_weight = first == 0;
@@ -278,8 +328,9 @@ class ComputeCall {
   absl::Status SendResults(int64_t first, int64_t rows) {
     const v1::OutputSelection& want = spec_.outputs;
     const int k = want.top_k();
+    const bool grad_in_messages = want.grad_hidden() && !spec_.shared_memory.has_value();
     const int64_t grad_row_bytes =
-        want.grad_hidden() ? spec_.hidden_size * static_cast<int64_t>(DTypeSize(spec_.grad_hidden_dtype)) : 0;
+        grad_in_messages ? spec_.hidden_size * static_cast<int64_t>(DTypeSize(spec_.grad_hidden_dtype)) : 0;
     const int64_t row_bytes = grad_row_bytes + 4 * (5 + 2 * k) + 16;
     const int64_t rows_per_message =
         std::max<int64_t>(1, env_.limits.max_result_message_bytes / row_bytes);
@@ -303,7 +354,7 @@ class ComputeCall {
       copy(outputs_.argmax, 1, result.mutable_argmax());
       copy(outputs_.top_k_logprob, k, result.mutable_top_k_logprob());
       copy(outputs_.top_k_token, k, result.mutable_top_k_token());
-      if (want.grad_hidden()) {
+      if (grad_in_messages) {
         result.set_grad_hidden(outputs_.grad_hidden.data() + r0 * grad_row_bytes, n * grad_row_bytes);
         result.set_grad_hidden_dtype(ToProto(spec_.grad_hidden_dtype));
       }
@@ -354,6 +405,7 @@ class ComputeCall {
   BufferLease workspace_;
   BufferLease staging_;
   ChunkOutputs outputs_;
+  SharedCallMemory shared_memory_;
   v1::ComputeResponse result_message_;
   int64_t computed_rows_ = 0;
   double loss_sum_ = 0.0;

@@ -18,6 +18,7 @@
 #include "server/memory_ledger.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
+#include "server/shared_memory.h"
 
 namespace lossd::server {
 
@@ -26,6 +27,7 @@ struct ComputeLimits {
   int64_t max_tokens_per_call = int64_t{1} << 24;
   int64_t max_result_message_bytes = 4 << 20;
   absl::Duration max_admission_wait = absl::Seconds(300);
+  bool allow_shared_memory = true;  // ComputeStart.shared_memory from clients on this host
 };
 
 struct ComputeEnvironment {
@@ -35,6 +37,7 @@ struct ComputeEnvironment {
   Metrics* metrics;  // may be null
   MemoryLedger* ledger;
   BufferCache* buffers;  // workspaces and staging gradients
+  SharedMemoryMaps* shared_memory;  // clients' memfds (ComputeStart.shared_memory)
   ComputeLimits limits;
 };
 

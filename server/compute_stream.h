@@ -16,6 +16,9 @@ class ComputeStream {
   // Ends the call as cancelled, so that a Read waiting on a client that sends nothing returns
   // false. The client then sees CANCELLED rather than the call's own error.
   virtual void Cancel() = 0;
+  // Whether the client runs on the server's host (loopback or Unix socket): only such a client
+  // may hand its rows over in shared memory.
+  virtual bool PeerIsLocal() const = 0;
 };
 
 }  // namespace lossd::server

@@ -25,6 +25,8 @@ ABSL_FLAG(int, max_running_calls, 2, "Compute calls running on the device at onc
 ABSL_FLAG(bool, cache_call_buffers, true,
           "keep calls' workspaces and staging dL/dW for the next call (within --compute_memory_mib) "
           "instead of freeing them");
+ABSL_FLAG(bool, shared_memory, true,
+          "let clients on this host hand rows and dL/dh over in a memfd instead of messages");
 ABSL_FLAG(int, max_queued_calls, 64, "Compute calls waiting for admission before new ones are refused");
 ABSL_FLAG(int64_t, max_message_mib, 256, "largest gRPC message accepted or sent, in MiB");
 ABSL_FLAG(std::string, token_file, "", "file whose first line is the bearer token every call must carry");
@@ -66,6 +68,7 @@ int main(int argc, char** argv) {
   config.compute_memory_bytes = absl::GetFlag(FLAGS_compute_memory_mib) << 20;
   config.max_running_calls = absl::GetFlag(FLAGS_max_running_calls);
   config.cache_call_buffers = absl::GetFlag(FLAGS_cache_call_buffers);
+  config.shared_memory = absl::GetFlag(FLAGS_shared_memory);
   config.max_queued_calls = absl::GetFlag(FLAGS_max_queued_calls);
   config.max_message_bytes = absl::GetFlag(FLAGS_max_message_mib) << 20;
   config.token_file = absl::GetFlag(FLAGS_token_file);

@@ -38,6 +38,7 @@ struct ServerConfig {
   int max_running_calls = 2;
   int max_queued_calls = 64;
   bool cache_call_buffers = true;                  // keep workspaces and staging dL/dW between calls
+  bool shared_memory = true;                       // rows in memfds from clients on this host
   int64_t max_message_bytes = 256 << 20;
   std::string token_file;                          // bearer token, first line
   std::string tls_cert_file;
@@ -69,6 +70,7 @@ class LossServer {
   Metrics& metrics() { return metrics_; }
   const Scheduler& scheduler() const { return *scheduler_; }
   BufferCache& buffers() { return *buffers_; }
+  SharedMemoryMaps& shared_memory_maps() { return service_->shared_memory_maps(); }
   const std::vector<std::string>& startup_log() const { return startup_log_; }
 
  private:

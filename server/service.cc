@@ -10,6 +10,7 @@
 #include "lossd/common/status_macros.h"
 #include "server/grpc_status.h"
 #include "server/proto_convert.h"
+#include "server/shared_memory.h"
 #include "server/storage/checkpoint.h"
 
 namespace lossd::server {
@@ -24,6 +25,7 @@ class GrpcComputeStream final : public ComputeStream {
   bool Write(const v1::ComputeResponse& response) override { return stream_->Write(response); }
   bool IsCancelled() const override { return context_->IsCancelled(); }
   void Cancel() override { context_->TryCancel(); }
+  bool PeerIsLocal() const override { return IsLocalPeer(context_->peer()); }
 
  private:
   grpc::ServerContext* context_;
@@ -110,8 +112,8 @@ grpc::Status LossService::Compute(
     grpc::ServerReaderWriter<v1::ComputeResponse, v1::ComputeRequest>* stream) {
   return Serve("Compute", context, [&] {
     GrpcComputeStream compute_stream(context, stream);
-    const ComputeEnvironment env{&backend_, &heads_,  &scheduler_, &metrics_,
-                                 &ledger_,  &buffers_, options_.compute};
+    const ComputeEnvironment env{&backend_, &heads_,   &scheduler_,          &metrics_,
+                                 &ledger_,  &buffers_, &shared_memory_maps_, options_.compute};
     absl::Status status = RunComputeCall(env, compute_stream);
     if (status.code() == absl::StatusCode::kResourceExhausted) {
       metrics_.CountAdmissionRejected(absl::StrContains(status.message(), "queue") ? "queue_full"

@@ -59,6 +59,8 @@ class LossService final : public v1::LossService::Service {
   void StopAccepting();
   bool WaitForCallsInFlight(absl::Time deadline);
 
+  SharedMemoryMaps& shared_memory_maps() { return shared_memory_maps_; }
+
  private:
   // Authenticates, counts the call in flight, runs `body`, and records its code and duration.
   template <typename Body>
@@ -75,6 +77,7 @@ class LossService final : public v1::LossService::Service {
   MemoryLedger& ledger_;
   BufferCache& buffers_;
   const ServiceOptions options_;
+  SharedMemoryMaps shared_memory_maps_;
 
   absl::Mutex calls_mu_;
   bool accepting_ ABSL_GUARDED_BY(calls_mu_) = true;

@@ -1,13 +1,18 @@
 // The C++ client library against a real lossd server on loopback, and the .npy reader/writer.
 #include "lossd/client/client.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -17,6 +22,7 @@
 #include "absl/types/span.h"
 #include "client/cpp/npy.h"
 #include "lossd/kernels/half.h"
+#include "server/shared_memory.h"
 #include "tests/engine_harness.h"
 #include "tests/reference.h"
 #include "tests/server_harness.h"
@@ -361,6 +367,309 @@ TEST_F(ClientTest, SgdStepMovesWeightAgainstTheGradient) {
   const absl::StatusOr<uint64_t> version = client.ZeroGrad("train");
   ASSERT_TRUE(version.ok());
   EXPECT_EQ(*version, step->head_version);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rows and dL/dh through shared memory (ComputeStart.shared_memory).
+
+bool SameBits(double a, double b) { return std::memcmp(&a, &b, sizeof(double)) == 0; }
+
+struct SharedMemoryCase {
+  const char* name;
+  int64_t rows;
+  client::DType hidden_dtype;
+  std::optional<client::DType> grad_dtype;
+  double ignore_fraction;
+};
+
+void PrintTo(const SharedMemoryCase& c, std::ostream* os) { *os << c.name; }
+
+class SharedMemoryTest : public ClientTest, public ::testing::WithParamInterface<SharedMemoryCase> {};
+
+// The same call through messages and through shared memory, on two heads with the same W: every
+// output and the accumulated dL/dW agree bit for bit, and with the float64 reference.
+TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
+  const SharedMemoryCase& c = GetParam();
+  const Client client = Connect(OptionsFor(server_->port()));
+  const std::string by_messages = absl::StrCat("messages-", c.name);
+  const std::string by_memory = absl::StrCat("memory-", c.name);
+  const std::vector<float> weight = UploadRandomHead(client, by_messages);
+  ASSERT_TRUE(client.UploadHead(by_memory, {weight.data(), client::DType::kFloat32, kVocab, kHidden}).ok());
+  const std::string hidden_bytes =
+      client::EncodeFromFloat32(RandomNormal(c.rows * kHidden, 1.0f, rng_), c.hidden_dtype);
+  const std::vector<int64_t> labels = RandomLabels(c.rows, kVocab, c.ignore_fraction, rng_);
+
+  ComputeRequest request;
+  request.hidden = {hidden_bytes.data(), c.hidden_dtype, c.rows, kHidden};
+  request.labels = labels;
+  request.outputs = {.token_loss = true,
+                     .logprob = true,
+                     .lse = true,
+                     .entropy = true,
+                     .argmax = true,
+                     .top_k = 3,
+                     .grad_hidden = true,
+                     .grad_hidden_dtype = c.grad_dtype,
+                     .accumulate_grad_weight = true};
+  request.head = by_messages;
+  const absl::StatusOr<ComputeResult> sent = client.Compute(request);
+  ASSERT_TRUE(sent.ok()) << sent.status();
+  request.head = by_memory;
+  request.shared_memory = true;
+  const absl::StatusOr<ComputeResult> shared = client.Compute(request);
+  ASSERT_TRUE(shared.ok()) << shared.status();
+
+  EXPECT_TRUE(SameBits(shared->summary.loss, sent->summary.loss)) << shared->summary.loss << " vs " << sent->summary.loss;
+  EXPECT_EQ(shared->summary.counted_tokens, sent->summary.counted_tokens);
+  EXPECT_EQ(shared->summary.correct_tokens, sent->summary.correct_tokens);
+  EXPECT_EQ(shared->token_loss, sent->token_loss);
+  EXPECT_EQ(shared->logprob, sent->logprob);
+  EXPECT_EQ(shared->lse, sent->lse);
+  EXPECT_EQ(shared->entropy, sent->entropy);
+  EXPECT_EQ(shared->argmax, sent->argmax);
+  EXPECT_EQ(shared->top_k_logprob, sent->top_k_logprob);
+  EXPECT_EQ(shared->top_k_token, sent->top_k_token);
+  EXPECT_EQ(shared->grad_hidden.dtype, sent->grad_hidden.dtype);
+  EXPECT_EQ(shared->grad_hidden.rows, c.rows);
+  EXPECT_TRUE(shared->grad_hidden.bytes == sent->grad_hidden.bytes) << "dL/dh differs";
+  // Only the start message goes out; dL/dh does not come back in messages.
+  EXPECT_EQ(shared->messages_sent, 1);
+  EXPECT_LT(shared->bytes_received, sent->bytes_received + 1);
+  const absl::StatusOr<client::Tensor> grad_sent = client.FetchGradWeight(by_messages);
+  const absl::StatusOr<client::Tensor> grad_shared = client.FetchGradWeight(by_memory);
+  ASSERT_TRUE(grad_sent.ok() && grad_shared.ok());
+  EXPECT_TRUE(grad_shared->bytes == grad_sent->bytes) << "dL/dW differs";
+
+  client::Tensor hidden_tensor{hidden_bytes, c.hidden_dtype, c.rows, kHidden};
+  const ReferenceResult ref =
+      ComputeReference(MakeReferenceProblem(client::ToFloat32(hidden_tensor), weight, labels, kHidden, 3));
+  EXPECT_EQ(shared->summary.counted_tokens, ref.counted_tokens);
+  if (ref.counted_tokens > 0) {
+    EXPECT_LE(std::abs(shared->summary.loss - ref.loss) / ref.loss, kLossBound);
+    EXPECT_LE(RelativeError(client::ToFloat32(*grad_shared), ref.grad_weight), kGradBound);
+    if (shared->grad_hidden.dtype == client::DType::kFloat32) {
+      EXPECT_LE(RelativeError(client::ToFloat32(shared->grad_hidden), ref.grad_hidden), kGradBound);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, SharedMemoryTest,
+    ::testing::Values(
+        // About 80 rows per engine chunk: each chunk reads and writes its own slice of the memfd.
+        SharedMemoryCase{"fp32_multi_chunk", 300, client::DType::kFloat32, std::nullopt, 0.1},
+        // Rows and dL/dh of different sizes, so the two regions are laid out unequally.
+        SharedMemoryCase{"bf16_rows_fp32_grad", 300, client::DType::kBFloat16, client::DType::kFloat32, 0.1},
+        SharedMemoryCase{"one_row", 1, client::DType::kFloat32, std::nullopt, 0.0},
+        // Nothing counts: dL/dh is all zeros, still written into the memfd.
+        SharedMemoryCase{"all_ignored", 50, client::DType::kFloat32, std::nullopt, 1.0},
+        // Nothing to map at all.
+        SharedMemoryCase{"no_rows", 0, client::DType::kFloat32, std::nullopt, 0.0}),
+    [](const ::testing::TestParamInfo<SharedMemoryCase>& info) { return std::string(info.param.name); });
+
+// A memfd holding `bytes`, made as the client makes one (sealed against shrinking), or not.
+int MakeMemfd(uint64_t bytes, int seals) {
+  const int fd = memfd_create("lossd-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  EXPECT_GE(fd, 0);
+  EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
+  if (seals != 0) EXPECT_EQ(fcntl(fd, F_ADD_SEALS, seals), 0);
+  return fd;
+}
+
+struct SharedMemoryErrorCase {
+  const char* name;
+  std::function<void(v1::ComputeStart&, std::vector<int>& descriptors)> spoil;
+  bool send_rows_in_messages;
+  const char* expected_in_message;
+};
+
+void PrintTo(const SharedMemoryErrorCase& c, std::ostream* os) { *os << c.name; }
+
+class SharedMemoryErrorTest : public ClientTest, public ::testing::WithParamInterface<SharedMemoryErrorCase> {};
+
+// Four rows at offset 0, their fp32 dL/dh right after them.
+constexpr int64_t kErrorRows = 4;
+constexpr uint64_t kErrorRowBytes = kErrorRows * kHidden * sizeof(float);
+
+// A call the server must refuse: INVALID_ARGUMENT naming the field, nothing accumulated, and the
+// next call served.
+TEST_P(SharedMemoryErrorTest, IsRefusedNamingTheFieldAndLosesNothing) {
+  const SharedMemoryErrorCase& c = GetParam();
+  const Client client = Connect(OptionsFor(server_->port()));
+  const std::string head = absl::StrCat("refused-", c.name);
+  UploadRandomHead(client, head);
+  std::vector<int> descriptors = {MakeMemfd(2 * kErrorRowBytes, F_SEAL_SHRINK)};
+
+  v1::ComputeStart start;
+  start.set_head(head);
+  start.set_num_tokens(kErrorRows);
+  start.set_hidden_size(kHidden);
+  start.set_hidden_dtype(v1::DTYPE_FLOAT32);
+  for (int64_t label : {1, 2, 3, 4}) start.add_labels(label);
+  start.mutable_outputs()->set_grad_hidden(true);
+  start.mutable_outputs()->set_accumulate_grad_weight(true);
+  v1::SharedMemory& shared = *start.mutable_shared_memory();
+  shared.set_pid(getpid());
+  shared.set_fd(descriptors[0]);
+  shared.set_hidden_offset(0);
+  shared.set_grad_hidden_offset(kErrorRowBytes);
+  c.spoil(start, descriptors);
+
+  std::unique_ptr<v1::LossService::Stub> stub = ConnectTo(server_->port());
+  const std::string rows = c.send_rows_in_messages ? std::string(kErrorRowBytes, '\0') : std::string();
+  const ComputeOutcome outcome = CallCompute(*stub, start, rows, kErrorRows);
+  EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << outcome.status.error_message();
+  EXPECT_NE(outcome.status.error_message().find(c.expected_in_message), std::string::npos)
+      << outcome.status.error_message();
+  for (int fd : descriptors) close(fd);
+
+  const absl::StatusOr<client::HeadInfo> info = client.GetHead(head);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->accumulated_tokens, 0);
+  const std::vector<float> hidden = RandomNormal(kErrorRows * kHidden, 1.0f, rng_);
+  const std::vector<int64_t> labels = {1, 2, 3, 4};
+  ComputeRequest request;
+  request.head = head;
+  request.hidden = {hidden.data(), client::DType::kFloat32, kErrorRows, kHidden};
+  request.labels = labels;
+  request.shared_memory = true;
+  EXPECT_TRUE(client.Compute(request).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, SharedMemoryErrorTest,
+    ::testing::Values(
+        // Unsealed, the client could shrink it under the server's mapping (SIGBUS).
+        SharedMemoryErrorCase{"unsealed",
+                              [](v1::ComputeStart& start, std::vector<int>& fds) {
+                                fds.push_back(MakeMemfd(2 * kErrorRowBytes, 0));
+                                start.mutable_shared_memory()->set_fd(fds.back());
+                              },
+                              false, "shared_memory.fd: expected a memfd sealed against shrinking"},
+        // A regular file cannot be sealed at all.
+        SharedMemoryErrorCase{"not_a_memfd",
+                              [](v1::ComputeStart& start, std::vector<int>& fds) {
+                                fds.push_back(fileno(tmpfile()));
+                                start.mutable_shared_memory()->set_fd(fds.back());
+                              },
+                              false, "a file that cannot be sealed"},
+        // dL/dh would run past its end.
+        SharedMemoryErrorCase{"too_small",
+                              [](v1::ComputeStart& start, std::vector<int>& fds) {
+                                fds.push_back(MakeMemfd(kErrorRowBytes + 64, F_SEAL_SHRINK));
+                                start.mutable_shared_memory()->set_fd(fds.back());
+                              },
+                              false, "shared_memory.fd: expected a memfd of at least"},
+        // The server could not write dL/dh.
+        SharedMemoryErrorCase{"sealed_against_writes",
+                              [](v1::ComputeStart& start, std::vector<int>& fds) {
+                                fds.push_back(MakeMemfd(2 * kErrorRowBytes, F_SEAL_SHRINK | F_SEAL_WRITE));
+                                start.mutable_shared_memory()->set_fd(fds.back());
+                              },
+                              false, "sealed against writes"},
+        SharedMemoryErrorCase{"misaligned_rows",
+                              [](v1::ComputeStart& start, std::vector<int>&) {
+                                start.mutable_shared_memory()->set_hidden_offset(8);
+                              },
+                              false, "shared_memory.hidden_offset: expected a multiple of 64"},
+        // dL/dh would overwrite rows not yet read.
+        SharedMemoryErrorCase{"overlapping_regions",
+                              [](v1::ComputeStart& start, std::vector<int>&) {
+                                start.mutable_shared_memory()->set_grad_hidden_offset(kErrorRowBytes / 2);
+                              },
+                              false, "shared_memory.grad_hidden_offset: expected a region clear of the rows"},
+        // Wraps around 2^64 unless checked.
+        SharedMemoryErrorCase{"offset_overflows",
+                              [](v1::ComputeStart& start, std::vector<int>&) {
+                                start.mutable_shared_memory()->set_grad_hidden_offset(~uint64_t{63});
+                              },
+                              false, "shared_memory.grad_hidden_offset: expected an offset at which"},
+        // Far above any descriptor this process opens (a closed one's number could be reused).
+        SharedMemoryErrorCase{"no_such_descriptor",
+                              [](v1::ComputeStart& start, std::vector<int>&) {
+                                start.mutable_shared_memory()->set_fd(1 << 20);
+                              },
+                              false, "no such descriptor"},
+        SharedMemoryErrorCase{"negative_descriptor",
+                              [](v1::ComputeStart& start, std::vector<int>&) {
+                                start.mutable_shared_memory()->set_fd(-1);
+                              },
+                              false, "shared_memory.fd: expected the client's descriptor"},
+        SharedMemoryErrorCase{"no_process",
+                              [](v1::ComputeStart& start, std::vector<int>&) {
+                                start.mutable_shared_memory()->set_pid(0);
+                              },
+                              false, "shared_memory.pid"},
+        // Rows in the memfd and in messages: which would count?
+        SharedMemoryErrorCase{"rows_also_in_messages", [](v1::ComputeStart&, std::vector<int>&) {}, true,
+                              "chunk: expected no messages after a start with shared_memory"}),
+    [](const ::testing::TestParamInfo<SharedMemoryErrorCase>& info) { return std::string(info.param.name); });
+
+// The client keeps its memfd and the server its mapping between calls; a failed call's memfd is
+// not reused (a cancelled call could still write into it); a closed memfd's mapping is let go.
+TEST_F(ClientTest, SharedMemoryMappingsAreKeptWhileTheClientHoldsTheMemfd) {
+  server::SharedMemoryMaps& maps = server_->shared_memory_maps();
+  const int64_t created_before = maps.mappings_created();
+  {
+    const Client client = Connect(OptionsFor(server_->port()));
+    UploadRandomHead(client, "kept");
+    std::vector<float> hidden = RandomNormal(100 * kHidden, 1.0f, rng_);
+    const std::vector<int64_t> labels = RandomLabels(100, kVocab, 0.0, rng_);
+    ComputeRequest request;
+    request.head = "kept";
+    request.hidden = {hidden.data(), client::DType::kFloat32, 100, kHidden};
+    request.labels = labels;
+    request.outputs.grad_hidden = true;
+    request.shared_memory = true;
+    ASSERT_TRUE(client.Compute(request).ok());
+    ASSERT_TRUE(client.Compute(request).ok());
+    EXPECT_EQ(maps.mappings_created(), created_before + 1);
+
+    hidden[7] = std::numeric_limits<float>::quiet_NaN();
+    EXPECT_EQ(client.Compute(request).status().code(), absl::StatusCode::kInvalidArgument);
+    hidden[7] = 0.0f;
+    ASSERT_TRUE(client.Compute(request).ok());
+    EXPECT_EQ(maps.mappings_created(), created_before + 2);
+  }
+  maps.Sweep();
+  EXPECT_EQ(maps.mappings(), 0u);
+  EXPECT_EQ(maps.mapped_bytes(), 0u);
+}
+
+// A server started without shared memory says so, and the same client goes on with messages.
+TEST_F(ClientTest, SharedMemoryCanBeTurnedOff) {
+  server::ServerConfig config;
+  config.demo = {"plain", 100, 16, 1};
+  config.shared_memory = false;
+  std::unique_ptr<server::LossServer> plain = StartTestServer(config);
+  ASSERT_NE(plain, nullptr);
+  const Client client = Connect(OptionsFor(plain->port()));
+  const std::vector<float> hidden = RandomNormal(3 * 16, 1.0f, rng_);
+  const std::vector<int64_t> labels = {5, 6, 7};
+  ComputeRequest request;
+  request.head = "plain";
+  request.hidden = {hidden.data(), client::DType::kFloat32, 3, 16};
+  request.labels = labels;
+  request.shared_memory = true;
+  const absl::StatusOr<ComputeResult> refused = client.Compute(request);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("--shared_memory=false"), absl::string_view::npos)
+      << refused.status();
+  request.shared_memory = false;
+  EXPECT_TRUE(client.Compute(request).ok());
+}
+
+TEST(SharedMemoryPeerTest, OnlyLoopbackAndUnixPeersAreLocal) {
+  EXPECT_TRUE(server::IsLocalPeer("ipv4:127.0.0.1:50051"));
+  EXPECT_TRUE(server::IsLocalPeer("ipv4:127.1.2.3:9"));
+  EXPECT_TRUE(server::IsLocalPeer("ipv6:[::1]:50051"));
+  EXPECT_TRUE(server::IsLocalPeer("ipv6:[::ffff:127.0.0.1]:50051"));
+  EXPECT_TRUE(server::IsLocalPeer("unix:/run/lossd.sock"));
+  EXPECT_FALSE(server::IsLocalPeer("ipv4:10.0.0.7:50051"));
+  EXPECT_FALSE(server::IsLocalPeer("ipv4:128.0.0.1:50051"));  // not 127/8
+  EXPECT_FALSE(server::IsLocalPeer("ipv6:[::12]:50051"));      // not ::1
+  EXPECT_FALSE(server::IsLocalPeer("ipv6:[fe80::1]:50051"));
+  EXPECT_FALSE(server::IsLocalPeer(""));
 }
 
 TEST(ChannelOptionsTest, RejectsUnusableSettings) {

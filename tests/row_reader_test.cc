@@ -45,6 +45,7 @@ class ScriptedStream final : public ComputeStream {
     absl::MutexLock lock(&mu_);
     cancelled_ = true;
   }
+  bool PeerIsLocal() const override { return false; }
 
   // Waits until a Read waits for a message that will never come.
   void AwaitSilence() {

@@ -3,6 +3,7 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <climits>
@@ -11,6 +12,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "client/cpp/shared_buffer.h"
 #include "lossd/common/status_macros.h"
 
 namespace lossd::client {
@@ -181,11 +183,13 @@ class RowCoverage {
   int64_t covered_ = 0;
 };
 
-// Places per-row results into the buffers of one Compute call as they arrive.
+// Places per-row results into the buffers of one Compute call as they arrive. dL/dh comes in the
+// result messages, or (shared memory) not at all.
 class ResultAssembler {
  public:
-  ResultAssembler(const ComputeRequest& request, ComputeResult& result)
+  ResultAssembler(const ComputeRequest& request, ComputeResult& result, bool grad_hidden_in_messages)
       : want_(request.outputs),
+        grad_hidden_in_messages_(grad_hidden_in_messages),
         rows_(request.hidden.rows),
         grad_dtype_(request.outputs.grad_hidden_dtype.value_or(request.hidden.dtype)),
         grad_row_bytes_(request.hidden.cols * static_cast<int64_t>(DTypeSize(grad_dtype_))),
@@ -245,7 +249,7 @@ class ResultAssembler {
                                count, result_.top_k_logprob));
     RETURN_IF_ERROR(PlaceField("top_k_token", piece.top_k_token(), want_.top_k > 0, want_.top_k, offset,
                                count, result_.top_k_token));
-    const int64_t grad_bytes = want_.grad_hidden ? count * grad_row_bytes_ : 0;
+    const int64_t grad_bytes = want_.grad_hidden && grad_hidden_in_messages_ ? count * grad_row_bytes_ : 0;
     if (static_cast<int64_t>(piece.grad_hidden().size()) != grad_bytes) {
       return ServerViolation(absl::StrCat(piece.grad_hidden().size(), " bytes of grad_hidden for ", count,
                                           " rows, expected ", grad_bytes));
@@ -289,6 +293,7 @@ class ResultAssembler {
   }
 
   const OutputSelection& want_;
+  const bool grad_hidden_in_messages_;
   const int64_t rows_;
   const DType grad_dtype_;
   const int64_t grad_row_bytes_;
@@ -347,7 +352,9 @@ absl::StatusOr<Client> Client::Connect(ChannelOptions options) {
 }
 
 Client::Client(std::shared_ptr<grpc::Channel> channel, ChannelOptions options)
-    : options_(std::move(options)), stub_(v1::LossService::NewStub(std::move(channel))) {}
+    : options_(std::move(options)),
+      stub_(v1::LossService::NewStub(std::move(channel))),
+      shared_buffers_(std::make_shared<SharedBufferPool>()) {}
 
 Client::Client(Client&&) noexcept = default;
 Client& Client::operator=(Client&&) noexcept = default;
@@ -546,10 +553,6 @@ absl::StatusOr<std::vector<std::string>> Client::SaveCheckpoint(const std::strin
 absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) const {
   RETURN_IF_ERROR(ValidateComputeRequest(request));
   const TensorView& hidden = request.hidden;
-  const int64_t row_bytes = hidden.cols * static_cast<int64_t>(DTypeSize(hidden.dtype));
-  ASSIGN_OR_RETURN(const int64_t rows_per_message,
-                   RowsPerMessage(request.rows_per_message, row_bytes, options_.max_message_bytes));
-
   v1::ComputeRequest start_message;
   v1::ComputeStart& start = *start_message.mutable_start();
   start.set_head(request.head);
@@ -570,39 +573,24 @@ absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) con
   }
 
   ComputeResult result;
-  ResultAssembler assembler(request, result);
-  grpc::ClientContext context;
-  PrepareContext(context);
   const absl::Time call_start = absl::Now();
-  std::unique_ptr<grpc::ClientReaderWriter<v1::ComputeRequest, v1::ComputeResponse>> stream =
-      stub_->Compute(&context);
+  RETURN_IF_ERROR(request.shared_memory ? RunComputeShared(request, start_message, result)
+                                        : RunCompute(request, start_message, result));
+  result.wall_seconds = absl::ToDoubleSeconds(absl::Now() - call_start);
+  return result;
+}
 
-  // The writer thread owns the sending half of the stream: Write blocks under flow control, and the
-  // server stops reading rows while its own results wait to be read, so sending and reading from
-  // one thread could wait on each other forever for a large batch.
-  int64_t bytes_sent = 0;
-  int64_t messages_sent = 0;
-  std::thread writer([&] {
-    if (!stream->Write(start_message)) return;
-    bytes_sent += start_bytes;
-    ++messages_sent;
-    const char* rows = static_cast<const char*>(hidden.data);
-    v1::ComputeRequest chunk;  // reused: setting its rows again keeps the string's buffer
-    for (int64_t first = 0; first < hidden.rows; first += rows_per_message) {
-      const int64_t count = std::min(rows_per_message, hidden.rows - first);
-      chunk.mutable_chunk()->set_hidden(rows + first * row_bytes, count * row_bytes);
-      // A failed Write means the call has ended (the server returned an error, or it was
-      // cancelled); the reader learns why from Finish.
-      if (!stream->Write(chunk)) return;
-      bytes_sent += static_cast<int64_t>(chunk.ByteSizeLong());
-      ++messages_sent;
-    }
-    stream->WritesDone();
-  });
+namespace {
 
+using ComputeStream = grpc::ClientReaderWriter<v1::ComputeRequest, v1::ComputeResponse>;
+
+// Reads the call's responses into the assembler until the server ends the stream; the status of
+// the whole call.
+absl::Status ReadResults(grpc::ClientContext& context, ComputeStream& stream, ResultAssembler& assembler,
+                         ComputeResult& result) {
   absl::Status assembled = absl::OkStatus();
   v1::ComputeResponse response;
-  while (stream->Read(&response)) {
+  while (stream.Read(&response)) {
     result.bytes_received += static_cast<int64_t>(response.ByteSizeLong());
     ++result.messages_received;
     assembled = assembler.Add(response);
@@ -612,15 +600,89 @@ absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) con
       break;
     }
   }
-  writer.join();
-  const grpc::Status status = stream->Finish();
+  return assembled;
+}
+
+absl::Status FinishCall(ComputeStream& stream, const absl::Status& assembled, ResultAssembler& assembler) {
+  const grpc::Status status = stream.Finish();
   RETURN_IF_ERROR(assembled);
   RETURN_IF_ERROR(FromGrpcStatus(status));
-  RETURN_IF_ERROR(assembler.Finish());
-  result.wall_seconds = absl::ToDoubleSeconds(absl::Now() - call_start);
-  result.bytes_sent = bytes_sent;
-  result.messages_sent = messages_sent;
-  return result;
+  return assembler.Finish();
+}
+
+}  // namespace
+
+absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeRequest& start_message,
+                                ComputeResult& result) const {
+  const TensorView& hidden = request.hidden;
+  const int64_t row_bytes = hidden.cols * static_cast<int64_t>(DTypeSize(hidden.dtype));
+  ASSIGN_OR_RETURN(const int64_t rows_per_message,
+                   RowsPerMessage(request.rows_per_message, row_bytes, options_.max_message_bytes));
+  ResultAssembler assembler(request, result, /*grad_hidden_in_messages=*/true);
+  grpc::ClientContext context;
+  PrepareContext(context);
+  std::unique_ptr<ComputeStream> stream = stub_->Compute(&context);
+
+  // The writer thread owns the sending half of the stream: Write blocks under flow control, and the
+  // server stops reading rows while its own results wait to be read, so sending and reading from
+  // one thread could wait on each other forever for a large batch.
+  std::thread writer([&] {
+    if (!stream->Write(start_message)) return;
+    result.bytes_sent += static_cast<int64_t>(start_message.ByteSizeLong());
+    ++result.messages_sent;
+    const char* rows = static_cast<const char*>(hidden.data);
+    v1::ComputeRequest chunk;  // reused: setting its rows again keeps the string's buffer
+    for (int64_t first = 0; first < hidden.rows; first += rows_per_message) {
+      const int64_t count = std::min(rows_per_message, hidden.rows - first);
+      chunk.mutable_chunk()->set_hidden(rows + first * row_bytes, count * row_bytes);
+      // A failed Write means the call has ended (the server returned an error, or it was
+      // cancelled); the reader learns why from Finish.
+      if (!stream->Write(chunk)) return;
+      result.bytes_sent += static_cast<int64_t>(chunk.ByteSizeLong());
+      ++result.messages_sent;
+    }
+    stream->WritesDone();
+  });
+  const absl::Status assembled = ReadResults(context, *stream, assembler, result);
+  writer.join();
+  return FinishCall(*stream, assembled, assembler);
+}
+
+absl::Status Client::RunComputeShared(const ComputeRequest& request, v1::ComputeRequest& start_message,
+                                      ComputeResult& result) const {
+  const TensorView& hidden = request.hidden;
+  const uint64_t hidden_bytes =
+      static_cast<uint64_t>(hidden.rows) * hidden.cols * DTypeSize(hidden.dtype);
+  const DType grad_dtype = request.outputs.grad_hidden_dtype.value_or(hidden.dtype);
+  const uint64_t grad_bytes =
+      request.outputs.grad_hidden ? static_cast<uint64_t>(hidden.rows) * hidden.cols * DTypeSize(grad_dtype) : 0;
+  constexpr uint64_t kAlignment = 64;  // the server's rule for both offsets
+  const uint64_t grad_offset = (hidden_bytes + kAlignment - 1) / kAlignment * kAlignment;
+  ASSIGN_OR_RETURN(std::unique_ptr<SharedBuffer> buffer, shared_buffers_->Acquire(grad_offset + grad_bytes));
+  if (hidden_bytes > 0) std::memcpy(buffer->data(), hidden.data, hidden_bytes);
+  v1::SharedMemory& shared = *start_message.mutable_start()->mutable_shared_memory();
+  shared.set_pid(getpid());
+  shared.set_fd(buffer->fd());
+  shared.set_hidden_offset(0);
+  shared.set_grad_hidden_offset(grad_offset);
+
+  ResultAssembler assembler(request, result, /*grad_hidden_in_messages=*/false);
+  grpc::ClientContext context;
+  PrepareContext(context);
+  std::unique_ptr<ComputeStream> stream = stub_->Compute(&context);
+  // The start message is the whole request, so one thread can send it and then read.
+  if (stream->Write(start_message)) {
+    result.bytes_sent += static_cast<int64_t>(start_message.ByteSizeLong());
+    ++result.messages_sent;
+    stream->WritesDone();
+  }
+  const absl::Status assembled = ReadResults(context, *stream, assembler, result);
+  // A failed call drops the buffer instead of keeping it: a server still running a cancelled call
+  // may yet write dL/dh into it, which must not land in the next call's.
+  RETURN_IF_ERROR(FinishCall(*stream, assembled, assembler));
+  if (grad_bytes > 0) std::memcpy(result.grad_hidden.bytes.data(), buffer->data() + grad_offset, grad_bytes);
+  shared_buffers_->Release(std::move(buffer));
+  return absl::OkStatus();
 }
 
 }  // namespace lossd::client

@@ -524,6 +524,7 @@ absl::Status RunCompute(const Flags& flags) {
   request.labels = labels;
   request.token_weights = token_weights;
   request.rows_per_message = flags.Int("rows_per_message");
+  request.shared_memory = flags.Bool("shared_memory");
   LossOptions& options = request.options;
   options.reduction = reduction;
   options.ignore_index = flags.Int("ignore_index");
@@ -704,6 +705,7 @@ absl::Status RunBench(const Flags& flags) {
   request.outputs.grad_hidden = flags.Bool("grad");
   request.outputs.accumulate_grad_weight = flags.Bool("accumulate");
   request.rows_per_message = flags.Int("rows_per_message");
+  request.shared_memory = flags.Bool("shared_memory");
 
   absl::FPrintF(stderr, "bench: head %s [%d x %d], %d tokens of %s per call, %d calls, %d at a time%s%s\n",
                 head.name, head.vocab_size, head.hidden_size, tokens, DTypeName(dtype), calls, streams,
@@ -760,15 +762,20 @@ absl::Status RunBench(const Flags& flags) {
 
   const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
   std::sort(totals.latencies.begin(), totals.latencies.end());
+  // The tensors each way, however they travelled (messages or shared memory).
+  const int64_t hidden_bytes = calls * static_cast<int64_t>(hidden.bytes.size());
+  const int64_t grad_hidden_bytes = request.outputs.grad_hidden ? hidden_bytes : 0;
   if (flags.Bool("json")) {
     absl::PrintF(
         "{\"calls\": %d, \"tokens_per_call\": %d, \"streams\": %d, \"dtype\": \"%s\", "
-        "\"seconds\": %.6f, \"tokens_per_second\": %.1f, \"bytes_sent\": %d, "
-        "\"bytes_received\": %d, \"latency_p50\": %.6f, \"latency_p90\": %.6f, "
+        "\"shared_memory\": %s, \"seconds\": %.6f, \"tokens_per_second\": %.1f, \"bytes_sent\": %d, "
+        "\"bytes_received\": %d, \"hidden_bytes\": %d, \"grad_hidden_bytes\": %d, "
+        "\"latency_p50\": %.6f, \"latency_p90\": %.6f, "
         "\"latency_max\": %.6f, \"server_compute_seconds\": %.6f, "
         "\"server_queue_seconds\": %.6f}\n",
-        calls, tokens, streams, DTypeName(dtype), elapsed, calls * tokens / elapsed,
-        totals.bytes_sent, totals.bytes_received, Percentile(totals.latencies, 0.5),
+        calls, tokens, streams, DTypeName(dtype), request.shared_memory ? "true" : "false", elapsed,
+        calls * tokens / elapsed, totals.bytes_sent, totals.bytes_received, hidden_bytes, grad_hidden_bytes,
+        Percentile(totals.latencies, 0.5),
         Percentile(totals.latencies, 0.9), totals.latencies.back(), totals.compute_seconds,
         totals.queue_seconds);
     return absl::OkStatus();
@@ -777,6 +784,8 @@ absl::Status RunBench(const Flags& flags) {
                calls * tokens / elapsed);
   absl::PrintF("sent %.3f GB/s, received %.3f GB/s (gRPC message payloads)\n",
                totals.bytes_sent / elapsed / 1e9, totals.bytes_received / elapsed / 1e9);
+  absl::PrintF("rows in %.3f GB/s, dL/dh out %.3f GB/s (%s)\n", hidden_bytes / elapsed / 1e9,
+               grad_hidden_bytes / elapsed / 1e9, request.shared_memory ? "shared memory" : "messages");
   absl::PrintF("latency p50 %.4f s, p90 %.4f s, p99 %.4f s\n", Percentile(totals.latencies, 0.5),
                Percentile(totals.latencies, 0.9), Percentile(totals.latencies, 0.99));
   absl::PrintF("server per call: %.4f s computing, %.4f s queued (means)\n", totals.compute_seconds / calls,
@@ -794,6 +803,12 @@ struct Subcommand {
   std::vector<FlagSpec> flags;
   absl::Status (*run)(const Flags& flags);
 };
+
+FlagSpec SharedMemoryFlag() {
+  return {"shared_memory", FlagKind::kBool, "false",
+          "rows and dL/dh through a memfd shared with the server instead of messages (a server on "
+          "this host, same user)"};
+}
 
 FlagSpec HeadFlag() { return {"head", FlagKind::kString, "", "head name (default: the server's only head)"}; }
 
@@ -828,7 +843,8 @@ const std::vector<Subcommand>& Subcommands() {
         {"grad_out", FlagKind::kString, "", "save dL/dh to FILE.npy (needs --grad)"},
         {"accumulate", FlagKind::kBool, "false", "add dL/dW to the head's accumulator on the server"},
         {"out", FlagKind::kString, "", "write per-token results (loss, logprob, argmax, ...) to FILE.json"},
-        {"rows_per_message", FlagKind::kInt, "0", "hidden rows per chunk message; 0 sends about 4 MiB each"}},
+        {"rows_per_message", FlagKind::kInt, "0", "hidden rows per chunk message; 0 sends about 4 MiB each"},
+        SharedMemoryFlag()},
        RunCompute},
       {"fetch-grad",
        "fetch-grad [--head H] --out FILE.npy [--dtype D]",
@@ -893,6 +909,7 @@ const std::vector<Subcommand>& Subcommands() {
         {"rows_per_message", FlagKind::kInt, "0",
          "hidden rows per chunk message; 0 sends about 4 MiB each, --tokens sends the whole batch "
          "in one message, so that the server computes nothing before all of it has arrived"},
+        SharedMemoryFlag(),
         {"json", FlagKind::kBool, "false",
          "print the totals as one JSON object (seconds, tokens/s, bytes each way, latencies, "
          "server compute and queue seconds summed over calls)"}},

@@ -118,6 +118,10 @@ struct ComputeRequest {
   // Hidden rows per chunk message; 0 picks as many as fit in min(4 MiB, max_message_bytes), small
   // enough that the server computes early chunks while later ones are still on the wire.
   int64_t rows_per_message = 0;
+  // Rows and dL/dh through a memfd shared with a server on this host instead of messages: the
+  // server computes on the rows where they lie (see SharedMemory in lossd.proto). Only for a
+  // server on loopback or a Unix socket, run by the same user.
+  bool shared_memory = false;
 };
 
 struct ComputeSummary {
@@ -182,6 +186,8 @@ struct StepResult {
   int64_t accumulated_tokens = 0;
 };
 
+class SharedBufferPool;
+
 class Client {
  public:
   // Validates the options and builds the channel; it connects on the first call.
@@ -215,9 +221,15 @@ class Client {
   // Adds the bearer token and the deadline to a call's context.
   void PrepareContext(grpc::ClientContext& context) const;
   absl::StatusOr<Tensor> FetchTensor(const std::string& head, DType dtype, bool gradient) const;
+  // The part of Compute that depends on how the rows travel.
+  absl::Status RunCompute(const ComputeRequest& request, v1::ComputeRequest& start_message,
+                          ComputeResult& result) const;
+  absl::Status RunComputeShared(const ComputeRequest& request, v1::ComputeRequest& start_message,
+                                ComputeResult& result) const;
 
   ChannelOptions options_;
   std::unique_ptr<v1::LossService::Stub> stub_;  // holds the channel
+  std::shared_ptr<SharedBufferPool> shared_buffers_;  // memfds kept between shared-memory calls
 };
 
 }  // namespace lossd::client

@@ -1,0 +1,76 @@
+#include "client/cpp/shared_buffer.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace lossd::client {
+namespace {
+
+absl::Status ErrnoError(absl::string_view what, int error_number) {
+  return absl::Status(absl::ErrnoToStatusCode(error_number),
+                      absl::StrCat("shared memory: ", what, ": ", std::strerror(error_number)));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SharedBuffer>> SharedBuffer::Create(uint64_t bytes) {
+  // A zero-length mapping is not allowed; a call without rows still names a memfd.
+  const uint64_t size = std::max<uint64_t>(bytes, 1);
+  const int fd = memfd_create("lossd-rows", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return ErrnoError("memfd_create", errno);
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0 || fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
+    const int error_number = errno;
+    close(fd);
+    return ErrnoError(absl::StrCat("sizing and sealing a memfd of ", size, " bytes"), error_number);
+  }
+  void* data = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (data == MAP_FAILED) {
+    const int error_number = errno;
+    close(fd);
+    return ErrnoError(absl::StrCat("mapping a memfd of ", size, " bytes"), error_number);
+  }
+  return std::unique_ptr<SharedBuffer>(new SharedBuffer(fd, static_cast<uint8_t*>(data), size));
+}
+
+SharedBuffer::~SharedBuffer() {
+  munmap(data_, size_);
+  close(fd_);
+}
+
+absl::StatusOr<std::unique_ptr<SharedBuffer>> SharedBufferPool::Acquire(uint64_t bytes) {
+  {
+    absl::MutexLock lock(&mu_);
+    // The smallest that fits, so that large buffers stay for large calls.
+    auto best = idle_.end();
+    for (auto it = idle_.begin(); it != idle_.end(); ++it) {
+      if ((*it)->size() >= bytes && (best == idle_.end() || (*it)->size() < (*best)->size())) best = it;
+    }
+    if (best != idle_.end()) {
+      std::unique_ptr<SharedBuffer> buffer = std::move(*best);
+      idle_.erase(best);
+      return buffer;
+    }
+  }
+  return SharedBuffer::Create(bytes);
+}
+
+void SharedBufferPool::Release(std::unique_ptr<SharedBuffer> buffer) {
+  absl::MutexLock lock(&mu_);
+  idle_.push_back(std::move(buffer));
+  if (idle_.size() > kMaxIdle) {
+    // The smallest goes: the calls to come are likeliest to be as large as the largest seen.
+    auto smallest = std::min_element(idle_.begin(), idle_.end(),
+                                     [](const auto& a, const auto& b) { return a->size() < b->size(); });
+    idle_.erase(smallest);
+  }
+}
+
+}  // namespace lossd::client
