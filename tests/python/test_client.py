@@ -4,6 +4,7 @@ References are torch's own float64 computations on W fetched from the server. Bo
 engine's: loss relative error 1e-6, gradients relative Frobenius error 2e-5 (the server computes in
 float32 from float32 inputs).
 """
+import os
 import signal
 import subprocess
 import threading
@@ -20,6 +21,7 @@ from server_process import ServerProcess, ensure_python_client
 ensure_python_client()
 import lossd  # noqa: E402
 from lossd.torch import RemoteHead  # noqa: E402
+from lossd.v1 import lossd_pb2 as pb  # noqa: E402
 
 VOCAB, HIDDEN = 3001, 64
 LOSS_RTOL = 1e-6
@@ -112,8 +114,11 @@ CASES = {
 }
 
 
+# Shared memory too: the same references must hold when forward and the backward's correction
+# hand their rows and dL/dh over in a memfd.
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["messages", "shared_memory"])
 @pytest.mark.parametrize("case", CASES)
-def test_loss_and_gradients_match_torch(client, head, case):
+def test_loss_and_gradients_match_torch(client, head, case, shared_memory):
     spec = CASES[case]
     num_tokens = 300
     hidden, labels = random_batch(num_tokens, spec.get("ignored", 0))
@@ -127,8 +132,9 @@ def test_loss_and_gradients_match_torch(client, head, case):
     smoothing = spec.get("label_smoothing", 0.0)
 
     remote_hidden = hidden.clone().requires_grad_()
-    loss = head(remote_hidden, labels, weights=weights, reduction=spec["reduction"],
-                label_smoothing=smoothing)
+    remote_head = RemoteHead(client, head.head, shared_memory=shared_memory)
+    loss = remote_head(remote_hidden, labels, weights=weights, reduction=spec["reduction"],
+                       label_smoothing=smoothing)
     upstream(loss).backward()
 
     weight = head.fetch_weight()
@@ -299,6 +305,213 @@ def test_backward_after_a_step_is_refused(head):
     with pytest.raises(lossd.LossdError) as error:
         (loss * 0.5).backward()
     assert error.value.code == "FAILED_PRECONDITION"
+
+
+# Shared memory ------------------------------------------------------------------------------------
+
+ALL_OUTPUTS = ["token_loss", "logprob", "lse", "entropy", "argmax", "grad_hidden"]
+
+
+def hidden_as(hidden, dtype_name):
+    """hidden as the numpy array compute() sends in dtype_name (bfloat16: uint16 bits)."""
+    if dtype_name == "bfloat16":
+        return lossd.float32_to_bfloat16_bits(hidden.numpy())
+    return hidden.numpy()
+
+
+def compute_both_ways(client, head, hidden, labels, **kwargs):
+    """(through messages, through shared memory): the same call twice, each accumulating dL/dW
+    on a zeroed accumulator; each result has its dL/dW as .grad_weight."""
+    results = []
+    for shared_memory in (False, True):
+        head.zero_grad()
+        result = client.compute(head.head, hidden, labels, accumulate_grad_weight=True,
+                                shared_memory=shared_memory, **kwargs)
+        result.grad_weight = head.fetch_grad_weight()
+        results.append(result)
+    return results
+
+
+def assert_bitwise_equal(by_messages, by_shared_memory, names):
+    for name in names:
+        assert np.array_equal(getattr(by_messages, name), getattr(by_shared_memory, name)), name
+    assert by_messages.loss == by_shared_memory.loss
+    assert by_messages.loss_sum == by_shared_memory.loss_sum
+    assert by_messages.counted_tokens == by_shared_memory.counted_tokens
+    assert by_messages.correct_tokens == by_shared_memory.correct_tokens
+
+
+# The transfer must not change a single bit of any result, for rows and dL/dh of either size and
+# over several engine chunks (301 tokens under the fixture's 1 MiB workspace).
+@pytest.mark.parametrize("hidden_dtype,grad_dtype", [("float32", "float32"),
+                                                     ("bfloat16", "bfloat16"),
+                                                     ("bfloat16", "float32")])
+def test_shared_memory_gives_the_same_bits_as_messages(client, head, hidden_dtype, grad_dtype):
+    hidden, labels = random_batch(301, ignored=20)
+    weights = np.random.default_rng().uniform(-0.5, 1.5, 301).astype(np.float32)
+    by_messages, by_shared_memory = compute_both_ways(
+        client, head, hidden_as(hidden, hidden_dtype), labels.numpy(), weights=weights,
+        label_smoothing=0.1, outputs=ALL_OUTPUTS, top_k=3, grad_hidden_dtype=grad_dtype)
+    assert by_shared_memory.grad_hidden.dtype == lossd.client._tensors.numpy_dtype(grad_dtype)
+    assert by_shared_memory.grad_hidden.shape == (301, HIDDEN)
+    assert by_shared_memory.grad_weight_accumulated
+    assert_bitwise_equal(by_messages, by_shared_memory,
+                         ALL_OUTPUTS + ["top_k_logprob", "top_k_token", "grad_weight"])
+    assert by_shared_memory.grad_weight.any()
+
+
+# The smallest layouts: no rows (nothing for the server to map) and a single row.
+@pytest.mark.parametrize("num_tokens", [0, 1])
+def test_shared_memory_with_no_rows_or_one_row(client, head, num_tokens):
+    hidden, labels = random_batch(num_tokens)
+    by_messages, by_shared_memory = compute_both_ways(
+        client, head, hidden.numpy(), labels.numpy(), reduction="sum", outputs=ALL_OUTPUTS)
+    assert by_shared_memory.grad_hidden.shape == (num_tokens, HIDDEN)
+    assert_bitwise_equal(by_messages, by_shared_memory, ALL_OUTPUTS + ["grad_weight"])
+    expected_loss, expected_grad_hidden, expected_grad_weight = torch_reference(
+        hidden, head.fetch_weight(), labels, "sum", scalar_times(1.0))
+    if num_tokens == 0:
+        assert by_shared_memory.loss == 0 and not by_shared_memory.grad_weight.any()
+    else:
+        assert relative_error(by_shared_memory.loss, expected_loss) < LOSS_RTOL
+        assert relative_error(by_shared_memory.grad_hidden, expected_grad_hidden) < GRAD_RTOL
+        assert relative_error(by_shared_memory.grad_weight, expected_grad_weight) < GRAD_RTOL
+
+
+# A server that sends dL/dh bytes it should not (shared memory), or rows of the wrong size, is
+# caught instead of being read as results.
+@pytest.mark.parametrize("in_messages,grad_bytes", [(False, 4 * HIDDEN), (True, 4 * HIDDEN - 4)])
+def test_results_with_grad_hidden_of_the_wrong_size_are_refused(in_messages, grad_bytes):
+    responses = [pb.ComputeResponse(result=pb.ComputeResult(row_offset=0, num_rows=1,
+                                                            grad_hidden=bytes(grad_bytes))),
+                 pb.ComputeResponse(summary=pb.ComputeSummary())]
+    with pytest.raises(lossd.LossdError) as error:
+        lossd.client._assemble(iter(responses), {"grad_hidden"}, 0, 1, HIDDEN, "float32",
+                               grad_hidden_in_messages=in_messages)
+    assert error.value.code == "INTERNAL" and "grad_hidden" in error.value.message
+
+
+# A server run with --shared_memory=false refuses it by name, and the same client goes on with
+# messages; the refused call's memfd is dropped, not pooled.
+def test_shared_memory_refused_by_a_server_without_it():
+    with ServerProcess("--device=cpu", "--demo_vocab_size=100", "--demo_hidden_size=8",
+                       "--shared_memory=false", metrics=False) as server, \
+            lossd.Client(server.address, timeout=60) as client:
+        hidden = np.random.default_rng().standard_normal((5, 8), dtype=np.float32)
+        labels = np.arange(5)
+        with pytest.raises(lossd.LossdError) as error:
+            client.compute("demo", hidden, labels, outputs=["grad_hidden"], shared_memory=True)
+        assert error.value.code == "FAILED_PRECONDITION"
+        assert "shared_memory" in error.value.message
+        assert client._shared_buffers._idle == []
+        result = client.compute("demo", hidden, labels, outputs=["grad_hidden"])
+        assert result.counted_tokens == 5 and result.grad_hidden.shape == (5, 8)
+
+
+def compute_with_layout(client, head, shared_memory, num_tokens=4, grad_hidden=True):
+    """A Compute call whose start names a memfd layout built by hand (no rows in messages)."""
+    start = pb.ComputeStart(
+        head=head, num_tokens=num_tokens, hidden_size=HIDDEN, hidden_dtype=pb.DTYPE_FLOAT32,
+        labels=list(range(num_tokens)), outputs=pb.OutputSelection(grad_hidden=grad_hidden),
+        shared_memory=shared_memory)
+    return list(client._responses("Compute", iter([pb.ComputeRequest(start=start)])))
+
+
+# The server checks the layout a client names before it maps anything, and says which field is at
+# fault; none of those refusals may spoil the client's next shared-memory call.
+def test_shared_memory_layout_errors_name_the_field(client, head):
+    rows_bytes = 4 * HIDDEN * 4
+    unsealed_fd = os.memfd_create("lossd-test-unsealed", os.MFD_CLOEXEC)
+    sealed = lossd.client._SharedBuffer(2 * rows_bytes + 64)
+    try:
+        os.ftruncate(unsealed_fd, 2 * rows_bytes)
+        layouts = {
+            "shared_memory.fd": pb.SharedMemory(pid=os.getpid(), fd=unsealed_fd,
+                                                grad_hidden_offset=rows_bytes),
+            "shared_memory.hidden_offset": pb.SharedMemory(pid=os.getpid(), fd=sealed.fd,
+                                                           hidden_offset=8,
+                                                           grad_hidden_offset=rows_bytes + 64),
+            "shared_memory.grad_hidden_offset": pb.SharedMemory(pid=os.getpid(), fd=sealed.fd,
+                                                                grad_hidden_offset=rows_bytes - 64),
+        }
+        for field, layout in layouts.items():
+            with pytest.raises(lossd.LossdError) as error:
+                compute_with_layout(client, head.head, layout)
+            assert error.value.code == "INVALID_ARGUMENT", field
+            assert field in error.value.message, (field, error.value.message)
+        # A memfd too small for the layout is refused by its descriptor as well.
+        with pytest.raises(lossd.LossdError) as error:
+            compute_with_layout(client, head.head, pb.SharedMemory(
+                pid=os.getpid(), fd=sealed.fd, grad_hidden_offset=2 * rows_bytes))
+        assert error.value.code == "INVALID_ARGUMENT"
+        assert "shared_memory.fd" in error.value.message
+    finally:
+        os.close(unsealed_fd)
+        sealed.close()
+    hidden, labels = random_batch(4)
+    assert client.compute(head.head, hidden.numpy(), labels.numpy(),
+                          shared_memory=True).counted_tokens == 4
+
+
+# The pool: a memfd serves call after call, results never alias it, a failed call drops its memfd
+# (a server finishing a cancelled call may still write into it), and close() closes the rest.
+def test_shared_buffer_pool_reuses_buffers_and_drops_failed_ones(server, head):
+    with lossd.Client(server.address, timeout=120) as client:
+        pool = client._shared_buffers
+        first_hidden, labels = random_batch(100)
+        first = client.compute(head.head, first_hidden.numpy(), labels.numpy(),
+                               outputs=["grad_hidden"], shared_memory=True)
+        assert len(pool._idle) == 1
+        buffer = pool._idle[0]
+        first_grad_hidden = first.grad_hidden.copy()
+        second_hidden, _ = random_batch(100)
+        client.compute(head.head, second_hidden.numpy(), labels.numpy(), outputs=["grad_hidden"],
+                       shared_memory=True)
+        assert pool._idle == [buffer] and not buffer.closed
+        assert np.array_equal(first.grad_hidden, first_grad_hidden)  # a copy, not the memfd
+
+        # A smaller call takes the same memfd; a larger one needs one more.
+        client.compute(head.head, first_hidden[:10].numpy(), labels[:10].numpy(),
+                       shared_memory=True)
+        assert pool._idle == [buffer]
+        larger_hidden, larger_labels = random_batch(200)
+        client.compute(head.head, larger_hidden.numpy(), larger_labels.numpy(),
+                       outputs=["grad_hidden"], shared_memory=True)
+        assert len(pool._idle) == 2 and buffer in pool._idle
+
+        # Fails after the server has mapped the memfd: pinned to a version W is not at.
+        with pytest.raises(lossd.LossdError) as error:
+            client.compute(head.head, first_hidden.numpy(), labels.numpy(),
+                           outputs=["grad_hidden"], shared_memory=True,
+                           head_version=head.info().version + 1)
+        assert error.value.code == "FAILED_PRECONDITION"
+        assert buffer not in pool._idle and buffer.closed and len(pool._idle) == 1
+        remaining = pool._idle[0]
+    assert remaining.closed and pool._idle == []
+
+
+# One Client's pool is shared by the threads that use it: no call may see another's rows or dL/dh.
+def test_shared_memory_from_several_threads(client, head):
+    batches = [random_batch(50 + 30 * i) for i in range(4)]
+    expected = [client.compute(head.head, hidden.numpy(), labels.numpy(), outputs=ALL_OUTPUTS)
+                for hidden, labels in batches]
+    failures = []
+
+    def run(i):
+        hidden, labels = batches[i]
+        for _ in range(3):
+            result = client.compute(head.head, hidden.numpy(), labels.numpy(),
+                                    outputs=ALL_OUTPUTS, shared_memory=True)
+            for name in ALL_OUTPUTS:
+                if not np.array_equal(getattr(result, name), getattr(expected[i], name)):
+                    failures.append((i, name))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(batches))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
 
 
 def test_upload_fetch_round_trip(client):

@@ -4,6 +4,9 @@ Arrays go in and come out as numpy arrays. bfloat16 tensors are uint16 arrays of
 (see lossd._tensors); float64 inputs are rounded to float32 before they are sent.
 """
 import dataclasses
+import mmap
+import os
+import threading
 from typing import Iterable, List, Optional
 
 import grpc
@@ -28,6 +31,8 @@ _OPTIMIZER_NAMES = {
 }
 # The per-token outputs compute() can ask for by name; top-k has its own argument.
 OUTPUT_NAMES = ("token_loss", "logprob", "lse", "entropy", "argmax", "grad_hidden")
+# The server's rule for both offsets into a shared-memory call's memfd (SharedMemory in the proto).
+_SHARED_MEMORY_ALIGNMENT = 64
 
 
 class LossdError(RuntimeError):
@@ -104,6 +109,90 @@ class StepInfo:
     accumulated_tokens: int
 
 
+class _SharedBuffer:
+    """A memfd that carries a call's rows to a server on this host and its dL/dh back
+    (ComputeStart.shared_memory): sealed against shrinking, since the server maps it and a shrunk
+    mapping would kill the server, and mapped read-write here."""
+
+    def __init__(self, size):
+        if not hasattr(os, "memfd_create"):
+            raise OSError("shared_memory: needs memfd_create (Linux)")
+        import fcntl  # Unix only: imported here so that the client still imports elsewhere
+        # A zero-length mapping is not allowed; a call without rows still names a memfd.
+        self.size = max(size, 1)
+        self.fd = os.memfd_create("lossd-rows", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, self.size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            self._mapping = mmap.mmap(self.fd, self.size)  # MAP_SHARED, read-write
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def array(self, offset, dtype, shape):
+        """A numpy view of the mapping at offset: valid only until the buffer goes back to its
+        pool, so results are copied out of it, never returned as views."""
+        count = int(np.prod(shape))
+        return np.frombuffer(self._mapping, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+    @property
+    def closed(self):
+        return self._mapping.closed
+
+    def close(self):
+        try:
+            self._mapping.close()
+        except BufferError:
+            pass  # a view still alive (say, in a traceback) keeps it mapped until it goes
+        os.close(self.fd)
+
+
+class _SharedBufferPool:
+    """Buffers between calls: a call takes one at least as large as it needs (or a new one) and
+    gives it back, so that the pages of a batch's size are allocated once, not on every call.
+    Shared by the threads that use one Client."""
+
+    # As many as calls a client typically runs at once; more are closed on release.
+    _MAX_IDLE = 4
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._idle = []
+        self._closed = False
+
+    def acquire(self, size):
+        with self._lock:
+            # The smallest that fits, so that large buffers stay for large calls.
+            fitting = [buffer for buffer in self._idle if buffer.size >= size]
+            if fitting:
+                best = min(fitting, key=lambda buffer: buffer.size)
+                self._idle.remove(best)
+                return best
+        return _SharedBuffer(size)
+
+    def release(self, buffer):
+        with self._lock:
+            if self._closed:
+                surplus = buffer
+            else:
+                self._idle.append(buffer)
+                surplus = None
+                if len(self._idle) > self._MAX_IDLE:
+                    # The smallest goes: the calls to come are likeliest to be as large as the
+                    # largest seen.
+                    surplus = min(self._idle, key=lambda idle: idle.size)
+                    self._idle.remove(surplus)
+        if surplus is not None:
+            surplus.close()
+
+    def close(self):
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._closed = True
+        for buffer in idle:
+            buffer.close()
+
+
 class Client:
     """A connection to one lossd server.
 
@@ -130,10 +219,12 @@ class Client:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._max_message_bytes = max_message_bytes
         self._timeout = timeout
+        self._shared_buffers = _SharedBufferPool()
         self.address = address
 
     def close(self):
         self._channel.close()
+        self._shared_buffers.close()
 
     def __enter__(self):
         return self
@@ -262,7 +353,7 @@ class Client:
                 label_smoothing=0.0, z_loss_scale=0.0, logit_softcap=0.0, temperature=1.0,
                 grad_scale=1.0, mean_denominator=0.0, outputs: Iterable[str] = (), top_k=0,
                 grad_hidden_dtype=None, accumulate_grad_weight=False, head_version=None,
-                allow_tf32=False, rows_per_message=None) -> LossResult:
+                allow_tf32=False, rows_per_message=None, shared_memory=False) -> LossResult:
         """Cross-entropy of hidden [N, H] against labels [N] under head `head`.
 
         The loss options follow torch.nn.functional.cross_entropy; weights [N] multiply each
@@ -279,6 +370,14 @@ class Client:
         The rows stream to the server in messages of rows_per_message rows (default: a few MiB,
         within max_message_bytes); results stream back per computed chunk while later rows are
         still in flight and are put back together by row offset.
+
+        shared_memory=True, for a client on the server's host (same user, same PID namespace),
+        hands the rows over and takes dL/dh back in a memfd instead of messages: the rows are
+        copied once into the memfd, the server computes on them where they lie and writes dL/dh
+        there, and no tensor bytes cross the socket (rows_per_message is then unused). The memfds
+        are kept between calls (a few per Client) and closed by close(). A server that does not
+        offer it (--shared_memory=false), or a client that is not on its host, gets
+        FAILED_PRECONDITION. Results are the same either way, bit for bit.
         """
         hidden_dtype, hidden = _tensors.as_wire_array(hidden)
         if hidden.ndim != 2:
@@ -322,6 +421,8 @@ class Client:
             token_weights=[] if weights is None else weights.tolist())
         if head_version is not None:
             start.head_version = head_version
+        if shared_memory:
+            return self._compute_shared(start, hidden, wanted, top_k, grad_dtype)
         rows = rows_per_message or self._rows_per_message(hidden_size * hidden.itemsize)
 
         def requests():
@@ -332,6 +433,47 @@ class Client:
 
         return _assemble(self._responses("Compute", requests()), wanted, top_k, num_tokens,
                          hidden_size, grad_dtype)
+
+    def _compute_shared(self, start, hidden, wanted, top_k, grad_dtype):
+        """compute() with the rows and dL/dh in a pooled memfd: the start message is the whole
+        request; dL/dh is read from the memfd once the summary has arrived."""
+        num_tokens, hidden_size = hidden.shape
+        grad_numpy_dtype = _tensors.numpy_dtype(grad_dtype)
+        hidden_bytes = hidden.nbytes
+        grad_bytes = num_tokens * hidden_size * grad_numpy_dtype.itemsize
+        grad_wanted = "grad_hidden" in wanted
+        grad_offset = -(-hidden_bytes // _SHARED_MEMORY_ALIGNMENT) * _SHARED_MEMORY_ALIGNMENT
+        buffer = self._shared_buffers.acquire(grad_offset + (grad_bytes if grad_wanted else 0))
+        call = None
+        try:
+            np.copyto(buffer.array(0, hidden.dtype, hidden.shape), hidden)
+            start.shared_memory.CopyFrom(pb.SharedMemory(
+                pid=os.getpid(), fd=buffer.fd, hidden_offset=0, grad_hidden_offset=grad_offset))
+            # One message, then the end of the stream: the server reads nothing more.
+            call = self._stub.Compute(iter((pb.ComputeRequest(start=start),)),
+                                      timeout=self._timeout, metadata=self._metadata)
+
+            def responses():
+                try:
+                    yield from call
+                except grpc.RpcError as error:
+                    raise LossdError.from_rpc_error("Compute", error) from None
+
+            result = _assemble(responses(), wanted, top_k, num_tokens, hidden_size, grad_dtype,
+                               grad_hidden_in_messages=False)
+            if grad_wanted:
+                # Copied out: the buffer serves the next call once it is back in the pool.
+                result.grad_hidden = buffer.array(grad_offset, grad_numpy_dtype,
+                                                  (num_tokens, hidden_size)).copy()
+        except BaseException:
+            # A failed call drops its buffer instead of keeping it: a server still running a
+            # cancelled call may yet write dL/dh into it, which must not land in the next call's.
+            if call is not None:
+                call.cancel()  # tells the server to stop; nothing once the call has ended
+            buffer.close()
+            raise
+        self._shared_buffers.release(buffer)
+        return result
 
     def score(self, head, hidden, token_ids, *, top_k=0, entropy=False, temperature=1.0,
               logit_softcap=0.0, ignore_index=-100) -> LossResult:
@@ -344,9 +486,11 @@ class Client:
                             outputs=outputs, top_k=top_k)
 
 
-def _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype):
+def _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype,
+              grad_hidden_in_messages=True):
     """A LossResult from a Compute call's responses: per-chunk results placed by row offset as
-    they arrive, then the summary."""
+    they arrive, then the summary. Without grad_hidden_in_messages (shared memory) the messages
+    carry no dL/dh and grad_hidden is left None, for the caller to fill."""
     per_token = {name: np.empty(num_tokens, np.float32)
                  for name in ("token_loss", "logprob", "lse", "entropy") if name in wanted}
     if "argmax" in wanted:
@@ -354,9 +498,12 @@ def _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype):
     if top_k > 0:
         per_token["top_k_logprob"] = np.empty((num_tokens, top_k), np.float32)
         per_token["top_k_token"] = np.empty((num_tokens, top_k), np.int32)
-    if "grad_hidden" in wanted:
+    # dL/dh bytes each result must carry per row: none unless asked for and sent in messages.
+    grad_row_bytes = 0
+    if "grad_hidden" in wanted and grad_hidden_in_messages:
         per_token["grad_hidden"] = np.empty((num_tokens, hidden_size),
                                             _tensors.numpy_dtype(grad_dtype))
+        grad_row_bytes = hidden_size * per_token["grad_hidden"].itemsize
     received = 0
     summary = None
     for response in responses:
@@ -368,6 +515,10 @@ def _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype):
         if first < 0 or end > num_tokens:
             raise LossdError("Compute", "INTERNAL",
                              f"result rows [{first}, {end}) outside [0, {num_tokens})")
+        if len(chunk.grad_hidden) != chunk.num_rows * grad_row_bytes:
+            raise LossdError("Compute", "INTERNAL",
+                             f"result rows [{first}, {end}) carry {len(chunk.grad_hidden)} bytes "
+                             f"of grad_hidden, expected {chunk.num_rows * grad_row_bytes}")
         for name, array in per_token.items():
             if name == "grad_hidden":
                 array[first:end] = _tensors.from_wire(chunk.grad_hidden, grad_dtype,

@@ -99,7 +99,7 @@ class _LossCall:
     labels: np.ndarray             # [N] int64
     weights: Optional[np.ndarray]  # [N] float32 or None
     reduction: str
-    options: dict                  # the remaining loss options, as Client.compute arguments
+    options: dict                  # the remaining Client.compute arguments (loss options, transfer)
 
     def compute(self, hidden, **kwargs):
         return self.client.compute(self.head, _wire_array(hidden), self.labels,
@@ -184,20 +184,24 @@ class Scores:
 
 class RemoteHead(torch.nn.Module):
     """The lm_head W [V, H] named `head` on a lossd server, as a loss module (see the module
-    docstring for what forward and backward do). client: a lossd.Client or an address."""
+    docstring for what forward and backward do). client: a lossd.Client or an address.
+    shared_memory: forward and backward hand the rows and dL/dh over in memory shared with a
+    server on this host (Client.compute's shared_memory) instead of messages."""
 
-    def __init__(self, client, head):
+    def __init__(self, client, head, shared_memory=False):
         super().__init__()
         self.client = client if isinstance(client, Client) else Client(client)
         self.head = head
+        self.shared_memory = shared_memory
 
     @classmethod
-    def upload(cls, client, head, weight, storage_dtype="float32", replace=False):
+    def upload(cls, client, head, weight, storage_dtype="float32", replace=False,
+               shared_memory=False):
         """Creates head `head` on the server with W = weight [V, H] and returns its RemoteHead."""
         client = client if isinstance(client, Client) else Client(client)
         client.upload_head(head, _wire_array(weight), storage_dtype=storage_dtype,
                            replace=replace)
-        return cls(client, head)
+        return cls(client, head, shared_memory=shared_memory)
 
     def extra_repr(self):
         return f"head={self.head!r}, address={self.client.address!r}"
@@ -220,7 +224,8 @@ class RemoteHead(torch.nn.Module):
             reduction=reduction,
             options=dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
                          z_loss_scale=z_loss_scale, logit_softcap=logit_softcap,
-                         temperature=temperature, mean_denominator=mean_denominator))
+                         temperature=temperature, mean_denominator=mean_denominator,
+                         shared_memory=self.shared_memory))
         if len(call.labels) != flat_hidden.shape[0]:
             raise ValueError(f"labels: expected {flat_hidden.shape[0]} entries (the rows of "
                              f"hidden {tuple(hidden.shape)}), got shape {tuple(labels_shape)}")
