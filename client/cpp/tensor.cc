@@ -92,7 +92,8 @@ std::vector<float> DecodeToFloat32(absl::string_view data, DType dtype) {
   const size_t count = data.size() / DTypeSize(dtype);
   std::vector<float> values(count);
   if (dtype == DType::kFloat32) {
-    std::memcpy(values.data(), data.data(), count * sizeof(float));
+    // Empty vectors and spans may have no data pointer, which memcpy must not get even for 0 bytes.
+    if (count > 0) std::memcpy(values.data(), data.data(), count * sizeof(float));
     return values;
   }
   for (size_t i = 0; i < count; ++i) {
@@ -108,7 +109,7 @@ std::vector<float> ToFloat32(const Tensor& tensor) { return DecodeToFloat32(tens
 std::string EncodeFromFloat32(absl::Span<const float> values, DType dtype) {
   std::string bytes(values.size() * DTypeSize(dtype), '\0');
   if (dtype == DType::kFloat32) {
-    std::memcpy(bytes.data(), values.data(), bytes.size());
+    if (!bytes.empty()) std::memcpy(bytes.data(), values.data(), bytes.size());
     return bytes;
   }
   for (size_t i = 0; i < values.size(); ++i) {
