@@ -157,6 +157,13 @@ std::vector<GaugeSample> LossServer::ReadState() const {
                      {}, static_cast<double>(scheduler_->capacity_bytes())});
   samples.push_back({"lossd_compute_admitted_bytes", "Device memory admitted calls hold now.", {},
                      static_cast<double>(scheduler_->admitted_bytes())});
+  const SharedMemoryMaps& maps = service_->shared_memory_maps();
+  samples.push_back({"lossd_shared_memory_mappings",
+                     "Clients' memfds mapped now (calls running or kept for the next call).", {},
+                     static_cast<double>(maps.mappings())});
+  samples.push_back({"lossd_shared_memory_mapped_bytes",
+                     "Bytes of clients' memfds mapped now; client memory, outside lossd_memory_bytes.",
+                     {}, static_cast<double>(maps.mapped_bytes())});
   for (const auto& head : heads_.List()) {
     const HeadSummary s = head->Summary();
     samples.push_back({"lossd_head_version", "Version of each head; grows with every step or upload.",
