@@ -549,7 +549,8 @@ INSTANTIATE_TEST_SUITE_P(
         // A regular file cannot be sealed at all.
         SharedMemoryErrorCase{"not_a_memfd",
                               [](v1::ComputeStart& start, std::vector<int>& fds) {
-                                fds.push_back(fileno(tmpfile()));
+                                fds.push_back(open(::testing::TempDir().c_str(), O_TMPFILE | O_RDWR, 0600));
+                                ASSERT_GE(fds.back(), 0);
                                 start.mutable_shared_memory()->set_fd(fds.back());
                               },
                               false, "a file that cannot be sealed"},
@@ -634,6 +635,42 @@ TEST_F(ClientTest, SharedMemoryMappingsAreKeptWhileTheClientHoldsTheMemfd) {
   maps.Sweep();
   EXPECT_EQ(maps.mappings(), 0u);
   EXPECT_EQ(maps.mapped_bytes(), 0u);
+}
+
+// dL/dh into the caller's buffer, through messages and through shared memory: the same bytes as
+// in result.grad_hidden, and a failed call leaves the buffer as it was.
+TEST_F(ClientTest, GradHiddenOutIsWrittenOnlyWhenTheCallSucceeds) {
+  const Client client = Connect(OptionsFor(server_->port()));
+  UploadRandomHead(client, "out");
+  const int64_t n = 200;  // several engine chunks
+  std::vector<float> hidden = RandomNormal(n * kHidden, 1.0f, rng_);
+  const std::vector<int64_t> labels = RandomLabels(n, kVocab, 0.1, rng_);
+  ComputeRequest request;
+  request.head = "out";
+  request.hidden = {hidden.data(), client::DType::kFloat32, n, kHidden};
+  request.labels = labels;
+  request.outputs.grad_hidden = true;
+  const absl::StatusOr<ComputeResult> reference = client.Compute(request);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+
+  for (const bool shared_memory : {false, true}) {
+    SCOPED_TRACE(shared_memory ? "shared memory" : "messages");
+    std::string out(reference->grad_hidden.bytes.size(), '\x5a');
+    request.shared_memory = shared_memory;
+    request.grad_hidden_out = out.data();
+    const absl::StatusOr<ComputeResult> written = client.Compute(request);
+    ASSERT_TRUE(written.ok()) << written.status();
+    EXPECT_TRUE(out == reference->grad_hidden.bytes) << "dL/dh differs";
+    EXPECT_TRUE(written->grad_hidden.bytes.empty());
+    EXPECT_EQ(written->grad_hidden.rows, n);
+
+    const std::string untouched(out.size(), '\x5a');
+    out = untouched;
+    hidden[150 * kHidden] = std::numeric_limits<float>::quiet_NaN();  // after a chunk or two went
+    EXPECT_EQ(client.Compute(request).status().code(), absl::StatusCode::kInvalidArgument);
+    hidden[150 * kHidden] = 0.5f;
+    EXPECT_TRUE(out == untouched) << "a failed call wrote into the caller's buffer";
+  }
 }
 
 // A server started without shared memory says so, and the same client goes on with messages.

@@ -207,7 +207,7 @@ class ResultAssembler {
     size(want_.top_k > 0, result_.top_k_token, want_.top_k);
     result_.top_k = want_.top_k;
     if (want_.grad_hidden) {
-      result_.grad_hidden.bytes.resize(rows_ * grad_row_bytes_);
+      if (grad_hidden_in_messages_) result_.grad_hidden.bytes.resize(rows_ * grad_row_bytes_);
       result_.grad_hidden.dtype = grad_dtype_;
       result_.grad_hidden.rows = rows_;
       result_.grad_hidden.cols = request.hidden.cols;
@@ -576,6 +576,12 @@ absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) con
   const absl::Time call_start = absl::Now();
   RETURN_IF_ERROR(request.shared_memory ? RunComputeShared(request, start_message, result)
                                         : RunCompute(request, start_message, result));
+  if (request.grad_hidden_out != nullptr && !request.shared_memory && request.outputs.grad_hidden) {
+    // Assembled in the result as messages came, so that a failed call left the caller's buffer as
+    // it was; moved there now.
+    std::memcpy(request.grad_hidden_out, result.grad_hidden.bytes.data(), result.grad_hidden.bytes.size());
+    std::string().swap(result.grad_hidden.bytes);
+  }
   result.wall_seconds = absl::ToDoubleSeconds(absl::Now() - call_start);
   return result;
 }
@@ -680,7 +686,14 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request, v1::Compute
   // A failed call drops the buffer instead of keeping it: a server still running a cancelled call
   // may yet write dL/dh into it, which must not land in the next call's.
   RETURN_IF_ERROR(FinishCall(*stream, assembled, assembler));
-  if (grad_bytes > 0) std::memcpy(result.grad_hidden.bytes.data(), buffer->data() + grad_offset, grad_bytes);
+  if (grad_bytes > 0) {
+    void* target = request.grad_hidden_out;
+    if (target == nullptr) {
+      result.grad_hidden.bytes.resize(grad_bytes);
+      target = result.grad_hidden.bytes.data();
+    }
+    std::memcpy(target, buffer->data() + grad_offset, grad_bytes);
+  }
   shared_buffers_->Release(std::move(buffer));
   return absl::OkStatus();
 }

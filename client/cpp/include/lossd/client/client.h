@@ -122,6 +122,11 @@ struct ComputeRequest {
   // server computes on the rows where they lie (see SharedMemory in lossd.proto). Only for a
   // server on loopback or a Unix socket, run by the same user.
   bool shared_memory = false;
+  // Where dL/dh goes when asked for: null fills result.grad_hidden; set, num_tokens * hidden_size
+  // values of the grad dtype in the caller's buffer, written only once the call has succeeded
+  // (result.grad_hidden then has no bytes). A buffer reused across calls saves allocating and
+  // faulting in a fresh one per call.
+  void* grad_hidden_out = nullptr;
 };
 
 struct ComputeSummary {
@@ -148,7 +153,7 @@ struct ComputeResult {
   int top_k = 0;
   std::vector<float> top_k_logprob;  // [num_tokens, top_k], best first
   std::vector<int32_t> top_k_token;  // [num_tokens, top_k]
-  Tensor grad_hidden;                // [num_tokens, hidden_size] when asked for
+  Tensor grad_hidden;                // [num_tokens, hidden_size] when asked for (see grad_hidden_out)
   // Seen by the client: the whole call, and the serialized message bytes each way.
   double wall_seconds = 0.0;
   int64_t bytes_sent = 0;
