@@ -17,12 +17,16 @@ dL/dh and dL/dW):
 Every process gets the same thread count (OMP_NUM_THREADS, torch.set_num_threads) and an address
 space cap (--memory-cap-gib): a method that cannot fit is recorded as out of memory.
 
-Transport: Compute calls on a 16-row head, where compute is negligible, give the wire throughput
-(hidden rows in, dL/dh out; fp32 and bf16; one stream and the batch split over several), next to
-this machine's single-thread memcpy bandwidth. Remote/in-process ratios are measured two ways:
-rows streamed in messages of about 4 MiB, each token chunk computed as soon as its rows are in, and
-the whole batch sent as one message, so that the server computes nothing before all of it arrived
-(C++ client only, to keep the run under 20 minutes on 2 cores).
+Transport: Compute calls on a 16-row head, where compute is small, give the wire throughput
+(hidden rows in, dL/dh out; fp32 and bf16; one stream and the batch split over several), with the
+rows in gRPC messages and in shared memory (lossctl bench --shared_memory: a memfd the server
+maps), next to the engine alone on the same rows in-process (fp32; no transfer at all, the bound
+of any transport), the ceiling gRPC itself reaches here (grpc_echo: bench/grpc_echo_bench echoing the same bytes each
+way, in messages of the client's 4 MiB, over as many concurrent calls, between two processes over
+loopback, nothing else done) and this machine's single-thread memcpy bandwidth. Remote/in-process
+ratios are measured two ways: rows streamed in messages of about 4 MiB, each token chunk computed
+as soon as its rows are in, and the whole batch sent as one message, so that the server computes
+nothing before all of it arrived (C++ client only, to keep the run under 20 minutes on 2 cores).
 
 Writes bench/results/<machine>-<date>/ (or --out): results.jsonl (one object per measurement),
 results.md (tables) and time_vs_n.png, memory_vs_n.png, transport.png. Run it through
@@ -56,6 +60,8 @@ TRANSPORT_TOKENS, QUICK_TRANSPORT_TOKENS = 16384, 4096
 TRANSPORT_HIDDEN = 2048
 TRANSPORT_VOCAB = 16
 TRANSPORT_STREAMS = [1, 4]
+TRANSPORT_MESSAGE_BYTES = 4 * MIB  # what the lossd client puts in a chunk message
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 OUT_OF_MEMORY = "out of memory"
 
 
@@ -195,7 +201,7 @@ class Runner:
         return {"seconds": row["seconds"], "chunk": row.get("chunk")}, rss
 
     def lossctl_bench(self, address, head, tokens, streams=1, dtype="float32", accumulate=True,
-                      warmup=0, rows_per_message=0):
+                      warmup=0, rows_per_message=0, shared_memory=False):
         """One batch of `tokens` rows, split over `streams` concurrent calls."""
         argv = [os.path.join(self.bin, "lossctl"), f"--server={address}", "bench",
                 f"--head={head}", f"--tokens={tokens // streams}", f"--calls={streams}",
@@ -203,6 +209,20 @@ class Runner:
                 f"--rows_per_message={rows_per_message}", "--json"]
         if accumulate:
             argv.append("--accumulate")
+        if shared_memory:
+            argv.append("--shared_memory")
+        code, out, err, rss = self.launch(argv)
+        if code != 0:
+            return {"error": failure(err, code)}, rss
+        return json.loads(out.strip().splitlines()[-1]), rss
+
+    def grpc_echo_bench(self, bytes_each_way, streams):
+        """gRPC's own echo of `bytes_each_way` over `streams` concurrent calls (median of 3)."""
+        binary = os.path.join(self.bin, "grpc_echo_bench")
+        if not os.path.exists(binary):
+            return {"error": f"{binary} not built"}, None
+        argv = [binary, f"--bytes={bytes_each_way}", f"--streams={streams}",
+                f"--message_bytes={TRANSPORT_MESSAGE_BYTES}", "--json"]
         code, out, err, rss = self.launch(argv)
         if code != 0:
             return {"error": failure(err, code)}, rss
@@ -342,25 +362,49 @@ def bench_shape(runner, v, h, n, record):
         record(entry)
 
 
+def transport_entry(method, dtype, streams, tokens, result):
+    """GB/s each way: of the tensors for lossd (hidden rows in, dL/dh out, however they
+    travelled), of message payload for the echo."""
+    entry = {"method": method, "dtype": dtype, "streams": streams, "n": tokens,
+             "h": TRANSPORT_HIDDEN}
+    if "error" in result:
+        entry["error"] = result["error"]
+    else:
+        sent = result.get("hidden_bytes", result.get("bytes_sent"))
+        received = result.get("grad_hidden_bytes", result.get("bytes_received"))
+        entry.update(seconds=result["seconds"], in_gbps=sent / result["seconds"] / 1e9,
+                     out_gbps=received / result["seconds"] / 1e9)
+    return entry
+
+
+def bench_echo(runner, tokens, dtype, streams):
+    """gRPC's ceiling for one transport measurement: the payload bytes lossctl bench sends (its
+    `tokens // streams` rows per call, on `streams` calls), echoed each way."""
+    rows = tokens // streams * streams
+    result, _ = runner.grpc_echo_bench(rows * TRANSPORT_HIDDEN * DTYPE_BYTES[dtype], streams)
+    return transport_entry("grpc_echo", dtype, streams, tokens, result)
+
+
 def bench_transport(runner, tokens, record):
-    h = TRANSPORT_HIDDEN
-    server = Server(runner, TRANSPORT_VOCAB, h)
+    server = Server(runner, TRANSPORT_VOCAB, TRANSPORT_HIDDEN)
     try:
         for dtype in ("float32", "bfloat16"):
             for streams in TRANSPORT_STREAMS:
-                result, _ = runner.lossctl_bench(server.address, "wire", tokens, streams=streams,
-                                                 dtype=dtype, accumulate=False, warmup=1)
-                entry = {"method": "transport", "dtype": dtype, "streams": streams,
-                         "n": tokens, "h": h}
-                if "error" in result:
-                    entry["error"] = result["error"]
-                else:
-                    entry.update(seconds=result["seconds"],
-                                 in_gbps=result["bytes_sent"] / result["seconds"] / 1e9,
-                                 out_gbps=result["bytes_received"] / result["seconds"] / 1e9)
-                record(entry)
+                for method, shared_memory in (("transport", False), ("transport_shm", True)):
+                    result, _ = runner.lossctl_bench(server.address, "wire", tokens, streams=streams,
+                                                     dtype=dtype, accumulate=False, warmup=1,
+                                                     shared_memory=shared_memory)
+                    record(transport_entry(method, dtype, streams, tokens, result))
+                record(bench_echo(runner, tokens, dtype, streams))
     finally:
         server.stop()
+    # The same rows through the engine in-process: what a call costs with no transfer at all.
+    engine, _ = runner.engine_bench("engine", tokens, TRANSPORT_HIDDEN, TRANSPORT_VOCAB)
+    row_bytes = tokens * TRANSPORT_HIDDEN * DTYPE_BYTES["float32"]
+    record(transport_entry("transport_engine", "float32", 1, tokens,
+                           engine if "error" in engine else
+                           {"seconds": engine["seconds"], "hidden_bytes": row_bytes,
+                            "grad_hidden_bytes": row_bytes}))
     record({"method": "memcpy", "gbps": memcpy_gbps()})
 
 
@@ -368,6 +412,10 @@ def bench_transport(runner, tokens, record):
 # Report.
 
 SWEEP_METHODS = ["torch_naive", "torch_chunked", "engine", "floor", "remote_cpp", "remote_python"]
+TRANSPORT_METHODS = {"transport": "lossd Compute, messages",
+                     "transport_shm": "lossd Compute, shared memory",
+                     "transport_engine": "engine alone, in-process",
+                     "grpc_echo": "gRPC echo"}
 
 
 def fmt_seconds(entry):
@@ -419,21 +467,29 @@ def write_markdown(path, machine, command, entries):
                 lines.append(f"| {shape[0]}, {shape[1]}, {shape[2]} | {method[7:]} | "
                              f"{e['ratio_to_in_process']:.3f} | "
                              f"{f'{whole:.3f}' if whole else '-'} | {engine:.3f} |")
-    transport = [e for e in entries if e["method"] == "transport"]
+    transport = [e for e in entries if e["method"] in TRANSPORT_METHODS]
     memcpy = next((e["gbps"] for e in entries if e["method"] == "memcpy"), None)
     if transport:
         lines += ["", "## Transport", "",
-                  f"A Compute call on a [{TRANSPORT_VOCAB}, {TRANSPORT_HIDDEN}] head: hidden rows "
-                  "in, dL/dh out, from the C++ client; GB/s of message payload each way. "
-                  f"Single-thread memcpy on this machine: {memcpy:.2f} GB/s.", "",
-                  "| dtype | streams | tokens | seconds | in GB/s | out GB/s |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+                  f"lossd Compute: a call on a [{TRANSPORT_VOCAB}, {TRANSPORT_HIDDEN}] head, "
+                  "hidden rows in, dL/dh out, from the C++ client, with the rows in gRPC "
+                  "messages or in shared memory (a memfd the server maps); GB/s of those tensors "
+                  "each way. Engine alone: the same fp32 rows through the engine in-process, the "
+                  "bound of any transport. gRPC echo: the ceiling gRPC "
+                  "itself reaches here, grpc_echo_bench echoing the same bytes each way in "
+                  f"{TRANSPORT_MESSAGE_BYTES // MIB} MiB messages over as many concurrent calls "
+                  "(two processes, loopback, nothing else done; median of 3), GB/s of message "
+                  "payload each way. Single-thread memcpy on this machine: "
+                  + (f"{memcpy:.2f} GB/s." if memcpy else "not measured."), "",
+                  "| dtype | streams | tokens | what | seconds | in GB/s | out GB/s |",
+                  "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
         for e in transport:
+            cells = [e["dtype"], str(e["streams"]), str(e["n"]), TRANSPORT_METHODS[e["method"]]]
             if "error" in e:
-                lines.append(f"| {e['dtype']} | {e['streams']} | {e['n']} | {e['error']} | | |")
+                cells += [e["error"], "", ""]
             else:
-                lines.append(f"| {e['dtype']} | {e['streams']} | {e['n']} | {e['seconds']:.3f} | "
-                             f"{e['in_gbps']:.2f} | {e['out_gbps']:.2f} |")
+                cells += [f"{e['seconds']:.3f}", f"{e['in_gbps']:.2f}", f"{e['out_gbps']:.2f}"]
+            lines.append("| " + " | ".join(cells) + " |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -477,21 +533,34 @@ def write_plots(out_dir, entries):
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, name), dpi=110)
         plt.close(fig)
-    transport = [e for e in entries if e["method"] == "transport" and "error" not in e]
-    if transport:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        labels = [f"{e['dtype']}\n{e['streams']} stream{'s' if e['streams'] > 1 else ''}"
-                  for e in transport]
-        xs = range(len(transport))
-        ax.bar([x - 0.2 for x in xs], [e["in_gbps"] for e in transport], 0.4, label="rows in")
-        ax.bar([x + 0.2 for x in xs], [e["out_gbps"] for e in transport], 0.4, label="dL/dh out")
+    # Per dtype and stream count, one bar per method: lossd's two transfers, the engine alone,
+    # and gRPC's echo of the same bytes (hatched).
+    transport = {(e["method"], e["dtype"], e["streams"]): e for e in entries
+                 if e["method"] in TRANSPORT_METHODS and "error" not in e}
+    groups = list(dict.fromkeys(key[1:] for key in transport))
+    if groups:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        labels = [f"{dtype}\n{streams} stream{'s' if streams > 1 else ''}"
+                  for dtype, streams in groups]
+        # One bar per method (each way is the same for lossd; the echo's too).
+        bars = (("transport", "C0", "", "lossd, messages"),
+                ("transport_shm", "C2", "", "lossd, shared memory"),
+                ("transport_engine", "C3", "", "engine alone, in-process"),
+                ("grpc_echo", "C0", "//", "gRPC echo"))
+        for i, (method, color, hatch, label) in enumerate(bars):
+            points = [(x, transport[(method,) + group]["in_gbps"]) for x, group in enumerate(groups)
+                      if (method,) + group in transport]
+            if points:
+                xs, ys = zip(*points)
+                ax.bar([x + (i - 1.5) * 0.2 for x in xs], ys, 0.2, color=color, hatch=hatch,
+                       alpha=0.5 if hatch else 1.0, edgecolor=color, label=label)
         memcpy = next((e["gbps"] for e in entries if e["method"] == "memcpy"), None)
         if memcpy:
             ax.axhline(memcpy, color="gray", linestyle="--", label="memcpy, 1 thread")
-        ax.set_xticks(list(xs), labels)
+        ax.set_xticks(range(len(groups)), labels)
         ax.set_ylabel("GB/s")
-        ax.set_title("Compute call wire throughput, loopback")
-        ax.legend()
+        ax.set_title("Compute call throughput each way, loopback")
+        ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, "transport.png"), dpi=110)
         plt.close(fig)

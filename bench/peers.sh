@@ -8,5 +8,5 @@ cd "$(dirname "$0")/.."
 source scripts/ensure_packages.sh
 ensure_packages python3-matplotlib python3-torch
 [ -f build/CMakeCache.txt ] || scripts/setup.sh
-cmake --build build --target engine_bench lossd_server lossctl lossd_python
+cmake --build build --target engine_bench grpc_echo_bench lossd_server lossctl lossd_python
 exec /usr/bin/python3 bench/peers.py "$@"
