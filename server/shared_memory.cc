@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstring>
 #include <limits>
 #include <string>
 #include <utility>
@@ -30,11 +29,6 @@ absl::Status CheckOffset(absl::string_view field, uint64_t offset, uint64_t byte
                         absl::StrCat(offset));
   }
   return absl::OkStatus();
-}
-
-absl::Status ErrnoError(absl::string_view what, int error_number) {
-  return absl::Status(absl::ErrnoToStatusCode(error_number),
-                      absl::StrCat("shared_memory: ", what, ": ", std::strerror(error_number)));
 }
 
 std::string DescriptorPath(int64_t pid, int32_t fd) { return absl::StrCat("/proc/", pid, "/fd/", fd); }
@@ -97,7 +91,7 @@ absl::StatusOr<SharedCallMemory> SharedMemoryMaps::Map(const v1::SharedMemory& r
                           "the pid and fd of a memfd open in a process on the server's host",
                           absl::StrCat("pid ", request.pid(), ", fd ", request.fd(), ": no such descriptor"));
     }
-    return ErrnoError(absl::StrCat("cannot open ", path,
+    return ErrnoError(absl::StrCat("shared_memory: cannot open ", path,
                                    " (client and server must run as the same user, in one PID namespace)"),
                       error_number);
   }
@@ -110,7 +104,7 @@ absl::StatusOr<SharedCallMemory> SharedMemoryMaps::Map(const v1::SharedMemory& r
                         seals < 0 ? "a file that cannot be sealed" : "a memfd without F_SEAL_SHRINK");
   }
   struct stat info;
-  if (fstat(fd, &info) != 0) return ErrnoError(absl::StrCat("cannot stat ", path), errno);
+  if (fstat(fd, &info) != 0) return ErrnoError(absl::StrCat("shared_memory: cannot stat ", path), errno);
   if (static_cast<uint64_t>(info.st_size) < end) {
     return InvalidField("shared_memory.fd", absl::StrCat("a memfd of at least ", end, " bytes (the layout's end)"),
                         absl::StrCat(info.st_size, " bytes"));
@@ -143,7 +137,7 @@ absl::StatusOr<SharedCallMemory> SharedMemoryMaps::Map(const v1::SharedMemory& r
       return InvalidField("shared_memory.fd", "a memfd the server may write dL/dh into",
                           "a memfd sealed against writes");
     }
-    return ErrnoError(absl::StrCat("cannot map ", bytes, " bytes of ", path), error_number);
+    return ErrnoError(absl::StrCat("shared_memory: cannot map ", bytes, " bytes of ", path), error_number);
   }
   auto mapping = std::make_shared<SharedMapping>(static_cast<uint8_t*>(data), bytes, writable,
                                                  info.st_dev, info.st_ino);

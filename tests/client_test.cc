@@ -419,7 +419,8 @@ TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
   const absl::StatusOr<ComputeResult> shared = client.Compute(request);
   ASSERT_TRUE(shared.ok()) << shared.status();
 
-  EXPECT_TRUE(SameBits(shared->summary.loss, sent->summary.loss)) << shared->summary.loss << " vs " << sent->summary.loss;
+  EXPECT_TRUE(SameBits(shared->summary.loss, sent->summary.loss))
+      << shared->summary.loss << " vs " << sent->summary.loss;
   EXPECT_EQ(shared->summary.counted_tokens, sent->summary.counted_tokens);
   EXPECT_EQ(shared->summary.correct_tokens, sent->summary.correct_tokens);
   EXPECT_EQ(shared->token_loss, sent->token_loss);

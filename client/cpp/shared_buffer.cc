@@ -6,36 +6,29 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstring>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "lossd/common/status_macros.h"
 
 namespace lossd::client {
-namespace {
-
-absl::Status ErrnoError(absl::string_view what, int error_number) {
-  return absl::Status(absl::ErrnoToStatusCode(error_number),
-                      absl::StrCat("shared memory: ", what, ": ", std::strerror(error_number)));
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<SharedBuffer>> SharedBuffer::Create(uint64_t bytes) {
   // A zero-length mapping is not allowed; a call without rows still names a memfd.
   const uint64_t size = std::max<uint64_t>(bytes, 1);
   const int fd = memfd_create("lossd-rows", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (fd < 0) return ErrnoError("memfd_create", errno);
+  if (fd < 0) return ErrnoError("shared memory: memfd_create", errno);
   if (ftruncate(fd, static_cast<off_t>(size)) != 0 || fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
     const int error_number = errno;
     close(fd);
-    return ErrnoError(absl::StrCat("sizing and sealing a memfd of ", size, " bytes"), error_number);
+    return ErrnoError(absl::StrCat("shared memory: sizing and sealing a memfd of ", size, " bytes"),
+                      error_number);
   }
   void* data = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (data == MAP_FAILED) {
     const int error_number = errno;
     close(fd);
-    return ErrnoError(absl::StrCat("mapping a memfd of ", size, " bytes"), error_number);
+    return ErrnoError(absl::StrCat("shared memory: mapping a memfd of ", size, " bytes"), error_number);
   }
   return std::unique_ptr<SharedBuffer>(new SharedBuffer(fd, static_cast<uint8_t*>(data), size));
 }

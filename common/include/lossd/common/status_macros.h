@@ -2,6 +2,8 @@
 #ifndef LOSSD_COMMON_STATUS_MACROS_H_
 #define LOSSD_COMMON_STATUS_MACROS_H_
 
+#include <cstring>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
@@ -31,6 +33,12 @@ namespace lossd {
 inline absl::Status InvalidField(absl::string_view field, absl::string_view expected,
                                  absl::string_view got) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", expected, ", got ", got));
+}
+
+// A failed system call as a Status: "<what>: <strerror>", with the code errno maps to.
+inline absl::Status ErrnoError(absl::string_view what, int error_number) {
+  return absl::Status(absl::ErrnoToStatusCode(error_number),
+                      absl::StrCat(what, ": ", std::strerror(error_number)));
 }
 
 }  // namespace lossd
