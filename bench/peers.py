@@ -244,10 +244,13 @@ def free_port():
 
 
 class Server:
-    """lossd_server with the demo head [V, H] (and a [16, H] head for transport), CPU backend."""
+    """lossd_server with the demo head [V, H] (and a [16, H] head for transport), CPU backend.
+    One serves every N of a vocabulary's sweep: drawing a [128256, 2048] head takes it about 10 s
+    to start."""
 
-    def __init__(self, runner, v, h, warm_rows=64):
+    def __init__(self, runner, v, h):
         self.runner = runner
+        self.hidden_size = h
         self.address = f"127.0.0.1:{free_port()}"
         self.log = tempfile.NamedTemporaryFile(prefix="lossd-bench-", suffix=".log")
         argv = [os.path.join(runner.bin, "lossd_server"), f"--listen={self.address}",
@@ -270,11 +273,16 @@ class Server:
                                            self.log.read().decode())
                     time.sleep(0.2)
             client.upload_head("wire", np.zeros((TRANSPORT_VOCAB, h), np.float32))
-            # Warm-up: threads started, and the call buffers the measured calls reuse (a workspace
-            # for one engine chunk, the staging dL/dW) allocated, as in a training loop's steady
-            # state; the in-process engine is likewise timed after a warm-up run.
-            client.compute("demo", np.zeros((warm_rows, h), np.float32),
-                           np.zeros(warm_rows, np.int64), outputs=["grad_hidden"],
+
+    def warm(self, rows):
+        """Threads started, and the call buffers the measured calls reuse (a workspace for one
+        engine chunk of `rows`, the staging dL/dW) allocated, as in a training loop's steady
+        state; the in-process engine is likewise timed after a warm-up run."""
+        import numpy as np
+        from lossd import Client
+        with Client(self.address) as client:
+            client.compute("demo", np.zeros((rows, self.hidden_size), np.float32),
+                           np.zeros(rows, np.int64), outputs=["grad_hidden"],
                            accumulate_grad_weight=True)
 
     def peak_rss(self):
@@ -322,8 +330,8 @@ def describe_machine(threads):
             "python": platform.python_version()}
 
 
-def bench_shape(runner, v, h, n, record):
-    """Every method at one shape; returns the measurements and the server's peak memory."""
+def bench_shape(runner, server, v, h, n, record):
+    """Every method at one shape, the remote ones through `server` (serving [v, h])."""
     rows = {}
     for method in ("engine", "floor"):
         rows[method] = runner.engine_bench(method, n, h, v)
@@ -331,16 +339,13 @@ def bench_shape(runner, v, h, n, record):
     chunk_rows = (rows["engine"][0].get("chunk") or {}).get("tokens") or n
     rows["torch_naive"] = runner.worker("torch_naive", n, h, v)
     rows["torch_chunked"] = runner.worker("torch_chunked", n, h, v, chunk_rows=chunk_rows)
-    server = Server(runner, v, h, warm_rows=min(n, chunk_rows))
-    try:
-        rows["remote_cpp"] = runner.lossctl_bench(server.address, "demo", n)
-        whole, _ = runner.lossctl_bench(server.address, "demo", n, rows_per_message=n)
-        if "seconds" in whole:
-            rows["remote_cpp"][0]["whole_batch_seconds"] = whole["seconds"]
-        rows["remote_python"] = runner.worker("remote_python", n, h, v, address=server.address)
-        server_rss = server.peak_rss()
-    finally:
-        server.stop()
+    server.warm(min(n, chunk_rows))
+    rows["remote_cpp"] = runner.lossctl_bench(server.address, "demo", n)
+    whole, _ = runner.lossctl_bench(server.address, "demo", n, rows_per_message=n)
+    if "seconds" in whole:
+        rows["remote_cpp"][0]["whole_batch_seconds"] = whole["seconds"]
+    rows["remote_python"] = runner.worker("remote_python", n, h, v, address=server.address)
+    server_rss = server.peak_rss()  # so far: the server's memory is flat in N
     # What every method must hold: hidden and dL/dh [N, H], W and dL/dW [V, H], fp32.
     tensors = 4 * (2 * n * h + 2 * v * h)
     base = {"v": v, "h": h, "n": n, "flops": 6.0 * n * h * v, "tensor_bytes": tensors}
@@ -431,7 +436,8 @@ def write_markdown(path, machine, command, entries):
              f"Command: `{command}`", "",
              "Forward + backward (loss, dL/dh, dL/dW), fp32. Seconds are medians; ratios are time over the floor's and over torch naive's. Memory is each "
              "process's peak resident set; for the remote methods, the client's, with the "
-             "server's in the last column. `tensors` is what every method must hold (hidden and "
+             "server's in the last column (one server per vocabulary, its peak so far as N "
+             "grows). `tensors` is what every method must hold (hidden and "
              "dL/dh, W and dL/dW, in one process or split between client and server).", "",
              "| V, H, N | method | seconds | tokens/s | x floor | x torch naive | peak MiB | "
              "tensors MiB | server MiB |",
@@ -608,8 +614,12 @@ def main():
               flush=True)
 
     for v, h, ns in QUICK_SHAPES if args.quick else FULL_SHAPES:
-        for n in ns:
-            bench_shape(runner, v, h, n, record)
+        server = Server(runner, v, h)
+        try:
+            for n in ns:
+                bench_shape(runner, server, v, h, n, record)
+        finally:
+            server.stop()
     bench_transport(runner, QUICK_TRANSPORT_TOKENS if args.quick else TRANSPORT_TOKENS, record)
 
     with open(os.path.join(out_dir, "results.jsonl"), "w") as f:
