@@ -667,9 +667,10 @@ TEST_F(ClientTest, GradHiddenOutIsWrittenOnlyWhenTheCallSucceeds) {
 
     const std::string untouched(out.size(), '\x5a');
     out = untouched;
+    const float kept = hidden[150 * kHidden];
     hidden[150 * kHidden] = std::numeric_limits<float>::quiet_NaN();  // after a chunk or two went
     EXPECT_EQ(client.Compute(request).status().code(), absl::StatusCode::kInvalidArgument);
-    hidden[150 * kHidden] = 0.5f;
+    hidden[150 * kHidden] = kept;
     EXPECT_TRUE(out == untouched) << "a failed call wrote into the caller's buffer";
   }
 }
