@@ -615,3 +615,32 @@ def test_sigterm_finishes_running_calls_refuses_new_ones_and_ignores_idle_client
         assert outcome["result"].grad_hidden.shape == (tokens, hidden_size)
         # The idle connection does not hold the exit: it follows the last call at once.
         assert exited - outcome["ended"] < 2.0
+
+
+# dL/dh into the caller's array, both ways: the same bits as a fresh result, the array itself
+# returned; a failed call leaves it as it was; a misfit array is refused naming the argument.
+@pytest.mark.parametrize("shared_memory", [False, True])
+def test_grad_hidden_out_is_written_only_when_the_call_succeeds(client, head, shared_memory):
+    hidden, labels = random_batch(301, ignored=10)
+    hidden = hidden.numpy()
+    fresh = client.compute(head.head, hidden, labels.numpy(), outputs=["grad_hidden"])
+    out = np.full((301, HIDDEN), 7.0, np.float32)
+    result = client.compute(head.head, hidden, labels.numpy(), outputs=["grad_hidden"],
+                            grad_hidden_out=out, shared_memory=shared_memory)
+    assert result.grad_hidden is out
+    assert np.array_equal(out, fresh.grad_hidden)
+
+    out[:] = 7.0
+    poisoned = hidden.copy()
+    poisoned[200, 0] = np.nan  # in a later engine chunk than the first
+    with pytest.raises(lossd.LossdError) as failure:
+        client.compute(head.head, poisoned, labels.numpy(), outputs=["grad_hidden"],
+                       grad_hidden_out=out, shared_memory=shared_memory)
+    assert failure.value.code == "INVALID_ARGUMENT"
+    assert (out == 7.0).all()
+
+    for misfit in (np.zeros((300, HIDDEN), np.float32), np.zeros((301, HIDDEN), np.float64),
+                   np.zeros((HIDDEN, 301), np.float32).T):
+        with pytest.raises(ValueError, match="grad_hidden_out"):
+            client.compute(head.head, hidden, labels.numpy(), outputs=["grad_hidden"],
+                           grad_hidden_out=misfit, shared_memory=shared_memory)

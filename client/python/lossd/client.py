@@ -353,7 +353,8 @@ class Client:
                 label_smoothing=0.0, z_loss_scale=0.0, logit_softcap=0.0, temperature=1.0,
                 grad_scale=1.0, mean_denominator=0.0, outputs: Iterable[str] = (), top_k=0,
                 grad_hidden_dtype=None, accumulate_grad_weight=False, head_version=None,
-                allow_tf32=False, rows_per_message=None, shared_memory=False) -> LossResult:
+                allow_tf32=False, rows_per_message=None, shared_memory=False,
+                grad_hidden_out=None) -> LossResult:
         """Cross-entropy of hidden [N, H] against labels [N] under head `head`.
 
         The loss options follow torch.nn.functional.cross_entropy; weights [N] multiply each
@@ -378,6 +379,11 @@ class Client:
         are kept between calls (a few per Client) and closed by close(). A server that does not
         offer it (--shared_memory=false), or a client that is not on its host, gets
         FAILED_PRECONDITION. Results are the same either way, bit for bit.
+
+        grad_hidden_out, a writable C-contiguous [N, H] array of grad_hidden's dtype (uint16 for
+        bfloat16), receives dL/dh instead of a fresh array, and is the result's grad_hidden: a
+        training loop that reuses one saves allocating (and faulting in) N * H values per call. It
+        is written only once the call has succeeded.
         """
         hidden_dtype, hidden = _tensors.as_wire_array(hidden)
         if hidden.ndim != 2:
@@ -421,8 +427,11 @@ class Client:
             token_weights=[] if weights is None else weights.tolist())
         if head_version is not None:
             start.head_version = head_version
+        if grad_hidden_out is not None:
+            _check_grad_hidden_out(grad_hidden_out, "grad_hidden" in wanted, num_tokens,
+                                   hidden_size, _tensors.numpy_dtype(grad_dtype))
         if shared_memory:
-            return self._compute_shared(start, hidden, wanted, top_k, grad_dtype)
+            return self._compute_shared(start, hidden, wanted, top_k, grad_dtype, grad_hidden_out)
         rows = rows_per_message or self._rows_per_message(hidden_size * hidden.itemsize)
 
         def requests():
@@ -431,10 +440,15 @@ class Client:
                 rows_bytes = hidden[r0:r0 + rows].tobytes()
                 yield pb.ComputeRequest(chunk=pb.ComputeChunk(hidden=rows_bytes))
 
-        return _assemble(self._responses("Compute", requests()), wanted, top_k, num_tokens,
-                         hidden_size, grad_dtype)
+        result = _assemble(self._responses("Compute", requests()), wanted, top_k, num_tokens,
+                           hidden_size, grad_dtype)
+        if grad_hidden_out is not None:
+            # Assembled apart as the messages came, so that a failed call left it as it was.
+            np.copyto(grad_hidden_out, result.grad_hidden)
+            result.grad_hidden = grad_hidden_out
+        return result
 
-    def _compute_shared(self, start, hidden, wanted, top_k, grad_dtype):
+    def _compute_shared(self, start, hidden, wanted, top_k, grad_dtype, grad_hidden_out):
         """compute() with the rows and dL/dh in a pooled memfd: the start message is the whole
         request; dL/dh is read from the memfd once the summary has arrived."""
         num_tokens, hidden_size = hidden.shape
@@ -463,8 +477,12 @@ class Client:
                                grad_hidden_in_messages=False)
             if grad_wanted:
                 # Copied out: the buffer serves the next call once it is back in the pool.
-                result.grad_hidden = buffer.array(grad_offset, grad_numpy_dtype,
-                                                  (num_tokens, hidden_size)).copy()
+                shared = buffer.array(grad_offset, grad_numpy_dtype, (num_tokens, hidden_size))
+                if grad_hidden_out is None:
+                    result.grad_hidden = shared.copy()
+                else:
+                    np.copyto(grad_hidden_out, shared)
+                    result.grad_hidden = grad_hidden_out
         except BaseException:
             # A failed call drops its buffer instead of keeping it: a server still running a
             # cancelled call may yet write dL/dh into it, which must not land in the next call's.
@@ -484,6 +502,17 @@ class Client:
         return self.compute(head, hidden, token_ids, reduction="sum", ignore_index=ignore_index,
                             temperature=temperature, logit_softcap=logit_softcap,
                             outputs=outputs, top_k=top_k)
+
+
+def _check_grad_hidden_out(out, grad_wanted, num_tokens, hidden_size, dtype):
+    if not grad_wanted:
+        raise ValueError("grad_hidden_out: given, but outputs does not ask for grad_hidden")
+    if not isinstance(out, np.ndarray) or out.shape != (num_tokens, hidden_size) or \
+            out.dtype != dtype or not out.flags.c_contiguous or not out.flags.writeable:
+        got = (f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray)
+               else type(out).__name__)
+        raise ValueError(f"grad_hidden_out: expected a writable C-contiguous {dtype} array of "
+                         f"shape {(num_tokens, hidden_size)}, got {got}")
 
 
 def _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype,
