@@ -35,6 +35,9 @@ struct CallSpec {
   v1::OutputSelection outputs;
   DType grad_hidden_dtype = DType::kFloat32;
   std::optional<v1::SharedMemory> shared_memory;  // set: rows and dL/dh in the client's memfd
+
+  int64_t hidden_row_bytes() const { return hidden_size * static_cast<int64_t>(DTypeSize(hidden_dtype)); }
+  int64_t grad_row_bytes() const { return hidden_size * static_cast<int64_t>(DTypeSize(grad_hidden_dtype)); }
 };
 
 // Sets spec.version to the head's current version, which a pinned call must match.
@@ -216,11 +219,10 @@ class ComputeCall {
                           "a message");
     }
     if (stream_.IsCancelled()) return absl::CancelledError("call cancelled before it was admitted");
-    const uint64_t values = static_cast<uint64_t>(spec_.num_tokens) * static_cast<uint64_t>(spec_.hidden_size);
-    const uint64_t grad_hidden_bytes =
-        spec_.outputs.grad_hidden() ? values * DTypeSize(spec_.grad_hidden_dtype) : 0;
+    const uint64_t rows = static_cast<uint64_t>(spec_.num_tokens);
+    const uint64_t grad_hidden_bytes = spec_.outputs.grad_hidden() ? rows * spec_.grad_row_bytes() : 0;
     ASSIGN_OR_RETURN(shared_memory_, env_.shared_memory->Map(*spec_.shared_memory,
-                                                             values * DTypeSize(spec_.hidden_dtype),
+                                                             rows * spec_.hidden_row_bytes(),
                                                              grad_hidden_bytes));
     return absl::OkStatus();
   }
@@ -238,10 +240,10 @@ class ComputeCall {
   // in shared memory are computed where they lie.
   absl::Status ReceiveAndCompute() {
     if (spec_.shared_memory.has_value()) {
-      const int64_t row_bytes = spec_.hidden_size * static_cast<int64_t>(DTypeSize(spec_.hidden_dtype));
       for (int64_t first = 0; first < spec_.num_tokens; first += plan_.token_chunk) {
         const int64_t rows = std::min(plan_.token_chunk, spec_.num_tokens - first);
-        RETURN_IF_ERROR(ComputeChunk({shared_memory_.hidden() + first * row_bytes, first, rows}));
+        const uint8_t* chunk_rows = shared_memory_.hidden() + first * spec_.hidden_row_bytes();
+        RETURN_IF_ERROR(ComputeChunk({chunk_rows, first, rows}));
       }
       return absl::OkStatus();
     }
@@ -271,8 +273,7 @@ class ComputeCall {
     in.token_weights = spec_.token_weights.empty() ? nullptr : spec_.token_weights.data() + first;
     uint8_t* shared_grad_hidden = nullptr;
     if (spec_.shared_memory.has_value() && spec_.outputs.grad_hidden()) {
-      shared_grad_hidden = shared_memory_.grad_hidden() +
-                           first * spec_.hidden_size * static_cast<int64_t>(DTypeSize(spec_.grad_hidden_dtype));
+      shared_grad_hidden = shared_memory_.grad_hidden() + first * spec_.grad_row_bytes();
     }
     const TokenOutputs out = outputs_.Bind(spec_.outputs, rows, spec_.hidden_size,
                                            spec_.grad_hidden_dtype, shared_grad_hidden);
@@ -329,8 +330,7 @@ class ComputeCall {
     const v1::OutputSelection& want = spec_.outputs;
     const int k = want.top_k();
     const bool grad_in_messages = want.grad_hidden() && !spec_.shared_memory.has_value();
-    const int64_t grad_row_bytes =
-        grad_in_messages ? spec_.hidden_size * static_cast<int64_t>(DTypeSize(spec_.grad_hidden_dtype)) : 0;
+    const int64_t grad_row_bytes = grad_in_messages ? spec_.grad_row_bytes() : 0;
     const int64_t row_bytes = grad_row_bytes + 4 * (5 + 2 * k) + 16;
     const int64_t rows_per_message =
         std::max<int64_t>(1, env_.limits.max_result_message_bytes / row_bytes);
