@@ -601,7 +601,8 @@ absl::Status ReadResults(grpc::ClientContext& context, ComputeStream& stream, Re
     ++result.messages_received;
     assembled = assembler.Add(response);
     if (!assembled.ok()) {
-      // Unblocks the writer and tells the server to stop: the results can no longer be used.
+      // Tells the server to stop, and unblocks a writer still sending: the results can no longer
+      // be used.
       context.TryCancel();
       break;
     }
