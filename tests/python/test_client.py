@@ -414,7 +414,8 @@ def compute_with_layout(client, head, shared_memory, num_tokens=4, grad_hidden=T
         head=head, num_tokens=num_tokens, hidden_size=HIDDEN, hidden_dtype=pb.DTYPE_FLOAT32,
         labels=list(range(num_tokens)), outputs=pb.OutputSelection(grad_hidden=grad_hidden),
         shared_memory=shared_memory)
-    return list(client._responses("Compute", iter([pb.ComputeRequest(start=start)])))
+    call = client._call("Compute", iter([pb.ComputeRequest(start=start)]))
+    return list(client._responses("Compute", call))
 
 
 # The server checks the layout a client names before it maps anything, and says which field is at

@@ -239,11 +239,15 @@ class Client:
         except grpc.RpcError as error:
             raise LossdError.from_rpc_error(method, error) from None
 
-    def _responses(self, method, request):
-        """The responses of a server-streaming or bidirectional call, as they arrive."""
+    def _call(self, method, request):
+        """Starts a server-streaming or bidirectional call; the handle can cancel it."""
+        return getattr(self._stub, method)(request, timeout=self._timeout, metadata=self._metadata)
+
+    @staticmethod
+    def _responses(method, call):
+        """The responses of a started call (see _call), as they arrive."""
         try:
-            yield from getattr(self._stub, method)(request, timeout=self._timeout,
-                                                   metadata=self._metadata)
+            yield from call
         except grpc.RpcError as error:
             raise LossdError.from_rpc_error(method, error) from None
 
@@ -289,8 +293,9 @@ class Client:
         chunk_bytes = min(_TARGET_MESSAGE_BYTES, self._max_message_bytes // 2)
         tensor = None
         received = 0
-        for chunk in self._responses(method, pb.FetchTensorRequest(
-                head=head, dtype=_tensors.wire_enum(dtype), max_chunk_bytes=chunk_bytes)):
+        request = pb.FetchTensorRequest(head=head, dtype=_tensors.wire_enum(dtype),
+                                        max_chunk_bytes=chunk_bytes)
+        for chunk in self._responses(method, self._call(method, request)):
             if tensor is None:
                 tensor = np.empty((chunk.vocab_size, chunk.hidden_size),
                                   dtype=_tensors.numpy_dtype(dtype))
@@ -440,7 +445,8 @@ class Client:
                 rows_bytes = hidden[r0:r0 + rows].tobytes()
                 yield pb.ComputeRequest(chunk=pb.ComputeChunk(hidden=rows_bytes))
 
-        result = _assemble(self._responses("Compute", requests()), wanted, top_k, num_tokens,
+        call = self._call("Compute", requests())
+        result = _assemble(self._responses("Compute", call), wanted, top_k, num_tokens,
                            hidden_size, grad_dtype)
         if grad_hidden_out is not None:
             # Assembled apart as the messages came, so that a failed call left it as it was.
@@ -464,17 +470,9 @@ class Client:
             start.shared_memory.CopyFrom(pb.SharedMemory(
                 pid=os.getpid(), fd=buffer.fd, hidden_offset=0, grad_hidden_offset=grad_offset))
             # One message, then the end of the stream: the server reads nothing more.
-            call = self._stub.Compute(iter((pb.ComputeRequest(start=start),)),
-                                      timeout=self._timeout, metadata=self._metadata)
-
-            def responses():
-                try:
-                    yield from call
-                except grpc.RpcError as error:
-                    raise LossdError.from_rpc_error("Compute", error) from None
-
-            result = _assemble(responses(), wanted, top_k, num_tokens, hidden_size, grad_dtype,
-                               grad_hidden_in_messages=False)
+            call = self._call("Compute", iter((pb.ComputeRequest(start=start),)))
+            result = _assemble(self._responses("Compute", call), wanted, top_k, num_tokens,
+                               hidden_size, grad_dtype, grad_hidden_in_messages=False)
             if grad_wanted:
                 # Copied out: the buffer serves the next call once it is back in the pool.
                 shared = buffer.array(grad_offset, grad_numpy_dtype, (num_tokens, hidden_size))
