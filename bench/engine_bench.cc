@@ -12,7 +12,7 @@
 // Useful flops are 2NHV forward and 6NHV forward+backward for every method. --methods picks a
 // subset (one per process, say, to measure each one's memory on its own).
 //
-// Each measurement is one warm-up run (on the first token chunk), then the median of up to --reps
+// Each measurement is one warm-up run (on the first 256 tokens), then the median of up to --reps
 // timed runs (fewer when one run would exceed --rep-seconds); the three methods of a pass take
 // turns. A table goes to stderr, one JSON object per measurement to stdout (and to --json FILE).
 // The engine's loss and dL/dh are checked against the naive baseline; the exit status is 1 when
@@ -38,6 +38,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "lossd/common/counter_random.h"
 #include "lossd/common/status_macros.h"
 #include "lossd/kernels/backend.h"
 #include "lossd/kernels/loss_math.h"
@@ -85,6 +86,7 @@ absl::StatusOr<std::vector<Shape>> ParseShapes(absl::string_view text) {
 }
 
 constexpr size_t kFloorBlockBytes = size_t{1} << 30;
+constexpr int64_t kWarmUpTokens = 256;
 
 struct Options {
   std::vector<Shape> shapes = kDefaultShapes;
@@ -191,19 +193,11 @@ nlohmann::json DescribeMachine() {
           {"blas", openblas_get_config()}};
 }
 
-// Deterministic pseudo-random fill, parallel and fast enough for multi-GB weights: uniform with
-// standard deviation `stddev` from a counter-based SplitMix64 hash.
+// Uniform with standard deviation `stddev`, in parallel: multi-GB weights fill in a second.
 void FillUniform(float* data, int64_t count, double stddev, uint64_t stream) {
   const float half_width = static_cast<float>(stddev * std::sqrt(3.0));
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < count; ++i) {
-    uint64_t z = (stream << 40) + static_cast<uint64_t>(i) + 0x9e3779b97f4a7c15ULL;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    z ^= z >> 31;
-    const float unit = static_cast<float>(z >> 40) * (1.0f / 16777216.0f);  // [0, 1)
-    data[i] = (2.0f * unit - 1.0f) * half_width;
-  }
+  for (int64_t i = 0; i < count; ++i) data[i] = half_width * CounterUniform(stream, i);
 }
 
 // Everything one shape's measurements share. W and dL/dW live in backend memory (host memory for
@@ -258,7 +252,7 @@ ProblemShape EngineShape(const Shape& s, Pass pass) {
   return shape;
 }
 
-// Each method runs on the first `n` tokens: all of them when timed, one token chunk to warm up.
+// Each method runs on the first `n` tokens: all of them when timed, a few to warm up.
 absl::Status RunEngine(Backend& backend, Problem& p, Pass pass, DeviceBuffer& workspace,
                        int64_t n) {
   BatchInputs in;
@@ -382,9 +376,9 @@ struct Contender {
 };
 
 // One warm-up run each, then timed rounds that run every contender in turn, so that a slow spell
-// of the shared machine hits all of them rather than one. The warm-up covers the first token chunk
-// only: that already touches every buffer (W, dL/dW, workspace, logits), starts the threads and
-// fills the caches, at a fraction of a full run's cost on large shapes.
+// of the shared machine hits all of them rather than one. Every buffer was touched when allocated,
+// so the warm-up needs only a few tokens to start the threads and page in the code: a full token
+// chunk, as it once was, cost as much as a timed run wherever the batch is one chunk.
 absl::Status MeasureInRounds(const Options& options, int64_t num_tokens, int64_t warm_up_tokens,
                              const std::vector<Contender>& contenders) {
   double longest_run = 0.0;  // estimated for all tokens from the warm-up
@@ -514,7 +508,7 @@ absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
     engine.vocab_chunk = plan.vocab_chunk;
     DeviceBuffer workspace;
     if (with_engine) {
-      ASSIGN_OR_RETURN(workspace, backend.Allocate(plan.workspace_bytes));
+      ASSIGN_OR_RETURN(workspace, touched(plan.workspace_bytes));
     }
     Result naive{s, "naive_" + suffix, pass};
     naive.peak_extra_bytes = naive_bytes;
@@ -538,7 +532,7 @@ absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
     } else if (with_naive) {
       naive.skipped = absl::StrFormat("skipped: needs %.1f GiB", Gib(naive_bytes));
     }
-    RETURN_IF_ERROR(MeasureInRounds(options, s.n, std::min(s.n, plan.token_chunk), contenders));
+    RETURN_IF_ERROR(MeasureInRounds(options, s.n, std::min(s.n, kWarmUpTokens), contenders));
 
     for (Result* r : {&floor, &engine, &naive}) {
       if (!options.methods.contains(r->method.substr(0, r->method.find('_')))) continue;

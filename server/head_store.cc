@@ -2,12 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
-#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "lossd/kernels/loss_math.h"
+#include "lossd/common/counter_random.h"
 #include "lossd/common/status_macros.h"
 
 namespace lossd::server {
@@ -320,23 +320,15 @@ HeadState MakeDemoHead(const std::string& name, int64_t vocab_size, int64_t hidd
   state.weight_dtype = dtype;
   state.version = 1;
   state.weight.resize(vocab_size * hidden_size * DTypeSize(dtype));
-  // Each block of rows draws from its own stream, so that the blocks fill in parallel (drawing W
-  // on one core was most of a large head's start) and W does not depend on the thread count. Four
-  // seed words keep these streams apart from three-word ones such as lossctl's.
-  constexpr int64_t kRowsPerBlock = 256;
-  constexpr uint32_t kDemoHeadStream = 0x6c6f7373;
-  const int64_t blocks = (vocab_size + kRowsPerBlock - 1) / kRowsPerBlock;
-  const float stddev = 1.0f / std::sqrt(static_cast<float>(hidden_size));
-#pragma omp parallel for schedule(dynamic)
-  for (int64_t block = 0; block < blocks; ++block) {
-    std::seed_seq words{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
-                        kDemoHeadStream, static_cast<uint32_t>(block)};
-    std::mt19937_64 rng(words);
-    std::normal_distribution<float> normal(0.0f, stddev);
-    const int64_t end = std::min(vocab_size, (block + 1) * kRowsPerBlock) * hidden_size;
-    for (int64_t i = block * kRowsPerBlock * hidden_size; i < end; ++i) {
-      StoreFromFloat(state.weight.data(), dtype, i, normal(rng));
-    }
+  // Uniform on [-1/sqrt(H), 1/sqrt(H)), torch.nn.Linear's default init, from a counter-based
+  // generator: W fills in parallel and does not depend on the thread count.
+  constexpr uint64_t kDemoHeadStream = 0x6c6f737364656d6fULL;  // "lossdemo"
+  const uint64_t stream = seed ^ kDemoHeadStream;
+  const float bound = 1.0f / std::sqrt(static_cast<float>(hidden_size));
+  const int64_t count = vocab_size * hidden_size;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < count; ++i) {
+    StoreFromFloat(state.weight.data(), dtype, i, bound * CounterUniform(stream, i));
   }
   return state;
 }

@@ -139,8 +139,8 @@ class HeadStore {
   std::map<std::string, std::shared_ptr<Head>> heads_ ABSL_GUARDED_BY(mu_);
 };
 
-// A seeded random head, so that the server runs out of the box: W ~ N(0, 1/H) (logits of unit
-// scale), the same for the same seed with this build.
+// A seeded random head, so that the server runs out of the box: W uniform on [-1/sqrt(H), 1/sqrt(H))
+// as torch.nn.Linear initializes it, the same for the same seed on any machine.
 HeadState MakeDemoHead(const std::string& name, int64_t vocab_size, int64_t hidden_size,
                        DType dtype, uint64_t seed);
 
