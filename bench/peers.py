@@ -60,6 +60,9 @@ TRANSPORT_TOKENS, QUICK_TRANSPORT_TOKENS = 16384, 4096
 TRANSPORT_HIDDEN = 2048
 TRANSPORT_VOCAB = 16
 TRANSPORT_STREAMS = [1, 4]
+# Engine seconds per shape that the paired rounds of engine and remote runs may take (see
+# rounds_for): 3 rounds below 4.3 s, 2 below 6.5 s.
+ROUND_SECONDS = 13.0
 TRANSPORT_MESSAGE_BYTES = 4 * MIB  # what the lossd client puts in a chunk message
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 OUT_OF_MEMORY = "out of memory"
@@ -251,6 +254,7 @@ class Server:
     def __init__(self, runner, v, h):
         self.runner = runner
         self.hidden_size = h
+        self.warm_rows = None
         self.address = f"127.0.0.1:{free_port()}"
         self.log = tempfile.NamedTemporaryFile(prefix="lossd-bench-", suffix=".log")
         argv = [os.path.join(runner.bin, "lossd_server"), f"--listen={self.address}",
@@ -277,7 +281,11 @@ class Server:
     def warm(self, rows):
         """Threads started, and the call buffers the measured calls reuse (a workspace for one
         engine chunk of `rows`, the staging dL/dW) allocated, as in a training loop's steady
-        state; the in-process engine is likewise timed after a warm-up run."""
+        state; the in-process engine is likewise timed after a warm-up run. Once per chunk size:
+        the server keeps those buffers between calls."""
+        if rows == self.warm_rows:
+            return
+        self.warm_rows = rows
         import numpy as np
         from lossd import Client
         with Client(self.address) as client:
@@ -330,21 +338,37 @@ def describe_machine(threads):
             "python": platform.python_version()}
 
 
+def rounds_for(engine_seconds, max_rounds):
+    """Paired rounds at a shape: as many as fit in ROUND_SECONDS of engine time, 1 to max_rounds.
+    Single runs on this shared machine move by 5 to 15%, most on short shapes."""
+    return max(1, min(max_rounds, int(ROUND_SECONDS / engine_seconds)))
+
+
 def bench_shape(runner, server, v, h, n, record):
-    """Every method at one shape, the remote ones through `server` (serving [v, h])."""
-    rows = {}
-    for method in ("engine", "floor"):
-        rows[method] = runner.engine_bench(method, n, h, v)
+    """Every method at one shape, the remote ones through `server` (serving [v, h]).
+
+    The engine and the two remote clients run in rounds, one of each in turn, so that each
+    remote/in-process ratio compares runs a few seconds apart; the medians over rounds are
+    reported. The other methods run once."""
+    engine_runs = [runner.engine_bench("engine", n, h, v)]
+    engine_s = engine_runs[0][0].get("seconds")
     # The chunked torch peer takes as many rows per chunk as the engine's budget gives it.
-    chunk_rows = (rows["engine"][0].get("chunk") or {}).get("tokens") or n
-    rows["torch_naive"] = runner.worker("torch_naive", n, h, v)
-    rows["torch_chunked"] = runner.worker("torch_chunked", n, h, v, chunk_rows=chunk_rows)
+    chunk_rows = (engine_runs[0][0].get("chunk") or {}).get("tokens") or n
     server.warm(min(n, chunk_rows))
-    rows["remote_cpp"] = runner.lossctl_bench(server.address, "demo", n)
+    remote_runs = {"remote_cpp": [runner.lossctl_bench(server.address, "demo", n)],
+                   "remote_python": [runner.worker("remote_python", n, h, v,
+                                                   address=server.address)]}
+    rows = {"floor": runner.engine_bench("floor", n, h, v),
+            "torch_naive": runner.worker("torch_naive", n, h, v),
+            "torch_chunked": runner.worker("torch_chunked", n, h, v, chunk_rows=chunk_rows)}
     whole, _ = runner.lossctl_bench(server.address, "demo", n, rows_per_message=n)
-    if "seconds" in whole:
-        rows["remote_cpp"][0]["whole_batch_seconds"] = whole["seconds"]
-    rows["remote_python"] = runner.worker("remote_python", n, h, v, address=server.address)
+    for _ in range(1, rounds_for(engine_s, runner.args.rounds) if engine_s else 1):
+        engine_runs.append(runner.engine_bench("engine", n, h, v))
+        for method, runs in remote_runs.items():
+            runs.append(runner.lossctl_bench(server.address, "demo", n) if method == "remote_cpp"
+                        else runner.worker(method, n, h, v, address=server.address))
+    rows["engine"] = median_run(engine_runs)
+    rows.update({method: median_run(runs) for method, runs in remote_runs.items()})
     server_rss = server.peak_rss()  # so far: the server's memory is flat in N
     # What every method must hold: hidden and dL/dh [N, H], W and dL/dW [V, H], fp32.
     tensors = 4 * (2 * n * h + 2 * v * h)
@@ -352,19 +376,40 @@ def bench_shape(runner, server, v, h, n, record):
     engine_s = rows["engine"][0].get("seconds")
     for method, (result, rss) in rows.items():
         entry = dict(base, method=method, peak_rss_bytes=rss)
-        entry.update({k: result[k] for k in ("seconds", "error", "chunk") if k in result})
+        entry.update({k: result[k] for k in ("seconds", "error", "chunk", "rounds") if k in result})
         if method == "torch_chunked":
             entry["chunk_rows"] = chunk_rows
         if method.startswith("remote_"):
             entry["server_peak_rss_bytes"] = server_rss
             if "server_compute_seconds" in result:
                 entry["server_compute_seconds"] = result["server_compute_seconds"]
-            if engine_s and "seconds" in result:
-                entry["ratio_to_in_process"] = result["seconds"] / engine_s
-            if engine_s and "whole_batch_seconds" in result:
-                entry["whole_batch_seconds"] = result["whole_batch_seconds"]
-                entry["whole_batch_ratio_to_in_process"] = result["whole_batch_seconds"] / engine_s
+            ratios = paired_ratios(remote_runs[method], engine_runs)
+            if ratios:
+                entry["ratio_to_in_process"] = statistics.median(ratios)
+                entry["round_ratios"] = ratios
+            if engine_s and method == "remote_cpp" and "seconds" in whole:
+                entry["whole_batch_seconds"] = whole["seconds"]
+                entry["whole_batch_ratio_to_in_process"] = whole["seconds"] / engine_s
         record(entry)
+
+
+def median_run(runs):
+    """The run with the median time (the lower middle of an even count) of [(result, rss)], its
+    peak memory the largest of all, and how many rounds ran; the first failure if any failed."""
+    failed = [run for run in runs if "seconds" not in run[0]]
+    if failed:
+        return failed[0]
+    ordered = sorted(runs, key=lambda run: run[0]["seconds"])
+    result, _ = ordered[(len(ordered) - 1) // 2]
+    rss = max((run[1] for run in runs if run[1] is not None), default=None)
+    return dict(result, rounds=len(runs)), rss
+
+
+def paired_ratios(remote_runs, engine_runs):
+    """Remote over in-process time of each round in which both ran."""
+    return [remote[0]["seconds"] / engine[0]["seconds"]
+            for remote, engine in zip(remote_runs, engine_runs)
+            if "seconds" in remote[0] and "seconds" in engine[0]]
 
 
 def transport_entry(method, dtype, streams, tokens, result):
@@ -434,7 +479,8 @@ def write_markdown(path, machine, command, entries):
     lines = [f"# lossd against its peers: {machine['cpu']}, {machine['threads']} threads",
              "", f"Date: {machine['date']}. Machine: {json.dumps(machine)}.", "",
              f"Command: `{command}`", "",
-             "Forward + backward (loss, dL/dh, dL/dW), fp32. Seconds are medians; ratios are time over the floor's and over torch naive's. Memory is each "
+             "Forward + backward (loss, dL/dh, dL/dW), fp32. Seconds are medians (the engine's "
+             "and the remote clients' over the rounds below); ratios are time over the floor's and over torch naive's. Memory is each "
              "process's peak resident set; for the remote methods, the client's, with the "
              "server's in the last column (one server per vocabulary, its peak so far as N "
              "grows). `tensors` is what every method must hold (hidden and "
@@ -461,17 +507,20 @@ def write_markdown(path, machine, command, entries):
               "Remote time over the engine's in-process time: rows streamed in messages of about "
               "4 MiB (each token chunk computed as soon as its rows are in, results streamed "
               "back), and the whole batch sent as one message, so that nothing is computed "
-              "before all of it has arrived.", "",
-              "| V, H, N | client | streamed | whole batch first | in-process s |",
-              "| --- | --- | ---: | ---: | ---: |"]
+              "before all of it has arrived. The engine and both clients run in rounds, one "
+              "of each in turn (more rounds where a run is short); streamed is the median of "
+              "the rounds' ratios, each round's shown beside it.", "",
+              "| V, H, N | client | streamed | each round | whole batch first | in-process s |",
+              "| --- | --- | ---: | --- | ---: | ---: |"]
     for shape in shapes:
         for method in ("remote_cpp", "remote_python"):
             e = by.get(shape + (method,))
             engine = by.get(shape + ("engine",), {}).get("seconds")
             if e and "ratio_to_in_process" in e:
                 whole = e.get("whole_batch_ratio_to_in_process")
+                rounds = ", ".join(f"{r:.3f}" for r in e.get("round_ratios", []))
                 lines.append(f"| {shape[0]}, {shape[1]}, {shape[2]} | {method[7:]} | "
-                             f"{e['ratio_to_in_process']:.3f} | "
+                             f"{e['ratio_to_in_process']:.3f} | {rounds} | "
                              f"{f'{whole:.3f}' if whole else '-'} | {engine:.3f} |")
     transport = [e for e in entries if e["method"] in TRANSPORT_METHODS]
     memcpy = next((e["gbps"] for e in entries if e["method"] == "memcpy"), None)
@@ -578,7 +627,11 @@ def main():
     parser.add_argument("--build-dir", default=os.path.join(REPO, "build"))
     parser.add_argument("--out", help="results folder (default bench/results/<machine>-<date>)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--reps", type=int, default=1, help="timed runs per measurement, median")
+    parser.add_argument("--reps", type=int, default=1,
+                        help="timed runs per process of torch and the floor, median")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="most paired rounds of the engine and the remote clients per shape "
+                             "(fewer on long shapes), medians")
     parser.add_argument("--budget-mib", type=int, default=256, help="lossd's workspace budget")
     parser.add_argument("--memory-cap-gib", type=float, default=6.0,
                         help="address-space cap of every process; 6 GiB of this 24 GiB machine "
