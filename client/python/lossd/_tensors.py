@@ -59,8 +59,9 @@ def as_wire_array(array):
 
 
 def from_wire(data, name, shape):
-    """A writable array of the given shape from raw wire bytes."""
-    return np.frombuffer(data, dtype=numpy_dtype(name)).reshape(shape).copy()
+    """Raw wire bytes seen as an array of the given shape, read-only and without a copy: the
+    callers assign it into the array they assemble, which is the one copy needed."""
+    return np.frombuffer(data, dtype=numpy_dtype(name)).reshape(shape)
 
 
 def float32_to_bfloat16_bits(values):
