@@ -835,7 +835,7 @@ const std::vector<Subcommand>& Subcommands() {
         {"hidden", FlagKind::kString, "",
          "hidden states [..., H]: FILE.npy (<f4, <f2, or <u2 holding bfloat16 bits) or "
          "FILE.safetensors[#TENSOR] (F32, BF16, F16)"},
-        {"synthetic", FlagKind::kInt, "", "N random standard-normal hidden rows instead of --hidden"},
+        {"synthetic", FlagKind::kInt, "", "N random hidden rows (zero mean, unit variance) instead of --hidden"},
         {"dtype", FlagKind::kString, "float32", "dtype of --synthetic rows: float32, bfloat16, float16"},
         {"seed", FlagKind::kInt, "0", "seed of --synthetic rows and of random labels"},
         {"labels", FlagKind::kString, "",

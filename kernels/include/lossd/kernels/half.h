@@ -32,11 +32,14 @@ LOSSD_HD float BitsToFloat(uint32_t u) {
 
 LOSSD_HD float BFloat16ToFloat(uint16_t h) { return BitsToFloat(static_cast<uint32_t>(h) << 16); }
 
+// Round to nearest even; NaN stays NaN (quieted). A select rather than an early return, so that
+// conversion loops vectorize.
 LOSSD_HD uint16_t FloatToBFloat16(float x) {
   const uint32_t u = FloatBits(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
   const uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>((u + rounding) >> 16);
+  const uint16_t rounded = static_cast<uint16_t>((u + rounding) >> 16);
+  const uint16_t quiet_nan = static_cast<uint16_t>((u >> 16) | 0x40u);
+  return (u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
 }
 
 LOSSD_HD float Float16ToFloat(uint16_t h) {
