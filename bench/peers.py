@@ -63,6 +63,10 @@ TRANSPORT_STREAMS = [1, 4]
 # Engine seconds per shape that the paired rounds of engine and remote runs may take (see
 # rounds_for): 3 rounds below 4.3 s, 2 below 6.5 s.
 ROUND_SECONDS = 13.0
+# Every method's process runs this many tokens through its own path, untimed, before its timed
+# run (engine_bench's warm-up likewise): a call right after an idle spell runs up to 10% slower
+# on this machine, which would otherwise fall on whichever method skipped its warm-up.
+WARM_UP_TOKENS = 256
 TRANSPORT_MESSAGE_BYTES = 4 * MIB  # what the lossd client puts in a chunk message
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 OUT_OF_MEMORY = "out of memory"
@@ -117,7 +121,7 @@ def median_seconds(call, reps):
 
 def run_worker(args):
     n, h, v = args.shape
-    warm_up_rows = min(n, 64)
+    warm_up_rows = min(n, WARM_UP_TOKENS)
     try:
         if args.worker in ("torch_naive", "torch_chunked"):
             import torch
@@ -204,11 +208,14 @@ class Runner:
         return {"seconds": row["seconds"], "chunk": row.get("chunk")}, rss
 
     def lossctl_bench(self, address, head, tokens, streams=1, dtype="float32", accumulate=True,
-                      warmup=0, rows_per_message=0, shared_memory=False):
-        """One batch of `tokens` rows, split over `streams` concurrent calls."""
+                      warmup=1, warmup_tokens=WARM_UP_TOKENS, rows_per_message=0,
+                      shared_memory=False):
+        """One batch of `tokens` rows, split over `streams` concurrent calls, after `warmup` calls
+        of `warmup_tokens` rows (0: the whole batch)."""
         argv = [os.path.join(self.bin, "lossctl"), f"--server={address}", "bench",
                 f"--head={head}", f"--tokens={tokens // streams}", f"--calls={streams}",
-                f"--streams={streams}", f"--warmup={warmup}", f"--dtype={dtype}", "--grad",
+                f"--streams={streams}", f"--warmup={warmup}",
+                f"--warmup_tokens={min(warmup_tokens, tokens // streams)}", f"--dtype={dtype}", "--grad",
                 f"--rows_per_message={rows_per_message}", "--json"]
         if accumulate:
             argv.append("--accumulate")
@@ -443,7 +450,7 @@ def bench_transport(runner, tokens, record):
                 for method, shared_memory in (("transport", False), ("transport_shm", True)):
                     result, _ = runner.lossctl_bench(server.address, "wire", tokens, streams=streams,
                                                      dtype=dtype, accumulate=False, warmup=1,
-                                                     shared_memory=shared_memory)
+                                                     warmup_tokens=0, shared_memory=shared_memory)
                     record(transport_entry(method, dtype, streams, tokens, result))
                 record(bench_echo(runner, tokens, dtype, streams))
     finally:

@@ -171,6 +171,17 @@ def test_bench_json_counts_every_byte_of_the_rows_each_way(server):
     assert 0 < totals["server_compute_seconds"]
 
 
+def test_bench_warms_up_on_the_first_rows_when_asked(server, tmp_path):
+    lossctl("zero-grad", "--head=demo", server=server)
+    lossctl("bench", "--head=demo", "--tokens=64", "--calls=1", "--warmup=2", "--warmup_tokens=16",
+            "--accumulate", server=server)
+    out = lossctl("fetch-grad", "--head=demo", "--out", tmp_path / "grad.npy", server=server).stdout
+    assert "96 accumulated tokens" in out, out  # 2 warm-up calls of 16 rows, 1 timed call of 64
+    err = lossctl("bench", "--head=demo", "--tokens=64", "--warmup_tokens=65", server=server,
+                  expect=2).stderr
+    assert "--warmup_tokens: expected 0 (all of --tokens) to 64, got 65" in err, err
+
+
 def test_wrong_hidden_size_exits_1_with_the_servers_message(server, tmp_path):
     np.save(tmp_path / "narrow.npy", np.zeros((4, 32), np.float32))
     err = lossctl("compute", "--head=demo", "--hidden", tmp_path / "narrow.npy", server=server,
