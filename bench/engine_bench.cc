@@ -12,7 +12,7 @@
 // Useful flops are 2NHV forward and 6NHV forward+backward for every method. --methods picks a
 // subset (one per process, say, to measure each one's memory on its own).
 //
-// Each measurement is one warm-up run (on the first 256 tokens), then the median of up to --reps
+// Each measurement is one warm-up run (on the first 64 tokens), then the median of up to --reps
 // timed runs (fewer when one run would exceed --rep-seconds); the three methods of a pass take
 // turns. A table goes to stderr, one JSON object per measurement to stdout (and to --json FILE).
 // The engine's loss and dL/dh are checked against the naive baseline; the exit status is 1 when
@@ -86,7 +86,7 @@ absl::StatusOr<std::vector<Shape>> ParseShapes(absl::string_view text) {
 }
 
 constexpr size_t kFloorBlockBytes = size_t{1} << 30;
-constexpr int64_t kWarmUpTokens = 256;
+constexpr int64_t kWarmUpTokens = 64;
 
 struct Options {
   std::vector<Shape> shapes = kDefaultShapes;

@@ -66,7 +66,7 @@ ROUND_SECONDS = 13.0
 # Every method's process runs this many tokens through its own path, untimed, before its timed
 # run (engine_bench's warm-up likewise): a call right after an idle spell runs up to 10% slower
 # on this machine, which would otherwise fall on whichever method skipped its warm-up.
-WARM_UP_TOKENS = 256
+WARM_UP_TOKENS = 64
 TRANSPORT_MESSAGE_BYTES = 4 * MIB  # what the lossd client puts in a chunk message
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 OUT_OF_MEMORY = "out of memory"
