@@ -362,18 +362,18 @@ def bench_shape(runner, server, v, h, n, record):
     # The chunked torch peer takes as many rows per chunk as the engine's budget gives it.
     chunk_rows = (engine_runs[0][0].get("chunk") or {}).get("tokens") or n
     server.warm(min(n, chunk_rows))
-    remote_runs = {"remote_cpp": [runner.lossctl_bench(server.address, "demo", n)],
-                   "remote_python": [runner.worker("remote_python", n, h, v,
-                                                   address=server.address)]}
+    remote = {"remote_cpp": lambda: runner.lossctl_bench(server.address, "demo", n),
+              "remote_python": lambda: runner.worker("remote_python", n, h, v,
+                                                     address=server.address)}
+    remote_runs = {method: [run()] for method, run in remote.items()}
     rows = {"floor": runner.engine_bench("floor", n, h, v),
             "torch_naive": runner.worker("torch_naive", n, h, v),
             "torch_chunked": runner.worker("torch_chunked", n, h, v, chunk_rows=chunk_rows)}
     whole, _ = runner.lossctl_bench(server.address, "demo", n, rows_per_message=n)
     for _ in range(1, rounds_for(engine_s, runner.args.rounds) if engine_s else 1):
         engine_runs.append(runner.engine_bench("engine", n, h, v))
-        for method, runs in remote_runs.items():
-            runs.append(runner.lossctl_bench(server.address, "demo", n) if method == "remote_cpp"
-                        else runner.worker(method, n, h, v, address=server.address))
+        for method, run in remote.items():
+            remote_runs[method].append(run())
     rows["engine"] = median_run(engine_runs)
     rows.update({method: median_run(runs) for method, runs in remote_runs.items()})
     server_rss = server.peak_rss()  # so far: the server's memory is flat in N
@@ -401,13 +401,14 @@ def bench_shape(runner, server, v, h, n, record):
 
 
 def median_run(runs):
-    """The run with the median time (the lower middle of an even count) of [(result, rss)], its
-    peak memory the largest of all, and how many rounds ran; the first failure if any failed."""
+    """The run with the median time (the slower middle one of an even count, so that the tables
+    never favour lossd) of [(result, rss)], its peak memory the largest of all, and how many
+    rounds ran; the first failure if any failed."""
     failed = [run for run in runs if "seconds" not in run[0]]
     if failed:
         return failed[0]
     ordered = sorted(runs, key=lambda run: run[0]["seconds"])
-    result, _ = ordered[(len(ordered) - 1) // 2]
+    result, _ = ordered[len(ordered) // 2]
     rss = max((run[1] for run in runs if run[1] is not None), default=None)
     return dict(result, rounds=len(runs)), rss
 

@@ -330,8 +330,8 @@ std::mt19937_64 SeededStream(uint64_t seed, uint32_t purpose) {
 
 // Hidden states of zero mean and unit variance per element, the scale a transformer's final
 // layer norm gives; uniform from a counter-based generator, so that a bench batch of 16384 x 2048
-// is drawn in a tenth of a second rather than two (std::normal_distribution). Their stream is
-// apart from the server's demo head's, whose rows they would otherwise copy.
+// is drawn in a tenth of a second rather than over a second (std::normal_distribution). Their
+// stream is apart from the server's demo head's, whose rows they would otherwise copy.
 Tensor SyntheticHidden(int64_t rows, int64_t cols, DType dtype, uint64_t seed) {
   constexpr uint64_t kHiddenStream = 0x6c6f7373726f7773ULL;  // "lossrows"
   const float sqrt3 = std::sqrt(3.0f);
