@@ -1,8 +1,9 @@
-// engine_bench: the CPU engine against its two peers on the same BLAS, in one process and one run,
+// engine_bench: the engine against its two peers on the CPU's BLAS, in one process and one run,
 // so that their ratios are comparable on a noisy machine.
 //
-// For each shape (N tokens, H hidden, V vocabulary; fp32) and each pass (forward: loss and
-// logprobs; forward+backward: also dL/dh and dL/dW accumulated), three methods:
+// For each shape (N tokens, H hidden, V vocabulary; hidden states and W in --dtype, fp32 or bf16)
+// and each pass (forward: loss and logprobs; forward+backward: also dL/dh and dL/dW accumulated),
+// three methods:
 //   engine  Backend::Compute with the workspace budget (--budget-mib), chunked, never [N, V];
 //   naive   materializes logits[N, V] = h W^T, log-softmax, dz = (softmax - onehot) / N in place,
 //           dh = dz W, dW += dz^T h; skipped when its [N, V] buffer exceeds --naive-cap-gib;
@@ -10,7 +11,11 @@
 //           blocks of rows whose logits fill at most 1 GiB (large enough for BLAS's full rate):
 //           the cost of the useful flops on this BLAS, independent of the engine's plan.
 // Useful flops are 2NHV forward and 6NHV forward+backward for every method. --methods picks a
-// subset (one per process, say, to measure each one's memory on its own).
+// subset (one per process, say, to measure each one's memory on its own). The engine runs on
+// --device (any backend; the hidden states and outputs are in host memory, as the server holds
+// them); the naive baseline and the floor are CPU BLAS in fp32 on the same (rounded) values, so
+// with another device only the engine runs. With bf16 the naive baseline still computes in fp32:
+// it is what a caller without a bf16 GEMM would run.
 //
 // Each measurement is one warm-up run (on the first 64 tokens), then the median of up to --reps
 // timed runs (fewer when one run would exceed --rep-seconds); the three methods of a pass take
@@ -28,6 +33,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -41,6 +47,7 @@
 #include "lossd/common/counter_random.h"
 #include "lossd/common/status_macros.h"
 #include "lossd/kernels/backend.h"
+#include "lossd/kernels/half.h"
 #include "lossd/kernels/loss_math.h"
 #include "nlohmann/json.hpp"
 
@@ -90,7 +97,10 @@ constexpr int64_t kWarmUpTokens = 64;
 
 struct Options {
   std::vector<Shape> shapes = kDefaultShapes;
+  std::string device = "cpu";
+  DType dtype = DType::kFloat32;
   std::set<std::string> methods = {"floor", "engine", "naive"};
+  bool methods_given = false;
   std::set<Pass> passes = {Pass::kForward, Pass::kForwardBackward};
   size_t budget_bytes = size_t{256} << 20;
   int reps = 3;
@@ -102,6 +112,9 @@ struct Options {
 constexpr char kUsage[] = R"(usage: engine_bench [flags]
   --shapes N,H,V;N,H,V;...  run these shapes instead of the default list
   --quick                   small shapes only, about 30 seconds in all
+  --device D                the engine's backend: cpu, cuda, cuda:N or auto (default cpu); with
+                            any but the CPU only the engine runs
+  --dtype T                 hidden states and W: fp32 or bf16 (default fp32)
   --budget-mib M            the engine's workspace budget in MiB (default 256)
   --reps R                  timed runs per measurement after one warm-up, median kept (default 3)
   --rep-seconds S           fewer runs when one is long: clamp(S / run seconds, 1, R) (default 20)
@@ -125,8 +138,8 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
       continue;
     }
     static const std::set<std::string> kValueFlags = {
-        "--shapes", "--budget-mib", "--reps",    "--rep-seconds",
-        "--naive-cap-gib", "--methods", "--passes", "--json"};
+        "--shapes",  "--device",  "--dtype",  "--budget-mib", "--reps",
+        "--rep-seconds", "--naive-cap-gib", "--methods", "--passes", "--json"};
     if (!kValueFlags.contains(name)) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag '", arg, "'\n", kUsage));
     }
@@ -142,6 +155,12 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
     bool valid = true;
     if (name == "--shapes") {
       shapes = value;
+    } else if (name == "--device") {
+      valid = !value.empty();
+      o.device = value;
+    } else if (name == "--dtype") {
+      valid = value == "fp32" || value == "bf16";
+      o.dtype = value == "bf16" ? DType::kBFloat16 : DType::kFloat32;
     } else if (name == "--budget-mib") {
       valid = absl::SimpleAtoi(value, &budget_mib) && budget_mib > 0;
       o.budget_bytes = static_cast<size_t>(budget_mib) << 20;
@@ -153,6 +172,7 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
       valid = absl::SimpleAtod(value, &o.naive_cap_gib) && o.naive_cap_gib >= 0;
     } else if (name == "--methods") {
       o.methods.clear();
+      o.methods_given = true;
       for (absl::string_view m : absl::StrSplit(value, ',')) {
         valid = valid && (m == "floor" || m == "engine" || m == "naive");
         o.methods.insert(std::string(m));
@@ -166,7 +186,19 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
     } else if (name == "--json") {
       o.json_path = value;
     }
-    if (!valid) return absl::InvalidArgumentError(absl::StrCat(name, ": bad value '", value, "'"));
+    if (!valid) {
+      static const std::map<std::string, std::string> kExpected = {
+          {"--device", "a backend: cpu, cuda, cuda:N or auto"},
+          {"--dtype", "fp32 or bf16"},
+          {"--budget-mib", "a positive integer"},
+          {"--reps", "an integer >= 1"},
+          {"--rep-seconds", "a number >= 0"},
+          {"--naive-cap-gib", "a number >= 0"},
+          {"--methods", "a comma-separated subset of floor, engine, naive"},
+          {"--passes", "a comma-separated subset of fwd, fwd_bwd"}};
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": expected ", kExpected.at(name), ", got '", value, "'"));
+    }
   }
   if (quick) o.shapes = kQuickShapes;
   if (!shapes.empty()) {
@@ -200,32 +232,63 @@ void FillUniform(float* data, int64_t count, double stddev, uint64_t stream) {
   for (int64_t i = 0; i < count; ++i) data[i] = half_width * CounterUniform(stream, i);
 }
 
-// Everything one shape's measurements share. W and dL/dW live in backend memory (host memory for
-// the CPU backend), so the peers read the very bytes the engine reads.
+// Everything one shape's measurements share. W and dL/dW live in backend memory; with the CPU
+// backend and fp32 that is host memory, and the peers read the very bytes the engine reads.
 struct Problem {
   Shape shape;
-  std::vector<float> hidden;         // [N, H]
+  DType dtype = DType::kFloat32;
+  std::vector<float> hidden;         // [N, H], rounded to dtype
+  std::vector<uint16_t> hidden16;    // [N, H], the engine's input when dtype is 16-bit
   std::vector<int64_t> labels;       // [N]
-  DeviceBuffer weight;               // [V, H]
+  DeviceBuffer weight;               // [V, H] in dtype, for the engine
+  std::vector<float> weight32;       // [V, H] for the CPU peers, unless `weight` is already that
   DeviceBuffer grad_weight;          // [V, H], accumulated into by every backward run
   std::vector<float> loss, logprob;  // [N], written by the engine and by the naive baseline
   std::vector<float> engine_grad_hidden, naive_grad_hidden, floor_grad_hidden;  // [N, H]
   double engine_loss = 0.0, naive_loss = 0.0;
 };
 
+// Rounds x to bf16 in place and returns the bf16 values; empty for fp32.
+std::vector<uint16_t> RoundTo(DType dtype, float* x, int64_t count) {
+  if (dtype == DType::kFloat32) return {};
+  std::vector<uint16_t> narrow(count);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < count; ++i) {
+    narrow[i] = FloatToBFloat16(x[i]);
+    x[i] = BFloat16ToFloat(narrow[i]);
+  }
+  return narrow;
+}
+
 absl::StatusOr<std::unique_ptr<Problem>> MakeProblem(Backend& backend, const Shape& s,
-                                                     const std::set<std::string>& methods) {
+                                                     const Options& options) {
+  const std::set<std::string>& methods = options.methods;
   auto p = std::make_unique<Problem>();
   p->shape = s;
+  p->dtype = options.dtype;
   p->hidden.resize(s.n * s.h);
   FillUniform(p->hidden.data(), s.n * s.h, 1.0, 1);
+  p->hidden16 = RoundTo(p->dtype, p->hidden.data(), s.n * s.h);
   p->labels.resize(s.n);
   for (int64_t i = 0; i < s.n; ++i) p->labels[i] = (i * 7919 + 13) % s.v;
-  const size_t weight_bytes = static_cast<size_t>(s.v) * s.h * sizeof(float);
-  ASSIGN_OR_RETURN(p->weight, backend.Allocate(weight_bytes));
+
+  const int64_t weight_count = s.v * s.h;
+  ASSIGN_OR_RETURN(p->weight, backend.Allocate(weight_count * DTypeSize(p->dtype)));
+  const bool weight_is_host_fp32 = backend.kind() == "cpu" && p->dtype == DType::kFloat32;
+  float* values = static_cast<float*>(p->weight.data());
+  if (!weight_is_host_fp32) {
+    p->weight32.resize(weight_count);
+    values = p->weight32.data();
+  }
   // Logits with standard deviation 3, as a trained head gives.
-  FillUniform(static_cast<float*>(p->weight.data()), s.v * s.h, 3.0 / std::sqrt(double(s.h)), 2);
-  ASSIGN_OR_RETURN(p->grad_weight, backend.Allocate(weight_bytes));
+  FillUniform(values, weight_count, 3.0 / std::sqrt(double(s.h)), 2);
+  if (!weight_is_host_fp32) {
+    const std::vector<uint16_t> narrow = RoundTo(p->dtype, values, weight_count);
+    const void* bytes = narrow.empty() ? static_cast<const void*>(values) : narrow.data();
+    RETURN_IF_ERROR(backend.CopyToDevice(bytes, p->weight.bytes(), p->weight, 0));
+    if (!methods.contains("floor") && !methods.contains("naive")) std::vector<float>().swap(p->weight32);
+  }
+  ASSIGN_OR_RETURN(p->grad_weight, backend.Allocate(weight_count * sizeof(float)));
   RETURN_IF_ERROR(backend.Zero(p->grad_weight));
   p->loss.resize(s.n);
   p->logprob.resize(s.n);
@@ -239,11 +302,15 @@ absl::StatusOr<std::unique_ptr<Problem>> MakeProblem(Backend& backend, const Sha
   return p;
 }
 
-const float* Weight(const Problem& p) { return static_cast<const float*>(p.weight.data()); }
+const float* Weight(const Problem& p) {
+  return p.weight32.empty() ? static_cast<const float*>(p.weight.data()) : p.weight32.data();
+}
 float* GradWeight(Problem& p) { return static_cast<float*>(p.grad_weight.data()); }
 
-ProblemShape EngineShape(const Shape& s, Pass pass) {
+ProblemShape EngineShape(const Shape& s, DType dtype, Pass pass) {
   ProblemShape shape;
+  shape.hidden_dtype = dtype;
+  shape.weight_dtype = dtype;
   shape.num_tokens = s.n;
   shape.hidden_size = s.h;
   shape.vocab_size = s.v;
@@ -256,7 +323,8 @@ ProblemShape EngineShape(const Shape& s, Pass pass) {
 absl::Status RunEngine(Backend& backend, Problem& p, Pass pass, DeviceBuffer& workspace,
                        int64_t n) {
   BatchInputs in;
-  in.hidden = p.hidden.data();
+  in.hidden = p.hidden16.empty() ? static_cast<const void*>(p.hidden.data()) : p.hidden16.data();
+  in.hidden_dtype = p.dtype;
   in.num_tokens = n;
   in.hidden_size = p.shape.h;
   in.labels = p.labels.data();
@@ -265,7 +333,7 @@ absl::Status RunEngine(Backend& backend, Problem& p, Pass pass, DeviceBuffer& wo
   out.logprob = p.logprob.data();
   const bool backward = pass == Pass::kForwardBackward;
   if (backward) out.grad_hidden = p.engine_grad_hidden.data();
-  const WeightView weight{&p.weight, DType::kFloat32, p.shape.v, p.shape.h};
+  const WeightView weight{&p.weight, p.dtype, p.shape.v, p.shape.h};
   ASSIGN_OR_RETURN(const BatchSummary summary,
                    backend.Compute(in, weight, LossOptions{}, out,
                                    backward ? &p.grad_weight : nullptr, workspace));
@@ -431,11 +499,12 @@ void PrintTableRow(const Result& r) {
                                r.peak_extra_bytes / 1048576.0, chunk);
 }
 
-nlohmann::json ToJson(const Result& r, const nlohmann::json& machine, size_t budget_bytes) {
+nlohmann::json ToJson(const Result& r, const nlohmann::json& machine, const Options& options) {
+  const size_t budget_bytes = options.budget_bytes;
   nlohmann::json j = {
       {"machine", machine},
       {"shape", {{"n", r.shape.n}, {"h", r.shape.h}, {"v", r.shape.v}}},
-      {"dtype", "float32"},
+      {"dtype", DTypeName(options.dtype)},
       {"method", r.method},
       {"budget_bytes", budget_bytes},
       {"peak_extra_bytes", r.peak_extra_bytes},
@@ -469,7 +538,7 @@ double RelativeDifference(const std::vector<float>& a, const std::vector<float>&
 // The measurements of one shape: floor, engine and naive (those --methods names), for each pass.
 absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
                                                const Options& options, bool& check_failed) {
-  ASSIGN_OR_RETURN(std::unique_ptr<Problem> p, MakeProblem(backend, s, options.methods));
+  ASSIGN_OR_RETURN(std::unique_ptr<Problem> p, MakeProblem(backend, s, options));
   const bool with_floor = options.methods.contains("floor");
   const bool with_engine = options.methods.contains("engine");
   const bool with_naive = options.methods.contains("naive");
@@ -495,7 +564,7 @@ absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
   std::vector<Result> results;
   for (Pass pass : options.passes) {
     ASSIGN_OR_RETURN(const ChunkPlan plan,
-                     backend.Plan(EngineShape(s, pass), options.budget_bytes));
+                     backend.Plan(EngineShape(s, options.dtype, pass), options.budget_bytes));
     const std::string suffix(PassSuffix(pass));
 
     Result floor{s, "floor_" + suffix, pass};
@@ -567,19 +636,30 @@ absl::Status Run(const Options& options) {
       return absl::InvalidArgumentError(absl::StrCat("--json: cannot write ", options.json_path));
     }
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateBackend("cpu"));
-  const nlohmann::json machine = DescribeMachine();
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateBackend(options.device));
+  Options run_options = options;
+  if (backend->kind() != "cpu") {
+    if (options.methods_given && (options.methods.contains("floor") || options.methods.contains("naive"))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--methods: floor and naive run on the CPU's BLAS; with --device=", options.device,
+          " expected engine only"));
+    }
+    run_options.methods = {"engine"};
+  }
+  nlohmann::json machine = DescribeMachine();
+  machine["device"] = backend->Describe();
   std::cerr << "machine: " << machine.dump() << "\n"
-            << "engine workspace budget " << (options.budget_bytes >> 20) << " MiB; useful flops "
+            << "engine workspace budget " << (options.budget_bytes >> 20) << " MiB, "
+            << DTypeName(options.dtype) << " inputs; useful flops "
             << "2NHV forward, 6NHV forward+backward; seconds are medians\n";
   PrintTableHeader();
 
   bool check_failed = false;
   for (const Shape& s : options.shapes) {
     ASSIGN_OR_RETURN(const std::vector<Result> results,
-                     BenchShape(*backend, s, options, check_failed));
+                     BenchShape(*backend, s, run_options, check_failed));
     for (const Result& r : results) {
-      const std::string line = ToJson(r, machine, options.budget_bytes).dump();
+      const std::string line = ToJson(r, machine, run_options).dump();
       std::cout << line << std::endl;
       if (json_file.is_open()) json_file << line << std::endl;
     }

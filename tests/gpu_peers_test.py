@@ -1,0 +1,39 @@
+"""bench/gpu_peers.py run on the CPU with small shapes: every method is reported, the chunked
+torch peer agrees with the naive one, and the engine's row comes from engine_bench."""
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_cpu_run_reports_every_method(tmp_path):
+    # N = 300 with 128-row chunks: three chunks, the last partial; N = 1: one row.
+    subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_peers.py"), "--device=cpu",
+                    "--dtype=fp32", "--shapes=300,64,1000;1,32,517", "--chunk-rows=128",
+                    "--budget-mib=1", "--reps=1", "--warmup=1",
+                    f"--engine-bench={os.environ['ENGINE_BENCH_BIN']}", f"--out={tmp_path}"],
+                   check=True, capture_output=True)
+    entries = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+    for n in (300, 1):
+        rows = {e["method"]: e for e in entries if e["n"] == n}
+        assert set(rows) == {"floor", "torch_naive", "torch_chunked", "torch_compiled", "liger",
+                             "cce", "engine"}
+        for method in ("floor", "torch_naive", "torch_chunked", "engine"):
+            assert rows[method]["seconds"] > 0, method
+            assert rows[method]["ratio_to_torch_naive"] > 0, method
+        assert rows["torch_naive"]["ratio_to_floor"] > 0
+        assert rows["torch_chunked"]["loss_rel_diff"] < 1e-6
+        assert rows["torch_chunked"]["grad_hidden_rel_diff"] < 1e-5
+        assert rows["engine"]["peak_extra_bytes"] <= 1 << 20
+        assert rows["liger"]["error"] == "unavailable: needs a CUDA device"
+    assert "| 300, 64, 1000 | torch_chunked |" in (tmp_path / "results.md").read_text()
+
+
+def test_bad_shape_is_named(tmp_path):
+    done = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_peers.py"),
+                           "--device=cpu", "--shapes=300,64", f"--out={tmp_path}"],
+                          capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "--shapes: expected positive N,H,V triples separated by ';', got '300,64'" in done.stderr
