@@ -60,8 +60,8 @@ TRANSPORT_TOKENS, QUICK_TRANSPORT_TOKENS = 16384, 4096
 TRANSPORT_HIDDEN = 2048
 TRANSPORT_VOCAB = 16
 TRANSPORT_STREAMS = [1, 4]
-# Engine seconds per shape that the paired rounds of engine and remote runs may take (see
-# rounds_for): 3 rounds below 4.3 s, 2 below 6.5 s.
+# Engine seconds per shape that the paired rounds of engine and remote runs may take by default
+# (--round-seconds; see rounds_for): 3 rounds below 4.3 s, 2 below 6.5 s.
 ROUND_SECONDS = 13.0
 # Every method's process runs this many tokens through its own path, untimed, before its timed
 # run (engine_bench's warm-up likewise): a call right after an idle spell runs up to 10% slower
@@ -239,6 +239,21 @@ class Runner:
         return json.loads(out.strip().splitlines()[-1]), rss
 
 
+def parse_shapes(text):
+    """'V,H,N;V,H,N;...' as [(V, H, [N, ...])], the Ns of one (V, H) together and in order."""
+    groups = {}
+    for item in filter(None, text.split(";")):
+        parts = item.split(",")
+        if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(
+                f"expected positive V,H,N triples separated by ';', got '{item}'")
+        v, h, n = (int(p) for p in parts)
+        groups.setdefault((v, h), []).append(n)
+    if not groups:
+        raise argparse.ArgumentTypeError("expected at least one V,H,N")
+    return [(v, h, ns) for (v, h), ns in groups.items()]
+
+
 def failure(stderr, code):
     text = stderr.strip().splitlines()
     if code in (-6, -9) or any(word in stderr for word in ("bad_alloc", "RESOURCE_EXHAUSTED",
@@ -345,10 +360,10 @@ def describe_machine(threads):
             "python": platform.python_version()}
 
 
-def rounds_for(engine_seconds, max_rounds):
-    """Paired rounds at a shape: as many as fit in ROUND_SECONDS of engine time, 1 to max_rounds.
+def rounds_for(engine_seconds, max_rounds, round_seconds):
+    """Paired rounds at a shape: as many as fit in round_seconds of engine time, 1 to max_rounds.
     Single runs on this shared machine move by 5 to 15%, most on short shapes."""
-    return max(1, min(max_rounds, int(ROUND_SECONDS / engine_seconds)))
+    return max(1, min(max_rounds, int(round_seconds / engine_seconds)))
 
 
 def bench_shape(runner, server, v, h, n, record):
@@ -370,7 +385,8 @@ def bench_shape(runner, server, v, h, n, record):
             "torch_naive": runner.worker("torch_naive", n, h, v),
             "torch_chunked": runner.worker("torch_chunked", n, h, v, chunk_rows=chunk_rows)}
     whole, _ = runner.lossctl_bench(server.address, "demo", n, rows_per_message=n)
-    for _ in range(1, rounds_for(engine_s, runner.args.rounds) if engine_s else 1):
+    rounds = rounds_for(engine_s, runner.args.rounds, runner.args.round_seconds) if engine_s else 1
+    for _ in range(1, rounds):
         engine_runs.append(runner.engine_bench("engine", n, h, v))
         for method, run in remote.items():
             remote_runs[method].append(run())
@@ -640,6 +656,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=3,
                         help="most paired rounds of the engine and the remote clients per shape "
                              "(fewer on long shapes), medians")
+    parser.add_argument("--round-seconds", type=float, default=ROUND_SECONDS,
+                        help="engine seconds per shape that its paired rounds may take")
+    parser.add_argument("--shapes", type=parse_shapes,
+                        help="V,H,N;V,H,N;... instead of the sweep (rows of one V,H share a server)")
+    parser.add_argument("--skip-transport", action="store_true",
+                        help="leave out the wire throughput measurements")
     parser.add_argument("--budget-mib", type=int, default=256, help="lossd's workspace budget")
     parser.add_argument("--memory-cap-gib", type=float, default=6.0,
                         help="address-space cap of every process; 6 GiB of this 24 GiB machine "
@@ -674,14 +696,15 @@ def main():
         print(f"[{time.monotonic() - started:6.0f} s] {json.dumps(shown)}", file=sys.stderr,
               flush=True)
 
-    for v, h, ns in QUICK_SHAPES if args.quick else FULL_SHAPES:
+    for v, h, ns in args.shapes or (QUICK_SHAPES if args.quick else FULL_SHAPES):
         server = Server(runner, v, h)
         try:
             for n in ns:
                 bench_shape(runner, server, v, h, n, record)
         finally:
             server.stop()
-    bench_transport(runner, QUICK_TRANSPORT_TOKENS if args.quick else TRANSPORT_TOKENS, record)
+    if not args.skip_transport:
+        bench_transport(runner, QUICK_TRANSPORT_TOKENS if args.quick else TRANSPORT_TOKENS, record)
 
     with open(os.path.join(out_dir, "results.jsonl"), "w") as f:
         for entry in entries:
