@@ -248,9 +248,8 @@ struct Problem {
   double engine_loss = 0.0, naive_loss = 0.0;
 };
 
-// Rounds x to bf16 in place and returns the bf16 values; empty for fp32.
-std::vector<uint16_t> RoundTo(DType dtype, float* x, int64_t count) {
-  if (dtype == DType::kFloat32) return {};
+// Rounds x to bf16 in place and returns the bf16 bit patterns.
+std::vector<uint16_t> RoundToBFloat16(float* x, int64_t count) {
   std::vector<uint16_t> narrow(count);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < count; ++i) {
@@ -268,7 +267,8 @@ absl::StatusOr<std::unique_ptr<Problem>> MakeProblem(Backend& backend, const Sha
   p->dtype = options.dtype;
   p->hidden.resize(s.n * s.h);
   FillUniform(p->hidden.data(), s.n * s.h, 1.0, 1);
-  p->hidden16 = RoundTo(p->dtype, p->hidden.data(), s.n * s.h);
+  const bool bf16 = p->dtype == DType::kBFloat16;
+  if (bf16) p->hidden16 = RoundToBFloat16(p->hidden.data(), s.n * s.h);
   p->labels.resize(s.n);
   for (int64_t i = 0; i < s.n; ++i) p->labels[i] = (i * 7919 + 13) % s.v;
 
@@ -283,10 +283,13 @@ absl::StatusOr<std::unique_ptr<Problem>> MakeProblem(Backend& backend, const Sha
   // Logits with standard deviation 3, as a trained head gives.
   FillUniform(values, weight_count, 3.0 / std::sqrt(double(s.h)), 2);
   if (!weight_is_host_fp32) {
-    const std::vector<uint16_t> narrow = RoundTo(p->dtype, values, weight_count);
-    const void* bytes = narrow.empty() ? static_cast<const void*>(values) : narrow.data();
+    const std::vector<uint16_t> narrow = bf16 ? RoundToBFloat16(values, weight_count)
+                                              : std::vector<uint16_t>();
+    const void* bytes = bf16 ? static_cast<const void*>(narrow.data()) : values;
     RETURN_IF_ERROR(backend.CopyToDevice(bytes, p->weight.bytes(), p->weight, 0));
-    if (!methods.contains("floor") && !methods.contains("naive")) std::vector<float>().swap(p->weight32);
+    if (!methods.contains("floor") && !methods.contains("naive")) {
+      std::vector<float>().swap(p->weight32);  // only the engine runs: its copy is on the device
+    }
   }
   ASSIGN_OR_RETURN(p->grad_weight, backend.Allocate(weight_count * sizeof(float)));
   RETURN_IF_ERROR(backend.Zero(p->grad_weight));
