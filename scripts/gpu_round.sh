@@ -6,7 +6,7 @@
 # over loopback at Llama 3 8B's head shape. About ten minutes. Writes logs to ${OUT:-.gpu/out};
 # LOSSD_GPU_PEERS_ARGS goes to gpu_peers.py (--shapes, --reps, --budget-mib, ...).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 out="${OUT:-.gpu/out}"
 mkdir -p "$out"
 [ -d .gpu/bin ] || tar -C .gpu -xJf .gpu/lossd-gpu.tar.xz || exit 1
@@ -31,8 +31,9 @@ for tool in memcheck racecheck; do
 done
 
 # 2. Fast: the engine against its peers on the same GPU, bf16 inputs.
+read -ra peers_args <<<"${LOSSD_GPU_PEERS_ARGS:-}"
 python3 bench/gpu_peers.py --engine-bench .gpu/bin/engine_bench --out "$out/peers" \
-  ${LOSSD_GPU_PEERS_ARGS:-} 2>&1 | tee "$out/peers.log" || status=1
+  "${peers_args[@]}" 2>&1 | tee "$out/peers.log" || status=1
 
 # 3. The service: the server on the GPU, called over loopback with 16384 tokens of bf16 rows in
 # messages and in shared memory; its in-process counterpart is the engine row of step 2.
