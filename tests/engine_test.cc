@@ -165,6 +165,11 @@ const EngineCase kCases[] = {
        s.hidden_dtype = DType::kBFloat16;
        s.weight_dtype = DType::kBFloat16;
      })},
+    {"bf16_head_in_slabs", "a bf16 head converted in three fp32 slabs of 2048 rows at H = 2048",
+     Spec(33, 2048, 5000, [](ProblemSpec& s) {
+       s.hidden_dtype = DType::kBFloat16;
+       s.weight_dtype = DType::kBFloat16;
+     })},
     {"fp16_hidden_fp32_head", "fp16 hidden states against an fp32 head",
      Spec(70, 64, 2100, [](ProblemSpec& s) { s.hidden_dtype = DType::kFloat16; })},
     {"top_k_max", "the largest top-k the engine offers", Spec(20, 32, 777, [](ProblemSpec& s) {
