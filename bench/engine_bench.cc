@@ -642,7 +642,9 @@ absl::Status Run(const Options& options) {
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, CreateBackend(options.device));
   Options run_options = options;
   if (backend->kind() != "cpu") {
-    if (options.methods_given && (options.methods.contains("floor") || options.methods.contains("naive"))) {
+    const bool cpu_peers_asked =
+        options.methods.contains("floor") || options.methods.contains("naive");
+    if (options.methods_given && cpu_peers_asked) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--methods: floor and naive run on the CPU's BLAS; with --device=", options.device,
           " expected engine only"));

@@ -45,7 +45,8 @@ def parse_shapes(text):
     for item in filter(None, text.split(";")):
         parts = item.split(",")
         if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-            raise SystemExit(f"--shapes: expected positive N,H,V triples separated by ';', got '{item}'")
+            raise SystemExit(
+                f"--shapes: expected positive N,H,V triples separated by ';', got '{item}'")
         shapes.append(tuple(int(p) for p in parts))
     return shapes
 
@@ -153,19 +154,22 @@ def measure_peer(fn, hidden, weight, labels, timer, args, device):
     result = {"seconds": statistics.median(seconds), "reps": args.reps}
     if device.type == "cuda":
         result["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - before
+    # One more call for the outputs to compare: keeping a timed call's would hold its dL/dh
+    # through the next and count it in that call's peak memory.
     result["loss"], result["grad_hidden"] = call()
     return result
 
 
 def measure_engine(n, h, v, args):
-    argv = [args.engine_bench, f"--device={args.device}", f"--dtype={args.dtype}", "--methods=engine",
-            "--passes=fwd_bwd", f"--shapes={n},{h},{v}", f"--reps={args.reps}",
-            f"--budget-mib={args.budget_mib}"]
+    argv = [args.engine_bench, f"--device={args.device}", f"--dtype={args.dtype}",
+            "--methods=engine", "--passes=fwd_bwd", f"--shapes={n},{h},{v}",
+            f"--reps={args.reps}", f"--budget-mib={args.budget_mib}"]
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]}
     row = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"seconds": row["seconds"], "reps": row["reps"], "peak_extra_bytes": row["peak_extra_bytes"],
+    return {"seconds": row["seconds"], "reps": row["reps"],
+            "peak_extra_bytes": row["peak_extra_bytes"],
             "chunk": row.get("chunk"), "device": row["machine"].get("device")}
 
 
@@ -225,7 +229,8 @@ def markdown(entries):
     def cell(entry, key, fmt):
         return fmt.format(entry[key]) if entry.get(key) is not None else "-"
 
-    lines = ["| N, H, V | method | ms | TFLOP/s | x floor | x torch naive | extra GiB | loss, dL/dh rel. diff |",
+    lines = ["| N, H, V | method | ms | TFLOP/s | x floor | x torch naive | extra GiB "
+             "| loss, dL/dh rel. diff |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for e in entries:
         shape = f"{e['n']}, {e['h']}, {e['v']}"
@@ -235,8 +240,9 @@ def markdown(entries):
         diff = (f"{e['loss_rel_diff']:.1e}, {e['grad_hidden_rel_diff']:.1e}"
                 if "loss_rel_diff" in e else "-")
         extra = f"{e['peak_extra_bytes'] / GIB:.2f}" if "peak_extra_bytes" in e else "-"
-        lines.append(f"| {shape} | {e['method']} | {e['seconds'] * 1e3:.1f} | {cell(e, 'tflops', '{:.3g}')} | "
-                     f"{cell(e, 'ratio_to_floor', '{:.2f}')} | {cell(e, 'ratio_to_torch_naive', '{:.2f}')} | "
+        lines.append(f"| {shape} | {e['method']} | {e['seconds'] * 1e3:.1f} | "
+                     f"{cell(e, 'tflops', '{:.3g}')} | {cell(e, 'ratio_to_floor', '{:.2f}')} | "
+                     f"{cell(e, 'ratio_to_torch_naive', '{:.2f}')} | "
                      f"{extra} | {diff} |")
     return "\n".join(lines) + "\n"
 
@@ -251,7 +257,8 @@ def main():
     parser.add_argument("--chunk-rows", type=int, default=4096,
                         help="token chunk of torch_chunked and torch_compiled")
     parser.add_argument("--budget-mib", type=int, default=1024, help="lossd's workspace budget")
-    parser.add_argument("--engine-bench", default=os.path.join(REPO, "build", "bin", "engine_bench"))
+    parser.add_argument("--engine-bench",
+                        default=os.path.join(REPO, "build", "bin", "engine_bench"))
     parser.add_argument("--out", required=True, help="folder for results.jsonl and results.md")
     args = parser.parse_args()
     if args.reps < 1 or args.warmup < 0 or args.chunk_rows < 1 or args.budget_mib < 1:

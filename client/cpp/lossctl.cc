@@ -693,13 +693,14 @@ absl::Status RunBench(const Flags& flags) {
   const int64_t calls = flags.Int("calls");
   const int64_t streams = flags.Int("streams");
   const int64_t warmup = flags.Int("warmup");
-  const int64_t warmup_tokens = flags.Int("warmup_tokens") > 0 ? flags.Int("warmup_tokens") : tokens;
+  const int64_t warmup_tokens_flag = flags.Int("warmup_tokens");
+  const int64_t warmup_tokens = warmup_tokens_flag > 0 ? warmup_tokens_flag : tokens;
   if (tokens < 1 || calls < 1 || streams < 1 || warmup < 0) {
     return UsageError("bench: --tokens, --calls and --streams must be >= 1, --warmup >= 0");
   }
-  if (flags.Int("warmup_tokens") < 0 || warmup_tokens > tokens) {
+  if (warmup_tokens_flag < 0 || warmup_tokens > tokens) {
     return UsageError(absl::StrCat("bench: --warmup_tokens: expected 0 (all of --tokens) to ", tokens,
-                                   ", got ", flags.Int("warmup_tokens")));
+                                   ", got ", warmup_tokens_flag));
   }
   ASSIGN_OR_RETURN(const DType dtype, DTypeFlag(flags, "dtype"));
   ASSIGN_OR_RETURN(const Client client, ConnectFromFlags(flags));
