@@ -782,14 +782,20 @@ TEST(CancellationTest, AbandonedStreamsLeakNothingAndAccumulateNothing) {
 
   EXPECT_TRUE(SettlesToIdle(*server, accumulator_bytes));
   EXPECT_EQ(server->ledger().current(MemoryPurpose::kWorkspace), 0);
-  // Every abandoned call reached the server and none of them ended there as a success.
+  // The server ends every abandoned call it received once, never as a success. A call cancelled or
+  // disconnected before gRPC hands it to a handler is dropped by gRPC unseen (rare, more so under
+  // sanitizers), so only the stalled calls, open for their whole deadline, must all be counted.
+  const int64_t stalled = counts[AbandonName(Abandon::kStall)];
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
   std::map<std::string, int64_t> calls = ComputeCallsByCode(*server);
   while (Total(calls) < Total(calls_before) + kCancelTrials && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(5));
     calls = ComputeCallsByCode(*server);
   }
-  EXPECT_EQ(Total(calls), Total(calls_before) + kCancelTrials);
+  EXPECT_LE(Total(calls), Total(calls_before) + kCancelTrials);
+  EXPECT_GE(Total(calls), Total(calls_before) + stalled);
+  RecordProperty("calls_dropped_before_a_handler",
+                 Total(calls_before) + kCancelTrials - Total(calls));
   EXPECT_EQ(calls["OK"], calls_before.at("OK"));
   for (const auto& [code, count] : calls) {
     const auto before = calls_before.find(code);
