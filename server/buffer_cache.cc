@@ -8,6 +8,7 @@ BufferLease& BufferLease::operator=(BufferLease&& other) noexcept {
   if (this != &other) {
     Release();
     cache_ = std::exchange(other.cache_, nullptr);
+    leased_bytes_ = std::exchange(other.leased_bytes_, 0);
     buffer_ = std::move(other.buffer_);
     charge_ = std::move(other.charge_);
   }
@@ -17,7 +18,7 @@ BufferLease& BufferLease::operator=(BufferLease&& other) noexcept {
 void BufferLease::Release() {
   if (cache_ == nullptr) return;
   charge_.Reset();
-  std::exchange(cache_, nullptr)->Return(std::move(buffer_));
+  std::exchange(cache_, nullptr)->Return(std::move(buffer_), std::exchange(leased_bytes_, 0));
 }
 
 BufferCache::BufferCache(Backend& backend, MemoryLedger& ledger, int64_t capacity_bytes)
@@ -57,11 +58,11 @@ absl::StatusOr<BufferLease> BufferCache::Acquire(size_t bytes, MemoryPurpose pur
   return BufferLease(this, std::move(buffer), MemoryCharge(&ledger_, purpose, size));
 }
 
-void BufferCache::Return(DeviceBuffer buffer) {
+void BufferCache::Return(DeviceBuffer buffer, size_t leased_bytes) {
   const int64_t size = static_cast<int64_t>(buffer.bytes());
   absl::MutexLock lock(&mu_);
-  leased_bytes_ -= size;
-  if (size > capacity_bytes_) return;  // freed here, outside the list
+  leased_bytes_ -= static_cast<int64_t>(leased_bytes);
+  if (buffer.data() == nullptr || size > capacity_bytes_) return;  // kept by the holder, or freed here
   EvictFor(size);
   idle_.push_front({std::move(buffer), MemoryCharge(&ledger_, MemoryPurpose::kCache, size)});
   idle_bytes_ += size;

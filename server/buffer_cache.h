@@ -26,7 +26,8 @@ namespace lossd::server {
 class BufferCache;
 
 // A buffer lent to one call, charged to the purpose it was taken for; returned to the cache (its
-// contents as the call left them) when the lease ends.
+// contents as the call left them) when the lease ends. A holder may move the buffer out to keep it
+// (the first dL/dW a head accumulates becomes its accumulator): the cache then forgets it.
 class BufferLease {
  public:
   BufferLease() = default;
@@ -43,9 +44,11 @@ class BufferLease {
  private:
   friend class BufferCache;
   BufferLease(BufferCache* cache, DeviceBuffer buffer, MemoryCharge charge)
-      : cache_(cache), buffer_(std::move(buffer)), charge_(std::move(charge)) {}
+      : cache_(cache), leased_bytes_(buffer.bytes()), buffer_(std::move(buffer)),
+        charge_(std::move(charge)) {}
 
   BufferCache* cache_ = nullptr;
+  size_t leased_bytes_ = 0;  // what the cache counts as lent, even once the buffer was moved out
   DeviceBuffer buffer_;
   MemoryCharge charge_;
 };
@@ -69,7 +72,8 @@ class BufferCache {
     DeviceBuffer buffer;
     MemoryCharge charge;
   };
-  void Return(DeviceBuffer buffer);
+  // Ends a lease of `leased_bytes`; keeps `buffer` idle unless it was moved out (empty).
+  void Return(DeviceBuffer buffer, size_t leased_bytes);
   // Frees idle buffers, least recently used first, until `incoming` more bytes fit.
   void EvictFor(int64_t incoming) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -63,9 +63,6 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Create(Backend& backend, MemoryLedge
   ASSIGN_OR_RETURN(head->weight_, UploadBuffer(backend, state.weight.data(), state.weight.size()));
   head->weight_charge_ = MemoryCharge(&ledger, MemoryPurpose::kWeights, state.weight.size());
   absl::MutexLock lock(&head->grad_mu_);
-  ASSIGN_OR_RETURN(head->grad_, backend.Allocate(elements * sizeof(float)));
-  RETURN_IF_ERROR(backend.Zero(head->grad_));
-  head->grad_charge_ = MemoryCharge(&ledger, MemoryPurpose::kGradients, elements * sizeof(float));
   if (state.optimizer != OptimizerKind::kNone) {
     RETURN_IF_ERROR(head->EnsureOptimizerState(state.optimizer));
     RETURN_IF_ERROR(backend.CopyToDevice(state.state1.data(), state.state1.size() * sizeof(float),
@@ -116,7 +113,10 @@ absl::Status Head::CommitGradient(uint64_t expected_version, DeviceBuffer& stage
   }
   absl::MutexLock grad_lock(&grad_mu_);
   // Every reset of accumulated_calls_ to 0 zeroes grad_ with it.
-  if (accumulated_calls_ == 0 && staged.bytes() == grad_.bytes()) {
+  if (accumulated_calls_ == 0 && grad_.data() == nullptr) {
+    grad_ = std::move(staged);
+    grad_charge_ = MemoryCharge(&ledger_, MemoryPurpose::kGradients, AccumulatorBytes());
+  } else if (accumulated_calls_ == 0 && staged.bytes() == grad_.bytes()) {
     std::swap(grad_, staged);
   } else {
     RETURN_IF_ERROR(backend_.AddFloat32(grad_, staged, vocab_size_ * hidden_size_));
@@ -128,7 +128,22 @@ absl::Status Head::CommitGradient(uint64_t expected_version, DeviceBuffer& stage
 
 absl::Status Head::ZeroGradient() {
   absl::MutexLock lock(&grad_mu_);
-  RETURN_IF_ERROR(backend_.Zero(grad_));
+  return ResetAccumulator();
+}
+
+size_t Head::AccumulatorBytes() const { return vocab_size_ * hidden_size_ * sizeof(float); }
+
+absl::Status Head::EnsureAccumulator() {
+  if (grad_.data() != nullptr) return absl::OkStatus();
+  ASSIGN_OR_RETURN(DeviceBuffer zeros, backend_.Allocate(AccumulatorBytes()));
+  RETURN_IF_ERROR(backend_.Zero(zeros));
+  grad_ = std::move(zeros);
+  grad_charge_ = MemoryCharge(&ledger_, MemoryPurpose::kGradients, AccumulatorBytes());
+  return absl::OkStatus();
+}
+
+absl::Status Head::ResetAccumulator() {
+  if (grad_.data() != nullptr) RETURN_IF_ERROR(backend_.Zero(grad_));
   accumulated_tokens_ = 0;
   accumulated_calls_ = 0;
   return absl::OkStatus();
@@ -136,11 +151,11 @@ absl::Status Head::ZeroGradient() {
 
 absl::StatusOr<TensorSnapshot> Head::ReadGradient(DType dtype) {
   TensorSnapshot snapshot;
-  std::vector<uint8_t> grad(vocab_size_ * hidden_size_ * sizeof(float));
+  std::vector<uint8_t> grad(AccumulatorBytes());  // zeros, what a head yet to train holds
   {
     absl::ReaderMutexLock weight_lock(&weight_mu_);
     absl::MutexLock grad_lock(&grad_mu_);
-    RETURN_IF_ERROR(backend_.CopyToHost(grad_, 0, grad.size(), grad.data()));
+    if (grad_.data() != nullptr) RETURN_IF_ERROR(backend_.CopyToHost(grad_, 0, grad.size(), grad.data()));
     snapshot.version = version_;
     snapshot.accumulated_tokens = accumulated_tokens_;
   }
@@ -189,6 +204,8 @@ absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config, double max
                                                       version_, ", got ", *expected_version));
   }
   absl::MutexLock grad_lock(&grad_mu_);
+  // A step with nothing accumulated still moves W (momentum, AdamW's decay): it steps on zeros.
+  RETURN_IF_ERROR(EnsureAccumulator());
   const int64_t count = vocab_size_ * hidden_size_;
   ASSIGN_OR_RETURN(const double sum_squares, backend_.SumSquaresFloat32(grad_, count));
   StepOutcome outcome;
@@ -218,11 +235,7 @@ absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config, double max
   tensors.count = count;
   RETURN_IF_ERROR(backend_.OptimizerStep(effective, tensors));
   outcome.accumulated_tokens = accumulated_tokens_;
-  if (!keep_grad) {
-    RETURN_IF_ERROR(backend_.Zero(grad_));
-    accumulated_tokens_ = 0;
-    accumulated_calls_ = 0;
-  }
+  if (!keep_grad) RETURN_IF_ERROR(ResetAccumulator());
   ++steps_;
   outcome.version = ++version_;
   return outcome;
@@ -237,9 +250,7 @@ absl::Status Head::ReplaceWeight(const std::vector<uint8_t>& weight, DType dtype
   absl::WriterMutexLock weight_lock(&weight_mu_);
   absl::MutexLock grad_lock(&grad_mu_);
   RETURN_IF_ERROR(backend_.CopyToDevice(stored.data(), stored.size(), weight_, 0));
-  RETURN_IF_ERROR(backend_.Zero(grad_));
-  accumulated_tokens_ = 0;
-  accumulated_calls_ = 0;
+  RETURN_IF_ERROR(ResetAccumulator());
   state_charge_.Reset();
   state1_.Reset();
   state2_.Reset();

@@ -80,6 +80,8 @@ class Head {
   // An accumulator that holds no call yet is all zeros, so there the two buffers trade places
   // instead: `staged` (same size, same backend) becomes the accumulator and gets the zeros. On the
   // CPU a V x H add is several percent of a short call (0.2 s of a 5.6 s call at V = 128256).
+  // A head allocates no accumulator until its first commit, which keeps `staged` itself (leaving
+  // it empty), or its first step: a head that only scores never holds V x H fp32 of gradient.
   absl::Status CommitGradient(uint64_t expected_version, DeviceBuffer& staged, int64_t tokens);
   absl::Status ZeroGradient();
   absl::StatusOr<TensorSnapshot> ReadGradient(DType dtype);
@@ -100,6 +102,11 @@ class Head {
  private:
   Head(Backend& backend, MemoryLedger& ledger, const HeadState& state, std::string source);
   absl::Status EnsureOptimizerState(OptimizerKind kind) ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
+  size_t AccumulatorBytes() const;
+  // Allocates the accumulator, zeroed, if the head has none yet.
+  absl::Status EnsureAccumulator() ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
+  // Zeroes the accumulator (if allocated) and its token and call counts.
+  absl::Status ResetAccumulator() ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
 
   Backend& backend_;
   MemoryLedger& ledger_;
@@ -117,8 +124,8 @@ class Head {
   MemoryCharge weight_charge_;
 
   mutable absl::Mutex grad_mu_;  // taken after weight_mu_ when both are needed
-  DeviceBuffer grad_ ABSL_GUARDED_BY(grad_mu_);
-  MemoryCharge grad_charge_;
+  DeviceBuffer grad_ ABSL_GUARDED_BY(grad_mu_);  // empty until the head first trains or steps
+  MemoryCharge grad_charge_ ABSL_GUARDED_BY(grad_mu_);
   int64_t accumulated_tokens_ ABSL_GUARDED_BY(grad_mu_) = 0;
   int64_t accumulated_calls_ ABSL_GUARDED_BY(grad_mu_) = 0;
   OptimizerKind optimizer_ ABSL_GUARDED_BY(grad_mu_) = OptimizerKind::kNone;

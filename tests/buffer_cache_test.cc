@@ -105,5 +105,21 @@ TEST_F(BufferCacheTest, FailedAllocationHoldsNothing) {
   EXPECT_EQ(cache.idle_bytes(), static_cast<int64_t>(2 * kLarge));
 }
 
+TEST_F(BufferCacheTest, BufferMovedOutOfALeaseIsForgotten) {
+  BufferCache cache(*backend_, ledger_, 2 * kLarge);
+  BufferLease lease = Lease(cache, kLarge, MemoryPurpose::kGradients);
+  const DeviceBuffer kept = std::move(lease.buffer());
+  lease.Release();
+  EXPECT_EQ(kept.bytes(), kLarge);
+  EXPECT_EQ(cache.idle_bytes(), 0) << "the kept buffer is not idle in the cache";
+  EXPECT_EQ(ledger_.current(MemoryPurpose::kGradients), 0) << "its holder charges it now";
+  // Nothing of the ended lease is counted as lent: two large buffers still fit and stay idle.
+  BufferLease a = Lease(cache, kLarge, MemoryPurpose::kWorkspace);
+  BufferLease b = Lease(cache, kLarge, MemoryPurpose::kWorkspace);
+  a.Release();
+  b.Release();
+  EXPECT_EQ(cache.idle_bytes(), static_cast<int64_t>(2 * kLarge));
+}
+
 }  // namespace
 }  // namespace lossd::server

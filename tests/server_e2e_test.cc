@@ -161,10 +161,17 @@ TEST_F(ServerE2eTest, AccumulatorHoldsTheSumOfTheCallsSinceItsReset) {
     ASSERT_TRUE(grad.status.ok()) << grad.status.error_message();
     EXPECT_LE(RelativeError(grad.values, expected), kGradBound) << "after " << after;
   };
-  const int64_t gradient_bytes = server_->ledger().current(server::MemoryPurpose::kGradients);
+  const int64_t before_training = server_->ledger().current(server::MemoryPurpose::kGradients);
+  const int64_t accumulator_bytes = kVocab * kHidden * static_cast<int64_t>(sizeof(float));
 
+  expect_grad(std::vector<double>(first_ref.size(), 0.0), "no call");  // error: ||grad||
+  EXPECT_EQ(server_->ledger().current(server::MemoryPurpose::kGradients), before_training)
+      << "a head holds no accumulator before it first trains";
   train(first);
   expect_grad(first_ref, "the first call");
+  const int64_t gradient_bytes = server_->ledger().current(server::MemoryPurpose::kGradients);
+  EXPECT_EQ(gradient_bytes, before_training + accumulator_bytes)
+      << "the first call's staged dL/dW became the accumulator";
   train(second);
   expect_grad(both_ref, "a second call");
   ASSERT_TRUE(ZeroGrad(head).ok());
@@ -338,10 +345,16 @@ TEST_F(ServerE2eTest, StepsMatchTorchOptimizerFormulas) {
     std::vector<double> w(initial.begin(), initial.end());
     std::vector<double> state1(w.size(), 0.0), state2(w.size(), 0.0);
     for (int step = 1; step <= 3; ++step) {
-      Batch batch = RandomBatch(64, rng_);
-      for (int64_t& y : batch.labels) y %= vocab;
-      ASSERT_TRUE(CallCompute(*stub_, TrainingStart(head, batch), FloatBytes(batch.hidden), 64).status.ok());
+      // The first step comes before any training call: it steps on zeros (weight decay still
+      // moves W), with an accumulator the head allocates for it.
+      if (step > 1) {
+        Batch batch = RandomBatch(64, rng_);
+        for (int64_t& y : batch.labels) y %= vocab;
+        ASSERT_TRUE(CallCompute(*stub_, TrainingStart(head, batch), FloatBytes(batch.hidden), 64)
+                        .status.ok());
+      }
       const FetchedTensor grad = Fetch(*stub_, head, true);
+      ASSERT_TRUE(grad.status.ok()) << grad.status.error_message();
       grpc::ClientContext context;
       v1::StepRequest request;
       request.set_head(head);
