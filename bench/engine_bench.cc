@@ -19,7 +19,9 @@
 //
 // Each measurement is one warm-up run (on the first 64 tokens), then the median of up to --reps
 // timed runs (fewer when one run would exceed --rep-seconds); the three methods of a pass take
-// turns. A table goes to stderr, one JSON object per measurement to stdout (and to --json FILE).
+// turns, and the engine is also compared with the naive baseline round by round (median ratio,
+// rounds won, one-sided sign test). A table goes to stderr, one JSON object per measurement to
+// stdout (and to --json FILE), each with its rounds' times.
 // The engine's loss and dL/dh are checked against the naive baseline; the exit status is 1 when
 // they disagree.
 #include <cblas.h>
@@ -412,6 +414,16 @@ void RunFloor(Problem& p, Pass pass, int64_t block_rows, float* logits, int64_t 
 struct Timing {
   double seconds = 0.0;  // median of the timed runs
   int reps = 0;
+  std::vector<double> rounds;  // each timed run, by round
+};
+
+// The engine against the naive baseline round by round: within a round the two run back to back,
+// so a slow spell of the shared machine that spans the round divides out of their ratio.
+struct PairedComparison {
+  double median_ratio = 0.0;  // of engine / naive, over rounds
+  int faster_rounds = 0;      // rounds in which the engine took less time
+  int rounds = 0;
+  double sign_test_p = 1.0;   // one-sided: P(at least faster_rounds of rounds by a coin's toss)
 };
 
 // One row of the report.
@@ -423,6 +435,7 @@ struct Result {
   std::string skipped;           // why, when skipped
   size_t peak_extra_bytes = 0;
   std::optional<double> ratio_to_floor, ratio_to_naive;
+  std::optional<PairedComparison> paired_to_naive;  // engine rows with a timed naive baseline
   int64_t token_chunk = 0, vocab_chunk = 0;
 };
 
@@ -438,6 +451,25 @@ double Median(std::vector<double> values) {
   std::sort(values.begin(), values.end());
   const size_t mid = values.size() / 2;
   return values.size() % 2 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
+}
+
+PairedComparison CompareByRound(const Timing& engine, const Timing& naive) {
+  PairedComparison c;
+  std::vector<double> ratios;
+  for (size_t i = 0; i < engine.rounds.size() && i < naive.rounds.size(); ++i) {
+    ratios.push_back(engine.rounds[i] / naive.rounds[i]);
+    c.faster_rounds += engine.rounds[i] < naive.rounds[i];
+  }
+  c.rounds = static_cast<int>(ratios.size());
+  c.median_ratio = Median(ratios);
+  // Sum over k >= faster_rounds of C(rounds, k) / 2^rounds.
+  double tail = 0.0, choose = 1.0;
+  for (int k = 0; k <= c.rounds; ++k) {
+    if (k >= c.faster_rounds) tail += choose;
+    choose = choose * (c.rounds - k) / (k + 1);
+  }
+  c.sign_test_p = tail / std::pow(2.0, c.rounds);
+  return c;
 }
 
 // One method of a pass and how to run it on the first `rows` tokens.
@@ -470,7 +502,7 @@ absl::Status MeasureInRounds(const Options& options, int64_t num_tokens, int64_t
     }
   }
   for (size_t i = 0; i < contenders.size(); ++i) {
-    contenders[i].result->timing = Timing{Median(seconds[i]), reps};
+    contenders[i].result->timing = Timing{Median(seconds[i]), reps, seconds[i]};
   }
   return absl::OkStatus();
 }
@@ -522,6 +554,13 @@ nlohmann::json ToJson(const Result& r, const nlohmann::json& machine, const Opti
   j["reps"] = r.timing ? r.timing->reps : 0;
   j["ratio_to_floor"] = number_or_null(r.ratio_to_floor);
   j["ratio_to_naive"] = number_or_null(r.ratio_to_naive);
+  if (r.timing) j["round_seconds"] = r.timing->rounds;
+  if (r.paired_to_naive) {
+    j["paired_to_naive"] = {{"median_ratio", r.paired_to_naive->median_ratio},
+                            {"faster_rounds", r.paired_to_naive->faster_rounds},
+                            {"rounds", r.paired_to_naive->rounds},
+                            {"sign_test_p", r.paired_to_naive->sign_test_p}};
+  }
   if (r.token_chunk > 0) j["chunk"] = {{"tokens", r.token_chunk}, {"vocab", r.vocab_chunk}};
   if (!r.skipped.empty()) j["skipped"] = r.skipped;
   return j;
@@ -606,6 +645,9 @@ absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
     }
     RETURN_IF_ERROR(MeasureInRounds(options, s.n, std::min(s.n, kWarmUpTokens), contenders));
 
+    if (engine.timing && naive.timing) {
+      engine.paired_to_naive = CompareByRound(*engine.timing, *naive.timing);
+    }
     for (Result* r : {&floor, &engine, &naive}) {
       if (!options.methods.contains(r->method.substr(0, r->method.find('_')))) continue;
       if (r->timing) {
@@ -614,6 +656,12 @@ absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
       }
       PrintTableRow(*r);
       results.push_back(*r);
+    }
+    if (engine.paired_to_naive) {
+      const PairedComparison& c = *engine.paired_to_naive;
+      std::cerr << absl::StrFormat(
+          "%-20s engine vs naive by round: median %.3f, faster in %d of %d (sign test p %.3g)\n",
+          "", c.median_ratio, c.faster_rounds, c.rounds, c.sign_test_p);
     }
   }
 

@@ -1,0 +1,33 @@
+"""engine_bench's comparison of the engine with the naive baseline round by round, checked against
+the rounds' own times as it reports them: rounds won, median ratio and the sign test's tail."""
+import json
+import math
+import os
+import statistics
+import subprocess
+
+
+def test_paired_comparison_follows_the_round_times():
+    rounds = 7
+    done = subprocess.run([os.environ["ENGINE_BENCH_BIN"], "--shapes=96,64,1000;1,64,517",
+                           f"--reps={rounds}", "--rep-seconds=100"],
+                          check=True, capture_output=True, text=True)
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    compared = 0
+    for engine in (e for e in lines if e["method"].startswith("engine_")):
+        naive = next(e for e in lines if e["shape"] == engine["shape"]
+                     and e["method"] == engine["method"].replace("engine_", "naive_"))
+        pairs = list(zip(engine["round_seconds"], naive["round_seconds"]))
+        assert len(pairs) == rounds
+        paired = engine["paired_to_naive"]
+        won = sum(e < n for e, n in pairs)
+        assert paired["rounds"] == rounds
+        assert paired["faster_rounds"] == won
+        assert math.isclose(paired["median_ratio"], statistics.median(e / n for e, n in pairs),
+                            rel_tol=1e-12)
+        tail = sum(math.comb(rounds, k) for k in range(won, rounds + 1)) / 2 ** rounds
+        assert math.isclose(paired["sign_test_p"], tail, rel_tol=1e-12)
+        assert "paired_to_naive" not in naive
+        compared += 1
+    assert compared == 4  # two shapes, forward and forward+backward
+    assert f"of {rounds} (sign test p" in done.stderr
