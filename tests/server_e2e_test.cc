@@ -4,10 +4,8 @@
 
 #include <cmath>
 #include <cstring>
-#include <condition_variable>
 #include <filesystem>
 #include <fstream>
-#include <mutex>
 #include <random>
 #include <thread>
 
@@ -413,24 +411,25 @@ TEST_F(ServerE2eTest, HealthServiceReportsServing) {
   auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(server_->port()),
                                      grpc::InsecureChannelCredentials());
   grpc::ClientContext context;
-  // grpc.health.v1.Health/Check with an empty HealthCheckRequest; SERVING is field 1 = 1.
+  // grpc.health.v1.Health/Check with an empty HealthCheckRequest; SERVING is field 1 = 1. Through
+  // a completion queue, not the callback API: that one hands its tag between threads inside
+  // gRPC, out of ThreadSanitizer's sight, which then reports the hand-over as a race.
   grpc::GenericStub generic(channel);
   grpc::Slice empty;
-  grpc::ByteBuffer request(&empty, 1);
+  const grpc::ByteBuffer request(&empty, 1);
+  grpc::CompletionQueue queue;
+  const auto call =
+      generic.PrepareUnaryCall(&context, "/grpc.health.v1.Health/Check", request, &queue);
+  call->StartCall();
   grpc::ByteBuffer reply;
-  std::mutex mu;
-  std::condition_variable done_cv;
-  bool done = false;
   grpc::Status status;
-  generic.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &reply,
-                    [&](grpc::Status s) {
-                      std::lock_guard<std::mutex> lock(mu);
-                      status = s;
-                      done = true;
-                      done_cv.notify_one();
-                    });
-  std::unique_lock<std::mutex> lock(mu);
-  done_cv.wait(lock, [&] { return done; });
+  call->Finish(&reply, &status, call.get());
+  void* tag = nullptr;
+  bool ok = false;
+  ASSERT_TRUE(queue.Next(&tag, &ok));
+  ASSERT_TRUE(ok && tag == call.get());
+  queue.Shutdown();
+  EXPECT_FALSE(queue.Next(&tag, &ok)) << "one call, one event";
   ASSERT_TRUE(status.ok()) << status.error_message();
   std::vector<grpc::Slice> slices;
   ASSERT_TRUE(reply.Dump(&slices).ok());
