@@ -228,8 +228,12 @@ void RunOne(const Script& script) {
   const absl::Status status = RunComputeCall(env, stream);
 
   Require(ledger.current(MemoryPurpose::kWorkspace) == 0, "the call's workspace is released");
-  Require(ledger.current(MemoryPurpose::kGradients) == gradient_bytes_before,
-          "the call's staging gradient is released");
+  // The head is fresh, so a call that accumulates keeps its staging buffer as the accumulator.
+  const bool accumulated = head->Summary().accumulated_calls > before.accumulated_calls;
+  const int64_t accumulator_bytes = kVocabSize * kHiddenSize * static_cast<int64_t>(sizeof(float));
+  Require(ledger.current(MemoryPurpose::kGradients) ==
+              gradient_bytes_before + (accumulated ? accumulator_bytes : 0),
+          "the call's staging gradient is released or kept as the accumulator");
   Require(scheduler.running() == 0 && scheduler.queued() == 0 && scheduler.admitted_bytes() == 0,
           "the call leaves the scheduler");
   Require(ledger.current(MemoryPurpose::kCache) == buffers.idle_bytes(),
