@@ -62,7 +62,8 @@ void BufferCache::Return(DeviceBuffer buffer, size_t leased_bytes) {
   const int64_t size = static_cast<int64_t>(buffer.bytes());
   absl::MutexLock lock(&mu_);
   leased_bytes_ -= static_cast<int64_t>(leased_bytes);
-  if (buffer.data() == nullptr || size > capacity_bytes_) return;  // kept by the holder, or freed here
+  // Moved out and kept by the lease's holder, or too large to keep (freed here, outside the list).
+  if (buffer.data() == nullptr || size > capacity_bytes_) return;
   EvictFor(size);
   idle_.push_front({std::move(buffer), MemoryCharge(&ledger_, MemoryPurpose::kCache, size)});
   idle_bytes_ += size;

@@ -155,7 +155,9 @@ absl::StatusOr<TensorSnapshot> Head::ReadGradient(DType dtype) {
   {
     absl::ReaderMutexLock weight_lock(&weight_mu_);
     absl::MutexLock grad_lock(&grad_mu_);
-    if (grad_.data() != nullptr) RETURN_IF_ERROR(backend_.CopyToHost(grad_, 0, grad.size(), grad.data()));
+    if (grad_.data() != nullptr) {
+      RETURN_IF_ERROR(backend_.CopyToHost(grad_, 0, grad.size(), grad.data()));
+    }
     snapshot.version = version_;
     snapshot.accumulated_tokens = accumulated_tokens_;
   }
