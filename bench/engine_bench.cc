@@ -411,10 +411,17 @@ void RunFloor(Problem& p, Pass pass, int64_t block_rows, float* logits, int64_t 
   }
 }
 
+double Median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t mid = values.size() / 2;
+  return values.size() % 2 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
+}
+
+// The timed runs of one method, by round.
 struct Timing {
-  double seconds = 0.0;  // median of the timed runs
-  int reps = 0;
-  std::vector<double> rounds;  // each timed run, by round
+  std::vector<double> rounds;  // seconds of each
+  double seconds() const { return Median(rounds); }
+  int reps() const { return static_cast<int>(rounds.size()); }
 };
 
 // The engine against the naive baseline round by round: within a round the two run back to back,
@@ -445,12 +452,6 @@ absl::StatusOr<double> TimeOnce(const std::function<absl::Status(int64_t)>& run,
   const auto start = Clock::now();
   RETURN_IF_ERROR(run(rows));
   return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-double Median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t mid = values.size() / 2;
-  return values.size() % 2 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
 }
 
 PairedComparison CompareByRound(const Timing& engine, const Timing& naive) {
@@ -502,7 +503,7 @@ absl::Status MeasureInRounds(const Options& options, int64_t num_tokens, int64_t
     }
   }
   for (size_t i = 0; i < contenders.size(); ++i) {
-    contenders[i].result->timing = Timing{Median(seconds[i]), reps, seconds[i]};
+    contenders[i].result->timing = Timing{seconds[i]};
   }
   return absl::OkStatus();
 }
@@ -528,8 +529,8 @@ void PrintTableRow(const Result& r) {
   const std::string chunk =
       r.token_chunk > 0 ? absl::StrCat(r.token_chunk, " x ", r.vocab_chunk) : "-";
   std::cerr << absl::StrFormat("%-20s %-14s %4d %10.3f %9.1f %8s %8s %11.1f  %s\n", shape, r.method,
-                               r.timing->reps, r.timing->seconds,
-                               UsefulFlops(r.shape, r.pass) / r.timing->seconds / 1e9,
+                               r.timing->reps(), r.timing->seconds(),
+                               UsefulFlops(r.shape, r.pass) / r.timing->seconds() / 1e9,
                                FormatRatio(r.ratio_to_floor), FormatRatio(r.ratio_to_naive),
                                r.peak_extra_bytes / 1048576.0, chunk);
 }
@@ -547,11 +548,11 @@ nlohmann::json ToJson(const Result& r, const nlohmann::json& machine, const Opti
   auto number_or_null = [](const std::optional<double>& x) {
     return x ? nlohmann::json(*x) : nlohmann::json(nullptr);
   };
-  j["seconds"] = number_or_null(r.timing ? std::optional(r.timing->seconds) : std::nullopt);
+  j["seconds"] = number_or_null(r.timing ? std::optional(r.timing->seconds()) : std::nullopt);
   j["gflops"] = number_or_null(r.timing ? std::optional(UsefulFlops(r.shape, r.pass) /
-                                                          r.timing->seconds / 1e9)
+                                                          r.timing->seconds() / 1e9)
                                          : std::nullopt);
-  j["reps"] = r.timing ? r.timing->reps : 0;
+  j["reps"] = r.timing ? r.timing->reps() : 0;
   j["ratio_to_floor"] = number_or_null(r.ratio_to_floor);
   j["ratio_to_naive"] = number_or_null(r.ratio_to_naive);
   if (r.timing) j["round_seconds"] = r.timing->rounds;
@@ -651,8 +652,8 @@ absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
     for (Result* r : {&floor, &engine, &naive}) {
       if (!options.methods.contains(r->method.substr(0, r->method.find('_')))) continue;
       if (r->timing) {
-        if (floor.timing) r->ratio_to_floor = r->timing->seconds / floor.timing->seconds;
-        if (naive.timing) r->ratio_to_naive = r->timing->seconds / naive.timing->seconds;
+        if (floor.timing) r->ratio_to_floor = r->timing->seconds() / floor.timing->seconds();
+        if (naive.timing) r->ratio_to_naive = r->timing->seconds() / naive.timing->seconds();
       }
       PrintTableRow(*r);
       results.push_back(*r);

@@ -227,9 +227,10 @@ void RunOne(const Script& script) {
   ScriptedStream stream(script, *head);
   const absl::Status status = RunComputeCall(env, stream);
 
+  const HeadSummary after = head->Summary();
   Require(ledger.current(MemoryPurpose::kWorkspace) == 0, "the call's workspace is released");
   // The head is fresh, so a call that accumulates keeps its staging buffer as the accumulator.
-  const bool accumulated = head->Summary().accumulated_calls > before.accumulated_calls;
+  const bool accumulated = after.accumulated_calls > before.accumulated_calls;
   const int64_t accumulator_bytes = kVocabSize * kHiddenSize * static_cast<int64_t>(sizeof(float));
   Require(ledger.current(MemoryPurpose::kGradients) ==
               gradient_bytes_before + (accumulated ? accumulator_bytes : 0),
@@ -241,7 +242,6 @@ void RunOne(const Script& script) {
 
   const auto grad_after = head->ReadGradient(DType::kFloat32);
   Require(grad_after.ok(), "the gradient reads after the call");
-  const HeadSummary after = head->Summary();
   if (!status.ok()) {
     Require(grad_after->data == grad_before->data, "a failed call leaves the gradient bit for bit");
     Require(after.accumulated_tokens == before.accumulated_tokens &&
