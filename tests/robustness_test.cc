@@ -690,8 +690,8 @@ const char* AbandonName(Abandon how) {
 // (the start, then chunks), waits `pause` and abandons the call without half-closing it: cancels
 // it, drops stream, context and channel, or stops sending until its deadline passes. Returns the
 // status the client saw, or nothing for a disconnect.
-std::optional<StatusCode> AbandonCall(int port, const std::vector<v1::ComputeRequest>& script,
-                                      int messages, absl::Duration pause, Abandon how) {
+std::optional<grpc::Status> AbandonCall(int port, const std::vector<v1::ComputeRequest>& script,
+                                        int messages, absl::Duration pause, Abandon how) {
   auto channel = PrivateChannel(port);
   auto stub = v1::LossService::NewStub(channel);
   auto context = std::make_unique<grpc::ClientContext>();
@@ -711,7 +711,7 @@ std::optional<StatusCode> AbandonCall(int port, const std::vector<v1::ComputeReq
   }
   v1::ComputeResponse response;
   while (stream->Read(&response)) continue;
-  return stream->Finish().error_code();
+  return stream->Finish();
 }
 
 TEST(CancellationTest, AbandonedStreamsLeakNothingAndAccumulateNothing) {
@@ -751,7 +751,7 @@ TEST(CancellationTest, AbandonedStreamsLeakNothingAndAccumulateNothing) {
   }
   const std::map<std::string, int64_t> calls_before = ComputeCallsByCode(*server);
   const int64_t chunks_before = EngineChunksComputed(*server);
-  std::vector<std::optional<StatusCode>> seen(kCancelTrials);
+  std::vector<std::optional<grpc::Status>> seen(kCancelTrials);
   std::atomic<int> next{0};
   const absl::Time start = absl::Now();
   std::vector<std::thread> clients;
@@ -773,9 +773,18 @@ TEST(CancellationTest, AbandonedStreamsLeakNothingAndAccumulateNothing) {
     ++counts[AbandonName(trial.how)];
     SCOPED_TRACE(::testing::Message() << "trial " << i << ": " << AbandonName(trial.how)
                                       << " after " << trial.messages << " messages");
-    if (trial.how != Abandon::kDisconnect) {
-      EXPECT_EQ(seen[i], trial.how == Abandon::kCancel ? StatusCode::CANCELLED
-                                                       : StatusCode::DEADLINE_EXCEEDED);
+    if (trial.how == Abandon::kDisconnect) continue;
+    ASSERT_TRUE(seen[i].has_value());
+    const StatusCode code = seen[i]->error_code();
+    const std::string message = seen[i]->error_message();
+    if (trial.how == Abandon::kCancel) {
+      EXPECT_EQ(code, StatusCode::CANCELLED) << message;
+    } else {
+      // The status a stalled call ends with is up to gRPC's transport: under ASan one ended
+      // UNAVAILABLE instead of DEADLINE_EXCEEDED. What matters here is that it failed and, as
+      // checked below, left nothing behind on the server.
+      EXPECT_TRUE(code == StatusCode::DEADLINE_EXCEEDED || code == StatusCode::UNAVAILABLE)
+          << "code " << code << ": " << message;
     }
   }
   for (const auto& [name, count] : counts) RecordProperty(absl::StrCat(name, "_trials"), count);
