@@ -188,24 +188,37 @@ absl::StatusOr<ChunkPlan> ChooseChunkPlan(const ProblemShape& shape, size_t budg
     return ChunkPlan{rows, cols, bytes_for(rows, cols)};
   };
 
-  // One pass over the whole vocabulary per token chunk.
+  const int64_t multiple = std::max<int64_t>(limits.vocab_chunk_multiple, 1);
+  const int64_t min_cols = std::min(v, limits.min_vocab_chunk);
+  // The widest tile of `rows` rows that fits, if it is at least min_cols wide; else 0.
+  const auto widest_tile = [&](int64_t rows) -> int64_t {
+    const int64_t units = LargestFitting(1, (v + multiple - 1) / multiple, [&](int64_t u) {
+      return bytes_for(rows, std::min(v, u * multiple)) <= budget_bytes;
+    });
+    const int64_t cols = std::min(v, units * multiple);
+    return units >= 1 && cols >= min_cols ? cols : 0;
+  };
+
   const int64_t max_rows = std::min(n, limits.max_token_chunk);
   const int64_t single_rows = LargestFitting(
       1, max_rows, [&](int64_t rows) { return bytes_for(rows, v) <= budget_bytes; });
+  const bool widened_forward = limits.widened_forward_token_chunk > 0 && !WantsGradients(shape) &&
+                               shape.weight_dtype != DType::kFloat32;
+  if (widened_forward && single_rows < std::min(max_rows, limits.widened_forward_token_chunk)) {
+    const int64_t rows = AlignedTokenChunk(
+        n, std::min(max_rows, limits.widened_forward_token_chunk), limits.token_chunk_multiple);
+    if (const int64_t cols = widest_tile(rows); cols > 0) return plan_of(rows, cols);
+  }
+
+  // One pass over the whole vocabulary per token chunk.
   if (single_rows >= std::min(max_rows, limits.min_single_pass_rows)) {
     return plan_of(AlignedTokenChunk(n, single_rows, limits.token_chunk_multiple), v);
   }
 
   // Vocabulary tiles: keep a useful number of rows and take the widest tile that fits, trading rows
   // for width only when even the narrowest tile does not fit.
-  const int64_t multiple = std::max<int64_t>(limits.vocab_chunk_multiple, 1);
-  const int64_t min_cols = std::min(v, limits.min_vocab_chunk);
   for (int64_t rows = std::min(n, limits.two_pass_token_chunk); rows >= 1; rows /= 2) {
-    const int64_t units = LargestFitting(1, (v + multiple - 1) / multiple, [&](int64_t u) {
-      return bytes_for(rows, std::min(v, u * multiple)) <= budget_bytes;
-    });
-    const int64_t cols = std::min(v, units * multiple);
-    if (units >= 1 && cols >= min_cols) return plan_of(rows, cols);
+    if (const int64_t cols = widest_tile(rows); cols > 0) return plan_of(rows, cols);
   }
   return absl::ResourceExhaustedError(absl::StrCat(
       "workspace budget: expected at least ", bytes_for(1, min_cols),

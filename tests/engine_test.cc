@@ -190,6 +190,13 @@ const EngineCase kCases[] = {
     {"scoring_only", "no gradients wanted: one pass even over vocabulary tiles",
      Spec(90, 64, 6000, [](ProblemSpec& s) { s.top_k = 10; }), 256 * kKiB, Tiling::kVocabTiles,
      /*gradients=*/false},
+    {"bf16_scoring_tiled", "scoring on a bf16 head: the batch in one chunk over vocabulary tiles",
+     Spec(301, 64, 5003, [](ProblemSpec& s) {
+       s.hidden_dtype = DType::kBFloat16;
+       s.weight_dtype = DType::kBFloat16;
+       s.top_k = 10;
+     }),
+     4 * kMiB, Tiling::kVocabTiles, /*gradients=*/false},
     {"bf16_grad_hidden", "dL/dh returned in bf16", Spec(64, 64, 1000), 64 * kMiB, Tiling::kAny,
      /*gradients=*/true, DType::kBFloat16},
 };
@@ -507,7 +514,8 @@ TEST_P(TokenChunkTest, AlignsAndBalancesChunksThatSplitTheBatch) {
   constexpr int64_t kVocab = 1000;
   constexpr TileLimits kLimits = {/*max_token_chunk=*/4096, /*min_single_pass_rows=*/16,
                                   /*two_pass_token_chunk=*/256, /*min_vocab_chunk=*/256,
-                                  /*vocab_chunk_multiple=*/256, /*token_chunk_multiple=*/64};
+                                  /*vocab_chunk_multiple=*/256, /*token_chunk_multiple=*/64,
+                                  /*widened_forward_token_chunk=*/0};
   ProblemShape shape;
   shape.num_tokens = c.num_tokens;
   shape.hidden_size = 8;
@@ -533,6 +541,83 @@ INSTANTIATE_TEST_SUITE_P(
         // Already aligned and even: unchanged.
         TokenChunkCase{"already_aligned", 2048, 1024, 1024}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// Calls without gradients on a 16-bit head, planned for a backend that widens W once per token
+// chunk (widened_forward_token_chunk = 1024), on the same model: 4 bytes per logit, V = 1000.
+struct WidenedForwardCase {
+  const char* name;
+  DType weight_dtype;
+  bool gradients;
+  int64_t num_tokens;
+  int64_t rows_that_fit;  // full-vocabulary rows within the budget
+  int64_t expected_chunk;
+  int64_t expected_tile;
+};
+
+class WidenedForwardTest : public ::testing::TestWithParam<WidenedForwardCase> {};
+
+TEST_P(WidenedForwardTest, TilesTheVocabularyForLongerChunks) {
+  const WidenedForwardCase& c = GetParam();
+  constexpr int64_t kVocab = 1000;
+  constexpr TileLimits kLimits = {/*max_token_chunk=*/4096, /*min_single_pass_rows=*/16,
+                                  /*two_pass_token_chunk=*/256, /*min_vocab_chunk=*/256,
+                                  /*vocab_chunk_multiple=*/256, /*token_chunk_multiple=*/64,
+                                  /*widened_forward_token_chunk=*/1024};
+  ProblemShape shape;
+  shape.num_tokens = c.num_tokens;
+  shape.hidden_size = 8;
+  shape.vocab_size = kVocab;
+  shape.weight_dtype = c.weight_dtype;
+  shape.grad_hidden = c.gradients;
+  const auto plan = ChooseChunkPlan(shape, c.rows_that_fit * kVocab * 4, kLimits,
+                                    [](int64_t rows, int64_t cols) { return size_t(rows * cols * 4); });
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->token_chunk, c.expected_chunk);
+  EXPECT_EQ(plan->vocab_chunk, c.expected_tile);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Plans, WidenedForwardTest,
+    ::testing::Values(
+        // 1024 rows in the budget of 300 full ones: tiles of 292 columns, rounded to 256.
+        WidenedForwardCase{"bf16_scoring", DType::kBFloat16, false, 4096, 300, 1024, 256},
+        // Fewer rows than the target: the whole batch in one chunk, 1.2 MB / 2800 B -> 256 columns.
+        WidenedForwardCase{"bf16_scoring_short_batch", DType::kBFloat16, false, 700, 300, 700, 256},
+        // The whole batch fits in one full-vocabulary chunk: nothing to gain from tiles.
+        WidenedForwardCase{"bf16_scoring_batch_fits", DType::kBFloat16, false, 200, 300, 200, 1000},
+        // 1024 rows would leave tiles of 97 columns, under min_vocab_chunk: full-vocabulary chunks.
+        WidenedForwardCase{"bf16_scoring_tile_too_narrow", DType::kBFloat16, false, 4096, 100, 64, 1000},
+        // Tiles would make a training call compute its logits twice.
+        WidenedForwardCase{"bf16_training", DType::kBFloat16, true, 4096, 300, 256, 1000},
+        // An fp32 W is used where it lies: no widening to save.
+        WidenedForwardCase{"fp32_scoring", DType::kFloat32, false, 4096, 300, 256, 1000}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// The CPU backend at the default budget and a Llama 3 head [128256, 2048] in bf16: scoring takes
+// the longest token chunks over vocabulary tiles, training keeps one pass per chunk.
+TEST(CpuPlanTest, ScoringOnA16BitHeadTakesLongChunksOverTiles) {
+  auto cpu = MakeBackend("cpu");
+  ASSERT_NE(cpu, nullptr);
+  ProblemShape shape;
+  shape.num_tokens = 8192;
+  shape.hidden_size = 2048;
+  shape.vocab_size = 128256;
+  shape.hidden_dtype = DType::kBFloat16;
+  shape.weight_dtype = DType::kBFloat16;
+  shape.top_k = 20;
+  constexpr size_t kBudget = 256 * kMiB;
+  auto scoring = cpu->Plan(shape, kBudget);
+  ASSERT_TRUE(scoring.ok()) << scoring.status();
+  EXPECT_EQ(scoring->token_chunk, 4096);
+  EXPECT_LT(scoring->vocab_chunk, shape.vocab_size);
+  EXPECT_LE(scoring->workspace_bytes, kBudget);
+
+  shape.grad_hidden = true;
+  auto training = cpu->Plan(shape, kBudget);
+  ASSERT_TRUE(training.ok()) << training.status();
+  EXPECT_EQ(training->vocab_chunk, shape.vocab_size);
+  EXPECT_LT(training->token_chunk, 1024);
+}
 
 INSTANTIATE_TEST_SUITE_P(Backends, EngineBackendTest, ::testing::Values("cpu", "cuda"),
                          [](const auto& info) { return info.param; });
