@@ -499,7 +499,22 @@ TEST_P(EngineBackendTest, PlansStayWithinTheBudget) {
   EXPECT_NE(refused.status().message().find("workspace budget"), std::string::npos);
 }
 
-// ChooseChunkPlan on a backend-free workspace model of rows * cols * 4 bytes, V = 1000 columns.
+// ChooseChunkPlan on a backend-free workspace model of rows * cols * 4 bytes, V = 1000 columns,
+// with a budget of `rows_that_fit` full-vocabulary rows.
+constexpr int64_t kModelVocab = 1000;
+
+absl::StatusOr<ChunkPlan> PlanOnModel(ProblemShape shape, int64_t rows_that_fit,
+                                      int64_t widened_forward_token_chunk) {
+  const TileLimits limits = {/*max_token_chunk=*/4096, /*min_single_pass_rows=*/16,
+                             /*two_pass_token_chunk=*/256, /*min_vocab_chunk=*/256,
+                             /*vocab_chunk_multiple=*/256, /*token_chunk_multiple=*/64,
+                             widened_forward_token_chunk};
+  shape.hidden_size = 8;
+  shape.vocab_size = kModelVocab;
+  return ChooseChunkPlan(shape, rows_that_fit * kModelVocab * 4, limits,
+                         [](int64_t rows, int64_t cols) { return size_t(rows * cols * 4); });
+}
+
 struct TokenChunkCase {
   const char* name;
   int64_t num_tokens;
@@ -511,20 +526,12 @@ class TokenChunkTest : public ::testing::TestWithParam<TokenChunkCase> {};
 
 TEST_P(TokenChunkTest, AlignsAndBalancesChunksThatSplitTheBatch) {
   const TokenChunkCase& c = GetParam();
-  constexpr int64_t kVocab = 1000;
-  constexpr TileLimits kLimits = {/*max_token_chunk=*/4096, /*min_single_pass_rows=*/16,
-                                  /*two_pass_token_chunk=*/256, /*min_vocab_chunk=*/256,
-                                  /*vocab_chunk_multiple=*/256, /*token_chunk_multiple=*/64,
-                                  /*widened_forward_token_chunk=*/0};
   ProblemShape shape;
   shape.num_tokens = c.num_tokens;
-  shape.hidden_size = 8;
-  shape.vocab_size = kVocab;
-  const auto plan = ChooseChunkPlan(shape, c.rows_that_fit * kVocab * 4, kLimits,
-                                    [](int64_t rows, int64_t cols) { return size_t(rows * cols * 4); });
+  const auto plan = PlanOnModel(shape, c.rows_that_fit, /*widened_forward_token_chunk=*/0);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->token_chunk, c.expected_chunk);
-  EXPECT_EQ(plan->vocab_chunk, kVocab);
+  EXPECT_EQ(plan->vocab_chunk, kModelVocab);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -542,8 +549,8 @@ INSTANTIATE_TEST_SUITE_P(
         TokenChunkCase{"already_aligned", 2048, 1024, 1024}),
     [](const auto& info) { return std::string(info.param.name); });
 
-// Calls without gradients on a 16-bit head, planned for a backend that widens W once per token
-// chunk (widened_forward_token_chunk = 1024), on the same model: 4 bytes per logit, V = 1000.
+// Calls without gradients on a 16-bit head, planned on the same model for a backend that widens W
+// once per token chunk (widened_forward_token_chunk = 1024).
 struct WidenedForwardCase {
   const char* name;
   DType weight_dtype;
@@ -558,19 +565,11 @@ class WidenedForwardTest : public ::testing::TestWithParam<WidenedForwardCase> {
 
 TEST_P(WidenedForwardTest, TilesTheVocabularyForLongerChunks) {
   const WidenedForwardCase& c = GetParam();
-  constexpr int64_t kVocab = 1000;
-  constexpr TileLimits kLimits = {/*max_token_chunk=*/4096, /*min_single_pass_rows=*/16,
-                                  /*two_pass_token_chunk=*/256, /*min_vocab_chunk=*/256,
-                                  /*vocab_chunk_multiple=*/256, /*token_chunk_multiple=*/64,
-                                  /*widened_forward_token_chunk=*/1024};
   ProblemShape shape;
   shape.num_tokens = c.num_tokens;
-  shape.hidden_size = 8;
-  shape.vocab_size = kVocab;
   shape.weight_dtype = c.weight_dtype;
   shape.grad_hidden = c.gradients;
-  const auto plan = ChooseChunkPlan(shape, c.rows_that_fit * kVocab * 4, kLimits,
-                                    [](int64_t rows, int64_t cols) { return size_t(rows * cols * 4); });
+  const auto plan = PlanOnModel(shape, c.rows_that_fit, /*widened_forward_token_chunk=*/1024);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->token_chunk, c.expected_chunk);
   EXPECT_EQ(plan->vocab_chunk, c.expected_tile);
