@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -21,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "client/cpp/npy.h"
+#include "client/cpp/shared_buffer.h"
 #include "lossd/kernels/half.h"
 #include "server/shared_memory.h"
 #include "tests/engine_harness.h"
@@ -468,6 +470,41 @@ INSTANTIATE_TEST_SUITE_P(
         // Nothing to map at all.
         SharedMemoryCase{"no_rows", 0, client::DType::kFloat32, std::nullopt, 0.0}),
     [](const ::testing::TestParamInfo<SharedMemoryCase>& info) { return std::string(info.param.name); });
+
+struct CopyCase {
+  const char* name;
+  size_t bytes;
+};
+
+void PrintTo(const CopyCase& c, std::ostream* os) { *os << c.name << " (" << c.bytes << " bytes)"; }
+
+class ParallelCopyTest : public ::testing::TestWithParam<CopyCase> {};
+
+// Every byte arrives, in place, and nothing past the end is written.
+TEST_P(ParallelCopyTest, CopiesEveryByteAndNoMore) {
+  const size_t bytes = GetParam().bytes;
+  constexpr size_t kGuard = 64;
+  std::mt19937_64 rng(FreshSeed());
+  std::vector<uint8_t> source(bytes);
+  for (uint8_t& b : source) b = static_cast<uint8_t>(rng());
+  std::vector<uint8_t> target(bytes + kGuard, 0xA5);
+  client::CopyInParallel(target.data(), source.data(), bytes);
+  EXPECT_TRUE(std::equal(source.begin(), source.end(), target.begin()));
+  EXPECT_TRUE(std::all_of(target.begin() + bytes, target.end(), [](uint8_t b) { return b == 0xA5; }));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Sizes, ParallelCopyTest,
+    ::testing::Values(
+        CopyCase{"empty", 0},
+        CopyCase{"one_byte", 1},
+        // Just under two threads' worth: one thread.
+        CopyCase{"one_thread", (size_t{16} << 20) - 1},
+        // Two threads, a length that is no multiple of the pieces' page alignment.
+        CopyCase{"two_threads_odd", (size_t{16} << 20) + 4097},
+        // As many threads as cores (up to four), the last piece shorter than the others.
+        CopyCase{"most_threads", (size_t{40} << 20) + 3}),
+    [](const ::testing::TestParamInfo<CopyCase>& info) { return std::string(info.param.name); });
 
 // A memfd holding `bytes`, made as the client makes one (sealed against shrinking), or not.
 int MakeMemfd(uint64_t bytes, int seals) {

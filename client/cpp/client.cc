@@ -666,7 +666,7 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request, v1::Compute
   constexpr uint64_t kAlignment = 64;  // the server's rule for both offsets
   const uint64_t grad_offset = (hidden_bytes + kAlignment - 1) / kAlignment * kAlignment;
   ASSIGN_OR_RETURN(std::unique_ptr<SharedBuffer> buffer, shared_buffers_->Acquire(grad_offset + grad_bytes));
-  if (hidden_bytes > 0) std::memcpy(buffer->data(), hidden.data, hidden_bytes);
+  CopyInParallel(buffer->data(), hidden.data, hidden_bytes);
   v1::SharedMemory& shared = *start_message.mutable_start()->mutable_shared_memory();
   shared.set_pid(getpid());
   shared.set_fd(buffer->fd());
@@ -693,7 +693,7 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request, v1::Compute
       result.grad_hidden.bytes.resize(grad_bytes);
       target = result.grad_hidden.bytes.data();
     }
-    std::memcpy(target, buffer->data() + grad_offset, grad_bytes);
+    CopyInParallel(target, buffer->data() + grad_offset, grad_bytes);
   }
   shared_buffers_->Release(std::move(buffer));
   return absl::OkStatus();

@@ -6,6 +6,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
+#include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -64,6 +67,31 @@ void SharedBufferPool::Release(std::unique_ptr<SharedBuffer> buffer) {
                                      [](const auto& a, const auto& b) { return a->size() < b->size(); });
     idle_.erase(smallest);
   }
+}
+
+void CopyInParallel(void* dst, const void* src, size_t bytes) {
+  // Below a few MiB a thread's start costs more than it saves.
+  constexpr size_t kMinBytesPerThread = size_t{8} << 20;
+  constexpr size_t kMaxThreads = 4;
+  constexpr size_t kPieceAlignment = 4096;  // pieces start on page boundaries of both buffers
+  const size_t threads = std::clamp<size_t>(
+      std::min<size_t>(bytes / kMinBytesPerThread, std::thread::hardware_concurrency()), 1,
+      kMaxThreads);
+  if (threads == 1) {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+    return;
+  }
+  const size_t piece = (bytes / threads + kPieceAlignment - 1) / kPieceAlignment * kPieceAlignment;
+  auto* out = static_cast<uint8_t*>(dst);
+  const auto* in = static_cast<const uint8_t*>(src);
+  std::vector<std::thread> helpers;
+  for (size_t t = 1; t < threads; ++t) {
+    const size_t begin = std::min(bytes, t * piece);
+    const size_t end = std::min(bytes, begin + piece);
+    helpers.emplace_back([out, in, begin, end] { std::memcpy(out + begin, in + begin, end - begin); });
+  }
+  std::memcpy(out, in, std::min(bytes, piece));
+  for (std::thread& helper : helpers) helper.join();
 }
 
 }  // namespace lossd::client

@@ -49,6 +49,11 @@ class SharedBufferPool {
   std::vector<std::unique_ptr<SharedBuffer>> idle_ ABSL_GUARDED_BY(mu_);
 };
 
+// memcpy split over up to four threads when it is large. A call's rows go into its memfd and its
+// dL/dh comes out of it while the server waits; one thread alone moved 128 MiB in 20 to 28 ms on a
+// 2-core host, two in 13 to 19 ms.
+void CopyInParallel(void* dst, const void* src, size_t bytes);
+
 }  // namespace lossd::client
 
 #endif  // LOSSD_CLIENT_SHARED_BUFFER_H_
