@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -73,7 +74,7 @@ void CopyInParallel(void* dst, const void* src, size_t bytes) {
   // Below a few MiB a thread's start costs more than it saves.
   constexpr size_t kMinBytesPerThread = size_t{8} << 20;
   constexpr size_t kMaxThreads = 4;
-  constexpr size_t kPieceAlignment = 4096;  // pieces start on page boundaries of both buffers
+  constexpr size_t kPieceAlignment = 4096;  // each piece starts a whole number of pages in
   const size_t threads = std::clamp<size_t>(
       std::min<size_t>(bytes / kMinBytesPerThread, std::thread::hardware_concurrency()), 1,
       kMaxThreads);
@@ -88,7 +89,14 @@ void CopyInParallel(void* dst, const void* src, size_t bytes) {
   for (size_t t = 1; t < threads; ++t) {
     const size_t begin = std::min(bytes, t * piece);
     const size_t end = std::min(bytes, begin + piece);
-    helpers.emplace_back([out, in, begin, end] { std::memcpy(out + begin, in + begin, end - begin); });
+    const auto copy_piece = [out, in, begin, end] {
+      std::memcpy(out + begin, in + begin, end - begin);
+    };
+    try {
+      helpers.emplace_back(copy_piece);
+    } catch (const std::system_error&) {  // no thread to be had: this one copies the piece
+      copy_piece();
+    }
   }
   std::memcpy(out, in, std::min(bytes, piece));
   for (std::thread& helper : helpers) helper.join();
