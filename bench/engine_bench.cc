@@ -2,19 +2,19 @@
 // so that their ratios are comparable on a noisy machine.
 //
 // For each shape (N tokens, H hidden, V vocabulary; hidden states and W in --dtype, fp32 or bf16)
-// and each pass (forward: loss and logprobs; forward+backward: also dL/dh and dL/dW accumulated),
-// three methods:
+// and each pass (forward: loss and logprobs; forward+backward: also dL/dh and dL/dW accumulated;
+// on request, forward + dL/dh: a frozen head), three methods:
 //   engine  Backend::Compute with the workspace budget (--budget-mib), chunked, never [N, V];
 //   naive   materializes logits[N, V] = h W^T, log-softmax, dz = (softmax - onehot) / N in place,
 //           dh = dz W, dW += dz^T h; skipped when its [N, V] buffer exceeds --naive-cap-gib;
 //   floor   the GEMMs alone (logits, dh, dW) with no elementwise work, over the whole batch or in
 //           blocks of rows whose logits fill at most 1 GiB (large enough for BLAS's full rate):
 //           the cost of the useful flops on this BLAS, independent of the engine's plan.
-// Useful flops are 2NHV forward and 6NHV forward+backward for every method. --methods picks a
-// subset (one per process, say, to measure each one's memory on its own). The engine runs on
-// --device (any backend; the hidden states and outputs are in host memory, as the server holds
-// them); the naive baseline and the floor are CPU BLAS in fp32 on the same (rounded) values, so
-// with another device only the engine runs. With bf16 the naive baseline still computes in fp32:
+// Useful flops are 2NHV forward, 4NHV forward + dL/dh and 6NHV forward+backward for every method.
+// --methods picks a subset (one per process, say, to measure each one's memory on its own). The
+// engine runs on --device (any backend; the hidden states and outputs are in host memory, as the
+// server holds them); the naive baseline and the floor are CPU BLAS in fp32 on the same (rounded)
+// values, so with another device only the engine runs. With bf16 the naive baseline still computes in fp32:
 // it is what a caller without a bf16 GEMM would run.
 //
 // Each measurement is one warm-up run (on the first 64 tokens), then the median of up to --reps
@@ -69,11 +69,22 @@ const std::vector<Shape> kDefaultShapes = {
 };
 const std::vector<Shape> kQuickShapes = {{512, 1024, 32000}, {1024, 1024, 32000}};
 
-enum class Pass { kForward, kForwardBackward };
+// kForwardGradHidden is a call on a frozen head (dL/dh only), as in fine-tuning below the head.
+enum class Pass { kForward, kForwardGradHidden, kForwardBackward };
 
-absl::string_view PassSuffix(Pass pass) { return pass == Pass::kForward ? "fwd" : "fwd_bwd"; }
+bool WantsGradHidden(Pass pass) { return pass != Pass::kForward; }
+bool WantsGradWeight(Pass pass) { return pass == Pass::kForwardBackward; }
+absl::string_view PassSuffix(Pass pass) {
+  switch (pass) {
+    case Pass::kForward: return "fwd";
+    case Pass::kForwardGradHidden: return "fwd_dh";
+    case Pass::kForwardBackward: return "fwd_bwd";
+  }
+  return "";
+}
+// 2NHV per GEMM: logits, then dL/dh and dL/dW where asked for.
 double UsefulFlops(const Shape& s, Pass pass) {
-  return (pass == Pass::kForward ? 2.0 : 6.0) * s.n * s.h * s.v;
+  return 2.0 * (1 + WantsGradHidden(pass) + WantsGradWeight(pass)) * s.n * s.h * s.v;
 }
 double Gib(double bytes) { return bytes / (1024.0 * 1024.0 * 1024.0); }
 
@@ -122,7 +133,7 @@ constexpr char kUsage[] = R"(usage: engine_bench [flags]
   --rep-seconds S           fewer runs when one is long: clamp(S / run seconds, 1, R) (default 20)
   --naive-cap-gib G         skip the naive baseline when its [N, V] logits exceed G GiB (default 6)
   --methods M,M             run only these of floor, engine, naive (default all three)
-  --passes P,P              run only these of fwd, fwd_bwd (default both)
+  --passes P,P              run only these of fwd, fwd_dh, fwd_bwd (default fwd and fwd_bwd)
   --json FILE               also write the JSON lines to FILE
 )";
 
@@ -181,9 +192,14 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
       }
     } else if (name == "--passes") {
       o.passes.clear();
-      for (absl::string_view pass : absl::StrSplit(value, ',')) {
-        valid = valid && (pass == "fwd" || pass == "fwd_bwd");
-        o.passes.insert(pass == "fwd" ? Pass::kForward : Pass::kForwardBackward);
+      for (absl::string_view name : absl::StrSplit(value, ',')) {
+        bool known = false;
+        for (Pass pass : {Pass::kForward, Pass::kForwardGradHidden, Pass::kForwardBackward}) {
+          if (name != PassSuffix(pass)) continue;
+          o.passes.insert(pass);
+          known = true;
+        }
+        valid = valid && known;
       }
     } else if (name == "--json") {
       o.json_path = value;
@@ -197,7 +213,7 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
           {"--rep-seconds", "a number >= 0"},
           {"--naive-cap-gib", "a number >= 0"},
           {"--methods", "a comma-separated subset of floor, engine, naive"},
-          {"--passes", "a comma-separated subset of fwd, fwd_bwd"}};
+          {"--passes", "a comma-separated subset of fwd, fwd_dh, fwd_bwd"}};
       return absl::InvalidArgumentError(
           absl::StrCat(name, ": expected ", kExpected.at(name), ", got '", value, "'"));
     }
@@ -319,8 +335,8 @@ ProblemShape EngineShape(const Shape& s, DType dtype, Pass pass) {
   shape.num_tokens = s.n;
   shape.hidden_size = s.h;
   shape.vocab_size = s.v;
-  shape.grad_hidden = pass == Pass::kForwardBackward;
-  shape.grad_weight = pass == Pass::kForwardBackward;
+  shape.grad_hidden = WantsGradHidden(pass);
+  shape.grad_weight = WantsGradWeight(pass);
   return shape;
 }
 
@@ -336,12 +352,11 @@ absl::Status RunEngine(Backend& backend, Problem& p, Pass pass, DeviceBuffer& wo
   TokenOutputs out;
   out.loss = p.loss.data();
   out.logprob = p.logprob.data();
-  const bool backward = pass == Pass::kForwardBackward;
-  if (backward) out.grad_hidden = p.engine_grad_hidden.data();
+  if (WantsGradHidden(pass)) out.grad_hidden = p.engine_grad_hidden.data();
   const WeightView weight{&p.weight, p.dtype, p.shape.v, p.shape.h};
   ASSIGN_OR_RETURN(const BatchSummary summary,
                    backend.Compute(in, weight, LossOptions{}, out,
-                                   backward ? &p.grad_weight : nullptr, workspace));
+                                   WantsGradWeight(pass) ? &p.grad_weight : nullptr, workspace));
   p.engine_loss = summary.loss;
   return absl::OkStatus();
 }
@@ -373,7 +388,7 @@ void RunNaive(Problem& p, Pass pass, float* logits, int64_t n) {
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, v, h, 1.0f, p.hidden.data(), h, Weight(p),
               h, 0.0f, logits, v);
   const float inv_n = 1.0f / static_cast<float>(n);
-  const bool backward = pass == Pass::kForwardBackward;
+  const bool backward = WantsGradHidden(pass);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     p.logprob[i] = NaiveRow(logits + i * v, v, p.labels[i], backward, inv_n);
@@ -385,6 +400,7 @@ void RunNaive(Problem& p, Pass pass, float* logits, int64_t n) {
   if (!backward) return;
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, h, v, 1.0f, logits, v, Weight(p), h,
               0.0f, p.naive_grad_hidden.data(), h);
+  if (!WantsGradWeight(pass)) return;
   cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v, h, n, 1.0f, logits, v, p.hidden.data(), h,
               1.0f, GradWeight(p), h);
 }
@@ -403,9 +419,10 @@ void RunFloor(Problem& p, Pass pass, int64_t block_rows, float* logits, int64_t 
     const float* hidden = p.hidden.data() + r0 * h;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, v, h, 1.0f, hidden, h, Weight(p), h,
                 0.0f, logits, v);
-    if (pass == Pass::kForward) continue;
+    if (!WantsGradHidden(pass)) continue;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, h, v, 1.0f, logits, v, Weight(p),
                 h, 0.0f, p.floor_grad_hidden.data() + r0 * h, h);
+    if (!WantsGradWeight(pass)) continue;
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v, h, rows, 1.0f, logits, v, hidden, h,
                 1.0f, GradWeight(p), h);
   }
@@ -705,7 +722,7 @@ absl::Status Run(const Options& options) {
   std::cerr << "machine: " << machine.dump() << "\n"
             << "engine workspace budget " << (options.budget_bytes >> 20) << " MiB, "
             << DTypeName(options.dtype) << " inputs; useful flops "
-            << "2NHV forward, 6NHV forward+backward; seconds are medians\n";
+            << "2NHV forward, 4NHV fwd_dh, 6NHV forward+backward; seconds are medians\n";
   PrintTableHeader();
 
   bool check_failed = false;

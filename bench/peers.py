@@ -20,8 +20,8 @@ space cap (--memory-cap-gib): a method that cannot fit is recorded as out of mem
 Transport: Compute calls on a 16-row head, where compute is small, give the wire throughput
 (hidden rows in, dL/dh out; fp32 and bf16; one stream and the batch split over several), with the
 rows in gRPC messages and in shared memory (lossctl bench --shared_memory: a memfd the server
-maps), next to the engine alone on the same rows in-process (fp32; no transfer at all, the bound
-of any transport), the ceiling gRPC itself reaches here (grpc_echo: bench/grpc_echo_bench echoing the same bytes each
+maps), next to the engine alone on the same rows in-process (fp32, dL/dh without dL/dW as the
+calls ask; no transfer at all, the bound of any transport), the ceiling gRPC itself reaches here (grpc_echo: bench/grpc_echo_bench echoing the same bytes each
 way, in messages of the client's 4 MiB, over as many concurrent calls, between two processes over
 loopback, nothing else done) and this machine's single-thread memcpy bandwidth. Remote/in-process
 ratios are measured two ways: rows streamed in messages of about 4 MiB, each token chunk computed
@@ -197,8 +197,8 @@ class Runner:
             return {"error": failure(err, code)}, rss
         return json.loads(out.strip().splitlines()[-1]), rss
 
-    def engine_bench(self, method, n, h, v):
-        argv = [os.path.join(self.bin, "engine_bench"), "--methods", method, "--passes", "fwd_bwd",
+    def engine_bench(self, method, n, h, v, passes="fwd_bwd"):
+        argv = [os.path.join(self.bin, "engine_bench"), "--methods", method, "--passes", passes,
                 "--shapes", f"{n},{h},{v}", "--reps", str(self.args.reps),
                 "--budget-mib", str(self.args.budget_mib)]
         code, out, err, rss = self.launch(argv)
@@ -476,8 +476,10 @@ def bench_transport(runner, tokens, record):
                 record(bench_echo(runner, tokens, dtype, streams))
     finally:
         server.stop()
-    # The same rows through the engine in-process: what a call costs with no transfer at all.
-    engine, _ = runner.engine_bench("engine", tokens, TRANSPORT_HIDDEN, TRANSPORT_VOCAB)
+    # The same rows through the engine in-process, with the same outputs (dL/dh, no dL/dW): what a
+    # call costs with no transfer at all.
+    engine, _ = runner.engine_bench("engine", tokens, TRANSPORT_HIDDEN, TRANSPORT_VOCAB,
+                                    passes="fwd_dh")
     row_bytes = tokens * TRANSPORT_HIDDEN * DTYPE_BYTES["float32"]
     record(transport_entry("transport_engine", "float32", 1, tokens,
                            engine if "error" in engine else

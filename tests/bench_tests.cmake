@@ -13,9 +13,9 @@ add_test(NAME engine_bench_names_a_bad_flag COMMAND engine_bench --dtype fp16)
 set_tests_properties(engine_bench_names_a_bad_flag PROPERTIES
   PASS_REGULAR_EXPRESSION "--dtype: expected fp32 or bf16, got 'fp16'")
 
-add_test(NAME engine_bench_pairs_rounds
+add_test(NAME engine_bench_reports
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/engine_bench_test.py)
-set_tests_properties(engine_bench_pairs_rounds PROPERTIES
+set_tests_properties(engine_bench_reports PROPERTIES
   ENVIRONMENT "ENGINE_BENCH_BIN=$<TARGET_FILE:engine_bench>;OMP_NUM_THREADS=2" TIMEOUT 60)
 
 # The GPU peer benchmark's own logic, on the CPU (its CUDA-only peers report why they did not run).

@@ -1,5 +1,6 @@
-"""engine_bench's comparison of the engine with the naive baseline round by round, checked against
-the rounds' own times as it reports them: rounds won, median ratio and the sign test's tail."""
+"""engine_bench's reports: the comparison of the engine with the naive baseline round by round,
+checked against the rounds' own times as it reports them (rounds won, median ratio and the sign
+test's tail), and the useful flops it credits each pass with."""
 import json
 import math
 import os
@@ -31,3 +32,17 @@ def test_paired_comparison_follows_the_round_times():
         compared += 1
     assert compared == 4  # two shapes, forward and forward+backward
     assert f"of {rounds} (sign test p" in done.stderr
+
+
+def test_frozen_head_pass_counts_two_gemms_of_useful_work():
+    # fwd_dh is a call that wants dL/dh but not dL/dW: 4NHV useful flops for every method, and the
+    # engine's dL/dh must still agree with the naive baseline's (else the exit status is 1).
+    n, h, v = 96, 64, 1000
+    done = subprocess.run([os.environ["ENGINE_BENCH_BIN"], f"--shapes={n},{h},{v}",
+                           "--passes=fwd_dh", "--reps=2"],
+                          check=True, capture_output=True, text=True)
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert sorted(e["method"] for e in lines) == ["engine_fwd_dh", "floor_fwd_dh", "naive_fwd_dh"]
+    for e in lines:
+        assert math.isclose(e["gflops"] * 1e9 * e["seconds"], 4.0 * n * h * v, rel_tol=1e-9)
+    assert "agree" in done.stderr
