@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "absl/strings/str_cat.h"
 #include "lossd/common/status_macros.h"
@@ -225,6 +226,21 @@ absl::StatusOr<ChunkPlan> ChooseChunkPlan(const ProblemShape& shape, size_t budg
       " bytes for the smallest tile (1 token x ", min_cols, " vocabulary columns), got ",
       budget_bytes));
 }
+
+absl::StatusOr<DeviceBuffer> AllocateHostBuffer(BufferAllocator* owner, size_t bytes) {
+  const size_t rounded = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
+  void* data = std::aligned_alloc(256, rounded);
+  if (data == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat("host memory: could not allocate ", bytes, " bytes"));
+  }
+  return DeviceBuffer(owner, data, bytes);
+}
+
+absl::StatusOr<DeviceBuffer> HostAllocator::Allocate(size_t bytes) {
+  return AllocateHostBuffer(this, bytes);
+}
+
+void HostAllocator::Free(void* data, size_t) { std::free(data); }
 
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
   if (this != &other) {

@@ -21,8 +21,8 @@ void BufferLease::Release() {
   std::exchange(cache_, nullptr)->Return(std::move(buffer_), std::exchange(leased_bytes_, 0));
 }
 
-BufferCache::BufferCache(Backend& backend, MemoryLedger& ledger, int64_t capacity_bytes)
-    : backend_(backend), ledger_(ledger), capacity_bytes_(capacity_bytes) {}
+BufferCache::BufferCache(BufferAllocator& allocator, MemoryLedger& ledger, int64_t capacity_bytes)
+    : allocator_(allocator), ledger_(ledger), capacity_bytes_(capacity_bytes) {}
 
 BufferCache::~BufferCache() { Clear(); }
 
@@ -42,11 +42,11 @@ absl::StatusOr<BufferLease> BufferCache::Acquire(size_t bytes, MemoryPurpose pur
     leased_bytes_ += size;
   }
   if (buffer.data() == nullptr) {
-    absl::StatusOr<DeviceBuffer> fresh = backend_.Allocate(bytes);
+    absl::StatusOr<DeviceBuffer> fresh = allocator_.Allocate(bytes);
     if (!fresh.ok()) {
       // Idle buffers of other sizes may be what stands in the way on a full device.
       Clear();
-      fresh = backend_.Allocate(bytes);
+      fresh = allocator_.Allocate(bytes);
     }
     if (!fresh.ok()) {
       absl::MutexLock lock(&mu_);

@@ -1,8 +1,9 @@
-// Device buffers for Compute calls (workspaces and staging gradients), kept for the next call
-// instead of freed. A fresh buffer costs more than the work it holds at small batches: on the CPU
-// the first touch of every page maps it (a 1 GiB staging dL/dW: 0.3 s on two cores, as long as a
-// quarter of a 512-token call at V = 128256), on a GPU cudaMalloc and cudaFree synchronize the
-// device.
+// Buffers for Compute calls (on the device: workspaces and staging gradients; on the host: rows in
+// from messages and dL/dh out to them), kept for the next call instead of freed. A fresh buffer
+// costs more than the work it holds at small batches: on the CPU the first touch of every page
+// maps it (a 1 GiB staging dL/dW: 0.3 s on two cores, as long as a quarter of a 512-token call at
+// V = 128256; 16384 rows of 2048 floats in and out through messages: 15% of the call), on a GPU
+// cudaMalloc and cudaFree synchronize the device.
 //
 // Idle buffers are charged to MemoryPurpose::kCache. Before a new buffer is allocated, idle ones
 // are freed, least recently used first, until the cache's buffers, in use and idle, fit its
@@ -56,7 +57,7 @@ class BufferLease {
 class BufferCache {
  public:
   // capacity_bytes 0 keeps nothing: every lease frees its buffer when it ends.
-  BufferCache(Backend& backend, MemoryLedger& ledger, int64_t capacity_bytes);
+  BufferCache(BufferAllocator& allocator, MemoryLedger& ledger, int64_t capacity_bytes);
   ~BufferCache();
 
   // A buffer of exactly `bytes`, idle or new; its contents are undefined.
@@ -77,7 +78,7 @@ class BufferCache {
   // Frees idle buffers, least recently used first, until `incoming` more bytes fit.
   void EvictFor(int64_t incoming) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  Backend& backend_;
+  BufferAllocator& allocator_;
   MemoryLedger& ledger_;
   const int64_t capacity_bytes_;
   mutable absl::Mutex mu_;

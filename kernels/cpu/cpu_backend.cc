@@ -377,12 +377,7 @@ class CpuBackend final : public Backend {
   }
 
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
-    const size_t rounded = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
-    void* data = std::aligned_alloc(256, rounded);
-    if (data == nullptr) {
-      return absl::ResourceExhaustedError(absl::StrCat("host memory: could not allocate ", bytes, " bytes"));
-    }
-    return DeviceBuffer(this, data, bytes);
+    return AllocateHostBuffer(this, bytes);
   }
 
   absl::Status CopyToDevice(const void* host, size_t bytes, DeviceBuffer& dst,

@@ -15,13 +15,15 @@
 
 namespace lossd {
 
-class Backend;
+class BufferAllocator;
 
-// Memory on a backend's device (host memory for the CPU backend), freed by its owner.
+// Memory from a BufferAllocator: a backend's device memory (host memory for the CPU backend), or
+// host memory from a HostAllocator. Freed by its owner.
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
-  DeviceBuffer(Backend* owner, void* data, size_t bytes) : owner_(owner), data_(data), bytes_(bytes) {}
+  DeviceBuffer(BufferAllocator* owner, void* data, size_t bytes)
+      : owner_(owner), data_(data), bytes_(bytes) {}
   DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
   DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
   DeviceBuffer(const DeviceBuffer&) = delete;
@@ -34,9 +36,30 @@ class DeviceBuffer {
   size_t bytes() const { return bytes_; }
 
  private:
-  Backend* owner_ = nullptr;
+  BufferAllocator* owner_ = nullptr;
   void* data_ = nullptr;
   size_t bytes_ = 0;
+};
+
+// What hands out DeviceBuffers and takes them back as they are destroyed.
+class BufferAllocator {
+ public:
+  virtual ~BufferAllocator() = default;
+  virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
+
+ protected:
+  friend class DeviceBuffer;
+  virtual void Free(void* data, size_t bytes) = 0;
+};
+
+// Host memory, 256-byte aligned and not zeroed, whatever the compute device: rows staged on the
+// host on their way to it, for one.
+class HostAllocator final : public BufferAllocator {
+ public:
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override;
+
+ protected:
+  void Free(void* data, size_t bytes) override;
 };
 
 // W, [vocab_size, hidden_size] row-major, resident on the backend's device.
@@ -96,16 +119,14 @@ struct OptimizerTensors {
   int64_t count = 0;
 };
 
-class Backend {
+class Backend : public BufferAllocator {
  public:
-  virtual ~Backend() = default;
 
   virtual absl::string_view kind() const = 0;  // "cpu" or "cuda"
   virtual std::string Describe() const = 0;   // human-readable device and library versions
   // Total and used memory of the device, as its driver (or the OS, for the CPU) reports them now.
   virtual absl::StatusOr<DeviceMemory> QueryMemory() const = 0;
 
-  virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
   virtual absl::Status CopyToDevice(const void* host, size_t bytes, DeviceBuffer& dst,
                                     size_t dst_offset) = 0;
   virtual absl::Status CopyToHost(const DeviceBuffer& src, size_t src_offset, size_t bytes,
@@ -131,10 +152,6 @@ class Backend {
                                                const TokenOutputs& outputs,
                                                DeviceBuffer* grad_weight,
                                                DeviceBuffer& workspace) = 0;
-
- protected:
-  friend class DeviceBuffer;
-  virtual void Free(void* data, size_t bytes) = 0;
 };
 
 // "cpu", "cuda", "cuda:N" or "auto" (CUDA when a device is present, else CPU). The CUDA backend is a

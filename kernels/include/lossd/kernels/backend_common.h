@@ -33,6 +33,10 @@ inline bool WantsGradients(const ProblemShape& shape) {
   return shape.grad_hidden || shape.grad_weight;
 }
 
+// `bytes` of host memory, 256-byte aligned and not zeroed, owned by `owner`, whose Free must hand
+// it to std::free: the CPU backend's memory and HostAllocator's.
+absl::StatusOr<DeviceBuffer> AllocateHostBuffer(BufferAllocator* owner, size_t bytes);
+
 int64_t CountCountedRows(const int64_t* labels, int64_t num_tokens, int64_t ignore_index);
 
 // How a backend likes its tiles.
