@@ -215,9 +215,13 @@ void RunOne(const Script& script) {
   limits.max_result_message_bytes = script.result_message_bytes;
   limits.max_admission_wait = absl::ZeroDuration();
   BufferCache buffers(backend, ledger, scheduler.capacity_bytes());
+  HostAllocator host;
+  MemoryLedger host_ledger;
+  BufferCache host_buffers(host, host_ledger, /*capacity_bytes=*/0);
   static SharedMemoryMaps shared_memory_maps;  // never reached: the scripted peer is not local
-  const ComputeEnvironment env{&backend, &heads,   &scheduler,          /*metrics=*/nullptr,
-                               &ledger,  &buffers, &shared_memory_maps, limits};
+  const ComputeEnvironment env{&backend, &heads,   &scheduler,     /*metrics=*/nullptr,
+                               &ledger,  &buffers, &host_buffers,  &shared_memory_maps,
+                               limits};
 
   const auto grad_before = head->ReadGradient(DType::kFloat32);
   Require(grad_before.ok(), "the gradient reads before the call");

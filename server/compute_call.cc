@@ -107,11 +107,10 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
 struct ChunkOutputs {
   std::vector<float> loss, logprob, lse, entropy, top_k_logprob;
   std::vector<int32_t> argmax, top_k_token;
-  std::vector<uint8_t> grad_hidden;
 
-  // dL/dh goes to `grad_hidden_target` when given (shared memory), else to this chunk's buffer.
-  TokenOutputs Bind(const v1::OutputSelection& want, int64_t rows, int64_t hidden_size,
-                    DType grad_dtype, void* grad_hidden_target) {
+  // dL/dh, when wanted, goes to `grad_hidden` (shared memory, or the call's host buffer).
+  TokenOutputs Bind(const v1::OutputSelection& want, int64_t rows, void* grad_hidden,
+                    DType grad_dtype) {
     TokenOutputs out;
     auto bind = [rows](bool wanted, auto& buffer, int64_t per_row) {
       buffer.resize(wanted ? rows * per_row : 0);
@@ -125,9 +124,7 @@ struct ChunkOutputs {
     out.top_k = want.top_k();
     out.top_k_logprob = bind(want.top_k() > 0, top_k_logprob, want.top_k());
     out.top_k_token = bind(want.top_k() > 0, top_k_token, want.top_k());
-    out.grad_hidden = grad_hidden_target != nullptr
-                          ? grad_hidden_target
-                          : bind(want.grad_hidden(), grad_hidden, hidden_size * DTypeSize(grad_dtype));
+    out.grad_hidden = grad_hidden;
     out.grad_hidden_dtype = grad_dtype;
     return out;
   }
@@ -233,8 +230,17 @@ class ComputeCall {
       // Not zeroed: the first engine chunk stores into it (LossOptions::overwrite_grad_weight).
       ASSIGN_OR_RETURN(staging_, env_.buffers->Acquire(staging_bytes_, MemoryPurpose::kGradients));
     }
+    if (spec_.outputs.grad_hidden() && !spec_.shared_memory.has_value()) {
+      const int64_t rows = std::min(plan_.token_chunk, spec_.num_tokens);
+      ASSIGN_OR_RETURN(message_grad_hidden_,
+                       env_.host_buffers->Acquire(static_cast<size_t>(rows * spec_.grad_row_bytes()),
+                                                  MemoryPurpose::kWorkspace));
+    }
     return absl::OkStatus();
   }
+
+  // One engine chunk's dL/dh on its way into result messages.
+  uint8_t* MessageGradHidden() { return static_cast<uint8_t*>(message_grad_hidden_.buffer().data()); }
 
   // Computes each engine chunk as soon as its rows are in, while the reader takes the next; rows
   // in shared memory are computed where they lie.
@@ -252,13 +258,15 @@ class ComputeCall {
     layout.hidden_size = spec_.hidden_size;
     layout.dtype = spec_.hidden_dtype;
     layout.chunk_rows = plan_.token_chunk;
-    RowReader reader(stream_, env_.metrics, layout);  // on failure, stops reading as it goes
+    // On failure the reader stops reading as it goes.
+    ASSIGN_OR_RETURN(std::unique_ptr<RowReader> reader,
+                     RowReader::Start(stream_, env_.metrics, layout, *env_.host_buffers));
     while (computed_rows_ < spec_.num_tokens) {
-      ASSIGN_OR_RETURN(const RowChunk chunk, reader.Next());
+      ASSIGN_OR_RETURN(const RowChunk chunk, reader->Next());
       RETURN_IF_ERROR(ComputeChunk(chunk));
-      reader.Release();
+      reader->Release();
     }
-    return reader.Finish();
+    return reader->Finish();
   }
 
   absl::Status ComputeChunk(const RowChunk& chunk) {
@@ -271,12 +279,13 @@ class ComputeCall {
     in.hidden_size = spec_.hidden_size;
     in.labels = spec_.labels.data() + first;
     in.token_weights = spec_.token_weights.empty() ? nullptr : spec_.token_weights.data() + first;
-    uint8_t* shared_grad_hidden = nullptr;
-    if (spec_.shared_memory.has_value() && spec_.outputs.grad_hidden()) {
-      shared_grad_hidden = shared_memory_.grad_hidden() + first * spec_.grad_row_bytes();
+    uint8_t* grad_hidden = nullptr;
+    if (spec_.outputs.grad_hidden()) {
+      grad_hidden = spec_.shared_memory.has_value()
+                        ? shared_memory_.grad_hidden() + first * spec_.grad_row_bytes()
+                        : MessageGradHidden();
     }
-    const TokenOutputs out = outputs_.Bind(spec_.outputs, rows, spec_.hidden_size,
-                                           spec_.grad_hidden_dtype, shared_grad_hidden);
+    const TokenOutputs out = outputs_.Bind(spec_.outputs, rows, grad_hidden, spec_.grad_hidden_dtype);
 
     LossOptions options = spec_.options;
     options.overwrite_grad_weight = first == 0;
@@ -355,7 +364,7 @@ class ComputeCall {
       copy(outputs_.top_k_logprob, k, result.mutable_top_k_logprob());
       copy(outputs_.top_k_token, k, result.mutable_top_k_token());
       if (grad_in_messages) {
-        result.set_grad_hidden(outputs_.grad_hidden.data() + r0 * grad_row_bytes, n * grad_row_bytes);
+        result.set_grad_hidden(MessageGradHidden() + r0 * grad_row_bytes, n * grad_row_bytes);
         result.set_grad_hidden_dtype(ToProto(spec_.grad_hidden_dtype));
       }
       RETURN_IF_ERROR(Send(result_message_));
@@ -404,6 +413,7 @@ class ComputeCall {
   Admission admission_;
   BufferLease workspace_;
   BufferLease staging_;
+  BufferLease message_grad_hidden_;  // host memory
   ChunkOutputs outputs_;
   SharedCallMemory shared_memory_;
   v1::ComputeResponse result_message_;

@@ -37,6 +37,7 @@ struct ComputeEnvironment {
   Metrics* metrics;  // may be null
   MemoryLedger* ledger;
   BufferCache* buffers;  // workspaces and staging gradients
+  BufferCache* host_buffers;  // rows from messages and dL/dh for them, in host memory
   SharedMemoryMaps* shared_memory;  // clients' memfds (ComputeStart.shared_memory)
   ComputeLimits limits;
 };

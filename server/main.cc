@@ -23,8 +23,12 @@ ABSL_FLAG(int64_t, compute_memory_mib, 0,
           "training calls on the largest head)");
 ABSL_FLAG(int, max_running_calls, 2, "Compute calls running on the device at once");
 ABSL_FLAG(bool, cache_call_buffers, true,
-          "keep calls' workspaces and staging dL/dW for the next call (within --compute_memory_mib) "
-          "instead of freeing them");
+          "keep calls' workspaces and staging dL/dW (within --compute_memory_mib), and their host "
+          "rows and dL/dh sent in messages (within --host_cache_mib), for the next call instead of "
+          "freeing them");
+ABSL_FLAG(int64_t, host_cache_mib, 1024,
+          "bound, in MiB, on the host buffers of calls whose rows and dL/dh travel in messages: "
+          "idle ones are kept for the next call only while those in use and idle fit it");
 ABSL_FLAG(bool, shared_memory, true,
           "let clients on this host hand rows and dL/dh over in a memfd instead of messages");
 ABSL_FLAG(int, max_queued_calls, 64, "Compute calls waiting for admission before new ones are refused");
@@ -68,6 +72,7 @@ int main(int argc, char** argv) {
   config.compute_memory_bytes = absl::GetFlag(FLAGS_compute_memory_mib) << 20;
   config.max_running_calls = absl::GetFlag(FLAGS_max_running_calls);
   config.cache_call_buffers = absl::GetFlag(FLAGS_cache_call_buffers);
+  config.host_cache_bytes = absl::GetFlag(FLAGS_host_cache_mib) << 20;
   config.shared_memory = absl::GetFlag(FLAGS_shared_memory);
   config.max_queued_calls = absl::GetFlag(FLAGS_max_queued_calls);
   config.max_message_bytes = absl::GetFlag(FLAGS_max_message_mib) << 20;

@@ -9,17 +9,32 @@
 
 namespace lossd::server {
 
+absl::StatusOr<std::unique_ptr<RowReader>> RowReader::Start(ComputeStream& stream,
+                                                           Metrics* metrics,
+                                                           const RowLayout& layout,
+                                                           BufferCache& host_buffers,
+                                                           absl::Duration stop_grace) {
+  const int64_t row_bytes = layout.hidden_size * static_cast<int64_t>(DTypeSize(layout.dtype));
+  const int64_t rows = std::min(layout.chunk_rows, layout.num_tokens);
+  // One buffer is enough when a single chunk holds the call.
+  const int needed = layout.num_tokens > layout.chunk_rows ? kBuffers : 1;
+  std::array<BufferLease, kBuffers> buffers;
+  for (int b = 0; b < needed; ++b) {
+    ASSIGN_OR_RETURN(buffers[b], host_buffers.Acquire(static_cast<size_t>(rows * row_bytes),
+                                                      MemoryPurpose::kWorkspace));
+  }
+  return std::unique_ptr<RowReader>(
+      new RowReader(stream, metrics, layout, stop_grace, std::move(buffers)));
+}
+
 RowReader::RowReader(ComputeStream& stream, Metrics* metrics, const RowLayout& layout,
-                     absl::Duration stop_grace)
+                     absl::Duration stop_grace, std::array<BufferLease, kBuffers> buffers)
     : stream_(stream),
       metrics_(metrics),
       layout_(layout),
       row_bytes_(layout.hidden_size * static_cast<int64_t>(DTypeSize(layout.dtype))),
-      stop_grace_(stop_grace) {
-  const int64_t rows = std::min(layout_.chunk_rows, layout_.num_tokens);
-  // One buffer is enough when a single chunk holds the call.
-  const int buffers = layout_.num_tokens > layout_.chunk_rows ? kBuffers : 1;
-  for (int b = 0; b < buffers; ++b) buffers_[b].resize(rows * row_bytes_);
+      stop_grace_(stop_grace),
+      buffers_(std::move(buffers)) {
   thread_ = std::thread([this] { ReadAll(); });
 }
 
@@ -77,9 +92,8 @@ absl::Status RowReader::TakeMessage(const v1::ComputeRequest& request) {
       return absl::CancelledError("the call ended before its rows were all read");
     }
     const int64_t take = std::min(rows - taken, RowsInChunk(filling_chunk_) - rows_in_filling_);
-    std::vector<uint8_t>& buffer = buffers_[filling_chunk_ % kBuffers];
-    std::memcpy(buffer.data() + rows_in_filling_ * row_bytes_, hidden.data() + taken * row_bytes_,
-                take * row_bytes_);
+    std::memcpy(BufferOf(filling_chunk_) + rows_in_filling_ * row_bytes_,
+                hidden.data() + taken * row_bytes_, take * row_bytes_);
     rows_in_filling_ += take;
     taken += take;
     if (rows_in_filling_ == RowsInChunk(filling_chunk_)) {
@@ -116,7 +130,7 @@ absl::StatusOr<RowChunk> RowReader::Next() {
     return absl::InternalError("RowReader::Next called after the call's last chunk");
   }
   const int64_t chunk = taken_++;
-  return RowChunk{buffers_[chunk % kBuffers].data(), chunk * layout_.chunk_rows, RowsInChunk(chunk)};
+  return RowChunk{BufferOf(chunk), chunk * layout_.chunk_rows, RowsInChunk(chunk)};
 }
 
 void RowReader::Release() {

@@ -8,15 +8,17 @@
 #ifndef LOSSD_SERVER_ROW_READER_H_
 #define LOSSD_SERVER_ROW_READER_H_
 
+#include <array>
 #include <cstdint>
+#include <memory>
 #include <thread>
-#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "lossd/kernels/types.h"
+#include "server/buffer_cache.h"
 #include "server/compute_stream.h"
 #include "server/metrics.h"
 
@@ -41,9 +43,12 @@ class RowReader {
   // How long Stop waits, by default, for a Read to return before cancelling the stream.
   static constexpr absl::Duration kStopGrace = absl::Seconds(5);
 
-  // Starts reading at once; `stream` and `metrics` (may be null) must outlive the reader.
-  RowReader(ComputeStream& stream, Metrics* metrics, const RowLayout& layout,
-            absl::Duration stop_grace = kStopGrace);
+  // Leases its chunk buffers from `host_buffers` and starts reading; `stream`, `metrics` (may be
+  // null) and `host_buffers` must outlive the reader.
+  static absl::StatusOr<std::unique_ptr<RowReader>> Start(ComputeStream& stream, Metrics* metrics,
+                                                          const RowLayout& layout,
+                                                          BufferCache& host_buffers,
+                                                          absl::Duration stop_grace = kStopGrace);
   RowReader(const RowReader&) = delete;
   RowReader& operator=(const RowReader&) = delete;
   ~RowReader() { Stop(); }
@@ -63,6 +68,11 @@ class RowReader {
  private:
   static constexpr int kBuffers = 2;
 
+  RowReader(ComputeStream& stream, Metrics* metrics, const RowLayout& layout,
+            absl::Duration stop_grace, std::array<BufferLease, kBuffers> buffers);
+  uint8_t* BufferOf(int64_t chunk) {
+    return static_cast<uint8_t*>(buffers_[chunk % kBuffers].buffer().data());
+  }
   void ReadAll();
   absl::Status ReadRows();
   absl::Status TakeMessage(const v1::ComputeRequest& request);
@@ -75,7 +85,7 @@ class RowReader {
   const RowLayout layout_;
   const int64_t row_bytes_;
   const absl::Duration stop_grace_;
-  std::vector<uint8_t> buffers_[kBuffers];
+  std::array<BufferLease, kBuffers> buffers_;  // the second only when the call spans two chunks
 
   // Only the reader thread touches these.
   int64_t received_rows_ = 0;

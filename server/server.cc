@@ -149,6 +149,13 @@ std::vector<GaugeSample> LossServer::ReadState() const {
                        {{"purpose", MemoryPurposeName(purpose)}},
                        static_cast<double>(ledger_.peak(purpose))});
   }
+  for (const auto& [state, purpose] : {std::pair{"in_use", MemoryPurpose::kWorkspace},
+                                       std::pair{"idle", MemoryPurpose::kCache}}) {
+    samples.push_back({"lossd_host_buffer_bytes",
+                       "Host memory of calls' rows and dL/dh sent in messages: held by running "
+                       "calls, or kept idle for the next.",
+                       {{"state", state}}, static_cast<double>(host_ledger_.current(purpose))});
+  }
   samples.push_back({"lossd_queue_depth", "Compute calls waiting for admission.", {},
                      static_cast<double>(scheduler_->queued())});
   samples.push_back({"lossd_running_calls", "Compute calls admitted to the device.", {},
@@ -201,6 +208,9 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
       std::make_unique<Scheduler>(compute_memory, config.max_running_calls, config.max_queued_calls);
   server->buffers_ = std::make_unique<BufferCache>(*server->backend_, server->ledger_,
                                                    config.cache_call_buffers ? compute_memory : 0);
+  server->host_buffers_ = std::make_unique<BufferCache>(
+      server->host_allocator_, server->host_ledger_,
+      config.cache_call_buffers ? config.host_cache_bytes : 0);
 
   ServiceOptions options;
   options.compute.workspace_budget_bytes = config.workspace_budget_bytes;
@@ -220,7 +230,7 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   server->service_ = std::make_unique<LossService>(*server->backend_, server->heads_,
                                                    *server->scheduler_, server->metrics_,
                                                    server->ledger_, *server->buffers_,
-                                                   std::move(options));
+                                                   *server->host_buffers_, std::move(options));
 
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
   if (!config.tls_cert_file.empty() || !config.tls_key_file.empty()) {

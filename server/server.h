@@ -37,7 +37,9 @@ struct ServerConfig {
   int64_t compute_memory_bytes = 0;                // 0: enough for max_running_calls calls
   int max_running_calls = 2;
   int max_queued_calls = 64;
-  bool cache_call_buffers = true;                  // keep workspaces and staging dL/dW between calls
+  bool cache_call_buffers = true;                  // keep call buffers between calls
+  // Host memory kept for the next call: rows from messages and the dL/dh going out in them.
+  int64_t host_cache_bytes = int64_t{1} << 30;
   bool shared_memory = true;                       // rows in memfds from clients on this host
   int64_t max_message_bytes = 256 << 20;
   std::string token_file;                          // bearer token, first line
@@ -84,6 +86,10 @@ class LossServer {
   Metrics metrics_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<BufferCache> buffers_;
+  // Host memory of calls' rows and dL/dh in messages: kWorkspace while a call holds it, kCache idle.
+  HostAllocator host_allocator_;
+  MemoryLedger host_ledger_;
+  std::unique_ptr<BufferCache> host_buffers_;
   std::unique_ptr<LossService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;

@@ -47,13 +47,15 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
 }  // namespace
 
 LossService::LossService(Backend& backend, HeadStore& heads, Scheduler& scheduler, Metrics& metrics,
-                         MemoryLedger& ledger, BufferCache& buffers, ServiceOptions options)
+                         MemoryLedger& ledger, BufferCache& buffers, BufferCache& host_buffers,
+                         ServiceOptions options)
     : backend_(backend),
       heads_(heads),
       scheduler_(scheduler),
       metrics_(metrics),
       ledger_(ledger),
       buffers_(buffers),
+      host_buffers_(host_buffers),
       options_(std::move(options)) {}
 
 absl::Status LossService::Authenticate(const grpc::ServerContext& context) const {
@@ -112,8 +114,9 @@ grpc::Status LossService::Compute(
     grpc::ServerReaderWriter<v1::ComputeResponse, v1::ComputeRequest>* stream) {
   return Serve("Compute", context, [&] {
     GrpcComputeStream compute_stream(context, stream);
-    const ComputeEnvironment env{&backend_, &heads_,   &scheduler_,          &metrics_,
-                                 &ledger_,  &buffers_, &shared_memory_maps_, options_.compute};
+    const ComputeEnvironment env{&backend_, &heads_,    &scheduler_,    &metrics_,
+                                 &ledger_,  &buffers_,  &host_buffers_, &shared_memory_maps_,
+                                 options_.compute};
     absl::Status status = RunComputeCall(env, compute_stream);
     if (status.code() == absl::StatusCode::kResourceExhausted) {
       metrics_.CountAdmissionRejected(absl::StrContains(status.message(), "queue") ? "queue_full"

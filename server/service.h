@@ -31,7 +31,8 @@ struct ServiceOptions {
 class LossService final : public v1::LossService::Service {
  public:
   LossService(Backend& backend, HeadStore& heads, Scheduler& scheduler, Metrics& metrics,
-              MemoryLedger& ledger, BufferCache& buffers, ServiceOptions options);
+              MemoryLedger& ledger, BufferCache& buffers, BufferCache& host_buffers,
+              ServiceOptions options);
 
   grpc::Status Compute(grpc::ServerContext* context,
                        grpc::ServerReaderWriter<v1::ComputeResponse, v1::ComputeRequest>* stream) override;
@@ -76,6 +77,7 @@ class LossService final : public v1::LossService::Service {
   Metrics& metrics_;
   MemoryLedger& ledger_;
   BufferCache& buffers_;
+  BufferCache& host_buffers_;
   const ServiceOptions options_;
   SharedMemoryMaps shared_memory_maps_;
 

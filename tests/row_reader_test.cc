@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -104,6 +105,23 @@ RowLayout Layout(int64_t num_tokens, int64_t chunk_rows) {
   return layout;
 }
 
+// Row buffers from a cache that keeps nothing: every reader gets fresh memory.
+BufferCache& FreshHostBuffers() {
+  static HostAllocator host;
+  static MemoryLedger ledger;
+  static BufferCache cache(host, ledger, /*capacity_bytes=*/0);
+  return cache;
+}
+
+std::unique_ptr<RowReader> StartReader(ComputeStream& stream, const RowLayout& layout,
+                                       absl::Duration stop_grace = RowReader::kStopGrace,
+                                       BufferCache& host_buffers = FreshHostBuffers()) {
+  absl::StatusOr<std::unique_ptr<RowReader>> reader =
+      RowReader::Start(stream, nullptr, layout, host_buffers, stop_grace);
+  EXPECT_TRUE(reader.ok()) << reader.status();
+  return reader.ok() ? *std::move(reader) : nullptr;
+}
+
 struct SplitCase {
   const char* why;
   int64_t num_tokens;
@@ -128,16 +146,16 @@ TEST_P(RowReaderSplitTest, ChunksFollowThePlanNotTheMessages) {
   SCOPED_TRACE(c.why);
   const std::vector<float> data = RandomRows(c.num_tokens, 7);
   ScriptedStream stream(Split(data, c.rows_per_message));
-  RowReader reader(stream, nullptr, Layout(c.num_tokens, c.chunk_rows));
+  const auto reader = StartReader(stream, Layout(c.num_tokens, c.chunk_rows));
   for (int64_t first = 0; first < c.num_tokens; first += c.chunk_rows) {
-    absl::StatusOr<RowChunk> chunk = reader.Next();
+    absl::StatusOr<RowChunk> chunk = reader->Next();
     ASSERT_TRUE(chunk.ok()) << chunk.status();
     EXPECT_EQ(chunk->first_row, first);
     EXPECT_EQ(chunk->num_rows, std::min(c.chunk_rows, c.num_tokens - first));
     EXPECT_EQ(std::memcmp(chunk->rows, data.data() + first * kHidden, chunk->num_rows * kRowBytes), 0);
-    reader.Release();
+    reader->Release();
   }
-  EXPECT_TRUE(reader.Finish().ok());
+  EXPECT_TRUE(reader->Finish().ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(Splits, RowReaderSplitTest, ::testing::ValuesIn(kSplits));
@@ -146,21 +164,44 @@ TEST(RowReaderTest, ReadsTheNextChunkWhileOneIsHeldButNoFurther) {
   const int64_t chunk_rows = 4;
   const std::vector<float> data = RandomRows(4 * chunk_rows, 11);
   ScriptedStream stream(Split(data, 2));  // 8 messages, two per chunk
-  RowReader reader(stream, nullptr, Layout(4 * chunk_rows, chunk_rows));
-  ASSERT_TRUE(reader.Next().ok());
+  const auto reader = StartReader(stream, Layout(4 * chunk_rows, chunk_rows));
+  ASSERT_TRUE(reader->Next().ok());
   // Chunk 0 held: chunk 1 is read into the other buffer, then the first message of chunk 2
   // waits for a buffer.
   EXPECT_EQ(stream.AwaitReads(5, absl::Seconds(10)), 5u);
   EXPECT_EQ(stream.AwaitReads(6, absl::Milliseconds(100)), 5u) << "read past a free buffer";
-  reader.Release();
+  reader->Release();
   EXPECT_EQ(stream.AwaitReads(7, absl::Seconds(10)), 7u);
-  reader.Stop();
+  reader->Stop();
+}
+
+TEST(RowReaderTest, NextCallReadsIntoTheBuffersTheLastOneLeft) {
+  HostAllocator host;
+  MemoryLedger ledger;
+  BufferCache cache(host, ledger, /*capacity_bytes=*/1 << 20);
+  const RowLayout layout = Layout(10, 4);  // three chunks: both buffers in use
+  for (uint32_t seed : {21u, 22u}) {
+    const std::vector<float> data = RandomRows(10, seed);
+    ScriptedStream stream(Split(data, 3));
+    const auto reader = StartReader(stream, layout, RowReader::kStopGrace, cache);
+    // The second call takes both idle buffers, whose rows are the first call's until overwritten.
+    EXPECT_EQ(cache.idle_bytes(), 0);
+    for (int64_t first = 0; first < 10; first += 4) {
+      absl::StatusOr<RowChunk> chunk = reader->Next();
+      ASSERT_TRUE(chunk.ok()) << chunk.status();
+      EXPECT_EQ(std::memcmp(chunk->rows, data.data() + first * kHidden, chunk->num_rows * kRowBytes), 0);
+      reader->Release();
+    }
+    EXPECT_TRUE(reader->Finish().ok());
+    EXPECT_EQ(ledger.current(MemoryPurpose::kWorkspace), 2 * 4 * kRowBytes);
+  }
+  EXPECT_EQ(ledger.peak(MemoryPurpose::kCache), 2 * 4 * kRowBytes) << "a third buffer was made";
 }
 
 TEST(RowReaderTest, EmptyCallEndsWell) {
   ScriptedStream stream({});
-  RowReader reader(stream, nullptr, Layout(0, 4));
-  EXPECT_TRUE(reader.Finish().ok());
+  const auto reader = StartReader(stream, Layout(0, 4));
+  EXPECT_TRUE(reader->Finish().ok());
 }
 
 struct StreamErrorCase {
@@ -202,12 +243,12 @@ TEST_P(RowReaderStreamErrorTest, IsNamedAndEndsTheCall) {
   SCOPED_TRACE(c.why);
   const std::vector<float> data = RandomRows(8, 3);
   ScriptedStream stream(c.script(data));
-  RowReader reader(stream, nullptr, Layout(8, 8));
-  absl::StatusOr<RowChunk> chunk = reader.Next();
+  const auto reader = StartReader(stream, Layout(8, 8));
+  absl::StatusOr<RowChunk> chunk = reader->Next();
   absl::Status status = chunk.status();
   if (chunk.ok()) {  // the error came after the last row
-    reader.Release();
-    status = reader.Finish();
+    reader->Release();
+    status = reader->Finish();
   }
   EXPECT_EQ(status.code(), c.code) << status;
   EXPECT_NE(status.message().find(c.names), std::string::npos) << status;
@@ -219,18 +260,18 @@ TEST(RowReaderTest, CancelledStreamIsReportedAsCancelled) {
   const std::vector<float> data = RandomRows(8, 5);
   ScriptedStream stream(Split(data, 2));
   stream.Cancel();
-  RowReader reader(stream, nullptr, Layout(8, 4));
-  EXPECT_EQ(reader.Next().status().code(), absl::StatusCode::kCancelled);
+  const auto reader = StartReader(stream, Layout(8, 4));
+  EXPECT_EQ(reader->Next().status().code(), absl::StatusCode::kCancelled);
 }
 
 TEST(RowReaderTest, StopCancelsAClientThatSendsNothingMore) {
   const std::vector<float> data = RandomRows(8, 9);
   ScriptedStream stream(Split(data, 4), /*silent_at_end=*/true);
-  RowReader reader(stream, nullptr, Layout(12, 4), absl::Milliseconds(50));
-  ASSERT_TRUE(reader.Next().ok());
+  const auto reader = StartReader(stream, Layout(12, 4), absl::Milliseconds(50));
+  ASSERT_TRUE(reader->Next().ok());
   stream.AwaitSilence();
   const absl::Time start = absl::Now();
-  reader.Stop();  // the reader waits for a third message that never comes
+  reader->Stop();  // the reader waits for a third message that never comes
   EXPECT_TRUE(stream.IsCancelled());
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
 }
@@ -238,9 +279,9 @@ TEST(RowReaderTest, StopCancelsAClientThatSendsNothingMore) {
 TEST(RowReaderTest, StopLeavesAClientThatIsStillSendingUncancelled) {
   const std::vector<float> data = RandomRows(40, 13);
   ScriptedStream stream(Split(data, 1));
-  RowReader reader(stream, nullptr, Layout(40, 4), absl::Seconds(30));
-  ASSERT_TRUE(reader.Next().ok());
-  reader.Stop();  // the reader is held by a full buffer: stopping frees it without a Read
+  const auto reader = StartReader(stream, Layout(40, 4), absl::Seconds(30));
+  ASSERT_TRUE(reader->Next().ok());
+  reader->Stop();  // the reader is held by a full buffer: stopping frees it without a Read
   EXPECT_FALSE(stream.IsCancelled());
 }
 

@@ -54,7 +54,8 @@ def test_promtool_accepts_the_exposition(server, stubs):
     text = scrape(server)
     for name in ("lossd_requests_total", "lossd_device_memory_total_bytes", "lossd_memory_bytes",
                  "lossd_compute_seconds_bucket", "lossd_logits_bytes_avoided_total",
-                 "lossd_head_version", "lossd_queue_depth", "lossd_inflight_calls"):
+                 "lossd_head_version", "lossd_queue_depth", "lossd_inflight_calls",
+                 "lossd_host_buffer_bytes"):
         assert name in text, name
     checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
@@ -102,6 +103,11 @@ def test_prometheus_scrapes_and_queries(server, stubs):
         assert memory and float(memory[0]["value"][1]) > 0
         weights = query(port, 'lossd_memory_bytes{purpose="weights"}')
         assert weights and float(weights[0]["value"][1]) == 4000 * 64 * 4
+        # The calls' [32, 64] rows and dL/dh, kept on the host for the next call.
+        idle = query(port, 'lossd_host_buffer_bytes{state="idle"}')
+        assert idle and float(idle[0]["value"][1]) == 2 * 32 * 64 * 4
+        in_use = query(port, 'lossd_host_buffer_bytes{state="in_use"}')
+        assert in_use and float(in_use[0]["value"][1]) == 0
         up = query(port, 'up{job="lossd"}')
         assert up and up[0]["value"][1] == "1"
     finally:
