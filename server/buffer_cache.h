@@ -2,7 +2,7 @@
 // from messages and dL/dh out to them), kept for the next call instead of freed. A fresh buffer
 // costs more than the work it holds at small batches: on the CPU the first touch of every page
 // maps it (a 1 GiB staging dL/dW: 0.3 s on two cores, as long as a quarter of a 512-token call at
-// V = 128256; 16384 rows of 2048 floats in and out through messages: 15% of the call), on a GPU
+// V = 128256; 16384 rows of 2048 floats in and out through messages: 13% of the call), on a GPU
 // cudaMalloc and cudaFree synchronize the device.
 //
 // Idle buffers are charged to MemoryPurpose::kCache. Before a new buffer is allocated, idle ones

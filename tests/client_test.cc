@@ -671,7 +671,7 @@ TEST_F(ClientTest, SharedMemoryMappingsAreKeptWhileTheClientHoldsTheMemfd) {
 }
 
 // dL/dh into the caller's buffer, through messages and through shared memory: the same bytes as
-// in result.grad_hidden, and a failed call leaves the buffer as it was.
+// in result.grad_hidden, a failed call leaves the buffer as it was, and the call after it is whole.
 TEST_F(ClientTest, GradHiddenOutIsWrittenOnlyWhenTheCallSucceeds) {
   const Client client = Connect(OptionsFor(server_->port()));
   UploadRandomHead(client, "out");
@@ -701,6 +701,10 @@ TEST_F(ClientTest, GradHiddenOutIsWrittenOnlyWhenTheCallSucceeds) {
     EXPECT_EQ(client.Compute(request).status().code(), absl::StatusCode::kInvalidArgument);
     hidden[150 * kHidden] = kept;
     EXPECT_TRUE(out == untouched) << "a failed call wrote into the caller's buffer";
+
+    // The next call reuses the memory the failed one staged part of its dL/dh in.
+    ASSERT_TRUE(client.Compute(request).ok());
+    EXPECT_TRUE(out == reference->grad_hidden.bytes) << "dL/dh differs after a failed call";
   }
 }
 

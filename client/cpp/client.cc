@@ -184,10 +184,12 @@ class RowCoverage {
 };
 
 // Places per-row results into the buffers of one Compute call as they arrive. dL/dh comes in the
-// result messages, or (shared memory) not at all.
+// result messages, into `grad_hidden_target` if given, else into the result; or (shared memory)
+// not at all.
 class ResultAssembler {
  public:
-  ResultAssembler(const ComputeRequest& request, ComputeResult& result, bool grad_hidden_in_messages)
+  ResultAssembler(const ComputeRequest& request, ComputeResult& result, bool grad_hidden_in_messages,
+                  uint8_t* grad_hidden_target = nullptr)
       : want_(request.outputs),
         grad_hidden_in_messages_(grad_hidden_in_messages),
         rows_(request.hidden.rows),
@@ -207,7 +209,11 @@ class ResultAssembler {
     size(want_.top_k > 0, result_.top_k_token, want_.top_k);
     result_.top_k = want_.top_k;
     if (want_.grad_hidden) {
-      if (grad_hidden_in_messages_) result_.grad_hidden.bytes.resize(rows_ * grad_row_bytes_);
+      grad_hidden_ = grad_hidden_target;
+      if (grad_hidden_in_messages_ && grad_hidden_ == nullptr) {
+        result_.grad_hidden.bytes.resize(rows_ * grad_row_bytes_);
+        grad_hidden_ = reinterpret_cast<uint8_t*>(result_.grad_hidden.bytes.data());
+      }
       result_.grad_hidden.dtype = grad_dtype_;
       result_.grad_hidden.rows = rows_;
       result_.grad_hidden.cols = request.hidden.cols;
@@ -259,8 +265,7 @@ class ResultAssembler {
         return ServerViolation(absl::StrCat("grad_hidden_dtype ", static_cast<int>(piece.grad_hidden_dtype()),
                                             ", expected ", DTypeName(grad_dtype_)));
       }
-      std::memcpy(result_.grad_hidden.bytes.data() + offset * grad_row_bytes_, piece.grad_hidden().data(),
-                  grad_bytes);
+      std::memcpy(grad_hidden_ + offset * grad_row_bytes_, piece.grad_hidden().data(), grad_bytes);
     }
     return absl::OkStatus();
   }
@@ -297,6 +302,7 @@ class ResultAssembler {
   const int64_t rows_;
   const DType grad_dtype_;
   const int64_t grad_row_bytes_;
+  uint8_t* grad_hidden_ = nullptr;  // where dL/dh from messages goes
   ComputeResult& result_;
   RowCoverage coverage_;
   bool summary_received_ = false;
@@ -576,12 +582,6 @@ absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) con
   const absl::Time call_start = absl::Now();
   RETURN_IF_ERROR(request.shared_memory ? RunComputeShared(request, start_message, result)
                                         : RunCompute(request, start_message, result));
-  if (request.grad_hidden_out != nullptr && !request.shared_memory && request.outputs.grad_hidden) {
-    // Assembled in the result as messages came, so that a failed call left the caller's buffer as
-    // it was; moved there now.
-    std::memcpy(request.grad_hidden_out, result.grad_hidden.bytes.data(), result.grad_hidden.bytes.size());
-    std::string().swap(result.grad_hidden.bytes);
-  }
   result.wall_seconds = absl::ToDoubleSeconds(absl::Now() - call_start);
   return result;
 }
@@ -625,7 +625,19 @@ absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeReques
   const int64_t row_bytes = hidden.cols * static_cast<int64_t>(DTypeSize(hidden.dtype));
   ASSIGN_OR_RETURN(const int64_t rows_per_message,
                    RowsPerMessage(request.rows_per_message, row_bytes, options_.max_message_bytes));
-  ResultAssembler assembler(request, result, /*grad_hidden_in_messages=*/true);
+  // dL/dh bound for the caller's buffer is assembled apart, so that a failed call leaves that
+  // buffer as it was, in memory kept between calls: fresh pages would fault in as they are written.
+  std::unique_ptr<SharedBuffer> staging;
+  const uint64_t staged_bytes =
+      request.grad_hidden_out != nullptr && request.outputs.grad_hidden
+          ? static_cast<uint64_t>(hidden.rows) * hidden.cols *
+                DTypeSize(request.outputs.grad_hidden_dtype.value_or(hidden.dtype))
+          : 0;
+  if (staged_bytes > 0) {
+    ASSIGN_OR_RETURN(staging, shared_buffers_->Acquire(staged_bytes));
+  }
+  ResultAssembler assembler(request, result, /*grad_hidden_in_messages=*/true,
+                            staging ? staging->data() : nullptr);
   grpc::ClientContext context;
   PrepareContext(context);
   std::unique_ptr<ComputeStream> stream = stub_->Compute(&context);
@@ -652,7 +664,12 @@ absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeReques
   });
   const absl::Status assembled = ReadResults(context, *stream, assembler, result);
   writer.join();
-  return FinishCall(*stream, assembled, assembler);
+  const absl::Status finished = FinishCall(*stream, assembled, assembler);
+  if (staging != nullptr) {
+    if (finished.ok()) CopyInParallel(request.grad_hidden_out, staging->data(), staged_bytes);
+    shared_buffers_->Release(std::move(staging));
+  }
+  return finished;
 }
 
 absl::Status Client::RunComputeShared(const ComputeRequest& request, v1::ComputeRequest& start_message,

@@ -35,7 +35,8 @@ class SharedBuffer {
 };
 
 // Buffers between calls: a call takes one at least as large as it needs (or a new one) and gives
-// it back, so that the pages of a batch's size are allocated once, not on every call.
+// it back, so that the pages of a batch's size are allocated once, not on every call. Calls
+// through messages stage in them the dL/dh bound for the caller's buffer.
 class SharedBufferPool {
  public:
   absl::StatusOr<std::unique_ptr<SharedBuffer>> Acquire(uint64_t bytes);
