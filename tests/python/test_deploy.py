@@ -180,7 +180,8 @@ def test_dashboard_is_a_grafana_dashboard():
                    "lossd_received_bytes_total", "lossd_sent_bytes_total",
                    "lossd_request_seconds_bucket", "lossd_compute_seconds_bucket",
                    "lossd_queue_seconds_bucket", "lossd_queue_depth", "lossd_inflight_calls",
-                   "lossd_requests_total", "lossd_logits_bytes_avoided_total", "lossd_head_version"):
+                   "lossd_requests_total", "lossd_logits_bytes_avoided_total", "lossd_head_version",
+                   "lossd_host_buffer_bytes", "lossd_shared_memory_mapped_bytes"):
         assert needed in text, needed
     # Colon names are recording rules: they must be defined.
     recorded = {r["record"] for r in rules() if "record" in r}
