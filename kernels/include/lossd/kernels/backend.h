@@ -121,7 +121,6 @@ struct OptimizerTensors {
 
 class Backend : public BufferAllocator {
  public:
-
   virtual absl::string_view kind() const = 0;  // "cpu" or "cuda"
   virtual std::string Describe() const = 0;   // human-readable device and library versions
   // Total and used memory of the device, as its driver (or the OS, for the CPU) reports them now.
