@@ -29,8 +29,10 @@ as soon as its rows are in, and the whole batch sent as one message, so that the
 nothing before all of it arrived (C++ client only, to keep the run under 20 minutes on 2 cores).
 
 Writes bench/results/<machine>-<date>/ (or --out): results.jsonl (one object per measurement),
-results.md (tables) and time_vs_n.png, memory_vs_n.png, transport.png. Run it through
-bench/peers.sh, which installs what it needs and builds the binaries first.
+results.md (tables, then each target judged met or not from the run's own figures) and
+time_vs_n.png, memory_vs_n.png, transport.png. Run it through bench/peers.sh, which installs what
+it needs and builds the binaries first; --report DIR writes DIR's results.md and plots anew from
+its results.jsonl.
 """
 import argparse
 import datetime
@@ -582,8 +584,114 @@ def write_markdown(path, machine, command, entries):
             else:
                 cells += [f"{e['seconds']:.3f}", f"{e['in_gbps']:.2f}", f"{e['out_gbps']:.2f}"]
             lines.append("| " + " | ".join(cells) + " |")
+    lines += target_lines(entries)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+# What lossd promises against its peers on this machine (the sweep, forward + backward, fp32).
+TARGET_FLOOR_RATIO = 1.15      # engine time over the GEMM floor's, at most
+TARGET_REMOTE_RATIO = 1.10     # remote call over in-process engine time, median of rounds, at most
+TARGET_WIRE_GBPS = 1.5         # tensor bytes each way of one Compute call, at least
+FLAT_MEMORY_SLACK = 16 * MIB   # engine memory beyond its tensors may move this much past the budget
+
+
+def verdict(misses):
+    return "**met**" if not misses else "**not met** at " + "; ".join(misses)
+
+
+def ratio_range(ratios):
+    return f"{min(ratios):.3f} to {max(ratios):.3f}" if ratios else "nothing measured"
+
+
+def target_lines(entries):
+    """Each target checked against this run's own figures: met, or the shapes that miss it."""
+    sweep = {(e["v"], e["h"], e["n"], e["method"]): e for e in entries
+             if e["method"] in SWEEP_METHODS}
+    shapes = sorted({key[:3] for key in sweep})
+
+    def seconds(shape, method):
+        return sweep.get(shape + (method,), {}).get("seconds")
+
+    def name(shape):
+        return f"V = {shape[0]}, N = {shape[2]}"
+
+    lines = ["", "## Against the targets", ""]
+    for peer in ("torch_naive", "torch_chunked"):
+        ratios, misses, skipped = [], [], []
+        for shape in shapes:
+            engine, other = seconds(shape, "engine"), seconds(shape, peer)
+            if engine and other:
+                ratios.append(engine / other)
+                if engine >= other:
+                    misses.append(f"{name(shape)} ({engine / other:.3f}x)")
+            elif engine and shape + (peer,) in sweep:
+                skipped.append(f"{sweep[shape + (peer,)].get('error', 'no time')} at {name(shape)}")
+        note = f"; {peer}: {', '.join(skipped)}" if skipped else ""
+        lines.append(f"- Engine faster than {peer} at every shape: {verdict(misses)} "
+                     f"(engine time {ratio_range(ratios)}x {peer}'s{note}).")
+
+    ratios, misses = [], []
+    for shape in shapes:
+        engine, floor = seconds(shape, "engine"), seconds(shape, "floor")
+        if engine and floor:
+            ratios.append(engine / floor)
+            if engine / floor > TARGET_FLOOR_RATIO:
+                misses.append(f"{name(shape)} ({engine / floor:.3f}x)")
+    lines.append(f"- Engine within {TARGET_FLOOR_RATIO:.2f}x of the GEMM floor at every shape: "
+                 f"{verdict(misses)} ({ratio_range(ratios)}x).")
+
+    # Past the budget (N at least the rows of the largest N's token chunk) the engine's memory
+    # beyond its tensors must not grow with N; torch naive's logits do, N * V * 4 bytes.
+    misses, spans, naive = [], [], []
+    for v, h in sorted({shape[:2] for shape in shapes}):
+        engines = {n: sweep[(v, h, n, "engine")] for (v2, h2, n) in shapes
+                   if (v2, h2) == (v, h) and "peak_rss_bytes" in sweep.get((v, h, n, "engine"), {})}
+        if not engines:
+            continue
+        largest = engines[max(engines)]
+        chunk_rows = (largest.get("chunk") or {}).get("tokens", max(engines))
+        extra = {n: e["peak_rss_bytes"] - e["tensor_bytes"] for n, e in engines.items()
+                 if n >= chunk_rows}
+        low, high = min(extra.values()) / MIB, max(extra.values()) / MIB
+        amount = f"{low:.0f}" if round(low) == round(high) else f"{low:.0f} to {high:.0f}"
+        spans.append(f"V = {v}: {amount} MiB at N = {', '.join(str(n) for n in sorted(extra))}")
+        if (high - low) * MIB > FLAT_MEMORY_SLACK:
+            misses.append(f"V = {v} (grows by {high - low:.0f} MiB)")
+        torch_runs = [(n, sweep[(v, h, n, "torch_naive")]) for n in sorted(engines)
+                      if (v, h, n, "torch_naive") in sweep]
+        if torch_runs:
+            naive.append(f"V = {v}: " + ", ".join(
+                (f"{e['peak_rss_bytes'] / MIB:.0f} MiB" if "seconds" in e else
+                 e.get("error", "no time")) + f" at N = {n}" for n, e in torch_runs))
+    lines.append(f"- Engine memory flat in N past the workspace budget: {verdict(misses)} (beyond "
+                 f"its tensors, {'; '.join(spans)}). Torch naive: {'; '.join(naive) or 'not run'}.")
+
+    ratios, misses, within = [], [], []
+    for shape in shapes:
+        for method in ("remote_cpp", "remote_python"):
+            e = sweep.get(shape + (method,), {})
+            if "ratio_to_in_process" not in e:
+                continue
+            ratios.append(e["ratio_to_in_process"])
+            if e["ratio_to_in_process"] > TARGET_REMOTE_RATIO:
+                misses.append(f"{name(shape)} {method[7:]} ({e['ratio_to_in_process']:.3f}x)")
+            if e.get("server_compute_seconds"):
+                within.append(e["seconds"] / e["server_compute_seconds"])
+    lines.append(f"- Remote Compute within {TARGET_REMOTE_RATIO:.2f}x of in-process at every "
+                 f"shape, median of rounds: {verdict(misses)} ({ratio_range(ratios)}x; each call "
+                 f"over the server's own engine time during it, {ratio_range(within)}x).")
+
+    calls = [e for e in entries if e["method"] in ("transport", "transport_shm") and "seconds" in e]
+    if calls:
+        best = max(calls, key=lambda e: min(e["in_gbps"], e["out_gbps"]))
+        gbps = min(best["in_gbps"], best["out_gbps"])
+        how = (f"{TRANSPORT_METHODS[best['method']][len('lossd Compute, '):]}, {best['dtype']}, "
+               f"{best['streams']} stream{'s' if best['streams'] > 1 else ''}")
+        lines.append(f"- Wire throughput of one Compute call at least {TARGET_WIRE_GBPS} GB/s each "
+                     f"way: {verdict([] if gbps >= TARGET_WIRE_GBPS else [f'{gbps:.2f} GB/s'])} "
+                     f"(best: {gbps:.2f} GB/s, {how}).")
+    return lines
 
 
 def write_plots(out_dir, entries):
@@ -679,6 +787,9 @@ def main():
     parser.add_argument("--memory-cap-gib", type=float, default=6.0,
                         help="address-space cap of every process; 6 GiB of this 24 GiB machine "
                              "plays the part of an accelerator's memory")
+    parser.add_argument("--report", metavar="DIR",
+                        help="run nothing: write DIR's results.md and plots anew from its "
+                             "results.jsonl (the command is kept from its results.md)")
     # Worker mode (internal).
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--shape", type=int, nargs=3, help=argparse.SUPPRESS)
@@ -687,6 +798,9 @@ def main():
     args = parser.parse_args()
     if args.worker:
         run_worker(args)
+        return
+    if args.report:
+        rewrite_report(args.report)
         return
 
     args.build_dir = os.path.abspath(args.build_dir)
@@ -725,6 +839,28 @@ def main():
     write_markdown(os.path.join(out_dir, "results.md"), machine, command, entries)
     write_plots(out_dir, entries)
     print(f"wrote {out_dir} in {time.monotonic() - started:.0f} s", file=sys.stderr)
+
+
+def rewrite_report(out_dir):
+    """results.md and the plots of an earlier run, from its raw results."""
+    with open(os.path.join(out_dir, "results.jsonl")) as f:
+        entries = [json.loads(line) for line in f if line.strip()]
+    if not entries:
+        sys.exit(f"{out_dir}/results.jsonl: expected at least one result")
+    command = "not recorded"
+    try:
+        with open(os.path.join(out_dir, "results.md")) as f:
+            command = next((line.strip()[len("Command: `"):-1] for line in f
+                            if line.startswith("Command: `")), command)
+    except FileNotFoundError:
+        pass
+    write_markdown(os.path.join(out_dir, "results.md"), entries[0]["machine"], command, entries)
+    try:
+        import matplotlib  # noqa: F401  (bench/peers.sh installs it; a report can do without)
+    except ImportError:
+        print("plots not redrawn: matplotlib is not installed", file=sys.stderr)
+        return
+    write_plots(out_dir, entries)
 
 
 if __name__ == "__main__":

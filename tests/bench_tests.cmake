@@ -24,3 +24,8 @@ add_test(NAME gpu_peers_cpu
 set_tests_properties(gpu_peers_cpu PROPERTIES
   ENVIRONMENT "ENGINE_BENCH_BIN=$<TARGET_FILE:engine_bench>;OMP_NUM_THREADS=2"
   TIMEOUT 120)
+
+# peers.py's report: targets judged from a run's own figures, results.md rewritten from raw results.
+add_test(NAME peers_report
+  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/peers_report_test.py)
+set_tests_properties(peers_report PROPERTIES TIMEOUT 60)
