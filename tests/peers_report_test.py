@@ -112,6 +112,13 @@ def test_memory_below_the_budget_may_differ():
     assert "**met**" in targets(entries)["Engine memory"]
 
 
+def test_a_target_without_figures_is_not_met():
+    # Every floor run failed: nothing to judge the floor target by.
+    entries = [{k: x for k, x in e.items() if k != "seconds"} | {"error": "exit 1"}
+               if e["method"] == "floor" else e for e in good_run()]
+    assert "**not measured**" in targets(entries)["Engine within 1.15x of the GEMM floor"]
+
+
 def test_wire_throughput_below_target():
     entries = [e for e in good_run() if e["method"] != "transport_shm"]
     line = targets(entries)["Wire throughput of one Compute call"]
