@@ -368,7 +368,7 @@ __attribute__((target_clones("arch=x86-64-v3", "default"))) float NaiveRow(
     float* z, int64_t v, int64_t label, bool backward, float inv_n) {
   float max = -INFINITY;
 #pragma omp simd reduction(max : max)
-  for (int64_t c = 0; c < v; ++c) max = std::max(max, z[c]);
+  for (int64_t c = 0; c < v; ++c) max = MaxStep(max, z[c]);
   float sum_exp = 0.0f;
 #pragma omp simd reduction(+ : sum_exp)
   for (int64_t c = 0; c < v; ++c) sum_exp += Exp(z[c] - max);

@@ -252,7 +252,7 @@ inline __attribute__((always_inline)) void BlockSums(float* z, int64_t cols, flo
 LOSSD_ROW_LOOP float MaxAbs(const float* x, int64_t count) {
   float m = 0.0f;
 #pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < count; ++i) m = std::max(m, std::fabs(x[i]));
+  for (int64_t i = 0; i < count; ++i) m = MaxStep(m, std::fabs(x[i]));
   return m;
 }
 
@@ -283,7 +283,7 @@ LOSSD_ROW_LOOP RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t
     float* block = z + b0;
     float bm = -INFINITY;
 #pragma omp simd reduction(max : bm)
-    for (int64_t c = 0; c < len; ++c) bm = std::max(bm, block[c]);
+    for (int64_t c = 0; c < len; ++c) bm = MaxStep(bm, block[c]);
     if (bm > m) {  // equal maxima keep the earlier, lower id
       if (argmax >= 0) {
         const float shift = m - bm;
