@@ -203,11 +203,10 @@ absl::StatusOr<ChunkPlan> ChooseChunkPlan(const ProblemShape& shape, size_t budg
   const int64_t max_rows = std::min(n, limits.max_token_chunk);
   const int64_t single_rows = LargestFitting(
       1, max_rows, [&](int64_t rows) { return bytes_for(rows, v) <= budget_bytes; });
-  const bool widened_forward = limits.widened_forward_token_chunk > 0 && !WantsGradients(shape) &&
-                               shape.weight_dtype != DType::kFloat32;
-  if (widened_forward && single_rows < std::min(max_rows, limits.widened_forward_token_chunk)) {
+  const bool long_forward = limits.forward_token_chunk > 0 && !WantsGradients(shape);
+  if (long_forward && single_rows < std::min(max_rows, limits.forward_token_chunk)) {
     const int64_t rows = AlignedTokenChunk(
-        n, std::min(max_rows, limits.widened_forward_token_chunk), limits.token_chunk_multiple);
+        n, std::min(max_rows, limits.forward_token_chunk), limits.token_chunk_multiple);
     if (const int64_t cols = widest_tile(rows); cols > 0) return plan_of(rows, cols);
   }
 

@@ -504,11 +504,11 @@ TEST_P(EngineBackendTest, PlansStayWithinTheBudget) {
 constexpr int64_t kModelVocab = 1000;
 
 absl::StatusOr<ChunkPlan> PlanOnModel(ProblemShape shape, int64_t rows_that_fit,
-                                      int64_t widened_forward_token_chunk) {
+                                      int64_t forward_token_chunk) {
   const TileLimits limits = {/*max_token_chunk=*/4096, /*min_single_pass_rows=*/16,
                              /*two_pass_token_chunk=*/256, /*min_vocab_chunk=*/256,
                              /*vocab_chunk_multiple=*/256, /*token_chunk_multiple=*/64,
-                             widened_forward_token_chunk};
+                             forward_token_chunk};
   shape.hidden_size = 8;
   shape.vocab_size = kModelVocab;
   return ChooseChunkPlan(shape, rows_that_fit * kModelVocab * 4, limits,
@@ -528,7 +528,7 @@ TEST_P(TokenChunkTest, AlignsAndBalancesChunksThatSplitTheBatch) {
   const TokenChunkCase& c = GetParam();
   ProblemShape shape;
   shape.num_tokens = c.num_tokens;
-  const auto plan = PlanOnModel(shape, c.rows_that_fit, /*widened_forward_token_chunk=*/0);
+  const auto plan = PlanOnModel(shape, c.rows_that_fit, /*forward_token_chunk=*/0);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->token_chunk, c.expected_chunk);
   EXPECT_EQ(plan->vocab_chunk, kModelVocab);
@@ -549,9 +549,9 @@ INSTANTIATE_TEST_SUITE_P(
         TokenChunkCase{"already_aligned", 2048, 1024, 1024}),
     [](const auto& info) { return std::string(info.param.name); });
 
-// Calls without gradients on a 16-bit head, planned on the same model for a backend that widens W
-// once per token chunk (widened_forward_token_chunk = 1024).
-struct WidenedForwardCase {
+// Calls without gradients, planned on the same model for a backend that pays for W once per token
+// chunk (forward_token_chunk = 1024).
+struct ForwardPlanCase {
   const char* name;
   DType weight_dtype;
   bool gradients;
@@ -561,61 +561,65 @@ struct WidenedForwardCase {
   int64_t expected_tile;
 };
 
-class WidenedForwardTest : public ::testing::TestWithParam<WidenedForwardCase> {};
+class ForwardPlanTest : public ::testing::TestWithParam<ForwardPlanCase> {};
 
-TEST_P(WidenedForwardTest, TilesTheVocabularyForLongerChunks) {
-  const WidenedForwardCase& c = GetParam();
+TEST_P(ForwardPlanTest, TilesTheVocabularyForLongerChunks) {
+  const ForwardPlanCase& c = GetParam();
   ProblemShape shape;
   shape.num_tokens = c.num_tokens;
   shape.weight_dtype = c.weight_dtype;
   shape.grad_hidden = c.gradients;
-  const auto plan = PlanOnModel(shape, c.rows_that_fit, /*widened_forward_token_chunk=*/1024);
+  const auto plan = PlanOnModel(shape, c.rows_that_fit, /*forward_token_chunk=*/1024);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->token_chunk, c.expected_chunk);
   EXPECT_EQ(plan->vocab_chunk, c.expected_tile);
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Plans, WidenedForwardTest,
+    Plans, ForwardPlanTest,
     ::testing::Values(
         // 1024 rows in the budget of 300 full ones: tiles of 292 columns, rounded to 256.
-        WidenedForwardCase{"bf16_scoring", DType::kBFloat16, false, 4096, 300, 1024, 256},
+        ForwardPlanCase{"bf16_scoring", DType::kBFloat16, false, 4096, 300, 1024, 256},
         // Fewer rows than the target: the whole batch in one chunk, 1.2 MB / 2800 B -> 256 columns.
-        WidenedForwardCase{"bf16_scoring_short_batch", DType::kBFloat16, false, 700, 300, 700, 256},
+        ForwardPlanCase{"bf16_scoring_short_batch", DType::kBFloat16, false, 700, 300, 700, 256},
         // The whole batch fits in one full-vocabulary chunk: nothing to gain from tiles.
-        WidenedForwardCase{"bf16_scoring_batch_fits", DType::kBFloat16, false, 200, 300, 200, 1000},
+        ForwardPlanCase{"bf16_scoring_batch_fits", DType::kBFloat16, false, 200, 300, 200, 1000},
         // 1024 rows would leave tiles of 97 columns, under min_vocab_chunk: full-vocabulary chunks.
-        WidenedForwardCase{"bf16_scoring_tile_too_narrow", DType::kBFloat16, false, 4096, 100, 64, 1000},
+        ForwardPlanCase{"bf16_scoring_tile_too_narrow", DType::kBFloat16, false, 4096, 100, 64, 1000},
         // Tiles would make a training call compute its logits twice.
-        WidenedForwardCase{"bf16_training", DType::kBFloat16, true, 4096, 300, 256, 1000},
-        // An fp32 W is used where it lies: no widening to save.
-        WidenedForwardCase{"fp32_scoring", DType::kFloat32, false, 4096, 300, 256, 1000}),
+        ForwardPlanCase{"bf16_training", DType::kBFloat16, true, 4096, 300, 256, 1000},
+        // An fp32 W is not widened, but the BLAS packs it once per chunk: the same long chunks.
+        ForwardPlanCase{"fp32_scoring", DType::kFloat32, false, 4096, 300, 1024, 256}),
     [](const auto& info) { return std::string(info.param.name); });
 
-// The CPU backend at the default budget and a Llama 3 head [128256, 2048] in bf16: scoring takes
-// the longest token chunks over vocabulary tiles, training keeps one pass per chunk.
-TEST(CpuPlanTest, ScoringOnA16BitHeadTakesLongChunksOverTiles) {
+// The CPU backend at the default budget and a Llama 3 head [128256, 2048], in bf16 (widened per
+// token chunk) and fp32 (packed by OpenBLAS per GEMM): scoring takes the longest token chunks over
+// vocabulary tiles, training keeps one pass per chunk.
+TEST(CpuPlanTest, ScoringTakesLongChunksOverTiles) {
   auto cpu = MakeBackend("cpu");
   ASSERT_NE(cpu, nullptr);
-  ProblemShape shape;
-  shape.num_tokens = 8192;
-  shape.hidden_size = 2048;
-  shape.vocab_size = 128256;
-  shape.hidden_dtype = DType::kBFloat16;
-  shape.weight_dtype = DType::kBFloat16;
-  shape.top_k = 20;
-  constexpr size_t kBudget = 256 * kMiB;
-  auto scoring = cpu->Plan(shape, kBudget);
-  ASSERT_TRUE(scoring.ok()) << scoring.status();
-  EXPECT_EQ(scoring->token_chunk, 4096);
-  EXPECT_LT(scoring->vocab_chunk, shape.vocab_size);
-  EXPECT_LE(scoring->workspace_bytes, kBudget);
+  for (const DType dtype : {DType::kBFloat16, DType::kFloat32}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    ProblemShape shape;
+    shape.num_tokens = 8192;
+    shape.hidden_size = 2048;
+    shape.vocab_size = 128256;
+    shape.hidden_dtype = dtype;
+    shape.weight_dtype = dtype;
+    shape.top_k = 20;
+    constexpr size_t kBudget = 256 * kMiB;
+    auto scoring = cpu->Plan(shape, kBudget);
+    ASSERT_TRUE(scoring.ok()) << scoring.status();
+    EXPECT_EQ(scoring->token_chunk, 4096);
+    EXPECT_LT(scoring->vocab_chunk, shape.vocab_size);
+    EXPECT_LE(scoring->workspace_bytes, kBudget);
 
-  shape.grad_hidden = true;
-  auto training = cpu->Plan(shape, kBudget);
-  ASSERT_TRUE(training.ok()) << training.status();
-  EXPECT_EQ(training->vocab_chunk, shape.vocab_size);
-  EXPECT_LT(training->token_chunk, 1024);
+    shape.grad_hidden = true;
+    auto training = cpu->Plan(shape, kBudget);
+    ASSERT_TRUE(training.ok()) << training.status();
+    EXPECT_EQ(training->vocab_chunk, shape.vocab_size);
+    EXPECT_LT(training->token_chunk, 1024);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, EngineBackendTest, ::testing::Values("cpu", "cuda"),

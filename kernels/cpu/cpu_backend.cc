@@ -45,7 +45,7 @@ constexpr TileLimits kCpuTileLimits = {
     /*min_vocab_chunk=*/256,
     /*vocab_chunk_multiple=*/256,
     /*token_chunk_multiple=*/64,
-    /*widened_forward_token_chunk=*/4096,
+    /*forward_token_chunk=*/4096,
 };
 
 // Rows are processed in blocks of kSumBlock columns: sums run in fp32 within a block (vectorized)

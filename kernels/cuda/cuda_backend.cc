@@ -35,7 +35,7 @@ constexpr TileLimits kCudaTileLimits = {
     /*min_vocab_chunk=*/1024,
     /*vocab_chunk_multiple=*/256,
     /*token_chunk_multiple=*/128,
-    /*widened_forward_token_chunk=*/0,
+    /*forward_token_chunk=*/0,
 };
 
 // Rows of W converted to fp32 at a time when the products run in fp32 but W is stored in 16 bits.

@@ -47,9 +47,10 @@ struct TileLimits {
   int64_t min_vocab_chunk;          // the narrowest vocabulary tile worth a GEMM
   int64_t vocab_chunk_multiple;     // vocabulary tiles are multiples of this (unless V itself)
   int64_t token_chunk_multiple;     // partial-batch token chunks are multiples of this when larger
-  // Rows per chunk for calls without gradients on a 16-bit W, the vocabulary tiled to fit, for a
-  // backend that widens W once per token chunk; 0: such calls are planned like the others.
-  int64_t widened_forward_token_chunk;
+  // Rows per chunk for calls without gradients, the vocabulary tiled to fit, for a backend whose
+  // cost per token chunk grows with W (widening a 16-bit W, the BLAS packing it); 0: such calls
+  // are planned like the others.
+  int64_t forward_token_chunk;
 };
 
 // Bytes of workspace for `token_chunk` rows and `vocab_chunk` columns, as the backend carves it.
@@ -58,7 +59,7 @@ using WorkspaceBytesFn = absl::FunctionRef<size_t(int64_t token_chunk, int64_t v
 // The largest tiles whose workspace fits `budget_bytes`: full-vocabulary token chunks when at least
 // min_single_pass_rows of them fit (one pass, 6NHV flops with gradients), else vocabulary tiles.
 // A call without gradients visits every tile once whatever the tiling, so where the backend asks
-// for it (widened_forward_token_chunk) its 16-bit W is tiled for fewer, longer token chunks.
+// for it (forward_token_chunk) W is tiled for fewer, longer token chunks.
 // Token chunks that split the batch are aligned to token_chunk_multiple and balanced, so that the
 // GEMMs see row counts their kernels divide evenly and the last chunk is not a sliver.
 absl::StatusOr<ChunkPlan> ChooseChunkPlan(const ProblemShape& shape, size_t budget_bytes,
