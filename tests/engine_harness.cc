@@ -53,11 +53,13 @@ Problem MakeProblem(const ProblemSpec& spec, std::mt19937_64& rng) {
   r.top_k = spec.top_k;
 
   std::normal_distribution<double> normal(0.0, 1.0);
+  std::uniform_int_distribution<int> small(-2, 2);
+  std::uniform_int_distribution<int> sign(-1, 1);
   const double weight_scale = spec.logit_scale / std::sqrt(static_cast<double>(spec.hidden_size));
   r.hidden.resize(spec.num_tokens * spec.hidden_size);
-  for (double& x : r.hidden) x = normal(rng);
+  for (double& x : r.hidden) x = spec.integer_values ? small(rng) : normal(rng);
   r.weight.resize(spec.vocab_size * spec.hidden_size);
-  for (double& x : r.weight) x = normal(rng) * weight_scale;
+  for (double& x : r.weight) x = spec.integer_values ? sign(rng) : normal(rng) * weight_scale;
   p.hidden_bytes = RoundToDType(r.hidden, spec.hidden_dtype);
   p.weight_bytes = RoundToDType(r.weight, spec.weight_dtype);
 

@@ -32,6 +32,9 @@ struct ProblemSpec {
   bool token_weights = false;    // random weights in [-1, 2], negatives included
   LossOptions options;
   int top_k = 0;
+  // Hidden states in {-2, ..., 2} and W in {-1, 0, 1} instead of normals: every logit is a small
+  // integer, exact in any dtype and summation order, and most tie with many others.
+  bool integer_values = false;
 };
 
 // A problem in the engine's wire form (typed bytes) and as doubles of the same rounded values.

@@ -356,6 +356,35 @@ TEST_P(EngineBackendTest, IdenticalCallsGiveIdenticalBits) {
   }
 }
 
+// Exact ties, which random normal logits never produce: argmax is the lowest of the tied ids and
+// top-k ranks equal values by the lower token, within a tile and across tiles, exactly as the
+// reference's stable sort does.
+TEST_P(EngineBackendTest, ExactTiesRankTheLowerTokenFirst) {
+  std::mt19937_64 rng(FreshSeed());
+  for (size_t budget : {64 * kMiB, 256 * kKiB}) {  // one pass, then vocabulary tiles
+    SCOPED_TRACE(budget);
+    ProblemSpec spec = Spec(64, 16, 7001);
+    spec.integer_values = true;
+    spec.top_k = kMaxTopK;
+    const Problem problem = MakeProblem(spec, rng);
+    RunRequest request;
+    request.budget_bytes = budget;
+    request.grad_hidden = false;
+    request.grad_weight = false;
+    auto run = RunEngine(*backend_, problem, request);
+    ASSERT_TRUE(run.ok()) << run.status();
+    const ReferenceResult ref = ComputeReference(problem.reference);
+    const int k = spec.top_k;
+    for (int64_t i = 0; i < spec.num_tokens; ++i) {
+      EXPECT_EQ(run->argmax[i], ref.argmax[i]) << "row " << i;
+      for (int j = 0; j < k; ++j) {
+        EXPECT_EQ(run->top_k_token[i * k + j], ref.top_k_token[i * k + j])
+            << "row " << i << ", rank " << j;
+      }
+    }
+  }
+}
+
 TEST_P(EngineBackendTest, GradWeightAccumulatesAcrossCalls) {
   std::mt19937_64 rng(FreshSeed());
   const Problem problem = MakeProblem(Spec(50, 32, 600), rng);
