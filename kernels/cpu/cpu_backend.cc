@@ -164,23 +164,6 @@ void ComputeLogits(const float* hidden32, int64_t rows, const WeightView& w, int
   }
 }
 
-// Keeps the k largest (value, token) of a row, best first; on equal values the lower token wins
-// because tokens arrive in increasing order and only a strictly larger value displaces.
-void UpdateTopK(const float* z, int64_t cols, int64_t v0, int k, float* values, int32_t* tokens) {
-  for (int64_t c = 0; c < cols; ++c) {
-    const float x = z[c];
-    if (!(x > values[k - 1])) continue;
-    int j = k - 1;
-    while (j > 0 && x > values[j - 1]) {
-      values[j] = values[j - 1];
-      tokens[j] = tokens[j - 1];
-      --j;
-    }
-    values[j] = x;
-    tokens[j] = static_cast<int32_t>(v0 + c);
-  }
-}
-
 // The row loops below are compiled twice, for AVX2 + FMA (x86-64-v3) and for baseline x86-64, and
 // the dynamic loader picks one per process. The two differ in the last bits (the AVX2 copy fuses
 // multiply-adds and sums 8 lanes at a time), but on one machine every call runs the same copy, so
@@ -215,6 +198,45 @@ int64_t FirstEqual(const float* z, int64_t cols, float m) {
   }
   while (b0 < cols && !(z[b0] == m)) ++b0;
   return b0;
+}
+
+// A row's k largest (value, token) so far, best first; k = 0 when no top-k is asked for.
+struct TopKList {
+  int k = 0;
+  float* values = nullptr;
+  int32_t* tokens = nullptr;
+};
+
+// Inserts the columns of z[0:cols] that beat the list's last entry, in column order; on equal
+// values the lower token wins because only a strictly larger value displaces. Once the list is
+// full few columns qualify (about k ln(V / k) of a random row), so blocks of 64 are screened with a
+// vectorizable any-greater first and only those holding a candidate are scanned.
+inline __attribute__((always_inline)) void UpdateTopK(const float* z, int64_t cols, int64_t v0,
+                                                      const TopKList& top) {
+  constexpr int64_t kBlock = 64;
+  float* values = top.values;
+  int32_t* tokens = top.tokens;
+  const int last = top.k - 1;
+  for (int64_t b0 = 0; b0 < cols; b0 += kBlock) {
+    const int64_t b1 = std::min(cols, b0 + kBlock);
+    const float threshold = values[last];
+    int any_greater = 0;
+#pragma omp simd reduction(| : any_greater)
+    for (int64_t c = b0; c < b1; ++c) any_greater |= z[c] > threshold;
+    if (!any_greater) continue;
+    for (int64_t c = b0; c < b1; ++c) {
+      const float x = z[c];
+      if (!(x > values[last])) continue;
+      int j = last;
+      while (j > 0 && x > values[j - 1]) {
+        values[j] = values[j - 1];
+        tokens[j] = tokens[j - 1];
+        --j;
+      }
+      values[j] = x;
+      tokens[j] = static_cast<int32_t>(v0 + c);
+    }
+  }
 }
 
 // What the statistics pass of one tile computes beyond the max, argmax and sum of exponentials.
@@ -267,9 +289,11 @@ bool AnyNaN(const float* z, int64_t cols) {
 // in L1 between its max and its sums), against a running max m. When a block raises the max to
 // m', the sums so far move to it as in MergeRowStats: s' = s e^(m - m'),
 // t' = (t + (m - m') s) e^(m - m'). With work.store_exp, block b's exponentials are taken against
-// the running max of that block, which is recorded in block_max[b] for the gradient pass.
+// the running max of that block, which is recorded in block_max[b] for the gradient pass. The
+// block max also screens the block for the row's top-k list, which it updates while the block is
+// in L1: a separate pass would read the row from memory once more.
 LOSSD_ROW_LOOP RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t label,
-                                     TileStatsWork work, float* block_max) {
+                                     TileStatsWork work, const TopKList& top, float* block_max) {
   RowStats s = EmptyRowStats();
   if (label >= v0 && label < v0 + cols) s.target = z[label - v0];
   float m = -INFINITY;
@@ -284,6 +308,7 @@ LOSSD_ROW_LOOP RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t
     float bm = -INFINITY;
 #pragma omp simd reduction(max : bm)
     for (int64_t c = 0; c < len; ++c) bm = MaxStep(bm, block[c]);
+    if (top.k > 0 && bm > top.values[top.k - 1]) UpdateTopK(block, len, v0 + b0, top);
     if (bm > m) {  // equal maxima keep the earlier, lower id
       if (argmax >= 0) {
         const float shift = m - bm;
@@ -542,9 +567,10 @@ absl::StatusOr<BatchSummary> CpuBackend::Compute(const BatchInputs& in, const We
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < rows; ++r) {
         float* z = ws.logits + r * tile_cols;
-        if (k > 0) UpdateTopK(z, cols, v0, k, ws.top_values + r * k, ws.top_tokens + r * k);
+        const TopKList top{k, k > 0 ? ws.top_values + r * k : nullptr,
+                           k > 0 ? ws.top_tokens + r * k : nullptr};
         float* block_max = work.store_exp ? ws.block_max + r * BlocksPerRow(tile_cols) : nullptr;
-        MergeRowStats(ws.stats[r], TileRowStats(z, cols, v0, labels[r], work, block_max));
+        MergeRowStats(ws.stats[r], TileRowStats(z, cols, v0, labels[r], work, top, block_max));
         if (!logits_resident) continue;
         finish_row(r);
         if (!gradients) continue;
