@@ -41,7 +41,7 @@ ABSL_FLAG(int, keep_checkpoints, 3, "checkpoints kept per head");
 ABSL_FLAG(std::vector<std::string>, heads, {},
           "comma-separated NAME=PATH[#TENSOR] heads from safetensors files (tensor default: "
           "lm_head.weight, else model.embed_tokens.weight)");
-ABSL_FLAG(std::string, head_dtype, "float32", "storage dtype of heads: float32 or bfloat16");
+ABSL_FLAG(std::string, head_dtype, "float32", "storage dtype of heads: float32, bfloat16 or float16");
 ABSL_FLAG(int64_t, demo_vocab_size, 32000, "vocabulary of the demo head served when no head is given");
 ABSL_FLAG(int64_t, demo_hidden_size, 512, "hidden size of the demo head");
 ABSL_FLAG(uint64_t, demo_seed, 0, "seed of the demo head's random init");

@@ -105,7 +105,7 @@ void ConvertToFloat(const void* src, DType dtype, int64_t offset, int64_t count,
       for (int64_t i = 0; i < count; ++i) dst[i] = BFloat16ToFloat(bits[i]);
       return;
     case DType::kFloat16:
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for simd schedule(static)
       for (int64_t i = 0; i < count; ++i) dst[i] = Float16ToFloat(bits[i]);
       return;
     default:
