@@ -582,7 +582,6 @@ INSTANTIATE_TEST_SUITE_P(
 // chunk (forward_token_chunk = 1024).
 struct ForwardPlanCase {
   const char* name;
-  DType weight_dtype;
   bool gradients;
   int64_t num_tokens;
   int64_t rows_that_fit;  // full-vocabulary rows within the budget
@@ -596,7 +595,6 @@ TEST_P(ForwardPlanTest, TilesTheVocabularyForLongerChunks) {
   const ForwardPlanCase& c = GetParam();
   ProblemShape shape;
   shape.num_tokens = c.num_tokens;
-  shape.weight_dtype = c.weight_dtype;
   shape.grad_hidden = c.gradients;
   const auto plan = PlanOnModel(shape, c.rows_that_fit, /*forward_token_chunk=*/1024);
   ASSERT_TRUE(plan.ok()) << plan.status();
@@ -608,17 +606,15 @@ INSTANTIATE_TEST_SUITE_P(
     Plans, ForwardPlanTest,
     ::testing::Values(
         // 1024 rows in the budget of 300 full ones: tiles of 292 columns, rounded to 256.
-        ForwardPlanCase{"bf16_scoring", DType::kBFloat16, false, 4096, 300, 1024, 256},
+        ForwardPlanCase{"scoring", false, 4096, 300, 1024, 256},
         // Fewer rows than the target: the whole batch in one chunk, 1.2 MB / 2800 B -> 256 columns.
-        ForwardPlanCase{"bf16_scoring_short_batch", DType::kBFloat16, false, 700, 300, 700, 256},
+        ForwardPlanCase{"scoring_short_batch", false, 700, 300, 700, 256},
         // The whole batch fits in one full-vocabulary chunk: nothing to gain from tiles.
-        ForwardPlanCase{"bf16_scoring_batch_fits", DType::kBFloat16, false, 200, 300, 200, 1000},
+        ForwardPlanCase{"scoring_batch_fits", false, 200, 300, 200, 1000},
         // 1024 rows would leave tiles of 97 columns, under min_vocab_chunk: full-vocabulary chunks.
-        ForwardPlanCase{"bf16_scoring_tile_too_narrow", DType::kBFloat16, false, 4096, 100, 64, 1000},
+        ForwardPlanCase{"scoring_tile_too_narrow", false, 4096, 100, 64, 1000},
         // Tiles would make a training call compute its logits twice.
-        ForwardPlanCase{"bf16_training", DType::kBFloat16, true, 4096, 300, 256, 1000},
-        // An fp32 W is not widened, but the BLAS packs it once per chunk: the same long chunks.
-        ForwardPlanCase{"fp32_scoring", DType::kFloat32, false, 4096, 300, 1024, 256}),
+        ForwardPlanCase{"training", true, 4096, 300, 256, 1000}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // The CPU backend at the default budget and a Llama 3 head [128256, 2048], in bf16 (widened per
