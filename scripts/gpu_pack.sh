@@ -11,20 +11,26 @@ build="${LOSSD_GPU_BUILD_DIR:-build-gpu}"
 cmake -S . -B "$build" -G Ninja -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc \
   -DLOSSD_CUDA_ARCHITECTURES=90 >/dev/null
 cmake --build "$build" --target engine_test engine_bench lossd_server lossctl lossd_cuda
+# A module with machine code for sm_100 only and no PTX, which a Hopper GPU cannot run:
+# gpu_round.sh checks that the backend refuses it at creation, naming the architectures.
+cmake -S . -B "$build-sm100" -G Ninja -DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc \
+  -DLOSSD_CUDA_ARCHITECTURES=100-real >/dev/null
+cmake --build "$build-sm100" --target lossd_cuda
 staging="$(mktemp -d)"
 trap 'rm -rf "$staging"' EXIT
-mkdir -p "$staging/bin" "$staging/lib"
+mkdir -p "$staging/bin" "$staging/lib" "$staging/sm100"
 for binary in engine_test engine_bench lossd_server lossctl liblossd_cuda.so; do
   cp "$build/bin/$binary" "$staging/bin/"
 done
+cp "$build-sm100/bin/liblossd_cuda.so" "$staging/sm100/"
 # Everything ldd resolves outside the C library and cuBLAS (which the GPU machine has).
 for binary in "$staging"/bin/*; do
   ldd "$binary" | awk '/=> \// {print $3}'
 done | sort -u | grep -v -E '/(libc|libm|libdl|libpthread|librt|libcublas|libcublasLt)\.so' |
   while read -r library; do cp -L "$library" "$staging/lib/"; done
-strip --strip-unneeded "$staging"/bin/* "$staging"/lib/* 2>/dev/null || true
+strip --strip-unneeded "$staging"/bin/* "$staging"/lib/* "$staging"/sm100/* 2>/dev/null || true
 rm -rf .gpu && mkdir -p .gpu
-tar -C "$staging" -cf - bin lib | xz -T0 -6 >.gpu/lossd-gpu.tar.xz
+tar -C "$staging" -cf - bin lib sm100 | xz -T0 -6 >.gpu/lossd-gpu.tar.xz
 # The GPU machine's Python (3.12) has torch and Triton but not these two fused-kernel peers.
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 -d .gpu/wheels liger-kernel cut-cross-entropy ||

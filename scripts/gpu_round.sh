@@ -29,6 +29,14 @@ for tool in memcheck racecheck; do
     --gtest_filter='*cuda_basic*:*cuda_vocab_tiled*:*cuda_bf16_inputs*' 2>&1 |
     tail -n 20 | tee "$out/sanitizer-$tool.log" || status=1
 done
+# A module without code for this GPU is refused when the backend is created, with a message that
+# says how to rebuild it, rather than failing every call.
+LOSSD_CUDA_MODULE="$PWD/.gpu/sm100/liblossd_cuda.so" timeout 60 .gpu/bin/lossd_server \
+  --device=cuda --listen=127.0.0.1:0 --metrics_listen= >"$out/foreign-module.log" 2>&1 &&
+  { echo "a module built for sm_100 only was accepted"; status=1; }
+cat "$out/foreign-module.log"
+grep -q "cannot run this CUDA module, built for architectures 100-real" "$out/foreign-module.log" ||
+  status=1
 
 # 2. Fast: the engine against its peers on the same GPU, bf16 inputs.
 read -ra peers_args <<<"${LOSSD_GPU_PEERS_ARGS:-}"

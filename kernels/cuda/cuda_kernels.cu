@@ -393,6 +393,11 @@ absl::Status LaunchAddFloat32(float* d_dst, const float* d_src, int64_t count,
   return CheckLaunch("AddFloat32Kernel");
 }
 
+absl::Status CheckKernelImage() {
+  cudaFuncAttributes attributes;
+  return CudaStatus(cudaFuncGetAttributes(&attributes, AddFloat32Kernel), "cudaFuncGetAttributes");
+}
+
 static __global__ void SumSquaresPartialsKernel(const float* d_x, int64_t count,
                                                 double* d_partials) {
   __shared__ double scratch[kWarpSize + 1];

@@ -36,6 +36,11 @@ struct GradientSplit {
   uint16_t* d_lo = nullptr;
 };
 
+// OK when this module holds code that the current device can run: machine code for its
+// architecture, or PTX that the driver can compile for it. Without it every launch would fail
+// with cudaErrorNoKernelImageForDevice, so the backend checks once, at creation.
+absl::Status CheckKernelImage();
+
 // d_dst[i] = float(d_src[i]) for a 16-bit or fp32 source.
 absl::Status LaunchConvertToFloat(const void* d_src, DType src_dtype, int64_t count, float* d_dst,
                                   cudaStream_t stream);
