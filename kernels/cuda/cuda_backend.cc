@@ -372,7 +372,9 @@ class ChunkedCompute {
     if (!(bound > 0.0f) || !std::isfinite(bound)) return 1.0f;
     int exponent = 0;
     std::frexp(bound, &exponent);  // bound < 2^exponent
-    return std::ldexp(1.0f, std::clamp(kSplitMaxExponent - exponent, -100, 100));
+    // Every finite bound (< 2^128) gets its exact S; the clamp only keeps S and the GEMMs'
+    // alpha = 1/S normal floats.
+    return std::ldexp(1.0f, std::clamp(kSplitMaxExponent - exponent, -126, 126));
   }
 
   // Pass 2: dL/da per tile, then dh += dA W and dW += dA^T h. For 16-bit products dA = (hi + lo) /
