@@ -147,11 +147,13 @@ absl::Status RowMajorGemm(cublasHandle_t cublas, bool transpose_a, bool transpos
 // never shared between threads and each handle has one stream and one workspace, which keeps
 // cuBLAS's choice of kernels, and so its results, the same from call to call. The scratch is the
 // backend's fixed overhead (like OpenBLAS's buffers on the CPU), allocated once per stream and
-// not part of any call's workspace budget; with it cuBLAS allocates nothing during a call.
+// not part of any call's workspace budget; with it cuBLAS allocates nothing during a call, and
+// neither does SumSquaresFloat32 (a cudaFree would wait for every stream of the device).
 struct StreamContext {
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
   void* d_cublas_workspace = nullptr;
+  double* d_sum_squares_partials = nullptr;  // [kSumSquaresBlocks]
 };
 
 class StreamPool {
@@ -189,6 +191,11 @@ class StreamPool {
                                                cublas_workspace_bytes_),
                             "cublasSetWorkspace");
     }
+    if (status.ok()) {
+      status = CudaStatus(cudaMalloc(reinterpret_cast<void**>(&context.d_sum_squares_partials),
+                                     kSumSquaresBlocks * sizeof(double)),
+                          "cudaMalloc (sum of squares partials)");
+    }
     if (!status.ok()) {
       Destroy(context);
       return status;
@@ -205,6 +212,7 @@ class StreamPool {
   static void Destroy(const StreamContext& context) {
     if (context.cublas != nullptr) cublasDestroy(context.cublas);
     if (context.d_cublas_workspace != nullptr) cudaFree(context.d_cublas_workspace);
+    if (context.d_sum_squares_partials != nullptr) cudaFree(context.d_sum_squares_partials);
     if (context.stream != nullptr) cudaStreamDestroy(context.stream);
   }
 
@@ -543,15 +551,14 @@ class CudaBackend final : public Backend {
 
   absl::StatusOr<double> SumSquaresFloat32(const DeviceBuffer& x, int64_t count) override {
     RETURN_IF_ERROR(CheckFloat32Count(x, count, "x"));
-    ASSIGN_OR_RETURN(DeviceBuffer d_partials, Allocate(kSumSquaresBlocks * sizeof(double)));
     std::vector<double> partials(kSumSquaresBlocks);
     RETURN_IF_ERROR(RunOnStream([&](const StreamContext& c) {
       RETURN_IF_ERROR(LaunchSumSquaresPartials(static_cast<const float*>(x.data()), count,
-                                               static_cast<double*>(d_partials.data()), c.stream));
-      return CudaStatus(
-          cudaMemcpyAsync(partials.data(), d_partials.data(), partials.size() * sizeof(double),
-                          cudaMemcpyDeviceToHost, c.stream),
-          "cudaMemcpyAsync");
+                                               c.d_sum_squares_partials, c.stream));
+      return CudaStatus(cudaMemcpyAsync(partials.data(), c.d_sum_squares_partials,
+                                        partials.size() * sizeof(double), cudaMemcpyDeviceToHost,
+                                        c.stream),
+                        "cudaMemcpyAsync");
     }));
     double total = 0.0;
     for (double p : partials) total += p;
