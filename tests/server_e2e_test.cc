@@ -547,6 +547,23 @@ TEST(ServerStartupTest, LoadsHeadsFromSafetensors) {
   std::filesystem::remove_all(dir);
 }
 
+// A GPU host that fell back to the CPU without a word (a module built for other GPUs, a missing
+// driver) would look healthy: "auto" logs why CUDA was not taken, and logs nothing when it was.
+TEST(ServerStartupTest, AutoDeviceSaysWhyItServesOnTheCpu) {
+  server::ServerConfig config;
+  config.device = "auto";
+  config.listen_address = "127.0.0.1:0";
+  config.metrics_address = "";
+  config.demo = {"small", 500, kHidden, 1};
+  auto server = server::LossServer::Start(config);
+  ASSERT_TRUE(server.ok()) << server.status();
+  int explanations = 0;
+  for (const std::string& line : (*server)->startup_log()) {
+    explanations += line.rfind("device auto: CPU (CUDA unavailable: ", 0) == 0;
+  }
+  EXPECT_EQ(explanations, (*server)->backend().kind() == "cpu" ? 1 : 0);
+}
+
 TEST(ServerLimitsTest, OverBudgetCallsAndOversizedMessagesAreResourceExhausted) {
   std::mt19937_64 rng(FreshSeed());
   server::ServerConfig config;
