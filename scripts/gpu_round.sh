@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One GPU round, run on the GPU machine from the repository root after scripts/gpu_pack.sh packed
 # .gpu/ here: the engine's whole test table on the CUDA backend against the float64 reference,
-# compute-sanitizer memcheck and racecheck over a few cases, the peer benchmark (bench/gpu_peers.py:
-# the engine against torch, Liger-Kernel and Cut Cross-Entropy), then the server on the GPU called
-# over loopback at Llama 3 8B's head shape. About ten minutes. Writes logs to ${OUT:-.gpu/out};
-# LOSSD_GPU_PEERS_ARGS goes to gpu_peers.py (--shapes, --reps, --budget-mib, ...).
+# compute-sanitizer memcheck and racecheck over a few cases, a module without code for this GPU
+# refused at start-up, the peer benchmark (bench/gpu_peers.py: the engine against torch,
+# Liger-Kernel and Cut Cross-Entropy), then the server on the GPU called over loopback at Llama 3
+# 8B's head shape. About ten minutes. Writes logs to ${OUT:-.gpu/out}; LOSSD_GPU_PEERS_ARGS goes
+# to gpu_peers.py (--shapes, --reps, --budget-mib, ...).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 out="${OUT:-.gpu/out}"
