@@ -495,6 +495,25 @@ TEST_P(EngineBackendTest, NonFiniteHiddenStatesAreReported) {
   EXPECT_FALSE(run->summary.all_finite);
 }
 
+// A logit that overflows to -inf from finite inputs is as untrustworthy as a NaN, although its
+// probability would come out as 0: it is reported whichever outputs the call asks for, also when
+// none of them needs the sum of the logits that would carry the -inf.
+TEST_P(EngineBackendTest, OverflowedLogitsAreReportedWhateverTheOutputs) {
+  std::mt19937_64 rng(FreshSeed());
+  Problem problem = MakeProblem(Spec(8, 16, 300), rng);
+  float* hidden = reinterpret_cast<float*>(problem.hidden_bytes.data());
+  float* weight = reinterpret_cast<float*>(problem.weight_bytes.data());
+  hidden[5 * 16 + 3] = 1e30f;
+  weight[123 * 16 + 3] = -1e10f;  // z[5, 123] = -inf; every other logit stays finite
+  for (const bool loss_only : {false, true}) {
+    RunRequest request;
+    request.loss_only = loss_only;
+    auto run = RunEngine(*backend_, problem, request);
+    ASSERT_TRUE(run.ok()) << run.status();
+    EXPECT_FALSE(run->summary.all_finite) << "loss_only " << loss_only;
+  }
+}
+
 TEST_P(EngineBackendTest, PlansStayWithinTheBudget) {
   for (int64_t v : {1000, 32000, 128256, 256000}) {
     for (size_t budget : {64 * kKiB, 1 * kMiB, 16 * kMiB, 256 * kMiB}) {

@@ -298,7 +298,7 @@ LOSSD_ROW_LOOP RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t
   if (label >= v0 && label < v0 + cols) s.target = z[label - v0];
   float m = -INFINITY;
   int64_t argmax = -1;
-  bool saw_nan = false;
+  bool saw_non_finite = false;  // a NaN or -inf logit (+inf shows as a NaN statistic anyway)
   double sum_z = 0.0;
   double sum_exp = 0.0;
   double sum_exp_shifted = 0.0;
@@ -306,8 +306,15 @@ LOSSD_ROW_LOOP RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t
     const int64_t len = std::min(kSumBlock, cols - b0);
     float* block = z + b0;
     float bm = -INFINITY;
-#pragma omp simd reduction(max : bm)
-    for (int64_t c = 0; c < len; ++c) bm = MaxStep(bm, block[c]);
+    float block_min = INFINITY;
+#pragma omp simd reduction(max : bm) reduction(min : block_min)
+    for (int64_t c = 0; c < len; ++c) {
+      bm = MaxStep(bm, block[c]);
+      block_min = MinStep(block_min, block[c]);
+    }
+    // Its exponential would be 0, but a -inf logit comes only from an overflow or an infinite
+    // input: the row is flagged whether or not the call sums the logits (which would carry it).
+    saw_non_finite = saw_non_finite || block_min == -INFINITY;
     if (top.k > 0 && bm > top.values[top.k - 1]) UpdateTopK(block, len, v0 + b0, top);
     if (bm > m) {  // equal maxima keep the earlier, lower id
       if (argmax >= 0) {
@@ -322,7 +329,7 @@ LOSSD_ROW_LOOP RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t
     if (work.store_exp) block_max[b0 / kSumBlock] = m;
     if (argmax < 0) {
       // Nothing comparable yet: the block holds only -inf (exponentials 0) and NaN.
-      saw_nan = saw_nan || AnyNaN(block, len);
+      saw_non_finite = saw_non_finite || AnyNaN(block, len);
       if (work.store_exp) std::fill(block, block + len, 0.0f);
       continue;
     }
@@ -336,8 +343,9 @@ LOSSD_ROW_LOOP RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t
       BlockSums<false, false>(block, len, m, sum_exp, sum_exp_shifted, sum_z);
     }
   }
-  // A NaN (or a row of -inf) marks the row non-finite through any merge by its NaN sum_z.
-  s.sum_z = saw_nan || argmax < 0 ? NAN : static_cast<float>(sum_z);
+  // A NaN or -inf logit (or a row without a comparable one) marks the row non-finite through any
+  // merge by its NaN sum_z.
+  s.sum_z = saw_non_finite || argmax < 0 ? NAN : static_cast<float>(sum_z);
   if (argmax < 0) return s;
   s.max = m;
   s.sum_exp = static_cast<float>(sum_exp);

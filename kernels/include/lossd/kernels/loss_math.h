@@ -49,6 +49,8 @@ LOSSD_HD float Exp(float x) {
 // which GCC vectorizes inside `omp simd reduction(max : m)` loops; std::max(m, x), the same value,
 // leaves such a loop scalar, one dependent vmaxss per element (about 5x slower over a row).
 LOSSD_HD float MaxStep(float m, float x) { return x > m ? x : m; }
+// min(m, x) likewise, for `omp simd reduction(min : m)`.
+LOSSD_HD float MinStep(float m, float x) { return x < m ? x : m; }
 
 // tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|): no overflow, vectorizable on the host.
 LOSSD_HD float Tanh(float x) {
