@@ -146,14 +146,17 @@ void ForEachWeightSlab(const WeightView& w, int64_t v0, int64_t cols, float* scr
   }
 }
 
-// z[:, 0:cols] = transform(h W[v0:v0+cols]^T), leading dimension ld.
+// z[:, 0:cols] = transform(h W[v0:v0+cols]^T), leading dimension ld. With onto_zero the caller
+// vouches that z[:, 0:cols] holds zeros: the product adds onto it (beta = 1), which spares
+// OpenBLAS the pass that clears C for beta = 0, a write of the whole tile.
 void ComputeLogits(const float* hidden32, int64_t rows, const WeightView& w, int64_t v0,
                    int64_t cols, float* weight32, const LogitTransform& transform, float* z,
-                   int64_t ld) {
+                   int64_t ld, bool onto_zero) {
   const int64_t h = w.hidden_size;
+  const float beta = onto_zero ? 1.0f : 0.0f;
   ForEachWeightSlab(w, v0, cols, weight32, [&](const float* slab, int64_t s0, int64_t slab_rows) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, slab_rows, h, 1.0f, hidden32, h, slab,
-                h, 0.0f, z + (s0 - v0), ld);
+                h, beta, z + (s0 - v0), ld);
   });
   if (transform.identity()) return;
 #pragma omp parallel for schedule(static)
@@ -243,6 +246,7 @@ inline __attribute__((always_inline)) void UpdateTopK(const float* z, int64_t co
 struct TileStatsWork {
   bool extra_sums;  // sum_z and sum_exp_shifted: only label smoothing and entropy read them
   bool store_exp;   // z[c] <- exp(z[c] - m_b) with m_b the running max at z's block
+  bool zero_after;  // z[c] <- 0 once read, while in L1, for the next product to add onto
 };
 
 // The sums over one block z[0:cols] against the running max m, added to the tile's; compiled once
@@ -330,7 +334,7 @@ LOSSD_ROW_LOOP RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t
     if (argmax < 0) {
       // Nothing comparable yet: the block holds only -inf (exponentials 0) and NaN.
       saw_non_finite = saw_non_finite || AnyNaN(block, len);
-      if (work.store_exp) std::fill(block, block + len, 0.0f);
+      if (work.store_exp || work.zero_after) std::fill(block, block + len, 0.0f);
       continue;
     }
     if (work.extra_sums && work.store_exp) {
@@ -342,6 +346,7 @@ LOSSD_ROW_LOOP RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t
     } else {
       BlockSums<false, false>(block, len, m, sum_exp, sum_exp_shifted, sum_z);
     }
+    if (work.zero_after) std::fill(block, block + len, 0.0f);
   }
   // A NaN or -inf logit (or a row without a comparable one) marks the row non-finite through any
   // merge by its NaN sum_z.
@@ -539,6 +544,14 @@ absl::StatusOr<BatchSummary> CpuBackend::Compute(const BatchInputs& in, const We
   summary.workspace_bytes = static_cast<int64_t>(arena.used());
   summary.grad_weight_bound = 0.0;
   float* grad_weight32 = grad_weight != nullptr ? static_cast<float*>(grad_weight->data()) : nullptr;
+  // The rows x columns at the start of the logits tile known to hold zeros: a tile that nothing
+  // reads after its statistics is cleared by that pass while in L1, and the next product adds onto
+  // it. Nothing is assumed of the workspace a call is given.
+  int64_t zero_rows = 0;
+  int64_t zero_cols = 0;
+  const auto product_onto_zero = [&](int64_t rows, int64_t cols) {
+    return rows <= zero_rows && cols <= zero_cols;
+  };
 
   for (int64_t r0 = 0; r0 < n; r0 += chunk_rows) {
     const int64_t rows = std::min(chunk_rows, n - r0);
@@ -567,11 +580,23 @@ absl::StatusOr<BatchSummary> CpuBackend::Compute(const BatchInputs& in, const We
       if (grad_weight32 != nullptr) ws.hidden_max_abs[r] = MaxAbs(hidden32 + r * h, h);
     };
     const bool logits_resident = tile_cols >= v;
-    const TileStatsWork work{/*extra_sums=*/out.entropy != nullptr || options.label_smoothing != 0.0,
-                             /*store_exp=*/logits_resident && gradients && transform.softcap == 0.0f};
+    const bool rows_finished_in_tile = logits_resident && gradients;  // dL/da stays in the tile
     for (int64_t v0 = 0; v0 < v; v0 += tile_cols) {
       const int64_t cols = std::min(tile_cols, v - v0);
-      ComputeLogits(hidden32, rows, weight, v0, cols, ws.weight32, transform, ws.logits, tile_cols);
+      const bool onto_zero = product_onto_zero(rows, cols);
+      ComputeLogits(hidden32, rows, weight, v0, cols, ws.weight32, transform, ws.logits, tile_cols,
+                    onto_zero);
+      const bool another_product = gradients || r0 + rows < n || v0 + cols < v;
+      const TileStatsWork work{
+          /*extra_sums=*/out.entropy != nullptr || options.label_smoothing != 0.0,
+          /*store_exp=*/rows_finished_in_tile && transform.softcap == 0.0f,
+          /*zero_after=*/!rows_finished_in_tile && another_product};
+      if (!work.zero_after) {
+        zero_rows = zero_cols = 0;
+      } else if (!onto_zero) {
+        zero_rows = rows;
+        zero_cols = cols;
+      }
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < rows; ++r) {
         float* z = ws.logits + r * tile_cols;
@@ -630,7 +655,9 @@ absl::StatusOr<BatchSummary> CpuBackend::Compute(const BatchInputs& in, const We
     for (int64_t v0 = 0; v0 < v; v0 += tile_cols) {
       const int64_t cols = std::min(tile_cols, v - v0);
       if (!logits_resident) {
-        ComputeLogits(hidden32, rows, weight, v0, cols, ws.weight32, transform, ws.logits, tile_cols);
+        ComputeLogits(hidden32, rows, weight, v0, cols, ws.weight32, transform, ws.logits, tile_cols,
+                      product_onto_zero(rows, cols));
+        zero_rows = zero_cols = 0;
 #pragma omp parallel for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
           RowLogitGradients(ws.logits + r * tile_cols, cols, v0, ws.row_grads[r], transform);
