@@ -75,11 +75,13 @@ absl::StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(int ordinal, absl::stri
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view device,
-                                                       absl::string_view cuda_module_path) {
+                                                       absl::string_view cuda_module_path,
+                                                       std::string* cuda_unavailable) {
   if (device == "cpu") return CreateCpuBackend();
   if (device == "auto") {
     auto cuda = LoadCudaBackend(0, cuda_module_path);
     if (cuda.ok()) return cuda;
+    if (cuda_unavailable != nullptr) *cuda_unavailable = std::string(cuda.status().message());
     return CreateCpuBackend();
   }
   if (device == "cuda") return LoadCudaBackend(0, cuda_module_path);

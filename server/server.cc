@@ -187,19 +187,15 @@ std::vector<GaugeSample> LossServer::ReadState() const {
 absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig& config,
                                                               std::unique_ptr<Backend> backend) {
   std::unique_ptr<LossServer> server(new LossServer());
-  if (backend == nullptr && config.device == "auto") {
-    // As CreateBackend("auto") chooses, but saying why CUDA was not chosen: a GPU host that
-    // silently serves on the CPU (a module built for other GPUs, a missing driver) looks healthy.
-    auto cuda = CreateBackend("cuda");
-    if (cuda.ok()) {
-      backend = *std::move(cuda);
-    } else {
-      server->startup_log_.push_back(
-          absl::StrCat("device auto: CPU (CUDA unavailable: ", cuda.status().message(), ")"));
-    }
-  }
   if (backend == nullptr) {
-    ASSIGN_OR_RETURN(backend, CreateBackend(config.device == "auto" ? "cpu" : config.device));
+    // A GPU host that silently serves on the CPU (a module built for other GPUs, a missing
+    // driver) would look healthy: the log says why "auto" did not take CUDA.
+    std::string cuda_unavailable;
+    ASSIGN_OR_RETURN(backend, CreateBackend(config.device, {}, &cuda_unavailable));
+    if (!cuda_unavailable.empty()) {
+      server->startup_log_.push_back(
+          absl::StrCat("device auto: CPU (CUDA unavailable: ", cuda_unavailable, ")"));
+    }
   }
   server->backend_ = std::move(backend);
   server->startup_log_.push_back(absl::StrCat("backend: ", server->backend_->Describe()));

@@ -154,9 +154,11 @@ class Backend : public BufferAllocator {
 };
 
 // "cpu", "cuda", "cuda:N" or "auto" (CUDA when a device is present, else CPU). The CUDA backend is a
-// module loaded at run time; `cuda_module_path` overrides where it is looked for.
+// module loaded at run time; `cuda_module_path` overrides where it is looked for. When "auto"
+// falls back to the CPU, `cuda_unavailable` (if given) receives why CUDA was not taken.
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view device,
-                                                       absl::string_view cuda_module_path = {});
+                                                       absl::string_view cuda_module_path = {},
+                                                       std::string* cuda_unavailable = nullptr);
 
 }  // namespace lossd
 
