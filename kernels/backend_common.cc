@@ -1,11 +1,14 @@
 #include "lossd/kernels/backend_common.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "lossd/common/status_macros.h"
+#include "lossd/kernels/loss_math.h"
 
 namespace lossd {
 namespace {
@@ -130,6 +133,48 @@ absl::Status ValidateTokenWeights(const float* weights, int64_t count, int64_t f
     }
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+// The index of the first of `count` elements whose exponent bits (`exponent`) are all ones, an
+// Inf or a NaN, or -1. Blocks are tested without an early exit, a loop the compiler vectorizes;
+// only a block that holds one is searched again element by element.
+template <typename Bits>
+int64_t FirstWithExponentAllOnes(const void* data, int64_t count, Bits exponent) {
+  constexpr int64_t kBlock = 4096;
+  const auto bad = [data, exponent](int64_t i) {
+    Bits bits;
+    std::memcpy(&bits, static_cast<const char*>(data) + i * sizeof(Bits), sizeof(Bits));
+    return (bits & exponent) == exponent;
+  };
+  for (int64_t start = 0; start < count; start += kBlock) {
+    const int64_t end = std::min(count, start + kBlock);
+    bool any = false;
+    for (int64_t i = start; i < end; ++i) any |= bad(i);
+    if (!any) continue;
+    for (int64_t i = start; i < end; ++i) {
+      if (bad(i)) return i;
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
+absl::Status ValidateFiniteMatrix(absl::string_view field, const void* data, DType dtype,
+                                  int64_t rows, int64_t cols, int64_t first_row) {
+  const int64_t count = rows * cols;
+  int64_t bad = -1;
+  switch (dtype) {
+    case DType::kFloat32: bad = FirstWithExponentAllOnes<uint32_t>(data, count, 0x7f800000u); break;
+    case DType::kBFloat16: bad = FirstWithExponentAllOnes<uint16_t>(data, count, 0x7f80u); break;
+    case DType::kFloat16: bad = FirstWithExponentAllOnes<uint16_t>(data, count, 0x7c00u); break;
+  }
+  if (bad < 0) return absl::OkStatus();
+  return InvalidField(absl::StrCat(field, "[", first_row + bad / cols, ", ", bad % cols, "]"),
+                      absl::StrCat("a finite ", DTypeName(dtype), " value"),
+                      absl::StrCat(LoadAsFloat(data, dtype, bad)));
 }
 
 ProblemShape ShapeOfCall(const BatchInputs& in, const WeightView& weight, const TokenOutputs& out,

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/common/counter_random.h"
 #include "lossd/common/status_macros.h"
@@ -36,6 +37,17 @@ absl::Status VersionMoved(const std::string& head, uint64_t expected, uint64_t n
                                          now, " during the call; nothing was accumulated, retry"));
 }
 
+// A non-finite W would fail every call on the head, each blamed on its hidden states, and
+// non-finite optimizer state would carry into W at the next step: no head is built on either,
+// whichever way it came (an upload, a --heads file, a checkpoint).
+absl::Status CheckFinite(const std::string& head, const std::string& source, absl::string_view field,
+                         const void* data, DType dtype, int64_t rows, int64_t cols) {
+  const absl::Status finite = ValidateFiniteMatrix(field, data, dtype, rows, cols);
+  if (finite.ok()) return finite;
+  return absl::InvalidArgumentError(
+      absl::StrCat("head '", head, "' from ", source, ": ", finite.message()));
+}
+
 }  // namespace
 
 Head::Head(Backend& backend, MemoryLedger& ledger, const HeadState& state, std::string source)
@@ -58,6 +70,15 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Create(Backend& backend, MemoryLedge
         "head '", state.head, "': expected ", elements * DTypeSize(state.weight_dtype),
         " bytes of W [", state.vocab_size, ", ", state.hidden_size, "] in ",
         DTypeName(state.weight_dtype), ", got ", state.weight.size()));
+  }
+  RETURN_IF_ERROR(CheckFinite(state.head, source, "weight", state.weight.data(), state.weight_dtype,
+                              state.vocab_size, state.hidden_size));
+  for (const auto& [field, values] : {std::pair{"optimizer.state1", &state.state1},
+                                      std::pair{"optimizer.state2", &state.state2}}) {
+    if (values->size() == static_cast<size_t>(elements)) {
+      RETURN_IF_ERROR(CheckFinite(state.head, source, field, values->data(), DType::kFloat32,
+                                  state.vocab_size, state.hidden_size));
+    }
   }
   std::shared_ptr<Head> head(new Head(backend, ledger, state, std::move(source)));
   ASSIGN_OR_RETURN(head->weight_, UploadBuffer(backend, state.weight.data(), state.weight.size()));
@@ -249,6 +270,9 @@ absl::Status Head::ReplaceWeight(const std::vector<uint8_t>& weight, DType dtype
     return absl::InvalidArgumentError(absl::StrCat("weight: expected ", weight_.bytes(),
                                                    " bytes, got ", stored.size()));
   }
+  // Checked as stored: a finite fp32 value past 65504 is Inf in a float16 head.
+  RETURN_IF_ERROR(
+      CheckFinite(name_, source, "weight", stored.data(), dtype_, vocab_size_, hidden_size_));
   absl::WriterMutexLock weight_lock(&weight_mu_);
   absl::MutexLock grad_lock(&grad_mu_);
   RETURN_IF_ERROR(backend_.CopyToDevice(stored.data(), stored.size(), weight_, 0));

@@ -89,8 +89,8 @@ absl::Status LossServer::LoadHeads(const ServerConfig& config) {
       startup_log_.push_back(absl::StrCat("skipped checkpoint: ", skipped));
     }
     for (const HeadState& state : resumed.heads) {
-      const std::string source = absl::StrCat("checkpoint ", config.checkpoint_dir, " (version ",
-                                              state.version, ")");
+      const std::string source = absl::StrCat(
+          "checkpoint ", storage::CheckpointPath(config.checkpoint_dir, state.head, state.version));
       ASSIGN_OR_RETURN(auto head, Head::Create(*backend_, ledger_, state, source));
       RETURN_IF_ERROR(heads_.Put(head, false));
       startup_log_.push_back(absl::StrCat("head '", state.head, "' resumed from ", source));

@@ -1,7 +1,6 @@
 #include "server/service.h"
 
 #include <algorithm>
-#include <cmath>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -190,14 +189,7 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
     return InvalidField("weight", absl::StrCat(expected_bytes, " bytes"),
                         absl::StrCat(weight.size(), " before the stream ended"));
   }
-  // A non-finite W would fail every later call on the head; refuse it at the door.
-  for (int64_t i = 0; i < start.vocab_size() * start.hidden_size(); ++i) {
-    const float value = LoadAsFloat(weight.data(), wire_dtype, i);
-    if (!std::isfinite(value)) {
-      return InvalidField(absl::StrCat("weight[", i / start.hidden_size(), ", ", i % start.hidden_size(), "]"),
-                          "a finite value", absl::StrCat(value));
-    }
-  }
+  // Head::Create and ReplaceWeight refuse a W that is not finite as stored.
   const std::string source = absl::StrCat("upload (", DTypeName(wire_dtype), ")");
   if (existing.ok() && (*existing)->vocab_size() == start.vocab_size() &&
       (*existing)->hidden_size() == start.hidden_size() && (*existing)->dtype() == storage_dtype) {

@@ -453,6 +453,24 @@ const BadRow kBadRows[] = {
        const float nan = std::numeric_limits<float>::quiet_NaN();
        s.upload.back().mutable_weight()->replace(8, 4, reinterpret_cast<const char*>(&nan), 4);
      }},
+    {"upload_overflows_float16", "finite in the float32 sent, 1e5 is Inf in float16 storage",
+     Rpc::kUpload, kInvalid, "weight[25, 2]: expected a finite float16 value, got inf",
+     [](Script& s) {
+       UploadStartOf(s).set_storage_dtype(v1::DTYPE_FLOAT16);
+       const float large = 1e5f;
+       s.upload.back().mutable_weight()->replace(8, 4, reinterpret_cast<const char*>(&large), 4);
+     }},
+    {"upload_replace_with_inf", "a same-shape replacement takes another path into the head",
+     Rpc::kUpload, kInvalid, "weight[299, 31]: expected a finite float32 value, got inf",
+     [](Script& s) {
+       UploadStartOf(s).set_head(kHead);
+       UploadStartOf(s).set_vocab_size(kVocab);
+       UploadStartOf(s).set_replace(true);
+       std::vector<float> weight(kVocab * kHidden, 0.5f);
+       weight.back() = INFINITY;
+       s.upload.resize(2);
+       s.upload.back().set_weight(FloatBytes(weight));
+     }},
     {"upload_replace_short", "replacing the test head with too few bytes must not touch it",
      Rpc::kUpload, kInvalid, "weight",
      [](Script& s) {

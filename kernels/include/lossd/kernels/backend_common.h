@@ -25,6 +25,11 @@ absl::Status ValidateOptions(const LossOptions& options);
 absl::Status ValidateLabels(const int64_t* labels, int64_t count, int64_t vocab_size,
                             int64_t ignore_index, int64_t first_index = 0);
 absl::Status ValidateTokenWeights(const float* weights, int64_t count, int64_t first_index = 0);
+// OK when every element of the row-major [rows, cols] matrix `data`, stored in `dtype`, is finite;
+// else INVALID_ARGUMENT naming the first Inf or NaN as `field`[first_row + r, c]. Reads the raw
+// bits (an exponent of all ones), so it costs one pass over memory even at V x H of a large head.
+absl::Status ValidateFiniteMatrix(absl::string_view field, const void* data, DType dtype,
+                                  int64_t rows, int64_t cols, int64_t first_row = 0);
 
 ProblemShape ShapeOfCall(const BatchInputs& inputs, const WeightView& weight,
                          const TokenOutputs& outputs, bool grad_weight);
