@@ -1,6 +1,12 @@
 #include "server/server.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -9,7 +15,13 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
@@ -28,6 +40,148 @@ absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view 
   std::stringstream contents;
   contents << file.rdbuf();
   return contents.str();
+}
+
+// The bearer token: the first line of the file, without the whitespace around it (its newline, the
+// CR of a file written on Windows). Later lines are the operator's, for comments.
+absl::StatusOr<std::string> ReadBearerToken(const std::string& path) {
+  ASSIGN_OR_RETURN(const std::string contents, ReadFile(path, "--token_file"));
+  const absl::string_view first_line =
+      absl::StripAsciiWhitespace(absl::string_view(contents).substr(0, contents.find('\n')));
+  if (first_line.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--token_file: expected the bearer token on the first line of ", path, ", got an empty line"));
+  }
+  return std::string(first_line);
+}
+
+// This thread's oldest OpenSSL error as text; empties the queue.
+std::string TakeOpenSslError() {
+  const unsigned long code = ERR_get_error();
+  std::string text = "no reason given";
+  if (code != 0) {
+    char buffer[256];
+    ERR_error_string_n(code, buffer, sizeof(buffer));
+    text = buffer;
+  }
+  ERR_clear_error();
+  return text;
+}
+
+// Asked for a key's passphrase: there is none to give (gRPC takes unencrypted keys only), and
+// OpenSSL must not prompt on the terminal for one.
+int NoPassphrase(char*, int, int, void*) { return 0; }
+
+// gRPC reports a certificate or key it cannot use only as a failure to bind the port, so both
+// are parsed here first, and the key is checked to be the certificate's.
+absl::StatusOr<grpc::SslServerCredentialsOptions::PemKeyCertPair> ReadTlsKeyPair(
+    const ServerConfig& config) {
+  if (config.tls_cert_file.empty() || config.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        config.tls_cert_file.empty() ? "--tls_cert_file: required with --tls_key_file"
+                                     : "--tls_key_file: required with --tls_cert_file");
+  }
+  ASSIGN_OR_RETURN(std::string cert_pem, ReadFile(config.tls_cert_file, "--tls_cert_file"));
+  ASSIGN_OR_RETURN(std::string key_pem, ReadFile(config.tls_key_file, "--tls_key_file"));
+  using Bio = std::unique_ptr<BIO, decltype(&BIO_free)>;
+  Bio cert_bio(BIO_new_mem_buf(cert_pem.data(), static_cast<int>(cert_pem.size())), &BIO_free);
+  const std::unique_ptr<X509, decltype(&X509_free)> cert(
+      PEM_read_bio_X509(cert_bio.get(), nullptr, nullptr, nullptr), &X509_free);
+  if (cert == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tls_cert_file: expected a PEM certificate (BEGIN CERTIFICATE) in ", config.tls_cert_file,
+        ", got none that parses (", TakeOpenSslError(), ")"));
+  }
+  Bio key_bio(BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size())), &BIO_free);
+  const std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(
+      PEM_read_bio_PrivateKey(key_bio.get(), nullptr, &NoPassphrase, nullptr), &EVP_PKEY_free);
+  if (key == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tls_key_file: expected an unencrypted PEM private key in ", config.tls_key_file,
+        ", got none that parses (", TakeOpenSslError(), ")"));
+  }
+  if (X509_check_private_key(cert.get(), key.get()) != 1) {
+    TakeOpenSslError();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--tls_key_file: the key in ", config.tls_key_file,
+        " is not the private key of the certificate in --tls_cert_file ", config.tls_cert_file));
+  }
+  return grpc::SslServerCredentialsOptions::PemKeyCertPair{std::move(key_pem), std::move(cert_pem)};
+}
+
+// A TCP listening address: HOST:PORT, [HOST]:PORT, or a bare PORT for every interface
+// (civetweb's form). False unless the port is a number in [0, 65535]: gRPC would take port
+// 70000 as 70000 mod 65536.
+bool SplitHostPort(absl::string_view address, std::string* host, int* port) {
+  absl::string_view host_part;
+  absl::string_view port_part = address;
+  if (const size_t colon = address.rfind(':'); colon != absl::string_view::npos) {
+    host_part = address.substr(0, colon);
+    port_part = address.substr(colon + 1);
+    if (absl::ConsumePrefix(&host_part, "[") && !absl::ConsumeSuffix(&host_part, "]")) return false;
+  }
+  *host = std::string(host_part);
+  return absl::SimpleAtoi(port_part, port) && *port >= 0 && *port <= 65535;
+}
+
+absl::Status CheckListenAddress(absl::string_view flag, const std::string& address) {
+  std::string host;
+  int port = 0;
+  // gRPC also listens on Unix sockets.
+  if (absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:") ||
+      SplitHostPort(address, &host, &port)) {
+    return absl::OkStatus();
+  }
+  return InvalidField(flag, "HOST:PORT with a port in [0, 65535]", absl::StrCat("\"", address, "\""));
+}
+
+// Why listening on `address` failed, from a bind of our own: gRPC and civetweb say only that it
+// did. `unexplained` is the message when that bind succeeds. A port in use is the usual case:
+// gRPC is told not to share ports (SO_REUSEPORT), so that a second server on the port fails
+// instead of silently taking part of the first one's calls.
+absl::Status ListenFailure(absl::string_view flag, const std::string& address,
+                           absl::string_view unexplained) {
+  std::string host;
+  int port = 0;
+  if (!SplitHostPort(address, &host, &port)) return absl::UnavailableError(absl::StrCat(flag, ": ", unexplained));
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const int resolved = getaddrinfo(host.empty() ? nullptr : host.c_str(),
+                                   std::to_string(port).c_str(), &hints, &found);
+  if (resolved != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": cannot resolve the host of ", address, ": ", gai_strerror(resolved)));
+  }
+  int error = 0;
+  for (const addrinfo* a = found; a != nullptr && error == 0; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    // As gRPC and civetweb do: a port whose last connections wait in TIME_WAIT can be taken.
+    const int on = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
+    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0) error = errno;
+    close(fd);
+  }
+  freeaddrinfo(found);
+  switch (error) {
+    case 0:
+      return absl::UnavailableError(absl::StrCat(flag, ": ", unexplained));
+    case EADDRINUSE:
+      return absl::UnavailableError(absl::StrCat(flag, ": ", address, " is in use by another process"));
+    case EACCES:
+      return absl::PermissionDeniedError(absl::StrCat(
+          flag, ": cannot bind ", address, ": permission denied",
+          port < 1024 ? " (ports below 1024 need root or CAP_NET_BIND_SERVICE)" : ""));
+    case EADDRNOTAVAIL:
+      return absl::InvalidArgumentError(absl::StrCat(
+          flag, ": cannot bind ", address, ": no interface of this host has that address"));
+    default:
+      return absl::UnavailableError(
+          absl::StrCat(flag, ": cannot bind ", address, ": ", std::strerror(error)));
+  }
 }
 
 struct HeadSpec {
@@ -186,6 +340,23 @@ std::vector<GaugeSample> LossServer::ReadState() const {
 
 absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig& config,
                                                               std::unique_ptr<Backend> backend) {
+  // What a misconfigured server fails on is checked before heads that may take minutes to load.
+  RETURN_IF_ERROR(CheckListenAddress("--listen", config.listen_address));
+  if (!config.metrics_address.empty()) {
+    RETURN_IF_ERROR(CheckListenAddress("--metrics_listen", config.metrics_address));
+  }
+  std::string bearer_token;
+  if (!config.token_file.empty()) {
+    ASSIGN_OR_RETURN(bearer_token, ReadBearerToken(config.token_file));
+  }
+  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+  if (!config.tls_cert_file.empty() || !config.tls_key_file.empty()) {
+    ASSIGN_OR_RETURN(auto key_cert_pair, ReadTlsKeyPair(config));
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back(std::move(key_cert_pair));
+    credentials = grpc::SslServerCredentials(ssl);
+  }
+
   std::unique_ptr<LossServer> server(new LossServer());
   if (backend == nullptr) {
     // A GPU host that silently serves on the CPU (a module built for other GPUs, a missing
@@ -227,36 +398,24 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   options.default_fetch_chunk_bytes = std::min<int64_t>(4 << 20, options.max_fetch_chunk_bytes);
   options.checkpoint_dir = config.checkpoint_dir;
   options.keep_checkpoints = config.keep_checkpoints;
-  if (!config.token_file.empty()) {
-    ASSIGN_OR_RETURN(std::string token, ReadFile(config.token_file, "--token_file"));
-    options.bearer_token = std::string(absl::StripAsciiWhitespace(token));
-    if (options.bearer_token.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("--token_file: ", config.token_file, " is empty"));
-    }
-  }
+  options.bearer_token = std::move(bearer_token);
   server->service_ = std::make_unique<LossService>(*server->backend_, server->heads_,
                                                    *server->scheduler_, server->metrics_,
                                                    server->ledger_, *server->buffers_,
                                                    *server->host_buffers_, std::move(options));
 
-  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
-  if (!config.tls_cert_file.empty() || !config.tls_key_file.empty()) {
-    ASSIGN_OR_RETURN(std::string cert, ReadFile(config.tls_cert_file, "--tls_cert_file"));
-    ASSIGN_OR_RETURN(std::string key, ReadFile(config.tls_key_file, "--tls_key_file"));
-    grpc::SslServerCredentialsOptions ssl;
-    ssl.pem_key_cert_pairs.push_back({key, cert});
-    credentials = grpc::SslServerCredentials(ssl);
-  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen_address, credentials, &server->port_);
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
   builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("--listen: cannot bind ", config.listen_address));
+    return ListenFailure("--listen", config.listen_address,
+                         absl::StrCat("gRPC cannot listen on ", config.listen_address));
   }
   server->server_->GetHealthCheckService()->SetServingStatus(true);
 
@@ -264,8 +423,8 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
     try {
       server->exposer_ = std::make_unique<prometheus::Exposer>(config.metrics_address);
     } catch (const std::exception& e) {
-      return absl::UnavailableError(
-          absl::StrCat("--metrics_listen: cannot serve ", config.metrics_address, ": ", e.what()));
+      return ListenFailure("--metrics_listen", config.metrics_address,
+                           absl::StrCat("cannot serve ", config.metrics_address, ": ", e.what()));
     }
     LossServer* raw = server.get();
     server->metrics_.SetStateReader([raw] { return raw->ReadState(); });

@@ -1389,26 +1389,6 @@ TEST_F(AuthTest, TheTokenOpensEveryRpc) {
   }
 }
 
-// A self-signed P-256 certificate for 127.0.0.1 from the openssl CLI; empty paths when it failed.
-struct Certificate {
-  std::string cert_file;
-  std::string key_file;
-  std::string pem;
-};
-
-Certificate MakeCertificate(const std::string& dir, const std::string& name) {
-  std::filesystem::create_directories(dir);
-  Certificate certificate{dir + "/" + name + ".crt", dir + "/" + name + ".key", ""};
-  const std::string command =
-      "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 1"
-      " -subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1,DNS:localhost -keyout " +
-      certificate.key_file + " -out " + certificate.cert_file + " >/dev/null 2>&1";
-  if (std::system(command.c_str()) != 0) return {};
-  std::ifstream file(certificate.cert_file);
-  certificate.pem.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
-  return certificate;
-}
-
 std::unique_ptr<v1::LossService::Stub> ConnectWithTls(int port, const std::string& trusted_pem) {
   grpc::SslCredentialsOptions options;
   options.pem_root_certs = trusted_pem;

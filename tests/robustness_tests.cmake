@@ -1,6 +1,7 @@
 # Robustness: malformed requests, abandoned streams, concurrent load, authentication and TLS
-# against an in-process server (robustness_test), and crash safety of checkpoints against the real
-# binary killed with SIGKILL (python/test_crash_safety.py). Figures: ROBUSTNESS.md.
+# against an in-process server (robustness_test), what a server refuses to start on
+# (startup_test), a taken port and crash safety of checkpoints against the real binary
+# (python/test_listen_ports.py, python/test_crash_safety.py). Figures: ROBUSTNESS.md.
 include(GoogleTest)
 
 add_executable(robustness_test
@@ -12,9 +13,23 @@ gtest_discover_tests(robustness_test
   DISCOVERY_TIMEOUT 60
   PROPERTIES TIMEOUT 120 ENVIRONMENT "OMP_NUM_THREADS=2")
 
+add_executable(startup_test
+  ${CMAKE_CURRENT_LIST_DIR}/startup_test.cc
+  ${CMAKE_CURRENT_LIST_DIR}/server_harness.cc
+)
+target_link_libraries(startup_test PRIVATE lossd_server_lib lossd_test_reference GTest::gtest_main)
+gtest_discover_tests(startup_test DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT 60)
+
 add_test(NAME checkpoint_crash_safety
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
           ${CMAKE_CURRENT_LIST_DIR}/python/test_crash_safety.py)
 set_tests_properties(checkpoint_crash_safety PROPERTIES
   ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;OMP_NUM_THREADS=2"
   TIMEOUT 300)
+
+add_test(NAME listen_ports
+  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
+          ${CMAKE_CURRENT_LIST_DIR}/python/test_listen_ports.py)
+set_tests_properties(listen_ports PROPERTIES
+  ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;OMP_NUM_THREADS=2"
+  TIMEOUT 120)

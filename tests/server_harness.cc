@@ -1,6 +1,10 @@
 #include "tests/server_harness.h"
 
+#include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 
 #include "lossd/kernels/backend.h"
 #include "lossd/kernels/half.h"
@@ -136,6 +140,19 @@ grpc::Status Upload(v1::LossService::Stub& stub, const std::string& head, int64_
   }
   writer->WritesDone();
   return writer->Finish();
+}
+
+Certificate MakeCertificate(const std::string& dir, const std::string& name) {
+  std::filesystem::create_directories(dir);
+  Certificate certificate{dir + "/" + name + ".crt", dir + "/" + name + ".key", ""};
+  const std::string command =
+      "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 1"
+      " -subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1,DNS:localhost -keyout " +
+      certificate.key_file + " -out " + certificate.cert_file + " >/dev/null 2>&1";
+  if (std::system(command.c_str()) != 0) return {};
+  std::ifstream file(certificate.cert_file);
+  certificate.pem.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+  return certificate;
 }
 
 std::string FloatBytes(const std::vector<float>& values) {

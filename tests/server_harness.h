@@ -54,6 +54,15 @@ grpc::Status Upload(v1::LossService::Stub& stub, const std::string& head, int64_
                     int64_t hidden_size, const std::vector<float>& weight, bool replace,
                     const std::string& token = "");
 
+// A self-signed P-256 certificate for 127.0.0.1 and localhost, made in `dir` with the openssl CLI;
+// empty paths when that failed.
+struct Certificate {
+  std::string cert_file;
+  std::string key_file;
+  std::string pem;
+};
+Certificate MakeCertificate(const std::string& dir, const std::string& name);
+
 // Exactly the bytes' float32 values.
 std::string FloatBytes(const std::vector<float>& values);
 

@@ -63,6 +63,20 @@ class ServerProcess:
         os.unlink(self.log.name)
 
 
+def run_to_exit(*flags, timeout=60):
+    """Runs lossd_server with `flags` where it is expected to refuse to start: (exit code, output).
+    A server that starts instead is stopped and reported as exit code None."""
+    process = subprocess.Popen([SERVER_BIN, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+        return process.returncode, output
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        return None, output
+
+
 def generate_stubs(proto_root, out_dir):
     """Python stubs of lossd.proto, generated with Debian's protoc and gRPC plugin."""
     subprocess.run(

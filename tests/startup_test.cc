@@ -1,0 +1,305 @@
+// What a lossd server refuses to start on, and what it says: heads whose W or optimizer state is
+// not finite (from safetensors files and from checkpoints), token and TLS files it cannot use,
+// listening addresses it cannot take. Each refusal names the flag or file and the value at fault.
+// The real binary meets a taken port in tests/python/test_listen_ports.py.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "lossd/kernels/half.h"
+#include "server/storage/checkpoint.h"
+#include "server/storage/safetensors.h"
+#include "tests/engine_harness.h"
+#include "tests/scratch_files.h"
+#include "tests/server_harness.h"
+
+namespace lossd::testing {
+namespace {
+
+constexpr int64_t kVocab = 40;
+constexpr int64_t kHidden = 8;
+
+std::vector<float> RandomWeight(std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, 0.3f);
+  std::vector<float> weight(kVocab * kHidden);
+  for (float& x : weight) x = normal(rng);
+  return weight;
+}
+
+// A random element of W, and how a refusal names it.
+struct Element {
+  int64_t row;
+  int64_t column;
+  int64_t index() const { return row * kHidden + column; }
+  std::string Named(const std::string& tensor) const {
+    return tensor + "[" + std::to_string(row) + ", " + std::to_string(column) + "]";
+  }
+};
+
+Element RandomElement(std::mt19937_64& rng) {
+  return {std::uniform_int_distribution<int64_t>(0, kVocab - 1)(rng),
+          std::uniform_int_distribution<int64_t>(0, kHidden - 1)(rng)};
+}
+
+std::string WriteF32Head(const std::string& path, const std::string& tensor,
+                         const std::vector<float>& weight) {
+  const absl::Status written = storage::WriteSafetensorsAtomically(
+      path, {{tensor, "F32", {kVocab, kHidden}, weight.data(), weight.size() * sizeof(float)}}, {});
+  return written.ok() ? path : std::string(written.message());
+}
+
+std::string WriteText(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary) << text;
+  return path;
+}
+
+// A checkpoint of head "main" at version 7, as a step could have left it, plus `poison`.
+std::string WriteCheckpoint(const std::string& dir, std::mt19937_64& rng,
+                            void (*poison)(storage::CheckpointState&, int64_t index),
+                            int64_t index) {
+  storage::CheckpointState state;
+  state.head = "main";
+  state.version = 7;
+  state.steps = 3;
+  state.vocab_size = kVocab;
+  state.hidden_size = kHidden;
+  const std::vector<float> weight = RandomWeight(rng);
+  state.weight.resize(weight.size() * sizeof(float));
+  std::memcpy(state.weight.data(), weight.data(), state.weight.size());
+  state.optimizer = storage::OptimizerKind::kSgd;
+  state.state1 = RandomWeight(rng);
+  poison(state, index);
+  const absl::StatusOr<std::string> path = storage::SaveCheckpoint(dir, state);
+  return path.ok() ? *path : std::string(path.status().message());
+}
+
+struct Refusal {
+  const char* name;
+  const char* why;
+  absl::StatusCode code;
+  // Writes the files the case needs into `dir` and sets `config` up; returns what the refusal's
+  // message must contain.
+  std::vector<std::string> (*prepare)(const std::string& dir, std::mt19937_64& rng,
+                                      server::ServerConfig& config);
+};
+
+void PrintTo(const Refusal& refusal, std::ostream* os) { *os << refusal.name; }
+
+constexpr absl::StatusCode kInvalid = absl::StatusCode::kInvalidArgument;
+
+const Refusal kRefusals[] = {
+    // Heads whose W is not finite: every call on them would fail, blamed on its hidden states.
+    {"heads_file_nan", "a NaN in lm_head.weight", kInvalid,
+     [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
+       std::vector<float> weight = RandomWeight(rng);
+       const Element bad = RandomElement(rng);
+       weight[bad.index()] = std::nanf("");
+       const std::string path = WriteF32Head(dir + "/model.safetensors", "lm_head.weight", weight);
+       config.heads = {"main=" + path};
+       return std::vector<std::string>{
+           "head 'main' from " + path + "#lm_head.weight",
+           bad.Named("weight") + ": expected a finite float32 value, got nan"};
+     }},
+    {"heads_file_tied_bf16_inf", "an Inf in a bf16 embedding that serves as the tied head",
+     kInvalid,
+     [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
+       const std::vector<float> weight = RandomWeight(rng);
+       std::vector<uint16_t> bf16(weight.size());
+       for (size_t i = 0; i < weight.size(); ++i) bf16[i] = FloatToBFloat16(weight[i]);
+       const Element bad = RandomElement(rng);
+       bf16[bad.index()] = FloatToBFloat16(-INFINITY);
+       const std::string path = dir + "/tied.safetensors";
+       EXPECT_TRUE(storage::WriteSafetensorsAtomically(
+                       path, {{"model.embed_tokens.weight", "BF16", {kVocab, kHidden}, bf16.data(),
+                               bf16.size() * sizeof(uint16_t)}},
+                       {})
+                       .ok());
+       config.heads = {"main=" + path};
+       config.head_dtype = DType::kBFloat16;
+       return std::vector<std::string>{
+           path + "#model.embed_tokens.weight",
+           bad.Named("weight") + ": expected a finite bfloat16 value, got -inf"};
+     }},
+    {"heads_file_overflows_float16", "1e5 is finite in the file's F32 but Inf as float16", kInvalid,
+     [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
+       std::vector<float> weight = RandomWeight(rng);
+       const Element bad = RandomElement(rng);
+       weight[bad.index()] = 1e5f;
+       const std::string path = WriteF32Head(dir + "/model.safetensors", "lm_head.weight", weight);
+       config.heads = {"main=" + path + "#lm_head.weight"};
+       config.head_dtype = DType::kFloat16;
+       return std::vector<std::string>{
+           path + "#lm_head.weight", bad.Named("weight") + ": expected a finite float16 value, got inf"};
+     }},
+    {"checkpoint_inf_weight", "a step drove W to Inf before the checkpoint was saved", kInvalid,
+     [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
+       const Element bad = RandomElement(rng);
+       const std::string path = WriteCheckpoint(
+           dir + "/checkpoints", rng,
+           [](storage::CheckpointState& state, int64_t index) {
+             const float inf = INFINITY;
+             std::memcpy(state.weight.data() + index * sizeof(float), &inf, sizeof(float));
+           },
+           bad.index());
+       config.checkpoint_dir = dir + "/checkpoints";
+       return std::vector<std::string>{
+           "head 'main' from checkpoint " + path,
+           bad.Named("weight") + ": expected a finite float32 value, got inf"};
+     }},
+    {"checkpoint_nan_momentum", "a NaN momentum would carry into W at the next step", kInvalid,
+     [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
+       const Element bad = RandomElement(rng);
+       const std::string path = WriteCheckpoint(
+           dir + "/checkpoints", rng,
+           [](storage::CheckpointState& state, int64_t index) { state.state1[index] = std::nanf(""); },
+           bad.index());
+       config.checkpoint_dir = dir + "/checkpoints";
+       return std::vector<std::string>{
+           "head 'main' from checkpoint " + path,
+           bad.Named("optimizer.state1") + ": expected a finite float32 value, got nan"};
+     }},
+    // Token and TLS files.
+    {"token_file_first_line_empty", "the token must be on the first line", kInvalid,
+     [](const std::string& dir, std::mt19937_64&, server::ServerConfig& config) {
+       config.token_file = WriteText(dir + "/token", "\ns3cret-token\n");
+       return std::vector<std::string>{"--token_file: expected the bearer token on the first line of " +
+                                       config.token_file + ", got an empty line"};
+     }},
+    {"token_file_blank", "only whitespace", kInvalid,
+     [](const std::string& dir, std::mt19937_64&, server::ServerConfig& config) {
+       config.token_file = WriteText(dir + "/token", " \t\r\n");
+       return std::vector<std::string>{"--token_file", "got an empty line"};
+     }},
+    {"tls_key_of_another_certificate", "gRPC would only fail to bind the port", kInvalid,
+     [](const std::string& dir, std::mt19937_64&, server::ServerConfig& config) {
+       const Certificate mine = MakeCertificate(dir, "mine");
+       const Certificate other = MakeCertificate(dir, "other");
+       if (mine.pem.empty() || other.pem.empty()) {
+         return std::vector<std::string>{"(the openssl CLI could not make test certificates)"};
+       }
+       config.tls_cert_file = mine.cert_file;
+       config.tls_key_file = other.key_file;
+       return std::vector<std::string>{"--tls_key_file: the key in " + other.key_file +
+                                       " is not the private key of the certificate in "
+                                       "--tls_cert_file " + mine.cert_file};
+     }},
+    {"tls_cert_not_pem", "a certificate file that holds no certificate", kInvalid,
+     [](const std::string& dir, std::mt19937_64&, server::ServerConfig& config) {
+       const Certificate mine = MakeCertificate(dir, "mine");
+       config.tls_cert_file = WriteText(dir + "/garbage.crt", "not a certificate\n");
+       config.tls_key_file = mine.key_file;
+       return std::vector<std::string>{"--tls_cert_file: expected a PEM certificate",
+                                       config.tls_cert_file};
+     }},
+    {"tls_key_is_a_certificate", "the certificate given twice, for the key too", kInvalid,
+     [](const std::string& dir, std::mt19937_64&, server::ServerConfig& config) {
+       const Certificate mine = MakeCertificate(dir, "mine");
+       config.tls_cert_file = mine.cert_file;
+       config.tls_key_file = mine.cert_file;
+       return std::vector<std::string>{"--tls_key_file: expected an unencrypted PEM private key in " +
+                                       mine.cert_file};
+     }},
+    {"tls_key_without_certificate", "a key alone turns nothing on", kInvalid,
+     [](const std::string& dir, std::mt19937_64&, server::ServerConfig& config) {
+       config.tls_key_file = MakeCertificate(dir, "mine").key_file;
+       return std::vector<std::string>{"--tls_cert_file: required with --tls_key_file"};
+     }},
+    // Listening addresses.
+    {"listen_port_70000", "gRPC would listen on 70000 mod 65536", kInvalid,
+     [](const std::string&, std::mt19937_64&, server::ServerConfig& config) {
+       config.listen_address = "127.0.0.1:70000";
+       return std::vector<std::string>{
+           "--listen: expected HOST:PORT with a port in [0, 65535], got \"127.0.0.1:70000\""};
+     }},
+    {"listen_without_port", "no port at all", kInvalid,
+     [](const std::string&, std::mt19937_64&, server::ServerConfig& config) {
+       config.listen_address = "127.0.0.1";
+       return std::vector<std::string>{"--listen: expected HOST:PORT"};
+     }},
+    {"metrics_listen_port_negative", "a port of -1", kInvalid,
+     [](const std::string&, std::mt19937_64&, server::ServerConfig& config) {
+       config.metrics_address = "127.0.0.1:-1";
+       return std::vector<std::string>{"--metrics_listen: expected HOST:PORT"};
+     }},
+};
+
+class StartupRefusalTest : public ::testing::TestWithParam<Refusal> {};
+
+TEST_P(StartupRefusalTest, NamesWhatIsWrong) {
+  const Refusal& refusal = GetParam();
+  SCOPED_TRACE(refusal.why);
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  ScratchDir dir("lossd_startup");
+  server::ServerConfig config;
+  config.listen_address = "127.0.0.1:0";
+  config.metrics_address = "";
+  config.demo = {"demo", kVocab, kHidden, 1};
+  const std::vector<std::string> fields = refusal.prepare(dir.path(), rng, config);
+
+  auto started = server::LossServer::Start(config, CreateBackend("cpu").value());
+  ASSERT_FALSE(started.ok()) << "the server started";
+  EXPECT_EQ(started.status().code(), refusal.code) << started.status();
+  for (const std::string& field : fields) {
+    EXPECT_NE(started.status().message().find(field), absl::string_view::npos)
+        << "the message does not name " << field << ": " << started.status().message();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, StartupRefusalTest, ::testing::ValuesIn(kRefusals),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+grpc::StatusCode ListHeadsWith(int port, const std::string& token) {
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", "Bearer " + token);
+  v1::ListHeadsResponse response;
+  return ConnectTo(port)->ListHeads(&context, {}, &response).error_code();
+}
+
+// The README's contract: the first line is the token, so a file may carry a comment or the
+// previous token below it; whitespace around it, a CR LF line end, is not part of the token. (The
+// whole file as the token locked every client out: no metadata value can hold a line break.)
+TEST(TokenFileTest, TheFirstLineIsTheToken) {
+  ScratchDir dir("lossd_startup");
+  server::ServerConfig config;
+  config.token_file = WriteText(dir.File("token"), "  s3cret-token\r\n# rotated: old-token\nold-token\n");
+  config.demo = {"demo", kVocab, kHidden, 1};
+  auto server = StartTestServer(config);
+  ASSERT_NE(server, nullptr);
+  EXPECT_EQ(ListHeadsWith(server->port(), "s3cret-token"), grpc::StatusCode::OK);
+  EXPECT_EQ(ListHeadsWith(server->port(), "old-token"), grpc::StatusCode::UNAUTHENTICATED);
+}
+
+// gRPC sets SO_REUSEPORT by default: a second server on the port would start, and the kernel would
+// spread new connections over both. The second one must fail, and the first keep every client.
+TEST(ListenTest, ASecondServerOnATakenPortIsRefused) {
+  server::ServerConfig config;
+  config.demo = {"first", kVocab, kHidden, 1};
+  auto first = StartTestServer(config);
+  ASSERT_NE(first, nullptr);
+  const std::string address = "127.0.0.1:" + std::to_string(first->port());
+
+  server::ServerConfig second_config;
+  second_config.listen_address = address;
+  second_config.metrics_address = "";
+  second_config.demo = {"second", kVocab, kHidden, 2};
+  auto second = server::LossServer::Start(second_config, CreateBackend("cpu").value());
+  ASSERT_FALSE(second.ok()) << "a second server listens on " << address;
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(second.status().message(), "--listen: " + address + " is in use by another process");
+
+  grpc::ClientContext context;
+  v1::ListHeadsResponse response;
+  ASSERT_TRUE(ConnectTo(first->port())->ListHeads(&context, {}, &response).ok());
+  ASSERT_EQ(response.heads_size(), 1);
+  EXPECT_EQ(response.heads(0).name(), "first");
+}
+
+}  // namespace
+}  // namespace lossd::testing
