@@ -17,6 +17,14 @@ bool IsKnownDType(DType dtype) {
   return dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat16;
 }
 
+// Whether fp32 holds x without overflow or a loss of precision: a normal number.
+bool IsNormalFloat(double x) {
+  const double magnitude = std::fabs(x);
+  return magnitude >= FLT_MIN && magnitude <= FLT_MAX;
+}
+
+std::string NormalFloatRange() { return absl::StrCat("[", FLT_MIN, ", ", FLT_MAX, "]"); }
+
 }  // namespace
 
 absl::string_view DTypeName(DType dtype) {
@@ -38,6 +46,9 @@ absl::string_view ReductionName(Reduction reduction) {
 }
 
 absl::Status ValidateOptions(const LossOptions& o) {
+  // The engine computes in fp32: a value that it would round to 0 or to Inf there, changing what
+  // the call means (a soft cap of 1e-300 would turn the cap off, a temperature of 1e-45 make 1 / T
+  // infinite), is refused here rather than left to fail later on the hidden states.
   if (o.reduction != Reduction::kMean && o.reduction != Reduction::kSum &&
       o.reduction != Reduction::kNone) {
     return InvalidField("reduction", "mean, sum or none", absl::StrCat(static_cast<int>(o.reduction)));
@@ -45,21 +56,37 @@ absl::Status ValidateOptions(const LossOptions& o) {
   if (!(o.label_smoothing >= 0.0 && o.label_smoothing <= 1.0)) {
     return InvalidField("label_smoothing", "a value in [0, 1]", absl::StrCat(o.label_smoothing));
   }
-  if (!(o.z_loss_scale >= 0.0 && std::isfinite(o.z_loss_scale))) {
-    return InvalidField("z_loss_scale", "a finite value >= 0", absl::StrCat(o.z_loss_scale));
+  if (!(o.z_loss_scale >= 0.0 && o.z_loss_scale <= FLT_MAX)) {
+    return InvalidField("z_loss_scale", absl::StrCat("a value in [0, ", FLT_MAX, "] (fp32)"),
+                        absl::StrCat(o.z_loss_scale));
   }
-  if (!(o.logit_softcap >= 0.0 && std::isfinite(o.logit_softcap))) {
-    return InvalidField("logit_softcap", "0 (off) or a finite value > 0", absl::StrCat(o.logit_softcap));
+  if (!(o.logit_softcap == 0.0 || (o.logit_softcap > 0.0 && IsNormalFloat(o.logit_softcap)))) {
+    return InvalidField("logit_softcap",
+                        absl::StrCat("0 (off) or a value in ", NormalFloatRange(),
+                                     " (a normal fp32 number)"),
+                        absl::StrCat(o.logit_softcap));
   }
-  if (!(o.temperature > 0.0 && std::isfinite(o.temperature))) {
-    return InvalidField("temperature", "a finite value > 0", absl::StrCat(o.temperature));
+  if (!(o.temperature > 0.0 && IsNormalFloat(o.temperature))) {
+    return InvalidField("temperature",
+                        absl::StrCat("a value in ", NormalFloatRange(),
+                                     " (a normal fp32 number: T and 1 / T finite in fp32)"),
+                        absl::StrCat(o.temperature));
   }
-  if (!std::isfinite(o.grad_scale)) {
-    return InvalidField("grad_scale", "a finite value", absl::StrCat(o.grad_scale));
+  if (!(std::fabs(o.grad_scale) <= FLT_MAX)) {
+    return InvalidField("grad_scale",
+                        absl::StrCat("a value in [", -FLT_MAX, ", ", FLT_MAX, "] (fp32)"),
+                        absl::StrCat(o.grad_scale));
   }
   if (!(o.mean_denominator >= 0.0 && std::isfinite(o.mean_denominator))) {
     return InvalidField("mean_denominator", "0 (count this call) or a finite value > 0",
                         absl::StrCat(o.mean_denominator));
+  }
+  // Every row's gradient carries the factor grad_scale / D, in fp32.
+  if (o.reduction == Reduction::kMean && o.mean_denominator > 0.0 &&
+      !(std::fabs(o.grad_scale / o.mean_denominator) <= FLT_MAX)) {
+    return InvalidField("grad_scale / mean_denominator",
+                        absl::StrCat("a value in [", -FLT_MAX, ", ", FLT_MAX, "] (fp32)"),
+                        absl::StrCat(o.grad_scale, " / ", o.mean_denominator));
   }
   return absl::OkStatus();
 }

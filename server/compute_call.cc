@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/common/status_macros.h"
@@ -101,6 +102,42 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
     spec.options.mean_denominator = static_cast<double>(spec.counted_tokens);
   }
   return spec;
+}
+
+// What in a call scales finite hidden states and a finite W past fp32's range, each named with
+// its value, for the token rows [first, first + rows): a temperature below 1 multiplies the
+// logits by 1 / T, a token weight its row's loss and gradient, the z-loss adds s lse^2; with
+// `gradients`, grad_scale / D multiplies every dL/dh and dL/dW entry.
+std::vector<std::string> OverflowSuspects(const CallSpec& spec, int64_t first, int64_t rows,
+                                          bool gradients) {
+  const LossOptions& o = spec.options;
+  std::vector<std::string> suspects;
+  if (o.temperature < 1.0) {
+    suspects.push_back(absl::StrCat("options.temperature = ", o.temperature,
+                                    " (the logits are multiplied by 1 / T = ", 1.0 / o.temperature,
+                                    ")"));
+  }
+  if (!spec.token_weights.empty() && rows > 0) {
+    const auto begin = spec.token_weights.begin() + first;
+    const auto largest = std::max_element(
+        begin, begin + rows, [](float a, float b) { return std::fabs(a) < std::fabs(b); });
+    if (std::fabs(*largest) > 1.0f) {
+      suspects.push_back(
+          absl::StrCat("token_weights[", largest - spec.token_weights.begin(), "] = ", *largest));
+    }
+  }
+  if (o.z_loss_scale > 1.0) {
+    suspects.push_back(absl::StrCat("options.z_loss_scale = ", o.z_loss_scale));
+  }
+  if (gradients && std::fabs(o.grad_scale) > 1.0) {
+    suspects.push_back(absl::StrCat("options.grad_scale = ", o.grad_scale));
+  }
+  if (gradients && o.reduction == Reduction::kMean && o.mean_denominator > 0.0 &&
+      o.mean_denominator < 1.0) {
+    suspects.push_back(absl::StrCat("options.mean_denominator = ", o.mean_denominator,
+                                    " (gradients are divided by it)"));
+  }
+  return suspects;
 }
 
 // Per-row outputs of one engine chunk, in host memory.
@@ -302,10 +339,7 @@ class ComputeCall {
     if (env_.metrics != nullptr) env_.metrics->ObserveComputeSeconds(seconds);
     if (!summary.all_finite) {
       if (env_.metrics != nullptr) env_.metrics->CountNonFiniteCall();
-      return absl::InvalidArgumentError(absl::StrCat(
-          "chunk.hidden: rows [", first, ", ", first + rows,
-          ") give non-finite logits (NaN or Inf in the hidden states or the head); nothing was "
-          "accumulated"));
+      return ExplainNonFiniteChunk(chunk);
     }
     loss_sum_ += summary.loss_sum;
     correct_tokens_ += summary.correct_tokens;
@@ -314,6 +348,42 @@ class ComputeCall {
     RETURN_IF_ERROR(SendResults(first, rows));
     computed_rows_ += rows;
     return absl::OkStatus();
+  }
+
+  // Runs only once a chunk's results were not finite, and says why: a NaN or Inf in its rows,
+  // else what in the call overflowed fp32, else the logits themselves (W enters the server
+  // finite, so only an optimizer step can have made it otherwise).
+  absl::Status ExplainNonFiniteChunk(const RowChunk& chunk) {
+    const int64_t first = chunk.first_row;
+    const int64_t rows = chunk.num_rows;
+    const int64_t columns = spec_.hidden_size;
+    const std::string which = absl::StrCat("rows [", first, ", ", first + rows, ")");
+    const absl::Status finite =
+        ValidateFiniteMatrix("chunk.hidden", chunk.rows, spec_.hidden_dtype, rows, columns, first);
+    if (!finite.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          finite.message(), " (", which, " give non-finite results); nothing was accumulated"));
+    }
+    const std::vector<std::string> suspects = OverflowSuspects(spec_, first, rows, false);
+    if (!suspects.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(absl::StrJoin(suspects, ", "), ": ", which,
+                       " of chunk.hidden are finite, but their results overflow fp32 under this; "
+                       "nothing was accumulated"));
+    }
+    float largest = 0.0f;
+    int64_t largest_at = 0;
+    for (int64_t i = 0; i < rows * columns; ++i) {
+      const float magnitude = std::fabs(LoadAsFloat(chunk.rows, spec_.hidden_dtype, i));
+      if (magnitude > largest) {
+        largest = magnitude;
+        largest_at = i;
+      }
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "chunk.hidden: ", which, " are finite, but their logits h W^T overflow fp32 (the largest "
+        "|h| is ", largest, ", at chunk.hidden[", first + largest_at / columns, ", ",
+        largest_at % columns, "]; or an optimizer step left W non-finite); nothing was accumulated"));
   }
 
   // Finite logits do not make dL/dW finite: under a soft cap an infinite hidden value gives capped
@@ -329,9 +399,17 @@ class ComputeCall {
     ASSIGN_OR_RETURN(const double sum_squares, env_.backend->SumSquaresFloat32(staging_.buffer(), count));
     if (std::isfinite(sum_squares)) return absl::OkStatus();
     if (env_.metrics != nullptr) env_.metrics->CountNonFiniteCall();
+    // The rows are gone by now; what the call's options and weights say is left.
+    std::vector<std::string> causes = OverflowSuspects(spec_, 0, spec_.num_tokens, true);
+    if (spec_.options.logit_softcap > 0.0) {
+      causes.push_back(absl::StrCat("an Inf in chunk.hidden under options.logit_softcap = ",
+                                    spec_.options.logit_softcap,
+                                    " (the cap keeps its logits finite, not its dL/dW)"));
+    }
+    if (causes.empty()) causes.push_back("hidden values in chunk.hidden large enough to overflow it");
     return absl::InvalidArgumentError(
-        "chunk.hidden: this call's dL/dW has non-finite values (Inf in the hidden states under "
-        "options.logit_softcap, or an overflow from options.grad_scale); nothing was accumulated");
+        absl::StrCat("this call's dL/dW has non-finite values in fp32, from ",
+                     absl::StrJoin(causes, ", or "), "; nothing was accumulated"));
   }
 
   // Streams one chunk's results, split so that no message exceeds the result message limit.

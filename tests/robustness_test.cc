@@ -365,6 +365,24 @@ const BadRow kBadRows[] = {
      "options.grad_scale", [](Script& s) { StartOf(s).mutable_options()->set_grad_scale(kInf); }},
     {"grad_scale_nan", "a NaN upstream gradient", Rpc::kCompute, kInvalid, "options.grad_scale",
      [](Script& s) { StartOf(s).mutable_options()->set_grad_scale(kNaN); }},
+    // Options fp32 cannot carry: refused up front, naming the option, not left to fail later on
+    // the hidden states or silently changed.
+    {"softcap_1e_minus_300", "rounds to 0 in fp32, which would turn the cap off", Rpc::kCompute,
+     kInvalid, "options.logit_softcap",
+     [](Script& s) { StartOf(s).mutable_options()->set_logit_softcap(1e-300); }},
+    {"softcap_1e39", "Inf in fp32", Rpc::kCompute, kInvalid, "options.logit_softcap",
+     [](Script& s) { StartOf(s).mutable_options()->set_logit_softcap(1e39); }},
+    {"temperature_1e_minus_45", "1 / T is Inf in fp32", Rpc::kCompute, kInvalid, "options.temperature",
+     [](Script& s) { StartOf(s).mutable_options()->set_temperature(1e-45); }},
+    {"temperature_1e39", "T is Inf in fp32", Rpc::kCompute, kInvalid, "options.temperature",
+     [](Script& s) { StartOf(s).mutable_options()->set_temperature(1e39); }},
+    {"z_loss_1e39", "Inf in fp32", Rpc::kCompute, kInvalid, "options.z_loss_scale",
+     [](Script& s) { StartOf(s).mutable_options()->set_z_loss_scale(1e39); }},
+    {"grad_scale_1e39", "Inf in fp32", Rpc::kCompute, kInvalid, "options.grad_scale",
+     [](Script& s) { StartOf(s).mutable_options()->set_grad_scale(1e39); }},
+    {"mean_denominator_1e_minus_300", "grad_scale / D is Inf in fp32", Rpc::kCompute, kInvalid,
+     "mean_denominator",
+     [](Script& s) { StartOf(s).mutable_options()->set_mean_denominator(1e-300); }},
     {"mean_denominator_negative", "a denominator of -1", Rpc::kCompute, kInvalid,
      "options.mean_denominator",
      [](Script& s) { StartOf(s).mutable_options()->set_mean_denominator(-1); }},
@@ -382,10 +400,30 @@ const BadRow kBadRows[] = {
      }},
     // Compute: rows whose values make the results non-finite, in the last chunk so that earlier
     // chunks were computed and staged.
-    {"nan_row", "a NaN hidden value", Rpc::kCompute, kInvalid, "chunk.hidden",
+    {"nan_row", "a NaN hidden value, named by its place in the call", Rpc::kCompute, kInvalid,
+     "chunk.hidden[10, 5]: expected a finite float32 value, got nan",
      [](Script& s) { SetValue(ChunkOf(s, 3), 2, 5, std::nanf("")); }},
-    {"inf_row", "an infinite hidden value", Rpc::kCompute, kInvalid, "chunk.hidden",
+    {"inf_row", "an infinite hidden value, named by its place in the call", Rpc::kCompute,
+     kInvalid, "chunk.hidden[10, 5]: expected a finite float32 value, got inf",
      [](Script& s) { SetValue(ChunkOf(s, 3), 2, 5, INFINITY); }},
+    {"token_weight_3e38", "finite, but the row's weighted loss overflows fp32: blame the weight",
+     Rpc::kCompute, kInvalid, "token_weights[10] = 3e+38: rows [0, 12) of chunk.hidden are finite",
+     [](Script& s) {
+       for (int i = 0; i < kRows; ++i) StartOf(s).add_token_weights(i == 10 ? 3e38f : 1.0f);
+     }},
+    {"temperature_overflows_logits", "T = 1e-37 is carried, but 1 / T takes these logits past "
+     "fp32: blame the temperature", Rpc::kCompute, kInvalid, "options.temperature = 1e-37",
+     [](Script& s) {
+       StartOf(s).mutable_options()->set_temperature(1e-37);
+       for (int64_t c = 0; c < kHidden; ++c) SetValue(ChunkOf(s, 3), 1, c, 1e3f);
+     }},
+    {"hidden_3e38_row", "finite rows whose logits overflow fp32 with no option to blame: name the "
+     "largest |h|", Rpc::kCompute, kInvalid,
+     "chunk.hidden: rows [0, 12) are finite, but their logits h W^T overflow fp32 (the largest |h| "
+     "is 3e+38, at chunk.hidden[9, 0]",
+     [](Script& s) {
+       for (int64_t c = 0; c < kHidden; ++c) SetValue(ChunkOf(s, 3), 1, c, 3e38f);
+     }},
     {"inf_under_softcap", "the cap keeps the logits finite, but dL/dW = 0 * Inf is NaN",
      Rpc::kCompute, kInvalid, "chunk.hidden",
      [](Script& s) {
