@@ -383,7 +383,8 @@ class ComputeCall {
     return absl::InvalidArgumentError(absl::StrCat(
         "chunk.hidden: ", which, " are finite, but their logits h W^T overflow fp32 (the largest "
         "|h| is ", largest, ", at chunk.hidden[", first + largest_at / columns, ", ",
-        largest_at % columns, "]; or an optimizer step left W non-finite); nothing was accumulated"));
+        largest_at % columns,
+        "]; or an optimizer step left W non-finite); nothing was accumulated"));
   }
 
   // Finite logits do not make dL/dW finite: under a soft cap an infinite hidden value gives capped
@@ -406,7 +407,9 @@ class ComputeCall {
                                     spec_.options.logit_softcap,
                                     " (the cap keeps its logits finite, not its dL/dW)"));
     }
-    if (causes.empty()) causes.push_back("hidden values in chunk.hidden large enough to overflow it");
+    if (causes.empty()) {
+      causes.push_back("hidden values in chunk.hidden large enough to overflow it");
+    }
     return absl::InvalidArgumentError(
         absl::StrCat("this call's dL/dW has non-finite values in fp32, from ",
                      absl::StrJoin(causes, ", or "), "; nothing was accumulated"));

@@ -40,8 +40,9 @@ absl::Status VersionMoved(const std::string& head, uint64_t expected, uint64_t n
 // A non-finite W would fail every call on the head, each blamed on its hidden states, and
 // non-finite optimizer state would carry into W at the next step: no head is built on either,
 // whichever way it came (an upload, a --heads file, a checkpoint).
-absl::Status CheckFinite(const std::string& head, const std::string& source, absl::string_view field,
-                         const void* data, DType dtype, int64_t rows, int64_t cols) {
+absl::Status CheckFinite(const std::string& head, const std::string& source,
+                         absl::string_view field, const void* data, DType dtype, int64_t rows,
+                         int64_t cols) {
   const absl::Status finite = ValidateFiniteMatrix(field, data, dtype, rows, cols);
   if (finite.ok()) return finite;
   return absl::InvalidArgumentError(

@@ -50,7 +50,8 @@ absl::StatusOr<std::string> ReadBearerToken(const std::string& path) {
       absl::StripAsciiWhitespace(absl::string_view(contents).substr(0, contents.find('\n')));
   if (first_line.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--token_file: expected the bearer token on the first line of ", path, ", got an empty line"));
+        "--token_file: expected the bearer token on the first line of ", path,
+        ", got an empty line"));
   }
   return std::string(first_line);
 }
@@ -132,7 +133,8 @@ absl::Status CheckListenAddress(absl::string_view flag, const std::string& addre
       SplitHostPort(address, &host, &port)) {
     return absl::OkStatus();
   }
-  return InvalidField(flag, "HOST:PORT with a port in [0, 65535]", absl::StrCat("\"", address, "\""));
+  return InvalidField(flag, "HOST:PORT with a port in [0, 65535]",
+                      absl::StrCat("\"", address, "\""));
 }
 
 // Why listening on `address` failed, from a bind of our own: gRPC and civetweb say only that it
@@ -143,7 +145,9 @@ absl::Status ListenFailure(absl::string_view flag, const std::string& address,
                            absl::string_view unexplained) {
   std::string host;
   int port = 0;
-  if (!SplitHostPort(address, &host, &port)) return absl::UnavailableError(absl::StrCat(flag, ": ", unexplained));
+  if (!SplitHostPort(address, &host, &port)) {
+    return absl::UnavailableError(absl::StrCat(flag, ": ", unexplained));
+  }
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -170,7 +174,8 @@ absl::Status ListenFailure(absl::string_view flag, const std::string& address,
     case 0:
       return absl::UnavailableError(absl::StrCat(flag, ": ", unexplained));
     case EADDRINUSE:
-      return absl::UnavailableError(absl::StrCat(flag, ": ", address, " is in use by another process"));
+      return absl::UnavailableError(
+          absl::StrCat(flag, ": ", address, " is in use by another process"));
     case EACCES:
       return absl::PermissionDeniedError(absl::StrCat(
           flag, ": cannot bind ", address, ": permission denied",

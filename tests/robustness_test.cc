@@ -372,7 +372,8 @@ const BadRow kBadRows[] = {
      [](Script& s) { StartOf(s).mutable_options()->set_logit_softcap(1e-300); }},
     {"softcap_1e39", "Inf in fp32", Rpc::kCompute, kInvalid, "options.logit_softcap",
      [](Script& s) { StartOf(s).mutable_options()->set_logit_softcap(1e39); }},
-    {"temperature_1e_minus_45", "1 / T is Inf in fp32", Rpc::kCompute, kInvalid, "options.temperature",
+    {"temperature_1e_minus_45", "1 / T is Inf in fp32", Rpc::kCompute, kInvalid,
+     "options.temperature",
      [](Script& s) { StartOf(s).mutable_options()->set_temperature(1e-45); }},
     {"temperature_1e39", "T is Inf in fp32", Rpc::kCompute, kInvalid, "options.temperature",
      [](Script& s) { StartOf(s).mutable_options()->set_temperature(1e39); }},
@@ -417,6 +418,16 @@ const BadRow kBadRows[] = {
        StartOf(s).mutable_options()->set_temperature(1e-37);
        for (int64_t c = 0; c < kHidden; ++c) SetValue(ChunkOf(s, 3), 1, c, 1e3f);
      }},
+    {"z_loss_overflows", "a z-loss scale fp32 carries, but s lse^2 is past it: blame the z-loss",
+     Rpc::kCompute, kInvalid,
+     "options.z_loss_scale = 3e+38: rows [0, 12) of chunk.hidden are finite",
+     [](Script& s) { StartOf(s).mutable_options()->set_z_loss_scale(3e38); }},
+    {"mean_denominator_overflows_grad", "D = 1e-37 is carried, but grad_scale / D takes dL/dW past "
+     "fp32", Rpc::kCompute, kInvalid, "options.mean_denominator = 1e-37",
+     [](Script& s) {
+       StartOf(s).mutable_options()->set_mean_denominator(1e-37);
+       for (int64_t c = 0; c < kHidden; ++c) SetValue(ChunkOf(s, 3), 1, c, 1e3f);
+     }},
     {"hidden_3e38_row", "finite rows whose logits overflow fp32 with no option to blame: name the "
      "largest |h|", Rpc::kCompute, kInvalid,
      "chunk.hidden: rows [0, 12) are finite, but their logits h W^T overflow fp32 (the largest |h| "
@@ -425,13 +436,14 @@ const BadRow kBadRows[] = {
        for (int64_t c = 0; c < kHidden; ++c) SetValue(ChunkOf(s, 3), 1, c, 3e38f);
      }},
     {"inf_under_softcap", "the cap keeps the logits finite, but dL/dW = 0 * Inf is NaN",
-     Rpc::kCompute, kInvalid, "chunk.hidden",
+     Rpc::kCompute, kInvalid, "an Inf in chunk.hidden under options.logit_softcap = 30",
      [](Script& s) {
        StartOf(s).mutable_options()->set_logit_softcap(30);
        SetValue(ChunkOf(s, 3), 2, 5, INFINITY);
      }},
     {"grad_scale_overflow", "finite logits, but grad_scale 1e38 overflows dL/dW to Inf",
-     Rpc::kCompute, kInvalid, "options.grad_scale",
+     Rpc::kCompute, kInvalid,
+     "dL/dW has non-finite values in fp32, from options.grad_scale = 1e+38",
      [](Script& s) {
        StartOf(s).mutable_options()->set_grad_scale(1e38);
        for (size_t m = 1; m < s.compute.size(); ++m) {

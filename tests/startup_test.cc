@@ -134,7 +134,8 @@ const Refusal kRefusals[] = {
        config.heads = {"main=" + path + "#lm_head.weight"};
        config.head_dtype = DType::kFloat16;
        return std::vector<std::string>{
-           path + "#lm_head.weight", bad.Named("weight") + ": expected a finite float16 value, got inf"};
+           path + "#lm_head.weight",
+           bad.Named("weight") + ": expected a finite float16 value, got inf"};
      }},
     {"checkpoint_inf_weight", "a step drove W to Inf before the checkpoint was saved", kInvalid,
      [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
@@ -156,7 +157,9 @@ const Refusal kRefusals[] = {
        const Element bad = RandomElement(rng);
        const std::string path = WriteCheckpoint(
            dir + "/checkpoints", rng,
-           [](storage::CheckpointState& state, int64_t index) { state.state1[index] = std::nanf(""); },
+           [](storage::CheckpointState& state, int64_t index) {
+             state.state1[index] = std::nanf("");
+           },
            bad.index());
        config.checkpoint_dir = dir + "/checkpoints";
        return std::vector<std::string>{
@@ -167,8 +170,9 @@ const Refusal kRefusals[] = {
     {"token_file_first_line_empty", "the token must be on the first line", kInvalid,
      [](const std::string& dir, std::mt19937_64&, server::ServerConfig& config) {
        config.token_file = WriteText(dir + "/token", "\ns3cret-token\n");
-       return std::vector<std::string>{"--token_file: expected the bearer token on the first line of " +
-                                       config.token_file + ", got an empty line"};
+       return std::vector<std::string>{
+           "--token_file: expected the bearer token on the first line of " + config.token_file +
+           ", got an empty line"};
      }},
     {"token_file_blank", "only whitespace", kInvalid,
      [](const std::string& dir, std::mt19937_64&, server::ServerConfig& config) {
@@ -201,8 +205,8 @@ const Refusal kRefusals[] = {
        const Certificate mine = MakeCertificate(dir, "mine");
        config.tls_cert_file = mine.cert_file;
        config.tls_key_file = mine.cert_file;
-       return std::vector<std::string>{"--tls_key_file: expected an unencrypted PEM private key in " +
-                                       mine.cert_file};
+       return std::vector<std::string>{
+           "--tls_key_file: expected an unencrypted PEM private key in " + mine.cert_file};
      }},
     {"tls_key_without_certificate", "a key alone turns nothing on", kInvalid,
      [](const std::string& dir, std::mt19937_64&, server::ServerConfig& config) {
@@ -268,7 +272,8 @@ grpc::StatusCode ListHeadsWith(int port, const std::string& token) {
 TEST(TokenFileTest, TheFirstLineIsTheToken) {
   ScratchDir dir("lossd_startup");
   server::ServerConfig config;
-  config.token_file = WriteText(dir.File("token"), "  s3cret-token\r\n# rotated: old-token\nold-token\n");
+  config.token_file =
+      WriteText(dir.File("token"), "  s3cret-token\r\n# rotated: old-token\nold-token\n");
   config.demo = {"demo", kVocab, kHidden, 1};
   auto server = StartTestServer(config);
   ASSERT_NE(server, nullptr);

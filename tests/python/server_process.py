@@ -66,8 +66,8 @@ class ServerProcess:
 def run_to_exit(*flags, timeout=60):
     """Runs lossd_server with `flags` where it is expected to refuse to start: (exit code, output).
     A server that starts instead is stopped and reported as exit code None."""
-    process = subprocess.Popen([SERVER_BIN, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+    process = subprocess.Popen([SERVER_BIN, *flags], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = process.communicate(timeout=timeout)
         return process.returncode, output

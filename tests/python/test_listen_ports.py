@@ -27,7 +27,8 @@ def stubs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def first():
-    with ServerProcess("--device=cpu", f"--demo_vocab_size={FIRST_VOCAB}", "--demo_hidden_size=16") as s:
+    with ServerProcess("--device=cpu", f"--demo_vocab_size={FIRST_VOCAB}",
+                       "--demo_hidden_size=16") as s:
         yield s
 
 
@@ -41,10 +42,12 @@ def vocab_sizes_served(stubs, server, connections=8):
     pb, pb_grpc = stubs
     sizes = []
     for _ in range(connections):
-        # A channel of its own is a connection of its own: the kernel picks a listener per connection.
-        with grpc.insecure_channel(server.address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
-            heads = pb_grpc.LossServiceStub(channel).ListHeads(pb.ListHeadsRequest(), timeout=10).heads
-            sizes.append(heads[0].vocab_size)
+        # A channel of its own is a connection of its own, and the kernel picks a listener for
+        # each connection.
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        with grpc.insecure_channel(server.address, options=options) as channel:
+            stub = pb_grpc.LossServiceStub(channel)
+            sizes.append(stub.ListHeads(pb.ListHeadsRequest(), timeout=10).heads[0].vocab_size)
     return sizes
 
 
