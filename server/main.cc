@@ -12,7 +12,8 @@
 #include "absl/time/time.h"
 #include "server/server.h"
 
-ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "gRPC address, HOST:PORT (port 0: any free port)");
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
+          "gRPC address, HOST:PORT (port 0: any free port); a port in use is refused");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "HTTP address of the Prometheus /metrics endpoint; empty turns it off");
 ABSL_FLAG(std::string, device, "auto", "compute device: auto, cpu, cuda or cuda:N");
@@ -33,9 +34,12 @@ ABSL_FLAG(bool, shared_memory, true,
           "let clients on this host hand rows and dL/dh over in a memfd instead of messages");
 ABSL_FLAG(int, max_queued_calls, 64, "Compute calls waiting for admission before new ones are refused");
 ABSL_FLAG(int64_t, max_message_mib, 256, "largest gRPC message accepted or sent, in MiB");
-ABSL_FLAG(std::string, token_file, "", "file whose first line is the bearer token every call must carry");
-ABSL_FLAG(std::string, tls_cert_file, "", "PEM certificate chain; with --tls_key_file turns TLS on");
-ABSL_FLAG(std::string, tls_key_file, "", "PEM private key of --tls_cert_file");
+ABSL_FLAG(std::string, token_file, "",
+          "file whose first line (trimmed) is the bearer token every call must carry");
+ABSL_FLAG(std::string, tls_cert_file, "",
+          "PEM certificate chain, the server's first; with --tls_key_file turns TLS on");
+ABSL_FLAG(std::string, tls_key_file, "",
+          "unencrypted PEM private key of --tls_cert_file, checked against it at startup");
 ABSL_FLAG(std::string, checkpoint_dir, "", "directory to resume heads from and save checkpoints to");
 ABSL_FLAG(int, keep_checkpoints, 3, "checkpoints kept per head");
 ABSL_FLAG(std::vector<std::string>, heads, {},
