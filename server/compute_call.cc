@@ -7,8 +7,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/types/span.h"
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/common/status_macros.h"
@@ -36,6 +38,8 @@ struct CallSpec {
   v1::OutputSelection outputs;
   DType grad_hidden_dtype = DType::kFloat32;
   std::optional<v1::SharedMemory> shared_memory;  // set: rows and dL/dh in the client's memfd
+  std::string call_id;  // set only on calls that accumulate dL/dW
+  uint64_t start_fingerprint = 0;  // with a call_id: what a repeat of the call must send again
 
   int64_t hidden_row_bytes() const { return hidden_size * static_cast<int64_t>(DTypeSize(hidden_dtype)); }
   int64_t grad_row_bytes() const { return hidden_size * static_cast<int64_t>(DTypeSize(grad_hidden_dtype)); }
@@ -50,6 +54,35 @@ absl::Status CheckPinnedVersion(CallSpec& spec) {
                      " of head '", spec.head->name(), "', which is now at version ", spec.version));
   }
   return absl::OkStatus();
+}
+
+// A client's name for one call, so that a retry of it is recognized: printable ASCII, no spaces,
+// short enough that the ids a head keeps stay small (a UUID takes 32 or 36 characters).
+absl::Status ValidateCallId(const std::string& call_id) {
+  if (call_id.size() > kMaxCallIdBytes) {
+    return InvalidField("call_id", absl::StrCat("at most ", kMaxCallIdBytes, " characters"),
+                        absl::StrCat(call_id.size()));
+  }
+  for (size_t i = 0; i < call_id.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(call_id[i]);
+    if (c < 0x21 || c > 0x7e) {
+      return InvalidField("call_id", "printable ASCII without spaces",
+                          absl::StrCat("byte ", static_cast<int>(c), " at offset ", i));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// What decides a call's dL/dW besides its rows and W; equal for a retry of the call whatever
+// transfer it uses or version it pins, different for another call with the id (within a process:
+// absl::Hash is seeded per process, and ids live no longer than the process).
+uint64_t StartFingerprint(const CallSpec& spec) {
+  const LossOptions& o = spec.options;
+  return absl::HashOf(absl::MakeConstSpan(spec.labels), absl::MakeConstSpan(spec.token_weights),
+                      spec.num_tokens, spec.hidden_size, static_cast<int>(spec.hidden_dtype),
+                      static_cast<int>(o.reduction), o.ignore_index, o.label_smoothing,
+                      o.z_loss_scale, o.logit_softcap, o.temperature, o.grad_scale,
+                      o.mean_denominator, o.allow_tf32);
 }
 
 absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::ComputeStart& start) {
@@ -100,6 +133,12 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   // batch's.
   if (spec.options.mean_denominator == 0) {
     spec.options.mean_denominator = static_cast<double>(spec.counted_tokens);
+  }
+  RETURN_IF_ERROR(ValidateCallId(start.call_id()));
+  if (spec.outputs.accumulate_grad_weight() && !start.call_id().empty()) {
+    spec.call_id = start.call_id();
+    spec.start_fingerprint = StartFingerprint(spec);
+    RETURN_IF_ERROR(head.CheckCallId(spec.call_id, spec.start_fingerprint, env.limits.max_call_ids));
   }
   return spec;
 }
@@ -198,13 +237,11 @@ class ComputeCall {
     if (staging_.held()) {
       // The first engine chunk stores its dL/dW; a call without rows has none to store.
       if (computed_rows_ == 0) RETURN_IF_ERROR(env_.backend->Zero(staging_.buffer()));
-      RETURN_IF_ERROR(CheckStagedGradientIsFinite());
       // The last point at which a cancelled call can still leave the accumulator untouched.
       if (stream_.IsCancelled()) {
         return absl::CancelledError("call cancelled before its dL/dW was committed; nothing was accumulated");
       }
-      RETURN_IF_ERROR(
-          spec_.head->CommitGradient(spec_.version, staging_.buffer(), spec_.counted_tokens));
+      ASSIGN_OR_RETURN(commit_, CommitGradient());
     }
     const absl::Status sent = SendSummary();
     // Once dL/dW is committed the call has taken effect: failing it now, because the client left
@@ -388,19 +425,37 @@ class ComputeCall {
   }
 
   // Finite logits do not make dL/dW finite: under a soft cap an infinite hidden value gives capped
-  // logits but 0 * Inf = NaN in dL/dW, and a huge grad_scale overflows it. The engine's bound on
-  // |dL/dW| settles it without reading V x H floats when it is far below FLT_MAX (3.4e38): fp32
-  // rounding lifts a sum of K terms at most by (1 + 2^-24)^K, under e for K <= 2^24 rows.
-  // Otherwise a non-finite sum of squares (taken in double, so finite values cannot overflow it)
-  // means a non-finite entry.
-  absl::Status CheckStagedGradientIsFinite() {
-    constexpr double kProvablyFiniteBound = 1e37;
-    if (grad_weight_bound_ < kProvablyFiniteBound) return absl::OkStatus();
-    const int64_t count = spec_.head->vocab_size() * spec_.head->hidden_size();
-    ASSIGN_OR_RETURN(const double sum_squares, env_.backend->SumSquaresFloat32(staging_.buffer(), count));
-    if (std::isfinite(sum_squares)) return absl::OkStatus();
-    if (env_.metrics != nullptr) env_.metrics->CountNonFiniteCall();
-    // The rows are gone by now; what the call's options and weights say is left.
+  // logits but 0 * Inf = NaN in dL/dW, and a huge grad_scale overflows it, alone or added to the
+  // accumulator. The head checks both, with the engine's bound sparing it the reading of V x H
+  // floats where that bound proves them finite.
+  absl::StatusOr<CommitOutcome> CommitGradient() {
+    StagedGradient staged;
+    staged.version = spec_.version;
+    staged.buffer = &staging_.buffer();
+    staged.tokens = spec_.counted_tokens;
+    staged.rows = spec_.num_tokens;
+    staged.bound = grad_weight_bound_;
+    staged.call_id = spec_.call_id;
+    staged.start_fingerprint = spec_.start_fingerprint;
+    staged.loss_sum = loss_sum_;
+    absl::StatusOr<CommitOutcome> outcome =
+        spec_.head->CommitGradient(staged, env_.limits.max_call_ids);
+    // INVALID_ARGUMENT: this call's own dL/dW is not finite, which its options and weights explain
+    // (FAILED_PRECONDITION: it would overflow the accumulator, which the head's message explains).
+    if (!outcome.ok() && IsNonFiniteGradient(outcome.status()) &&
+        outcome.status().code() == absl::StatusCode::kInvalidArgument) {
+      outcome = ExplainNonFiniteGradient(outcome.status());
+    }
+    if (env_.metrics != nullptr) {
+      if (!outcome.ok() && IsNonFiniteGradient(outcome.status())) env_.metrics->CountNonFiniteCall();
+      if (outcome.ok() && *outcome == CommitOutcome::kReplayed) env_.metrics->CountReplayedCall();
+    }
+    return outcome;
+  }
+
+  // Why this call's own dL/dW is not finite, from what is left once its rows are gone: its options
+  // and weights. Keeps the head's typed reason.
+  absl::Status ExplainNonFiniteGradient(absl::Status status) const {
     std::vector<std::string> causes = OverflowSuspects(spec_, 0, spec_.num_tokens, true);
     if (spec_.options.logit_softcap > 0.0) {
       causes.push_back(absl::StrCat("an Inf in chunk.hidden under options.logit_softcap = ",
@@ -410,9 +465,13 @@ class ComputeCall {
     if (causes.empty()) {
       causes.push_back("hidden values in chunk.hidden large enough to overflow it");
     }
-    return absl::InvalidArgumentError(
+    absl::Status explained = absl::InvalidArgumentError(
         absl::StrCat("this call's dL/dW has non-finite values in fp32, from ",
                      absl::StrJoin(causes, ", or "), "; nothing was accumulated"));
+    status.ForEachPayload([&](absl::string_view type_url, const absl::Cord& payload) {
+      explained.SetPayload(type_url, payload);
+    });
+    return explained;
   }
 
   // Streams one chunk's results, split so that no message exceeds the result message limit.
@@ -462,6 +521,7 @@ class ComputeCall {
     s.set_correct_tokens(correct_tokens_);
     s.set_head_version(spec_.version);
     s.set_grad_weight_accumulated(staging_.held());
+    s.set_replayed(staging_.held() && commit_ == CommitOutcome::kReplayed);
     s.set_queue_seconds(queue_seconds_);
     s.set_compute_seconds(compute_seconds_);
     s.set_peak_workspace_bytes(peak_workspace_bytes_);
@@ -502,6 +562,7 @@ class ComputeCall {
   double loss_sum_ = 0.0;
   int64_t correct_tokens_ = 0;
   double grad_weight_bound_ = 0.0;  // on |this call's dL/dW|, summed over engine chunks
+  CommitOutcome commit_ = CommitOutcome::kCommitted;  // of a call that accumulates
   int64_t peak_workspace_bytes_ = 0;
   double queue_seconds_ = 0.0;
   double compute_seconds_ = 0.0;

@@ -28,7 +28,13 @@ struct ComputeLimits {
   int64_t max_result_message_bytes = 4 << 20;
   absl::Duration max_admission_wait = absl::Seconds(300);
   bool allow_shared_memory = true;  // ComputeStart.shared_memory from clients on this host
+  // Call ids a head keeps per accumulator epoch (ComputeStart.call_id); past them a new id is
+  // refused, so that no id is ever forgotten within its epoch.
+  int64_t max_call_ids = 65536;
 };
+
+// The longest ComputeStart.call_id accepted.
+inline constexpr size_t kMaxCallIdBytes = 64;
 
 struct ComputeEnvironment {
   Backend* backend;

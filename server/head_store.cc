@@ -1,9 +1,12 @@
 #include "server/head_store.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <utility>
 
+#include "absl/base/casts.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "lossd/kernels/backend_common.h"
@@ -49,7 +52,34 @@ absl::Status CheckFinite(const std::string& head, const std::string& source,
       absl::StrCat("head '", head, "' from ", source, ": ", finite.message()));
 }
 
+// Bounds on |entries| of fp32 sums, carried in double. Each fp32 product or addition rounds its
+// exact result up by at most a factor 1 + 2^-24 in magnitude, so an entry summed from K products
+// whose magnitudes add up to S is at most S (1 + 2^-24)^(K + 1) in any order of summation, and
+// a + b is at most (|a| + |b|)(1 + 2^-24). Below kProvablyFinite, half of FLT_MAX, an entry is
+// finite whatever rounding the double arithmetic of the bound itself made.
+constexpr double kFp32Rounding = 0x1p-24;
+constexpr double kProvablyFinite = FLT_MAX / 2.0;
+
+bool ProvablyFinite(double bound) { return bound < kProvablyFinite; }  // false for NaN
+
+// A bound on max |x_i| from sum_i x_i^2 taken in double over `count` fp32 values: the squares are
+// exact in double, the sum falls short of the exact one by at most a factor (1 - 2^-53)^count.
+double BoundFromSumSquares(double sum_squares, int64_t count) {
+  return std::sqrt(sum_squares) * (1.0 + static_cast<double>(count) * 0x1p-52);
+}
+
+constexpr char kNonFiniteGradientPayload[] = "type.lossd/NonFiniteGradient";
+
+absl::Status NonFiniteGradient(absl::Status status) {
+  status.SetPayload(kNonFiniteGradientPayload, absl::Cord());
+  return status;
+}
+
 }  // namespace
+
+bool IsNonFiniteGradient(const absl::Status& status) {
+  return status.GetPayload(kNonFiniteGradientPayload).has_value();
+}
 
 Head::Head(Backend& backend, MemoryLedger& ledger, const HeadState& state, std::string source)
     : backend_(backend),
@@ -128,24 +158,131 @@ absl::Status Head::WithWeights(uint64_t expected_version,
   return fn(WeightView{&weight_, dtype_, vocab_size_, hidden_size_});
 }
 
-absl::Status Head::CommitGradient(uint64_t expected_version, DeviceBuffer& staged, int64_t tokens) {
+absl::StatusOr<CommitOutcome> Head::CommitGradient(StagedGradient& call, int64_t max_call_ids) {
+  if (call.buffer == nullptr || call.buffer->bytes() != AccumulatorBytes()) {
+    return absl::InternalError(absl::StrCat("head '", name_, "': a staged dL/dW of ",
+                                            call.buffer == nullptr ? 0 : call.buffer->bytes(),
+                                            " bytes, expected ", AccumulatorBytes()));
+  }
   absl::ReaderMutexLock weight_lock(&weight_mu_);
-  if (retired_ || version_ != expected_version) {
-    return VersionMoved(name_, expected_version, version_, retired_);
+  if (retired_ || version_ != call.version) {
+    return VersionMoved(name_, call.version, version_, retired_);
   }
   absl::MutexLock grad_lock(&grad_mu_);
-  // Every reset of accumulated_calls_ to 0 zeroes grad_ with it.
-  if (accumulated_calls_ == 0 && grad_.data() == nullptr) {
-    grad_ = std::move(staged);
-    grad_charge_ = MemoryCharge(&ledger_, MemoryPurpose::kGradients, AccumulatorBytes());
-  } else if (accumulated_calls_ == 0 && staged.bytes() == grad_.bytes()) {
-    std::swap(grad_, staged);
-  } else {
-    RETURN_IF_ERROR(backend_.AddFloat32(grad_, staged, vocab_size_ * hidden_size_));
+  if (!call.call_id.empty()) {
+    const auto first = committed_calls_.find(call.call_id);
+    if (first != committed_calls_.end()) {
+      RETURN_IF_ERROR(CheckRepeat(call.call_id, first->second, call.start_fingerprint));
+      // The same start on the same W gives the same loss sum, bit for bit: another one means
+      // other hidden rows.
+      if (absl::bit_cast<uint64_t>(first->second.loss_sum) != absl::bit_cast<uint64_t>(call.loss_sum)) {
+        return InvalidField("call_id",
+                            "a fresh id for a different call",
+                            absl::StrCat("'", call.call_id, "', which head '", name_,
+                                         "' already accumulated for other hidden rows (loss sum ",
+                                         first->second.loss_sum, ", now ", call.loss_sum,
+                                         "); nothing was accumulated"));
+      }
+      return CommitOutcome::kReplayed;
+    }
+    RETURN_IF_ERROR(CheckRoomForCallId(max_call_ids));
   }
-  accumulated_tokens_ += tokens;
+  ASSIGN_OR_RETURN(const double staged_bound, StagedBound(call));
+  RETURN_IF_ERROR(AddToAccumulator(*call.buffer, staged_bound));
+  accumulated_tokens_ += call.tokens;
   ++accumulated_calls_;
+  if (!call.call_id.empty()) {
+    committed_calls_[call.call_id] = CommittedCall{version_, call.start_fingerprint, call.loss_sum};
+  }
+  return CommitOutcome::kCommitted;
+}
+
+absl::StatusOr<double> Head::StagedBound(const StagedGradient& call) const {
+  const double bound =
+      call.bound * std::pow(1.0 + kFp32Rounding, static_cast<double>(call.rows + 1));
+  if (ProvablyFinite(bound)) return bound;
+  const int64_t count = vocab_size_ * hidden_size_;
+  ASSIGN_OR_RETURN(const double sum_squares, backend_.SumSquaresFloat32(*call.buffer, count));
+  if (!std::isfinite(sum_squares)) {
+    return NonFiniteGradient(absl::InvalidArgumentError(
+        "chunk.hidden: this call's dL/dW has non-finite values (Inf in the hidden states under "
+        "options.logit_softcap, or an overflow from options.grad_scale); nothing was accumulated"));
+  }
+  return BoundFromSumSquares(sum_squares, count);
+}
+
+absl::Status Head::AddToAccumulator(DeviceBuffer& staged, double staged_bound) {
+  const int64_t count = vocab_size_ * hidden_size_;
+  // Every reset of accumulated_calls_ to 0 zeroes grad_ with it.
+  if (accumulated_calls_ == 0) {
+    if (grad_.data() == nullptr) {
+      grad_ = std::move(staged);
+      grad_charge_ = MemoryCharge(&ledger_, MemoryPurpose::kGradients, AccumulatorBytes());
+    } else {
+      std::swap(grad_, staged);
+    }
+    grad_bound_ = staged_bound;
+    return absl::OkStatus();
+  }
+  const double sum_bound = (grad_bound_ + staged_bound) * (1.0 + kFp32Rounding);
+  if (ProvablyFinite(sum_bound)) {
+    RETURN_IF_ERROR(backend_.AddFloat32(grad_, staged, count));
+    grad_bound_ = sum_bound;
+    return absl::OkStatus();
+  }
+  // The sum is formed where a refusal loses nothing; fp32 addition commutes, so staged + grad_
+  // has the bits grad_ + staged would have had.
+  RETURN_IF_ERROR(backend_.AddFloat32(staged, grad_, count));
+  ASSIGN_OR_RETURN(const double sum_squares, backend_.SumSquaresFloat32(staged, count));
+  if (!std::isfinite(sum_squares)) {
+    // FAILED_PRECONDITION, not INVALID_ARGUMENT: the call is valid (it would commit into a
+    // zeroed accumulator); the accumulator must be stepped or zeroed first, and until then the
+    // same call fails the same way, which is gRPC's rule for this code. Clients do not retry it.
+    return NonFiniteGradient(absl::FailedPreconditionError(absl::StrCat(
+        "head '", name_, "': adding this call's dL/dW to the accumulated gradient (",
+        accumulated_calls_, " calls since it was zeroed) would overflow float32, an entry "
+        "beyond +-3.4e38; nothing was accumulated and the accumulated gradient is unchanged. Step "
+        "or zero the gradient (ZeroGradWeight) before more calls, or lower options.grad_scale")));
+  }
+  std::swap(grad_, staged);
+  grad_bound_ = BoundFromSumSquares(sum_squares, count);
   return absl::OkStatus();
+}
+
+absl::Status Head::CheckRepeat(const std::string& call_id, const CommittedCall& first,
+                               uint64_t start_fingerprint) const {
+  if (first.start_fingerprint != start_fingerprint) {
+    return InvalidField("call_id", "a fresh id for a different call",
+                        absl::StrCat("'", call_id, "', which head '", name_,
+                                     "' already accumulated for a call with other labels, token "
+                                     "weights, loss options or shapes; nothing was accumulated"));
+  }
+  if (first.version != version_) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "call_id: '", call_id, "' was already accumulated into head '", name_, "' at version ",
+        first.version, ", and the head has moved to version ", version_,
+        " since (a step with keep_grad): a repeat can neither reproduce that call's results nor "
+        "add its dL/dW again; nothing was accumulated"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Head::CheckRoomForCallId(int64_t max_call_ids) const {
+  if (static_cast<int64_t>(committed_calls_.size()) < max_call_ids) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "call_id: head '", name_, "' has accumulated ", committed_calls_.size(),
+      " calls with a call_id since its gradient was last zeroed, the most whose ids it keeps "
+      "(--max_call_ids); nothing was accumulated. Step or zero the gradient, or send the call "
+      "without a call_id"));
+}
+
+absl::Status Head::CheckCallId(const std::string& call_id, uint64_t start_fingerprint,
+                               int64_t max_call_ids) const {
+  absl::ReaderMutexLock weight_lock(&weight_mu_);
+  absl::MutexLock grad_lock(&grad_mu_);
+  const auto first = committed_calls_.find(call_id);
+  if (first != committed_calls_.end()) return CheckRepeat(call_id, first->second, start_fingerprint);
+  return CheckRoomForCallId(max_call_ids);
 }
 
 absl::Status Head::ZeroGradient() {
@@ -168,6 +305,8 @@ absl::Status Head::ResetAccumulator() {
   if (grad_.data() != nullptr) RETURN_IF_ERROR(backend_.Zero(grad_));
   accumulated_tokens_ = 0;
   accumulated_calls_ = 0;
+  grad_bound_ = 0.0;
+  committed_calls_.clear();
   return absl::OkStatus();
 }
 

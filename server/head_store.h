@@ -6,11 +6,15 @@
 //   between makes the call fail with ABORTED (nothing accumulated; retry on the new version); a
 //   call pinned to a version the head has already left fails at once with FAILED_PRECONDITION.
 // - Gradients from a call reach the accumulator in one locked add after the whole call succeeded,
-//   so the accumulator always holds whole calls computed against the current W.
+//   so the accumulator always holds whole calls computed against the current W, and only finite
+//   values: a call whose dL/dW, or whose sum with the accumulator, is not finite is refused.
+// - A call with a call_id reaches the accumulator at most once per accumulator epoch, which ends
+//   whenever the accumulator is zeroed (ZeroGradWeight, a Step without keep_grad, an upload of W).
 // - Step takes W exclusively: it waits for running engine chunks (not for idle streams).
 #ifndef LOSSD_SERVER_HEAD_STORE_H_
 #define LOSSD_SERVER_HEAD_STORE_H_
 
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -18,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -60,6 +65,31 @@ struct TensorSnapshot {
   int64_t accumulated_tokens = 0;
 };
 
+// What a Compute call brings to the accumulator.
+struct StagedGradient {
+  uint64_t version = 0;            // of W, which the head must still be at
+  DeviceBuffer* buffer = nullptr;  // the call's dL/dW, [V, H] fp32; may trade places with the
+                                   // accumulator (see Head::CommitGradient)
+  int64_t tokens = 0;              // counted tokens, added to the head's count
+  int64_t rows = 0;                // rows whose products were summed into each entry
+  // The engine's bound on |entries| before fp32 rounding (BatchSummary::grad_weight_bound, summed
+  // over the call's engine chunks); +inf when the engine gives none, NaN counts as none.
+  double bound = HUGE_VAL;
+  std::string call_id;             // empty: none
+  // Of the call's start (labels, weights, loss options, shapes) and of its loss sum: a repeated
+  // call_id must come with the same call.
+  uint64_t start_fingerprint = 0;
+  double loss_sum = 0.0;
+};
+
+enum class CommitOutcome {
+  kCommitted,  // dL/dW was added
+  kReplayed,   // the call_id was already accumulated at this version: nothing added again
+};
+
+// Whether a commit was refused because dL/dW, or the accumulator with it, would not be finite.
+bool IsNonFiniteGradient(const absl::Status& status);
+
 class Head {
  public:
   // Uploads `state` to the backend; fails (and holds nothing) when memory runs out.
@@ -76,13 +106,34 @@ class Head {
   // Runs fn with W under the shared lock if the head is still at `expected_version`.
   absl::Status WithWeights(uint64_t expected_version, absl::FunctionRef<absl::Status(const WeightView&)> fn);
 
-  // Adds a call's staged dL/dW to the accumulator if the head is still at `expected_version`.
+  // Adds a call's staged dL/dW to the accumulator if the head is still at `call.version`, all or
+  // nothing: whatever it refuses, the accumulator is left bitwise as it was.
+  //
+  // Finite, cheaply. The head keeps a bound on |accumulated entries|. Where the call's bound and
+  // the accumulator's, grown by fp32 rounding, stay below FLT_MAX / 2, both are finite and so is
+  // their sum: it is added in place, with nothing read back. Otherwise the call's dL/dW is checked
+  // alone (INVALID_ARGUMENT when it is not finite: Inf hidden values under a soft cap, a huge
+  // grad_scale), and where the sum is still not provably finite it is formed in `call.buffer`
+  // (staged += accumulator) and checked before the two buffers trade places (FAILED_PRECONDITION
+  // when it overflows). A check sums squares in double, which finite fp32 values cannot overflow,
+  // so the sum is non-finite exactly when an entry is; its square root then bounds every entry.
+  //
   // An accumulator that holds no call yet is all zeros, so there the two buffers trade places
-  // instead: `staged` (same size, same backend) becomes the accumulator and gets the zeros. On the
-  // CPU a V x H add is several percent of a short call (0.2 s of a 5.6 s call at V = 128256).
-  // A head allocates no accumulator until its first commit, which keeps `staged` itself (leaving
-  // it empty), or its first step: a head that only scores never holds V x H fp32 of gradient.
-  absl::Status CommitGradient(uint64_t expected_version, DeviceBuffer& staged, int64_t tokens);
+  // instead of adding: `call.buffer` (same size, same backend) becomes the accumulator and gets
+  // the zeros. On the CPU a V x H add is several percent of a short call (0.2 s of a 5.6 s call at
+  // V = 128256). A head allocates no accumulator until its first commit, which keeps the call's
+  // buffer itself (leaving it empty), or its first step: a head that only scores never holds
+  // V x H fp32 of gradient.
+  //
+  // A call_id already accumulated in this epoch is not added again: kReplayed when it was at this
+  // same version with the same call, ALREADY_EXISTS when the head has moved since (a Step with
+  // keep_grad), INVALID_ARGUMENT when it came with another call. An epoch keeps at most
+  // `max_call_ids` ids; a new one past them is refused (FAILED_PRECONDITION), never forgotten.
+  absl::StatusOr<CommitOutcome> CommitGradient(StagedGradient& call, int64_t max_call_ids);
+  // What CommitGradient would refuse of `call_id` now, checked before a call is computed in vain:
+  // an id accumulated at another version or with another start, or a new id in a full epoch.
+  absl::Status CheckCallId(const std::string& call_id, uint64_t start_fingerprint,
+                           int64_t max_call_ids) const;
   absl::Status ZeroGradient();
   absl::StatusOr<TensorSnapshot> ReadGradient(DType dtype);
   absl::StatusOr<TensorSnapshot> ReadWeight(DType dtype);
@@ -105,8 +156,20 @@ class Head {
   size_t AccumulatorBytes() const;
   // Allocates the accumulator, zeroed, if the head has none yet.
   absl::Status EnsureAccumulator() ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
-  // Zeroes the accumulator (if allocated) and its token and call counts.
+  // Zeroes the accumulator (if allocated) and its token and call counts, and starts a new epoch.
   absl::Status ResetAccumulator() ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
+  // A bound on |entries| of the call's dL/dW after fp32 rounding, reading it back where the
+  // engine's bound does not prove it finite; INVALID_ARGUMENT when it is not.
+  absl::StatusOr<double> StagedBound(const StagedGradient& call) const;
+  // grad_ += staged, or staged becomes grad_; refuses a sum that overflows (see CommitGradient).
+  absl::Status AddToAccumulator(DeviceBuffer& staged, double staged_bound)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
+  struct CommittedCall;
+  // Why a repeat of `first`, a call accumulated in this epoch, cannot replay it; OK when it can.
+  absl::Status CheckRepeat(const std::string& call_id, const CommittedCall& first,
+                           uint64_t start_fingerprint) const ABSL_SHARED_LOCKS_REQUIRED(weight_mu_);
+  absl::Status CheckRoomForCallId(int64_t max_call_ids) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
 
   Backend& backend_;
   MemoryLedger& ledger_;
@@ -128,6 +191,15 @@ class Head {
   MemoryCharge grad_charge_ ABSL_GUARDED_BY(grad_mu_);
   int64_t accumulated_tokens_ ABSL_GUARDED_BY(grad_mu_) = 0;
   int64_t accumulated_calls_ ABSL_GUARDED_BY(grad_mu_) = 0;
+  // A bound on |entries| of grad_, fp32 rounding included; 0 for zeros.
+  double grad_bound_ ABSL_GUARDED_BY(grad_mu_) = 0.0;
+  // The calls with a call_id accumulated in this epoch.
+  struct CommittedCall {
+    uint64_t version = 0;
+    uint64_t start_fingerprint = 0;
+    double loss_sum = 0.0;
+  };
+  absl::flat_hash_map<std::string, CommittedCall> committed_calls_ ABSL_GUARDED_BY(grad_mu_);
   OptimizerKind optimizer_ ABSL_GUARDED_BY(grad_mu_) = OptimizerKind::kNone;
   DeviceBuffer state1_ ABSL_GUARDED_BY(grad_mu_);
   DeviceBuffer state2_ ABSL_GUARDED_BY(grad_mu_);

@@ -32,6 +32,10 @@ ABSL_FLAG(int64_t, host_cache_mib, 1024,
           "idle ones are kept for the next call only while those in use and idle fit it");
 ABSL_FLAG(bool, shared_memory, true,
           "let clients on this host hand rows and dL/dh over in a memfd instead of messages");
+ABSL_FLAG(int64_t, max_call_ids, 65536,
+          "calls with a call_id whose ids each head keeps per accumulator epoch (until its gradient "
+          "is zeroed), so that a retried call is never accumulated twice; a new id past them is "
+          "refused");
 ABSL_FLAG(int, max_queued_calls, 64, "Compute calls waiting for admission before new ones are refused");
 ABSL_FLAG(int64_t, max_message_mib, 256, "largest gRPC message accepted or sent, in MiB");
 ABSL_FLAG(std::string, token_file, "",
@@ -78,6 +82,7 @@ int main(int argc, char** argv) {
   config.cache_call_buffers = absl::GetFlag(FLAGS_cache_call_buffers);
   config.host_cache_bytes = absl::GetFlag(FLAGS_host_cache_mib) << 20;
   config.shared_memory = absl::GetFlag(FLAGS_shared_memory);
+  config.max_call_ids = absl::GetFlag(FLAGS_max_call_ids);
   config.max_queued_calls = absl::GetFlag(FLAGS_max_queued_calls);
   config.max_message_bytes = absl::GetFlag(FLAGS_max_message_mib) << 20;
   config.token_file = absl::GetFlag(FLAGS_token_file);

@@ -94,9 +94,16 @@ Metrics::Metrics()
                                 .Add({})),
       nonfinite_calls_(prometheus::BuildCounter()
                            .Name("lossd_nonfinite_calls_total")
-                           .Help("Compute calls that met NaN or Inf logits and were refused.")
+                           .Help("Compute calls refused for NaN or Inf: in the logits, in the "
+                                 "call's dL/dW, or in its sum with the accumulated gradient.")
                            .Register(*registry_)
                            .Add({})),
+      replayed_calls_(prometheus::BuildCounter()
+                          .Name("lossd_replayed_calls_total")
+                          .Help("Compute calls that repeated a call_id whose dL/dW was already "
+                                "accumulated: computed again, nothing added (client retries).")
+                          .Register(*registry_)
+                          .Add({})),
       admission_rejected_(prometheus::BuildCounter()
                               .Name("lossd_admission_rejected_total")
                               .Help("Compute calls refused admission, by reason.")
@@ -133,6 +140,7 @@ void Metrics::AddLogitsBytesAvoided(int64_t bytes) {
   logits_bytes_avoided_.Increment(static_cast<double>(bytes));
 }
 void Metrics::CountNonFiniteCall() { nonfinite_calls_.Increment(); }
+void Metrics::CountReplayedCall() { replayed_calls_.Increment(); }
 void Metrics::CountAdmissionRejected(const std::string& reason) {
   admission_rejected_.Add({{"reason", reason}}).Increment();
 }

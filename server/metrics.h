@@ -43,6 +43,7 @@ class Metrics {
   // Bytes of fp32 logits ([tokens, vocabulary]) that the caller did not have to materialize.
   void AddLogitsBytesAvoided(int64_t bytes);
   void CountNonFiniteCall();
+  void CountReplayedCall();
   void CountAdmissionRejected(const std::string& reason);
   void CountStep(const std::string& head);
   void AddInFlight(int delta);
@@ -62,6 +63,7 @@ class Metrics {
   prometheus::Counter& bytes_sent_;
   prometheus::Counter& logits_bytes_avoided_;
   prometheus::Counter& nonfinite_calls_;
+  prometheus::Counter& replayed_calls_;
   prometheus::Family<prometheus::Counter>& admission_rejected_;
   prometheus::Family<prometheus::Counter>& steps_;
   prometheus::Gauge& in_flight_;

@@ -398,6 +398,10 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   ServiceOptions options;
   options.compute.workspace_budget_bytes = config.workspace_budget_bytes;
   options.compute.allow_shared_memory = config.shared_memory;
+  if (config.max_call_ids <= 0) {
+    return InvalidField("--max_call_ids", "a count > 0", absl::StrCat(config.max_call_ids));
+  }
+  options.compute.max_call_ids = config.max_call_ids;
   options.compute.max_result_message_bytes = std::min<int64_t>(config.max_message_bytes / 2, 8 << 20);
   options.max_fetch_chunk_bytes = config.max_message_bytes / 2;
   options.default_fetch_chunk_bytes = std::min<int64_t>(4 << 20, options.max_fetch_chunk_bytes);

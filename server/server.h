@@ -41,6 +41,7 @@ struct ServerConfig {
   // Host memory kept for the next call: rows from messages and the dL/dh going out in them.
   int64_t host_cache_bytes = int64_t{1} << 30;
   bool shared_memory = true;                       // rows in memfds from clients on this host
+  int64_t max_call_ids = 65536;                    // per head and accumulator epoch
   int64_t max_message_bytes = 256 << 20;
   std::string token_file;                          // bearer token, first line
   std::string tls_cert_file;

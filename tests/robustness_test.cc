@@ -399,6 +399,12 @@ const BadRow kBadRows[] = {
      [](Script& s) {
        StartOf(s).mutable_outputs()->set_grad_hidden_dtype(static_cast<v1::DType>(7));
      }},
+    {"call_id_65_chars", "one character past the longest call id", Rpc::kCompute, kInvalid,
+     "call_id", [](Script& s) { StartOf(s).set_call_id(std::string(65, 'c')); }},
+    {"call_id_space", "ids are printable ASCII without spaces, safe to quote in messages",
+     Rpc::kCompute, kInvalid, "call_id", [](Script& s) { StartOf(s).set_call_id("step 1"); }},
+    {"call_id_nul", "a NUL byte in the id", Rpc::kCompute, kInvalid, "call_id",
+     [](Script& s) { StartOf(s).set_call_id(std::string("a\0b", 3)); }},
     // Compute: rows whose values make the results non-finite, in the last chunk so that earlier
     // chunks were computed and staged.
     {"nan_row", "a NaN hidden value, named by its place in the call", Rpc::kCompute, kInvalid,

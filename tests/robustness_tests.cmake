@@ -1,7 +1,8 @@
 # Robustness: malformed requests, abandoned streams, concurrent load, authentication and TLS
 # against an in-process server (robustness_test), what a server refuses to start on
-# (startup_test), a taken port and crash safety of checkpoints against the real binary
-# (python/test_listen_ports.py, python/test_crash_safety.py). Figures: ROBUSTNESS.md.
+# (startup_test), the gradient accumulator's guarantees (accumulator_test), a taken port
+# and crash safety of checkpoints against the real binary (python/test_listen_ports.py,
+# python/test_crash_safety.py). Figures: ROBUSTNESS.md.
 include(GoogleTest)
 
 add_executable(robustness_test
@@ -19,6 +20,16 @@ add_executable(startup_test
 )
 target_link_libraries(startup_test PRIVATE lossd_server_lib lossd_test_reference GTest::gtest_main)
 gtest_discover_tests(startup_test DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT 60)
+
+# The gradient accumulator: calls that would overflow it, and call ids against double counting.
+add_executable(accumulator_test
+  ${CMAKE_CURRENT_LIST_DIR}/accumulator_test.cc
+  ${CMAKE_CURRENT_LIST_DIR}/server_harness.cc
+)
+target_link_libraries(accumulator_test PRIVATE lossd_server_lib lossd_test_reference GTest::gtest_main)
+gtest_discover_tests(accumulator_test
+  DISCOVERY_TIMEOUT 60
+  PROPERTIES TIMEOUT 120 ENVIRONMENT "OMP_NUM_THREADS=2")
 
 add_test(NAME checkpoint_crash_safety
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
