@@ -26,6 +26,7 @@
 #include "lossd/kernels/half.h"
 #include "server/shared_memory.h"
 #include "tests/engine_harness.h"
+#include "tests/holding_relay.h"
 #include "tests/reference.h"
 #include "tests/server_harness.h"
 
@@ -370,6 +371,142 @@ TEST_F(ClientTest, SgdStepMovesWeightAgainstTheGradient) {
   const absl::StatusOr<uint64_t> version = client.ZeroGrad("train");
   ASSERT_TRUE(version.ok());
   EXPECT_EQ(*version, step->head_version);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Call ids and retries: a training call carries a fresh id, and a retry of it (by the client
+// after UNAVAILABLE or DEADLINE_EXCEEDED, or by the caller with the same id) never adds its
+// dL/dW twice.
+
+TEST_F(ClientTest, TrainingCallsCarryAFreshIdAndARepeatedIdIsAReplay) {
+  const Client client = Connect(OptionsFor(server_->port()));
+  const std::vector<float> weight = UploadRandomHead(client, "ids", 300);
+  const std::vector<float> hidden = RandomNormal(40 * kHidden, 1.0f, rng_);
+  const std::vector<int64_t> labels = RandomLabels(40, 300, 0.0, rng_);
+  ComputeRequest request = Fp32Request("ids", hidden, labels);
+  request.outputs = {.token_loss = true, .grad_hidden = true, .accumulate_grad_weight = true};
+
+  const absl::StatusOr<ComputeResult> first = client.Compute(request);
+  const absl::StatusOr<ComputeResult> second = client.Compute(request);
+  ASSERT_TRUE(first.ok() && second.ok()) << first.status() << " / " << second.status();
+  EXPECT_EQ(first->call_id.size(), 32u);
+  EXPECT_NE(first->call_id, second->call_id) << "each call gets its own id";
+  EXPECT_FALSE(first->summary.replayed || second->summary.replayed);
+  EXPECT_EQ(first->attempts, 1);
+  EXPECT_EQ(client.GetHead("ids")->accumulated_calls, 2) << "two calls, two ids, two commits";
+
+  request.call_id = first->call_id;
+  const absl::StatusOr<ComputeResult> repeat = client.Compute(request);
+  ASSERT_TRUE(repeat.ok()) << repeat.status();
+  EXPECT_TRUE(repeat->summary.replayed);
+  EXPECT_TRUE(repeat->summary.grad_weight_accumulated);
+  EXPECT_EQ(repeat->summary.loss, first->summary.loss);
+  EXPECT_EQ(repeat->token_loss, first->token_loss);
+  EXPECT_EQ(repeat->grad_hidden.bytes, first->grad_hidden.bytes);
+  EXPECT_EQ(client.GetHead("ids")->accumulated_calls, 2);
+
+  // A scoring call carries no id: there is nothing to count twice.
+  request.call_id.clear();
+  request.outputs.accumulate_grad_weight = false;
+  const absl::StatusOr<ComputeResult> scored = client.Compute(request);
+  ASSERT_TRUE(scored.ok()) << scored.status();
+  EXPECT_TRUE(scored->call_id.empty());
+}
+
+// The server commits a call and answers, the answer is held back until the client's deadline has
+// passed: the client cannot tell whether the call took effect. Without retries the caller sees
+// DEADLINE_EXCEEDED with the gradient already accumulated; with them the client sends the call
+// again under its id and gets the results, and the accumulator still holds one copy.
+TEST_F(ClientTest, ARetryAfterALostAnswerAccumulatesOnce) {
+  const Client direct = Connect(OptionsFor(server_->port()));
+  const std::vector<float> weight = UploadRandomHead(direct, "lost_answer", 400);
+  const int64_t n = 24;
+  const std::vector<float> hidden = RandomNormal(n * kHidden, 1.0f, rng_);
+  const std::vector<int64_t> labels = RandomLabels(n, 400, 0.0, rng_);
+  const ReferenceResult ref = ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 0));
+  ComputeRequest request = Fp32Request("lost_answer", hidden, labels);
+  request.outputs = {.token_loss = true, .grad_hidden = true, .accumulate_grad_weight = true};
+  auto expect_one_copy = [&](const char* after) {
+    const absl::StatusOr<client::Tensor> grad = direct.FetchGradWeight("lost_answer");
+    ASSERT_TRUE(grad.ok()) << grad.status();
+    EXPECT_LE(RelativeError(client::ToFloat32(*grad), ref.grad_weight), kGradBound) << after;
+    EXPECT_EQ(direct.GetHead("lost_answer")->accumulated_calls, 1) << after;
+  };
+
+  const std::unique_ptr<HoldingRelay> relay = HoldingRelay::Start(server_->port());
+  ASSERT_NE(relay, nullptr);
+  ChannelOptions options = OptionsFor(relay->port());
+  options.deadline = absl::Seconds(1);  // the call itself takes milliseconds
+  options.compute_retry.max_attempts = 1;
+  const Client once = Connect(options);
+  ASSERT_TRUE(once.GetHead("lost_answer").ok());  // the connection is up before the hold
+  relay->Hold();
+  request.call_id = "lost-answer-1";
+  const absl::StatusOr<ComputeResult> lost = once.Compute(request);
+  EXPECT_EQ(lost.status().code(), absl::StatusCode::kDeadlineExceeded) << lost.status();
+  expect_one_copy("the lost answer: the server committed the call");
+  relay->Release();
+  // The caller's own retry, with the same id.
+  const absl::StatusOr<ComputeResult> by_hand = once.Compute(request);
+  ASSERT_TRUE(by_hand.ok()) << by_hand.status();
+  EXPECT_TRUE(by_hand->summary.replayed);
+  expect_one_copy("a repeat by hand");
+
+  // The same with the client's retries, from a fresh accumulator and a fresh id.
+  ASSERT_TRUE(direct.ZeroGrad("lost_answer").ok());
+  options.compute_retry.max_attempts = 3;
+  options.compute_retry.initial_backoff = absl::Milliseconds(20);
+  std::vector<absl::Status> failures;
+  options.compute_retry.on_retry = [&](const absl::Status& failure, int, absl::Duration) {
+    failures.push_back(failure);
+    relay->Release();
+  };
+  const Client retrying = Connect(options);
+  ASSERT_TRUE(retrying.GetHead("lost_answer").ok());
+  relay->Hold();
+  request.call_id.clear();
+  const absl::StatusOr<ComputeResult> retried = retrying.Compute(request);
+  ASSERT_TRUE(retried.ok()) << retried.status();
+  ASSERT_EQ(failures.size(), 1u);
+  EXPECT_EQ(failures[0].code(), absl::StatusCode::kDeadlineExceeded) << failures[0];
+  EXPECT_EQ(retried->attempts, 2);
+  EXPECT_TRUE(retried->summary.replayed);
+  EXPECT_LE(std::abs(retried->summary.loss - ref.loss) / ref.loss, kLossBound);
+  EXPECT_LE(RelativeError(client::ToFloat32(retried->grad_hidden), ref.grad_hidden), kGradBound);
+  expect_one_copy("the client's retry");
+}
+
+// A server that is not there yet is UNAVAILABLE; the client retries until it answers.
+TEST_F(ClientTest, UnavailableIsRetriedWithBackoff) {
+  const Client direct = Connect(OptionsFor(server_->port()));
+  UploadRandomHead(direct, "unavailable", 300);
+  const std::vector<float> hidden = RandomNormal(8 * kHidden, 1.0f, rng_);
+  const std::vector<int64_t> labels = RandomLabels(8, 300, 0.0, rng_);
+  ComputeRequest request = Fp32Request("unavailable", hidden, labels);
+  request.outputs.accumulate_grad_weight = true;
+
+  // A port nobody listens on: every attempt fails at once.
+  std::unique_ptr<HoldingRelay> closed = HoldingRelay::Start(server_->port());
+  ASSERT_NE(closed, nullptr);
+  const int dead_port = closed->port();
+  closed.reset();
+  ChannelOptions options = OptionsFor(dead_port);
+  options.compute_retry.max_attempts = 3;
+  options.compute_retry.initial_backoff = absl::Milliseconds(10);
+  std::vector<absl::Duration> waits;
+  options.compute_retry.on_retry = [&](const absl::Status& failure, int attempt, absl::Duration wait) {
+    EXPECT_EQ(failure.code(), absl::StatusCode::kUnavailable) << failure;
+    EXPECT_EQ(attempt, static_cast<int>(waits.size()) + 1);
+    waits.push_back(wait);
+  };
+  const absl::StatusOr<ComputeResult> result = Connect(options).Compute(request);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kUnavailable) << result.status();
+  ASSERT_EQ(waits.size(), 2u) << "three attempts, two waits";
+  EXPECT_GE(waits[0], absl::Milliseconds(5));
+  EXPECT_LE(waits[0], absl::Milliseconds(10));
+  EXPECT_GE(waits[1], absl::Milliseconds(10));
+  EXPECT_LE(waits[1], absl::Milliseconds(20));
+  EXPECT_EQ(direct.GetHead("unavailable")->accumulated_calls, 0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -753,6 +890,15 @@ TEST(ChannelOptionsTest, RejectsUnusableSettings) {
   EXPECT_EQ(Client::Connect(options).status().code(), absl::StatusCode::kInvalidArgument);
   options = ChannelOptions();
   options.deadline = absl::ZeroDuration();
+  EXPECT_EQ(Client::Connect(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options = ChannelOptions();
+  options.compute_retry.max_attempts = 0;
+  EXPECT_EQ(Client::Connect(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options = ChannelOptions();
+  options.compute_retry.max_backoff = absl::Milliseconds(1);  // below the initial backoff
+  EXPECT_EQ(Client::Connect(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options = ChannelOptions();
+  options.compute_retry.backoff_multiplier = 0.5;
   EXPECT_EQ(Client::Connect(options).status().code(), absl::StatusCode::kInvalidArgument);
 }
 

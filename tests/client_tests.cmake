@@ -1,6 +1,7 @@
 # The C++ client library and lossctl (client/cpp), against real servers on loopback.
 add_executable(client_test
   ${CMAKE_CURRENT_LIST_DIR}/client_test.cc
+  ${CMAKE_CURRENT_LIST_DIR}/holding_relay.cc
   ${CMAKE_CURRENT_LIST_DIR}/server_harness.cc
 )
 target_link_libraries(client_test PRIVATE

@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstring>
+#include <random>
 #include <thread>
 #include <utility>
 
@@ -33,6 +35,25 @@ absl::Status ServerViolation(absl::string_view what) {
 }
 
 int ClampToInt(int64_t value) { return static_cast<int>(std::min<int64_t>(value, INT_MAX)); }
+
+// Failures after which the client cannot know whether the server committed the call.
+bool IsRetryable(const absl::Status& status) {
+  return absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status);
+}
+
+// 128 random bits as 32 hex digits: no two clients anywhere pick the same.
+std::string NewCallId() {
+  std::random_device device;  // the kernel's random source
+  std::string id;
+  for (int i = 0; i < 4; ++i) absl::StrAppend(&id, absl::Hex(device(), absl::kZeroPad8));
+  return id;
+}
+
+// A factor in [0.5, 1] for a retry's wait.
+double RandomJitter() {
+  thread_local std::mt19937_64 generator{std::random_device{}()};
+  return std::uniform_real_distribution<double>(0.5, 1.0)(generator);
+}
 
 v1::DType ToProto(DType dtype) {
   switch (dtype) {
@@ -291,6 +312,7 @@ class ResultAssembler {
     s.correct_tokens = proto.correct_tokens();
     s.head_version = proto.head_version();
     s.grad_weight_accumulated = proto.grad_weight_accumulated();
+    s.replayed = proto.replayed();
     s.queue_seconds = proto.queue_seconds();
     s.compute_seconds = proto.compute_seconds();
     s.peak_workspace_bytes = proto.peak_workspace_bytes();
@@ -330,6 +352,21 @@ absl::Status ValidateChannelOptions(const ChannelOptions& options) {
     return InvalidField("keepalive_time/keepalive_timeout", "positive durations",
                         absl::StrCat(absl::FormatDuration(options.keepalive_time), " / ",
                                      absl::FormatDuration(options.keepalive_timeout)));
+  }
+  const RetryOptions& retry = options.compute_retry;
+  if (retry.max_attempts < 1) {
+    return InvalidField("compute_retry.max_attempts", "at least 1", absl::StrCat(retry.max_attempts));
+  }
+  if (retry.initial_backoff < absl::ZeroDuration() || retry.max_backoff < retry.initial_backoff ||
+      retry.max_backoff == absl::InfiniteDuration()) {
+    return InvalidField("compute_retry.initial_backoff/max_backoff",
+                        "finite durations with 0 <= initial_backoff <= max_backoff",
+                        absl::StrCat(absl::FormatDuration(retry.initial_backoff), " / ",
+                                     absl::FormatDuration(retry.max_backoff)));
+  }
+  if (!(retry.backoff_multiplier >= 1.0 && std::isfinite(retry.backoff_multiplier))) {
+    return InvalidField("compute_retry.backoff_multiplier", "a finite value >= 1",
+                        absl::StrCat(retry.backoff_multiplier));
   }
   return absl::OkStatus();
 }
@@ -570,6 +607,9 @@ absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) con
   start.set_hidden_dtype(ToProto(hidden.dtype));
   start.mutable_labels()->Add(request.labels.begin(), request.labels.end());
   start.mutable_token_weights()->Add(request.token_weights.begin(), request.token_weights.end());
+  start.set_call_id(!request.call_id.empty()                  ? request.call_id
+                    : request.outputs.accumulate_grad_weight ? NewCallId()
+                                                             : std::string());
   const int64_t start_bytes = static_cast<int64_t>(start_message.ByteSizeLong());
   if (start_bytes > options_.max_message_bytes) {
     return InvalidField("labels",
@@ -578,12 +618,27 @@ absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) con
                         absl::StrCat(hidden.rows, " tokens in ", start_bytes, " bytes"));
   }
 
-  ComputeResult result;
-  const absl::Time call_start = absl::Now();
-  RETURN_IF_ERROR(request.shared_memory ? RunComputeShared(request, start_message, result)
-                                        : RunCompute(request, start_message, result));
-  result.wall_seconds = absl::ToDoubleSeconds(absl::Now() - call_start);
-  return result;
+  const RetryOptions& retry = options_.compute_retry;
+  absl::Duration backoff = retry.initial_backoff;
+  for (int attempt = 1;; ++attempt) {
+    ComputeResult result;
+    const absl::Time call_start = absl::Now();
+    // The shared-memory path names its memfd in the start message, anew for each attempt.
+    const absl::Status status = request.shared_memory
+                                    ? RunComputeShared(request, start_message, result)
+                                    : RunCompute(request, start_message, result);
+    if (status.ok()) {
+      result.wall_seconds = absl::ToDoubleSeconds(absl::Now() - call_start);
+      result.call_id = start.call_id();
+      result.attempts = attempt;
+      return result;
+    }
+    if (!IsRetryable(status) || attempt >= retry.max_attempts) return status;
+    const absl::Duration wait = std::min(backoff, retry.max_backoff) * RandomJitter();
+    if (retry.on_retry) retry.on_retry(status, attempt, wait);
+    absl::SleepFor(wait);
+    backoff = std::min(backoff * retry.backoff_multiplier, retry.max_backoff);
+  }
 }
 
 namespace {

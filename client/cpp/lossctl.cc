@@ -156,6 +156,9 @@ const std::vector<FlagSpec>& GlobalFlags() {
       {"tls_ca_file", FlagKind::kString, "", "PEM root certificates; turns TLS on"},
       {"max_message_mib", FlagKind::kInt, "256", "largest gRPC message sent or received, in MiB"},
       {"deadline_seconds", FlagKind::kDouble, "0", "deadline of each call in seconds; 0 sets none"},
+      {"max_attempts", FlagKind::kInt, "4",
+       "attempts per compute call: UNAVAILABLE and DEADLINE_EXCEEDED are retried with backoff, "
+       "under the same call id, so that dL/dW is never accumulated twice"},
   };
   return *flags;
 }
@@ -196,6 +199,15 @@ absl::StatusOr<Client> ConnectFromFlags(const Flags& flags) {
     return UsageError(absl::StrCat("--deadline_seconds: expected >= 0, got ", deadline_seconds));
   }
   if (deadline_seconds > 0) options.deadline = absl::Seconds(deadline_seconds);
+  const int64_t max_attempts = flags.Int("max_attempts");
+  if (max_attempts < 1 || max_attempts > 100) {
+    return UsageError(absl::StrCat("--max_attempts: expected 1 to 100, got ", max_attempts));
+  }
+  options.compute_retry.max_attempts = static_cast<int>(max_attempts);
+  options.compute_retry.on_retry = [](const absl::Status& failure, int attempt, absl::Duration wait) {
+    absl::FPrintF(stderr, "lossctl: attempt %d failed (%s); retrying in %s\n", attempt,
+                  failure.ToString(), absl::FormatDuration(wait));
+  };
   return Client::Connect(std::move(options));
 }
 
@@ -548,6 +560,7 @@ absl::Status RunCompute(const Flags& flags) {
   outputs.grad_hidden = flags.Bool("grad");
   outputs.grad_hidden_dtype = grad_dtype;
   outputs.accumulate_grad_weight = flags.Bool("accumulate");
+  request.call_id = flags.String("call_id");
 
   ASSIGN_OR_RETURN(const ComputeResult result, client.Compute(request));
   const ComputeSummary& summary = result.summary;
@@ -577,8 +590,11 @@ absl::Status RunCompute(const Flags& flags) {
     }
   }
   if (outputs.accumulate_grad_weight) {
-    absl::PrintF("dL/dW %s the head's accumulator\n",
-                 summary.grad_weight_accumulated ? "added to" : "NOT added to");
+    absl::PrintF("dL/dW %s the head's accumulator (call id %s)\n",
+                 summary.replayed                  ? "was already in (replayed), not added again to"
+                 : summary.grad_weight_accumulated ? "added to"
+                                                   : "NOT added to",
+                 result.call_id);
   }
   if (per_token) {
     RETURN_IF_ERROR(WriteComputeJson(flags.String("out"), request, result));
@@ -865,6 +881,9 @@ const std::vector<Subcommand>& Subcommands() {
         {"grad_dtype", FlagKind::kString, "", "dtype of dL/dh (default: that of the hidden states)"},
         {"grad_out", FlagKind::kString, "", "save dL/dh to FILE.npy (needs --grad)"},
         {"accumulate", FlagKind::kBool, "false", "add dL/dW to the head's accumulator on the server"},
+        {"call_id", FlagKind::kString, "",
+         "with --accumulate: the call's id (default: a fresh random one); running the same call "
+         "again with it adds nothing twice"},
         {"out", FlagKind::kString, "", "write per-token results (loss, logprob, argmax, ...) to FILE.json"},
         {"rows_per_message", FlagKind::kInt, "0", "hidden rows per chunk message; 0 sends about 4 MiB each"},
         SharedMemoryFlag()},

@@ -17,6 +17,7 @@
 #include <grpcpp/support/status.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -32,6 +33,23 @@
 
 namespace lossd::client {
 
+// How Compute retries a call that failed with UNAVAILABLE (no connection, a server shutting down)
+// or DEADLINE_EXCEEDED: the client cannot know whether the server committed such a call, so it
+// sends the same call again, rows and all, under the same call id (ComputeRequest::call_id),
+// and the server answers a repeat of a committed call as a replay without adding its dL/dW
+// again. Other codes are the server's answer and are returned as they are.
+struct RetryOptions {
+  int max_attempts = 4;  // attempts in all; 1 turns retrying off
+  // The wait before the n-th retry is initial_backoff * multiplier^(n - 1), at most max_backoff,
+  // times a random factor in [0.5, 1] so that clients that failed together do not retry together.
+  absl::Duration initial_backoff = absl::Milliseconds(200);
+  absl::Duration max_backoff = absl::Seconds(5);
+  double backoff_multiplier = 2.0;
+  // Called before each retry with the failure, the attempt that failed (1-based) and the wait,
+  // say to log it; may be empty.
+  std::function<void(const absl::Status& failure, int attempt, absl::Duration wait)> on_retry;
+};
+
 struct ChannelOptions {
   std::string address = "127.0.0.1:50051";
   std::string bearer_token;       // sent as "authorization: Bearer <token>" on every call
@@ -41,7 +59,8 @@ struct ChannelOptions {
   // and fetches ask for chunks of at most half of it. Compute results come in messages the server
   // sizes, at most min(half its own limit, 8 MiB): a limit below that can refuse them.
   int64_t max_message_bytes = int64_t{256} << 20;
-  absl::Duration deadline = absl::InfiniteDuration();  // per call
+  absl::Duration deadline = absl::InfiniteDuration();  // per call, and per attempt of Compute
+  RetryOptions compute_retry;  // Compute only: the other calls are made once
   // HTTP/2 keepalive pings on an idle connection. A server with gRPC's default policy answers
   // pings more frequent than every 5 minutes with GOAWAY, so the default stays at that.
   absl::Duration keepalive_time = absl::Minutes(5);
@@ -122,6 +141,11 @@ struct ComputeRequest {
   // server computes on the rows where they lie (see SharedMemory in lossd.proto). Only for a
   // server on loopback or a Unix socket, run by the same user.
   bool shared_memory = false;
+  // The call's name on the server, so that a retry cannot add its dL/dW twice (see RetryOptions
+  // and ComputeStart.call_id in lossd.proto). Empty: a call that accumulates dL/dW gets a fresh
+  // random id (32 hex digits). Set one to repeat a call across processes; at most 64 characters
+  // of printable ASCII without spaces.
+  std::string call_id;
   // Where dL/dh goes when asked for: null fills result.grad_hidden; set, num_tokens * hidden_size
   // values of the grad dtype in the caller's buffer, written only once the call has succeeded
   // (result.grad_hidden then has no bytes). A buffer reused across calls saves allocating and
@@ -136,6 +160,9 @@ struct ComputeSummary {
   int64_t correct_tokens = 0;  // counted tokens whose argmax is the label
   uint64_t head_version = 0;
   bool grad_weight_accumulated = false;
+  // A repeat of a call_id the server had already accumulated (a retry after a commit whose answer
+  // was lost): results computed again, dL/dW not added again.
+  bool replayed = false;
   double queue_seconds = 0.0;  // server: waiting for admission
   double compute_seconds = 0.0;  // server: inside the engine
   int64_t peak_workspace_bytes = 0;
@@ -154,7 +181,10 @@ struct ComputeResult {
   std::vector<float> top_k_logprob;  // [num_tokens, top_k], best first
   std::vector<int32_t> top_k_token;  // [num_tokens, top_k]
   Tensor grad_hidden;                // [num_tokens, hidden_size] when asked for (see grad_hidden_out)
-  // Seen by the client: the whole call, and the serialized message bytes each way.
+  std::string call_id;  // the one sent, empty for none
+  int attempts = 0;     // 1 unless retried
+  // Seen by the client: the whole call (of the last attempt), and the serialized message bytes
+  // each way.
   double wall_seconds = 0.0;
   int64_t bytes_sent = 0;
   int64_t bytes_received = 0;
@@ -216,7 +246,8 @@ class Client {
   absl::StatusOr<std::vector<std::string>> SaveCheckpoint(const std::string& head = "") const;
 
   // Streams the batch in chunk messages from a writer thread while this thread reads the results,
-  // so results arrive while rows are still being sent and neither side blocks the other.
+  // so results arrive while rows are still being sent and neither side blocks the other. Retries
+  // as options().compute_retry says.
   absl::StatusOr<ComputeResult> Compute(const ComputeRequest& request) const;
 
   const ChannelOptions& options() const { return options_; }
