@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from holding_relay import HoldingRelay
 from server_process import ServerProcess, ensure_python_client
 
 ensure_python_client()
@@ -305,6 +306,111 @@ def test_backward_after_a_step_is_refused(head):
     with pytest.raises(lossd.LossdError) as error:
         (loss * 0.5).backward()
     assert error.value.code == "FAILED_PRECONDITION"
+
+
+# Call ids and retries ----------------------------------------------------------------------------
+
+
+def test_training_calls_carry_fresh_ids_and_a_repeated_id_is_a_replay(client, head):
+    hidden, labels = random_batch(40)
+    calls = [client.compute(head.head, hidden.numpy(), labels.numpy(), outputs=["grad_hidden"],
+                            accumulate_grad_weight=True) for _ in range(2)]
+    assert len(calls[0].call_id) == 32 and calls[0].call_id != calls[1].call_id
+    assert not calls[0].replayed and calls[0].attempts == 1
+    assert head.info().accumulated_calls == 2, "two calls, two ids, two commits"
+
+    repeat = client.compute(head.head, hidden.numpy(), labels.numpy(), outputs=["grad_hidden"],
+                            accumulate_grad_weight=True, call_id=calls[0].call_id)
+    assert repeat.replayed and repeat.grad_weight_accumulated
+    assert repeat.loss == calls[0].loss
+    assert np.array_equal(repeat.grad_hidden, calls[0].grad_hidden)
+    assert head.info().accumulated_calls == 2
+    # A scoring call has nothing to count twice and carries no id.
+    assert client.compute(head.head, hidden.numpy(), labels.numpy()).call_id == ""
+
+    with pytest.raises(lossd.LossdError) as error:
+        client.compute(head.head, hidden.numpy(), labels.numpy(), accumulate_grad_weight=True,
+                       call_id="not an id")
+    assert error.value.code == "INVALID_ARGUMENT" and "call_id" in error.value.message
+
+
+def test_retry_policy_is_validated():
+    for bad in (dict(max_attempts=0), dict(initial_backoff=-1.0),
+                dict(initial_backoff=2.0, max_backoff=1.0), dict(backoff_multiplier=0.5)):
+        with pytest.raises(ValueError):
+            lossd.RetryPolicy(**bad)
+    with pytest.raises(TypeError):
+        lossd.Client("127.0.0.1:1", retry=3)
+
+
+def test_a_retry_after_a_lost_answer_accumulates_once(server, head, caplog):
+    """The server commits a call and answers; the relay holds the answer back until the client's
+    deadline has passed, so the client cannot tell whether the call took effect."""
+    hidden, labels = random_batch(24)
+    _, expected_grad_hidden, expected_grad_weight = torch_reference(
+        hidden, head.fetch_weight(), labels, "mean", scalar_times(1.0))
+    with HoldingRelay(server.port) as relay:
+        # Without retries the caller sees DEADLINE_EXCEEDED, the gradient already accumulated.
+        with lossd.Client(relay.address, timeout=1.0,
+                          retry=lossd.RetryPolicy(max_attempts=1)) as once:
+            once.get_head(head.head)  # the connection is up before the hold
+            relay.hold()
+            with pytest.raises(lossd.LossdError) as error:
+                once.compute(head.head, hidden.numpy(), labels.numpy(), accumulate_grad_weight=True,
+                             call_id="lost-answer-1")
+            assert error.value.code == "DEADLINE_EXCEEDED"
+            assert head.info().accumulated_calls == 1
+            relay.release()
+            # The caller's own repeat with the id is answered without a second copy.
+            assert once.compute(head.head, hidden.numpy(), labels.numpy(),
+                                accumulate_grad_weight=True, call_id="lost-answer-1").replayed
+            assert head.info().accumulated_calls == 1
+            assert relative_error(head.fetch_grad_weight(), expected_grad_weight) < GRAD_RTOL
+
+        # With the client's retries, from a fresh accumulator and a fresh id.
+        head.zero_grad()
+        failures = []
+        policy = lossd.RetryPolicy(initial_backoff=0.02,
+                                   on_retry=lambda error, attempt, wait: (failures.append(error),
+                                                                          relay.release()))
+        with lossd.Client(relay.address, timeout=1.0, retry=policy) as retrying:
+            retrying.get_head(head.head)
+            relay.hold()
+            with caplog.at_level("WARNING", logger="lossd"):
+                result = retrying.compute(head.head, hidden.numpy(), labels.numpy(),
+                                          outputs=["grad_hidden"], accumulate_grad_weight=True)
+    assert [failure.code for failure in failures] == ["DEADLINE_EXCEEDED"]
+    assert result.attempts == 2 and result.replayed
+    assert any(result.call_id in record.getMessage() for record in caplog.records)
+    assert relative_error(result.grad_hidden, expected_grad_hidden) < GRAD_RTOL
+    assert head.info().accumulated_calls == 1
+    assert relative_error(head.fetch_grad_weight(), expected_grad_weight) < GRAD_RTOL
+
+
+@pytest.mark.parametrize("lost", ["forward", "backward_correction"])
+def test_remote_head_retries_a_lost_answer_without_counting_twice(server, head, lost):
+    """A RemoteHead training step whose forward call, or backward correction call, loses its
+    answer after the server committed it: hidden.grad and the server's dL/dW are still those of
+    one loss.backward()."""
+    hidden, labels = random_batch(30)
+    upstream = scalar_times(2.5)  # makes backward send a correction call
+    _, expected_grad_hidden, expected_grad_weight = torch_reference(
+        hidden, head.fetch_weight(), labels, "mean", upstream)
+    with HoldingRelay(server.port) as relay:
+        policy = lossd.RetryPolicy(initial_backoff=0.02, on_retry=lambda *failure: relay.release())
+        with lossd.Client(relay.address, timeout=1.0, retry=policy) as client:
+            remote = RemoteHead(client, head.head)
+            remote.info()
+            remote_hidden = hidden.clone().requires_grad_()
+            if lost == "forward":
+                relay.hold()
+            loss = remote(remote_hidden, labels)
+            if lost == "backward_correction":
+                relay.hold()
+            upstream(loss).backward()
+    assert head.info().accumulated_calls == 2, "the forward and its correction, once each"
+    assert relative_error(remote_hidden.grad, expected_grad_hidden) < GRAD_RTOL
+    assert relative_error(head.fetch_grad_weight(), expected_grad_weight) < GRAD_RTOL
 
 
 # Shared memory ------------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ torch.nn.Module whose forward returns the loss and whose backward gives dL/dh, w
 gradient and its optimizer state living on the server. lossd.torch is imported on demand so that
 scoring clients need no torch.
 """
-from lossd.client import OUTPUT_NAMES, Client, HeadInfo, LossdError, LossResult, StepInfo
+from lossd.client import (OUTPUT_NAMES, Client, HeadInfo, LossdError, LossResult, RetryPolicy,
+                          StepInfo)
 from lossd._tensors import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
-__all__ = ["Client", "HeadInfo", "LossdError", "LossResult", "OUTPUT_NAMES", "StepInfo",
+__all__ = ["Client", "HeadInfo", "LossdError", "LossResult", "OUTPUT_NAMES", "RetryPolicy", "StepInfo",
            "bfloat16_bits_to_float32", "float32_to_bfloat16_bits"]

@@ -4,10 +4,14 @@ Arrays go in and come out as numpy arrays. bfloat16 tensors are uint16 arrays of
 (see lossd._tensors); float64 inputs are rounded to float32 before they are sent.
 """
 import dataclasses
+import logging
 import mmap
 import os
+import random
 import threading
-from typing import Iterable, List, Optional
+import time
+import uuid
+from typing import Callable, Iterable, List, Optional
 
 import grpc
 import numpy as np
@@ -33,6 +37,10 @@ _OPTIMIZER_NAMES = {
 OUTPUT_NAMES = ("token_loss", "logprob", "lse", "entropy", "argmax", "grad_hidden")
 # The server's rule for both offsets into a shared-memory call's memfd (SharedMemory in the proto).
 _SHARED_MEMORY_ALIGNMENT = 64
+# Failures after which the client cannot know whether the server committed the call.
+_RETRYABLE_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+_log = logging.getLogger("lossd")
 
 
 class LossdError(RuntimeError):
@@ -48,6 +56,37 @@ class LossdError(RuntimeError):
     @classmethod
     def from_rpc_error(cls, method, error):
         return cls(method, error.code().name, error.details() or "")
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """How Client.compute retries a call that failed with UNAVAILABLE (no connection, a server
+    shutting down) or DEADLINE_EXCEEDED. The client cannot know whether the server committed such
+    a call, so it sends the same call again, rows and all, under the same call_id, and the server
+    answers a repeat of a committed call as a replay without adding its dL/dW again. Other codes
+    are the server's answer and are raised as they are.
+
+    max_attempts counts every attempt (1 turns retrying off). The wait before the n-th retry is
+    initial_backoff * backoff_multiplier ** (n - 1) seconds, at most max_backoff, times a random
+    factor in [0.5, 1] so that clients that failed together do not retry together. Each retry is
+    logged as a warning on the "lossd" logger, and on_retry(error, attempt, wait), when given, is
+    called before the wait."""
+    max_attempts: int = 4
+    initial_backoff: float = 0.2
+    max_backoff: float = 5.0
+    backoff_multiplier: float = 2.0
+    on_retry: Optional[Callable[["LossdError", int, float], None]] = None
+
+    def __post_init__(self):
+        if not (isinstance(self.max_attempts, int) and self.max_attempts >= 1):
+            raise ValueError(f"max_attempts: expected an int >= 1, got {self.max_attempts!r}")
+        if not 0 <= self.initial_backoff <= self.max_backoff < float("inf"):
+            raise ValueError(f"initial_backoff, max_backoff: expected finite seconds with "
+                             f"0 <= initial_backoff <= max_backoff, got {self.initial_backoff!r}, "
+                             f"{self.max_backoff!r}")
+        if not 1 <= self.backoff_multiplier < float("inf"):
+            raise ValueError(f"backoff_multiplier: expected a finite value >= 1, got "
+                             f"{self.backoff_multiplier!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +122,9 @@ class LossResult:
     correct_tokens: int          # counted tokens whose argmax is the label
     head_version: int            # the version of W the call used
     grad_weight_accumulated: bool
+    # A repeat of a call_id the server had already accumulated (a retry after a commit whose
+    # answer was lost): the results were computed again and dL/dW was not added again.
+    replayed: bool
     queue_seconds: float
     compute_seconds: float
     peak_workspace_bytes: int
@@ -95,6 +137,8 @@ class LossResult:
     top_k_logprob: Optional[np.ndarray] = None  # [N, k] float32, best first
     top_k_token: Optional[np.ndarray] = None    # [N, k] int32
     grad_hidden: Optional[np.ndarray] = None    # [N, H] grad_hidden_dtype (bfloat16: uint16 bits)
+    call_id: str = ""                           # the one sent; "" for none
+    attempts: int = 1                           # more than 1 when the client retried
 
     @property
     def accuracy(self):
@@ -199,12 +243,16 @@ class Client:
     address: "host:port". token: the bearer token the server was started with (--token_file).
     tls_root_cert: PEM bytes, or the path of a PEM file, of the CA that signed the server's
     certificate; turns TLS on. max_message_bytes bounds every message sent or received (gRPC's own
-    default of 4 MiB is too small for tensors). timeout: seconds each call may take, None for no
-    deadline.
+    default of 4 MiB is too small for tensors). timeout: seconds each call (each attempt of a
+    compute call) may take, None for no deadline. retry: how compute() retries UNAVAILABLE and
+    DEADLINE_EXCEEDED (a RetryPolicy; RetryPolicy(max_attempts=1) turns it off); the other calls
+    are made once.
     """
 
     def __init__(self, address, token=None, tls_root_cert=None, max_message_bytes=256 * _MIB,
-                 timeout=None):
+                 timeout=None, retry=RetryPolicy()):
+        if not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry: expected a lossd.RetryPolicy, got {type(retry).__name__}")
         options = [("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.max_receive_message_length", max_message_bytes)]
         if tls_root_cert is None:
@@ -219,6 +267,7 @@ class Client:
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._max_message_bytes = max_message_bytes
         self._timeout = timeout
+        self._retry = retry
         self._shared_buffers = _SharedBufferPool()
         self.address = address
 
@@ -359,7 +408,7 @@ class Client:
                 grad_scale=1.0, mean_denominator=0.0, outputs: Iterable[str] = (), top_k=0,
                 grad_hidden_dtype=None, accumulate_grad_weight=False, head_version=None,
                 allow_tf32=False, rows_per_message=None, shared_memory=False,
-                grad_hidden_out=None) -> LossResult:
+                grad_hidden_out=None, call_id=None) -> LossResult:
         """Cross-entropy of hidden [N, H] against labels [N] under head `head`.
 
         The loss options follow torch.nn.functional.cross_entropy; weights [N] multiply each
@@ -389,6 +438,15 @@ class Client:
         bfloat16), receives dL/dh instead of a fresh array, and is the result's grad_hidden: a
         training loop that reuses one saves allocating (and faulting in) N * H values per call. It
         is written only once the call has succeeded.
+
+        call_id names the call on the server so that a retry cannot add its dL/dW twice (see
+        RetryPolicy and ComputeStart.call_id in lossd.proto): None gives a call that accumulates
+        a fresh random id (uuid4 hex); a string of up to 64 printable ASCII characters without
+        spaces sets it, to repeat a call from another process or after the client gave up.
+        UNAVAILABLE and DEADLINE_EXCEEDED are retried as the Client's RetryPolicy says; a repeat
+        of a committed call comes back with replayed True. A repeat after the head was stepped
+        with keep_grad raises ALREADY_EXISTS: its dL/dW is in the accumulator, its results
+        cannot be had again.
         """
         hidden_dtype, hidden = _tensors.as_wire_array(hidden)
         if hidden.ndim != 2:
@@ -432,12 +490,54 @@ class Client:
             token_weights=[] if weights is None else weights.tolist())
         if head_version is not None:
             start.head_version = head_version
+        if call_id is None and accumulate_grad_weight:
+            call_id = uuid.uuid4().hex
+        start.call_id = call_id or ""
         if grad_hidden_out is not None:
             _check_grad_hidden_out(grad_hidden_out, "grad_hidden" in wanted, num_tokens,
                                    hidden_size, _tensors.numpy_dtype(grad_dtype))
         if shared_memory:
-            return self._compute_shared(start, hidden, wanted, top_k, grad_dtype, grad_hidden_out)
-        rows = rows_per_message or self._rows_per_message(hidden_size * hidden.itemsize)
+            def attempt():
+                return self._compute_shared(start, hidden, wanted, top_k, grad_dtype,
+                                            grad_hidden_out)
+        else:
+            rows = rows_per_message or self._rows_per_message(hidden_size * hidden.itemsize)
+
+            def attempt():
+                return self._compute_messages(start, hidden, rows, wanted, top_k, grad_dtype,
+                                              grad_hidden_out)
+        result = self._with_retries(attempt, start.call_id)
+        result.call_id = start.call_id
+        return result
+
+    def _with_retries(self, attempt, call_id):
+        """attempt() until it succeeds, fails with a code not worth retrying, or the policy's
+        attempts are spent; the result records how many it took."""
+        policy = self._retry
+        backoff = policy.initial_backoff
+        for number in range(1, policy.max_attempts + 1):
+            try:
+                result = attempt()
+            except LossdError as error:
+                if error.code not in _RETRYABLE_CODES or number == policy.max_attempts:
+                    raise
+                wait = min(backoff, policy.max_backoff) * random.uniform(0.5, 1.0)
+                _log.warning("Compute attempt %d of %d failed (%s: %s); retrying in %.3f s%s",
+                             number, policy.max_attempts, error.code, error.message, wait,
+                             f" under call_id {call_id}" if call_id else "")
+                if policy.on_retry is not None:
+                    policy.on_retry(error, number, wait)
+                time.sleep(wait)
+                backoff = min(backoff * policy.backoff_multiplier, policy.max_backoff)
+                continue
+            result.attempts = number
+            return result
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _compute_messages(self, start, hidden, rows, wanted, top_k, grad_dtype, grad_hidden_out):
+        """compute() with the rows sent in chunk messages of `rows` rows, and dL/dh back in the
+        result messages."""
+        num_tokens, hidden_size = hidden.shape
 
         def requests():
             yield pb.ComputeRequest(start=start)
@@ -560,6 +660,6 @@ def _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype,
     return LossResult(
         loss=summary.loss, loss_sum=summary.loss_sum, counted_tokens=summary.counted_tokens,
         correct_tokens=summary.correct_tokens, head_version=summary.head_version,
-        grad_weight_accumulated=summary.grad_weight_accumulated,
+        grad_weight_accumulated=summary.grad_weight_accumulated, replayed=summary.replayed,
         queue_seconds=summary.queue_seconds, compute_seconds=summary.compute_seconds,
         peak_workspace_bytes=summary.peak_workspace_bytes, backend=summary.backend, **per_token)
