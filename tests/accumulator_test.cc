@@ -27,18 +27,8 @@ using grpc::StatusCode;
 constexpr double kLossBound = 1e-6;
 constexpr double kGradBound = 2e-5;
 
-bool BitwiseEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 bool AllFinite(const std::vector<float>& values) {
   return std::all_of(values.begin(), values.end(), [](float x) { return std::isfinite(x); });
-}
-
-std::vector<float> AsFloats(const std::string& bytes) {
-  std::vector<float> values(bytes.size() / sizeof(float));
-  std::memcpy(values.data(), bytes.data(), values.size() * sizeof(float));
-  return values;
 }
 
 ::testing::AssertionResult Contains(const std::string& text, const std::string& part) {
@@ -82,59 +72,13 @@ grpc::Status SgdStep(v1::LossService::Stub& stub, const std::string& head, bool 
   return stub.Step(&context, request, response);
 }
 
-struct Batch {
-  std::vector<float> hidden;
-  std::vector<int64_t> labels;
-};
-
-Batch RandomBatch(int64_t rows, int64_t vocab, int64_t hidden_size, std::mt19937_64& rng) {
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_int_distribution<int64_t> token(0, vocab - 1);
-  Batch batch;
-  batch.hidden.resize(rows * hidden_size);
-  for (float& x : batch.hidden) x = normal(rng);
-  batch.labels.resize(rows);
-  for (int64_t& y : batch.labels) y = token(rng);
-  return batch;
-}
-
-std::vector<float> RandomWeight(int64_t vocab, int64_t hidden_size, std::mt19937_64& rng) {
-  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(hidden_size)));
-  std::vector<float> weight(vocab * hidden_size);
-  for (float& x : weight) x = normal(rng);
-  return weight;
-}
-
+// A training call under `call_id` that also asks for log-probabilities.
 v1::ComputeStart TrainingStart(const std::string& head, const Batch& batch, int64_t hidden_size,
                                const std::string& call_id = "") {
-  v1::ComputeStart start;
-  start.set_head(head);
-  start.set_num_tokens(static_cast<int64_t>(batch.labels.size()));
-  start.set_hidden_size(hidden_size);
-  start.set_hidden_dtype(v1::DTYPE_FLOAT32);
-  for (int64_t y : batch.labels) start.add_labels(y);
-  v1::OutputSelection& out = *start.mutable_outputs();
-  out.set_token_loss(true);
-  out.set_logprob(true);
-  out.set_top_k(3);
-  out.set_grad_hidden(true);
-  out.set_accumulate_grad_weight(true);
+  v1::ComputeStart start = StartFor(head, batch, hidden_size, /*training=*/true);
+  start.mutable_outputs()->set_logprob(true);
   start.set_call_id(call_id);
   return start;
-}
-
-ReferenceResult Reference(const std::vector<float>& weight, int64_t vocab, int64_t hidden_size,
-                          const Batch& batch, const LossOptions& options = {}) {
-  ReferenceProblem problem;
-  problem.num_tokens = static_cast<int64_t>(batch.labels.size());
-  problem.hidden_size = hidden_size;
-  problem.vocab_size = vocab;
-  problem.hidden.assign(batch.hidden.begin(), batch.hidden.end());
-  problem.weight.assign(weight.begin(), weight.end());
-  problem.labels = batch.labels;
-  problem.options = options;
-  problem.top_k = 3;
-  return ComputeReference(problem);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -37,47 +37,6 @@ using server::MemoryPurpose;
 constexpr double kLossBound = 1e-6;
 constexpr double kGradBound = 2e-5;
 
-struct Batch {
-  std::vector<float> hidden;
-  std::vector<int64_t> labels;
-};
-
-Batch RandomBatch(int64_t rows, int64_t vocab, int64_t hidden_size, std::mt19937_64& rng) {
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_int_distribution<int64_t> token(0, vocab - 1);
-  Batch batch;
-  batch.hidden.resize(rows * hidden_size);
-  for (float& x : batch.hidden) x = normal(rng);
-  batch.labels.resize(rows);
-  for (int64_t& y : batch.labels) y = token(rng);
-  return batch;
-}
-
-std::vector<float> RandomWeight(int64_t vocab, int64_t hidden_size, std::mt19937_64& rng) {
-  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(hidden_size)));
-  std::vector<float> weight(vocab * hidden_size);
-  for (float& x : weight) x = normal(rng);
-  return weight;
-}
-
-// A start for `batch`: scoring asks for per-token results only; training also asks for dL/dh and
-// adds dL/dW to the head's accumulator.
-v1::ComputeStart StartFor(const std::string& head, const Batch& batch, int64_t hidden_size,
-                          bool training) {
-  v1::ComputeStart start;
-  start.set_head(head);
-  start.set_num_tokens(static_cast<int64_t>(batch.labels.size()));
-  start.set_hidden_size(hidden_size);
-  start.set_hidden_dtype(v1::DTYPE_FLOAT32);
-  for (int64_t y : batch.labels) start.add_labels(y);
-  v1::OutputSelection& out = *start.mutable_outputs();
-  out.set_token_loss(true);
-  out.set_top_k(3);
-  out.set_grad_hidden(training);
-  out.set_accumulate_grad_weight(training);
-  return start;
-}
-
 // A whole training call for `batch` as messages: its start, then its rows `rows_per_message` at a
 // time.
 std::vector<v1::ComputeRequest> TrainingScript(const std::string& head, const Batch& batch,
@@ -93,34 +52,11 @@ std::vector<v1::ComputeRequest> TrainingScript(const std::string& head, const Ba
   return script;
 }
 
-ReferenceResult Reference(const std::vector<float>& weight, int64_t vocab, int64_t hidden_size,
-                          const Batch& batch) {
-  ReferenceProblem problem;
-  problem.num_tokens = static_cast<int64_t>(batch.labels.size());
-  problem.hidden_size = hidden_size;
-  problem.vocab_size = vocab;
-  problem.hidden.assign(batch.hidden.begin(), batch.hidden.end());
-  problem.weight.assign(weight.begin(), weight.end());
-  problem.labels = batch.labels;
-  problem.top_k = 3;
-  return ComputeReference(problem);
-}
-
 // The engine's loss bound relative to the loss or, where training made the loss small next to the
 // logits, to the largest logit: fp32 logits carry an error that scales with their magnitude.
 bool LossMatches(double actual, const ReferenceResult& ref) {
   return std::abs(actual - ref.loss) <=
          kLossBound * std::max(std::abs(ref.loss), 1.0 + ref.max_abs_logit);
-}
-
-std::vector<float> AsFloats(const std::string& bytes) {
-  std::vector<float> values(bytes.size() / sizeof(float));
-  std::memcpy(values.data(), bytes.data(), values.size() * sizeof(float));
-  return values;
-}
-
-bool BitwiseEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 std::chrono::system_clock::time_point In(absl::Duration duration) {

@@ -1,5 +1,6 @@
 #include "tests/server_harness.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -157,6 +158,64 @@ Certificate MakeCertificate(const std::string& dir, const std::string& name) {
 
 std::string FloatBytes(const std::vector<float>& values) {
   return std::string(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
+}
+
+std::vector<float> AsFloats(const std::string& bytes) {
+  std::vector<float> values(bytes.size() / sizeof(float));
+  std::memcpy(values.data(), bytes.data(), values.size() * sizeof(float));
+  return values;
+}
+
+bool BitwiseEqual(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+Batch RandomBatch(int64_t rows, int64_t vocab, int64_t hidden_size, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int64_t> token(0, vocab - 1);
+  Batch batch;
+  batch.hidden.resize(rows * hidden_size);
+  for (float& x : batch.hidden) x = normal(rng);
+  batch.labels.resize(rows);
+  for (int64_t& y : batch.labels) y = token(rng);
+  return batch;
+}
+
+std::vector<float> RandomWeight(int64_t vocab, int64_t hidden_size, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(hidden_size)));
+  std::vector<float> weight(vocab * hidden_size);
+  for (float& x : weight) x = normal(rng);
+  return weight;
+}
+
+v1::ComputeStart StartFor(const std::string& head, const Batch& batch, int64_t hidden_size,
+                          bool training) {
+  v1::ComputeStart start;
+  start.set_head(head);
+  start.set_num_tokens(static_cast<int64_t>(batch.labels.size()));
+  start.set_hidden_size(hidden_size);
+  start.set_hidden_dtype(v1::DTYPE_FLOAT32);
+  for (int64_t y : batch.labels) start.add_labels(y);
+  v1::OutputSelection& out = *start.mutable_outputs();
+  out.set_token_loss(true);
+  out.set_top_k(3);
+  out.set_grad_hidden(training);
+  out.set_accumulate_grad_weight(training);
+  return start;
+}
+
+ReferenceResult Reference(const std::vector<float>& weight, int64_t vocab, int64_t hidden_size,
+                          const Batch& batch, const LossOptions& options) {
+  ReferenceProblem problem;
+  problem.num_tokens = static_cast<int64_t>(batch.labels.size());
+  problem.hidden_size = hidden_size;
+  problem.vocab_size = vocab;
+  problem.hidden.assign(batch.hidden.begin(), batch.hidden.end());
+  problem.weight.assign(weight.begin(), weight.end());
+  problem.labels = batch.labels;
+  problem.options = options;
+  problem.top_k = 3;
+  return ComputeReference(problem);
 }
 
 }  // namespace lossd::testing

@@ -6,11 +6,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/server.h"
+#include "tests/reference.h"
 
 namespace lossd::testing {
 
@@ -65,6 +67,26 @@ Certificate MakeCertificate(const std::string& dir, const std::string& name);
 
 // Exactly the bytes' float32 values.
 std::string FloatBytes(const std::vector<float>& values);
+// The float32 values of the bytes.
+std::vector<float> AsFloats(const std::string& bytes);
+bool BitwiseEqual(const std::vector<float>& a, const std::vector<float>& b);
+
+// Hidden rows of standard normal values and labels uniform over the vocabulary.
+struct Batch {
+  std::vector<float> hidden;  // [rows, hidden_size]
+  std::vector<int64_t> labels;
+};
+Batch RandomBatch(int64_t rows, int64_t vocab, int64_t hidden_size, std::mt19937_64& rng);
+// W [vocab, hidden_size] of normal values with standard deviation 1 / sqrt(hidden_size).
+std::vector<float> RandomWeight(int64_t vocab, int64_t hidden_size, std::mt19937_64& rng);
+
+// A start for `batch` in float32: scoring asks for the per-token loss and top 3 only; training
+// also asks for dL/dh and adds dL/dW to the head's accumulator.
+v1::ComputeStart StartFor(const std::string& head, const Batch& batch, int64_t hidden_size,
+                          bool training);
+// The float64 reference of `batch` under W [vocab, hidden_size], with top 3.
+ReferenceResult Reference(const std::vector<float>& weight, int64_t vocab, int64_t hidden_size,
+                          const Batch& batch, const LossOptions& options = {});
 
 }  // namespace lossd::testing
 
