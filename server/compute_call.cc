@@ -138,7 +138,8 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   if (spec.outputs.accumulate_grad_weight() && !start.call_id().empty()) {
     spec.call_id = start.call_id();
     spec.start_fingerprint = StartFingerprint(spec);
-    RETURN_IF_ERROR(head.CheckCallId(spec.call_id, spec.start_fingerprint, env.limits.max_call_ids));
+    RETURN_IF_ERROR(
+        head.CheckCallId(spec.call_id, spec.start_fingerprint, env.limits.max_call_ids));
   }
   return spec;
 }
@@ -447,7 +448,9 @@ class ComputeCall {
       outcome = ExplainNonFiniteGradient(outcome.status());
     }
     if (env_.metrics != nullptr) {
-      if (!outcome.ok() && IsNonFiniteGradient(outcome.status())) env_.metrics->CountNonFiniteCall();
+      if (!outcome.ok() && IsNonFiniteGradient(outcome.status())) {
+        env_.metrics->CountNonFiniteCall();
+      }
       if (outcome.ok() && *outcome == CommitOutcome::kReplayed) env_.metrics->CountReplayedCall();
     }
     return outcome;

@@ -175,9 +175,9 @@ absl::StatusOr<CommitOutcome> Head::CommitGradient(StagedGradient& call, int64_t
       RETURN_IF_ERROR(CheckRepeat(call.call_id, first->second, call.start_fingerprint));
       // The same start on the same W gives the same loss sum, bit for bit: another one means
       // other hidden rows.
-      if (absl::bit_cast<uint64_t>(first->second.loss_sum) != absl::bit_cast<uint64_t>(call.loss_sum)) {
-        return InvalidField("call_id",
-                            "a fresh id for a different call",
+      if (absl::bit_cast<uint64_t>(first->second.loss_sum) !=
+          absl::bit_cast<uint64_t>(call.loss_sum)) {
+        return InvalidField("call_id", "a fresh id for a different call",
                             absl::StrCat("'", call.call_id, "', which head '", name_,
                                          "' already accumulated for other hidden rows (loss sum ",
                                          first->second.loss_sum, ", now ", call.loss_sum,
@@ -281,7 +281,9 @@ absl::Status Head::CheckCallId(const std::string& call_id, uint64_t start_finger
   absl::ReaderMutexLock weight_lock(&weight_mu_);
   absl::MutexLock grad_lock(&grad_mu_);
   const auto first = committed_calls_.find(call_id);
-  if (first != committed_calls_.end()) return CheckRepeat(call_id, first->second, start_fingerprint);
+  if (first != committed_calls_.end()) {
+    return CheckRepeat(call_id, first->second, start_fingerprint);
+  }
   return CheckRoomForCallId(max_call_ids);
 }
 

@@ -191,7 +191,10 @@ class Head {
   MemoryCharge grad_charge_ ABSL_GUARDED_BY(grad_mu_);
   int64_t accumulated_tokens_ ABSL_GUARDED_BY(grad_mu_) = 0;
   int64_t accumulated_calls_ ABSL_GUARDED_BY(grad_mu_) = 0;
-  // A bound on |entries| of grad_, fp32 rounding included; 0 for zeros.
+  // A bound on |entries| of grad_, fp32 rounding included: 0 while grad_ holds zeros (a new or
+  // resumed head, after every reset), the call's own when its buffer takes grad_'s place, grown
+  // by every add, taken from the sum of squares where a commit read the sum back. A Step leaves
+  // grad_, and so its bound, as they are.
   double grad_bound_ ABSL_GUARDED_BY(grad_mu_) = 0.0;
   // The calls with a call_id accumulated in this epoch.
   struct CommittedCall {

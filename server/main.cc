@@ -33,9 +33,9 @@ ABSL_FLAG(int64_t, host_cache_mib, 1024,
 ABSL_FLAG(bool, shared_memory, true,
           "let clients on this host hand rows and dL/dh over in a memfd instead of messages");
 ABSL_FLAG(int64_t, max_call_ids, 65536,
-          "calls with a call_id whose ids each head keeps per accumulator epoch (until its gradient "
-          "is zeroed), so that a retried call is never accumulated twice; a new id past them is "
-          "refused");
+          "calls with a call_id whose ids each head keeps per accumulator epoch (until its "
+          "gradient is zeroed), so that a retried call is never accumulated twice; a new id past "
+          "them is refused");
 ABSL_FLAG(int, max_queued_calls, 64, "Compute calls waiting for admission before new ones are refused");
 ABSL_FLAG(int64_t, max_message_mib, 256, "largest gRPC message accepted or sent, in MiB");
 ABSL_FLAG(std::string, token_file, "",

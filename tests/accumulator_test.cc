@@ -105,7 +105,8 @@ struct OverflowCase {
 void PrintTo(const OverflowCase& c, std::ostream* os) { *os << c.name; }
 
 const OverflowCase kOverflowCases[] = {
-    {"second_call", "each call's dL/dW reaches -1.9e38 (finite), two of them -3.9e38", 1e38, 2.0f, 1},
+    {"second_call", "each call's dL/dW reaches -1.9e38 (finite), two of them -3.9e38", 1e38,
+     2.0f, 1},
     {"third_call",
      "-1.15e38 per call: the sum of two is not provably finite from the bounds, is formed, read "
      "back and taken; a third would reach -3.5e38",
@@ -135,7 +136,8 @@ TEST_P(OverflowTest, TheCallThatWouldOverflowIsRefusedAndChangesNothing) {
   big_options.reduction = Reduction::kSum;
   big_options.grad_scale = c.grad_scale;
   const std::vector<float> weight = Fetch(*stub, kOverflowHead, false).values;
-  const ReferenceResult big_ref = Reference(weight, kOverflowVocab, kOverflowHidden, big, big_options);
+  const ReferenceResult big_ref =
+      Reference(weight, kOverflowVocab, kOverflowHidden, big, big_options);
   const double label_entry = big_ref.grad_weight[kOverflowLabel * kOverflowHidden];
   ASSERT_LT(std::abs(label_entry) * c.committed, 3.4e38) << "the accumulated calls must be finite";
   ASSERT_GT(std::abs(label_entry) * (c.committed + 1), 3.41e38) << "one more must overflow";
@@ -159,7 +161,8 @@ TEST_P(OverflowTest, TheCallThatWouldOverflowIsRefusedAndChangesNothing) {
   EXPECT_TRUE(Contains(refused.status.error_message(), "nothing was accumulated"));
   EXPECT_TRUE(Contains(refused.status.error_message(), "options.grad_scale"));
   const FetchedTensor after = Fetch(*stub, kOverflowHead, true);
-  EXPECT_TRUE(BitwiseEqual(after.values, before.values)) << "the refused call changed the accumulator";
+  EXPECT_TRUE(BitwiseEqual(after.values, before.values))
+      << "the refused call changed the accumulator";
   EXPECT_EQ(CounterValue(*server, "lossd_nonfinite_calls_total"), nonfinite_before + 1);
   const v1::HeadInfo info = GetHead(*stub, kOverflowHead);
   EXPECT_EQ(info.accumulated_calls(), c.committed);
@@ -168,8 +171,8 @@ TEST_P(OverflowTest, TheCallThatWouldOverflowIsRefusedAndChangesNothing) {
   // An ordinary call still commits, onto the accumulator as it was.
   const Batch normal = RandomBatch(20, kOverflowVocab, kOverflowHidden, rng);
   const ReferenceResult normal_ref = Reference(weight, kOverflowVocab, kOverflowHidden, normal);
-  const ComputeOutcome committed =
-      CallCompute(*stub, TrainingStart(kOverflowHead, normal, kOverflowHidden), FloatBytes(normal.hidden), 7);
+  const ComputeOutcome committed = CallCompute(
+      *stub, TrainingStart(kOverflowHead, normal, kOverflowHidden), FloatBytes(normal.hidden), 7);
   ASSERT_TRUE(committed.status.ok()) << committed.status.error_message();
   EXPECT_LE(std::abs(committed.summary.loss() - normal_ref.loss) / normal_ref.loss, kLossBound);
   EXPECT_EQ(GetHead(*stub, kOverflowHead).accumulated_calls(), c.committed + 1);
@@ -306,7 +309,8 @@ TEST_F(CallIdTest, ARepeatIsReplayedBitwiseAndAccumulatedOnce) {
 struct EpochEnd {
   const char* name;
   const char* why;
-  void (*end)(v1::LossService::Stub& stub, const std::string& head, const std::vector<float>& weight);
+  void (*end)(v1::LossService::Stub& stub, const std::string& head,
+              const std::vector<float>& weight);
 };
 
 void PrintTo(const EpochEnd& e, std::ostream* os) { *os << e.name; }
@@ -353,8 +357,8 @@ INSTANTIATE_TEST_SUITE_P(Table, CallIdEpochTest, ::testing::ValuesIn(kEpochEnds)
 TEST_F(CallIdTest, AFailedFirstAttemptLeavesTheIdFree) {
   // Cancelled after its first chunk of rows.
   const ComputeOutcome cancelled =
-      CallCompute(*stub_, TrainingStart(head_, batch_, kIdHidden, "failed"), FloatBytes(batch_.hidden),
-                  40, /*cancel_after=*/1);
+      CallCompute(*stub_, TrainingStart(head_, batch_, kIdHidden, "failed"),
+                  FloatBytes(batch_.hidden), 40, /*cancel_after=*/1);
   EXPECT_EQ(cancelled.status.error_code(), StatusCode::CANCELLED);
   // Refused for a NaN in its last rows, after its first engine chunks were computed and staged.
   std::string poisoned = FloatBytes(batch_.hidden);
@@ -404,10 +408,11 @@ TEST_F(CallIdTest, ARepeatAfterTheHeadMovedIsRefused) {
   const FetchedTensor kept = Fetch(*stub_, head_, true);
 
   const ComputeOutcome repeat = Train("moved");
-  EXPECT_EQ(repeat.status.error_code(), StatusCode::ALREADY_EXISTS) << repeat.status.error_message();
-  EXPECT_TRUE(Contains(repeat.status.error_message(), "'moved'"));
-  EXPECT_TRUE(Contains(repeat.status.error_message(), absl::StrCat("version ", step.head_version() - 1)));
-  EXPECT_TRUE(Contains(repeat.status.error_message(), absl::StrCat("version ", step.head_version())));
+  const std::string& message = repeat.status.error_message();
+  EXPECT_EQ(repeat.status.error_code(), StatusCode::ALREADY_EXISTS) << message;
+  EXPECT_TRUE(Contains(message, "'moved'"));
+  EXPECT_TRUE(Contains(message, absl::StrCat("version ", step.head_version() - 1)));
+  EXPECT_TRUE(Contains(message, absl::StrCat("version ", step.head_version())));
   EXPECT_EQ(repeat.result_messages, 0) << "refused before it was computed";
   EXPECT_TRUE(BitwiseEqual(Fetch(*stub_, head_, true).values, kept.values));
   EXPECT_EQ(GetHead(*stub_, head_).accumulated_calls(), 1);

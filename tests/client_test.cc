@@ -423,7 +423,8 @@ TEST_F(ClientTest, ARetryAfterALostAnswerAccumulatesOnce) {
   const int64_t n = 24;
   const std::vector<float> hidden = RandomNormal(n * kHidden, 1.0f, rng_);
   const std::vector<int64_t> labels = RandomLabels(n, 400, 0.0, rng_);
-  const ReferenceResult ref = ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 0));
+  const ReferenceResult ref =
+      ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 0));
   ComputeRequest request = Fp32Request("lost_answer", hidden, labels);
   request.outputs = {.token_loss = true, .grad_hidden = true, .accumulate_grad_weight = true};
   auto expect_one_copy = [&](const char* after) {
@@ -494,7 +495,8 @@ TEST_F(ClientTest, UnavailableIsRetriedWithBackoff) {
   options.compute_retry.max_attempts = 3;
   options.compute_retry.initial_backoff = absl::Milliseconds(10);
   std::vector<absl::Duration> waits;
-  options.compute_retry.on_retry = [&](const absl::Status& failure, int attempt, absl::Duration wait) {
+  options.compute_retry.on_retry = [&](const absl::Status& failure, int attempt,
+                                       absl::Duration wait) {
     EXPECT_EQ(failure.code(), absl::StatusCode::kUnavailable) << failure;
     EXPECT_EQ(attempt, static_cast<int>(waits.size()) + 1);
     waits.push_back(wait);

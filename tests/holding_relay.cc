@@ -37,7 +37,8 @@ std::unique_ptr<HoldingRelay> HoldingRelay::Start(int server_port) {
   if (fd < 0) return nullptr;
   sockaddr_in address = Loopback(0);
   socklen_t length = sizeof(address);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 || listen(fd, 16) != 0 ||
+  if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+      listen(fd, 16) != 0 ||
       getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
     close(fd);
     return nullptr;
@@ -90,7 +91,8 @@ void HoldingRelay::AcceptConnections() {
     }
     const int server = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     const sockaddr_in address = Loopback(server_port_);
-    if (server < 0 || connect(server, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) {
+    if (server < 0 ||
+        connect(server, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) {
       close(client);
       if (server >= 0) close(server);
       continue;

@@ -355,7 +355,8 @@ absl::Status ValidateChannelOptions(const ChannelOptions& options) {
   }
   const RetryOptions& retry = options.compute_retry;
   if (retry.max_attempts < 1) {
-    return InvalidField("compute_retry.max_attempts", "at least 1", absl::StrCat(retry.max_attempts));
+    return InvalidField("compute_retry.max_attempts", "at least 1",
+                        absl::StrCat(retry.max_attempts));
   }
   if (retry.initial_backoff < absl::ZeroDuration() || retry.max_backoff < retry.initial_backoff ||
       retry.max_backoff == absl::InfiniteDuration()) {
@@ -607,7 +608,7 @@ absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) con
   start.set_hidden_dtype(ToProto(hidden.dtype));
   start.mutable_labels()->Add(request.labels.begin(), request.labels.end());
   start.mutable_token_weights()->Add(request.token_weights.begin(), request.token_weights.end());
-  start.set_call_id(!request.call_id.empty()                  ? request.call_id
+  start.set_call_id(!request.call_id.empty()                 ? request.call_id
                     : request.outputs.accumulate_grad_weight ? NewCallId()
                                                              : std::string());
   const int64_t start_bytes = static_cast<int64_t>(start_message.ByteSizeLong());

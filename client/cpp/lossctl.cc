@@ -204,7 +204,8 @@ absl::StatusOr<Client> ConnectFromFlags(const Flags& flags) {
     return UsageError(absl::StrCat("--max_attempts: expected 1 to 100, got ", max_attempts));
   }
   options.compute_retry.max_attempts = static_cast<int>(max_attempts);
-  options.compute_retry.on_retry = [](const absl::Status& failure, int attempt, absl::Duration wait) {
+  options.compute_retry.on_retry = [](const absl::Status& failure, int attempt,
+                                      absl::Duration wait) {
     absl::FPrintF(stderr, "lossctl: attempt %d failed (%s); retrying in %s\n", attempt,
                   failure.ToString(), absl::FormatDuration(wait));
   };

@@ -9,5 +9,6 @@ from lossd.client import (OUTPUT_NAMES, Client, HeadInfo, LossdError, LossResult
                           StepInfo)
 from lossd._tensors import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
-__all__ = ["Client", "HeadInfo", "LossdError", "LossResult", "OUTPUT_NAMES", "RetryPolicy", "StepInfo",
+__all__ = ["Client", "HeadInfo", "LossdError", "LossResult", "OUTPUT_NAMES", "RetryPolicy",
+           "StepInfo",
            "bfloat16_bits_to_float32", "float32_to_bfloat16_bits"]

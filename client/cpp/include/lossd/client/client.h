@@ -181,8 +181,8 @@ struct ComputeResult {
   std::vector<float> top_k_logprob;  // [num_tokens, top_k], best first
   std::vector<int32_t> top_k_token;  // [num_tokens, top_k]
   Tensor grad_hidden;                // [num_tokens, hidden_size] when asked for (see grad_hidden_out)
-  std::string call_id;  // the one sent, empty for none
-  int attempts = 0;     // 1 unless retried
+  std::string call_id;               // the one sent, empty for none
+  int attempts = 0;                  // 1 unless retried
   // Seen by the client: the whole call (of the last attempt), and the serialized message bytes
   // each way.
   double wall_seconds = 0.0;
