@@ -74,7 +74,7 @@ cmake --build build-asan --target "${asan_tests[@]}"
 
 # ---- TSan ----
 configure build-tsan thread
-tsan_tests=(engine_test row_reader_test server_e2e_test client_test)
+tsan_tests=(engine_test row_reader_test server_e2e_test client_test accumulator_test)
 with_robustness_test=0
 if [[ " $(test_targets build-tsan | tr '\n' ' ') " == *" robustness_test "* ]]; then
   with_robustness_test=1
@@ -105,7 +105,8 @@ build_tsan_abseil build-tsan/abseil-tsan
   run_test env "$preload" build-tsan/bin/row_reader_test
   run_test env "$preload" build-tsan/bin/server_e2e_test
   # Shared memory: the mapping cache's sweeper thread against calls mapping and releasing memfds.
-  run_test env "$preload" build-tsan/bin/client_test --gtest_filter='*SharedMemory*:*GradHiddenOut*'
+  run_test env "$preload" build-tsan/bin/client_test --gtest_filter='*SharedMemory*:*GradHiddenOut*:*LostAnswer*'
+  run_test env "$preload" build-tsan/bin/accumulator_test --gtest_filter='CallIdTest.*'
   if ((with_robustness_test)); then
     run_test env "$preload" build-tsan/bin/robustness_test --gtest_filter='CancellationTest.*:LoadTest.*'
   fi
