@@ -56,7 +56,8 @@ absl::Status CheckFinite(const std::string& head, const std::string& source,
 // exact result up by at most a factor 1 + 2^-24 in magnitude, so an entry summed from K products
 // whose magnitudes add up to S is at most S (1 + 2^-24)^(K + 1) in any order of summation, and
 // a + b is at most (|a| + |b|)(1 + 2^-24). Below kProvablyFinite, half of FLT_MAX, an entry is
-// finite whatever rounding the double arithmetic of the bound itself made.
+// finite with room to spare for the few roundings inside each dL/da value that the engine's
+// bound leaves out and for those of the double arithmetic of the bound itself.
 constexpr double kFp32Rounding = 0x1p-24;
 constexpr double kProvablyFinite = FLT_MAX / 2.0;
 
