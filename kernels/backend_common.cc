@@ -298,6 +298,60 @@ absl::StatusOr<ChunkPlan> ChooseChunkPlan(const ProblemShape& shape, size_t budg
       budget_bytes));
 }
 
+absl::StatusOr<CallPlan> PlanCall(const Backend& backend, const BatchInputs& inputs,
+                                  const WeightView& weight, const LossOptions& options,
+                                  const TokenOutputs& outputs, const DeviceBuffer* grad_weight,
+                                  const DeviceBuffer& workspace) {
+  RETURN_IF_ERROR(ValidateCall(inputs, weight, options, outputs, grad_weight));
+  CallPlan call;
+  call.shape = ShapeOfCall(inputs, weight, outputs, grad_weight != nullptr);
+  ASSIGN_OR_RETURN(call.plan, backend.Plan(call.shape, workspace.bytes()));
+  return call;
+}
+
+RowFinisher::RowFinisher(const BatchInputs& inputs, int64_t vocab_size, const LossOptions& options,
+                         const TokenOutputs& outputs)
+    : inputs_(inputs),
+      options_(options),
+      outputs_(outputs),
+      transform_(MakeLogitTransform(options)),
+      terms_{options.label_smoothing, options.z_loss_scale, vocab_size},
+      counted_rows_(CountCountedRows(inputs.labels, inputs.num_tokens, options.ignore_index)),
+      multiplier_(GradientMultiplier(options, counted_rows_)) {}
+
+RowResult RowFinisher::Finish(int64_t row, const RowStats& stats) const {
+  return FinishRow(stats, counted(row), weight(row), terms_);
+}
+
+RowGradient RowFinisher::Gradient(int64_t row, const RowResult& result) const {
+  return MakeRowGradient(result.lse, inputs_.labels[row], counted(row), weight(row), multiplier_,
+                         terms_);
+}
+
+void RowFinisher::Emit(int64_t row, const RowResult& result, const RowStats& stats,
+                       const float* top_values, const int32_t* top_tokens,
+                       BatchSummary& summary) const {
+  const TokenOutputs& out = outputs_;
+  summary.all_finite = summary.all_finite && result.finite;
+  summary.loss_sum += result.loss;
+  summary.correct_tokens += counted(row) && stats.argmax == inputs_.labels[row];
+  if (out.loss != nullptr) out.loss[row] = result.loss;
+  if (out.logprob != nullptr) out.logprob[row] = result.logprob;
+  if (out.lse != nullptr) out.lse[row] = result.lse;
+  if (out.entropy != nullptr) out.entropy[row] = result.entropy;
+  if (out.argmax != nullptr) out.argmax[row] = stats.argmax;
+  const int k = out.top_k;
+  for (int j = 0; j < k; ++j) {
+    out.top_k_logprob[row * k + j] = top_values[j] - result.lse;
+    out.top_k_token[row * k + j] = top_tokens[j];
+  }
+}
+
+void RowFinisher::Close(BatchSummary& summary) const {
+  summary.counted_tokens = counted_rows_;
+  summary.loss = ReducedLoss(options_, summary.loss_sum, counted_rows_);
+}
+
 absl::StatusOr<DeviceBuffer> AllocateHostBuffer(BufferAllocator* owner, size_t bytes) {
   const size_t rounded = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
   void* data = std::aligned_alloc(256, rounded);

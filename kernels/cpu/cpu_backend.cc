@@ -513,176 +513,208 @@ class CpuBackend final : public Backend {
   void Free(void* data, size_t) override { std::free(data); }
 };
 
+// One Compute call on the CPU, in the same phases as the CUDA backend's: per token chunk,
+// LoadChunk, RowStatistics (pass 1 over the vocabulary tiles), FinishRows and, with gradients,
+// Gradients (pass 2). Where one tile holds the whole vocabulary, pass 1 also finishes each row and
+// turns its logits into dL/da while the row is in cache, so FinishRows only writes outputs.
+class CpuCall {
+ public:
+  CpuCall(const BatchInputs& in, const WeightView& weight, const LossOptions& options,
+          const TokenOutputs& out, DeviceBuffer* grad_weight, const CallPlan& call,
+          const CpuWorkspace& ws)
+      : in_(in),
+        weight_(weight),
+        options_(options),
+        out_(out),
+        shape_(call.shape),
+        ws_(ws),
+        finisher_(in, weight.vocab_size, options, out),
+        grad_weight32_(grad_weight != nullptr ? static_cast<float*>(grad_weight->data()) : nullptr),
+        h_(weight.hidden_size),
+        v_(weight.vocab_size),
+        chunk_rows_(call.plan.token_chunk),
+        tile_cols_(call.plan.vocab_chunk),
+        k_(out.top_k),
+        gradients_(WantsGradients(call.shape)),
+        logits_resident_(call.plan.vocab_chunk >= weight.vocab_size) {}
+
+  void Run(BatchSummary& summary) {
+    summary.grad_weight_bound = 0.0;
+    for (int64_t r0 = 0; r0 < in_.num_tokens; r0 += chunk_rows_) {
+      const int64_t rows = std::min(chunk_rows_, in_.num_tokens - r0);
+      LoadChunk(r0, rows);
+      RowStatistics(r0, rows);
+      FinishRows(r0, rows, summary);
+      if (gradients_) Gradients(r0, rows);
+    }
+    finisher_.Close(summary);
+  }
+
+ private:
+  // The chunk's hidden rows as fp32: the caller's rows themselves, or converted into the workspace.
+  void LoadChunk(int64_t r0, int64_t rows) {
+    hidden32_ = static_cast<const float*>(in_.hidden) + r0 * h_;
+    if (in_.hidden_dtype != DType::kFloat32) {
+      ConvertToFloat(in_.hidden, in_.hidden_dtype, r0 * h_, rows * h_, ws_.hidden32);
+      hidden32_ = ws_.hidden32;
+    }
+  }
+
+  // The rows x columns at the start of the logits tile known to hold zeros: a tile that nothing
+  // reads after its statistics is cleared by that pass while in L1, and the next product adds onto
+  // it. Nothing is assumed of the workspace a call is given.
+  bool ProductOntoZero(int64_t rows, int64_t cols) const {
+    return rows <= zero_rows_ && cols <= zero_cols_;
+  }
+
+  // FinishRow and the gradient constants of chunk row r (call row r0 + r).
+  void FinishChunkRow(int64_t r0, int64_t r) {
+    ws_.results[r] = finisher_.Finish(r0 + r, ws_.stats[r]);
+    if (gradients_) ws_.row_grads[r] = finisher_.Gradient(r0 + r, ws_.results[r]);
+    if (grad_weight32_ != nullptr) ws_.hidden_max_abs[r] = MaxAbs(hidden32_ + r * h_, h_);
+  }
+
+  // Pass 1: row statistics over every vocabulary tile. When one tile holds the whole vocabulary,
+  // each row is finished while it is still in cache: statistics, results, and for training dL/da
+  // in place, from the exponentials the statistics pass leaves when there is no soft cap.
+  void RowStatistics(int64_t r0, int64_t rows) {
+    const LogitTransform& transform = finisher_.transform();
+    const int64_t* labels = in_.labels + r0;
+    std::fill(ws_.stats, ws_.stats + rows, EmptyRowStats());
+    if (k_ > 0) {
+      std::fill(ws_.top_values, ws_.top_values + rows * k_, -INFINITY);
+      std::fill(ws_.top_tokens, ws_.top_tokens + rows * k_, 0);
+    }
+    const bool rows_finished_in_tile = logits_resident_ && gradients_;  // dL/da stays in the tile
+    for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
+      const int64_t cols = std::min(tile_cols_, v_ - v0);
+      const bool onto_zero = ProductOntoZero(rows, cols);
+      ComputeLogits(hidden32_, rows, weight_, v0, cols, ws_.weight32, transform, ws_.logits,
+                    tile_cols_, onto_zero);
+      const bool another_product = gradients_ || r0 + rows < in_.num_tokens || v0 + cols < v_;
+      const TileStatsWork work{
+          /*extra_sums=*/out_.entropy != nullptr || options_.label_smoothing != 0.0,
+          /*store_exp=*/rows_finished_in_tile && transform.softcap == 0.0f,
+          /*zero_after=*/!rows_finished_in_tile && another_product};
+      if (!work.zero_after) {
+        zero_rows_ = zero_cols_ = 0;
+      } else if (!onto_zero) {
+        zero_rows_ = rows;
+        zero_cols_ = cols;
+      }
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) {
+        float* z = ws_.logits + r * tile_cols_;
+        const TopKList top{k_, k_ > 0 ? ws_.top_values + r * k_ : nullptr,
+                           k_ > 0 ? ws_.top_tokens + r * k_ : nullptr};
+        float* block_max = work.store_exp ? ws_.block_max + r * BlocksPerRow(tile_cols_) : nullptr;
+        MergeRowStats(ws_.stats[r], TileRowStats(z, cols, v0, labels[r], work, top, block_max));
+        if (!logits_resident_) continue;
+        FinishChunkRow(r0, r);
+        if (!gradients_) continue;
+        if (work.store_exp) {
+          RowLogitGradientsFromExp(z, cols, block_max, ws_.stats[r], ws_.row_grads[r], transform);
+        } else {
+          RowLogitGradients(z, cols, v0, ws_.row_grads[r], transform);
+        }
+      }
+    }
+  }
+
+  // The rows pass 1 left unfinished, then every row's outputs and the loss, summed in row order
+  // in double.
+  void FinishRows(int64_t r0, int64_t rows, BatchSummary& summary) {
+    if (!logits_resident_) {
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) FinishChunkRow(r0, r);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      finisher_.Emit(r0 + r, ws_.results[r], ws_.stats[r], ws_.top_values + r * k_,
+                     ws_.top_tokens + r * k_, summary);
+      if (grad_weight32_ != nullptr) {
+        summary.grad_weight_bound +=
+            LogitGradientBound(ws_.row_grads[r], finisher_.transform()) * ws_.hidden_max_abs[r];
+      }
+    }
+  }
+
+  // Pass 2: dL/da tile by tile where the vocabulary is tiled (recomputing the logits), then
+  // dh += dA W and dW += dA^T h.
+  void Gradients(int64_t r0, int64_t rows) {
+    const LogitTransform& transform = finisher_.transform();
+    float* grad_hidden32 = nullptr;
+    if (shape_.grad_hidden) {
+      grad_hidden32 = out_.grad_hidden_dtype == DType::kFloat32
+                          ? static_cast<float*>(out_.grad_hidden) + r0 * h_
+                          : ws_.grad_hidden32;
+      std::fill(grad_hidden32, grad_hidden32 + rows * h_, 0.0f);
+    }
+    for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
+      const int64_t cols = std::min(tile_cols_, v_ - v0);
+      if (!logits_resident_) {
+        ComputeLogits(hidden32_, rows, weight_, v0, cols, ws_.weight32, transform, ws_.logits,
+                      tile_cols_, ProductOntoZero(rows, cols));
+        zero_rows_ = zero_cols_ = 0;
+#pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+          RowLogitGradients(ws_.logits + r * tile_cols_, cols, v0, ws_.row_grads[r], transform);
+        }
+      }
+      if (grad_hidden32 != nullptr) {
+        ForEachWeightSlab(weight_, v0, cols, ws_.weight32,
+                          [&](const float* slab, int64_t s0, int64_t slab_rows) {
+                            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, h_,
+                                        slab_rows, 1.0f, ws_.logits + (s0 - v0), tile_cols_, slab,
+                                        h_, 1.0f, grad_hidden32, h_);
+                          });
+      }
+      if (grad_weight32_ != nullptr) {
+        // The first chunk's product stores when the caller asked for dL/dW alone.
+        const float beta = options_.overwrite_grad_weight && r0 == 0 ? 0.0f : 1.0f;
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, h_, rows, 1.0f, ws_.logits,
+                    tile_cols_, hidden32_, h_, beta, grad_weight32_ + v0 * h_, h_);
+      }
+    }
+    if (shape_.grad_hidden && out_.grad_hidden_dtype != DType::kFloat32) {
+      ConvertFromFloat(grad_hidden32, rows * h_, out_.grad_hidden_dtype, out_.grad_hidden, r0 * h_);
+    }
+  }
+
+  const BatchInputs& in_;
+  const WeightView& weight_;
+  const LossOptions& options_;
+  const TokenOutputs& out_;
+  const ProblemShape& shape_;
+  const CpuWorkspace& ws_;
+  const RowFinisher finisher_;
+  float* const grad_weight32_;
+  const int64_t h_;
+  const int64_t v_;
+  const int64_t chunk_rows_;
+  const int64_t tile_cols_;
+  const int k_;
+  const bool gradients_;
+  const bool logits_resident_;  // one tile holds the whole vocabulary
+  const float* hidden32_ = nullptr;  // the chunk's hidden rows as fp32
+  int64_t zero_rows_ = 0;
+  int64_t zero_cols_ = 0;
+};
+
 absl::StatusOr<BatchSummary> CpuBackend::Compute(const BatchInputs& in, const WeightView& weight,
                                                  const LossOptions& options,
                                                  const TokenOutputs& out,
                                                  DeviceBuffer* grad_weight,
                                                  DeviceBuffer& workspace) {
-  RETURN_IF_ERROR(ValidateCall(in, weight, options, out, grad_weight));
-  const ProblemShape shape = ShapeOfCall(in, weight, out, grad_weight != nullptr);
-  ASSIGN_OR_RETURN(const ChunkPlan plan, Plan(shape, workspace.bytes()));
-
-  const int64_t n = in.num_tokens;
-  const int64_t h = weight.hidden_size;
-  const int64_t v = weight.vocab_size;
-  const int64_t chunk_rows = plan.token_chunk;
-  const int64_t tile_cols = plan.vocab_chunk;
-  const int k = out.top_k;
-  const bool gradients = WantsGradients(shape);
-  const LogitTransform transform = MakeLogitTransform(options);
-  const LossTerms terms{options.label_smoothing, options.z_loss_scale, v};
-  const int64_t counted_total = CountCountedRows(in.labels, n, options.ignore_index);
-  const double multiplier = GradientMultiplier(options, counted_total);
-
+  ASSIGN_OR_RETURN(const CallPlan call,
+                   PlanCall(*this, in, weight, options, out, grad_weight, workspace));
   WorkspaceArena arena(workspace.data(), workspace.bytes());
-  const CpuWorkspace ws = CarveWorkspace(arena, shape, chunk_rows, tile_cols);
-
+  const CpuWorkspace ws =
+      CarveWorkspace(arena, call.shape, call.plan.token_chunk, call.plan.vocab_chunk);
   BatchSummary summary;
-  summary.counted_tokens = counted_total;
-  summary.token_chunk = chunk_rows;
-  summary.vocab_chunk = tile_cols;
+  summary.token_chunk = call.plan.token_chunk;
+  summary.vocab_chunk = call.plan.vocab_chunk;
   summary.workspace_bytes = static_cast<int64_t>(arena.used());
-  summary.grad_weight_bound = 0.0;
-  float* grad_weight32 = grad_weight != nullptr ? static_cast<float*>(grad_weight->data()) : nullptr;
-  // The rows x columns at the start of the logits tile known to hold zeros: a tile that nothing
-  // reads after its statistics is cleared by that pass while in L1, and the next product adds onto
-  // it. Nothing is assumed of the workspace a call is given.
-  int64_t zero_rows = 0;
-  int64_t zero_cols = 0;
-  const auto product_onto_zero = [&](int64_t rows, int64_t cols) {
-    return rows <= zero_rows && cols <= zero_cols;
-  };
-
-  for (int64_t r0 = 0; r0 < n; r0 += chunk_rows) {
-    const int64_t rows = std::min(chunk_rows, n - r0);
-    const int64_t* labels = in.labels + r0;
-    const float* hidden32 = static_cast<const float*>(in.hidden) + r0 * h;
-    if (in.hidden_dtype != DType::kFloat32) {
-      ConvertToFloat(in.hidden, in.hidden_dtype, r0 * h, rows * h, ws.hidden32);
-      hidden32 = ws.hidden32;
-    }
-
-    // Pass 1: row statistics over every vocabulary tile. When one tile holds the whole vocabulary,
-    // each row is finished while it is still in cache: statistics, results, and for training
-    // dL/da in place, from the exponentials the statistics pass leaves when there is no soft cap.
-    std::fill(ws.stats, ws.stats + rows, EmptyRowStats());
-    if (k > 0) {
-      std::fill(ws.top_values, ws.top_values + rows * k, -INFINITY);
-      std::fill(ws.top_tokens, ws.top_tokens + rows * k, 0);
-    }
-    const auto finish_row = [&](int64_t r) {
-      const bool counted = labels[r] != options.ignore_index;
-      const float w = in.token_weights != nullptr ? in.token_weights[r0 + r] : 1.0f;
-      ws.results[r] = FinishRow(ws.stats[r], counted, w, terms);
-      if (gradients) {
-        ws.row_grads[r] = MakeRowGradient(ws.results[r].lse, labels[r], counted, w, multiplier, terms);
-      }
-      if (grad_weight32 != nullptr) ws.hidden_max_abs[r] = MaxAbs(hidden32 + r * h, h);
-    };
-    const bool logits_resident = tile_cols >= v;
-    const bool rows_finished_in_tile = logits_resident && gradients;  // dL/da stays in the tile
-    for (int64_t v0 = 0; v0 < v; v0 += tile_cols) {
-      const int64_t cols = std::min(tile_cols, v - v0);
-      const bool onto_zero = product_onto_zero(rows, cols);
-      ComputeLogits(hidden32, rows, weight, v0, cols, ws.weight32, transform, ws.logits, tile_cols,
-                    onto_zero);
-      const bool another_product = gradients || r0 + rows < n || v0 + cols < v;
-      const TileStatsWork work{
-          /*extra_sums=*/out.entropy != nullptr || options.label_smoothing != 0.0,
-          /*store_exp=*/rows_finished_in_tile && transform.softcap == 0.0f,
-          /*zero_after=*/!rows_finished_in_tile && another_product};
-      if (!work.zero_after) {
-        zero_rows = zero_cols = 0;
-      } else if (!onto_zero) {
-        zero_rows = rows;
-        zero_cols = cols;
-      }
-#pragma omp parallel for schedule(static)
-      for (int64_t r = 0; r < rows; ++r) {
-        float* z = ws.logits + r * tile_cols;
-        const TopKList top{k, k > 0 ? ws.top_values + r * k : nullptr,
-                           k > 0 ? ws.top_tokens + r * k : nullptr};
-        float* block_max = work.store_exp ? ws.block_max + r * BlocksPerRow(tile_cols) : nullptr;
-        MergeRowStats(ws.stats[r], TileRowStats(z, cols, v0, labels[r], work, top, block_max));
-        if (!logits_resident) continue;
-        finish_row(r);
-        if (!gradients) continue;
-        if (work.store_exp) {
-          RowLogitGradientsFromExp(z, cols, block_max, ws.stats[r], ws.row_grads[r], transform);
-        } else {
-          RowLogitGradients(z, cols, v0, ws.row_grads[r], transform);
-        }
-      }
-    }
-    if (!logits_resident) {
-#pragma omp parallel for schedule(static)
-      for (int64_t r = 0; r < rows; ++r) finish_row(r);
-    }
-
-    // Per-row outputs, and the loss summed in row order in double.
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = r0 + r;
-      const bool counted = labels[r] != options.ignore_index;
-      const RowResult& res = ws.results[r];
-      summary.all_finite = summary.all_finite && res.finite;
-      summary.loss_sum += res.loss;
-      summary.correct_tokens += counted && ws.stats[r].argmax == labels[r];
-      if (out.loss != nullptr) out.loss[i] = res.loss;
-      if (out.logprob != nullptr) out.logprob[i] = res.logprob;
-      if (out.lse != nullptr) out.lse[i] = res.lse;
-      if (out.entropy != nullptr) out.entropy[i] = res.entropy;
-      if (out.argmax != nullptr) out.argmax[i] = ws.stats[r].argmax;
-      for (int j = 0; j < k; ++j) {
-        out.top_k_logprob[i * k + j] = ws.top_values[r * k + j] - res.lse;
-        out.top_k_token[i * k + j] = ws.top_tokens[r * k + j];
-      }
-      if (grad_weight32 != nullptr) {
-        summary.grad_weight_bound +=
-            LogitGradientBound(ws.row_grads[r], transform) * ws.hidden_max_abs[r];
-      }
-    }
-    if (!gradients) continue;
-
-    // Pass 2: dL/da tile by tile where the vocabulary is tiled (recomputing the logits), then
-    // dh += dA W and dW += dA^T h.
-    float* grad_hidden32 = nullptr;
-    if (shape.grad_hidden) {
-      grad_hidden32 = out.grad_hidden_dtype == DType::kFloat32
-                          ? static_cast<float*>(out.grad_hidden) + r0 * h
-                          : ws.grad_hidden32;
-      std::fill(grad_hidden32, grad_hidden32 + rows * h, 0.0f);
-    }
-    for (int64_t v0 = 0; v0 < v; v0 += tile_cols) {
-      const int64_t cols = std::min(tile_cols, v - v0);
-      if (!logits_resident) {
-        ComputeLogits(hidden32, rows, weight, v0, cols, ws.weight32, transform, ws.logits, tile_cols,
-                      product_onto_zero(rows, cols));
-        zero_rows = zero_cols = 0;
-#pragma omp parallel for schedule(static)
-        for (int64_t r = 0; r < rows; ++r) {
-          RowLogitGradients(ws.logits + r * tile_cols, cols, v0, ws.row_grads[r], transform);
-        }
-      }
-      if (grad_hidden32 != nullptr) {
-        ForEachWeightSlab(weight, v0, cols, ws.weight32,
-                          [&](const float* slab, int64_t s0, int64_t slab_rows) {
-                            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, h, slab_rows,
-                                        1.0f, ws.logits + (s0 - v0), tile_cols, slab, h, 1.0f,
-                                        grad_hidden32, h);
-                          });
-      }
-      if (grad_weight32 != nullptr) {
-        // The first chunk's product stores when the caller asked for dL/dW alone.
-        const float beta = options.overwrite_grad_weight && r0 == 0 ? 0.0f : 1.0f;
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, h, rows, 1.0f, ws.logits,
-                    tile_cols, hidden32, h, beta, grad_weight32 + v0 * h, h);
-      }
-    }
-    if (shape.grad_hidden && out.grad_hidden_dtype != DType::kFloat32) {
-      ConvertFromFloat(grad_hidden32, rows * h, out.grad_hidden_dtype, out.grad_hidden, r0 * h);
-    }
-  }
-  summary.loss = ReducedLoss(options, summary.loss_sum, counted_total);
+  CpuCall(in, weight, options, out, grad_weight, call, ws).Run(summary);
   return summary;
 }
 

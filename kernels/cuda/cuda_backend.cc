@@ -226,36 +226,34 @@ class StreamPool {
 class ChunkedCompute {
  public:
   ChunkedCompute(const BatchInputs& in, const WeightView& weight, const LossOptions& options,
-                 const TokenOutputs& out, DeviceBuffer* grad_weight, const ProblemShape& shape,
-                 const ChunkPlan& plan, const CudaWorkspace& ws, const StreamContext& context)
+                 const TokenOutputs& out, DeviceBuffer* grad_weight, const CallPlan& call,
+                 const CudaWorkspace& ws, const StreamContext& context)
       : in_(in),
         weight_(weight),
         options_(options),
         out_(out),
-        shape_(shape),
+        shape_(call.shape),
         ws_(ws),
         stream_(context.stream),
         cublas_(context.cublas),
         d_grad_weight_(grad_weight != nullptr ? static_cast<float*>(grad_weight->data()) : nullptr),
         h_(weight.hidden_size),
         v_(weight.vocab_size),
-        chunk_rows_(plan.token_chunk),
-        tile_cols_(plan.vocab_chunk),
-        ld_(LeadingDimension(plan.vocab_chunk)),
+        chunk_rows_(call.plan.token_chunk),
+        tile_cols_(call.plan.vocab_chunk),
+        ld_(LeadingDimension(call.plan.vocab_chunk)),
         k_(out.top_k),
-        product_dtype_(ProductDType(shape)),
-        gradients_(WantsGradients(shape)),
-        transform_(MakeLogitTransform(options)),
-        terms_{options.label_smoothing, options.z_loss_scale, weight.vocab_size},
-        counted_total_(CountCountedRows(in.labels, in.num_tokens, options.ignore_index)),
-        multiplier_(GradientMultiplier(options, counted_total_)),
+        product_dtype_(ProductDType(call.shape)),
+        gradients_(WantsGradients(call.shape)),
+        finisher_(in, weight.vocab_size, options, out),
+        transform_(finisher_.transform()),
         stats_(chunk_rows_),
+        results_(chunk_rows_),
         row_grads_(chunk_rows_),
         top_values_(chunk_rows_ * k_),
         top_tokens_(chunk_rows_ * k_) {}
 
   absl::Status Run(BatchSummary& summary) {
-    summary.counted_tokens = counted_total_;
     for (int64_t r0 = 0; r0 < in_.num_tokens; r0 += chunk_rows_) {
       const int64_t rows = std::min(chunk_rows_, in_.num_tokens - r0);
       RETURN_IF_ERROR(LoadChunk(r0, rows));
@@ -263,7 +261,7 @@ class ChunkedCompute {
       RETURN_IF_ERROR(FinishRows(r0, rows, summary));
       if (gradients_) RETURN_IF_ERROR(Gradients(r0, rows));
     }
-    summary.loss = ReducedLoss(options_, summary.loss_sum, counted_total_);
+    finisher_.Close(summary);
     return absl::OkStatus();
   }
 
@@ -343,26 +341,10 @@ class ChunkedCompute {
     }
     RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"));
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = r0 + r;
-      const int64_t label = in_.labels[i];
-      const bool counted = label != options_.ignore_index;
-      const float w = in_.token_weights != nullptr ? in_.token_weights[i] : 1.0f;
-      const RowResult res = FinishRow(stats_[r], counted, w, terms_);
-      summary.all_finite = summary.all_finite && res.finite;
-      summary.loss_sum += res.loss;
-      summary.correct_tokens += counted && stats_[r].argmax == label;
-      if (out_.loss != nullptr) out_.loss[i] = res.loss;
-      if (out_.logprob != nullptr) out_.logprob[i] = res.logprob;
-      if (out_.lse != nullptr) out_.lse[i] = res.lse;
-      if (out_.entropy != nullptr) out_.entropy[i] = res.entropy;
-      if (out_.argmax != nullptr) out_.argmax[i] = stats_[r].argmax;
-      for (int j = 0; j < k_; ++j) {
-        out_.top_k_logprob[i * k_ + j] = top_values_[r * k_ + j] - res.lse;
-        out_.top_k_token[i * k_ + j] = top_tokens_[r * k_ + j];
-      }
-      if (gradients_) {
-        row_grads_[r] = MakeRowGradient(res.lse, label, counted, w, multiplier_, terms_);
-      }
+      results_[r] = finisher_.Finish(r0 + r, stats_[r]);
+      if (gradients_) row_grads_[r] = finisher_.Gradient(r0 + r, results_[r]);
+      finisher_.Emit(r0 + r, results_[r], stats_[r], top_values_.data() + r * k_,
+                     top_tokens_.data() + r * k_, summary);
     }
     if (!gradients_) return absl::OkStatus();
     return Copy(ws_.d_row_grads, row_grads_.data(), rows * sizeof(RowGradient),
@@ -460,13 +442,12 @@ class ChunkedCompute {
   const int k_;
   const DType product_dtype_;
   const bool gradients_;
+  const RowFinisher finisher_;
   const LogitTransform transform_;
-  const LossTerms terms_;
-  const int64_t counted_total_;
-  const double multiplier_;
   Matrix hidden_{};  // the chunk's hidden rows in the product dtype
   // Host copies of the chunk's per-row state.
   std::vector<RowStats> stats_;
+  std::vector<RowResult> results_;
   std::vector<RowGradient> row_grads_;
   std::vector<float> top_values_;
   std::vector<int32_t> top_tokens_;
@@ -599,18 +580,17 @@ class CudaBackend final : public Backend {
                                        const LossOptions& options, const TokenOutputs& out,
                                        DeviceBuffer* grad_weight,
                                        DeviceBuffer& workspace) override {
-    RETURN_IF_ERROR(ValidateCall(in, weight, options, out, grad_weight));
-    const ProblemShape shape = ShapeOfCall(in, weight, out, grad_weight != nullptr);
-    ASSIGN_OR_RETURN(const ChunkPlan plan, Plan(shape, workspace.bytes()));
+    ASSIGN_OR_RETURN(const CallPlan call,
+                     PlanCall(*this, in, weight, options, out, grad_weight, workspace));
     WorkspaceArena arena(workspace.data(), workspace.bytes());
-    const CudaWorkspace ws = CarveWorkspace(arena, shape, plan.token_chunk, plan.vocab_chunk);
+    const CudaWorkspace ws =
+        CarveWorkspace(arena, call.shape, call.plan.token_chunk, call.plan.vocab_chunk);
     BatchSummary summary;
-    summary.token_chunk = plan.token_chunk;
-    summary.vocab_chunk = plan.vocab_chunk;
+    summary.token_chunk = call.plan.token_chunk;
+    summary.vocab_chunk = call.plan.vocab_chunk;
     summary.workspace_bytes = static_cast<int64_t>(arena.used());
     RETURN_IF_ERROR(RunOnStream([&](const StreamContext& c) {
-      ChunkedCompute call(in, weight, options, out, grad_weight, shape, plan, ws, c);
-      return call.Run(summary);
+      return ChunkedCompute(in, weight, options, out, grad_weight, call, ws, c).Run(summary);
     }));
     return summary;
   }

@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "lossd/kernels/backend.h"
+#include "lossd/kernels/loss_math.h"
 #include "lossd/kernels/types.h"
 
 namespace lossd {
@@ -69,6 +70,56 @@ using WorkspaceBytesFn = absl::FunctionRef<size_t(int64_t token_chunk, int64_t v
 // GEMMs see row counts their kernels divide evenly and the last chunk is not a sliver.
 absl::StatusOr<ChunkPlan> ChooseChunkPlan(const ProblemShape& shape, size_t budget_bytes,
                                           const TileLimits& limits, WorkspaceBytesFn bytes_for);
+
+// What every Compute starts with: the call checked, its shape, and its chunking planned against the
+// workspace it was given (Plan(shape, workspace.bytes()), so that the plan is the one the caller
+// sized the workspace for).
+struct CallPlan {
+  ProblemShape shape;
+  ChunkPlan plan;
+};
+absl::StatusOr<CallPlan> PlanCall(const Backend& backend, const BatchInputs& inputs,
+                                  const WeightView& weight, const LossOptions& options,
+                                  const TokenOutputs& outputs, const DeviceBuffer* grad_weight,
+                                  const DeviceBuffer& workspace);
+
+// The rows of one Compute call from their complete statistics on, the same on every backend:
+// each row's results (FinishRow), its gradient constants (MakeRowGradient) and its outputs. Row
+// indices are the call's, in [0, num_tokens). Finish and Gradient may run on many threads at once;
+// Emit runs on one, in row order, so that the sums in the summary do not depend on threads.
+class RowFinisher {
+ public:
+  RowFinisher(const BatchInputs& inputs, int64_t vocab_size, const LossOptions& options,
+              const TokenOutputs& outputs);
+
+  const LogitTransform& transform() const { return transform_; }
+  int64_t counted_rows() const { return counted_rows_; }
+
+  RowResult Finish(int64_t row, const RowStats& stats) const;
+  RowGradient Gradient(int64_t row, const RowResult& result) const;
+
+  // Writes row `row`'s outputs (top-k from the row's k best raw values, when asked for) and adds
+  // the row to `summary`.
+  void Emit(int64_t row, const RowResult& result, const RowStats& stats, const float* top_values,
+            const int32_t* top_tokens, BatchSummary& summary) const;
+
+  // The summary's counts and reduced loss once every row was emitted.
+  void Close(BatchSummary& summary) const;
+
+ private:
+  bool counted(int64_t row) const { return inputs_.labels[row] != options_.ignore_index; }
+  float weight(int64_t row) const {
+    return inputs_.token_weights != nullptr ? inputs_.token_weights[row] : 1.0f;
+  }
+
+  const BatchInputs& inputs_;
+  const LossOptions& options_;
+  const TokenOutputs& outputs_;
+  const LogitTransform transform_;
+  const LossTerms terms_;
+  const int64_t counted_rows_;
+  const double multiplier_;
+};
 
 // Hands out aligned pieces of one workspace allocation. With a null base it only measures, so that
 // a backend computes its workspace size with the same code that carves it.
