@@ -41,18 +41,111 @@ absl::string_view ReductionName(Reduction reduction) {
     case Reduction::kMean: return "mean";
     case Reduction::kSum: return "sum";
     case Reduction::kNone: return "none";
+    case Reduction::kSequenceMeanTokenSum: return "sequence_mean_token_sum";
+    case Reduction::kSequenceMeanTokenMean: return "sequence_mean_token_mean";
   }
   return "unknown";
 }
+
+absl::string_view ObjectiveName(Objective objective) {
+  switch (objective) {
+    case Objective::kCrossEntropy: return "cross_entropy";
+    case Objective::kImportanceSampling: return "importance_sampling";
+    case Objective::kPpo: return "ppo";
+    case Objective::kCispo: return "cispo";
+    case Objective::kLogprobGradient: return "logprob_gradient";
+  }
+  return "unknown";
+}
+
+absl::string_view KlEstimatorName(KlEstimator estimator) {
+  switch (estimator) {
+    case KlEstimator::kNone: return "none";
+    case KlEstimator::kK1: return "k1";
+    case KlEstimator::kK2: return "k2";
+    case KlEstimator::kK3: return "k3";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// The policy options, fp32-carried as the others (ValidateOptions).
+absl::Status ValidatePolicyOptions(const LossOptions& o) {
+  const PolicyOptions& p = o.policy;
+  const std::string fp32_max = absl::StrCat(FLT_MAX);
+  if (!(p.clip_low >= 0.0 && p.clip_low <= 1.0)) {
+    return InvalidField("policy.clip_low", "eps_low in [0, 1]", absl::StrCat(p.clip_low));
+  }
+  if (!(p.clip_high >= 0.0 && p.clip_high <= FLT_MAX)) {
+    return InvalidField("policy.clip_high", absl::StrCat("eps_high in [0, ", fp32_max, "] (fp32)"),
+                        absl::StrCat(p.clip_high));
+  }
+  if (!(p.dual_clip == 0.0 || (p.dual_clip > 1.0 && p.dual_clip <= FLT_MAX))) {
+    return InvalidField("policy.dual_clip",
+                        absl::StrCat("0 (off) or a bound in (1, ", fp32_max, "] (fp32)"),
+                        absl::StrCat(p.dual_clip));
+  }
+  if (p.dual_clip != 0.0 && o.objective != Objective::kPpo) {
+    return InvalidField("policy.dual_clip", "0 unless the objective is ppo",
+                        absl::StrCat(p.dual_clip, " with objective ", ObjectiveName(o.objective)));
+  }
+  if (p.kl_estimator != KlEstimator::kNone && p.kl_estimator != KlEstimator::kK1 &&
+      p.kl_estimator != KlEstimator::kK2 && p.kl_estimator != KlEstimator::kK3) {
+    return InvalidField("policy.kl_estimator", "none, k1, k2 or k3",
+                        absl::StrCat(static_cast<int>(p.kl_estimator)));
+  }
+  if (!(p.kl_coef >= 0.0 && p.kl_coef <= FLT_MAX)) {
+    return InvalidField("policy.kl_coef", absl::StrCat("a value in [0, ", fp32_max, "] (fp32)"),
+                        absl::StrCat(p.kl_coef));
+  }
+  if (p.kl_coef != 0.0 && p.kl_estimator == KlEstimator::kNone) {
+    return InvalidField("policy.kl_estimator", "k1, k2 or k3 with a kl_coef", "none");
+  }
+  if (!(std::fabs(p.entropy_coef) <= FLT_MAX)) {
+    return InvalidField("policy.entropy_coef",
+                        absl::StrCat("a value in [", -FLT_MAX, ", ", fp32_max, "] (fp32)"),
+                        absl::StrCat(p.entropy_coef));
+  }
+  return absl::OkStatus();
+}
+
+// The first row of `values` that is not finite where the row is counted, named "<field>[i]".
+absl::Status ValidateCountedFinite(absl::string_view field, const float* values,
+                                   const int64_t* labels, int64_t count, int64_t ignore_index,
+                                   int64_t first_index) {
+  for (int64_t i = 0; i < count; ++i) {
+    if (labels[i] != ignore_index && !std::isfinite(values[i])) {
+      return InvalidField(absl::StrCat(field, "[", first_index + i, "]"), "a finite value",
+                          absl::StrCat(values[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::Status ValidateOptions(const LossOptions& o) {
   // The engine computes in fp32: a value that it would round to 0 or to Inf there, changing what
   // the call means (a soft cap of 1e-300 would turn the cap off, a temperature of 1e-45 make 1 / T
   // infinite), is refused here rather than left to fail later on the hidden states.
   if (o.reduction != Reduction::kMean && o.reduction != Reduction::kSum &&
-      o.reduction != Reduction::kNone) {
-    return InvalidField("reduction", "mean, sum or none", absl::StrCat(static_cast<int>(o.reduction)));
+      o.reduction != Reduction::kNone && !IsSequenceReduction(o.reduction)) {
+    return InvalidField("reduction",
+                        "mean, sum, none, sequence_mean_token_sum or sequence_mean_token_mean",
+                        absl::StrCat(static_cast<int>(o.reduction)));
   }
+  if (o.objective != Objective::kCrossEntropy && !IsPolicyObjective(o.objective) &&
+      o.objective != Objective::kLogprobGradient) {
+    return InvalidField("objective",
+                        "cross_entropy, importance_sampling, ppo, cispo or logprob_gradient",
+                        absl::StrCat(static_cast<int>(o.objective)));
+  }
+  if (o.objective != Objective::kCrossEntropy && o.label_smoothing != 0.0) {
+    return InvalidField("label_smoothing", "0 unless the objective is cross_entropy",
+                        absl::StrCat(o.label_smoothing, " with objective ", ObjectiveName(o.objective)));
+  }
+  RETURN_IF_ERROR(ValidatePolicyOptions(o));
   if (!(o.label_smoothing >= 0.0 && o.label_smoothing <= 1.0)) {
     return InvalidField("label_smoothing", "a value in [0, 1]", absl::StrCat(o.label_smoothing));
   }
@@ -120,6 +213,7 @@ absl::Status ValidateCall(const BatchInputs& in, const WeightView& weight, const
   }
   RETURN_IF_ERROR(ValidateLabels(in.labels, in.num_tokens, weight.vocab_size, options.ignore_index));
   if (in.token_weights != nullptr) RETURN_IF_ERROR(ValidateTokenWeights(in.token_weights, in.num_tokens));
+  RETURN_IF_ERROR(ValidateObjectiveInputs(in, options));
   if (out.top_k < 0 || out.top_k > kMaxTopK || out.top_k > weight.vocab_size) {
     return InvalidField("top_k", absl::StrCat("a value in [0, ", std::min<int64_t>(kMaxTopK, weight.vocab_size), "]"),
                         absl::StrCat(out.top_k));
@@ -202,6 +296,103 @@ absl::Status ValidateFiniteMatrix(absl::string_view field, const void* data, DTy
   return InvalidField(absl::StrCat(field, "[", first_row + bad / cols, ", ", bad % cols, "]"),
                       absl::StrCat("a finite ", DTypeName(dtype), " value"),
                       absl::StrCat(LoadAsFloat(data, dtype, bad)));
+}
+
+absl::Status ValidateObjectiveInputs(const BatchInputs& in, const LossOptions& options,
+                                     int64_t first_index) {
+  struct Input {
+    const char* field;
+    const float* values;
+    bool needed;
+  };
+  const Input inputs[] = {
+      {"sampling_logprobs", in.sampling_logprobs, IsPolicyObjective(options.objective)},
+      {"advantages", in.advantages, IsPolicyObjective(options.objective)},
+      {"reference_logprobs", in.reference_logprobs,
+       options.policy.kl_estimator != KlEstimator::kNone},
+      {"logprob_grads", in.logprob_grads, options.objective == Objective::kLogprobGradient},
+  };
+  for (const Input& input : inputs) {
+    if (!input.needed || in.num_tokens == 0) continue;
+    if (input.values == nullptr) {
+      return InvalidField(input.field,
+                          absl::StrCat(in.num_tokens, " values (objective ",
+                                       ObjectiveName(options.objective), ", kl_estimator ",
+                                       KlEstimatorName(options.policy.kl_estimator), ")"),
+                          "none");
+    }
+    RETURN_IF_ERROR(ValidateCountedFinite(input.field, input.values, in.labels, in.num_tokens,
+                                          options.ignore_index, first_index));
+  }
+  if (IsSequenceReduction(options.reduction) && in.num_tokens > 0) {
+    if (in.reduction_scales == nullptr) {
+      return InvalidField("reduction_scales",
+                          absl::StrCat(in.num_tokens, " per-row factors (reduction ",
+                                       ReductionName(options.reduction), ")"),
+                          "none");
+    }
+    for (int64_t i = 0; i < in.num_tokens; ++i) {
+      const double scale = in.reduction_scales[i];
+      if (!(scale >= 0.0 && std::isfinite(scale))) {
+        return InvalidField(absl::StrCat("reduction_scales[", first_index + i, "]"),
+                            "a finite value >= 0", absl::StrCat(scale));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<double>> SequenceReductionScales(const LossOptions& options,
+                                                            const int64_t* labels,
+                                                            int64_t num_tokens,
+                                                            const int64_t* sequence_lengths,
+                                                            int64_t num_sequences) {
+  if (num_tokens > 0 && num_sequences == 0) {
+    return InvalidField("sequence_lengths",
+                        absl::StrCat("the lengths of the sequences in the batch (reduction ",
+                                     ReductionName(options.reduction), "), summing to ",
+                                     num_tokens),
+                        "none");
+  }
+  int64_t total = 0;
+  for (int64_t s = 0; s < num_sequences; ++s) {
+    const int64_t length = sequence_lengths[s];
+    if (length < 1 || length > num_tokens - total) {
+      return InvalidField(
+          absl::StrCat("sequence_lengths[", s, "]"),
+          absl::StrCat("a length in [1, ", std::max<int64_t>(1, num_tokens - total),
+                       "] (the lengths sum to num_tokens, ", num_tokens, ")"),
+          absl::StrCat(length));
+    }
+    total += length;
+  }
+  if (total != num_tokens) {
+    return InvalidField("sequence_lengths", absl::StrCat("lengths summing to ", num_tokens,
+                                                         " (num_tokens)"),
+                        absl::StrCat("lengths summing to ", total));
+  }
+  // Counted rows per sequence, and S: the sequences with at least one.
+  std::vector<int64_t> counted(num_sequences, 0);
+  int64_t sequences_counted = 0;
+  for (int64_t s = 0, row = 0; s < num_sequences; ++s) {
+    for (int64_t end = row + sequence_lengths[s]; row < end; ++row) {
+      counted[s] += labels[row] != options.ignore_index;
+    }
+    sequences_counted += counted[s] > 0;
+  }
+  const double sequences = options.mean_denominator > 0 ? options.mean_denominator
+                                                        : static_cast<double>(sequences_counted);
+  std::vector<double> scales(num_tokens, 0.0);
+  for (int64_t s = 0, row = 0; s < num_sequences; ++s) {
+    const double per_sequence =
+        options.reduction == Reduction::kSequenceMeanTokenMean ? static_cast<double>(counted[s]) : 1.0;
+    for (int64_t end = row + sequence_lengths[s]; row < end; ++row) {
+      if (labels[row] != options.ignore_index && sequences > 0) {
+        scales[row] = 1.0 / (sequences * per_sequence);
+      }
+    }
+  }
+  return scales;
 }
 
 ProblemShape ShapeOfCall(const BatchInputs& in, const WeightView& weight, const TokenOutputs& out,
@@ -315,16 +506,27 @@ RowFinisher::RowFinisher(const BatchInputs& inputs, int64_t vocab_size, const Lo
       options_(options),
       outputs_(outputs),
       transform_(MakeLogitTransform(options)),
-      terms_{options.label_smoothing, options.z_loss_scale, vocab_size},
+      terms_(MakeLossTerms(options, vocab_size)),
       counted_rows_(CountCountedRows(inputs.labels, inputs.num_tokens, options.ignore_index)),
       multiplier_(GradientMultiplier(options, counted_rows_)) {}
 
 RowResult RowFinisher::Finish(int64_t row, const RowStats& stats) const {
-  return FinishRow(stats, counted(row), weight(row), terms_);
+  RowInputs in;
+  const auto at = [row](const float* values) {
+    return values != nullptr ? static_cast<double>(values[row]) : 0.0;
+  };
+  in.sampling_logprob = at(inputs_.sampling_logprobs);
+  in.advantage = at(inputs_.advantages);
+  in.reference_logprob = at(inputs_.reference_logprobs);
+  in.logprob_grad = at(inputs_.logprob_grads);
+  return FinishRow(stats, counted(row), weight(row), terms_, in);
 }
 
 RowGradient RowFinisher::Gradient(int64_t row, const RowResult& result) const {
-  return MakeRowGradient(result.lse, inputs_.labels[row], counted(row), weight(row), multiplier_,
+  const double multiplier = IsSequenceReduction(options_.reduction)
+                                ? options_.grad_scale * inputs_.reduction_scales[row]
+                                : multiplier_;
+  return MakeRowGradient(result, inputs_.labels[row], counted(row), weight(row), multiplier,
                          terms_);
 }
 
@@ -334,7 +536,17 @@ void RowFinisher::Emit(int64_t row, const RowResult& result, const RowStats& sta
   const TokenOutputs& out = outputs_;
   summary.all_finite = summary.all_finite && result.finite;
   summary.loss_sum += result.loss;
+  if (IsSequenceReduction(options_.reduction)) {
+    summary.loss += inputs_.reduction_scales[row] * result.loss;
+  }
   summary.correct_tokens += counted(row) && stats.argmax == inputs_.labels[row];
+  if (counted(row)) {
+    summary.clipped_tokens += result.clip != ClipState::kNone;
+    summary.kl_sum += result.kl;
+  }
+  if (out.ratio != nullptr) out.ratio[row] = result.ratio;
+  if (out.clip != nullptr) out.clip[row] = static_cast<int32_t>(result.clip);
+  if (out.kl != nullptr) out.kl[row] = result.kl;
   if (out.loss != nullptr) out.loss[row] = result.loss;
   if (out.logprob != nullptr) out.logprob[row] = result.logprob;
   if (out.lse != nullptr) out.lse[row] = result.lse;
@@ -349,7 +561,9 @@ void RowFinisher::Emit(int64_t row, const RowResult& result, const RowStats& sta
 
 void RowFinisher::Close(BatchSummary& summary) const {
   summary.counted_tokens = counted_rows_;
-  summary.loss = ReducedLoss(options_, summary.loss_sum, counted_rows_);
+  if (!IsSequenceReduction(options_.reduction)) {
+    summary.loss = ReducedLoss(options_, summary.loss_sum, counted_rows_);
+  }
 }
 
 absl::StatusOr<DeviceBuffer> AllocateHostBuffer(BufferAllocator* owner, size_t bytes) {

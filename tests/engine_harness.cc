@@ -1,10 +1,12 @@
 #include "tests/engine_harness.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 
+#include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/half.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/common/status_macros.h"
@@ -75,6 +77,55 @@ Problem MakeProblem(const ProblemSpec& spec, std::mt19937_64& rng) {
       r.token_weights.push_back(p.token_weights.back());
     }
   }
+  if (spec.max_sequence_length > 0 || IsSequenceReduction(spec.options.reduction)) {
+    std::uniform_int_distribution<int64_t> length(
+        1, spec.max_sequence_length > 0 ? spec.max_sequence_length : 8);
+    int64_t first = 0;
+    while (first < spec.num_tokens) {
+      const int64_t sequence = std::min(length(rng), spec.num_tokens - first);
+      if (r.sequence_lengths.size() == 1) {
+        std::fill_n(r.labels.begin() + first, sequence, spec.options.ignore_index);
+      }
+      r.sequence_lengths.push_back(sequence);
+      first += sequence;
+    }
+  }
+
+  const LossOptions& o = spec.options;
+  const bool policy = IsPolicyObjective(o.objective);
+  const bool kl = o.policy.kl_estimator != KlEstimator::kNone;
+  if (policy || kl) {
+    // The exact log-probabilities, from the reference's logits under plain cross-entropy.
+    ReferenceProblem plain = r;
+    plain.options = LossOptions();
+    plain.options.logit_softcap = o.logit_softcap;
+    plain.options.temperature = o.temperature;
+    plain.options.ignore_index = o.ignore_index;
+    plain.top_k = 0;
+    const ReferenceResult exact = ComputeReference(plain);
+    const int64_t v = spec.vocab_size;
+    std::normal_distribution<double> reference_noise(0.0, 0.5);
+    std::uniform_real_distribution<double> advantage(-2.0, 2.0);
+    for (int64_t i = 0; i < spec.num_tokens; ++i) {
+      const int64_t y = r.labels[i] == o.ignore_index ? 0 : r.labels[i];
+      const double logp = exact.logits[i * v + y] - exact.lse[i];
+      if (policy) {
+        const double target = spec.ratio_targets[i % spec.ratio_targets.size()];
+        p.sampling_logprobs.push_back(static_cast<float>(logp - std::log(target)));
+        p.advantages.push_back(i % 5 == 4 ? 0.0f : static_cast<float>(advantage(rng)));
+      }
+      if (kl) p.reference_logprobs.push_back(static_cast<float>(logp + reference_noise(rng)));
+    }
+  }
+  if (o.objective == Objective::kLogprobGradient) {
+    for (int64_t i = 0; i < spec.num_tokens; ++i) {
+      p.logprob_grads.push_back(static_cast<float>(normal(rng)));
+    }
+  }
+  r.sampling_logprobs.assign(p.sampling_logprobs.begin(), p.sampling_logprobs.end());
+  r.advantages.assign(p.advantages.begin(), p.advantages.end());
+  r.reference_logprobs.assign(p.reference_logprobs.begin(), p.reference_logprobs.end());
+  r.logprob_grads.assign(p.logprob_grads.begin(), p.logprob_grads.end());
   return p;
 }
 
@@ -117,6 +168,9 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   run.argmax.assign(n, -7);
   run.top_k_logprob.assign(n * k, nan);
   run.top_k_token.assign(n * k, -7);
+  run.ratio.assign(n, nan);
+  run.kl.assign(n, nan);
+  run.clip.assign(n, -7);
   std::vector<uint8_t> grad_hidden_bytes(n * h * DTypeSize(request.grad_hidden_dtype), 0xff);
 
   BatchInputs in;
@@ -126,6 +180,22 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   in.hidden_size = h;
   in.labels = problem.reference.labels.data();
   in.token_weights = problem.token_weights.empty() ? nullptr : problem.token_weights.data();
+  const auto or_null = [](const std::vector<float>& values) {
+    return values.empty() ? nullptr : values.data();
+  };
+  in.sampling_logprobs = or_null(problem.sampling_logprobs);
+  in.advantages = or_null(problem.advantages);
+  in.reference_logprobs = or_null(problem.reference_logprobs);
+  in.logprob_grads = or_null(problem.logprob_grads);
+  std::vector<double> reduction_scales;
+  if (IsSequenceReduction(s.options.reduction)) {
+    const ReferenceProblem& r = problem.reference;
+    ASSIGN_OR_RETURN(reduction_scales,
+                     SequenceReductionScales(s.options, r.labels.data(), n,
+                                             r.sequence_lengths.data(),
+                                             static_cast<int64_t>(r.sequence_lengths.size())));
+    in.reduction_scales = reduction_scales.data();
+  }
 
   TokenOutputs out;
   out.loss = run.loss.data();
@@ -134,6 +204,9 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
     out.lse = run.lse.data();
     out.entropy = run.entropy.data();
     out.argmax = run.argmax.data();
+    out.ratio = run.ratio.data();
+    out.kl = run.kl.data();
+    out.clip = run.clip.data();
   }
   out.top_k = k;
   out.top_k_logprob = k > 0 ? run.top_k_logprob.data() : nullptr;

@@ -35,6 +35,15 @@ struct ProblemSpec {
   // Hidden states in {-2, ..., 2} and W in {-1, 0, 1} instead of normals: every logit is a small
   // integer, exact in any dtype and summation order, and most tie with many others.
   bool integer_values = false;
+  // Inputs of the objectives, made where options ask for them. Sampling log-probabilities are
+  // q_i = logp_i - log t_i, logp_i the exact log-probability and the ratio t_i taken in turn from
+  // ratio_targets (so that a case puts ratios on both sides of each clip bound, far enough from
+  // it that float rounding cannot move them across); advantages uniform in [-2, 2] with every
+  // fifth exactly 0; reference log-probabilities logp_i + N(0, 0.5); logprob_grads N(0, 1).
+  std::vector<double> ratio_targets = {1.0};
+  // > 0, or a sequence reduction: the batch is sequences of random lengths in
+  // [1, max_sequence_length] (8 when 0), the second of them entirely ignored.
+  int64_t max_sequence_length = 0;
 };
 
 // A problem in the engine's wire form (typed bytes) and as doubles of the same rounded values.
@@ -43,6 +52,8 @@ struct Problem {
   std::vector<uint8_t> hidden_bytes;
   std::vector<uint8_t> weight_bytes;
   std::vector<float> token_weights;
+  // The objectives' inputs as the engine takes them (the reference holds the same values).
+  std::vector<float> sampling_logprobs, advantages, reference_logprobs, logprob_grads;
   ReferenceProblem reference;
 };
 
@@ -56,6 +67,8 @@ struct EngineRun {
   std::vector<int32_t> top_k_token;
   std::vector<float> grad_hidden;  // converted to fp32 from grad_hidden_dtype
   std::vector<float> grad_weight;
+  std::vector<float> ratio, kl;
+  std::vector<int32_t> clip;
 };
 
 struct RunRequest {
@@ -69,7 +82,8 @@ struct RunRequest {
 };
 
 // Uploads W, runs one Compute with every per-token output requested (unless loss_only) and
-// NaN-poisoned, and reads everything back. Returns the engine's error status when Compute fails.
+// NaN-poisoned, and reads everything back; a sequence reduction's per-row factors come from
+// SequenceReductionScales. Returns the engine's error status when Compute fails.
 absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
                                     const RunRequest& request);
 

@@ -53,6 +53,7 @@ struct EngineCase {
   bool gradients = true;
   DType grad_hidden_dtype = DType::kFloat32;
   double grad_bound = kGradBound;
+  double loss_bound = kLossBound;
 };
 
 void PrintTo(const EngineCase& c, std::ostream* os) { *os << c.name; }
@@ -106,6 +107,54 @@ LossOptions EverythingOptions() {
 LossOptions SliceOfBatch() {
   LossOptions o;
   o.mean_denominator = 1000.0;
+  return o;
+}
+
+// The policy objectives' losses are r A or clip(r) A logp: a logp carrying the fp32 logits' error
+// (LogitBound, about 1e-6 at these scales) moves r by as much relative to itself, and a term
+// -clip(r) A logp near logp = 0 by as much relative to a small value, where cross-entropy's
+// lse - z_y stays well away from 0.
+constexpr double kPolicyLossBound = 2e-5;
+
+// Ratios on both sides of 1 - eps_low = 0.8 and 1 + eps_high = 1.28, inside and far outside the
+// trust region, and past the dual-clip bound 3.
+const std::vector<double> kRatioTargets = {0.3, 0.79, 0.81, 1.0, 1.1, 1.27, 1.29, 2.5, 3.2, 0.95};
+
+LossOptions Policy(Objective objective, Reduction reduction) {
+  LossOptions o;
+  o.objective = objective;
+  o.reduction = reduction;
+  o.policy.clip_low = 0.2;
+  o.policy.clip_high = 0.28;
+  return o;
+}
+
+LossOptions PpoDualClip() {
+  LossOptions o = Policy(Objective::kPpo, Reduction::kSum);
+  o.policy.dual_clip = 3.0;
+  return o;
+}
+
+LossOptions PpoKlEntropy(KlEstimator estimator, Reduction reduction) {
+  LossOptions o = Policy(Objective::kPpo, reduction);
+  o.policy.kl_estimator = estimator;
+  o.policy.kl_coef = 0.05;
+  o.policy.entropy_coef = 0.01;
+  return o;
+}
+
+LossOptions CispoOptions() {
+  LossOptions o = Policy(Objective::kCispo, Reduction::kSequenceMeanTokenSum);
+  o.policy.clip_low = 1.0;  // MiniMax-M1's setting: the weight is clipped from above only
+  return o;
+}
+
+LossOptions CrossEntropyWithKlAndEntropy() {
+  LossOptions o;
+  o.policy.kl_estimator = KlEstimator::kK2;
+  o.policy.kl_coef = 0.1;
+  o.policy.entropy_coef = 0.02;
+  o.label_smoothing = 0.05;
   return o;
 }
 
@@ -199,6 +248,94 @@ const EngineCase kCases[] = {
      4 * kMiB, Tiling::kVocabTiles, /*gradients=*/false},
     {"bf16_grad_hidden", "dL/dh returned in bf16", Spec(64, 64, 1000), 64 * kMiB, Tiling::kAny,
      /*gradients=*/true, DType::kBFloat16},
+    // The policy objectives: ratios from kRatioTargets, advantages of both signs and zero.
+    {"importance_sampling", "-r A with a token mean over the kept rows",
+     Spec(61, 48, 1500, [](ProblemSpec& s) {
+       s.options = Policy(Objective::kImportanceSampling, Reduction::kMean);
+       s.ratio_targets = kRatioTargets;
+       s.ignore_fraction = 0.2;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"ppo_clip_both_sides", "ratios just inside and outside both clip bounds, zero advantages",
+     Spec(80, 48, 1200, [](ProblemSpec& s) {
+       s.options = Policy(Objective::kPpo, Reduction::kSum);
+       s.ratio_targets = kRatioTargets;
+       s.ignore_fraction = 0.1;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"ppo_dual_clip", "negative advantages with ratios past c = 3 are held at -c A",
+     Spec(80, 48, 1200, [](ProblemSpec& s) {
+       s.options = PpoDualClip();
+       s.ratio_targets = {2.9, 3.2, 5.0, 0.5, 1.5};
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"cispo_sequence_token_sum", "the clipped weight held constant; verl's seq-mean-token-sum",
+     Spec(90, 48, 1300, [](ProblemSpec& s) {
+       s.options = CispoOptions();
+       s.ratio_targets = kRatioTargets;
+       s.ignore_fraction = 0.1;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"ppo_k3_entropy_sequence_token_mean",
+     "k3 KL and entropy bonus, seq-mean-token-mean, sequences across token chunks",
+     Spec(701, 96, 5003, [](ProblemSpec& s) {
+       s.options = PpoKlEntropy(KlEstimator::kK3, Reduction::kSequenceMeanTokenMean);
+       s.ratio_targets = kRatioTargets;
+       s.max_sequence_length = 150;
+       s.ignore_fraction = 0.1;
+     }), 8 * kMiB, Tiling::kTokenChunks, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"importance_sampling_k1_tiled", "k1 KL over vocabulary tiles (two passes)",
+     Spec(301, 96, 5003, [](ProblemSpec& s) {
+       s.options = Policy(Objective::kImportanceSampling, Reduction::kMean);
+       s.options.policy.kl_estimator = KlEstimator::kK1;
+       s.options.policy.kl_coef = 0.2;
+       s.ratio_targets = kRatioTargets;
+     }), 256 * kKiB, Tiling::kVocabTiles, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"ppo_k2_entropy_softcap_temperature", "soft cap and temperature chained under every term",
+     Spec(70, 48, 1200, [](ProblemSpec& s) {
+       s.options = PpoKlEntropy(KlEstimator::kK2, Reduction::kMean);
+       s.options.logit_softcap = 20.0;
+       s.options.temperature = 0.7;
+       s.logit_scale = 25.0;
+       s.ratio_targets = kRatioTargets;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"ppo_entropy_tiled", "the entropy bonus's per-logit factor over vocabulary tiles",
+     Spec(150, 64, 3333, [](ProblemSpec& s) {
+       s.options = PpoKlEntropy(KlEstimator::kK3, Reduction::kSum);
+       s.options.logit_softcap = 30.0;
+       s.ratio_targets = kRatioTargets;
+       s.token_weights = true;
+     }), 256 * kKiB, Tiling::kVocabTiles, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"logprob_gradient_none", "a caller's dL/dlogp backpropagated, with weights, reduction none",
+     Spec(64, 48, 1100, [](ProblemSpec& s) {
+       s.options.objective = Objective::kLogprobGradient;
+       s.options.reduction = Reduction::kNone;
+       s.token_weights = true;
+       s.ignore_fraction = 0.2;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"ppo_single_token", "N = 1",
+     Spec(1, 64, 3001, [](ProblemSpec& s) {
+       s.options = PpoKlEntropy(KlEstimator::kK3, Reduction::kMean);
+       s.ratio_targets = {1.29};
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"ppo_all_ignored", "no kept rows: loss 0, zero gradients, every sequence left out",
+     Spec(33, 32, 700, [](ProblemSpec& s) {
+       s.options = PpoKlEntropy(KlEstimator::kK1, Reduction::kSequenceMeanTokenMean);
+       s.ignore_fraction = 1.0;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"ppo_large_vocab", "V = 128256 with the entropy bonus and k3",
+     Spec(12, 32, 128256, [](ProblemSpec& s) {
+       s.options = PpoKlEntropy(KlEstimator::kK3, Reduction::kMean);
+       s.ratio_targets = kRatioTargets;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"ppo_bf16", "bf16 hidden states and head under ppo, k3 and the entropy bonus",
+     Spec(129, 128, 4099, [](ProblemSpec& s) {
+       s.hidden_dtype = DType::kBFloat16;
+       s.weight_dtype = DType::kBFloat16;
+       s.options = PpoKlEntropy(KlEstimator::kK3, Reduction::kSequenceMeanTokenSum);
+       s.ratio_targets = kRatioTargets;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"cross_entropy_kl_entropy", "KL and entropy terms compose with cross-entropy and smoothing",
+     Spec(64, 48, 1500, [](ProblemSpec& s) {
+       s.options = CrossEntropyWithKlAndEntropy();
+       s.ignore_fraction = 0.2;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kPolicyLossBound},
 };
 
 class EngineCaseTest : public ::testing::TestWithParam<std::tuple<std::string, EngineCase>> {};
@@ -247,14 +384,23 @@ TEST_P(EngineCaseTest, MatchesFloat64Reference) {
   if (ref.loss == 0.0) {
     EXPECT_EQ(s.loss, 0.0);
   } else {
-    EXPECT_LE(LossError(s.loss, ref), kLossBound) << "loss " << s.loss << " vs " << ref.loss;
+    EXPECT_LE(LossError(s.loss, ref), c.loss_bound) << "loss " << s.loss << " vs " << ref.loss;
   }
-  EXPECT_LE(RelativeError(run.loss, ref.token_loss), kLossBound);
+  EXPECT_LE(RelativeError(run.loss, ref.token_loss), c.loss_bound);
 
   const double logit_bound = LogitBound(ref.max_abs_logit);
   EXPECT_LE(MaxAbsError(run.logprob, ref.logprob), logit_bound);
   EXPECT_LE(MaxAbsError(run.lse, ref.lse), logit_bound);
   EXPECT_LE(MaxAbsError(run.entropy, ref.entropy), logit_bound);
+
+  // The policy objectives' per-token outputs: r moves relative to itself by logp's error; the
+  // KL estimates by it times |dKL/dlogp| (at most e^|delta| for k3, about 5 here); the clip
+  // states exactly, since kRatioTargets keep every ratio 1% from a bound.
+  EXPECT_LE(RelativeError(run.ratio, ref.ratio), logit_bound);
+  EXPECT_LE(MaxAbsError(run.kl, ref.kl), 5 * logit_bound);
+  EXPECT_EQ(run.clip, ref.clip);
+  EXPECT_EQ(s.clipped_tokens, ref.clipped_tokens);
+  EXPECT_NEAR(s.kl_sum, ref.kl_sum, 5 * logit_bound * static_cast<double>(n));
 
   // argmax and top-k may differ from the reference only between logits closer than the bound.
   const int64_t v = c.spec.vocab_size;
@@ -296,9 +442,9 @@ TEST_P(EngineCaseTest, MatchesFloat64Reference) {
   ASSERT_TRUE(lean_or.ok()) << lean_or.status();
   const EngineRun& lean = *lean_or;
   EXPECT_TRUE(lean.summary.all_finite);
-  EXPECT_LE(RelativeError(lean.loss, ref.token_loss), kLossBound);
+  EXPECT_LE(RelativeError(lean.loss, ref.token_loss), c.loss_bound);
   if (ref.counted_tokens > 0) {
-    EXPECT_LE(LossError(lean.summary.loss, ref), kLossBound);
+    EXPECT_LE(LossError(lean.summary.loss, ref), c.loss_bound);
   }
   EXPECT_EQ(lean.summary.correct_tokens, s.correct_tokens);
   expect_gradients(lean);
@@ -312,6 +458,79 @@ INSTANTIATE_TEST_SUITE_P(Cases, EngineCaseTest,
                          ::testing::Combine(::testing::Values("cpu", "cuda"),
                                             ::testing::ValuesIn(kCases)),
                          CaseName);
+
+// The engine is measured against the reference, so the reference's own derivatives are checked
+// against central differences of its loss, for every objective and term (ppo's branches, dual
+// clip, the KL estimators, the entropy bonus, sequence reductions). cispo holds its weight
+// constant, so its gradient is not its loss's: it must be logprob_gradient's with
+// g_i = -clip(r_i) A_i, which the differences check.
+TEST(ReferenceTest, GradientsMatchFiniteDifferences) {
+  LossOptions softcapped = PpoKlEntropy(KlEstimator::kK2, Reduction::kMean);
+  softcapped.logit_softcap = 4.0;
+  softcapped.temperature = 0.8;
+  LossOptions custom;
+  custom.objective = Objective::kLogprobGradient;
+  custom.reduction = Reduction::kSum;
+  const LossOptions cases[] = {
+      Policy(Objective::kImportanceSampling, Reduction::kMean),
+      Policy(Objective::kPpo, Reduction::kSum),
+      PpoDualClip(),
+      PpoKlEntropy(KlEstimator::kK3, Reduction::kSequenceMeanTokenMean),
+      PpoKlEntropy(KlEstimator::kK1, Reduction::kSequenceMeanTokenSum),
+      softcapped,
+      CrossEntropyWithKlAndEntropy(),
+      custom,
+  };
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "LOSSD_TEST_SEED=" << seed);
+  std::mt19937_64 rng(seed);
+  for (const LossOptions& options : cases) {
+    SCOPED_TRACE(::testing::Message() << ObjectiveName(options.objective) << ", "
+                                      << ReductionName(options.reduction) << ", KL "
+                                      << KlEstimatorName(options.policy.kl_estimator));
+    ProblemSpec spec = Spec(20, 5, 23);
+    spec.options = options;
+    spec.ratio_targets = kRatioTargets;
+    spec.token_weights = true;
+    spec.ignore_fraction = 0.1;
+    spec.max_sequence_length = 6;
+    const Problem problem = MakeProblem(spec, rng);
+    const ReferenceResult ref = ComputeReference(problem.reference);
+    constexpr double kStep = 1e-5;
+    std::vector<float> numeric(ref.grad_hidden.size());
+    ReferenceProblem moved = problem.reference;
+    for (size_t j = 0; j < moved.hidden.size(); ++j) {
+      const double x = moved.hidden[j];
+      moved.hidden[j] = x + kStep;
+      const double up = ReferenceLoss(moved);
+      moved.hidden[j] = x - kStep;
+      const double down = ReferenceLoss(moved);
+      moved.hidden[j] = x;
+      numeric[j] = static_cast<float>((up - down) / (2 * kStep));
+    }
+    // float rounding of the differences (2^-24) and the O(step^2) truncation.
+    EXPECT_LE(RelativeError(numeric, ref.grad_hidden), 1e-5);
+  }
+
+  ProblemSpec spec = Spec(20, 5, 23);
+  spec.options = CispoOptions();
+  spec.ratio_targets = kRatioTargets;
+  spec.ignore_fraction = 0.1;
+  const Problem problem = MakeProblem(spec, rng);
+  const ReferenceResult cispo = ComputeReference(problem.reference);
+  ReferenceProblem linear = problem.reference;
+  linear.options = custom;
+  linear.options.reduction = spec.options.reduction;
+  const double high = 1 + spec.options.policy.clip_high;
+  const double low = 1 - spec.options.policy.clip_low;
+  for (int64_t i = 0; i < spec.num_tokens; ++i) {
+    const double clipped = std::min(std::max(cispo.ratio[i], low), high);
+    linear.logprob_grads.push_back(-clipped * linear.advantages[i]);
+  }
+  const ReferenceResult expected = ComputeReference(linear);
+  std::vector<float> cispo_grad(cispo.grad_hidden.begin(), cispo.grad_hidden.end());
+  EXPECT_LE(RelativeError(cispo_grad, expected.grad_hidden), 1e-6);  // compared in float
+}
 
 class EngineBackendTest : public ::testing::TestWithParam<std::string> {
  protected:
@@ -337,13 +556,21 @@ void ExpectBitwiseEqual(const EngineRun& a, const EngineRun& b) {
   EXPECT_TRUE(same(a.top_k_token, b.top_k_token));
   EXPECT_TRUE(same(a.grad_hidden, b.grad_hidden));
   EXPECT_TRUE(same(a.grad_weight, b.grad_weight));
+  EXPECT_TRUE(same(a.ratio, b.ratio));
+  EXPECT_TRUE(same(a.kl, b.kl));
+  EXPECT_TRUE(same(a.clip, b.clip));
+  EXPECT_EQ(a.summary.kl_sum, b.summary.kl_sum);
 }
 
 TEST_P(EngineBackendTest, IdenticalCallsGiveIdenticalBits) {
   std::mt19937_64 rng(FreshSeed());
-  for (size_t budget : {64 * kMiB, 256 * kKiB}) {  // one pass, then vocabulary tiles
+  // One pass, then vocabulary tiles; cross-entropy with every option, then ppo with every term.
+  for (const bool policy : {false, true})
+  for (size_t budget : {64 * kMiB, 256 * kKiB}) {
     ProblemSpec spec = Spec(333, 128, 7001);
-    spec.options = EverythingOptions();
+    spec.options = policy ? PpoKlEntropy(KlEstimator::kK3, Reduction::kSequenceMeanTokenMean)
+                          : EverythingOptions();
+    spec.ratio_targets = kRatioTargets;
     spec.token_weights = true;
     const Problem problem = MakeProblem(spec, rng);
     RunRequest request;
@@ -473,6 +700,19 @@ TEST_P(EngineBackendTest, RejectsBadCallsNamingTheField) {
   status = RunEngine(*backend_, problem, RunRequest{}).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(status.message().find("temperature"), std::string::npos) << status;
+
+  // An objective without the inputs it reads, and a sequence reduction without sequences.
+  problem = MakeProblem(Spec(4, 8, 50), rng);
+  problem.spec.options.objective = Objective::kPpo;
+  status = RunEngine(*backend_, problem, RunRequest{}).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("sampling_logprobs"), std::string::npos) << status;
+
+  problem = MakeProblem(Spec(4, 8, 50), rng);
+  problem.spec.options.reduction = Reduction::kSequenceMeanTokenSum;
+  status = RunEngine(*backend_, problem, RunRequest{}).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("sequence_lengths"), std::string::npos) << status;
 
   problem = MakeProblem(Spec(4, 8, 50), rng);
   problem.spec.top_k = kMaxTopK + 1;

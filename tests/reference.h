@@ -19,6 +19,13 @@ struct ReferenceProblem {
   std::vector<double> weight;         // [V, H]
   std::vector<int64_t> labels;        // [N]
   std::vector<double> token_weights;  // [N] or empty
+  // Per-token inputs of the objectives ([N] or empty) and the batch's sequences (lengths, one
+  // after another), as in lossd/kernels/types.h.
+  std::vector<double> sampling_logprobs;
+  std::vector<double> advantages;
+  std::vector<double> reference_logprobs;
+  std::vector<double> logprob_grads;
+  std::vector<int64_t> sequence_lengths;
   LossOptions options;
   int top_k = 0;
 };
@@ -38,6 +45,11 @@ struct ReferenceResult {
   std::vector<double> grad_hidden;    // [N, H]
   std::vector<double> grad_weight;    // [V, H]
   double max_abs_logit = 0.0;
+  std::vector<double> ratio;          // [N] exp(logp - q); 0 for ignored rows and cross-entropy
+  std::vector<int32_t> clip;          // [N] ClipState
+  std::vector<double> kl;             // [N] the KL estimate; 0 for ignored rows
+  int64_t clipped_tokens = 0;
+  double kl_sum = 0.0;
 };
 
 ReferenceResult ComputeReference(const ReferenceProblem& problem);

@@ -359,11 +359,17 @@ LOSSD_ROW_LOOP RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t
   return s;
 }
 
-// z[0:cols] <- dL/da in place.
+// z[0:cols] <- dL/da in place; rows with an entropy bonus take its extra factor per logit.
 LOSSD_ROW_LOOP void RowLogitGradients(float* z, int64_t cols, int64_t v0, const RowGradient& g,
                                       const LogitTransform& transform) {
   const bool label_here = g.label >= v0 && g.label < v0 + cols;
   const float label_z = label_here ? z[g.label - v0] : 0.0f;
+  if (g.entropy_scale != 0.0f) {
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) z[c] = EntropyLogitGradient(z[c], false, g, transform);
+    if (label_here) z[g.label - v0] = EntropyLogitGradient(label_z, true, g, transform);
+    return;
+  }
 #pragma omp simd
   for (int64_t c = 0; c < cols; ++c) z[c] = LogitGradient(z[c], false, g, transform);
   if (label_here) z[g.label - v0] = LogitGradient(label_z, true, g, transform);
@@ -592,9 +598,12 @@ class CpuCall {
       ComputeLogits(hidden32_, rows, weight_, v0, cols, ws_.weight32, transform, ws_.logits,
                     tile_cols_, onto_zero);
       const bool another_product = gradients_ || r0 + rows < in_.num_tokens || v0 + cols < v_;
+      // The entropy bonus needs each row's entropy, and its gradient reads z (not e^(z - m)).
+      const bool entropy_bonus = options_.policy.entropy_coef != 0.0;
       const TileStatsWork work{
-          /*extra_sums=*/out_.entropy != nullptr || options_.label_smoothing != 0.0,
-          /*store_exp=*/rows_finished_in_tile && transform.softcap == 0.0f,
+          /*extra_sums=*/out_.entropy != nullptr || options_.label_smoothing != 0.0 ||
+              entropy_bonus,
+          /*store_exp=*/rows_finished_in_tile && transform.softcap == 0.0f && !entropy_bonus,
           /*zero_after=*/!rows_finished_in_tile && another_product};
       if (!work.zero_after) {
         zero_rows_ = zero_cols_ = 0;

@@ -349,7 +349,9 @@ static __global__ void LogitGradientsKernel(LogitTile tile, const RowGradient* d
     const int64_t i = row * tile.ld + c;
     float z = tile.d_logits[i];
     if (apply_transform) z = TransformLogit(z, transform);
-    const float grad = LogitGradient(z, tile.v0 + c == g.label, g, transform);
+    const bool is_label = tile.v0 + c == g.label;
+    const float grad = g.entropy_scale != 0.0f ? EntropyLogitGradient(z, is_label, g, transform)
+                                               : LogitGradient(z, is_label, g, transform);
     if (split.dtype == DType::kFloat32) {
       tile.d_logits[i] = grad;
       continue;

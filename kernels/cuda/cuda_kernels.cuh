@@ -63,8 +63,8 @@ absl::Status LaunchMergeTileRowStats(const LogitTile& tile, const int64_t* d_lab
 absl::Status LaunchMergeTileTopK(const LogitTile& tile, int k, float* d_top_values,
                                  int32_t* d_top_tokens, cudaStream_t stream);
 
-// dL/da = LogitGradient(z) for every logit of the tile; the tile holds raw logits a when
-// apply_transform, else z.
+// dL/da = LogitGradient(z) (EntropyLogitGradient for rows with an entropy bonus) for every logit
+// of the tile; the tile holds raw logits a when apply_transform, else z.
 absl::Status LaunchLogitGradients(const LogitTile& tile, const RowGradient* d_row_grads,
                                   const LogitTransform& transform, bool apply_transform,
                                   const GradientSplit& split, cudaStream_t stream);

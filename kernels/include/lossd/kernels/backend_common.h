@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
@@ -31,6 +32,23 @@ absl::Status ValidateTokenWeights(const float* weights, int64_t count, int64_t f
 // bits (an exponent of all ones), so it costs one pass over memory even at V x H of a large head.
 absl::Status ValidateFiniteMatrix(absl::string_view field, const void* data, DType dtype,
                                   int64_t rows, int64_t cols, int64_t first_row = 0);
+
+// The per-token inputs the call's objective and terms read (types.h, BatchInputs): present, and
+// finite on rows that are not ignored; with a sequence reduction, its per-row factors.
+absl::Status ValidateObjectiveInputs(const BatchInputs& inputs, const LossOptions& options,
+                                     int64_t first_index = 0);
+
+// Each row's factor in a sequence reduction (verl's agg_loss "seq-mean-token-sum" and
+// "seq-mean-token-mean") of a batch made of sequences of the given lengths, one after another:
+// 1 / S or 1 / (S L_s), with L_s the non-ignored rows of the row's sequence and S the sequences
+// with at least one (fully ignored sequences are left out), or options.mean_denominator when > 0
+// (the whole batch's S, for a batch that is one slice of it). Ignored rows get 0. The lengths must
+// be >= 1 and sum to num_tokens.
+absl::StatusOr<std::vector<double>> SequenceReductionScales(const LossOptions& options,
+                                                            const int64_t* labels,
+                                                            int64_t num_tokens,
+                                                            const int64_t* sequence_lengths,
+                                                            int64_t num_sequences);
 
 ProblemShape ShapeOfCall(const BatchInputs& inputs, const WeightView& weight,
                          const TokenOutputs& outputs, bool grad_weight);

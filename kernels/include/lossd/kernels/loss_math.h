@@ -3,10 +3,17 @@
 // same formulas the GPU runs.
 //
 // Per row: a = h W^T, z = cap(a) / T with cap(a) = c tanh(a / c) (identity when c = 0),
-//   lse = log sum_v exp z_v,  p_v = exp(z_v - lse),
-//   loss = w [ (1 - eps)(lse - z_y) + eps (lse - mean_v z_v) + s lse^2 ],
-//   dL/dz_v = g [ p_v (1 + 2 s lse) - eps / V - (1 - eps) [v = y] ],  g = w * reduction scale * grad_scale,
+//   lse = log sum_v exp z_v,  p_v = exp(z_v - lse),  logp = z_y - lse,  H = lse - sum_v p_v z_v,
+//   loss = w [ term + beta KL + s lse^2 - c_H H ]   (term and KL as in types.h),
+//   dL/dz_v = g [ p_v (1 + 2 s lse) - eps / V - (1 - eps) [v = y] ]   (cross-entropy)
+//           + g d ([v = y] - p_v)                  (d = dL/dlogp of the policy term and beta KL)
+//           + g c_H p_v (z_v - lse + H)            (the entropy bonus: dH/dz_v = -p_v (z_v - E_p z))
+//           + g 2 s lse p_v                        (z-loss, with any objective),
+//   g = w * reduction scale * grad_scale,
 //   dL/da_v = dL/dz_v * (1 / T) * (1 - (z_v T / c)^2)   (the last factor only with a soft cap).
+// All of it is a per-row transform of the row's statistics, so that a row's logits are read the
+// same way whatever the objective: dL/dz_v = p_v (scale_p + entropy_scale (z_v - lse)) - offset
+// - label_term [v = y] (RowGradient).
 #ifndef LOSSD_KERNELS_LOSS_MATH_H_
 #define LOSSD_KERNELS_LOSS_MATH_H_
 
@@ -159,18 +166,134 @@ struct LossTerms {
   double label_smoothing = 0.0;
   double z_loss_scale = 0.0;
   int64_t vocab_size = 0;
+  Objective objective = Objective::kCrossEntropy;
+  PolicyOptions policy;
 };
+
+inline LossTerms MakeLossTerms(const LossOptions& options, int64_t vocab_size) {
+  LossTerms t;
+  t.label_smoothing = options.label_smoothing;
+  t.z_loss_scale = options.z_loss_scale;
+  t.vocab_size = vocab_size;
+  t.objective = options.objective;
+  t.policy = options.policy;
+  return t;
+}
+
+// A row's per-token inputs of the objectives (0 where the call has none).
+struct RowInputs {
+  double sampling_logprob = 0.0;   // q
+  double advantage = 0.0;          // A
+  double reference_logprob = 0.0;  // logp_ref
+  double logprob_grad = 0.0;       // g of logprob_gradient
+};
+
+// An objective's term at logp, and its derivative d = dterm/dlogp.
+struct ObjectiveTerm {
+  double value = 0.0;
+  double logprob_grad = 0.0;
+  double ratio = 0.0;
+  ClipState clip = ClipState::kNone;
+};
+
+// The term of a non-cross-entropy objective (types.h). With r = e^(logp - q), dr/dlogp = r:
+// importance sampling d = -r A; ppo d = -r A where the unclipped branch is taken and 0 where the
+// clipped one or the dual-clip bound is (both constant in logp); cispo d = -clip(r) A, its weight
+// held constant.
+LOSSD_HD ObjectiveTerm PolicyObjectiveTerm(Objective objective, double logprob,
+                                           const RowInputs& in, const PolicyOptions& p) {
+  ObjectiveTerm t;
+  if (objective == Objective::kLogprobGradient) {
+    t.value = in.logprob_grad * logprob;
+    t.logprob_grad = in.logprob_grad;
+    return t;
+  }
+  const double a = in.advantage;
+  const double r = std::exp(logprob - in.sampling_logprob);
+  const double low = 1.0 - p.clip_low;
+  const double high = 1.0 + p.clip_high;
+  const double clipped = r < low ? low : (r > high ? high : r);
+  t.ratio = r;
+  switch (objective) {
+    case Objective::kImportanceSampling:
+      t.value = -r * a;
+      t.logprob_grad = -r * a;
+      break;
+    case Objective::kPpo: {
+      const double unclipped_loss = -r * a;
+      const double clipped_loss = -clipped * a;
+      if (clipped_loss > unclipped_loss) {
+        t.value = clipped_loss;
+        t.clip = r > high ? ClipState::kHigh : ClipState::kLow;
+      } else {
+        t.value = unclipped_loss;
+        t.logprob_grad = -r * a;
+      }
+      const double dual_bound = -p.dual_clip * a;
+      if (p.dual_clip > 0.0 && a < 0.0 && t.value > dual_bound) {
+        t.value = dual_bound;
+        t.logprob_grad = 0.0;
+        t.clip = ClipState::kDual;
+      }
+      break;
+    }
+    case Objective::kCispo:
+      t.value = -clipped * a * logprob;
+      t.logprob_grad = -clipped * a;
+      t.clip = r > high ? ClipState::kHigh : (r < low ? ClipState::kLow : ClipState::kNone);
+      break;
+    default:
+      break;
+  }
+  return t;
+}
+
+// KL_i by the estimator at logp, and dKL_i/dlogp (types.h: delta = logp_ref - logp).
+struct KlTerm {
+  double value = 0.0;
+  double logprob_grad = 0.0;
+};
+
+LOSSD_HD KlTerm KlEstimate(KlEstimator estimator, double logprob, double reference_logprob) {
+  const double delta = reference_logprob - logprob;
+  KlTerm k;
+  switch (estimator) {
+    case KlEstimator::kK1:
+      k.value = -delta;
+      k.logprob_grad = 1.0;
+      break;
+    case KlEstimator::kK2:
+      k.value = 0.5 * delta * delta;
+      k.logprob_grad = -delta;
+      break;
+    case KlEstimator::kK3: {
+      const double e = std::exp(delta);
+      k.value = e - delta - 1.0;
+      k.logprob_grad = 1.0 - e;
+      break;
+    }
+    default:
+      break;
+  }
+  return k;
+}
 
 struct RowResult {
   float lse;
   float logprob;  // 0 for ignored rows
   float loss;     // weighted; 0 for ignored rows
   float entropy;
-  bool finite;    // the row's logits and statistics were all finite
+  float ratio;    // of the policy objectives; 0 for ignored rows
+  float kl;       // with a KL estimator; 0 for ignored rows
+  ClipState clip;
+  bool finite;    // the row's logits, statistics and terms were all finite
+  // d = dL/dlogp of the policy term and beta KL, before the weight; 0 for ignored rows.
+  double logprob_grad;
 };
 
 // Per-row results from complete statistics, in double so that lse - z_y does not cancel badly.
-LOSSD_HD RowResult FinishRow(const RowStats& s, bool counted, float weight, const LossTerms& terms) {
+LOSSD_HD RowResult FinishRow(const RowStats& s, bool counted, float weight, const LossTerms& terms,
+                             const RowInputs& in) {
   const double log_sum = std::log(static_cast<double>(s.sum_exp));
   const double lse = static_cast<double>(s.max) + log_sum;
   const double entropy = log_sum - static_cast<double>(s.sum_exp_shifted) / s.sum_exp;
@@ -180,36 +303,73 @@ LOSSD_HD RowResult FinishRow(const RowStats& s, bool counted, float weight, cons
   r.entropy = static_cast<float>(entropy);
   r.logprob = 0.0f;
   r.loss = 0.0f;
+  r.ratio = 0.0f;
+  r.kl = 0.0f;
+  r.clip = ClipState::kNone;
+  r.logprob_grad = 0.0;
   if (counted) {
     const double logprob = (static_cast<double>(s.target) - s.max) - log_sum;
-    const double eps = terms.label_smoothing;
-    const double loss = (1.0 - eps) * (-logprob) + eps * (lse - mean_z) +
-                        terms.z_loss_scale * lse * lse;
+    double loss;
+    if (terms.objective == Objective::kCrossEntropy) {
+      const double eps = terms.label_smoothing;
+      loss = (1.0 - eps) * (-logprob) + eps * (lse - mean_z) + terms.z_loss_scale * lse * lse;
+    } else {
+      const ObjectiveTerm term = PolicyObjectiveTerm(terms.objective, logprob, in, terms.policy);
+      loss = term.value + terms.z_loss_scale * lse * lse;
+      r.logprob_grad = term.logprob_grad;
+      r.ratio = static_cast<float>(term.ratio);
+      r.clip = term.clip;
+    }
+    if (terms.policy.kl_estimator != KlEstimator::kNone) {
+      const KlTerm kl = KlEstimate(terms.policy.kl_estimator, logprob, in.reference_logprob);
+      r.kl = static_cast<float>(kl.value);
+      if (terms.policy.kl_coef != 0.0) {
+        loss += terms.policy.kl_coef * kl.value;
+        r.logprob_grad += terms.policy.kl_coef * kl.logprob_grad;
+      }
+    }
+    if (terms.policy.entropy_coef != 0.0) loss -= terms.policy.entropy_coef * entropy;
     r.logprob = static_cast<float>(logprob);
     r.loss = static_cast<float>(weight * loss);
   }
-  r.finite = IsFinite(lse) && IsFinite(mean_z) && IsFinite(entropy) && IsFinite(r.loss);
+  r.finite = IsFinite(lse) && IsFinite(mean_z) && IsFinite(entropy) && IsFinite(r.loss) &&
+             IsFinite(r.logprob_grad);
   return r;
 }
 
-// The per-row constants of dL/dz_v = scale_p * p_v - offset - label_term [v = y].
+// The per-row constants of dL/dz_v = p_v (scale_p + entropy_scale (z_v - lse)) - offset
+// - label_term [v = y].
 struct RowGradient {
   float lse;
-  float scale_p;     // g (1 + 2 s lse)
-  float offset;      // g eps / V
-  float label_term;  // g (1 - eps)
-  int64_t label;     // -1 when the row is ignored
+  float scale_p;        // g (1 + 2 s lse) for cross-entropy; g (2 s lse - d + c_H H) in general
+  float entropy_scale;  // g c_H
+  float offset;         // g eps / V
+  float label_term;     // g (1 - eps) for cross-entropy; g (1 - eps - d) in general
+  int64_t label;        // -1 when the row is ignored
 };
 
 // g = weight * multiplier, where the multiplier holds the reduction's scale and grad_scale.
-LOSSD_HD RowGradient MakeRowGradient(float lse, int64_t label, bool counted, float weight,
-                                     double multiplier, const LossTerms& terms) {
+LOSSD_HD RowGradient MakeRowGradient(const RowResult& row, int64_t label, bool counted,
+                                     float weight, double multiplier, const LossTerms& terms) {
   RowGradient r;
   const double g = counted ? static_cast<double>(weight) * multiplier : 0.0;
-  r.lse = lse;
-  r.scale_p = static_cast<float>(g * (1.0 + 2.0 * terms.z_loss_scale * lse));
-  r.offset = static_cast<float>(g * terms.label_smoothing / static_cast<double>(terms.vocab_size));
-  r.label_term = static_cast<float>(g * (1.0 - terms.label_smoothing));
+  const bool cross_entropy = terms.objective == Objective::kCrossEntropy;
+  const double lse = row.lse;
+  const double d = row.logprob_grad;
+  const double entropy_coef = terms.policy.entropy_coef;
+  double p_factor = (cross_entropy ? 1.0 : 0.0) + 2.0 * terms.z_loss_scale * lse;
+  double label_factor = cross_entropy ? 1.0 - terms.label_smoothing : 0.0;
+  if (d != 0.0 || entropy_coef != 0.0) {
+    p_factor += entropy_coef * static_cast<double>(row.entropy) - d;
+    label_factor -= d;
+  }
+  r.lse = row.lse;
+  r.scale_p = static_cast<float>(g * p_factor);
+  r.entropy_scale = static_cast<float>(g * entropy_coef);
+  r.offset = cross_entropy ? static_cast<float>(g * terms.label_smoothing /
+                                                static_cast<double>(terms.vocab_size))
+                           : 0.0f;
+  r.label_term = static_cast<float>(g * label_factor);
   r.label = counted ? label : -1;
   return r;
 }
@@ -220,10 +380,22 @@ LOSSD_HD float LogitGradient(float z, bool is_label, const RowGradient& g, const
   return dz * TransformDerivative(z, t);
 }
 
-// max_v |dL/da_v| <= (|scale_p| + |offset| + |label_term|) / T, since 0 <= p_v <= 1 and the soft
-// cap's factor 1 - tanh^2 is at most 1.
+// The same with the entropy bonus's factor, for rows whose entropy_scale is not 0.
+LOSSD_HD float EntropyLogitGradient(float z, bool is_label, const RowGradient& g,
+                                    const LogitTransform& t) {
+  const float shifted = z - g.lse;  // log p_v
+  const float dz = (g.scale_p + g.entropy_scale * shifted) * Exp(shifted) - g.offset -
+                   (is_label ? g.label_term : 0.0f);
+  return dz * TransformDerivative(z, t);
+}
+
+// max_v |dL/da_v| <= (|scale_p| + |entropy_scale| / e + |offset| + |label_term|) / T, since
+// 0 <= p_v <= 1, p_v |log p_v| <= 1 / e, and the soft cap's factor 1 - tanh^2 is at most 1.
 LOSSD_HD double LogitGradientBound(const RowGradient& g, const LogitTransform& t) {
-  return (std::fabs(static_cast<double>(g.scale_p)) + std::fabs(static_cast<double>(g.offset)) +
+  constexpr double kMaxPLogP = 0.36787944117144233;  // max_p p |log p| = 1 / e
+  return (std::fabs(static_cast<double>(g.scale_p)) +
+          std::fabs(static_cast<double>(g.entropy_scale)) * kMaxPLogP +
+          std::fabs(static_cast<double>(g.offset)) +
           std::fabs(static_cast<double>(g.label_term))) *
          static_cast<double>(t.inv_temperature);
 }
@@ -247,7 +419,8 @@ inline double MeanDenominator(const LossOptions& options, int64_t counted_rows) 
                                       : static_cast<double>(counted_rows);
 }
 
-// The factor every row's gradient is multiplied by: grad_scale / D for the mean, grad_scale else.
+// The factor every row's gradient is multiplied by: grad_scale / D for the mean, grad_scale else
+// (a sequence reduction multiplies it by each row's own factor).
 // A mean over zero counted rows is defined as 0 with a zero gradient (torch returns NaN there).
 inline double GradientMultiplier(const LossOptions& options, int64_t counted_rows) {
   if (options.reduction != Reduction::kMean) return options.grad_scale;
@@ -255,6 +428,8 @@ inline double GradientMultiplier(const LossOptions& options, int64_t counted_row
   return denominator > 0 ? options.grad_scale / denominator : 0.0;
 }
 
+// The reduced loss of a token-level reduction; a sequence reduction's is the sum of its rows'
+// scaled losses.
 inline double ReducedLoss(const LossOptions& options, double loss_sum, int64_t counted_rows) {
   if (options.reduction != Reduction::kMean) return loss_sum;
   const double denominator = MeanDenominator(options, counted_rows);

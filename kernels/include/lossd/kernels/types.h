@@ -1,12 +1,24 @@
 // The vocabulary of the lossd engine: element types, loss options, one batch's inputs and outputs.
 //
-// Semantics (z are the logits after soft-capping and temperature; see loss_math.h for formulas):
-//   loss_i     = w_i * [ (1 - eps) (lse_i - z_{i,y_i}) + eps (lse_i - mean_v z_{i,v}) + s lse_i^2 ]
-//   reduction  = sum: sum_i loss_i;  mean: sum_i loss_i / D;  none: the vector loss_i.
+// Semantics (z are the logits after soft-capping and temperature, logp_i = z_{i,y_i} - lse_i; see
+// loss_math.h for the formulas and gradients):
+//   loss_i     = w_i * [ term_i + beta KL_i - c_H H_i + s lse_i^2 ]
+//   term_i     = cross_entropy:       (1 - eps) (lse_i - z_{i,y_i}) + eps (lse_i - mean_v z_{i,v})
+//                importance_sampling: -r_i A_i,  r_i = exp(logp_i - q_i)
+//                ppo:                 -min(r_i A_i, clip(r_i, 1 - eps_low, 1 + eps_high) A_i), and
+//                                     with dual clip c, for A_i < 0: min(that, -c A_i)
+//                cispo:               -sg(clip(r_i, 1 - eps_low, 1 + eps_high)) A_i logp_i
+//                logprob_gradient:    g_i logp_i, so that dL/dlogp_i = g_i (a caller's own loss)
+//   reduction  = sum: sum_i loss_i;  mean: sum_i loss_i / D;  none: the vector loss_i;
+//                sequence_mean_token_sum: sum_i loss_i / S;
+//                sequence_mean_token_mean: sum_i loss_i / (S L_s(i)).
 // Rows whose label equals ignore_index contribute 0 to the loss and get a zero gradient.
 // D, the mean's denominator, is the number of non-ignored rows of the whole batch (torch's
 // F.cross_entropy convention). Per-token weights w_i scale each row's loss and gradient but do not
 // enter D, so negative weights (RL advantages) and masks behave the same way under every reduction.
+// The sequence reductions are verl's agg_loss modes "seq-mean-token-sum" and "seq-mean-token-mean":
+// S counts the sequences with a non-ignored row, L_s a sequence's non-ignored rows; the caller
+// resolves them into per-row factors (SequenceReductionScales in backend_common.h).
 #ifndef LOSSD_KERNELS_TYPES_H_
 #define LOSSD_KERNELS_TYPES_H_
 
@@ -22,8 +34,55 @@ enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 constexpr size_t DTypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 absl::string_view DTypeName(DType dtype);
 
-enum class Reduction : int { kMean = 0, kSum = 1, kNone = 2 };
+enum class Reduction : int {
+  kMean = 0,
+  kSum = 1,
+  kNone = 2,
+  kSequenceMeanTokenSum = 3,
+  kSequenceMeanTokenMean = 4,
+};
 absl::string_view ReductionName(Reduction reduction);
+constexpr bool IsSequenceReduction(Reduction reduction) {
+  return reduction == Reduction::kSequenceMeanTokenSum ||
+         reduction == Reduction::kSequenceMeanTokenMean;
+}
+
+// The per-token term of the loss (see the top of this file).
+enum class Objective : int {
+  kCrossEntropy = 0,
+  kImportanceSampling = 1,
+  kPpo = 2,
+  kCispo = 3,
+  kLogprobGradient = 4,
+};
+absl::string_view ObjectiveName(Objective objective);
+// Whether the objective reads sampling log-probabilities and advantages.
+constexpr bool IsPolicyObjective(Objective objective) {
+  return objective == Objective::kImportanceSampling || objective == Objective::kPpo ||
+         objective == Objective::kCispo;
+}
+
+// Estimators of KL(policy || reference) at the sampled token from delta = logp_ref - logp
+// (Schulman's k1, k2, k3; verl's "kl", "mse", "low_var_kl" without its clamp):
+//   k1 = -delta,  k2 = delta^2 / 2,  k3 = e^delta - delta - 1.
+enum class KlEstimator : int { kNone = 0, kK1 = 1, kK2 = 2, kK3 = 3 };
+absl::string_view KlEstimatorName(KlEstimator estimator);
+
+// Where a token's ratio met the trust region: its objective term was clipped at 1 + eps_high
+// (ppo: A > 0; cispo: the weight), at 1 - eps_low (ppo: A < 0), or held at the dual-clip bound.
+// PPO counts a token as clipped when the clipped branch strictly wins (verl's pg_clipfrac), so
+// that its gradient is cut; CISPO when its weight was clipped.
+enum class ClipState : int32_t { kNone = 0, kHigh = 1, kLow = 2, kDual = 3 };
+
+// The options of the policy objectives and the terms any objective may add.
+struct PolicyOptions {
+  double clip_low = 0.2;      // eps_low in [0, 1]: ratios below 1 - eps_low are clipped
+  double clip_high = 0.2;     // eps_high >= 0: ratios above 1 + eps_high are clipped
+  double dual_clip = 0.0;     // c > 1: ppo's loss of a negative advantage is at most -c A; 0 off
+  KlEstimator kl_estimator = KlEstimator::kNone;
+  double kl_coef = 0.0;       // beta >= 0: adds beta KL_i; needs a KL estimator
+  double entropy_coef = 0.0;  // c_H: subtracts c_H H_i (an entropy bonus for c_H > 0)
+};
 
 // The largest k a caller may ask for in top-k log-probabilities.
 inline constexpr int kMaxTopK = 64;
@@ -46,6 +105,8 @@ struct LossOptions {
   // Stores this call's dL/dW into grad_weight instead of adding it, so that a caller staging one
   // call's gradient need not zero the buffer first. Every entry is written when the call has rows.
   bool overwrite_grad_weight = false;
+  Objective objective = Objective::kCrossEntropy;
+  PolicyOptions policy;
 };
 
 // One batch of tokens. All pointers are host memory owned by the caller.
@@ -56,6 +117,15 @@ struct BatchInputs {
   int64_t hidden_size = 0;
   const int64_t* labels = nullptr;         // [num_tokens], in [0, V) or ignore_index
   const float* token_weights = nullptr;    // [num_tokens] or null for all ones
+  // Per-token inputs of the objectives, [num_tokens] each, read only where the objective or term
+  // uses them and only on rows that are not ignored.
+  const float* sampling_logprobs = nullptr;   // q_i: importance_sampling, ppo, cispo
+  const float* advantages = nullptr;          // A_i: importance_sampling, ppo, cispo
+  const float* reference_logprobs = nullptr;  // logp_ref_i: with a KL estimator
+  const float* logprob_grads = nullptr;       // g_i: logprob_gradient
+  // [num_tokens] with a sequence reduction: each row's factor in the reduced loss, 1 / S or
+  // 1 / (S L_s), as SequenceReductionScales computes them for the whole batch.
+  const double* reduction_scales = nullptr;
 };
 
 // Which per-token results to produce: a null pointer means "not wanted". Host memory, caller-owned.
@@ -71,6 +141,10 @@ struct TokenOutputs {
   int32_t* top_k_token = nullptr;  // [N, k]
   void* grad_hidden = nullptr;     // [N, H] dL/dh in grad_hidden_dtype, overwritten
   DType grad_hidden_dtype = DType::kFloat32;
+  // Of the policy objectives; 0 for ignored rows and where the objective has none.
+  float* ratio = nullptr;          // [N] r_i = exp(logp_i - q_i)
+  int32_t* clip = nullptr;         // [N] ClipState
+  float* kl = nullptr;             // [N] KL_i by the call's estimator
 };
 
 struct BatchSummary {
@@ -78,6 +152,8 @@ struct BatchSummary {
   double loss = 0.0;            // the reduced loss (sum and none report loss_sum)
   int64_t counted_tokens = 0;   // rows whose label is not ignore_index
   int64_t correct_tokens = 0;   // counted rows whose argmax equals the label
+  int64_t clipped_tokens = 0;   // counted rows whose ClipState is not kNone
+  double kl_sum = 0.0;          // sum of KL_i over counted rows (with a KL estimator)
   // False when any row's logits were not finite (NaN/Inf in h or W, or overflow); the caller then
   // must not trust, or commit, the gradients of this call.
   bool all_finite = true;
