@@ -34,6 +34,10 @@ struct CallSpec {
   DType hidden_dtype = DType::kFloat32;
   std::vector<int64_t> labels;
   std::vector<float> token_weights;
+  // The objective's per-token inputs (empty when it reads none) and, with a sequence reduction,
+  // each row's factor in it.
+  std::vector<float> sampling_logprobs, advantages, reference_logprobs, logprob_grads;
+  std::vector<double> reduction_scales;
   int64_t counted_tokens = 0;
   v1::OutputSelection outputs;
   DType grad_hidden_dtype = DType::kFloat32;
@@ -78,11 +82,78 @@ absl::Status ValidateCallId(const std::string& call_id) {
 // absl::Hash is seeded per process, and ids live no longer than the process).
 uint64_t StartFingerprint(const CallSpec& spec) {
   const LossOptions& o = spec.options;
+  const PolicyOptions& p = o.policy;
   return absl::HashOf(absl::MakeConstSpan(spec.labels), absl::MakeConstSpan(spec.token_weights),
                       spec.num_tokens, spec.hidden_size, static_cast<int>(spec.hidden_dtype),
                       static_cast<int>(o.reduction), o.ignore_index, o.label_smoothing,
                       o.z_loss_scale, o.logit_softcap, o.temperature, o.grad_scale,
-                      o.mean_denominator, o.allow_tf32);
+                      o.mean_denominator, o.allow_tf32, static_cast<int>(o.objective),
+                      p.clip_low, p.clip_high, p.dual_clip, static_cast<int>(p.kl_estimator),
+                      p.kl_coef, p.entropy_coef, absl::MakeConstSpan(spec.sampling_logprobs),
+                      absl::MakeConstSpan(spec.advantages),
+                      absl::MakeConstSpan(spec.reference_logprobs),
+                      absl::MakeConstSpan(spec.logprob_grads),
+                      absl::MakeConstSpan(spec.reduction_scales));
+}
+
+// The per-token inputs of the call's objective and terms, each num_tokens long and finite where
+// read; inputs the call does not read are refused rather than ignored. With a sequence reduction,
+// each row's factor from sequence_lengths.
+absl::Status ParseObjectiveInputs(const v1::ComputeStart& start, CallSpec& spec) {
+  const LossOptions& options = spec.options;
+  struct Input {
+    const char* field;
+    const google::protobuf::RepeatedField<float>& values;
+    bool read;
+    const char* read_by;
+    std::vector<float>* into;
+  };
+  const Input inputs[] = {
+      {"sampling_logprobs", start.sampling_logprobs(), IsPolicyObjective(options.objective),
+       "importance_sampling, ppo and cispo", &spec.sampling_logprobs},
+      {"advantages", start.advantages(), IsPolicyObjective(options.objective),
+       "importance_sampling, ppo and cispo", &spec.advantages},
+      {"reference_logprobs", start.reference_logprobs(),
+       options.policy.kl_estimator != KlEstimator::kNone, "a policy.kl_estimator",
+       &spec.reference_logprobs},
+      {"logprob_grads", start.logprob_grads(), options.objective == Objective::kLogprobGradient,
+       "logprob_gradient", &spec.logprob_grads},
+  };
+  for (const Input& input : inputs) {
+    const int64_t size = input.values.size();
+    if (!input.read && size > 0) {
+      return InvalidField(input.field,
+                          absl::StrCat("no values with objective ", ObjectiveName(options.objective),
+                                       " (only ", input.read_by, " read them)"),
+                          absl::StrCat(size, " values"));
+    }
+    if (input.read && size != spec.num_tokens) {
+      return InvalidField(input.field,
+                          absl::StrCat(spec.num_tokens, " entries (num_tokens) for objective ",
+                                       ObjectiveName(options.objective)),
+                          absl::StrCat(size));
+    }
+    input.into->assign(input.values.begin(), input.values.end());
+  }
+  BatchInputs view;
+  view.num_tokens = spec.num_tokens;
+  view.labels = spec.labels.data();
+  const auto or_null = [](const std::vector<float>& values) {
+    return values.empty() ? nullptr : values.data();
+  };
+  view.sampling_logprobs = or_null(spec.sampling_logprobs);
+  view.advantages = or_null(spec.advantages);
+  view.reference_logprobs = or_null(spec.reference_logprobs);
+  view.logprob_grads = or_null(spec.logprob_grads);
+  if (IsSequenceReduction(options.reduction) || start.sequence_lengths_size() > 0) {
+    ASSIGN_OR_RETURN(std::vector<double> scales,
+                     SequenceReductionScales(options, spec.labels.data(), spec.num_tokens,
+                                             start.sequence_lengths().data(),
+                                             start.sequence_lengths_size()));
+    if (IsSequenceReduction(options.reduction)) spec.reduction_scales = std::move(scales);
+    view.reduction_scales = spec.reduction_scales.data();
+  }
+  return ValidateObjectiveInputs(view, options);
 }
 
 absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::ComputeStart& start) {
@@ -117,6 +188,7 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
                                  spec.options.ignore_index));
   RETURN_IF_ERROR(ValidateTokenWeights(spec.token_weights.data(),
                                        static_cast<int64_t>(spec.token_weights.size())));
+  RETURN_IF_ERROR(ParseObjectiveInputs(start, spec));
 
   spec.outputs = start.outputs();
   const int top_k = spec.outputs.top_k();
@@ -129,9 +201,9 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
                                                      "outputs.grad_hidden_dtype", spec.hidden_dtype));
   if (start.has_shared_memory()) spec.shared_memory = start.shared_memory();
   spec.counted_tokens = CountCountedRows(spec.labels.data(), spec.num_tokens, spec.options.ignore_index);
-  // Every engine chunk divides by the whole batch's D, so the chunks' gradients add up to the
-  // batch's.
-  if (spec.options.mean_denominator == 0) {
+  // Every engine chunk divides by the whole batch's D (a sequence reduction's per-row factors
+  // already hold the whole batch's S), so the chunks' gradients add up to the batch's.
+  if (spec.options.reduction == Reduction::kMean && spec.options.mean_denominator == 0) {
     spec.options.mean_denominator = static_cast<double>(spec.counted_tokens);
   }
   RETURN_IF_ERROR(ValidateCallId(start.call_id()));
@@ -169,6 +241,22 @@ std::vector<std::string> OverflowSuspects(const CallSpec& spec, int64_t first, i
   if (o.z_loss_scale > 1.0) {
     suspects.push_back(absl::StrCat("options.z_loss_scale = ", o.z_loss_scale));
   }
+  // A policy objective's ratio exp(logp - q) passes fp32's range (about e^88) where the sampling
+  // log-probability q is far below any the head gives.
+  if (IsPolicyObjective(o.objective)) {
+    int64_t smallest_at = -1;
+    for (int64_t i = first; i < first + rows; ++i) {
+      if (spec.labels[i] == o.ignore_index) continue;
+      if (smallest_at < 0 || spec.sampling_logprobs[i] < spec.sampling_logprobs[smallest_at]) {
+        smallest_at = i;
+      }
+    }
+    if (smallest_at >= 0 && spec.sampling_logprobs[smallest_at] < -80.0f) {
+      suspects.push_back(absl::StrCat("sampling_logprobs[", smallest_at, "] = ",
+                                      spec.sampling_logprobs[smallest_at],
+                                      " (the ratio exp(logp - sampling_logprobs) overflows)"));
+    }
+  }
   if (gradients && std::fabs(o.grad_scale) > 1.0) {
     suspects.push_back(absl::StrCat("options.grad_scale = ", o.grad_scale));
   }
@@ -182,8 +270,8 @@ std::vector<std::string> OverflowSuspects(const CallSpec& spec, int64_t first, i
 
 // Per-row outputs of one engine chunk, in host memory.
 struct ChunkOutputs {
-  std::vector<float> loss, logprob, lse, entropy, top_k_logprob;
-  std::vector<int32_t> argmax, top_k_token;
+  std::vector<float> loss, logprob, lse, entropy, top_k_logprob, ratio, kl;
+  std::vector<int32_t> argmax, top_k_token, clip;
 
   // dL/dh, when wanted, goes to `grad_hidden` (shared memory, or the call's host buffer).
   TokenOutputs Bind(const v1::OutputSelection& want, int64_t rows, void* grad_hidden,
@@ -203,6 +291,9 @@ struct ChunkOutputs {
     out.top_k_token = bind(want.top_k() > 0, top_k_token, want.top_k());
     out.grad_hidden = grad_hidden;
     out.grad_hidden_dtype = grad_dtype;
+    out.ratio = bind(want.ratio(), ratio, 1);
+    out.clip = bind(want.clip(), clip, 1);
+    out.kl = bind(want.kl(), kl, 1);
     return out;
   }
 };
@@ -354,6 +445,14 @@ class ComputeCall {
     in.hidden_size = spec_.hidden_size;
     in.labels = spec_.labels.data() + first;
     in.token_weights = spec_.token_weights.empty() ? nullptr : spec_.token_weights.data() + first;
+    const auto rows_of = [first](const auto& values) {
+      return values.empty() ? nullptr : values.data() + first;
+    };
+    in.sampling_logprobs = rows_of(spec_.sampling_logprobs);
+    in.advantages = rows_of(spec_.advantages);
+    in.reference_logprobs = rows_of(spec_.reference_logprobs);
+    in.logprob_grads = rows_of(spec_.logprob_grads);
+    in.reduction_scales = rows_of(spec_.reduction_scales);
     uint8_t* grad_hidden = nullptr;
     if (spec_.outputs.grad_hidden()) {
       grad_hidden = spec_.shared_memory.has_value()
@@ -380,6 +479,9 @@ class ComputeCall {
       return ExplainNonFiniteChunk(chunk);
     }
     loss_sum_ += summary.loss_sum;
+    sequence_loss_ += summary.loss;
+    clipped_tokens_ += summary.clipped_tokens;
+    kl_sum_ += summary.kl_sum;
     correct_tokens_ += summary.correct_tokens;
     grad_weight_bound_ += summary.grad_weight_bound;
     peak_workspace_bytes_ = std::max(peak_workspace_bytes_, summary.workspace_bytes);
@@ -483,7 +585,7 @@ class ComputeCall {
     const int k = want.top_k();
     const bool grad_in_messages = want.grad_hidden() && !spec_.shared_memory.has_value();
     const int64_t grad_row_bytes = grad_in_messages ? spec_.grad_row_bytes() : 0;
-    const int64_t row_bytes = grad_row_bytes + 4 * (5 + 2 * k) + 16;
+    const int64_t row_bytes = grad_row_bytes + 4 * (8 + 2 * k) + 16;
     const int64_t rows_per_message =
         std::max<int64_t>(1, env_.limits.max_result_message_bytes / row_bytes);
     for (int64_t r0 = 0; r0 < rows; r0 += rows_per_message) {
@@ -506,6 +608,9 @@ class ComputeCall {
       copy(outputs_.argmax, 1, result.mutable_argmax());
       copy(outputs_.top_k_logprob, k, result.mutable_top_k_logprob());
       copy(outputs_.top_k_token, k, result.mutable_top_k_token());
+      copy(outputs_.ratio, 1, result.mutable_ratio());
+      copy(outputs_.clip, 1, result.mutable_clip());
+      copy(outputs_.kl, 1, result.mutable_kl());
       if (grad_in_messages) {
         result.set_grad_hidden(MessageGradHidden() + r0 * grad_row_bytes, n * grad_row_bytes);
         result.set_grad_hidden_dtype(ToProto(spec_.grad_hidden_dtype));
@@ -518,7 +623,9 @@ class ComputeCall {
   absl::Status SendSummary() {
     v1::ComputeResponse response;
     v1::ComputeSummary& s = *response.mutable_summary();
-    s.set_loss(ReducedLoss(spec_.options, loss_sum_, spec_.counted_tokens));
+    s.set_loss(IsSequenceReduction(spec_.options.reduction)
+                   ? sequence_loss_
+                   : ReducedLoss(spec_.options, loss_sum_, spec_.counted_tokens));
     s.set_loss_sum(loss_sum_);
     s.set_counted_tokens(spec_.counted_tokens);
     s.set_correct_tokens(correct_tokens_);
@@ -529,6 +636,10 @@ class ComputeCall {
     s.set_compute_seconds(compute_seconds_);
     s.set_peak_workspace_bytes(peak_workspace_bytes_);
     s.set_backend(std::string(env_.backend->kind()));
+    s.set_clipped_tokens(clipped_tokens_);
+    const double counted = static_cast<double>(spec_.counted_tokens);
+    s.set_clip_fraction(counted > 0 ? static_cast<double>(clipped_tokens_) / counted : 0.0);
+    s.set_mean_kl(counted > 0 ? kl_sum_ / counted : 0.0);
     return Send(response);
   }
 
@@ -563,6 +674,9 @@ class ComputeCall {
   v1::ComputeResponse result_message_;
   int64_t computed_rows_ = 0;
   double loss_sum_ = 0.0;
+  double sequence_loss_ = 0.0;  // with a sequence reduction: the reduced loss, chunk by chunk
+  int64_t clipped_tokens_ = 0;
+  double kl_sum_ = 0.0;
   int64_t correct_tokens_ = 0;
   double grad_weight_bound_ = 0.0;  // on |this call's dL/dW|, summed over engine chunks
   CommitOutcome commit_ = CommitOutcome::kCommitted;  // of a call that accumulates

@@ -44,10 +44,44 @@ absl::StatusOr<LossOptions> FromProto(const v1::LossOptions& p) {
     case v1::REDUCTION_MEAN: o.reduction = Reduction::kMean; break;
     case v1::REDUCTION_SUM: o.reduction = Reduction::kSum; break;
     case v1::REDUCTION_NONE: o.reduction = Reduction::kNone; break;
+    case v1::REDUCTION_SEQUENCE_MEAN_TOKEN_SUM: o.reduction = Reduction::kSequenceMeanTokenSum; break;
+    case v1::REDUCTION_SEQUENCE_MEAN_TOKEN_MEAN:
+      o.reduction = Reduction::kSequenceMeanTokenMean;
+      break;
     default:
-      return InvalidField("options.reduction", "REDUCTION_MEAN, REDUCTION_SUM or REDUCTION_NONE",
+      return InvalidField("options.reduction",
+                          "REDUCTION_MEAN, REDUCTION_SUM, REDUCTION_NONE, "
+                          "REDUCTION_SEQUENCE_MEAN_TOKEN_SUM or REDUCTION_SEQUENCE_MEAN_TOKEN_MEAN",
                           absl::StrCat(static_cast<int>(p.reduction())));
   }
+  switch (p.objective()) {
+    case v1::OBJECTIVE_CROSS_ENTROPY: o.objective = Objective::kCrossEntropy; break;
+    case v1::OBJECTIVE_IMPORTANCE_SAMPLING: o.objective = Objective::kImportanceSampling; break;
+    case v1::OBJECTIVE_PPO: o.objective = Objective::kPpo; break;
+    case v1::OBJECTIVE_CISPO: o.objective = Objective::kCispo; break;
+    case v1::OBJECTIVE_LOGPROB_GRADIENT: o.objective = Objective::kLogprobGradient; break;
+    default:
+      return InvalidField("options.objective",
+                          "OBJECTIVE_CROSS_ENTROPY, OBJECTIVE_IMPORTANCE_SAMPLING, OBJECTIVE_PPO, "
+                          "OBJECTIVE_CISPO or OBJECTIVE_LOGPROB_GRADIENT",
+                          absl::StrCat(static_cast<int>(p.objective())));
+  }
+  const v1::PolicyOptions& policy = p.policy();
+  switch (policy.kl_estimator()) {
+    case v1::KL_ESTIMATOR_NONE: o.policy.kl_estimator = KlEstimator::kNone; break;
+    case v1::KL_ESTIMATOR_K1: o.policy.kl_estimator = KlEstimator::kK1; break;
+    case v1::KL_ESTIMATOR_K2: o.policy.kl_estimator = KlEstimator::kK2; break;
+    case v1::KL_ESTIMATOR_K3: o.policy.kl_estimator = KlEstimator::kK3; break;
+    default:
+      return InvalidField("options.policy.kl_estimator",
+                          "KL_ESTIMATOR_NONE, KL_ESTIMATOR_K1, KL_ESTIMATOR_K2 or KL_ESTIMATOR_K3",
+                          absl::StrCat(static_cast<int>(policy.kl_estimator())));
+  }
+  if (policy.has_clip_low()) o.policy.clip_low = policy.clip_low();
+  if (policy.has_clip_high()) o.policy.clip_high = policy.clip_high();
+  o.policy.dual_clip = policy.dual_clip();
+  o.policy.kl_coef = policy.kl_coef();
+  o.policy.entropy_coef = policy.entropy_coef();
   if (p.has_ignore_index()) o.ignore_index = p.ignore_index();
   o.label_smoothing = p.label_smoothing();
   o.z_loss_scale = p.z_loss_scale();

@@ -183,6 +183,21 @@ void SetValue(std::string& rows, int64_t row, int64_t column, float value) {
   std::memcpy(rows.data() + (row * kHidden + column) * sizeof(float), &value, sizeof(float));
 }
 
+// Makes the script's call a ppo call with every per-token input it reads: sampling
+// log-probabilities, advantages, and (with a KL estimator) reference log-probabilities.
+void MakePpo(Script& s, v1::KlEstimator kl = v1::KL_ESTIMATOR_NONE) {
+  v1::ComputeStart& start = StartOf(s);
+  start.mutable_options()->set_objective(v1::OBJECTIVE_PPO);
+  start.mutable_options()->mutable_policy()->set_kl_estimator(kl);
+  for (int i = 0; i < kRows; ++i) {
+    start.add_sampling_logprobs(-3.0f);
+    start.add_advantages(i % 2 == 0 ? 1.0f : -1.0f);
+    if (kl != v1::KL_ESTIMATOR_NONE) start.add_reference_logprobs(-3.5f);
+  }
+}
+
+v1::PolicyOptions& PolicyOf(Script& s) { return *StartOf(s).mutable_options()->mutable_policy(); }
+
 struct BadRow {
   const char* name;
   const char* why;
@@ -341,6 +356,151 @@ const BadRow kBadRows[] = {
      Rpc::kCompute, kInvalid, "call_id", [](Script& s) { StartOf(s).set_call_id("step 1"); }},
     {"call_id_nul", "a NUL byte in the id", Rpc::kCompute, kInvalid, "call_id",
      [](Script& s) { StartOf(s).set_call_id(std::string("a\0b", 3)); }},
+    // Compute: the objectives, their options and their per-token inputs.
+    {"objective_9", "an enum value the contract does not define", Rpc::kCompute, kInvalid,
+     "options.objective",
+     [](Script& s) { StartOf(s).mutable_options()->set_objective(static_cast<v1::Objective>(9)); }},
+    {"ppo_without_sampling_logprobs", "ppo reads q_i and none came", Rpc::kCompute, kInvalid,
+     "sampling_logprobs",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).clear_sampling_logprobs();
+     }},
+    {"ppo_without_advantages", "ppo reads A_i and none came", Rpc::kCompute, kInvalid,
+     "advantages",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).clear_advantages();
+     }},
+    {"sampling_logprobs_one_short", "one entry fewer than num_tokens", Rpc::kCompute, kInvalid,
+     "sampling_logprobs",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).mutable_sampling_logprobs()->RemoveLast();
+     }},
+    {"advantages_one_extra", "one entry more than num_tokens", Rpc::kCompute, kInvalid,
+     "advantages",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).add_advantages(1.0f);
+     }},
+    {"advantage_nan", "a NaN advantage on a counted row", Rpc::kCompute, kInvalid, "advantages[3]",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).set_advantages(3, std::nanf(""));
+     }},
+    {"sampling_logprob_inf", "an infinite sampling log-probability", Rpc::kCompute, kInvalid,
+     "sampling_logprobs[7]",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).set_sampling_logprobs(7, -INFINITY);
+     }},
+    {"ratio_overflows", "q = -1000 puts exp(logp - q) past any double", Rpc::kCompute, kInvalid,
+     "sampling_logprobs",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_IMPORTANCE_SAMPLING);
+       StartOf(s).set_sampling_logprobs(kRows - 1, -1000.0f);
+     }},
+    {"advantages_under_cross_entropy", "an input the objective does not read is refused",
+     Rpc::kCompute, kInvalid, "advantages",
+     [](Script& s) {
+       for (int i = 0; i < kRows; ++i) StartOf(s).add_advantages(1.0f);
+     }},
+    {"logprob_gradient_without_grads", "the custom objective reads dL/dlogp and none came",
+     Rpc::kCompute, kInvalid, "logprob_grads",
+     [](Script& s) {
+       StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_LOGPROB_GRADIENT);
+     }},
+    {"kl_without_reference_logprobs", "a KL estimator reads the reference's log-probabilities",
+     Rpc::kCompute, kInvalid, "reference_logprobs",
+     [](Script& s) {
+       MakePpo(s, v1::KL_ESTIMATOR_K3);
+       StartOf(s).clear_reference_logprobs();
+     }},
+    {"reference_logprob_nan", "a NaN reference log-probability", Rpc::kCompute, kInvalid,
+     "reference_logprobs[0]",
+     [](Script& s) {
+       MakePpo(s, v1::KL_ESTIMATOR_K1);
+       StartOf(s).set_reference_logprobs(0, std::nanf(""));
+     }},
+    {"kl_coef_without_estimator", "a KL penalty needs an estimator", Rpc::kCompute, kInvalid,
+     "options.policy.kl_estimator",
+     [](Script& s) {
+       MakePpo(s);
+       PolicyOf(s).set_kl_coef(0.1);
+     }},
+    {"kl_estimator_7", "an enum value the contract does not define", Rpc::kCompute, kInvalid,
+     "options.policy.kl_estimator",
+     [](Script& s) {
+       MakePpo(s);
+       PolicyOf(s).set_kl_estimator(static_cast<v1::KlEstimator>(7));
+     }},
+    {"kl_coef_negative", "rewards moving away from the reference", Rpc::kCompute, kInvalid,
+     "options.policy.kl_coef",
+     [](Script& s) {
+       MakePpo(s, v1::KL_ESTIMATOR_K2);
+       PolicyOf(s).set_kl_coef(-0.1);
+     }},
+    {"clip_low_negative", "1 - eps_low above 1", Rpc::kCompute, kInvalid, "options.policy.clip_low",
+     [](Script& s) {
+       MakePpo(s);
+       PolicyOf(s).set_clip_low(-0.2);
+     }},
+    {"clip_low_1_5", "a negative lower ratio bound", Rpc::kCompute, kInvalid,
+     "options.policy.clip_low",
+     [](Script& s) {
+       MakePpo(s);
+       PolicyOf(s).set_clip_low(1.5);
+     }},
+    {"clip_high_nan", "NaN passes naive range checks", Rpc::kCompute, kInvalid,
+     "options.policy.clip_high",
+     [](Script& s) {
+       MakePpo(s);
+       PolicyOf(s).set_clip_high(kNaN);
+     }},
+    {"dual_clip_0_5", "a dual-clip bound must exceed 1", Rpc::kCompute, kInvalid,
+     "options.policy.dual_clip",
+     [](Script& s) {
+       MakePpo(s);
+       PolicyOf(s).set_dual_clip(0.5);
+     }},
+    {"dual_clip_under_cispo", "dual clip is ppo's alone", Rpc::kCompute, kInvalid,
+     "options.policy.dual_clip",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_CISPO);
+       PolicyOf(s).set_dual_clip(3.0);
+     }},
+    {"entropy_coef_inf", "an infinite entropy bonus", Rpc::kCompute, kInvalid,
+     "options.policy.entropy_coef",
+     [](Script& s) { PolicyOf(s).set_entropy_coef(kInf); }},
+    {"label_smoothing_under_ppo", "smoothing is cross-entropy's alone", Rpc::kCompute, kInvalid,
+     "options.label_smoothing",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).mutable_options()->set_label_smoothing(0.1);
+     }},
+    {"sequence_reduction_without_lengths", "a sequence mean needs the sequences", Rpc::kCompute,
+     kInvalid, "sequence_lengths",
+     [](Script& s) {
+       StartOf(s).mutable_options()->set_reduction(v1::REDUCTION_SEQUENCE_MEAN_TOKEN_SUM);
+     }},
+    {"sequence_lengths_short", "lengths summing to 11 of 12 rows", Rpc::kCompute, kInvalid,
+     "sequence_lengths",
+     [](Script& s) {
+       StartOf(s).mutable_options()->set_reduction(v1::REDUCTION_SEQUENCE_MEAN_TOKEN_MEAN);
+       for (int64_t length : {5, 6}) StartOf(s).add_sequence_lengths(length);
+     }},
+    {"sequence_length_zero", "an empty sequence", Rpc::kCompute, kInvalid, "sequence_lengths[1]",
+     [](Script& s) {
+       for (int64_t length : {6, 0, 6}) StartOf(s).add_sequence_lengths(length);
+     }},
+    {"sequence_length_past_the_batch", "a sequence reaching past num_tokens", Rpc::kCompute,
+     kInvalid, "sequence_lengths[1]",
+     [](Script& s) {
+       for (int64_t length : {6, 7}) StartOf(s).add_sequence_lengths(length);
+     }},
     // Compute: rows whose values make the results non-finite, in the last chunk so that earlier
     // chunks were computed and staged.
     {"nan_row", "a NaN hidden value, named by its place in the call", Rpc::kCompute, kInvalid,
