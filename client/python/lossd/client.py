@@ -27,14 +27,37 @@ _MESSAGE_OVERHEAD_BYTES = 64 * 1024
 # ones are still in flight, and each message stays far from any size limit.
 _TARGET_MESSAGE_BYTES = 4 * _MIB
 
-_REDUCTIONS = {"mean": pb.REDUCTION_MEAN, "sum": pb.REDUCTION_SUM, "none": pb.REDUCTION_NONE}
+# verl's agg_loss names are accepted beside lossd's own.
+_REDUCTIONS = {
+    "mean": pb.REDUCTION_MEAN, "sum": pb.REDUCTION_SUM, "none": pb.REDUCTION_NONE,
+    "sequence_mean_token_sum": pb.REDUCTION_SEQUENCE_MEAN_TOKEN_SUM,
+    "sequence_mean_token_mean": pb.REDUCTION_SEQUENCE_MEAN_TOKEN_MEAN,
+    "token-mean": pb.REDUCTION_MEAN,
+    "seq-mean-token-sum": pb.REDUCTION_SEQUENCE_MEAN_TOKEN_SUM,
+    "seq-mean-token-mean": pb.REDUCTION_SEQUENCE_MEAN_TOKEN_MEAN,
+}
+OBJECTIVES = {
+    "cross_entropy": pb.OBJECTIVE_CROSS_ENTROPY,
+    "importance_sampling": pb.OBJECTIVE_IMPORTANCE_SAMPLING,
+    "ppo": pb.OBJECTIVE_PPO,
+    "cispo": pb.OBJECTIVE_CISPO,
+    "logprob_gradient": pb.OBJECTIVE_LOGPROB_GRADIENT,
+}
+_KL_ESTIMATORS = {None: pb.KL_ESTIMATOR_NONE, "k1": pb.KL_ESTIMATOR_K1,
+                  "k2": pb.KL_ESTIMATOR_K2, "k3": pb.KL_ESTIMATOR_K3}
+# The per-token inputs of the objectives (ComputeStart), float32 on the wire.
+TOKEN_INPUT_NAMES = ("sampling_logprobs", "advantages", "reference_logprobs", "logprob_grads")
 _OPTIMIZER_NAMES = {
     pb.OptimizerState.KIND_NONE: "none",
     pb.OptimizerState.KIND_SGD: "sgd",
     pb.OptimizerState.KIND_ADAMW: "adamw",
 }
 # The per-token outputs compute() can ask for by name; top-k has its own argument.
-OUTPUT_NAMES = ("token_loss", "logprob", "lse", "entropy", "argmax", "grad_hidden")
+OUTPUT_NAMES = ("token_loss", "logprob", "lse", "entropy", "argmax", "grad_hidden", "ratio",
+                "clip", "kl")
+# ComputeResult.clip values (lossd.v1.ClipState).
+CLIP_NONE, CLIP_HIGH, CLIP_LOW, CLIP_DUAL = (pb.CLIP_NONE, pb.CLIP_HIGH, pb.CLIP_LOW,
+                                             pb.CLIP_DUAL)
 # The server's rule for both offsets into a shared-memory call's memfd (SharedMemory in the proto).
 _SHARED_MEMORY_ALIGNMENT = 64
 # Failures after which the client cannot know whether the server committed the call.
@@ -139,6 +162,12 @@ class LossResult:
     grad_hidden: Optional[np.ndarray] = None    # [N, H] grad_hidden_dtype (bfloat16: uint16 bits)
     call_id: str = ""                           # the one sent; "" for none
     attempts: int = 1                           # more than 1 when the client retried
+    ratio: Optional[np.ndarray] = None          # [N] float32, exp(logp - sampling_logprobs)
+    clip: Optional[np.ndarray] = None           # [N] int32, CLIP_NONE/HIGH/LOW/DUAL
+    kl: Optional[np.ndarray] = None             # [N] float32, by the call's kl_estimator
+    clipped_tokens: int = 0                     # counted tokens whose clip is not CLIP_NONE
+    clip_fraction: float = 0.0                  # clipped_tokens / counted_tokens
+    mean_kl: float = 0.0                        # kl averaged over the counted tokens
 
     @property
     def accuracy(self):
@@ -408,13 +437,30 @@ class Client:
                 grad_scale=1.0, mean_denominator=0.0, outputs: Iterable[str] = (), top_k=0,
                 grad_hidden_dtype=None, accumulate_grad_weight=False, head_version=None,
                 allow_tf32=False, rows_per_message=None, shared_memory=False,
-                grad_hidden_out=None, call_id=None) -> LossResult:
-        """Cross-entropy of hidden [N, H] against labels [N] under head `head`.
+                grad_hidden_out=None, call_id=None, objective="cross_entropy",
+                sampling_logprobs=None, advantages=None, reference_logprobs=None,
+                logprob_grads=None, sequence_lengths=None, clip_low=0.2, clip_high=0.2,
+                dual_clip=0.0, kl_estimator=None, kl_coef=0.0, entropy_coef=0.0) -> LossResult:
+        """The loss of hidden [N, H] with labels [N] under head `head`: cross-entropy by default.
 
         The loss options follow torch.nn.functional.cross_entropy; weights [N] multiply each
         token's loss and gradient without entering the mean's denominator, which counts the
         non-ignored tokens (or is mean_denominator when > 0, for one slice of a larger batch).
         grad_scale multiplies dL/dh and dL/dW (the upstream gradient), not the loss.
+
+        objective names the per-token term (lossd.v1.Objective; logp is the log-probability of
+        the label, r = exp(logp - sampling_logprobs), clip(r) within [1 - clip_low, 1 + clip_high]):
+        "importance_sampling" -r A, "ppo" -min(r A, clip(r) A) (dual_clip c > 1 bounds a negative
+        advantage's term by -c A), "cispo" -sg(clip(r)) A logp, all three with advantages A [N]
+        and sampling_logprobs [N]; "logprob_gradient" g logp with logprob_grads g [N], the
+        gradient of a loss of the log-probabilities computed elsewhere (use reduction "sum").
+        kl_estimator ("k1", "k2", "k3") with reference_logprobs [N] adds kl_coef * KL per token
+        and returns the estimate ("kl" output, mean_kl); entropy_coef subtracts entropy_coef * H.
+        Labels at ignore_index mask tokens out (prompt and padding). Reductions besides "mean"
+        (verl's "token-mean"), "sum" and "none": "sequence_mean_token_sum" and
+        "sequence_mean_token_mean" (verl's "seq-mean-token-sum" and "seq-mean-token-mean"), over
+        the sequences of sequence_lengths (packed one after another, summing to N); for them
+        mean_denominator is the whole batch's number of sequences.
 
         outputs names the per-token results to return, from OUTPUT_NAMES; top_k > 0 adds the k
         most likely tokens and their log-probabilities. grad_hidden_dtype (default: the dtype
@@ -471,6 +517,26 @@ class Client:
             raise ValueError(f"outputs: unknown {sorted(unknown)}; expected names from "
                              f"{', '.join(OUTPUT_NAMES)}")
         grad_dtype = hidden_dtype if grad_hidden_dtype is None else grad_hidden_dtype
+        if objective not in OBJECTIVES:
+            raise ValueError(f"objective: expected one of {', '.join(OBJECTIVES)}, got "
+                             f"{objective!r}")
+        if kl_estimator not in _KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator: expected None, 'k1', 'k2' or 'k3', got "
+                             f"{kl_estimator!r}")
+        token_inputs = {}
+        for name, values in (("sampling_logprobs", sampling_logprobs),
+                             ("advantages", advantages),
+                             ("reference_logprobs", reference_logprobs),
+                             ("logprob_grads", logprob_grads)):
+            if values is None:
+                continue
+            values = np.asarray(values, dtype=np.float32).reshape(-1)
+            if values.shape[0] != num_tokens:
+                raise ValueError(f"{name}: expected {num_tokens} entries (rows of hidden), got "
+                                 f"{values.shape[0]}")
+            token_inputs[name] = values.tolist()
+        lengths = [] if sequence_lengths is None else \
+            np.asarray(sequence_lengths, dtype=np.int64).reshape(-1).tolist()
 
         start = pb.ComputeStart(
             head=head,
@@ -478,16 +544,23 @@ class Client:
                 reduction=_REDUCTIONS[reduction], ignore_index=ignore_index,
                 label_smoothing=label_smoothing, z_loss_scale=z_loss_scale,
                 logit_softcap=logit_softcap, temperature=temperature, grad_scale=grad_scale,
-                mean_denominator=mean_denominator, allow_tf32=allow_tf32),
+                mean_denominator=mean_denominator, allow_tf32=allow_tf32,
+                objective=OBJECTIVES[objective],
+                policy=pb.PolicyOptions(
+                    clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+                    kl_estimator=_KL_ESTIMATORS[kl_estimator], kl_coef=kl_coef,
+                    entropy_coef=entropy_coef)),
             outputs=pb.OutputSelection(
                 token_loss="token_loss" in wanted, logprob="logprob" in wanted,
                 lse="lse" in wanted, entropy="entropy" in wanted, argmax="argmax" in wanted,
                 top_k=top_k, grad_hidden="grad_hidden" in wanted,
                 grad_hidden_dtype=_tensors.wire_enum(grad_dtype),
-                accumulate_grad_weight=accumulate_grad_weight),
+                accumulate_grad_weight=accumulate_grad_weight, ratio="ratio" in wanted,
+                clip="clip" in wanted, kl="kl" in wanted),
             num_tokens=num_tokens, hidden_size=hidden_size,
             hidden_dtype=_tensors.wire_enum(hidden_dtype), labels=labels.tolist(),
-            token_weights=[] if weights is None else weights.tolist())
+            token_weights=[] if weights is None else weights.tolist(),
+            sequence_lengths=lengths, **token_inputs)
         if head_version is not None:
             start.head_version = head_version
         if call_id is None and accumulate_grad_weight:
@@ -619,9 +692,11 @@ def _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype,
     they arrive, then the summary. Without grad_hidden_in_messages (shared memory) the messages
     carry no dL/dh and grad_hidden is left None, for the caller to fill."""
     per_token = {name: np.empty(num_tokens, np.float32)
-                 for name in ("token_loss", "logprob", "lse", "entropy") if name in wanted}
-    if "argmax" in wanted:
-        per_token["argmax"] = np.empty(num_tokens, np.int32)
+                 for name in ("token_loss", "logprob", "lse", "entropy", "ratio", "kl")
+                 if name in wanted}
+    for name in ("argmax", "clip"):
+        if name in wanted:
+            per_token[name] = np.empty(num_tokens, np.int32)
     if top_k > 0:
         per_token["top_k_logprob"] = np.empty((num_tokens, top_k), np.float32)
         per_token["top_k_token"] = np.empty((num_tokens, top_k), np.int32)
@@ -662,4 +737,6 @@ def _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype,
         correct_tokens=summary.correct_tokens, head_version=summary.head_version,
         grad_weight_accumulated=summary.grad_weight_accumulated, replayed=summary.replayed,
         queue_seconds=summary.queue_seconds, compute_seconds=summary.compute_seconds,
-        peak_workspace_bytes=summary.peak_workspace_bytes, backend=summary.backend, **per_token)
+        peak_workspace_bytes=summary.peak_workspace_bytes, backend=summary.backend,
+        clipped_tokens=summary.clipped_tokens, clip_fraction=summary.clip_fraction,
+        mean_kl=summary.mean_kl, **per_token)

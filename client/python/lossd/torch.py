@@ -8,7 +8,19 @@
 
 The loss is torch.nn.functional.cross_entropy(hidden @ W.T, labels, ...) with the same options
 (plus per-token weights, z-loss, logit soft cap and temperature, see the lossd engine), computed on
-the server without the [N, V] logits ever existing anywhere.
+the server without the [N, V] logits ever existing anywhere. The same call computes the RL
+objectives by name, in one pass:
+
+    loss = head(hidden, sampled_tokens, objective="ppo", sampling_logprobs=q, advantages=a,
+                reference_logprobs=ref, kl_estimator="k3", kl_coef=0.01,
+                reduction="seq-mean-token-mean", sequence_lengths=lengths)
+    loss.backward()                  # head.last_result: clip_fraction, mean_kl, per-token ratio
+
+and any other loss of the log-probabilities through RemoteLogprobs (two calls: the
+log-probabilities forward, dL/dlogp backward):
+
+    logp = lossd.torch.RemoteLogprobs(client, "main")(hidden, tokens)   # differentiable
+    my_loss(logp).backward()         # hidden.grad, and dL/dW on the server
 
 Backward semantics
 ------------------
@@ -107,11 +119,34 @@ class _LossCall:
     weights: Optional[np.ndarray]  # [N] float32 or None
     reduction: str
     options: dict                  # the remaining Client.compute arguments (loss options, transfer)
+    token_inputs: dict = dataclasses.field(default_factory=dict)  # name -> [N] float32
+    result: object = None          # the forward's LossResult
 
     def compute(self, hidden, **kwargs):
         return self.client.compute(self.head, _wire_array(hidden), self.labels,
                                    weights=self.weights, reduction=self.reduction,
-                                   **self.options, **kwargs)
+                                   **{**self.options, **self.token_inputs, **kwargs})
+
+    def rows(self, rows, **replace):
+        """The same call on a subset of its rows (numpy indices): labels and per-token inputs
+        taken along, sequences dropped."""
+        fields = dict(
+            labels=self.labels[rows],
+            options={k: v for k, v in self.options.items() if k != "sequence_lengths"},
+            weights=None if self.weights is None else self.weights[rows],
+            token_inputs={name: values[rows] for name, values in self.token_inputs.items()})
+        return dataclasses.replace(self, **{**fields, **replace})
+
+
+def _as_numpy(values, dtype, name, count):
+    """A flat CPU numpy array of a tensor, array or sequence; `count` entries unless None."""
+    if values is None:
+        return None
+    array = torch.as_tensor(values).detach().reshape(-1).to("cpu", dtype).numpy()
+    if count is not None and array.shape[0] != count:
+        raise ValueError(f"{name}: expected {count} entries (the rows of hidden), got "
+                         f"{array.shape[0]}")
+    return array
 
 
 class _RemoteCrossEntropy(torch.autograd.Function):
@@ -120,8 +155,9 @@ class _RemoteCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, call):
         result = call.compute(
-            hidden, outputs=["grad_hidden"] + (["token_loss"] if call.reduction == "none" else []),
+            hidden, outputs=["grad_hidden"] + _result_outputs(call),
             grad_hidden_dtype=_grad_hidden_wire_dtype(hidden.dtype), accumulate_grad_weight=True)
+        call.result = result
         ctx.save_for_backward(hidden)
         ctx.call = call
         ctx.head_version = result.head_version
@@ -167,10 +203,55 @@ def _accumulate_grad_weight_correction(ctx, hidden, upstream):
     rows = np.flatnonzero((correction != 0.0) & (call.labels != call.options["ignore_index"]))
     if rows.size == 0:
         return
-    partial = dataclasses.replace(call, labels=call.labels[rows],
-                                  weights=correction[rows].astype(np.float32))
+    partial = call.rows(rows, weights=correction[rows].astype(np.float32))
     partial.compute(hidden[torch.from_numpy(rows).to(hidden.device)], accumulate_grad_weight=True,
                     head_version=ctx.head_version)
+
+
+def _result_outputs(call):
+    """The per-token outputs a forward asks for beside dL/dh: the per-token loss for "none", and
+    the policy objectives' ratio, clip state and KL estimate."""
+    outputs = ["token_loss"] if call.reduction == "none" else []
+    if call.options.get("objective", "cross_entropy") != "cross_entropy" or \
+            call.options.get("kl_estimator") is not None:
+        outputs += ["ratio", "clip", "kl"]
+    return outputs
+
+
+class _RemoteLogprobs(torch.autograd.Function):
+    """log p(labels) (hidden [N, H]) scored on the server; backward sends dL/dlogp back as the
+    logprob_gradient objective, which returns dL/dh and accumulates dL/dW."""
+
+    @staticmethod
+    def forward(ctx, hidden, call):
+        result = call.compute(hidden, outputs=["logprob"])
+        ctx.save_for_backward(hidden)
+        ctx.call = call
+        ctx.head_version = result.head_version
+        return torch.from_numpy(result.logprob).to(device=hidden.device,
+                                                   dtype=_loss_dtype(hidden.dtype))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, upstream):
+        hidden, = ctx.saved_tensors
+        call = ctx.call
+        math_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        grad_hidden = torch.zeros(hidden.shape, dtype=math_dtype, device=hidden.device)
+        upstream = upstream.detach().reshape(-1).to("cpu", torch.float32).numpy()
+        # Ignored rows and rows without a gradient add nothing: send only the others.
+        rows = np.flatnonzero((upstream != 0.0) & (call.labels != call.options["ignore_index"]))
+        if rows.size == 0:
+            return grad_hidden.to(hidden.dtype), None
+        grad_dtype = _grad_hidden_wire_dtype(hidden.dtype)
+        device_rows = torch.from_numpy(rows).to(hidden.device)
+        result = call.rows(rows).compute(
+            hidden[device_rows], objective="logprob_gradient", logprob_grads=upstream[rows],
+            outputs=["grad_hidden"], grad_hidden_dtype=grad_dtype, accumulate_grad_weight=True,
+            head_version=ctx.head_version)
+        grad_hidden[device_rows] = _tensor_from_wire(result.grad_hidden, grad_dtype).to(
+            device=hidden.device, dtype=math_dtype)
+        return grad_hidden.to(hidden.dtype), None
 
 
 def _loss_tensor(result, reduction, hidden):
@@ -200,6 +281,7 @@ class RemoteHead(torch.nn.Module):
         self.client = client if isinstance(client, Client) else Client(client)
         self.head = head
         self.shared_memory = shared_memory
+        self.last_result = None
 
     @classmethod
     def upload(cls, client, head, weight, storage_dtype="float32", replace=False,
@@ -215,34 +297,61 @@ class RemoteHead(torch.nn.Module):
 
     def forward(self, hidden, labels, *, weights=None, reduction="mean", ignore_index=-100,
                 label_smoothing=0.0, z_loss_scale=0.0, logit_softcap=0.0, temperature=1.0,
-                mean_denominator=0):
-        """The cross-entropy of hidden [..., H] against labels [...]: a scalar for "mean" and
-        "sum", labels' shape for "none". weights [...] multiply each token's loss and gradient
-        and do not enter the mean's denominator (the count of non-ignored tokens, or
-        mean_denominator when > 0)."""
+                mean_denominator=0, objective="cross_entropy", sampling_logprobs=None,
+                advantages=None, reference_logprobs=None, sequence_lengths=None, clip_low=0.2,
+                clip_high=0.2, dual_clip=0.0, kl_estimator=None, kl_coef=0.0,
+                entropy_coef=0.0):
+        """The loss of hidden [..., H] with labels [...]: a scalar for "mean", "sum" and the
+        sequence reductions, labels' shape for "none". weights [...] multiply each token's loss
+        and gradient and do not enter the mean's denominator (the count of non-ignored tokens,
+        or mean_denominator when > 0).
+
+        objective is "cross_entropy" (torch's F.cross_entropy), or an RL objective of the
+        log-probabilities of labels (the sampled tokens; ignore_index masks prompt and padding):
+        "importance_sampling", "ppo" or "cispo" with sampling_logprobs [...] and advantages
+        [...], clip_low/clip_high (eps), dual_clip; kl_estimator ("k1", "k2", "k3") with
+        reference_logprobs [...] and kl_coef; entropy_coef; reductions "seq-mean-token-sum" and
+        "seq-mean-token-mean" with sequence_lengths. See Client.compute. After the call,
+        self.last_result holds its LossResult (clip_fraction, mean_kl, per-token ratio, clip
+        and kl for the RL objectives)."""
         labels = torch.as_tensor(labels)
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])
         labels_shape = labels.shape
+        count = flat_hidden.shape[0]
         call = _LossCall(
             client=self.client, head=self.head,
             labels=labels.detach().reshape(-1).to("cpu", torch.int64).numpy(),
-            weights=None if weights is None else
-            torch.as_tensor(weights).detach().reshape(-1).to("cpu", torch.float32).numpy(),
+            weights=_as_numpy(weights, torch.float32, "weights", count),
             reduction=reduction,
             options=dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
                          z_loss_scale=z_loss_scale, logit_softcap=logit_softcap,
                          temperature=temperature, mean_denominator=mean_denominator,
-                         shared_memory=self.shared_memory))
-        if len(call.labels) != flat_hidden.shape[0]:
-            raise ValueError(f"labels: expected {flat_hidden.shape[0]} entries (the rows of "
+                         shared_memory=self.shared_memory, objective=objective,
+                         clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+                         kl_estimator=kl_estimator, kl_coef=kl_coef, entropy_coef=entropy_coef,
+                         sequence_lengths=_as_numpy(sequence_lengths, torch.int64,
+                                                    "sequence_lengths", None)),
+            token_inputs={name: _as_numpy(values, torch.float32, name, count)
+                          for name, values in (("sampling_logprobs", sampling_logprobs),
+                                               ("advantages", advantages),
+                                               ("reference_logprobs", reference_logprobs))
+                          if values is not None})
+        if len(call.labels) != count:
+            raise ValueError(f"labels: expected {count} entries (the rows of "
                              f"hidden {tuple(hidden.shape)}), got shape {tuple(labels_shape)}")
         if torch.is_grad_enabled() and hidden.requires_grad:
             loss = _RemoteCrossEntropy.apply(flat_hidden, call)
+            self.last_result = call.result
         else:
-            result = call.compute(flat_hidden,
-                                  outputs=["token_loss"] if reduction == "none" else [])
+            result = call.compute(flat_hidden, outputs=_result_outputs(call))
+            self.last_result = result
             loss = _loss_tensor(result, reduction, hidden)
         return loss.reshape(labels_shape) if reduction == "none" else loss
+
+    def logprobs(self, hidden, tokens, **kwargs):
+        """log p(tokens) for hidden [..., H], differentiable: RemoteLogprobs on this head."""
+        return RemoteLogprobs(self.client, self.head, shared_memory=self.shared_memory)(
+            hidden, tokens, **kwargs)
 
     @torch.no_grad()
     def score(self, hidden, token_ids, top_k=0, entropy=False, temperature=1.0,
@@ -291,3 +400,45 @@ class RemoteHead(torch.nn.Module):
         """The accumulated dL/dW [V, H] as a CPU tensor of dtype."""
         name = _wire_dtype_name(dtype)
         return _tensor_from_wire(self.client.fetch_grad_weight(self.head, name), name)
+
+
+class RemoteLogprobs(torch.nn.Module):
+    """log p(tokens) under the head `head` on a lossd server, as a differentiable tensor: any torch
+    function of it is a loss whose backward reaches hidden (and dL/dW on the server).
+
+        logp = RemoteLogprobs(client, "main")(hidden, tokens)   # [...] like tokens
+        loss = -F.logsigmoid(beta * (logp[chosen].sum() - logp[rejected].sum()))   # DPO, say
+        loss.backward()
+
+    forward scores the tokens (no gradient on the server); backward sends dL/dlogp per token as
+    the logprob_gradient objective, in one call over the rows whose dL/dlogp is not zero, which
+    returns dL/dh and adds dL/dW to the head's accumulator (pinned to the version the forward
+    used: FAILED_PRECONDITION if W was stepped in between). Tokens at ignore_index get log p 0
+    and no gradient. Without autograd it is a plain scoring call. The log-probabilities come
+    back in float32 (float64 for float64 hidden, from float32 values)."""
+
+    def __init__(self, client, head, shared_memory=False):
+        super().__init__()
+        self.client = client if isinstance(client, Client) else Client(client)
+        self.head = head
+        self.shared_memory = shared_memory
+
+    def forward(self, hidden, tokens, *, ignore_index=-100, temperature=1.0, logit_softcap=0.0):
+        tokens = torch.as_tensor(tokens)
+        flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+        call = _LossCall(
+            client=self.client, head=self.head,
+            labels=tokens.detach().reshape(-1).to("cpu", torch.int64).numpy(), weights=None,
+            reduction="sum",
+            options=dict(ignore_index=ignore_index, temperature=temperature,
+                         logit_softcap=logit_softcap, shared_memory=self.shared_memory))
+        if len(call.labels) != flat_hidden.shape[0]:
+            raise ValueError(f"tokens: expected {flat_hidden.shape[0]} entries (the rows of "
+                             f"hidden {tuple(hidden.shape)}), got shape {tuple(tokens.shape)}")
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            logprobs = _RemoteLogprobs.apply(flat_hidden, call)
+        else:
+            result = call.compute(flat_hidden, outputs=["logprob"])
+            logprobs = torch.from_numpy(result.logprob).to(device=hidden.device,
+                                                           dtype=_loss_dtype(hidden.dtype))
+        return logprobs.reshape(tokens.shape)

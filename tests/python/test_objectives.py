@@ -1,0 +1,267 @@
+"""The RL objectives through the Python client (RemoteHead, RemoteLogprobs) against torch's float64
+autograd of the same formulas, written here the way RL trainers write them (verl's agg_loss for
+the reductions), on W fetched from a real lossd_server on loopback.
+
+The server's 1 MiB workspace splits each call into several engine chunks, so sequences cross
+chunk boundaries. Bounds: the engine's for the policy objectives (tests/engine_test.cc).
+"""
+import uuid
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from server_process import ServerProcess, ensure_python_client
+
+ensure_python_client()
+import lossd  # noqa: E402
+from lossd.torch import RemoteHead, RemoteLogprobs  # noqa: E402
+
+VOCAB, HIDDEN = 3001, 64
+NUM_TOKENS = 300
+LOSS_RTOL = 2e-5
+GRAD_RTOL = 2e-5
+# Ratios 1% or more from the clip bounds 0.8 and 1.28 and the dual-clip bound 3, so that float32
+# rounding of logp cannot move a token across one.
+RATIO_TARGETS = np.array([0.3, 0.79, 0.81, 1.0, 1.1, 1.27, 1.29, 2.5, 3.2, 0.95])
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--device=cpu", f"--demo_vocab_size={VOCAB}",
+                       f"--demo_hidden_size={HIDDEN}", "--workspace_budget_mib=1",
+                       metrics=False) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with lossd.Client(server.address, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture
+def head(client):
+    name = f"rl-{uuid.uuid4().hex[:12]}"
+    weight = np.random.default_rng().standard_normal((VOCAB, HIDDEN), dtype=np.float32) * 0.3
+    return RemoteHead.upload(client, name, torch.from_numpy(weight))
+
+
+def relative_error(actual, expected):
+    actual, expected = torch.as_tensor(actual).double(), torch.as_tensor(expected).double()
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+def sequences(num_tokens, rng):
+    """Random lengths in [1, 60] summing to num_tokens."""
+    lengths = []
+    while sum(lengths) < num_tokens:
+        lengths.append(min(int(rng.integers(1, 61)), num_tokens - sum(lengths)))
+    return lengths
+
+
+def torch_logits(hidden, weight, temperature=1.0, logit_softcap=0.0):
+    logits = hidden @ weight.T
+    if logit_softcap:
+        logits = logit_softcap * torch.tanh(logits / logit_softcap)
+    return logits / temperature
+
+
+def agg_loss(loss_mat, mask, mode, lengths):
+    """verl's agg_loss on a packed batch: token-mean, seq-mean-token-sum, seq-mean-token-mean
+    (fully masked sequences left out), sum and none."""
+    if mode == "none":
+        return loss_mat * mask
+    if mode == "sum":
+        return (loss_mat * mask).sum()
+    if mode == "token-mean":
+        return (loss_mat * mask).sum() / mask.sum()
+    seq_losses = torch.stack([x.sum() for x in torch.split(loss_mat * mask, lengths)])
+    seq_counts = torch.stack([m.sum() for m in torch.split(mask, lengths)])
+    seq_mask = (seq_counts > 0).double()
+    if mode == "seq-mean-token-mean":
+        seq_losses = seq_losses / seq_counts.clamp(min=1)
+    return (seq_losses * seq_mask).sum() / seq_mask.sum()
+
+
+def torch_policy_loss(hidden, weight, labels, inputs, spec, lengths):
+    """Loss, dL/dh, dL/dW and per-token (ratio, clipped, kl) in float64 autograd."""
+    h = hidden.detach().double().requires_grad_()
+    w = weight.detach().double().requires_grad_()
+    log_probs = F.log_softmax(torch_logits(h, w), dim=-1)
+    mask = (labels != -100).double()
+    logp = log_probs.gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    q = torch.as_tensor(inputs["sampling_logprobs"]).double()
+    a = torch.as_tensor(inputs["advantages"]).double()
+    ratio = torch.exp(logp - q)
+    clipped_ratio = torch.clamp(ratio, 1 - CLIP_LOW, 1 + CLIP_HIGH)
+    clipped = torch.zeros_like(ratio, dtype=torch.bool)
+    objective = spec["objective"]
+    if objective == "importance_sampling":
+        term = -ratio * a
+    elif objective == "ppo":
+        unclipped_loss, clipped_loss = -a * ratio, -a * clipped_ratio
+        term = torch.maximum(unclipped_loss, clipped_loss)
+        clipped = clipped_loss > unclipped_loss
+        if spec.get("dual_clip"):
+            bound = -a * spec["dual_clip"]
+            dual = (a < 0) & (term > bound)
+            term = torch.where(a < 0, torch.minimum(term, bound), term)
+            clipped = clipped | dual
+    else:  # cispo: the clipped ratio is a constant weight
+        term = -clipped_ratio.detach() * a * logp
+        clipped = (ratio > 1 + CLIP_HIGH) | (ratio < 1 - CLIP_LOW)
+    kl = torch.zeros_like(logp)
+    if spec.get("kl_estimator"):
+        delta = torch.as_tensor(inputs["reference_logprobs"]).double() - logp
+        kl = {"k1": -delta, "k2": 0.5 * delta ** 2,
+              "k3": torch.exp(delta) - delta - 1}[spec["kl_estimator"]]
+    per_token = term + spec.get("kl_coef", 0.0) * kl - spec.get("entropy_coef", 0.0) * entropy
+    loss = agg_loss(per_token, mask, spec["reduction"], lengths)
+    upstream = spec.get("upstream", 1.0)
+    if spec["reduction"] == "none":
+        (loss * torch.as_tensor(upstream).double()).sum().backward()
+    else:
+        (loss * upstream).backward()
+    counted = mask.bool()
+    stats = dict(clip_fraction=(clipped & counted).double().sum().item() / counted.sum().item(),
+                 mean_kl=(kl * mask).sum().item() / counted.sum().item(),
+                 ratio=(ratio * mask).detach(), clipped=(clipped & counted))
+    return loss.detach(), h.grad, w.grad, stats
+
+
+CASES = {
+    "ppo_dual_k3_entropy_seq_token_mean": dict(
+        objective="ppo", dual_clip=3.0, kl_estimator="k3", kl_coef=0.05, entropy_coef=0.01,
+        reduction="seq-mean-token-mean"),
+    "ppo_upstream_0.37_token_mean": dict(objective="ppo", reduction="token-mean", upstream=0.37),
+    "importance_sampling_k1_token_mean": dict(
+        objective="importance_sampling", kl_estimator="k1", kl_coef=0.1, reduction="token-mean"),
+    "cispo_k2_entropy_seq_token_sum": dict(
+        objective="cispo", kl_estimator="k2", kl_coef=0.1, entropy_coef=0.02,
+        reduction="seq-mean-token-sum"),
+    "ppo_none_random_upstream": dict(objective="ppo", kl_estimator="k3", kl_coef=0.05,
+                                     reduction="none", upstream="random"),
+}
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["messages", "shared_memory"])
+@pytest.mark.parametrize("case", CASES)
+def test_policy_objectives_match_torch(client, head, case, shared_memory):
+    spec = dict(CASES[case])
+    rng = np.random.default_rng()
+    hidden = torch.randn(NUM_TOKENS, HIDDEN)
+    labels = torch.randint(0, VOCAB, (NUM_TOKENS,))
+    labels[torch.randperm(NUM_TOKENS)[:40]] = -100
+    lengths = sequences(NUM_TOKENS, rng)
+    labels[lengths[0]:lengths[0] + lengths[1]] = -100  # a sequence with nothing to learn from
+    weight = head.fetch_weight()
+    exact_logp = F.log_softmax(torch_logits(hidden.double(), weight.double()), -1).gather(
+        1, labels.clamp(min=0)[:, None])[:, 0].numpy()
+    inputs = dict(
+        sampling_logprobs=(exact_logp - np.log(RATIO_TARGETS[np.arange(NUM_TOKENS) % 10]))
+        .astype(np.float32),
+        advantages=np.where(np.arange(NUM_TOKENS) % 5 == 4, 0.0,
+                            rng.uniform(-2, 2, NUM_TOKENS)).astype(np.float32),
+        reference_logprobs=(exact_logp + rng.normal(0, 0.5, NUM_TOKENS)).astype(np.float32))
+    if spec.get("upstream") == "random":
+        spec["upstream"] = torch.randn(NUM_TOKENS).numpy()
+    # The reference sees the float32 values that travel.
+    inputs = {name: values.astype(np.float64).astype(np.float32) for name, values in
+              inputs.items()}
+
+    remote_hidden = hidden.clone().requires_grad_()
+    remote_head = RemoteHead(client, head.head, shared_memory=shared_memory)
+    kwargs = {k: v for k, v in spec.items() if k not in ("reduction", "upstream")}
+    loss = remote_head(remote_hidden, labels, reduction=spec["reduction"],
+                       sampling_logprobs=inputs["sampling_logprobs"],
+                       advantages=inputs["advantages"],
+                       reference_logprobs=(inputs["reference_logprobs"]
+                                           if spec.get("kl_estimator") else None),
+                       sequence_lengths=lengths, clip_low=CLIP_LOW, clip_high=CLIP_HIGH,
+                       **kwargs)
+    result = remote_head.last_result
+    upstream = spec.get("upstream", 1.0)
+    if spec["reduction"] == "none":
+        (loss * torch.as_tensor(upstream, dtype=loss.dtype)).sum().backward()
+    else:
+        (loss * upstream).backward()
+
+    expected_loss, expected_grad_hidden, expected_grad_weight, stats = torch_policy_loss(
+        hidden, weight, labels, inputs, spec, lengths)
+    assert loss.shape == expected_loss.shape
+    if spec["reduction"] == "none":
+        assert relative_error(loss.detach(), expected_loss) < LOSS_RTOL
+    else:
+        assert abs(loss.item() - expected_loss.item()) <= LOSS_RTOL * (
+            abs(expected_loss.item()) + 1e-3)
+    assert relative_error(remote_hidden.grad, expected_grad_hidden) < GRAD_RTOL
+    assert relative_error(head.fetch_grad_weight(), expected_grad_weight) < GRAD_RTOL
+    counted = labels != -100
+    assert result.counted_tokens == counted.sum().item()
+    assert result.clip_fraction == pytest.approx(stats["clip_fraction"], abs=1e-12)
+    assert (result.clip_fraction > 0) == (spec["objective"] != "importance_sampling")
+    assert np.array_equal(result.clip != lossd.CLIP_NONE, stats["clipped"].numpy())
+    assert relative_error(result.ratio, stats["ratio"]) < 1e-5
+    if spec.get("kl_estimator"):
+        assert result.mean_kl == pytest.approx(stats["mean_kl"], rel=1e-4, abs=1e-6)
+
+
+def test_remote_logprobs_backpropagate_any_loss(client, head):
+    """A DPO-style loss on sequence sums of log-probabilities, computed locally: the gradient
+    sent back as dL/dlogp gives hidden.grad and the server's dL/dW as torch's autograd does."""
+    pairs, length = 6, 25
+    hidden = torch.randn(2 * pairs * length, HIDDEN)
+    tokens = torch.randint(0, VOCAB, (2 * pairs * length,))
+    tokens[::7] = -100  # prompt tokens: no log-probability, no gradient
+    reference = torch.randn(2 * pairs, dtype=torch.float64) * 3
+    beta = 0.1
+
+    def dpo(logp):
+        sums = logp.reshape(2 * pairs, length).sum(-1).double() - reference
+        chosen, rejected = sums[:pairs], sums[pairs:]
+        return -F.logsigmoid(beta * (chosen - rejected)).mean()
+
+    remote_hidden = hidden.clone().requires_grad_()
+    logp = RemoteLogprobs(client, head.head)(remote_hidden, tokens)
+    assert logp.shape == tokens.shape and logp.requires_grad
+    loss = dpo(logp)
+    loss.backward()
+
+    h = hidden.double().requires_grad_()
+    w = head.fetch_weight().double().requires_grad_()
+    log_probs = F.log_softmax(h @ w.T, -1).gather(1, tokens.clamp(min=0)[:, None])[:, 0]
+    expected = dpo(log_probs * (tokens != -100))
+    expected.backward()
+    assert abs(loss.item() - expected.item()) < 1e-5 * abs(expected.item())
+    assert relative_error(remote_hidden.grad, h.grad) < GRAD_RTOL
+    assert relative_error(head.fetch_grad_weight(), w.grad) < GRAD_RTOL
+    assert not remote_hidden.grad[::7].any()
+
+
+def test_remote_logprobs_without_autograd_only_score(head):
+    hidden = torch.randn(50, HIDDEN)
+    tokens = torch.randint(0, VOCAB, (50,))
+    with torch.no_grad():
+        logp = head.logprobs(hidden, tokens)
+    expected = F.log_softmax(hidden.double() @ head.fetch_weight().double().T, -1).gather(
+        1, tokens[:, None])[:, 0]
+    assert relative_error(logp, expected) < 1e-6
+    assert not head.fetch_grad_weight().any()
+
+
+def test_objective_inputs_are_checked(client, head):
+    hidden = np.random.default_rng().standard_normal((10, HIDDEN), dtype=np.float32)
+    labels = np.arange(10)
+    with pytest.raises(lossd.LossdError) as error:
+        client.compute(head.head, hidden, labels, objective="ppo", advantages=np.ones(10))
+    assert error.value.code == "INVALID_ARGUMENT"
+    assert "sampling_logprobs" in error.value.message
+    with pytest.raises(ValueError, match="objective"):
+        client.compute(head.head, hidden, labels, objective="grpo")
+    with pytest.raises(ValueError, match="advantages"):
+        client.compute(head.head, hidden, labels, objective="ppo", advantages=np.ones(9),
+                       sampling_logprobs=np.zeros(10))
