@@ -500,6 +500,14 @@ absl::StatusOr<CallPlan> PlanCall(const Backend& backend, const BatchInputs& inp
   return call;
 }
 
+BatchSummary PlannedSummary(const ChunkPlan& plan, size_t workspace_bytes) {
+  BatchSummary summary;
+  summary.token_chunk = plan.token_chunk;
+  summary.vocab_chunk = plan.vocab_chunk;
+  summary.workspace_bytes = static_cast<int64_t>(workspace_bytes);
+  return summary;
+}
+
 RowFinisher::RowFinisher(const BatchInputs& inputs, int64_t vocab_size, const LossOptions& options,
                          const TokenOutputs& outputs)
     : inputs_(inputs),

@@ -719,10 +719,7 @@ absl::StatusOr<BatchSummary> CpuBackend::Compute(const BatchInputs& in, const We
   WorkspaceArena arena(workspace.data(), workspace.bytes());
   const CpuWorkspace ws =
       CarveWorkspace(arena, call.shape, call.plan.token_chunk, call.plan.vocab_chunk);
-  BatchSummary summary;
-  summary.token_chunk = call.plan.token_chunk;
-  summary.vocab_chunk = call.plan.vocab_chunk;
-  summary.workspace_bytes = static_cast<int64_t>(arena.used());
+  BatchSummary summary = PlannedSummary(call.plan, arena.used());
   CpuCall(in, weight, options, out, grad_weight, call, ws).Run(summary);
   return summary;
 }

@@ -585,10 +585,7 @@ class CudaBackend final : public Backend {
     WorkspaceArena arena(workspace.data(), workspace.bytes());
     const CudaWorkspace ws =
         CarveWorkspace(arena, call.shape, call.plan.token_chunk, call.plan.vocab_chunk);
-    BatchSummary summary;
-    summary.token_chunk = call.plan.token_chunk;
-    summary.vocab_chunk = call.plan.vocab_chunk;
-    summary.workspace_bytes = static_cast<int64_t>(arena.used());
+    BatchSummary summary = PlannedSummary(call.plan, arena.used());
     RETURN_IF_ERROR(RunOnStream([&](const StreamContext& c) {
       return ChunkedCompute(in, weight, options, out, grad_weight, call, ws, c).Run(summary);
     }));

@@ -173,7 +173,7 @@ class _RemoteCrossEntropy(torch.autograd.Function):
     def backward(ctx, upstream):
         hidden, = ctx.saved_tensors
         call = ctx.call
-        math_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        math_dtype = _loss_dtype(hidden.dtype)
         grad_hidden = ctx.grad_hidden.to(device=hidden.device, dtype=math_dtype)
         upstream = upstream.detach().to(math_dtype)
         if call.reduction == "none":
@@ -236,7 +236,7 @@ class _RemoteLogprobs(torch.autograd.Function):
     def backward(ctx, upstream):
         hidden, = ctx.saved_tensors
         call = ctx.call
-        math_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        math_dtype = _loss_dtype(hidden.dtype)
         grad_hidden = torch.zeros(hidden.shape, dtype=math_dtype, device=hidden.device)
         upstream = upstream.detach().reshape(-1).to("cpu", torch.float32).numpy()
         # Ignored rows and rows without a gradient add nothing: send only the others.

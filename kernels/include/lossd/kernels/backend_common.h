@@ -100,6 +100,8 @@ absl::StatusOr<CallPlan> PlanCall(const Backend& backend, const BatchInputs& inp
                                   const WeightView& weight, const LossOptions& options,
                                   const TokenOutputs& outputs, const DeviceBuffer* grad_weight,
                                   const DeviceBuffer& workspace);
+// A call's summary before any row: its plan and the workspace bytes it carved.
+BatchSummary PlannedSummary(const ChunkPlan& plan, size_t workspace_bytes);
 
 // The rows of one Compute call from their complete statistics on, the same on every backend:
 // each row's results (FinishRow), its gradient constants (MakeRowGradient) and its outputs. Row
