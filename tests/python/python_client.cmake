@@ -14,11 +14,15 @@ add_test(NAME python_client
 # The RL objectives and RemoteLogprobs against torch's float64 autograd of the same formulas.
 add_test(NAME python_objectives
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_objectives.py)
+# A toy policy trained with PPO against a frozen reference head: its reward rises (about 15 s).
+add_test(NAME python_rl_example
+  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_rl_example.py)
 # A tiny transformer LM trained with a local head and with a RemoteHead: the loss curves agree.
 add_test(NAME python_training_example
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
           ${CMAKE_CURRENT_LIST_DIR}/test_training_example.py)
-set_tests_properties(python_client python_objectives python_training_example PROPERTIES
+set_tests_properties(python_client python_objectives python_rl_example python_training_example
+  PROPERTIES
   ENVIRONMENT "${LOSSD_PYTHON_TEST_ENVIRONMENT}"
   TIMEOUT 300)
 # Two trainings of a small transformer: about 30 s on a quiet 2-core machine, several times that
