@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
@@ -366,16 +367,7 @@ class ComputeCall {
   // holding, a place on the device: nothing may follow the start message, since the rows are in
   // the memfd, and the memfd must be mapped.
   absl::Status MapSharedMemory() {
-    if (!env_.limits.allow_shared_memory) {
-      return absl::FailedPreconditionError(
-          "shared_memory: this server takes rows only in ComputeChunk messages (it runs with "
-          "--shared_memory=false)");
-    }
-    if (!stream_.PeerIsLocal()) {
-      return absl::FailedPreconditionError(
-          "shared_memory: only a client on the server's host (loopback or Unix socket) may use it; "
-          "send the rows in ComputeChunk messages");
-    }
+    RETURN_IF_ERROR(CheckSharedMemoryOffered(env_.limits.allow_shared_memory, stream_.PeerIsLocal()));
     v1::ComputeRequest extra;
     if (stream_.Read(&extra)) {
       return InvalidField("chunk", "no messages after a start with shared_memory (the rows are in the memfd)",
@@ -402,6 +394,16 @@ class ComputeCall {
                        env_.host_buffers->Acquire(static_cast<size_t>(rows * spec_.grad_row_bytes()),
                                                   MemoryPurpose::kWorkspace));
     }
+    // The client may rewrite its memory while the call runs: unless the backend reads each row
+    // once, every engine chunk is computed from a private copy of its rows, so that the finiteness
+    // check and dL/dW see the same values.
+    if (spec_.shared_memory.has_value() && spec_.num_tokens > 0 &&
+        !env_.backend->ReadsRowsOnce(spec_.hidden_dtype)) {
+      const int64_t rows = std::min(plan_.token_chunk, spec_.num_tokens);
+      ASSIGN_OR_RETURN(shared_rows_copy_,
+                       env_.host_buffers->Acquire(static_cast<size_t>(rows * spec_.hidden_row_bytes()),
+                                                  MemoryPurpose::kWorkspace));
+    }
     return absl::OkStatus();
   }
 
@@ -409,12 +411,17 @@ class ComputeCall {
   uint8_t* MessageGradHidden() { return static_cast<uint8_t*>(message_grad_hidden_.buffer().data()); }
 
   // Computes each engine chunk as soon as its rows are in, while the reader takes the next; rows
-  // in shared memory are computed where they lie.
+  // in shared memory are computed where they lie, or from a copy (AllocateBuffers).
   absl::Status ReceiveAndCompute() {
     if (spec_.shared_memory.has_value()) {
       for (int64_t first = 0; first < spec_.num_tokens; first += plan_.token_chunk) {
         const int64_t rows = std::min(plan_.token_chunk, spec_.num_tokens - first);
         const uint8_t* chunk_rows = shared_memory_.hidden() + first * spec_.hidden_row_bytes();
+        if (shared_rows_copy_.held()) {
+          void* copy = shared_rows_copy_.buffer().data();
+          std::memcpy(copy, chunk_rows, static_cast<size_t>(rows * spec_.hidden_row_bytes()));
+          chunk_rows = static_cast<const uint8_t*>(copy);
+        }
         RETURN_IF_ERROR(ComputeChunk({chunk_rows, first, rows}));
       }
       return absl::OkStatus();
@@ -669,6 +676,7 @@ class ComputeCall {
   BufferLease workspace_;
   BufferLease staging_;
   BufferLease message_grad_hidden_;  // host memory
+  BufferLease shared_rows_copy_;     // host memory: one engine chunk of rows out of shared memory
   ChunkOutputs outputs_;
   SharedCallMemory shared_memory_;
   v1::ComputeResponse result_message_;

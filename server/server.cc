@@ -324,9 +324,12 @@ std::vector<GaugeSample> LossServer::ReadState() const {
   samples.push_back({"lossd_compute_admitted_bytes", "Device memory admitted calls hold now.", {},
                      static_cast<double>(scheduler_->admitted_bytes())});
   const SharedMemoryMaps& maps = service_->shared_memory_maps();
+  samples.push_back({"lossd_shared_memory_handles",
+                     "Clients' memfds handed over on the handover socket and not yet revoked.", {},
+                     static_cast<double>(maps.handles())});
   samples.push_back({"lossd_shared_memory_mappings",
-                     "Clients' memfds mapped now (calls running or kept for the next call).", {},
-                     static_cast<double>(maps.mappings())});
+                     "Ranges of clients' memfds mapped now (calls running or kept for the next call).",
+                     {}, static_cast<double>(maps.mappings())});
   samples.push_back({"lossd_shared_memory_mapped_bytes",
                      "Bytes of clients' memfds mapped now; client memory, outside lossd_memory_bytes.",
                      {}, static_cast<double>(maps.mapped_bytes())});
@@ -412,6 +415,13 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
                                                    *server->scheduler_, server->metrics_,
                                                    server->ledger_, *server->buffers_,
                                                    *server->host_buffers_, std::move(options));
+  if (config.shared_memory) {
+    const absl::Status opened = server->service_->OpenSharedMemorySocket();
+    if (!opened.ok()) {
+      return absl::Status(opened.code(), absl::StrCat("--shared_memory: ", opened.message(),
+                                                      " (--shared_memory=false serves without it)"));
+    }
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -465,6 +475,7 @@ void LossServer::Shutdown(absl::Duration drain) {
   const absl::Time close_at = drained ? std::min(deadline, absl::Now() + kStatusGrace) : absl::Now();
   server_->Shutdown(absl::ToChronoTime(close_at));
   server_->Wait();
+  service_->CloseSharedMemorySocket();
 }
 
 LossServer::~LossServer() {

@@ -321,4 +321,23 @@ grpc::Status LossService::SaveCheckpoint(grpc::ServerContext* context,
   });
 }
 
+absl::Status LossService::OpenSharedMemorySocket() {
+  ASSIGN_OR_RETURN(handover_socket_, HandoverSocket::Open(shared_memory_maps_));
+  return absl::OkStatus();
+}
+
+void LossService::CloseSharedMemorySocket() { handover_socket_.reset(); }
+
+grpc::Status LossService::GetSharedMemorySocket(grpc::ServerContext* context,
+                                                const v1::GetSharedMemorySocketRequest*,
+                                                v1::SharedMemorySocket* response) {
+  return Serve("GetSharedMemorySocket", context, [&]() -> absl::Status {
+    RETURN_IF_ERROR(CheckSharedMemoryOffered(
+        options_.compute.allow_shared_memory && handover_socket_ != nullptr,
+        IsLocalPeer(context->peer())));
+    response->set_abstract_name(handover_socket_->abstract_name());
+    return absl::OkStatus();
+  });
+}
+
 }  // namespace lossd::server

@@ -11,6 +11,7 @@
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/compute_call.h"
 #include "server/buffer_cache.h"
+#include "server/handover_socket.h"
 #include "server/head_store.h"
 #include "server/memory_ledger.h"
 #include "server/metrics.h"
@@ -53,6 +54,14 @@ class LossService final : public v1::LossService::Service {
                     v1::StepResponse* response) override;
   grpc::Status SaveCheckpoint(grpc::ServerContext* context, const v1::SaveCheckpointRequest* request,
                               v1::SaveCheckpointResponse* response) override;
+  grpc::Status GetSharedMemorySocket(grpc::ServerContext* context,
+                                     const v1::GetSharedMemorySocketRequest* request,
+                                     v1::SharedMemorySocket* response) override;
+
+  // Shared memory's handover socket: opened before the service serves (when shared memory is
+  // allowed), closed once no call runs any more, revoking every handle.
+  absl::Status OpenSharedMemorySocket();
+  void CloseSharedMemorySocket();
 
   // Shutdown, in two steps. StopAccepting: from now on every call is refused with UNAVAILABLE.
   // WaitForCallsInFlight: returns once the calls already running have returned, or at
@@ -80,6 +89,7 @@ class LossService final : public v1::LossService::Service {
   BufferCache& host_buffers_;
   const ServiceOptions options_;
   SharedMemoryMaps shared_memory_maps_;
+  std::unique_ptr<HandoverSocket> handover_socket_;  // registers into shared_memory_maps_
 
   absl::Mutex calls_mu_;
   bool accepting_ ABSL_GUARDED_BY(calls_mu_) = true;

@@ -20,6 +20,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "absl/types/span.h"
 #include "client/cpp/npy.h"
 #include "client/cpp/shared_buffer.h"
@@ -645,146 +646,24 @@ INSTANTIATE_TEST_SUITE_P(
         CopyCase{"most_threads", (size_t{40} << 20) + 3}),
     [](const ::testing::TestParamInfo<CopyCase>& info) { return std::string(info.param.name); });
 
-// A memfd holding `bytes`, made as the client makes one (sealed against shrinking), or not.
-int MakeMemfd(uint64_t bytes, int seals) {
-  const int fd = memfd_create("lossd-test", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  EXPECT_GE(fd, 0);
-  EXPECT_EQ(ftruncate(fd, static_cast<off_t>(bytes)), 0);
-  if (seals != 0) EXPECT_EQ(fcntl(fd, F_ADD_SEALS, seals), 0);
-  return fd;
+// True once `done` holds, polling for up to 10 s: the server revokes a closed connection's handles
+// on its handover thread, a moment after the client has gone.
+bool Eventually(const std::function<bool()>& done) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!done()) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
 }
 
-struct SharedMemoryErrorCase {
-  const char* name;
-  std::function<void(v1::ComputeStart&, std::vector<int>& descriptors)> spoil;
-  bool send_rows_in_messages;
-  const char* expected_in_message;
-};
-
-void PrintTo(const SharedMemoryErrorCase& c, std::ostream* os) { *os << c.name; }
-
-class SharedMemoryErrorTest : public ClientTest, public ::testing::WithParamInterface<SharedMemoryErrorCase> {};
-
-// Four rows at offset 0, their fp32 dL/dh right after them.
-constexpr int64_t kErrorRows = 4;
-constexpr uint64_t kErrorRowBytes = kErrorRows * kHidden * sizeof(float);
-
-// A call the server must refuse: INVALID_ARGUMENT naming the field, nothing accumulated, and the
-// next call served.
-TEST_P(SharedMemoryErrorTest, IsRefusedNamingTheFieldAndLosesNothing) {
-  const SharedMemoryErrorCase& c = GetParam();
-  const Client client = Connect(OptionsFor(server_->port()));
-  const std::string head = absl::StrCat("refused-", c.name);
-  UploadRandomHead(client, head);
-  std::vector<int> descriptors = {MakeMemfd(2 * kErrorRowBytes, F_SEAL_SHRINK)};
-
-  v1::ComputeStart start;
-  start.set_head(head);
-  start.set_num_tokens(kErrorRows);
-  start.set_hidden_size(kHidden);
-  start.set_hidden_dtype(v1::DTYPE_FLOAT32);
-  for (int64_t label : {1, 2, 3, 4}) start.add_labels(label);
-  start.mutable_outputs()->set_grad_hidden(true);
-  start.mutable_outputs()->set_accumulate_grad_weight(true);
-  v1::SharedMemory& shared = *start.mutable_shared_memory();
-  shared.set_pid(getpid());
-  shared.set_fd(descriptors[0]);
-  shared.set_hidden_offset(0);
-  shared.set_grad_hidden_offset(kErrorRowBytes);
-  c.spoil(start, descriptors);
-
-  std::unique_ptr<v1::LossService::Stub> stub = ConnectTo(server_->port());
-  const std::string rows = c.send_rows_in_messages ? std::string(kErrorRowBytes, '\0') : std::string();
-  const ComputeOutcome outcome = CallCompute(*stub, start, rows, kErrorRows);
-  EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << outcome.status.error_message();
-  EXPECT_NE(outcome.status.error_message().find(c.expected_in_message), std::string::npos)
-      << outcome.status.error_message();
-  for (int fd : descriptors) close(fd);
-
-  const absl::StatusOr<client::HeadInfo> info = client.GetHead(head);
-  ASSERT_TRUE(info.ok()) << info.status();
-  EXPECT_EQ(info->accumulated_tokens, 0);
-  const std::vector<float> hidden = RandomNormal(kErrorRows * kHidden, 1.0f, rng_);
-  const std::vector<int64_t> labels = {1, 2, 3, 4};
-  ComputeRequest request = Fp32Request(head, hidden, labels);
-  request.shared_memory = true;
-  EXPECT_TRUE(client.Compute(request).ok());
-}
-
-INSTANTIATE_TEST_SUITE_P(
-    Cases, SharedMemoryErrorTest,
-    ::testing::Values(
-        // Unsealed, the client could shrink it under the server's mapping (SIGBUS).
-        SharedMemoryErrorCase{"unsealed",
-                              [](v1::ComputeStart& start, std::vector<int>& fds) {
-                                fds.push_back(MakeMemfd(2 * kErrorRowBytes, 0));
-                                start.mutable_shared_memory()->set_fd(fds.back());
-                              },
-                              false, "shared_memory.fd: expected a memfd sealed against shrinking"},
-        // A regular file cannot be sealed at all.
-        SharedMemoryErrorCase{"not_a_memfd",
-                              [](v1::ComputeStart& start, std::vector<int>& fds) {
-                                fds.push_back(open(::testing::TempDir().c_str(), O_TMPFILE | O_RDWR, 0600));
-                                ASSERT_GE(fds.back(), 0);
-                                start.mutable_shared_memory()->set_fd(fds.back());
-                              },
-                              false, "a file that cannot be sealed"},
-        // dL/dh would run past its end.
-        SharedMemoryErrorCase{"too_small",
-                              [](v1::ComputeStart& start, std::vector<int>& fds) {
-                                fds.push_back(MakeMemfd(kErrorRowBytes + 64, F_SEAL_SHRINK));
-                                start.mutable_shared_memory()->set_fd(fds.back());
-                              },
-                              false, "shared_memory.fd: expected a memfd of at least"},
-        // The server could not write dL/dh.
-        SharedMemoryErrorCase{"sealed_against_writes",
-                              [](v1::ComputeStart& start, std::vector<int>& fds) {
-                                fds.push_back(MakeMemfd(2 * kErrorRowBytes, F_SEAL_SHRINK | F_SEAL_WRITE));
-                                start.mutable_shared_memory()->set_fd(fds.back());
-                              },
-                              false, "sealed against writes"},
-        SharedMemoryErrorCase{"misaligned_rows",
-                              [](v1::ComputeStart& start, std::vector<int>&) {
-                                start.mutable_shared_memory()->set_hidden_offset(8);
-                              },
-                              false, "shared_memory.hidden_offset: expected a multiple of 64"},
-        // dL/dh would overwrite rows not yet read.
-        SharedMemoryErrorCase{"overlapping_regions",
-                              [](v1::ComputeStart& start, std::vector<int>&) {
-                                start.mutable_shared_memory()->set_grad_hidden_offset(kErrorRowBytes / 2);
-                              },
-                              false, "shared_memory.grad_hidden_offset: expected a region clear of the rows"},
-        // Wraps around 2^64 unless checked.
-        SharedMemoryErrorCase{"offset_overflows",
-                              [](v1::ComputeStart& start, std::vector<int>&) {
-                                start.mutable_shared_memory()->set_grad_hidden_offset(~uint64_t{63});
-                              },
-                              false, "shared_memory.grad_hidden_offset: expected an offset at which"},
-        // Far above any descriptor this process opens (a closed one's number could be reused).
-        SharedMemoryErrorCase{"no_such_descriptor",
-                              [](v1::ComputeStart& start, std::vector<int>&) {
-                                start.mutable_shared_memory()->set_fd(1 << 20);
-                              },
-                              false, "no such descriptor"},
-        SharedMemoryErrorCase{"negative_descriptor",
-                              [](v1::ComputeStart& start, std::vector<int>&) {
-                                start.mutable_shared_memory()->set_fd(-1);
-                              },
-                              false, "shared_memory.fd: expected the client's descriptor"},
-        SharedMemoryErrorCase{"no_process",
-                              [](v1::ComputeStart& start, std::vector<int>&) {
-                                start.mutable_shared_memory()->set_pid(0);
-                              },
-                              false, "shared_memory.pid"},
-        // Rows in the memfd and in messages: which would count?
-        SharedMemoryErrorCase{"rows_also_in_messages", [](v1::ComputeStart&, std::vector<int>&) {}, true,
-                              "chunk: expected no messages after a start with shared_memory"}),
-    [](const ::testing::TestParamInfo<SharedMemoryErrorCase>& info) { return std::string(info.param.name); });
-
-// The client keeps its memfd and the server its mapping between calls; a failed call's memfd is
-// not reused (a cancelled call could still write into it); a closed memfd's mapping is let go.
-TEST_F(ClientTest, SharedMemoryMappingsAreKeptWhileTheClientHoldsTheMemfd) {
+// The client hands its memfd over once and the server keeps its mappings (the rows' range and
+// dL/dh's) between calls; a failed call's memfd is released, not reused (a cancelled call could
+// still write into it); a client that goes away takes its handles and the mappings with it.
+TEST_F(ClientTest, SharedMemoryHandlesAndMappingsLiveAsLongAsTheClient) {
   server::SharedMemoryMaps& maps = server_->shared_memory_maps();
+  ASSERT_TRUE(Eventually([&] { return maps.handles() == 0 && maps.mappings() == 0; }))
+      << "earlier tests' clients left handles behind";
   const int64_t created_before = maps.mappings_created();
   {
     const Client client = Connect(OptionsFor(server_->port()));
@@ -796,16 +675,25 @@ TEST_F(ClientTest, SharedMemoryMappingsAreKeptWhileTheClientHoldsTheMemfd) {
     request.shared_memory = true;
     ASSERT_TRUE(client.Compute(request).ok());
     ASSERT_TRUE(client.Compute(request).ok());
-    EXPECT_EQ(maps.mappings_created(), created_before + 1);
+    EXPECT_EQ(maps.handles(), 1u);
+    EXPECT_EQ(maps.mappings(), 2u);
+    EXPECT_EQ(maps.mappings_created(), created_before + 2);
+    // Rows and dL/dh of 100 x 48 floats each, page-aligned: 20 KiB apiece at 4 KiB pages.
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    const uint64_t region = (100 * kHidden * sizeof(float) + page - 1) / page * page;
+    EXPECT_LE(maps.mapped_bytes(), 2 * (region + page));
 
     hidden[7] = std::numeric_limits<float>::quiet_NaN();
     EXPECT_EQ(client.Compute(request).status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(maps.handles(), 0u) << "the failed call's memfd was not released";
     hidden[7] = 0.0f;
     ASSERT_TRUE(client.Compute(request).ok());
-    EXPECT_EQ(maps.mappings_created(), created_before + 2);
+    EXPECT_EQ(maps.handles(), 1u);
+    EXPECT_EQ(maps.mappings(), 2u);
+    EXPECT_EQ(maps.mappings_created(), created_before + 4);
   }
-  maps.Sweep();
-  EXPECT_EQ(maps.mappings(), 0u);
+  EXPECT_TRUE(Eventually([&] { return maps.handles() == 0 && maps.mappings() == 0; }))
+      << maps.handles() << " handles, " << maps.mappings() << " mappings left";
   EXPECT_EQ(maps.mapped_bytes(), 0u);
 }
 

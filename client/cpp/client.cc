@@ -3,7 +3,6 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <climits>
@@ -398,6 +397,7 @@ absl::StatusOr<Client> Client::Connect(ChannelOptions options) {
 Client::Client(std::shared_ptr<grpc::Channel> channel, ChannelOptions options)
     : options_(std::move(options)),
       stub_(v1::LossService::NewStub(std::move(channel))),
+      handover_(std::make_shared<Handover>()),
       shared_buffers_(std::make_shared<SharedBufferPool>()) {}
 
 Client::Client(Client&&) noexcept = default;
@@ -427,6 +427,15 @@ absl::StatusOr<HeadList> Client::ListHeads() const {
     list.heads.push_back(std::move(info));
   }
   return list;
+}
+
+absl::StatusOr<std::string> Client::SharedMemorySocketName() const {
+  grpc::ClientContext context;
+  PrepareContext(context);
+  v1::SharedMemorySocket response;
+  RETURN_IF_ERROR(FromGrpcStatus(
+      stub_->GetSharedMemorySocket(&context, v1::GetSharedMemorySocketRequest(), &response)));
+  return response.abstract_name();
 }
 
 absl::StatusOr<HeadInfo> Client::GetHead(const std::string& head) const {
@@ -738,11 +747,13 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request, v1::Compute
       request.outputs.grad_hidden ? static_cast<uint64_t>(hidden.rows) * hidden.cols * DTypeSize(grad_dtype) : 0;
   constexpr uint64_t kAlignment = 64;  // the server's rule for both offsets
   const uint64_t grad_offset = (hidden_bytes + kAlignment - 1) / kAlignment * kAlignment;
+  ASSIGN_OR_RETURN(const std::shared_ptr<HandoverConnection> handover,
+                   handover_->Get([this] { return SharedMemorySocketName(); }));
   ASSIGN_OR_RETURN(std::unique_ptr<SharedBuffer> buffer, shared_buffers_->Acquire(grad_offset + grad_bytes));
+  ASSIGN_OR_RETURN(const std::string handle, buffer->HandleOn(handover));
   CopyInParallel(buffer->data(), hidden.data, hidden_bytes);
   v1::SharedMemory& shared = *start_message.mutable_start()->mutable_shared_memory();
-  shared.set_pid(getpid());
-  shared.set_fd(buffer->fd());
+  shared.set_handle(handle);
   shared.set_hidden_offset(0);
   shared.set_grad_hidden_offset(grad_offset);
 

@@ -1,11 +1,15 @@
 #include "client/cpp/shared_buffer.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 #include <system_error>
 #include <thread>
@@ -14,8 +18,105 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "lossd/common/status_macros.h"
+#include "lossd/v1/lossd.pb.h"
 
 namespace lossd::client {
+namespace {
+
+// A reply from a server that is up comes within microseconds; this bounds a hung one.
+constexpr int kHandoverTimeoutSeconds = 30;
+constexpr size_t kMaxReplyBytes = 4096;
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<HandoverConnection>> HandoverConnection::Connect(
+    absl::string_view abstract_name) {
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  if (abstract_name.empty() || abstract_name.size() + 1 > sizeof address.sun_path) {
+    return InvalidField("abstract_name", "the name of the server's handover socket",
+                        absl::StrCat("\"", abstract_name, "\""));
+  }
+  std::memcpy(address.sun_path + 1, abstract_name.data(), abstract_name.size());  // abstract
+  UniqueFd socket_fd(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (!socket_fd.valid()) return ErrnoError("shared memory: handover socket", errno);
+  const timeval timeout{kHandoverTimeoutSeconds, 0};
+  setsockopt(socket_fd.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  setsockopt(socket_fd.get(), SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+  const socklen_t length =
+      static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + abstract_name.size());
+  if (connect(socket_fd.get(), reinterpret_cast<const sockaddr*>(&address), length) != 0) {
+    // The server's socket lives in its network namespace: a client in another one cannot reach it.
+    return ErrnoError(absl::StrCat("shared memory: connecting to the server's handover socket @",
+                                   abstract_name, " (client and server must share a network "
+                                   "namespace)"),
+                      errno);
+  }
+  return std::shared_ptr<HandoverConnection>(new HandoverConnection(std::move(socket_fd)));
+}
+
+absl::StatusOr<std::string> HandoverConnection::Exchange(const std::string& request, int fd) {
+  absl::MutexLock lock(&mu_);
+  iovec data{const_cast<char*>(request.data()), request.size()};
+  msghdr message{};
+  message.msg_iov = &data;
+  message.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  if (fd >= 0) {
+    message.msg_control = control;
+    message.msg_controllen = sizeof control;
+    cmsghdr* rights = CMSG_FIRSTHDR(&message);
+    rights->cmsg_level = SOL_SOCKET;
+    rights->cmsg_type = SCM_RIGHTS;
+    rights->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(rights), &fd, sizeof fd);
+  }
+  if (sendmsg(socket_.get(), &message, MSG_NOSIGNAL) < 0) {
+    return ErrnoError("shared memory: sending to the server's handover socket", errno);
+  }
+  std::string reply_bytes(kMaxReplyBytes, '\0');
+  const ssize_t received = recv(socket_.get(), reply_bytes.data(), reply_bytes.size(), 0);
+  if (received < 0) {
+    return ErrnoError("shared memory: reading the server's handover reply", errno);
+  }
+  v1::HandoverReply reply;
+  if (received == 0 || !reply.ParseFromArray(reply_bytes.data(), static_cast<int>(received))) {
+    return absl::UnavailableError("shared memory: the server closed its handover connection");
+  }
+  if (reply.code() != 0) {
+    return absl::Status(static_cast<absl::StatusCode>(reply.code()), reply.message());
+  }
+  return reply.handle();
+}
+
+absl::StatusOr<std::string> HandoverConnection::Register(int fd) {
+  v1::HandoverRequest request;
+  request.mutable_register_memfd();
+  return Exchange(request.SerializeAsString(), fd);
+}
+
+absl::Status HandoverConnection::Release(absl::string_view handle) {
+  v1::HandoverRequest request;
+  request.mutable_release_handle()->set_handle(std::string(handle));
+  return Exchange(request.SerializeAsString(), -1).status();
+}
+
+bool HandoverConnection::IsOpen() const {
+  // The server never speaks first: anything to read is the end of the connection.
+  pollfd polled{socket_.get(), POLLIN | POLLRDHUP, 0};
+  return poll(&polled, 1, 0) == 0;
+}
+
+absl::StatusOr<std::shared_ptr<HandoverConnection>> Handover::Get(
+    absl::FunctionRef<absl::StatusOr<std::string>()> socket_name) {
+  absl::MutexLock lock(&mu_);
+  if (connection_ == nullptr || !connection_->IsOpen()) {
+    connection_ = nullptr;
+    ASSIGN_OR_RETURN(const std::string name, socket_name());
+    ASSIGN_OR_RETURN(connection_, HandoverConnection::Connect(name));
+  }
+  return connection_;
+}
 
 absl::StatusOr<std::unique_ptr<SharedBuffer>> SharedBuffer::Create(uint64_t bytes) {
   // A zero-length mapping is not allowed; a call without rows still names a memfd.
@@ -38,8 +139,22 @@ absl::StatusOr<std::unique_ptr<SharedBuffer>> SharedBuffer::Create(uint64_t byte
 }
 
 SharedBuffer::~SharedBuffer() {
+  // Without it the server would keep the memfd alive until the connection closes.
+  if (registered_on_ != nullptr && registered_on_->IsOpen()) {
+    registered_on_->Release(handle_).IgnoreError();
+  }
   munmap(data_, size_);
   close(fd_);
+}
+
+absl::StatusOr<std::string> SharedBuffer::HandleOn(const std::shared_ptr<HandoverConnection>& connection) {
+  if (registered_on_ != connection) {
+    // A handle on an earlier connection died with it.
+    registered_on_ = nullptr;
+    ASSIGN_OR_RETURN(handle_, connection->Register(fd_));
+    registered_on_ = connection;
+  }
+  return handle_;
 }
 
 absl::StatusOr<std::unique_ptr<SharedBuffer>> SharedBufferPool::Acquire(uint64_t bytes) {

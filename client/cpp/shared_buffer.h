@@ -1,17 +1,46 @@
-// The client's side of shared memory (ComputeStart.shared_memory in lossd.proto): memfds that
-// carry a call's rows to a server on this host and its dL/dh back, kept for the next call.
+// The client's side of shared memory (SharedMemory in lossd.proto): memfds that carry a call's
+// rows to a server on this host and its dL/dh back, handed over on the server's handover socket
+// and kept, registered, for the next call.
 #ifndef LOSSD_CLIENT_SHARED_BUFFER_H_
 #define LOSSD_CLIENT_SHARED_BUFFER_H_
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "lossd/common/unique_fd.h"
 
 namespace lossd::client {
+
+// One connection to a server's handover socket (HandoverRequest in lossd.proto). The handles it
+// registers live as long as it does: the server revokes them when it closes.
+class HandoverConnection {
+ public:
+  // Connects to the abstract socket SharedMemorySocket.abstract_name names.
+  static absl::StatusOr<std::shared_ptr<HandoverConnection>> Connect(absl::string_view abstract_name);
+
+  // Hands the memfd `fd` over and returns its handle; the server's code and message otherwise.
+  absl::StatusOr<std::string> Register(int fd);
+  // Revokes `handle`, so that the server lets go of its memfd.
+  absl::Status Release(absl::string_view handle);
+  // False once the server has closed the connection (it shut down or restarted): the handles
+  // registered on it are gone.
+  bool IsOpen() const;
+
+ private:
+  explicit HandoverConnection(UniqueFd socket) : socket_(std::move(socket)) {}
+  // Sends `request` (with descriptor `fd`, unless -1) and returns the reply's handle.
+  absl::StatusOr<std::string> Exchange(const std::string& request, int fd);
+
+  const UniqueFd socket_;
+  absl::Mutex mu_;  // one request and its reply at a time
+};
 
 // A memfd sealed against shrinking (the server maps it; a shrunk mapping would kill it) and
 // mapped read-write here.
@@ -20,11 +49,16 @@ class SharedBuffer {
   static absl::StatusOr<std::unique_ptr<SharedBuffer>> Create(uint64_t bytes);
   SharedBuffer(const SharedBuffer&) = delete;
   SharedBuffer& operator=(const SharedBuffer&) = delete;
+  // Releases its handle, if any, before the memfd is closed.
   ~SharedBuffer();
 
   int fd() const { return fd_; }
   uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
+
+  // Its handle on `connection`, registering it there first unless it is already. A buffer is
+  // used by one call at a time.
+  absl::StatusOr<std::string> HandleOn(const std::shared_ptr<HandoverConnection>& connection);
 
  private:
   SharedBuffer(int fd, uint8_t* data, uint64_t size) : fd_(fd), data_(data), size_(size) {}
@@ -32,6 +66,21 @@ class SharedBuffer {
   const int fd_;
   uint8_t* const data_;
   const uint64_t size_;
+  std::shared_ptr<HandoverConnection> registered_on_;
+  std::string handle_;
+};
+
+// A client's handover connection, opened on first use and again once the server has closed it.
+class Handover {
+ public:
+  // The open connection. `socket_name` asks the server for its socket (GetSharedMemorySocket);
+  // it is called only when a connection must be opened.
+  absl::StatusOr<std::shared_ptr<HandoverConnection>> Get(
+      absl::FunctionRef<absl::StatusOr<std::string>()> socket_name);
+
+ private:
+  absl::Mutex mu_;
+  std::shared_ptr<HandoverConnection> connection_ ABSL_GUARDED_BY(mu_);
 };
 
 // Buffers between calls: a call takes one at least as large as it needs (or a new one) and gives

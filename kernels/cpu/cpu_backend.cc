@@ -503,6 +503,10 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  // 16-bit rows are widened into the workspace once per chunk and read only there; fp32 rows are
+  // read in place, by the logits' product and again by dL/dW's.
+  bool ReadsRowsOnce(DType hidden_dtype) const override { return hidden_dtype != DType::kFloat32; }
+
   absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const override {
     return ChooseChunkPlan(shape, budget_bytes, kCpuTileLimits, [&](int64_t rows, int64_t cols) {
       WorkspaceArena arena(nullptr, 0);

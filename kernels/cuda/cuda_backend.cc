@@ -568,6 +568,9 @@ class CudaBackend final : public Backend {
     });
   }
 
+  // Each chunk's rows are copied to the device once (LoadChunk) and read only there.
+  bool ReadsRowsOnce(DType) const override { return true; }
+
   absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const override {
     return ChooseChunkPlan(shape, budget_bytes, kCudaTileLimits, [&](int64_t rows, int64_t cols) {
       WorkspaceArena arena(nullptr, 0);

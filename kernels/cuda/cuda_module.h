@@ -9,7 +9,7 @@
 #include "lossd/kernels/backend.h"
 
 // Bumped whenever Backend's layout or these signatures change; the loader refuses a mismatch.
-#define LOSSD_CUDA_MODULE_ABI 1
+#define LOSSD_CUDA_MODULE_ABI 2
 
 extern "C" {
 int lossd_cuda_module_abi(void);

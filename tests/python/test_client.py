@@ -528,33 +528,41 @@ def compute_with_layout(client, head, shared_memory, num_tokens=4, grad_hidden=T
 # fault; none of those refusals may spoil the client's next shared-memory call.
 def test_shared_memory_layout_errors_name_the_field(client, head):
     rows_bytes = 4 * HIDDEN * 4
-    unsealed_fd = os.memfd_create("lossd-test-unsealed", os.MFD_CLOEXEC)
+    handover = client._handover_connection()
     sealed = lossd.client._SharedBuffer(2 * rows_bytes + 64)
     try:
-        os.ftruncate(unsealed_fd, 2 * rows_bytes)
-        layouts = {
-            "shared_memory.fd": pb.SharedMemory(pid=os.getpid(), fd=unsealed_fd,
-                                                grad_hidden_offset=rows_bytes),
-            "shared_memory.hidden_offset": pb.SharedMemory(pid=os.getpid(), fd=sealed.fd,
-                                                           hidden_offset=8,
-                                                           grad_hidden_offset=rows_bytes + 64),
-            "shared_memory.grad_hidden_offset": pb.SharedMemory(pid=os.getpid(), fd=sealed.fd,
-                                                                grad_hidden_offset=rows_bytes - 64),
-        }
-        for field, layout in layouts.items():
+        handle = sealed.handle_on(handover)
+        layouts = [
+            ("INVALID_ARGUMENT", "shared_memory.hidden_offset",
+             pb.SharedMemory(handle=handle, hidden_offset=8, grad_hidden_offset=rows_bytes + 64)),
+            ("INVALID_ARGUMENT", "shared_memory.grad_hidden_offset",
+             pb.SharedMemory(handle=handle, grad_hidden_offset=rows_bytes - 64)),
+            # The memfd is too small for the layout.
+            ("INVALID_ARGUMENT", "shared_memory.handle: expected a memfd of at least",
+             pb.SharedMemory(handle=handle, grad_hidden_offset=2 * rows_bytes)),
+            ("INVALID_ARGUMENT", "shared_memory.handle: expected the 16-byte handle",
+             pb.SharedMemory(handle=handle[:8], grad_hidden_offset=rows_bytes)),
+            ("NOT_FOUND", "shared_memory.handle: expected a handle registered",
+             pb.SharedMemory(handle=os.urandom(16), grad_hidden_offset=rows_bytes)),
+        ]
+        for code, expected, layout in layouts:
             with pytest.raises(lossd.LossdError) as error:
                 compute_with_layout(client, head.head, layout)
-            assert error.value.code == "INVALID_ARGUMENT", field
-            assert field in error.value.message, (field, error.value.message)
-        # A memfd too small for the layout is refused by its descriptor as well.
+            assert error.value.code == code, expected
+            assert expected in error.value.message, (expected, error.value.message)
+    finally:
+        sealed.close()
+    # A memfd that could shrink under the server's mapping is refused when it is handed over.
+    unsealed_fd = os.memfd_create("lossd-test-unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(unsealed_fd, rows_bytes)
         with pytest.raises(lossd.LossdError) as error:
-            compute_with_layout(client, head.head, pb.SharedMemory(
-                pid=os.getpid(), fd=sealed.fd, grad_hidden_offset=2 * rows_bytes))
+            handover.register(unsealed_fd)
         assert error.value.code == "INVALID_ARGUMENT"
-        assert "shared_memory.fd" in error.value.message
+        assert "register_memfd: expected a memfd sealed against shrinking" in error.value.message
+        assert "got a memfd without F_SEAL_SHRINK" in error.value.message
     finally:
         os.close(unsealed_fd)
-        sealed.close()
     hidden, labels = random_batch(4)
     assert client.compute(head.head, hidden.numpy(), labels.numpy(),
                           shared_memory=True).counted_tokens == 4

@@ -182,10 +182,81 @@ class StepInfo:
     accumulated_tokens: int
 
 
+def _code_name(code):
+    """The name of a gRPC status code number, as LossdError carries it."""
+    for status in grpc.StatusCode:
+        if status.value[0] == code:
+            return status.name
+    return str(code)
+
+
+class _HandoverConnection:
+    """One connection to the server's handover socket (HandoverRequest in lossd.proto), where
+    memfds are handed over with SCM_RIGHTS for handles. The handles it registers live as long as
+    it does: the server revokes them when it closes."""
+
+    # A reply from a server that is up comes within microseconds; this bounds a hung one.
+    _TIMEOUT_SECONDS = 30
+    _MAX_REPLY_BYTES = 4096
+
+    def __init__(self, abstract_name):
+        import socket  # Unix only: imported here so that the client still imports elsewhere
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._socket.settimeout(self._TIMEOUT_SECONDS)
+        try:
+            self._socket.connect("\0" + abstract_name)
+        except OSError as error:
+            self._socket.close()
+            # The socket lives in the server's network namespace.
+            raise LossdError("GetSharedMemorySocket", "UNAVAILABLE",
+                             f"cannot connect to the server's handover socket @{abstract_name} "
+                             f"(client and server must share a network namespace): "
+                             f"{error}") from None
+        self._lock = threading.Lock()
+
+    def register(self, fd):
+        """Hands the memfd `fd` over; returns its handle."""
+        return self._exchange(pb.HandoverRequest(register_memfd=pb.RegisterMemfd()), [fd]).handle
+
+    def release(self, handle):
+        self._exchange(pb.HandoverRequest(release_handle=pb.ReleaseHandle(handle=handle)), [])
+
+    def is_open(self):
+        """False once the server has closed the connection (it shut down or restarted)."""
+        import select
+        if self._socket.fileno() < 0:
+            return False
+        poller = select.poll()
+        # The server never speaks first: anything to read is the end of the connection.
+        poller.register(self._socket, select.POLLIN | select.POLLRDHUP)
+        return not poller.poll(0)
+
+    def close(self):
+        self._socket.close()
+
+    def _exchange(self, request, fds):
+        import socket
+        with self._lock:
+            try:
+                socket.send_fds(self._socket, [request.SerializeToString()], fds)
+                data = self._socket.recv(self._MAX_REPLY_BYTES)
+            except OSError as error:
+                raise LossdError("handover", "UNAVAILABLE",
+                                 f"the server's handover socket: {error}") from None
+        if not data:
+            raise LossdError("handover", "UNAVAILABLE",
+                             "the server closed its handover connection")
+        reply = pb.HandoverReply.FromString(data)
+        if reply.code != 0:
+            raise LossdError("handover", _code_name(reply.code), reply.message)
+        return reply
+
+
 class _SharedBuffer:
     """A memfd that carries a call's rows to a server on this host and its dL/dh back
     (ComputeStart.shared_memory): sealed against shrinking, since the server maps it and a shrunk
-    mapping would kill the server, and mapped read-write here."""
+    mapping would kill the server, and mapped read-write here. It is handed over once per handover
+    connection, and its handle kept for the calls after."""
 
     def __init__(self, size):
         if not hasattr(os, "memfd_create"):
@@ -194,6 +265,8 @@ class _SharedBuffer:
         # A zero-length mapping is not allowed; a call without rows still names a memfd.
         self.size = max(size, 1)
         self.fd = os.memfd_create("lossd-rows", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self._registered_on = None
+        self._handle = None
         try:
             os.ftruncate(self.fd, self.size)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
@@ -201,6 +274,16 @@ class _SharedBuffer:
         except BaseException:
             os.close(self.fd)
             raise
+
+    def handle_on(self, connection):
+        """Its handle on `connection`, registering it there first unless it is already. A buffer
+        serves one call at a time."""
+        if self._registered_on is not connection:
+            # A handle on an earlier connection died with it.
+            self._registered_on = None
+            self._handle = connection.register(self.fd)
+            self._registered_on = connection
+        return self._handle
 
     def array(self, offset, dtype, shape):
         """A numpy view of the mapping at offset: valid only until the buffer goes back to its
@@ -213,6 +296,13 @@ class _SharedBuffer:
         return self._mapping.closed
 
     def close(self):
+        # Without it the server would keep the memfd alive until the connection closes.
+        if self._registered_on is not None and self._registered_on.is_open():
+            try:
+                self._registered_on.release(self._handle)
+            except LossdError:
+                pass  # the server let go of it already
+        self._registered_on = None
         try:
             self._mapping.close()
         except BufferError:
@@ -298,11 +388,27 @@ class Client:
         self._timeout = timeout
         self._retry = retry
         self._shared_buffers = _SharedBufferPool()
+        self._handover = None  # the _HandoverConnection the pool's memfds are registered on
+        self._handover_lock = threading.Lock()
         self.address = address
 
     def close(self):
-        self._channel.close()
+        with self._handover_lock:
+            if self._handover is not None:
+                # Revokes every handle at once: the buffers need not release theirs one by one.
+                self._handover.close()
         self._shared_buffers.close()
+        self._channel.close()
+
+    def _handover_connection(self):
+        """The open handover connection, opened on first use and again once the server has
+        closed it (a restart)."""
+        with self._handover_lock:
+            if self._handover is None or not self._handover.is_open():
+                socket_name = self._unary("GetSharedMemorySocket",
+                                          pb.GetSharedMemorySocketRequest()).abstract_name
+                self._handover = _HandoverConnection(socket_name)
+            return self._handover
 
     def __enter__(self):
         return self
@@ -472,12 +578,13 @@ class Client:
         within max_message_bytes); results stream back per computed chunk while later rows are
         still in flight and are put back together by row offset.
 
-        shared_memory=True, for a client on the server's host (same user, same PID namespace),
-        hands the rows over and takes dL/dh back in a memfd instead of messages: the rows are
-        copied once into the memfd, the server computes on them where they lie and writes dL/dh
-        there, and no tensor bytes cross the socket (rows_per_message is then unused). The memfds
-        are kept between calls (a few per Client) and closed by close(). A server that does not
-        offer it (--shared_memory=false), or a client that is not on its host, gets
+        shared_memory=True, for a client on the server's host (any user, the server's network
+        namespace), hands the rows over and takes dL/dh back in a memfd instead of messages: the
+        rows are copied once into the memfd, the server computes on them there and writes dL/dh
+        there, and no tensor bytes cross the socket (rows_per_message is then unused). Each memfd
+        is handed over once, on the server's handover socket, for a handle the calls name; the
+        memfds are kept between calls (a few per Client) and closed by close(). A server that does
+        not offer it (--shared_memory=false), or a client that is not on its host, gets
         FAILED_PRECONDITION. Results are the same either way, bit for bit.
 
         grad_hidden_out, a writable C-contiguous [N, H] array of grad_hidden's dtype (uint16 for
@@ -636,12 +743,14 @@ class Client:
         grad_bytes = num_tokens * hidden_size * grad_numpy_dtype.itemsize
         grad_wanted = "grad_hidden" in wanted
         grad_offset = -(-hidden_bytes // _SHARED_MEMORY_ALIGNMENT) * _SHARED_MEMORY_ALIGNMENT
+        handover = self._handover_connection()
         buffer = self._shared_buffers.acquire(grad_offset + (grad_bytes if grad_wanted else 0))
         call = None
         try:
+            handle = buffer.handle_on(handover)
             np.copyto(buffer.array(0, hidden.dtype, hidden.shape), hidden)
             start.shared_memory.CopyFrom(pb.SharedMemory(
-                pid=os.getpid(), fd=buffer.fd, hidden_offset=0, grad_hidden_offset=grad_offset))
+                handle=handle, hidden_offset=0, grad_hidden_offset=grad_offset))
             # One message, then the end of the stream: the server reads nothing more.
             call = self._call("Compute", iter((pb.ComputeRequest(start=start),)))
             result = _assemble(self._responses("Compute", call), wanted, top_k, num_tokens,

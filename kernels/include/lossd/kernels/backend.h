@@ -142,6 +142,13 @@ class Backend : public BufferAllocator {
   // the smallest tile does not fit. Peak extra memory of Compute is plan.workspace_bytes.
   virtual absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const = 0;
 
+  // Whether Compute reads every element of inputs.hidden exactly once, copying or converting each
+  // chunk of rows into memory of its own before it computes anything from them. Rows that another
+  // process can rewrite during the call (a client's shared memory) must otherwise be copied out
+  // first: a backend that reads them again, say for dL/dW after the finiteness check of the
+  // logits, could commit a gradient of values that check never saw.
+  virtual bool ReadsRowsOnce(DType hidden_dtype) const = 0;
+
   // Computes one batch. The workspace's size is the budget: Compute plans against it exactly as
   // Plan(shape, workspace.bytes()) does and uses no other scratch memory on the device.
   // dL/dW is accumulated (+=) into grad_weight ([V, H] fp32) when it is not null, or stored there

@@ -137,9 +137,10 @@ struct ComputeRequest {
   // Hidden rows per chunk message; 0 picks as many as fit in min(4 MiB, max_message_bytes), small
   // enough that the server computes early chunks while later ones are still on the wire.
   int64_t rows_per_message = 0;
-  // Rows and dL/dh through a memfd shared with a server on this host instead of messages: the
-  // server computes on the rows where they lie (see SharedMemory in lossd.proto). Only for a
-  // server on loopback or a Unix socket, run by the same user.
+  // Rows and dL/dh through a memfd shared with a server on this host instead of messages (see
+  // SharedMemory in lossd.proto): the client hands its memfd over on the server's handover socket,
+  // once per memfd, and the server computes on the rows there. For a server on loopback or a Unix
+  // socket in the client's network namespace, whichever user either runs as.
   bool shared_memory = false;
   // The call's name on the server, so that a retry cannot add its dL/dW twice (see RetryOptions
   // and ComputeStart.call_id in lossd.proto). Empty: a call that accumulates dL/dW gets a fresh
@@ -221,6 +222,7 @@ struct StepResult {
   int64_t accumulated_tokens = 0;
 };
 
+class Handover;
 class SharedBufferPool;
 
 class Client {
@@ -263,8 +265,12 @@ class Client {
   absl::Status RunComputeShared(const ComputeRequest& request, v1::ComputeRequest& start_message,
                                 ComputeResult& result) const;
 
+  // Where the server takes memfds (GetSharedMemorySocket).
+  absl::StatusOr<std::string> SharedMemorySocketName() const;
+
   ChannelOptions options_;
   std::unique_ptr<v1::LossService::Stub> stub_;  // holds the channel
+  std::shared_ptr<Handover> handover_;  // the connection shared-memory calls' memfds are registered on
   std::shared_ptr<SharedBufferPool> shared_buffers_;  // memfds kept between shared-memory calls
 };
 
