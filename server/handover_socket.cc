@@ -46,7 +46,7 @@ bool SendReply(int socket, const absl::StatusOr<std::string>& outcome) {
          static_cast<ssize_t>(bytes.size());
 }
 
-// The answer to one request: a handle, an empty string for a release, or why it was refused.
+// The answer to one request: the handle registered or released, or why it was refused.
 absl::StatusOr<std::string> Answer(SharedMemoryMaps& maps, uint64_t connection, const char* data,
                                    size_t size, int flags, std::vector<UniqueFd> descriptors) {
   if ((flags & MSG_CTRUNC) != 0) {
@@ -77,7 +77,7 @@ absl::StatusOr<std::string> Answer(SharedMemoryMaps& maps, uint64_t connection, 
         return InvalidField("release_handle", "no descriptor", absl::StrCat(descriptors.size()));
       }
       RETURN_IF_ERROR(maps.Release(request.release_handle().handle(), connection));
-      return std::string();
+      return request.release_handle().handle();
     default:
       return InvalidField("request", "register_memfd or release_handle", "neither");
   }

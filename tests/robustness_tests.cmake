@@ -44,3 +44,16 @@ add_test(NAME listen_ports
 set_tests_properties(listen_ports PROPERTIES
   ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;OMP_NUM_THREADS=2"
   TIMEOUT 120)
+
+# Shared memory against clients that misbehave on purpose: the handover socket, handles, layouts,
+# rows rewritten during calls, sparse memfds (shared_memory_test, in-process server); clients of
+# two other users than the server's (python/test_shared_memory_users.py, the real binary).
+add_executable(shared_memory_test
+  ${CMAKE_CURRENT_LIST_DIR}/shared_memory_test.cc
+  ${CMAKE_CURRENT_LIST_DIR}/server_harness.cc
+)
+target_link_libraries(shared_memory_test PRIVATE
+  lossd_client lossd_server_lib lossd_test_reference GTest::gtest_main)
+gtest_discover_tests(shared_memory_test
+  DISCOVERY_TIMEOUT 60
+  PROPERTIES TIMEOUT 120 ENVIRONMENT "OMP_NUM_THREADS=2")
