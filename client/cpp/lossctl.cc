@@ -846,8 +846,8 @@ struct Subcommand {
 
 FlagSpec SharedMemoryFlag() {
   return {"shared_memory", FlagKind::kBool, "false",
-          "rows and dL/dh through a memfd shared with the server instead of messages (a server on "
-          "this host, same user)"};
+          "rows and dL/dh through a memfd handed over to the server instead of messages (a server "
+          "on this host, any user)"};
 }
 
 FlagSpec HeadFlag() { return {"head", FlagKind::kString, "", "head name (default: the server's only head)"}; }

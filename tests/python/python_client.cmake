@@ -21,8 +21,13 @@ add_test(NAME python_rl_example
 add_test(NAME python_training_example
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
           ${CMAKE_CURRENT_LIST_DIR}/test_training_example.py)
+# Shared memory between users: clients of two users created for the test (as root; skipped
+# otherwise) against a server run as root.
+add_test(NAME shared_memory_users
+  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
+          ${CMAKE_CURRENT_LIST_DIR}/test_shared_memory_users.py)
 set_tests_properties(python_client python_objectives python_rl_example python_training_example
-  PROPERTIES
+  shared_memory_users PROPERTIES
   ENVIRONMENT "${LOSSD_PYTHON_TEST_ENVIRONMENT}"
   TIMEOUT 300)
 # Two trainings of a small transformer: about 30 s on a quiet 2-core machine, several times that

@@ -568,8 +568,9 @@ def test_shared_memory_layout_errors_name_the_field(client, head):
                           shared_memory=True).counted_tokens == 4
 
 
-# The pool: a memfd serves call after call, results never alias it, a failed call drops its memfd
-# (a server finishing a cancelled call may still write into it), and close() closes the rest.
+# The pool: a memfd serves call after call under the handle it got once, results never alias it, a
+# failed call drops its memfd (a server finishing a cancelled call may still write into it), and
+# close() closes the rest.
 def test_shared_buffer_pool_reuses_buffers_and_drops_failed_ones(server, head):
     with lossd.Client(server.address, timeout=120) as client:
         pool = client._shared_buffers
@@ -578,11 +579,14 @@ def test_shared_buffer_pool_reuses_buffers_and_drops_failed_ones(server, head):
                                outputs=["grad_hidden"], shared_memory=True)
         assert len(pool._idle) == 1
         buffer = pool._idle[0]
+        handle = buffer._handle
+        assert len(handle) == 16 and buffer._registered_on is client._handover
         first_grad_hidden = first.grad_hidden.copy()
         second_hidden, _ = random_batch(100)
         client.compute(head.head, second_hidden.numpy(), labels.numpy(), outputs=["grad_hidden"],
                        shared_memory=True)
-        assert pool._idle == [buffer] and not buffer.closed
+        # Handed over once: the second call names the same handle.
+        assert pool._idle == [buffer] and not buffer.closed and buffer._handle == handle
         assert np.array_equal(first.grad_hidden, first_grad_hidden)  # a copy, not the memfd
 
         # A smaller call takes the same memfd; a larger one needs one more.
