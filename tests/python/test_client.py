@@ -609,6 +609,32 @@ def test_shared_buffer_pool_reuses_buffers_and_drops_failed_ones(server, head):
     assert remaining.closed and pool._idle == []
 
 
+# A server that restarts has closed the handover connection and forgotten every handle: the
+# client notices, asks the new server for its socket and hands its pooled memfd over again.
+def test_shared_memory_survives_a_server_restart():
+    hidden = np.random.default_rng().standard_normal((6, 8), dtype=np.float32)
+    labels = np.arange(6)
+    first = ServerProcess("--device=cpu", "--demo_vocab_size=100", "--demo_hidden_size=8",
+                          metrics=False)
+    port = first.port
+    try:
+        with lossd.Client(first.address, timeout=60) as client:
+            before = client.compute("demo", hidden, labels, outputs=["token_loss"],
+                                    shared_memory=True)
+            old_connection = client._handover
+            first.stop()
+            with ServerProcess("--device=cpu", "--demo_vocab_size=100", "--demo_hidden_size=8",
+                               f"--listen=127.0.0.1:{port}", metrics=False) as second:
+                assert second.port == port
+                after = client.compute("demo", hidden, labels, outputs=["token_loss"],
+                                       shared_memory=True)
+                assert client._handover is not old_connection
+                assert np.array_equal(before.token_loss, after.token_loss)
+    finally:
+        first.stop()
+        os.unlink(first.log.name)
+
+
 # One Client's pool is shared by the threads that use it: no call may see another's rows or dL/dh.
 def test_shared_memory_from_several_threads(client, head):
     batches = [random_batch(50 + 30 * i) for i in range(4)]
