@@ -14,6 +14,8 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "lossd/common/status_macros.h"
 #include "lossd/v1/lossd.pb.h"
 
@@ -171,7 +173,10 @@ void HandoverSocket::Serve() {
   while (true) {
     polled.assign({{wake_.get(), POLLIN, 0}, {listener_.get(), POLLIN, 0}});
     for (const Connection& connection : connections) polled.push_back({connection.socket.get(), POLLIN, 0});
-    if (poll(polled.data(), polled.size(), -1) < 0) continue;  // EINTR
+    if (poll(polled.data(), polled.size(), -1) < 0) {
+      if (errno != EINTR) absl::SleepFor(absl::Milliseconds(10));  // ENOMEM: try again shortly
+      continue;
+    }
     if (polled[0].revents != 0) break;
 
     // Connections first, by index from the back, so that closing one leaves the others' places.
@@ -183,7 +188,13 @@ void HandoverSocket::Serve() {
     }
     if ((polled[1].revents & POLLIN) != 0) {
       UniqueFd accepted(accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
-      if (!accepted.valid()) continue;  // the peer left already, or no descriptor to spare
+      if (!accepted.valid()) {
+        // No descriptor to spare (EMFILE): the connection waits, and the loop must not spin on it.
+        if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+          absl::SleepFor(absl::Milliseconds(10));
+        }
+        continue;  // or the peer left already
+      }
       if (connections.size() >= limits_.max_connections) {
         SendReply(accepted.get(),
                   absl::ResourceExhaustedError(absl::StrCat(

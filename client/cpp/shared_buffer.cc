@@ -71,17 +71,23 @@ absl::StatusOr<std::string> HandoverConnection::Exchange(const std::string& requ
     rights->cmsg_len = CMSG_LEN(sizeof(int));
     std::memcpy(CMSG_DATA(rights), &fd, sizeof fd);
   }
+  // A request without its reply would pair the next request with this one's reply: after any
+  // failure the connection is shut down, and the client opens a new one (IsOpen).
+  auto broken = [this](absl::Status status) {
+    shutdown(socket_.get(), SHUT_RDWR);
+    return status;
+  };
   if (sendmsg(socket_.get(), &message, MSG_NOSIGNAL) < 0) {
-    return ErrnoError("shared memory: sending to the server's handover socket", errno);
+    return broken(ErrnoError("shared memory: sending to the server's handover socket", errno));
   }
   std::string reply_bytes(kMaxReplyBytes, '\0');
   const ssize_t received = recv(socket_.get(), reply_bytes.data(), reply_bytes.size(), 0);
   if (received < 0) {
-    return ErrnoError("shared memory: reading the server's handover reply", errno);
+    return broken(ErrnoError("shared memory: reading the server's handover reply", errno));
   }
   v1::HandoverReply reply;
   if (received == 0 || !reply.ParseFromArray(reply_bytes.data(), static_cast<int>(received))) {
-    return absl::UnavailableError("shared memory: the server closed its handover connection");
+    return broken(absl::UnavailableError("shared memory: the server closed its handover connection"));
   }
   if (reply.code() != 0) {
     return absl::Status(static_cast<absl::StatusCode>(reply.code()), reply.message());

@@ -50,8 +50,9 @@ def ensure_user(name):
 def users():
     if os.geteuid() != 0:
         pytest.skip("creating users and running clients as them needs root")
-    if shutil.which("useradd") is None:
-        pytest.skip("no useradd on this host to create the test's users")
+    for tool in ("useradd", "setpriv"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"no {tool} on this host to create the test's users and run as them")
     return [ensure_user(name) for name in USERS]
 
 
@@ -79,9 +80,11 @@ def server():
 
 
 def run_as(user, client_dir, *args, **popen):
+    # setpriv (util-linux) changes the user rather than Popen(user=...): that would fork this
+    # process, whose gRPC threads' fork handlers can hang the fork, where Popen otherwise spawns.
     return subprocess.Popen(
-        [sys.executable, os.path.join(client_dir, "shared_memory_user.py"), *args],
-        user=user.pw_uid, group=user.pw_gid, extra_groups=[],
+        ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", "--",
+         sys.executable, os.path.join(client_dir, "shared_memory_user.py"), *args],
         env={"PYTHONPATH": client_dir, "HOME": client_dir, "OMP_NUM_THREADS": "1",
              "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
         cwd=client_dir, text=True, **popen)

@@ -241,9 +241,13 @@ class _HandoverConnection:
                 socket.send_fds(self._socket, [request.SerializeToString()], fds)
                 data = self._socket.recv(self._MAX_REPLY_BYTES)
             except OSError as error:
+                # A request without its reply would pair the next request with this one's reply:
+                # the connection is closed, and the client opens a new one (is_open).
+                self._socket.close()
                 raise LossdError("handover", "UNAVAILABLE",
                                  f"the server's handover socket: {error}") from None
         if not data:
+            self._socket.close()
             raise LossdError("handover", "UNAVAILABLE",
                              "the server closed its handover connection")
         reply = pb.HandoverReply.FromString(data)
