@@ -646,17 +646,6 @@ INSTANTIATE_TEST_SUITE_P(
         CopyCase{"most_threads", (size_t{40} << 20) + 3}),
     [](const ::testing::TestParamInfo<CopyCase>& info) { return std::string(info.param.name); });
 
-// True once `done` holds, polling for up to 10 s: the server revokes a closed connection's handles
-// on its handover thread, a moment after the client has gone.
-bool Eventually(const std::function<bool()>& done) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (!done()) {
-    if (absl::Now() > deadline) return false;
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return true;
-}
-
 // The client hands its memfd over once and the server keeps its mappings (the rows' range and
 // dL/dh's) between calls; a failed call's memfd is released, not reused (a cancelled call could
 // still write into it); a client that goes away takes its handles and the mappings with it.

@@ -7,6 +7,8 @@
 #include <fstream>
 #include <iterator>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "lossd/kernels/backend.h"
 #include "lossd/kernels/half.h"
 #include "lossd/kernels/loss_math.h"
@@ -216,6 +218,15 @@ ReferenceResult Reference(const std::vector<float>& weight, int64_t vocab, int64
   problem.options = options;
   problem.top_k = 3;
   return ComputeReference(problem);
+}
+
+bool Eventually(const std::function<bool()>& done) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!done()) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
 }
 
 }  // namespace lossd::testing

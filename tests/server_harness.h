@@ -5,6 +5,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -87,6 +88,10 @@ v1::ComputeStart StartFor(const std::string& head, const Batch& batch, int64_t h
 // The float64 reference of `batch` under W [vocab, hidden_size], with top 3.
 ReferenceResult Reference(const std::vector<float>& weight, int64_t vocab, int64_t hidden_size,
                           const Batch& batch, const LossOptions& options = {});
+
+// True once `done` holds, polling for up to 10 s: for what the server does on a thread of its own
+// a moment after the client acted (revoking a closed connection's shared-memory handles).
+bool Eventually(const std::function<bool()>& done);
 
 }  // namespace lossd::testing
 

@@ -49,17 +49,6 @@ constexpr int64_t kVocab = 2999;
 constexpr int64_t kHidden = 48;
 constexpr char kHead[] = "shm";
 
-// True once `done` holds, polling for up to 10 s: the server revokes a closed connection's
-// handles on its handover thread, a moment after the client has gone.
-bool Eventually(const std::function<bool()>& done) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (!done()) {
-    if (absl::Now() > deadline) return false;
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return true;
-}
-
 std::string SocketName(v1::LossService::Stub& stub) {
   grpc::ClientContext context;
   v1::SharedMemorySocket response;
@@ -700,6 +689,16 @@ server::ServerConfig SmallServerConfig() {
   return config;
 }
 
+// Sends one more memfd on `raw`, which must be refused with RESOURCE_EXHAUSTED saying `why`.
+void ExpectRegistrationRefused(RawHandover& raw, std::vector<UniqueFd>& keep, const std::string& why) {
+  keep.push_back(MakeMemfd(4096, F_SEAL_SHRINK));
+  ASSERT_TRUE(raw.Send(RegisterRequest(), {keep.back().get()}));
+  const std::optional<v1::HandoverReply> refused = raw.Reply();
+  ASSERT_TRUE(refused.has_value());
+  EXPECT_EQ(refused->code(), static_cast<int>(StatusCode::RESOURCE_EXHAUSTED));
+  EXPECT_NE(refused->message().find(why), std::string::npos) << refused->message();
+}
+
 // 64 handles per connection, 256 in all: beyond them RESOURCE_EXHAUSTED, until some are released.
 TEST(HandoverLimitsTest, HandlesAreBoundedPerConnectionAndInAll) {
   std::unique_ptr<server::LossServer> server = StartTestServer(SmallServerConfig());
@@ -715,23 +714,11 @@ TEST(HandoverLimitsTest, HandlesAreBoundedPerConnectionAndInAll) {
       ASSERT_EQ(handle.size(), 16u);
       if (i == 0) first_handles.push_back(handle);
     }
-    keep.push_back(MakeMemfd(4096, F_SEAL_SHRINK));
-    ASSERT_TRUE(connections.back()->Send(RegisterRequest(), {keep.back().get()}));
-    const std::optional<v1::HandoverReply> refused = connections.back()->Reply();
-    ASSERT_TRUE(refused.has_value());
-    EXPECT_EQ(refused->code(), static_cast<int>(StatusCode::RESOURCE_EXHAUSTED));
-    EXPECT_NE(refused->message().find("expected at most 64 handles per connection"), std::string::npos)
-        << refused->message();
+    ExpectRegistrationRefused(*connections.back(), keep, "expected at most 64 handles per connection");
   }
   EXPECT_EQ(server->shared_memory_maps().handles(), 256u);
   connections.push_back(std::make_unique<RawHandover>(socket_name));
-  keep.push_back(MakeMemfd(4096, F_SEAL_SHRINK));
-  ASSERT_TRUE(connections.back()->Send(RegisterRequest(), {keep.back().get()}));
-  const std::optional<v1::HandoverReply> refused = connections.back()->Reply();
-  ASSERT_TRUE(refused.has_value());
-  EXPECT_EQ(refused->code(), static_cast<int>(StatusCode::RESOURCE_EXHAUSTED));
-  EXPECT_NE(refused->message().find("the server holds 256 handles"), std::string::npos)
-      << refused->message();
+  ExpectRegistrationRefused(*connections.back(), keep, "the server holds 256 handles");
 
   // A release makes room on both counts.
   ASSERT_TRUE(connections[0]->Send(ReleaseRequest(first_handles[0])));

@@ -26,48 +26,27 @@ ROWS = 8
 SENTINEL = 0x5A
 
 
-def varint(value):
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def field(number, wire_type, payload):
-    key = varint(number << 3 | wire_type)
-    if wire_type == 0:
-        return key + varint(payload)
-    return key + varint(len(payload)) + payload
-
-
 def start_message(head, hidden_size, labels, shared_memory_bytes):
-    """A training start whose shared_memory field is `shared_memory_bytes` as they are: fields
-    the current SharedMemory has not (pid = 1, fd = 2) reach the server as unknown fields."""
+    """A training start whose shared_memory is `shared_memory_bytes` as they are: fields the
+    current SharedMemory has not (pid = 1, fd = 2) reach the server as unknown fields."""
     start = pb.ComputeStart(
         head=head, num_tokens=len(labels), hidden_size=hidden_size,
         hidden_dtype=pb.DTYPE_FLOAT32, labels=labels,
         outputs=pb.OutputSelection(token_loss=True, logprob=True, grad_hidden=True,
                                    accumulate_grad_weight=True))
-    raw = start.SerializeToString() + field(10, 2, shared_memory_bytes)
-    parsed = pb.ComputeStart.FromString(raw)
+    start.shared_memory.MergeFromString(shared_memory_bytes)
     # The unknown fields travel too (after the known ones): the server gets every byte.
-    assert len(parsed.shared_memory.SerializeToString()) == len(shared_memory_bytes)
-    return parsed
+    assert len(start.shared_memory.SerializeToString()) == len(shared_memory_bytes)
+    return start
 
 
 def layout_bytes(grad_offset, pid=None, fd=None, handle=None):
+    """A SharedMemory's bytes; with pid and fd, those of the earlier protocol's fields 1 and 2
+    (int64 pid = 1; int32 fd = 2), which any message with integer fields 1 and 2 writes alike."""
     out = b""
     if pid is not None:
-        out += field(1, 0, pid) + field(2, 0, fd)
-    out += field(4, 0, grad_offset)
-    if handle is not None:
-        out += field(5, 2, handle)
-    return out
+        out += pb.TensorChunk(row_offset=pid, num_rows=fd).SerializeToString()
+    return out + pb.SharedMemory(grad_hidden_offset=grad_offset, handle=handle).SerializeToString()
 
 
 def call(client, start):
