@@ -206,7 +206,7 @@ void SharedMemoryMaps::RevokeConnection(uint64_t connection) {
   for (const auto& memfd : revoked) RevokeLocked(memfd);
 }
 
-void SharedMemoryMaps::RevokeLocked(const std::shared_ptr<const Memfd>& memfd) {
+void SharedMemoryMaps::RevokeLocked(std::shared_ptr<const Memfd> memfd) {
   handles_.erase(memfd->handle);
   // Calls still running on a mapping keep it until they end.
   entries_.erase(std::remove_if(entries_.begin(), entries_.end(),

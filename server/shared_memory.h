@@ -140,7 +140,8 @@ class SharedMemoryMaps {
   absl::StatusOr<std::shared_ptr<const SharedMapping>> MapRange(const std::shared_ptr<const Memfd>& memfd,
                                                                 uint64_t begin, uint64_t end,
                                                                 bool writable);
-  void RevokeLocked(const std::shared_ptr<const Memfd>& memfd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // By value: the entry it is called with is among those it erases.
+  void RevokeLocked(std::shared_ptr<const Memfd> memfd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropIdleBeyondLimit() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Limits limits_;

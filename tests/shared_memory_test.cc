@@ -496,7 +496,7 @@ INSTANTIATE_TEST_SUITE_P(
     Cases, HandoverRequestTest,
     ::testing::Values(
         // A length-delimited field that claims 5 bytes and has 2.
-        HandoverCase{"garbage", [](RawHandover& raw, auto&) { raw.Send(std::string("\x0a\x05ab", 4)); },
+        HandoverCase{"garbage", [](RawHandover& raw, auto&) { raw.Send(std::string("\x0a\x05" "ab", 4)); },
                      StatusCode::INVALID_ARGUMENT,
                      "request: expected a serialized lossd.v1.HandoverRequest, got 4 bytes"},
         // Well-formed, with a memfd, but a field no request has: the memfd is closed.
