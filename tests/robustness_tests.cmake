@@ -1,8 +1,8 @@
 # Robustness: malformed requests, abandoned streams, concurrent load, authentication and TLS
 # against an in-process server (robustness_test), what a server refuses to start on
-# (startup_test), the gradient accumulator's guarantees (accumulator_test), a taken port
-# and crash safety of checkpoints against the real binary (python/test_listen_ports.py,
-# python/test_crash_safety.py). Figures: ROBUSTNESS.md.
+# (startup_test), the gradient accumulator's guarantees (accumulator_test), shared memory
+# (shared_memory_test, below), a taken port and crash safety of checkpoints against the real
+# binary (python/test_listen_ports.py, python/test_crash_safety.py). Figures: ROBUSTNESS.md.
 include(GoogleTest)
 
 add_executable(robustness_test
