@@ -367,7 +367,8 @@ class ComputeCall {
   // holding, a place on the device: nothing may follow the start message, since the rows are in
   // the memfd, and the memfd must be mapped.
   absl::Status MapSharedMemory() {
-    RETURN_IF_ERROR(CheckSharedMemoryOffered(env_.limits.allow_shared_memory, stream_.PeerIsLocal()));
+    RETURN_IF_ERROR(
+        CheckSharedMemoryOffered(env_.limits.allow_shared_memory, stream_.PeerIsLocal()));
     v1::ComputeRequest extra;
     if (stream_.Read(&extra)) {
       return InvalidField("chunk", "no messages after a start with shared_memory (the rows are in the memfd)",
@@ -400,9 +401,9 @@ class ComputeCall {
     if (spec_.shared_memory.has_value() && spec_.num_tokens > 0 &&
         !env_.backend->ReadsRowsOnce(spec_.hidden_dtype)) {
       const int64_t rows = std::min(plan_.token_chunk, spec_.num_tokens);
-      ASSIGN_OR_RETURN(shared_rows_copy_,
-                       env_.host_buffers->Acquire(static_cast<size_t>(rows * spec_.hidden_row_bytes()),
-                                                  MemoryPurpose::kWorkspace));
+      ASSIGN_OR_RETURN(shared_rows_copy_, env_.host_buffers->Acquire(
+                                              static_cast<size_t>(rows * spec_.hidden_row_bytes()),
+                                              MemoryPurpose::kWorkspace));
     }
     return absl::OkStatus();
   }

@@ -58,9 +58,10 @@ absl::StatusOr<std::string> Answer(SharedMemoryMaps& maps, uint64_t connection, 
                         "more");
   }
   if ((flags & MSG_TRUNC) != 0) {
-    return InvalidField("request",
-                        absl::StrCat("a message of at most ", HandoverSocket::kMaxRequestBytes, " bytes"),
-                        "a longer one");
+    return InvalidField(
+        "request",
+        absl::StrCat("a message of at most ", HandoverSocket::kMaxRequestBytes, " bytes"),
+        "a longer one");
   }
   v1::HandoverRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) {
@@ -70,7 +71,8 @@ absl::StatusOr<std::string> Answer(SharedMemoryMaps& maps, uint64_t connection, 
   switch (request.kind_case()) {
     case v1::HandoverRequest::kRegisterMemfd:
       if (descriptors.size() != 1) {
-        return InvalidField("register_memfd", "exactly one descriptor, in an SCM_RIGHTS control message",
+        return InvalidField("register_memfd",
+                            "exactly one descriptor, in an SCM_RIGHTS control message",
                             absl::StrCat(descriptors.size()));
       }
       return maps.Register(std::move(descriptors.front()), connection);
@@ -88,7 +90,9 @@ absl::StatusOr<std::string> Answer(SharedMemoryMaps& maps, uint64_t connection, 
 // Reads one message from `connection` and answers it; false when the connection is to be closed.
 bool ServeMessage(SharedMemoryMaps& maps, const Connection& connection) {
   char data[HandoverSocket::kMaxRequestBytes];
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * HandoverSocket::kMaxDescriptorsPerMessage)];
+  constexpr size_t kControlBytes =
+      CMSG_SPACE(sizeof(int) * HandoverSocket::kMaxDescriptorsPerMessage);
+  alignas(cmsghdr) char control[kControlBytes];
   iovec vector{data, sizeof data};
   msghdr message{};
   message.msg_iov = &vector;
@@ -100,7 +104,8 @@ bool ServeMessage(SharedMemoryMaps& maps, const Connection& connection) {
   if (received < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
   // Every descriptor that came is owned here, and closed unless it is registered.
   std::vector<UniqueFd> descriptors;
-  for (cmsghdr* part = CMSG_FIRSTHDR(&message); part != nullptr; part = CMSG_NXTHDR(&message, part)) {
+  for (cmsghdr* part = CMSG_FIRSTHDR(&message); part != nullptr;
+       part = CMSG_NXTHDR(&message, part)) {
     if (part->cmsg_level != SOL_SOCKET || part->cmsg_type != SCM_RIGHTS) continue;
     const size_t count = (part->cmsg_len - CMSG_LEN(0)) / sizeof(int);
     for (size_t i = 0; i < count; ++i) {
@@ -112,8 +117,8 @@ bool ServeMessage(SharedMemoryMaps& maps, const Connection& connection) {
   // The end of the stream (a SOCK_SEQPACKET peer that closes reads as an empty message).
   if (received == 0 && descriptors.empty() && (message.msg_flags & MSG_CTRUNC) == 0) return false;
   return SendReply(connection.socket.get(),
-                   Answer(maps, connection.id, data, static_cast<size_t>(received), message.msg_flags,
-                          std::move(descriptors)));
+                   Answer(maps, connection.id, data, static_cast<size_t>(received),
+                          message.msg_flags, std::move(descriptors)));
 }
 
 }  // namespace
@@ -129,7 +134,8 @@ absl::StatusOr<std::unique_ptr<HandoverSocket>> HandoverSocket::Open(SharedMemor
     if (getentropy(random, sizeof random) != 0) {
       return ErrnoError("shared memory: random name of the handover socket", errno);
     }
-    name = absl::StrCat("lossd-shm-", absl::BytesToHexString(absl::string_view(random, sizeof random)));
+    name = absl::StrCat("lossd-shm-",
+                        absl::BytesToHexString(absl::string_view(random, sizeof random)));
     sockaddr_un address;
     const socklen_t length = AbstractAddress(name, address);
     if (bind(listener.get(), reinterpret_cast<const sockaddr*>(&address), length) == 0) break;
@@ -146,8 +152,8 @@ absl::StatusOr<std::unique_ptr<HandoverSocket>> HandoverSocket::Open(SharedMemor
       new HandoverSocket(maps, limits, std::move(listener), std::move(wake), std::move(name)));
 }
 
-HandoverSocket::HandoverSocket(SharedMemoryMaps& maps, Limits limits, UniqueFd listener, UniqueFd wake,
-                               std::string abstract_name)
+HandoverSocket::HandoverSocket(SharedMemoryMaps& maps, Limits limits, UniqueFd listener,
+                               UniqueFd wake, std::string abstract_name)
     : maps_(maps),
       limits_(limits),
       listener_(std::move(listener)),
@@ -172,7 +178,9 @@ void HandoverSocket::Serve() {
   std::vector<pollfd> polled;
   while (true) {
     polled.assign({{wake_.get(), POLLIN, 0}, {listener_.get(), POLLIN, 0}});
-    for (const Connection& connection : connections) polled.push_back({connection.socket.get(), POLLIN, 0});
+    for (const Connection& connection : connections) {
+      polled.push_back({connection.socket.get(), POLLIN, 0});
+    }
     if (poll(polled.data(), polled.size(), -1) < 0) {
       if (errno != EINTR) absl::SleepFor(absl::Milliseconds(10));  // ENOMEM: try again shortly
       continue;
@@ -197,9 +205,9 @@ void HandoverSocket::Serve() {
       }
       if (connections.size() >= limits_.max_connections) {
         SendReply(accepted.get(),
-                  absl::ResourceExhaustedError(absl::StrCat(
-                      "connection: expected at most ", limits_.max_connections,
-                      " open handover connections, got one more; try again later")));
+                  absl::ResourceExhaustedError(
+                      absl::StrCat("connection: expected at most ", limits_.max_connections,
+                                   " open handover connections, got one more; try again later")));
         continue;
       }
       connections.push_back({std::move(accepted), next_id++});

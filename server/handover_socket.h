@@ -34,7 +34,8 @@ class HandoverSocket {
 
   // Binds a fresh random abstract name and starts serving it, registering into `maps`, which must
   // outlive the socket.
-  static absl::StatusOr<std::unique_ptr<HandoverSocket>> Open(SharedMemoryMaps& maps, Limits limits);
+  static absl::StatusOr<std::unique_ptr<HandoverSocket>> Open(SharedMemoryMaps& maps,
+                                                              Limits limits);
   static absl::StatusOr<std::unique_ptr<HandoverSocket>> Open(SharedMemoryMaps& maps) {
     return Open(maps, Limits());
   }

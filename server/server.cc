@@ -325,11 +325,11 @@ std::vector<GaugeSample> LossServer::ReadState() const {
                      static_cast<double>(scheduler_->admitted_bytes())});
   const SharedMemoryMaps& maps = service_->shared_memory_maps();
   samples.push_back({"lossd_shared_memory_handles",
-                     "Clients' memfds handed over on the handover socket and not yet revoked.", {},
+                     "Clients' memfds handed over and not yet revoked.", {},
                      static_cast<double>(maps.handles())});
   samples.push_back({"lossd_shared_memory_mappings",
-                     "Ranges of clients' memfds mapped now (calls running or kept for the next call).",
-                     {}, static_cast<double>(maps.mappings())});
+                     "Ranges of clients' memfds mapped now (by running calls, or kept idle).", {},
+                     static_cast<double>(maps.mappings())});
   samples.push_back({"lossd_shared_memory_mapped_bytes",
                      "Bytes of clients' memfds mapped now; client memory, outside lossd_memory_bytes.",
                      {}, static_cast<double>(maps.mapped_bytes())});
@@ -418,8 +418,9 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   if (config.shared_memory) {
     const absl::Status opened = server->service_->OpenSharedMemorySocket();
     if (!opened.ok()) {
-      return absl::Status(opened.code(), absl::StrCat("--shared_memory: ", opened.message(),
-                                                      " (--shared_memory=false serves without it)"));
+      return absl::Status(opened.code(),
+                          absl::StrCat("--shared_memory: ", opened.message(),
+                                       " (--shared_memory=false serves without it)"));
     }
   }
 

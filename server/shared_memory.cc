@@ -51,13 +51,20 @@ std::string DescribeDescriptor(int fd) {
   struct statx info;
   if (statx(fd, "", AT_EMPTY_PATH | AT_STATX_DONT_SYNC, STATX_TYPE, &info) == 0) {
     switch (info.stx_mode & S_IFMT) {
-      case S_IFDIR: return "a directory";
-      case S_IFIFO: return "a pipe";
-      case S_IFSOCK: return "a socket";
-      case S_IFCHR: return "a character device";
-      case S_IFBLK: return "a block device";
-      case S_IFREG: return "a regular file that is not a memfd";
-      default: break;
+      case S_IFDIR:
+        return "a directory";
+      case S_IFIFO:
+        return "a pipe";
+      case S_IFSOCK:
+        return "a socket";
+      case S_IFCHR:
+        return "a character device";
+      case S_IFBLK:
+        return "a block device";
+      case S_IFREG:
+        return "a regular file that is not a memfd";
+      default:
+        break;
     }
   }
   const std::string target = DescriptorTarget(fd);
@@ -110,7 +117,10 @@ absl::Status CheckSharedMemoryOffered(bool allowed, bool peer_is_local) {
 
 SharedMapping::SharedMapping(std::shared_ptr<SharedMappingTotals> totals, uint8_t* data,
                              uint64_t file_offset, uint64_t length, bool writable)
-    : totals_(std::move(totals)), data_(data), file_offset_(file_offset), length_(length),
+    : totals_(std::move(totals)),
+      data_(data),
+      file_offset_(file_offset),
+      length_(length),
       writable_(writable) {
   totals_->mappings += 1;
   totals_->bytes += static_cast<int64_t>(length_);
@@ -136,15 +146,18 @@ absl::StatusOr<std::string> SharedMemoryMaps::Register(UniqueFd memfd, uint64_t 
   // F_GET_SEALS answers only for tmpfs and hugetlbfs files and never reaches another file
   // system's driver; everything else is looked at only once it passed.
   const int seals = fcntl(memfd.get(), F_GET_SEALS);
-  if (seals < 0) return InvalidField("register_memfd", kExpectedMemfd, DescribeDescriptor(memfd.get()));
+  if (seals < 0) {
+    return InvalidField("register_memfd", kExpectedMemfd, DescribeDescriptor(memfd.get()));
+  }
   struct statfs file_system;
   if (fstatfs(memfd.get(), &file_system) != 0) {
     return ErrnoError("register_memfd: fstatfs of the memfd", errno);
   }
   if (file_system.f_type != TMPFS_MAGIC) {
     return InvalidField("register_memfd", kExpectedMemfd,
-                        file_system.f_type == HUGETLBFS_MAGIC ? "a memfd of huge pages (MFD_HUGETLB)"
-                                                              : "a file that is not a memfd");
+                        file_system.f_type == HUGETLBFS_MAGIC
+                            ? "a memfd of huge pages (MFD_HUGETLB)"
+                            : "a file that is not a memfd");
   }
   if ((seals & F_SEAL_SHRINK) == 0) {
     return InvalidField("register_memfd", kExpectedMemfd,
@@ -174,9 +187,9 @@ absl::StatusOr<std::string> SharedMemoryMaps::Register(UniqueFd memfd, uint64_t 
         " handles per connection (release_handle the memfds no longer used), got one more"));
   }
   if (handles_.size() >= limits_.max_handles) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "register_memfd: the server holds ", handles_.size(), " handles, its limit; try again once "
-        "other clients have released theirs"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("register_memfd: the server holds ", handles_.size(),
+                     " handles, its limit; try again once other clients have released theirs"));
   }
   // 128 random bits do not collide; the check costs nothing.
   if (!handles_.emplace(registered->handle, registered).second) {
@@ -217,10 +230,10 @@ void SharedMemoryMaps::RevokeLocked(std::shared_ptr<const Memfd> memfd) {
 absl::StatusOr<SharedCallMemory> SharedMemoryMaps::Map(const v1::SharedMemory& request,
                                                        uint64_t hidden_bytes, uint64_t grad_hidden_bytes) {
   if (request.handle().size() != kHandleBytes) {
-    return InvalidField("shared_memory.handle",
-                        absl::StrCat("the ", kHandleBytes,
-                                     "-byte handle the server's handover socket returned"),
-                        absl::StrCat(request.handle().size(), " bytes"));
+    return InvalidField(
+        "shared_memory.handle",
+        absl::StrCat("the ", kHandleBytes, "-byte handle the server's handover socket returned"),
+        absl::StrCat(request.handle().size(), " bytes"));
   }
   RETURN_IF_ERROR(CheckOffset("shared_memory.hidden_offset", request.hidden_offset(), hidden_bytes));
   const uint64_t hidden_end = request.hidden_offset() + hidden_bytes;
@@ -231,8 +244,8 @@ absl::StatusOr<SharedCallMemory> SharedMemoryMaps::Map(const v1::SharedMemory& r
     RETURN_IF_ERROR(CheckOffset("shared_memory.grad_hidden_offset", grad_begin, grad_hidden_bytes));
     if (hidden_bytes > 0 && request.hidden_offset() < grad_end && grad_begin < hidden_end) {
       return InvalidField("shared_memory.grad_hidden_offset",
-                          absl::StrCat("a region clear of the rows at [", request.hidden_offset(), ", ",
-                                       hidden_end, ")"),
+                          absl::StrCat("a region clear of the rows at [", request.hidden_offset(),
+                                       ", ", hidden_end, ")"),
                           absl::StrCat("[", grad_begin, ", ", grad_end, ")"));
     }
     end = std::max(end, grad_end);
@@ -251,7 +264,9 @@ absl::StatusOr<SharedCallMemory> SharedMemoryMaps::Map(const v1::SharedMemory& r
   }
   // No page can go away (F_SEAL_SHRINK), but the memfd may have grown since it was registered.
   struct stat info;
-  if (fstat(memfd->fd.get(), &info) != 0) return ErrnoError("shared_memory: fstat of the memfd", errno);
+  if (fstat(memfd->fd.get(), &info) != 0) {
+    return ErrnoError("shared_memory: fstat of the memfd", errno);
+  }
   if (static_cast<uint64_t>(info.st_size) < end) {
     return InvalidField("shared_memory.handle",
                         absl::StrCat("a memfd of at least ", end, " bytes (the layout's end)"),
@@ -314,8 +329,8 @@ absl::StatusOr<std::shared_ptr<const SharedMapping>> SharedMemoryMaps::MapRange(
                                    ") of the memfd"),
                       error_number);
   }
-  auto mapping = std::make_shared<SharedMapping>(totals_, static_cast<uint8_t*>(data), first, length,
-                                                 writable);
+  auto mapping = std::make_shared<SharedMapping>(totals_, static_cast<uint8_t*>(data), first,
+                                                 length, writable);
   absl::MutexLock lock(&mu_);
   ++mappings_created_;
   // A handle revoked meanwhile: this call may finish on the mapping, nothing keeps it after.

@@ -68,7 +68,9 @@ class SharedMapping {
 class SharedCallMemory {
  public:
   const uint8_t* hidden() const { return hidden_ ? hidden_->At(hidden_offset_) : nullptr; }
-  uint8_t* grad_hidden() const { return grad_hidden_ ? grad_hidden_->At(grad_hidden_offset_) : nullptr; }
+  uint8_t* grad_hidden() const {
+    return grad_hidden_ ? grad_hidden_->At(grad_hidden_offset_) : nullptr;
+  }
 
  private:
   friend class SharedMemoryMaps;
@@ -137,9 +139,8 @@ class SharedMemoryMaps {
   };
 
   // A mapping of the memfd covering [begin, end), kept or new.
-  absl::StatusOr<std::shared_ptr<const SharedMapping>> MapRange(const std::shared_ptr<const Memfd>& memfd,
-                                                                uint64_t begin, uint64_t end,
-                                                                bool writable);
+  absl::StatusOr<std::shared_ptr<const SharedMapping>> MapRange(
+      const std::shared_ptr<const Memfd>& memfd, uint64_t begin, uint64_t end, bool writable);
   // By value: the entry it is called with is among those it erases.
   void RevokeLocked(std::shared_ptr<const Memfd> memfd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void DropIdleBeyondLimit() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

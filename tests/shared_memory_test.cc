@@ -5,9 +5,9 @@
 // python/test_shared_memory_users.py. Cases and figures: ROBUSTNESS.md.
 #include <dirent.h>
 #include <fcntl.h>
-#include <poll.h>
 #include <google/protobuf/unknown_field_set.h>
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -75,9 +75,10 @@ UniqueFd MakeMemfd(uint64_t bytes, int seals, const char* name = "lossd-test") {
 // Writes `bytes` at the start of the memfd, through a descriptor of its own that may write; false
 // where the memfd is sealed against writes.
 bool Fill(const UniqueFd& memfd, const std::string& bytes) {
-  const UniqueFd writable(open(absl::StrCat("/proc/self/fd/", memfd.get()).c_str(), O_RDWR | O_CLOEXEC));
-  return writable.valid() &&
-         pwrite(writable.get(), bytes.data(), bytes.size(), 0) == static_cast<ssize_t>(bytes.size());
+  const UniqueFd writable(
+      open(absl::StrCat("/proc/self/fd/", memfd.get()).c_str(), O_RDWR | O_CLOEXEC));
+  return writable.valid() && pwrite(writable.get(), bytes.data(), bytes.size(), 0) ==
+                                 static_cast<ssize_t>(bytes.size());
 }
 
 std::string ReadAll(const UniqueFd& memfd) {
@@ -151,7 +152,8 @@ class SharedMemoryTest : public ::testing::Test {
 
   // A fresh head of random W, so that tests share no gradient.
   std::vector<float> UploadHead(const std::string& head) {
-    std::vector<float> weight = RandomNormal(kVocab * kHidden, 1.0f / std::sqrt(float{kHidden}), rng_);
+    std::vector<float> weight =
+        RandomNormal(kVocab * kHidden, 1.0f / std::sqrt(float{kHidden}), rng_);
     EXPECT_TRUE(Upload(*stub_, head, kVocab, kHidden, weight, /*replace=*/true).ok());
     return weight;
   }
@@ -199,7 +201,8 @@ struct LayoutErrorCase {
 
 void PrintTo(const LayoutErrorCase& c, std::ostream* os) { *os << c.name; }
 
-class LayoutErrorTest : public SharedMemoryTest, public ::testing::WithParamInterface<LayoutErrorCase> {};
+class LayoutErrorTest : public SharedMemoryTest,
+                        public ::testing::WithParamInterface<LayoutErrorCase> {};
 
 // Replaces the layout's memfd with `memfd`, registered on the same connection.
 void UseMemfd(Layout& layout, v1::ComputeStart& start, UniqueFd memfd) {
@@ -233,7 +236,9 @@ TEST_P(LayoutErrorTest, IsRefusedByFieldAndTouchesNothing) {
   EXPECT_NE(outcome.status.error_message().find(c.expected_in_message), std::string::npos)
       << outcome.status.error_message();
   EXPECT_EQ(outcome.result_messages, 0) << "results of memory the call was refused";
-  if (filled) EXPECT_TRUE(ReadAll(layout.memfd) == sentinel) << "a refused call wrote into the memfd";
+  if (filled) {
+    EXPECT_TRUE(ReadAll(layout.memfd) == sentinel) << "a refused call wrote into the memfd";
+  }
   EXPECT_EQ(AccumulatedTokens(head), 0);
 
   // The same connection serves the next call.
@@ -242,7 +247,8 @@ TEST_P(LayoutErrorTest, IsRefusedByFieldAndTouchesNothing) {
   ASSERT_TRUE(fresh_handle.ok()) << fresh_handle.status();
   const std::string hidden = FloatBytes(RandomNormal(kRows * kHidden, 1.0f, rng_));
   ASSERT_TRUE(Fill(fresh, hidden));
-  const ComputeOutcome next = CallCompute(*stub_, TrainingStart(head, {1, 2, 3, 4}, *fresh_handle), "", 1);
+  const ComputeOutcome next =
+      CallCompute(*stub_, TrainingStart(head, {1, 2, 3, 4}, *fresh_handle), "", 1);
   EXPECT_TRUE(next.status.ok()) << next.status.error_message();
   EXPECT_EQ(AccumulatedTokens(head), kRows);
 }
@@ -265,14 +271,15 @@ INSTANTIATE_TEST_SUITE_P(
                         },
                         false, StatusCode::INVALID_ARGUMENT, "got a memfd sealed against writes"},
         // Handed over through a read-only descriptor: rows yes, dL/dh no.
-        LayoutErrorCase{"handed_over_read_only",
-                        [](v1::ComputeStart& start, Layout& layout, v1::LossService::Stub&) {
-                          const std::string path = absl::StrCat("/proc/self/fd/", layout.memfd.get());
-                          UseMemfd(layout, start, UniqueFd(open(path.c_str(), O_RDONLY | O_CLOEXEC)));
-                        },
-                        false, StatusCode::INVALID_ARGUMENT,
-                        "shared_memory.handle: expected a memfd the server may write dL/dh into, got "
-                        "one handed over open for reading only"},
+        LayoutErrorCase{
+            "handed_over_read_only",
+            [](v1::ComputeStart& start, Layout& layout, v1::LossService::Stub&) {
+              const std::string path = absl::StrCat("/proc/self/fd/", layout.memfd.get());
+              UseMemfd(layout, start, UniqueFd(open(path.c_str(), O_RDONLY | O_CLOEXEC)));
+            },
+            false, StatusCode::INVALID_ARGUMENT,
+            "shared_memory.handle: expected a memfd the server may write dL/dh into, got "
+            "one handed over open for reading only"},
         LayoutErrorCase{"misaligned_rows",
                         [](v1::ComputeStart& start, Layout&, v1::LossService::Stub&) {
                           start.mutable_shared_memory()->set_hidden_offset(8);
@@ -334,7 +341,8 @@ INSTANTIATE_TEST_SUITE_P(
         // Released by its connection: gone, though the memfd is still open here.
         LayoutErrorCase{"released_handle",
                         [](v1::ComputeStart& start, Layout& layout, v1::LossService::Stub&) {
-                          ASSERT_TRUE(layout.connection->Release(start.shared_memory().handle()).ok());
+                          ASSERT_TRUE(
+                              layout.connection->Release(start.shared_memory().handle()).ok());
                         },
                         false, StatusCode::NOT_FOUND, "got an unknown or revoked handle"},
         // Rows in the memfd and in messages: which would count?
@@ -342,7 +350,9 @@ INSTANTIATE_TEST_SUITE_P(
                         [](v1::ComputeStart&, Layout&, v1::LossService::Stub&) {}, true,
                         StatusCode::INVALID_ARGUMENT,
                         "chunk: expected no messages after a start with shared_memory"}),
-    [](const ::testing::TestParamInfo<LayoutErrorCase>& info) { return std::string(info.param.name); });
+    [](const ::testing::TestParamInfo<LayoutErrorCase>& info) {
+      return std::string(info.param.name);
+    });
 
 // ---------------------------------------------------------------------------------------------
 // The handover socket against peers that send what they should not.
@@ -355,7 +365,8 @@ class RawHandover {
     sockaddr_un address{};
     address.sun_family = AF_UNIX;
     std::memcpy(address.sun_path + 1, abstract_name.data(), abstract_name.size());
-    const auto length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + abstract_name.size());
+    const auto length =
+        static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + abstract_name.size());
     connected_ = connect(socket_.get(), reinterpret_cast<const sockaddr*>(&address), length) == 0;
   }
 
@@ -447,7 +458,8 @@ struct HandoverCase {
 
 void PrintTo(const HandoverCase& c, std::ostream* os) { *os << c.name; }
 
-class HandoverRequestTest : public SharedMemoryTest, public ::testing::WithParamInterface<HandoverCase> {};
+class HandoverRequestTest : public SharedMemoryTest,
+                            public ::testing::WithParamInterface<HandoverCase> {};
 
 // Whatever a peer sends, the server answers it or closes that connection, keeps no descriptor it
 // did not register, revokes what a closed connection registered, and goes on serving.
@@ -466,7 +478,8 @@ TEST_P(HandoverRequestTest, IsAnsweredOrClosedAndLeaksNothing) {
       const std::optional<v1::HandoverReply> reply = raw.Reply();
       ASSERT_TRUE(reply.has_value()) << "no reply";
       EXPECT_EQ(reply->code(), static_cast<int>(c.code)) << reply->message();
-      EXPECT_NE(reply->message().find(c.expected_in_message), std::string::npos) << reply->message();
+      EXPECT_NE(reply->message().find(c.expected_in_message), std::string::npos)
+          << reply->message();
       EXPECT_TRUE(reply->handle().empty());
     } else {
       EXPECT_TRUE(raw.Ended()) << "the server kept the connection open";
@@ -496,7 +509,8 @@ INSTANTIATE_TEST_SUITE_P(
     Cases, HandoverRequestTest,
     ::testing::Values(
         // A length-delimited field that claims 5 bytes and has 2.
-        HandoverCase{"garbage", [](RawHandover& raw, auto&) { raw.Send(std::string("\x0a\x05" "ab", 4)); },
+        HandoverCase{"garbage",
+                     [](RawHandover& raw, auto&) { raw.Send("\x0a\x05" "ab"); },
                      StatusCode::INVALID_ARGUMENT,
                      "request: expected a serialized lossd.v1.HandoverRequest, got 4 bytes"},
         // Well-formed, with a memfd, but a field no request has: the memfd is closed.
@@ -507,10 +521,9 @@ INSTANTIATE_TEST_SUITE_P(
                      },
                      StatusCode::INVALID_ARGUMENT,
                      "request: expected register_memfd or release_handle, got neither"},
-        HandoverCase{"oversized",
-                     [](RawHandover& raw, auto&) { raw.Send(std::string(8192, '\x01')); },
-                     StatusCode::INVALID_ARGUMENT,
-                     "request: expected a message of at most 4096 bytes"},
+        HandoverCase{
+            "oversized", [](RawHandover& raw, auto&) { raw.Send(std::string(8192, '\x01')); },
+            StatusCode::INVALID_ARGUMENT, "request: expected a message of at most 4096 bytes"},
         HandoverCase{"register_without_descriptor",
                      [](RawHandover& raw, auto&) { raw.Send(RegisterRequest()); },
                      StatusCode::INVALID_ARGUMENT,
@@ -522,7 +535,8 @@ INSTANTIATE_TEST_SUITE_P(
                        keep.push_back(MakeMemfd(4096, F_SEAL_SHRINK));
                        raw.Send(RegisterRequest(), {keep[0].get(), keep[1].get()});
                      },
-                     StatusCode::INVALID_ARGUMENT, "register_memfd: expected exactly one descriptor"},
+                     StatusCode::INVALID_ARGUMENT,
+                     "register_memfd: expected exactly one descriptor"},
         // More than the server's control buffer holds: the kernel closes the rest, the server
         // the ones it got.
         HandoverCase{"register_twelve_descriptors",
@@ -581,18 +595,20 @@ INSTANTIATE_TEST_SUITE_P(
                        raw.Send(RegisterRequest(), {keep.back().get()});
                      },
                      StatusCode::INVALID_ARGUMENT, kExpectedMemfd},
-        HandoverCase{"write_only",
-                     [](RawHandover& raw, std::vector<UniqueFd>& keep) {
-                       keep.push_back(MakeMemfd(4096, F_SEAL_SHRINK));
-                       const std::string path = absl::StrCat("/proc/self/fd/", keep.back().get());
-                       keep.emplace_back(open(path.c_str(), O_WRONLY | O_CLOEXEC));
-                       raw.Send(RegisterRequest(), {keep.back().get()});
-                     },
-                     StatusCode::INVALID_ARGUMENT,
-                     "register_memfd: expected a memfd open for reading, got one open for writing only"},
-        HandoverCase{"release_unknown_handle",
-                     [](RawHandover& raw, auto&) { raw.Send(ReleaseRequest(std::string(16, '\x07'))); },
-                     StatusCode::NOT_FOUND, "release_handle.handle: expected a handle this connection"},
+        HandoverCase{
+            "write_only",
+            [](RawHandover& raw, std::vector<UniqueFd>& keep) {
+              keep.push_back(MakeMemfd(4096, F_SEAL_SHRINK));
+              const std::string path = absl::StrCat("/proc/self/fd/", keep.back().get());
+              keep.emplace_back(open(path.c_str(), O_WRONLY | O_CLOEXEC));
+              raw.Send(RegisterRequest(), {keep.back().get()});
+            },
+            StatusCode::INVALID_ARGUMENT,
+            "register_memfd: expected a memfd open for reading, got one open for writing only"},
+        HandoverCase{
+            "release_unknown_handle",
+            [](RawHandover& raw, auto&) { raw.Send(ReleaseRequest(std::string(16, '\x07'))); },
+            StatusCode::NOT_FOUND, "release_handle.handle: expected a handle this connection"},
         HandoverCase{"release_with_descriptor",
                      [](RawHandover& raw, std::vector<UniqueFd>& keep) {
                        const std::string handle = RegisterFresh(raw, keep);
@@ -628,7 +644,9 @@ INSTANTIATE_TEST_SUITE_P(
                        }
                      },
                      StatusCode::OK, nullptr}),
-    [](const ::testing::TestParamInfo<HandoverCase>& info) { return std::string(info.param.name); });
+    [](const ::testing::TestParamInfo<HandoverCase>& info) {
+      return std::string(info.param.name);
+    });
 
 // A handle is only released by the connection that registered it; another one (which learned the
 // handle) gets NOT_FOUND and the handle keeps working.
@@ -690,7 +708,8 @@ server::ServerConfig SmallServerConfig() {
 }
 
 // Sends one more memfd on `raw`, which must be refused with RESOURCE_EXHAUSTED saying `why`.
-void ExpectRegistrationRefused(RawHandover& raw, std::vector<UniqueFd>& keep, const std::string& why) {
+void ExpectRegistrationRefused(RawHandover& raw, std::vector<UniqueFd>& keep,
+                               const std::string& why) {
   keep.push_back(MakeMemfd(4096, F_SEAL_SHRINK));
   ASSERT_TRUE(raw.Send(RegisterRequest(), {keep.back().get()}));
   const std::optional<v1::HandoverReply> refused = raw.Reply();
@@ -714,7 +733,8 @@ TEST(HandoverLimitsTest, HandlesAreBoundedPerConnectionAndInAll) {
       ASSERT_EQ(handle.size(), 16u);
       if (i == 0) first_handles.push_back(handle);
     }
-    ExpectRegistrationRefused(*connections.back(), keep, "expected at most 64 handles per connection");
+    ExpectRegistrationRefused(*connections.back(), keep,
+                              "expected at most 64 handles per connection");
   }
   EXPECT_EQ(server->shared_memory_maps().handles(), 256u);
   connections.push_back(std::make_unique<RawHandover>(socket_name));
@@ -741,7 +761,8 @@ TEST(HandoverLimitsTest, ConnectionsAreBounded) {
   const std::optional<v1::HandoverReply> refused = extra.Reply();
   ASSERT_TRUE(refused.has_value());
   EXPECT_EQ(refused->code(), static_cast<int>(StatusCode::RESOURCE_EXHAUSTED));
-  EXPECT_NE(refused->message().find("expected at most 32 open handover connections"), std::string::npos)
+  EXPECT_NE(refused->message().find("expected at most 32 open handover connections"),
+            std::string::npos)
       << refused->message();
   EXPECT_TRUE(extra.Ended());
 
@@ -866,8 +887,9 @@ TEST(SparseMemfdTest, AOneRowCallMapsOnlyThePagesItUses) {
   const ComputeOutcome trained_by_messages = CallCompute(*stub, by_messages, row, 1);
   ASSERT_TRUE(trained_by_messages.status.ok());
   std::string grad_hidden(row.size(), '\0');
-  ASSERT_EQ(pread(memfd.get(), grad_hidden.data(), grad_hidden.size(), static_cast<off_t>(grad_offset)),
-            static_cast<ssize_t>(grad_hidden.size()));
+  ASSERT_EQ(
+      pread(memfd.get(), grad_hidden.data(), grad_hidden.size(), static_cast<off_t>(grad_offset)),
+      static_cast<ssize_t>(grad_hidden.size()));
   EXPECT_TRUE(grad_hidden == trained_by_messages.grad_hidden) << "dL/dh differs";
   mappings = MappingsOf("lossd-sparse");
   ASSERT_EQ(mappings.size(), 2u);
@@ -879,8 +901,8 @@ TEST(SparseMemfdTest, AOneRowCallMapsOnlyThePagesItUses) {
   }
   const int64_t growth = ResidentBytes() - resident_before;
   ::testing::Test::RecordProperty("resident_growth_bytes", std::to_string(growth));
-  EXPECT_LT(growth, int64_t{64} << 20) << "a 1-row call on a 1 GiB memfd grew the server by "
-                                       << growth << " bytes";
+  EXPECT_LT(growth, int64_t{64} << 20)
+      << "a 1-row call on a 1 GiB memfd grew the server by " << growth << " bytes";
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -893,14 +915,19 @@ struct RaceCase {
 
 void PrintTo(const RaceCase& c, std::ostream* os) { *os << c.name; }
 
-class RowWriterRaceTest : public SharedMemoryTest, public ::testing::WithParamInterface<RaceCase> {};
+class RowWriterRaceTest : public SharedMemoryTest,
+                          public ::testing::WithParamInterface<RaceCase> {};
 
 // Values that make a call fail wherever they are seen: W's row of token 0 is all 4.0, so the
 // logit of token 0 is non-finite for Inf or NaN, and overflows for |h| >= 1e38 (4e38 > FLT_MAX).
 std::vector<float> BadValues() {
-  return {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
-          std::numeric_limits<float>::quiet_NaN(), 1e38f, -1e38f,
-          std::numeric_limits<float>::max(), -std::numeric_limits<float>::max()};
+  return {std::numeric_limits<float>::infinity(),
+          -std::numeric_limits<float>::infinity(),
+          std::numeric_limits<float>::quiet_NaN(),
+          1e38f,
+          -1e38f,
+          std::numeric_limits<float>::max(),
+          -std::numeric_limits<float>::max()};
 }
 
 bool AllFinite(const std::vector<float>& values) {
@@ -920,7 +947,8 @@ TEST_P(RowWriterRaceTest, EachCallCommitsWhatOneViewOfItsRowsGivesOrFails) {
   const RaceCase& c = GetParam();
   const std::string head = absl::StrCat("race-", c.name);
   constexpr int64_t kRaceRows = 400;  // five engine chunks
-  std::vector<float> weight = RandomNormal(kVocab * kHidden, 1.0f / std::sqrt(float{kHidden}), rng_);
+  std::vector<float> weight =
+      RandomNormal(kVocab * kHidden, 1.0f / std::sqrt(float{kHidden}), rng_);
   std::fill(weight.begin(), weight.begin() + kHidden, 4.0f);
   ASSERT_TRUE(Upload(*stub_, head, kVocab, kHidden, weight, /*replace=*/true).ok());
   const bool fp32 = c.dtype == v1::DTYPE_FLOAT32;
@@ -984,8 +1012,8 @@ TEST_P(RowWriterRaceTest, EachCallCommitsWhatOneViewOfItsRowsGivesOrFails) {
   // of random lengths, so that some calls run in calm, some see a bad value and some race a storm
   // without seeing one.
   std::atomic<bool> stop{false};
-  std::atomic<int64_t> changes{0};          // stores into the rows, bad or good
-  std::atomic<bool> bad_present{false};     // set before a bad value goes in, cleared once it is out
+  std::atomic<int64_t> changes{0};       // stores into the rows, bad or good
+  std::atomic<bool> bad_present{false};  // set before a bad value goes in, cleared once it is out
   std::thread writer([&, seed = rng_()] {
     std::mt19937_64 writer_rng(seed);
     const std::vector<float> bad = BadValues();
@@ -1036,19 +1064,23 @@ TEST_P(RowWriterRaceTest, EachCallCommitsWhatOneViewOfItsRowsGivesOrFails) {
       add(racing_gradient);
       // It computed on the rows as they should be: the same per-token loss and dL/dh.
       EXPECT_EQ(outcome.token_loss, reference.token_loss) << "call " << calls;
-      EXPECT_EQ(std::memcmp((*buffer)->data() + grad_offset, reference.grad_hidden.data(), grad_bytes), 0)
+      EXPECT_EQ(
+          std::memcmp((*buffer)->data() + grad_offset, reference.grad_hidden.data(), grad_bytes), 0)
           << "call " << calls << ": dL/dh differs";
     } else {
       ++failed;
-      EXPECT_EQ(outcome.status.error_code(), StatusCode::INVALID_ARGUMENT) << outcome.status.error_message();
-      EXPECT_TRUE(bad_seen_possible) << "call " << calls << " failed with rows left alone: "
-                         << outcome.status.error_message();
+      EXPECT_EQ(outcome.status.error_code(), StatusCode::INVALID_ARGUMENT)
+          << outcome.status.error_message();
+      EXPECT_TRUE(bad_seen_possible)
+          << "call " << calls << " failed with rows left alone: " << outcome.status.error_message();
     }
     const std::vector<float> accumulated = Gradient(head);
-    ASSERT_TRUE(AllFinite(accumulated)) << "call " << calls << " put a non-finite value into the accumulator";
+    ASSERT_TRUE(AllFinite(accumulated))
+        << "call " << calls << " put a non-finite value into the accumulator";
     ASSERT_TRUE(accumulated == expected)
-        << "call " << calls << (outcome.status.ok() ? " committed something else than its dL/dW"
-                                                    : " failed and changed the accumulator");
+        << "call " << calls
+        << (outcome.status.ok() ? " committed something else than its dL/dW"
+                                : " failed and changed the accumulator");
     if (calls % 3 == 0) {
       // Another client's contribution, which no failure of this one may lose.
       ASSERT_TRUE(CallCompute(*stub_, other, other_rows, 100).status.ok());

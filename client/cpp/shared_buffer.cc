@@ -47,10 +47,10 @@ absl::StatusOr<std::shared_ptr<HandoverConnection>> HandoverConnection::Connect(
       static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + abstract_name.size());
   if (connect(socket_fd.get(), reinterpret_cast<const sockaddr*>(&address), length) != 0) {
     // The server's socket lives in its network namespace: a client in another one cannot reach it.
-    return ErrnoError(absl::StrCat("shared memory: connecting to the server's handover socket @",
-                                   abstract_name, " (client and server must share a network "
-                                   "namespace)"),
-                      errno);
+    return ErrnoError(
+        absl::StrCat("shared memory: connecting to the server's handover socket @", abstract_name,
+                     " (client and server must share a network namespace)"),
+        errno);
   }
   return std::shared_ptr<HandoverConnection>(new HandoverConnection(std::move(socket_fd)));
 }
@@ -87,7 +87,8 @@ absl::StatusOr<std::string> HandoverConnection::Exchange(const std::string& requ
   }
   v1::HandoverReply reply;
   if (received == 0 || !reply.ParseFromArray(reply_bytes.data(), static_cast<int>(received))) {
-    return broken(absl::UnavailableError("shared memory: the server closed its handover connection"));
+    return broken(
+        absl::UnavailableError("shared memory: the server closed its handover connection"));
   }
   if (reply.code() != 0) {
     return absl::Status(static_cast<absl::StatusCode>(reply.code()), reply.message());
@@ -153,7 +154,8 @@ SharedBuffer::~SharedBuffer() {
   close(fd_);
 }
 
-absl::StatusOr<std::string> SharedBuffer::HandleOn(const std::shared_ptr<HandoverConnection>& connection) {
+absl::StatusOr<std::string> SharedBuffer::HandleOn(
+    const std::shared_ptr<HandoverConnection>& connection) {
   if (registered_on_ != connection) {
     // A handle on an earlier connection died with it.
     registered_on_ = nullptr;

@@ -23,7 +23,8 @@ namespace lossd::client {
 class HandoverConnection {
  public:
   // Connects to the abstract socket SharedMemorySocket.abstract_name names.
-  static absl::StatusOr<std::shared_ptr<HandoverConnection>> Connect(absl::string_view abstract_name);
+  static absl::StatusOr<std::shared_ptr<HandoverConnection>> Connect(
+      absl::string_view abstract_name);
 
   // Hands the memfd `fd` over and returns its handle; the server's code and message otherwise.
   absl::StatusOr<std::string> Register(int fd);

@@ -270,7 +270,8 @@ class Client {
 
   ChannelOptions options_;
   std::unique_ptr<v1::LossService::Stub> stub_;  // holds the channel
-  std::shared_ptr<Handover> handover_;  // the connection shared-memory calls' memfds are registered on
+  // The connection that shared-memory calls' memfds are registered on.
+  std::shared_ptr<Handover> handover_;
   std::shared_ptr<SharedBufferPool> shared_buffers_;  // memfds kept between shared-memory calls
 };
 
