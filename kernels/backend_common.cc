@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "lossd/common/status_macros.h"
 #include "lossd/kernels/loss_math.h"
@@ -588,6 +589,23 @@ absl::StatusOr<DeviceBuffer> HostAllocator::Allocate(size_t bytes) {
 }
 
 void HostAllocator::Free(void* data, size_t) { std::free(data); }
+
+namespace {
+
+// The payload's type URL; its value is empty.
+constexpr char kDeviceFaultPayload[] = "type.lossd.dev/lossd.DeviceFault";
+
+}  // namespace
+
+absl::Status DeviceFaultError(absl::string_view message) {
+  absl::Status status = absl::UnavailableError(absl::StrCat("device fault: ", message));
+  status.SetPayload(kDeviceFaultPayload, absl::Cord());
+  return status;
+}
+
+bool IsDeviceFault(const absl::Status& status) {
+  return status.GetPayload(kDeviceFaultPayload).has_value();
+}
 
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
   if (this != &other) {

@@ -2,6 +2,7 @@
 #include <dlfcn.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -18,6 +19,9 @@ namespace lossd {
 namespace {
 
 constexpr char kCudaModuleName[] = "liblossd_cuda.so";
+
+// The module that created a backend, for CudaModuleSymbol.
+std::atomic<void*> opened_cuda_module{nullptr};
 
 std::string ExecutableDirectory() {
   std::string path(4096, '\0');
@@ -66,6 +70,7 @@ absl::StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(int ordinal, absl::stri
     if (backend == nullptr) {
       return absl::UnavailableError(absl::StrCat("cuda:", ordinal, ": ", error));
     }
+    opened_cuda_module.store(handle);
     return std::unique_ptr<Backend>(backend);
   }
   return absl::UnavailableError(absl::StrCat("CUDA backend module not found (",
@@ -73,6 +78,11 @@ absl::StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(int ordinal, absl::stri
 }
 
 }  // namespace
+
+void* CudaModuleSymbol(const char* name) {
+  void* module = opened_cuda_module.load();
+  return module != nullptr ? dlsym(module, name) : nullptr;
+}
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view device,
                                                        absl::string_view cuda_module_path,

@@ -1,6 +1,7 @@
 // lossd_server: serves lm_head heads over gRPC and exports metrics for Prometheus.
 #include <csignal>
 #include <cstdio>
+#include <ctime>
 #include <string>
 #include <vector>
 
@@ -54,6 +55,9 @@ ABSL_FLAG(int64_t, demo_vocab_size, 32000, "vocabulary of the demo head served w
 ABSL_FLAG(int64_t, demo_hidden_size, 512, "hidden size of the demo head");
 ABSL_FLAG(uint64_t, demo_seed, 0, "seed of the demo head's random init");
 ABSL_FLAG(int, drain_seconds, 30, "on SIGTERM, how long in-flight calls may run before they are cancelled");
+
+// The exit status after a device fault (1: the server could not start, 2: a bad flag).
+constexpr int kExitDeviceFault = 3;
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("lossd_server: linear cross-entropy as a service.\n"
@@ -116,11 +120,25 @@ int main(int argc, char** argv) {
                  config.metrics_address.c_str(), (*server)->metrics_port());
   }
 
-  int received = 0;
-  sigwait(&stop_signals, &received);
-  std::fprintf(stderr, "lossd_server: signal %d, draining in-flight calls (up to %d s)\n", received,
-               absl::GetFlag(FLAGS_drain_seconds));
+  // Until a stop signal, or a device fault, which no call in this process can get past.
+  absl::Status fault;
+  constexpr timespec kFaultPoll = {0, 100'000'000};
+  while ((fault = (*server)->device_fault()).ok()) {
+    const int received = sigtimedwait(&stop_signals, nullptr, &kFaultPoll);
+    if (received > 0) {
+      std::fprintf(stderr, "lossd_server: signal %d, draining in-flight calls (up to %d s)\n",
+                   received, absl::GetFlag(FLAGS_drain_seconds));
+      break;
+    }
+  }
+  if (!fault.ok()) {
+    std::fprintf(stderr,
+                 "lossd_server: %s; health is NOT_SERVING, draining in-flight calls (up to %d s), "
+                 "then exiting with status %d to be restarted\n",
+                 std::string(fault.message()).c_str(), absl::GetFlag(FLAGS_drain_seconds),
+                 kExitDeviceFault);
+  }
   (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
   std::fprintf(stderr, "lossd_server: stopped\n");
-  return 0;
+  return fault.ok() ? 0 : kExitDeviceFault;
 }

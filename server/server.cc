@@ -411,6 +411,10 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   options.checkpoint_dir = config.checkpoint_dir;
   options.keep_checkpoints = config.keep_checkpoints;
   options.bearer_token = std::move(bearer_token);
+  // Load balancers and orchestrators read health; a faulted device serves nothing again.
+  options.on_device_fault = [raw = server.get()](const absl::Status&) {
+    raw->server_->GetHealthCheckService()->SetServingStatus(false);
+  };
   server->service_ = std::make_unique<LossService>(*server->backend_, server->heads_,
                                                    *server->scheduler_, server->metrics_,
                                                    server->ledger_, *server->buffers_,
@@ -453,6 +457,8 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   }
   return server;
 }
+
+absl::Status LossServer::device_fault() const { return service_->device_fault(); }
 
 int LossServer::metrics_port() const {
   if (exposer_ == nullptr) return 0;

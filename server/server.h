@@ -67,6 +67,12 @@ class LossServer {
   // Stops accepting calls, lets in-flight calls finish up to `drain`, then cancels the rest.
   void Shutdown(absl::Duration drain);
 
+  // OK, or the device fault a call met (IsDeviceFault). From the fault on, health checks report
+  // NOT_SERVING and every call is refused with UNAVAILABLE naming it: the owner should then
+  // Shutdown() and end the process with a failure status, so that its supervisor restarts it on
+  // a working device.
+  absl::Status device_fault() const;
+
   Backend& backend() { return *backend_; }
   HeadStore& heads() { return heads_; }
   MemoryLedger& ledger() { return ledger_; }

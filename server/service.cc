@@ -82,6 +82,30 @@ bool LossService::WaitForCallsInFlight(absl::Time deadline) {
   return calls_mu_.AwaitWithDeadline(absl::Condition(&none_left), deadline);
 }
 
+absl::Status LossService::device_fault() const {
+  absl::MutexLock lock(&calls_mu_);
+  return device_fault_;
+}
+
+void LossService::RefuseAfterDeviceFault(const absl::Status& fault) {
+  {
+    absl::MutexLock lock(&calls_mu_);
+    if (!device_fault_.ok()) return;  // calls running at the time meet the same fault
+    device_fault_ = fault;
+    accepting_ = false;
+  }
+  if (options_.on_device_fault) options_.on_device_fault(fault);
+}
+
+absl::Status LossService::Refusal() const {
+  if (device_fault_.ok()) {
+    return absl::UnavailableError("the server is shutting down and takes no new calls");
+  }
+  return absl::UnavailableError(
+      absl::StrCat(device_fault_.message(), "; the server takes no new calls and exits once the "
+                                            "calls in flight have drained, to be restarted"));
+}
+
 template <typename Body>
 grpc::Status LossService::Serve(const char* method, grpc::ServerContext* context, Body&& body) {
   const absl::Time start = absl::Now();
@@ -89,14 +113,14 @@ grpc::Status LossService::Serve(const char* method, grpc::ServerContext* context
     absl::MutexLock lock(&calls_mu_);
     if (!accepting_) {
       metrics_.RecordRequest(method, "UNAVAILABLE", 0.0);
-      return grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                          "the server is shutting down and takes no new calls");
+      return ToGrpcStatus(Refusal());
     }
     ++calls_in_flight_;
   }
   metrics_.AddInFlight(1);
   absl::Status status = Authenticate(*context);
   if (status.ok()) status = body();
+  if (IsDeviceFault(status)) RefuseAfterDeviceFault(status);
   metrics_.AddInFlight(-1);
   {
     absl::MutexLock lock(&calls_mu_);

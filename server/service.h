@@ -2,6 +2,7 @@
 #ifndef LOSSD_SERVER_SERVICE_H_
 #define LOSSD_SERVER_SERVICE_H_
 
+#include <functional>
 #include <string>
 
 #include "absl/base/thread_annotations.h"
@@ -27,6 +28,9 @@ struct ServiceOptions {
   std::string bearer_token;                       // empty: no authentication
   std::string checkpoint_dir;                     // empty: SaveCheckpoint is refused
   int keep_checkpoints = 3;
+  // Called once, with the first device fault a call meets (IsDeviceFault), after which the service
+  // refuses every call.
+  std::function<void(const absl::Status&)> on_device_fault;
 };
 
 class LossService final : public v1::LossService::Service {
@@ -69,6 +73,10 @@ class LossService final : public v1::LossService::Service {
   void StopAccepting();
   bool WaitForCallsInFlight(absl::Time deadline);
 
+  // OK, or the first device fault a call met; from then on every call is refused with UNAVAILABLE
+  // naming it.
+  absl::Status device_fault() const;
+
   SharedMemoryMaps& shared_memory_maps() { return shared_memory_maps_; }
 
  private:
@@ -79,6 +87,8 @@ class LossService final : public v1::LossService::Service {
   absl::Status StreamTensor(const v1::FetchTensorRequest& request, bool gradient,
                             grpc::ServerWriter<v1::TensorChunk>* writer);
   absl::StatusOr<v1::HeadInfo> ReceiveUpload(grpc::ServerReader<v1::UploadHeadRequest>* reader);
+  void RefuseAfterDeviceFault(const absl::Status& fault);
+  absl::Status Refusal() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(calls_mu_);
 
   Backend& backend_;
   HeadStore& heads_;
@@ -91,8 +101,9 @@ class LossService final : public v1::LossService::Service {
   SharedMemoryMaps shared_memory_maps_;
   std::unique_ptr<HandoverSocket> handover_socket_;  // registers into shared_memory_maps_
 
-  absl::Mutex calls_mu_;
+  mutable absl::Mutex calls_mu_;
   bool accepting_ ABSL_GUARDED_BY(calls_mu_) = true;
+  absl::Status device_fault_ ABSL_GUARDED_BY(calls_mu_);
   int calls_in_flight_ ABSL_GUARDED_BY(calls_mu_) = 0;
 };
 

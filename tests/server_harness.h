@@ -93,6 +93,16 @@ ReferenceResult Reference(const std::vector<float>& weight, int64_t vocab, int64
 // a moment after the client acted (revoking a closed connection's shared-memory handles).
 bool Eventually(const std::function<bool()>& done);
 
+// grpc.health.v1.Health/Check of the whole server: the reply's ServingStatus (kServing,
+// kNotServing), or 0 with the failed call's status.
+inline constexpr int kServing = 1;
+inline constexpr int kNotServing = 2;
+struct HealthReply {
+  grpc::Status status;
+  int serving_status = 0;
+};
+HealthReply CheckHealth(int port);
+
 }  // namespace lossd::testing
 
 #endif  // LOSSD_TESTS_SERVER_HARNESS_H_

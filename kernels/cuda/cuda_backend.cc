@@ -617,7 +617,9 @@ class CudaBackend final : public Backend {
     const absl::Status synced =
         CudaStatus(cudaStreamSynchronize(context.stream), "cudaStreamSynchronize");
     streams_.Release(context);
-    return status.ok() ? synced : status;
+    // A device fault outranks the step's own error: a cuBLAS call on a faulted device reports
+    // only CUBLAS_STATUS_EXECUTION_FAILED.
+    return status.ok() || IsDeviceFault(synced) ? synced : status;
   }
 
   const int device_;
@@ -683,6 +685,18 @@ lossd::Backend* lossd_cuda_create_backend(int device_ordinal, char* error, size_
     std::snprintf(error, error_capacity, "%s", std::string(backend.status().message()).c_str());
   }
   return nullptr;
+}
+
+int lossd_cuda_test_only_fault_device(int device_ordinal, char* error, size_t error_capacity) {
+  cudaError_t result = cudaSetDevice(device_ordinal);
+  if (result == cudaSuccess) {
+    const absl::Status launched = lossd::cuda::LaunchTestOnlyIllegalAddress(nullptr);
+    result = launched.ok() ? cudaDeviceSynchronize() : cudaGetLastError();
+  }
+  if (error != nullptr && error_capacity > 0) {
+    std::snprintf(error, error_capacity, "%s", cudaGetErrorName(result));
+  }
+  return lossd::cuda::IsStickyError(result) ? 1 : 0;
 }
 
 }  // extern "C"

@@ -446,4 +446,14 @@ absl::Status LaunchOptimizerStep(OptimizerConfig::Kind kind, const OptimizerScal
   return CheckLaunch("OptimizerStepKernel");
 }
 
+// ---- Tests only ----
+
+// `d_nowhere` is null at run time, which the compiler cannot see here: a plain store, not a trap.
+static __global__ void TestOnlyIllegalAddressKernel(float* d_nowhere) { *d_nowhere = 1.0f; }
+
+absl::Status LaunchTestOnlyIllegalAddress(cudaStream_t stream) {
+  TestOnlyIllegalAddressKernel<<<1, 1, 0, stream>>>(nullptr);
+  return CheckLaunch("TestOnlyIllegalAddressKernel");
+}
+
 }  // namespace lossd::cuda

@@ -81,6 +81,9 @@ absl::Status LaunchOptimizerStep(OptimizerConfig::Kind kind, const OptimizerScal
                                  float* d_state1, float* d_state2, int64_t count,
                                  cudaStream_t stream);
 
+// For lossd_cuda_test_only_fault_device alone: one thread storing through the null pointer.
+absl::Status LaunchTestOnlyIllegalAddress(cudaStream_t stream);
+
 }  // namespace lossd::cuda
 
 #endif  // LOSSD_KERNELS_CUDA_CUDA_KERNELS_CUH_

@@ -8,13 +8,27 @@
 
 #include "lossd/kernels/backend.h"
 
-// Bumped whenever Backend's layout or these signatures change; the loader refuses a mismatch.
-#define LOSSD_CUDA_MODULE_ABI 2
+// Bumped whenever Backend's layout, the statuses it returns (DeviceFaultError) or these signatures
+// change; the loader refuses a mismatch.
+#define LOSSD_CUDA_MODULE_ABI 3
 
 extern "C" {
 int lossd_cuda_module_abi(void);
 // A new CUDA backend on `device_ordinal`, or null with the reason written to `error`.
 lossd::Backend* lossd_cuda_create_backend(int device_ordinal, char* error, size_t error_capacity);
+// For tests of what follows a device fault, never called by lossd itself: runs a kernel that
+// stores through the null pointer on `device_ordinal` and waits for it, which leaves the device in
+// CUDA's sticky cudaErrorIllegalAddress for the rest of the process. Returns 1 when the device is
+// now in a sticky error state, else 0; the CUDA error's name goes to `error`.
+int lossd_cuda_test_only_fault_device(int device_ordinal, char* error, size_t error_capacity);
 }
+
+namespace lossd {
+
+// An entry point of the CUDA module that CreateBackend opened (such as
+// lossd_cuda_test_only_fault_device), or null when no module was opened or it has no such symbol.
+void* CudaModuleSymbol(const char* name);
+
+}  // namespace lossd
 
 #endif  // LOSSD_KERNELS_CUDA_CUDA_MODULE_H_

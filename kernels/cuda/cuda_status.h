@@ -9,16 +9,43 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "lossd/kernels/backend.h"
 
 namespace lossd::cuda {
 
+// The errors after which, in CUDA's words, "any further CUDA work will return the same error" and
+// "the process must be terminated and relaunched" (driver_types.h), and the uncorrectable memory
+// errors, after which the device's contents cannot be trusted.
+inline bool IsStickyError(cudaError_t error) {
+  switch (error) {
+    case cudaErrorECCUncorrectable:
+    case cudaErrorNvlinkUncorrectable:
+    case cudaErrorContained:
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+    case cudaErrorTensorMemoryLeak:
+    case cudaErrorMpsClientTerminated:
+    case cudaErrorExternalDevice: return true;
+    default: return false;
+  }
+}
+
 // A failed runtime call also leaves its error as the thread's "last error", which launchers read
-// after a kernel launch; it is cleared here so that a later launch is not blamed for it.
+// after a kernel launch; it is cleared here so that a later launch is not blamed for it (a sticky
+// error stays whatever is cleared). Sticky errors become DeviceFaultError, which the server acts on.
 inline absl::Status CudaStatus(cudaError_t error, absl::string_view what) {
   if (error == cudaSuccess) return absl::OkStatus();
   cudaGetLastError();
   const std::string message =
       absl::StrCat(what, ": ", cudaGetErrorName(error), " (", cudaGetErrorString(error), ")");
+  if (IsStickyError(error)) return DeviceFaultError(message);
   switch (error) {
     case cudaErrorMemoryAllocation: return absl::ResourceExhaustedError(message);
     case cudaErrorNoDevice:

@@ -160,6 +160,14 @@ class Backend : public BufferAllocator {
                                                DeviceBuffer& workspace) = 0;
 };
 
+// A fault that leaves the backend's device unusable for the rest of the process (CUDA's sticky
+// errors: an illegal address, a trap in a kernel, an uncorrectable ECC error): every later call on
+// the device fails the same way, and only a new process gets a working device again. A backend
+// reports it as an UNAVAILABLE status carrying a payload that IsDeviceFault recognizes, so that
+// callers act on the condition itself, never on the message's text.
+absl::Status DeviceFaultError(absl::string_view message);
+bool IsDeviceFault(const absl::Status& status);
+
 // "cpu", "cuda", "cuda:N" or "auto" (CUDA when a device is present, else CPU). The CUDA backend is a
 // module loaded at run time; `cuda_module_path` overrides where it is looked for. When "auto"
 // falls back to the CPU, `cuda_unavailable` (if given) receives why CUDA was not taken.
