@@ -159,6 +159,10 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   shape.top_k = k;
   ASSIGN_OR_RETURN(const ChunkPlan plan, backend.Plan(shape, request.budget_bytes));
   ASSIGN_OR_RETURN(DeviceBuffer workspace, backend.Allocate(plan.workspace_bytes));
+  // All bits set: NaN as fp32 and 16-bit floats, so that whatever the engine reads of its
+  // workspace before writing it shows in the outputs (fresh device memory is often zeros).
+  const std::vector<uint8_t> poison(plan.workspace_bytes, 0xff);
+  RETURN_IF_ERROR(backend.CopyToDevice(poison.data(), poison.size(), workspace, 0));
 
   EngineRun run;
   run.loss.assign(n, nan);

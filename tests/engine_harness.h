@@ -81,9 +81,9 @@ struct RunRequest {
   bool loss_only = false;
 };
 
-// Uploads W, runs one Compute with every per-token output requested (unless loss_only) and
-// NaN-poisoned, and reads everything back; a sequence reduction's per-row factors come from
-// SequenceReductionScales. Returns the engine's error status when Compute fails.
+// Uploads W, runs one Compute with every per-token output requested (unless loss_only), the
+// outputs and the workspace NaN-poisoned, and reads everything back; a sequence reduction's per-row
+// factors come from SequenceReductionScales. Returns the engine's error status when Compute fails.
 absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
                                     const RunRequest& request);
 

@@ -1,5 +1,7 @@
 #include "tests/reference.h"
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -136,18 +138,14 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
   r.top_k_token.assign(n * p.top_k, 0);
   r.grad_hidden.assign(n * h, 0.0);
   r.grad_weight.assign(v * h, 0.0);
+  std::vector<double> row_max_abs(n, 0.0);
 
+  // The products run through BLAS's dgemm, in float64 like everything here, so that the largest
+  // cases (N = 4096, H = 4096, V = 128256: three products of 2.1e12 multiply-adds) take a minute
+  // on 16 cores rather than hours; the rows are independent, and each is done by one thread.
   std::vector<double> raw(n * v);
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t t = 0; t < v; ++t) {
-      double a = 0.0;
-      for (int64_t j = 0; j < h; ++j) a += p.hidden[i * h + j] * p.weight[t * h + j];
-      raw[i * v + t] = a;
-      const double capped = cap > 0 ? cap * std::tanh(a / cap) : a;
-      r.logits[i * v + t] = capped / temperature;
-      r.max_abs_logit = std::max(r.max_abs_logit, std::abs(r.logits[i * v + t]));
-    }
-  }
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, v, h, 1.0, p.hidden.data(), h,
+              p.weight.data(), h, 0.0, raw.data(), v);
   r.ratio.assign(n, 0.0);
   r.clip.assign(n, 0);
   r.kl.assign(n, 0.0);
@@ -158,9 +156,18 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
     return values.empty() ? 0.0 : values[i];
   };
 
-  std::vector<double> dz(v);
+  // Per row: z, its statistics and top-k, its loss, then d loss_i / d a in place of a.
+#pragma omp parallel for schedule(dynamic, 16)
   for (int64_t i = 0; i < n; ++i) {
-    const double* z = &r.logits[i * v];
+    double* a = &raw[i * v];
+    double* z = &r.logits[i * v];
+    double max_abs = 0.0;
+    for (int64_t t = 0; t < v; ++t) {
+      const double capped = cap > 0 ? cap * std::tanh(a[t] / cap) : a[t];
+      z[t] = capped / temperature;
+      max_abs = std::max(max_abs, std::abs(z[t]));
+    }
+    row_max_abs[i] = max_abs;
     const double m = *std::max_element(z, z + v);
     double sum_exp = 0.0;
     for (int64_t t = 0; t < v; ++t) sum_exp += std::exp(z[t] - m);
@@ -176,16 +183,21 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
     r.entropy[i] = entropy;
     r.argmax[i] = std::max_element(z, z + v) - z;  // first maximum: the lowest id
 
+    // The k best, equal values ranked by the lower id (a stable sort's order).
     std::vector<int64_t> order(p.top_k > 0 ? v : 0);
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return z[a] > z[b]; });
+    std::partial_sort(order.begin(), order.begin() + p.top_k, order.end(),
+                      [&](int64_t x, int64_t y) { return z[x] > z[y] || (z[x] == z[y] && x < y); });
     for (int j = 0; j < p.top_k; ++j) {
       r.top_k_token[i * p.top_k + j] = order[j];
       r.top_k_logprob[i * p.top_k + j] = z[order[j]] - lse;
     }
 
     const int64_t y = p.labels[i];
-    if (y == o.ignore_index) continue;
+    if (y == o.ignore_index) {
+      std::fill(a, a + v, 0.0);
+      continue;
+    }
     const double w = p.token_weights.empty() ? 1.0 : p.token_weights[i];
     const double logp = z[y] - lse;
     r.logprob[i] = logp;
@@ -200,19 +212,15 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
       dloss_dlogp += term.derivative;
       r.ratio[i] = term.ratio;
       r.clip[i] = term.clip;
-      r.clipped_tokens += term.clip != 0;
     }
     if (o.policy.kl_estimator != KlEstimator::kNone) {
       const Term kl = KlOf(o.policy.kl_estimator, logp, input(p.reference_logprobs, i));
       r.kl[i] = kl.value;
-      r.kl_sum += kl.value;
       loss += o.policy.kl_coef * kl.value;
       dloss_dlogp += o.policy.kl_coef * kl.derivative;
     }
     loss -= o.policy.entropy_coef * entropy;
     r.token_loss[i] = w * loss;
-    r.loss_sum += w * loss;
-    r.loss += factor[i] * w * loss;
 
     // d loss_i / d z_t, then through z = cap(a) / T to the raw logit a.
     const double g = w * factor[i] * o.grad_scale;
@@ -225,19 +233,25 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
       d -= o.policy.entropy_coef * dentropy;
       d /= temperature;
       if (cap > 0) {
-        const double th = std::tanh(raw[i * v + t] / cap);
+        const double th = std::tanh(a[t] / cap);
         d *= 1 - th * th;
       }
-      dz[t] = g * d;
-    }
-    for (int64_t t = 0; t < v; ++t) {
-      if (dz[t] == 0.0) continue;
-      for (int64_t j = 0; j < h; ++j) {
-        r.grad_hidden[i * h + j] += dz[t] * p.weight[t * h + j];
-        r.grad_weight[t * h + j] += dz[t] * p.hidden[i * h + j];
-      }
+      a[t] = g * d;
     }
   }
+  // The sums over rows, in row order.
+  for (int64_t i = 0; i < n; ++i) {
+    r.max_abs_logit = std::max(r.max_abs_logit, row_max_abs[i]);
+    r.loss_sum += r.token_loss[i];
+    r.loss += factor[i] * r.token_loss[i];
+    r.kl_sum += r.kl[i];
+    r.clipped_tokens += r.clip[i] != 0;
+  }
+  // dL/dh = dA W and dL/dW = dA^T h, with dA = d loss / d a now in `raw`.
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, h, v, 1.0, raw.data(), v,
+              p.weight.data(), h, 0.0, r.grad_hidden.data(), h);
+  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v, h, n, 1.0, raw.data(), v,
+              p.hidden.data(), h, 0.0, r.grad_weight.data(), h);
   if (o.reduction == Reduction::kSum || o.reduction == Reduction::kNone) r.loss = r.loss_sum;
   return r;
 }
