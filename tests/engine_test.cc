@@ -5,8 +5,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <cstdio>
 #include <ostream>
 
+#include "absl/strings/str_format.h"
 #include "lossd/kernels/backend.h"
 #include "lossd/kernels/backend_common.h"
 #include "tests/engine_harness.h"
@@ -532,6 +534,54 @@ TEST(ReferenceTest, GradientsMatchFiniteDifferences) {
   EXPECT_LE(RelativeError(cispo_grad, expected.grad_hidden), 1e-6);  // compared in float
 }
 
+// Llama 3 8B's head (H = 4096, V = 128256) and 4096 tokens in bf16 at the server's default
+// budget: the products at their full lengths (K = H for the logits, K = V for dL/dh, K = N for
+// dL/dW), where an accumulation that truncates instead of rounding would show, against the same
+// bounds as the small cases. GPU only: its float64 reference takes about a minute on 16 cores and
+// 20 GB, and the CPU engine minutes more. The errors are printed and recorded as test properties.
+class EngineAtScaleTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(EngineAtScaleTest, Llama3HeadInBf16MatchesFloat64) {
+  auto backend = MakeBackend(GetParam());
+  if (backend == nullptr) GTEST_SKIP() << GetParam() << " backend not available on this machine";
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "LOSSD_TEST_SEED=" << seed);
+  std::mt19937_64 rng(seed);
+  ProblemSpec spec = Spec(4096, 4096, 128256);
+  spec.hidden_dtype = DType::kBFloat16;
+  spec.weight_dtype = DType::kBFloat16;
+  const Problem problem = MakeProblem(spec, rng);
+  const ReferenceResult ref = ComputeReference(problem.reference);
+  RunRequest request;
+  request.budget_bytes = 256 * kMiB;
+  auto run = RunEngine(*backend, problem, request);
+  ASSERT_TRUE(run.ok()) << run.status();
+
+  const double loss_error = LossError(run->summary.loss, ref);
+  const double token_loss_error = RelativeError(run->loss, ref.token_loss);
+  const double logprob_error = MaxAbsError(run->logprob, ref.logprob);
+  const double grad_hidden_error = RelativeError(run->grad_hidden, ref.grad_hidden);
+  const double grad_weight_error = RelativeError(run->grad_weight, ref.grad_weight);
+  std::printf("N=%ld H=%ld V=%ld bf16 (chunk %ld x %ld): loss %.2e, token loss %.2e, "
+              "logprob max abs %.2e, dL/dh %.2e, dL/dW %.2e relative to float64\n",
+              static_cast<long>(spec.num_tokens), static_cast<long>(spec.hidden_size),
+              static_cast<long>(spec.vocab_size), static_cast<long>(run->summary.token_chunk),
+              static_cast<long>(run->summary.vocab_chunk), loss_error, token_loss_error,
+              logprob_error, grad_hidden_error, grad_weight_error);
+  RecordProperty("loss_rel_error", absl::StrFormat("%.3e", loss_error));
+  RecordProperty("grad_hidden_rel_error", absl::StrFormat("%.3e", grad_hidden_error));
+  RecordProperty("grad_weight_rel_error", absl::StrFormat("%.3e", grad_weight_error));
+  EXPECT_TRUE(run->summary.all_finite);
+  EXPECT_LE(loss_error, kLossBound);
+  EXPECT_LE(token_loss_error, kLossBound);
+  EXPECT_LE(logprob_error, LogitBound(ref.max_abs_logit));
+  EXPECT_LE(grad_hidden_error, kGradBound);
+  EXPECT_LE(grad_weight_error, kGradBound);
+}
+
+INSTANTIATE_TEST_SUITE_P(Gpu, EngineAtScaleTest, ::testing::Values("cuda"),
+                         [](const auto& info) { return info.param; });
+
 class EngineBackendTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
@@ -684,6 +734,87 @@ TEST_P(EngineBackendTest, OverwriteStoresTheCallsGradWeight) {
     std::vector<double> twice = ref.grad_weight;
     for (double& x : twice) x *= 2;
     EXPECT_LE(RelativeError(values, twice), kGradBound);
+  }
+}
+
+// The buffer arithmetic and optimizer updates that the server runs beside Compute (committing a
+// call's dL/dW, clipping by the global norm, steps), against float64 with torch's formulas; on a
+// count that fills no block size evenly.
+TEST_P(EngineBackendTest, BufferArithmeticAndOptimizerStepsMatchFloat64) {
+  constexpr int64_t kCount = 1'000'003;
+  std::mt19937_64 rng(FreshSeed());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  auto random = [&](float scale) {
+    std::vector<float> x(kCount);
+    for (float& e : x) e = scale * normal(rng);
+    return x;
+  };
+  auto upload = [&](const std::vector<float>& host) {
+    auto buffer = backend_->Allocate(kCount * sizeof(float));
+    EXPECT_TRUE(buffer.ok()) << buffer.status();
+    EXPECT_TRUE(backend_->CopyToDevice(host.data(), kCount * sizeof(float), *buffer, 0).ok());
+    return std::move(buffer).value();
+  };
+  auto download = [&](const DeviceBuffer& buffer) {
+    std::vector<float> host(kCount);
+    EXPECT_TRUE(backend_->CopyToHost(buffer, 0, kCount * sizeof(float), host.data()).ok());
+    return host;
+  };
+
+  const std::vector<float> x = random(1.0f), y = random(3.0f);
+  DeviceBuffer sum = upload(x);
+  const DeviceBuffer addend = upload(y);
+  ASSERT_TRUE(backend_->AddFloat32(sum, addend, kCount).ok());
+  const std::vector<float> added = download(sum);
+  double sum_squares = 0.0;
+  for (int64_t i = 0; i < kCount; ++i) {
+    ASSERT_EQ(added[i], x[i] + y[i]) << i;  // one fp32 addition, rounded alike everywhere
+    sum_squares += static_cast<double>(added[i]) * added[i];
+  }
+  auto squares = backend_->SumSquaresFloat32(sum, kCount);
+  ASSERT_TRUE(squares.ok()) << squares.status();
+  EXPECT_NEAR(*squares, sum_squares, 1e-12 * sum_squares);
+
+  for (const auto kind : {OptimizerConfig::Kind::kSgd, OptimizerConfig::Kind::kAdamW}) {
+    SCOPED_TRACE(kind == OptimizerConfig::Kind::kSgd ? "SGD" : "AdamW");
+    OptimizerConfig config;
+    config.kind = kind;
+    config.learning_rate = 1e-2;
+    config.momentum = 0.9;
+    config.weight_decay = 0.1;
+    config.grad_multiplier = 0.5;
+    const std::vector<float> w0 = random(1.0f);
+    DeviceBuffer weight = upload(w0);
+    DeviceBuffer state1 = upload(std::vector<float>(kCount, 0.0f));
+    DeviceBuffer state2 = upload(std::vector<float>(kCount, 0.0f));
+    std::vector<double> w(w0.begin(), w0.end()), m(kCount, 0.0), v(kCount, 0.0);
+    for (int64_t step = 1; step <= 2; ++step) {
+      config.step = step;
+      const std::vector<float> g = random(1e-2f);
+      const DeviceBuffer grad = upload(g);
+      OptimizerTensors tensors{&weight, DType::kFloat32, &grad, &state1,
+                               kind == OptimizerConfig::Kind::kAdamW ? &state2 : nullptr, kCount};
+      ASSERT_TRUE(backend_->OptimizerStep(config, tensors).ok());
+      const double lr = config.learning_rate, wd = config.weight_decay;
+      for (int64_t i = 0; i < kCount; ++i) {
+        const double gi = config.grad_multiplier * g[i];
+        if (kind == OptimizerConfig::Kind::kSgd) {  // g += wd w; b = momentum b + g; w -= lr b
+          m[i] = config.momentum * m[i] + gi + wd * w[i];
+          w[i] -= lr * m[i];
+        } else {  // torch.optim.AdamW
+          w[i] *= 1 - lr * wd;
+          m[i] = config.beta1 * m[i] + (1 - config.beta1) * gi;
+          v[i] = config.beta2 * v[i] + (1 - config.beta2) * gi * gi;
+          const double bias1 = 1 - std::pow(config.beta1, step);
+          const double bias2 = 1 - std::pow(config.beta2, step);
+          w[i] -= lr / bias1 * m[i] / (std::sqrt(v[i]) / std::sqrt(bias2) + config.epsilon);
+        }
+      }
+    }
+    // fp32 updates are within 6e-8 of float64's after two steps.
+    EXPECT_LE(RelativeError(download(weight), w), 1e-6);
+    EXPECT_LE(RelativeError(download(state1), m), 1e-6);
+    if (kind == OptimizerConfig::Kind::kAdamW) EXPECT_LE(RelativeError(download(state2), v), 1e-6);
   }
 }
 
