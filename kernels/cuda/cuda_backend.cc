@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/cuda/cuda_gemm.h"
 #include "kernels/cuda/cuda_kernels.cuh"
 #include "kernels/cuda/cuda_module.h"
 #include "kernels/cuda/cuda_status.h"
@@ -101,44 +102,6 @@ CudaWorkspace CarveWorkspace(WorkspaceArena& arena, const ProblemShape& s, int64
     w.d_top_tokens = arena.Take<int32_t>(rows * s.top_k);
   }
   return w;
-}
-
-// ---- cuBLAS ----
-
-// A row-major GEMM operand.
-struct Matrix {
-  const void* data;
-  DType dtype;
-  int64_t ld;
-
-  // The same matrix starting `offset` elements further on (a later row of W, a later column of dA).
-  Matrix At(int64_t offset) const {
-    return {static_cast<const char*>(data) + offset * static_cast<int64_t>(DTypeSize(dtype)), dtype,
-            ld};
-  }
-};
-
-cudaDataType_t CudaDataType(DType dtype) {
-  switch (dtype) {
-    case DType::kBFloat16: return CUDA_R_16BF;
-    case DType::kFloat16: return CUDA_R_16F;
-    default: return CUDA_R_32F;
-  }
-}
-
-// C[m, n] = alpha op(A) op(B) + beta C, row-major, C fp32. cuBLAS is column-major, where a stored
-// row-major X reads as X^T, so it computes C^T = op(B)^T op(A)^T with the same transpose flags.
-absl::Status RowMajorGemm(cublasHandle_t cublas, bool transpose_a, bool transpose_b, int64_t m,
-                          int64_t n, int64_t k, float alpha, const Matrix& a, const Matrix& b,
-                          float beta, float* c, int64_t ldc, bool allow_tf32) {
-  const cublasComputeType_t compute =
-      a.dtype == DType::kFloat32 && allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
-  return CublasStatus(
-      cublasGemmEx_64(cublas, transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N,
-                      transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha, b.data,
-                      CudaDataType(b.dtype), b.ld, a.data, CudaDataType(a.dtype), a.ld, &beta, c,
-                      CUDA_R_32F, ldc, compute, CUBLAS_GEMM_DEFAULT),
-      "cublasGemmEx");
 }
 
 // ---- Streams ----
@@ -663,9 +626,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int ordinal) {
       static_cast<double>(props.totalGlobalMem) / (1u << 30), runtime_version / 1000,
       runtime_version % 1000 / 10, driver_version / 1000, driver_version % 1000 / 10,
       cublas_version[0], cublas_version[1], cublas_version[2]);
-  // cuBLAS's recommended workspace: 32 MiB on Hopper and later, 4 MiB before.
-  const size_t cublas_workspace_bytes = (props.major >= 9 ? 32u : 4u) << 20;
-  auto backend = std::make_unique<CudaBackend>(ordinal, description, cublas_workspace_bytes);
+  auto backend =
+      std::make_unique<CudaBackend>(ordinal, description, CublasWorkspaceBytes(props.major));
   RETURN_IF_ERROR(backend->Warm());
   return backend;
 }
