@@ -17,11 +17,11 @@
 // values, so with another device only the engine runs. With bf16 the naive baseline still computes in fp32:
 // it is what a caller without a bf16 GEMM would run.
 //
-// Each measurement is one warm-up run (on the first 64 tokens), then the median of up to --reps
-// timed runs (fewer when one run would exceed --rep-seconds); the three methods of a pass take
-// turns, and the engine is also compared with the naive baseline round by round (median ratio,
-// rounds won, one-sided sign test). A table goes to stderr, one JSON object per measurement to
-// stdout (and to --json FILE), each with its rounds' times.
+// Each measurement is one warm-up run (on the first 64 tokens, or --warmup-tokens), then the
+// median of up to --reps timed runs (fewer when one run would exceed --rep-seconds); the three
+// methods of a pass take turns, and the engine is also compared with the naive baseline round by
+// round (median ratio, rounds won, one-sided sign test). A table goes to stderr, one JSON object
+// per measurement to stdout (and to --json FILE), each with its rounds' times.
 // The engine's loss and dL/dh are checked against the naive baseline; the exit status is 1 when
 // they disagree.
 #include <cblas.h>
@@ -117,6 +117,7 @@ struct Options {
   std::set<Pass> passes = {Pass::kForward, Pass::kForwardBackward};
   size_t budget_bytes = size_t{256} << 20;
   int reps = 3;
+  int64_t warmup_tokens = kWarmUpTokens;  // 0: all of N
   double rep_seconds = 20.0;
   double naive_cap_gib = 6.0;
   std::string json_path;
@@ -130,6 +131,8 @@ constexpr char kUsage[] = R"(usage: engine_bench [flags]
   --dtype T                 hidden states and W: fp32 or bf16 (default fp32)
   --budget-mib M            the engine's workspace budget in MiB (default 256)
   --reps R                  timed runs per measurement after one warm-up, median kept (default 3)
+  --warmup-tokens W         tokens of the untimed warm-up run (default 64; 0: all of N, so that a
+                            GPU's libraries meet the timed runs' shapes before the clock starts)
   --rep-seconds S           fewer runs when one is long: clamp(S / run seconds, 1, R) (default 20)
   --naive-cap-gib G         skip the naive baseline when its [N, V] logits exceed G GiB (default 6)
   --methods M,M             run only these of floor, engine, naive (default all three)
@@ -152,7 +155,7 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
     }
     static const std::set<std::string> kValueFlags = {
         "--shapes",  "--device",  "--dtype",  "--budget-mib", "--reps",
-        "--rep-seconds", "--naive-cap-gib", "--methods", "--passes", "--json"};
+        "--warmup-tokens", "--rep-seconds", "--naive-cap-gib", "--methods", "--passes", "--json"};
     if (!kValueFlags.contains(name)) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag '", arg, "'\n", kUsage));
     }
@@ -179,6 +182,8 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
       o.budget_bytes = static_cast<size_t>(budget_mib) << 20;
     } else if (name == "--reps") {
       valid = absl::SimpleAtoi(value, &o.reps) && o.reps >= 1;
+    } else if (name == "--warmup-tokens") {
+      valid = absl::SimpleAtoi(value, &o.warmup_tokens) && o.warmup_tokens >= 0;
     } else if (name == "--rep-seconds") {
       valid = absl::SimpleAtod(value, &o.rep_seconds) && o.rep_seconds >= 0;
     } else if (name == "--naive-cap-gib") {
@@ -210,6 +215,7 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
           {"--dtype", "fp32 or bf16"},
           {"--budget-mib", "a positive integer"},
           {"--reps", "an integer >= 1"},
+          {"--warmup-tokens", "an integer >= 0"},
           {"--rep-seconds", "a number >= 0"},
           {"--naive-cap-gib", "a number >= 0"},
           {"--methods", "a comma-separated subset of floor, engine, naive"},
@@ -661,7 +667,8 @@ absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
     } else if (with_naive) {
       naive.skipped = absl::StrFormat("skipped: needs %.1f GiB", Gib(naive_bytes));
     }
-    RETURN_IF_ERROR(MeasureInRounds(options, s.n, std::min(s.n, kWarmUpTokens), contenders));
+    const int64_t warm_up_tokens = options.warmup_tokens > 0 ? options.warmup_tokens : s.n;
+    RETURN_IF_ERROR(MeasureInRounds(options, s.n, std::min(s.n, warm_up_tokens), contenders));
 
     if (engine.timing && naive.timing) {
       engine.paired_to_naive = CompareByRound(*engine.timing, *naive.timing);

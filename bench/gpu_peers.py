@@ -1,30 +1,47 @@
 #!/usr/bin/env python3
 """lossd against torch and the fused cross-entropy kernels on one GPU, side by side in one run.
 
-Every method does a forward and backward pass of cross-entropy over hidden [N, H] and W [V, H] in
---dtype (bf16 by default) with fp32 loss: the mean loss, dL/dh and dL/dW.
-  floor           the GEMMs alone (h W^T, dz W, dz^T h) through torch's matmul (cuBLAS), 6NHV
-                  flops: the rate every method's useful work is measured against.
+Every method computes cross-entropy over hidden [N, H] and W [V, H] in --dtype (bf16 by default)
+with an fp32 loss, in two passes: fwd_bwd (the mean loss, dL/dh and dL/dW accumulated into W.grad)
+and fwd (the loss alone, without autograd).
+  floor           the GEMMs alone through torch's matmul (cuBLAS): h W^T (2NHV flops) for fwd, and
+                  dz W and dz^T h as well (6NHV) for fwd_bwd: the rate every method's useful work
+                  is measured against, in this run.
   torch_naive     F.cross_entropy((h @ W.T).float(), labels): where training scripts start.
   torch_chunked   token chunks of the same (--chunk-rows), each chunk's backward run before the
                   next chunk's forward, so [chunk, V] logits at a time: the usual hand-written fix.
   torch_compiled  torch_chunked with each chunk's loss compiled by torch.compile.
-  liger           Liger-Kernel's LigerFusedLinearCrossEntropyLoss, when it can be imported.
-  cce             Cut Cross-Entropy's linear_cross_entropy with its default gradient filter, when
-                  it can be imported.
-  engine          the lossd engine on the CUDA backend (engine_bench --device=cuda), whose hidden
+  torch_lce       torch's own F.linear_cross_entropy with LinearCrossEntropyOptions() (chunked),
+                  where this torch has it.
+  liger           Liger-Kernel's LigerFusedLinearCrossEntropyLoss.
+  cce             Cut Cross-Entropy's linear_cross_entropy with its default gradient filter.
+  lossd_<B>MiB    the lossd engine on the CUDA backend with a workspace budget of B MiB
+                  (engine_bench --device=cuda, one process per budget; --budgets-mib), whose hidden
                   states and outputs live in host memory as the server's do: its time includes
-                  copying them to and from the GPU, which the others do not pay.
-Times are medians of --reps calls after --warmup calls (CUDA events on a GPU). Extra memory is the
-peak allocated during a call above what was allocated before it (inputs, W.grad); the engine's is
-its workspace. Every method's loss and dL/dh are compared with torch_naive's where it ran.
+                  copying them to and from the GPU, which the others do not pay, and is the host's
+                  clock around each call (the engine synchronizes before it returns).
+A method that cannot run here is recorded with the reason, one that fails with its error (out of
+memory or anything else), and the run goes on; the engine is timed whatever its peers did.
 
-Writes results.jsonl and results.md to --out. On the GPU machine scripts/gpu_round.sh runs it;
-`--device cpu --dtype fp32` runs the same code on the CPU with small shapes, for testing.
+Each method runs --warmup calls on the real shape first (the first one's time is recorded: it
+includes torch.compile's and Triton's compilation), then --reps timed calls: device time from CUDA
+events around each call (median, min and max), wall time from the host's clock (median), and the
+peak memory allocated during the timed calls above what was allocated before them (inputs and
+W.grad excluded; the engine's is its workspace). Each method's loss and dL/dh are compared with
+torch_naive's on the same inputs. Peers whose turn comes after --deadline-seconds are skipped and
+recorded so; the engine rows still run.
+
+Writes results.jsonl and results.md (a header naming the device, driver, CUDA, versions, date and
+command, then the table, ready for bench/RESULTS.md) to --out. On the GPU machine
+scripts/gpu_round.sh bench runs it; `--device cpu --dtype fp32` runs the same code on the CPU with
+small shapes, for testing.
 """
 import argparse
+import datetime
+import importlib.metadata
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -37,7 +54,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Llama 3 8B's head with a 16k-token batch, and Gemma 2 2B's (the Cut Cross-Entropy paper's table).
 DEFAULT_SHAPES = "16384,4096,128256;8192,2304,256000"
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PASSES = ("fwd_bwd", "fwd")
 GIB = 1 << 30
+MIB = 1 << 20
+OUT_OF_MEMORY = "out of memory"
 
 
 def parse_shapes(text):
@@ -51,107 +71,167 @@ def parse_shapes(text):
     return shapes
 
 
-class Timer:
-    """Seconds of one call: CUDA events on a GPU (the stream's time, not the host's), else wall."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn):
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1000.0
-        begin = time.perf_counter()
-        fn()
-        return time.perf_counter() - begin
+def parse_budgets(text):
+    items = [item for item in text.split(",") if item]
+    if not items or not all(item.isdigit() and int(item) > 0 for item in items):
+        raise SystemExit(f"--budgets-mib: expected positive integers separated by ',', got '{text}'")
+    return [int(item) for item in items]
 
 
-def loss_and_grads(loss_fn, hidden, weight, labels):
-    """One forward and backward: (loss, dL/dh); dL/dW accumulates into weight.grad."""
-    h = hidden.detach().requires_grad_()
-    loss = loss_fn(h, weight, labels)
-    loss.backward()
-    return loss.detach().float(), h.grad
+def useful_flops(n, h, v, pass_name):
+    return (6.0 if pass_name == "fwd_bwd" else 2.0) * n * h * v
 
+
+# --------------------------------------------------------------------------------------------
+# The methods: each is loss_fn(h, weight, labels) -> the mean loss, differentiable when autograd
+# is on, or a string saying why it cannot run here.
 
 def naive_loss(h, weight, labels):
     return F.cross_entropy((h @ weight.T).float(), labels)
-
-
-def chunked(chunk_loss, chunk_rows):
-    """Sum over token chunks with each chunk's backward before the next forward; returns the mean
-    loss already backpropagated, as a leaf that backward() leaves alone."""
-
-    def run(h, weight, labels):
-        n = h.shape[0]
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad = torch.empty_like(h)
-        for r0 in range(0, n, chunk_rows):
-            part = h.detach()[r0:r0 + chunk_rows].requires_grad_()
-            loss = chunk_loss(part, weight, labels[r0:r0 + chunk_rows]) / n
-            loss.backward()
-            grad[r0:r0 + chunk_rows] = part.grad
-            total += loss.detach()
-        h.grad = grad
-        return total.requires_grad_()
-
-    return run
 
 
 def sum_loss(h, weight, labels):
     return F.cross_entropy((h @ weight.T).float(), labels, reduction="sum")
 
 
+def chunked(chunk_loss, chunk_rows):
+    """The mean over token chunks of chunk_loss; with autograd on, each chunk's backward runs before
+    the next chunk's forward, and the loss comes back as a leaf that backward() leaves alone."""
+
+    def run(h, weight, labels):
+        n = h.shape[0]
+        backward = torch.is_grad_enabled() and h.requires_grad
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad = torch.empty_like(h) if backward else None
+        for r0 in range(0, n, chunk_rows):
+            part = h.detach()[r0:r0 + chunk_rows]
+            if backward:
+                part.requires_grad_()
+            loss = chunk_loss(part, weight, labels[r0:r0 + chunk_rows]) / n
+            if backward:
+                loss.backward()
+                grad[r0:r0 + chunk_rows] = part.grad
+            total += loss.detach()
+        if backward:
+            h.grad = grad
+            return total.requires_grad_()
+        return total
+
+    return run
+
+
 def floor_gemms(h, weight, labels):
-    """The useful GEMMs with no elementwise work: z = h W^T, dh = z W, dW += z^T h."""
+    """The useful GEMMs with no elementwise work: z = h W^T, and with autograd on dh = z W and
+    dW += z^T h."""
     z = h.detach() @ weight.detach().T
-    h.grad = z @ weight.detach()
-    weight.grad.addmm_(z.T, h.detach())
-    return torch.zeros((), device=h.device, requires_grad=True)
+    if torch.is_grad_enabled() and h.requires_grad:
+        h.grad = z @ weight.detach()
+        weight.grad.addmm_(z.T, h.detach())
+        return torch.zeros((), device=h.device, requires_grad=True)
+    return torch.zeros((), device=h.device)
 
 
 def peer_methods(device, chunk_rows):
     """name -> loss function, or the reason it cannot run here."""
     methods = {"floor": floor_gemms, "torch_naive": naive_loss,
                "torch_chunked": chunked(sum_loss, chunk_rows)}
+    if hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        options = torch.nn.LinearCrossEntropyOptions()
+        methods["torch_lce"] = lambda h, weight, labels: F.linear_cross_entropy(
+            h, weight, labels, options=options)
+    else:
+        methods["torch_lce"] = (f"absent: torch {torch.__version__} has no "
+                                "F.linear_cross_entropy with LinearCrossEntropyOptions")
+    if device.type != "cuda":
+        methods["liger"] = methods["cce"] = "unavailable: needs a CUDA device"
+    else:
+        try:
+            from liger_kernel.transformers.fused_linear_cross_entropy import (
+                LigerFusedLinearCrossEntropyLoss)
+            liger = LigerFusedLinearCrossEntropyLoss()
+            methods["liger"] = lambda h, weight, labels: liger(weight, h, labels)
+        except ImportError as error:
+            methods["liger"] = f"unavailable: {error}"
+        try:
+            from cut_cross_entropy import linear_cross_entropy
+            methods["cce"] = lambda h, weight, labels: linear_cross_entropy(h, weight, labels)
+        except ImportError as error:
+            methods["cce"] = f"unavailable: {error}"
+    # Last among the peers: its first call compiles, for up to a minute per shape and pass.
     if not hasattr(torch, "compile"):
         methods["torch_compiled"] = f"unavailable: torch {torch.__version__} has no torch.compile"
     else:
         methods["torch_compiled"] = chunked(torch.compile(sum_loss), chunk_rows)
-    if device.type != "cuda":
-        methods["liger"] = methods["cce"] = "unavailable: needs a CUDA device"
-        return methods
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-        liger = LigerFusedLinearCrossEntropyLoss()
-        methods["liger"] = lambda h, weight, labels: liger(weight, h, labels)
-    except ImportError as error:
-        methods["liger"] = f"unavailable: {error}"
-    try:
-        from cut_cross_entropy import linear_cross_entropy
-        methods["cce"] = lambda h, weight, labels: linear_cross_entropy(h, weight, labels)
-    except ImportError as error:
-        methods["cce"] = f"unavailable: {error}"
     return methods
 
 
-def measure_peer(fn, hidden, weight, labels, timer, args, device):
-    def call():
-        return loss_and_grads(fn, hidden, weight, labels)
+# --------------------------------------------------------------------------------------------
+# Measuring.
 
+class Clock:
+    """Times one call: (device seconds from CUDA events on a GPU, else the host's; wall seconds)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def __call__(self, fn):
+        self.sync()
+        begin = time.perf_counter()
+        if not self.cuda:
+            result = fn()
+            wall = time.perf_counter() - begin
+            return wall, wall, result
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+        end.synchronize()
+        wall = time.perf_counter() - begin
+        return start.elapsed_time(end) / 1000.0, wall, result
+
+
+def one_call(loss_fn, hidden, weight, labels, pass_name):
+    """(loss, dL/dh or None) of one call; with fwd_bwd, dL/dW accumulates into weight.grad."""
+    if pass_name == "fwd":
+        with torch.no_grad():
+            return loss_fn(hidden, weight, labels).detach().float(), None
+    h = hidden.detach().requires_grad_()
+    loss = loss_fn(h, weight, labels)
+    loss.backward()
+    return loss.detach().float(), h.grad
+
+
+def spread(device_seconds, wall_seconds):
+    return {"seconds": statistics.median(device_seconds), "min_seconds": min(device_seconds),
+            "max_seconds": max(device_seconds), "wall_seconds": statistics.median(wall_seconds),
+            "reps": len(device_seconds)}
+
+
+def measure_peer(loss_fn, hidden, weight, labels, pass_name, clock, args, device):
+    def call():
+        return one_call(loss_fn, hidden, weight, labels, pass_name)
+
+    first_call = None
     for _ in range(args.warmup):
-        call()
+        _, wall, _ = clock(call)
+        first_call = wall if first_call is None else first_call
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-    seconds = [timer(call) for _ in range(args.reps)]
-    result = {"seconds": statistics.median(seconds), "reps": args.reps}
+    device_seconds, wall_seconds = [], []
+    for _ in range(args.reps):
+        seconds, wall, _ = clock(call)
+        device_seconds.append(seconds)
+        wall_seconds.append(wall)
+    result = spread(device_seconds, wall_seconds)
+    if first_call is not None:
+        result["first_call_seconds"] = first_call
     if device.type == "cuda":
         result["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - before
     # One more call for the outputs to compare: keeping a timed call's would hold its dL/dh
@@ -160,24 +240,44 @@ def measure_peer(fn, hidden, weight, labels, timer, args, device):
     return result
 
 
-def measure_engine(n, h, v, args):
+def failure(error):
+    """The record of a method that raised: out of memory, or the error's type and first line."""
+    if isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower():
+        return {"error": OUT_OF_MEMORY}
+    lines = str(error).strip().splitlines()
+    return {"error": f"failed: {type(error).__name__}: {lines[0] if lines else ''}"[:300]}
+
+
+def measure_engine(n, h, v, budget_mib, args):
+    """{pass name: result} from one engine_bench process, or {pass name: {"error": ...}}."""
     argv = [args.engine_bench, f"--device={args.device}", f"--dtype={args.dtype}",
-            "--methods=engine", "--passes=fwd_bwd", f"--shapes={n},{h},{v}",
-            f"--reps={args.reps}", f"--budget-mib={args.budget_mib}"]
-    done = subprocess.run(argv, capture_output=True, text=True)
+            "--methods=engine", f"--passes={','.join(PASSES)}", f"--shapes={n},{h},{v}",
+            f"--reps={args.reps}", "--rep-seconds=600", "--warmup-tokens=0",
+            f"--budget-mib={budget_mib}"]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=args.engine_timeout)
+    except subprocess.TimeoutExpired:
+        return {p: {"error": f"failed: engine_bench ran past {args.engine_timeout} s"}
+                for p in PASSES}
     if done.returncode != 0:
-        return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]}
-    row = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"seconds": row["seconds"], "reps": row["reps"],
-            "peak_extra_bytes": row["peak_extra_bytes"],
-            "chunk": row.get("chunk"), "device": row["machine"].get("device")}
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        return {p: {"error": f"failed: {last}"[:300]} for p in PASSES}
+    results = {}
+    for line in done.stdout.splitlines():
+        row = json.loads(line)
+        pass_name = row["method"].removeprefix("engine_")
+        rounds = row["round_seconds"]
+        # The host's clock around calls that end synchronized: device and wall time alike.
+        results[pass_name] = dict(spread(rounds, rounds), peak_extra_bytes=row["peak_extra_bytes"],
+                                  chunk=row.get("chunk"), backend=row["machine"].get("device"))
+    return results
 
 
 def relative(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def bench_shape(n, h, v, args, device, record):
+def bench_shape(n, h, v, args, device, record, started):
     dtype = TORCH_DTYPES[args.dtype]
     generator = torch.Generator(device="cpu").manual_seed(n * 1000003 + v)
     hidden = torch.randn(n, h, generator=generator).to(device, dtype)
@@ -186,101 +286,182 @@ def bench_shape(n, h, v, args, device, record):
     weight.requires_grad_()
     weight.grad = torch.zeros_like(weight)
     labels = torch.randint(0, v, (n,), generator=generator).to(device)
-    timer = Timer(device)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (torch)"
-    flops = 6.0 * n * h * v
-    results = {}
-    for method, fn in peer_methods(device, args.chunk_rows).items():
-        if isinstance(fn, str):
-            results[method] = {"error": fn}
-            continue
-        try:
-            results[method] = measure_peer(fn, hidden, weight, labels, timer, args, device)
-        except torch.cuda.OutOfMemoryError:
-            results[method] = {"error": "out of memory"}
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    clock = Clock(device)
+    kept = {}  # pass -> the floor's and torch_naive's results, which later methods compare with
+
+    def finish(method, pass_name, result):
+        """Records a result as soon as it is measured, so that a run cut short keeps it."""
+        reference = kept.get(("torch_naive", pass_name), {})
+        floor_s = kept.get(("floor", pass_name), {}).get("seconds")
+        entry = {"n": n, "h": h, "v": v, "dtype": args.dtype, "pass": pass_name,
+                 "method": method, "device": result.pop("backend", None) or device_name}
+        loss, grad = result.pop("loss", None), result.pop("grad_hidden", None)
+        if loss is not None and "loss" in reference:
+            entry["loss_rel_diff"] = relative(loss, reference["loss"])
+            if grad is not None:
+                entry["grad_hidden_rel_diff"] = relative(grad, reference["grad_hidden"])
+        entry.update(result)
+        if "seconds" in result:
+            entry["tflops"] = useful_flops(n, h, v, pass_name) / result["seconds"] / 1e12
+            if floor_s:
+                entry["ratio_to_floor"] = result["seconds"] / floor_s
+        if method in ("floor", "torch_naive"):
+            kept[method, pass_name] = dict(result, loss=loss, grad_hidden=grad)
+        record(entry)
+
+    for method, loss_fn in peer_methods(device, args.chunk_rows).items():
+        for pass_name in args.passes:
+            if isinstance(loss_fn, str):
+                finish(method, pass_name, {"error": loss_fn})
+                continue
+            if time.monotonic() - started > args.deadline_seconds:
+                finish(method, pass_name,
+                       {"error": f"skipped: the run's {args.deadline_seconds:g} s were spent"})
+                continue
+            print(f"gpu_peers: {n},{h},{v} {method} {pass_name}", file=sys.stderr, flush=True)
+            try:
+                result = measure_peer(loss_fn, hidden, weight, labels, pass_name, clock, args,
+                                      device)
+            except Exception as error:  # recorded, and the next method runs
+                result = failure(error)
+            finish(method, pass_name, result)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+    # The engine makes inputs of its own: only the floor's time stays for its rows.
+    for result in kept.values():
+        result.pop("loss", None)
+        result.pop("grad_hidden", None)
     del hidden, weight, labels
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    results["engine"] = measure_engine(n, h, v, args)
-
-    reference = dict(results.get("torch_naive", {}))
-    floor_s = results.get("floor", {}).get("seconds")
-    naive_s = reference.get("seconds")
-    for method, result in results.items():
-        entry = {"n": n, "h": h, "v": v, "dtype": args.dtype, "method": method,
-                 "device": result.pop("device", None) or device_name}
-        loss, grad = result.pop("loss", None), result.pop("grad_hidden", None)
-        if loss is not None and "loss" in reference and method not in ("floor", "torch_naive"):
-            entry["loss_rel_diff"] = relative(loss, reference["loss"])
-            entry["grad_hidden_rel_diff"] = relative(grad, reference["grad_hidden"])
-        entry.update(result)
-        if "seconds" in result:
-            entry["tflops"] = flops / result["seconds"] / 1e12
-            if floor_s:
-                entry["ratio_to_floor"] = result["seconds"] / floor_s
-            if naive_s:
-                entry["ratio_to_torch_naive"] = result["seconds"] / naive_s
-        record(entry)
+    for budget in args.budgets_mib:
+        print(f"gpu_peers: {n},{h},{v} lossd_{budget}MiB", file=sys.stderr, flush=True)
+        for pass_name, result in measure_engine(n, h, v, budget, args).items():
+            if pass_name in args.passes:
+                finish(f"lossd_{budget}MiB", pass_name, result)
 
 
-def markdown(entries):
+# --------------------------------------------------------------------------------------------
+# The report.
+
+def describe_run(device, argv):
+    """What results.md's header says about where and how the run was made."""
+    versions = {"torch": torch.__version__}
+    for package in ("triton", "liger-kernel", "cut-cross-entropy"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = "absent"
+    run = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "command": shlex.join(["bench/gpu_peers.py"] + argv), "versions": versions,
+           "python": sys.version.split()[0]}
+    if device.type == "cuda":
+        run["device"] = torch.cuda.get_device_name()
+        run["cuda"] = torch.version.cuda
+        try:
+            run["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            run["driver"] = "unknown"
+    else:
+        run["device"] = "cpu"
+    return run
+
+
+def markdown(run, entries):
     def cell(entry, key, fmt):
         return fmt.format(entry[key]) if entry.get(key) is not None else "-"
 
-    lines = ["| N, H, V | method | ms | TFLOP/s | x floor | x torch naive | extra GiB "
-             "| loss, dL/dh rel. diff |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for e in entries:
+    versions = ", ".join(f"{name} {version}" for name, version in run["versions"].items())
+    lines = [f"Device: {run['device']}"
+             + (f", driver {run['driver']}, CUDA {run['cuda']}" if "cuda" in run else ""),
+             f"Software: Python {run['python']}, {versions}",
+             f"Date: {run['date']}",
+             f"Command: `{run['command']}`",
+             "",
+             "Device time: median (min to max) of the timed calls, CUDA events for the peers, the "
+             "host's clock for lossd (which includes moving the rows and dL/dh between host and "
+             "GPU); TFLOP/s: useful flops (2NHV fwd, 6NHV fwd_bwd) over the median; extra: peak "
+             "memory above the inputs; diff: loss and dL/dh relative to torch_naive.",
+             "",
+             "| N, H, V | pass | method | device ms | min to max ms | wall ms | TFLOP/s "
+             "| x floor | extra GiB | first call s | loss, dL/dh diff |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    shapes = list(dict.fromkeys((e["n"], e["h"], e["v"]) for e in entries))
+    by_shape_and_pass = sorted(entries, key=lambda e: (shapes.index((e["n"], e["h"], e["v"])),
+                                                      PASSES.index(e["pass"])))
+    for e in by_shape_and_pass:
         shape = f"{e['n']}, {e['h']}, {e['v']}"
         if "error" in e:
-            lines.append(f"| {shape} | {e['method']} | {e['error']} | | | | | |")
+            lines.append(f"| {shape} | {e['pass']} | {e['method']} | {e['error']} "
+                         "| | | | | | | |")
             continue
-        diff = (f"{e['loss_rel_diff']:.1e}, {e['grad_hidden_rel_diff']:.1e}"
-                if "loss_rel_diff" in e else "-")
+        diff = "-"
+        if "loss_rel_diff" in e:
+            diff = f"{e['loss_rel_diff']:.1e}"
+            if "grad_hidden_rel_diff" in e:
+                diff += f", {e['grad_hidden_rel_diff']:.1e}"
         extra = f"{e['peak_extra_bytes'] / GIB:.2f}" if "peak_extra_bytes" in e else "-"
-        lines.append(f"| {shape} | {e['method']} | {e['seconds'] * 1e3:.1f} | "
-                     f"{cell(e, 'tflops', '{:.3g}')} | {cell(e, 'ratio_to_floor', '{:.2f}')} | "
-                     f"{cell(e, 'ratio_to_torch_naive', '{:.2f}')} | "
-                     f"{extra} | {diff} |")
+        lines.append(
+            f"| {shape} | {e['pass']} | {e['method']} | {e['seconds'] * 1e3:.1f} | "
+            f"{e['min_seconds'] * 1e3:.1f} to {e['max_seconds'] * 1e3:.1f} | "
+            f"{e['wall_seconds'] * 1e3:.1f} | {cell(e, 'tflops', '{:.3g}')} | "
+            f"{cell(e, 'ratio_to_floor', '{:.2f}')} | {extra} | "
+            f"{cell(e, 'first_call_seconds', '{:.1f}')} | {diff} |")
     return "\n".join(lines) + "\n"
 
 
-def main():
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="N,H,V;N,H,V;...")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu, for testing")
     parser.add_argument("--dtype", default="bf16", choices=sorted(TORCH_DTYPES))
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--passes", default=",".join(PASSES),
+                        help="fwd_bwd, fwd or both (default both), comma-separated")
+    parser.add_argument("--reps", type=int, default=5, help="timed calls per method and pass")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls first, real shape")
     parser.add_argument("--chunk-rows", type=int, default=4096,
                         help="token chunk of torch_chunked and torch_compiled")
-    parser.add_argument("--budget-mib", type=int, default=1024, help="lossd's workspace budget")
+    parser.add_argument("--budgets-mib", default="256,1024,8192",
+                        help="lossd's workspace budgets, one engine row each")
+    parser.add_argument("--deadline-seconds", type=float, default=float("inf"),
+                        help="skip the peers whose turn comes later than this into the run")
+    parser.add_argument("--engine-timeout", type=float, default=180.0,
+                        help="seconds one engine_bench process may take")
     parser.add_argument("--engine-bench",
                         default=os.path.join(REPO, "build", "bin", "engine_bench"))
     parser.add_argument("--out", required=True, help="folder for results.jsonl and results.md")
-    args = parser.parse_args()
-    if args.reps < 1 or args.warmup < 0 or args.chunk_rows < 1 or args.budget_mib < 1:
-        raise SystemExit("--reps, --chunk-rows and --budget-mib: expected >= 1; --warmup: >= 0")
+    args = parser.parse_args(argv)
+    if args.reps < 1 or args.warmup < 0 or args.chunk_rows < 1:
+        raise SystemExit("--reps and --chunk-rows: expected >= 1; --warmup: >= 0")
+    args.passes = [p for p in args.passes.split(",") if p]
+    if not args.passes or any(p not in PASSES for p in args.passes):
+        raise SystemExit(f"--passes: expected fwd_bwd, fwd or both, got '{','.join(args.passes)}'")
+    args.budgets_mib = parse_budgets(args.budgets_mib)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     shapes = parse_shapes(args.shapes)
     os.makedirs(args.out, exist_ok=True)
+    run = describe_run(device, argv)
+    started = time.monotonic()
     entries = []
     with open(os.path.join(args.out, "results.jsonl"), "w") as jsonl:
         def record(entry):
             entries.append(entry)
             jsonl.write(json.dumps(entry) + "\n")
             jsonl.flush()
-            print(json.dumps(entry), flush=True)
 
         for n, h, v in shapes:
-            bench_shape(n, h, v, args, device, record)
+            bench_shape(n, h, v, args, device, record, started)
+    report = markdown(run, entries)
     with open(os.path.join(args.out, "results.md"), "w") as md:
-        md.write(markdown(entries))
-    sys.stdout.write(markdown(entries))
+        md.write(report)
+    sys.stdout.write(report)
 
 
 if __name__ == "__main__":

@@ -1,39 +1,126 @@
-"""bench/gpu_peers.py run on the CPU with small shapes: every method is reported, the chunked
-torch peer agrees with the naive one, and the engine's row comes from engine_bench."""
+"""bench/gpu_peers.py run on the CPU with small shapes: every method is reported for both passes,
+the chunked torch peer agrees with the naive one, the engine's rows come from engine_bench, and a
+peer that fails, runs out of memory or comes after the deadline is recorded as such while the
+others, the engine included, are still timed."""
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import gpu_peers  # noqa: E402
+
+PEERS = {"floor", "torch_naive", "torch_chunked", "torch_compiled", "torch_lce", "liger", "cce"}
 
 
-def test_cpu_run_reports_every_method(tmp_path):
-    # N = 300 with 128-row chunks: three chunks, the last partial; N = 1: one row.
-    subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_peers.py"), "--device=cpu",
-                    "--dtype=fp32", "--shapes=300,64,1000;1,32,517", "--chunk-rows=128",
-                    "--budget-mib=1", "--reps=1", "--warmup=1",
-                    f"--engine-bench={os.environ['ENGINE_BENCH_BIN']}", f"--out={tmp_path}"],
+def cpu_argv(out, shapes="300,64,1000", budgets="1,2", extra=()):
+    # N = 300 with 128-row chunks: three chunks, the last partial; budgets of 1 and 2 MiB: two
+    # engine rows per pass, several token chunks each.
+    return ["--device=cpu", "--dtype=fp32", f"--shapes={shapes}", "--chunk-rows=128",
+            f"--budgets-mib={budgets}", "--reps=2", "--warmup=1",
+            f"--engine-bench={os.environ['ENGINE_BENCH_BIN']}", f"--out={out}", *extra]
+
+
+def read_entries(out):
+    return [json.loads(line) for line in open(out / "results.jsonl")]
+
+
+def test_cpu_run_reports_every_method_for_both_passes(tmp_path):
+    # N = 1: one row.
+    subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_peers.py"),
+                    *cpu_argv(tmp_path, shapes="300,64,1000;1,32,517")],
                    check=True, capture_output=True)
-    entries = [json.loads(line) for line in open(tmp_path / "results.jsonl")]
+    entries = read_entries(tmp_path)
     for n in (300, 1):
-        rows = {e["method"]: e for e in entries if e["n"] == n}
-        assert set(rows) == {"floor", "torch_naive", "torch_chunked", "torch_compiled", "liger",
-                             "cce", "engine"}
-        for method in ("floor", "torch_naive", "torch_chunked", "engine"):
-            assert rows[method]["seconds"] > 0, method
-            assert rows[method]["ratio_to_torch_naive"] > 0, method
-        assert rows["torch_naive"]["ratio_to_floor"] > 0
-        assert rows["torch_chunked"]["loss_rel_diff"] < 1e-6
-        assert rows["torch_chunked"]["grad_hidden_rel_diff"] < 1e-5
-        assert rows["engine"]["peak_extra_bytes"] <= 1 << 20
-        assert rows["liger"]["error"] == "unavailable: needs a CUDA device"
-    assert "| 300, 64, 1000 | torch_chunked |" in (tmp_path / "results.md").read_text()
+        for pass_name in ("fwd_bwd", "fwd"):
+            rows = {e["method"]: e for e in entries if e["n"] == n and e["pass"] == pass_name}
+            assert set(rows) == PEERS | {"lossd_1MiB", "lossd_2MiB"}
+            for method in ("floor", "torch_naive", "torch_chunked", "lossd_1MiB", "lossd_2MiB"):
+                row = rows[method]
+                assert row["min_seconds"] <= row["seconds"] <= row["max_seconds"], method
+                assert row["wall_seconds"] > 0 and row["reps"] == 2, method
+                assert row["tflops"] > 0, method
+            assert rows["torch_naive"]["ratio_to_floor"] > 0
+            assert rows["torch_chunked"]["loss_rel_diff"] < 1e-6
+            if pass_name == "fwd_bwd":
+                assert rows["torch_chunked"]["grad_hidden_rel_diff"] < 1e-5
+            else:
+                assert "grad_hidden_rel_diff" not in rows["torch_chunked"]
+            assert rows["lossd_1MiB"]["peak_extra_bytes"] <= 1 << 20
+            assert rows["lossd_2MiB"]["peak_extra_bytes"] <= 2 << 20
+            assert rows["liger"]["error"] == "unavailable: needs a CUDA device"
+            if not hasattr(torch, "compile"):
+                assert rows["torch_compiled"]["error"].startswith("unavailable: torch ")
+    report = (tmp_path / "results.md").read_text()
+    assert "| 300, 64, 1000 | fwd_bwd | torch_chunked |" in report
+    assert "| 1, 32, 517 | fwd | lossd_2MiB |" in report
+    assert report.startswith("Device: cpu\n")
+    assert "Command: `bench/gpu_peers.py --device=cpu" in report
 
 
-def test_bad_shape_is_named(tmp_path):
+def test_failing_peers_are_recorded_and_the_others_and_the_engine_still_run(tmp_path,
+                                                                            monkeypatch):
+    real_methods = gpu_peers.peer_methods
+
+    def with_failing_peers(device, chunk_rows):
+        methods = real_methods(device, chunk_rows)
+        calls = {"n": 0}
+
+        def fails_on_its_second_call(h, weight, labels):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise ValueError("kernel launch failed\nsecond line of the message")
+            return gpu_peers.naive_loss(h, weight, labels)
+
+        def out_of_memory(h, weight, labels):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64 GiB")
+
+        # Before torch_chunked, so that the methods after them must still run.
+        ordered = {"floor": methods.pop("floor"), "torch_naive": methods.pop("torch_naive"),
+                   "flaky": fails_on_its_second_call, "greedy": out_of_memory}
+        ordered.update(methods)
+        return ordered
+
+    monkeypatch.setattr(gpu_peers, "peer_methods", with_failing_peers)
+    gpu_peers.main(cpu_argv(tmp_path, budgets="1", extra=["--passes=fwd_bwd"]))
+    rows = {e["method"]: e for e in read_entries(tmp_path)}
+    assert rows["flaky"]["error"] == "failed: ValueError: kernel launch failed"
+    assert rows["greedy"]["error"] == "out of memory"
+    assert rows["torch_chunked"]["seconds"] > 0
+    assert rows["lossd_1MiB"]["seconds"] > 0
+    assert "| flaky | failed: ValueError: kernel launch failed |" in (
+        tmp_path / "results.md").read_text()
+
+
+def test_peers_past_the_deadline_are_skipped_but_the_engine_is_timed(tmp_path):
+    gpu_peers.main(cpu_argv(tmp_path, budgets="1", extra=["--deadline-seconds=0"]))
+    for row in read_entries(tmp_path):
+        if row["method"] == "lossd_1MiB":
+            assert row["seconds"] > 0
+        elif row["method"] in ("floor", "torch_naive", "torch_chunked"):
+            assert row["error"] == "skipped: the run's 0 s were spent"
+
+
+def test_an_engine_that_fails_is_recorded(tmp_path):
+    gpu_peers.main(cpu_argv(tmp_path, budgets="1", extra=["--passes=fwd",
+                                                          "--engine-bench=/bin/false"]))
+    rows = {e["method"]: e for e in read_entries(tmp_path)}
+    assert rows["lossd_1MiB"]["error"] == "failed: exit status 1"
+    assert rows["torch_naive"]["seconds"] > 0
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--shapes=300,64", "--shapes: expected positive N,H,V triples separated by ';', got '300,64'"),
+    ("--budgets-mib=1,x", "--budgets-mib: expected positive integers separated by ',', got '1,x'"),
+    ("--passes=bwd", "--passes: expected fwd_bwd, fwd or both, got 'bwd'"),
+])
+def test_bad_flags_are_named(tmp_path, flag, message):
     done = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_peers.py"),
-                           "--device=cpu", "--shapes=300,64", f"--out={tmp_path}"],
+                           "--device=cpu", flag, f"--out={tmp_path}"],
                           capture_output=True, text=True)
     assert done.returncode != 0
-    assert "--shapes: expected positive N,H,V triples separated by ';', got '300,64'" in done.stderr
+    assert message in done.stderr
