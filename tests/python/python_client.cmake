@@ -33,3 +33,11 @@ set_tests_properties(python_client python_objectives python_rl_example python_tr
 # Two trainings of a small transformer: about 30 s on a quiet 2-core machine, several times that
 # when the machine is shared.
 set_tests_properties(python_training_example PROPERTIES TIMEOUT 900)
+
+# The GPU round's service step (bench/gpu_service.py) on the CPU: the server, lossctl and the
+# Python client over messages and shared memory beside the engine in-process.
+add_test(NAME gpu_service_cpu
+  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/../gpu_service_test.py)
+set_tests_properties(gpu_service_cpu PROPERTIES
+  ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;LOSSCTL_BIN=$<TARGET_FILE:lossctl>;ENGINE_BENCH_BIN=$<TARGET_FILE:engine_bench>;LOSSD_PYTHON_DIR=${LOSSD_PYTHON_DIR};OMP_NUM_THREADS=2"
+  TIMEOUT 120)
