@@ -29,3 +29,8 @@ set_tests_properties(gpu_peers_cpu PROPERTIES
 add_test(NAME peers_report
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/peers_report_test.py)
 set_tests_properties(peers_report PROPERTIES TIMEOUT 60)
+
+# scripts/gpu_round.sh's usage and its message when .gpu/ was not carried to the GPU machine.
+add_test(NAME gpu_round_without_gpu_folder
+  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/gpu_round_test.py)
+set_tests_properties(gpu_round_without_gpu_folder PROPERTIES TIMEOUT 60)
