@@ -8,7 +8,8 @@ Every call is a training call: N rows of hidden states in --dtype, dL/dh returne
 dtype, dL/dW accumulated on the server. For each way of calling: the median seconds per call, that
 over the engine's in-process median, and the tensors' GB/s each way (rows in, dL/dh out, however
 they travelled). The engine's in-process time moves the rows between host and device as the
-server does, but no bytes between processes.
+server does, but no bytes between processes; it returns dL/dh in fp32 (engine_bench's), where the
+calls get it in --dtype, so with bf16 it copies twice the dL/dh bytes back from the device.
 
 Writes results.jsonl, results.md and the server's log to --out. scripts/gpu_round.sh service runs
 it on the GPU machine; `--device cpu` with a small --shape runs the same code anywhere, for
@@ -164,7 +165,8 @@ def markdown(args, shape, engine, rows, server_exit):
     lines = [f"Service at N, H, V = {n}, {h}, {v} in {args.dtype} on {args.device} "
              f"({engine.get('backend', 'engine unavailable')}), workspace budget "
              f"{args.budget_mib} MiB, one stream, {args.calls} timed calls after {args.warmup}; "
-             f"the server exited with status {server_exit} after SIGTERM.",
+             f"the server exited with status {server_exit} after SIGTERM. The engine in-process "
+             "returns dL/dh in fp32, the calls in their rows' dtype.",
              "",
              "| client | transport | s per call | x in-process | rows in GB/s | dL/dh out GB/s "
              "| server compute s |",
