@@ -262,6 +262,9 @@ sanitize() {
   fi
   local summary_line
   summary_line="$(grep -m 1 'ERROR SUMMARY' "$logs/$tool.log" | sed 's/^========= //')"
+  if grep -q "Device not supported" "$logs/$tool.log"; then
+    summary_line="compute-sanitizer does not support this device (seen on gVisor machines)"
+  fi
   record "$tool" "$result" "${summary_line:-no summary}; in lossd's kernels or host calls: $ours, in others: $theirs; ${took} s"
 }
 
