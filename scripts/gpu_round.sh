@@ -6,7 +6,7 @@
 #
 # Runbook
 #   1. Here (Debian 12 with the CUDA toolkit):  scripts/gpu_pack.sh
-#      It builds for Hopper (sm_90) and fills .gpu/ (about 25 MiB; git ignores it).
+#      It builds for Hopper (sm_90) and fills .gpu/ (about 21 MiB; git ignores it).
 #   2. On the GPU machine, from the repository root, three commands, each carrying the ignored
 #      folder .gpu (the machine's tool: carry [".gpu"]; without it a step stops at once), each
 #      under 8 minutes and complete on its own:
