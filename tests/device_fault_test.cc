@@ -118,29 +118,10 @@ class DeviceFaultTest : public ::testing::TestWithParam<FaultCase> {
     ASSERT_EQ(fault_device(0, error, sizeof error), 1) << "no sticky error after the kernel: " << error;
   }
 
-  v1::ComputeStart TrainingStart(int64_t rows) {
-    std::uniform_int_distribution<int64_t> token(0, kVocab - 1);
-    v1::ComputeStart start;
-    start.set_head(kHead);
-    start.set_num_tokens(rows);
-    start.set_hidden_size(kHidden);
-    start.set_hidden_dtype(v1::DTYPE_FLOAT32);
-    for (int64_t i = 0; i < rows; ++i) start.add_labels(token(rng_));
-    start.mutable_outputs()->set_token_loss(true);
-    start.mutable_outputs()->set_grad_hidden(true);
-    start.mutable_outputs()->set_accumulate_grad_weight(true);
-    return start;
-  }
-
-  std::string RandomRows(int64_t rows) {
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    std::vector<float> hidden(rows * kHidden);
-    for (float& x : hidden) x = normal(rng_);
-    return FloatBytes(hidden);
-  }
-
   ComputeOutcome Train(int64_t rows) {
-    return CallCompute(*stub_, TrainingStart(rows), RandomRows(rows), /*rows_per_message=*/64);
+    const Batch batch = RandomBatch(rows, kVocab, kHidden, rng_);
+    return CallCompute(*stub_, StartFor(kHead, batch, kHidden, /*training=*/true),
+                       FloatBytes(batch.hidden), /*rows_per_message=*/64);
   }
 
   void ExpectRefusalNamingTheFault(const grpc::Status& status) {
@@ -191,12 +172,13 @@ TEST_P(DeviceFaultTest, EveryCallAfterTheFaultIsRefusedAndHealthIsNotServing) {
 // too, it gets its own status, and the server has nothing left to wait for.
 TEST_P(DeviceFaultTest, ACallInFlightGetsTheFaultAndTheServerDrains) {
   constexpr int64_t kRows = 600;  // several engine chunks under the 1 MiB workspace budget
+  const Batch batch = RandomBatch(kRows, kVocab, kHidden, rng_);
   grpc::ClientContext context;
   auto in_flight = stub_->Compute(&context);
   v1::ComputeRequest request;
-  *request.mutable_start() = TrainingStart(kRows);
+  *request.mutable_start() = StartFor(kHead, batch, kHidden, /*training=*/true);
   ASSERT_TRUE(in_flight->Write(request));
-  const std::string rows = RandomRows(kRows);
+  const std::string rows = FloatBytes(batch.hidden);
   const size_t half = rows.size() / 2;
   request.mutable_chunk()->set_hidden(rows.substr(0, half));
   ASSERT_TRUE(in_flight->Write(request));
