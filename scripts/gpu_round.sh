@@ -324,10 +324,12 @@ tests_step() {
   grep -h '^N=4096' "$logs/scale.log" 2>/dev/null | sed 's/^/       /' | tee -a "$summary"
   # Every kernel and path, on the small cases: fp32 and bf16 products, fp16 hidden states, slabs
   # of a 16-bit head, vocabulary tiles, top-k up to its maximum over 128k columns, dL/dh in bf16,
-  # scoring, buffer arithmetic and optimizer steps, repeated calls.
+  # scoring, a policy objective with the entropy bonus, buffer arithmetic and optimizer steps,
+  # repeated calls.
   local cases='*cuda_basic:*cuda_vocab_tiled:*cuda_large_vocab:*cuda_bf16_inputs'
   cases+=':*cuda_bf16_head_in_slabs:*cuda_fp16_hidden_fp32_head:*cuda_top_k_max'
   cases+=':*cuda_everything_tiled:*cuda_bf16_scoring_tiled:*cuda_bf16_grad_hidden'
+  cases+=':*cuda_ppo_entropy_tiled:*cuda_ppo_bf16'
   cases+=':*BufferArithmetic*/cuda:*IdenticalCalls*/cuda'
   sanitize memcheck 100 "$cases"
   # Shared memory and barriers: lossd's kernels only (--kernel-name kns=lossd), since cuBLAS's
