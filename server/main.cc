@@ -11,6 +11,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/time/time.h"
+#include "lossd/common/version.h"
 #include "server/server.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
@@ -60,12 +61,14 @@ ABSL_FLAG(int, drain_seconds, 30, "on SIGTERM, how long in-flight calls may run 
 constexpr int kExitDeviceFault = 3;
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("lossd_server: linear cross-entropy as a service.\n"
+  // Abseil prints this after "lossd_server: ".
+  absl::SetProgramUsageMessage("linear cross-entropy as a service.\n"
                                "  lossd_server --heads=main=model.safetensors --device=cuda");
   // Abseil lists under --help only flags defined in a file named after the program; ours live here.
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "main.cc"); };
   usage.contains_helpshort_flags = usage.contains_help_flags;
+  usage.version_string = [] { return std::string("lossd_server ") + lossd::kVersion + "\n"; };
   absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
 

@@ -28,6 +28,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "lossd/common/status_macros.h"
+#include "lossd/common/version.h"
 #include "server/storage/checkpoint.h"
 #include "server/storage/safetensors.h"
 
@@ -342,7 +343,7 @@ std::vector<GaugeSample> LossServer::ReadState() const {
                        {{"head", s.name}}, static_cast<double>(s.accumulated_tokens)});
   }
   samples.push_back({"lossd_build_info", "Constant 1, labelled with the version and backend.",
-                     {{"version", "0.1.0"}, {"backend", std::string(backend_->kind())}}, 1.0});
+                     {{"version", kVersion}, {"backend", std::string(backend_->kind())}}, 1.0});
   return samples;
 }
 

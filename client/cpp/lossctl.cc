@@ -37,6 +37,7 @@
 #include "client/cpp/npy.h"
 #include "lossd/common/counter_random.h"
 #include "lossd/common/status_macros.h"
+#include "lossd/common/version.h"
 #include "lossd/client/client.h"
 #include "nlohmann/json.hpp"
 #include "server/storage/safetensors.h"
@@ -981,8 +982,8 @@ void PrintMainHelp(std::FILE* out) {
   absl::FPrintF(out, "\nGlobal flags (before or after the subcommand):\n");
   PrintFlagHelp(out, GlobalFlags());
   absl::FPrintF(out,
-                "\n`lossctl SUBCOMMAND --help` describes a subcommand's flags. Exit codes: 0 success, 1 a "
-                "failed call or file, 2 a usage error.\n");
+                "\n`lossctl SUBCOMMAND --help` describes a subcommand's flags, `lossctl --version` prints "
+                "the version. Exit codes: 0 success, 1 a failed call or file, 2 a usage error.\n");
 }
 
 void PrintSubcommandHelp(const Subcommand& sub) {
@@ -1008,7 +1009,8 @@ int Main(int argc, char** argv) {
   // Global flags may come before the subcommand; the first other word names it.
   size_t index = 0;
   std::vector<std::string> leading;
-  while (index < args.size() && absl::StartsWith(args[index], "--") && !IsHelpFlag(args[index])) {
+  while (index < args.size() && absl::StartsWith(args[index], "--") && !IsHelpFlag(args[index]) &&
+         args[index] != "--version") {
     leading.push_back(args[index]);
     const auto global = std::find_if(GlobalFlags().begin(), GlobalFlags().end(),
                                      [&](const FlagSpec& spec) { return args[index] == "--" + spec.name; });
@@ -1019,6 +1021,10 @@ int Main(int argc, char** argv) {
   if (index == args.size()) {
     PrintMainHelp(stderr);
     return 2;
+  }
+  if (args[index] == "--version") {
+    absl::PrintF("lossctl %s\n", kVersion);
+    return 0;
   }
   if (IsHelpFlag(args[index]) || args[index] == "help") {
     // `lossctl help SUBCOMMAND` describes that subcommand; plain help lists them all.

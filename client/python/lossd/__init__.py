@@ -5,10 +5,11 @@ torch.nn.Module whose forward returns the loss and whose backward gives dL/dh, w
 gradient and its optimizer state living on the server. lossd.torch is imported on demand so that
 scoring clients need no torch.
 """
+from lossd._version import __version__
 from lossd.client import (CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE, OBJECTIVES, OUTPUT_NAMES,
                           Client, HeadInfo, LossdError, LossResult, RetryPolicy, StepInfo)
 from lossd._tensors import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
-__all__ = ["CLIP_DUAL", "CLIP_HIGH", "CLIP_LOW", "CLIP_NONE", "Client", "HeadInfo", "LossdError",
-           "LossResult", "OBJECTIVES", "OUTPUT_NAMES", "RetryPolicy", "StepInfo",
+__all__ = ["__version__", "CLIP_DUAL", "CLIP_HIGH", "CLIP_LOW", "CLIP_NONE", "Client", "HeadInfo",
+           "LossdError", "LossResult", "OBJECTIVES", "OUTPUT_NAMES", "RetryPolicy", "StepInfo",
            "bfloat16_bits_to_float32", "float32_to_bfloat16_bits"]
