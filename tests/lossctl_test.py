@@ -5,13 +5,15 @@ import re
 import struct
 import subprocess
 import sys
+import urllib.request
 
 import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "python"))
-from server_process import ServerProcess  # noqa: E402
+from server_process import SERVER_BIN, ServerProcess  # noqa: E402
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSSCTL = os.environ.get("LOSSCTL_BIN", "build/bin/lossctl")
 VOCAB, HIDDEN = 1000, 64
 SUBCOMMANDS = ["heads", "head", "compute", "fetch-grad", "fetch-weight", "zero-grad", "step", "save",
@@ -209,3 +211,25 @@ def test_tls_and_bearer_token(tmp_path):
         lossctl("compute", "--synthetic=8", f"--tls_ca_file={cert}", f"--token_file={token}", server=secured)
         err = lossctl("heads", f"--tls_ca_file={cert}", server=secured, expect=1).stderr
         assert "UNAUTHENTICATED" in err, err
+
+
+def test_one_version_everywhere(tmp_path):
+    """VERSION is the one source: lossctl, lossd_server and its lossd_build_info say the same."""
+    with open(os.path.join(REPO, "VERSION"), encoding="utf-8") as f:
+        version = f.read().strip()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version), version
+    assert lossctl("--version").stdout == f"lossctl {version}\n"
+    server_version = subprocess.run([SERVER_BIN, "--version"], capture_output=True, text=True,
+                                    timeout=30)
+    assert server_version.stdout == f"lossd_server {version}\n", server_version
+    with ServerProcess("--device=cpu", "--demo_vocab_size=16", "--demo_hidden_size=8") as s:
+        with urllib.request.urlopen(f"http://127.0.0.1:{s.metrics_port}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+    assert re.search(rf'^lossd_build_info\{{[^}}]*version="{re.escape(version)}"', metrics, re.M), \
+        metrics
+
+
+def test_server_help_names_the_program_once():
+    done = subprocess.run([SERVER_BIN, "--help"], capture_output=True, text=True, timeout=30)
+    first_line = (done.stdout + done.stderr).splitlines()[0]
+    assert first_line == "lossd_server: linear cross-entropy as a service.", first_line

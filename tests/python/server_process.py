@@ -91,8 +91,8 @@ def generate_stubs(proto_root, out_dir):
 
 def ensure_python_client():
     """Makes `import lossd` give the Python client: the build tree's package when PYTHONPATH
-    holds it (CMake's lossd_python target), else a copy of client/python/lossd with stubs
-    generated in a temporary directory."""
+    holds it (CMake's lossd_python target), else a copy of client/python/lossd with stubs and
+    lossd/_version.py generated in a temporary directory."""
     try:
         import lossd.v1.lossd_pb2_grpc  # noqa: F401
         import lossd.client  # noqa: F401
@@ -104,4 +104,8 @@ def ensure_python_client():
     out_dir = tempfile.mkdtemp(prefix="lossd-python-")
     atexit.register(shutil.rmtree, out_dir, True)
     shutil.copytree(os.path.join(repo, "client", "python", "lossd"), os.path.join(out_dir, "lossd"))
+    with open(os.path.join(repo, "VERSION"), encoding="utf-8") as f:
+        version = f.read().strip()
+    with open(os.path.join(out_dir, "lossd", "_version.py"), "w", encoding="utf-8") as f:
+        f.write(f'__version__ = "{version}"\n')
     generate_stubs(os.path.join(repo, "proto"), out_dir)
