@@ -338,7 +338,7 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 }
 
 absl::Status ValidateChannelOptions(const ChannelOptions& options) {
-  if (options.address.empty()) return InvalidField("address", "HOST:PORT", "an empty string");
+  RETURN_IF_ERROR(CheckServerAddress(options.address, "address"));
   if (options.max_message_bytes < kMinMessageBytes || options.max_message_bytes > INT_MAX) {
     return InvalidField("max_message_bytes", absl::StrCat("a size in [", kMinMessageBytes, ", ", INT_MAX, "]"),
                         absl::StrCat(options.max_message_bytes));

@@ -152,7 +152,8 @@ class Flags {
 
 const std::vector<FlagSpec>& GlobalFlags() {
   static const auto* flags = new std::vector<FlagSpec>{
-      {"server", FlagKind::kString, "127.0.0.1:50051", "lossd server address, HOST:PORT"},
+      {"server", FlagKind::kString, "127.0.0.1:50051",
+       "lossd server: HOST:PORT, or a gRPC target such as dns:///HOST:PORT or unix:PATH"},
       {"token_file", FlagKind::kString, "", "file whose first line is the server's bearer token"},
       {"tls_ca_file", FlagKind::kString, "", "PEM root certificates; turns TLS on"},
       {"max_message_mib", FlagKind::kInt, "256", "largest gRPC message sent or received, in MiB"},
@@ -178,6 +179,9 @@ absl::StatusOr<std::string> ReadTextFile(const std::string& path, absl::string_v
 absl::StatusOr<Client> ConnectFromFlags(const Flags& flags) {
   ChannelOptions options;
   options.address = flags.String("server");
+  if (const absl::Status address = CheckServerAddress(options.address, "--server"); !address.ok()) {
+    return UsageError(address.message());
+  }
   if (!flags.String("token_file").empty()) {
     ASSIGN_OR_RETURN(const std::string text, ReadTextFile(flags.String("token_file"), "token_file"));
     const absl::string_view first_line = absl::string_view(text).substr(0, text.find('\n'));

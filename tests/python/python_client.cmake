@@ -6,7 +6,10 @@ if(NOT TARGET lossd_python)
 endif()
 
 set(LOSSD_PYTHON_TEST_ENVIRONMENT
-  "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;PYTHONPATH=${LOSSD_PYTHON_DIR};OMP_NUM_THREADS=2")
+  "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>"
+  "LOSSCTL_BIN=$<TARGET_FILE:lossctl>"
+  "PYTHONPATH=${LOSSD_PYTHON_DIR}"
+  "OMP_NUM_THREADS=2")
 
 # Loss, dL/dh and dL/dW against torch's float64 F.cross_entropy; scoring, errors, upload, steps.
 add_test(NAME python_client

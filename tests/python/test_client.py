@@ -24,6 +24,7 @@ import lossd  # noqa: E402
 from lossd.torch import RemoteHead  # noqa: E402
 from lossd.v1 import lossd_pb2 as pb  # noqa: E402
 
+LOSSCTL = os.environ.get("LOSSCTL_BIN", "build/bin/lossctl")
 VOCAB, HIDDEN = 3001, 64
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 2e-5
@@ -296,6 +297,57 @@ def test_errors_carry_the_grpc_code_and_the_servers_message(client, head):
         client.compute(head.head, hidden.numpy(), labels.numpy(),
                        head_version=head.info().version + 1)
     assert error.value.code == "FAILED_PRECONDITION"
+
+
+# Addresses both clients refuse before dialing, and what the message must say besides the field.
+BAD_ADDRESSES = [
+    # gRPC would dial port 443, where no lossd listens.
+    ("localhost", 'has no port: lossd listens on 50051 unless its --listen says otherwise, as in '
+                  '"localhost:50051"'),
+    ("[::1]", 'as in "[::1]:50051"'),
+    # gRPC cannot resolve a URL ("Misformatted domain name").
+    ("http://127.0.0.1:50051", 'a URL: gRPC takes no http:// or https:// scheme (root '
+                               'certificates turn TLS on); give "127.0.0.1:50051"'),
+    ("https://lossd.example.com/v1", 'give "lossd.example.com:50051"'),
+    # Which colon starts the port is ambiguous.
+    ("::1", 'an IPv6 address goes in brackets, as in "[::1]:50051"'),
+    # gRPC would take port 0 and fail at the first call.
+    ("127.0.0.1:0", "which is not HOST:PORT with a port in [1, 65535]"),
+    ("127.0.0.1:grpc", "which is not HOST:PORT with a port in [1, 65535]"),
+]
+ADDRESS_EXPECTED = ("expected HOST:PORT or a gRPC target URI (dns:///HOST:PORT, ipv4:ADDR:PORT, "
+                    "unix:PATH), got")
+
+
+@pytest.mark.parametrize("address,says", BAD_ADDRESSES, ids=[a for a, _ in BAD_ADDRESSES])
+def test_bad_addresses_are_refused_alike_by_python_and_lossctl(address, says):
+    with pytest.raises(ValueError) as error:
+        lossd.Client(address)
+    message = str(error.value)
+    assert message.startswith(f'address: {ADDRESS_EXPECTED} "{address}"') and says in message, \
+        message
+    with pytest.raises(ValueError) as error:
+        RemoteHead(address, "demo")
+    assert str(error.value) == message
+    done = subprocess.run([LOSSCTL, f"--server={address}", "heads"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines()[0] == "lossctl heads: --server:" + message[len("address:"):]
+
+
+def test_grpc_target_uris_reach_the_server(server, tmp_path):
+    socket_path = tmp_path / "lossd.sock"
+    with ServerProcess("--device=cpu", "--demo_vocab_size=16", "--demo_hidden_size=8",
+                       f"--listen=unix:{socket_path}", metrics=False) as on_socket:
+        targets = [f"localhost:{server.port}", f"dns:///127.0.0.1:{server.port}",
+                   f"ipv4:127.0.0.1:{server.port}", f"unix:{socket_path}"]
+        for target in targets:
+            with lossd.Client(target, timeout=30) as c:
+                assert c.list_heads(), target
+            done = subprocess.run([LOSSCTL, f"--server={target}", "heads"], capture_output=True,
+                                  text=True, timeout=60)
+            assert done.returncode == 0 and "demo" in done.stdout, done.stdout + done.stderr
+        assert on_socket.process.poll() is None
 
 
 def test_backward_after_a_step_is_refused(head):

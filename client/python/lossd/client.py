@@ -16,7 +16,7 @@ from typing import Callable, Iterable, List, Optional
 import grpc
 import numpy as np
 
-from lossd import _tensors
+from lossd import _address, _tensors
 from lossd.v1 import lossd_pb2 as pb
 from lossd.v1 import lossd_pb2_grpc as pb_grpc
 
@@ -363,17 +363,20 @@ class _SharedBufferPool:
 class Client:
     """A connection to one lossd server.
 
-    address: "host:port". token: the bearer token the server was started with (--token_file).
-    tls_root_cert: PEM bytes, or the path of a PEM file, of the CA that signed the server's
-    certificate; turns TLS on. max_message_bytes bounds every message sent or received (gRPC's own
-    default of 4 MiB is too small for tensors). timeout: seconds each call (each attempt of a
-    compute call) may take, None for no deadline. retry: how compute() retries UNAVAILABLE and
-    DEADLINE_EXCEEDED (a RetryPolicy; RetryPolicy(max_attempts=1) turns it off); the other calls
-    are made once.
+    address: "host:port" (lossd_server listens on 50051 by default), or a gRPC target URI such as
+    "dns:///host:port" or "unix:path"; a host without a port, or a URL such as "http://host:port",
+    is refused with a ValueError that says what to give instead. token: the bearer token the
+    server was started with (--token_file). tls_root_cert: PEM bytes, or the path of a PEM file,
+    of the CA that signed the server's certificate; turns TLS on. max_message_bytes bounds every
+    message sent or received (gRPC's own default of 4 MiB is too small for tensors). timeout:
+    seconds each call (each attempt of a compute call) may take, None for no deadline. retry: how
+    compute() retries UNAVAILABLE and DEADLINE_EXCEEDED (a RetryPolicy;
+    RetryPolicy(max_attempts=1) turns it off); the other calls are made once.
     """
 
     def __init__(self, address, token=None, tls_root_cert=None, max_message_bytes=256 * _MIB,
                  timeout=None, retry=RetryPolicy()):
+        _address.check(address)
         if not isinstance(retry, RetryPolicy):
             raise TypeError(f"retry: expected a lossd.RetryPolicy, got {type(retry).__name__}")
         options = [("grpc.max_send_message_length", max_message_bytes),

@@ -33,6 +33,9 @@
 
 namespace lossd::client {
 
+// The port lossd_server listens on unless its --listen names another.
+inline constexpr int kDefaultServerPort = 50051;
+
 // How Compute retries a call that failed with UNAVAILABLE (no connection, a server shutting down)
 // or DEADLINE_EXCEEDED: the client cannot know whether the server committed such a call, so it
 // sends the same call again, rows and all, under the same call id (ComputeRequest::call_id),
@@ -51,6 +54,7 @@ struct RetryOptions {
 };
 
 struct ChannelOptions {
+  // HOST:PORT, or a gRPC target URI such as dns:///HOST:PORT or unix:PATH (see CheckServerAddress).
   std::string address = "127.0.0.1:50051";
   std::string bearer_token;       // sent as "authorization: Bearer <token>" on every call
   std::string tls_root_cert_pem;  // empty: plaintext; else TLS, trusting these roots
@@ -66,6 +70,12 @@ struct ChannelOptions {
   absl::Duration keepalive_time = absl::Minutes(5);
   absl::Duration keepalive_timeout = absl::Seconds(20);
 };
+
+// An address a channel can be built for: HOST:PORT ([IPV6]:PORT), or a gRPC target URI (dns:,
+// ipv4:, ipv6:, unix:, unix-abstract:, vsock:, xds:), which is left to gRPC. Refused, naming
+// `field`, are a HOST without a port (gRPC would dial port 443, where no lossd listens) and URLs
+// such as http://HOST:PORT (gRPC cannot resolve them), each with the address to give instead.
+absl::Status CheckServerAddress(absl::string_view address, absl::string_view field);
 
 // The one place channels are built: message size limits and keepalive arguments set explicitly,
 // TLS when root certificates are given. Options must have passed ValidateChannelOptions.

@@ -1,0 +1,59 @@
+"""Which server addresses a Client takes: the rules of the C++ client's CheckServerAddress
+(client/cpp/server_address.cc), with the same messages."""
+
+DEFAULT_PORT = 50051  # lossd_server's unless its --listen names another
+
+# The name resolvers gRPC ships: a target that starts with one of these and a colon is a gRPC URI.
+_GRPC_SCHEMES = ("dns", "unix", "unix-abstract", "ipv4", "ipv6", "vsock", "xds", "google-c2p")
+_EXPECTED = "HOST:PORT or a gRPC target URI (dns:///HOST:PORT, ipv4:ADDR:PORT, unix:PATH)"
+
+
+def _is_port(text):
+    return text.isascii() and text.isdigit() and 1 <= int(text) <= 65535
+
+
+def _host_and_port(address):
+    """(whether address is HOST:PORT or [V6]:PORT with a valid port, whether the port is all that
+    is missing)."""
+    if address.startswith("["):
+        close = address.find("]")
+        if close <= 1:
+            return False, False
+        rest = address[close + 1:]
+        if not rest:
+            return False, True
+        return rest[0] == ":" and _is_port(rest[1:]), False
+    host, colon, port = address.partition(":")
+    if not colon:
+        return False, True
+    # Colons after the first: an IPv6 address without brackets, whose port cannot be told apart.
+    return bool(host) and ":" not in port and _is_port(port), False
+
+
+def check(address, field="address"):
+    """Raises ValueError, naming field, for a HOST without a port (gRPC would dial port 443, where
+    no lossd listens) and for URLs such as http://HOST:PORT (gRPC cannot resolve them), with the
+    address to give instead. HOST:PORT, [IPV6]:PORT and gRPC target URIs (dns:, ipv4:, ipv6:,
+    unix:, unix-abstract:, vsock:, xds:) pass, the URIs left to gRPC."""
+    if not isinstance(address, str) or not address:
+        got = "an empty string" if address == "" else f"{type(address).__name__} {address!r}"
+        raise ValueError(f"{field}: expected {_EXPECTED}, got {got}")
+    scheme, colon, _ = address.partition(":")
+    if colon and scheme.lower() in _GRPC_SCHEMES:
+        return
+    prefix = f'{field}: expected {_EXPECTED}, got "{address}"'
+    separator = address.find("://")
+    if separator >= 0:
+        authority = address[separator + 3:].split("/", 1)[0]
+        suggestion = authority if _host_and_port(authority)[0] else f"{authority}:{DEFAULT_PORT}"
+        raise ValueError(f"{prefix}, a URL: gRPC takes no http:// or https:// scheme (root "
+                         f'certificates turn TLS on); give "{suggestion}"')
+    valid, port_missing = _host_and_port(address)
+    if valid:
+        return
+    if port_missing:
+        raise ValueError(f"{prefix}, which has no port: lossd listens on {DEFAULT_PORT} unless "
+                         f'its --listen says otherwise, as in "{address}:{DEFAULT_PORT}"')
+    if ":" in address.partition(":")[2]:
+        raise ValueError(f'{prefix}: an IPv6 address goes in brackets, as in "[::1]:{DEFAULT_PORT}"')
+    raise ValueError(f"{prefix}, which is not HOST:PORT with a port in [1, 65535]")
