@@ -350,6 +350,32 @@ def test_grpc_target_uris_reach_the_server(server, tmp_path):
         assert on_socket.process.poll() is None
 
 
+def test_labels_must_be_integer_token_ids(client, head):
+    hidden, labels = random_batch(6)
+    # A float label of 2.7 was cast to token 2; F.cross_entropy would read float targets as class
+    # probabilities. Neither is what the caller meant: refused before anything is sent.
+    float_labels = labels.double() + 0.7
+    for call in (lambda: client.compute(head.head, hidden.numpy(), float_labels.numpy()),
+                 lambda: client.score(head.head, hidden.numpy(), float_labels.tolist()),
+                 lambda: head(hidden, float_labels),
+                 lambda: head.score(hidden, labels.float()),
+                 lambda: head(hidden, labels > 0)):
+        with pytest.raises(TypeError, match=r"(labels|token_ids): expected integer token ids, "
+                                            r"got \S+ values"):
+            call()
+    assert head.info().accumulated_tokens == 0
+    expected = client.compute(head.head, hidden.numpy(), labels.numpy()).loss
+    for same in (labels.int().numpy(), labels.tolist(), labels.numpy().astype(np.uint16)):
+        assert client.compute(head.head, hidden.numpy(), same).loss == expected
+
+
+def test_a_wrong_head_name_fails_when_the_remote_head_is_made(client, head):
+    with pytest.raises(lossd.LossdError) as error:
+        RemoteHead(client, "no-such-head")
+    assert error.value.code == "NOT_FOUND"
+    assert "no-such-head" in error.value.message and head.head in error.value.message
+
+
 def test_backward_after_a_step_is_refused(head):
     """The correction call is pinned to the W its forward used."""
     hidden, labels = random_batch(50)

@@ -613,7 +613,7 @@ class Client:
             raise ValueError(f"hidden: expected a [num_tokens, hidden_size] array, got shape "
                              f"{hidden.shape}")
         num_tokens, hidden_size = hidden.shape
-        labels = np.asarray(labels, dtype=np.int64).reshape(-1)
+        labels = _token_ids(labels, "labels")
         if labels.shape[0] != num_tokens:
             raise ValueError(f"labels: expected {num_tokens} entries (rows of hidden), got "
                              f"{labels.shape[0]}")
@@ -789,6 +789,17 @@ class Client:
         return self.compute(head, hidden, token_ids, reduction="sum", ignore_index=ignore_index,
                             temperature=temperature, logit_softcap=logit_softcap,
                             outputs=outputs, top_k=top_k)
+
+
+def _token_ids(values, field):
+    """values as a flat int64 array. Anything but integers is refused rather than cast: float
+    labels are likelier a mistake (or class probabilities, as F.cross_entropy reads them) than
+    token ids, and casting would truncate them silently."""
+    array = np.asarray(values)
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"{field}: expected integer token ids, got {array.dtype} values; cast "
+                        f"them with .astype(np.int64) if they are ids")
+    return array.astype(np.int64, copy=False).reshape(-1)
 
 
 def _check_grad_hidden_out(out, grad_wanted, num_tokens, hidden_size, dtype):

@@ -102,6 +102,16 @@ def _wire_dtype_name(dtype):
     return _WIRE_NAME_OF_TORCH_DTYPE[dtype]
 
 
+def _token_ids(values, field):
+    """values (a tensor, array or list of ids) as a flat CPU int64 numpy array; anything but
+    integers is refused, as Client.compute does, rather than truncated."""
+    ids = torch.as_tensor(values).detach()
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{field}: expected integer token ids, got {ids.dtype} values; cast "
+                        f"them with .long() if they are ids")
+    return ids.reshape(-1).to("cpu", torch.int64).numpy()
+
+
 def _grad_hidden_wire_dtype(hidden_dtype):
     return "bfloat16" if hidden_dtype == torch.bfloat16 else "float32"
 
@@ -272,13 +282,16 @@ class Scores:
 
 class RemoteHead(torch.nn.Module):
     """The lm_head W [V, H] named `head` on a lossd server, as a loss module (see the module
-    docstring for what forward and backward do). client: a lossd.Client or an address.
-    shared_memory: forward and backward hand the rows and dL/dh over in memory shared with a
-    server on this host (Client.compute's shared_memory) instead of messages."""
+    docstring for what forward and backward do). client: a lossd.Client or an address. The head
+    must exist: construction asks the server (GetHead), so a wrong name fails here with NOT_FOUND
+    and the names the server has, not at the first forward. shared_memory: forward and backward
+    hand the rows and dL/dh over in memory shared with a server on this host (Client.compute's
+    shared_memory) instead of messages."""
 
     def __init__(self, client, head, shared_memory=False):
         super().__init__()
         self.client = client if isinstance(client, Client) else Client(client)
+        self.client.get_head(head)
         self.head = head
         self.shared_memory = shared_memory
         self.last_result = None
@@ -319,8 +332,7 @@ class RemoteHead(torch.nn.Module):
         labels_shape = labels.shape
         count = flat_hidden.shape[0]
         call = _LossCall(
-            client=self.client, head=self.head,
-            labels=labels.detach().reshape(-1).to("cpu", torch.int64).numpy(),
+            client=self.client, head=self.head, labels=_token_ids(labels, "labels"),
             weights=_as_numpy(weights, torch.float32, "weights", count),
             reduction=reduction,
             options=dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
@@ -360,7 +372,7 @@ class RemoteHead(torch.nn.Module):
         and the entropy when asked. Nothing is accumulated on the server."""
         token_ids = torch.as_tensor(token_ids)
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-        ids = token_ids.detach().reshape(-1).to("cpu", torch.int64).numpy()
+        ids = _token_ids(token_ids, "token_ids")
         result = self.client.score(self.head, _wire_array(flat_hidden), ids, top_k=top_k,
                                    entropy=entropy, temperature=temperature,
                                    logit_softcap=logit_softcap)
