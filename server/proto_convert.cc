@@ -101,6 +101,9 @@ absl::StatusOr<OptimizerConfig> FromProto(const v1::StepRequest& request) {
     case v1::StepRequest::kSgd: {
       const v1::SgdConfig& sgd = request.sgd();
       c.kind = OptimizerConfig::Kind::kSgd;
+      if (!sgd.has_learning_rate()) {
+        return InvalidField("sgd.learning_rate", "a learning rate (SGD has no default)", "none");
+      }
       c.learning_rate = sgd.learning_rate();
       c.momentum = sgd.momentum();
       c.weight_decay = sgd.weight_decay();
@@ -112,8 +115,10 @@ absl::StatusOr<OptimizerConfig> FromProto(const v1::StepRequest& request) {
     case v1::StepRequest::kAdamw: {
       const v1::AdamWConfig& adamw = request.adamw();
       c.kind = OptimizerConfig::Kind::kAdamW;
-      c.learning_rate = adamw.learning_rate();
-      c.weight_decay = adamw.weight_decay();
+      // What the request leaves unset keeps torch.optim.AdamW's default: OptimizerConfig's for
+      // the learning rate, betas and epsilon; 0.01 for the weight decay (SGD's default is 0).
+      c.weight_decay = adamw.has_weight_decay() ? adamw.weight_decay() : 0.01;
+      if (adamw.has_learning_rate()) c.learning_rate = adamw.learning_rate();
       if (adamw.has_beta1()) c.beta1 = adamw.beta1();
       if (adamw.has_beta2()) c.beta2 = adamw.beta2();
       if (adamw.has_epsilon()) c.epsilon = adamw.epsilon();

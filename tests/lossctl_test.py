@@ -128,6 +128,26 @@ def test_accumulate_fetch_grad_and_step(server, tmp_path):
                                                    "--momentum=0.9", server=server, expect=2).stderr
 
 
+def test_step_takes_torchs_adamw_defaults(tmp_path):
+    """`step --optimizer=adamw` alone is torch.optim.AdamW() (lr 1e-3, betas (0.9, 0.999), eps
+    1e-8, weight_decay 0.01): a first step moves W to W (1 - lr wd) - lr g / (|g| + eps)."""
+    with ServerProcess("--device=cpu", "--demo_vocab_size=300", "--demo_hidden_size=16",
+                       f"--demo_seed={os.getpid()}", metrics=False) as fresh:
+        lossctl("fetch-weight", "--out", tmp_path / "w.npy", server=fresh)
+        lossctl("compute", "--synthetic=64", "--accumulate", server=fresh)
+        lossctl("fetch-grad", "--out", tmp_path / "g.npy", server=fresh)
+        out = lossctl("step", "--optimizer=adamw", server=fresh).stdout
+        assert "stepped head demo with adamw" in out, out
+        lossctl("fetch-weight", "--out", tmp_path / "after.npy", server=fresh)
+        err = lossctl("step", "--optimizer=sgd", server=fresh, expect=2).stderr
+        assert "--lr is required with --optimizer=sgd (no default)" in err, err
+    weight = np.load(tmp_path / "w.npy").astype(np.float64)
+    grad = np.load(tmp_path / "g.npy").astype(np.float64)
+    lr, weight_decay, eps = 1e-3, 0.01, 1e-8
+    expected = weight * (1 - lr * weight_decay) - lr * grad / (np.abs(grad) + eps)
+    np.testing.assert_allclose(np.load(tmp_path / "after.npy"), expected, rtol=1e-6, atol=1e-7)
+
+
 def test_upload_safetensors_then_save(server, tmp_path, checkpoint_dir):
     # With one head on the server, --head may be left out.
     assert "zeroed the gradient of head demo" in lossctl("zero-grad", server=server).stdout

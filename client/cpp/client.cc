@@ -565,7 +565,7 @@ absl::StatusOr<StepResult> Client::Step(const StepOptions& options) const {
   request.set_head(options.head);
   if (const auto* sgd = std::get_if<SgdOptions>(&options.optimizer)) {
     v1::SgdConfig& config = *request.mutable_sgd();
-    config.set_learning_rate(sgd->learning_rate);
+    if (sgd->learning_rate.has_value()) config.set_learning_rate(*sgd->learning_rate);
     config.set_momentum(sgd->momentum);
     config.set_weight_decay(sgd->weight_decay);
   } else {

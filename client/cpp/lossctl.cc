@@ -639,20 +639,29 @@ absl::Status RunZeroGrad(const Flags& flags) {
 
 absl::Status RunStep(const Flags& flags) {
   RETURN_IF_ERROR(RequireFlag(flags, "optimizer"));
-  if (!flags.given("lr")) return UsageError("--lr is required");
   StepOptions options;
   const std::string optimizer = flags.String("optimizer");
+  // Flags left out keep torch.optim's defaults, which SgdOptions and AdamWOptions hold.
   if (optimizer == "sgd") {
+    if (!flags.given("lr")) return UsageError("--lr is required with --optimizer=sgd (no default)");
     for (const char* flag : {"beta1", "beta2", "eps"}) {
       if (flags.given(flag))
         return UsageError(absl::StrCat("--", flag, " is an AdamW setting; --optimizer is sgd"));
     }
-    options.optimizer =
-        SgdOptions{flags.Double("lr"), flags.Double("momentum"), flags.Double("weight_decay")};
+    SgdOptions sgd;
+    sgd.learning_rate = flags.Double("lr");
+    if (flags.given("momentum")) sgd.momentum = flags.Double("momentum");
+    if (flags.given("weight_decay")) sgd.weight_decay = flags.Double("weight_decay");
+    options.optimizer = sgd;
   } else if (optimizer == "adamw") {
     if (flags.given("momentum")) return UsageError("--momentum is an SGD setting; --optimizer is adamw");
-    options.optimizer = AdamWOptions{flags.Double("lr"), flags.Double("beta1"), flags.Double("beta2"),
-                                     flags.Double("eps"), flags.Double("weight_decay")};
+    AdamWOptions adamw;
+    if (flags.given("lr")) adamw.learning_rate = flags.Double("lr");
+    if (flags.given("beta1")) adamw.beta1 = flags.Double("beta1");
+    if (flags.given("beta2")) adamw.beta2 = flags.Double("beta2");
+    if (flags.given("eps")) adamw.epsilon = flags.Double("eps");
+    if (flags.given("weight_decay")) adamw.weight_decay = flags.Double("weight_decay");
+    options.optimizer = adamw;
   } else {
     return UsageError(absl::StrCat("--optimizer: expected sgd or adamw, got \"", optimizer, "\""));
   }
@@ -914,16 +923,17 @@ const std::vector<Subcommand>& Subcommands() {
        {HeadFlag()},
        RunZeroGrad},
       {"step",
-       "step [--head H] --optimizer sgd|adamw --lr LR [options]",
-       "apply an optimizer step to W from the accumulated gradient",
+       "step [--head H] --optimizer sgd|adamw [--lr LR] [options]",
+       "apply an optimizer step to W from the accumulated gradient (torch.optim's defaults)",
        {HeadFlag(),
         {"optimizer", FlagKind::kString, "", "sgd or adamw"},
-        {"lr", FlagKind::kDouble, "", "learning rate"},
+        {"lr", FlagKind::kDouble, "", "learning rate: required for SGD; AdamW's default 1e-3"},
         {"momentum", FlagKind::kDouble, "0", "SGD momentum"},
         {"beta1", FlagKind::kDouble, "0.9", "AdamW beta1"},
         {"beta2", FlagKind::kDouble, "0.999", "AdamW beta2"},
         {"eps", FlagKind::kDouble, "1e-8", "AdamW epsilon"},
-        {"weight_decay", FlagKind::kDouble, "0", "decoupled weight decay (AdamW) or L2 penalty (SGD)"},
+        {"weight_decay", FlagKind::kDouble, "",
+         "decoupled weight decay for AdamW (default 0.01) or L2 penalty for SGD (default 0)"},
         {"max_grad_norm", FlagKind::kDouble, "0", "clip the gradient to this global norm first (0: off)"},
         {"keep_grad", FlagKind::kBool, "false", "keep the accumulator after the step (default: zero it)"}},
        RunStep},

@@ -511,16 +511,20 @@ class Client:
         """Zeroes the head's gradient accumulator; returns the head's version."""
         return self._unary("ZeroGradWeight", pb.ZeroGradWeightRequest(head=head)).head_version
 
-    def step(self, head, optimizer="sgd", *, lr, momentum=0.0, betas=(0.9, 0.999), eps=1e-8,
+    def step(self, head, optimizer, *, lr=None, momentum=0.0, betas=(0.9, 0.999), eps=1e-8,
              weight_decay=None, max_grad_norm=0.0, keep_grad=False,
              head_version=None) -> StepInfo:
-        """One optimizer step on W with the accumulated gradient, with torch.optim.SGD or
-        torch.optim.AdamW semantics. weight_decay None takes torch's default for the optimizer
-        (SGD 0, AdamW 0.01). max_grad_norm > 0 clips by the gradient's norm first (as
-        torch.nn.utils.clip_grad_norm_). The gradient is zeroed afterwards unless keep_grad.
-        head_version pins the step: FAILED_PRECONDITION unless the head is at that version."""
+        """One optimizer step on W with the accumulated gradient: optimizer "sgd" or "adamw",
+        with the semantics and defaults of torch.optim.SGD and torch.optim.AdamW. lr None is
+        AdamW's 1e-3, and an error for SGD, which has no default; weight_decay None is AdamW's
+        0.01 (decoupled) or SGD's 0 (an L2 penalty). max_grad_norm > 0 clips by the gradient's
+        norm first (as torch.nn.utils.clip_grad_norm_). The gradient is zeroed afterwards unless
+        keep_grad. head_version pins the step: FAILED_PRECONDITION unless the head is at that
+        version."""
         request = pb.StepRequest(head=head, max_grad_norm=max_grad_norm, keep_grad=keep_grad)
         if optimizer == "sgd":
+            if lr is None:
+                raise ValueError("lr: SGD needs a learning rate (it has no default)")
             request.sgd.CopyFrom(pb.SgdConfig(
                 learning_rate=lr, momentum=momentum,
                 weight_decay=0.0 if weight_decay is None else weight_decay))
@@ -528,8 +532,8 @@ class Client:
             if momentum:
                 raise ValueError("momentum: SGD only; AdamW takes betas")
             request.adamw.CopyFrom(pb.AdamWConfig(
-                learning_rate=lr, beta1=betas[0], beta2=betas[1], epsilon=eps,
-                weight_decay=0.01 if weight_decay is None else weight_decay))
+                learning_rate=1e-3 if lr is None else lr, beta1=betas[0], beta2=betas[1],
+                epsilon=eps, weight_decay=0.01 if weight_decay is None else weight_decay))
         else:
             raise ValueError(f"optimizer: expected 'sgd' or 'adamw', got {optimizer!r}")
         if head_version is not None:

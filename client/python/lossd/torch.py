@@ -398,9 +398,10 @@ class RemoteHead(torch.nn.Module):
         accepted for nn.Module compatibility."""
         self.client.zero_grad(self.head)
 
-    def step(self, optimizer="adamw", **kwargs) -> StepInfo:
-        """An optimizer step on the server; the arguments are Client.step's (lr, momentum, betas,
-        eps, weight_decay, max_grad_norm, keep_grad, head_version)."""
+    def step(self, optimizer, **kwargs) -> StepInfo:
+        """An optimizer step on the server: "sgd" or "adamw", with torch.optim's defaults; the
+        arguments are Client.step's (lr, momentum, betas, eps, weight_decay, max_grad_norm,
+        keep_grad, head_version)."""
         return self.client.step(self.head, optimizer, **kwargs)
 
     def fetch_weight(self, dtype=torch.float32) -> torch.Tensor:

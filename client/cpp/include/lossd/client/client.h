@@ -203,18 +203,18 @@ struct ComputeResult {
   int64_t messages_received = 0;
 };
 
-// Optimizer settings; torch.optim semantics, with the wire contract's defaults.
+// Optimizer settings; torch.optim semantics and defaults, as the wire contract has them.
 struct SgdOptions {
-  double learning_rate = 0.0;
+  std::optional<double> learning_rate;  // required: the server refuses a step without one
   double momentum = 0.0;
-  double weight_decay = 0.0;
+  double weight_decay = 0.0;  // L2 penalty added to the gradient
 };
 struct AdamWOptions {
-  double learning_rate = 0.0;
+  double learning_rate = 1e-3;
   double beta1 = 0.9;
   double beta2 = 0.999;
   double epsilon = 1e-8;
-  double weight_decay = 0.0;  // the wire contract's default (torch's AdamW uses 0.01)
+  double weight_decay = 0.01;  // decoupled
 };
 
 struct StepOptions {
