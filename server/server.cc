@@ -23,6 +23,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
@@ -209,7 +210,50 @@ absl::StatusOr<HeadSpec> ParseHeadSpec(absl::string_view text) {
   return spec;
 }
 
-absl::StatusOr<HeadState> LoadSafetensorsHead(const HeadSpec& spec, DType dtype, std::string* source) {
+// Each head named once: a second NAME=PATH for a name would be skipped as if a checkpoint of the
+// name had resumed first.
+absl::StatusOr<std::vector<HeadSpec>> ParseHeadSpecs(const std::vector<std::string>& texts) {
+  std::vector<HeadSpec> specs;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    ASSIGN_OR_RETURN(HeadSpec spec, ParseHeadSpec(texts[i]));
+    for (size_t j = 0; j < specs.size(); ++j) {
+      if (specs[j].name == spec.name) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--heads: head name '", spec.name, "' is given twice, as \"", texts[j], "\" and \"",
+            texts[i], "\"; give each head a name of its own"));
+      }
+    }
+    specs.push_back(std::move(spec));
+  }
+  return specs;
+}
+
+std::string Mebibytes(size_t bytes) {
+  return absl::StrFormat("%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+}
+
+// How a head is held, for its startup line: W's storage dtype and bytes, what a file's other
+// dtype became (the --head_dtype choice), and the optimizer state a checkpoint brought.
+std::string StorageNote(const HeadState& state, absl::string_view file_dtype) {
+  std::string note = absl::StrCat("W stored as ", DTypeName(state.weight_dtype), ", ",
+                                  Mebibytes(state.weight.size()));
+  const absl::StatusOr<DType> in_file = storage::DTypeFromSafetensors(file_dtype);
+  if (in_file.ok() && DTypeSize(*in_file) < DTypeSize(state.weight_dtype)) {
+    absl::StrAppend(&note, " (the file's ", file_dtype, " widened; --head_dtype=",
+                    DTypeName(*in_file), " keeps it as it is, in ",
+                    Mebibytes(state.weight.size() / DTypeSize(state.weight_dtype) *
+                              DTypeSize(*in_file)),
+                    ")");
+  } else if (in_file.ok() && *in_file != state.weight_dtype) {
+    absl::StrAppend(&note, " (rounded from the file's ", file_dtype, ")");
+  }
+  const size_t optimizer_bytes = (state.state1.size() + state.state2.size()) * sizeof(float);
+  if (optimizer_bytes > 0) absl::StrAppend(&note, ", optimizer state ", Mebibytes(optimizer_bytes));
+  return note;
+}
+
+absl::StatusOr<HeadState> LoadSafetensorsHead(const HeadSpec& spec, DType dtype, std::string* source,
+                                              std::string* file_dtype) {
   ASSIGN_OR_RETURN(const storage::SafetensorsFile file, storage::SafetensorsFile::Open(spec.path));
   std::string tensor_name = spec.tensor;
   if (tensor_name.empty()) {
@@ -228,6 +272,7 @@ absl::StatusOr<HeadState> LoadSafetensorsHead(const HeadSpec& spec, DType dtype,
   state.version = 1;
   ASSIGN_OR_RETURN(state.weight, storage::ReadAsDType(tensor, dtype));
   *source = absl::StrCat(spec.path, "#", tensor_name, " (", tensor.dtype, ")");
+  *file_dtype = tensor.dtype;
   return state;
 }
 
@@ -242,6 +287,7 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
 }
 
 absl::Status LossServer::LoadHeads(const ServerConfig& config) {
+  ASSIGN_OR_RETURN(const std::vector<HeadSpec> specs, ParseHeadSpecs(config.heads));
   if (!config.checkpoint_dir.empty()) {
     ASSIGN_OR_RETURN(const storage::ResumeResult resumed,
                      storage::ResumeFromDirectory(config.checkpoint_dir));
@@ -253,22 +299,25 @@ absl::Status LossServer::LoadHeads(const ServerConfig& config) {
           "checkpoint ", storage::CheckpointPath(config.checkpoint_dir, state.head, state.version));
       ASSIGN_OR_RETURN(auto head, Head::Create(*backend_, ledger_, state, source));
       RETURN_IF_ERROR(heads_.Put(head, false));
-      startup_log_.push_back(absl::StrCat("head '", state.head, "' resumed from ", source));
+      startup_log_.push_back(absl::StrCat("head '", state.head, "' [", state.vocab_size, ", ",
+                                          state.hidden_size, "] resumed from ", source, "; ",
+                                          StorageNote(state, "")));
     }
   }
-  for (const std::string& text : config.heads) {
-    ASSIGN_OR_RETURN(const HeadSpec spec, ParseHeadSpec(text));
+  for (const HeadSpec& spec : specs) {
     if (heads_.Get(spec.name).ok()) {
       startup_log_.push_back(absl::StrCat("head '", spec.name, "': ", spec.path,
                                           " not loaded, its checkpoint is newer"));
       continue;
     }
-    std::string source;
-    ASSIGN_OR_RETURN(const HeadState state, LoadSafetensorsHead(spec, config.head_dtype, &source));
+    std::string source, file_dtype;
+    ASSIGN_OR_RETURN(const HeadState state,
+                     LoadSafetensorsHead(spec, config.head_dtype, &source, &file_dtype));
     ASSIGN_OR_RETURN(auto head, Head::Create(*backend_, ledger_, state, source));
     RETURN_IF_ERROR(heads_.Put(head, false));
     startup_log_.push_back(absl::StrCat("head '", spec.name, "' [", state.vocab_size, ", ",
-                                        state.hidden_size, "] from ", source));
+                                        state.hidden_size, "] from ", source, "; ",
+                                        StorageNote(state, file_dtype)));
   }
   if (heads_.List().empty()) {
     const DemoHeadConfig& demo = config.demo;
@@ -278,8 +327,8 @@ absl::Status LossServer::LoadHeads(const ServerConfig& config) {
     ASSIGN_OR_RETURN(auto head, Head::Create(*backend_, ledger_, state, source));
     RETURN_IF_ERROR(heads_.Put(head, false));
     startup_log_.push_back(absl::StrCat("head '", demo.name, "' [", demo.vocab_size, ", ",
-                                        demo.hidden_size, "] ", DTypeName(config.head_dtype),
-                                        ", ", source));
+                                        demo.hidden_size, "] from ", source, "; ",
+                                        StorageNote(state, "")));
   }
   return absl::OkStatus();
 }

@@ -4,6 +4,7 @@
 // The real binary meets a taken port in tests/python/test_listen_ports.py.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -11,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_join.h"
 #include "lossd/kernels/half.h"
 #include "server/storage/checkpoint.h"
 #include "server/storage/safetensors.h"
@@ -166,6 +168,18 @@ const Refusal kRefusals[] = {
            "head 'main' from checkpoint " + path,
            bad.Named("optimizer.state1") + ": expected a finite float32 value, got nan"};
      }},
+    // The --heads list.
+    {"heads_duplicate_name", "the second entry was skipped as if a checkpoint were newer",
+     kInvalid,
+     [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
+       const std::string first = WriteF32Head(dir + "/a.safetensors", "lm_head.weight",
+                                              RandomWeight(rng));
+       const std::string second = WriteF32Head(dir + "/b.safetensors", "lm_head.weight",
+                                               RandomWeight(rng));
+       config.heads = {"main=" + first, "other=" + second, "main=" + second};
+       return std::vector<std::string>{"--heads: head name 'main' is given twice, as \"main=" +
+                                       first + "\" and \"main=" + second + "\""};
+     }},
     // Token and TLS files.
     {"token_file_first_line_empty", "the token must be on the first line", kInvalid,
      [](const std::string& dir, std::mt19937_64&, server::ServerConfig& config) {
@@ -257,6 +271,69 @@ TEST_P(StartupRefusalTest, NamesWhatIsWrong) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Table, StartupRefusalTest, ::testing::ValuesIn(kRefusals),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// A head's startup line says how W is stored and what it costs, and when the storage dtype is
+// wider than the file's, what --head_dtype would save: a bf16 checkpoint served as fp32 takes
+// twice its memory, which the operator should not learn from the GPU's memory gauge.
+struct StorageLineCase {
+  const char* name;
+  DType file_dtype;
+  DType head_dtype;
+  const char* line_ends_with;  // for a [1024, 512] head
+};
+
+void PrintTo(const StorageLineCase& c, std::ostream* os) { *os << c.name; }
+
+class StorageLineTest : public ::testing::TestWithParam<StorageLineCase> {};
+
+TEST_P(StorageLineTest, NamesTheDTypesAndTheBytes) {
+  const StorageLineCase& c = GetParam();
+  constexpr int64_t kRows = 1024, kCols = 512;
+  ScratchDir dir("lossd_startup");
+  std::vector<float> weight(kRows * kCols);
+  std::mt19937_64 rng(FreshSeed());
+  std::normal_distribution<float> normal(0.0f, 0.3f);
+  for (float& x : weight) x = normal(rng);
+  std::vector<uint16_t> halves(weight.size());
+  for (size_t i = 0; i < weight.size(); ++i) {
+    halves[i] = c.file_dtype == DType::kBFloat16 ? FloatToBFloat16(weight[i]) : FloatToFloat16(weight[i]);
+  }
+  const bool wide = c.file_dtype == DType::kFloat32;
+  const std::string path = dir.File("model.safetensors");
+  ASSERT_TRUE(storage::WriteSafetensorsAtomically(
+                  path, {{"lm_head.weight", storage::DTypeToSafetensors(c.file_dtype).value(),
+                          {kRows, kCols}, wide ? static_cast<const void*>(weight.data()) : halves.data(),
+                          wide ? weight.size() * 4 : halves.size() * 2}},
+                  {})
+                  .ok());
+  server::ServerConfig config;
+  config.heads = {"main=" + path};
+  config.head_dtype = c.head_dtype;
+  auto server = StartTestServer(config);
+  ASSERT_NE(server, nullptr);
+  const std::string expected = "head 'main' [1024, 512] from " + path + "#lm_head.weight (" +
+                               storage::DTypeToSafetensors(c.file_dtype).value() + "); " +
+                               c.line_ends_with;
+  const std::vector<std::string>& log = server->startup_log();
+  EXPECT_NE(std::find(log.begin(), log.end(), expected), log.end())
+      << "no line\n  " << expected << "\nin\n  " << absl::StrJoin(log, "\n  ");
+}
+
+const StorageLineCase kStorageLines[] = {
+    {"bf16_file_as_fp32", DType::kBFloat16, DType::kFloat32,
+     "W stored as float32, 2.0 MiB (the file's BF16 widened; --head_dtype=bfloat16 keeps it as "
+     "it is, in 1.0 MiB)"},
+    {"fp16_file_as_fp32", DType::kFloat16, DType::kFloat32,
+     "W stored as float32, 2.0 MiB (the file's F16 widened; --head_dtype=float16 keeps it as it "
+     "is, in 1.0 MiB)"},
+    {"bf16_file_as_bf16", DType::kBFloat16, DType::kBFloat16, "W stored as bfloat16, 1.0 MiB"},
+    {"fp32_file_as_bf16", DType::kFloat32, DType::kBFloat16,
+     "W stored as bfloat16, 1.0 MiB (rounded from the file's F32)"},
+    {"fp32_file_as_fp32", DType::kFloat32, DType::kFloat32, "W stored as float32, 2.0 MiB"},
+};
+
+INSTANTIATE_TEST_SUITE_P(Table, StorageLineTest, ::testing::ValuesIn(kStorageLines),
                          [](const auto& info) { return std::string(info.param.name); });
 
 grpc::StatusCode ListHeadsWith(int port, const std::string& token) {
