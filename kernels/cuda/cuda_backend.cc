@@ -590,11 +590,38 @@ class CudaBackend final : public Backend {
   mutable StreamPool streams_;
 };
 
+// Why cudaGetDeviceCount failed, in plain words, with CUDA's own error in parentheses. Without a
+// driver the runtime reports cudaErrorInsufficientDriver, as it does for a driver too old for it;
+// the driver's version, 0 when there is none, tells them apart.
+std::string NoDeviceReason(cudaError_t error) {
+  const std::string raw = absl::StrCat(cudaGetErrorName(error), ": ", cudaGetErrorString(error));
+  int driver_version = 0;
+  if (error == cudaErrorInsufficientDriver &&
+      (cudaDriverGetVersion(&driver_version) != cudaSuccess || driver_version == 0)) {
+    return absl::StrCat("no GPU found (no NVIDIA driver; ", raw, ")");
+  }
+  if (error == cudaErrorInsufficientDriver) {
+    return absl::StrFormat(
+        "the NVIDIA driver supports CUDA up to %d.%d, older than this module's CUDA runtime %d.%d: "
+        "update the driver (%s)",
+        driver_version / 1000, driver_version % 1000 / 10, CUDART_VERSION / 1000,
+        CUDART_VERSION % 1000 / 10, raw);
+  }
+  if (error == cudaErrorNoDevice) {
+    return absl::StrCat("no GPU found (the NVIDIA driver sees none: check CUDA_VISIBLE_DEVICES "
+                        "and the container's access to the GPUs; ",
+                        raw, ")");
+  }
+  return absl::StrCat("cannot count the GPUs (", raw, ")");
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int ordinal) {
   int count = 0;
   const cudaError_t error = cudaGetDeviceCount(&count);
   if (error != cudaSuccess) {
-    return absl::UnavailableError(absl::StrCat("no CUDA device: ", cudaGetErrorString(error)));
+    const std::string reason = NoDeviceReason(error);
+    cudaGetLastError();  // see CudaStatus
+    return absl::UnavailableError(reason);
   }
   if (ordinal < 0 || ordinal >= count) {
     return absl::UnavailableError(
