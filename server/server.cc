@@ -228,27 +228,35 @@ absl::StatusOr<std::vector<HeadSpec>> ParseHeadSpecs(const std::vector<std::stri
   return specs;
 }
 
-std::string Mebibytes(size_t bytes) {
-  return absl::StrFormat("%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+// 512 B, 2.5 KiB, 62.5 MiB, 1.2 GiB.
+std::string HumanBytes(size_t bytes) {
+  constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 4) {
+    value /= 1024;
+    ++unit;
+  }
+  return unit == 0 ? absl::StrCat(bytes, " B") : absl::StrFormat("%.1f %s", value, kUnits[unit]);
 }
 
 // How a head is held, for its startup line: W's storage dtype and bytes, what a file's other
 // dtype became (the --head_dtype choice), and the optimizer state a checkpoint brought.
 std::string StorageNote(const HeadState& state, absl::string_view file_dtype) {
   std::string note = absl::StrCat("W stored as ", DTypeName(state.weight_dtype), ", ",
-                                  Mebibytes(state.weight.size()));
+                                  HumanBytes(state.weight.size()));
   const absl::StatusOr<DType> in_file = storage::DTypeFromSafetensors(file_dtype);
   if (in_file.ok() && DTypeSize(*in_file) < DTypeSize(state.weight_dtype)) {
     absl::StrAppend(&note, " (the file's ", file_dtype, " widened; --head_dtype=",
                     DTypeName(*in_file), " keeps it as it is, in ",
-                    Mebibytes(state.weight.size() / DTypeSize(state.weight_dtype) *
+                    HumanBytes(state.weight.size() / DTypeSize(state.weight_dtype) *
                               DTypeSize(*in_file)),
                     ")");
   } else if (in_file.ok() && *in_file != state.weight_dtype) {
     absl::StrAppend(&note, " (rounded from the file's ", file_dtype, ")");
   }
   const size_t optimizer_bytes = (state.state1.size() + state.state2.size()) * sizeof(float);
-  if (optimizer_bytes > 0) absl::StrAppend(&note, ", optimizer state ", Mebibytes(optimizer_bytes));
+  if (optimizer_bytes > 0) absl::StrAppend(&note, ", optimizer state ", HumanBytes(optimizer_bytes));
   return note;
 }
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "python"))
-from server_process import SERVER_BIN, ServerProcess  # noqa: E402
+from server_process import SERVER_BIN, ServerProcess, run_with_terminal_stderr  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSSCTL = os.environ.get("LOSSCTL_BIN", "build/bin/lossctl")
@@ -177,6 +177,27 @@ def test_bench_reports_throughput_and_latency(server):
     assert re.search(r"sent \S+ GB/s, received \S+ GB/s", done.stdout), done.stdout
     assert re.search(r"latency p50 \S+ s, p90 \S+ s, p99 \S+ s", done.stdout), done.stdout
     assert "6/6 calls" in done.stderr  # the progress line's last state
+
+
+def test_compute_shows_progress_on_a_terminal_only(server):
+    rows = 20000
+    command = [LOSSCTL, f"--server={server.address}", "compute", "--head=demo", f"--synthetic={rows}",
+               "--grad"]
+    code, out, terminal = run_with_terminal_stderr(command, timeout=120)
+    assert code == 0 and "loss" in out, out + terminal
+    # One line redrawn in place: each state after a carriage return, the last one whole.
+    states = re.findall(r"\rcompute: (\d+)/(\d+) rows, [\d.]+ s\x1b\[K", terminal)
+    assert states and terminal.endswith("\n"), repr(terminal)
+    done = [int(d) for d, _ in states]
+    assert done == sorted(done) and done[-1] == rows, repr(terminal)
+    assert {int(total) for _, total in states} == {rows}
+
+    piped = lossctl("compute", "--head=demo", f"--synthetic={rows}", "--grad", server=server)
+    assert piped.stderr == "" and "loss" in piped.stdout, piped.stderr
+    code, out, terminal = run_with_terminal_stderr(command + ["--quiet"], timeout=120)
+    assert code == 0 and "loss" in out and terminal == "", repr(terminal)
+    quiet_bench = lossctl("bench", "--head=demo", "--tokens=64", "--calls=3", "--quiet", server=server)
+    assert quiet_bench.stderr == "" and "3 calls in" in quiet_bench.stdout, quiet_bench.stderr
 
 
 def test_bench_json_counts_every_byte_of_the_rows_each_way(server):

@@ -211,6 +211,7 @@ class ResultAssembler {
   ResultAssembler(const ComputeRequest& request, ComputeResult& result, bool grad_hidden_in_messages,
                   uint8_t* grad_hidden_target = nullptr)
       : want_(request.outputs),
+        on_progress_(request.on_progress),
         grad_hidden_in_messages_(grad_hidden_in_messages),
         rows_(request.hidden.rows),
         grad_dtype_(request.outputs.grad_hidden_dtype.value_or(request.hidden.dtype)),
@@ -265,6 +266,7 @@ class ResultAssembler {
     const int64_t offset = piece.row_offset();
     const int64_t count = piece.num_rows();
     RETURN_IF_ERROR(coverage_.Mark(offset, count));
+    if (on_progress_) on_progress_(coverage_.covered(), rows_);
     RETURN_IF_ERROR(
         PlaceField("token_loss", piece.token_loss(), want_.token_loss, 1, offset, count, result_.token_loss));
     RETURN_IF_ERROR(PlaceField("logprob", piece.logprob(), want_.logprob, 1, offset, count, result_.logprob));
@@ -319,6 +321,7 @@ class ResultAssembler {
   }
 
   const OutputSelection& want_;
+  const std::function<void(int64_t, int64_t)>& on_progress_;
   const bool grad_hidden_in_messages_;
   const int64_t rows_;
   const DType grad_dtype_;

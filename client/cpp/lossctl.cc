@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -161,6 +162,8 @@ const std::vector<FlagSpec>& GlobalFlags() {
       {"max_attempts", FlagKind::kInt, "4",
        "attempts per compute call: UNAVAILABLE and DEADLINE_EXCEEDED are retried with backoff, "
        "under the same call id, so that dL/dW is never accumulated twice"},
+      {"quiet", FlagKind::kBool, "false",
+       "no progress on stderr (shown only when stderr is a terminal, except bench's per-call lines)"},
   };
   return *flags;
 }
@@ -401,6 +404,47 @@ double L2Norm(const Tensor& tensor) {
 
 std::string Mebibytes(int64_t bytes) { return absl::StrFormat("%.1f MiB", bytes / 1048576.0); }
 
+// Progress of long work for a person watching: when enabled (stderr is a terminal and --quiet is
+// not given), one line on stderr, redrawn in place five times a second from `describe` until
+// Stop(), which draws the last state and ends the line. Disabled, it writes nothing, so that logs
+// and pipes get only the results.
+class TerminalProgress {
+ public:
+  TerminalProgress(bool enabled, std::function<std::string()> describe)
+      : describe_(std::move(describe)) {
+    if (enabled) thread_ = std::thread([this] { Redraw(); });
+  }
+  ~TerminalProgress() { Stop(); }
+
+  void Stop() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopped_ = true;
+    }
+    stop_.notify_one();
+    thread_.join();
+    Draw();
+    absl::FPrintF(stderr, "\n");
+  }
+
+ private:
+  void Redraw() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!stop_.wait_for(lock, std::chrono::milliseconds(200), [this] { return stopped_; })) Draw();
+  }
+  // Back to the line's start, the text, then erase what a longer line before left.
+  void Draw() { absl::FPrintF(stderr, "\r%s\033[K", describe_()); }
+
+  const std::function<std::string()> describe_;
+  std::mutex mutex_;
+  std::condition_variable stop_;
+  bool stopped_ = false;
+  std::thread thread_;
+};
+
+bool ShowProgress(const Flags& flags) { return !flags.Bool("quiet") && isatty(fileno(stderr)) != 0; }
+
 std::string DTypeNote(DType dtype) {
   return dtype == DType::kBFloat16 ? " (bfloat16 bits stored as <u2)" : "";
 }
@@ -568,7 +612,17 @@ absl::Status RunCompute(const Flags& flags) {
   outputs.accumulate_grad_weight = flags.Bool("accumulate");
   request.call_id = flags.String("call_id");
 
-  ASSIGN_OR_RETURN(const ComputeResult result, client.Compute(request));
+  std::atomic<int64_t> rows_done{0};
+  request.on_progress = [&](int64_t done, int64_t) { rows_done.store(done); };
+  const absl::Time start = absl::Now();
+  TerminalProgress progress(ShowProgress(flags), [&] {
+    return absl::StrFormat("compute: %d/%d rows, %.1f s", rows_done.load(), hidden.rows,
+                           absl::ToDoubleSeconds(absl::Now() - start));
+  });
+  absl::StatusOr<ComputeResult> computed = client.Compute(request);
+  progress.Stop();
+  RETURN_IF_ERROR(computed.status());
+  const ComputeResult& result = *computed;
   const ComputeSummary& summary = result.summary;
   absl::PrintF("head %s at version %d, backend %s: %d tokens of %s, %d counted\n", head.name,
                summary.head_version, summary.backend, hidden.rows, DTypeName(hidden.dtype),
@@ -749,10 +803,14 @@ absl::Status RunBench(const Flags& flags) {
   request.rows_per_message = flags.Int("rows_per_message");
   request.shared_memory = flags.Bool("shared_memory");
 
-  absl::FPrintF(stderr, "bench: head %s [%d x %d], %d tokens of %s per call, %d calls, %d at a time%s%s\n",
-                head.name, head.vocab_size, head.hidden_size, tokens, DTypeName(dtype), calls, streams,
-                request.outputs.grad_hidden ? ", dL/dh" : "",
-                request.outputs.accumulate_grad_weight ? ", dL/dW accumulated" : "");
+  const bool quiet = flags.Bool("quiet");
+  if (!quiet) {
+    absl::FPrintF(stderr,
+                  "bench: head %s [%d x %d], %d tokens of %s per call, %d calls, %d at a time%s%s\n",
+                  head.name, head.vocab_size, head.hidden_size, tokens, DTypeName(dtype), calls,
+                  streams, request.outputs.grad_hidden ? ", dL/dh" : "",
+                  request.outputs.accumulate_grad_weight ? ", dL/dW accumulated" : "");
+  }
   // The first rows only, where a whole call would cost as much as a timed one: enough to connect,
   // start the server's threads and bring this machine's cores up to speed.
   ComputeRequest warmup_request = request;
@@ -803,13 +861,14 @@ absl::Status RunBench(const Flags& flags) {
       std::vector<double> sorted = totals.latencies;
       if (!terminal && sorted.size() == shown) continue;
       shown = sorted.size();
+      if (quiet) continue;
       std::sort(sorted.begin(), sorted.end());
       const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
       absl::FPrintF(stderr, "%s%d/%d calls, %.2f calls/s, %.0f tokens/s, p50 %.3f s%s", terminal ? "\r" : "",
                     shown, calls, shown / elapsed, shown * tokens / elapsed, Percentile(sorted, 0.5),
                     terminal ? "      " : "\n");
     }
-    if (terminal) absl::FPrintF(stderr, "\n");
+    if (terminal && !quiet) absl::FPrintF(stderr, "\n");
   }
   for (std::thread& worker : workers) worker.join();
   if (failed.load()) return totals.first_error;

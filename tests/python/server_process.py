@@ -77,6 +77,34 @@ def run_to_exit(*flags, timeout=60):
         return None, output
 
 
+def run_with_terminal_stderr(command, timeout=300, **kwargs):
+    """Runs command with stderr on a pseudo-terminal, as when a person watches, and stdout piped:
+    (exit code, stdout, what the terminal received)."""
+    import pty  # Unix only, as the server is
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=terminal, **kwargs)
+    os.close(terminal)
+    received = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # EIO: every writer to the terminal has closed it
+                break
+            if not chunk:
+                break
+            received += chunk
+        stdout, _ = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        os.close(controller)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return process.returncode, stdout.decode(), received.decode(errors="replace")
+
+
 def generate_stubs(proto_root, out_dir):
     """Python stubs of lossd.proto, generated with Debian's protoc and gRPC plugin."""
     subprocess.run(
