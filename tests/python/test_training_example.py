@@ -1,11 +1,15 @@
-"""client/python/examples: the tiny LM trained with a local head and with a RemoteHead agrees, and
-score_text.py scores a text."""
+"""client/python/examples: the tiny LM trained with a local head and with a RemoteHead agrees,
+score_text.py scores a text, and the examples run as their docstrings say, from a checkout whose
+build holds the package, showing their progress on a terminal only."""
 import os
+import re
+import shutil
+import subprocess
 import sys
 
 import pytest
 
-from server_process import ServerProcess, ensure_python_client
+from server_process import ServerProcess, ensure_python_client, run_with_terminal_stderr
 
 ensure_python_client()
 import lossd  # noqa: E402
@@ -48,3 +52,58 @@ def test_score_text_prints_a_logprob_per_byte(server, capsys):
     # Columns: the byte (6 wide), then log p.
     assert all(float(row[6:15]) <= 0 for row in rows), rows
     assert lines[-1].startswith("total log p") and "bits per byte" in lines[-1]
+
+
+# A few steps of a tiny model: what the docstring's command does, quickly.
+SMALL_RUN = ["--steps", "3", "--width", "32", "--layers", "1", "--heads", "2", "--context", "16"]
+
+
+@pytest.fixture
+def checkout(tmp_path):
+    """A checkout's layout: the examples, and the build's package in build/python."""
+    examples = tmp_path / "client" / "python" / "examples"
+    shutil.copytree(os.path.join(REPO, "client", "python", "examples"), examples,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "build").mkdir()
+    os.symlink(os.path.dirname(os.path.dirname(os.path.abspath(lossd.__file__))),
+               tmp_path / "build" / "python")
+    return examples
+
+
+def documented_command(server, *extra):
+    return ["/usr/bin/python3", "train_tiny_lm.py", "--address", server.address, *SMALL_RUN,
+            *extra]
+
+
+def without_pythonpath():
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def test_the_documented_command_works_from_a_checkout_with_progress_on_a_terminal(server,
+                                                                                   checkout):
+    code, out, terminal = run_with_terminal_stderr(documented_command(server), cwd=checkout,
+                                                   env=without_pythonpath(), timeout=300)
+    assert code == 0, out + terminal
+    assert re.search(r"^max \|local - lossd\| over 3 steps: ", out, re.M), out
+    for run in ("(A) local head", "(B) lossd head"):
+        steps = [int(n) for n in re.findall(rf"\r{re.escape(run)}: step (\d+)/3, loss [\d.]+", terminal)]
+        assert steps == [1, 2, 3], repr(terminal)
+    assert terminal.count("\n") == 2, repr(terminal)  # each run's line ends once
+
+    piped = subprocess.run(documented_command(server), cwd=checkout, env=without_pythonpath(),
+                           capture_output=True, text=True, timeout=300)
+    assert piped.returncode == 0 and piped.stderr == "" and "max |local - lossd|" in piped.stdout, \
+        piped.stderr
+    code, out, terminal = run_with_terminal_stderr(documented_command(server, "--quiet"),
+                                                   cwd=checkout, env=without_pythonpath(),
+                                                   timeout=300)
+    assert code == 0 and terminal == "", repr(terminal)
+
+
+def test_without_lossd_installed_or_built_the_example_says_how_to_get_it(server, checkout):
+    os.unlink(checkout.parent.parent.parent / "build" / "python")
+    done = subprocess.run(documented_command(server), cwd=checkout, env=without_pythonpath(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "lossd is neither installed nor built in" in done.stderr, done.stderr
+    assert "pip install ./client/python" in done.stderr, done.stderr

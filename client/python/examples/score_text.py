@@ -5,14 +5,17 @@ loop as that example's run B), then the text is scored: for each byte, log p(byt
 before it), the model's top-3 guesses and the entropy of its prediction, all computed by the
 server's Score path (RemoteHead.score) from the body's hidden states. Scoring accumulates nothing.
 
-Start a server first (`build/bin/lossd_server --device=cpu --metrics_listen=`), then:
-    /usr/bin/python3 score_text.py [--address HOST:PORT] [--text "..."] [--train-steps N]
+Start a server first (`build/bin/lossd_server --device=cpu --metrics_listen=`), then, from this
+folder (lossd comes from the build when it is not installed):
+    /usr/bin/python3 score_text.py [--address HOST:PORT] [--text "..."] [--train-steps N] [--quiet]
 """
 import argparse
 import math
+import sys
 
 import torch
 
+import _lossd_from_checkout  # noqa: F401  (lossd from the build when it is not installed)
 import lossd
 import train_tiny_lm
 
@@ -27,6 +30,8 @@ def main(argv=None):
     parser.add_argument("--address", default="127.0.0.1:50051")
     parser.add_argument("--text", default="The keeper climbed the steps and lit the lamp.")
     parser.add_argument("--train-steps", type=int, default=80)
+    parser.add_argument("--quiet", action="store_true",
+                        help="no training progress on stderr (shown only on a terminal)")
     args = parser.parse_args(argv)
     training = train_tiny_lm.parse_args(["--steps", str(args.train_steps),
                                          "--head", "tiny-lm-scorer"])
@@ -36,7 +41,8 @@ def main(argv=None):
 
     with lossd.Client(args.address, timeout=120) as client:
         corpus = train_tiny_lm.load_corpus()
-        losses, body, head = train_tiny_lm.train_remote(training, corpus, client)
+        progress = train_tiny_lm.StepProgress(not args.quiet and sys.stderr.isatty())
+        losses, body, head = train_tiny_lm.train_remote(training, corpus, client, progress)
         print(f"trained {args.train_steps} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
         body.eval()
         with torch.no_grad():

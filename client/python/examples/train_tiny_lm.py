@@ -8,7 +8,12 @@
             and the trainer never holds the [N, V] logits, W, its gradient or its AdamW state.
 
 Start a server first, e.g. `build/bin/lossd_server --device=cpu --metrics_listen=` (it listens on
-127.0.0.1:50051), then: /usr/bin/python3 train_tiny_lm.py [--address HOST:PORT] [--steps N].
+127.0.0.1:50051), then, from this folder:
+
+    /usr/bin/python3 train_tiny_lm.py [--address HOST:PORT] [--steps N] [--quiet]
+
+lossd comes from the build (build/python) when it is not installed; torch from Debian's
+python3-torch. On a terminal each run's step and loss are shown on stderr as it trains.
 
 How closely the curves agree. Both runs do the same arithmetic in float32 but not in the same
 order (the server's chunked, multithreaded engine against torch's matmul and log-softmax), and the
@@ -29,12 +34,14 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 import time
 from typing import List
 
 import torch
 import torch.nn.functional as F
 
+import _lossd_from_checkout  # noqa: F401  (lossd from the build when it is not installed)
 import lossd
 from lossd.torch import RemoteHead
 
@@ -115,11 +122,31 @@ def batches(corpus, args):
         yield windows[:, :-1], windows[:, 1:]
 
 
+class StepProgress:
+    """A run's step and loss on stderr, one line redrawn in place, for a person watching: only
+    when enabled (stderr is a terminal and --quiet is not given), so that a log or a pipe gets
+    the results alone."""
+
+    def __init__(self, enabled):
+        self.enabled = enabled
+
+    def step(self, run, step, steps, loss):
+        if not self.enabled:
+            return
+        sys.stderr.write(f"\r{run}: step {step}/{steps}, loss {loss:.4f}\033[K")
+        if step == steps:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+QUIET = StepProgress(False)
+
+
 def adamw_settings(args):
     return dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
 
 
-def train_local(args, corpus):
+def train_local(args, corpus, progress=QUIET):
     """(A): everything in torch."""
     body, lm_head = build_model(args)
     optimizer = torch.optim.AdamW([*body.parameters(), *lm_head.parameters()],
@@ -134,10 +161,11 @@ def train_local(args, corpus):
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+        progress.step("(A) local head", len(losses), args.steps, losses[-1])
     return losses
 
 
-def train_remote(args, corpus, client):
+def train_remote(args, corpus, client, progress=QUIET):
     """(B): the body in torch, the lm_head on the lossd server. Returns the losses, the trained
     body and its RemoteHead."""
     body, lm_head = build_model(args)
@@ -153,6 +181,7 @@ def train_remote(args, corpus, client):
         optimizer.step()
         head.step("adamw", **adamw_settings(args))
         losses.append(loss.item())
+        progress.step("(B) lossd head", len(losses), args.steps, losses[-1])
     return losses, body, head
 
 
@@ -168,13 +197,13 @@ class Comparison:
         return max(abs(a - b) for a, b in zip(self.local_losses, self.remote_losses))
 
 
-def compare(args, client):
+def compare(args, client, progress=QUIET):
     corpus = load_corpus()
     start = time.perf_counter()
-    local_losses = train_local(args, corpus)
+    local_losses = train_local(args, corpus, progress)
     local_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    remote_losses, _, _ = train_remote(args, corpus, client)
+    remote_losses, _, _ = train_remote(args, corpus, client, progress)
     remote_seconds = time.perf_counter() - start
     return Comparison(local_losses, remote_losses, local_seconds, remote_seconds)
 
@@ -193,6 +222,8 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--print-every", type=int, default=10)
+    parser.add_argument("--quiet", action="store_true",
+                        help="no per-step progress on stderr (shown only on a terminal)")
     return parser.parse_args(argv)
 
 
@@ -202,8 +233,9 @@ def main(argv=None):
     parameters = sum(p.numel() for p in [*body.parameters(), *lm_head.parameters()])
     print(f"tiny byte-level LM: {parameters / 1e6:.2f}M parameters, {args.steps} steps of "
           f"{args.batch_size}x{args.context} tokens, AdamW lr {args.lr}")
+    progress = StepProgress(not args.quiet and sys.stderr.isatty())
     with lossd.Client(args.address, timeout=120) as client:
-        result = compare(args, client)
+        result = compare(args, client, progress)
     print(f"{'step':>6} {'local loss':>12} {'lossd loss':>12} {'difference':>12}")
     for step, (a, b) in enumerate(zip(result.local_losses, result.remote_losses)):
         if step % args.print_every == 0 or step == args.steps - 1:
