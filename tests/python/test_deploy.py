@@ -4,8 +4,10 @@
 - Every YAML and JSON file parses; the PrometheusRule is the rules file, wrapped.
 - Live: a real lossd_server serves Compute, Step and an over-budget call; every lossd_* metric and
   label that the dashboard and the rules use must be in its /metrics, so they cannot silently rot.
-  A real Prometheus with deploy/prometheus/prometheus.yml (target and intervals swapped) scrapes
-  it, evaluates every rule without error and answers every dashboard query with data.
+  A real Prometheus with deploy/prometheus/prometheus.yml (targets and intervals swapped) scrapes
+  it, a second server that has served nothing and, in the config's prometheus job, itself; it
+  evaluates every rule without error and answers every dashboard query with data. "Servers up"
+  counts the lossd servers only, and the panels of events show 0 for the fresh server.
 - The container health check answers SERVING.
 - Consistency: every --flag in the Dockerfile, compose and Kubernetes files exists in
   `lossd_server --helpfull`; ports agree across flags, EXPOSE, compose, probes, Service,
@@ -342,20 +344,37 @@ def api(port, path, **params):
     return body["data"]
 
 
-def test_real_prometheus_evaluates_rules_and_dashboard_queries(server, exposition):
+@pytest.fixture(scope="module")
+def fresh_server():
+    """A server that has served nothing: what a dashboard shows before the first event."""
+    with ServerProcess("--device=cpu", "--demo_vocab_size=100", "--demo_hidden_size=8") as s:
+        yield s
+
+
+def target_of(server):
+    return f"127.0.0.1:{server.metrics_port}"
+
+
+@pytest.fixture(scope="module")
+def prometheus(server, exposition, fresh_server):
+    """A real Prometheus with deploy/prometheus/prometheus.yml, intervals shortened: its lossd job
+    scrapes both servers, its prometheus job Prometheus itself, a target that is not lossd. Yields
+    Prometheus's port once both lossd targets have been scraped enough for rate() and every rule
+    has been evaluated after that."""
     config = load_yaml(os.path.join(PROMETHEUS_DIR, "prometheus.yml"))
     config["global"].update(scrape_interval="1s", evaluation_interval="1s")
     config["rule_files"] = [os.path.join(PROMETHEUS_DIR, f) for f in config["rule_files"]]
-    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "lossd"]
-    job.update(scrape_interval="1s", scrape_timeout="1s")
-    target = f"127.0.0.1:{server.metrics_port}"
-    job["static_configs"] = [{"targets": [target]}]
-    config["scrape_configs"] = [job]
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert set(jobs) == {"lossd", "prometheus"}, "the test scrapes both jobs of prometheus.yml"
+    port = free_port()
+    for job, targets in (("lossd", [target_of(server), target_of(fresh_server)]),
+                         ("prometheus", [f"127.0.0.1:{port}"])):
+        jobs[job].update(scrape_interval="1s", scrape_timeout="1s",
+                         static_configs=[{"targets": targets}])
     work = tempfile.mkdtemp(prefix="lossd-deploy-prometheus-")
     with open(os.path.join(work, "prometheus.yml"), "w") as f:
         yaml.safe_dump(config, f)
-    port = free_port()
-    prometheus = subprocess.Popen(
+    process = subprocess.Popen(
         ["prometheus", f"--config.file={work}/prometheus.yml", f"--storage.tsdb.path={work}/data",
          f"--web.listen-address=127.0.0.1:{port}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -366,40 +385,91 @@ def test_real_prometheus_evaluates_rules_and_dashboard_queries(server, expositio
         while time.monotonic() < deadline and not ready:
             time.sleep(0.5)
             try:
-                samples = api(port, "query", query='count_over_time(up{job="lossd"}[1m]) >= 4')["result"]
+                samples = api(port, "query",
+                              query='count_over_time(up{job="lossd"}[1m]) >= 4')["result"]
                 groups = api(port, "rules")["groups"]
             except OSError:
                 continue
             evaluated = [r for g in groups for r in g["rules"]
                          if not r.get("lastEvaluation", "0001").startswith("0001")]
-            ready = bool(samples) and len(evaluated) == len(rules())
-        assert ready, "Prometheus did not scrape lossd and evaluate every rule in time"
+            ready = len(samples) == 2 and len(evaluated) == len(rules())
+        assert ready, "Prometheus did not scrape both servers and evaluate every rule in time"
         time.sleep(1.5)   # one more evaluation, after the scrapes that rate() needs
-
-        for group in api(port, "rules")["groups"]:
-            for rule in group["rules"]:
-                assert rule["health"] == "ok", f"{rule['name']}: {rule.get('lastError')}"
-        for rule in rules():
-            if "record" in rule:
-                assert api(port, "query", query=rule["record"])["result"], f"{rule['record']}: no data"
-        firing = {a["labels"]["alertname"] for a in api(port, "alerts")["alerts"]}
-        assert not firing & {"LossdDown", "LossdTargetMissing"}, firing
-
-        def substitute(expr):
-            return (expr.replace("$__rate_interval", "1m").replace("$__range", "1m")
-                    .replace("$job", "lossd").replace("$instance", target.replace(".", "\\\\.")))
-
-        for panel in dashboard_panels():
-            for t in panel["targets"]:
-                data = api(port, "query", query=substitute(t["expr"]))
-                assert data["result"], f"dashboard panel {panel['title']!r}: no data for {t['expr']}"
-        assert "lossd" in api(port, "label/job/values", **{"match[]": "lossd_build_info"})
-        instances = api(port, "label/instance/values", **{"match[]": 'lossd_build_info{job=~"lossd"}'})
-        assert target in instances
+        yield port
     finally:
-        prometheus.terminate()
-        prometheus.wait(timeout=30)
+        process.terminate()
+        process.wait(timeout=30)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def dashboard_query(expr, job, instance):
+    """expr as Grafana sends it: its variables substituted (All is the variables' allValue, .*)."""
+    return (expr.replace("$__rate_interval", "1m").replace("$__range", "1m")
+            .replace("$job", job).replace("$instance", instance))
+
+
+def only_dots_escaped(target):
+    return target.replace(".", "\\\\.")
+
+
+def test_real_prometheus_evaluates_rules_and_dashboard_queries(server, prometheus):
+    for group in api(prometheus, "rules")["groups"]:
+        for rule in group["rules"]:
+            assert rule["health"] == "ok", f"{rule['name']}: {rule.get('lastError')}"
+    for rule in rules():
+        if "record" in rule:
+            assert api(prometheus, "query", query=rule["record"])["result"], \
+                f"{rule['record']}: no data"
+    firing = {a["labels"]["alertname"] for a in api(prometheus, "alerts")["alerts"]}
+    assert not firing & {"LossdDown", "LossdTargetMissing"}, firing
+
+    target = target_of(server)
+    for panel in dashboard_panels():
+        for t in panel["targets"]:
+            query = dashboard_query(t["expr"], "lossd", only_dots_escaped(target))
+            data = api(prometheus, "query", query=query)
+            assert data["result"], f"dashboard panel {panel['title']!r}: no data for {t['expr']}"
+    assert "lossd" in api(prometheus, "label/job/values", **{"match[]": "lossd_build_info"})
+    instances = api(prometheus, "label/instance/values",
+                    **{"match[]": 'lossd_build_info{job=~"lossd"}'})
+    assert target in instances
+
+
+def panel(title):
+    (found,) = [p for p in dashboard_panels() if p["title"] == title]
+    return found
+
+
+def values(prometheus, expr, job, instance):
+    result = api(prometheus, "query", query=dashboard_query(expr, job, instance))["result"]
+    return [float(r["value"][1]) for r in result]
+
+
+def test_servers_up_counts_lossd_servers_only(prometheus, server):
+    (up,) = panel("Servers up")["targets"]
+    # Three targets are up, one of them Prometheus itself: with Job and Instance "All", two.
+    assert len(api(prometheus, "query", query="up == 1")["result"]) == 3
+    assert values(prometheus, up["expr"], ".*", ".*") == [2.0]
+    assert values(prometheus, up["expr"], "lossd", only_dots_escaped(target_of(server))) == [1.0]
+    assert values(prometheus, up["expr"], "prometheus", ".*") == [0.0]
+
+
+def test_panels_of_events_show_zero_before_the_first_event(prometheus, fresh_server):
+    """A server that has refused nothing shows 0 refusals, not "No data". Every panel except
+    latency quantiles (no requests have no latency) answers for the fresh server; the counts of
+    events none of which happened are 0."""
+    fresh = only_dots_escaped(target_of(fresh_server))
+    for p in dashboard_panels():
+        for t in p["targets"]:
+            if "histogram_quantile" in t["expr"]:
+                continue
+            assert values(prometheus, t["expr"], ".*", fresh), \
+                f"dashboard panel {p['title']!r}: no data for a fresh server: {t['expr']}"
+    for title in ("Tokens / s", "Failed requests", "Tokens / s by kind", "Requests / s by method",
+                  "Errors / s by code", "Refused calls", "Optimizer steps / s",
+                  "Logits not materialized", "Logits memory saved for clients"):
+        for t in panel(title)["targets"]:
+            assert values(prometheus, t["expr"], ".*", fresh) == [0.0], (title, t["expr"])
 
 
 def test_container_healthcheck_reports_serving(server):
