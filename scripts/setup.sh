@@ -11,7 +11,7 @@ packages=(
   prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libopenblas0-openmp
   nlohmann-json3-dev libssl-dev
   python3-grpcio python3-protobuf python3-numpy python3-pytest python3-torch python3-yaml
-  python3-venv prometheus
+  python3-venv python3-pip python3-setuptools python3-wheel prometheus
 )
 
 source scripts/ensure_packages.sh

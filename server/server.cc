@@ -256,12 +256,14 @@ std::string StorageNote(const HeadState& state, absl::string_view file_dtype) {
     absl::StrAppend(&note, " (rounded from the file's ", file_dtype, ")");
   }
   const size_t optimizer_bytes = (state.state1.size() + state.state2.size()) * sizeof(float);
-  if (optimizer_bytes > 0) absl::StrAppend(&note, ", optimizer state ", HumanBytes(optimizer_bytes));
+  if (optimizer_bytes > 0) {
+    absl::StrAppend(&note, ", optimizer state ", HumanBytes(optimizer_bytes));
+  }
   return note;
 }
 
-absl::StatusOr<HeadState> LoadSafetensorsHead(const HeadSpec& spec, DType dtype, std::string* source,
-                                              std::string* file_dtype) {
+absl::StatusOr<HeadState> LoadSafetensorsHead(const HeadSpec& spec, DType dtype,
+                                              std::string* source, std::string* file_dtype) {
   ASSIGN_OR_RETURN(const storage::SafetensorsFile file, storage::SafetensorsFile::Open(spec.path));
   std::string tensor_name = spec.tensor;
   if (tensor_name.empty()) {

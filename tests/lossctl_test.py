@@ -181,8 +181,8 @@ def test_bench_reports_throughput_and_latency(server):
 
 def test_compute_shows_progress_on_a_terminal_only(server):
     rows = 20000
-    command = [LOSSCTL, f"--server={server.address}", "compute", "--head=demo", f"--synthetic={rows}",
-               "--grad"]
+    command = [LOSSCTL, f"--server={server.address}", "compute", "--head=demo",
+               f"--synthetic={rows}", "--grad"]
     code, out, terminal = run_with_terminal_stderr(command, timeout=120)
     assert code == 0 and "loss" in out, out + terminal
     # One line redrawn in place: each state after a carriage return, the last one whole.
@@ -196,7 +196,8 @@ def test_compute_shows_progress_on_a_terminal_only(server):
     assert piped.stderr == "" and "loss" in piped.stdout, piped.stderr
     code, out, terminal = run_with_terminal_stderr(command + ["--quiet"], timeout=120)
     assert code == 0 and "loss" in out and terminal == "", repr(terminal)
-    quiet_bench = lossctl("bench", "--head=demo", "--tokens=64", "--calls=3", "--quiet", server=server)
+    quiet_bench = lossctl("bench", "--head=demo", "--tokens=64", "--calls=3", "--quiet",
+                          server=server)
     assert quiet_bench.stderr == "" and "3 calls in" in quiet_bench.stdout, quiet_bench.stderr
 
 

@@ -297,14 +297,16 @@ TEST_P(StorageLineTest, NamesTheDTypesAndTheBytes) {
   for (float& x : weight) x = normal(rng);
   std::vector<uint16_t> halves(weight.size());
   for (size_t i = 0; i < weight.size(); ++i) {
-    halves[i] = c.file_dtype == DType::kBFloat16 ? FloatToBFloat16(weight[i]) : FloatToFloat16(weight[i]);
+    halves[i] = c.file_dtype == DType::kBFloat16 ? FloatToBFloat16(weight[i])
+                                                 : FloatToFloat16(weight[i]);
   }
   const bool wide = c.file_dtype == DType::kFloat32;
   const std::string path = dir.File("model.safetensors");
+  const void* data = wide ? static_cast<const void*>(weight.data()) : halves.data();
+  const size_t bytes = wide ? weight.size() * sizeof(float) : halves.size() * sizeof(uint16_t);
   ASSERT_TRUE(storage::WriteSafetensorsAtomically(
                   path, {{"lm_head.weight", storage::DTypeToSafetensors(c.file_dtype).value(),
-                          {kRows, kCols}, wide ? static_cast<const void*>(weight.data()) : halves.data(),
-                          wide ? weight.size() * 4 : halves.size() * 2}},
+                          {kRows, kCols}, data, bytes}},
                   {})
                   .ok());
   server::ServerConfig config;

@@ -163,7 +163,7 @@ const std::vector<FlagSpec>& GlobalFlags() {
        "attempts per compute call: UNAVAILABLE and DEADLINE_EXCEEDED are retried with backoff, "
        "under the same call id, so that dL/dW is never accumulated twice"},
       {"quiet", FlagKind::kBool, "false",
-       "no progress on stderr (shown only when stderr is a terminal, except bench's per-call lines)"},
+       "no progress on stderr (else shown when stderr is a terminal; bench also logs each call)"},
   };
   return *flags;
 }
@@ -431,7 +431,9 @@ class TerminalProgress {
  private:
   void Redraw() {
     std::unique_lock<std::mutex> lock(mutex_);
-    while (!stop_.wait_for(lock, std::chrono::milliseconds(200), [this] { return stopped_; })) Draw();
+    while (!stop_.wait_for(lock, std::chrono::milliseconds(200), [this] { return stopped_; })) {
+      Draw();
+    }
   }
   // Back to the line's start, the text, then erase what a longer line before left.
   void Draw() { absl::FPrintF(stderr, "\r%s\033[K", describe_()); }
@@ -443,7 +445,9 @@ class TerminalProgress {
   std::thread thread_;
 };
 
-bool ShowProgress(const Flags& flags) { return !flags.Bool("quiet") && isatty(fileno(stderr)) != 0; }
+bool ShowProgress(const Flags& flags) {
+  return !flags.Bool("quiet") && isatty(fileno(stderr)) != 0;
+}
 
 std::string DTypeNote(DType dtype) {
   return dtype == DType::kBFloat16 ? " (bfloat16 bits stored as <u2)" : "";
@@ -806,7 +810,8 @@ absl::Status RunBench(const Flags& flags) {
   const bool quiet = flags.Bool("quiet");
   if (!quiet) {
     absl::FPrintF(stderr,
-                  "bench: head %s [%d x %d], %d tokens of %s per call, %d calls, %d at a time%s%s\n",
+                  "bench: head %s [%d x %d], %d tokens of %s per call, %d calls, %d at a "
+                  "time%s%s\n",
                   head.name, head.vocab_size, head.hidden_size, tokens, DTypeName(dtype), calls,
                   streams, request.outputs.grad_hidden ? ", dL/dh" : "",
                   request.outputs.accumulate_grad_weight ? ", dL/dW accumulated" : "");
@@ -1055,8 +1060,9 @@ void PrintMainHelp(std::FILE* out) {
   absl::FPrintF(out, "\nGlobal flags (before or after the subcommand):\n");
   PrintFlagHelp(out, GlobalFlags());
   absl::FPrintF(out,
-                "\n`lossctl SUBCOMMAND --help` describes a subcommand's flags, `lossctl --version` prints "
-                "the version. Exit codes: 0 success, 1 a failed call or file, 2 a usage error.\n");
+                "\n`lossctl SUBCOMMAND --help` describes a subcommand's flags, `lossctl --version` "
+                "prints the version. Exit codes: 0 success, 1 a failed call or file, 2 a usage "
+                "error.\n");
 }
 
 void PrintSubcommandHelp(const Subcommand& sub) {

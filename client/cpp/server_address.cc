@@ -70,9 +70,8 @@ absl::Status CheckServerAddress(absl::string_view address, absl::string_view fie
     const std::string suggestion = HasHostAndPort(authority, &port_missing)
                                        ? std::string(authority)
                                        : absl::StrCat(authority, ":", kDefaultServerPort);
-    return got(absl::StrCat(
-        ", a URL: gRPC takes no http:// or https:// scheme (root certificates turn TLS on); give \"",
-        suggestion, "\""));
+    return got(absl::StrCat(", a URL: gRPC takes no http:// or https:// scheme (root ",
+                            "certificates turn TLS on); give \"", suggestion, "\""));
   }
   bool port_missing = false;
   if (HasHostAndPort(address, &port_missing)) return absl::OkStatus();
@@ -82,8 +81,8 @@ absl::Status CheckServerAddress(absl::string_view address, absl::string_view fie
                             kDefaultServerPort, "\""));
   }
   if (absl::StrContains(address.substr(address.find(':') + 1), ':')) {
-    return got(absl::StrCat(": an IPv6 address goes in brackets, as in \"[::1]:", kDefaultServerPort,
-                            "\""));
+    return got(absl::StrCat(": an IPv6 address goes in brackets, as in \"[::1]:",
+                            kDefaultServerPort, "\""));
   }
   return got(", which is not HOST:PORT with a port in [1, 65535]");
 }

@@ -32,7 +32,8 @@ add_test(NAME shared_memory_users
 # The package built as an sdist and a wheel from it, installed into a fresh venv (PyPI's `build`
 # and the wheel's dependencies when PyPI can be reached).
 add_test(NAME python_packaging
-  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_packaging.py)
+  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
+          ${CMAKE_CURRENT_LIST_DIR}/test_packaging.py)
 set_tests_properties(python_packaging PROPERTIES
   ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;OMP_NUM_THREADS=2"
   TIMEOUT 900)

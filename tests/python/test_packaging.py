@@ -31,7 +31,8 @@ PIP_NETWORK = ["--retries", "1", "--timeout", "20"]
 def run(*command, cwd=None, timeout=600):
     done = subprocess.run([str(part) for part in command], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)
-    assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    assert done.returncode == 0, \
+        f"{command} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
 

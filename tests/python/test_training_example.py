@@ -86,7 +86,8 @@ def test_the_documented_command_works_from_a_checkout_with_progress_on_a_termina
     assert code == 0, out + terminal
     assert re.search(r"^max \|local - lossd\| over 3 steps: ", out, re.M), out
     for run in ("(A) local head", "(B) lossd head"):
-        steps = [int(n) for n in re.findall(rf"\r{re.escape(run)}: step (\d+)/3, loss [\d.]+", terminal)]
+        pattern = rf"\r{re.escape(run)}: step (\d+)/3, loss [\d.]+"
+        steps = [int(n) for n in re.findall(pattern, terminal)]
         assert steps == [1, 2, 3], repr(terminal)
     assert terminal.count("\n") == 2, repr(terminal)  # each run's line ends once
 

@@ -55,5 +55,6 @@ def check(address, field="address"):
         raise ValueError(f"{prefix}, which has no port: lossd listens on {DEFAULT_PORT} unless "
                          f'its --listen says otherwise, as in "{address}:{DEFAULT_PORT}"')
     if ":" in address.partition(":")[2]:
-        raise ValueError(f'{prefix}: an IPv6 address goes in brackets, as in "[::1]:{DEFAULT_PORT}"')
+        raise ValueError(f"{prefix}: an IPv6 address goes in brackets, as in "
+                         f'"[::1]:{DEFAULT_PORT}"')
     raise ValueError(f"{prefix}, which is not HOST:PORT with a port in [1, 65535]")
