@@ -157,8 +157,8 @@ struct ComputeRequest {
   // random id (32 hex digits). Set one to repeat a call across processes; at most 64 characters
   // of printable ASCII without spaces.
   std::string call_id;
-  // Called on the calling thread as results arrive, with the rows whose results have come and
-  // num_tokens: for showing progress. Empty: not called.
+  // Called on the calling thread as results arrive, with the rows whose results have come in this
+  // attempt (a retry starts again from 0) and num_tokens: for showing progress. Empty: not called.
   std::function<void(int64_t rows_done, int64_t rows_total)> on_progress;
   // Where dL/dh goes when asked for: null fills result.grad_hidden; set, num_tokens * hidden_size
   // values of the grad dtype in the caller's buffer, written only once the call has succeeded
