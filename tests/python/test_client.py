@@ -21,7 +21,7 @@ from server_process import ServerProcess, ensure_python_client
 
 ensure_python_client()
 import lossd  # noqa: E402
-from lossd.torch import RemoteHead  # noqa: E402
+from lossd.torch import RemoteHead, RemoteLogprobs  # noqa: E402
 from lossd.v1 import lossd_pb2 as pb  # noqa: E402
 
 LOSSCTL = os.environ.get("LOSSCTL_BIN", "build/bin/lossctl")
@@ -359,8 +359,9 @@ def test_labels_must_be_integer_token_ids(client, head):
                  lambda: client.score(head.head, hidden.numpy(), float_labels.tolist()),
                  lambda: head(hidden, float_labels),
                  lambda: head.score(hidden, labels.float()),
-                 lambda: head(hidden, labels > 0)):
-        with pytest.raises(TypeError, match=r"(labels|token_ids): expected integer token ids, "
+                 lambda: head(hidden, labels > 0),
+                 lambda: RemoteLogprobs(client, head.head)(hidden, float_labels)):
+        with pytest.raises(TypeError, match=r"(labels|token_ids|tokens): expected integer token ids, "
                                             r"got \S+ values"):
             call()
     assert head.info().accumulated_tokens == 0
@@ -370,10 +371,11 @@ def test_labels_must_be_integer_token_ids(client, head):
 
 
 def test_a_wrong_head_name_fails_when_the_remote_head_is_made(client, head):
-    with pytest.raises(lossd.LossdError) as error:
-        RemoteHead(client, "no-such-head")
-    assert error.value.code == "NOT_FOUND"
-    assert "no-such-head" in error.value.message and head.head in error.value.message
+    for module in (RemoteHead, RemoteLogprobs):
+        with pytest.raises(lossd.LossdError) as error:
+            module(client, "no-such-head")
+        assert error.value.code == "NOT_FOUND"
+        assert "no-such-head" in error.value.message and head.head in error.value.message
 
 
 def test_backward_after_a_step_is_refused(head):

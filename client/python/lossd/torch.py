@@ -433,6 +433,7 @@ class RemoteLogprobs(torch.nn.Module):
     def __init__(self, client, head, shared_memory=False):
         super().__init__()
         self.client = client if isinstance(client, Client) else Client(client)
+        self.client.get_head(head)  # a wrong name fails here, as RemoteHead's does
         self.head = head
         self.shared_memory = shared_memory
 
@@ -441,7 +442,7 @@ class RemoteLogprobs(torch.nn.Module):
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])
         call = _LossCall(
             client=self.client, head=self.head,
-            labels=tokens.detach().reshape(-1).to("cpu", torch.int64).numpy(), weights=None,
+            labels=_token_ids(tokens, "tokens"), weights=None,
             reduction="sum",
             options=dict(ignore_index=ignore_index, temperature=temperature,
                          logit_softcap=logit_softcap, shared_memory=self.shared_memory))
