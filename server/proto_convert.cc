@@ -101,10 +101,8 @@ absl::StatusOr<OptimizerConfig> FromProto(const v1::StepRequest& request) {
     case v1::StepRequest::kSgd: {
       const v1::SgdConfig& sgd = request.sgd();
       c.kind = OptimizerConfig::Kind::kSgd;
-      if (!sgd.has_learning_rate()) {
-        return InvalidField("sgd.learning_rate", "a learning rate (SGD has no default)", "none");
-      }
-      c.learning_rate = sgd.learning_rate();
+      // Unset keeps torch.optim.SGD's default learning rate, OptimizerConfig's 1e-3.
+      if (sgd.has_learning_rate()) c.learning_rate = sgd.learning_rate();
       c.momentum = sgd.momentum();
       c.weight_decay = sgd.weight_decay();
       if (!IsFiniteAtLeast(c.momentum, 0.0)) {

@@ -58,7 +58,6 @@ def test_usage_errors_exit_2():
     assert "unknown subcommand" in lossctl("frobnicate", expect=2).stderr
     assert "unknown flag --bogus" in lossctl("heads", "--bogus", expect=2).stderr
     assert "--out is required" in lossctl("fetch-grad", expect=2).stderr
-    assert "--lr is required" in lossctl("step", "--optimizer=sgd", expect=2).stderr
     assert "--synthetic" in lossctl("compute", "--synthetic=abc", expect=2).stderr
 
 
@@ -139,8 +138,9 @@ def test_step_takes_torchs_adamw_defaults(tmp_path):
         out = lossctl("step", "--optimizer=adamw", server=fresh).stdout
         assert "stepped head demo with adamw" in out, out
         lossctl("fetch-weight", "--out", tmp_path / "after.npy", server=fresh)
-        err = lossctl("step", "--optimizer=sgd", server=fresh, expect=2).stderr
-        assert "--lr is required with --optimizer=sgd (no default)" in err, err
+        # SGD without --lr takes torch's 1e-3; the accumulator is empty after the AdamW step.
+        out = lossctl("step", "--optimizer=sgd", server=fresh).stdout
+        assert "stepped head demo with sgd" in out, out
     weight = np.load(tmp_path / "w.npy").astype(np.float64)
     grad = np.load(tmp_path / "g.npy").astype(np.float64)
     lr, weight_decay, eps = 1e-3, 0.01, 1e-8

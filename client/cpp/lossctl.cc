@@ -701,13 +701,12 @@ absl::Status RunStep(const Flags& flags) {
   const std::string optimizer = flags.String("optimizer");
   // Flags left out keep torch.optim's defaults, which SgdOptions and AdamWOptions hold.
   if (optimizer == "sgd") {
-    if (!flags.given("lr")) return UsageError("--lr is required with --optimizer=sgd (no default)");
     for (const char* flag : {"beta1", "beta2", "eps"}) {
       if (flags.given(flag))
         return UsageError(absl::StrCat("--", flag, " is an AdamW setting; --optimizer is sgd"));
     }
     SgdOptions sgd;
-    sgd.learning_rate = flags.Double("lr");
+    if (flags.given("lr")) sgd.learning_rate = flags.Double("lr");
     if (flags.given("momentum")) sgd.momentum = flags.Double("momentum");
     if (flags.given("weight_decay")) sgd.weight_decay = flags.Double("weight_decay");
     options.optimizer = sgd;
@@ -991,7 +990,7 @@ const std::vector<Subcommand>& Subcommands() {
        "apply an optimizer step to W from the accumulated gradient (torch.optim's defaults)",
        {HeadFlag(),
         {"optimizer", FlagKind::kString, "", "sgd or adamw"},
-        {"lr", FlagKind::kDouble, "", "learning rate: required for SGD; AdamW's default 1e-3"},
+        {"lr", FlagKind::kDouble, "", "learning rate (default 1e-3, torch's for both)"},
         {"momentum", FlagKind::kDouble, "0", "SGD momentum"},
         {"beta1", FlagKind::kDouble, "0.9", "AdamW beta1"},
         {"beta2", FlagKind::kDouble, "0.999", "AdamW beta2"},

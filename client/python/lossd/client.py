@@ -516,17 +516,15 @@ class Client:
              head_version=None) -> StepInfo:
         """One optimizer step on W with the accumulated gradient: optimizer "sgd" or "adamw",
         with the semantics and defaults of torch.optim.SGD and torch.optim.AdamW. lr None is
-        AdamW's 1e-3, and an error for SGD, which has no default; weight_decay None is AdamW's
-        0.01 (decoupled) or SGD's 0 (an L2 penalty). max_grad_norm > 0 clips by the gradient's
+        torch's 1e-3 for both; weight_decay None is AdamW's 0.01 (decoupled) or SGD's 0 (an L2
+        penalty). max_grad_norm > 0 clips by the gradient's
         norm first (as torch.nn.utils.clip_grad_norm_). The gradient is zeroed afterwards unless
         keep_grad. head_version pins the step: FAILED_PRECONDITION unless the head is at that
         version."""
         request = pb.StepRequest(head=head, max_grad_norm=max_grad_norm, keep_grad=keep_grad)
         if optimizer == "sgd":
-            if lr is None:
-                raise ValueError("lr: SGD needs a learning rate (it has no default)")
             request.sgd.CopyFrom(pb.SgdConfig(
-                learning_rate=lr, momentum=momentum,
+                learning_rate=1e-3 if lr is None else lr, momentum=momentum,
                 weight_decay=0.0 if weight_decay is None else weight_decay))
         elif optimizer == "adamw":
             if momentum:

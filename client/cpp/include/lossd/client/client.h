@@ -208,7 +208,7 @@ struct ComputeResult {
 
 // Optimizer settings; torch.optim semantics and defaults, as the wire contract has them.
 struct SgdOptions {
-  std::optional<double> learning_rate;  // required: the server refuses a step without one
+  std::optional<double> learning_rate;  // unset: the server's default, torch's 1e-3
   double momentum = 0.0;
   double weight_decay = 0.0;  // L2 penalty added to the gradient
 };
