@@ -55,6 +55,15 @@ absl::string_view ObjectiveName(Objective objective) {
     case Objective::kPpo: return "ppo";
     case Objective::kCispo: return "cispo";
     case Objective::kLogprobGradient: return "logprob_gradient";
+    case Objective::kDistill: return "distill";
+  }
+  return "unknown";
+}
+
+absl::string_view SparseTeacherMassName(SparseTeacherMass mass) {
+  switch (mass) {
+    case SparseTeacherMass::kRenormalize: return "renormalize";
+    case SparseTeacherMass::kSpread: return "spread";
   }
   return "unknown";
 }
@@ -111,12 +120,82 @@ absl::Status ValidatePolicyOptions(const LossOptions& o) {
   return absl::OkStatus();
 }
 
+// A positive normal fp32 value (temperatures: T and 1 / T finite in fp32).
+absl::Status ValidateTemperature(absl::string_view field, double value) {
+  if (value > 0.0 && IsNormalFloat(value)) return absl::OkStatus();
+  return InvalidField(field,
+                      absl::StrCat("a value in ", NormalFloatRange(),
+                                   " (a normal fp32 number: T and 1 / T finite in fp32)"),
+                      absl::StrCat(value));
+}
+
+// 0 (off) or a positive normal fp32 value.
+absl::Status ValidateSoftcap(absl::string_view field, double value) {
+  if (value == 0.0 || (value > 0.0 && IsNormalFloat(value))) return absl::OkStatus();
+  return InvalidField(
+      field, absl::StrCat("0 (off) or a value in ", NormalFloatRange(), " (a normal fp32 number)"),
+      absl::StrCat(value));
+}
+
+// The distill options: in range under the distill objective, at their defaults under any other.
+absl::Status ValidateDistillOptions(const LossOptions& o) {
+  const DistillOptions& d = o.distill;
+  if (o.objective != Objective::kDistill) {
+    const DistillOptions defaults;
+    const struct {
+      const char* field;
+      bool at_default;
+    } fields[] = {
+        {"distill.beta", d.beta == defaults.beta},
+        {"distill.alpha", d.alpha == defaults.alpha},
+        {"distill.temperature", d.temperature == defaults.temperature},
+        {"distill.teacher_logit_softcap", d.teacher_logit_softcap == defaults.teacher_logit_softcap},
+        {"distill.teacher_temperature", d.teacher_temperature == defaults.teacher_temperature},
+        {"distill.sparse_teacher_mass", d.sparse_mass == defaults.sparse_mass},
+    };
+    for (const auto& field : fields) {
+      if (!field.at_default) {
+        return InvalidField(field.field, "its default unless the objective is distill",
+                            absl::StrCat("a value with objective ", ObjectiveName(o.objective)));
+      }
+    }
+    return absl::OkStatus();
+  }
+  if (!(d.beta >= 0.0 && d.beta <= 1.0)) {
+    return InvalidField("distill.beta",
+                        "a value in [0, 1] (0: forward KL, 1: reverse KL, between: JSD)",
+                        absl::StrCat(d.beta));
+  }
+  if (!(d.alpha >= 0.0 && d.alpha <= 1.0)) {
+    return InvalidField("distill.alpha", "a value in [0, 1]", absl::StrCat(d.alpha));
+  }
+  RETURN_IF_ERROR(ValidateTemperature("distill.temperature", d.temperature));
+  RETURN_IF_ERROR(ValidateSoftcap("distill.teacher_logit_softcap", d.teacher_logit_softcap));
+  RETURN_IF_ERROR(ValidateTemperature("distill.teacher_temperature", d.teacher_temperature));
+  if (d.sparse_mass != SparseTeacherMass::kRenormalize &&
+      d.sparse_mass != SparseTeacherMass::kSpread) {
+    return InvalidField("distill.sparse_teacher_mass", "renormalize or spread",
+                        absl::StrCat(static_cast<int>(d.sparse_mass)));
+  }
+  // The policy terms read the label's log-probability against a reference; under distillation
+  // the teacher is the reference.
+  if (o.policy.kl_estimator != KlEstimator::kNone) {
+    return InvalidField("policy.kl_estimator", "none with objective distill",
+                        KlEstimatorName(o.policy.kl_estimator));
+  }
+  if (o.policy.entropy_coef != 0.0) {
+    return InvalidField("policy.entropy_coef", "0 with objective distill",
+                        absl::StrCat(o.policy.entropy_coef));
+  }
+  return absl::OkStatus();
+}
+
 // The first row of `values` that is not finite where the row is counted, named "<field>[i]".
 absl::Status ValidateCountedFinite(absl::string_view field, const float* values,
                                    const int64_t* labels, int64_t count, int64_t ignore_index,
                                    int64_t first_index) {
   for (int64_t i = 0; i < count; ++i) {
-    if (labels[i] != ignore_index && !std::isfinite(values[i])) {
+    if ((labels == nullptr || labels[i] != ignore_index) && !std::isfinite(values[i])) {
       return InvalidField(absl::StrCat(field, "[", first_index + i, "]"), "a finite value",
                           absl::StrCat(values[i]));
     }
@@ -137,16 +216,18 @@ absl::Status ValidateOptions(const LossOptions& o) {
                         absl::StrCat(static_cast<int>(o.reduction)));
   }
   if (o.objective != Objective::kCrossEntropy && !IsPolicyObjective(o.objective) &&
-      o.objective != Objective::kLogprobGradient) {
-    return InvalidField("objective",
-                        "cross_entropy, importance_sampling, ppo, cispo or logprob_gradient",
-                        absl::StrCat(static_cast<int>(o.objective)));
+      o.objective != Objective::kLogprobGradient && o.objective != Objective::kDistill) {
+    return InvalidField(
+        "objective", "cross_entropy, importance_sampling, ppo, cispo, logprob_gradient or distill",
+        absl::StrCat(static_cast<int>(o.objective)));
   }
-  if (o.objective != Objective::kCrossEntropy && o.label_smoothing != 0.0) {
-    return InvalidField("label_smoothing", "0 unless the objective is cross_entropy",
+  if (o.objective != Objective::kCrossEntropy && o.objective != Objective::kDistill &&
+      o.label_smoothing != 0.0) {
+    return InvalidField("label_smoothing", "0 unless the objective is cross_entropy or distill",
                         absl::StrCat(o.label_smoothing, " with objective ", ObjectiveName(o.objective)));
   }
   RETURN_IF_ERROR(ValidatePolicyOptions(o));
+  RETURN_IF_ERROR(ValidateDistillOptions(o));
   if (!(o.label_smoothing >= 0.0 && o.label_smoothing <= 1.0)) {
     return InvalidField("label_smoothing", "a value in [0, 1]", absl::StrCat(o.label_smoothing));
   }
@@ -154,18 +235,8 @@ absl::Status ValidateOptions(const LossOptions& o) {
     return InvalidField("z_loss_scale", absl::StrCat("a value in [0, ", FLT_MAX, "] (fp32)"),
                         absl::StrCat(o.z_loss_scale));
   }
-  if (!(o.logit_softcap == 0.0 || (o.logit_softcap > 0.0 && IsNormalFloat(o.logit_softcap)))) {
-    return InvalidField("logit_softcap",
-                        absl::StrCat("0 (off) or a value in ", NormalFloatRange(),
-                                     " (a normal fp32 number)"),
-                        absl::StrCat(o.logit_softcap));
-  }
-  if (!(o.temperature > 0.0 && IsNormalFloat(o.temperature))) {
-    return InvalidField("temperature",
-                        absl::StrCat("a value in ", NormalFloatRange(),
-                                     " (a normal fp32 number: T and 1 / T finite in fp32)"),
-                        absl::StrCat(o.temperature));
-  }
+  RETURN_IF_ERROR(ValidateSoftcap("logit_softcap", o.logit_softcap));
+  RETURN_IF_ERROR(ValidateTemperature("temperature", o.temperature));
   if (!(std::fabs(o.grad_scale) <= FLT_MAX)) {
     return InvalidField("grad_scale",
                         absl::StrCat("a value in [", -FLT_MAX, ", ", FLT_MAX, "] (fp32)"),
@@ -181,6 +252,135 @@ absl::Status ValidateOptions(const LossOptions& o) {
     return InvalidField("grad_scale / mean_denominator",
                         absl::StrCat("a value in [", -FLT_MAX, ", ", FLT_MAX, "] (fp32)"),
                         absl::StrCat(o.grad_scale, " / ", o.mean_denominator));
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+// The teacher of a distill call (TeacherInputs), and none for any other objective.
+absl::Status ValidateTeacher(const BatchInputs& in, const WeightView& weight,
+                             const LossOptions& options) {
+  const TeacherInputs& t = in.teacher;
+  if (options.objective != Objective::kDistill) {
+    if (t.dense() || t.sparse() || t.hidden != nullptr) {
+      return InvalidField("teacher", "none unless the objective is distill",
+                          absl::StrCat("a teacher with objective ", ObjectiveName(options.objective)));
+    }
+    return absl::OkStatus();
+  }
+  if (t.dense() == t.sparse()) {
+    return InvalidField("teacher", "a teacher head with its hidden rows, or a sparse top-k",
+                        t.dense() ? "both" : "neither");
+  }
+  if (t.sparse()) {
+    const int64_t max_k = std::min<int64_t>(weight.vocab_size, kMaxTeacherTopK);
+    if (t.top_k > max_k) {
+      return InvalidField("teacher.top_k", absl::StrCat("a value in [1, ", max_k, "]"),
+                          absl::StrCat(t.top_k));
+    }
+    const DistillOptions& d = options.distill;
+    if (d.teacher_logit_softcap != 0.0 || d.teacher_temperature != 1.0) {
+      return InvalidField("distill.teacher_logit_softcap/teacher_temperature",
+                          "0 and 1 with a sparse teacher (its log-probabilities are final)",
+                          absl::StrCat(d.teacher_logit_softcap, " and ", d.teacher_temperature));
+    }
+    if (DivergenceOf(d.beta) == DivergenceKind::kReverseKl &&
+        d.sparse_mass == SparseTeacherMass::kRenormalize) {
+      return InvalidField("distill.beta",
+                          "below 1 with a renormalized sparse teacher (its zero probabilities "
+                          "make KL(q || p) infinite), or sparse_teacher_mass spread",
+                          "1 (reverse KL)");
+    }
+    if (in.num_tokens > 0 && (t.top_k_tokens == nullptr || t.top_k_logprobs == nullptr)) {
+      return InvalidField("teacher.top_k_tokens/top_k_logprobs", "non-null buffers", "null");
+    }
+    return ValidateSparseTeacher(t, in.num_tokens, weight.vocab_size, options, in.labels);
+  }
+  const WeightView& tw = *t.weight;
+  if (tw.data == nullptr || tw.vocab_size <= 0 || tw.hidden_size <= 0) {
+    return absl::FailedPreconditionError("teacher.weight: expected a loaded [V, H] head");
+  }
+  if (!IsKnownDType(tw.dtype)) {
+    return InvalidField("teacher.weight.dtype", "float32, bfloat16 or float16",
+                        absl::StrCat(static_cast<int>(tw.dtype)));
+  }
+  if (tw.vocab_size != weight.vocab_size) {
+    return InvalidField("teacher.vocab_size",
+                        absl::StrCat(weight.vocab_size, " (the student head's V)"),
+                        absl::StrCat(tw.vocab_size));
+  }
+  const size_t elements = static_cast<size_t>(tw.vocab_size) * tw.hidden_size;
+  if (tw.data->bytes() < elements * DTypeSize(tw.dtype)) {
+    return InvalidField("teacher.weight", absl::StrCat(elements * DTypeSize(tw.dtype), " bytes"),
+                        absl::StrCat(tw.data->bytes()));
+  }
+  if (t.hidden_size != tw.hidden_size) {
+    return InvalidField("teacher.hidden_size", absl::StrCat(tw.hidden_size, " (the teacher's H)"),
+                        absl::StrCat(t.hidden_size));
+  }
+  if (!IsKnownDType(t.hidden_dtype)) {
+    return InvalidField("teacher.hidden_dtype", "float32, bfloat16 or float16",
+                        absl::StrCat(static_cast<int>(t.hidden_dtype)));
+  }
+  if (in.num_tokens > 0 && t.hidden == nullptr) {
+    return InvalidField("teacher.hidden", "a non-null buffer", "null");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateSparseTeacher(const TeacherInputs& t, int64_t count, int64_t vocab_size,
+                                   const LossOptions& options, const int64_t* labels,
+                                   int64_t first_index) {
+  // Cached log-probabilities are rounded (bf16 keeps 8 bits): their probabilities may sum a
+  // little past 1.
+  constexpr double kMassTolerance = 1e-3;
+  const int k = t.top_k;
+  const bool needs_rest = options.distill.sparse_mass == SparseTeacherMass::kSpread &&
+                          DivergenceOf(options.distill.beta) == DivergenceKind::kReverseKl &&
+                          k < vocab_size;
+  std::vector<int32_t> sorted(k);
+  for (int64_t r = 0; r < count; ++r) {
+    const int32_t* tokens = t.top_k_tokens + r * k;
+    const float* logprobs = t.top_k_logprobs + r * k;
+    const auto where = [&](int j) { return absl::StrCat("[", first_index + r, ", ", j, "]"); };
+    double mass = 0.0;
+    for (int j = 0; j < k; ++j) {
+      if (tokens[j] < 0 || tokens[j] >= vocab_size) {
+        return InvalidField(absl::StrCat("teacher_top_k_tokens", where(j)),
+                            absl::StrCat("a token id in [0, ", vocab_size, ")"),
+                            absl::StrCat(tokens[j]));
+      }
+      if (!(logprobs[j] <= 0.0f) || std::isinf(logprobs[j])) {
+        return InvalidField(absl::StrCat("teacher_top_k_logprobs", where(j)),
+                            "a finite log-probability <= 0", absl::StrCat(logprobs[j]));
+      }
+      mass += std::exp(static_cast<double>(logprobs[j]));
+    }
+    if (mass > 1.0 + kMassTolerance) {
+      return InvalidField(absl::StrCat("teacher_top_k_logprobs[", first_index + r, "]"),
+                          absl::StrCat("log-probabilities whose probabilities sum to at most 1 (+",
+                                       kMassTolerance, ")"),
+                          absl::StrCat("a sum of ", mass));
+    }
+    const bool counted = labels == nullptr || labels[r] != options.ignore_index;
+    if (needs_rest && counted && !(1.0 - mass > 0.0)) {
+      return InvalidField(
+          absl::StrCat("teacher_top_k_logprobs[", first_index + r, "]"),
+          "probabilities summing below 1 (the reverse KL needs a spread teacher with mass on "
+          "every token)",
+          absl::StrCat("a sum of ", mass));
+    }
+    std::copy(tokens, tokens + k, sorted.begin());
+    std::sort(sorted.begin(), sorted.end());
+    const auto repeated = std::adjacent_find(sorted.begin(), sorted.end());
+    if (repeated != sorted.end()) {
+      const int j = static_cast<int>(std::find(tokens, tokens + k, *repeated) - tokens);
+      return InvalidField(absl::StrCat("teacher_top_k_tokens", where(j)),
+                          "token ids distinct within a row", absl::StrCat(*repeated, " twice"));
+    }
   }
   return absl::OkStatus();
 }
@@ -209,10 +409,20 @@ absl::Status ValidateCall(const BatchInputs& in, const WeightView& weight, const
     return InvalidField("hidden_dtype", "float32, bfloat16 or float16",
                         absl::StrCat(static_cast<int>(in.hidden_dtype)));
   }
-  if (in.num_tokens > 0 && (in.hidden == nullptr || in.labels == nullptr)) {
-    return InvalidField("hidden/labels", "non-null buffers", "null");
+  const bool distill = options.objective == Objective::kDistill;
+  if (in.num_tokens > 0 && in.hidden == nullptr) {
+    return InvalidField("hidden", "a non-null buffer", "null");
   }
-  RETURN_IF_ERROR(ValidateLabels(in.labels, in.num_tokens, weight.vocab_size, options.ignore_index));
+  if (in.num_tokens > 0 && in.labels == nullptr && !(distill && options.distill.alpha == 0.0)) {
+    return InvalidField("labels",
+                        "a non-null buffer (only distill with alpha 0 may go without labels)",
+                        "null");
+  }
+  if (in.labels != nullptr) {
+    RETURN_IF_ERROR(
+        ValidateLabels(in.labels, in.num_tokens, weight.vocab_size, options.ignore_index));
+  }
+  RETURN_IF_ERROR(ValidateTeacher(in, weight, options));
   if (in.token_weights != nullptr) RETURN_IF_ERROR(ValidateTokenWeights(in.token_weights, in.num_tokens));
   RETURN_IF_ERROR(ValidateObjectiveInputs(in, options));
   if (out.top_k < 0 || out.top_k > kMaxTopK || out.top_k > weight.vocab_size) {
@@ -377,7 +587,7 @@ absl::StatusOr<std::vector<double>> SequenceReductionScales(const LossOptions& o
   int64_t sequences_counted = 0;
   for (int64_t s = 0, row = 0; s < num_sequences; ++s) {
     for (int64_t end = row + sequence_lengths[s]; row < end; ++row) {
-      counted[s] += labels[row] != options.ignore_index;
+      counted[s] += labels == nullptr || labels[row] != options.ignore_index;
     }
     sequences_counted += counted[s] > 0;
   }
@@ -388,7 +598,7 @@ absl::StatusOr<std::vector<double>> SequenceReductionScales(const LossOptions& o
     const double per_sequence =
         options.reduction == Reduction::kSequenceMeanTokenMean ? static_cast<double>(counted[s]) : 1.0;
     for (int64_t end = row + sequence_lengths[s]; row < end; ++row) {
-      if (labels[row] != options.ignore_index && sequences > 0) {
+      if ((labels == nullptr || labels[row] != options.ignore_index) && sequences > 0) {
         scales[row] = 1.0 / (sequences * per_sequence);
       }
     }
@@ -408,10 +618,21 @@ ProblemShape ShapeOfCall(const BatchInputs& in, const WeightView& weight, const 
   shape.grad_weight = grad_weight;
   shape.grad_hidden_dtype = out.grad_hidden_dtype;
   shape.top_k = out.top_k;
+  const TeacherInputs& t = in.teacher;
+  if (t.dense()) {
+    shape.teacher.kind = TeacherKind::kDense;
+    shape.teacher.hidden_size = t.weight->hidden_size;
+    shape.teacher.hidden_dtype = t.hidden_dtype;
+    shape.teacher.weight_dtype = t.weight->dtype;
+  } else if (t.sparse()) {
+    shape.teacher.kind = TeacherKind::kSparse;
+    shape.teacher.top_k = t.top_k;
+  }
   return shape;
 }
 
 int64_t CountCountedRows(const int64_t* labels, int64_t num_tokens, int64_t ignore_index) {
+  if (labels == nullptr) return num_tokens;
   int64_t counted = 0;
   for (int64_t i = 0; i < num_tokens; ++i) counted += labels[i] != ignore_index;
   return counted;
@@ -532,11 +753,20 @@ RowResult RowFinisher::Finish(int64_t row, const RowStats& stats) const {
 }
 
 RowGradient RowFinisher::Gradient(int64_t row, const RowResult& result) const {
-  const double multiplier = IsSequenceReduction(options_.reduction)
-                                ? options_.grad_scale * inputs_.reduction_scales[row]
-                                : multiplier_;
-  return MakeRowGradient(result, inputs_.labels[row], counted(row), weight(row), multiplier,
-                         terms_);
+  return MakeRowGradient(result, label(row), counted(row), weight(row), multiplier(row), terms_);
+}
+
+DistillRowResult RowFinisher::FinishDistill(int64_t row, const RowStats& stats,
+                                            const DistillStats& distill,
+                                            const DistillRowTerms& terms) const {
+  return FinishDistillRow(stats, distill, terms, counted(row), inputs_.labels != nullptr,
+                          weight(row), terms_, options_.distill, inputs_.teacher.dense());
+}
+
+DistillRowGradient RowFinisher::DistillGradient(int64_t row, const DistillRowResult& result,
+                                                const DistillRowConstants& constants) const {
+  return MakeDistillRowGradient(result, constants, label(row), counted(row), weight(row),
+                                multiplier(row), terms_, options_.distill);
 }
 
 void RowFinisher::Emit(int64_t row, const RowResult& result, const RowStats& stats,
@@ -548,7 +778,8 @@ void RowFinisher::Emit(int64_t row, const RowResult& result, const RowStats& sta
   if (IsSequenceReduction(options_.reduction)) {
     summary.loss += inputs_.reduction_scales[row] * result.loss;
   }
-  summary.correct_tokens += counted(row) && stats.argmax == inputs_.labels[row];
+  summary.correct_tokens += inputs_.labels != nullptr && counted(row) &&
+                            stats.argmax == inputs_.labels[row];
   if (counted(row)) {
     summary.clipped_tokens += result.clip != ClipState::kNone;
     summary.kl_sum += result.kl;
@@ -566,6 +797,18 @@ void RowFinisher::Emit(int64_t row, const RowResult& result, const RowStats& sta
     out.top_k_logprob[row * k + j] = top_values[j] - result.lse;
     out.top_k_token[row * k + j] = top_tokens[j];
   }
+}
+
+void RowFinisher::EmitDistill(int64_t row, const DistillRowResult& result, const RowStats& stats,
+                              const float* top_values, const int32_t* top_tokens,
+                              BatchSummary& summary) const {
+  Emit(row, result.row, stats, top_values, top_tokens, summary);
+  if (counted(row)) {
+    summary.kd_sum += result.kd;
+    summary.ce_sum += result.ce;
+  }
+  if (outputs_.kd != nullptr) outputs_.kd[row] = result.kd;
+  if (outputs_.ce != nullptr) outputs_.ce[row] = result.ce;
 }
 
 void RowFinisher::Close(BatchSummary& summary) const {

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <numeric>
 
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/half.h"
@@ -40,6 +41,60 @@ std::vector<uint8_t> RoundToDType(std::vector<double>& values, DType dtype) {
     values[i] = LoadAsFloat(bytes.data(), dtype, static_cast<int64_t>(i));
   }
   return bytes;
+}
+
+// A distill call's teacher (ProblemSpec): a random head and rows, or the top-k of their
+// log-probabilities at temperature 1, or the student's own.
+void MakeTeacher(const ProblemSpec& spec, std::mt19937_64& rng, Problem& p) {
+  ReferenceProblem& r = p.reference;
+  if (spec.teacher_is_student) {
+    r.teacher_hidden_size = r.hidden_size;
+    r.teacher_hidden = r.hidden;
+    r.teacher_weight = r.weight;
+    return;
+  }
+  const int64_t n = spec.num_tokens;
+  const int64_t v = spec.vocab_size;
+  const int64_t ht = spec.teacher_hidden_size > 0 ? spec.teacher_hidden_size : spec.hidden_size;
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<double> hidden(n * ht);
+  for (double& x : hidden) x = normal(rng);
+  std::vector<double> weight(v * ht);
+  const double scale = spec.teacher_logit_scale / std::sqrt(static_cast<double>(ht));
+  for (double& x : weight) x = normal(rng) * scale;
+  if (spec.teacher_top_k == 0) {
+    p.teacher_hidden_bytes = RoundToDType(hidden, spec.teacher_hidden_dtype);
+    p.teacher_weight_bytes = RoundToDType(weight, spec.teacher_weight_dtype);
+    r.teacher_hidden_size = ht;
+    r.teacher_hidden = hidden;
+    r.teacher_weight = weight;
+    return;
+  }
+  const int k = spec.teacher_top_k;
+  r.teacher_top_k = k;
+  std::vector<double> logits(v);
+  std::vector<int64_t> order(v);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t t = 0; t < v; ++t) {
+      double a = 0.0;
+      for (int64_t j = 0; j < ht; ++j) a += hidden[i * ht + j] * weight[t * ht + j];
+      logits[t] = a;
+    }
+    const double m = *std::max_element(logits.begin(), logits.end());
+    double sum = 0.0;
+    for (double a : logits) sum += std::exp(a - m);
+    const double lse = m + std::log(sum);
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int64_t a, int64_t b) { return logits[a] > logits[b]; });
+    for (int j = 0; j < k; ++j) {
+      const float logprob = static_cast<float>(logits[order[j]] - lse);
+      p.teacher_top_k_tokens.push_back(static_cast<int32_t>(order[j]));
+      p.teacher_top_k_logprobs.push_back(logprob);
+      r.teacher_top_k_tokens.push_back(order[j]);
+      r.teacher_top_k_logprobs.push_back(logprob);
+    }
+  }
 }
 
 }  // namespace
@@ -122,6 +177,8 @@ Problem MakeProblem(const ProblemSpec& spec, std::mt19937_64& rng) {
       p.logprob_grads.push_back(static_cast<float>(normal(rng)));
     }
   }
+  if (o.objective == Objective::kDistill) MakeTeacher(spec, rng, p);
+  if (spec.no_labels) r.labels.clear();
   r.sampling_logprobs.assign(p.sampling_logprobs.begin(), p.sampling_logprobs.end());
   r.advantages.assign(p.advantages.begin(), p.advantages.end());
   r.reference_logprobs.assign(p.reference_logprobs.begin(), p.reference_logprobs.end());
@@ -175,6 +232,8 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   run.ratio.assign(n, nan);
   run.kl.assign(n, nan);
   run.clip.assign(n, -7);
+  run.kd.assign(n, nan);
+  run.ce.assign(n, nan);
   std::vector<uint8_t> grad_hidden_bytes(n * h * DTypeSize(request.grad_hidden_dtype), 0xff);
 
   BatchInputs in;
@@ -182,7 +241,7 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   in.hidden_dtype = s.hidden_dtype;
   in.num_tokens = n;
   in.hidden_size = h;
-  in.labels = problem.reference.labels.data();
+  in.labels = problem.reference.labels.empty() ? nullptr : problem.reference.labels.data();
   in.token_weights = problem.token_weights.empty() ? nullptr : problem.token_weights.data();
   const auto or_null = [](const std::vector<float>& values) {
     return values.empty() ? nullptr : values.data();
@@ -195,10 +254,39 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   if (IsSequenceReduction(s.options.reduction)) {
     const ReferenceProblem& r = problem.reference;
     ASSIGN_OR_RETURN(reduction_scales,
-                     SequenceReductionScales(s.options, r.labels.data(), n,
+                     SequenceReductionScales(s.options, in.labels, n,
                                              r.sequence_lengths.data(),
                                              static_cast<int64_t>(r.sequence_lengths.size())));
     in.reduction_scales = reduction_scales.data();
+  }
+
+  // A distill call's teacher: a head of its own (uploaded as the student's is), the student's, or a
+  // sparse top-k.
+  DeviceBuffer teacher_weight_buffer;
+  WeightView teacher_view;
+  if (s.options.objective == Objective::kDistill) {
+    TeacherInputs& t = in.teacher;
+    if (s.teacher_is_student) {
+      t.hidden = problem.hidden_bytes.data();
+      t.hidden_dtype = s.hidden_dtype;
+      t.hidden_size = h;
+    } else if (s.teacher_top_k > 0) {
+      t.top_k = s.teacher_top_k;
+      t.top_k_tokens = problem.teacher_top_k_tokens.data();
+      t.top_k_logprobs = problem.teacher_top_k_logprobs.data();
+    } else {
+      const int64_t ht = problem.reference.teacher_hidden_size;
+      ASSIGN_OR_RETURN(teacher_weight_buffer,
+                       backend.Allocate(problem.teacher_weight_bytes.size()));
+      RETURN_IF_ERROR(backend.CopyToDevice(problem.teacher_weight_bytes.data(),
+                                           problem.teacher_weight_bytes.size(),
+                                           teacher_weight_buffer, 0));
+      teacher_view = WeightView{&teacher_weight_buffer, s.teacher_weight_dtype, v, ht};
+      t.weight = &teacher_view;
+      t.hidden = problem.teacher_hidden_bytes.data();
+      t.hidden_dtype = s.teacher_hidden_dtype;
+      t.hidden_size = ht;
+    }
   }
 
   TokenOutputs out;
@@ -211,6 +299,8 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
     out.ratio = run.ratio.data();
     out.kl = run.kl.data();
     out.clip = run.clip.data();
+    out.kd = run.kd.data();
+    out.ce = run.ce.data();
   }
   out.top_k = k;
   out.top_k_logprob = k > 0 ? run.top_k_logprob.data() : nullptr;
@@ -219,6 +309,7 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   out.grad_hidden_dtype = request.grad_hidden_dtype;
 
   const WeightView weight{&weight_buffer, s.weight_dtype, v, h};
+  if (s.teacher_is_student) in.teacher.weight = &weight;
   ASSIGN_OR_RETURN(run.summary,
                    backend.Compute(in, weight, s.options, out,
                                    request.grad_weight ? &grad_weight_buffer : nullptr, workspace));

@@ -44,6 +44,17 @@ struct ProblemSpec {
   // > 0, or a sequence reduction: the batch is sequences of random lengths in
   // [1, max_sequence_length] (8 when 0), the second of them entirely ignored.
   int64_t max_sequence_length = 0;
+  // The teacher of a distill call (options.objective kDistill): a head of its own, with hidden
+  // rows of teacher_hidden_size (0: the student's) in these dtypes and logits of standard deviation
+  // teacher_logit_scale; with teacher_top_k > 0, the top-k of such a head's log-probabilities, a
+  // sparse teacher; with teacher_is_student, the student's own head and rows.
+  int64_t teacher_hidden_size = 0;
+  DType teacher_hidden_dtype = DType::kFloat32;
+  DType teacher_weight_dtype = DType::kFloat32;
+  double teacher_logit_scale = 3.0;
+  int teacher_top_k = 0;
+  bool teacher_is_student = false;
+  bool no_labels = false;  // a distill call without labels
 };
 
 // A problem in the engine's wire form (typed bytes) and as doubles of the same rounded values.
@@ -54,6 +65,11 @@ struct Problem {
   std::vector<float> token_weights;
   // The objectives' inputs as the engine takes them (the reference holds the same values).
   std::vector<float> sampling_logprobs, advantages, reference_logprobs, logprob_grads;
+  // A distill call's teacher as the engine takes it.
+  std::vector<uint8_t> teacher_hidden_bytes;
+  std::vector<uint8_t> teacher_weight_bytes;
+  std::vector<int32_t> teacher_top_k_tokens;
+  std::vector<float> teacher_top_k_logprobs;
   ReferenceProblem reference;
 };
 
@@ -69,6 +85,7 @@ struct EngineRun {
   std::vector<float> grad_weight;
   std::vector<float> ratio, kl;
   std::vector<int32_t> clip;
+  std::vector<float> kd, ce;
 };
 
 struct RunRequest {

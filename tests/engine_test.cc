@@ -161,6 +161,35 @@ LossOptions CrossEntropyWithKlAndEntropy() {
   return o;
 }
 
+LossOptions Distill(double beta, double alpha = 0.0, double tau = 1.0) {
+  LossOptions o;
+  o.objective = Objective::kDistill;
+  o.distill.beta = beta;
+  o.distill.alpha = alpha;
+  o.distill.temperature = tau;
+  return o;
+}
+
+// Soft caps and temperatures on both heads, tau != 1, smoothing, z-loss.
+LossOptions DistillEverything() {
+  LossOptions o = Distill(0.3, 0.4, 2.0);
+  o.logit_softcap = 30.0;
+  o.temperature = 1.2;
+  o.label_smoothing = 0.05;
+  o.z_loss_scale = 1e-4;
+  o.distill.teacher_logit_softcap = 20.0;
+  o.distill.teacher_temperature = 0.8;
+  return o;
+}
+
+// KD sums V probabilities times log-ratios whose error is the logits' (LogitBound), so its
+// absolute error is of the logits' size too, divided by tau inside and multiplied by tau^2
+// outside.
+constexpr double kDistillLossBound = 1e-5;
+// At logits of 1e3 a KD of thousands carries fp32's spacing near the logits relative to itself,
+// about 1e-4 (see the KD check in MatchesFloat64Reference).
+constexpr double kExtremeLogitDistillLossBound = 3e-4;
+
 ProblemSpec Spec(int64_t n, int64_t h, int64_t v) {
   ProblemSpec s;
   s.num_tokens = n;
@@ -339,6 +368,117 @@ const EngineCase kCases[] = {
        s.options = CrossEntropyWithKlAndEntropy();
        s.ignore_fraction = 0.2;
      }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    // Distillation against a teacher head of another hidden size (48 for 64), or a sparse one.
+    {"distill_forward_kl", "beta 0: KL(p || q), classic distillation",
+     Spec(37, 64, 1000, [](ProblemSpec& s) {
+       s.options = Distill(0.0);
+       s.teacher_hidden_size = 48;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_reverse_kl", "beta 1: KL(q || p), on-policy distillation",
+     Spec(37, 64, 1000, [](ProblemSpec& s) {
+       s.options = Distill(1.0);
+       s.teacher_hidden_size = 48;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_jsd_alpha_ignored", "JSD at beta 0.5 with a third of cross-entropy, ignored rows",
+     Spec(64, 64, 1200, [](ProblemSpec& s) {
+       s.options = Distill(0.5, 1.0 / 3);
+       s.teacher_hidden_size = 80;
+       s.ignore_fraction = 0.2;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_everything", "tau 2, both heads soft-capped and tempered, smoothing, z-loss, weights",
+     Spec(50, 48, 1300, [](ProblemSpec& s) {
+       s.options = DistillEverything();
+       s.logit_scale = 25.0;
+       s.teacher_logit_scale = 25.0;
+       s.token_weights = true;
+       s.ignore_fraction = 0.1;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_chunk_crossing", "forward KL over several token chunks of two tiles each",
+     Spec(701, 96, 5003, [](ProblemSpec& s) {
+       s.options = Distill(0.0, 0.5);
+       s.teacher_hidden_size = 64;
+     }), 16 * kMiB, Tiling::kTokenChunks, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_jsd_vocab_tiled", "JSD over vocabulary tiles: three phases recompute both tiles",
+     Spec(301, 96, 5003, [](ProblemSpec& s) {
+       s.options = DistillEverything();
+       s.teacher_hidden_size = 64;
+       s.logit_scale = 10.0;
+       s.ignore_fraction = 0.1;
+     }), 512 * kKiB, Tiling::kVocabTiles, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_reverse_vocab_tiled", "reverse KL over vocabulary tiles, sequence token mean",
+     Spec(150, 64, 3333, [](ProblemSpec& s) {
+       s.options = Distill(1.0, 0.2);
+       s.options.reduction = Reduction::kSequenceMeanTokenMean;
+       s.max_sequence_length = 40;
+     }), 256 * kKiB, Tiling::kVocabTiles, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_single_token", "N = 1", Spec(1, 64, 3001, [](ProblemSpec& s) {
+       s.options = Distill(0.7, 0.1, 1.5);
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_all_ignored", "every label ignored: loss 0, zero gradients",
+     Spec(33, 32, 700, [](ProblemSpec& s) {
+       s.options = Distill(0.5, 0.5);
+       s.ignore_fraction = 1.0;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_extreme_logits", "logits of scale 1e3 on both heads: one-hot distributions",
+     Spec(40, 64, 2000, [](ProblemSpec& s) {
+       s.options = Distill(0.0, 0.5);
+       s.logit_scale = 1e3;
+       s.teacher_logit_scale = 1e3;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kExtremeLogitGradBound,
+     kExtremeLogitDistillLossBound},
+    {"distill_large_vocab", "V = 128256 in one pass, JSD", Spec(12, 32, 128256, [](ProblemSpec& s) {
+       s.options = Distill(0.5, 0.5);
+       s.teacher_hidden_size = 40;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_large_vocab_tiled", "V = 152064 tiled by a 1 MiB budget, reverse KL",
+     Spec(12, 32, 152064, [](ProblemSpec& s) { s.options = Distill(1.0, 0.3, 0.7); }), 1 * kMiB,
+     Tiling::kVocabTiles, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_bf16", "bf16 student and teacher, rows and heads, reverse KL",
+     Spec(129, 128, 4099, [](ProblemSpec& s) {
+       s.hidden_dtype = DType::kBFloat16;
+       s.weight_dtype = DType::kBFloat16;
+       s.teacher_hidden_dtype = DType::kBFloat16;
+       s.teacher_weight_dtype = DType::kBFloat16;
+       s.teacher_hidden_size = 96;
+       s.options = Distill(1.0);
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_bf16_teacher_fp32_student", "a bf16 teacher head with fp16 rows beside an fp32 student",
+     Spec(70, 64, 2100, [](ProblemSpec& s) {
+       s.teacher_hidden_dtype = DType::kFloat16;
+       s.teacher_weight_dtype = DType::kBFloat16;
+       s.options = Distill(0.5);
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_sparse_renormalize", "a sparse top-20 teacher renormalized, forward KL",
+     Spec(64, 48, 1500, [](ProblemSpec& s) {
+       s.options = Distill(0.0, 0.5);
+       s.teacher_top_k = 20;
+       s.ignore_fraction = 0.1;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_sparse_spread_reverse_tiled", "a sparse top-32 teacher spread, reverse KL, tiled",
+     Spec(150, 64, 3333, [](ProblemSpec& s) {
+       s.options = Distill(1.0, 0.0, 1.3);
+       s.options.distill.sparse_mass = SparseTeacherMass::kSpread;
+       s.teacher_top_k = 32;
+     }), 256 * kKiB, Tiling::kVocabTiles, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_sparse_jsd", "a sparse top-8 teacher under JSD, renormalized (zero p is fine)",
+     Spec(64, 48, 1500, [](ProblemSpec& s) {
+       s.options = Distill(0.4, 0.2);
+       s.teacher_top_k = 8;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_scoring_no_labels", "monitoring: reverse KL per token, no labels, no gradients",
+     Spec(90, 64, 6000, [](ProblemSpec& s) {
+       s.options = Distill(1.0);
+       s.options.reduction = Reduction::kNone;
+       s.teacher_hidden_size = 48;
+       s.no_labels = true;
+     }), 512 * kKiB, Tiling::kVocabTiles, /*gradients=*/false, DType::kFloat32, kGradBound,
+     kDistillLossBound},
+    {"distill_no_labels_training", "no labels: every row counts, KD alone",
+     Spec(60, 48, 1100, [](ProblemSpec& s) {
+       s.options = Distill(0.0);
+       s.no_labels = true;
+       s.token_weights = true;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kDistillLossBound},
 };
 
 class EngineCaseTest : public ::testing::TestWithParam<std::tuple<std::string, EngineCase>> {};
@@ -404,6 +544,28 @@ TEST_P(EngineCaseTest, MatchesFloat64Reference) {
   EXPECT_EQ(run.clip, ref.clip);
   EXPECT_EQ(s.clipped_tokens, ref.clipped_tokens);
   EXPECT_NEAR(s.kl_sum, ref.kl_sum, 5 * logit_bound * static_cast<double>(n));
+
+  if (c.spec.options.objective == Objective::kDistill) {
+    // KD = tau^2 sum_v p_v (log p_v - log q_v) (or its reverse and JSD forms). Each log-probability
+    // at tau carries the logits' error eps = LogitBound(max |z| / tau), which moves each p_v by
+    // eps relative to itself: KD's error is about eps (tau^2 + |KD|) (at logits of 1e3, fp32's
+    // spacing alone is 2.4e-4 near |z| = 3000, times a KD of thousands).
+    const double tau = c.spec.options.distill.temperature;
+    double max_abs_teacher = 0.0;
+    for (const double z : ref.teacher_logits) {
+      if (std::isfinite(z)) max_abs_teacher = std::max(max_abs_teacher, std::abs(z));
+    }
+    const double eps = LogitBound(std::max(ref.max_abs_logit, max_abs_teacher) / tau);
+    double kd_sum_bound = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double bound = 4 * eps * (tau * tau + std::abs(ref.kd[i]));
+      EXPECT_NEAR(run.kd[i], ref.kd[i], bound) << "row " << i;
+      kd_sum_bound += bound;
+    }
+    EXPECT_NEAR(s.kd_sum, ref.kd_sum, kd_sum_bound);
+    EXPECT_LE(MaxAbsError(run.ce, ref.ce), logit_bound);
+    EXPECT_NEAR(s.ce_sum, ref.ce_sum, logit_bound * static_cast<double>(n));
+  }
 
   // argmax and top-k may differ from the reference only between logits closer than the bound.
   const int64_t v = c.spec.vocab_size;
@@ -589,6 +751,58 @@ TEST_P(EngineAtScaleTest, Llama3HeadInBf16MatchesFloat64) {
 INSTANTIATE_TEST_SUITE_P(Gpu, EngineAtScaleTest, ::testing::Values("cuda"),
                          [](const auto& info) { return info.param; });
 
+// The reference's distillation gradient, taken through the softmax's Jacobian, against central
+// differences of its loss: every divergence, tau, soft caps on both heads, smoothing, z-loss, a
+// sparse teacher of both kinds, and a call without labels.
+TEST(ReferenceTest, DistillGradientsMatchFiniteDifferences) {
+  struct Case {
+    LossOptions options;
+    int top_k;
+    bool no_labels;
+  };
+  LossOptions spread = Distill(1.0, 0.0, 1.4);
+  spread.distill.sparse_mass = SparseTeacherMass::kSpread;
+  const Case cases[] = {
+      {Distill(0.0, 0.3), 0, false},
+      {Distill(1.0, 0.0, 2.0), 0, false},
+      {DistillEverything(), 0, false},
+      {Distill(0.5, 0.0, 0.8), 0, true},
+      {Distill(0.0, 0.5), 6, false},
+      {spread, 6, false},
+      {Distill(0.6, 0.2), 4, false},
+  };
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "LOSSD_TEST_SEED=" << seed);
+  std::mt19937_64 rng(seed);
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "beta " << c.options.distill.beta << ", alpha "
+                                      << c.options.distill.alpha << ", top-k " << c.top_k);
+    ProblemSpec spec = Spec(12, 5, 23);
+    spec.options = c.options;
+    spec.logit_scale = 2.0;
+    spec.teacher_hidden_size = 7;
+    spec.teacher_top_k = c.top_k;
+    spec.no_labels = c.no_labels;
+    spec.token_weights = true;
+    spec.ignore_fraction = c.no_labels ? 0.0 : 0.1;
+    const Problem problem = MakeProblem(spec, rng);
+    const ReferenceResult ref = ComputeReference(problem.reference);
+    constexpr double kStep = 1e-5;
+    std::vector<float> numeric(ref.grad_hidden.size());
+    ReferenceProblem moved = problem.reference;
+    for (size_t j = 0; j < moved.hidden.size(); ++j) {
+      const double x = moved.hidden[j];
+      moved.hidden[j] = x + kStep;
+      const double up = ReferenceLoss(moved);
+      moved.hidden[j] = x - kStep;
+      const double down = ReferenceLoss(moved);
+      moved.hidden[j] = x;
+      numeric[j] = static_cast<float>((up - down) / (2 * kStep));
+    }
+    EXPECT_LE(RelativeError(numeric, ref.grad_hidden), 1e-5);
+  }
+}
+
 class EngineBackendTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
@@ -616,17 +830,31 @@ void ExpectBitwiseEqual(const EngineRun& a, const EngineRun& b) {
   EXPECT_TRUE(same(a.ratio, b.ratio));
   EXPECT_TRUE(same(a.kl, b.kl));
   EXPECT_TRUE(same(a.clip, b.clip));
+  EXPECT_TRUE(same(a.kd, b.kd));
+  EXPECT_TRUE(same(a.ce, b.ce));
   EXPECT_EQ(a.summary.kl_sum, b.summary.kl_sum);
+  EXPECT_EQ(a.summary.kd_sum, b.summary.kd_sum);
 }
 
 TEST_P(EngineBackendTest, IdenticalCallsGiveIdenticalBits) {
   std::mt19937_64 rng(FreshSeed());
-  // One pass, then vocabulary tiles; cross-entropy with every option, then ppo with every term.
-  for (const bool policy : {false, true})
-  for (size_t budget : {64 * kMiB, 256 * kKiB}) {
+  // One pass, then vocabulary tiles; cross-entropy with every option, ppo with every term, then
+  // JSD distillation with every option.
+  for (const Objective objective :
+       {Objective::kCrossEntropy, Objective::kPpo, Objective::kDistill})
+  for (size_t budget : {64 * kMiB, objective == Objective::kDistill ? 1 * kMiB : 256 * kKiB}) {
     ProblemSpec spec = Spec(333, 128, 7001);
-    spec.options = policy ? PpoKlEntropy(KlEstimator::kK3, Reduction::kSequenceMeanTokenMean)
-                          : EverythingOptions();
+    switch (objective) {
+      case Objective::kPpo:
+        spec.options = PpoKlEntropy(KlEstimator::kK3, Reduction::kSequenceMeanTokenMean);
+        break;
+      case Objective::kDistill:
+        spec.options = DistillEverything();
+        spec.teacher_hidden_size = 96;
+        break;
+      default:
+        spec.options = EverythingOptions();
+    }
     spec.ratio_targets = kRatioTargets;
     spec.token_weights = true;
     const Problem problem = MakeProblem(spec, rng);
@@ -637,6 +865,43 @@ TEST_P(EngineBackendTest, IdenticalCallsGiveIdenticalBits) {
     ASSERT_TRUE(first.ok()) << first.status();
     ASSERT_TRUE(second.ok()) << second.status();
     ExpectBitwiseEqual(*first, *second);
+  }
+}
+
+// A teacher that is the student (the same head, rows and logit transform) gives KD = 0 and a zero
+// gradient exactly, whatever the divergence and tau, in one pass and over vocabulary tiles: the
+// two distributions' statistics and log-probabilities are computed by the same code on the same
+// values, and log m_v = log q_v exactly where p_v = q_v (distill_math.h).
+TEST_P(EngineBackendTest, DistillFromItselfIsExactlyZero) {
+  std::mt19937_64 rng(FreshSeed());
+  for (const double beta : {0.0, 1.0, 0.35})
+  for (const double tau : {1.0, 2.5})
+  for (const size_t budget : {64 * kMiB, 256 * kKiB}) {
+    SCOPED_TRACE(::testing::Message() << "beta " << beta << ", tau " << tau << ", budget "
+                                      << budget);
+    ProblemSpec spec = Spec(70, 32, 3001);
+    spec.options = Distill(beta, 0.0, tau);
+    spec.options.logit_softcap = 20.0;
+    spec.options.temperature = 0.9;
+    spec.options.distill.teacher_logit_softcap = 20.0;
+    spec.options.distill.teacher_temperature = 0.9;
+    spec.logit_scale = 15.0;
+    spec.teacher_is_student = true;
+    spec.ignore_fraction = 0.1;
+    const Problem problem = MakeProblem(spec, rng);
+    RunRequest request;
+    request.budget_bytes = budget;
+    auto run = RunEngine(*backend_, problem, request);
+    ASSERT_TRUE(run.ok()) << run.status();
+    EXPECT_TRUE(run->summary.all_finite);
+    EXPECT_EQ(run->summary.loss, 0.0);
+    EXPECT_EQ(run->summary.kd_sum, 0.0);
+    for (int64_t i = 0; i < spec.num_tokens; ++i) EXPECT_EQ(run->kd[i], 0.0f) << "row " << i;
+    const auto all_zero = [](const std::vector<float>& values) {
+      return std::all_of(values.begin(), values.end(), [](float x) { return x == 0.0f; });
+    };
+    EXPECT_TRUE(all_zero(run->grad_hidden));
+    EXPECT_TRUE(all_zero(run->grad_weight));
   }
 }
 

@@ -101,19 +101,108 @@ std::vector<double> ReductionFactors(const ReferenceProblem& p, int64_t counted_
   int64_t sequences = 0;
   std::vector<int64_t> counted(p.sequence_lengths.size(), 0);
   for (size_t s = 0; s < p.sequence_lengths.size(); ++s) {
-    for (int64_t i = first[s]; i < first[s + 1]; ++i) counted[s] += p.labels[i] != o.ignore_index;
+    for (int64_t i = first[s]; i < first[s + 1]; ++i) {
+      counted[s] += p.labels.empty() || p.labels[i] != o.ignore_index;
+    }
     sequences += counted[s] > 0;
   }
   const double denominator = o.mean_denominator > 0 ? o.mean_denominator : sequences;
   for (size_t s = 0; s < p.sequence_lengths.size(); ++s) {
     for (int64_t i = first[s]; i < first[s + 1]; ++i) {
-      if (p.labels[i] == o.ignore_index) continue;
+      if (!p.labels.empty() && p.labels[i] == o.ignore_index) continue;
       factors[i] = o.reduction == Reduction::kSequenceMeanTokenSum
                        ? 1.0 / denominator
                        : 1.0 / (denominator * counted[s]);
     }
   }
   return factors;
+}
+
+// The teacher's logits over the whole batch, [N, V]: its head's a = h_t W_t^T (one dgemm) after
+// its own soft cap and temperature, or a sparse teacher's log-probabilities completed over the
+// vocabulary: -inf outside its top-k (renormalize), or the mass the top-k leaves spread evenly
+// there (spread).
+std::vector<double> TeacherLogits(const ReferenceProblem& p) {
+  const int64_t n = p.num_tokens;
+  const int64_t v = p.vocab_size;
+  const DistillOptions& d = p.options.distill;
+  std::vector<double> zt(n * v);
+  if (p.teacher_top_k == 0) {
+    const int64_t ht = p.teacher_hidden_size;
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, v, ht, 1.0, p.teacher_hidden.data(),
+                ht, p.teacher_weight.data(), ht, 0.0, zt.data(), v);
+    const double cap = d.teacher_logit_softcap;
+    for (double& a : zt) a = (cap > 0 ? cap * std::tanh(a / cap) : a) / d.teacher_temperature;
+    return zt;
+  }
+  const int k = p.teacher_top_k;
+  for (int64_t i = 0; i < n; ++i) {
+    double top_mass = 0.0;
+    for (int j = 0; j < k; ++j) top_mass += std::exp(p.teacher_top_k_logprobs[i * k + j]);
+    const double rest = 1.0 - top_mass;
+    const double rest_logit = d.sparse_mass == SparseTeacherMass::kSpread && rest > 0 && v > k
+                                  ? std::log(rest / (v - k))
+                                  : -INFINITY;
+    std::fill(zt.begin() + i * v, zt.begin() + (i + 1) * v, rest_logit);
+    for (int j = 0; j < k; ++j) {
+      zt[i * v + p.teacher_top_k_tokens[i * k + j]] = p.teacher_top_k_logprobs[i * k + j];
+    }
+  }
+  return zt;
+}
+
+// log softmax(x / tau); -inf stays -inf.
+std::vector<double> LogSoftmax(const double* x, int64_t v, double tau) {
+  double m = -INFINITY;
+  for (int64_t t = 0; t < v; ++t) m = std::max(m, x[t] / tau);
+  double sum = 0.0;
+  for (int64_t t = 0; t < v; ++t) sum += std::exp(x[t] / tau - m);
+  const double lse = m + std::log(sum);
+  std::vector<double> out(v);
+  for (int64_t t = 0; t < v; ++t) out[t] = x[t] / tau - lse;
+  return out;
+}
+
+// KD = tau^2 D_beta(p, q) of one row from its definition (types.h, DistillOptions), and
+// dKD/dz_v. The gradient goes through the softmax's Jacobian: with s_w = q_w dD/dq_w,
+// dD/du_v = s_v - q_v sum_w s_w, and dz = du / tau.
+struct KdRow {
+  double kd = 0.0;
+  std::vector<double> dkd_dz;
+};
+
+KdRow Distillation(const double* z, const double* zt, int64_t v, const DistillOptions& d) {
+  const double tau = d.temperature;
+  const double beta = d.beta;
+  const std::vector<double> log_q = LogSoftmax(z, v, tau);
+  const std::vector<double> log_p = LogSoftmax(zt, v, tau);
+  std::vector<double> s(v);
+  double divergence = 0.0;
+  for (int64_t t = 0; t < v; ++t) {
+    const double q = std::exp(log_q[t]);
+    const double p = std::exp(log_p[t]);  // 0 at -inf
+    if (beta == 0.0) {
+      if (p > 0) divergence += p * (log_p[t] - log_q[t]);
+      s[t] = -p;
+    } else if (beta == 1.0) {
+      divergence += q * (log_q[t] - log_p[t]);
+      s[t] = q * (log_q[t] - log_p[t] + 1.0);
+    } else {
+      const double log_m = std::log(beta * p + (1.0 - beta) * q);
+      if (p > 0) divergence += beta * p * (log_p[t] - log_m);
+      divergence += (1.0 - beta) * q * (log_q[t] - log_m);
+      s[t] = (1.0 - beta) * q * (log_q[t] - log_m);
+    }
+  }
+  double s_sum = 0.0;
+  for (int64_t t = 0; t < v; ++t) s_sum += s[t];
+  KdRow row;
+  row.kd = tau * tau * divergence;
+  row.dkd_dz.resize(v);
+  for (int64_t t = 0; t < v; ++t) {
+    row.dkd_dz[t] = tau * tau * (s[t] - std::exp(log_q[t]) * s_sum) / tau;
+  }
+  return row;
 }
 
 }  // namespace
@@ -149,7 +238,14 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
   r.ratio.assign(n, 0.0);
   r.clip.assign(n, 0);
   r.kl.assign(n, 0.0);
-  for (int64_t i = 0; i < n; ++i) r.counted_tokens += p.labels[i] != o.ignore_index;
+  r.kd.assign(n, 0.0);
+  r.ce.assign(n, 0.0);
+  const bool distill = o.objective == Objective::kDistill;
+  const bool has_labels = !p.labels.empty();
+  if (distill) r.teacher_logits = TeacherLogits(p);
+  for (int64_t i = 0; i < n; ++i) {
+    r.counted_tokens += !has_labels || p.labels[i] != o.ignore_index;
+  }
   const std::vector<double> factor = ReductionFactors(p, r.counted_tokens);
   const bool cross_entropy = o.objective == Objective::kCrossEntropy;
   const auto input = [](const std::vector<double>& values, int64_t i) {
@@ -193,17 +289,30 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
       r.top_k_logprob[i * p.top_k + j] = z[order[j]] - lse;
     }
 
-    const int64_t y = p.labels[i];
-    if (y == o.ignore_index) {
+    const int64_t y = has_labels ? p.labels[i] : -1;
+    if (has_labels && y == o.ignore_index) {
       std::fill(a, a + v, 0.0);
       continue;
     }
     const double w = p.token_weights.empty() ? 1.0 : p.token_weights[i];
-    const double logp = z[y] - lse;
+    const double logp = has_labels ? z[y] - lse : 0.0;
     r.logprob[i] = logp;
     double loss = o.z_loss_scale * lse * lse;
     double dloss_dlogp = 0.0;  // of the objective's term and the KL penalty
-    if (cross_entropy) {
+    // Under distill: alpha, the cross-entropy's share, and dKD/dz.
+    double ce_share = cross_entropy ? 1.0 : 0.0;
+    std::vector<double> dkd_dz;
+    if (distill) {
+      const DistillOptions& d = o.distill;
+      const KdRow kd = Distillation(z, &r.teacher_logits[i * v], v, d);
+      const double ce = has_labels ? (1 - eps) * (lse - z[y]) + eps * (lse - sum_z / v) : 0.0;
+      r.kd[i] = kd.kd;
+      r.ce[i] = ce;
+      loss += d.alpha * ce + (1 - d.alpha) * kd.kd;
+      ce_share = d.alpha;
+      dkd_dz = kd.dkd_dz;
+      for (double& g : dkd_dz) g *= 1 - d.alpha;
+    } else if (cross_entropy) {
       loss += (1 - eps) * (lse - z[y]) + eps * (lse - sum_z / v);
     } else {
       const Term term = ObjectiveOf(o, logp, input(p.sampling_logprobs, i),
@@ -228,7 +337,8 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
       const double prob = std::exp(z[t] - lse);
       const double onehot = t == y ? 1.0 : 0.0;
       double d = 2 * o.z_loss_scale * lse * prob + dloss_dlogp * (onehot - prob);
-      if (cross_entropy) d += prob - eps / v - (1 - eps) * onehot;
+      d += ce_share * (prob - eps / v - (1 - eps) * onehot);
+      if (distill) d += dkd_dz[t];
       const double dentropy = -prob * (z[t] - expected_z);  // dH / dz_t
       d -= o.policy.entropy_coef * dentropy;
       d /= temperature;
@@ -246,6 +356,8 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
     r.loss += factor[i] * r.token_loss[i];
     r.kl_sum += r.kl[i];
     r.clipped_tokens += r.clip[i] != 0;
+    r.kd_sum += r.kd[i];
+    r.ce_sum += r.ce[i];
   }
   // dL/dh = dA W and dL/dW = dA^T h, with dA = d loss / d a now in `raw`.
   cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, h, v, 1.0, raw.data(), v,

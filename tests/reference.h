@@ -1,4 +1,5 @@
-// A plain float64 implementation of linear cross-entropy that materializes the [N, V] logits.
+// A plain float64 implementation of linear cross-entropy that materializes the [N, V] logits (and
+// a distill call's teacher's).
 // Written from the definitions, independently of kernels/include/lossd/kernels/loss_math.h, so
 // that the engine is checked against the math rather than against itself.
 #ifndef LOSSD_TESTS_REFERENCE_H_
@@ -28,6 +29,14 @@ struct ReferenceProblem {
   std::vector<int64_t> sequence_lengths;
   LossOptions options;
   int top_k = 0;
+  // A distill call's teacher: a head [V, H_t] with its hidden rows [N, H_t] (dense), or the top-k
+  // of its log-probabilities per row (sparse). Empty labels: a distill call without labels.
+  int64_t teacher_hidden_size = 0;
+  std::vector<double> teacher_hidden;
+  std::vector<double> teacher_weight;
+  int teacher_top_k = 0;
+  std::vector<int64_t> teacher_top_k_tokens;    // [N, k]
+  std::vector<double> teacher_top_k_logprobs;   // [N, k]
 };
 
 struct ReferenceResult {
@@ -50,6 +59,11 @@ struct ReferenceResult {
   std::vector<double> kl;             // [N] the KL estimate; 0 for ignored rows
   int64_t clipped_tokens = 0;
   double kl_sum = 0.0;
+  std::vector<double> kd;             // [N] tau^2 D_beta; 0 for ignored rows
+  std::vector<double> ce;             // [N] the label's cross-entropy under distill
+  std::vector<double> teacher_logits; // [N, V] z_t after the teacher's transform (or completed)
+  double kd_sum = 0.0;
+  double ce_sum = 0.0;
 };
 
 ReferenceResult ComputeReference(const ReferenceProblem& problem);

@@ -7,6 +7,8 @@
 #pragma GCC optimize("no-trapping-math")
 
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cpu/cpu_distill.h"
+#include "kernels/cpu/cpu_rows.h"
 
 #include <cblas.h>
 #include <omp.h>
@@ -26,73 +28,7 @@
 #include "lossd/common/status_macros.h"
 
 namespace lossd {
-namespace {
-
-// Rows of W converted to fp32 at a time when W is stored in 16 bits (OpenBLAS has no bf16 GEMM):
-// about 16 MiB of them, and at least 1024 rows. Each slab is a GEMM of its own; at H = 1024,
-// slabs of 4096 rows ran a forward+backward pass about 5% faster than slabs of 1024 (fewer
-// repacks of the hidden states, fewer passes over dL/dh), and at H = 2048 no slower.
-constexpr int64_t kWeightSlabBytes = int64_t{16} << 20;
-constexpr int64_t kMinWeightSlabRows = 1024;
-constexpr int64_t WeightSlabRows(int64_t hidden_size) {
-  return std::max<int64_t>(kMinWeightSlabRows, kWeightSlabBytes / (hidden_size * 4));
-}
-
-constexpr TileLimits kCpuTileLimits = {
-    /*max_token_chunk=*/4096,
-    /*min_single_pass_rows=*/64,
-    /*two_pass_token_chunk=*/256,
-    /*min_vocab_chunk=*/256,
-    /*vocab_chunk_multiple=*/256,
-    /*token_chunk_multiple=*/64,
-    /*forward_token_chunk=*/4096,
-};
-
-// Rows are processed in blocks of kSumBlock columns: sums run in fp32 within a block (vectorized)
-// and in double across blocks, so the rounding error stays near kSumBlock * 2^-24 whatever V is.
-constexpr int64_t kSumBlock = 256;
-constexpr int64_t BlocksPerRow(int64_t cols) { return (cols + kSumBlock - 1) / kSumBlock; }
-
-// The workspace of one call, carved from the caller's buffer.
-struct CpuWorkspace {
-  float* logits;            // [Nc, Vc]: z, then dL/da in place
-  float* hidden32;          // [Nc, H] when the hidden states are not fp32
-  float* grad_hidden32;     // [Nc, H] when dL/dh is wanted in 16 bits
-  float* weight32;          // [slab, H] when W is not fp32
-  RowStats* stats;          // [Nc]
-  RowResult* results;       // [Nc]
-  RowGradient* row_grads;   // [Nc]
-  float* block_max;         // [Nc, ceil(Vc / kSumBlock)]: running maxima of the exponentials kept
-  float* hidden_max_abs;    // [Nc] when dL/dW is wanted: max_j |h_ij|, for its bound
-  float* top_values;        // [Nc, k], best first
-  int32_t* top_tokens;      // [Nc, k]
-};
-
-CpuWorkspace CarveWorkspace(WorkspaceArena& arena, const ProblemShape& s, int64_t rows,
-                            int64_t cols) {
-  CpuWorkspace w{};
-  const int64_t h = s.hidden_size;
-  w.logits = arena.Take<float>(rows * cols);
-  if (s.hidden_dtype != DType::kFloat32) w.hidden32 = arena.Take<float>(rows * h);
-  if (s.grad_hidden && s.grad_hidden_dtype != DType::kFloat32) {
-    w.grad_hidden32 = arena.Take<float>(rows * h);
-  }
-  if (s.weight_dtype != DType::kFloat32) {
-    w.weight32 = arena.Take<float>(std::min(cols, WeightSlabRows(h)) * h);
-  }
-  w.stats = arena.Take<RowStats>(rows);
-  w.results = arena.Take<RowResult>(rows);
-  if (WantsGradients(s)) {
-    w.row_grads = arena.Take<RowGradient>(rows);
-    w.block_max = arena.Take<float>(rows * BlocksPerRow(cols));
-  }
-  if (s.grad_weight) w.hidden_max_abs = arena.Take<float>(rows);
-  if (s.top_k > 0) {
-    w.top_values = arena.Take<float>(rows * s.top_k);
-    w.top_tokens = arena.Take<int32_t>(rows * s.top_k);
-  }
-  return w;
-}
+namespace cpu {
 
 // Elements [offset, offset + count) of src as fp32, and back. One loop per dtype: with the dtype
 // switched on per element (LoadAsFloat) the loop stayed scalar, about 1 ns an element, which was
@@ -129,23 +65,6 @@ void ConvertFromFloat(const float* src, int64_t count, DType dtype, void* dst, i
   }
 }
 
-// Calls fn(w_slab, slab_first_row, slab_rows) over rows [v0, v0 + cols) of W as fp32: W itself when
-// it is fp32, else slabs converted into `scratch`.
-template <typename Fn>
-void ForEachWeightSlab(const WeightView& w, int64_t v0, int64_t cols, float* scratch, Fn fn) {
-  const int64_t h = w.hidden_size;
-  if (w.dtype == DType::kFloat32) {
-    fn(static_cast<const float*>(w.data->data()) + v0 * h, v0, cols);
-    return;
-  }
-  const int64_t slab_rows = WeightSlabRows(h);
-  for (int64_t s0 = v0; s0 < v0 + cols; s0 += slab_rows) {
-    const int64_t rows = std::min(slab_rows, v0 + cols - s0);
-    ConvertToFloat(w.data->data(), w.dtype, s0 * h, rows * h, scratch);
-    fn(scratch, s0, rows);
-  }
-}
-
 // z[:, 0:cols] = transform(h W[v0:v0+cols]^T), leading dimension ld. With onto_zero the caller
 // vouches that z[:, 0:cols] holds zeros: the product adds onto it (beta = 1), which spares
 // OpenBLAS the pass that clears C for beta = 0, a write of the whole tile.
@@ -167,24 +86,7 @@ void ComputeLogits(const float* hidden32, int64_t rows, const WeightView& w, int
   }
 }
 
-// The row loops below are compiled twice, for AVX2 + FMA (x86-64-v3) and for baseline x86-64, and
-// the dynamic loader picks one per process. The two differ in the last bits (the AVX2 copy fuses
-// multiply-adds and sums 8 lanes at a time), but on one machine every call runs the same copy, so
-// identical calls still give identical bits.
-//
-// Not under ThreadSanitizer: the loader runs a multiversioned function's resolver before TSan is
-// initialized, and GCC and Clang (before 22, llvm-project#163369) instrument it, so the program
-// crashes at load.
-#if defined(__SANITIZE_THREAD__)
-#define LOSSD_ROW_LOOP
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define LOSSD_ROW_LOOP
-#endif
-#endif
-#ifndef LOSSD_ROW_LOOP
-#define LOSSD_ROW_LOOP __attribute__((target_clones("arch=x86-64-v3", "default")))
-#endif
+namespace {
 
 // The first column of z[0:cols] equal to m, or cols. A plain scan with an early exit stays scalar
 // and would cost as much as the rest of TileRowStats; blocks are screened with a vectorizable
@@ -202,13 +104,6 @@ int64_t FirstEqual(const float* z, int64_t cols, float m) {
   while (b0 < cols && !(z[b0] == m)) ++b0;
   return b0;
 }
-
-// A row's k largest (value, token) so far, best first; k = 0 when no top-k is asked for.
-struct TopKList {
-  int k = 0;
-  float* values = nullptr;
-  int32_t* tokens = nullptr;
-};
 
 // Inserts the columns of z[0:cols] that beat the list's last entry, in column order; on equal
 // values the lower token wins because only a strictly larger value displaces. Once the list is
@@ -242,13 +137,6 @@ inline __attribute__((always_inline)) void UpdateTopK(const float* z, int64_t co
   }
 }
 
-// What the statistics pass of one tile computes beyond the max, argmax and sum of exponentials.
-struct TileStatsWork {
-  bool extra_sums;  // sum_z and sum_exp_shifted: only label smoothing and entropy read them
-  bool store_exp;   // z[c] <- exp(z[c] - m_b) with m_b the running max at z's block
-  bool zero_after;  // z[c] <- 0 once read, while in L1, for the next product to add onto
-};
-
 // The sums over one block z[0:cols] against the running max m, added to the tile's; compiled once
 // per kind of work so that each loop vectorizes without branches.
 template <bool kExtraSums, bool kStoreExp>
@@ -275,18 +163,20 @@ inline __attribute__((always_inline)) void BlockSums(float* z, int64_t cols, flo
   }
 }
 
-LOSSD_ROW_LOOP float MaxAbs(const float* x, int64_t count) {
-  float m = 0.0f;
-#pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < count; ++i) m = MaxStep(m, std::fabs(x[i]));
-  return m;
-}
-
 bool AnyNaN(const float* z, int64_t cols) {
   int found = 0;
 #pragma omp simd reduction(| : found)
   for (int64_t c = 0; c < cols; ++c) found |= z[c] != z[c];
   return found != 0;
+}
+
+}  // namespace
+
+LOSSD_ROW_LOOP float MaxAbs(const float* x, int64_t count) {
+  float m = 0.0f;
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < count; ++i) m = MaxStep(m, std::fabs(x[i]));
+  return m;
 }
 
 // Statistics of one row over one vocabulary tile, reading it once: block by block (a block stays
@@ -357,6 +247,74 @@ LOSSD_ROW_LOOP RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t
   s.sum_exp_shifted = static_cast<float>(sum_exp_shifted);
   s.argmax = static_cast<int32_t>(v0 + argmax);
   return s;
+}
+
+}  // namespace cpu
+
+namespace {
+
+using cpu::BlocksPerRow;
+using cpu::ComputeLogits;
+using cpu::ConvertFromFloat;
+using cpu::ConvertToFloat;
+using cpu::ForEachWeightSlab;
+using cpu::kSumBlock;
+using cpu::MaxAbs;
+using cpu::TileRowStats;
+using cpu::TileStatsWork;
+using cpu::TopKList;
+using cpu::WeightSlabRows;
+
+
+constexpr TileLimits kCpuTileLimits = {
+    /*max_token_chunk=*/4096,
+    /*min_single_pass_rows=*/64,
+    /*two_pass_token_chunk=*/256,
+    /*min_vocab_chunk=*/256,
+    /*vocab_chunk_multiple=*/256,
+    /*token_chunk_multiple=*/64,
+    /*forward_token_chunk=*/4096,
+};
+
+// The workspace of one call, carved from the caller's buffer.
+struct CpuWorkspace {
+  float* logits;            // [Nc, Vc]: z, then dL/da in place
+  float* hidden32;          // [Nc, H] when the hidden states are not fp32
+  float* grad_hidden32;     // [Nc, H] when dL/dh is wanted in 16 bits
+  float* weight32;          // [slab, H] when W is not fp32
+  RowStats* stats;          // [Nc]
+  RowResult* results;       // [Nc]
+  RowGradient* row_grads;   // [Nc]
+  float* block_max;         // [Nc, ceil(Vc / kSumBlock)]: running maxima of the exponentials kept
+  float* hidden_max_abs;    // [Nc] when dL/dW is wanted: max_j |h_ij|, for its bound
+  float* top_values;        // [Nc, k], best first
+  int32_t* top_tokens;      // [Nc, k]
+};
+
+CpuWorkspace CarveWorkspace(WorkspaceArena& arena, const ProblemShape& s, int64_t rows,
+                            int64_t cols) {
+  CpuWorkspace w{};
+  const int64_t h = s.hidden_size;
+  w.logits = arena.Take<float>(rows * cols);
+  if (s.hidden_dtype != DType::kFloat32) w.hidden32 = arena.Take<float>(rows * h);
+  if (s.grad_hidden && s.grad_hidden_dtype != DType::kFloat32) {
+    w.grad_hidden32 = arena.Take<float>(rows * h);
+  }
+  if (s.weight_dtype != DType::kFloat32) {
+    w.weight32 = arena.Take<float>(std::min(cols, WeightSlabRows(h)) * h);
+  }
+  w.stats = arena.Take<RowStats>(rows);
+  w.results = arena.Take<RowResult>(rows);
+  if (WantsGradients(s)) {
+    w.row_grads = arena.Take<RowGradient>(rows);
+    w.block_max = arena.Take<float>(rows * BlocksPerRow(cols));
+  }
+  if (s.grad_weight) w.hidden_max_abs = arena.Take<float>(rows);
+  if (s.top_k > 0) {
+    w.top_values = arena.Take<float>(rows * s.top_k);
+    w.top_tokens = arena.Take<int32_t>(rows * s.top_k);
+  }
+  return w;
 }
 
 // z[0:cols] <- dL/da in place; rows with an entropy bonus take its extra factor per logit.
@@ -508,6 +466,12 @@ class CpuBackend final : public Backend {
   bool ReadsRowsOnce(DType hidden_dtype) const override { return hidden_dtype != DType::kFloat32; }
 
   absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const override {
+    if (shape.teacher.kind != TeacherKind::kNone) {
+      return ChooseChunkPlan(shape, budget_bytes, cpu::DistillTileLimits(),
+                             [&](int64_t rows, int64_t cols) {
+                               return cpu::DistillWorkspaceBytes(shape, rows, cols);
+                             });
+    }
     return ChooseChunkPlan(shape, budget_bytes, kCpuTileLimits, [&](int64_t rows, int64_t cols) {
       WorkspaceArena arena(nullptr, 0);
       CarveWorkspace(arena, shape, rows, cols);
@@ -720,6 +684,9 @@ absl::StatusOr<BatchSummary> CpuBackend::Compute(const BatchInputs& in, const We
                                                  DeviceBuffer& workspace) {
   ASSIGN_OR_RETURN(const CallPlan call,
                    PlanCall(*this, in, weight, options, out, grad_weight, workspace));
+  if (options.objective == Objective::kDistill) {
+    return cpu::RunDistill(in, weight, options, out, grad_weight, call, workspace);
+  }
   WorkspaceArena arena(workspace.data(), workspace.bytes());
   const CpuWorkspace ws =
       CarveWorkspace(arena, call.shape, call.plan.token_chunk, call.plan.vocab_chunk);

@@ -70,6 +70,17 @@ struct WeightView {
   int64_t hidden_size = 0;
 };
 
+enum class TeacherKind : int { kNone = 0, kDense = 1, kSparse = 2 };
+
+// A distill call's teacher, as far as it shapes the workspace (TeacherInputs).
+struct TeacherShape {
+  TeacherKind kind = TeacherKind::kNone;
+  int64_t hidden_size = 0;                   // dense
+  DType hidden_dtype = DType::kFloat32;      // dense
+  DType weight_dtype = DType::kFloat32;      // dense
+  int top_k = 0;                             // sparse
+};
+
 // What a call will compute; enough to plan its chunking and size its workspace.
 struct ProblemShape {
   int64_t num_tokens = 0;
@@ -81,6 +92,9 @@ struct ProblemShape {
   bool grad_weight = false;
   DType grad_hidden_dtype = DType::kFloat32;
   int top_k = 0;
+  // With a teacher every chunk holds two logits tiles, the student's and the teacher's, and the
+  // workspace both of them.
+  TeacherShape teacher;
 };
 
 // Tokens x vocabulary tiling. When vocab_chunk < vocab_size and gradients are wanted, the logits of

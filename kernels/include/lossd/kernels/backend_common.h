@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "lossd/kernels/backend.h"
+#include "lossd/kernels/distill_math.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/kernels/types.h"
 
@@ -38,6 +39,14 @@ absl::Status ValidateFiniteMatrix(absl::string_view field, const void* data, DTy
 absl::Status ValidateObjectiveInputs(const BatchInputs& inputs, const LossOptions& options,
                                      int64_t first_index = 0);
 
+// A sparse teacher's rows [0, count) (TeacherInputs): token ids in [0, vocab_size), distinct within
+// a row, finite log-probabilities <= 0 whose probabilities sum to at most 1 + 1e-3 (rounding in
+// the cached values), on every row, ignored or not; with the spread mass and the reverse KL, some
+// mass left to spread on every counted row. Named as "<field>[first_index + r, j]".
+absl::Status ValidateSparseTeacher(const TeacherInputs& teacher, int64_t count, int64_t vocab_size,
+                                   const LossOptions& options, const int64_t* labels,
+                                   int64_t first_index = 0);
+
 // Each row's factor in a sequence reduction (verl's agg_loss "seq-mean-token-sum" and
 // "seq-mean-token-mean") of a batch made of sequences of the given lengths, one after another:
 // 1 / S or 1 / (S L_s), with L_s the non-ignored rows of the row's sequence and S the sequences
@@ -61,6 +70,7 @@ inline bool WantsGradients(const ProblemShape& shape) {
 // it to std::free: the CPU backend's memory and HostAllocator's.
 absl::StatusOr<DeviceBuffer> AllocateHostBuffer(BufferAllocator* owner, size_t bytes);
 
+// Rows whose label is not ignore_index; every row without labels (null).
 int64_t CountCountedRows(const int64_t* labels, int64_t num_tokens, int64_t ignore_index);
 
 // How a backend likes its tiles.
@@ -118,16 +128,35 @@ class RowFinisher {
   RowResult Finish(int64_t row, const RowStats& stats) const;
   RowGradient Gradient(int64_t row, const RowResult& result) const;
 
+  // The distill objective's Finish and Gradient, from the student's RowStats, both distributions'
+  // statistics and the row's phase-2 terms.
+  DistillRowResult FinishDistill(int64_t row, const RowStats& stats, const DistillStats& distill,
+                                 const DistillRowTerms& terms) const;
+  DistillRowGradient DistillGradient(int64_t row, const DistillRowResult& result,
+                                     const DistillRowConstants& constants) const;
+
   // Writes row `row`'s outputs (top-k from the row's k best raw values, when asked for) and adds
   // the row to `summary`.
   void Emit(int64_t row, const RowResult& result, const RowStats& stats, const float* top_values,
             const int32_t* top_tokens, BatchSummary& summary) const;
+  // Emit of a distill row: also its KD and CE terms.
+  void EmitDistill(int64_t row, const DistillRowResult& result, const RowStats& stats,
+                   const float* top_values, const int32_t* top_tokens,
+                   BatchSummary& summary) const;
 
   // The summary's counts and reduced loss once every row was emitted.
   void Close(BatchSummary& summary) const;
 
  private:
-  bool counted(int64_t row) const { return inputs_.labels[row] != options_.ignore_index; }
+  bool counted(int64_t row) const {
+    return inputs_.labels == nullptr || inputs_.labels[row] != options_.ignore_index;
+  }
+  int64_t label(int64_t row) const { return inputs_.labels != nullptr ? inputs_.labels[row] : -1; }
+  double multiplier(int64_t row) const {
+    return IsSequenceReduction(options_.reduction)
+               ? options_.grad_scale * inputs_.reduction_scales[row]
+               : multiplier_;
+  }
   float weight(int64_t row) const {
     return inputs_.token_weights != nullptr ? inputs_.token_weights[row] : 1.0f;
   }

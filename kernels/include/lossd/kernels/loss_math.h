@@ -52,6 +52,44 @@ LOSSD_HD float Exp(float x) {
 #endif
 }
 
+// log(x) for x >= 0 (-inf at 0, NaN below, +inf at +inf). On the host Cephes's logf (about 1
+// ulp): x = m 2^e with m in [sqrt(1/2), sqrt(2)) from the bits, a polynomial in m - 1, branch-free
+// so that row loops vectorize; on the device CUDA's logf.
+LOSSD_HD float Log(float x) {
+#if defined(__CUDA_ARCH__)
+  return logf(x);
+#else
+  // Subnormal x is scaled by 2^23 first, so that its exponent bits mean what they say.
+  const bool subnormal = x < 1.17549435e-38f;
+  const float normal = subnormal ? x * 8388608.0f : x;
+  const uint32_t bits = FloatBits(normal);
+  float exponent = static_cast<float>(static_cast<int32_t>((bits >> 23) & 0xffu) - 127) -
+                   (subnormal ? 23.0f : 0.0f);
+  float m = BitsToFloat((bits & 0x007fffffu) | 0x3f800000u);  // [1, 2)
+  const bool high = m > 1.41421356f;
+  m = high ? m * 0.5f : m;
+  exponent = high ? exponent + 1.0f : exponent;
+  const float f = m - 1.0f;
+  const float f2 = f * f;
+  float y = 7.0376836292e-2f;
+  y = y * f - 1.1514610310e-1f;
+  y = y * f + 1.1676998740e-1f;
+  y = y * f - 1.2420140846e-1f;
+  y = y * f + 1.4249322787e-1f;
+  y = y * f - 1.6668057665e-1f;
+  y = y * f + 2.0000714765e-1f;
+  y = y * f - 2.4999993993e-1f;
+  y = y * f + 3.3333331174e-1f;
+  y = y * f * f2;
+  y += -2.12194440e-4f * exponent;
+  y += -0.5f * f2;
+  // ln 2 split in two as in Exp, so that exponent * 0.693359375 is exact.
+  const float r = (f + y) + 0.693359375f * exponent;
+  const float special = x == 0.0f ? -INFINITY : (x > 0.0f ? INFINITY : NAN);
+  return x > 0.0f && x < INFINITY ? r : special;
+#endif
+}
+
 // max(m, x), keeping m when x is NaN: the step of a running max. Written as a select on x > m,
 // which GCC vectorizes inside `omp simd reduction(max : m)` loops; std::max(m, x), the same value,
 // leaves such a loop scalar, one dependent vmaxss per element (about 5x slower over a row).
@@ -291,13 +329,38 @@ struct RowResult {
   double logprob_grad;
 };
 
-// Per-row results from complete statistics, in double so that lse - z_y does not cancel badly.
+// What complete statistics say of a row, in double so that lse - z_y does not cancel badly.
+struct RowSummary {
+  double log_sum;  // log sum_v exp(z_v - m)
+  double lse;
+  double entropy;
+  double mean_z;
+  // z_y - lse; meaningful only where the row's label is in the vocabulary.
+  double logprob;
+};
+
+// (1 - eps)(lse - z_y) + eps (lse - mean_v z_v): the label's cross-entropy with smoothing eps.
+LOSSD_HD double RowCrossEntropy(const RowSummary& r, double label_smoothing) {
+  return (1.0 - label_smoothing) * (-r.logprob) + label_smoothing * (r.lse - r.mean_z);
+}
+
+LOSSD_HD RowSummary SummarizeRow(const RowStats& s, int64_t vocab_size) {
+  RowSummary r;
+  r.log_sum = std::log(static_cast<double>(s.sum_exp));
+  r.lse = static_cast<double>(s.max) + r.log_sum;
+  r.entropy = r.log_sum - static_cast<double>(s.sum_exp_shifted) / s.sum_exp;
+  r.mean_z = static_cast<double>(s.sum_z) / static_cast<double>(vocab_size);
+  r.logprob = (static_cast<double>(s.target) - s.max) - r.log_sum;
+  return r;
+}
+
+// Per-row results from complete statistics.
 LOSSD_HD RowResult FinishRow(const RowStats& s, bool counted, float weight, const LossTerms& terms,
                              const RowInputs& in) {
-  const double log_sum = std::log(static_cast<double>(s.sum_exp));
-  const double lse = static_cast<double>(s.max) + log_sum;
-  const double entropy = log_sum - static_cast<double>(s.sum_exp_shifted) / s.sum_exp;
-  const double mean_z = static_cast<double>(s.sum_z) / static_cast<double>(terms.vocab_size);
+  const RowSummary summary = SummarizeRow(s, terms.vocab_size);
+  const double lse = summary.lse;
+  const double entropy = summary.entropy;
+  const double mean_z = summary.mean_z;
   RowResult r;
   r.lse = static_cast<float>(lse);
   r.entropy = static_cast<float>(entropy);
@@ -308,11 +371,10 @@ LOSSD_HD RowResult FinishRow(const RowStats& s, bool counted, float weight, cons
   r.clip = ClipState::kNone;
   r.logprob_grad = 0.0;
   if (counted) {
-    const double logprob = (static_cast<double>(s.target) - s.max) - log_sum;
+    const double logprob = summary.logprob;
     double loss;
     if (terms.objective == Objective::kCrossEntropy) {
-      const double eps = terms.label_smoothing;
-      loss = (1.0 - eps) * (-logprob) + eps * (lse - mean_z) + terms.z_loss_scale * lse * lse;
+      loss = RowCrossEntropy(summary, terms.label_smoothing) + terms.z_loss_scale * lse * lse;
     } else {
       const ObjectiveTerm term = PolicyObjectiveTerm(terms.objective, logprob, in, terms.policy);
       loss = term.value + terms.z_loss_scale * lse * lse;

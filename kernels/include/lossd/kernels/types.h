@@ -9,6 +9,8 @@
 //                                     with dual clip c, for A_i < 0: min(that, -c A_i)
 //                cispo:               -sg(clip(r_i, 1 - eps_low, 1 + eps_high)) A_i logp_i
 //                logprob_gradient:    g_i logp_i, so that dL/dlogp_i = g_i (a caller's own loss)
+//                distill:             alpha CE_i + (1 - alpha) KD_i against a teacher (see
+//                                     DistillOptions), without the KL and entropy terms
 //   reduction  = sum: sum_i loss_i;  mean: sum_i loss_i / D;  none: the vector loss_i;
 //                sequence_mean_token_sum: sum_i loss_i / S;
 //                sequence_mean_token_mean: sum_i loss_i / (S L_s(i)).
@@ -54,6 +56,7 @@ enum class Objective : int {
   kPpo = 2,
   kCispo = 3,
   kLogprobGradient = 4,
+  kDistill = 5,
 };
 absl::string_view ObjectiveName(Objective objective);
 // Whether the objective reads sampling log-probabilities and advantages.
@@ -84,8 +87,41 @@ struct PolicyOptions {
   double entropy_coef = 0.0;  // c_H: subtracts c_H H_i (an entropy bonus for c_H > 0)
 };
 
+// What a sparse teacher's distribution does with the mass outside its top-k (DistillOptions).
+enum class SparseTeacherMass : int {
+  // Dropped: the teacher's top-k probabilities are renormalized to sum to 1 over the k tokens
+  // (log-probabilities -inf elsewhere).
+  kRenormalize = 0,
+  // The mass 1 - sum_j p_j left by the top-k is spread evenly over the other V - k tokens.
+  kSpread = 1,
+};
+
+// Knowledge distillation against a teacher's distribution over the same vocabulary. With z the
+// student's logits after its soft cap and temperature (LossOptions), z_t the teacher's after its
+// own, and the distillation temperature tau: q = softmax(z / tau), p = softmax(z_t / tau).
+//   D_beta = KL(p || q)                           beta = 0  (forward KL: classic distillation)
+//          = KL(q || p)                           beta = 1  (reverse KL: on-policy distillation)
+//          = beta KL(p || m) + (1 - beta) KL(q || m),  m = beta p + (1 - beta) q,  otherwise
+// the generalized JSD in the convention of TRL's generalized_jsd_loss and Liger-Kernel's JSD
+// (which special-case beta 0 and 1 the same way). KD_i = tau^2 D_beta (Hinton's scaling, which
+// keeps the gradient's size independent of tau; TRL and Liger do not scale: divide by tau^2 to
+// compare). CE_i is the cross-entropy of the label under the student at its own temperature
+// (label smoothing applies), and term_i = alpha CE_i + (1 - alpha) KD_i. The teacher gets no
+// gradient.
+struct DistillOptions {
+  double beta = 0.0;                 // in [0, 1]
+  double alpha = 0.0;                // in [0, 1]; > 0 needs labels
+  double temperature = 1.0;          // tau > 0
+  double teacher_logit_softcap = 0.0;  // the teacher head's soft cap c_t (0: off)
+  double teacher_temperature = 1.0;    // the teacher head's temperature T_t
+  SparseTeacherMass sparse_mass = SparseTeacherMass::kRenormalize;
+};
+absl::string_view SparseTeacherMassName(SparseTeacherMass mass);
+
 // The largest k a caller may ask for in top-k log-probabilities.
 inline constexpr int kMaxTopK = 64;
+// The largest k of a sparse teacher's top-k.
+inline constexpr int kMaxTeacherTopK = 1024;
 
 struct LossOptions {
   Reduction reduction = Reduction::kMean;
@@ -107,6 +143,25 @@ struct LossOptions {
   bool overwrite_grad_weight = false;
   Objective objective = Objective::kCrossEntropy;
   PolicyOptions policy;
+  DistillOptions distill;
+};
+
+struct WeightView;
+
+// The teacher of a distill call, for the same rows as the student's hidden states: a head on the
+// backend's device with its own hidden rows (a dense teacher; its hidden size may differ from the
+// student's, its vocabulary may not), or the top-k of its log-probabilities per row (a sparse
+// teacher, from cached outputs). Host memory owned by the caller, but for the head.
+struct TeacherInputs {
+  const WeightView* weight = nullptr;  // dense: [V, H_t]
+  const void* hidden = nullptr;        // dense: [num_tokens, H_t] in hidden_dtype
+  DType hidden_dtype = DType::kFloat32;
+  int64_t hidden_size = 0;
+  int top_k = 0;                          // sparse: k in [1, min(V, kMaxTeacherTopK)]
+  const int32_t* top_k_tokens = nullptr;  // [num_tokens, k], distinct ids per row
+  const float* top_k_logprobs = nullptr;  // [num_tokens, k], each <= 0, finite
+  bool dense() const { return weight != nullptr; }
+  bool sparse() const { return top_k > 0; }
 };
 
 // One batch of tokens. All pointers are host memory owned by the caller.
@@ -115,7 +170,9 @@ struct BatchInputs {
   DType hidden_dtype = DType::kFloat32;
   int64_t num_tokens = 0;
   int64_t hidden_size = 0;
-  const int64_t* labels = nullptr;         // [num_tokens], in [0, V) or ignore_index
+  // [num_tokens], in [0, V) or ignore_index; null only under distill with alpha = 0, where every
+  // row counts.
+  const int64_t* labels = nullptr;
   const float* token_weights = nullptr;    // [num_tokens] or null for all ones
   // Per-token inputs of the objectives, [num_tokens] each, read only where the objective or term
   // uses them and only on rows that are not ignored.
@@ -126,6 +183,7 @@ struct BatchInputs {
   // [num_tokens] with a sequence reduction: each row's factor in the reduced loss, 1 / S or
   // 1 / (S L_s), as SequenceReductionScales computes them for the whole batch.
   const double* reduction_scales = nullptr;
+  TeacherInputs teacher;  // distill only
 };
 
 // Which per-token results to produce: a null pointer means "not wanted". Host memory, caller-owned.
@@ -145,6 +203,9 @@ struct TokenOutputs {
   float* ratio = nullptr;          // [N] r_i = exp(logp_i - q_i)
   int32_t* clip = nullptr;         // [N] ClipState
   float* kl = nullptr;             // [N] KL_i by the call's estimator
+  // Of distill; 0 for ignored rows.
+  float* kd = nullptr;             // [N] KD_i = tau^2 D_beta, before alpha and the weight
+  float* ce = nullptr;             // [N] CE_i, before alpha and the weight (0 without labels)
 };
 
 struct BatchSummary {
@@ -154,6 +215,8 @@ struct BatchSummary {
   int64_t correct_tokens = 0;   // counted rows whose argmax equals the label
   int64_t clipped_tokens = 0;   // counted rows whose ClipState is not kNone
   double kl_sum = 0.0;          // sum of KL_i over counted rows (with a KL estimator)
+  double kd_sum = 0.0;          // sum of KD_i over counted rows (distill)
+  double ce_sum = 0.0;          // sum of CE_i over counted rows (distill)
   // False when any row's logits were not finite (NaN/Inf in h or W, or overflow); the caller then
   // must not trust, or commit, the gradients of this call.
   bool all_finite = true;

@@ -1,0 +1,452 @@
+// Row loops compare floats in selects (Exp, Log, MixtureRatios); see cpu_backend.cc for why the
+// whole file drops -ftrapping-math.
+#pragma GCC optimize("no-trapping-math")
+
+#include "kernels/cpu/cpu_distill.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "kernels/cpu/cpu_rows.h"
+#include "lossd/kernels/distill_math.h"
+#include "lossd/kernels/loss_math.h"
+
+namespace lossd::cpu {
+namespace {
+
+// The workspace of one distill call, carved from the caller's buffer.
+struct DistillWorkspace {
+  float* logits;                   // [Nc, Vc]: the student's z, then dL/da in place
+  float* teacher_logits;           // [Nc, Vc]: the teacher's z_t
+  float* hidden32;                 // [Nc, H] when the student's rows are not fp32
+  float* teacher_hidden32;         // [Nc, H_t] when a dense teacher's rows are not fp32
+  float* grad_hidden32;            // [Nc, H] when dL/dh is wanted in 16 bits
+  float* weight32;                 // one slab of either head as fp32, when it is 16-bit
+  RowStats* stats;                 // [Nc] the student's, at its own temperature
+  DistillStats* distill;           // [Nc]
+  DistillRowConstants* constants;  // [Nc]
+  DistillRowTerms* terms;          // [Nc]
+  DistillRowResult* results;       // [Nc]
+  DistillRowGradient* row_grads;   // [Nc] with gradients
+  float* hidden_max_abs;           // [Nc] with dL/dW: max_j |h_ij|, for its bound
+  float* rest_logits;              // [Nc] a sparse teacher's logit outside its top-k
+  float* top_values;               // [Nc, k], best first
+  int32_t* top_tokens;             // [Nc, k]
+};
+
+// Rows of the slab buffer for a 16-bit head of hidden size h, tiles of `cols` columns.
+int64_t SlabFloats(DType dtype, int64_t cols, int64_t h) {
+  return dtype == DType::kFloat32 ? 0 : std::min(cols, WeightSlabRows(h)) * h;
+}
+
+DistillWorkspace CarveDistillWorkspace(WorkspaceArena& arena, const ProblemShape& s, int64_t rows,
+                                       int64_t cols) {
+  DistillWorkspace w{};
+  const TeacherShape& t = s.teacher;
+  const bool dense = t.kind == TeacherKind::kDense;
+  const int64_t h = s.hidden_size;
+  w.logits = arena.Take<float>(rows * cols);
+  w.teacher_logits = arena.Take<float>(rows * cols);
+  if (s.hidden_dtype != DType::kFloat32) w.hidden32 = arena.Take<float>(rows * h);
+  if (dense && t.hidden_dtype != DType::kFloat32) {
+    w.teacher_hidden32 = arena.Take<float>(rows * t.hidden_size);
+  }
+  if (s.grad_hidden && s.grad_hidden_dtype != DType::kFloat32) {
+    w.grad_hidden32 = arena.Take<float>(rows * h);
+  }
+  const int64_t slab = std::max(SlabFloats(s.weight_dtype, cols, h),
+                                dense ? SlabFloats(t.weight_dtype, cols, t.hidden_size) : 0);
+  if (slab > 0) w.weight32 = arena.Take<float>(slab);
+  w.stats = arena.Take<RowStats>(rows);
+  w.distill = arena.Take<DistillStats>(rows);
+  w.constants = arena.Take<DistillRowConstants>(rows);
+  w.terms = arena.Take<DistillRowTerms>(rows);
+  w.results = arena.Take<DistillRowResult>(rows);
+  if (WantsGradients(s)) w.row_grads = arena.Take<DistillRowGradient>(rows);
+  if (s.grad_weight) w.hidden_max_abs = arena.Take<float>(rows);
+  if (t.kind == TeacherKind::kSparse) w.rest_logits = arena.Take<float>(rows);
+  if (s.top_k > 0) {
+    w.top_values = arena.Take<float>(rows * s.top_k);
+    w.top_tokens = arena.Take<int32_t>(rows * s.top_k);
+  }
+  return w;
+}
+
+// max, sum_v exp(x_v - max) and min of x_v = y_v * scale over y[0:cols]: blocks of kSumBlock
+// columns summed in fp32 against a running max, the blocks in double, as in TileRowStats. The
+// student's u and the teacher's t both come through here, so that equal logits give equal bits.
+LOSSD_ROW_LOOP LseStats TileLseStats(const float* y, int64_t cols, float scale) {
+  float m = -INFINITY;
+  float low = INFINITY;
+  bool saw_nan = false;
+  double sum_exp = 0.0;
+  for (int64_t b0 = 0; b0 < cols; b0 += kSumBlock) {
+    const int64_t len = std::min(kSumBlock, cols - b0);
+    const float* block = y + b0;
+    float block_max = -INFINITY;
+    float block_min = INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : block_max) reduction(min : block_min) reduction(| : nan)
+    for (int64_t c = 0; c < len; ++c) {
+      const float x = block[c] * scale;
+      block_max = MaxStep(block_max, x);
+      block_min = MinStep(block_min, x);
+      nan |= x != x;
+    }
+    saw_nan = saw_nan || nan != 0;
+    low = MinStep(low, block_min);
+    if (block_max > m) {
+      if (m > -INFINITY) sum_exp *= Exp(m - block_max);
+      m = block_max;
+    }
+    if (m == -INFINITY) continue;  // -inf columns (and NaN ones, flagged) add nothing yet
+    float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+    for (int64_t c = 0; c < len; ++c) block_sum += Exp(block[c] * scale - m);
+    sum_exp += block_sum;
+  }
+  LseStats s;
+  s.max = m;
+  s.sum_exp = saw_nan ? NAN : static_cast<float>(sum_exp);
+  s.min = low;
+  return s;
+}
+
+template <DivergenceKind kKind>
+inline __attribute__((always_inline)) DistillRowTerms TileTermsOf(const float* z,
+                                                                  const float* z_teacher,
+                                                                  int64_t cols,
+                                                                  const DistillRowConstants& c) {
+  DistillRowTerms terms{0.0, 0.0};
+  for (int64_t b0 = 0; b0 < cols; b0 += kSumBlock) {
+    const int64_t len = std::min(kSumBlock, cols - b0);
+    float divergence = 0.0f;
+    float k = 0.0f;
+#pragma omp simd reduction(+ : divergence, k)
+    for (int64_t i = b0; i < b0 + len; ++i) {
+      const DistillSummands s = DistillElementTerms<kKind>(z[i], z_teacher[i], c);
+      divergence += s.divergence;
+      k += s.k;
+    }
+    terms.divergence += divergence;
+    terms.k += k;
+  }
+  return terms;
+}
+
+// A row's sums of D's and K's summands over one tile (phase 2).
+LOSSD_ROW_LOOP DistillRowTerms TileDistillTerms(const float* z, const float* z_teacher,
+                                                int64_t cols, const DistillRowConstants& c) {
+  switch (c.kind) {
+    case DivergenceKind::kForwardKl:
+      return TileTermsOf<DivergenceKind::kForwardKl>(z, z_teacher, cols, c);
+    case DivergenceKind::kReverseKl:
+      return TileTermsOf<DivergenceKind::kReverseKl>(z, z_teacher, cols, c);
+    default:
+      return TileTermsOf<DivergenceKind::kJsd>(z, z_teacher, cols, c);
+  }
+}
+
+template <DivergenceKind kKind>
+inline __attribute__((always_inline)) void RowGradientsOf(float* z, const float* z_teacher,
+                                                          int64_t cols,
+                                                          const DistillRowGradient& g,
+                                                          const LogitTransform& transform) {
+#pragma omp simd
+  for (int64_t c = 0; c < cols; ++c) {
+    z[c] = DistillLogitGradient<kKind>(z[c], z_teacher[c], false, g, transform);
+  }
+}
+
+// z[0:cols] <- dL/da in place, columns [v0, v0 + cols) (phase 3).
+LOSSD_ROW_LOOP void RowDistillGradients(float* z, const float* z_teacher, int64_t cols,
+                                        int64_t v0, const DistillRowGradient& g,
+                                        const LogitTransform& transform) {
+  const int64_t label = g.ce.label;
+  const bool label_here = label >= v0 && label < v0 + cols;
+  const float label_z = label_here ? z[label - v0] : 0.0f;
+  switch (g.c.kind) {
+    case DivergenceKind::kForwardKl:
+      RowGradientsOf<DivergenceKind::kForwardKl>(z, z_teacher, cols, g, transform);
+      break;
+    case DivergenceKind::kReverseKl:
+      RowGradientsOf<DivergenceKind::kReverseKl>(z, z_teacher, cols, g, transform);
+      break;
+    default:
+      RowGradientsOf<DivergenceKind::kJsd>(z, z_teacher, cols, g, transform);
+  }
+  if (label_here) {
+    z[label - v0] = DistillLogitGradientOf(label_z, z_teacher[label - v0], true, g, transform);
+  }
+}
+
+// The same TileLimits as cross-entropy's, but for calls without gradients: a distill call that
+// tiles the vocabulary reads every tile twice (statistics, then terms), so longer token chunks
+// over tiles would cost more products than they save.
+constexpr TileLimits kDistillTileLimits = {
+    /*max_token_chunk=*/4096,
+    /*min_single_pass_rows=*/64,
+    /*two_pass_token_chunk=*/256,
+    /*min_vocab_chunk=*/256,
+    /*vocab_chunk_multiple=*/256,
+    /*token_chunk_multiple=*/64,
+    /*forward_token_chunk=*/0,
+};
+
+// One distill call: per token chunk, LoadChunk, RowStatistics (phase 1), RowTerms (phase 2),
+// FinishRows and, with gradients, Gradients (phase 3). Where one tile holds the whole vocabulary,
+// both logits tiles stay in the workspace from phase 1 on; else every phase recomputes them.
+class CpuDistillCall {
+ public:
+  CpuDistillCall(const BatchInputs& in, const WeightView& weight, const LossOptions& options,
+                 const TokenOutputs& out, DeviceBuffer* grad_weight, const CallPlan& call,
+                 const DistillWorkspace& ws)
+      : in_(in),
+        weight_(weight),
+        options_(options),
+        out_(out),
+        shape_(call.shape),
+        ws_(ws),
+        finisher_(in, weight.vocab_size, options, out),
+        transform_(finisher_.transform()),
+        teacher_transform_(TeacherTransform(options)),
+        inv_tau_(static_cast<float>(1.0 / options.distill.temperature)),
+        grad_weight32_(grad_weight != nullptr ? static_cast<float*>(grad_weight->data()) : nullptr),
+        h_(weight.hidden_size),
+        v_(weight.vocab_size),
+        chunk_rows_(call.plan.token_chunk),
+        tile_cols_(call.plan.vocab_chunk),
+        k_(out.top_k),
+        gradients_(WantsGradients(call.shape)),
+        logits_resident_(call.plan.vocab_chunk >= weight.vocab_size) {}
+
+  void Run(BatchSummary& summary) {
+    summary.grad_weight_bound = 0.0;
+    for (int64_t r0 = 0; r0 < in_.num_tokens; r0 += chunk_rows_) {
+      const int64_t rows = std::min(chunk_rows_, in_.num_tokens - r0);
+      LoadChunk(r0, rows);
+      RowStatistics(r0, rows);
+      RowTerms(r0, rows);
+      FinishRows(r0, rows, summary);
+      if (gradients_) Gradients(r0, rows);
+    }
+    finisher_.Close(summary);
+  }
+
+ private:
+  static LogitTransform TeacherTransform(const LossOptions& options) {
+    LossOptions teacher;
+    teacher.logit_softcap = options.distill.teacher_logit_softcap;
+    teacher.temperature = options.distill.teacher_temperature;
+    return MakeLogitTransform(teacher);
+  }
+
+  const TeacherInputs& teacher() const { return in_.teacher; }
+
+  // The chunk's rows as fp32 (the caller's, or converted into the workspace); a sparse teacher's
+  // logit for the tokens outside each row's top-k.
+  void LoadChunk(int64_t r0, int64_t rows) {
+    hidden32_ = static_cast<const float*>(in_.hidden) + r0 * h_;
+    if (in_.hidden_dtype != DType::kFloat32) {
+      ConvertToFloat(in_.hidden, in_.hidden_dtype, r0 * h_, rows * h_, ws_.hidden32);
+      hidden32_ = ws_.hidden32;
+    }
+    const TeacherInputs& t = teacher();
+    if (t.dense()) {
+      const int64_t ht = t.hidden_size;
+      teacher_hidden32_ = static_cast<const float*>(t.hidden) + r0 * ht;
+      if (t.hidden_dtype != DType::kFloat32) {
+        ConvertToFloat(t.hidden, t.hidden_dtype, r0 * ht, rows * ht, ws_.teacher_hidden32);
+        teacher_hidden32_ = ws_.teacher_hidden32;
+      }
+      return;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      ws_.rest_logits[r] = SparseTeacherRestLogit(t.top_k_logprobs + (r0 + r) * t.top_k, t.top_k,
+                                                  v_, options_.distill.sparse_mass);
+    }
+  }
+
+  // Both logits tiles of columns [v0, v0 + cols): the student's z, and the teacher's z_t from its
+  // head, or a sparse teacher's log-probabilities with its rest logit around them.
+  void ComputeTiles(int64_t r0, int64_t rows, int64_t v0, int64_t cols) {
+    ComputeLogits(hidden32_, rows, weight_, v0, cols, ws_.weight32, transform_, ws_.logits,
+                  tile_cols_, /*onto_zero=*/false);
+    const TeacherInputs& t = teacher();
+    if (t.dense()) {
+      ComputeLogits(teacher_hidden32_, rows, *t.weight, v0, cols, ws_.weight32,
+                    teacher_transform_, ws_.teacher_logits, tile_cols_, /*onto_zero=*/false);
+      return;
+    }
+    const int k = t.top_k;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      float* zt = ws_.teacher_logits + r * tile_cols_;
+      std::fill(zt, zt + cols, ws_.rest_logits[r]);
+      const int32_t* tokens = t.top_k_tokens + (r0 + r) * k;
+      const float* logprobs = t.top_k_logprobs + (r0 + r) * k;
+      for (int j = 0; j < k; ++j) {
+        if (tokens[j] >= v0 && tokens[j] < v0 + cols) zt[tokens[j] - v0] = logprobs[j];
+      }
+    }
+  }
+
+  float* StudentRow(int64_t r) const { return ws_.logits + r * tile_cols_; }
+  const float* TeacherRow(int64_t r) const { return ws_.teacher_logits + r * tile_cols_; }
+
+  // Phase 1: the student's RowStats (and top-k) at its own temperature, and both distributions'
+  // LseStats at tau, over every tile; then each row's constants for phases 2 and 3.
+  void RowStatistics(int64_t r0, int64_t rows) {
+    std::fill(ws_.stats, ws_.stats + rows, EmptyRowStats());
+    std::fill(ws_.distill, ws_.distill + rows, EmptyDistillStats());
+    if (k_ > 0) {
+      std::fill(ws_.top_values, ws_.top_values + rows * k_, -INFINITY);
+      std::fill(ws_.top_tokens, ws_.top_tokens + rows * k_, 0);
+    }
+    const TileStatsWork work{
+        /*extra_sums=*/out_.entropy != nullptr || options_.label_smoothing != 0.0,
+        /*store_exp=*/false, /*zero_after=*/false};
+    for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
+      const int64_t cols = std::min(tile_cols_, v_ - v0);
+      ComputeTiles(r0, rows, v0, cols);
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) {
+        const TopKList top{k_, k_ > 0 ? ws_.top_values + r * k_ : nullptr,
+                           k_ > 0 ? ws_.top_tokens + r * k_ : nullptr};
+        const int64_t label = in_.labels != nullptr ? in_.labels[r0 + r] : -1;
+        MergeRowStats(ws_.stats[r], TileRowStats(StudentRow(r), cols, v0, label, work, top,
+                                                 /*block_max=*/nullptr));
+        DistillStats tile;
+        tile.student = TileLseStats(StudentRow(r), cols, inv_tau_);
+        tile.teacher = TileLseStats(TeacherRow(r), cols, inv_tau_);
+        MergeDistillStats(ws_.distill[r], tile);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      ws_.constants[r] = MakeDistillRowConstants(ws_.distill[r], options_.distill);
+    }
+  }
+
+  // Phase 2: each row's sums of D's and K's summands, tile after tile in order.
+  void RowTerms(int64_t r0, int64_t rows) {
+    std::fill(ws_.terms, ws_.terms + rows, DistillRowTerms{0.0, 0.0});
+    for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
+      const int64_t cols = std::min(tile_cols_, v_ - v0);
+      if (!logits_resident_) ComputeTiles(r0, rows, v0, cols);
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) {
+        const DistillRowTerms tile =
+            TileDistillTerms(StudentRow(r), TeacherRow(r), cols, ws_.constants[r]);
+        ws_.terms[r].divergence += tile.divergence;
+        ws_.terms[r].k += tile.k;
+      }
+    }
+  }
+
+  // Every row's results and gradient constants, then its outputs and the loss, summed in row order
+  // in double.
+  void FinishRows(int64_t r0, int64_t rows, BatchSummary& summary) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      ws_.results[r] = finisher_.FinishDistill(r0 + r, ws_.stats[r], ws_.distill[r], ws_.terms[r]);
+      if (gradients_) {
+        ws_.row_grads[r] = finisher_.DistillGradient(r0 + r, ws_.results[r], ws_.constants[r]);
+      }
+      if (grad_weight32_ != nullptr) ws_.hidden_max_abs[r] = MaxAbs(hidden32_ + r * h_, h_);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      finisher_.EmitDistill(r0 + r, ws_.results[r], ws_.stats[r], ws_.top_values + r * k_,
+                            ws_.top_tokens + r * k_, summary);
+      if (grad_weight32_ != nullptr) {
+        summary.grad_weight_bound +=
+            DistillLogitGradientBound(ws_.row_grads[r], ws_.results[r].gradient_bound,
+                                      transform_) *
+            ws_.hidden_max_abs[r];
+      }
+    }
+  }
+
+  // Phase 3: dL/da tile by tile, then dh += dA W and dW += dA^T h. The teacher gets none.
+  void Gradients(int64_t r0, int64_t rows) {
+    float* grad_hidden32 = nullptr;
+    if (shape_.grad_hidden) {
+      grad_hidden32 = out_.grad_hidden_dtype == DType::kFloat32
+                          ? static_cast<float*>(out_.grad_hidden) + r0 * h_
+                          : ws_.grad_hidden32;
+      std::fill(grad_hidden32, grad_hidden32 + rows * h_, 0.0f);
+    }
+    for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
+      const int64_t cols = std::min(tile_cols_, v_ - v0);
+      if (!logits_resident_) ComputeTiles(r0, rows, v0, cols);
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) {
+        RowDistillGradients(StudentRow(r), TeacherRow(r), cols, v0, ws_.row_grads[r], transform_);
+      }
+      if (grad_hidden32 != nullptr) {
+        ForEachWeightSlab(weight_, v0, cols, ws_.weight32,
+                          [&](const float* slab, int64_t s0, int64_t slab_rows) {
+                            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, h_,
+                                        slab_rows, 1.0f, ws_.logits + (s0 - v0), tile_cols_, slab,
+                                        h_, 1.0f, grad_hidden32, h_);
+                          });
+      }
+      if (grad_weight32_ != nullptr) {
+        // The first chunk's product stores when the caller asked for dL/dW alone.
+        const float beta = options_.overwrite_grad_weight && r0 == 0 ? 0.0f : 1.0f;
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, h_, rows, 1.0f, ws_.logits,
+                    tile_cols_, hidden32_, h_, beta, grad_weight32_ + v0 * h_, h_);
+      }
+    }
+    if (shape_.grad_hidden && out_.grad_hidden_dtype != DType::kFloat32) {
+      ConvertFromFloat(grad_hidden32, rows * h_, out_.grad_hidden_dtype, out_.grad_hidden, r0 * h_);
+    }
+  }
+
+  const BatchInputs& in_;
+  const WeightView& weight_;
+  const LossOptions& options_;
+  const TokenOutputs& out_;
+  const ProblemShape& shape_;
+  const DistillWorkspace& ws_;
+  const RowFinisher finisher_;
+  const LogitTransform transform_;
+  const LogitTransform teacher_transform_;
+  const float inv_tau_;
+  float* const grad_weight32_;
+  const int64_t h_;
+  const int64_t v_;
+  const int64_t chunk_rows_;
+  const int64_t tile_cols_;
+  const int k_;
+  const bool gradients_;
+  const bool logits_resident_;  // one tile holds the whole vocabulary
+  const float* hidden32_ = nullptr;          // the chunk's student rows as fp32
+  const float* teacher_hidden32_ = nullptr;  // a dense teacher's rows as fp32
+};
+
+}  // namespace
+
+size_t DistillWorkspaceBytes(const ProblemShape& shape, int64_t rows, int64_t cols) {
+  WorkspaceArena arena(nullptr, 0);
+  CarveDistillWorkspace(arena, shape, rows, cols);
+  return arena.used();
+}
+
+const TileLimits& DistillTileLimits() { return kDistillTileLimits; }
+
+BatchSummary RunDistill(const BatchInputs& in, const WeightView& weight, const LossOptions& options,
+                        const TokenOutputs& out, DeviceBuffer* grad_weight, const CallPlan& call,
+                        DeviceBuffer& workspace) {
+  WorkspaceArena arena(workspace.data(), workspace.bytes());
+  const DistillWorkspace ws =
+      CarveDistillWorkspace(arena, call.shape, call.plan.token_chunk, call.plan.vocab_chunk);
+  BatchSummary summary = PlannedSummary(call.plan, arena.used());
+  CpuDistillCall(in, weight, options, out, grad_weight, call, ws).Run(summary);
+  return summary;
+}
+
+}  // namespace lossd::cpu

@@ -1,0 +1,100 @@
+// Pieces of the CPU backend that its two calls share, the cross-entropy and policy call
+// (cpu_backend.cc) and the distill call (cpu_distill.cc): conversions, the products of hidden rows
+// with W, and the statistics of a row over a tile. Internal to the CPU backend.
+#ifndef LOSSD_KERNELS_CPU_CPU_ROWS_H_
+#define LOSSD_KERNELS_CPU_CPU_ROWS_H_
+
+#include <algorithm>
+#include <cstdint>
+
+#include "lossd/kernels/backend.h"
+#include "lossd/kernels/loss_math.h"
+
+namespace lossd::cpu {
+
+// Rows of W converted to fp32 at a time when W is stored in 16 bits (OpenBLAS has no bf16 GEMM):
+// about 16 MiB of them, and at least 1024 rows. Each slab is a GEMM of its own; at H = 1024,
+// slabs of 4096 rows ran a forward+backward pass about 5% faster than slabs of 1024 (fewer
+// repacks of the hidden states, fewer passes over dL/dh), and at H = 2048 no slower.
+constexpr int64_t kWeightSlabBytes = int64_t{16} << 20;
+constexpr int64_t kMinWeightSlabRows = 1024;
+constexpr int64_t WeightSlabRows(int64_t hidden_size) {
+  return std::max<int64_t>(kMinWeightSlabRows, kWeightSlabBytes / (hidden_size * 4));
+}
+
+// Rows are processed in blocks of kSumBlock columns: sums run in fp32 within a block (vectorized)
+// and in double across blocks, so the rounding error stays near kSumBlock * 2^-24 whatever V is.
+constexpr int64_t kSumBlock = 256;
+constexpr int64_t BlocksPerRow(int64_t cols) { return (cols + kSumBlock - 1) / kSumBlock; }
+
+// Row loops marked LOSSD_ROW_LOOP are compiled twice, for AVX2 + FMA (x86-64-v3) and for baseline x86-64, and
+// the dynamic loader picks one per process. The two differ in the last bits (the AVX2 copy fuses
+// multiply-adds and sums 8 lanes at a time), but on one machine every call runs the same copy, so
+// identical calls still give identical bits.
+//
+// Not under ThreadSanitizer: the loader runs a multiversioned function's resolver before TSan is
+// initialized, and GCC and Clang (before 22, llvm-project#163369) instrument it, so the program
+// crashes at load.
+#if defined(__SANITIZE_THREAD__)
+#define LOSSD_ROW_LOOP
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define LOSSD_ROW_LOOP
+#endif
+#endif
+#ifndef LOSSD_ROW_LOOP
+#define LOSSD_ROW_LOOP __attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
+
+// Elements [offset, offset + count) of src as fp32, and back.
+void ConvertToFloat(const void* src, DType dtype, int64_t offset, int64_t count, float* dst);
+void ConvertFromFloat(const float* src, int64_t count, DType dtype, void* dst, int64_t offset);
+
+// Calls fn(w_slab, slab_first_row, slab_rows) over rows [v0, v0 + cols) of W as fp32: W itself when
+// it is fp32, else slabs converted into `scratch`.
+template <typename Fn>
+void ForEachWeightSlab(const WeightView& w, int64_t v0, int64_t cols, float* scratch, Fn fn) {
+  const int64_t h = w.hidden_size;
+  if (w.dtype == DType::kFloat32) {
+    fn(static_cast<const float*>(w.data->data()) + v0 * h, v0, cols);
+    return;
+  }
+  const int64_t slab_rows = WeightSlabRows(h);
+  for (int64_t s0 = v0; s0 < v0 + cols; s0 += slab_rows) {
+    const int64_t rows = std::min(slab_rows, v0 + cols - s0);
+    ConvertToFloat(w.data->data(), w.dtype, s0 * h, rows * h, scratch);
+    fn(scratch, s0, rows);
+  }
+}
+
+// z[:, 0:cols] = transform(h W[v0:v0+cols]^T), leading dimension ld. With onto_zero the caller
+// vouches that z[:, 0:cols] holds zeros: the product adds onto it (beta = 1).
+void ComputeLogits(const float* hidden32, int64_t rows, const WeightView& w, int64_t v0,
+                   int64_t cols, float* weight32, const LogitTransform& transform, float* z,
+                   int64_t ld, bool onto_zero);
+
+// A row's k largest (value, token) so far, best first; k = 0 when no top-k is asked for.
+struct TopKList {
+  int k = 0;
+  float* values = nullptr;
+  int32_t* tokens = nullptr;
+};
+
+// What the statistics pass of one tile computes beyond the max, argmax and sum of exponentials.
+struct TileStatsWork {
+  bool extra_sums;  // sum_z and sum_exp_shifted: only label smoothing and entropy read them
+  bool store_exp;   // z[c] <- exp(z[c] - m_b) with m_b the running max at z's block
+  bool zero_after;  // z[c] <- 0 once read, while in L1, for the next product to add onto
+};
+
+// max_j |x_j|.
+LOSSD_ROW_LOOP float MaxAbs(const float* x, int64_t count);
+
+// A row's statistics over one vocabulary tile z[0:cols] holding columns [v0, v0 + cols), read
+// once; see cpu_backend.cc.
+LOSSD_ROW_LOOP RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t label,
+                                     TileStatsWork work, const TopKList& top, float* block_max);
+
+}  // namespace lossd::cpu
+
+#endif  // LOSSD_KERNELS_CPU_CPU_ROWS_H_

@@ -1,0 +1,350 @@
+// Scalar math of the distill objective (types.h, DistillOptions), shared by the CPU and CUDA
+// backends as loss_math.h is.
+//
+// Per row, with u = z / tau the student's and t = z_t / tau the teacher's logits at the
+// distillation temperature, log q_v = u_v - lse(u), log p_v = t_v - lse(t):
+//   forward KL  D = sum_v p_v (log p_v - log q_v)                 dD/du_v = q_v - p_v
+//   reverse KL  D = sum_v q_v (log q_v - log p_v) = K             dD/du_v = q_v (log q_v - log p_v - K)
+//   JSD         D = beta KL(p || m) + (1 - beta) KL(q || m)       dD/du_v = (1 - beta) q_v (log q_v - log m_v - K)
+//               m = beta p + (1 - beta) q,  K = KL(q || m)
+// and KD = tau^2 D, so dKD/dz_v = tau dD/du_v. The row scalar K needs every column's log m_v, which
+// no running statistic gives, hence three phases over a row's columns, each ending in per-row sums
+// that merge across tiles (and, one day, across vocabulary shards):
+//   1. statistics: max and sum-exp of u and of t (LseStats), beside the student's RowStats;
+//   2. terms: sum_v of D's and K's summands given both lse (DistillElementTerms);
+//   3. gradients: dL/da_v given D's row constants and K (DistillLogitGradient).
+// log m_v is taken as log q_v + log(m_v / q_v) or log p_v + log(m_v / p_v), whichever of p_v, q_v is
+// larger, with log(m / A) = log(a + b e^-|log p - log q|) (MixtureLogRatios): no exp underflows to a
+// log of 0, and where p_v = q_v it is exactly log q_v, so that a teacher identical to the student
+// gives D = 0 and a zero gradient exactly.
+#ifndef LOSSD_KERNELS_DISTILL_MATH_H_
+#define LOSSD_KERNELS_DISTILL_MATH_H_
+
+#include <cmath>
+#include <cstdint>
+
+#include "lossd/kernels/host_device.h"
+#include "lossd/kernels/loss_math.h"
+#include "lossd/kernels/types.h"
+
+namespace lossd {
+
+// Which of D_beta's three forms a call computes: beta 0 and 1 are the two KLs (types.h).
+enum class DivergenceKind : int32_t { kForwardKl = 0, kReverseKl = 1, kJsd = 2 };
+
+LOSSD_HD DivergenceKind DivergenceOf(double beta) {
+  return beta == 0.0 ? DivergenceKind::kForwardKl
+                     : (beta == 1.0 ? DivergenceKind::kReverseKl : DivergenceKind::kJsd);
+}
+
+// Running statistics of the values x_v seen so far: m = max_v x_v, sum_v exp(x_v - m) (merged as
+// RowStats' are), and min_v x_v, which bounds the reverse KL's gradient. Empty: m = -inf, sum 0.
+// A NaN value leaves the sum NaN; columns at -inf add nothing (a sparse teacher's outside its
+// top-k).
+struct LseStats {
+  float max;
+  float sum_exp;
+  float min;
+};
+
+LOSSD_HD LseStats EmptyLseStats() {
+  LseStats s;
+  s.max = -INFINITY;
+  s.sum_exp = 0.0f;
+  s.min = INFINITY;
+  return s;
+}
+
+LOSSD_HD void MergeLseStats(LseStats& into, const LseStats& other) {
+  into.min = MinStep(into.min, other.min);
+  const float m = into.max > other.max ? into.max : other.max;
+  if (m == -INFINITY) {  // both hold only -inf columns, or none: nothing to rescale
+    into.sum_exp += other.sum_exp;
+    return;
+  }
+  into.sum_exp = into.sum_exp * Exp(into.max - m) + other.sum_exp * Exp(other.max - m);
+  into.max = m;
+}
+
+// lse = m + log sum_v exp(x_v - m), in double.
+LOSSD_HD double LseOf(const LseStats& s) {
+  return static_cast<double>(s.max) + std::log(static_cast<double>(s.sum_exp));
+}
+
+// The distill statistics of a row beside the student's RowStats (which hold z at the student's
+// own temperature, for the cross-entropy and the outputs): u's and t's.
+struct DistillStats {
+  LseStats student;  // of u = z / tau
+  LseStats teacher;  // of t = z_t / tau
+};
+
+LOSSD_HD DistillStats EmptyDistillStats() {
+  DistillStats s;
+  s.student = EmptyLseStats();
+  s.teacher = EmptyLseStats();
+  return s;
+}
+
+LOSSD_HD void MergeDistillStats(DistillStats& into, const DistillStats& other) {
+  MergeLseStats(into.student, other.student);
+  MergeLseStats(into.teacher, other.teacher);
+}
+
+// What phases 2 and 3 read of a row's columns once its statistics are complete.
+struct DistillRowConstants {
+  float inv_tau;
+  float student_lse;     // lse(u)
+  float teacher_lse;     // lse(t)
+  float beta;            // p's weight in m
+  float one_minus_beta;  // q's weight in m, rounded from 1 - beta in double
+  DivergenceKind kind;
+};
+
+LOSSD_HD DistillRowConstants MakeDistillRowConstants(const DistillStats& s,
+                                                     const DistillOptions& options) {
+  DistillRowConstants c;
+  c.inv_tau = static_cast<float>(1.0 / options.temperature);
+  c.student_lse = static_cast<float>(LseOf(s.student));
+  c.teacher_lse = static_cast<float>(LseOf(s.teacher));
+  c.beta = static_cast<float>(options.beta);
+  c.one_minus_beta = static_cast<float>(1.0 - options.beta);
+  c.kind = DivergenceOf(options.beta);
+  return c;
+}
+
+// log p_v - log m_v and log q_v - log m_v. With A the larger of p_v, q_v, B the other, a and b
+// their weights in m (a + b = 1) and e = B / A = exp(-|log p - log q|) in (0, 1]:
+// log(m / A) = log(a + b e) = log1p(b (e - 1)). log1p(x) = log(u) x / (u - 1), u = 1 + x, is
+// accurate near 0 (and exactly 0 at e = 1); where u < 1/2, log(a + b e) directly is.
+struct MixtureLogRatios {
+  float teacher;  // log p - log m
+  float student;  // log q - log m
+};
+
+LOSSD_HD MixtureLogRatios MixtureRatios(float log_p, float log_q, const DistillRowConstants& c) {
+  const float d = log_p - log_q;
+  const bool teacher_larger = d > 0.0f;
+  const float b = teacher_larger ? c.one_minus_beta : c.beta;  // the smaller one's weight
+  const float a = teacher_larger ? c.beta : c.one_minus_beta;
+  const float e = Exp(teacher_larger ? -d : d);
+  const float x = b * (e - 1.0f);
+  const float u = 1.0f + x;
+  const float near_one = u == 1.0f ? x : Log(u) * (x / (u - 1.0f));
+  const float log_m_over_a = u < 0.5f ? Log(a + b * e) : near_one;
+  const float below = (teacher_larger ? -d : d) - log_m_over_a;  // log B - log m
+  MixtureLogRatios r;
+  r.teacher = teacher_larger ? -log_m_over_a : below;
+  r.student = teacher_larger ? below : -log_m_over_a;
+  return r;
+}
+
+// One column's summands of D and of K (phase 2). Columns where the teacher has no mass (a sparse
+// teacher's outside its top-k, renormalized) add nothing to p log p.
+struct DistillSummands {
+  float divergence;
+  float k;
+};
+
+template <DivergenceKind kKind>
+LOSSD_HD DistillSummands DistillElementTerms(float z, float z_teacher,
+                                             const DistillRowConstants& c) {
+  const float log_q = z * c.inv_tau - c.student_lse;
+  const float log_p = z_teacher * c.inv_tau - c.teacher_lse;
+  const bool teacher_mass = log_p > -INFINITY;
+  DistillSummands s;
+  if constexpr (kKind == DivergenceKind::kForwardKl) {
+    s.divergence = teacher_mass ? Exp(log_p) * (log_p - log_q) : 0.0f;
+    s.k = 0.0f;
+  } else if constexpr (kKind == DivergenceKind::kReverseKl) {
+    s.divergence = Exp(log_q) * (log_q - log_p);
+    s.k = s.divergence;
+  } else {
+    const MixtureLogRatios r = MixtureRatios(log_p, log_q, c);
+    const float student = Exp(log_q) * r.student;
+    s.divergence = (teacher_mass ? c.beta * Exp(log_p) * r.teacher : 0.0f) +
+                   c.one_minus_beta * student;
+    s.k = student;
+  }
+  return s;
+}
+
+// The run-time kind's DistillElementTerms, for device code where the kind is uniform per launch.
+LOSSD_HD DistillSummands DistillElementTermsOf(float z, float z_teacher,
+                                               const DistillRowConstants& c) {
+  switch (c.kind) {
+    case DivergenceKind::kForwardKl:
+      return DistillElementTerms<DivergenceKind::kForwardKl>(z, z_teacher, c);
+    case DivergenceKind::kReverseKl:
+      return DistillElementTerms<DivergenceKind::kReverseKl>(z, z_teacher, c);
+    default:
+      return DistillElementTerms<DivergenceKind::kJsd>(z, z_teacher, c);
+  }
+}
+
+// A row's sums of phase 2, in double.
+struct DistillRowTerms {
+  double divergence;  // D
+  double k;           // K (reverse KL and JSD)
+};
+
+// A distill row's results (RowResult's loss is the whole weighted loss).
+struct DistillRowResult {
+  RowResult row;
+  float kd;  // tau^2 D; 0 for ignored rows
+  float ce;  // the label's cross-entropy; 0 for ignored rows and without labels
+  float k;   // K, for the gradient
+  // max_v |dD/du_v| over the row: 1 (forward), 1/e + 2 (lse(t) - min t) (reverse: q |log q| <=
+  // 1/e, q |log p| and K at most lse(t) - min t), (1 - beta)(max(1/e, L) + L) with
+  // L = -log(1 - beta) (JSD: |log q - log m| <= L above and q log(q / m) >= q log q >= -1/e).
+  double gradient_bound;
+};
+
+// The row's results from its complete statistics and terms. `has_label` is false for rows of a
+// call without labels (they count, without a cross-entropy); `dense_teacher` flags a -inf teacher
+// logit (an overflow) as non-finite, as the student's are.
+LOSSD_HD DistillRowResult FinishDistillRow(const RowStats& s, const DistillStats& ds,
+                                           const DistillRowTerms& terms, bool counted,
+                                           bool has_label, float weight, const LossTerms& loss,
+                                           const DistillOptions& options, bool dense_teacher) {
+  const RowSummary summary = SummarizeRow(s, loss.vocab_size);
+  const double tau = options.temperature;
+  DistillRowResult r;
+  RowResult& row = r.row;
+  row.lse = static_cast<float>(summary.lse);
+  row.entropy = static_cast<float>(summary.entropy);
+  row.logprob = 0.0f;
+  row.loss = 0.0f;
+  row.ratio = 0.0f;
+  row.kl = 0.0f;
+  row.clip = ClipState::kNone;
+  row.logprob_grad = 0.0;
+  r.kd = 0.0f;
+  r.ce = 0.0f;
+  r.k = static_cast<float>(terms.k);
+  const double kd = tau * tau * terms.divergence;
+  if (counted) {
+    double ce = 0.0;
+    if (has_label) {
+      row.logprob = static_cast<float>(summary.logprob);
+      ce = RowCrossEntropy(summary, loss.label_smoothing);
+    }
+    const double term = options.alpha * ce + (1.0 - options.alpha) * kd +
+                        loss.z_loss_scale * summary.lse * summary.lse;
+    row.loss = static_cast<float>(weight * term);
+    r.kd = static_cast<float>(kd);
+    r.ce = static_cast<float>(ce);
+  }
+  constexpr double kInvE = 0.36787944117144233;
+  switch (DivergenceOf(options.beta)) {
+    case DivergenceKind::kForwardKl:
+      r.gradient_bound = 1.0;
+      break;
+    case DivergenceKind::kReverseKl:
+      r.gradient_bound = kInvE + 2.0 * (LseOf(ds.teacher) - static_cast<double>(ds.teacher.min));
+      break;
+    default: {
+      const double l = -std::log1p(-options.beta);
+      r.gradient_bound = (1.0 - options.beta) * ((l > kInvE ? l : kInvE) + l);
+    }
+  }
+  const bool teacher_finite =
+      IsFinite(LseOf(ds.teacher)) && !(dense_teacher && ds.teacher.min == -INFINITY);
+  row.finite = IsFinite(summary.lse) && IsFinite(summary.mean_z) && IsFinite(summary.entropy) &&
+               IsFinite(LseOf(ds.student)) && teacher_finite && IsFinite(terms.divergence) &&
+               IsFinite(terms.k) && IsFinite(row.loss);
+  return r;
+}
+
+// The per-row constants of a distill row's dL/dz_v = ce.scale_p exp(z_v - lse) - ce.offset
+// - ce.label_term [v = y] + kd_scale dD/du_v: the cross-entropy's part (alpha CE and the z-loss,
+// as in RowGradient) and the divergence's.
+struct DistillRowGradient {
+  RowGradient ce;
+  DistillRowConstants c;
+  float kd_scale;  // g (1 - alpha) tau
+  float k;
+};
+
+// g = weight * multiplier (the reduction's scale and grad_scale), as for MakeRowGradient.
+LOSSD_HD DistillRowGradient MakeDistillRowGradient(const DistillRowResult& r,
+                                                   const DistillRowConstants& c, int64_t label,
+                                                   bool counted, float weight, double multiplier,
+                                                   const LossTerms& loss,
+                                                   const DistillOptions& options) {
+  const double g = counted ? static_cast<double>(weight) * multiplier : 0.0;
+  const double alpha = options.alpha;
+  const double lse = r.row.lse;
+  DistillRowGradient d;
+  d.ce.lse = r.row.lse;
+  d.ce.scale_p = static_cast<float>(g * (alpha + 2.0 * loss.z_loss_scale * lse));
+  d.ce.entropy_scale = 0.0f;
+  d.ce.offset = static_cast<float>(g * alpha * loss.label_smoothing /
+                                   static_cast<double>(loss.vocab_size));
+  d.ce.label_term = static_cast<float>(g * alpha * (1.0 - loss.label_smoothing));
+  d.ce.label = counted ? label : -1;
+  d.c = c;
+  d.kd_scale = static_cast<float>(g * (1.0 - alpha) * options.temperature);
+  d.k = r.k;
+  return d;
+}
+
+// dD/du_v of one column (phase 3).
+template <DivergenceKind kKind>
+LOSSD_HD float DivergenceGradient(float z, float z_teacher, const DistillRowGradient& g) {
+  const DistillRowConstants& c = g.c;
+  const float log_q = z * c.inv_tau - c.student_lse;
+  const float log_p = z_teacher * c.inv_tau - c.teacher_lse;
+  if constexpr (kKind == DivergenceKind::kForwardKl) {
+    return Exp(log_q) - Exp(log_p);
+  } else if constexpr (kKind == DivergenceKind::kReverseKl) {
+    return Exp(log_q) * (log_q - log_p - g.k);
+  } else {
+    return c.one_minus_beta * Exp(log_q) * (MixtureRatios(log_p, log_q, c).student - g.k);
+  }
+}
+
+// dL/da_v of one student logit; the one-hot term in fp32 as for cross-entropy.
+template <DivergenceKind kKind>
+LOSSD_HD float DistillLogitGradient(float z, float z_teacher, bool is_label,
+                                    const DistillRowGradient& g, const LogitTransform& t) {
+  const float ce = g.ce.scale_p * Exp(z - g.ce.lse) - g.ce.offset -
+                   (is_label ? g.ce.label_term : 0.0f);
+  const float dz = ce + g.kd_scale * DivergenceGradient<kKind>(z, z_teacher, g);
+  return dz * TransformDerivative(z, t);
+}
+
+LOSSD_HD float DistillLogitGradientOf(float z, float z_teacher, bool is_label,
+                                      const DistillRowGradient& g, const LogitTransform& t) {
+  switch (g.c.kind) {
+    case DivergenceKind::kForwardKl:
+      return DistillLogitGradient<DivergenceKind::kForwardKl>(z, z_teacher, is_label, g, t);
+    case DivergenceKind::kReverseKl:
+      return DistillLogitGradient<DivergenceKind::kReverseKl>(z, z_teacher, is_label, g, t);
+    default:
+      return DistillLogitGradient<DivergenceKind::kJsd>(z, z_teacher, is_label, g, t);
+  }
+}
+
+// max_v |dL/da_v| <= (|scale_p| + |offset| + |label_term| + |kd_scale| max_v |dD/du_v|) / T.
+LOSSD_HD double DistillLogitGradientBound(const DistillRowGradient& g, double divergence_bound,
+                                          const LogitTransform& t) {
+  return LogitGradientBound(g.ce, t) +
+         std::fabs(static_cast<double>(g.kd_scale)) * divergence_bound *
+             static_cast<double>(t.inv_temperature);
+}
+
+// The logit a sparse teacher's completed distribution gives the tokens outside its top-k: -inf
+// (renormalize), or log((1 - sum_j p_j) / (V - k)) (spread; -inf when nothing is left). In double.
+LOSSD_HD float SparseTeacherRestLogit(const float* logprobs, int k, int64_t vocab_size,
+                                      SparseTeacherMass mass) {
+  if (mass != SparseTeacherMass::kSpread || vocab_size <= k) return -INFINITY;
+  double top_mass = 0.0;
+  for (int j = 0; j < k; ++j) top_mass += std::exp(static_cast<double>(logprobs[j]));
+  const double rest = 1.0 - top_mass;
+  return rest > 0.0 ? static_cast<float>(std::log(rest / static_cast<double>(vocab_size - k)))
+                    : -INFINITY;
+}
+
+}  // namespace lossd
+
+#endif  // LOSSD_KERNELS_DISTILL_MATH_H_
