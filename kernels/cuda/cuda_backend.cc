@@ -22,6 +22,7 @@
 #include "kernels/cuda/cuda_module.h"
 #include "kernels/cuda/cuda_status.h"
 #include "lossd/kernels/backend_common.h"
+#include "lossd/kernels/distill_math.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/kernels/optimizer_math.h"
 #include "lossd/common/status_macros.h"
@@ -48,8 +49,17 @@ constexpr int kSplitMaxExponent = 14;
 
 // Both GEMM operands in one dtype: the shared one when hidden and W agree (tensor cores for
 // 16-bit), else fp32 with the 16-bit side converted.
-DType ProductDType(const ProblemShape& s) {
-  return s.hidden_dtype == s.weight_dtype ? s.hidden_dtype : DType::kFloat32;
+DType ProductDType(DType hidden_dtype, DType weight_dtype) {
+  return hidden_dtype == weight_dtype ? hidden_dtype : DType::kFloat32;
+}
+DType ProductDType(const ProblemShape& s) { return ProductDType(s.hidden_dtype, s.weight_dtype); }
+DType TeacherProductDType(const ProblemShape& s) {
+  return ProductDType(s.teacher.hidden_dtype, s.teacher.weight_dtype);
+}
+
+// Elements of the fp32 slab of a head whose products run in fp32 from a 16-bit W; else 0.
+int64_t SlabFloats(DType weight_dtype, DType product, int64_t cols, int64_t h) {
+  return weight_dtype != product ? std::min(cols, kWeightSlabRows) * h : 0;
 }
 
 int64_t LeadingDimension(int64_t cols) {
@@ -72,6 +82,18 @@ struct CudaWorkspace {
   RowGradient* d_row_grads;   // [Nc]
   float* d_top_values;        // [Nc, k], best first
   int32_t* d_top_tokens;      // [Nc, k]
+  // A distill call's: the teacher's rows (dense) or top-k (sparse), its logits tile, and the
+  // rows' distill state (distill_math.h).
+  void* d_teacher_hidden;               // [Nc, H_t] as sent
+  float* d_teacher_hidden32;            // [Nc, H_t] when its products run in fp32
+  int32_t* d_teacher_tokens;            // [Nc, k_t]
+  float* d_teacher_logprobs;            // [Nc, k_t]
+  float* d_rest_logits;                 // [Nc]
+  float* d_teacher_logits;              // [Nc, ld]
+  DistillStats* d_distill_stats;        // [Nc]
+  DistillRowConstants* d_constants;     // [Nc]
+  DistillRowTerms* d_terms;             // [Nc]
+  DistillRowGradient* d_distill_grads;  // [Nc]
 };
 
 CudaWorkspace CarveWorkspace(WorkspaceArena& arena, const ProblemShape& s, int64_t rows,
@@ -80,11 +102,17 @@ CudaWorkspace CarveWorkspace(WorkspaceArena& arena, const ProblemShape& s, int64
   const int64_t h = s.hidden_size;
   const DType product = ProductDType(s);
   const bool gradients = WantsGradients(s);
+  const TeacherShape& t = s.teacher;
+  const bool distill = t.kind != TeacherKind::kNone;
+  const bool dense_teacher = t.kind == TeacherKind::kDense;
   w.d_hidden = arena.Take<char>(rows * h * static_cast<int64_t>(DTypeSize(s.hidden_dtype)));
   if (s.hidden_dtype != product) w.d_hidden32 = arena.Take<float>(rows * h);
-  if (s.weight_dtype != product) {
-    w.d_weight32 = arena.Take<float>(std::min(cols, kWeightSlabRows) * h);
-  }
+  const int64_t slab =
+      std::max(SlabFloats(s.weight_dtype, product, cols, h),
+               dense_teacher ? SlabFloats(t.weight_dtype, TeacherProductDType(s), cols,
+                                          t.hidden_size)
+                             : 0);
+  if (slab > 0) w.d_weight32 = arena.Take<float>(slab);
   w.d_labels = arena.Take<int64_t>(rows);
   w.d_logits = arena.Take<float>(rows * LeadingDimension(cols));
   if (gradients && product != DType::kFloat32) {
@@ -96,11 +124,28 @@ CudaWorkspace CarveWorkspace(WorkspaceArena& arena, const ProblemShape& s, int64
     if (s.grad_hidden_dtype != DType::kFloat32) w.d_grad_hidden16 = arena.Take<uint16_t>(rows * h);
   }
   w.d_stats = arena.Take<RowStats>(rows);
-  if (gradients) w.d_row_grads = arena.Take<RowGradient>(rows);
+  if (gradients && !distill) w.d_row_grads = arena.Take<RowGradient>(rows);
   if (s.top_k > 0) {
     w.d_top_values = arena.Take<float>(rows * s.top_k);
     w.d_top_tokens = arena.Take<int32_t>(rows * s.top_k);
   }
+  if (!distill) return w;
+  if (dense_teacher) {
+    w.d_teacher_hidden = arena.Take<char>(rows * t.hidden_size *
+                                          static_cast<int64_t>(DTypeSize(t.hidden_dtype)));
+    if (t.hidden_dtype != TeacherProductDType(s)) {
+      w.d_teacher_hidden32 = arena.Take<float>(rows * t.hidden_size);
+    }
+  } else {
+    w.d_teacher_tokens = arena.Take<int32_t>(rows * t.top_k);
+    w.d_teacher_logprobs = arena.Take<float>(rows * t.top_k);
+    w.d_rest_logits = arena.Take<float>(rows);
+  }
+  w.d_teacher_logits = arena.Take<float>(rows * LeadingDimension(cols));
+  w.d_distill_stats = arena.Take<DistillStats>(rows);
+  w.d_constants = arena.Take<DistillRowConstants>(rows);
+  w.d_terms = arena.Take<DistillRowTerms>(rows);
+  if (gradients) w.d_distill_grads = arena.Take<DistillRowGradient>(rows);
   return w;
 }
 
@@ -186,6 +231,10 @@ class StreamPool {
 
 // ---- One Compute call ----
 
+// Per token chunk: LoadChunk, RowStatistics (phase 1), for distill RowConstants and RowTerms
+// (phase 2), FinishRows on the host, and with gradients Gradients (phase 3). A distill call keeps
+// the teacher's logits tile beside the student's; both tiles hold transformed logits from the
+// moment they are computed.
 class ChunkedCompute {
  public:
   ChunkedCompute(const BatchInputs& in, const WeightView& weight, const LossOptions& options,
@@ -207,20 +256,34 @@ class ChunkedCompute {
         ld_(LeadingDimension(call.plan.vocab_chunk)),
         k_(out.top_k),
         product_dtype_(ProductDType(call.shape)),
+        teacher_product_dtype_(TeacherProductDType(call.shape)),
         gradients_(WantsGradients(call.shape)),
+        distill_(options.objective == Objective::kDistill),
         finisher_(in, weight.vocab_size, options, out),
         transform_(finisher_.transform()),
+        teacher_transform_(TeacherTransform(options)),
         stats_(chunk_rows_),
         results_(chunk_rows_),
         row_grads_(chunk_rows_),
+        row_bounds_(chunk_rows_),
         top_values_(chunk_rows_ * k_),
-        top_tokens_(chunk_rows_ * k_) {}
+        top_tokens_(chunk_rows_ * k_),
+        distill_stats_(distill_ ? chunk_rows_ : 0),
+        constants_(distill_ ? chunk_rows_ : 0),
+        terms_(distill_ ? chunk_rows_ : 0),
+        distill_results_(distill_ ? chunk_rows_ : 0),
+        distill_grads_(distill_ ? chunk_rows_ : 0),
+        rest_logits_(in.teacher.sparse() ? chunk_rows_ : 0) {}
 
   absl::Status Run(BatchSummary& summary) {
     for (int64_t r0 = 0; r0 < in_.num_tokens; r0 += chunk_rows_) {
       const int64_t rows = std::min(chunk_rows_, in_.num_tokens - r0);
       RETURN_IF_ERROR(LoadChunk(r0, rows));
       RETURN_IF_ERROR(RowStatistics(rows));
+      if (distill_) {
+        RETURN_IF_ERROR(RowConstants(rows));
+        RETURN_IF_ERROR(RowTerms(rows));
+      }
       RETURN_IF_ERROR(FinishRows(r0, rows, summary));
       if (gradients_) RETURN_IF_ERROR(Gradients(r0, rows));
     }
@@ -229,38 +292,76 @@ class ChunkedCompute {
   }
 
  private:
+  static LogitTransform TeacherTransform(const LossOptions& options) {
+    LossOptions teacher;
+    teacher.logit_softcap = options.distill.teacher_logit_softcap;
+    teacher.temperature = options.distill.teacher_temperature;
+    return MakeLogitTransform(teacher);
+  }
+
   absl::Status Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
     return CudaStatus(cudaMemcpyAsync(dst, src, bytes, kind, stream_), "cudaMemcpyAsync");
   }
 
-  // The chunk's hidden rows and labels on the device, hidden in the product dtype.
+  // Rows [r0, r0 + rows) of a host [N, h] matrix on the device in `product` dtype: copied as sent
+  // to `d_rows`, converted to fp32 into `d_rows32` where the product needs it.
+  absl::StatusOr<Matrix> LoadRows(const void* host, DType dtype, int64_t h, int64_t r0,
+                                  int64_t rows, DType product, void* d_rows, float* d_rows32) {
+    const size_t row_bytes = DTypeSize(dtype) * static_cast<size_t>(h);
+    RETURN_IF_ERROR(Copy(d_rows, static_cast<const char*>(host) + r0 * row_bytes, rows * row_bytes,
+                         cudaMemcpyHostToDevice));
+    if (dtype == product) return Matrix{d_rows, dtype, h};
+    RETURN_IF_ERROR(LaunchConvertToFloat(d_rows, dtype, rows * h, d_rows32, stream_));
+    return Matrix{d_rows32, DType::kFloat32, h};
+  }
+
+  // The chunk's hidden rows and labels on the device, hidden in the product dtype; a distill
+  // call's teacher rows, or its sparse top-k with each row's logit outside it.
   absl::Status LoadChunk(int64_t r0, int64_t rows) {
-    const size_t hidden_bytes = DTypeSize(in_.hidden_dtype) * static_cast<size_t>(rows * h_);
-    RETURN_IF_ERROR(Copy(
-        ws_.d_hidden, static_cast<const char*>(in_.hidden) + r0 * h_ * DTypeSize(in_.hidden_dtype),
-        hidden_bytes, cudaMemcpyHostToDevice));
-    RETURN_IF_ERROR(
-        Copy(ws_.d_labels, in_.labels + r0, rows * sizeof(int64_t), cudaMemcpyHostToDevice));
-    hidden_ = {ws_.d_hidden, in_.hidden_dtype, h_};
-    if (in_.hidden_dtype != product_dtype_) {
+    ASSIGN_OR_RETURN(hidden_, LoadRows(in_.hidden, in_.hidden_dtype, h_, r0, rows, product_dtype_,
+                                       ws_.d_hidden, ws_.d_hidden32));
+    if (in_.labels != nullptr) {
       RETURN_IF_ERROR(
-          LaunchConvertToFloat(ws_.d_hidden, in_.hidden_dtype, rows * h_, ws_.d_hidden32, stream_));
-      hidden_ = {ws_.d_hidden32, DType::kFloat32, h_};
+          Copy(ws_.d_labels, in_.labels + r0, rows * sizeof(int64_t), cudaMemcpyHostToDevice));
+    } else {  // no label: -1, which no column matches
+      RETURN_IF_ERROR(CudaStatus(
+          cudaMemsetAsync(ws_.d_labels, 0xff, rows * sizeof(int64_t), stream_), "cudaMemsetAsync"));
+    }
+    const TeacherInputs& t = in_.teacher;
+    if (t.dense()) {
+      ASSIGN_OR_RETURN(teacher_hidden_,
+                       LoadRows(t.hidden, t.hidden_dtype, t.hidden_size, r0, rows,
+                                teacher_product_dtype_, ws_.d_teacher_hidden,
+                                ws_.d_teacher_hidden32));
+    } else if (t.sparse()) {
+      const size_t entries = static_cast<size_t>(rows) * t.top_k;
+      RETURN_IF_ERROR(Copy(ws_.d_teacher_tokens, t.top_k_tokens + r0 * t.top_k,
+                           entries * sizeof(int32_t), cudaMemcpyHostToDevice));
+      RETURN_IF_ERROR(Copy(ws_.d_teacher_logprobs, t.top_k_logprobs + r0 * t.top_k,
+                           entries * sizeof(float), cudaMemcpyHostToDevice));
+      for (int64_t r = 0; r < rows; ++r) {
+        rest_logits_[r] = SparseTeacherRestLogit(t.top_k_logprobs + (r0 + r) * t.top_k, t.top_k,
+                                                 v_, options_.distill.sparse_mass);
+      }
+      RETURN_IF_ERROR(Copy(ws_.d_rest_logits, rest_logits_.data(), rows * sizeof(float),
+                           cudaMemcpyHostToDevice));
     }
     return absl::OkStatus();
   }
 
-  // Calls fn(w, first_row, rows) over rows [v0, v0 + cols) of W in the product dtype: W itself, or
-  // slabs of it converted to fp32.
+  // Calls fn(w, first_row, rows) over rows [v0, v0 + cols) of `weight` in `product` dtype: W
+  // itself, or slabs of it converted to fp32.
   template <typename Fn>
-  absl::Status ForEachWeightSlab(int64_t v0, int64_t cols, Fn fn) {
-    const Matrix w{weight_.data->data(), weight_.dtype, h_};
-    if (weight_.dtype == product_dtype_) return fn(w.At(v0 * h_), v0, cols);
+  absl::Status ForEachWeightSlab(const WeightView& weight, DType product, int64_t v0, int64_t cols,
+                                 Fn fn) {
+    const int64_t h = weight.hidden_size;
+    const Matrix w{weight.data->data(), weight.dtype, h};
+    if (weight.dtype == product) return fn(w.At(v0 * h), v0, cols);
     for (int64_t s0 = v0; s0 < v0 + cols; s0 += kWeightSlabRows) {
       const int64_t rows = std::min(kWeightSlabRows, v0 + cols - s0);
-      RETURN_IF_ERROR(LaunchConvertToFloat(w.At(s0 * h_).data, weight_.dtype, rows * h_,
+      RETURN_IF_ERROR(LaunchConvertToFloat(w.At(s0 * h).data, weight.dtype, rows * h,
                                            ws_.d_weight32, stream_));
-      RETURN_IF_ERROR(fn(Matrix{ws_.d_weight32, DType::kFloat32, h_}, s0, rows));
+      RETURN_IF_ERROR(fn(Matrix{ws_.d_weight32, DType::kFloat32, h}, s0, rows));
     }
     return absl::OkStatus();
   }
@@ -268,26 +369,92 @@ class ChunkedCompute {
   LogitTile Tile(int64_t rows, int64_t v0, int64_t cols) const {
     return {ws_.d_logits, rows, cols, ld_, v0};
   }
+  LogitTile TeacherTile(int64_t rows, int64_t v0, int64_t cols) const {
+    return {ws_.d_teacher_logits, rows, cols, ld_, v0};
+  }
 
-  // Raw logits a = h W[v0 : v0 + cols]^T into the logits tile.
-  absl::Status ComputeLogits(int64_t rows, int64_t v0, int64_t cols) {
-    return ForEachWeightSlab(v0, cols, [&](const Matrix& w, int64_t s0, int64_t slab_rows) {
-      return RowMajorGemm(cublas_, false, true, rows, slab_rows, h_, 1.0f, hidden_, w, 0.0f,
-                          ws_.d_logits + (s0 - v0), ld_, options_.allow_tf32);
+  // Raw logits a = h W[v0 : v0 + cols]^T into `d_tile`.
+  absl::Status ComputeLogits(const Matrix& hidden, const WeightView& weight, DType product,
+                             int64_t rows, int64_t v0, int64_t cols, float* d_tile) {
+    return ForEachWeightSlab(weight, product, v0, cols,
+                             [&](const Matrix& w, int64_t s0, int64_t slab_rows) {
+      return RowMajorGemm(cublas_, false, true, rows, slab_rows, hidden.ld, 1.0f, hidden, w, 0.0f,
+                          d_tile + (s0 - v0), ld_, options_.allow_tf32);
     });
+  }
+  absl::Status ComputeLogits(int64_t rows, int64_t v0, int64_t cols) {
+    return ComputeLogits(hidden_, weight_, product_dtype_, rows, v0, cols, ws_.d_logits);
+  }
+
+  // A distill call's two tiles of columns [v0, v0 + cols), transformed: the student's z and the
+  // teacher's z_t (its head's, or a sparse teacher's completed log-probabilities).
+  absl::Status ComputeDistillTiles(int64_t rows, int64_t v0, int64_t cols) {
+    RETURN_IF_ERROR(ComputeLogits(rows, v0, cols));
+    RETURN_IF_ERROR(LaunchTransformLogits(Tile(rows, v0, cols), transform_, stream_));
+    const TeacherInputs& t = in_.teacher;
+    if (t.sparse()) {
+      return LaunchFillSparseTeacher(TeacherTile(rows, v0, cols), t.top_k, ws_.d_teacher_tokens,
+                                     ws_.d_teacher_logprobs, ws_.d_rest_logits, stream_);
+    }
+    RETURN_IF_ERROR(ComputeLogits(teacher_hidden_, *t.weight, teacher_product_dtype_, rows, v0,
+                                  cols, ws_.d_teacher_logits));
+    return LaunchTransformLogits(TeacherTile(rows, v0, cols), teacher_transform_, stream_);
   }
 
   // Pass 1: statistics and top-k of every row over every vocabulary tile; leaves z in the tile.
   absl::Status RowStatistics(int64_t rows) {
     RETURN_IF_ERROR(
         LaunchResetRows(rows, k_, ws_.d_stats, ws_.d_top_values, ws_.d_top_tokens, stream_));
+    if (distill_) {
+      std::fill(distill_stats_.begin(), distill_stats_.begin() + rows, EmptyDistillStats());
+      RETURN_IF_ERROR(Copy(ws_.d_distill_stats, distill_stats_.data(),
+                           rows * sizeof(DistillStats), cudaMemcpyHostToDevice));
+    }
+    const float inv_tau = static_cast<float>(1.0 / options_.distill.temperature);
     for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
       const int64_t cols = std::min(tile_cols_, v_ - v0);
-      RETURN_IF_ERROR(ComputeLogits(rows, v0, cols));
+      if (distill_) {
+        RETURN_IF_ERROR(ComputeDistillTiles(rows, v0, cols));
+        RETURN_IF_ERROR(LaunchMergeTileDistillStats(Tile(rows, v0, cols),
+                                                    TeacherTile(rows, v0, cols), inv_tau,
+                                                    ws_.d_distill_stats, stream_));
+      } else {
+        RETURN_IF_ERROR(ComputeLogits(rows, v0, cols));
+      }
+      // A distill call's tile is transformed already.
+      const bool apply_transform = !distill_ && !transform_.identity();
       RETURN_IF_ERROR(LaunchMergeTileRowStats(Tile(rows, v0, cols), ws_.d_labels, transform_,
-                                              !transform_.identity(), ws_.d_stats, stream_));
+                                              apply_transform, ws_.d_stats, stream_));
       RETURN_IF_ERROR(LaunchMergeTileTopK(Tile(rows, v0, cols), k_, ws_.d_top_values,
                                           ws_.d_top_tokens, stream_));
+    }
+    return absl::OkStatus();
+  }
+
+  // Each distill row's constants for phases 2 and 3, from its complete statistics, on the host as
+  // the CPU backend computes them.
+  absl::Status RowConstants(int64_t rows) {
+    RETURN_IF_ERROR(Copy(distill_stats_.data(), ws_.d_distill_stats, rows * sizeof(DistillStats),
+                         cudaMemcpyDeviceToHost));
+    RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"));
+    for (int64_t r = 0; r < rows; ++r) {
+      constants_[r] = MakeDistillRowConstants(distill_stats_[r], options_.distill);
+    }
+    return Copy(ws_.d_constants, constants_.data(), rows * sizeof(DistillRowConstants),
+                cudaMemcpyHostToDevice);
+  }
+
+  // Phase 2: each distill row's sums of D's and K's summands, tile after tile in order.
+  absl::Status RowTerms(int64_t rows) {
+    RETURN_IF_ERROR(CudaStatus(
+        cudaMemsetAsync(ws_.d_terms, 0, rows * sizeof(DistillRowTerms), stream_),
+        "cudaMemsetAsync"));
+    const bool resident = tile_cols_ >= v_;  // pass 1 left the only tiles in place
+    for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
+      const int64_t cols = std::min(tile_cols_, v_ - v0);
+      if (!resident) RETURN_IF_ERROR(ComputeDistillTiles(rows, v0, cols));
+      RETURN_IF_ERROR(LaunchAddTileDistillTerms(Tile(rows, v0, cols), TeacherTile(rows, v0, cols),
+                                                ws_.d_constants, ws_.d_terms, stream_));
     }
     return absl::OkStatus();
   }
@@ -302,32 +469,67 @@ class ChunkedCompute {
       RETURN_IF_ERROR(Copy(top_tokens_.data(), ws_.d_top_tokens, rows * k_ * sizeof(int32_t),
                            cudaMemcpyDeviceToHost));
     }
+    if (distill_) {
+      RETURN_IF_ERROR(Copy(terms_.data(), ws_.d_terms, rows * sizeof(DistillRowTerms),
+                           cudaMemcpyDeviceToHost));
+    }
     RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"));
     for (int64_t r = 0; r < rows; ++r) {
+      const float* top_values = top_values_.data() + r * k_;
+      const int32_t* top_tokens = top_tokens_.data() + r * k_;
+      if (distill_) {
+        const DistillRowResult& result = distill_results_[r] =
+            finisher_.FinishDistill(r0 + r, stats_[r], distill_stats_[r], terms_[r]);
+        if (gradients_) {
+          distill_grads_[r] = finisher_.DistillGradient(r0 + r, result, constants_[r]);
+          row_bounds_[r] =
+              DistillLogitGradientBound(distill_grads_[r], result.gradient_bound, transform_);
+        }
+        finisher_.EmitDistill(r0 + r, result, stats_[r], top_values, top_tokens, summary);
+        continue;
+      }
       results_[r] = finisher_.Finish(r0 + r, stats_[r]);
-      if (gradients_) row_grads_[r] = finisher_.Gradient(r0 + r, results_[r]);
-      finisher_.Emit(r0 + r, results_[r], stats_[r], top_values_.data() + r * k_,
-                     top_tokens_.data() + r * k_, summary);
+      if (gradients_) {
+        row_grads_[r] = finisher_.Gradient(r0 + r, results_[r]);
+        row_bounds_[r] = LogitGradientBound(row_grads_[r], transform_);
+      }
+      finisher_.Emit(r0 + r, results_[r], stats_[r], top_values, top_tokens, summary);
     }
     if (!gradients_) return absl::OkStatus();
+    if (distill_) {
+      return Copy(ws_.d_distill_grads, distill_grads_.data(), rows * sizeof(DistillRowGradient),
+                  cudaMemcpyHostToDevice);
+    }
     return Copy(ws_.d_row_grads, row_grads_.data(), rows * sizeof(RowGradient),
                 cudaMemcpyHostToDevice);
   }
 
-  // A power of two S with |S dL/da| < 2^kSplitMaxExponent for every logit of the chunk, from
-  // LogitGradientBound. It keeps the hi/lo halves of fp16 splits inside fp16's range; multiplying and
-  // dividing by a power of two is exact.
+  // A power of two S with |S dL/da| < 2^kSplitMaxExponent for every logit of the chunk, from the
+  // rows' gradient bounds. It keeps the hi/lo halves of fp16 splits inside fp16's range;
+  // multiplying and dividing by a power of two is exact.
   float SplitScale(int64_t rows) const {
     float bound = 0.0f;
-    for (int64_t r = 0; r < rows; ++r) {
-      bound = std::max(bound, static_cast<float>(LogitGradientBound(row_grads_[r], transform_)));
-    }
+    for (int64_t r = 0; r < rows; ++r) bound = std::max(bound, static_cast<float>(row_bounds_[r]));
     if (!(bound > 0.0f) || !std::isfinite(bound)) return 1.0f;
     int exponent = 0;
     std::frexp(bound, &exponent);  // bound < 2^exponent
     // Every finite bound (< 2^128) gets its exact S; the clamp only keeps S and the GEMMs'
     // alpha = 1/S normal floats.
     return std::ldexp(1.0f, std::clamp(kSplitMaxExponent - exponent, -126, 126));
+  }
+
+  // dL/da of one tile into the logits tile (or its split), recomputing the tile where the
+  // vocabulary is tiled.
+  absl::Status TileGradients(int64_t rows, int64_t v0, int64_t cols, bool logits_resident,
+                             const GradientSplit& split) {
+    if (distill_) {
+      if (!logits_resident) RETURN_IF_ERROR(ComputeDistillTiles(rows, v0, cols));
+      return LaunchDistillLogitGradients(Tile(rows, v0, cols), TeacherTile(rows, v0, cols),
+                                         ws_.d_distill_grads, transform_, split, stream_);
+    }
+    if (!logits_resident) RETURN_IF_ERROR(ComputeLogits(rows, v0, cols));
+    return LaunchLogitGradients(Tile(rows, v0, cols), ws_.d_row_grads, transform_,
+                                !logits_resident && !transform_.identity(), split, stream_);
   }
 
   // Pass 2: dL/da per tile, then dh += dA W and dW += dA^T h. For 16-bit products dA = (hi + lo) /
@@ -352,13 +554,11 @@ class ChunkedCompute {
     const bool logits_resident = tile_cols_ >= v_;  // pass 1 left z of the only tile in place
     for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
       const int64_t cols = std::min(tile_cols_, v_ - v0);
-      if (!logits_resident) RETURN_IF_ERROR(ComputeLogits(rows, v0, cols));
-      RETURN_IF_ERROR(LaunchLogitGradients(Tile(rows, v0, cols), ws_.d_row_grads, transform_,
-                                           !logits_resident && !transform_.identity(), split,
-                                           stream_));
+      RETURN_IF_ERROR(TileGradients(rows, v0, cols, logits_resident, split));
       if (shape_.grad_hidden) {
-        RETURN_IF_ERROR(
-            ForEachWeightSlab(v0, cols, [&](const Matrix& w, int64_t s0, int64_t slab_rows) {
+        RETURN_IF_ERROR(ForEachWeightSlab(
+            weight_, product_dtype_, v0, cols,
+            [&](const Matrix& w, int64_t s0, int64_t slab_rows) {
               for (const Matrix& part : parts) {
                 RETURN_IF_ERROR(RowMajorGemm(cublas_, false, false, rows, h_, slab_rows, alpha,
                                              part.At(s0 - v0), w, 1.0f, ws_.d_grad_hidden32, h_,
@@ -404,16 +604,27 @@ class ChunkedCompute {
   const int64_t ld_;
   const int k_;
   const DType product_dtype_;
+  const DType teacher_product_dtype_;
   const bool gradients_;
+  const bool distill_;
   const RowFinisher finisher_;
   const LogitTransform transform_;
-  Matrix hidden_{};  // the chunk's hidden rows in the product dtype
+  const LogitTransform teacher_transform_;
+  Matrix hidden_{};          // the chunk's hidden rows in the product dtype
+  Matrix teacher_hidden_{};  // a dense teacher's, in its product dtype
   // Host copies of the chunk's per-row state.
   std::vector<RowStats> stats_;
   std::vector<RowResult> results_;
   std::vector<RowGradient> row_grads_;
+  std::vector<double> row_bounds_;  // max_v |dL/da_v| of each row, for SplitScale
   std::vector<float> top_values_;
   std::vector<int32_t> top_tokens_;
+  std::vector<DistillStats> distill_stats_;
+  std::vector<DistillRowConstants> constants_;
+  std::vector<DistillRowTerms> terms_;
+  std::vector<DistillRowResult> distill_results_;
+  std::vector<DistillRowGradient> distill_grads_;
+  std::vector<float> rest_logits_;
 };
 
 // ---- The backend ----

@@ -60,7 +60,21 @@ struct Plus {
   }
 };
 
+struct MaxOf {
+  __device__ float operator()(float a, float b) const { return MaxStep(a, b); }
+};
+
+struct MinOf {
+  __device__ float operator()(float a, float b) const { return MinStep(a, b); }
+};
+
 static __device__ double ShuffleDown(double x, int offset) {
+  return __shfl_down_sync(kFullMask, x, offset);
+}
+static __device__ float ShuffleDown(float x, int offset) {
+  return __shfl_down_sync(kFullMask, x, offset);
+}
+static __device__ int ShuffleDown(int x, int offset) {
   return __shfl_down_sync(kFullMask, x, offset);
 }
 static __device__ MaxAt ShuffleDown(MaxAt x, int offset) {
@@ -340,6 +354,22 @@ absl::Status LaunchMergeTileTopK(const LogitTile& tile, int k, float* d_top_valu
 
 // ---- dL/da ----
 
+// dL/da of logit i: into the fp32 tile, or split for 16-bit products as S dL/da = hi + lo.
+static __device__ void StoreGradient(float grad, int64_t i, float* d_logits,
+                                     const GradientSplit& split) {
+  if (split.dtype == DType::kFloat32) {
+    d_logits[i] = grad;
+    return;
+  }
+  const float scaled = grad * split.scale;
+  uint16_t hi;
+  uint16_t lo;
+  StoreFromFloat(&hi, split.dtype, 0, scaled);
+  StoreFromFloat(&lo, split.dtype, 0, scaled - LoadAsFloat(&hi, split.dtype, 0));
+  split.d_hi[i] = hi;
+  split.d_lo[i] = lo;
+}
+
 static __global__ void LogitGradientsKernel(LogitTile tile, const RowGradient* d_row_grads,
                                             LogitTransform transform, bool apply_transform,
                                             GradientSplit split) {
@@ -352,17 +382,7 @@ static __global__ void LogitGradientsKernel(LogitTile tile, const RowGradient* d
     const bool is_label = tile.v0 + c == g.label;
     const float grad = g.entropy_scale != 0.0f ? EntropyLogitGradient(z, is_label, g, transform)
                                                : LogitGradient(z, is_label, g, transform);
-    if (split.dtype == DType::kFloat32) {
-      tile.d_logits[i] = grad;
-      continue;
-    }
-    const float scaled = grad * split.scale;
-    uint16_t hi;
-    uint16_t lo;
-    StoreFromFloat(&hi, split.dtype, 0, scaled);
-    StoreFromFloat(&lo, split.dtype, 0, scaled - LoadAsFloat(&hi, split.dtype, 0));
-    split.d_hi[i] = hi;
-    split.d_lo[i] = lo;
+    StoreGradient(grad, i, tile.d_logits, split);
   }
 }
 
@@ -379,6 +399,171 @@ absl::Status LaunchLogitGradients(const LogitTile& tile, const RowGradient* d_ro
   LogitGradientsKernel<<<grid, kElementwiseThreads, 0, stream>>>(tile, d_row_grads, transform,
                                                                  apply_transform, split);
   return CheckLaunch("LogitGradientsKernel");
+}
+
+// ---- Distillation ----
+
+static __global__ void TransformLogitsKernel(LogitTile tile, LogitTransform transform) {
+  const int64_t row = blockIdx.y;
+  float* d_z = tile.d_logits + row * tile.ld;
+  for (int64_t c = GlobalThread(); c < tile.cols; c += GridStride()) {
+    d_z[c] = TransformLogit(d_z[c], transform);
+  }
+}
+
+absl::Status LaunchTransformLogits(const LogitTile& tile, const LogitTransform& transform,
+                                   cudaStream_t stream) {
+  if (tile.rows == 0 || transform.identity()) return absl::OkStatus();
+  if (tile.rows > kMaxGridRows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("TransformLogits: at most ", kMaxGridRows, " rows per tile, got ", tile.rows));
+  }
+  const dim3 grid(GridFor(tile.cols, kElementwiseThreads * kGradientColumnsPerThread),
+                  static_cast<unsigned>(tile.rows));
+  TransformLogitsKernel<<<grid, kElementwiseThreads, 0, stream>>>(tile, transform);
+  return CheckLaunch("TransformLogitsKernel");
+}
+
+// The fill, then the top-k: a block's threads write the fill before any of them scatters.
+static __global__ void FillSparseTeacherKernel(LogitTile tile, int k, const int32_t* d_tokens,
+                                               const float* d_logprobs,
+                                               const float* d_rest_logits) {
+  const int64_t row = blockIdx.x;
+  float* d_z = tile.d_logits + row * tile.ld;
+  const float rest = d_rest_logits[row];
+  for (int64_t c = threadIdx.x; c < tile.cols; c += blockDim.x) d_z[c] = rest;
+  __syncthreads();
+  for (int j = threadIdx.x; j < k; j += blockDim.x) {
+    const int64_t token = d_tokens[row * k + j];
+    if (token >= tile.v0 && token < tile.v0 + tile.cols) {
+      d_z[token - tile.v0] = d_logprobs[row * k + j];
+    }
+  }
+}
+
+absl::Status LaunchFillSparseTeacher(const LogitTile& tile, int k, const int32_t* d_tokens,
+                                     const float* d_logprobs, const float* d_rest_logits,
+                                     cudaStream_t stream) {
+  if (tile.rows == 0) return absl::OkStatus();
+  FillSparseTeacherKernel<<<static_cast<unsigned>(tile.rows), kRowThreads, 0, stream>>>(
+      tile, k, d_tokens, d_logprobs, d_rest_logits);
+  return CheckLaunch("FillSparseTeacherKernel");
+}
+
+// LseStats of x_c = d_y[c] * scale over one row, as the CPU's TileLseStats: max and min first, then
+// the sum of exp(x - max) in double; a NaN leaves the sum NaN. Reached by every thread of the
+// block; the student's and the teacher's rows come through the same code.
+static __device__ LseStats BlockLseStats(const float* d_y, int64_t cols, float scale,
+                                         float* float_scratch, int* int_scratch,
+                                         double* sum_scratch) {
+  float high = -INFINITY;
+  float low = INFINITY;
+  int nan = 0;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float x = d_y[c] * scale;
+    high = MaxStep(high, x);
+    low = MinStep(low, x);
+    nan |= x != x;
+  }
+  high = BlockReduce(high, MaxOf{}, float_scratch);
+  low = BlockReduce(low, MinOf{}, float_scratch);
+  nan = BlockReduce(nan, Plus{}, int_scratch);
+  double sum = 0.0;
+  if (high > -INFINITY) {  // the same for every thread of the block
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) sum += Exp(d_y[c] * scale - high);
+    sum = BlockReduce(sum, Plus{}, sum_scratch);
+  }
+  LseStats s;
+  s.max = high;
+  s.sum_exp = nan != 0 ? NAN : static_cast<float>(sum);
+  s.min = low;
+  return s;
+}
+
+static __global__ void MergeTileDistillStatsKernel(LogitTile student, LogitTile teacher,
+                                                   float inv_tau, DistillStats* d_stats) {
+  __shared__ float float_scratch[kWarpSize + 1];
+  __shared__ int int_scratch[kWarpSize + 1];
+  __shared__ double sum_scratch[kWarpSize + 1];
+  const int64_t row = blockIdx.x;
+  DistillStats tile;
+  tile.student = BlockLseStats(student.d_logits + row * student.ld, student.cols, inv_tau,
+                               float_scratch, int_scratch, sum_scratch);
+  tile.teacher = BlockLseStats(teacher.d_logits + row * teacher.ld, teacher.cols, inv_tau,
+                               float_scratch, int_scratch, sum_scratch);
+  if (threadIdx.x == 0) MergeDistillStats(d_stats[row], tile);
+}
+
+absl::Status LaunchMergeTileDistillStats(const LogitTile& student, const LogitTile& teacher,
+                                         float inv_tau, DistillStats* d_stats,
+                                         cudaStream_t stream) {
+  if (student.rows == 0) return absl::OkStatus();
+  MergeTileDistillStatsKernel<<<static_cast<unsigned>(student.rows), kRowThreads, 0, stream>>>(
+      student, teacher, inv_tau, d_stats);
+  return CheckLaunch("MergeTileDistillStatsKernel");
+}
+
+static __global__ void AddTileDistillTermsKernel(LogitTile student, LogitTile teacher,
+                                                 const DistillRowConstants* d_constants,
+                                                 DistillRowTerms* d_terms) {
+  __shared__ double scratch[kWarpSize + 1];
+  const int64_t row = blockIdx.x;
+  const DistillRowConstants c = d_constants[row];
+  const float* d_z = student.d_logits + row * student.ld;
+  const float* d_zt = teacher.d_logits + row * teacher.ld;
+  double divergence = 0.0;
+  double k = 0.0;
+  for (int64_t col = threadIdx.x; col < student.cols; col += blockDim.x) {
+    const DistillSummands s = DistillElementTermsOf(d_z[col], d_zt[col], c);
+    divergence += s.divergence;
+    k += s.k;
+  }
+  divergence = BlockReduce(divergence, Plus{}, scratch);
+  k = BlockReduce(k, Plus{}, scratch);
+  if (threadIdx.x == 0) {
+    d_terms[row].divergence += divergence;
+    d_terms[row].k += k;
+  }
+}
+
+absl::Status LaunchAddTileDistillTerms(const LogitTile& student, const LogitTile& teacher,
+                                       const DistillRowConstants* d_constants,
+                                       DistillRowTerms* d_terms, cudaStream_t stream) {
+  if (student.rows == 0) return absl::OkStatus();
+  AddTileDistillTermsKernel<<<static_cast<unsigned>(student.rows), kRowThreads, 0, stream>>>(
+      student, teacher, d_constants, d_terms);
+  return CheckLaunch("AddTileDistillTermsKernel");
+}
+
+static __global__ void DistillLogitGradientsKernel(LogitTile student, LogitTile teacher,
+                                                   const DistillRowGradient* d_row_grads,
+                                                   LogitTransform transform, GradientSplit split) {
+  const int64_t row = blockIdx.y;
+  const DistillRowGradient g = d_row_grads[row];
+  const float* d_zt = teacher.d_logits + row * teacher.ld;
+  for (int64_t c = GlobalThread(); c < student.cols; c += GridStride()) {
+    const int64_t i = row * student.ld + c;
+    const bool is_label = student.v0 + c == g.ce.label;
+    const float grad =
+        DistillLogitGradientOf(student.d_logits[i], d_zt[c], is_label, g, transform);
+    StoreGradient(grad, i, student.d_logits, split);
+  }
+}
+
+absl::Status LaunchDistillLogitGradients(const LogitTile& student, const LogitTile& teacher,
+                                         const DistillRowGradient* d_row_grads,
+                                         const LogitTransform& transform,
+                                         const GradientSplit& split, cudaStream_t stream) {
+  if (student.rows == 0) return absl::OkStatus();
+  if (student.rows > kMaxGridRows) {
+    return absl::InvalidArgumentError(absl::StrCat("DistillLogitGradients: at most ", kMaxGridRows,
+                                                   " rows per tile, got ", student.rows));
+  }
+  const dim3 grid(GridFor(student.cols, kElementwiseThreads * kGradientColumnsPerThread),
+                  static_cast<unsigned>(student.rows));
+  DistillLogitGradientsKernel<<<grid, kElementwiseThreads, 0, stream>>>(
+      student, teacher, d_row_grads, transform, split);
+  return CheckLaunch("DistillLogitGradientsKernel");
 }
 
 // ---- Buffers and the optimizer ----

@@ -9,6 +9,7 @@
 
 #include "absl/status/status.h"
 #include "lossd/kernels/backend.h"
+#include "lossd/kernels/distill_math.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/kernels/optimizer_math.h"
 
@@ -68,6 +69,36 @@ absl::Status LaunchMergeTileTopK(const LogitTile& tile, int k, float* d_top_valu
 absl::Status LaunchLogitGradients(const LogitTile& tile, const RowGradient* d_row_grads,
                                   const LogitTransform& transform, bool apply_transform,
                                   const GradientSplit& split, cudaStream_t stream);
+
+// ---- Distillation (distill_math.h): both logits tiles of a chunk, same rows and columns ----
+
+// z = TransformLogit(a) in place over the tile.
+absl::Status LaunchTransformLogits(const LogitTile& tile, const LogitTransform& transform,
+                                   cudaStream_t stream);
+
+// One block per row: a sparse teacher's logits tile, d_rest_logits[row] everywhere but at its top-k
+// tokens (d_tokens, d_logprobs [rows, k]) that fall in the tile's columns.
+absl::Status LaunchFillSparseTeacher(const LogitTile& tile, int k, const int32_t* d_tokens,
+                                     const float* d_logprobs, const float* d_rest_logits,
+                                     cudaStream_t stream);
+
+// One block per row: LseStats of u = z * inv_tau over the student's tile and of t = z_t * inv_tau
+// over the teacher's (both transformed), merged into d_stats[row].
+absl::Status LaunchMergeTileDistillStats(const LogitTile& student, const LogitTile& teacher,
+                                         float inv_tau, DistillStats* d_stats, cudaStream_t stream);
+
+// One block per row: the tile's sums of D's and K's summands (DistillElementTerms), added to
+// d_terms[row]; tiles are added in launch order.
+absl::Status LaunchAddTileDistillTerms(const LogitTile& student, const LogitTile& teacher,
+                                       const DistillRowConstants* d_constants,
+                                       DistillRowTerms* d_terms, cudaStream_t stream);
+
+// dL/da = DistillLogitGradient for every logit of the student's tile (in place, or split as
+// LaunchLogitGradients does), both tiles holding transformed logits.
+absl::Status LaunchDistillLogitGradients(const LogitTile& student, const LogitTile& teacher,
+                                         const DistillRowGradient* d_row_grads,
+                                         const LogitTransform& transform,
+                                         const GradientSplit& split, cudaStream_t stream);
 
 absl::Status LaunchAddFloat32(float* d_dst, const float* d_src, int64_t count, cudaStream_t stream);
 

@@ -8,9 +8,10 @@
 
 #include "lossd/kernels/backend.h"
 
-// Bumped whenever Backend's layout, the statuses it returns (DeviceFaultError) or these signatures
-// change; the loader refuses a mismatch.
-#define LOSSD_CUDA_MODULE_ABI 3
+// Bumped whenever Backend's layout, the types it takes and gives (BatchInputs, TokenOutputs,
+// BatchSummary), the statuses it returns (DeviceFaultError) or these signatures change; the loader
+// refuses a mismatch.
+#define LOSSD_CUDA_MODULE_ABI 4
 
 extern "C" {
 int lossd_cuda_module_abi(void);
