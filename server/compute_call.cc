@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -33,6 +34,8 @@ struct CallSpec {
   int64_t num_tokens = 0;
   int64_t hidden_size = 0;
   DType hidden_dtype = DType::kFloat32;
+  // Empty only for a distill call without labels (every row counts).
+  bool has_labels = true;
   std::vector<int64_t> labels;
   std::vector<float> token_weights;
   // The objective's per-token inputs (empty when it reads none) and, with a sequence reduction,
@@ -45,18 +48,37 @@ struct CallSpec {
   std::optional<v1::SharedMemory> shared_memory;  // set: rows and dL/dh in the client's memfd
   std::string call_id;  // set only on calls that accumulate dL/dW
   uint64_t start_fingerprint = 0;  // with a call_id: what a repeat of the call must send again
+  // A distill call's teacher: a head (its rows in ComputeChunk.teacher_hidden), or a sparse top-k.
+  std::shared_ptr<Head> teacher;
+  std::optional<uint64_t> teacher_pinned_version;
+  uint64_t teacher_version = 0;  // taken with version
+  int64_t teacher_hidden_size = 0;
+  DType teacher_hidden_dtype = DType::kFloat32;
+  int teacher_top_k = 0;
 
   int64_t hidden_row_bytes() const { return hidden_size * static_cast<int64_t>(DTypeSize(hidden_dtype)); }
+  const int64_t* labels_or_null() const { return has_labels ? labels.data() : nullptr; }
+  bool counted(int64_t row) const { return !has_labels || labels[row] != options.ignore_index; }
   int64_t grad_row_bytes() const { return hidden_size * static_cast<int64_t>(DTypeSize(grad_hidden_dtype)); }
 };
 
-// Sets spec.version to the head's current version, which a pinned call must match.
+// Sets spec.version (and a teacher head's spec.teacher_version) to the head's current version,
+// which a pinned call must match.
 absl::Status CheckPinnedVersion(CallSpec& spec) {
   spec.version = spec.head->version();
   if (spec.pinned_version.has_value() && *spec.pinned_version != spec.version) {
     return absl::FailedPreconditionError(
         absl::StrCat("head_version: the call is pinned to version ", *spec.pinned_version,
                      " of head '", spec.head->name(), "', which is now at version ", spec.version));
+  }
+  if (spec.teacher == nullptr) return absl::OkStatus();
+  spec.teacher_version = spec.teacher->version();
+  if (spec.teacher_pinned_version.has_value() &&
+      *spec.teacher_pinned_version != spec.teacher_version) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "teacher_head_version: the call is pinned to version ", *spec.teacher_pinned_version,
+        " of teacher head '", spec.teacher->name(), "', which is now at version ",
+        spec.teacher_version));
   }
   return absl::OkStatus();
 }
@@ -78,6 +100,15 @@ absl::Status ValidateCallId(const std::string& call_id) {
   return absl::OkStatus();
 }
 
+// What of a distill call's teacher and options decides its dL/dW besides the teacher's rows.
+uint64_t DistillFingerprint(const CallSpec& spec) {
+  const DistillOptions& d = spec.options.distill;
+  return absl::HashOf(spec.teacher != nullptr ? spec.teacher->name() : std::string(),
+                      spec.teacher_hidden_size, static_cast<int>(spec.teacher_hidden_dtype),
+                      spec.teacher_top_k, d.beta, d.alpha, d.temperature, d.teacher_logit_softcap,
+                      d.teacher_temperature, static_cast<int>(d.sparse_mass));
+}
+
 // What decides a call's dL/dW besides its rows and W; equal for a retry of the call whatever
 // transfer it uses or version it pins, different for another call with the id (within a process:
 // absl::Hash is seeded per process, and ids live no longer than the process).
@@ -94,7 +125,8 @@ uint64_t StartFingerprint(const CallSpec& spec) {
                       absl::MakeConstSpan(spec.advantages),
                       absl::MakeConstSpan(spec.reference_logprobs),
                       absl::MakeConstSpan(spec.logprob_grads),
-                      absl::MakeConstSpan(spec.reduction_scales));
+                      absl::MakeConstSpan(spec.reduction_scales), spec.has_labels,
+                      DistillFingerprint(spec));
 }
 
 // The per-token inputs of the call's objective and terms, each num_tokens long and finite where
@@ -138,7 +170,7 @@ absl::Status ParseObjectiveInputs(const v1::ComputeStart& start, CallSpec& spec)
   }
   BatchInputs view;
   view.num_tokens = spec.num_tokens;
-  view.labels = spec.labels.data();
+  view.labels = spec.labels_or_null();
   const auto or_null = [](const std::vector<float>& values) {
     return values.empty() ? nullptr : values.data();
   };
@@ -148,7 +180,7 @@ absl::Status ParseObjectiveInputs(const v1::ComputeStart& start, CallSpec& spec)
   view.logprob_grads = or_null(spec.logprob_grads);
   if (IsSequenceReduction(options.reduction) || start.sequence_lengths_size() > 0) {
     ASSIGN_OR_RETURN(std::vector<double> scales,
-                     SequenceReductionScales(options, spec.labels.data(), spec.num_tokens,
+                     SequenceReductionScales(options, spec.labels_or_null(), spec.num_tokens,
                                              start.sequence_lengths().data(),
                                              start.sequence_lengths_size()));
     if (IsSequenceReduction(options.reduction)) spec.reduction_scales = std::move(scales);
@@ -157,12 +189,85 @@ absl::Status ParseObjectiveInputs(const v1::ComputeStart& start, CallSpec& spec)
   return ValidateObjectiveInputs(view, options);
 }
 
+// A distill call's teacher: a served head whose vocabulary is the student's, with the size and
+// dtype of its rows, or a sparse top-k; nothing of a teacher for another objective.
+absl::Status ParseTeacher(const ComputeEnvironment& env, const v1::ComputeStart& start,
+                          CallSpec& spec) {
+  const bool distill = spec.options.objective == Objective::kDistill;
+  const bool named = !start.teacher_head().empty();
+  if (!distill) {
+    if (named || start.has_teacher_head_version() || start.teacher_hidden_size() != 0 ||
+        start.teacher_hidden_dtype() != v1::DTYPE_UNSPECIFIED || start.teacher_top_k() != 0) {
+      return InvalidField("teacher_head/teacher_top_k",
+                          "none unless options.objective is OBJECTIVE_DISTILL",
+                          absl::StrCat("a teacher with objective ",
+                                       ObjectiveName(spec.options.objective)));
+    }
+    return absl::OkStatus();
+  }
+  const Head& student = *spec.head;
+  if (named == (start.teacher_top_k() != 0)) {
+    return InvalidField("teacher_head/teacher_top_k",
+                        "a teacher head or a sparse teacher_top_k > 0 (OBJECTIVE_DISTILL)",
+                        named ? "both" : "neither");
+  }
+  if (!named) {
+    const int64_t max_k = std::min<int64_t>(student.vocab_size(), kMaxTeacherTopK);
+    if (start.teacher_top_k() < 1 || start.teacher_top_k() > max_k) {
+      return InvalidField("teacher_top_k", absl::StrCat("a value in [1, ", max_k, "]"),
+                          absl::StrCat(start.teacher_top_k()));
+    }
+    if (start.has_teacher_head_version() || start.teacher_hidden_size() != 0 ||
+        start.teacher_hidden_dtype() != v1::DTYPE_UNSPECIFIED) {
+      return InvalidField("teacher_head_version/teacher_hidden_size/teacher_hidden_dtype",
+                          "none with a sparse teacher_top_k", "a value");
+    }
+    const DistillOptions& d = spec.options.distill;
+    if (d.teacher_logit_softcap != 0.0 || d.teacher_temperature != 1.0) {
+      return InvalidField("options.distill.teacher_logit_softcap/teacher_temperature",
+                          "0 and 1 with a sparse teacher (its log-probabilities are final)",
+                          absl::StrCat(d.teacher_logit_softcap, " and ", d.teacher_temperature));
+    }
+    if (d.beta == 1.0 && d.sparse_mass == SparseTeacherMass::kRenormalize) {
+      return InvalidField("options.distill.beta",
+                          "below 1 with SPARSE_TEACHER_RENORMALIZE (its zero probabilities make "
+                          "KL(q || p) infinite), or SPARSE_TEACHER_SPREAD",
+                          "1 (reverse KL)");
+    }
+    spec.teacher_top_k = start.teacher_top_k();
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::shared_ptr<Head>> teacher = env.heads->Get(start.teacher_head());
+  if (!teacher.ok()) {
+    return absl::Status(teacher.status().code(),
+                        absl::StrCat("teacher_head: ", teacher.status().message()));
+  }
+  spec.teacher = *std::move(teacher);
+  const Head& t = *spec.teacher;
+  if (t.vocab_size() != student.vocab_size()) {
+    return InvalidField(
+        "teacher_head",
+        absl::StrCat("a head with the vocabulary of head '", student.name(),
+                     "' (V = ", student.vocab_size(), ")"),
+        absl::StrCat("head '", t.name(), "' with V = ", t.vocab_size()));
+  }
+  if (start.has_teacher_head_version()) spec.teacher_pinned_version = start.teacher_head_version();
+  if (start.teacher_hidden_size() != t.hidden_size()) {
+    return InvalidField("teacher_hidden_size",
+                        absl::StrCat(t.hidden_size(), " (teacher head '", t.name(), "')"),
+                        absl::StrCat(start.teacher_hidden_size()));
+  }
+  spec.teacher_hidden_size = t.hidden_size();
+  ASSIGN_OR_RETURN(spec.teacher_hidden_dtype,
+                   FromProto(start.teacher_hidden_dtype(), "teacher_hidden_dtype", spec.hidden_dtype));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::ComputeStart& start) {
   CallSpec spec;
   ASSIGN_OR_RETURN(spec.head, env.heads->Get(start.head()));
   const Head& head = *spec.head;
   if (start.has_head_version()) spec.pinned_version = start.head_version();
-  RETURN_IF_ERROR(CheckPinnedVersion(spec));
   ASSIGN_OR_RETURN(spec.options, FromProto(start.options()));
   if (start.num_tokens() < 0 || start.num_tokens() > env.limits.max_tokens_per_call) {
     return InvalidField("num_tokens", absl::StrCat("a count in [0, ", env.limits.max_tokens_per_call, "]"),
@@ -175,8 +280,18 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   }
   spec.hidden_size = start.hidden_size();
   ASSIGN_OR_RETURN(spec.hidden_dtype, FromProto(start.hidden_dtype(), "hidden_dtype"));
-  if (start.labels_size() != spec.num_tokens) {
-    return InvalidField("labels", absl::StrCat(spec.num_tokens, " entries (num_tokens)"),
+  RETURN_IF_ERROR(ParseTeacher(env, start, spec));
+  RETURN_IF_ERROR(CheckPinnedVersion(spec));
+  // Only distill with alpha 0 reads no label.
+  spec.has_labels = !(spec.options.objective == Objective::kDistill &&
+                      spec.options.distill.alpha == 0.0 && start.labels_size() == 0 &&
+                      spec.num_tokens > 0);
+  if (spec.has_labels && start.labels_size() != spec.num_tokens) {
+    return InvalidField("labels",
+                        absl::StrCat(spec.num_tokens, " entries (num_tokens)",
+                                     spec.options.objective == Objective::kDistill
+                                         ? ", or none with distill.alpha 0"
+                                         : ""),
                         absl::StrCat(start.labels_size()));
   }
   if (start.token_weights_size() != 0 && start.token_weights_size() != spec.num_tokens) {
@@ -185,8 +300,10 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   }
   spec.labels.assign(start.labels().begin(), start.labels().end());
   spec.token_weights.assign(start.token_weights().begin(), start.token_weights().end());
-  RETURN_IF_ERROR(ValidateLabels(spec.labels.data(), spec.num_tokens, head.vocab_size(),
-                                 spec.options.ignore_index));
+  if (spec.has_labels) {
+    RETURN_IF_ERROR(ValidateLabels(spec.labels.data(), spec.num_tokens, head.vocab_size(),
+                                   spec.options.ignore_index));
+  }
   RETURN_IF_ERROR(ValidateTokenWeights(spec.token_weights.data(),
                                        static_cast<int64_t>(spec.token_weights.size())));
   RETURN_IF_ERROR(ParseObjectiveInputs(start, spec));
@@ -200,8 +317,20 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   }
   ASSIGN_OR_RETURN(spec.grad_hidden_dtype, FromProto(spec.outputs.grad_hidden_dtype(),
                                                      "outputs.grad_hidden_dtype", spec.hidden_dtype));
+  if (spec.options.objective != Objective::kDistill &&
+      (spec.outputs.kd() || spec.outputs.ce())) {
+    return InvalidField(spec.outputs.kd() ? "outputs.kd" : "outputs.ce",
+                        "false unless the objective is distill",
+                        absl::StrCat("true with objective ", ObjectiveName(spec.options.objective)));
+  }
   if (start.has_shared_memory()) spec.shared_memory = start.shared_memory();
-  spec.counted_tokens = CountCountedRows(spec.labels.data(), spec.num_tokens, spec.options.ignore_index);
+  if (spec.shared_memory.has_value() && spec.options.objective == Objective::kDistill) {
+    return InvalidField("shared_memory",
+                        "none with a teacher (its rows travel in ComputeChunk messages only)",
+                        "a memfd");
+  }
+  spec.counted_tokens =
+      CountCountedRows(spec.labels_or_null(), spec.num_tokens, spec.options.ignore_index);
   // Every engine chunk divides by the whole batch's D (a sequence reduction's per-row factors
   // already hold the whole batch's S), so the chunks' gradients add up to the batch's.
   if (spec.options.reduction == Reduction::kMean && spec.options.mean_denominator == 0) {
@@ -242,12 +371,22 @@ std::vector<std::string> OverflowSuspects(const CallSpec& spec, int64_t first, i
   if (o.z_loss_scale > 1.0) {
     suspects.push_back(absl::StrCat("options.z_loss_scale = ", o.z_loss_scale));
   }
+  if (o.objective == Objective::kDistill) {
+    // The distillation temperature divides both heads' logits, the teacher's own its logits.
+    if (o.distill.temperature < 1.0) {
+      suspects.push_back(absl::StrCat("options.distill.temperature = ", o.distill.temperature));
+    }
+    if (spec.teacher != nullptr && o.distill.teacher_temperature < 1.0) {
+      suspects.push_back(absl::StrCat("options.distill.teacher_temperature = ",
+                                      o.distill.teacher_temperature));
+    }
+  }
   // A policy objective's ratio exp(logp - q) passes fp32's range (about e^88) where the sampling
   // log-probability q is far below any the head gives.
   if (IsPolicyObjective(o.objective)) {
     int64_t smallest_at = -1;
     for (int64_t i = first; i < first + rows; ++i) {
-      if (spec.labels[i] == o.ignore_index) continue;
+      if (!spec.counted(i)) continue;
       if (smallest_at < 0 || spec.sampling_logprobs[i] < spec.sampling_logprobs[smallest_at]) {
         smallest_at = i;
       }
@@ -271,7 +410,7 @@ std::vector<std::string> OverflowSuspects(const CallSpec& spec, int64_t first, i
 
 // Per-row outputs of one engine chunk, in host memory.
 struct ChunkOutputs {
-  std::vector<float> loss, logprob, lse, entropy, top_k_logprob, ratio, kl;
+  std::vector<float> loss, logprob, lse, entropy, top_k_logprob, ratio, kl, kd, ce;
   std::vector<int32_t> argmax, top_k_token, clip;
 
   // dL/dh, when wanted, goes to `grad_hidden` (shared memory, or the call's host buffer).
@@ -295,6 +434,8 @@ struct ChunkOutputs {
     out.ratio = bind(want.ratio(), ratio, 1);
     out.clip = bind(want.clip(), clip, 1);
     out.kl = bind(want.kl(), kl, 1);
+    out.kd = bind(want.kd(), kd, 1);
+    out.ce = bind(want.ce(), ce, 1);
     return out;
   }
 };
@@ -357,6 +498,15 @@ class ComputeCall {
     shape.grad_weight = spec_.outputs.accumulate_grad_weight();
     shape.grad_hidden_dtype = spec_.grad_hidden_dtype;
     shape.top_k = spec_.outputs.top_k();
+    if (spec_.teacher != nullptr) {
+      shape.teacher.kind = TeacherKind::kDense;
+      shape.teacher.hidden_size = spec_.teacher_hidden_size;
+      shape.teacher.hidden_dtype = spec_.teacher_hidden_dtype;
+      shape.teacher.weight_dtype = spec_.teacher->dtype();
+    } else if (spec_.teacher_top_k > 0) {
+      shape.teacher.kind = TeacherKind::kSparse;
+      shape.teacher.top_k = spec_.teacher_top_k;
+    }
     ASSIGN_OR_RETURN(plan_, env_.backend->Plan(shape, env_.limits.workspace_budget_bytes));
     staging_bytes_ = shape.grad_weight ? head.vocab_size() * head.hidden_size() * sizeof(float) : 0;
     admitted_bytes_ = static_cast<int64_t>(plan_.workspace_bytes + staging_bytes_);
@@ -432,6 +582,18 @@ class ComputeCall {
     layout.hidden_size = spec_.hidden_size;
     layout.dtype = spec_.hidden_dtype;
     layout.chunk_rows = plan_.token_chunk;
+    if (spec_.teacher != nullptr) {
+      layout.side.push_back(
+          {SideField::kTeacherHidden,
+           spec_.teacher_hidden_size * static_cast<int64_t>(DTypeSize(spec_.teacher_hidden_dtype)),
+           absl::StrCat(spec_.teacher_hidden_size, " ", DTypeName(spec_.teacher_hidden_dtype),
+                        " values")});
+    } else if (spec_.teacher_top_k > 0) {
+      const int64_t k = spec_.teacher_top_k;
+      layout.side.push_back({SideField::kTeacherTopKTokens, k * 4, absl::StrCat(k, " int32 ids")});
+      layout.side.push_back(
+          {SideField::kTeacherTopKLogprobs, k * 4, absl::StrCat(k, " float32 values")});
+    }
     // On failure the reader stops reading as it goes.
     ASSIGN_OR_RETURN(std::unique_ptr<RowReader> reader,
                      RowReader::Start(stream_, env_.metrics, layout, *env_.host_buffers));
@@ -451,7 +613,7 @@ class ComputeCall {
     in.hidden_dtype = spec_.hidden_dtype;
     in.num_tokens = rows;
     in.hidden_size = spec_.hidden_size;
-    in.labels = spec_.labels.data() + first;
+    in.labels = spec_.has_labels ? spec_.labels.data() + first : nullptr;
     in.token_weights = spec_.token_weights.empty() ? nullptr : spec_.token_weights.data() + first;
     const auto rows_of = [first](const auto& values) {
       return values.empty() ? nullptr : values.data() + first;
@@ -461,6 +623,21 @@ class ComputeCall {
     in.reference_logprobs = rows_of(spec_.reference_logprobs);
     in.logprob_grads = rows_of(spec_.logprob_grads);
     in.reduction_scales = rows_of(spec_.reduction_scales);
+    if (spec_.teacher != nullptr) {
+      in.teacher.hidden = chunk.side_rows[0];
+      in.teacher.hidden_dtype = spec_.teacher_hidden_dtype;
+      in.teacher.hidden_size = spec_.teacher_hidden_size;
+    } else if (spec_.teacher_top_k > 0) {
+      in.teacher.top_k = spec_.teacher_top_k;
+      in.teacher.top_k_tokens = static_cast<const int32_t*>(chunk.side_rows[0]);
+      in.teacher.top_k_logprobs = static_cast<const float*>(chunk.side_rows[1]);
+      // Named by the call's rows; the engine would name them by the chunk's.
+      const absl::Status valid = ValidateSparseTeacher(in.teacher, rows, spec_.head->vocab_size(),
+                                                       spec_.options, in.labels, first);
+      if (!valid.ok()) {
+        return absl::Status(valid.code(), absl::StrCat("chunk.", valid.message()));
+      }
+    }
     uint8_t* grad_hidden = nullptr;
     if (spec_.outputs.grad_hidden()) {
       grad_hidden = spec_.shared_memory.has_value()
@@ -473,7 +650,8 @@ class ComputeCall {
     options.overwrite_grad_weight = first == 0;
     const absl::Time start = absl::Now();
     BatchSummary summary;
-    RETURN_IF_ERROR(spec_.head->WithWeights(spec_.version, [&](const WeightView& weight) {
+    RETURN_IF_ERROR(WithHeads([&](const WeightView& weight, const WeightView* teacher) {
+      in.teacher.weight = teacher;
       ASSIGN_OR_RETURN(summary, env_.backend->Compute(in, weight, options, out,
                                                       staging_.held() ? &staging_.buffer() : nullptr,
                                                       workspace_.buffer()));
@@ -488,6 +666,8 @@ class ComputeCall {
     }
     loss_sum_ += summary.loss_sum;
     sequence_loss_ += summary.loss;
+    kd_sum_ += summary.kd_sum;
+    ce_sum_ += summary.ce_sum;
     clipped_tokens_ += summary.clipped_tokens;
     kl_sum_ += summary.kl_sum;
     correct_tokens_ += summary.correct_tokens;
@@ -498,6 +678,36 @@ class ComputeCall {
     return absl::OkStatus();
   }
 
+  // Runs fn with the student's W and a teacher head's (null without one), each under its shared
+  // lock and at the version the call took. Two heads are locked in the order of their names, so
+  // that calls with two heads in opposite roles cannot wait for each other behind a Step; a head
+  // that is its own teacher is locked once.
+  absl::Status WithHeads(
+      absl::FunctionRef<absl::Status(const WeightView&, const WeightView*)> fn) {
+    Head& student = *spec_.head;
+    if (spec_.teacher == nullptr) {
+      return student.WithWeights(spec_.version, [&](const WeightView& w) { return fn(w, nullptr); });
+    }
+    Head& teacher = *spec_.teacher;
+    if (&teacher == &student) {
+      if (spec_.teacher_version != spec_.version) {
+        return absl::AbortedError(absl::StrCat("head '", student.name(),
+                                               "' moved between its two reads of the call"));
+      }
+      return student.WithWeights(spec_.version, [&](const WeightView& w) { return fn(w, &w); });
+    }
+    const bool student_first = student.name() < teacher.name();
+    Head& outer = student_first ? student : teacher;
+    Head& inner = student_first ? teacher : student;
+    return outer.WithWeights(
+        student_first ? spec_.version : spec_.teacher_version, [&](const WeightView& a) {
+          return inner.WithWeights(
+              student_first ? spec_.teacher_version : spec_.version, [&](const WeightView& b) {
+                return student_first ? fn(a, &b) : fn(b, &a);
+              });
+        });
+  }
+
   // Runs only once a chunk's results were not finite, and says why: a NaN or Inf in its rows,
   // else what in the call overflowed fp32, else the logits themselves (W enters the server
   // finite, so only an optimizer step can have made it otherwise).
@@ -506,8 +716,13 @@ class ComputeCall {
     const int64_t rows = chunk.num_rows;
     const int64_t columns = spec_.hidden_size;
     const std::string which = absl::StrCat("rows [", first, ", ", first + rows, ")");
-    const absl::Status finite =
+    absl::Status finite =
         ValidateFiniteMatrix("chunk.hidden", chunk.rows, spec_.hidden_dtype, rows, columns, first);
+    if (finite.ok() && spec_.teacher != nullptr) {
+      finite = ValidateFiniteMatrix("chunk.teacher_hidden", chunk.side_rows[0],
+                                    spec_.teacher_hidden_dtype, rows, spec_.teacher_hidden_size,
+                                    first);
+    }
     if (!finite.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
           finite.message(), " (", which, " give non-finite results); nothing was accumulated"));
@@ -531,8 +746,9 @@ class ComputeCall {
     return absl::InvalidArgumentError(absl::StrCat(
         "chunk.hidden: ", which, " are finite, but their logits h W^T overflow fp32 (the largest "
         "|h| is ", largest, ", at chunk.hidden[", first + largest_at / columns, ", ",
-        largest_at % columns,
-        "]; or an optimizer step left W non-finite); nothing was accumulated"));
+        largest_at % columns, "]; or an optimizer step left W non-finite",
+        spec_.teacher != nullptr ? "; or the teacher's, from chunk.teacher_hidden" : "",
+        "); nothing was accumulated"));
   }
 
   // Finite logits do not make dL/dW finite: under a soft cap an infinite hidden value gives capped
@@ -593,7 +809,7 @@ class ComputeCall {
     const int k = want.top_k();
     const bool grad_in_messages = want.grad_hidden() && !spec_.shared_memory.has_value();
     const int64_t grad_row_bytes = grad_in_messages ? spec_.grad_row_bytes() : 0;
-    const int64_t row_bytes = grad_row_bytes + 4 * (8 + 2 * k) + 16;
+    const int64_t row_bytes = grad_row_bytes + 4 * (10 + 2 * k) + 16;
     const int64_t rows_per_message =
         std::max<int64_t>(1, env_.limits.max_result_message_bytes / row_bytes);
     for (int64_t r0 = 0; r0 < rows; r0 += rows_per_message) {
@@ -619,6 +835,8 @@ class ComputeCall {
       copy(outputs_.ratio, 1, result.mutable_ratio());
       copy(outputs_.clip, 1, result.mutable_clip());
       copy(outputs_.kl, 1, result.mutable_kl());
+      copy(outputs_.kd, 1, result.mutable_kd());
+      copy(outputs_.ce, 1, result.mutable_ce());
       if (grad_in_messages) {
         result.set_grad_hidden(MessageGradHidden() + r0 * grad_row_bytes, n * grad_row_bytes);
         result.set_grad_hidden_dtype(ToProto(spec_.grad_hidden_dtype));
@@ -648,6 +866,9 @@ class ComputeCall {
     const double counted = static_cast<double>(spec_.counted_tokens);
     s.set_clip_fraction(counted > 0 ? static_cast<double>(clipped_tokens_) / counted : 0.0);
     s.set_mean_kl(counted > 0 ? kl_sum_ / counted : 0.0);
+    s.set_mean_kd(counted > 0 ? kd_sum_ / counted : 0.0);
+    s.set_mean_ce(counted > 0 ? ce_sum_ / counted : 0.0);
+    if (spec_.teacher != nullptr) s.set_teacher_head_version(spec_.teacher_version);
     return Send(response);
   }
 
@@ -663,7 +884,9 @@ class ComputeCall {
     if (env_.metrics == nullptr) return;
     const bool training = spec_.outputs.grad_hidden() || spec_.outputs.accumulate_grad_weight();
     env_.metrics->AddTokens(training ? "train" : "score", spec_.num_tokens);
-    env_.metrics->AddLogitsBytesAvoided(spec_.num_tokens * spec_.head->vocab_size() *
+    // A dense teacher's logits are avoided as well.
+    const int64_t heads = spec_.teacher != nullptr ? 2 : 1;
+    env_.metrics->AddLogitsBytesAvoided(heads * spec_.num_tokens * spec_.head->vocab_size() *
                                         static_cast<int64_t>(sizeof(float)));
   }
 
@@ -686,6 +909,8 @@ class ComputeCall {
   double sequence_loss_ = 0.0;  // with a sequence reduction: the reduced loss, chunk by chunk
   int64_t clipped_tokens_ = 0;
   double kl_sum_ = 0.0;
+  double kd_sum_ = 0.0;
+  double ce_sum_ = 0.0;
   int64_t correct_tokens_ = 0;
   double grad_weight_bound_ = 0.0;  // on |this call's dL/dW|, summed over engine chunks
   CommitOutcome commit_ = CommitOutcome::kCommitted;  // of a call that accumulates

@@ -60,11 +60,30 @@ absl::StatusOr<LossOptions> FromProto(const v1::LossOptions& p) {
     case v1::OBJECTIVE_PPO: o.objective = Objective::kPpo; break;
     case v1::OBJECTIVE_CISPO: o.objective = Objective::kCispo; break;
     case v1::OBJECTIVE_LOGPROB_GRADIENT: o.objective = Objective::kLogprobGradient; break;
+    case v1::OBJECTIVE_DISTILL: o.objective = Objective::kDistill; break;
     default:
       return InvalidField("options.objective",
                           "OBJECTIVE_CROSS_ENTROPY, OBJECTIVE_IMPORTANCE_SAMPLING, OBJECTIVE_PPO, "
-                          "OBJECTIVE_CISPO or OBJECTIVE_LOGPROB_GRADIENT",
+                          "OBJECTIVE_CISPO, OBJECTIVE_LOGPROB_GRADIENT or OBJECTIVE_DISTILL",
                           absl::StrCat(static_cast<int>(p.objective())));
+  }
+  const v1::DistillOptions& distill = p.distill();
+  switch (distill.sparse_teacher_mass()) {
+    case v1::SPARSE_TEACHER_RENORMALIZE:
+      o.distill.sparse_mass = SparseTeacherMass::kRenormalize;
+      break;
+    case v1::SPARSE_TEACHER_SPREAD: o.distill.sparse_mass = SparseTeacherMass::kSpread; break;
+    default:
+      return InvalidField("options.distill.sparse_teacher_mass",
+                          "SPARSE_TEACHER_RENORMALIZE or SPARSE_TEACHER_SPREAD",
+                          absl::StrCat(static_cast<int>(distill.sparse_teacher_mass())));
+  }
+  o.distill.beta = distill.beta();
+  o.distill.alpha = distill.alpha();
+  if (distill.has_temperature()) o.distill.temperature = distill.temperature();
+  o.distill.teacher_logit_softcap = distill.teacher_logit_softcap();
+  if (distill.has_teacher_temperature()) {
+    o.distill.teacher_temperature = distill.teacher_temperature();
   }
   const v1::PolicyOptions& policy = p.policy();
   switch (policy.kl_estimator()) {

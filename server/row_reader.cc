@@ -8,27 +8,58 @@
 #include "lossd/common/status_macros.h"
 
 namespace lossd::server {
+namespace {
+
+const std::string& SideBytes(const v1::ComputeChunk& chunk, SideField field) {
+  switch (field) {
+    case SideField::kTeacherHidden: return chunk.teacher_hidden();
+    case SideField::kTeacherTopKTokens: return chunk.teacher_top_k_tokens();
+    case SideField::kTeacherTopKLogprobs: return chunk.teacher_top_k_logprobs();
+  }
+  return chunk.teacher_hidden();
+}
+
+constexpr SideField kSideFields[] = {SideField::kTeacherHidden, SideField::kTeacherTopKTokens,
+                                     SideField::kTeacherTopKLogprobs};
+
+}  // namespace
+
+absl::string_view SideFieldName(SideField field) {
+  switch (field) {
+    case SideField::kTeacherHidden: return "teacher_hidden";
+    case SideField::kTeacherTopKTokens: return "teacher_top_k_tokens";
+    case SideField::kTeacherTopKLogprobs: return "teacher_top_k_logprobs";
+  }
+  return "unknown";
+}
 
 absl::StatusOr<std::unique_ptr<RowReader>> RowReader::Start(ComputeStream& stream,
                                                            Metrics* metrics,
                                                            const RowLayout& layout,
                                                            BufferCache& host_buffers,
                                                            absl::Duration stop_grace) {
+  if (layout.side.size() > static_cast<size_t>(kMaxSideStreams)) {
+    return absl::InternalError(absl::StrCat("RowReader: at most ", kMaxSideStreams,
+                                            " side streams, got ", layout.side.size()));
+  }
   const int64_t row_bytes = layout.hidden_size * static_cast<int64_t>(DTypeSize(layout.dtype));
   const int64_t rows = std::min(layout.chunk_rows, layout.num_tokens);
   // One buffer is enough when a single chunk holds the call.
   const int needed = layout.num_tokens > layout.chunk_rows ? kBuffers : 1;
-  std::array<BufferLease, kBuffers> buffers;
+  std::array<ChunkBuffers, kBuffers> buffers;
   for (int b = 0; b < needed; ++b) {
-    ASSIGN_OR_RETURN(buffers[b], host_buffers.Acquire(static_cast<size_t>(rows * row_bytes),
-                                                      MemoryPurpose::kWorkspace));
+    for (size_t s = 0; s <= layout.side.size(); ++s) {
+      const int64_t bytes = s == 0 ? row_bytes : layout.side[s - 1].row_bytes;
+      ASSIGN_OR_RETURN(buffers[b][s], host_buffers.Acquire(static_cast<size_t>(rows * bytes),
+                                                           MemoryPurpose::kWorkspace));
+    }
   }
   return std::unique_ptr<RowReader>(
       new RowReader(stream, metrics, layout, stop_grace, std::move(buffers)));
 }
 
 RowReader::RowReader(ComputeStream& stream, Metrics* metrics, const RowLayout& layout,
-                     absl::Duration stop_grace, std::array<BufferLease, kBuffers> buffers)
+                     absl::Duration stop_grace, std::array<ChunkBuffers, kBuffers> buffers)
     : stream_(stream),
       metrics_(metrics),
       layout_(layout),
@@ -86,14 +117,42 @@ absl::Status RowReader::TakeMessage(const v1::ComputeRequest& request) {
     return InvalidField("chunk.hidden", absl::StrCat(layout_.num_tokens, " rows in all (num_tokens)"),
                         absl::StrCat("at least ", received_rows_ + rows));
   }
-  if (metrics_ != nullptr) metrics_->AddBytesReceived(bytes);
+  // The side streams: the same rows as `hidden`, and none the call does not take.
+  std::array<const std::string*, 1 + kMaxSideStreams> sources{&hidden};
+  int64_t message_bytes = bytes;
+  for (const SideField field : kSideFields) {
+    const std::string& side = SideBytes(request.chunk(), field);
+    const auto stream = std::find_if(layout_.side.begin(), layout_.side.end(),
+                                     [field](const SideStream& s) { return s.field == field; });
+    if (stream == layout_.side.end()) {
+      if (!side.empty()) {
+        return InvalidField(absl::StrCat("chunk.", SideFieldName(field)),
+                            "none (only a call with a teacher that takes it sends it)",
+                            absl::StrCat(side.size(), " bytes"));
+      }
+      continue;
+    }
+    if (static_cast<int64_t>(side.size()) != rows * stream->row_bytes) {
+      return InvalidField(absl::StrCat("chunk.", SideFieldName(field)),
+                          absl::StrCat(rows, " rows of ", stream->row_description, " (",
+                                       stream->row_bytes,
+                                       " bytes each): as many rows as chunk.hidden carries"),
+                          absl::StrCat(side.size(), " bytes"));
+    }
+    sources[1 + (stream - layout_.side.begin())] = &side;
+    message_bytes += static_cast<int64_t>(side.size());
+  }
+  if (metrics_ != nullptr) metrics_->AddBytesReceived(message_bytes);
   for (int64_t taken = 0; taken < rows;) {
     if (rows_in_filling_ == 0 && !WaitForFreeBuffer()) {
       return absl::CancelledError("the call ended before its rows were all read");
     }
     const int64_t take = std::min(rows - taken, RowsInChunk(filling_chunk_) - rows_in_filling_);
-    std::memcpy(BufferOf(filling_chunk_) + rows_in_filling_ * row_bytes_,
-                hidden.data() + taken * row_bytes_, take * row_bytes_);
+    for (size_t s = 0; s <= layout_.side.size(); ++s) {
+      const int64_t stream_row_bytes = RowBytesOf(static_cast<int>(s));
+      std::memcpy(BufferOf(filling_chunk_, static_cast<int>(s)) + rows_in_filling_ * stream_row_bytes,
+                  sources[s]->data() + taken * stream_row_bytes, take * stream_row_bytes);
+    }
     rows_in_filling_ += take;
     taken += take;
     if (rows_in_filling_ == RowsInChunk(filling_chunk_)) {
@@ -130,7 +189,11 @@ absl::StatusOr<RowChunk> RowReader::Next() {
     return absl::InternalError("RowReader::Next called after the call's last chunk");
   }
   const int64_t chunk = taken_++;
-  return RowChunk{BufferOf(chunk), chunk * layout_.chunk_rows, RowsInChunk(chunk)};
+  RowChunk rows{BufferOf(chunk), chunk * layout_.chunk_rows, RowsInChunk(chunk), {}};
+  for (size_t s = 0; s < layout_.side.size(); ++s) {
+    rows.side_rows[s] = BufferOf(chunk, static_cast<int>(s) + 1);
+  }
+  return rows;
 }
 
 void RowReader::Release() {

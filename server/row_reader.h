@@ -11,10 +11,13 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "lossd/kernels/types.h"
@@ -24,19 +27,36 @@
 
 namespace lossd::server {
 
+// Per-row bytes that a call's ComputeChunk messages carry beside `hidden`, for the same rows: a
+// distill call's teacher.
+enum class SideField { kTeacherHidden, kTeacherTopKTokens, kTeacherTopKLogprobs };
+inline constexpr int kMaxSideStreams = 2;
+
+struct SideStream {
+  SideField field;
+  int64_t row_bytes = 0;
+  std::string row_description;  // what a row holds, for errors ("24 bfloat16 values")
+};
+
 struct RowLayout {
   int64_t num_tokens = 0;   // rows the call announced
   int64_t hidden_size = 0;  // values per row
   DType dtype = DType::kFloat32;
   int64_t chunk_rows = 1;   // rows per buffer; the last chunk holds what is left
+  std::vector<SideStream> side;  // at most kMaxSideStreams; a message without them is refused
 };
 
-// Rows [first_row, first_row + num_rows) of the call, contiguous.
+// Rows [first_row, first_row + num_rows) of the call, contiguous, and the same rows of each side
+// stream (layout.side[i] at side_rows[i]).
 struct RowChunk {
   const void* rows = nullptr;
   int64_t first_row = 0;
   int64_t num_rows = 0;
+  std::array<const void*, kMaxSideStreams> side_rows{};
 };
+
+// The ComputeChunk field of a side stream, as it names it in errors ("teacher_hidden").
+absl::string_view SideFieldName(SideField field);
 
 class RowReader {
  public:
@@ -68,10 +88,17 @@ class RowReader {
  private:
   static constexpr int kBuffers = 2;
 
+  // The buffers of one chunk: hidden rows, then each side stream's.
+  using ChunkBuffers = std::array<BufferLease, 1 + kMaxSideStreams>;
+
   RowReader(ComputeStream& stream, Metrics* metrics, const RowLayout& layout,
-            absl::Duration stop_grace, std::array<BufferLease, kBuffers> buffers);
-  uint8_t* BufferOf(int64_t chunk) {
-    return static_cast<uint8_t*>(buffers_[chunk % kBuffers].buffer().data());
+            absl::Duration stop_grace, std::array<ChunkBuffers, kBuffers> buffers);
+  uint8_t* BufferOf(int64_t chunk, int stream = 0) {
+    return static_cast<uint8_t*>(buffers_[chunk % kBuffers][stream].buffer().data());
+  }
+  // Row bytes of stream 0 (hidden) and the side streams.
+  int64_t RowBytesOf(int stream) const {
+    return stream == 0 ? row_bytes_ : layout_.side[stream - 1].row_bytes;
   }
   void ReadAll();
   absl::Status ReadRows();
@@ -85,7 +112,7 @@ class RowReader {
   const RowLayout layout_;
   const int64_t row_bytes_;
   const absl::Duration stop_grace_;
-  std::array<BufferLease, kBuffers> buffers_;  // the second only when the call spans two chunks
+  std::array<ChunkBuffers, kBuffers> buffers_;  // the second only when the call spans two chunks
 
   // Only the reader thread touches these.
   int64_t received_rows_ = 0;

@@ -163,6 +163,13 @@ constexpr int64_t kRowsPerMessage = 4;
 constexpr uint64_t kHeadVersion = 2;  // the suite's set-up steps the head once
 constexpr char kUploadHead[] = "fresh";
 constexpr int64_t kUploadVocab = 50;
+// Teachers of distill calls beside kHead: one with its vocabulary and another hidden size, one
+// whose vocabulary is a token short.
+constexpr char kTeacher[] = "teacher";
+constexpr char kShortTeacher[] = "teacher_299";
+constexpr int64_t kTeacherHidden = 24;
+constexpr int kSparseTopK = 4;
+constexpr size_t kHeadsAtStart = 3;
 
 enum class Rpc { kCompute, kUpload, kStep, kFetchWeight };
 
@@ -197,6 +204,58 @@ void MakePpo(Script& s, v1::KlEstimator kl = v1::KL_ESTIMATOR_NONE) {
 }
 
 v1::PolicyOptions& PolicyOf(Script& s) { return *StartOf(s).mutable_options()->mutable_policy(); }
+
+v1::DistillOptions& DistillOf(Script& s) {
+  return *StartOf(s).mutable_options()->mutable_distill();
+}
+v1::ComputeChunk& MessageOf(Script& s, size_t message) {
+  return *s.compute.at(message).mutable_chunk();
+}
+
+// Makes the script's call a distill call against kTeacher, a JSD with a quarter of cross-entropy:
+// every message carries the teacher's rows (0.25 each) for its rows.
+void MakeDistill(Script& s) {
+  v1::ComputeStart& start = StartOf(s);
+  start.mutable_options()->set_objective(v1::OBJECTIVE_DISTILL);
+  DistillOf(s).set_beta(0.5);
+  DistillOf(s).set_alpha(0.25);
+  start.set_teacher_head(kTeacher);
+  start.set_teacher_hidden_size(kTeacherHidden);
+  const std::vector<float> rows(kRowsPerMessage * kTeacherHidden, 0.25f);
+  for (size_t m = 1; m < s.compute.size(); ++m) {
+    MessageOf(s, m).set_teacher_hidden(FloatBytes(rows));
+  }
+}
+
+// Makes it a distill call against a sparse teacher: tokens 3r, 3r + 1, ... of row r with
+// probability 0.2 each, in every message.
+void MakeSparse(Script& s) {
+  v1::ComputeStart& start = StartOf(s);
+  start.mutable_options()->set_objective(v1::OBJECTIVE_DISTILL);
+  start.set_teacher_top_k(kSparseTopK);
+  for (size_t m = 1; m < s.compute.size(); ++m) {
+    std::vector<int32_t> tokens;
+    std::vector<float> logprobs;
+    for (int64_t r = 0; r < kRowsPerMessage; ++r) {
+      for (int j = 0; j < kSparseTopK; ++j) {
+        tokens.push_back(static_cast<int32_t>(3 * ((m - 1) * kRowsPerMessage + r) + j));
+        logprobs.push_back(std::log(0.2f));
+      }
+    }
+    MessageOf(s, m).set_teacher_top_k_tokens(
+        std::string(reinterpret_cast<const char*>(tokens.data()), tokens.size() * 4));
+    MessageOf(s, m).set_teacher_top_k_logprobs(FloatBytes(logprobs));
+  }
+}
+
+// Sets entry j of row r (of the call) in a sparse teacher's field.
+template <typename T>
+void SetSparse(Script& s, bool tokens, int64_t row, int j, T value) {
+  v1::ComputeChunk& chunk = MessageOf(s, 1 + row / kRowsPerMessage);
+  std::string& field =
+      tokens ? *chunk.mutable_teacher_top_k_tokens() : *chunk.mutable_teacher_top_k_logprobs();
+  std::memcpy(field.data() + ((row % kRowsPerMessage) * kSparseTopK + j) * 4, &value, 4);
+}
 
 struct BadRow {
   const char* name;
@@ -543,6 +602,207 @@ const BadRow kBadRows[] = {
        StartOf(s).mutable_options()->set_logit_softcap(30);
        SetValue(ChunkOf(s, 3), 2, 5, INFINITY);
      }},
+    // Compute: distillation, its teacher, options and rows.
+    {"teacher_unknown", "no teacher head of that name", Rpc::kCompute, StatusCode::NOT_FOUND,
+     "teacher_head",
+     [](Script& s) {
+       MakeDistill(s);
+       StartOf(s).set_teacher_head("missing");
+     }},
+    {"teacher_vocabulary_mismatch", "a teacher a token short: both heads named with their V",
+     Rpc::kCompute, kInvalid,
+     "teacher_head: expected a head with the vocabulary of head 'robust' (V = 300), got head "
+     "'teacher_299' with V = 299",
+     [](Script& s) {
+       MakeDistill(s);
+       StartOf(s).set_teacher_head(kShortTeacher);
+     }},
+    {"teacher_hidden_size_mismatch", "the teacher's H, not the student's", Rpc::kCompute, kInvalid,
+     "teacher_hidden_size",
+     [](Script& s) {
+       MakeDistill(s);
+       StartOf(s).set_teacher_hidden_size(kHidden);
+     }},
+    {"teacher_hidden_dtype_7", "an enum value the contract does not define", Rpc::kCompute,
+     kInvalid, "teacher_hidden_dtype",
+     [](Script& s) {
+       MakeDistill(s);
+       StartOf(s).set_teacher_hidden_dtype(static_cast<v1::DType>(7));
+     }},
+    {"teacher_stale_pinned_version", "pinned to version 2 of a teacher at version 1",
+     Rpc::kCompute, StatusCode::FAILED_PRECONDITION, "teacher_head_version",
+     [](Script& s) {
+       MakeDistill(s);
+       StartOf(s).set_teacher_head_version(2);
+     }},
+    {"teacher_rows_one_short", "a message's teacher rows one row fewer than its student rows",
+     Rpc::kCompute, kInvalid, "chunk.teacher_hidden",
+     [](Script& s) {
+       MakeDistill(s);
+       std::string& rows = *MessageOf(s, 2).mutable_teacher_hidden();
+       rows.resize(rows.size() - kTeacherHidden * sizeof(float));
+     }},
+    {"teacher_rows_missing", "a message without the teacher's rows", Rpc::kCompute, kInvalid,
+     "chunk.teacher_hidden",
+     [](Script& s) {
+       MakeDistill(s);
+       MessageOf(s, 3).clear_teacher_hidden();
+     }},
+    {"teacher_rows_without_teacher", "teacher rows in a cross-entropy call are refused, not "
+     "ignored", Rpc::kCompute, kInvalid, "chunk.teacher_hidden",
+     [](Script& s) {
+       MessageOf(s, 1).set_teacher_hidden(std::string(kRowsPerMessage * kTeacherHidden * 4, '\0'));
+     }},
+    {"teacher_row_nan", "a NaN in the teacher's rows, named by its place in the call",
+     Rpc::kCompute, kInvalid, "chunk.teacher_hidden[10, 3]: expected a finite float32 value",
+     [](Script& s) {
+       MakeDistill(s);
+       const float nan = std::nanf("");
+       MessageOf(s, 3).mutable_teacher_hidden()->replace((2 * kTeacherHidden + 3) * 4, 4,
+                                                         reinterpret_cast<const char*>(&nan), 4);
+     }},
+    {"teacher_with_shared_memory", "teacher rows travel in messages only", Rpc::kCompute, kInvalid,
+     "shared_memory",
+     [](Script& s) {
+       MakeDistill(s);
+       StartOf(s).mutable_shared_memory()->set_pid(1);
+     }},
+    {"teacher_under_cross_entropy", "a teacher for an objective that reads none", Rpc::kCompute,
+     kInvalid, "teacher_head",
+     [](Script& s) { StartOf(s).set_teacher_head(kTeacher); }},
+    {"distill_without_teacher", "the distill objective needs a teacher", Rpc::kCompute, kInvalid,
+     "teacher_head/teacher_top_k",
+     [](Script& s) { StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_DISTILL); }},
+    {"teacher_head_and_top_k", "a dense and a sparse teacher at once", Rpc::kCompute, kInvalid,
+     "teacher_head/teacher_top_k",
+     [](Script& s) {
+       MakeDistill(s);
+       StartOf(s).set_teacher_top_k(4);
+     }},
+    {"distill_beta_1_5", "past reverse KL", Rpc::kCompute, kInvalid, "options.distill.beta",
+     [](Script& s) {
+       MakeDistill(s);
+       DistillOf(s).set_beta(1.5);
+     }},
+    {"distill_beta_nan", "NaN passes naive range checks", Rpc::kCompute, kInvalid,
+     "options.distill.beta",
+     [](Script& s) {
+       MakeDistill(s);
+       DistillOf(s).set_beta(kNaN);
+     }},
+    {"distill_alpha_negative", "a negative weight of cross-entropy", Rpc::kCompute, kInvalid,
+     "options.distill.alpha",
+     [](Script& s) {
+       MakeDistill(s);
+       DistillOf(s).set_alpha(-0.1);
+     }},
+    {"distill_alpha_1_5", "more than all of the loss", Rpc::kCompute, kInvalid,
+     "options.distill.alpha",
+     [](Script& s) {
+       MakeDistill(s);
+       DistillOf(s).set_alpha(1.5);
+     }},
+    {"distill_temperature_0", "tau divides the logits", Rpc::kCompute, kInvalid,
+     "options.distill.temperature",
+     [](Script& s) {
+       MakeDistill(s);
+       DistillOf(s).set_temperature(0);
+     }},
+    {"distill_temperature_1e39", "Inf in fp32", Rpc::kCompute, kInvalid,
+     "options.distill.temperature",
+     [](Script& s) {
+       MakeDistill(s);
+       DistillOf(s).set_temperature(1e39);
+     }},
+    {"teacher_temperature_inf", "the teacher's own temperature", Rpc::kCompute, kInvalid,
+     "options.distill.teacher_temperature",
+     [](Script& s) {
+       MakeDistill(s);
+       DistillOf(s).set_teacher_temperature(kInf);
+     }},
+    {"teacher_softcap_negative", "the teacher's own soft cap", Rpc::kCompute, kInvalid,
+     "options.distill.teacher_logit_softcap",
+     [](Script& s) {
+       MakeDistill(s);
+       DistillOf(s).set_teacher_logit_softcap(-3);
+     }},
+    {"distill_options_under_cross_entropy", "a beta where no teacher is read is refused, not "
+     "ignored", Rpc::kCompute, kInvalid, "options.distill.beta",
+     [](Script& s) { StartOf(s).mutable_options()->mutable_distill()->set_beta(0.5); }},
+    {"distill_alpha_without_labels", "alpha > 0 reads the labels, and none came", Rpc::kCompute,
+     kInvalid, "labels",
+     [](Script& s) {
+       MakeDistill(s);
+       StartOf(s).clear_labels();
+     }},
+    {"distill_entropy_bonus", "the policy terms are not distillation's", Rpc::kCompute, kInvalid,
+     "options.policy.entropy_coef",
+     [](Script& s) {
+       MakeDistill(s);
+       PolicyOf(s).set_entropy_coef(0.01);
+     }},
+    {"kd_output_under_cross_entropy", "a KD output where no teacher is read", Rpc::kCompute,
+     kInvalid, "outputs.kd", [](Script& s) { StartOf(s).mutable_outputs()->set_kd(true); }},
+    {"sparse_teacher_mass_9", "an enum value the contract does not define", Rpc::kCompute,
+     kInvalid, "options.distill.sparse_teacher_mass",
+     [](Script& s) {
+       MakeSparse(s);
+       DistillOf(s).set_sparse_teacher_mass(static_cast<v1::SparseTeacherMass>(9));
+     }},
+    {"sparse_top_k_301", "k past the vocabulary", Rpc::kCompute, kInvalid, "teacher_top_k",
+     [](Script& s) {
+       MakeSparse(s);
+       StartOf(s).set_teacher_top_k(301);
+     }},
+    {"sparse_tokens_one_short", "a message's top-k ids a row short", Rpc::kCompute, kInvalid,
+     "chunk.teacher_top_k_tokens",
+     [](Script& s) {
+       MakeSparse(s);
+       std::string& tokens = *MessageOf(s, 2).mutable_teacher_top_k_tokens();
+       tokens.resize(tokens.size() - kSparseTopK * 4);
+     }},
+    {"sparse_token_past_vocabulary", "an id of 300, named by row and rank", Rpc::kCompute,
+     kInvalid, "chunk.teacher_top_k_tokens[9, 1]",
+     [](Script& s) {
+       MakeSparse(s);
+       SetSparse<int32_t>(s, true, 9, 1, static_cast<int32_t>(kVocab));
+     }},
+    {"sparse_token_repeated", "an id twice in one row would count its mass twice", Rpc::kCompute,
+     kInvalid, "chunk.teacher_top_k_tokens[5, 0]",
+     [](Script& s) {
+       MakeSparse(s);
+       SetSparse<int32_t>(s, true, 5, 3, 15);  // row 5 holds 15, 16, 17, 18
+     }},
+    {"sparse_logprob_positive", "a probability above 1", Rpc::kCompute, kInvalid,
+     "chunk.teacher_top_k_logprobs[7, 2]",
+     [](Script& s) {
+       MakeSparse(s);
+       SetSparse<float>(s, false, 7, 2, 0.5f);
+     }},
+    {"sparse_logprob_nan", "NaN passes naive range checks", Rpc::kCompute, kInvalid,
+     "chunk.teacher_top_k_logprobs[0, 0]",
+     [](Script& s) {
+       MakeSparse(s);
+       SetSparse<float>(s, false, 0, 0, std::nanf(""));
+     }},
+    {"sparse_mass_past_one", "probabilities 0.2, 0.2, 0.2, 0.9: not a distribution's",
+     Rpc::kCompute, kInvalid, "chunk.teacher_top_k_logprobs[11]",
+     [](Script& s) {
+       MakeSparse(s);
+       SetSparse<float>(s, false, 11, 3, std::log(0.9f));
+     }},
+    {"sparse_reverse_kl_renormalized", "zero probabilities make KL(q || p) infinite",
+     Rpc::kCompute, kInvalid, "options.distill.beta",
+     [](Script& s) {
+       MakeSparse(s);
+       DistillOf(s).set_beta(1.0);
+     }},
+    {"sparse_with_teacher_temperature", "a sparse teacher's log-probabilities are final",
+     Rpc::kCompute, kInvalid, "options.distill.teacher_logit_softcap/teacher_temperature",
+     [](Script& s) {
+       MakeSparse(s);
+       DistillOf(s).set_teacher_temperature(2.0);
+     }},
     {"grad_scale_overflow", "finite logits, but grad_scale 1e38 overflows dL/dW to Inf",
      Rpc::kCompute, kInvalid,
      "dL/dW has non-finite values in fp32, from options.grad_scale = 1e+38",
@@ -751,6 +1011,12 @@ class BadInputTest : public ::testing::TestWithParam<BadRow> {
     probe_ref_ =
         new ReferenceResult(Reference(Fetch(*stub, kHead, false).values, kVocab, kHidden, *probe_));
     upload_weight_ = new std::vector<float>(RandomWeight(kUploadVocab, kHidden, rng));
+    ASSERT_TRUE(Upload(*stub, kTeacher, kVocab, kTeacherHidden,
+                       RandomWeight(kVocab, kTeacherHidden, rng), false)
+                    .ok());
+    ASSERT_TRUE(Upload(*stub, kShortTeacher, kVocab - 1, kTeacherHidden,
+                       RandomWeight(kVocab - 1, kTeacherHidden, rng), false)
+                    .ok());
   }
   static void TearDownTestSuite() {
     delete server_;
@@ -820,7 +1086,7 @@ TEST_P(BadInputTest, GetsItsCodeNamesTheFieldAndChangesNothing) {
   EXPECT_TRUE(BitwiseEqual(weight_after.values, weight_before.values)) << "W changed";
   EXPECT_TRUE(BitwiseEqual(grad_after.values, grad_before.values))
       << "the accumulated gradient changed";
-  EXPECT_EQ(server_->heads().List().size(), 1u) << "a failed upload left a head behind";
+  EXPECT_EQ(server_->heads().List().size(), kHeadsAtStart) << "a failed upload left a head behind";
 
   const ComputeOutcome probe =
       CallCompute(*stub, StartFor(kHead, *probe_, kHidden, false), FloatBytes(probe_->hidden), 5);

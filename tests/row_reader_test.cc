@@ -158,6 +158,41 @@ TEST_P(RowReaderSplitTest, ChunksFollowThePlanNotTheMessages) {
   EXPECT_TRUE(reader->Finish().ok());
 }
 
+// A distill call's teacher data rides in the same messages as the hidden rows: each chunk's side
+// streams hold the chunk's rows, whatever the split.
+TEST_P(RowReaderSplitTest, SideStreamsFollowTheHiddenRows) {
+  const SplitCase& c = GetParam();
+  SCOPED_TRACE(c.why);
+  const std::vector<float> data = RandomRows(c.num_tokens, 7);
+  const std::vector<float> tokens = RandomRows(c.num_tokens, 8);
+  const std::vector<float> logprobs = RandomRows(c.num_tokens, 9);
+  std::vector<v1::ComputeRequest> requests = Split(data, c.rows_per_message);
+  for (size_t m = 0; m < requests.size(); ++m) {
+    const int64_t first = static_cast<int64_t>(m) * c.rows_per_message;
+    const v1::ComputeRequest rows =
+        Message(tokens, first, std::min(c.rows_per_message, c.num_tokens - first));
+    const v1::ComputeRequest more =
+        Message(logprobs, first, std::min(c.rows_per_message, c.num_tokens - first));
+    requests[m].mutable_chunk()->set_teacher_top_k_tokens(rows.chunk().hidden());
+    requests[m].mutable_chunk()->set_teacher_top_k_logprobs(more.chunk().hidden());
+  }
+  ScriptedStream stream(requests);
+  RowLayout layout = Layout(c.num_tokens, c.chunk_rows);
+  layout.side = {{SideField::kTeacherTopKTokens, kRowBytes, "3 ids"},
+                 {SideField::kTeacherTopKLogprobs, kRowBytes, "3 values"}};
+  const auto reader = StartReader(stream, layout);
+  for (int64_t first = 0; first < c.num_tokens; first += c.chunk_rows) {
+    absl::StatusOr<RowChunk> chunk = reader->Next();
+    ASSERT_TRUE(chunk.ok()) << chunk.status();
+    const size_t bytes = chunk->num_rows * kRowBytes;
+    EXPECT_EQ(std::memcmp(chunk->rows, data.data() + first * kHidden, bytes), 0);
+    EXPECT_EQ(std::memcmp(chunk->side_rows[0], tokens.data() + first * kHidden, bytes), 0);
+    EXPECT_EQ(std::memcmp(chunk->side_rows[1], logprobs.data() + first * kHidden, bytes), 0);
+    reader->Release();
+  }
+  EXPECT_TRUE(reader->Finish().ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Splits, RowReaderSplitTest, ::testing::ValuesIn(kSplits));
 
 TEST(RowReaderTest, ReadsTheNextChunkWhileOneIsHeldButNoFurther) {

@@ -59,7 +59,7 @@ void AddToken(grpc::ClientContext& context, const std::string& token) {
 
 ComputeOutcome CallCompute(v1::LossService::Stub& stub, const v1::ComputeStart& start,
                            const std::string& hidden, int64_t rows_per_message, int cancel_after,
-                           const std::string& token) {
+                           const std::string& token, const TeacherRows* teacher) {
   ComputeOutcome outcome;
   grpc::ClientContext context;
   AddToken(context, token);
@@ -69,12 +69,26 @@ ComputeOutcome CallCompute(v1::LossService::Stub& stub, const v1::ComputeStart& 
   bool open = stream->Write(request);
   const int64_t row_bytes =
       start.num_tokens() > 0 ? static_cast<int64_t>(hidden.size()) / start.num_tokens() : 1;
-  const int64_t message_bytes = std::max<int64_t>(1, rows_per_message) * row_bytes;
+  const int64_t rows_per = std::max<int64_t>(1, rows_per_message);
+  const int64_t message_bytes = rows_per * row_bytes;
+  // The same rows of a teacher's field: its bytes per row times the message's rows.
+  const auto rows_of = [&](const std::string& field, int64_t first_row) {
+    if (field.empty() || start.num_tokens() == 0) return std::string();
+    const int64_t bytes = static_cast<int64_t>(field.size()) / start.num_tokens();
+    return field.substr(first_row * bytes, rows_per * bytes);
+  };
   int sent = 0;
   for (size_t offset = 0; open && offset < hidden.size(); offset += message_bytes, ++sent) {
     if (sent == cancel_after) break;
     v1::ComputeRequest chunk;
     chunk.mutable_chunk()->set_hidden(hidden.substr(offset, message_bytes));
+    if (teacher != nullptr) {
+      const int64_t first_row = static_cast<int64_t>(offset) / row_bytes;
+      chunk.mutable_chunk()->set_teacher_hidden(rows_of(teacher->hidden, first_row));
+      chunk.mutable_chunk()->set_teacher_top_k_tokens(rows_of(teacher->top_k_tokens, first_row));
+      chunk.mutable_chunk()->set_teacher_top_k_logprobs(
+          rows_of(teacher->top_k_logprobs, first_row));
+    }
     open = stream->Write(chunk);
   }
   if (sent == cancel_after) {
@@ -97,6 +111,8 @@ ComputeOutcome CallCompute(v1::LossService::Stub& stub, const v1::ComputeStart& 
     Append(outcome.argmax, r.argmax());
     Append(outcome.top_k_logprob, r.top_k_logprob());
     Append(outcome.top_k_token, r.top_k_token());
+    Append(outcome.kd, r.kd());
+    Append(outcome.ce, r.ce());
     outcome.grad_hidden += r.grad_hidden();
   }
   outcome.status = stream->Finish();

@@ -34,15 +34,26 @@ struct ComputeOutcome {
   v1::ComputeSummary summary;
   std::vector<float> token_loss, logprob, lse, entropy, top_k_logprob;
   std::vector<int32_t> argmax, top_k_token;
+  std::vector<float> kd, ce;
   std::string grad_hidden;  // raw bytes, rows in order
   int64_t result_messages = 0;
 };
 
-// Sends `start`, then `hidden` in messages of `rows_per_message` rows. With `cancel_after` >= 0
-// the call is cancelled after that many chunk messages.
+// A distill call's teacher data for all its rows, each sent beside the same rows of `hidden`:
+// ComputeChunk.teacher_hidden, or teacher_top_k_tokens and teacher_top_k_logprobs.
+struct TeacherRows {
+  std::string hidden;
+  std::string top_k_tokens;
+  std::string top_k_logprobs;
+};
+
+// Sends `start`, then `hidden` in messages of `rows_per_message` rows (and the same rows of
+// `teacher`'s fields, when given). With `cancel_after` >= 0 the call is cancelled after that many
+// chunk messages.
 ComputeOutcome CallCompute(v1::LossService::Stub& stub, const v1::ComputeStart& start,
                            const std::string& hidden, int64_t rows_per_message,
-                           int cancel_after = -1, const std::string& token = "");
+                           int cancel_after = -1, const std::string& token = "",
+                           const TeacherRows* teacher = nullptr);
 
 // The head's W or accumulated gradient as float32, and its version.
 struct FetchedTensor {
