@@ -17,6 +17,10 @@ add_test(NAME python_client
 # The RL objectives and RemoteLogprobs against torch's float64 autograd of the same formulas.
 add_test(NAME python_objectives
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_objectives.py)
+# Distillation (RemoteDistill, score_kl) against torch's float64 autograd of the naive
+# two-logits formula, dense and sparse teachers.
+add_test(NAME python_distill
+  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_distill.py)
 # A toy policy trained with PPO against a frozen reference head: its reward rises (about 15 s).
 add_test(NAME python_rl_example
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_rl_example.py)
@@ -37,8 +41,8 @@ add_test(NAME python_packaging
 set_tests_properties(python_packaging PROPERTIES
   ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;OMP_NUM_THREADS=2"
   TIMEOUT 900)
-set_tests_properties(python_client python_objectives python_rl_example python_training_example
-  shared_memory_users PROPERTIES
+set_tests_properties(python_client python_objectives python_distill python_rl_example
+  python_training_example shared_memory_users PROPERTIES
   ENVIRONMENT "${LOSSD_PYTHON_TEST_ENVIRONMENT}"
   TIMEOUT 300)
 # Two trainings of a small transformer: about 30 s on a quiet 2-core machine, several times that

@@ -7,9 +7,11 @@ scoring clients need no torch.
 """
 from lossd._version import __version__
 from lossd.client import (CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE, OBJECTIVES, OUTPUT_NAMES,
-                          Client, HeadInfo, LossdError, LossResult, RetryPolicy, StepInfo)
+                          SPARSE_TEACHER_MASSES, Client, HeadInfo, LossdError, LossResult,
+                          RetryPolicy, StepInfo)
 from lossd._tensors import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
 __all__ = ["__version__", "CLIP_DUAL", "CLIP_HIGH", "CLIP_LOW", "CLIP_NONE", "Client", "HeadInfo",
-           "LossdError", "LossResult", "OBJECTIVES", "OUTPUT_NAMES", "RetryPolicy", "StepInfo",
+           "LossdError", "LossResult", "OBJECTIVES", "OUTPUT_NAMES", "RetryPolicy",
+           "SPARSE_TEACHER_MASSES", "StepInfo",
            "bfloat16_bits_to_float32", "float32_to_bfloat16_bits"]

@@ -42,7 +42,11 @@ OBJECTIVES = {
     "ppo": pb.OBJECTIVE_PPO,
     "cispo": pb.OBJECTIVE_CISPO,
     "logprob_gradient": pb.OBJECTIVE_LOGPROB_GRADIENT,
+    "distill": pb.OBJECTIVE_DISTILL,
 }
+# What a sparse teacher does with the mass outside its top-k (lossd.v1.SparseTeacherMass).
+SPARSE_TEACHER_MASSES = {"renormalize": pb.SPARSE_TEACHER_RENORMALIZE,
+                         "spread": pb.SPARSE_TEACHER_SPREAD}
 _KL_ESTIMATORS = {None: pb.KL_ESTIMATOR_NONE, "k1": pb.KL_ESTIMATOR_K1,
                   "k2": pb.KL_ESTIMATOR_K2, "k3": pb.KL_ESTIMATOR_K3}
 # The per-token inputs of the objectives (ComputeStart), float32 on the wire.
@@ -54,7 +58,7 @@ _OPTIMIZER_NAMES = {
 }
 # The per-token outputs compute() can ask for by name; top-k has its own argument.
 OUTPUT_NAMES = ("token_loss", "logprob", "lse", "entropy", "argmax", "grad_hidden", "ratio",
-                "clip", "kl")
+                "clip", "kl", "kd", "ce")
 # ComputeResult.clip values (lossd.v1.ClipState).
 CLIP_NONE, CLIP_HIGH, CLIP_LOW, CLIP_DUAL = (pb.CLIP_NONE, pb.CLIP_HIGH, pb.CLIP_LOW,
                                              pb.CLIP_DUAL)
@@ -168,6 +172,11 @@ class LossResult:
     clipped_tokens: int = 0                     # counted tokens whose clip is not CLIP_NONE
     clip_fraction: float = 0.0                  # clipped_tokens / counted_tokens
     mean_kl: float = 0.0                        # kl averaged over the counted tokens
+    kd: Optional[np.ndarray] = None             # [N] float32, distill: tau^2 D per token
+    ce: Optional[np.ndarray] = None             # [N] float32, distill: the label's CE per token
+    mean_kd: float = 0.0                        # kd averaged over the counted tokens
+    mean_ce: float = 0.0                        # ce averaged over the counted tokens
+    teacher_head_version: int = 0               # the teacher head's version (distill)
 
     @property
     def accuracy(self):
@@ -555,7 +564,11 @@ class Client:
                 grad_hidden_out=None, call_id=None, objective="cross_entropy",
                 sampling_logprobs=None, advantages=None, reference_logprobs=None,
                 logprob_grads=None, sequence_lengths=None, clip_low=0.2, clip_high=0.2,
-                dual_clip=0.0, kl_estimator=None, kl_coef=0.0, entropy_coef=0.0) -> LossResult:
+                dual_clip=0.0, kl_estimator=None, kl_coef=0.0, entropy_coef=0.0,
+                teacher_head=None, teacher_hidden=None, teacher_head_version=None,
+                teacher_top_k_tokens=None, teacher_top_k_logprobs=None, distill_beta=0.0,
+                distill_alpha=0.0, distill_temperature=1.0, teacher_logit_softcap=0.0,
+                teacher_temperature=1.0, sparse_teacher_mass="renormalize") -> LossResult:
         """The loss of hidden [N, H] with labels [N] under head `head`: cross-entropy by default.
 
         The loss options follow torch.nn.functional.cross_entropy; weights [N] multiply each
@@ -576,6 +589,20 @@ class Client:
         "sequence_mean_token_mean" (verl's "seq-mean-token-sum" and "seq-mean-token-mean"), over
         the sequences of sequence_lengths (packed one after another, summing to N); for them
         mean_denominator is the whole batch's number of sequences.
+
+        objective "distill" is knowledge distillation, or the KL of a policy against a reference,
+        against a teacher over the same vocabulary (lossd.v1.DistillOptions): the teacher head
+        teacher_head (served; another hidden size allowed) with its rows teacher_hidden [N, H_t]
+        for the same positions, or a sparse teacher, teacher_top_k_tokens [N, k] int32 and
+        teacher_top_k_logprobs [N, k] (cached outputs; sparse_teacher_mass "renormalize" drops
+        the mass outside the top-k, "spread" spreads it over the other tokens). With
+        q = softmax(z / tau), p = softmax(z_t / tau), tau = distill_temperature: distill_beta 0
+        is KL(p || q), 1 is KL(q || p), between them the generalized JSD (TRL's convention);
+        KD = tau^2 D, and the loss per token is distill_alpha * CE + (1 - distill_alpha) * KD.
+        teacher_logit_softcap and teacher_temperature are the teacher head's own transform. labels
+        may be None when distill_alpha is 0 (every row counts). Outputs "kd" and "ce" per token,
+        mean_kd and mean_ce in the result; gradients reach the student only. Teacher rows travel
+        in messages: shared_memory is refused with a teacher.
 
         outputs names the per-token results to return, from OUTPUT_NAMES; top_k > 0 adds the k
         most likely tokens and their log-probabilities. grad_hidden_dtype (default: the dtype
@@ -615,10 +642,20 @@ class Client:
             raise ValueError(f"hidden: expected a [num_tokens, hidden_size] array, got shape "
                              f"{hidden.shape}")
         num_tokens, hidden_size = hidden.shape
-        labels = _token_ids(labels, "labels")
-        if labels.shape[0] != num_tokens:
+        if labels is None and objective != "distill":
+            raise ValueError("labels: expected an array of num_tokens token ids (only the "
+                             "distill objective, with distill_alpha 0, goes without)")
+        labels = np.zeros(0, np.int64) if labels is None else _token_ids(labels, "labels")
+        if labels.size and labels.shape[0] != num_tokens:
             raise ValueError(f"labels: expected {num_tokens} entries (rows of hidden), got "
                              f"{labels.shape[0]}")
+        side, teacher_fields = _teacher_rows(teacher_head, teacher_hidden, teacher_top_k_tokens,
+                                             teacher_top_k_logprobs, num_tokens, hidden_dtype)
+        if sparse_teacher_mass not in SPARSE_TEACHER_MASSES:
+            raise ValueError(f"sparse_teacher_mass: expected one of "
+                             f"{', '.join(SPARSE_TEACHER_MASSES)}, got {sparse_teacher_mass!r}")
+        if side and shared_memory:
+            raise ValueError("shared_memory: not with a teacher (its rows travel in messages)")
         if weights is not None:
             weights = np.asarray(weights, dtype=np.float32).reshape(-1)
             if weights.shape[0] != num_tokens:
@@ -665,20 +702,27 @@ class Client:
                 policy=pb.PolicyOptions(
                     clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
                     kl_estimator=_KL_ESTIMATORS[kl_estimator], kl_coef=kl_coef,
-                    entropy_coef=entropy_coef)),
+                    entropy_coef=entropy_coef),
+                distill=pb.DistillOptions(
+                    beta=distill_beta, alpha=distill_alpha, temperature=distill_temperature,
+                    teacher_logit_softcap=teacher_logit_softcap,
+                    teacher_temperature=teacher_temperature,
+                    sparse_teacher_mass=SPARSE_TEACHER_MASSES[sparse_teacher_mass])),
             outputs=pb.OutputSelection(
                 token_loss="token_loss" in wanted, logprob="logprob" in wanted,
                 lse="lse" in wanted, entropy="entropy" in wanted, argmax="argmax" in wanted,
                 top_k=top_k, grad_hidden="grad_hidden" in wanted,
                 grad_hidden_dtype=_tensors.wire_enum(grad_dtype),
                 accumulate_grad_weight=accumulate_grad_weight, ratio="ratio" in wanted,
-                clip="clip" in wanted, kl="kl" in wanted),
+                clip="clip" in wanted, kl="kl" in wanted, kd="kd" in wanted, ce="ce" in wanted),
             num_tokens=num_tokens, hidden_size=hidden_size,
             hidden_dtype=_tensors.wire_enum(hidden_dtype), labels=labels.tolist(),
             token_weights=[] if weights is None else weights.tolist(),
-            sequence_lengths=lengths, **token_inputs)
+            sequence_lengths=lengths, **token_inputs, **teacher_fields)
         if head_version is not None:
             start.head_version = head_version
+        if teacher_head_version is not None:
+            start.teacher_head_version = teacher_head_version
         if call_id is None and accumulate_grad_weight:
             call_id = uuid.uuid4().hex
         start.call_id = call_id or ""
@@ -690,11 +734,13 @@ class Client:
                 return self._compute_shared(start, hidden, wanted, top_k, grad_dtype,
                                             grad_hidden_out)
         else:
-            rows = rows_per_message or self._rows_per_message(hidden_size * hidden.itemsize)
+            row_bytes = hidden_size * hidden.itemsize + sum(
+                array.shape[1] * array.itemsize for array in side.values())
+            rows = rows_per_message or self._rows_per_message(row_bytes)
 
             def attempt():
                 return self._compute_messages(start, hidden, rows, wanted, top_k, grad_dtype,
-                                              grad_hidden_out)
+                                              grad_hidden_out, side)
         result = self._with_retries(attempt, start.call_id)
         result.call_id = start.call_id
         return result
@@ -723,16 +769,20 @@ class Client:
             return result
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _compute_messages(self, start, hidden, rows, wanted, top_k, grad_dtype, grad_hidden_out):
-        """compute() with the rows sent in chunk messages of `rows` rows, and dL/dh back in the
-        result messages."""
+    def _compute_messages(self, start, hidden, rows, wanted, top_k, grad_dtype, grad_hidden_out,
+                          side=None):
+        """compute() with the rows sent in chunk messages of `rows` rows (each with the same rows
+        of every `side` array, a teacher's, under its ComputeChunk field name), and dL/dh back in
+        the result messages."""
         num_tokens, hidden_size = hidden.shape
+        side = side or {}
 
         def requests():
             yield pb.ComputeRequest(start=start)
             for r0 in range(0, num_tokens, rows):
                 rows_bytes = hidden[r0:r0 + rows].tobytes()
-                yield pb.ComputeRequest(chunk=pb.ComputeChunk(hidden=rows_bytes))
+                fields = {name: array[r0:r0 + rows].tobytes() for name, array in side.items()}
+                yield pb.ComputeRequest(chunk=pb.ComputeChunk(hidden=rows_bytes, **fields))
 
         call = self._call("Compute", requests())
         result = _assemble(self._responses("Compute", call), wanted, top_k, num_tokens,
@@ -782,6 +832,22 @@ class Client:
         self._shared_buffers.release(buffer)
         return result
 
+    def score_kl(self, head, hidden, teacher_head, teacher_hidden, *, beta=1.0, temperature=1.0,
+                 labels=None, ignore_index=-100, logit_softcap=0.0, teacher_logit_softcap=0.0,
+                 teacher_temperature=1.0) -> LossResult:
+        """The divergence per token between head `head` on hidden [N, H] and `teacher_head` on
+        teacher_hidden [N, H_t] (the "distill" objective without gradients): result.kd [N] and
+        result.mean_kd. beta 1 (the default) is KL(q || p), q the head's and p the teacher's
+        distribution: a policy's KL from its reference, as RL's KL penalty measures it; 0 is
+        KL(p || q), between them the generalized JSD. labels, when given, only mask tokens
+        (ignore_index). Nothing is accumulated on the server."""
+        return self.compute(head, hidden, labels, reduction="none", ignore_index=ignore_index,
+                            logit_softcap=logit_softcap, objective="distill",
+                            teacher_head=teacher_head, teacher_hidden=teacher_hidden,
+                            distill_beta=beta, distill_temperature=temperature,
+                            teacher_logit_softcap=teacher_logit_softcap,
+                            teacher_temperature=teacher_temperature, outputs=["kd"])
+
     def score(self, head, hidden, token_ids, *, top_k=0, entropy=False, temperature=1.0,
               logit_softcap=0.0, ignore_index=-100) -> LossResult:
         """Per-token log-probabilities of token_ids [N] given hidden [N, H] (logprob), with the
@@ -804,6 +870,41 @@ def _token_ids(values, field):
     return array.astype(np.int64, copy=False).reshape(-1)
 
 
+def _teacher_rows(teacher_head, teacher_hidden, tokens, logprobs, num_tokens, hidden_dtype):
+    """The per-row teacher arrays that ride in each chunk message beside the hidden rows, by their
+    ComputeChunk field name, and the ComputeStart fields that announce them."""
+    if teacher_head is None and tokens is None and logprobs is None:
+        if teacher_hidden is not None:
+            raise ValueError("teacher_hidden: given without a teacher_head")
+        return {}, {}
+    if teacher_head is not None:
+        if tokens is not None or logprobs is not None:
+            raise ValueError("teacher_head and teacher_top_k_tokens/logprobs: expected one "
+                             "teacher, got both")
+        if teacher_hidden is None:
+            raise ValueError("teacher_hidden: expected the teacher's rows [N, H_t] beside "
+                             "teacher_head")
+        dtype, rows = _tensors.as_wire_array(teacher_hidden)
+        if rows.ndim != 2 or rows.shape[0] != num_tokens:
+            raise ValueError(f"teacher_hidden: expected a [{num_tokens}, teacher_hidden_size] "
+                             f"array (a row per row of hidden), got shape {rows.shape}")
+        fields = dict(teacher_head=teacher_head, teacher_hidden_size=rows.shape[1])
+        if dtype != hidden_dtype:
+            fields["teacher_hidden_dtype"] = _tensors.wire_enum(dtype)
+        return {"teacher_hidden": rows}, fields
+    if tokens is None or logprobs is None:
+        raise ValueError("teacher_top_k_tokens, teacher_top_k_logprobs: expected both")
+    tokens = np.ascontiguousarray(
+        _token_ids(tokens, "teacher_top_k_tokens").reshape(np.shape(tokens)), dtype="<i4")
+    logprobs = np.ascontiguousarray(np.asarray(logprobs), dtype="<f4")
+    if tokens.ndim != 2 or tokens.shape != logprobs.shape or tokens.shape[0] != num_tokens:
+        raise ValueError(f"teacher_top_k_tokens, teacher_top_k_logprobs: expected two "
+                         f"[{num_tokens}, k] arrays, got shapes {tokens.shape} and "
+                         f"{logprobs.shape}")
+    return ({"teacher_top_k_tokens": tokens, "teacher_top_k_logprobs": logprobs},
+            dict(teacher_top_k=tokens.shape[1]))
+
+
 def _check_grad_hidden_out(out, grad_wanted, num_tokens, hidden_size, dtype):
     if not grad_wanted:
         raise ValueError("grad_hidden_out: given, but outputs does not ask for grad_hidden")
@@ -821,7 +922,7 @@ def _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype,
     they arrive, then the summary. Without grad_hidden_in_messages (shared memory) the messages
     carry no dL/dh and grad_hidden is left None, for the caller to fill."""
     per_token = {name: np.empty(num_tokens, np.float32)
-                 for name in ("token_loss", "logprob", "lse", "entropy", "ratio", "kl")
+                 for name in ("token_loss", "logprob", "lse", "entropy", "ratio", "kl", "kd", "ce")
                  if name in wanted}
     for name in ("argmax", "clip"):
         if name in wanted:
@@ -868,4 +969,5 @@ def _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype,
         queue_seconds=summary.queue_seconds, compute_seconds=summary.compute_seconds,
         peak_workspace_bytes=summary.peak_workspace_bytes, backend=summary.backend,
         clipped_tokens=summary.clipped_tokens, clip_fraction=summary.clip_fraction,
-        mean_kl=summary.mean_kl, **per_token)
+        mean_kl=summary.mean_kl, mean_kd=summary.mean_kd, mean_ce=summary.mean_ce,
+        teacher_head_version=summary.teacher_head_version, **per_token)

@@ -22,6 +22,13 @@ log-probabilities forward, dL/dlogp backward):
     logp = lossd.torch.RemoteLogprobs(client, "main")(hidden, tokens)   # differentiable
     my_loss(logp).backward()         # hidden.grad, and dL/dW on the server
 
+Distillation against a teacher head served beside the student (or a sparse top-k of cached
+teacher outputs) goes through RemoteDistill, with the same backward semantics:
+
+    loss = lossd.torch.RemoteDistill(client, student="main", teacher="big", beta=0.5)(
+        hidden, teacher_hidden, labels)
+    loss.backward()                  # hidden.grad; the teacher gets nothing
+
 Backward semantics
 ------------------
 * Under autograd (torch.is_grad_enabled() and hidden.requires_grad), forward asks the server for
@@ -125,26 +132,43 @@ class _LossCall:
     """What a forward sent, kept for the calls its backward may make."""
     client: Client
     head: str
-    labels: np.ndarray             # [N] int64
+    labels: Optional[np.ndarray]   # [N] int64, or None (distill without labels)
     weights: Optional[np.ndarray]  # [N] float32 or None
     reduction: str
     options: dict                  # the remaining Client.compute arguments (loss options, transfer)
     token_inputs: dict = dataclasses.field(default_factory=dict)  # name -> [N] float32
+    # Client.compute arguments with a row per row of hidden, sent beside it (a teacher's).
+    side: dict = dataclasses.field(default_factory=dict)
     result: object = None          # the forward's LossResult
 
     def compute(self, hidden, **kwargs):
         return self.client.compute(self.head, _wire_array(hidden), self.labels,
                                    weights=self.weights, reduction=self.reduction,
-                                   **{**self.options, **self.token_inputs, **kwargs})
+                                   **{**self.options, **self.token_inputs, **self.side,
+                                      **kwargs})
+
+    def counted(self):
+        """[N] bool: the rows whose label is not ignore_index (all of them without labels)."""
+        if self.labels is None:
+            return np.ones(len(self.weights) if self.weights is not None else self.num_rows(),
+                           bool)
+        return self.labels != self.options["ignore_index"]
+
+    def num_rows(self):
+        for values in (self.labels, *self.side.values(), *self.token_inputs.values()):
+            if values is not None:
+                return len(values)
+        raise ValueError("the call's rows cannot be counted")
 
     def rows(self, rows, **replace):
-        """The same call on a subset of its rows (numpy indices): labels and per-token inputs
-        taken along, sequences dropped."""
+        """The same call on a subset of its rows (numpy indices): labels, per-token inputs and a
+        teacher's rows taken along, sequences dropped."""
         fields = dict(
-            labels=self.labels[rows],
+            labels=None if self.labels is None else self.labels[rows],
             options={k: v for k, v in self.options.items() if k != "sequence_lengths"},
             weights=None if self.weights is None else self.weights[rows],
-            token_inputs={name: values[rows] for name, values in self.token_inputs.items()})
+            token_inputs={name: values[rows] for name, values in self.token_inputs.items()},
+            side={name: values[rows] for name, values in self.side.items()})
         return dataclasses.replace(self, **{**fields, **replace})
 
 
@@ -159,7 +183,7 @@ def _as_numpy(values, dtype, name, count):
     return array
 
 
-class _RemoteCrossEntropy(torch.autograd.Function):
+class _RemoteLoss(torch.autograd.Function):
     """loss(hidden [N, H]) with dL/dh from the server; dL/dW accumulates on the server."""
 
     @staticmethod
@@ -171,6 +195,7 @@ class _RemoteCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(hidden)
         ctx.call = call
         ctx.head_version = result.head_version
+        ctx.teacher_head_version = result.teacher_head_version
         ctx.grad_hidden = _tensor_from_wire(result.grad_hidden,
                                             _grad_hidden_wire_dtype(hidden.dtype))
         # The forward's own accumulation stands for an upstream gradient of 1 until a backward
@@ -201,29 +226,35 @@ def _accumulate_grad_weight_correction(ctx, hidden, upstream):
     call = ctx.call
     already = ctx.accumulated_upstream
     ctx.accumulated_upstream = 0.0
+    # The correction reads the heads the forward read, or fails (FAILED_PRECONDITION).
+    pinned = dict(head_version=ctx.head_version)
+    if call.options.get("teacher_head") is not None:
+        pinned["teacher_head_version"] = ctx.teacher_head_version
     if call.reduction != "none":
         scale = float(upstream) - already
         if scale != 0.0:
-            call.compute(hidden, grad_scale=scale, accumulate_grad_weight=True,
-                         head_version=ctx.head_version)
+            call.compute(hidden, grad_scale=scale, accumulate_grad_weight=True, **pinned)
         return
-    weights = np.ones(len(call.labels)) if call.weights is None else call.weights.astype(np.float64)
+    counted = call.counted()
+    weights = np.ones(len(counted)) if call.weights is None else call.weights.astype(np.float64)
     correction = weights * (upstream.reshape(-1).numpy() - already)
     # Rows with a zero correction or an ignored label add nothing: send only the others.
-    rows = np.flatnonzero((correction != 0.0) & (call.labels != call.options["ignore_index"]))
+    rows = np.flatnonzero((correction != 0.0) & counted)
     if rows.size == 0:
         return
     partial = call.rows(rows, weights=correction[rows].astype(np.float32))
     partial.compute(hidden[torch.from_numpy(rows).to(hidden.device)], accumulate_grad_weight=True,
-                    head_version=ctx.head_version)
+                    **pinned)
 
 
 def _result_outputs(call):
-    """The per-token outputs a forward asks for beside dL/dh: the per-token loss for "none", and
-    the policy objectives' ratio, clip state and KL estimate."""
+    """The per-token outputs a forward asks for beside dL/dh: the per-token loss for "none", the
+    policy objectives' ratio, clip state and KL estimate, and distillation's KD and CE terms."""
     outputs = ["token_loss"] if call.reduction == "none" else []
-    if call.options.get("objective", "cross_entropy") != "cross_entropy" or \
-            call.options.get("kl_estimator") is not None:
+    objective = call.options.get("objective", "cross_entropy")
+    if objective == "distill":
+        return outputs + ["kd"] + (["ce"] if call.labels is not None else [])
+    if objective != "cross_entropy" or call.options.get("kl_estimator") is not None:
         outputs += ["ratio", "clip", "kl"]
     return outputs
 
@@ -352,7 +383,7 @@ class RemoteHead(torch.nn.Module):
             raise ValueError(f"labels: expected {count} entries (the rows of "
                              f"hidden {tuple(hidden.shape)}), got shape {tuple(labels_shape)}")
         if torch.is_grad_enabled() and hidden.requires_grad:
-            loss = _RemoteCrossEntropy.apply(flat_hidden, call)
+            loss = _RemoteLoss.apply(flat_hidden, call)
             self.last_result = call.result
         else:
             result = call.compute(flat_hidden, outputs=_result_outputs(call))
@@ -456,3 +487,103 @@ class RemoteLogprobs(torch.nn.Module):
             logprobs = torch.from_numpy(result.logprob).to(device=hidden.device,
                                                            dtype=_loss_dtype(hidden.dtype))
         return logprobs.reshape(tokens.shape)
+
+
+class RemoteDistill(torch.nn.Module):
+    """Distillation of the student head `student` towards a teacher, both served by lossd, as a
+    loss module (the server's "distill" objective, lossd.v1.DistillOptions):
+
+        distill = RemoteDistill(client, student="s", teacher="t", beta=0.5, alpha=0.1,
+                                temperature=2.0)
+        loss = distill(h_student, h_teacher, labels)   # [..., H] and [..., H_t] for the same tokens
+        loss.backward()                                # h_student.grad; dL/dW of "s" on the server
+
+    With q = softmax(z_s / temperature) of the student's logits and p = softmax(z_t / temperature)
+    of the teacher's (each after its head's own soft cap and temperature): beta 0 is the forward
+    KL(p || q) of classic distillation, 1 the reverse KL(q || p) of on-policy distillation,
+    between them the generalized JSD beta KL(p || m) + (1 - beta) KL(q || m),
+    m = beta p + (1 - beta) q, as TRL's generalized_jsd_loss defines it. KD = temperature^2 * D
+    (Hinton's scaling; TRL and Liger-Kernel leave it out), and the loss per token is
+    alpha * CE(labels) + (1 - alpha) * KD, reduced as RemoteHead's loss is. labels may be None
+    when alpha is 0 (every token counts). teacher=None takes a sparse teacher instead, the top-k
+    of cached teacher log-probabilities per token (teacher_top_k_tokens, teacher_top_k_logprobs
+    in forward; sparse_teacher_mass "renormalize" or "spread" says what becomes of the rest).
+
+    Backward gives the student's hidden states dL/dh and accumulates the student head's dL/dW on
+    the server exactly as RemoteHead does (the same upstream-gradient correction, call ids and
+    retries); the teacher's hidden states get no gradient, and the teacher head is never changed.
+    Without autograd (torch.no_grad(), or h_student not requiring grad) forward only scores.
+    self.last_result holds the call's LossResult: kd and ce per token, mean_kd, mean_ce."""
+
+    def __init__(self, client, student, teacher=None, *, beta=0.0, alpha=0.0, temperature=1.0,
+                 teacher_temperature=1.0, teacher_logit_softcap=0.0,
+                 sparse_teacher_mass="renormalize"):
+        super().__init__()
+        self.client = client if isinstance(client, Client) else Client(client)
+        self.student = student
+        self.teacher = teacher
+        self.options = dict(distill_beta=beta, distill_alpha=alpha,
+                            distill_temperature=temperature,
+                            teacher_temperature=teacher_temperature,
+                            teacher_logit_softcap=teacher_logit_softcap,
+                            sparse_teacher_mass=sparse_teacher_mass)
+        self.last_result = None
+
+    def extra_repr(self):
+        return (f"student={self.student!r}, teacher={self.teacher!r}, "
+                f"address={self.client.address!r}")
+
+    def forward(self, hidden, teacher_hidden=None, labels=None, *, teacher_top_k_tokens=None,
+                teacher_top_k_logprobs=None, weights=None, reduction="mean", ignore_index=-100,
+                label_smoothing=0.0, z_loss_scale=0.0, logit_softcap=0.0, student_temperature=1.0,
+                mean_denominator=0, sequence_lengths=None):
+        """The loss of the student's hidden [..., H] against the teacher's teacher_hidden
+        [..., H_t] for the same tokens (or the sparse teacher's [..., k] top-k), with labels
+        [...] (or None): a scalar, or labels' shape for reduction "none". The student head's own
+        logit_softcap and student_temperature apply before the distillation temperature."""
+        flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+        count = flat_hidden.shape[0]
+        token_shape = tuple(hidden.shape[:-1])
+        side = {}
+        if self.teacher is not None:
+            if teacher_hidden is None:
+                raise ValueError("teacher_hidden: expected the teacher's rows for the tokens of "
+                                 "hidden")
+            side["teacher_hidden"] = _wire_array(teacher_hidden.reshape(-1, teacher_hidden.shape[-1]))
+        else:
+            if teacher_top_k_tokens is None or teacher_top_k_logprobs is None:
+                raise ValueError("teacher_top_k_tokens, teacher_top_k_logprobs: expected a "
+                                 "sparse teacher, or a teacher head")
+            k = torch.as_tensor(teacher_top_k_tokens).shape[-1]
+            side["teacher_top_k_tokens"] = torch.as_tensor(teacher_top_k_tokens).detach().reshape(
+                -1, k).to("cpu", torch.int32).numpy()
+            side["teacher_top_k_logprobs"] = torch.as_tensor(
+                teacher_top_k_logprobs).detach().reshape(-1, k).to("cpu", torch.float32).numpy()
+        for name, rows in side.items():
+            if rows.shape[0] != count:
+                raise ValueError(f"{name}: expected a row for each of the {count} tokens of "
+                                 f"hidden {tuple(hidden.shape)}, got {rows.shape[0]}")
+        label_array = None
+        if labels is not None:
+            label_array = torch.as_tensor(labels).detach().reshape(-1).to("cpu", torch.int64).numpy()
+            if len(label_array) != count:
+                raise ValueError(f"labels: expected {count} entries (the tokens of hidden "
+                                 f"{tuple(hidden.shape)}), got {len(label_array)}")
+        options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
+                       z_loss_scale=z_loss_scale, logit_softcap=logit_softcap,
+                       temperature=student_temperature, mean_denominator=mean_denominator,
+                       objective="distill", teacher_head=self.teacher,
+                       sequence_lengths=_as_numpy(sequence_lengths, torch.int64,
+                                                  "sequence_lengths", None),
+                       **self.options)
+        call = _LossCall(client=self.client, head=self.student, labels=label_array,
+                         weights=_as_numpy(weights, torch.float32, "weights", count),
+                         reduction=reduction, options=options, side=side)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            loss = _RemoteLoss.apply(flat_hidden, call)
+            self.last_result = call.result
+        else:
+            result = call.compute(flat_hidden, outputs=_result_outputs(call))
+            self.last_result = result
+            loss = _loss_tensor(result, reduction, hidden)
+        return loss.reshape(token_shape) if reduction == "none" else loss
