@@ -101,9 +101,8 @@ class DistillServerTest : public ::testing::Test {
     return o;
   }
 
-  // The float64 reference of a dense-teacher call.
-  static ReferenceResult DenseReference(const Batch& batch, const std::vector<float>& teacher_rows,
-                                        const LossOptions& options) {
+  // The float64 reference problem of a batch on the student, without its teacher yet.
+  static ReferenceProblem StudentProblem(const Batch& batch, const LossOptions& options) {
     ReferenceProblem p;
     p.num_tokens = kRows;
     p.hidden_size = kHidden;
@@ -112,6 +111,13 @@ class DistillServerTest : public ::testing::Test {
     p.weight.assign(student_weight_->begin(), student_weight_->end());
     p.labels = batch.labels;
     p.options = options;
+    return p;
+  }
+
+  // The float64 reference of a dense-teacher call.
+  static ReferenceResult DenseReference(const Batch& batch, const std::vector<float>& teacher_rows,
+                                        const LossOptions& options) {
+    ReferenceProblem p = StudentProblem(batch, options);
     p.teacher_hidden_size = kTeacherHidden;
     p.teacher_hidden.assign(teacher_rows.begin(), teacher_rows.end());
     p.teacher_weight.assign(teacher_weight_->begin(), teacher_weight_->end());
@@ -256,14 +262,7 @@ TEST_F(DistillServerTest, SparseTeacherMatchesTheReference) {
   start.set_teacher_top_k(kTopK);
   DistillOf(start).set_alpha(0.5);
   DistillOf(start).set_sparse_teacher_mass(v1::SPARSE_TEACHER_SPREAD);
-  ReferenceProblem p;
-  p.num_tokens = kRows;
-  p.hidden_size = kHidden;
-  p.vocab_size = kVocab;
-  p.hidden.assign(batch.hidden.begin(), batch.hidden.end());
-  p.weight.assign(student_weight_->begin(), student_weight_->end());
-  p.labels = batch.labels;
-  p.options = OptionsOf(start);
+  ReferenceProblem p = StudentProblem(batch, OptionsOf(start));
   p.teacher_top_k = kTopK;
   p.teacher_top_k_tokens.assign(tokens.begin(), tokens.end());
   p.teacher_top_k_logprobs.assign(logprobs.begin(), logprobs.end());

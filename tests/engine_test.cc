@@ -624,6 +624,23 @@ INSTANTIATE_TEST_SUITE_P(Cases, EngineCaseTest,
                                             ::testing::ValuesIn(kCases)),
                          CaseName);
 
+// dL/dh of the reference's loss by central differences of step 1e-5, in double, rounded to float.
+std::vector<float> NumericGradHidden(const ReferenceProblem& problem) {
+  constexpr double kStep = 1e-5;
+  std::vector<float> numeric(problem.hidden.size());
+  ReferenceProblem moved = problem;
+  for (size_t j = 0; j < moved.hidden.size(); ++j) {
+    const double x = moved.hidden[j];
+    moved.hidden[j] = x + kStep;
+    const double up = ReferenceLoss(moved);
+    moved.hidden[j] = x - kStep;
+    const double down = ReferenceLoss(moved);
+    moved.hidden[j] = x;
+    numeric[j] = static_cast<float>((up - down) / (2 * kStep));
+  }
+  return numeric;
+}
+
 // The engine is measured against the reference, so the reference's own derivatives are checked
 // against central differences of its loss, for every objective and term (ppo's branches, dual
 // clip, the KL estimators, the entropy bonus, sequence reductions). cispo holds its weight
@@ -661,18 +678,7 @@ TEST(ReferenceTest, GradientsMatchFiniteDifferences) {
     spec.max_sequence_length = 6;
     const Problem problem = MakeProblem(spec, rng);
     const ReferenceResult ref = ComputeReference(problem.reference);
-    constexpr double kStep = 1e-5;
-    std::vector<float> numeric(ref.grad_hidden.size());
-    ReferenceProblem moved = problem.reference;
-    for (size_t j = 0; j < moved.hidden.size(); ++j) {
-      const double x = moved.hidden[j];
-      moved.hidden[j] = x + kStep;
-      const double up = ReferenceLoss(moved);
-      moved.hidden[j] = x - kStep;
-      const double down = ReferenceLoss(moved);
-      moved.hidden[j] = x;
-      numeric[j] = static_cast<float>((up - down) / (2 * kStep));
-    }
+    const std::vector<float> numeric = NumericGradHidden(problem.reference);
     // float rounding of the differences (2^-24) and the O(step^2) truncation.
     EXPECT_LE(RelativeError(numeric, ref.grad_hidden), 1e-5);
   }
@@ -787,18 +793,7 @@ TEST(ReferenceTest, DistillGradientsMatchFiniteDifferences) {
     spec.ignore_fraction = c.no_labels ? 0.0 : 0.1;
     const Problem problem = MakeProblem(spec, rng);
     const ReferenceResult ref = ComputeReference(problem.reference);
-    constexpr double kStep = 1e-5;
-    std::vector<float> numeric(ref.grad_hidden.size());
-    ReferenceProblem moved = problem.reference;
-    for (size_t j = 0; j < moved.hidden.size(); ++j) {
-      const double x = moved.hidden[j];
-      moved.hidden[j] = x + kStep;
-      const double up = ReferenceLoss(moved);
-      moved.hidden[j] = x - kStep;
-      const double down = ReferenceLoss(moved);
-      moved.hidden[j] = x;
-      numeric[j] = static_cast<float>((up - down) / (2 * kStep));
-    }
+    const std::vector<float> numeric = NumericGradHidden(problem.reference);
     EXPECT_LE(RelativeError(numeric, ref.grad_hidden), 1e-5);
   }
 }

@@ -86,6 +86,48 @@ void ComputeLogits(const float* hidden32, int64_t rows, const WeightView& w, int
   }
 }
 
+TileProducts::TileProducts(const TokenOutputs& out, const WeightView& weight, int64_t r0,
+                           int64_t rows, const float* hidden32, float* grad_hidden_scratch,
+                           float* weight32, float* grad_weight32, bool store_grad_weight)
+    : out_(out),
+      weight_(weight),
+      r0_(r0),
+      rows_(rows),
+      h_(weight.hidden_size),
+      hidden32_(hidden32),
+      weight32_(weight32),
+      grad_weight32_(grad_weight32),
+      store_grad_weight_(store_grad_weight) {
+  if (out.grad_hidden == nullptr) return;
+  grad_hidden32_ = out.grad_hidden_dtype == DType::kFloat32
+                       ? static_cast<float*>(out.grad_hidden) + r0 * h_
+                       : grad_hidden_scratch;
+  std::fill(grad_hidden32_, grad_hidden32_ + rows * h_, 0.0f);
+}
+
+void TileProducts::Add(const float* grad_logits, int64_t ld, int64_t v0, int64_t cols) {
+  if (grad_hidden32_ != nullptr) {
+    ForEachWeightSlab(weight_, v0, cols, weight32_,
+                      [&](const float* slab, int64_t s0, int64_t slab_rows) {
+                        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows_, h_,
+                                    slab_rows, 1.0f, grad_logits + (s0 - v0), ld, slab, h_, 1.0f,
+                                    grad_hidden32_, h_);
+                      });
+  }
+  if (grad_weight32_ != nullptr) {
+    const float beta = store_grad_weight_ ? 0.0f : 1.0f;
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, h_, rows_, 1.0f, grad_logits, ld,
+                hidden32_, h_, beta, grad_weight32_ + v0 * h_, h_);
+  }
+}
+
+void TileProducts::Finish() {
+  if (grad_hidden32_ != nullptr && out_.grad_hidden_dtype != DType::kFloat32) {
+    ConvertFromFloat(grad_hidden32_, rows_ * h_, out_.grad_hidden_dtype, out_.grad_hidden,
+                     r0_ * h_);
+  }
+}
+
 namespace {
 
 // The first column of z[0:cols] equal to m, or cols. A plain scan with an early exit stays scalar
@@ -260,6 +302,7 @@ using cpu::ConvertToFloat;
 using cpu::ForEachWeightSlab;
 using cpu::kSumBlock;
 using cpu::MaxAbs;
+using cpu::TileProducts;
 using cpu::TileRowStats;
 using cpu::TileStatsWork;
 using cpu::TopKList;
@@ -619,13 +662,8 @@ class CpuCall {
   // dh += dA W and dW += dA^T h.
   void Gradients(int64_t r0, int64_t rows) {
     const LogitTransform& transform = finisher_.transform();
-    float* grad_hidden32 = nullptr;
-    if (shape_.grad_hidden) {
-      grad_hidden32 = out_.grad_hidden_dtype == DType::kFloat32
-                          ? static_cast<float*>(out_.grad_hidden) + r0 * h_
-                          : ws_.grad_hidden32;
-      std::fill(grad_hidden32, grad_hidden32 + rows * h_, 0.0f);
-    }
+    TileProducts products(out_, weight_, r0, rows, hidden32_, ws_.grad_hidden32, ws_.weight32,
+                          grad_weight32_, options_.overwrite_grad_weight && r0 == 0);
     for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
       const int64_t cols = std::min(tile_cols_, v_ - v0);
       if (!logits_resident_) {
@@ -637,24 +675,9 @@ class CpuCall {
           RowLogitGradients(ws_.logits + r * tile_cols_, cols, v0, ws_.row_grads[r], transform);
         }
       }
-      if (grad_hidden32 != nullptr) {
-        ForEachWeightSlab(weight_, v0, cols, ws_.weight32,
-                          [&](const float* slab, int64_t s0, int64_t slab_rows) {
-                            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, h_,
-                                        slab_rows, 1.0f, ws_.logits + (s0 - v0), tile_cols_, slab,
-                                        h_, 1.0f, grad_hidden32, h_);
-                          });
-      }
-      if (grad_weight32_ != nullptr) {
-        // The first chunk's product stores when the caller asked for dL/dW alone.
-        const float beta = options_.overwrite_grad_weight && r0 == 0 ? 0.0f : 1.0f;
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, h_, rows, 1.0f, ws_.logits,
-                    tile_cols_, hidden32_, h_, beta, grad_weight32_ + v0 * h_, h_);
-      }
+      products.Add(ws_.logits, tile_cols_, v0, cols);
     }
-    if (shape_.grad_hidden && out_.grad_hidden_dtype != DType::kFloat32) {
-      ConvertFromFloat(grad_hidden32, rows * h_, out_.grad_hidden_dtype, out_.grad_hidden, r0 * h_);
-    }
+    products.Finish();
   }
 
   const BatchInputs& in_;

@@ -213,7 +213,7 @@ class CpuDistillCall {
         ws_(ws),
         finisher_(in, weight.vocab_size, options, out),
         transform_(finisher_.transform()),
-        teacher_transform_(TeacherTransform(options)),
+        teacher_transform_(MakeTeacherTransform(options)),
         inv_tau_(static_cast<float>(1.0 / options.distill.temperature)),
         grad_weight32_(grad_weight != nullptr ? static_cast<float*>(grad_weight->data()) : nullptr),
         h_(weight.hidden_size),
@@ -238,13 +238,6 @@ class CpuDistillCall {
   }
 
  private:
-  static LogitTransform TeacherTransform(const LossOptions& options) {
-    LossOptions teacher;
-    teacher.logit_softcap = options.distill.teacher_logit_softcap;
-    teacher.temperature = options.distill.teacher_temperature;
-    return MakeLogitTransform(teacher);
-  }
-
   const TeacherInputs& teacher() const { return in_.teacher; }
 
   // The chunk's rows as fp32 (the caller's, or converted into the workspace); a sparse teacher's
@@ -372,13 +365,8 @@ class CpuDistillCall {
 
   // Phase 3: dL/da tile by tile, then dh += dA W and dW += dA^T h. The teacher gets none.
   void Gradients(int64_t r0, int64_t rows) {
-    float* grad_hidden32 = nullptr;
-    if (shape_.grad_hidden) {
-      grad_hidden32 = out_.grad_hidden_dtype == DType::kFloat32
-                          ? static_cast<float*>(out_.grad_hidden) + r0 * h_
-                          : ws_.grad_hidden32;
-      std::fill(grad_hidden32, grad_hidden32 + rows * h_, 0.0f);
-    }
+    TileProducts products(out_, weight_, r0, rows, hidden32_, ws_.grad_hidden32, ws_.weight32,
+                          grad_weight32_, options_.overwrite_grad_weight && r0 == 0);
     for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
       const int64_t cols = std::min(tile_cols_, v_ - v0);
       if (!logits_resident_) ComputeTiles(r0, rows, v0, cols);
@@ -386,24 +374,9 @@ class CpuDistillCall {
       for (int64_t r = 0; r < rows; ++r) {
         RowDistillGradients(StudentRow(r), TeacherRow(r), cols, v0, ws_.row_grads[r], transform_);
       }
-      if (grad_hidden32 != nullptr) {
-        ForEachWeightSlab(weight_, v0, cols, ws_.weight32,
-                          [&](const float* slab, int64_t s0, int64_t slab_rows) {
-                            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, h_,
-                                        slab_rows, 1.0f, ws_.logits + (s0 - v0), tile_cols_, slab,
-                                        h_, 1.0f, grad_hidden32, h_);
-                          });
-      }
-      if (grad_weight32_ != nullptr) {
-        // The first chunk's product stores when the caller asked for dL/dW alone.
-        const float beta = options_.overwrite_grad_weight && r0 == 0 ? 0.0f : 1.0f;
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, cols, h_, rows, 1.0f, ws_.logits,
-                    tile_cols_, hidden32_, h_, beta, grad_weight32_ + v0 * h_, h_);
-      }
+      products.Add(ws_.logits, tile_cols_, v0, cols);
     }
-    if (shape_.grad_hidden && out_.grad_hidden_dtype != DType::kFloat32) {
-      ConvertFromFloat(grad_hidden32, rows * h_, out_.grad_hidden_dtype, out_.grad_hidden, r0 * h_);
-    }
+    products.Finish();
   }
 
   const BatchInputs& in_;

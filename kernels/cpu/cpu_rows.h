@@ -73,6 +73,33 @@ void ComputeLogits(const float* hidden32, int64_t rows, const WeightView& w, int
                    int64_t cols, float* weight32, const LogitTransform& transform, float* z,
                    int64_t ld, bool onto_zero);
 
+// The products of a token chunk's dL/da tiles: dh += dA W (in fp32: the caller's rows when it
+// wants fp32, else `grad_hidden_scratch`, converted by Finish) and dW[v0 : v0 + cols] += dA^T h,
+// stored instead of added when `store_grad_weight` (the first chunk of a call that asked for its
+// dL/dW alone: every tile's dW rows are its own).
+class TileProducts {
+ public:
+  TileProducts(const TokenOutputs& out, const WeightView& weight, int64_t r0, int64_t rows,
+               const float* hidden32, float* grad_hidden_scratch, float* weight32,
+               float* grad_weight32, bool store_grad_weight);
+  // The products of dA = grad_logits[rows, 0:cols] (leading dimension ld), columns [v0, v0 + cols).
+  void Add(const float* grad_logits, int64_t ld, int64_t v0, int64_t cols);
+  // dL/dh into the caller's dtype.
+  void Finish();
+
+ private:
+  const TokenOutputs& out_;
+  const WeightView& weight_;
+  const int64_t r0_;
+  const int64_t rows_;
+  const int64_t h_;
+  const float* hidden32_;
+  float* weight32_;
+  float* grad_weight32_;
+  bool store_grad_weight_;
+  float* grad_hidden32_ = nullptr;
+};
+
 // A row's k largest (value, token) so far, best first; k = 0 when no top-k is asked for.
 struct TopKList {
   int k = 0;

@@ -261,7 +261,7 @@ class ChunkedCompute {
         distill_(options.objective == Objective::kDistill),
         finisher_(in, weight.vocab_size, options, out),
         transform_(finisher_.transform()),
-        teacher_transform_(TeacherTransform(options)),
+        teacher_transform_(MakeTeacherTransform(options)),
         stats_(chunk_rows_),
         results_(chunk_rows_),
         row_grads_(chunk_rows_),
@@ -292,13 +292,6 @@ class ChunkedCompute {
   }
 
  private:
-  static LogitTransform TeacherTransform(const LossOptions& options) {
-    LossOptions teacher;
-    teacher.logit_softcap = options.distill.teacher_logit_softcap;
-    teacher.temperature = options.distill.teacher_temperature;
-    return MakeLogitTransform(teacher);
-  }
-
   absl::Status Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
     return CudaStatus(cudaMemcpyAsync(dst, src, bytes, kind, stream_), "cudaMemcpyAsync");
   }

@@ -295,6 +295,18 @@ class _RemoteLogprobs(torch.autograd.Function):
         return grad_hidden.to(hidden.dtype), None
 
 
+def _run(call, flat_hidden, hidden):
+    """The call's loss under autograd (_RemoteLoss: dL/dh now, dL/dW on the server) or as a plain
+    scoring call without it, and its LossResult; the loss shaped for the reduction."""
+    if torch.is_grad_enabled() and hidden.requires_grad:
+        loss = _RemoteLoss.apply(flat_hidden, call)
+        result = call.result
+    else:
+        result = call.compute(flat_hidden, outputs=_result_outputs(call))
+        loss = _loss_tensor(result, call.reduction, hidden)
+    return (loss.reshape(hidden.shape[:-1]) if call.reduction == "none" else loss), result
+
+
 def _loss_tensor(result, reduction, hidden):
     dtype = _loss_dtype(hidden.dtype)
     if reduction == "none":
@@ -382,13 +394,7 @@ class RemoteHead(torch.nn.Module):
         if len(call.labels) != count:
             raise ValueError(f"labels: expected {count} entries (the rows of "
                              f"hidden {tuple(hidden.shape)}), got shape {tuple(labels_shape)}")
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            loss = _RemoteLoss.apply(flat_hidden, call)
-            self.last_result = call.result
-        else:
-            result = call.compute(flat_hidden, outputs=_result_outputs(call))
-            self.last_result = result
-            loss = _loss_tensor(result, reduction, hidden)
+        loss, self.last_result = _run(call, flat_hidden, hidden)
         return loss.reshape(labels_shape) if reduction == "none" else loss
 
     def logprobs(self, hidden, tokens, **kwargs):
@@ -543,7 +549,6 @@ class RemoteDistill(torch.nn.Module):
         logit_softcap and student_temperature apply before the distillation temperature."""
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])
         count = flat_hidden.shape[0]
-        token_shape = tuple(hidden.shape[:-1])
         side = {}
         if self.teacher is not None:
             if teacher_hidden is None:
@@ -579,11 +584,5 @@ class RemoteDistill(torch.nn.Module):
         call = _LossCall(client=self.client, head=self.student, labels=label_array,
                          weights=_as_numpy(weights, torch.float32, "weights", count),
                          reduction=reduction, options=options, side=side)
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            loss = _RemoteLoss.apply(flat_hidden, call)
-            self.last_result = call.result
-        else:
-            result = call.compute(flat_hidden, outputs=_result_outputs(call))
-            self.last_result = result
-            loss = _loss_tensor(result, reduction, hidden)
-        return loss.reshape(token_shape) if reduction == "none" else loss
+        loss, self.last_result = _run(call, flat_hidden, hidden)
+        return loss

@@ -100,6 +100,14 @@ struct DistillRowConstants {
   DivergenceKind kind;
 };
 
+// The teacher head's soft cap and temperature (DistillOptions) as a LogitTransform.
+inline LogitTransform MakeTeacherTransform(const LossOptions& options) {
+  LossOptions teacher;
+  teacher.logit_softcap = options.distill.teacher_logit_softcap;
+  teacher.temperature = options.distill.teacher_temperature;
+  return MakeLogitTransform(teacher);
+}
+
 LOSSD_HD DistillRowConstants MakeDistillRowConstants(const DistillStats& s,
                                                      const DistillOptions& options) {
   DistillRowConstants c;
@@ -209,15 +217,8 @@ LOSSD_HD DistillRowResult FinishDistillRow(const RowStats& s, const DistillStats
   const RowSummary summary = SummarizeRow(s, loss.vocab_size);
   const double tau = options.temperature;
   DistillRowResult r;
+  r.row = StartRowResult(summary);
   RowResult& row = r.row;
-  row.lse = static_cast<float>(summary.lse);
-  row.entropy = static_cast<float>(summary.entropy);
-  row.logprob = 0.0f;
-  row.loss = 0.0f;
-  row.ratio = 0.0f;
-  row.kl = 0.0f;
-  row.clip = ClipState::kNone;
-  row.logprob_grad = 0.0;
   r.kd = 0.0f;
   r.ce = 0.0f;
   r.k = static_cast<float>(terms.k);

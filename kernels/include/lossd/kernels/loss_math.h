@@ -354,6 +354,21 @@ LOSSD_HD RowSummary SummarizeRow(const RowStats& s, int64_t vocab_size) {
   return r;
 }
 
+// A row's results before its terms: its lse and entropy, the rest 0.
+LOSSD_HD RowResult StartRowResult(const RowSummary& summary) {
+  RowResult r;
+  r.lse = static_cast<float>(summary.lse);
+  r.entropy = static_cast<float>(summary.entropy);
+  r.logprob = 0.0f;
+  r.loss = 0.0f;
+  r.ratio = 0.0f;
+  r.kl = 0.0f;
+  r.clip = ClipState::kNone;
+  r.finite = true;
+  r.logprob_grad = 0.0;
+  return r;
+}
+
 // Per-row results from complete statistics.
 LOSSD_HD RowResult FinishRow(const RowStats& s, bool counted, float weight, const LossTerms& terms,
                              const RowInputs& in) {
@@ -361,15 +376,7 @@ LOSSD_HD RowResult FinishRow(const RowStats& s, bool counted, float weight, cons
   const double lse = summary.lse;
   const double entropy = summary.entropy;
   const double mean_z = summary.mean_z;
-  RowResult r;
-  r.lse = static_cast<float>(lse);
-  r.entropy = static_cast<float>(entropy);
-  r.logprob = 0.0f;
-  r.loss = 0.0f;
-  r.ratio = 0.0f;
-  r.kl = 0.0f;
-  r.clip = ClipState::kNone;
-  r.logprob_grad = 0.0;
+  RowResult r = StartRowResult(summary);
   if (counted) {
     const double logprob = summary.logprob;
     double loss;
