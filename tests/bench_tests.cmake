@@ -34,3 +34,15 @@ set_tests_properties(peers_report PROPERTIES TIMEOUT 60)
 add_test(NAME gpu_round_without_gpu_folder
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/gpu_round_test.py)
 set_tests_properties(gpu_round_without_gpu_folder PROPERTIES TIMEOUT 60)
+
+# The distillation peer benchmark's own logic on the CPU, the engine's row from distill_bench on
+# the same inputs as torch's.
+add_test(NAME distill_peers_cpu
+  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/distill_peers_test.py)
+set_tests_properties(distill_peers_cpu PROPERTIES
+  ENVIRONMENT "DISTILL_BENCH_BIN=$<TARGET_FILE:distill_bench>;OMP_NUM_THREADS=2"
+  TIMEOUT 120)
+
+add_test(NAME distill_bench_names_a_bad_flag COMMAND distill_bench --passes=backward)
+set_tests_properties(distill_bench_names_a_bad_flag PROPERTIES
+  PASS_REGULAR_EXPRESSION "--passes: expected fwd and/or fwd_bwd, got 'backward'")
