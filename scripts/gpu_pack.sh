@@ -22,7 +22,8 @@ build="${LOSSD_GPU_BUILD_DIR:-build-gpu}"
 limit_mib="${LOSSD_GPU_PACK_LIMIT_MIB:-40}"
 nvcc=/usr/local/cuda/bin/nvcc
 [ -x "$nvcc" ] || { echo "gpu_pack: $nvcc not found: the CUDA toolkit is needed" >&2; exit 1; }
-programs=(engine_test cuda_gemm_probe_test device_fault_test engine_bench lossd_server lossctl)
+programs=(engine_test cuda_gemm_probe_test device_fault_test engine_bench distill_bench lossd_server
+  lossctl)
 
 cmake -S . -B "$build" -G Ninja -DCMAKE_CUDA_COMPILER="$nvcc" -DLOSSD_CUDA_ARCHITECTURES=90 \
   >/dev/null

@@ -1153,9 +1153,17 @@ TEST_P(EngineBackendTest, OverflowedLogitsAreReportedWhateverTheOutputs) {
 }
 
 TEST_P(EngineBackendTest, PlansStayWithinTheBudget) {
+  // Without a teacher, with a bf16 teacher head of another H (two logits tiles per chunk), and
+  // with a sparse teacher.
+  for (const TeacherKind teacher : {TeacherKind::kNone, TeacherKind::kDense, TeacherKind::kSparse})
   for (int64_t v : {1000, 32000, 128256, 256000}) {
     for (size_t budget : {64 * kKiB, 1 * kMiB, 16 * kMiB, 256 * kMiB}) {
       ProblemShape shape;
+      shape.teacher.kind = teacher;
+      shape.teacher.hidden_size = 4096;
+      shape.teacher.hidden_dtype = DType::kBFloat16;
+      shape.teacher.weight_dtype = DType::kBFloat16;
+      shape.teacher.top_k = teacher == TeacherKind::kSparse ? 64 : 0;
       shape.num_tokens = 16384;
       shape.hidden_size = 2048;
       shape.vocab_size = v;
