@@ -665,7 +665,7 @@ const BadRow kBadRows[] = {
      "shared_memory",
      [](Script& s) {
        MakeDistill(s);
-       StartOf(s).mutable_shared_memory()->set_pid(1);
+       StartOf(s).mutable_shared_memory()->set_handle(std::string(16, 'h'));
      }},
     {"teacher_under_cross_entropy", "a teacher for an objective that reads none", Rpc::kCompute,
      kInvalid, "teacher_head",
