@@ -149,7 +149,8 @@ absl::Status ValidateDistillOptions(const LossOptions& o) {
         {"distill.beta", d.beta == defaults.beta},
         {"distill.alpha", d.alpha == defaults.alpha},
         {"distill.temperature", d.temperature == defaults.temperature},
-        {"distill.teacher_logit_softcap", d.teacher_logit_softcap == defaults.teacher_logit_softcap},
+        {"distill.teacher_logit_softcap",
+         d.teacher_logit_softcap == defaults.teacher_logit_softcap},
         {"distill.teacher_temperature", d.teacher_temperature == defaults.teacher_temperature},
         {"distill.sparse_teacher_mass", d.sparse_mass == defaults.sparse_mass},
     };
@@ -264,8 +265,9 @@ absl::Status ValidateTeacher(const BatchInputs& in, const WeightView& weight,
   const TeacherInputs& t = in.teacher;
   if (options.objective != Objective::kDistill) {
     if (t.dense() || t.sparse() || t.hidden != nullptr) {
-      return InvalidField("teacher", "none unless the objective is distill",
-                          absl::StrCat("a teacher with objective ", ObjectiveName(options.objective)));
+      return InvalidField(
+          "teacher", "none unless the objective is distill",
+          absl::StrCat("a teacher with objective ", ObjectiveName(options.objective)));
     }
     return absl::OkStatus();
   }

@@ -259,7 +259,8 @@ absl::Status ParseTeacher(const ComputeEnvironment& env, const v1::ComputeStart&
   }
   spec.teacher_hidden_size = t.hidden_size();
   ASSIGN_OR_RETURN(spec.teacher_hidden_dtype,
-                   FromProto(start.teacher_hidden_dtype(), "teacher_hidden_dtype", spec.hidden_dtype));
+                   FromProto(start.teacher_hidden_dtype(), "teacher_hidden_dtype",
+                             spec.hidden_dtype));
   return absl::OkStatus();
 }
 
@@ -321,7 +322,8 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
       (spec.outputs.kd() || spec.outputs.ce())) {
     return InvalidField(spec.outputs.kd() ? "outputs.kd" : "outputs.ce",
                         "false unless the objective is distill",
-                        absl::StrCat("true with objective ", ObjectiveName(spec.options.objective)));
+                        absl::StrCat("true with objective ",
+                                     ObjectiveName(spec.options.objective)));
   }
   if (start.has_shared_memory()) spec.shared_memory = start.shared_memory();
   if (spec.shared_memory.has_value() && spec.options.objective == Objective::kDistill) {
@@ -686,7 +688,8 @@ class ComputeCall {
       absl::FunctionRef<absl::Status(const WeightView&, const WeightView*)> fn) {
     Head& student = *spec_.head;
     if (spec_.teacher == nullptr) {
-      return student.WithWeights(spec_.version, [&](const WeightView& w) { return fn(w, nullptr); });
+      return student.WithWeights(spec_.version,
+                                 [&](const WeightView& w) { return fn(w, nullptr); });
     }
     Head& teacher = *spec_.teacher;
     if (&teacher == &student) {

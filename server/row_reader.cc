@@ -150,7 +150,8 @@ absl::Status RowReader::TakeMessage(const v1::ComputeRequest& request) {
     const int64_t take = std::min(rows - taken, RowsInChunk(filling_chunk_) - rows_in_filling_);
     for (size_t s = 0; s <= layout_.side.size(); ++s) {
       const int64_t stream_row_bytes = RowBytesOf(static_cast<int>(s));
-      std::memcpy(BufferOf(filling_chunk_, static_cast<int>(s)) + rows_in_filling_ * stream_row_bytes,
+      uint8_t* into = BufferOf(filling_chunk_, static_cast<int>(s));
+      std::memcpy(into + rows_in_filling_ * stream_row_bytes,
                   sources[s]->data() + taken * stream_row_bytes, take * stream_row_bytes);
     }
     rows_in_filling_ += take;

@@ -38,7 +38,8 @@ set_tests_properties(gpu_round_without_gpu_folder PROPERTIES TIMEOUT 60)
 # The distillation peer benchmark's own logic on the CPU, the engine's row from distill_bench on
 # the same inputs as torch's.
 add_test(NAME distill_peers_cpu
-  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/distill_peers_test.py)
+  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
+          ${CMAKE_CURRENT_LIST_DIR}/distill_peers_test.py)
 set_tests_properties(distill_peers_cpu PROPERTIES
   ENVIRONMENT "DISTILL_BENCH_BIN=$<TARGET_FILE:distill_bench>;OMP_NUM_THREADS=2"
   TIMEOUT 120)

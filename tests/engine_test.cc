@@ -442,7 +442,8 @@ const EngineCase kCases[] = {
        s.teacher_hidden_size = 96;
        s.options = Distill(1.0);
      }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kDistillLossBound},
-    {"distill_bf16_teacher_fp32_student", "a bf16 teacher head with fp16 rows beside an fp32 student",
+    {"distill_bf16_teacher_fp32_student",
+     "a bf16 teacher head with fp16 rows beside an fp32 student",
      Spec(70, 64, 2100, [](ProblemSpec& s) {
        s.teacher_hidden_dtype = DType::kFloat16;
        s.teacher_weight_dtype = DType::kBFloat16;

@@ -27,10 +27,10 @@ constexpr int64_t WeightSlabRows(int64_t hidden_size) {
 constexpr int64_t kSumBlock = 256;
 constexpr int64_t BlocksPerRow(int64_t cols) { return (cols + kSumBlock - 1) / kSumBlock; }
 
-// Row loops marked LOSSD_ROW_LOOP are compiled twice, for AVX2 + FMA (x86-64-v3) and for baseline x86-64, and
-// the dynamic loader picks one per process. The two differ in the last bits (the AVX2 copy fuses
-// multiply-adds and sums 8 lanes at a time), but on one machine every call runs the same copy, so
-// identical calls still give identical bits.
+// Row loops marked LOSSD_ROW_LOOP are compiled twice, for AVX2 + FMA (x86-64-v3) and for baseline
+// x86-64, and the dynamic loader picks one per process. The two differ in the last bits (the AVX2
+// copy fuses multiply-adds and sums 8 lanes at a time), but on one machine every call runs the same
+// copy, so identical calls still give identical bits.
 //
 // Not under ThreadSanitizer: the loader runs a multiversioned function's resolver before TSan is
 // initialized, and GCC and Clang (before 22, llvm-project#163369) instrument it, so the program

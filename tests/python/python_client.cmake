@@ -20,7 +20,8 @@ add_test(NAME python_objectives
 # Distillation (RemoteDistill, score_kl) against torch's float64 autograd of the naive
 # two-logits formula, dense and sparse teachers.
 add_test(NAME python_distill
-  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_distill.py)
+  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
+          ${CMAKE_CURRENT_LIST_DIR}/test_distill.py)
 # A toy policy trained with PPO against a frozen reference head: its reward rises (about 15 s).
 add_test(NAME python_rl_example
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_rl_example.py)

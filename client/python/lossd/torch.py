@@ -554,7 +554,8 @@ class RemoteDistill(torch.nn.Module):
             if teacher_hidden is None:
                 raise ValueError("teacher_hidden: expected the teacher's rows for the tokens of "
                                  "hidden")
-            side["teacher_hidden"] = _wire_array(teacher_hidden.reshape(-1, teacher_hidden.shape[-1]))
+            side["teacher_hidden"] = _wire_array(
+                teacher_hidden.reshape(-1, teacher_hidden.shape[-1]))
         else:
             if teacher_top_k_tokens is None or teacher_top_k_logprobs is None:
                 raise ValueError("teacher_top_k_tokens, teacher_top_k_logprobs: expected a "
@@ -570,7 +571,8 @@ class RemoteDistill(torch.nn.Module):
                                  f"hidden {tuple(hidden.shape)}, got {rows.shape[0]}")
         label_array = None
         if labels is not None:
-            label_array = torch.as_tensor(labels).detach().reshape(-1).to("cpu", torch.int64).numpy()
+            label_array = torch.as_tensor(labels).detach().reshape(-1).to(
+                "cpu", torch.int64).numpy()
             if len(label_array) != count:
                 raise ValueError(f"labels: expected {count} entries (the tokens of hidden "
                                  f"{tuple(hidden.shape)}), got {len(label_array)}")

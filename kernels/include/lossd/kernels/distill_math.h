@@ -3,20 +3,22 @@
 //
 // Per row, with u = z / tau the student's and t = z_t / tau the teacher's logits at the
 // distillation temperature, log q_v = u_v - lse(u), log p_v = t_v - lse(t):
-//   forward KL  D = sum_v p_v (log p_v - log q_v)                 dD/du_v = q_v - p_v
-//   reverse KL  D = sum_v q_v (log q_v - log p_v) = K             dD/du_v = q_v (log q_v - log p_v - K)
-//   JSD         D = beta KL(p || m) + (1 - beta) KL(q || m)       dD/du_v = (1 - beta) q_v (log q_v - log m_v - K)
-//               m = beta p + (1 - beta) q,  K = KL(q || m)
+//   forward KL  D = sum_v p_v (log p_v - log q_v)
+//               dD/du_v = q_v - p_v
+//   reverse KL  D = sum_v q_v (log q_v - log p_v) = K
+//               dD/du_v = q_v (log q_v - log p_v - K)
+//   JSD         D = beta KL(p || m) + (1 - beta) KL(q || m),  m = beta p + (1 - beta) q
+//               dD/du_v = (1 - beta) q_v (log q_v - log m_v - K),  K = KL(q || m)
 // and KD = tau^2 D, so dKD/dz_v = tau dD/du_v. The row scalar K needs every column's log m_v, which
 // no running statistic gives, hence three phases over a row's columns, each ending in per-row sums
 // that merge across tiles (and, one day, across vocabulary shards):
 //   1. statistics: max and sum-exp of u and of t (LseStats), beside the student's RowStats;
 //   2. terms: sum_v of D's and K's summands given both lse (DistillElementTerms);
 //   3. gradients: dL/da_v given D's row constants and K (DistillLogitGradient).
-// log m_v is taken as log q_v + log(m_v / q_v) or log p_v + log(m_v / p_v), whichever of p_v, q_v is
-// larger, with log(m / A) = log(a + b e^-|log p - log q|) (MixtureLogRatios): no exp underflows to a
-// log of 0, and where p_v = q_v it is exactly log q_v, so that a teacher identical to the student
-// gives D = 0 and a zero gradient exactly.
+// log m_v is taken as log q_v + log(m_v / q_v) or log p_v + log(m_v / p_v), whichever of p_v, q_v
+// is larger, with log(m / A) = log(a + b e^-|log p - log q|) (MixtureLogRatios): no exp underflows
+// to a log of 0, and where p_v = q_v it is exactly log q_v, so that a teacher identical to the
+// student gives D = 0 and a zero gradient exactly.
 #ifndef LOSSD_KERNELS_DISTILL_MATH_H_
 #define LOSSD_KERNELS_DISTILL_MATH_H_
 
