@@ -10,6 +10,7 @@
 
 #include "absl/functional/function_ref.h"
 #include "absl/hash/hash.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/types/span.h"
@@ -29,6 +30,7 @@ double SecondsSince(absl::Time start) { return absl::ToDoubleSeconds(absl::Now()
 struct CallSpec {
   std::shared_ptr<Head> head;
   std::optional<uint64_t> pinned_version;
+  std::string pinned_sha256;  // empty: any W
   uint64_t version = 0;  // taken once the call is admitted, so time in the queue cannot stale it
   LossOptions options;  // mean_denominator already resolved to the whole batch's D
   int64_t num_tokens = 0;
@@ -63,9 +65,22 @@ struct CallSpec {
 };
 
 // Sets spec.version (and a teacher head's spec.teacher_version) to the head's current version,
-// which a pinned call must match.
-absl::Status CheckPinnedVersion(CallSpec& spec) {
-  spec.version = spec.head->version();
+// which a pinned call must match; with a pinned hash, to the version whose W has it, so that a
+// step after the check fails the call (ABORTED) rather than letting it compute on another W.
+absl::Status CheckPinnedWeights(CallSpec& spec) {
+  if (spec.pinned_sha256.empty()) {
+    spec.version = spec.head->version();
+  } else {
+    ASSIGN_OR_RETURN(const WeightDigest digest, spec.head->Digest());
+    spec.version = digest.version;
+    if (digest.sha256 != spec.pinned_sha256) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "weight_sha256: the call is pinned to W with SHA-256 ", spec.pinned_sha256,
+          ", but head '", spec.head->name(), "' on this server holds W with SHA-256 ",
+          digest.sha256, " (version ", digest.version,
+          "): this replica serves another W; nothing was computed"));
+    }
+  }
   if (spec.pinned_version.has_value() && *spec.pinned_version != spec.version) {
     return absl::FailedPreconditionError(
         absl::StrCat("head_version: the call is pinned to version ", *spec.pinned_version,
@@ -269,6 +284,13 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   ASSIGN_OR_RETURN(spec.head, env.heads->Get(start.head()));
   const Head& head = *spec.head;
   if (start.has_head_version()) spec.pinned_version = start.head_version();
+  if (!start.weight_sha256().empty() && !IsWeightDigest(start.weight_sha256())) {
+    return InvalidField("weight_sha256",
+                        "64 lowercase hex digits (a HeadInfo.weight_sha256) or empty",
+                        absl::StrCat("'", absl::CHexEscape(start.weight_sha256().substr(0, 80)), "'",
+                                     start.weight_sha256().size() > 80 ? "..." : ""));
+  }
+  spec.pinned_sha256 = start.weight_sha256();
   ASSIGN_OR_RETURN(spec.options, FromProto(start.options()));
   if (start.num_tokens() < 0 || start.num_tokens() > env.limits.max_tokens_per_call) {
     return InvalidField("num_tokens", absl::StrCat("a count in [0, ", env.limits.max_tokens_per_call, "]"),
@@ -282,7 +304,7 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   spec.hidden_size = start.hidden_size();
   ASSIGN_OR_RETURN(spec.hidden_dtype, FromProto(start.hidden_dtype(), "hidden_dtype"));
   RETURN_IF_ERROR(ParseTeacher(env, start, spec));
-  RETURN_IF_ERROR(CheckPinnedVersion(spec));
+  RETURN_IF_ERROR(CheckPinnedWeights(spec));
   // Only distill with alpha 0 reads no label.
   spec.has_labels = !(spec.options.objective == Objective::kDistill &&
                       spec.options.distill.alpha == 0.0 && start.labels_size() == 0 &&
@@ -465,7 +487,7 @@ class ComputeCall {
                      env_.scheduler->Admit(admitted_bytes_, [this] { return stream_.IsCancelled(); },
                                            env_.limits.max_admission_wait));
     queue_seconds_ = SecondsSince(queue_start);
-    RETURN_IF_ERROR(CheckPinnedVersion(spec_));
+    RETURN_IF_ERROR(CheckPinnedWeights(spec_));
     if (env_.metrics != nullptr) env_.metrics->ObserveQueueSeconds(queue_seconds_);
     RETURN_IF_ERROR(AllocateBuffers());
 

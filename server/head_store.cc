@@ -112,7 +112,15 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Create(Backend& backend, MemoryLedge
                                   state.vocab_size, state.hidden_size));
     }
   }
+  // Hashed while the bytes are on the host anyway: a replica knows its digest before it serves.
+  ASSIGN_OR_RETURN(std::string sha256,
+                   WeightSha256(state.weight_dtype, state.vocab_size, state.hidden_size,
+                                state.weight.data(), state.weight.size()));
   std::shared_ptr<Head> head(new Head(backend, ledger, state, std::move(source)));
+  {
+    absl::MutexLock lock(&head->digest_mu_);
+    head->digest_ = {state.version, std::move(sha256)};
+  }
   ASSIGN_OR_RETURN(head->weight_, UploadBuffer(backend, state.weight.data(), state.weight.size()));
   head->weight_charge_ = MemoryCharge(&ledger, MemoryPurpose::kWeights, state.weight.size());
   absl::MutexLock lock(&head->grad_mu_);
@@ -134,20 +142,64 @@ uint64_t Head::version() const {
 }
 
 HeadSummary Head::Summary() const {
+  absl::ReaderMutexLock weight_lock(&weight_mu_);
+  return SummaryLocked();
+}
+
+HeadSummary Head::SummaryLocked() const {
   HeadSummary s;
   s.name = name_;
   s.vocab_size = vocab_size_;
   s.hidden_size = hidden_size_;
   s.dtype = dtype_;
-  absl::ReaderMutexLock weight_lock(&weight_mu_);
   s.version = version_;
   s.steps = steps_;
   s.source = source_;
+  {
+    absl::MutexLock digest_lock(&digest_mu_);
+    if (digest_.version == version_) s.weight_sha256 = digest_.sha256;
+  }
   absl::MutexLock grad_lock(&grad_mu_);
   s.accumulated_tokens = accumulated_tokens_;
   s.accumulated_calls = accumulated_calls_;
   s.optimizer = optimizer_;
   return s;
+}
+
+absl::StatusOr<HeadSummary> Head::SummaryWithDigest() {
+  absl::MutexLock pass_lock(&digest_pass_mu_);
+  absl::ReaderMutexLock weight_lock(&weight_mu_);
+  RETURN_IF_ERROR(RefreshDigest());
+  return SummaryLocked();
+}
+
+absl::StatusOr<WeightDigest> Head::Digest() {
+  absl::MutexLock pass_lock(&digest_pass_mu_);
+  absl::ReaderMutexLock weight_lock(&weight_mu_);
+  RETURN_IF_ERROR(RefreshDigest());
+  absl::MutexLock digest_lock(&digest_mu_);
+  return digest_;
+}
+
+absl::Status Head::RefreshDigest() {
+  {
+    absl::MutexLock digest_lock(&digest_mu_);
+    if (digest_.version == version_ && !digest_.sha256.empty()) return absl::OkStatus();
+  }
+  // Slices bound the host memory a pass takes, whatever the size of W or where it lives.
+  constexpr size_t kSliceBytes = size_t{16} << 20;
+  ASSIGN_OR_RETURN(WeightHasher hasher, WeightHasher::Start(dtype_, vocab_size_, hidden_size_));
+  const size_t total = weight_.bytes();
+  std::vector<uint8_t> slice(std::min(total, kSliceBytes));
+  for (size_t offset = 0; offset < total; offset += slice.size()) {
+    const size_t bytes = std::min(slice.size(), total - offset);
+    RETURN_IF_ERROR(backend_.CopyToHost(weight_, offset, bytes, slice.data()));
+    RETURN_IF_ERROR(hasher.Add(slice.data(), bytes));
+  }
+  ASSIGN_OR_RETURN(std::string sha256, hasher.Finish());
+  absl::MutexLock digest_lock(&digest_mu_);
+  digest_ = {version_, std::move(sha256)};
+  return absl::OkStatus();
 }
 
 absl::Status Head::WithWeights(uint64_t expected_version,
@@ -416,6 +468,8 @@ absl::Status Head::ReplaceWeight(const std::vector<uint8_t>& weight, DType dtype
   // Checked as stored: a finite fp32 value past 65504 is Inf in a float16 head.
   RETURN_IF_ERROR(
       CheckFinite(name_, source, "weight", stored.data(), dtype_, vocab_size_, hidden_size_));
+  ASSIGN_OR_RETURN(std::string sha256,
+                   WeightSha256(dtype_, vocab_size_, hidden_size_, stored.data(), stored.size()));
   absl::WriterMutexLock weight_lock(&weight_mu_);
   absl::MutexLock grad_lock(&grad_mu_);
   RETURN_IF_ERROR(backend_.CopyToDevice(stored.data(), stored.size(), weight_, 0));
@@ -427,6 +481,8 @@ absl::Status Head::ReplaceWeight(const std::vector<uint8_t>& weight, DType dtype
   steps_ = 0;
   source_ = std::move(source);
   ++version_;
+  absl::MutexLock digest_lock(&digest_mu_);
+  digest_ = {version_, std::move(sha256)};
   return absl::OkStatus();
 }
 

@@ -178,6 +178,7 @@ v1::HeadInfo ToProto(const HeadSummary& s) {
   info.set_accumulated_calls(s.accumulated_calls);
   info.set_optimizer(static_cast<v1::OptimizerState::Kind>(s.optimizer));
   info.set_steps(s.steps);
+  info.set_weight_sha256(s.weight_sha256);
   return info;
 }
 

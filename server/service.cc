@@ -162,7 +162,8 @@ grpc::Status LossService::GetHead(grpc::ServerContext* context, const v1::GetHea
                                   v1::HeadInfo* response) {
   return Serve("GetHead", context, [&]() -> absl::Status {
     ASSIGN_OR_RETURN(auto head, heads_.Get(request->head()));
-    *response = ToProto(head->Summary());
+    ASSIGN_OR_RETURN(const HeadSummary summary, head->SummaryWithDigest());
+    *response = ToProto(summary);
     return absl::OkStatus();
   });
 }
