@@ -13,6 +13,20 @@ target_link_libraries(client_test PRIVATE
 )
 gtest_discover_tests(client_test DISCOVERY_TIMEOUT 60)
 
+# Scoring over replicas of one head: several real servers in one process, one target.
+add_executable(replicas_test
+  ${CMAKE_CURRENT_LIST_DIR}/replicas_test.cc
+  ${CMAKE_CURRENT_LIST_DIR}/server_harness.cc
+)
+target_link_libraries(replicas_test PRIVATE
+  lossd_client
+  lossd_server_lib
+  lossd_test_reference
+  OpenSSL::Crypto
+  GTest::gtest_main
+)
+gtest_discover_tests(replicas_test DISCOVERY_TIMEOUT 60)
+
 # lossctl run as a user would, against the real lossd_server binary.
 add_test(NAME lossctl_test
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/lossctl_test.py)

@@ -119,22 +119,6 @@ CallResources ReadCallResources(server::LossServer& server) {
          << server.scheduler().capacity_bytes() << " B)";
 }
 
-// Compute calls the server has ended, by status code, from its request counter.
-std::map<std::string, int64_t> ComputeCallsByCode(server::LossServer& server) {
-  std::map<std::string, int64_t> calls;
-  for (const prometheus::MetricFamily& family : server.metrics().registry()->Collect()) {
-    if (family.name != "lossd_requests_total") continue;
-    for (const prometheus::ClientMetric& metric : family.metric) {
-      std::map<std::string, std::string> labels;
-      for (const auto& label : metric.label) labels[label.name] = label.value;
-      if (labels["method"] == "Compute") {
-        calls[labels["code"]] += std::llround(metric.counter.value);
-      }
-    }
-  }
-  return calls;
-}
-
 int64_t Total(const std::map<std::string, int64_t>& counts) {
   int64_t total = 0;
   for (const auto& [unused, count] : counts) total += count;
@@ -1185,7 +1169,7 @@ TEST(CancellationTest, AbandonedStreamsLeakNothingAndAccumulateNothing) {
                       TrainingScript(kCancelHead, RandomBatch(kCancelRows, kCancelVocab, kCancelHidden, rng),
                                      kCancelHidden, kCancelRowsPerMessage)});
   }
-  const std::map<std::string, int64_t> calls_before = ComputeCallsByCode(*server);
+  const std::map<std::string, int64_t> calls_before = CallsByCode(*server, "Compute");
   const int64_t chunks_before = EngineChunksComputed(*server);
   std::vector<std::optional<grpc::Status>> seen(kCancelTrials);
   std::atomic<int> next{0};
@@ -1232,10 +1216,10 @@ TEST(CancellationTest, AbandonedStreamsLeakNothingAndAccumulateNothing) {
   // sanitizers), so only the stalled calls, open for their whole deadline, must all be counted.
   const int64_t stalled = counts[AbandonName(Abandon::kStall)];
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
-  std::map<std::string, int64_t> calls = ComputeCallsByCode(*server);
+  std::map<std::string, int64_t> calls = CallsByCode(*server, "Compute");
   while (Total(calls) < Total(calls_before) + kCancelTrials && absl::Now() < deadline) {
     absl::SleepFor(absl::Milliseconds(5));
-    calls = ComputeCallsByCode(*server);
+    calls = CallsByCode(*server, "Compute");
   }
   EXPECT_LE(Total(calls), Total(calls_before) + kCancelTrials);
   EXPECT_GE(Total(calls), Total(calls_before) + stalled);

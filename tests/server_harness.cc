@@ -238,6 +238,21 @@ ReferenceResult Reference(const std::vector<float>& weight, int64_t vocab, int64
   return ComputeReference(problem);
 }
 
+std::map<std::string, int64_t> CallsByCode(server::LossServer& server, const std::string& method) {
+  std::map<std::string, int64_t> calls;
+  for (const prometheus::MetricFamily& family : server.metrics().registry()->Collect()) {
+    if (family.name != "lossd_requests_total") continue;
+    for (const prometheus::ClientMetric& metric : family.metric) {
+      std::map<std::string, std::string> labels;
+      for (const auto& label : metric.label) labels[label.name] = label.value;
+      if (labels["method"] == method) {
+        calls[labels["code"]] += std::llround(metric.counter.value);
+      }
+    }
+  }
+  return calls;
+}
+
 bool Eventually(const std::function<bool()>& done) {
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   while (!done()) {

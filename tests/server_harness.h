@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -99,6 +100,10 @@ v1::ComputeStart StartFor(const std::string& head, const Batch& batch, int64_t h
 // The float64 reference of `batch` under W [vocab, hidden_size], with top 3.
 ReferenceResult Reference(const std::vector<float>& weight, int64_t vocab, int64_t hidden_size,
                           const Batch& batch, const LossOptions& options = {});
+
+// Calls of `method` ("Compute", "GetHead", ...) the server has ended, by status code, from its
+// request counter.
+std::map<std::string, int64_t> CallsByCode(server::LossServer& server, const std::string& method);
 
 // True once `done` holds, polling for up to 10 s: for what the server does on a thread of its own
 // a moment after the client acted (revoking a closed connection's shared-memory handles).

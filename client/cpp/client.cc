@@ -13,6 +13,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "client/cpp/shared_buffer.h"
 #include "lossd/common/status_macros.h"
 
@@ -92,6 +94,7 @@ absl::StatusOr<HeadInfo> FromProto(const v1::HeadInfo& proto) {
   info.accumulated_calls = proto.accumulated_calls();
   info.optimizer = FromProto(proto.optimizer());
   info.steps = proto.steps();
+  info.weight_sha256 = proto.weight_sha256();
   return info;
 }
 
@@ -341,7 +344,7 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 }
 
 absl::Status ValidateChannelOptions(const ChannelOptions& options) {
-  RETURN_IF_ERROR(CheckServerAddress(options.address, "address"));
+  RETURN_IF_ERROR(ParseTarget(options.address).status());
   if (options.max_message_bytes < kMinMessageBytes || options.max_message_bytes > INT_MAX) {
     return InvalidField("max_message_bytes", absl::StrCat("a size in [", kMinMessageBytes, ", ", INT_MAX, "]"),
                         absl::StrCat(options.max_message_bytes));
@@ -374,8 +377,49 @@ absl::Status ValidateChannelOptions(const ChannelOptions& options) {
   return absl::OkStatus();
 }
 
-std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options) {
+namespace {
+
+// A duration in the JSON form of the service config ("0.200000s"); gRPC wants backoffs above 0.
+std::string ServiceConfigSeconds(absl::Duration duration) {
+  return absl::StrFormat("\"%.6fs\"", std::max(absl::ToDoubleSeconds(duration), 1e-3));
+}
+
+// The channel's service config, in gRPC's JSON form. Round robin checks each server's health
+// (grpc.health.v1), so that a replica draining after SIGTERM (NOT_SERVING) leaves the rotation at
+// once. gRPC retries only the read-only calls that send one message (see RetryOptions).
+std::string ServiceConfig(const RetryOptions& retry, Balancing balancing) {
+  std::vector<std::string> parts;
+  if (balancing == Balancing::kRoundRobin) {
+    parts.push_back(R"("loadBalancingConfig": [{"round_robin": {}}])");
+    parts.push_back(R"("healthCheckConfig": {"serviceName": ""})");
+  }
+  constexpr int kGrpcMaxAttempts = 5;  // gRPC clamps retryPolicy.maxAttempts to it
+  const int attempts = std::min(retry.max_attempts, kGrpcMaxAttempts);
+  if (attempts >= 2) {
+    std::vector<std::string> names;
+    for (const char* method :
+         {"ListHeads", "GetHead", "FetchWeight", "FetchGradWeight", "GetSharedMemorySocket"}) {
+      names.push_back(absl::StrFormat(R"({"service": "lossd.v1.LossService", "method": "%s"})",
+                                      method));
+    }
+    parts.push_back(absl::StrFormat(
+        R"("methodConfig": [{"name": [%s], "retryPolicy": {"maxAttempts": %d, )"
+        R"("initialBackoff": %s, "maxBackoff": %s, "backoffMultiplier": %.6f, )"
+        R"("retryableStatusCodes": ["UNAVAILABLE"]}}])",
+        absl::StrJoin(names, ", "), attempts, ServiceConfigSeconds(retry.initial_backoff),
+        ServiceConfigSeconds(retry.max_backoff), retry.backoff_multiplier));
+  }
+  return absl::StrCat("{", absl::StrJoin(parts, ", "), "}");
+}
+
+}  // namespace
+
+std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options, Balancing balancing) {
   grpc::ChannelArguments args;
+  args.SetServiceConfigJSON(ServiceConfig(options.compute_retry, balancing));
+  // The balancing is the client's choice: a DNS TXT record cannot replace it.
+  args.SetInt(GRPC_ARG_SERVICE_CONFIG_DISABLE_RESOLUTION, 1);
+  args.SetInt(GRPC_ARG_ENABLE_RETRIES, 1);
   args.SetMaxSendMessageSize(ClampToInt(options.max_message_bytes));
   args.SetMaxReceiveMessageSize(ClampToInt(options.max_message_bytes));
   // An infinite keepalive time clamps to INT_MAX ms, which gRPC reads as "off".
@@ -388,20 +432,33 @@ std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options) {
     ssl.pem_root_certs = options.tls_root_cert_pem;
     credentials = grpc::SslCredentials(ssl);
   }
-  return grpc::CreateCustomChannel(options.address, credentials, args);
+  const absl::StatusOr<Target> target = ParseTarget(options.address);
+  return grpc::CreateCustomChannel(target.ok() ? target->uri : options.address, credentials, args);
 }
 
 absl::StatusOr<Client> Client::Connect(ChannelOptions options) {
   RETURN_IF_ERROR(ValidateChannelOptions(options));
-  std::shared_ptr<grpc::Channel> channel = MakeChannel(options);
-  return Client(std::move(channel), std::move(options));
+  ASSIGN_OR_RETURN(Target target, ParseTarget(options.address));
+  return Client(std::move(options), std::move(target));
 }
 
-Client::Client(std::shared_ptr<grpc::Channel> channel, ChannelOptions options)
+Client::Client(ChannelOptions options, Target target)
     : options_(std::move(options)),
-      stub_(v1::LossService::NewStub(std::move(channel))),
+      target_(std::move(target)),
+      balanced_stub_(v1::LossService::NewStub(MakeChannel(options_, Balancing::kRoundRobin))),
+      one_server_stub_(v1::LossService::NewStub(MakeChannel(options_, Balancing::kOneServer))),
       handover_(std::make_shared<Handover>()),
       shared_buffers_(std::make_shared<SharedBufferPool>()) {}
+
+absl::Status Client::RequireOneServer(absl::string_view what) const {
+  if (target_.listed_addresses <= 1) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "address: expected one server for ", what, ", got '", target_.uri, "', which lists ",
+      target_.listed_addresses,
+      " addresses. A head's accumulated dL/dW, optimizer state, version and shared-memory "
+      "handles live in one process, and each replica has its own: score over replicas, train "
+      "against one server"));
+}
 
 Client::Client(Client&&) noexcept = default;
 Client& Client::operator=(Client&&) noexcept = default;
@@ -422,7 +479,8 @@ absl::StatusOr<HeadList> Client::ListHeads() const {
   grpc::ClientContext context;
   PrepareContext(context);
   v1::ListHeadsResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(stub_->ListHeads(&context, v1::ListHeadsRequest(), &response)));
+  RETURN_IF_ERROR(
+      FromGrpcStatus(balanced_stub_->ListHeads(&context, v1::ListHeadsRequest(), &response)));
   HeadList list;
   list.backend = response.backend();
   for (const v1::HeadInfo& head : response.heads()) {
@@ -433,11 +491,13 @@ absl::StatusOr<HeadList> Client::ListHeads() const {
 }
 
 absl::StatusOr<std::string> Client::SharedMemorySocketName() const {
+  RETURN_IF_ERROR(RequireOneServer("shared memory"));
   grpc::ClientContext context;
   PrepareContext(context);
   v1::SharedMemorySocket response;
   RETURN_IF_ERROR(FromGrpcStatus(
-      stub_->GetSharedMemorySocket(&context, v1::GetSharedMemorySocketRequest(), &response)));
+      one_server_stub_->GetSharedMemorySocket(&context, v1::GetSharedMemorySocketRequest(),
+                                              &response)));
   return response.abstract_name();
 }
 
@@ -447,7 +507,7 @@ absl::StatusOr<HeadInfo> Client::GetHead(const std::string& head) const {
   v1::GetHeadRequest request;
   request.set_head(head);
   v1::HeadInfo response;
-  RETURN_IF_ERROR(FromGrpcStatus(stub_->GetHead(&context, request, &response)));
+  RETURN_IF_ERROR(FromGrpcStatus(balanced_stub_->GetHead(&context, request, &response)));
   return FromProto(response);
 }
 
@@ -458,10 +518,12 @@ absl::StatusOr<HeadInfo> Client::UploadHead(const std::string& head, const Tenso
                         absl::StrCat("[", weight.rows, ", ", weight.cols, "]"));
   }
   if (weight.data == nullptr) return InvalidField("weight.data", "a pointer to the values", "null");
+  RETURN_IF_ERROR(RequireOneServer("an upload"));
   grpc::ClientContext context;
   PrepareContext(context);
   v1::HeadInfo response;
-  std::unique_ptr<grpc::ClientWriter<v1::UploadHeadRequest>> writer = stub_->UploadHead(&context, &response);
+  std::unique_ptr<grpc::ClientWriter<v1::UploadHeadRequest>> writer =
+      one_server_stub_->UploadHead(&context, &response);
   v1::UploadHeadRequest start_message;
   v1::UploadHeadStart& start = *start_message.mutable_start();
   start.set_head(head);
@@ -496,6 +558,7 @@ absl::StatusOr<Tensor> Client::FetchGradWeight(const std::string& head, DType dt
 }
 
 absl::StatusOr<Tensor> Client::FetchTensor(const std::string& head, DType dtype, bool gradient) const {
+  if (gradient) RETURN_IF_ERROR(RequireOneServer("the accumulated dL/dW"));
   grpc::ClientContext context;
   PrepareContext(context);
   v1::FetchTensorRequest request;
@@ -505,7 +568,8 @@ absl::StatusOr<Tensor> Client::FetchTensor(const std::string& head, DType dtype,
   // limits on both ends the request is accepted and every chunk fits this channel.
   request.set_max_chunk_bytes(std::min(kTargetMessageBytes, options_.max_message_bytes / 2));
   std::unique_ptr<grpc::ClientReader<v1::TensorChunk>> reader =
-      gradient ? stub_->FetchGradWeight(&context, request) : stub_->FetchWeight(&context, request);
+      gradient ? one_server_stub_->FetchGradWeight(&context, request)
+               : balanced_stub_->FetchWeight(&context, request);
 
   Tensor tensor;
   tensor.dtype = dtype;
@@ -554,16 +618,18 @@ absl::StatusOr<Tensor> Client::FetchTensor(const std::string& head, DType dtype,
 }
 
 absl::StatusOr<uint64_t> Client::ZeroGrad(const std::string& head) const {
+  RETURN_IF_ERROR(RequireOneServer("zeroing the gradient"));
   grpc::ClientContext context;
   PrepareContext(context);
   v1::ZeroGradWeightRequest request;
   request.set_head(head);
   v1::ZeroGradWeightResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(stub_->ZeroGradWeight(&context, request, &response)));
+  RETURN_IF_ERROR(FromGrpcStatus(one_server_stub_->ZeroGradWeight(&context, request, &response)));
   return response.head_version();
 }
 
 absl::StatusOr<StepResult> Client::Step(const StepOptions& options) const {
+  RETURN_IF_ERROR(RequireOneServer("an optimizer step"));
   v1::StepRequest request;
   request.set_head(options.head);
   if (const auto* sgd = std::get_if<SgdOptions>(&options.optimizer)) {
@@ -587,7 +653,7 @@ absl::StatusOr<StepResult> Client::Step(const StepOptions& options) const {
   grpc::ClientContext context;
   PrepareContext(context);
   v1::StepResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(stub_->Step(&context, request, &response)));
+  RETURN_IF_ERROR(FromGrpcStatus(one_server_stub_->Step(&context, request, &response)));
   StepResult result;
   result.head_version = response.head_version();
   result.grad_norm = response.grad_norm();
@@ -597,22 +663,27 @@ absl::StatusOr<StepResult> Client::Step(const StepOptions& options) const {
 }
 
 absl::StatusOr<std::vector<std::string>> Client::SaveCheckpoint(const std::string& head) const {
+  RETURN_IF_ERROR(RequireOneServer("a checkpoint"));
   grpc::ClientContext context;
   PrepareContext(context);
   v1::SaveCheckpointRequest request;
   request.set_head(head);
   v1::SaveCheckpointResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(stub_->SaveCheckpoint(&context, request, &response)));
+  RETURN_IF_ERROR(FromGrpcStatus(one_server_stub_->SaveCheckpoint(&context, request, &response)));
   return std::vector<std::string>(response.paths().begin(), response.paths().end());
 }
 
 absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) const {
   RETURN_IF_ERROR(ValidateComputeRequest(request));
+  if (request.outputs.accumulate_grad_weight) {
+    RETURN_IF_ERROR(RequireOneServer("a call that accumulates dL/dW"));
+  }
   const TensorView& hidden = request.hidden;
   v1::ComputeRequest start_message;
   v1::ComputeStart& start = *start_message.mutable_start();
   start.set_head(request.head);
   if (request.head_version.has_value()) start.set_head_version(*request.head_version);
+  start.set_weight_sha256(request.weight_sha256);
   ToProto(request.options, *start.mutable_options());
   ToProto(request.outputs, *start.mutable_outputs());
   start.set_num_tokens(hidden.rows);
@@ -708,7 +779,10 @@ absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeReques
                             staging ? staging->data() : nullptr);
   grpc::ClientContext context;
   PrepareContext(context);
-  std::unique_ptr<ComputeStream> stream = stub_->Compute(&context);
+  // A scoring call takes the next server in the rotation; a training call, the one server.
+  v1::LossService::Stub& stub =
+      request.outputs.accumulate_grad_weight ? *one_server_stub_ : *balanced_stub_;
+  std::unique_ptr<ComputeStream> stream = stub.Compute(&context);
 
   // The writer thread owns the sending half of the stream: Write blocks under flow control, and the
   // server stops reading rows while its own results wait to be read, so sending and reading from
@@ -763,7 +837,8 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request, v1::Compute
   ResultAssembler assembler(request, result, /*grad_hidden_in_messages=*/false);
   grpc::ClientContext context;
   PrepareContext(context);
-  std::unique_ptr<ComputeStream> stream = stub_->Compute(&context);
+  // On the server the memfd was handed over to.
+  std::unique_ptr<ComputeStream> stream = one_server_stub_->Compute(&context);
   // The start message is the whole request, so one thread can send it and then read.
   if (stream->Write(start_message)) {
     result.bytes_sent += static_cast<int64_t>(start_message.ByteSizeLong());

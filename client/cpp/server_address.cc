@@ -4,6 +4,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "lossd/client/client.h"
 #include "lossd/common/status_macros.h"
 
@@ -85,6 +87,30 @@ absl::Status CheckServerAddress(absl::string_view address, absl::string_view fie
                             kDefaultServerPort, "\""));
   }
   return got(", which is not HOST:PORT with a port in [1, 65535]");
+}
+
+absl::StatusOr<Target> ParseTarget(absl::string_view address) {
+  RETURN_IF_ERROR(CheckServerAddress(address, "address"));
+  Target target;
+  target.uri = std::string(address);
+  const size_t colon = address.find(':');
+  const std::string scheme = absl::AsciiStrToLower(address.substr(0, colon));
+  if (colon != absl::string_view::npos && (scheme == "ipv4" || scheme == "ipv6")) {
+    // ipv4:ADDR:PORT,ADDR:PORT or, as a URI with an empty authority, ipv4:///ADDR:PORT,...
+    absl::string_view list = address.substr(colon + 1);
+    while (absl::ConsumePrefix(&list, "/")) {
+    }
+    target.listed_addresses = 0;
+    for (const absl::string_view entry : absl::StrSplit(list, ',')) {
+      if (entry.empty()) {
+        return InvalidField("address",
+                            absl::StrCat("ADDR:PORT entries separated by commas after ", scheme, ":"),
+                            absl::StrCat("\"", address, "\""));
+      }
+      ++target.listed_addresses;
+    }
+  }
+  return target;
 }
 
 }  // namespace lossd::client

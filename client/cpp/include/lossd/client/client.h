@@ -9,7 +9,13 @@
 //   auto result = client->Compute(request);   // result->summary.loss, result->grad_hidden
 //
 // Every call returns the server's gRPC status as an absl::Status with the same code and message.
-// A Client is cheap to move and safe to use from several threads at once (one channel, shared).
+// A Client is cheap to move and safe to use from several threads at once (its channels, shared).
+//
+// Replicas: the address is any gRPC target, and scoring spreads over every address it resolves to
+// (round_robin), so `dns:///lossd-scoring:50051` (a headless Service) or
+// `ipv4:10.0.0.1:50051,10.0.0.2:50051` scores on several servers of the same head, with failover.
+// What lives in one process (a call that accumulates dL/dW, a step, the gradient, uploads,
+// checkpoints, shared memory) goes to one server and is refused for a target that names several.
 #ifndef LOSSD_CLIENT_CLIENT_H_
 #define LOSSD_CLIENT_CLIENT_H_
 
@@ -40,7 +46,18 @@ inline constexpr int kDefaultServerPort = 50051;
 // or DEADLINE_EXCEEDED: the client cannot know whether the server committed such a call, so it
 // sends the same call again, rows and all, under the same call id (ComputeRequest::call_id),
 // and the server answers a repeat of a committed call as a replay without adding its dL/dW
-// again. Other codes are the server's answer and are returned as they are.
+// again. A scoring call changes nothing on the server and is simply sent again; over replicas the
+// retry goes to the next server in the rotation. Other codes are the server's answer and are
+// returned as they are.
+//
+// Compute is retried here, not by gRPC: gRPC replays a stream only while everything sent fits its
+// per-call retry buffer (256 KiB) and no response has come, so a call that failed after sending
+// its rows, or while results were streaming back (a replica killed mid-call), would not be
+// replayed. The read-only unary and fetch calls (ListHeads, GetHead, FetchWeight, FetchGradWeight,
+// GetSharedMemorySocket) are retried on UNAVAILABLE by gRPC's own retryPolicy in the channels'
+// service config, with these attempts (at most 5, gRPC's cap) and backoff: they send one small
+// message and take effect nowhere. Calls that change a head (Step, ZeroGradWeight, UploadHead,
+// SaveCheckpoint) are made once, since a lost answer cannot tell whether they took effect.
 struct RetryOptions {
   int max_attempts = 4;  // attempts in all; 1 turns retrying off
   // The wait before the n-th retry is initial_backoff * multiplier^(n - 1), at most max_backoff,
@@ -54,7 +71,8 @@ struct RetryOptions {
 };
 
 struct ChannelOptions {
-  // HOST:PORT, or a gRPC target URI such as dns:///HOST:PORT or unix:PATH (see CheckServerAddress).
+  // HOST:PORT, or a gRPC target URI such as dns:///HOST:PORT, ipv4:ADDR:PORT,ADDR:PORT or
+  // unix:PATH (see CheckServerAddress and ParseTarget), passed to gRPC as written.
   std::string address = "127.0.0.1:50051";
   std::string bearer_token;       // sent as "authorization: Bearer <token>" on every call
   std::string tls_root_cert_pem;  // empty: plaintext; else TLS, trusting these roots
@@ -77,9 +95,29 @@ struct ChannelOptions {
 // such as http://HOST:PORT (gRPC cannot resolve them), each with the address to give instead.
 absl::Status CheckServerAddress(absl::string_view address, absl::string_view field);
 
-// The one place channels are built: message size limits and keepalive arguments set explicitly,
-// TLS when root certificates are given. Options must have passed ValidateChannelOptions.
-std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options);
+// A channel target as the client reads it: an address CheckServerAddress takes, kept as written,
+// with the servers it lists.
+struct Target {
+  std::string uri;  // what the channels are built on
+  // Addresses the target lists: several for an ipv4:/ipv6: list, else one. A DNS name counts as
+  // one though it may resolve to several (a headless Service): calls that belong to one server
+  // then stay on the first that answers (pick_first), so name one server, or a Service with one
+  // virtual IP, for training.
+  int listed_addresses = 1;
+};
+absl::StatusOr<Target> ParseTarget(absl::string_view address);
+
+// Which servers a channel's calls go to.
+enum class Balancing {
+  kRoundRobin,  // every address the target resolves to in turn, skipping those not SERVING
+  kOneServer,   // gRPC's default pick_first: one server at a time
+};
+
+// The one place channels are built: message size limits, keepalive and retry arguments set
+// explicitly, the service config of `balancing` (load balancing, health checking, retryPolicy
+// for the read-only calls), TLS when root certificates are given. Options must have passed
+// ValidateChannelOptions.
+std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options, Balancing balancing);
 absl::Status ValidateChannelOptions(const ChannelOptions& options);
 
 // The same code (gRPC and absl share the canonical numbering) and the server's message.
@@ -98,6 +136,10 @@ struct HeadInfo {
   int64_t accumulated_calls = 0;
   Optimizer optimizer = Optimizer::kNone;  // kind of optimizer state held
   int64_t steps = 0;
+  // SHA-256 of W at `version` (HeadInfo.weight_sha256): equal on replicas that serve the same W.
+  // Always set by GetHead; ListHeads leaves it empty where the server has not hashed W since it
+  // last changed.
+  std::string weight_sha256;
 };
 
 struct HeadList {
@@ -138,7 +180,13 @@ struct OutputSelection {
 
 struct ComputeRequest {
   std::string head;
-  std::optional<uint64_t> head_version;  // set: FAILED_PRECONDITION unless the head is there
+  // Set: FAILED_PRECONDITION unless the head is there. Versions are per server: across replicas
+  // pin weight_sha256 instead.
+  std::optional<uint64_t> head_version;
+  // Set (a HeadInfo::weight_sha256, say from a first GetHead): FAILED_PRECONDITION, naming both
+  // hashes, from a server whose W is another, so that the calls of one scoring session over
+  // replicas all use one W even while an update rolls out.
+  std::string weight_sha256;
   LossOptions options;
   OutputSelection outputs;
   TensorView hidden;                     // [num_tokens, hidden_size]
@@ -266,9 +314,13 @@ class Client {
   absl::StatusOr<ComputeResult> Compute(const ComputeRequest& request) const;
 
   const ChannelOptions& options() const { return options_; }
+  const Target& target() const { return target_; }
 
  private:
-  Client(std::shared_ptr<grpc::Channel> channel, ChannelOptions options);
+  Client(ChannelOptions options, Target target);
+  // FAILED_PRECONDITION naming `what` when the target lists several addresses: a head's
+  // gradient, optimizer state, versions and shared memory live in one process.
+  absl::Status RequireOneServer(absl::string_view what) const;
   // Adds the bearer token and the deadline to a call's context.
   void PrepareContext(grpc::ClientContext& context) const;
   absl::StatusOr<Tensor> FetchTensor(const std::string& head, DType dtype, bool gradient) const;
@@ -282,7 +334,12 @@ class Client {
   absl::StatusOr<std::string> SharedMemorySocketName() const;
 
   ChannelOptions options_;
-  std::unique_ptr<v1::LossService::Stub> stub_;  // holds the channel
+  Target target_;
+  // Scoring and reads, over every address (Balancing::kRoundRobin).
+  std::unique_ptr<v1::LossService::Stub> balanced_stub_;
+  // What belongs to one server (Balancing::kOneServer): training calls, steps, the gradient,
+  // uploads, checkpoints, shared memory.
+  std::unique_ptr<v1::LossService::Stub> one_server_stub_;
   // The connection that shared-memory calls' memfds are registered on.
   std::shared_ptr<Handover> handover_;
   std::shared_ptr<SharedBufferPool> shared_buffers_;  // memfds kept between shared-memory calls
