@@ -1,4 +1,5 @@
 """lossctl run as a user would, against the real lossd_server binary on loopback."""
+import hashlib
 import json
 import os
 import re
@@ -275,3 +276,29 @@ def test_server_help_names_the_program_once():
     done = subprocess.run([SERVER_BIN, "--help"], capture_output=True, text=True, timeout=30)
     first_line = (done.stdout + done.stderr).splitlines()[0]
     assert first_line == "lossd_server: linear cross-entropy as a service.", first_line
+
+
+def test_replicas_score_pinned_and_refuse_training(server, tmp_path):
+    """A target that lists two servers of the same demo head (its seed fixes W): scoring pinned to
+    W's SHA-256 runs over both, training is refused before anything is sent, and `head` prints the
+    hash that W's bytes give."""
+    with ServerProcess("--device=cpu", f"--demo_vocab_size={VOCAB}", f"--demo_hidden_size={HIDDEN}",
+                       metrics=False) as second:
+        lossctl("fetch-weight", "--head=demo", "--out", tmp_path / "w.npy", server=second)
+        weight = np.load(tmp_path / "w.npy")
+        expected = hashlib.sha256(f"lossd-head-v1 float32 {VOCAB} {HIDDEN}\n".encode()
+                                  + weight.tobytes()).hexdigest()
+        assert f"weight_sha256:      {expected}" in lossctl("head", "demo", server=second).stdout
+
+        replicas = f"--server=ipv4:{second.address},{server.address}"
+        fresh = f"--server=ipv4:{second.address}"  # the module's server may have stepped its head
+        out = lossctl(fresh, "compute", "--head=demo", "--synthetic=64", "--pin_weights").stdout
+        assert f"W pinned to SHA-256 {expected}" in out, out
+        err = lossctl(replicas, "compute", "--head=demo", "--synthetic=64", "--accumulate",
+                      expect=1).stderr
+        assert "FAILED_PRECONDITION: address: expected one server for a call that accumulates " \
+               "dL/dW" in err, err
+        assert "lists 2 addresses" in err, err
+        err = lossctl(replicas, "step", "--head=demo", "--optimizer=sgd", "--lr=0.1",
+                      expect=1).stderr
+        assert "expected one server for an optimizer step" in err, err

@@ -154,7 +154,8 @@ class Flags {
 const std::vector<FlagSpec>& GlobalFlags() {
   static const auto* flags = new std::vector<FlagSpec>{
       {"server", FlagKind::kString, "127.0.0.1:50051",
-       "lossd server: HOST:PORT, or a gRPC target such as dns:///HOST:PORT or unix:PATH"},
+       "lossd server: HOST:PORT, or a gRPC target such as dns:///HOST:PORT, unix:PATH or "
+       "ipv4:ADDR:PORT,ADDR:PORT (scoring spreads over every address; training needs one server)"},
       {"token_file", FlagKind::kString, "", "file whose first line is the server's bearer token"},
       {"tls_ca_file", FlagKind::kString, "", "PEM root certificates; turns TLS on"},
       {"max_message_mib", FlagKind::kInt, "256", "largest gRPC message sent or received, in MiB"},
@@ -229,6 +230,16 @@ absl::StatusOr<HeadInfo> ResolveHead(const Client& client, const Flags& flags) {
   for (const HeadInfo& head : list.heads) names.push_back(head.name);
   return UsageError(absl::StrCat("--head: the server has ", list.heads.size(), " heads (",
                                  absl::StrJoin(names, ", "), "); name one"));
+}
+
+// With --pin_weights, the SHA-256 of the head's W that the calls are pinned to (GetHead computes it
+// where a listing had none yet); empty without.
+absl::StatusOr<std::string> PinnedWeights(const Client& client, const Flags& flags,
+                                          const HeadInfo& head) {
+  if (!flags.Bool("pin_weights")) return std::string();
+  if (!head.weight_sha256.empty()) return head.weight_sha256;
+  ASSIGN_OR_RETURN(const HeadInfo described, client.GetHead(head.name));
+  return described.weight_sha256;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -512,6 +523,7 @@ absl::Status RunHead(const Flags& flags) {
   absl::PrintF("accumulated_calls:  %d\n", head.accumulated_calls);
   absl::PrintF("optimizer:          %s\n", OptimizerName(head.optimizer));
   absl::PrintF("steps:              %d\n", head.steps);
+  absl::PrintF("weight_sha256:      %s\n", head.weight_sha256);
   return absl::OkStatus();
 }
 
@@ -615,6 +627,7 @@ absl::Status RunCompute(const Flags& flags) {
   outputs.grad_hidden_dtype = grad_dtype;
   outputs.accumulate_grad_weight = flags.Bool("accumulate");
   request.call_id = flags.String("call_id");
+  ASSIGN_OR_RETURN(request.weight_sha256, PinnedWeights(client, flags, head));
 
   std::atomic<int64_t> rows_done{0};
   request.on_progress = [&](int64_t done, int64_t) { rows_done.store(done); };
@@ -631,6 +644,7 @@ absl::Status RunCompute(const Flags& flags) {
   absl::PrintF("head %s at version %d, backend %s: %d tokens of %s, %d counted\n", head.name,
                summary.head_version, summary.backend, hidden.rows, DTypeName(hidden.dtype),
                summary.counted_tokens);
+  if (!request.weight_sha256.empty()) absl::PrintF("W pinned to SHA-256 %s\n", request.weight_sha256);
   // The server reports the sum as the loss of an unreduced call.
   const char* reduction_name = reduction == Reduction::kMean  ? "mean"
                                : reduction == Reduction::kSum ? "sum"
@@ -805,15 +819,18 @@ absl::Status RunBench(const Flags& flags) {
   request.outputs.accumulate_grad_weight = flags.Bool("accumulate");
   request.rows_per_message = flags.Int("rows_per_message");
   request.shared_memory = flags.Bool("shared_memory");
+  ASSIGN_OR_RETURN(request.weight_sha256, PinnedWeights(client, flags, head));
 
   const bool quiet = flags.Bool("quiet");
   if (!quiet) {
+    const std::string pinned =
+        request.weight_sha256.empty() ? "" : absl::StrCat(", W pinned to ", request.weight_sha256);
     absl::FPrintF(stderr,
                   "bench: head %s [%d x %d], %d tokens of %s per call, %d calls, %d at a "
-                  "time%s%s\n",
+                  "time%s%s%s\n",
                   head.name, head.vocab_size, head.hidden_size, tokens, DTypeName(dtype), calls,
                   streams, request.outputs.grad_hidden ? ", dL/dh" : "",
-                  request.outputs.accumulate_grad_weight ? ", dL/dW accumulated" : "");
+                  request.outputs.accumulate_grad_weight ? ", dL/dW accumulated" : "", pinned);
   }
   // The first rows only, where a whole call would cost as much as a timed one: enough to connect,
   // start the server's threads and bring this machine's cores up to speed.
@@ -929,6 +946,12 @@ FlagSpec SharedMemoryFlag() {
 
 FlagSpec HeadFlag() { return {"head", FlagKind::kString, "", "head name (default: the server's only head)"}; }
 
+FlagSpec PinWeightsFlag() {
+  return {"pin_weights", FlagKind::kBool, "false",
+          "pin the calls to the SHA-256 of the head's W as the first server asked reports it: a "
+          "replica with another W refuses them (FAILED_PRECONDITION)"};
+}
+
 const std::vector<Subcommand>& Subcommands() {
   static const auto* subcommands = new std::vector<Subcommand>{
       {"heads", "heads", "list the server's heads", {}, RunHeads},
@@ -964,7 +987,8 @@ const std::vector<Subcommand>& Subcommands() {
          "again with it adds nothing twice"},
         {"out", FlagKind::kString, "", "write per-token results (loss, logprob, argmax, ...) to FILE.json"},
         {"rows_per_message", FlagKind::kInt, "0", "hidden rows per chunk message; 0 sends about 4 MiB each"},
-        SharedMemoryFlag()},
+        SharedMemoryFlag(),
+        PinWeightsFlag()},
        RunCompute},
       {"fetch-grad",
        "fetch-grad [--head H] --out FILE.npy [--dtype D]",
@@ -1032,6 +1056,7 @@ const std::vector<Subcommand>& Subcommands() {
          "hidden rows per chunk message; 0 sends about 4 MiB each, --tokens sends the whole batch "
          "in one message, so that the server computes nothing before all of it has arrived"},
         SharedMemoryFlag(),
+        PinWeightsFlag(),
         {"json", FlagKind::kBool, "false",
          "print the totals as one JSON object (seconds, tokens/s, bytes each way, latencies, "
          "server compute and queue seconds summed over calls)"}},
