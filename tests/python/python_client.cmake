@@ -14,6 +14,10 @@ set(LOSSD_PYTHON_TEST_ENVIRONMENT
 # Loss, dL/dh and dL/dW against torch's float64 F.cross_entropy; scoring, errors, upload, steps.
 add_test(NAME python_client
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_client.py)
+# Scoring over three lossd_server replicas of one head: spread, failover, pinned W; training
+# refuses a target that lists several servers.
+add_test(NAME python_replicas
+  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_replicas.py)
 # The RL objectives and RemoteLogprobs against torch's float64 autograd of the same formulas.
 add_test(NAME python_objectives
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_objectives.py)
@@ -42,7 +46,7 @@ add_test(NAME python_packaging
 set_tests_properties(python_packaging PROPERTIES
   ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;OMP_NUM_THREADS=2"
   TIMEOUT 900)
-set_tests_properties(python_client python_objectives python_distill python_rl_example
+set_tests_properties(python_client python_replicas python_objectives python_distill python_rl_example
   python_training_example shared_memory_users PROPERTIES
   ENVIRONMENT "${LOSSD_PYTHON_TEST_ENVIRONMENT}"
   TIMEOUT 300)

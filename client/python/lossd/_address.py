@@ -1,5 +1,6 @@
-"""Which server addresses a Client takes: the rules of the C++ client's CheckServerAddress
-(client/cpp/server_address.cc), with the same messages."""
+"""Which server addresses a Client takes, and what they name: the rules of the C++ client's
+CheckServerAddress and ParseTarget (client/cpp/server_address.cc), with the same messages."""
+import dataclasses
 
 DEFAULT_PORT = 50051  # lossd_server's unless its --listen names another
 
@@ -58,3 +59,27 @@ def check(address, field="address"):
         raise ValueError(f"{prefix}: an IPv6 address goes in brackets, as in "
                          f'"[::1]:{DEFAULT_PORT}"')
     raise ValueError(f"{prefix}, which is not HOST:PORT with a port in [1, 65535]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A channel target as the client reads it (parse_target)."""
+    uri: str               # what the channels are built on: the address as written
+    listed_addresses: int  # several for an ipv4:/ipv6: list, else 1
+
+
+def parse_target(address):
+    """The Target of an address that check() takes. A DNS name (HOST:PORT, dns:) lists one
+    address though it may resolve to several (a headless Service): calls that belong to one
+    server then stay on the first that answers, so name one server, or a Service with one virtual
+    IP, for training."""
+    check(address)
+    scheme, colon, rest = address.partition(":")
+    if not colon or scheme.lower() not in ("ipv4", "ipv6"):
+        return Target(address, 1)
+    # ipv4:ADDR:PORT,ADDR:PORT or, as a URI with an empty authority, ipv4:///ADDR:PORT,...
+    entries = rest.lstrip("/").split(",")
+    if not all(entries):
+        raise ValueError(f"address: expected ADDR:PORT entries separated by commas after "
+                         f'{scheme.lower()}:, got "{address}"')
+    return Target(address, len(entries))

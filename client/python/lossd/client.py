@@ -4,6 +4,7 @@ Arrays go in and come out as numpy arrays. bfloat16 tensors are uint16 arrays of
 (see lossd._tensors); float64 inputs are rounded to float32 before they are sent.
 """
 import dataclasses
+import json
 import logging
 import mmap
 import os
@@ -66,6 +67,18 @@ CLIP_NONE, CLIP_HIGH, CLIP_LOW, CLIP_DUAL = (pb.CLIP_NONE, pb.CLIP_HIGH, pb.CLIP
 _SHARED_MEMORY_ALIGNMENT = 64
 # Failures after which the client cannot know whether the server committed the call.
 _RETRYABLE_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+# What lives in one process, by RPC: these go to one server (pick_first), and a target that lists
+# several servers is refused for them, naming what (see Client). Compute joins them when it
+# accumulates dL/dW or uses shared memory.
+_ONE_SERVER_CALLS = {
+    "UploadHead": "an upload", "FetchGradWeight": "the accumulated dL/dW",
+    "ZeroGradWeight": "zeroing the gradient", "Step": "an optimizer step",
+    "SaveCheckpoint": "a checkpoint", "GetSharedMemorySocket": "shared memory",
+}
+# Read-only calls of one request message, which gRPC's own retryPolicy may send again whole.
+_GRPC_RETRIED_CALLS = ("ListHeads", "GetHead", "FetchWeight", "FetchGradWeight",
+                       "GetSharedMemorySocket")
+_GRPC_MAX_ATTEMPTS = 5  # gRPC clamps retryPolicy.maxAttempts to it
 
 _log = logging.getLogger("lossd")
 
@@ -90,8 +103,18 @@ class RetryPolicy:
     """How Client.compute retries a call that failed with UNAVAILABLE (no connection, a server
     shutting down) or DEADLINE_EXCEEDED. The client cannot know whether the server committed such
     a call, so it sends the same call again, rows and all, under the same call_id, and the server
-    answers a repeat of a committed call as a replay without adding its dL/dW again. Other codes
-    are the server's answer and are raised as they are.
+    answers a repeat of a committed call as a replay without adding its dL/dW again. A scoring
+    call changes nothing on the server and is simply sent again: over replicas, to the next server
+    in the rotation. Other codes are the server's answer and are raised as they are.
+
+    Compute is retried by the client, not by gRPC: gRPC replays a stream only while all it sent
+    fits its per-call retry buffer (256 KiB) and before any response, so a call that failed after
+    sending its rows, or while its results were streaming back (a replica killed mid-call), would
+    not be replayed. The read-only calls of one message (list_heads, get_head, fetch_weight,
+    fetch_grad_weight) are retried on UNAVAILABLE by gRPC's own retryPolicy in the channel's
+    service config, with these attempts (at most 5, gRPC's cap) and backoff; calls that change a
+    head (step, zero_grad, upload_head, save_checkpoint) are made once, since a lost answer cannot
+    say whether they took effect.
 
     max_attempts counts every attempt (1 turns retrying off). The wait before the n-th retry is
     initial_backoff * backoff_multiplier ** (n - 1) seconds, at most max_backoff, times a random
@@ -128,6 +151,9 @@ class HeadInfo:
     accumulated_calls: int
     optimizer: str            # "none", "sgd" or "adamw": the optimizer state the server holds
     steps: int
+    # SHA-256 of W at `version` (HeadInfo.weight_sha256 in lossd.proto), equal on replicas that
+    # serve the same W; get_head always fills it, list_heads only where the server knows it.
+    weight_sha256: str = ""
 
     @classmethod
     def from_proto(cls, info):
@@ -136,7 +162,7 @@ class HeadInfo:
                    accumulated_tokens=info.accumulated_tokens,
                    accumulated_calls=info.accumulated_calls,
                    optimizer=_OPTIMIZER_NAMES.get(info.optimizer, str(info.optimizer)),
-                   steps=info.steps)
+                   steps=info.steps, weight_sha256=info.weight_sha256)
 
 
 @dataclasses.dataclass
@@ -189,6 +215,29 @@ class StepInfo:
     grad_norm: float          # of the accumulated gradient, before clipping
     clip_multiplier: float    # 1 when not clipped
     accumulated_tokens: int
+
+
+def _service_config(retry, round_robin):
+    """A channel's service config, as gRPC's JSON. Round robin checks each server's health
+    (grpc.health.v1), so that a replica draining after SIGTERM (NOT_SERVING) leaves the rotation at
+    once; gRPC retries the read-only calls of one message (see RetryPolicy)."""
+    config = {}
+    if round_robin:
+        config["loadBalancingConfig"] = [{"round_robin": {}}]
+        config["healthCheckConfig"] = {"serviceName": ""}
+    attempts = min(retry.max_attempts, _GRPC_MAX_ATTEMPTS)
+    if attempts >= 2:
+        def seconds(value):  # gRPC wants backoffs above 0
+            return f"{max(value, 1e-3):.6f}s"
+        config["methodConfig"] = [{
+            "name": [{"service": "lossd.v1.LossService", "method": method}
+                     for method in _GRPC_RETRIED_CALLS],
+            "retryPolicy": {"maxAttempts": attempts,
+                            "initialBackoff": seconds(retry.initial_backoff),
+                            "maxBackoff": seconds(retry.max_backoff),
+                            "backoffMultiplier": retry.backoff_multiplier,
+                            "retryableStatusCodes": ["UNAVAILABLE"]}}]
+    return json.dumps(config)
 
 
 def _code_name(code):
@@ -370,35 +419,51 @@ class _SharedBufferPool:
 
 
 class Client:
-    """A connection to one lossd server.
+    """A connection to a lossd server, or to replicas of one.
 
     address: "host:port" (lossd_server listens on 50051 by default), or a gRPC target URI such as
-    "dns:///host:port" or "unix:path"; a host without a port, or a URL such as "http://host:port",
-    is refused with a ValueError that says what to give instead. token: the bearer token the
-    server was started with (--token_file). tls_root_cert: PEM bytes, or the path of a PEM file,
-    of the CA that signed the server's certificate; turns TLS on. max_message_bytes bounds every
-    message sent or received (gRPC's own default of 4 MiB is too small for tensors). timeout:
-    seconds each call (each attempt of a compute call) may take, None for no deadline. retry: how
-    compute() retries UNAVAILABLE and DEADLINE_EXCEEDED (a RetryPolicy;
-    RetryPolicy(max_attempts=1) turns it off); the other calls are made once.
+    "dns:///lossd-scoring:50051" (a headless Service), "ipv4:10.0.0.1:50051,10.0.0.2:50051" or
+    "unix:path" (lossd.parse_target); a host without a port, or a URL such as "http://host:port",
+    is refused with a ValueError that says what to give instead. Scoring calls and reads spread
+    over every address the target resolves to (gRPC's round_robin, which skips servers that are
+    down or draining), and a scoring call that fails with UNAVAILABLE is sent again to the next
+    one. What lives in one process (calls that accumulate dL/dW, steps, the gradient, uploads,
+    checkpoints, shared memory) goes to one server, and a target that lists several is refused
+    for it (FAILED_PRECONDITION) before anything is sent. token: the bearer token the server was
+    started with (--token_file). tls_root_cert: PEM bytes, or the path of a PEM file, of the CA
+    that signed the server's certificate; turns TLS on. max_message_bytes bounds every message
+    sent or received (gRPC's own default of 4 MiB is too small for tensors). timeout: seconds
+    each call (each attempt of a compute call) may take, None for no deadline. retry: how
+    compute() retries UNAVAILABLE and DEADLINE_EXCEEDED (a RetryPolicy; RetryPolicy(max_attempts=1)
+    turns it off), and the read-only calls' retryPolicy in gRPC.
     """
 
     def __init__(self, address, token=None, tls_root_cert=None, max_message_bytes=256 * _MIB,
                  timeout=None, retry=RetryPolicy()):
-        _address.check(address)
+        self.target = _address.parse_target(address)
         if not isinstance(retry, RetryPolicy):
             raise TypeError(f"retry: expected a lossd.RetryPolicy, got {type(retry).__name__}")
-        options = [("grpc.max_send_message_length", max_message_bytes),
-                   ("grpc.max_receive_message_length", max_message_bytes)]
-        if tls_root_cert is None:
-            self._channel = grpc.insecure_channel(address, options=options)
-        else:
-            if isinstance(tls_root_cert, str):
-                with open(tls_root_cert, "rb") as f:
-                    tls_root_cert = f.read()
+        if isinstance(tls_root_cert, str):
+            with open(tls_root_cert, "rb") as f:
+                tls_root_cert = f.read()
+
+        def channel(round_robin):
+            options = [("grpc.max_send_message_length", max_message_bytes),
+                       ("grpc.max_receive_message_length", max_message_bytes),
+                       ("grpc.service_config", _service_config(retry, round_robin)),
+                       # The balancing is the client's: a DNS TXT record cannot replace it.
+                       ("grpc.service_config_disable_resolution", 1),
+                       ("grpc.enable_retries", 1)]
+            if tls_root_cert is None:
+                return grpc.insecure_channel(self.target.uri, options=options)
             credentials = grpc.ssl_channel_credentials(root_certificates=tls_root_cert)
-            self._channel = grpc.secure_channel(address, credentials, options=options)
+            return grpc.secure_channel(self.target.uri, credentials, options=options)
+
+        # Scoring and reads over every address; what belongs to one server, on one (pick_first).
+        self._channel = channel(round_robin=True)
+        self._one_server_channel = channel(round_robin=False)
         self._stub = pb_grpc.LossServiceStub(self._channel)
+        self._one_server_stub = pb_grpc.LossServiceStub(self._one_server_channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._max_message_bytes = max_message_bytes
         self._timeout = timeout
@@ -415,6 +480,7 @@ class Client:
                 self._handover.close()
         self._shared_buffers.close()
         self._channel.close()
+        self._one_server_channel.close()
 
     def _handover_connection(self):
         """The open handover connection, opened on first use and again once the server has
@@ -432,16 +498,33 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
+    def _stub_for(self, method, one_server_for=None):
+        """The stub of the channel `method` goes over: one server for what lives in one process
+        (_ONE_SERVER_CALLS, or `one_server_for` naming it), refused for a target that lists
+        several; else the round-robin one."""
+        what = one_server_for or _ONE_SERVER_CALLS.get(method)
+        if what is None:
+            return self._stub
+        if self.target.listed_addresses > 1:
+            raise LossdError(
+                method, "FAILED_PRECONDITION",
+                f"address: expected one server for {what}, got {self.target.uri!r}, which lists "
+                f"{self.target.listed_addresses} addresses. A head's accumulated dL/dW, optimizer "
+                f"state, version and shared-memory handles live in one process, and each replica "
+                f"has its own: score over replicas, train against one server")
+        return self._one_server_stub
+
     def _unary(self, method, request):
+        stub = self._stub_for(method)
         try:
-            return getattr(self._stub, method)(request, timeout=self._timeout,
-                                               metadata=self._metadata)
+            return getattr(stub, method)(request, timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             raise LossdError.from_rpc_error(method, error) from None
 
-    def _call(self, method, request):
+    def _call(self, method, request, one_server_for=None):
         """Starts a server-streaming or bidirectional call; the handle can cancel it."""
-        return getattr(self._stub, method)(request, timeout=self._timeout, metadata=self._metadata)
+        return getattr(self._stub_for(method, one_server_for), method)(
+            request, timeout=self._timeout, metadata=self._metadata)
 
     @staticmethod
     def _responses(method, call):
@@ -477,6 +560,7 @@ class Client:
                                    dtype=_tensors.wire_enum(wire_name),
                                    storage_dtype=_tensors.wire_enum(storage_dtype), replace=replace)
         rows = self._rows_per_message(weight.shape[1] * weight.itemsize)
+        stub = self._stub_for("UploadHead")
 
         def requests():
             yield pb.UploadHeadRequest(start=start)
@@ -484,7 +568,7 @@ class Client:
                 yield pb.UploadHeadRequest(weight=weight[r0:r0 + rows].tobytes())
 
         try:
-            info = self._stub.UploadHead(requests(), timeout=self._timeout, metadata=self._metadata)
+            info = stub.UploadHead(requests(), timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             raise LossdError.from_rpc_error("UploadHead", error) from None
         return HeadInfo.from_proto(info)
@@ -568,7 +652,8 @@ class Client:
                 teacher_head=None, teacher_hidden=None, teacher_head_version=None,
                 teacher_top_k_tokens=None, teacher_top_k_logprobs=None, distill_beta=0.0,
                 distill_alpha=0.0, distill_temperature=1.0, teacher_logit_softcap=0.0,
-                teacher_temperature=1.0, sparse_teacher_mass="renormalize") -> LossResult:
+                teacher_temperature=1.0, sparse_teacher_mass="renormalize",
+                weight_sha256=None) -> LossResult:
         """The loss of hidden [N, H] with labels [N] under head `head`: cross-entropy by default.
 
         The loss options follow torch.nn.functional.cross_entropy; weights [N] multiply each
@@ -608,7 +693,11 @@ class Client:
         most likely tokens and their log-probabilities. grad_hidden_dtype (default: the dtype
         hidden travels in) is the dtype of grad_hidden. accumulate_grad_weight adds this call's
         dL/dW to the head's accumulator, all or nothing. head_version pins the call to a version
-        of W (FAILED_PRECONDITION otherwise).
+        of W (FAILED_PRECONDITION otherwise); versions count each server's own uploads and steps,
+        so across replicas pin weight_sha256 instead: a HeadInfo.weight_sha256 (say from a first
+        get_head), which a server with another W refuses with FAILED_PRECONDITION naming both
+        hashes, so that the calls of one scoring session over replicas use one W even while an
+        update rolls out.
 
         The rows stream to the server in messages of rows_per_message rows (default: a few MiB,
         within max_message_bytes); results stream back per computed chunk while later rows are
@@ -723,6 +812,11 @@ class Client:
             start.head_version = head_version
         if teacher_head_version is not None:
             start.teacher_head_version = teacher_head_version
+        start.weight_sha256 = weight_sha256 or ""
+        # Refused here, before the first attempt, for a target that lists several servers.
+        one_server_for = ("shared memory" if shared_memory else
+                          "a call that accumulates dL/dW" if accumulate_grad_weight else None)
+        self._stub_for("Compute", one_server_for)
         if call_id is None and accumulate_grad_weight:
             call_id = uuid.uuid4().hex
         start.call_id = call_id or ""
@@ -740,7 +834,7 @@ class Client:
 
             def attempt():
                 return self._compute_messages(start, hidden, rows, wanted, top_k, grad_dtype,
-                                              grad_hidden_out, side)
+                                              grad_hidden_out, one_server_for, side)
         result = self._with_retries(attempt, start.call_id)
         result.call_id = start.call_id
         return result
@@ -770,10 +864,11 @@ class Client:
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _compute_messages(self, start, hidden, rows, wanted, top_k, grad_dtype, grad_hidden_out,
-                          side=None):
+                          one_server_for, side=None):
         """compute() with the rows sent in chunk messages of `rows` rows (each with the same rows
         of every `side` array, a teacher's, under its ComputeChunk field name), and dL/dh back in
-        the result messages."""
+        the result messages; to one server when one_server_for names why, else to the next
+        replica."""
         num_tokens, hidden_size = hidden.shape
         side = side or {}
 
@@ -784,7 +879,7 @@ class Client:
                 fields = {name: array[r0:r0 + rows].tobytes() for name, array in side.items()}
                 yield pb.ComputeRequest(chunk=pb.ComputeChunk(hidden=rows_bytes, **fields))
 
-        call = self._call("Compute", requests())
+        call = self._call("Compute", requests(), one_server_for)
         result = _assemble(self._responses("Compute", call), wanted, top_k, num_tokens,
                            hidden_size, grad_dtype)
         if grad_hidden_out is not None:
@@ -811,7 +906,8 @@ class Client:
             start.shared_memory.CopyFrom(pb.SharedMemory(
                 handle=handle, hidden_offset=0, grad_hidden_offset=grad_offset))
             # One message, then the end of the stream: the server reads nothing more.
-            call = self._call("Compute", iter((pb.ComputeRequest(start=start),)))
+            call = self._call("Compute", iter((pb.ComputeRequest(start=start),)),
+                              "shared memory")
             result = _assemble(self._responses("Compute", call), wanted, top_k, num_tokens,
                                hidden_size, grad_dtype, grad_hidden_in_messages=False)
             if grad_wanted:
@@ -849,14 +945,14 @@ class Client:
                             teacher_temperature=teacher_temperature, outputs=["kd"])
 
     def score(self, head, hidden, token_ids, *, top_k=0, entropy=False, temperature=1.0,
-              logit_softcap=0.0, ignore_index=-100) -> LossResult:
+              logit_softcap=0.0, ignore_index=-100, weight_sha256=None) -> LossResult:
         """Per-token log-probabilities of token_ids [N] given hidden [N, H] (logprob), with the
         top_k most likely tokens (top_k_token, top_k_logprob) and the entropy when asked.
-        Nothing is accumulated on the server."""
+        Nothing is accumulated on the server. weight_sha256 pins W (see compute)."""
         outputs = ["logprob"] + (["entropy"] if entropy else [])
         return self.compute(head, hidden, token_ids, reduction="sum", ignore_index=ignore_index,
                             temperature=temperature, logit_softcap=logit_softcap,
-                            outputs=outputs, top_k=top_k)
+                            outputs=outputs, top_k=top_k, weight_sha256=weight_sha256)
 
 
 def _token_ids(values, field):

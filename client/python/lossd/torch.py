@@ -325,19 +325,29 @@ class Scores:
 
 class RemoteHead(torch.nn.Module):
     """The lm_head W [V, H] named `head` on a lossd server, as a loss module (see the module
-    docstring for what forward and backward do). client: a lossd.Client or an address. The head
-    must exist: construction asks the server (GetHead), so a wrong name fails here with NOT_FOUND
-    and the names the server has, not at the first forward. shared_memory: forward and backward
-    hand the rows and dL/dh over in memory shared with a server on this host (Client.compute's
-    shared_memory) instead of messages."""
+    docstring for what forward and backward do). client: a lossd.Client or an address (a gRPC
+    target: several replicas score, one server trains). The head must exist: construction asks
+    the server (GetHead), so a wrong name fails here with NOT_FOUND and the names the server has,
+    not at the first forward. shared_memory: forward and backward hand the rows and dL/dh over in
+    memory shared with a server on this host (Client.compute's shared_memory) instead of messages.
+    weight_sha256: every call is pinned to W with this SHA-256 (see pin_weights)."""
 
-    def __init__(self, client, head, shared_memory=False):
+    def __init__(self, client, head, shared_memory=False, weight_sha256=None):
         super().__init__()
         self.client = client if isinstance(client, Client) else Client(client)
         self.client.get_head(head)
         self.head = head
         self.shared_memory = shared_memory
+        self.weight_sha256 = weight_sha256
         self.last_result = None
+
+    def pin_weights(self):
+        """Pins this module's calls to W as the server (one replica, over several) reports it now,
+        and returns its SHA-256: for a scoring session over replicas, a replica with another W (an
+        update rolled out half way) then refuses calls with FAILED_PRECONDITION instead of mixing
+        two heads in one evaluation. A step moves W: set weight_sha256 to None to train on."""
+        self.weight_sha256 = self.client.get_head(self.head).weight_sha256
+        return self.weight_sha256
 
     @classmethod
     def upload(cls, client, head, weight, storage_dtype="float32", replace=False,
@@ -384,6 +394,7 @@ class RemoteHead(torch.nn.Module):
                          shared_memory=self.shared_memory, objective=objective,
                          clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
                          kl_estimator=kl_estimator, kl_coef=kl_coef, entropy_coef=entropy_coef,
+                         weight_sha256=self.weight_sha256,
                          sequence_lengths=_as_numpy(sequence_lengths, torch.int64,
                                                     "sequence_lengths", None)),
             token_inputs={name: _as_numpy(values, torch.float32, name, count)
@@ -399,8 +410,8 @@ class RemoteHead(torch.nn.Module):
 
     def logprobs(self, hidden, tokens, **kwargs):
         """log p(tokens) for hidden [..., H], differentiable: RemoteLogprobs on this head."""
-        return RemoteLogprobs(self.client, self.head, shared_memory=self.shared_memory)(
-            hidden, tokens, **kwargs)
+        return RemoteLogprobs(self.client, self.head, shared_memory=self.shared_memory,
+                              weight_sha256=self.weight_sha256)(hidden, tokens, **kwargs)
 
     @torch.no_grad()
     def score(self, hidden, token_ids, top_k=0, entropy=False, temperature=1.0,
@@ -412,7 +423,7 @@ class RemoteHead(torch.nn.Module):
         ids = _token_ids(token_ids, "token_ids")
         result = self.client.score(self.head, _wire_array(flat_hidden), ids, top_k=top_k,
                                    entropy=entropy, temperature=temperature,
-                                   logit_softcap=logit_softcap)
+                                   logit_softcap=logit_softcap, weight_sha256=self.weight_sha256)
         shape = tuple(token_ids.shape)
         device = hidden.device
 
@@ -467,12 +478,13 @@ class RemoteLogprobs(torch.nn.Module):
     and no gradient. Without autograd it is a plain scoring call. The log-probabilities come
     back in float32 (float64 for float64 hidden, from float32 values)."""
 
-    def __init__(self, client, head, shared_memory=False):
+    def __init__(self, client, head, shared_memory=False, weight_sha256=None):
         super().__init__()
         self.client = client if isinstance(client, Client) else Client(client)
         self.client.get_head(head)  # a wrong name fails here, as RemoteHead's does
         self.head = head
         self.shared_memory = shared_memory
+        self.weight_sha256 = weight_sha256  # pins every call to this W (RemoteHead.pin_weights)
 
     def forward(self, hidden, tokens, *, ignore_index=-100, temperature=1.0, logit_softcap=0.0):
         tokens = torch.as_tensor(tokens)
@@ -482,7 +494,8 @@ class RemoteLogprobs(torch.nn.Module):
             labels=_token_ids(tokens, "tokens"), weights=None,
             reduction="sum",
             options=dict(ignore_index=ignore_index, temperature=temperature,
-                         logit_softcap=logit_softcap, shared_memory=self.shared_memory))
+                         logit_softcap=logit_softcap, shared_memory=self.shared_memory,
+                         weight_sha256=self.weight_sha256))
         if len(call.labels) != flat_hidden.shape[0]:
             raise ValueError(f"tokens: expected {flat_hidden.shape[0]} entries (the rows of "
                              f"hidden {tuple(hidden.shape)}), got shape {tuple(tokens.shape)}")
