@@ -40,6 +40,9 @@ ABSL_FLAG(int64_t, max_call_ids, 65536,
           "them is refused");
 ABSL_FLAG(int, max_queued_calls, 64, "Compute calls waiting for admission before new ones are refused");
 ABSL_FLAG(int64_t, max_message_mib, 256, "largest gRPC message accepted or sent, in MiB");
+ABSL_FLAG(int64_t, max_connection_age_seconds, 0,
+          "close each client connection after about this many seconds (calls in flight finish), "
+          "so that clients balancing over replicas reach replicas added since; 0: never");
 ABSL_FLAG(std::string, token_file, "",
           "file whose first line (trimmed) is the bearer token every call must carry");
 ABSL_FLAG(std::string, tls_cert_file, "",
@@ -92,6 +95,7 @@ int main(int argc, char** argv) {
   config.max_call_ids = absl::GetFlag(FLAGS_max_call_ids);
   config.max_queued_calls = absl::GetFlag(FLAGS_max_queued_calls);
   config.max_message_bytes = absl::GetFlag(FLAGS_max_message_mib) << 20;
+  config.max_connection_age = absl::Seconds(absl::GetFlag(FLAGS_max_connection_age_seconds));
   config.token_file = absl::GetFlag(FLAGS_token_file);
   config.tls_cert_file = absl::GetFlag(FLAGS_tls_cert_file);
   config.tls_key_file = absl::GetFlag(FLAGS_tls_key_file);

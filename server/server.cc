@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -493,6 +494,22 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen_address, credentials, &server->port_);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  if (config.max_connection_age < absl::ZeroDuration()) {
+    return InvalidField("--max_connection_age_seconds", "0 (unlimited) or a positive duration",
+                        absl::FormatDuration(config.max_connection_age));
+  }
+  if (config.max_connection_age > absl::ZeroDuration()) {
+    // Calls still running when a connection reaches its age get this long to finish; one that
+    // takes longer fails with UNAVAILABLE, which the clients retry on another connection.
+    constexpr absl::Duration kConnectionAgeGrace = absl::Minutes(5);
+    const auto milliseconds = [](absl::Duration d) {
+      return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(d), INT_MAX));
+    };
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
+                               milliseconds(config.max_connection_age));
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+                               milliseconds(kConnectionAgeGrace));
+  }
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
   builder.RegisterService(server->service_.get());

@@ -43,6 +43,10 @@ struct ServerConfig {
   bool shared_memory = true;                       // rows in memfds from clients on this host
   int64_t max_call_ids = 65536;                    // per head and accumulator epoch
   int64_t max_message_bytes = 256 << 20;
+  // Zero: unlimited. Else the server closes each client connection after about this long (gRPC
+  // GOAWAY; calls in flight finish), so that clients balancing over replicas resolve the Service
+  // again and spread onto replicas added since they connected.
+  absl::Duration max_connection_age = absl::ZeroDuration();
   std::string token_file;                          // bearer token, first line
   std::string tls_cert_file;
   std::string tls_key_file;

@@ -18,9 +18,10 @@ import urllib.request
 
 import numpy as np
 import pytest
+import grpc
 import torch
 
-from server_process import ServerProcess, ensure_python_client
+from server_process import ServerProcess, ensure_python_client, run_to_exit
 
 ensure_python_client()
 import lossd  # noqa: E402
@@ -276,3 +277,32 @@ def test_parse_target_lists_what_the_target_names_and_keeps_it(address, listed):
 def test_parse_target_refuses_what_names_no_server(address):
     with pytest.raises(ValueError, match="^address: expected"):
         lossd.parse_target(address)
+
+
+def test_connections_age_out_so_that_clients_reach_new_replicas():
+    """--max_connection_age_seconds: the server ends each connection after about that long
+    (GOAWAY); calls in flight finish, and the client connects again, resolving its target anew,
+    which is how clients of a headless Service reach the replicas a scale-up adds."""
+    hidden, labels = batch(64, 5)
+    with start_server(SEED, "--max_connection_age_seconds=1") as server, \
+            lossd.Client(server.address, timeout=30) as client:
+        states = []
+        # The client's round-robin channel, watched from the outside: READY each time it connects.
+        client._channel.subscribe(states.append, try_to_connect=False)
+        deadline = time.monotonic() + 3.5
+        calls = 0
+        while time.monotonic() < deadline:
+            client.score("demo", hidden, labels)  # raises if a call fails
+            calls += 1
+            time.sleep(0.05)
+        connected = states.count(grpc.ChannelConnectivity.READY)
+        assert connected >= 2, (calls, states)
+
+
+def test_a_negative_connection_age_is_refused_at_startup():
+    code, output = run_to_exit("--device=cpu", "--demo_vocab_size=10", "--demo_hidden_size=4",
+                               "--listen=127.0.0.1:0", "--metrics_listen=",
+                               "--max_connection_age_seconds=-1")
+    assert code == 1, output
+    assert "--max_connection_age_seconds: expected 0 (unlimited) or a positive duration, got -1s" \
+        in output
