@@ -116,7 +116,7 @@ class Head {
   absl::StatusOr<HeadSummary> SummaryWithDigest();
   // The SHA-256 of W and the version it is of. Computed when W comes in (Create, ReplaceWeight:
   // the bytes are on the host then) and, after a step, lazily: the first caller reads W back in
-  // slices under the shared lock, one pass at about 1.7 GB/s, during which a Step or upload waits
+  // slices under the shared lock, one pass at about 1.2 GB/s, during which a Step or upload waits
   // (and engine chunks queue behind it); later callers at that version get the cached digest.
   absl::StatusOr<WeightDigest> Digest();
 

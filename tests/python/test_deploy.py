@@ -10,8 +10,11 @@
   counts the lossd servers only, and the panels of events show 0 for the fresh server.
 - The container health check answers SERVING.
 - Consistency: every --flag in the Dockerfile, compose and Kubernetes files exists in
-  `lossd_server --helpfull`; ports agree across flags, EXPOSE, compose, probes, Service,
+  `lossd_server --helpfull`; ports agree across flags, EXPOSE, compose, probes, Services,
   ServiceMonitor, pod annotations and the scrape target; grace periods exceed --drain_seconds.
+- Scoring replicas: a RollingUpdate Deployment ready on gRPC health, a headless Service that
+  selects only its pods, and an HPA on the metric the Prometheus adapter's rule serves, whose
+  query a real Prometheus answers from the live server's series.
 - README's "Operating lossd" documents every flag (with its default), metric and alert.
 """
 import glob
@@ -43,6 +46,10 @@ DASHBOARD = os.path.join(DEPLOY, "grafana", "lossd-dashboard.json")
 DOCKERFILE = os.path.join(DEPLOY, "docker", "Dockerfile")
 COMPOSE = os.path.join(DEPLOY, "docker", "compose.yml")
 K8S = os.path.join(DEPLOY, "k8s")
+# The Prometheus Operator labels a pod's series with its namespace and pod, which the Prometheus
+# adapter's rule maps to Kubernetes objects: the test's servers stand for two scoring pods.
+NAMESPACE = "lossd"
+PODS = ("lossd-scoring-0", "lossd-scoring-1")
 
 VOCAB, HIDDEN = 4000, 64
 
@@ -65,6 +72,22 @@ def promtool(*args):
 
 def rules():
     return [rule for group in load_yaml(RULES)["groups"] for rule in group["rules"]]
+
+
+def adapter_rules():
+    """The Prometheus adapter's rules, from the config.yaml its ConfigMap holds."""
+    (config_map,) = load_k8s("prometheus-adapter.yaml")
+    return yaml.safe_load(config_map["data"]["config.yaml"])["rules"]
+
+
+def render_adapter_query(template, series, group_by="pod"):
+    """An adapter query as the adapter sends it when the HPA asks about PODS (its Go template:
+    <<.Series>>, <<.LabelMatchers>>, <<.GroupBy>>)."""
+    matchers = f'namespace="{NAMESPACE}",pod=~"{"|".join(PODS)}"'
+    query = (template.replace("<<.Series>>", series).replace("<<.LabelMatchers>>", matchers)
+             .replace("<<.GroupBy>>", group_by))
+    assert "<<" not in query, query
+    return query
 
 
 def dashboard():
@@ -296,7 +319,9 @@ def family_of(name, families):
 
 def referenced_exprs():
     return ([("dashboard", e) for e in dashboard_exprs() + template_queries()]
-            + [(r.get("alert") or r["record"], r["expr"]) for r in rules()])
+            + [(r.get("alert") or r["record"], r["expr"]) for r in rules()]
+            + [(f"adapter rule {r['name']['as']}", q) for r in adapter_rules()
+               for q in (r["seriesQuery"], r["metricsQuery"])])
 
 
 def test_dashboard_and_rules_use_only_exported_metrics(exposition):
@@ -318,7 +343,7 @@ def test_selectors_use_exported_labels(exposition):
             if name.endswith("_bucket"):
                 labels.setdefault("le", {"+Inf"})
             for label, op, value in matchers:
-                if label in ("job", "instance"):      # target labels, added by Prometheus
+                if label in ("job", "instance", "namespace", "pod"):  # target labels
                     continue
                 assert label in labels, f"{where}: {name} has no label {label} (has {sorted(labels)})"
                 if op == "=":
@@ -367,10 +392,13 @@ def prometheus(server, exposition, fresh_server):
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
     assert set(jobs) == {"lossd", "prometheus"}, "the test scrapes both jobs of prometheus.yml"
     port = free_port()
-    for job, targets in (("lossd", [target_of(server), target_of(fresh_server)]),
-                         ("prometheus", [f"127.0.0.1:{port}"])):
-        jobs[job].update(scrape_interval="1s", scrape_timeout="1s",
-                         static_configs=[{"targets": targets}])
+    # Each lossd server as a pod of the scoring Deployment, as the Prometheus Operator labels it.
+    jobs["lossd"]["static_configs"] = [
+        {"targets": [target_of(s)], "labels": {"namespace": NAMESPACE, "pod": pod}}
+        for s, pod in zip((server, fresh_server), PODS)]
+    jobs["prometheus"]["static_configs"] = [{"targets": [f"127.0.0.1:{port}"]}]
+    for job in jobs.values():
+        job.update(scrape_interval="1s", scrape_timeout="1s")
     work = tempfile.mkdtemp(prefix="lossd-deploy-prometheus-")
     with open(os.path.join(work, "prometheus.yml"), "w") as f:
         yaml.safe_dump(config, f)
@@ -433,6 +461,22 @@ def test_real_prometheus_evaluates_rules_and_dashboard_queries(server, prometheu
     instances = api(prometheus, "label/instance/values",
                     **{"match[]": 'lossd_build_info{job=~"lossd"}'})
     assert target in instances
+
+
+def test_prometheus_adapter_rule_serves_the_hpa_metric(prometheus):
+    """The scoring HPA's metric, as the Prometheus adapter discovers and queries it: one value
+    per pod."""
+    for rule in adapter_rules():
+        name = rule["name"]["as"]
+        series = api(prometheus, "series", **{"match[]": rule["seriesQuery"]})
+        assert series, f"adapter rule {name}: seriesQuery finds no series"
+        (series_name,) = {s["__name__"] for s in series}
+        assert re.fullmatch(rule["name"]["matches"], series_name)
+        query = render_adapter_query(rule["metricsQuery"], series_name)
+        result = api(prometheus, "query", query=query)["result"]
+        assert sorted(r["metric"].get("pod") for r in result) == list(PODS), (name, result)
+        assert all(r["metric"].keys() == {"pod"} for r in result), (name, result)
+        assert all(float(r["value"][1]) >= 0 for r in result), (name, result)
 
 
 def panel(title):
@@ -541,8 +585,12 @@ def port_of(address):
     return int(address.rsplit(":", 1)[1])
 
 
-def k8s_container():
-    (deployment,) = load_k8s("deployment.yaml")
+# The lossd_server Deployments and the Service in front of each: training, scoring replicas.
+DEPLOYMENTS = {"deployment.yaml": "service.yaml", "scoring-deployment.yaml": "scoring-service.yaml"}
+
+
+def k8s_container(name="deployment.yaml"):
+    (deployment,) = load_k8s(name)
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     return deployment, container
 
@@ -551,10 +599,9 @@ def command_lines():
     """Every lossd_server command line in deploy/, as (where, flag values)."""
     entrypoint, cmd = docker_command()
     compose = load_yaml(COMPOSE)["services"]["lossd"]
-    _, container = k8s_container()
-    return [("Dockerfile", flag_values(entrypoint[1:] + cmd)),
-            ("compose.yml", flag_values(entrypoint[1:] + compose["command"])),
-            ("deployment.yaml", flag_values(container["args"]))]
+    return ([("Dockerfile", flag_values(entrypoint[1:] + cmd)),
+             ("compose.yml", flag_values(entrypoint[1:] + compose["command"]))]
+            + [(name, flag_values(k8s_container(name)[1]["args"])) for name in DEPLOYMENTS])
 
 
 def test_every_flag_exists():
@@ -563,8 +610,9 @@ def test_every_flag_exists():
         for name in values:
             assert name in known, f"{where}: lossd_server has no flag --{name}"
     assert docker_command()[0][0] == "/opt/lossd/bin/lossd_server"
-    _, container = k8s_container()
-    assert container["command"] == [docker_command()[0][0]]
+    for name in DEPLOYMENTS:
+        _, container = k8s_container(name)
+        assert container["command"] == [docker_command()[0][0]], name
 
 
 def test_ports_agree_everywhere():
@@ -593,38 +641,52 @@ def test_ports_agree_everywhere():
     host, port = static_target.rsplit(":", 1)
     assert host in compose["services"] and int(port) == metrics_port
 
-    deployment, container = k8s_container()
-    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": grpc_port, "metrics": metrics_port}
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert container[probe]["grpc"]["port"] == grpc_port, probe
-    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
-    assert annotations["prometheus.io/scrape"] == "true"
-    assert int(annotations["prometheus.io/port"]) == metrics_port
-    assert annotations["prometheus.io/path"] == job["metrics_path"] == "/metrics"
-
-    (service,) = load_k8s("service.yaml")
-    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
-    for name, p in service_ports.items():
-        target = p["targetPort"]
-        assert (ports[target] if isinstance(target, str) else target) == p["port"] == ports[name], name
     (monitor,) = load_k8s("servicemonitor.yaml")
     (endpoint,) = monitor["spec"]["endpoints"]
-    assert service_ports[endpoint["port"]]["port"] == metrics_port
     assert endpoint["path"] == "/metrics"
+    for deployment_file, service_file in DEPLOYMENTS.items():
+        deployment, container = k8s_container(deployment_file)
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports == {"grpc": grpc_port, "metrics": metrics_port}, deployment_file
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert container[probe]["grpc"]["port"] == grpc_port, (deployment_file, probe)
+        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert int(annotations["prometheus.io/port"]) == metrics_port
+        assert annotations["prometheus.io/path"] == job["metrics_path"] == "/metrics"
+
+        (service,) = load_k8s(service_file)
+        service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+        for name, p in service_ports.items():
+            target = p["targetPort"]
+            assert (ports[target] if isinstance(target, str) else target) == p["port"] == ports[name], \
+                (service_file, name)
+        assert service_ports[endpoint["port"]]["port"] == metrics_port, service_file
+
+
+def pod_labels(deployment_file):
+    deployment, _ = k8s_container(deployment_file)
+    return deployment["spec"]["template"]["metadata"]["labels"]
 
 
 def test_selectors_names_and_volumes_agree():
-    deployment, container = k8s_container()
-    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
-    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    (service,) = load_k8s("service.yaml")
-    assert service["spec"]["selector"].items() <= pod_labels.items()
     (monitor,) = load_k8s("servicemonitor.yaml")
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-    # The alert rules select job="lossd": the Service name under the Prometheus Operator, the
-    # job_name in prometheus.yml.
-    assert service["metadata"]["name"] == "lossd"
+    for deployment_file, service_file in DEPLOYMENTS.items():
+        deployment, _ = k8s_container(deployment_file)
+        labels = pod_labels(deployment_file)
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        (service,) = load_k8s(service_file)
+        assert service["spec"]["selector"].items() <= labels.items(), service_file
+        # Each Service reaches its own pods only: a training client never lands on a scoring
+        # replica, nor a scoring client on the training server.
+        for other_deployment, other_service in DEPLOYMENTS.items():
+            if other_service != service_file:
+                assert not service["spec"]["selector"].items() <= pod_labels(other_deployment).items()
+        # The ServiceMonitor scrapes both, and under the Operator the job label is the value of
+        # its jobLabel on the Service: the alert rules select job="lossd".
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+        assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "lossd", service_file
+    deployment, container = k8s_container()
     jobs = [j["job_name"] for j in load_yaml(os.path.join(PROMETHEUS_DIR, "prometheus.yml"))["scrape_configs"]]
     assert "lossd" in jobs
     assert any(r.get("expr") == 'up{job="lossd"} == 0' for r in rules())
@@ -640,12 +702,13 @@ def test_selectors_names_and_volumes_agree():
 
 def test_grace_periods_exceed_drain_and_gpu_is_requested():
     default_drain = int(server_flags()["drain_seconds"])
-    deployment, container = k8s_container()
-    drain = int(flag_values(container["args"]).get("drain_seconds", default_drain))
-    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain
-    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == 1
-    assert int(container["resources"]["requests"]["nvidia.com/gpu"]) == 1
-    assert flag_values(container["args"])["device"].startswith("cuda")
+    for name in DEPLOYMENTS:
+        deployment, container = k8s_container(name)
+        drain = int(flag_values(container["args"]).get("drain_seconds", default_drain))
+        assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > drain, name
+        assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == 1, name
+        assert int(container["resources"]["requests"]["nvidia.com/gpu"]) == 1, name
+        assert flag_values(container["args"])["device"].startswith("cuda"), name
 
     lossd = load_yaml(COMPOSE)["services"]["lossd"]
     drain = int(flag_values(lossd["command"]).get("drain_seconds", default_drain))
@@ -653,6 +716,51 @@ def test_grace_periods_exceed_drain_and_gpu_is_requested():
     assert grace and int(grace.group(1)) > drain
     (device,) = lossd["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+
+
+def test_scoring_replicas_roll_balance_and_scale():
+    deployment, container = k8s_container("scoring-deployment.yaml")
+    spec = deployment["spec"]
+    args = flag_values(container["args"])
+    # Replicas that only score: no checkpoints (a ReadWriteOnce volume is one pod's), and training
+    # stays on the single-replica Deployment, which Recreates.
+    assert "checkpoint_dir" not in args
+    assert not [v for v in spec["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v]
+    (training, _) = k8s_container("deployment.yaml")
+    assert training["spec"]["replicas"] == 1 and training["spec"]["strategy"]["type"] == "Recreate"
+    # Rolling updates that never drop below the replicas asked for, each new pod admitted once its
+    # gRPC health says SERVING.
+    assert spec["strategy"]["type"] == "RollingUpdate"
+    assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert spec["strategy"]["rollingUpdate"]["maxSurge"] >= 1
+    assert container["readinessProbe"]["grpc"]["port"] == port_of(args["listen"])
+    # Clients balance over the pods themselves: a headless Service, and connections that age out
+    # so that clients reach the pods a scale-up adds.
+    (service,) = load_k8s("scoring-service.yaml")
+    assert service["spec"]["clusterIP"] == "None"
+    assert not service["spec"].get("publishNotReadyAddresses", False)
+    assert int(args["max_connection_age_seconds"]) > 0
+    assert args["shared_memory"] == "false"
+
+    (hpa,) = load_k8s("scoring-hpa.yaml")
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == \
+        (deployment["apiVersion"], deployment["kind"], deployment["metadata"]["name"])
+    assert 2 <= hpa["spec"]["minReplicas"] <= spec["replicas"] <= hpa["spec"]["maxReplicas"]
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    served = {rule["name"]["as"]: rule for rule in adapter_rules()}
+    assert metric["pods"]["metric"]["name"] in served, "the HPA's metric has no adapter rule"
+    # The adapter maps the series' labels to the pods the HPA asks about.
+    rule = served[metric["pods"]["metric"]["name"]]
+    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"},
+                                              "pod": {"resource": "pod"}}
+    # A replica that runs --max_running_calls calls and queues none is at the target.
+    assert metric["pods"]["target"]["type"] == "AverageValue"
+    default_running = int(server_flags()["max_running_calls"])
+    assert float(metric["pods"]["target"]["averageValue"]) == \
+        int(args.get("max_running_calls", default_running))
+    assert {"lossd_running_calls", "lossd_queue_depth"} <= metric_names(rule["metricsQuery"])
 
 
 # --- README ---------------------------------------------------------------------------------------
