@@ -398,6 +398,48 @@ TEST_F(ReplicasTest, AMalformedPinIsRefusedNamingTheField) {
   }
 }
 
+// The channels' retryPolicy: a draining server refuses every call with UNAVAILABLE, counting each
+// attempt. gRPC sends a read of one message (FetchGradWeight) the policy's 4 times; a step, which a
+// lost answer could have applied, once.
+TEST(RetryPolicyTest, GrpcRetriesTheReadOnlyCallsAndMakesStepsOnce) {
+  constexpr int64_t kLargeVocab = 32000, kLargeHidden = 256, kRows = 8192;
+  std::unique_ptr<server::LossServer> server =
+      StartTestServer(MultiChunkDemoConfig(kHead, kLargeVocab, kLargeHidden, kSeed));
+  ASSERT_NE(server, nullptr);
+  std::mt19937_64 rng(FreshSeed());
+  const Batch batch = RandomBatch(kRows, kLargeVocab, kLargeHidden, rng);
+  ComputeRequest long_call;  // seconds on the CPU: it keeps the server draining
+  long_call.head = kHead;
+  long_call.hidden = {batch.hidden.data(), client::DType::kFloat32, kRows, kLargeHidden};
+  long_call.labels = batch.labels;
+  ChannelOptions options = OptionsFor(Loopback(*server));
+  options.compute_retry.max_attempts = 4;
+  options.compute_retry.initial_backoff = absl::Milliseconds(10);
+  const Client busy = Client::Connect(options).value();
+  const Client idle = Client::Connect(options).value();
+  ASSERT_TRUE(idle.ZeroGrad(kHead).ok());  // connected before the drain
+
+  std::thread caller([&] { EXPECT_TRUE(busy.Compute(long_call).ok()); });
+  ASSERT_TRUE(Eventually([&] { return InFlight(*server) >= 1; }));
+  std::thread drain([&] { server->Shutdown(absl::Seconds(60)); });
+  ASSERT_TRUE(Eventually([&] {
+    return absl::IsUnavailable(idle.SaveCheckpoint().status());  // refused once draining
+  }));
+  const int64_t checkpoints_refused = CallsByCode(*server, "SaveCheckpoint")["UNAVAILABLE"];
+  const absl::Status fetched = idle.FetchGradWeight(kHead).status();
+  const absl::Status stepped =
+      idle.Step({.head = kHead, .optimizer = client::SgdOptions{.learning_rate = 0.1}}).status();
+  const int64_t fetches = CallsByCode(*server, "FetchGradWeight")["UNAVAILABLE"];
+  const int64_t steps = CallsByCode(*server, "Step")["UNAVAILABLE"];
+  caller.join();
+  drain.join();
+  EXPECT_TRUE(absl::IsUnavailable(fetched)) << fetched;
+  EXPECT_TRUE(absl::IsUnavailable(stepped)) << stepped;
+  EXPECT_EQ(fetches, 4) << "gRPC's retryPolicy sends a read again";
+  EXPECT_EQ(steps, 1) << "a step is made once";
+  EXPECT_GE(checkpoints_refused, 1);
+}
+
 struct TargetCase {
   const char* reason;
   const char* address;

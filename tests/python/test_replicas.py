@@ -57,8 +57,8 @@ def target(servers):
     return "ipv4:" + ",".join(server.address for server in servers)
 
 
-def served(server, method="Compute"):
-    """Calls of `method` the server answered OK, from its /metrics; None once it is gone."""
+def served_with(server, method, code):
+    """Calls of `method` the server ended with `code`, from its /metrics; None once it is gone."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
                                     timeout=5) as response:
@@ -68,9 +68,14 @@ def served(server, method="Compute"):
     total = 0.0
     for labels, value in re.findall(r'^lossd_requests_total\{([^}]*)\} (\S+)$', text, re.M):
         pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-        if pairs.get("method") == method and pairs.get("code") == "OK":
+        if pairs.get("method") == method and pairs.get("code") == code:
             total += float(value)
     return int(total)
+
+
+def served(server, method="Compute"):
+    """Calls of `method` the server answered OK."""
+    return served_with(server, method, "OK")
 
 
 def in_flight(server):
@@ -306,3 +311,37 @@ def test_a_negative_connection_age_is_refused_at_startup():
     assert code == 1, output
     assert "--max_connection_age_seconds: expected 0 (unlimited) or a positive duration, got -1s" \
         in output
+
+
+def test_grpc_retries_the_read_only_calls_and_makes_steps_once():
+    """The channels' retryPolicy: a draining server refuses every call with UNAVAILABLE, and
+    counts each attempt it refuses. gRPC sends a read of one message (fetch_grad_weight) the
+    policy's 4 times; a step, which a lost answer could have applied, once."""
+    vocab, hidden_size, tokens = 32000, 256, 16384  # a call of a few seconds keeps it draining
+    rng = np.random.default_rng(6)
+    hidden = rng.standard_normal((tokens, hidden_size), dtype=np.float32)
+    labels = rng.integers(0, vocab, tokens)
+    with ServerProcess("--device=cpu", f"--demo_vocab_size={vocab}",
+                       f"--demo_hidden_size={hidden_size}") as server, \
+            lossd.Client(server.address, timeout=120) as busy, \
+            lossd.Client(server.address, timeout=30,
+                         retry=lossd.RetryPolicy(max_attempts=4, initial_backoff=0.01)) as idle:
+        idle.zero_grad("demo")  # connected before the drain
+        caller = threading.Thread(target=busy.score, args=("demo", hidden, labels))
+        caller.start()
+        time.sleep(0.5)
+        server.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while "draining in-flight calls" not in server.output():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for call in (lambda: idle.fetch_grad_weight("demo"),
+                     lambda: idle.step("demo", "sgd", lr=0.1)):
+            with pytest.raises(lossd.LossdError) as refused:
+                call()
+            assert refused.value.code == "UNAVAILABLE"
+            assert "shutting down" in refused.value.message
+        refusals = {method: served_with(server, method, "UNAVAILABLE")
+                    for method in ("FetchGradWeight", "Step")}
+        caller.join()
+    assert refusals == {"FetchGradWeight": 4, "Step": 1}, refusals
