@@ -285,10 +285,11 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   const Head& head = *spec.head;
   if (start.has_head_version()) spec.pinned_version = start.head_version();
   if (!start.weight_sha256().empty() && !IsWeightDigest(start.weight_sha256())) {
+    const std::string& pin = start.weight_sha256();
     return InvalidField("weight_sha256",
                         "64 lowercase hex digits (a HeadInfo.weight_sha256) or empty",
-                        absl::StrCat("'", absl::CHexEscape(start.weight_sha256().substr(0, 80)), "'",
-                                     start.weight_sha256().size() > 80 ? "..." : ""));
+                        absl::StrCat("'", absl::CHexEscape(pin.substr(0, 80)), "'",
+                                     pin.size() > 80 ? "..." : ""));
   }
   spec.pinned_sha256 = start.weight_sha256();
   ASSIGN_OR_RETURN(spec.options, FromProto(start.options()));

@@ -466,7 +466,8 @@ INSTANTIATE_TEST_SUITE_P(
     Targets, ParseTargetTest,
     ::testing::Values(
         TargetCase{"HOST:PORT, gRPC's default DNS resolution", "lossd:50051", 1},
-        TargetCase{"a DNS name may resolve to several, but lists one", "dns:///lossd-scoring:50051", 1},
+        TargetCase{"a DNS name may resolve to several, but lists one",
+                   "dns:///lossd-scoring:50051", 1},
         TargetCase{"DNS with an authority (the DNS server)", "dns://10.0.0.10:53/lossd:50051", 1},
         TargetCase{"three IPv4 replicas", "ipv4:127.0.0.1:5001,127.0.0.1:5002,127.0.0.1:5003", 3},
         TargetCase{"one IPv4 address", "ipv4:10.1.2.3:50051", 1},

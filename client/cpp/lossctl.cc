@@ -644,7 +644,9 @@ absl::Status RunCompute(const Flags& flags) {
   absl::PrintF("head %s at version %d, backend %s: %d tokens of %s, %d counted\n", head.name,
                summary.head_version, summary.backend, hidden.rows, DTypeName(hidden.dtype),
                summary.counted_tokens);
-  if (!request.weight_sha256.empty()) absl::PrintF("W pinned to SHA-256 %s\n", request.weight_sha256);
+  if (!request.weight_sha256.empty()) {
+    absl::PrintF("W pinned to SHA-256 %s\n", request.weight_sha256);
+  }
   // The server reports the sum as the loss of an unreduced call.
   const char* reduction_name = reduction == Reduction::kMean  ? "mean"
                                : reduction == Reduction::kSum ? "sum"

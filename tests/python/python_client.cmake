@@ -17,7 +17,8 @@ add_test(NAME python_client
 # Scoring over three lossd_server replicas of one head: spread, failover, pinned W; training
 # refuses a target that lists several servers.
 add_test(NAME python_replicas
-  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_replicas.py)
+  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
+          ${CMAKE_CURRENT_LIST_DIR}/test_replicas.py)
 # The RL objectives and RemoteLogprobs against torch's float64 autograd of the same formulas.
 add_test(NAME python_objectives
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_objectives.py)

@@ -659,8 +659,8 @@ def test_ports_agree_everywhere():
         service_ports = {p["name"]: p for p in service["spec"]["ports"]}
         for name, p in service_ports.items():
             target = p["targetPort"]
-            assert (ports[target] if isinstance(target, str) else target) == p["port"] == ports[name], \
-                (service_file, name)
+            target_port = ports[target] if isinstance(target, str) else target
+            assert target_port == p["port"] == ports[name], (service_file, name)
         assert service_ports[endpoint["port"]]["port"] == metrics_port, service_file
 
 
@@ -681,11 +681,13 @@ def test_selectors_names_and_volumes_agree():
         # replica, nor a scoring client on the training server.
         for other_deployment, other_service in DEPLOYMENTS.items():
             if other_service != service_file:
-                assert not service["spec"]["selector"].items() <= pod_labels(other_deployment).items()
+                other_pods = pod_labels(other_deployment).items()
+                assert not service["spec"]["selector"].items() <= other_pods
         # The ServiceMonitor scrapes both, and under the Operator the job label is the value of
         # its jobLabel on the Service: the alert rules select job="lossd".
-        assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-        assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "lossd", service_file
+        service_labels = service["metadata"]["labels"]
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= service_labels.items()
+        assert service_labels[monitor["spec"]["jobLabel"]] == "lossd", service_file
     deployment, container = k8s_container()
     jobs = [j["job_name"] for j in load_yaml(os.path.join(PROMETHEUS_DIR, "prometheus.yml"))["scrape_configs"]]
     assert "lossd" in jobs

@@ -32,8 +32,9 @@ SEED, OTHER_SEED = 7, 8
 
 
 def start_server(seed, *flags):
-    return ServerProcess("--device=cpu", f"--demo_vocab_size={VOCAB}", f"--demo_hidden_size={HIDDEN}",
-                         f"--demo_seed={seed}", "--workspace_budget_mib=1", *flags)
+    return ServerProcess("--device=cpu", f"--demo_vocab_size={VOCAB}",
+                         f"--demo_hidden_size={HIDDEN}", f"--demo_seed={seed}",
+                         "--workspace_budget_mib=1", *flags)
 
 
 @pytest.fixture
