@@ -3,19 +3,27 @@
 
 Methods, each measured in a process of its own (so that its peak resident memory is its own), all
 doing a forward and backward pass of fp32 cross-entropy over hidden [N, H] and W [V, H] (loss,
-dL/dh and dL/dW):
+dL/dh and dL/dW). The torch methods run the torch that users install from the package registry
+(bench/peers.sh runs this script in a virtual environment that holds it):
   torch_naive    F.cross_entropy(hidden @ W.T, labels), backward: where training scripts start.
   torch_chunked  the usual hand-written fix: token chunks of F.linear + F.cross_entropy, each
                  chunk's backward run before the next (W.grad accumulates), as many rows per chunk
                  as lossd's workspace budget gives the engine.
+  torch_compiled the same loop with each chunk's loss a torch.compile'd function (compiled in the
+                 untimed warm-up).
+  torch_native   torch's own F.linear_cross_entropy with its chunked path
+                 (options=torch.nn.LinearCrossEntropyOptions(), chunking chosen by torch).
+  torch_floor    the three products alone (logits, dL/dh, dL/dW), 6NHV flops, on torch's BLAS.
   engine         the lossd engine in-process (bench/engine_bench --methods engine).
-  floor          the GEMMs alone, 6NHV flops, on the same BLAS (engine_bench --methods floor).
+  floor          the three products alone on lossd's BLAS, OpenBLAS (engine_bench --methods floor).
   remote_cpp     a Compute call to lossd_server over loopback gRPC from the C++ client (lossctl
                  bench), dL/dh returned and dL/dW accumulated on the server; the server is a
                  process of its own, its peak memory reported separately.
   remote_python  the same call from the Python client (lossd.Client.compute).
-Every process gets the same thread count (OMP_NUM_THREADS, torch.set_num_threads) and an address
-space cap (--memory-cap-gib): a method that cannot fit is recorded as out of memory.
+Every process gets the same thread count (OMP_NUM_THREADS, torch.set_num_threads) and a cap on
+its data segment (--memory-cap-gib: heap and anonymous mappings, what a method allocates; the
+address space that current torch's libraries map without touching does not count): a method that
+cannot fit is recorded as out of memory.
 
 Transport: Compute calls on a 16-row head, where compute is small, give the wire throughput
 (hidden rows in, dL/dh out; fp32 and bf16; one stream and the batch split over several), with the
@@ -29,10 +37,10 @@ as soon as its rows are in, and the whole batch sent as one message, so that the
 nothing before all of it arrived (C++ client only, to keep the run under 20 minutes on 2 cores).
 
 Writes bench/results/<machine>-<date>/ (or --out): results.jsonl (one object per measurement),
-results.md (tables, then each target judged met or not from the run's own figures) and
-time_vs_n.png, memory_vs_n.png, transport.png. Run it through bench/peers.sh, which installs what
-it needs and builds the binaries first; --report DIR writes DIR's results.md and plots anew from
-its results.jsonl.
+results.md (tables, then each target judged met or not from the run's own figures) and the plots
+time_vs_n.png, memory_vs_n.png, shape_bars.png (every method at one shape) and transport.png. Run
+it through bench/peers.sh, which makes its virtual environment, installs what it needs and builds
+the binaries first; --report DIR writes DIR's results.md and plots anew from its results.jsonl.
 """
 import argparse
 import datetime
@@ -87,28 +95,92 @@ def synthetic_problem(n, h, v, seed=0):
     return hidden, weight, labels
 
 
-def torch_step(method, hidden, weight, labels, chunk_rows):
-    """One forward+backward over all of hidden (a leaf); returns the loss and dL/dh (W.grad holds
-    dL/dW)."""
-    import torch
+TORCH_METHODS = ("torch_naive", "torch_chunked", "torch_compiled", "torch_native", "torch_floor")
+# What the engine is judged against: every way torch computes the loss and its gradients.
+TORCH_PEERS = TORCH_METHODS[:-1]
+# Rows per block of the floors: the whole batch when its logits fit 1 GiB (engine_bench's
+# kFloorBlockBytes and FloorBlockRows, so that both floors run the same products).
+FLOOR_BLOCK_BYTES = 1 << 30
+
+
+def floor_block_rows(n, v):
+    fitting = max(1, FLOOR_BLOCK_BYTES // (v * 4))
+    return n if fitting >= n else max(fitting // 64 * 64, min(fitting, 64))
+
+
+def chunk_loss(rows, weight, labels):
+    """One chunk's summed cross-entropy: what torch_chunked runs eagerly and torch_compiled
+    compiles."""
     import torch.nn.functional as F
-    weight.grad = None
-    n = hidden.shape[0]
-    if method == "torch_naive":
-        hidden = hidden.detach().requires_grad_()
-        loss = F.cross_entropy(hidden @ weight.T, labels)
-        loss.backward()
-        return float(loss), hidden.grad
-    total = 0.0
-    grad_hidden = torch.empty_like(hidden)
-    for r0 in range(0, n, chunk_rows):
-        rows = hidden[r0:r0 + chunk_rows].detach().requires_grad_()
-        loss = F.cross_entropy(F.linear(rows, weight), labels[r0:r0 + chunk_rows],
-                               reduction="sum") / n
-        loss.backward()
-        grad_hidden[r0:r0 + chunk_rows] = rows.grad
-        total += float(loss)
-    return total, grad_hidden
+    return F.cross_entropy(F.linear(rows, weight), labels, reduction="sum")
+
+
+class TorchMethod:
+    """One forward+backward over all of hidden (a leaf) by `method`: __call__ returns the loss and
+    dL/dh, with W.grad holding dL/dW (the floor: its products' outputs, no loss)."""
+
+    def __init__(self, method, n, v, chunk_rows):
+        import torch
+        import torch.nn.functional as F
+        self.method, self.chunk_rows = method, chunk_rows
+        self.chunk_loss = chunk_loss
+        if method == "torch_compiled":
+            self.chunk_loss = torch.compile(chunk_loss)
+        if method == "torch_native":
+            if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn,
+                                                                     "LinearCrossEntropyOptions"):
+                raise NotAvailable(f"torch {torch.__version__} has no F.linear_cross_entropy "
+                                   "with LinearCrossEntropyOptions")
+            self.options = torch.nn.LinearCrossEntropyOptions()
+        if method == "torch_floor":
+            self.block_rows = floor_block_rows(n, v)
+
+    def __call__(self, hidden, weight, labels):
+        import torch
+        import torch.nn.functional as F
+        weight.grad = None
+        n = hidden.shape[0]
+        if self.method == "torch_floor":
+            return self.floor(hidden, weight)
+        if self.method in ("torch_naive", "torch_native"):
+            hidden = hidden.detach().requires_grad_()
+            if self.method == "torch_naive":
+                loss = F.cross_entropy(hidden @ weight.T, labels)
+            else:
+                loss = F.linear_cross_entropy(hidden, weight, labels, options=self.options)
+            loss.backward()
+            return float(loss), hidden.grad
+        total = 0.0
+        grad_hidden = torch.empty_like(hidden)
+        for r0 in range(0, n, self.chunk_rows):
+            rows = hidden[r0:r0 + self.chunk_rows].detach().requires_grad_()
+            loss = self.chunk_loss(rows, weight, labels[r0:r0 + self.chunk_rows]) / n
+            loss.backward()
+            grad_hidden[r0:r0 + self.chunk_rows] = rows.grad
+            total += float(loss)
+        return total, grad_hidden
+
+    def floor(self, hidden, weight):
+        """logits = h W^T, dL/dh = logits W, dL/dW += logits^T h, block by block; the logits
+        stand in for dL/dz (the same shapes, no elementwise work)."""
+        import torch
+        n, v = hidden.shape[0], weight.shape[0]
+        with torch.no_grad():
+            logits = torch.empty(min(n, self.block_rows), v)
+            grad_hidden = torch.empty_like(hidden)
+            grad_weight = torch.zeros_like(weight)
+            for r0 in range(0, n, self.block_rows):
+                rows = hidden[r0:r0 + self.block_rows]
+                block = logits[:rows.shape[0]]
+                torch.mm(rows, weight.T, out=block)
+                torch.mm(block, weight, out=grad_hidden[r0:r0 + rows.shape[0]])
+                grad_weight.addmm_(block.T, rows)
+        weight.grad = grad_weight
+        return 0.0, grad_hidden
+
+
+class NotAvailable(Exception):
+    """The method does not exist in this torch."""
 
 
 def median_seconds(call, reps):
@@ -121,20 +193,31 @@ def median_seconds(call, reps):
     return statistics.median(times), result
 
 
+def resident_bytes():
+    """This process's resident set now: a torch process holds its libraries before any tensor."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
 def run_worker(args):
     n, h, v = args.shape
     warm_up_rows = min(n, WARM_UP_TOKENS)
     try:
-        if args.worker in ("torch_naive", "torch_chunked"):
+        if args.worker in TORCH_METHODS:
             import torch
             torch.set_num_threads(args.threads)
+            start_rss = resident_bytes()
             hidden, weight, labels = synthetic_problem(n, h, v)
             weight.requires_grad_()
-            torch_step(args.worker, hidden[:warm_up_rows], weight, labels[:warm_up_rows],
-                       args.chunk_rows)
-            seconds, (loss, _) = median_seconds(
-                lambda: torch_step(args.worker, hidden, weight, labels, args.chunk_rows), args.reps)
-            result = {"seconds": seconds, "loss": loss}
+            method = TorchMethod(args.worker, n, v, args.chunk_rows)
+            # Compiles torch_compiled's chunk (for a short first chunk and, recompiling, a full
+            # one), so that the timed runs see compiled code only.
+            method(hidden[:warm_up_rows], weight, labels[:warm_up_rows])
+            if args.worker == "torch_compiled" and n > warm_up_rows:
+                method(hidden[:min(n, args.chunk_rows)], weight, labels[:min(n, args.chunk_rows)])
+            seconds, (loss, _) = median_seconds(lambda: method(hidden, weight, labels), args.reps)
+            result = {"seconds": seconds, "loss": loss, "torch": torch.__version__,
+                      "start_rss_bytes": start_rss}
         elif args.worker == "remote_python":
             import numpy as np
             from lossd import Client
@@ -151,6 +234,8 @@ def run_worker(args):
                       "server_compute_seconds": summary.compute_seconds}
         else:
             raise ValueError(f"unknown worker {args.worker}")
+    except NotAvailable as error:
+        result = {"error": f"not available: {error}"}
     except MemoryError as error:
         result = {"error": OUT_OF_MEMORY, "detail": str(error)[:200]}
     except RuntimeError as error:  # torch's allocator failing under the cap
@@ -175,7 +260,7 @@ class Runner:
         self.cap_bytes = int(args.memory_cap_gib * GIB)
 
     def limit_memory(self):
-        resource.setrlimit(resource.RLIMIT_AS, (self.cap_bytes, self.cap_bytes))
+        resource.setrlimit(resource.RLIMIT_DATA, (self.cap_bytes, self.cap_bytes))
 
     def launch(self, argv):
         """Runs argv under the cap; returns (exit code, stdout, stderr, peak RSS bytes)."""
@@ -383,9 +468,9 @@ def bench_shape(runner, server, v, h, n, record):
               "remote_python": lambda: runner.worker("remote_python", n, h, v,
                                                      address=server.address)}
     remote_runs = {method: [run()] for method, run in remote.items()}
-    rows = {"floor": runner.engine_bench("floor", n, h, v),
-            "torch_naive": runner.worker("torch_naive", n, h, v),
-            "torch_chunked": runner.worker("torch_chunked", n, h, v, chunk_rows=chunk_rows)}
+    rows = {"floor": runner.engine_bench("floor", n, h, v)}
+    for method in TORCH_METHODS:
+        rows[method] = runner.worker(method, n, h, v, chunk_rows=chunk_rows)
     whole, _ = runner.lossctl_bench(server.address, "demo", n, rows_per_message=n)
     rounds = rounds_for(engine_s, runner.args.rounds, runner.args.round_seconds) if engine_s else 1
     # Each later round starts with the next of the three, so that no method always runs right
@@ -405,8 +490,9 @@ def bench_shape(runner, server, v, h, n, record):
     engine_s = rows["engine"][0].get("seconds")
     for method, (result, rss) in rows.items():
         entry = dict(base, method=method, peak_rss_bytes=rss)
-        entry.update({k: result[k] for k in ("seconds", "error", "chunk", "rounds") if k in result})
-        if method == "torch_chunked":
+        entry.update({k: result[k] for k in ("seconds", "error", "chunk", "rounds",
+                                             "start_rss_bytes") if k in result})
+        if method in ("torch_chunked", "torch_compiled"):
             entry["chunk_rows"] = chunk_rows
         if method.startswith("remote_"):
             entry["server_peak_rss_bytes"] = server_rss
@@ -493,7 +579,8 @@ def bench_transport(runner, tokens, record):
 # --------------------------------------------------------------------------------------------
 # Report.
 
-SWEEP_METHODS = ["torch_naive", "torch_chunked", "engine", "floor", "remote_cpp", "remote_python"]
+SWEEP_METHODS = list(TORCH_METHODS) + ["engine", "floor", "remote_cpp", "remote_python"]
+FLOORS = ("floor", "torch_floor")
 TRANSPORT_METHODS = {"transport": "lossd Compute, messages",
                      "transport_shm": "lossd Compute, shared memory",
                      "transport_engine": "engine alone, in-process",
@@ -504,6 +591,12 @@ def fmt_seconds(entry):
     return entry.get("error") or f"{entry['seconds']:.3f}"
 
 
+def best_floor(by_shape_method, shape):
+    """The faster floor measured at `shape` ((V, H, N)), or None."""
+    times = [by_shape_method.get(shape + (floor,), {}).get("seconds") for floor in FLOORS]
+    return min(filter(None, times), default=None)
+
+
 def write_markdown(path, machine, command, entries):
     sweep = [e for e in entries if e["method"] in SWEEP_METHODS]
     shapes = sorted({(e["v"], e["h"], e["n"]) for e in sweep})
@@ -512,16 +605,19 @@ def write_markdown(path, machine, command, entries):
              "", f"Date: {machine['date']}. Machine: {json.dumps(machine)}.", "",
              f"Command: `{command}`", "",
              "Forward + backward (loss, dL/dh, dL/dW), fp32. Seconds are medians (the engine's "
-             "and the remote clients' over the rounds below); ratios are time over the floor's and over torch naive's. Memory is each "
-             "process's peak resident set; for the remote methods, the client's, with the "
-             "server's in the last column (one server per vocabulary, its peak so far as N "
-             "grows). `tensors` is what every method must hold (hidden and "
-             "dL/dh, W and dL/dW, in one process or split between client and server).", "",
+             "and the remote clients' over the rounds below); ratios are time over the faster "
+             "of the two floors' (OpenBLAS's and torch's, the same products on each library) "
+             "and over torch naive's. Memory is each process's peak resident set (at start: a "
+             "torch process's after importing torch, before any tensor); for the "
+             "remote methods, the client's, with the server's in the last column (one server "
+             "per vocabulary, its peak so far as N grows). `tensors` is what every method must "
+             "hold (hidden and dL/dh, W and dL/dW, in one process or split between client and "
+             "server).", "",
              "| V, H, N | method | seconds | tokens/s | x floor | x torch naive | peak MiB | "
-             "tensors MiB | server MiB |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "at start MiB | tensors MiB | server MiB |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for shape in shapes:
-        floor = by.get(shape + ("floor",), {}).get("seconds")
+        floor = best_floor(by, shape)
         naive = by.get(shape + ("torch_naive",), {}).get("seconds")
         for method in SWEEP_METHODS:
             e = by.get(shape + (method,))
@@ -532,7 +628,9 @@ def write_markdown(path, machine, command, entries):
                      f"{shape[2] / s:.0f}" if s else "-",
                      f"{s / floor:.3f}" if s and floor else "-",
                      f"{s / naive:.3f}" if s and naive else "-",
-                     f"{e['peak_rss_bytes'] / MIB:.0f}", f"{e['tensor_bytes'] / MIB:.0f}",
+                     f"{e['peak_rss_bytes'] / MIB:.0f}",
+                     f"{e['start_rss_bytes'] / MIB:.0f}" if e.get("start_rss_bytes") else "",
+                     f"{e['tensor_bytes'] / MIB:.0f}",
                      f"{e['server_peak_rss_bytes'] / MIB:.0f}" if e.get("server_peak_rss_bytes") else ""]
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Remote against in-process", "",
@@ -590,7 +688,7 @@ def write_markdown(path, machine, command, entries):
 
 
 # What lossd promises against its peers on this machine (the sweep, forward + backward, fp32).
-TARGET_FLOOR_RATIO = 1.15      # engine time over the GEMM floor's, at most
+TARGET_FLOOR_RATIO = 1.10      # engine time over the faster GEMM floor's, at most
 TARGET_REMOTE_RATIO = 1.10     # remote call over in-process engine time, median of rounds, at most
 TARGET_WIRE_GBPS = 1.5         # tensor bytes each way of one Compute call, at least
 FLAT_MEMORY_SLACK = 16 * MIB   # engine memory beyond its tensors may move this much past the budget
@@ -620,7 +718,7 @@ def target_lines(entries):
         return f"V = {shape[0]}, N = {shape[2]}"
 
     lines = ["", "## Against the targets", ""]
-    for peer in ("torch_naive", "torch_chunked"):
+    for peer in TORCH_PEERS:
         ratios, misses, skipped = [], [], []
         for shape in shapes:
             engine, other = seconds(shape, "engine"), seconds(shape, peer)
@@ -634,15 +732,18 @@ def target_lines(entries):
         lines.append(f"- Engine faster than {peer} at every shape: {verdict(misses, ratios)} "
                      f"(engine time {ratio_range(ratios)}x {peer}'s{note}).")
 
-    ratios, misses = [], []
+    ratios, misses, faster = [], [], []
     for shape in shapes:
-        engine, floor = seconds(shape, "engine"), seconds(shape, "floor")
+        engine, floor = seconds(shape, "engine"), best_floor(sweep, shape)
         if engine and floor:
             ratios.append(engine / floor)
+            faster.append(min((f for f in FLOORS if seconds(shape, f) == floor)))
             if engine / floor > TARGET_FLOOR_RATIO:
                 misses.append(f"{name(shape)} ({engine / floor:.3f}x)")
+    which = ", ".join(f"{f} {faster.count(f)}" for f in FLOORS if f in faster)
     lines.append(f"- Engine within {TARGET_FLOOR_RATIO:.2f}x of the GEMM floor at every shape: "
-                 f"{verdict(misses, ratios)} ({ratio_range(ratios)}x).")
+                 f"{verdict(misses, ratios)} ({ratio_range(ratios)}x the faster floor; shapes "
+                 f"where each floor was the faster: {which or 'none'}).")
 
     # Past the budget (N at least the rows of the largest N's token chunk) the engine's memory
     # beyond its tensors must not grow with N; torch naive's logits do, N * V * 4 bytes.
@@ -709,7 +810,7 @@ def write_plots(out_dir, entries):
     for name, key, label, methods in (
             ("time_vs_n.png", "seconds", "seconds (fwd + bwd)", SWEEP_METHODS),
             ("memory_vs_n.png", "peak_rss_bytes", "peak resident GiB",
-             ["torch_naive", "torch_chunked", "engine", "floor", "server"])):
+             list(TORCH_METHODS) + ["engine", "floor", "server"])):
         fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
         for ax, (v, h) in zip(axes[0], groups):
             for method in methods:
@@ -738,6 +839,7 @@ def write_plots(out_dir, entries):
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, name), dpi=110)
         plt.close(fig)
+    write_shape_bars(out_dir, sweep, plt)
     # Per dtype and stream count, one bar per method: lossd's two transfers, the engine alone,
     # and gRPC's echo of the same bytes (hatched).
     transport = {(e["method"], e["dtype"], e["streams"]): e for e in entries
@@ -771,6 +873,52 @@ def write_plots(out_dir, entries):
         plt.close(fig)
 
 
+# The shape the bar chart shows when the run measured it: Llama 3's vocabulary at the largest N
+# that 2 cores sweep.
+BAR_SHAPE = (128256, 2048, 4096)
+
+
+def bar_shape(sweep):
+    """BAR_SHAPE if measured, else the shape with the most work among those where the engine ran."""
+    shapes = {(e["v"], e["h"], e["n"]) for e in sweep if e["method"] == "engine" and "seconds" in e}
+    if BAR_SHAPE in shapes:
+        return BAR_SHAPE
+    return max(shapes, key=lambda shape: shape[0] * shape[1] * shape[2], default=None)
+
+
+def write_shape_bars(out_dir, sweep, plt):
+    """shape_bars.png: every method's time and peak memory at one shape, side by side."""
+    shape = bar_shape(sweep)
+    if shape is None:
+        return
+    by = {e["method"]: e for e in sweep if (e["v"], e["h"], e["n"]) == shape}
+    methods = [m for m in SWEEP_METHODS if m in by]
+    fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, field, label in ((time_ax, "seconds", "seconds (fwd + bwd)"),
+                             (memory_ax, "peak_rss_bytes", "peak resident GiB (remote: server's)")):
+        heights = []
+        for method in methods:
+            e = by[method]
+            value = e.get("server_peak_rss_bytes") if field == "peak_rss_bytes" and \
+                method.startswith("remote_") else e.get(field)
+            heights.append((value / GIB if field == "peak_rss_bytes" else value)
+                           if "seconds" in e and value else 0.0)
+        colors = ["C3" if m == "engine" or m.startswith("remote_") else
+                  "gray" if m in FLOORS else "C0" for m in methods]
+        ax.bar(range(len(methods)), heights, color=colors)
+        for x, method in enumerate(methods):
+            if "seconds" not in by[method]:
+                failed = "out of memory" if by[method].get("error") == OUT_OF_MEMORY else "failed"
+                ax.annotate(failed, (x, 0), rotation=90, ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"V={shape[0]}, H={shape[1]}, N={shape[2]}, fp32")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "shape_bars.png"), dpi=110)
+    plt.close(fig)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, about 2 minutes")
@@ -790,7 +938,7 @@ def main():
                         help="leave out the wire throughput measurements")
     parser.add_argument("--budget-mib", type=int, default=256, help="lossd's workspace budget")
     parser.add_argument("--memory-cap-gib", type=float, default=6.0,
-                        help="address-space cap of every process; 6 GiB of this 24 GiB machine "
+                        help="data-segment cap of every process; 6 GiB of this 24 GiB machine "
                              "plays the part of an accelerator's memory")
     parser.add_argument("--report", metavar="DIR",
                         help="run nothing: write DIR's results.md and plots anew from its "
