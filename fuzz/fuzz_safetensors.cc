@@ -1,6 +1,6 @@
 // Untrusted bytes through the safetensors reader: parsing must fail cleanly or hand out tensors
 // that lie inside the file with exactly product(shape) * element size bytes, tiling its data
-// buffer (the contract in server/storage/safetensors.h), and every F32/BF16/F16 tensor must
+// buffer (the contract in lossd/storage/safetensors.h), and every F32/BF16/F16 tensor must
 // convert to each of the three dtypes.
 #include <algorithm>
 #include <cstddef>
@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "server/storage/safetensors.h"
+#include "lossd/storage/safetensors.h"
 
 namespace lossd::storage {
 namespace {

@@ -29,7 +29,7 @@
 #include "absl/synchronization/mutex.h"
 #include "lossd/kernels/backend.h"
 #include "server/memory_ledger.h"
-#include "server/storage/checkpoint.h"
+#include "lossd/storage/checkpoint.h"
 #include "server/weight_digest.h"
 
 namespace lossd::server {

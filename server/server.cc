@@ -31,8 +31,8 @@
 #include "absl/time/time.h"
 #include "lossd/common/status_macros.h"
 #include "lossd/common/version.h"
-#include "server/storage/checkpoint.h"
-#include "server/storage/safetensors.h"
+#include "lossd/storage/checkpoint.h"
+#include "lossd/storage/safetensors.h"
 
 namespace lossd::server {
 namespace {

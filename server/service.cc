@@ -10,7 +10,7 @@
 #include "server/grpc_status.h"
 #include "server/proto_convert.h"
 #include "server/shared_memory.h"
-#include "server/storage/checkpoint.h"
+#include "lossd/storage/checkpoint.h"
 
 namespace lossd::server {
 namespace {

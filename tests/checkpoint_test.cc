@@ -1,4 +1,4 @@
-#include "server/storage/checkpoint.h"
+#include "lossd/storage/checkpoint.h"
 
 #include <stdlib.h>
 
@@ -20,7 +20,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "lossd/kernels/half.h"
-#include "server/storage/safetensors.h"
+#include "lossd/storage/safetensors.h"
 #include "tests/scratch_files.h"
 
 namespace lossd::storage {

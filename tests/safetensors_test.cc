@@ -1,4 +1,4 @@
-#include "server/storage/safetensors.h"
+#include "lossd/storage/safetensors.h"
 
 #include <signal.h>
 #include <stdlib.h>

@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "lossd/kernels/half.h"
-#include "server/storage/safetensors.h"
+#include "lossd/storage/safetensors.h"
 #include "tests/engine_harness.h"
 #include "tests/reference.h"
 #include "tests/server_harness.h"

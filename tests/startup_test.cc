@@ -7,15 +7,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_join.h"
 #include "lossd/kernels/half.h"
-#include "server/storage/checkpoint.h"
-#include "server/storage/safetensors.h"
+#include "lossd/storage/checkpoint.h"
+#include "lossd/storage/safetensors.h"
 #include "tests/engine_harness.h"
 #include "tests/scratch_files.h"
 #include "tests/server_harness.h"

@@ -1,4 +1,4 @@
-# Safetensors reading/writing and checkpoints (server/storage).
+# Safetensors reading/writing, checkpoints and Hugging Face model checkpoints (storage/).
 add_executable(storage_test
   checkpoint_test.cc
   safetensors_test.cc

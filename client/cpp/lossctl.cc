@@ -41,7 +41,7 @@
 #include "lossd/common/version.h"
 #include "lossd/client/client.h"
 #include "nlohmann/json.hpp"
-#include "server/storage/safetensors.h"
+#include "lossd/storage/safetensors.h"
 
 namespace lossd::client {
 namespace {

@@ -9,8 +9,8 @@
 // implementation it also requires the tensors to tile the data buffer: no gaps, no overlaps, no
 // trailing bytes. Truncated files are DATA_LOSS, any other malformation INVALID_ARGUMENT; messages
 // name the file, the tensor and the field.
-#ifndef LOSSD_SERVER_STORAGE_SAFETENSORS_H_
-#define LOSSD_SERVER_STORAGE_SAFETENSORS_H_
+#ifndef LOSSD_STORAGE_SAFETENSORS_H_
+#define LOSSD_STORAGE_SAFETENSORS_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -130,4 +130,4 @@ absl::Status FsyncDirectory(const std::string& dir);
 
 }  // namespace lossd::storage
 
-#endif  // LOSSD_SERVER_STORAGE_SAFETENSORS_H_
+#endif  // LOSSD_STORAGE_SAFETENSORS_H_

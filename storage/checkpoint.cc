@@ -1,4 +1,4 @@
-#include "server/storage/checkpoint.h"
+#include "lossd/storage/checkpoint.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -24,7 +24,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "lossd/common/status_macros.h"
-#include "server/storage/safetensors.h"
+#include "lossd/storage/safetensors.h"
 
 namespace lossd::storage {
 namespace {

@@ -11,8 +11,8 @@
 //
 // Each file is written to a temporary name, fsynced and renamed into place, so a crash leaves
 // either the previous checkpoints or the new one, never a half-written file under a checkpoint name.
-#ifndef LOSSD_SERVER_STORAGE_CHECKPOINT_H_
-#define LOSSD_SERVER_STORAGE_CHECKPOINT_H_
+#ifndef LOSSD_STORAGE_CHECKPOINT_H_
+#define LOSSD_STORAGE_CHECKPOINT_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -78,4 +78,4 @@ uint32_t Crc32c(const void* data, size_t size, uint32_t crc = 0);
 
 }  // namespace lossd::storage
 
-#endif  // LOSSD_SERVER_STORAGE_CHECKPOINT_H_
+#endif  // LOSSD_STORAGE_CHECKPOINT_H_

@@ -1,4 +1,4 @@
-#include "server/storage/safetensors.h"
+#include "lossd/storage/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
