@@ -89,6 +89,8 @@ Head::Head(Backend& backend, MemoryLedger& ledger, const HeadState& state, std::
       vocab_size_(state.vocab_size),
       hidden_size_(state.hidden_size),
       dtype_(state.weight_dtype),
+      tied_embeddings_(state.tied_embeddings),
+      logit_softcap_(state.logit_softcap),
       version_(state.version),
       steps_(state.steps),
       source_(std::move(source)) {}
@@ -152,6 +154,8 @@ HeadSummary Head::SummaryLocked() const {
   s.vocab_size = vocab_size_;
   s.hidden_size = hidden_size_;
   s.dtype = dtype_;
+  s.tied_embeddings = tied_embeddings_;
+  s.logit_softcap = logit_softcap_;
   s.version = version_;
   s.steps = steps_;
   s.source = source_;
@@ -492,6 +496,8 @@ absl::StatusOr<HeadState> Head::ExportState() {
   state.vocab_size = vocab_size_;
   state.hidden_size = hidden_size_;
   state.weight_dtype = dtype_;
+  state.tied_embeddings = tied_embeddings_;
+  state.logit_softcap = logit_softcap_;
   state.weight.resize(weight_.bytes());
   absl::ReaderMutexLock weight_lock(&weight_mu_);
   absl::MutexLock grad_lock(&grad_mu_);

@@ -28,8 +28,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "lossd/kernels/backend.h"
-#include "server/memory_ledger.h"
 #include "lossd/storage/checkpoint.h"
+#include "server/memory_ledger.h"
 #include "server/weight_digest.h"
 
 namespace lossd::server {
@@ -49,6 +49,8 @@ struct HeadSummary {
   int64_t accumulated_calls = 0;
   OptimizerKind optimizer = OptimizerKind::kNone;
   int64_t steps = 0;
+  bool tied_embeddings = false;
+  double logit_softcap = 0.0;
   std::string weight_sha256;  // of W at `version`; empty where not computed yet
 };
 
@@ -108,6 +110,10 @@ class Head {
   int64_t vocab_size() const { return vocab_size_; }
   int64_t hidden_size() const { return hidden_size_; }
   DType dtype() const { return dtype_; }
+  // What the model does with W besides the head, fixed for the head's life: an upload that changes
+  // either makes a new head.
+  bool tied_embeddings() const { return tied_embeddings_; }
+  double logit_softcap() const { return logit_softcap_; }
   uint64_t version() const;
   // weight_sha256 only where it is known for the current version: a summary never waits for W to
   // be hashed.
@@ -198,6 +204,8 @@ class Head {
   const int64_t vocab_size_;
   const int64_t hidden_size_;
   const DType dtype_;
+  const bool tied_embeddings_;
+  const double logit_softcap_;
 
   mutable absl::Mutex weight_mu_;  // shared: engine chunks; exclusive: Step and uploads
   uint64_t version_ ABSL_GUARDED_BY(weight_mu_);

@@ -52,8 +52,9 @@ ABSL_FLAG(std::string, tls_key_file, "",
 ABSL_FLAG(std::string, checkpoint_dir, "", "directory to resume heads from and save checkpoints to");
 ABSL_FLAG(int, keep_checkpoints, 3, "checkpoints kept per head");
 ABSL_FLAG(std::vector<std::string>, heads, {},
-          "comma-separated NAME=PATH[#TENSOR] heads from safetensors files (tensor default: "
-          "lm_head.weight, else model.embed_tokens.weight)");
+          "comma-separated NAME=PATH[#TENSOR] heads from Hugging Face checkpoints: PATH a model "
+          "directory, a model.safetensors.index.json or a safetensors file; with config.json "
+          "beside it, lm_head.weight for untied models, the input embedding for tied ones");
 ABSL_FLAG(std::string, head_dtype, "float32", "storage dtype of heads: float32, bfloat16 or float16");
 ABSL_FLAG(int64_t, demo_vocab_size, 32000, "vocabulary of the demo head served when no head is given");
 ABSL_FLAG(int64_t, demo_hidden_size, 512, "hidden size of the demo head");
@@ -66,7 +67,7 @@ constexpr int kExitDeviceFault = 3;
 int main(int argc, char** argv) {
   // Abseil prints this after "lossd_server: ".
   absl::SetProgramUsageMessage("linear cross-entropy as a service.\n"
-                               "  lossd_server --heads=main=model.safetensors --device=cuda");
+                               "  lossd_server --heads=main=/models/Llama-3.1-8B --device=cuda");
   // Abseil lists under --help only flags defined in a file named after the program; ours live here.
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "main.cc"); };

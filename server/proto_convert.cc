@@ -178,6 +178,8 @@ v1::HeadInfo ToProto(const HeadSummary& s) {
   info.set_accumulated_calls(s.accumulated_calls);
   info.set_optimizer(static_cast<v1::OptimizerState::Kind>(s.optimizer));
   info.set_steps(s.steps);
+  info.set_tied_embeddings(s.tied_embeddings);
+  info.set_logit_softcap(s.logit_softcap);
   info.set_weight_sha256(s.weight_sha256);
   return info;
 }

@@ -32,6 +32,7 @@
 #include "lossd/common/status_macros.h"
 #include "lossd/common/version.h"
 #include "lossd/storage/checkpoint.h"
+#include "lossd/storage/hf_checkpoint.h"
 #include "lossd/storage/safetensors.h"
 
 namespace lossd::server {
@@ -194,8 +195,8 @@ absl::Status ListenFailure(absl::string_view flag, const std::string& address,
 
 struct HeadSpec {
   std::string name;
-  std::string path;
-  std::string tensor;  // empty: lm_head.weight, then model.embed_tokens.weight
+  std::string path;    // a model directory, a sharded checkpoint's index or a safetensors file
+  std::string tensor;  // empty: chosen from the checkpoint and its config.json
 };
 
 absl::StatusOr<HeadSpec> ParseHeadSpec(absl::string_view text) {
@@ -263,27 +264,22 @@ std::string StorageNote(const HeadState& state, absl::string_view file_dtype) {
   return note;
 }
 
-absl::StatusOr<HeadState> LoadSafetensorsHead(const HeadSpec& spec, DType dtype,
-                                              std::string* source, std::string* file_dtype) {
-  ASSIGN_OR_RETURN(const storage::SafetensorsFile file, storage::SafetensorsFile::Open(spec.path));
-  std::string tensor_name = spec.tensor;
-  if (tensor_name.empty()) {
-    tensor_name = file.Tensor("lm_head.weight").ok() ? "lm_head.weight" : "model.embed_tokens.weight";
-  }
-  ASSIGN_OR_RETURN(const storage::TensorRef tensor, file.Tensor(tensor_name));
-  if (tensor.shape.size() != 2 || tensor.shape[0] <= 0 || tensor.shape[1] <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(spec.path, ": tensor '", tensor_name,
-                                                   "': expected a 2-D [vocab, hidden] shape"));
-  }
+absl::StatusOr<HeadState> LoadCheckpointHead(const HeadSpec& spec, DType dtype, std::string* source,
+                                             std::string* explanation, std::string* file_dtype) {
+  ASSIGN_OR_RETURN(storage::CheckpointHead loaded,
+                   storage::LoadCheckpointHead(spec.path, spec.tensor, dtype));
   HeadState state;
   state.head = spec.name;
-  state.vocab_size = tensor.shape[0];
-  state.hidden_size = tensor.shape[1];
-  state.weight_dtype = dtype;
+  state.vocab_size = loaded.vocab_size;
+  state.hidden_size = loaded.hidden_size;
+  state.weight_dtype = loaded.weight_dtype;
   state.version = 1;
-  ASSIGN_OR_RETURN(state.weight, storage::ReadAsDType(tensor, dtype));
-  *source = absl::StrCat(spec.path, "#", tensor_name, " (", tensor.dtype, ")");
-  *file_dtype = tensor.dtype;
+  state.weight = std::move(loaded.weight);
+  state.tied_embeddings = loaded.tied_embeddings;
+  state.logit_softcap = loaded.logit_softcap;
+  *source = std::move(loaded.source);
+  *explanation = std::move(loaded.explanation);
+  *file_dtype = std::move(loaded.file_dtype);
   return state;
 }
 
@@ -321,14 +317,14 @@ absl::Status LossServer::LoadHeads(const ServerConfig& config) {
                                           " not loaded, its checkpoint is newer"));
       continue;
     }
-    std::string source, file_dtype;
-    ASSIGN_OR_RETURN(const HeadState state,
-                     LoadSafetensorsHead(spec, config.head_dtype, &source, &file_dtype));
+    std::string source, explanation, file_dtype;
+    ASSIGN_OR_RETURN(const HeadState state, LoadCheckpointHead(spec, config.head_dtype, &source,
+                                                               &explanation, &file_dtype));
     ASSIGN_OR_RETURN(auto head, Head::Create(*backend_, ledger_, state, source));
     RETURN_IF_ERROR(heads_.Put(head, false));
     startup_log_.push_back(absl::StrCat("head '", spec.name, "' [", state.vocab_size, ", ",
-                                        state.hidden_size, "] from ", source, "; ",
-                                        StorageNote(state, file_dtype)));
+                                        state.hidden_size, "] from ", source, " (", explanation,
+                                        "); ", StorageNote(state, file_dtype)));
   }
   if (heads_.List().empty()) {
     const DemoHeadConfig& demo = config.demo;

@@ -52,8 +52,9 @@ struct ServerConfig {
   std::string tls_key_file;
   std::string checkpoint_dir;                      // resume from and save to
   int keep_checkpoints = 3;
-  // "NAME=PATH" or "NAME=PATH#TENSOR": a head from a safetensors file. The tensor defaults to
-  // lm_head.weight, then model.embed_tokens.weight (tied embeddings).
+  // "NAME=PATH" or "NAME=PATH#TENSOR": a head from a Hugging Face checkpoint, PATH a model
+  // directory, a sharded checkpoint's index or a safetensors file (lossd/storage/hf_checkpoint.h
+  // says which tensor is taken and what config.json decides).
   std::vector<std::string> heads;
   DType head_dtype = DType::kFloat32;              // storage dtype of heads loaded from files
   DemoHeadConfig demo;                             // served when no other head is configured

@@ -183,6 +183,10 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
   ASSIGN_OR_RETURN(const DType wire_dtype, FromProto(start.dtype(), "dtype"));
   ASSIGN_OR_RETURN(const DType storage_dtype,
                    FromProto(start.storage_dtype(), "storage_dtype", DType::kFloat32));
+  if (!std::isfinite(start.logit_softcap()) || start.logit_softcap() < 0) {
+    return InvalidField("logit_softcap", "a finite value >= 0 (0: none)",
+                        absl::StrCat(start.logit_softcap()));
+  }
   // Checked by division: the product of absurd declared sizes overflows int64 (2^32 x 2^32 is 0).
   const int64_t max_elements = options_.max_head_bytes / 4;
   if (start.vocab_size() > max_elements / start.hidden_size()) {
@@ -216,8 +220,11 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
   }
   // Head::Create and ReplaceWeight refuse a W that is not finite as stored.
   const std::string source = absl::StrCat("upload (", DTypeName(wire_dtype), ")");
+  // The same kind of head is overwritten in place; another shape, dtype, tie or cap makes a new one.
   if (existing.ok() && (*existing)->vocab_size() == start.vocab_size() &&
-      (*existing)->hidden_size() == start.hidden_size() && (*existing)->dtype() == storage_dtype) {
+      (*existing)->hidden_size() == start.hidden_size() && (*existing)->dtype() == storage_dtype &&
+      (*existing)->tied_embeddings() == start.tied_embeddings() &&
+      (*existing)->logit_softcap() == start.logit_softcap()) {
     RETURN_IF_ERROR((*existing)->ReplaceWeight(weight, wire_dtype, source));
     return ToProto((*existing)->Summary());
   }
@@ -228,6 +235,8 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
   state.weight_dtype = storage_dtype;
   state.version = existing.ok() ? (*existing)->version() + 1 : 1;
   state.weight = std::move(weight);
+  state.tied_embeddings = start.tied_embeddings();
+  state.logit_softcap = start.logit_softcap();
   if (wire_dtype != storage_dtype) {
     std::vector<uint8_t> converted(state.vocab_size * state.hidden_size * DTypeSize(storage_dtype));
     for (int64_t i = 0; i < state.vocab_size * state.hidden_size; ++i) {

@@ -7,6 +7,7 @@
 #include <array>
 #include <cerrno>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <limits>
@@ -21,6 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "lossd/common/status_macros.h"
@@ -99,6 +101,10 @@ absl::Status ValidateState(const CheckpointState& state) {
   }
   if (state.steps < 0) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": steps ", state.steps, " is negative"));
+  }
+  if (!std::isfinite(state.logit_softcap) || state.logit_softcap < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": logit_softcap ", state.logit_softcap, " is not a finite value >= 0"));
   }
   RETURN_IF_ERROR(DTypeToSafetensors(state.weight_dtype).status());
   size_t weight_bytes = 0, state_bytes = 0;
@@ -332,6 +338,9 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& dir, const Checkpo
       {"optimizer", std::string(OptimizerKindName(state.optimizer))},
       {"vocab_size", absl::StrCat(state.vocab_size)},
       {"hidden_size", absl::StrCat(state.hidden_size)},
+      {"tied_embeddings", state.tied_embeddings ? "true" : "false"},
+      // Enough digits to read back the same double.
+      {"logit_softcap", absl::StrFormat("%.17g", state.logit_softcap)},
       {absl::StrCat(kChecksumPrefix, kWeightTensor),
        ChecksumText(Crc32c(state.weight.data(), state.weight.size()))},
   };
@@ -390,6 +399,19 @@ absl::StatusOr<CheckpointState> LoadCheckpoint(const std::string& path) {
   const std::optional<OptimizerKind> kind = OptimizerFromName(optimizer);
   if (!kind) return bad_field("optimizer", optimizer, "\"none\", \"sgd\" or \"adamw\"");
   state.optimizer = *kind;
+  // Optional: checkpoints written before heads knew their tie and soft cap lack them.
+  if (const auto tied = metadata.find("tied_embeddings"); tied != metadata.end()) {
+    if (tied->second != "true" && tied->second != "false") {
+      return bad_field("tied_embeddings", tied->second, "\"true\" or \"false\"");
+    }
+    state.tied_embeddings = tied->second == "true";
+  }
+  if (const auto cap = metadata.find("logit_softcap"); cap != metadata.end()) {
+    if (!absl::SimpleAtod(cap->second, &state.logit_softcap) || !std::isfinite(state.logit_softcap) ||
+        state.logit_softcap < 0) {
+      return bad_field("logit_softcap", cap->second, "a finite number >= 0");
+    }
+  }
 
   const auto [has_state1, has_state2] = StatesOf(state.optimizer);
   // Built in place: clang before 16 cannot capture structured bindings in a lambda.

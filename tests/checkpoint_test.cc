@@ -69,6 +69,10 @@ CheckpointState RandomState(std::mt19937& rng, const std::string& head, uint64_t
   };
   if (optimizer != OptimizerKind::kNone) state.state1 = random_floats();
   if (optimizer == OptimizerKind::kAdamW) state.state2 = random_floats();
+  state.tied_embeddings = rng() % 2 == 0;
+  // Gemma 2's cap, none, or a value that needs every digit of a double to come back the same.
+  const double caps[] = {30.0, 0.0, std::uniform_real_distribution<double>(0.1, 100.0)(rng)};
+  state.logit_softcap = caps[rng() % 3];
   return state;
 }
 
@@ -90,6 +94,8 @@ void ExpectSameState(const CheckpointState& actual, const CheckpointState& expec
   EXPECT_EQ(actual.optimizer, expected.optimizer);
   EXPECT_EQ(Bits(actual.state1), Bits(expected.state1));
   EXPECT_EQ(Bits(actual.state2), Bits(expected.state2));
+  EXPECT_EQ(actual.tied_embeddings, expected.tied_embeddings);
+  EXPECT_EQ(actual.logit_softcap, expected.logit_softcap);
 }
 
 uint32_t FreshSeed() { return std::random_device{}(); }
@@ -266,6 +272,8 @@ TEST(CheckpointTest, RejectsInconsistentStatesWithoutWriting) {
       {"AdamW without second moment", [](auto& s) { s.optimizer = OptimizerKind::kAdamW; }, "state2"},
       {"state of the wrong length", [](auto& s) { s.state1.push_back(0.0f); }, "state1"},
       {"unknown optimizer", [](auto& s) { s.optimizer = static_cast<OptimizerKind>(7); }, "optimizer"},
+      {"negative soft cap", [](auto& s) { s.logit_softcap = -1; }, "logit_softcap"},
+      {"infinite soft cap", [](auto& s) { s.logit_softcap = HUGE_VAL; }, "logit_softcap"},
   };
   // clang-format on
 
@@ -321,6 +329,12 @@ std::vector<InvalidCheckpointCase> InvalidCheckpointCases() {
        [](auto& tensors, auto& metadata) { metadata["hidden_size"] = absl::StrCat(tensors[0].shape[1] + 1); },
        invalid, "shape does not match"},
       {"optimizer_unknown", "no such optimizer", set("optimizer", "adam"), invalid, "optimizer"},
+      {"tied_text", "tied_embeddings is neither true nor false", set("tied_embeddings", "yes"), invalid,
+       "tied_embeddings"},
+      {"softcap_text", "logit_softcap is not a number", set("logit_softcap", "thirty"), invalid,
+       "logit_softcap"},
+      {"softcap_negative", "a negative cap", set("logit_softcap", "-30"), invalid, "logit_softcap"},
+      {"softcap_nan", "a NaN cap", set("logit_softcap", "nan"), invalid, "logit_softcap"},
       {"optimizer_needs_more", "AdamW needs a second moment",
        set("optimizer", "adamw"), invalid, "optimizer.state2"},
       {"optimizer_none_with_state", "state tensors without an optimizer", set("optimizer", "none"), invalid,
@@ -381,6 +395,32 @@ INSTANTIATE_TEST_SUITE_P(Cases, InvalidCheckpointTest, ::testing::ValuesIn(Inval
                          [](const ::testing::TestParamInfo<InvalidCheckpointCase>& param_info) {
                            return param_info.param.id;
                          });
+
+// Checkpoints from before heads carried their tie and soft cap still resume, untied and uncapped.
+TEST(CheckpointTest, CheckpointsWithoutTieOrCapLoadUntiedAndUncapped) {
+  std::mt19937 rng(FreshSeed());
+  ScratchDir dir;
+  CheckpointState state = RandomState(rng, "h", 3, DType::kBFloat16, OptimizerKind::kNone);
+  state.tied_embeddings = true;
+  state.logit_softcap = 30.0;
+  absl::StatusOr<std::string> path = SaveCheckpoint(dir.path(), state);
+  ASSERT_TRUE(path.ok()) << path.status();
+  absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(*path);
+  ASSERT_TRUE(file.ok());
+  const TensorRef weight = *file->Tensor("weight");
+  std::map<std::string, std::string> metadata = file->metadata();
+  ASSERT_EQ(metadata.erase("tied_embeddings") + metadata.erase("logit_softcap"), 2u);
+  const std::string older = dir.File("older.safetensors");
+  ASSERT_TRUE(WriteSafetensorsAtomically(
+                  older, {{weight.name, weight.dtype, weight.shape, weight.data, weight.bytes}}, metadata)
+                  .ok());
+
+  absl::StatusOr<CheckpointState> loaded = LoadCheckpoint(older);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  state.tied_embeddings = false;
+  state.logit_softcap = 0.0;
+  ExpectSameState(*loaded, state);
+}
 
 TEST(CheckpointTest, TruncatedCheckpointsAreDataLoss) {
   const uint32_t seed = FreshSeed();

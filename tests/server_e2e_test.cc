@@ -477,12 +477,25 @@ TEST(ServerAuthTest, TokenIsRequiredWhenConfigured) {
   std::filesystem::remove(token_file);
 }
 
-// Hugging Face checkpoints: lm_head.weight by default, the embedding for tied heads, any tensor
-// on request; bf16 on disk becomes the configured storage dtype.
-TEST(ServerStartupTest, LoadsHeadsFromSafetensors) {
+v1::HeadInfo GetHeadInfo(v1::LossService::Stub& stub, const std::string& head) {
+  grpc::ClientContext context;
+  v1::GetHeadRequest request;
+  request.set_head(head);
+  v1::HeadInfo info;
+  EXPECT_TRUE(stub.GetHead(&context, request, &info).ok()) << head;
+  return info;
+}
+
+// Hugging Face checkpoints: a sharded untied model serves lm_head.weight from its last shard, a
+// tied one its embedding with its soft cap, any tensor on request; bf16 on disk becomes the
+// configured storage dtype. Heads report where W came from, the tie and the cap, and keep the
+// two through a checkpoint and a restart.
+TEST(ServerStartupTest, LoadsHeadsFromHuggingFaceCheckpoints) {
   std::mt19937_64 rng(FreshSeed());
   const std::string dir = ::testing::TempDir() + "/lossd-heads-" + std::to_string(FreshSeed());
-  std::filesystem::create_directories(dir);
+  const std::string untied = dir + "/untied", tied = dir + "/tied", checkpoints = dir + "/checkpoints";
+  std::filesystem::create_directories(untied);
+  std::filesystem::create_directories(tied);
   const int64_t vocab = 321;
   const std::vector<float> lm_head = RandomWeight(vocab, rng);
   const std::vector<float> embedding = RandomWeight(vocab, rng);
@@ -493,30 +506,73 @@ TEST(ServerStartupTest, LoadsHeadsFromSafetensors) {
     lm_head_rounded[i] = BFloat16ToFloat(lm_head_bf16[i]);
   }
   const std::vector<int64_t> shape = {vocab, kHidden};
+  const auto write_json = [](const std::string& path, const std::string& text) {
+    std::ofstream(path) << text;
+  };
   ASSERT_TRUE(storage::WriteSafetensorsAtomically(
-                  dir + "/untied.safetensors",
-                  {{"lm_head.weight", "BF16", shape, lm_head_bf16.data(), lm_head_bf16.size() * 2},
-                   {"model.embed_tokens.weight", "F32", shape, embedding.data(), embedding.size() * 4}},
-                  {})
+                  untied + "/model-00001-of-00002.safetensors",
+                  {{"model.embed_tokens.weight", "F32", shape, embedding.data(), embedding.size() * 4}}, {})
                   .ok());
   ASSERT_TRUE(storage::WriteSafetensorsAtomically(
-                  dir + "/tied.safetensors",
-                  {{"model.embed_tokens.weight", "F32", shape, embedding.data(), embedding.size() * 4}},
-                  {})
+                  untied + "/model-00002-of-00002.safetensors",
+                  {{"lm_head.weight", "BF16", shape, lm_head_bf16.data(), lm_head_bf16.size() * 2}}, {})
                   .ok());
-  server::ServerConfig config;
-  config.heads = {"untied=" + dir + "/untied.safetensors", "tied=" + dir + "/tied.safetensors",
-                  "chosen=" + dir + "/untied.safetensors#model.embed_tokens.weight"};
-  auto server = StartTestServer(config);
-  ASSERT_NE(server, nullptr);
-  auto stub = ConnectTo(server->port());
-  EXPECT_EQ(Fetch(*stub, "untied", false).values, lm_head_rounded);
-  EXPECT_EQ(Fetch(*stub, "tied", false).values, embedding);
-  EXPECT_EQ(Fetch(*stub, "chosen", false).values, embedding);
-  EXPECT_EQ(Fetch(*stub, "demo", false).status.error_code(), grpc::StatusCode::NOT_FOUND);
+  write_json(untied + "/model.safetensors.index.json",
+             R"({"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                                "lm_head.weight": "model-00002-of-00002.safetensors"}})");
+  write_json(untied + "/config.json", R"({"model_type": "llama", "tie_word_embeddings": false})");
+  ASSERT_TRUE(storage::WriteSafetensorsAtomically(
+                  tied + "/model.safetensors",
+                  {{"model.embed_tokens.weight", "F32", shape, embedding.data(), embedding.size() * 4}}, {})
+                  .ok());
+  write_json(tied + "/config.json", R"({"model_type": "gemma2", "final_logit_softcapping": 30.0})");
 
-  config.heads = {"broken=" + dir + "/untied.safetensors#no.such.tensor"};
+  server::ServerConfig config;
+  config.checkpoint_dir = checkpoints;
+  config.heads = {"untied=" + untied, "tied=" + tied,
+                  "chosen=" + untied + "/model.safetensors.index.json#model.embed_tokens.weight"};
+  {
+    auto server = StartTestServer(config);
+    ASSERT_NE(server, nullptr);
+    auto stub = ConnectTo(server->port());
+    EXPECT_EQ(Fetch(*stub, "untied", false).values, lm_head_rounded);
+    EXPECT_EQ(Fetch(*stub, "tied", false).values, embedding);
+    EXPECT_EQ(Fetch(*stub, "chosen", false).values, embedding);
+    EXPECT_EQ(Fetch(*stub, "demo", false).status.error_code(), grpc::StatusCode::NOT_FOUND);
+    const v1::HeadInfo untied_info = GetHeadInfo(*stub, "untied");
+    EXPECT_EQ(untied_info.source(), untied + "/model-00002-of-00002.safetensors#lm_head.weight (BF16)");
+    EXPECT_FALSE(untied_info.tied_embeddings());
+    EXPECT_EQ(untied_info.logit_softcap(), 0.0);
+    const v1::HeadInfo tied_info = GetHeadInfo(*stub, "tied");
+    EXPECT_EQ(tied_info.source(), tied + "/model.safetensors#model.embed_tokens.weight (F32)");
+    EXPECT_TRUE(tied_info.tied_embeddings());
+    EXPECT_EQ(tied_info.logit_softcap(), 30.0);
+    EXPECT_FALSE(GetHeadInfo(*stub, "chosen").tied_embeddings());  // the model itself is untied
+
+    grpc::ClientContext context;
+    v1::SaveCheckpointRequest save;
+    v1::SaveCheckpointResponse saved;
+    ASSERT_TRUE(stub->SaveCheckpoint(&context, save, &saved).ok());
+  }
+  // Resumed from its checkpoint, a head keeps its tie and cap.
+  config.heads.clear();
+  auto resumed = StartTestServer(config);
+  ASSERT_NE(resumed, nullptr);
+  auto stub = ConnectTo(resumed->port());
+  const v1::HeadInfo tied_info = GetHeadInfo(*stub, "tied");
+  EXPECT_TRUE(tied_info.tied_embeddings());
+  EXPECT_EQ(tied_info.logit_softcap(), 30.0);
+  EXPECT_EQ(Fetch(*stub, "tied", false).values, embedding);
+  EXPECT_FALSE(GetHeadInfo(*stub, "untied").tied_embeddings());
+
+  // The first shard of the untied model alone holds only its embedding: refused, not served.
+  config.checkpoint_dir.clear();
+  config.heads = {"shard=" + untied + "/model-00001-of-00002.safetensors"};
   auto refused = server::LossServer::Start(config, CreateBackend("cpu").value());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(refused.status().message().find("'lm_head.weight'"), std::string::npos) << refused.status();
+  config.heads = {"broken=" + untied + "#no.such.tensor"};
+  refused = server::LossServer::Start(config, CreateBackend("cpu").value());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound);
   EXPECT_NE(refused.status().message().find("no.such.tensor"), std::string::npos);
   std::filesystem::remove_all(dir);

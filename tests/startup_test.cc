@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -120,6 +121,8 @@ const Refusal kRefusals[] = {
                                bf16.size() * sizeof(uint16_t)}},
                        {})
                        .ok());
+       // The model's config says the embedding is the head.
+       std::ofstream(dir + "/config.json") << R"({"model_type": "qwen2", "tie_word_embeddings": true})";
        config.heads = {"main=" + path};
        config.head_dtype = DType::kBFloat16;
        return std::vector<std::string>{
@@ -313,8 +316,10 @@ TEST_P(StorageLineTest, NamesTheDTypesAndTheBytes) {
   config.head_dtype = c.head_dtype;
   auto server = StartTestServer(config);
   ASSERT_NE(server, nullptr);
+  // Between the source and the storage: why that tensor (a file without config.json beside it).
   const std::string expected = "head 'main' [1024, 512] from " + path + "#lm_head.weight (" +
-                               storage::DTypeToSafetensors(c.file_dtype).value() + "); " +
+                               storage::DTypeToSafetensors(c.file_dtype).value() +
+                               ") (no config.json: untied, the checkpoint's lm_head); " +
                                c.line_ends_with;
   const std::vector<std::string>& log = server->startup_log();
   EXPECT_NE(std::find(log.begin(), log.end(), expected), log.end())

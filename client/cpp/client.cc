@@ -95,6 +95,8 @@ absl::StatusOr<HeadInfo> FromProto(const v1::HeadInfo& proto) {
   info.optimizer = FromProto(proto.optimizer());
   info.steps = proto.steps();
   info.weight_sha256 = proto.weight_sha256();
+  info.tied_embeddings = proto.tied_embeddings();
+  info.logit_softcap = proto.logit_softcap();
   return info;
 }
 

@@ -523,6 +523,8 @@ absl::Status RunHead(const Flags& flags) {
   absl::PrintF("accumulated_calls:  %d\n", head.accumulated_calls);
   absl::PrintF("optimizer:          %s\n", OptimizerName(head.optimizer));
   absl::PrintF("steps:              %d\n", head.steps);
+  absl::PrintF("tied_embeddings:    %s\n", head.tied_embeddings ? "true" : "false");
+  absl::PrintF("logit_softcap:      %g\n", head.logit_softcap);
   absl::PrintF("weight_sha256:      %s\n", head.weight_sha256);
   return absl::OkStatus();
 }

@@ -5,6 +5,8 @@
 // "optimizer.state1" and "optimizer.state2" (F32 [V, H]); its __metadata__ holds
 //   format       "lossd-checkpoint-v1"
 //   head, version, steps, optimizer ("none", "sgd", "adamw"), vocab_size, hidden_size
+//   tied_embeddings ("true"/"false"), logit_softcap (decimal, 0: none); files written before
+//                 these two existed lack them and load untied without a cap
 //   crc32c.<tensor>  CRC-32C of each tensor's bytes, 8 hex digits
 // The checksums let a resume tell a damaged newest checkpoint from a good one, which the
 // structure alone cannot (flipped bits in the data keep every offset valid).
@@ -40,6 +42,8 @@ struct CheckpointState {
   OptimizerKind optimizer = OptimizerKind::kNone;
   // fp32 [V * H] each. kNone has neither, kSgd has state1 (momentum), kAdamW both moments.
   std::vector<float> state1, state2;
+  bool tied_embeddings = false;  // W is also the model's input embedding
+  double logit_softcap = 0.0;    // the model's final logit soft cap; 0: none
 };
 
 // OK when `head` can be a path component: [A-Za-z0-9._-]+, neither "." nor "..".

@@ -136,6 +136,8 @@ struct HeadInfo {
   int64_t accumulated_calls = 0;
   Optimizer optimizer = Optimizer::kNone;  // kind of optimizer state held
   int64_t steps = 0;
+  bool tied_embeddings = false;  // W is also the model's input embedding
+  double logit_softcap = 0.0;    // the cap calls get unless they set their own; 0: none
   // SHA-256 of W at `version` (HeadInfo.weight_sha256): equal on replicas that serve the same W.
   // Always set by GetHead; ListHeads leaves it empty where the server has not hashed W since it
   // last changed.
