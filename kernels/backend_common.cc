@@ -555,18 +555,9 @@ absl::Status ValidateObjectiveInputs(const BatchInputs& in, const LossOptions& o
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<double>> SequenceReductionScales(const LossOptions& options,
-                                                            const int64_t* labels,
-                                                            int64_t num_tokens,
-                                                            const int64_t* sequence_lengths,
-                                                            int64_t num_sequences) {
-  if (num_tokens > 0 && num_sequences == 0) {
-    return InvalidField("sequence_lengths",
-                        absl::StrCat("the lengths of the sequences in the batch (reduction ",
-                                     ReductionName(options.reduction), "), summing to ",
-                                     num_tokens),
-                        "none");
-  }
+absl::Status ValidateSequenceLengths(const int64_t* sequence_lengths, int64_t num_sequences,
+                                     int64_t num_tokens) {
+  if (num_sequences == 0) return absl::OkStatus();
   int64_t total = 0;
   for (int64_t s = 0; s < num_sequences; ++s) {
     const int64_t length = sequence_lengths[s];
@@ -584,6 +575,32 @@ absl::StatusOr<std::vector<double>> SequenceReductionScales(const LossOptions& o
                                                          " (num_tokens)"),
                         absl::StrCat("lengths summing to ", total));
   }
+  return absl::OkStatus();
+}
+
+void ShiftLabelsWithinSequences(int64_t* labels, int64_t num_tokens, const int64_t* sequence_lengths,
+                                int64_t num_sequences, int64_t ignore_index) {
+  for (int64_t s = 0, first = 0; first < num_tokens; ++s) {
+    const int64_t length = num_sequences == 0 ? num_tokens : sequence_lengths[s];
+    std::copy(labels + first + 1, labels + first + length, labels + first);
+    labels[first + length - 1] = ignore_index;
+    first += length;
+  }
+}
+
+absl::StatusOr<std::vector<double>> SequenceReductionScales(const LossOptions& options,
+                                                            const int64_t* labels,
+                                                            int64_t num_tokens,
+                                                            const int64_t* sequence_lengths,
+                                                            int64_t num_sequences) {
+  if (num_tokens > 0 && num_sequences == 0) {
+    return InvalidField("sequence_lengths",
+                        absl::StrCat("the lengths of the sequences in the batch (reduction ",
+                                     ReductionName(options.reduction), "), summing to ",
+                                     num_tokens),
+                        "none");
+  }
+  RETURN_IF_ERROR(ValidateSequenceLengths(sequence_lengths, num_sequences, num_tokens));
   // Counted rows per sequence, and S: the sequences with at least one.
   std::vector<int64_t> counted(num_sequences, 0);
   int64_t sequences_counted = 0;

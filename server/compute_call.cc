@@ -293,6 +293,7 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   }
   spec.pinned_sha256 = start.weight_sha256();
   ASSIGN_OR_RETURN(spec.options, FromProto(start.options()));
+  if (!start.options().has_logit_softcap()) spec.options.logit_softcap = head.logit_softcap();
   if (start.num_tokens() < 0 || start.num_tokens() > env.limits.max_tokens_per_call) {
     return InvalidField("num_tokens", absl::StrCat("a count in [0, ", env.limits.max_tokens_per_call, "]"),
                         absl::StrCat(start.num_tokens()));
@@ -327,6 +328,17 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   if (spec.has_labels) {
     RETURN_IF_ERROR(ValidateLabels(spec.labels.data(), spec.num_tokens, head.vocab_size(),
                                    spec.options.ignore_index));
+  }
+  if (start.shift_labels()) {
+    if (!spec.has_labels) {
+      return InvalidField("shift_labels", "false in a call without labels", "true");
+    }
+    // Before the objective's inputs are read: a sequence reduction counts the shifted labels.
+    RETURN_IF_ERROR(ValidateSequenceLengths(start.sequence_lengths().data(),
+                                            start.sequence_lengths_size(), spec.num_tokens));
+    ShiftLabelsWithinSequences(spec.labels.data(), spec.num_tokens,
+                               start.sequence_lengths().data(), start.sequence_lengths_size(),
+                               spec.options.ignore_index);
   }
   RETURN_IF_ERROR(ValidateTokenWeights(spec.token_weights.data(),
                                        static_cast<int64_t>(spec.token_weights.size())));

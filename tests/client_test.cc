@@ -177,6 +177,39 @@ TEST_F(ClientTest, ComputeMatchesFloat64Reference) {
   EXPECT_LE(RelativeError(client::ToFloat32(*grad), ref.grad_weight), kGradBound);
 }
 
+// shift_labels and sequence_lengths reach the server: a shifted call gives exactly the bits of a
+// call on labels shifted by hand; an unset soft cap is the head's (none here), 0 the same.
+TEST_F(ClientTest, ShiftedLabelsAndTheHeadsSoftCapReachTheServer) {
+  const Client client = Connect(OptionsFor(server_->port()));
+  UploadRandomHead(client, "shifted");
+  const int64_t n = 200;
+  const std::vector<int64_t> lengths = {60, 1, 139};
+  const std::vector<float> hidden = RandomNormal(n * kHidden, 1.0f, rng_);
+  const std::vector<int64_t> labels = RandomLabels(n, kVocab, 0.1, rng_);
+  std::vector<int64_t> by_hand(n);
+  for (int64_t first = 0; const int64_t length : lengths) {
+    for (int64_t i = first; i < first + length; ++i) {
+      by_hand[i] = i + 1 < first + length ? labels[i + 1] : -100;
+    }
+    first += length;
+  }
+  ComputeRequest shifted = Fp32Request("shifted", hidden, labels);
+  shifted.shift_labels = true;
+  shifted.sequence_lengths = lengths;
+  shifted.outputs = {.token_loss = true, .grad_hidden = true};
+  ComputeRequest reference = Fp32Request("shifted", hidden, by_hand);
+  reference.outputs = shifted.outputs;
+  reference.options.logit_softcap = 0.0;
+  const absl::StatusOr<ComputeResult> a = client.Compute(shifted);
+  const absl::StatusOr<ComputeResult> b = client.Compute(reference);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(a->summary.counted_tokens, b->summary.counted_tokens);
+  EXPECT_EQ(a->summary.loss, b->summary.loss);
+  EXPECT_EQ(a->token_loss, b->token_loss);
+  EXPECT_EQ(client::ToFloat32(a->grad_hidden), client::ToFloat32(b->grad_hidden));
+}
+
 TEST_F(ClientTest, BatchLargerThanTheMessageLimitStreamsBothWaysAtOnce) {
   // Both ends limited to 1 MiB messages; 16 MiB of hidden rows go out and 16 MiB of dL/dh come
   // back. Results stream back while rows are still being sent; a client that sent everything before

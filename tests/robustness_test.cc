@@ -355,6 +355,25 @@ const BadRow kBadRows[] = {
      [](Script& s) { StartOf(s).mutable_options()->set_logit_softcap(-3); }},
     {"softcap_inf", "an infinite cap", Rpc::kCompute, kInvalid, "options.logit_softcap",
      [](Script& s) { StartOf(s).mutable_options()->set_logit_softcap(kInf); }},
+    {"shifted_sequence_length_negative", "-1 and one more row than the call has make num_tokens",
+     Rpc::kCompute, kInvalid, "sequence_lengths[0]",
+     [](Script& s) {
+       StartOf(s).set_shift_labels(true);
+       for (int64_t length : {int64_t{-1}, kRows + 1}) StartOf(s).add_sequence_lengths(length);
+     }},
+    {"shifted_sequence_lengths_short", "one row left out of the shifted sequences", Rpc::kCompute,
+     kInvalid, "sequence_lengths",
+     [](Script& s) {
+       StartOf(s).set_shift_labels(true);
+       StartOf(s).add_sequence_lengths(kRows - 1);
+     }},
+    {"shifted_sequence_lengths_int64_max", "a length that overflows the sum", Rpc::kCompute,
+     kInvalid, "sequence_lengths[1]",
+     [](Script& s) {
+       StartOf(s).set_shift_labels(true);
+       StartOf(s).add_sequence_lengths(1);
+       StartOf(s).add_sequence_lengths(std::numeric_limits<int64_t>::max());
+     }},
     {"grad_scale_inf", "an infinite upstream gradient", Rpc::kCompute, kInvalid,
      "options.grad_scale", [](Script& s) { StartOf(s).mutable_options()->set_grad_scale(kInf); }},
     {"grad_scale_nan", "a NaN upstream gradient", Rpc::kCompute, kInvalid, "options.grad_scale",
@@ -719,6 +738,14 @@ const BadRow kBadRows[] = {
        MakeDistill(s);
        StartOf(s).clear_labels();
      }},
+    {"distill_shift_without_labels", "alpha 0 needs no labels, but there are none to shift",
+     Rpc::kCompute, kInvalid, "shift_labels",
+     [](Script& s) {
+       MakeDistill(s);
+       DistillOf(s).set_alpha(0.0);
+       StartOf(s).clear_labels();
+       StartOf(s).set_shift_labels(true);
+     }},
     {"distill_entropy_bonus", "the policy terms are not distillation's", Rpc::kCompute, kInvalid,
      "options.policy.entropy_coef",
      [](Script& s) {
@@ -808,6 +835,10 @@ const BadRow kBadRows[] = {
      "head", [](Script& s) { UploadStartOf(s).set_head(std::string(200, 'h')); }},
     {"upload_name_nul", "a NUL byte in the name", Rpc::kUpload, kInvalid, "head",
      [](Script& s) { UploadStartOf(s).set_head(std::string("a\0b", 3)); }},
+    {"upload_softcap_negative", "a head's soft cap of -30", Rpc::kUpload, kInvalid, "logit_softcap",
+     [](Script& s) { UploadStartOf(s).set_logit_softcap(-30); }},
+    {"upload_softcap_nan", "NaN passes naive range checks", Rpc::kUpload, kInvalid, "logit_softcap",
+     [](Script& s) { UploadStartOf(s).set_logit_softcap(kNaN); }},
     {"upload_vocab_zero", "an empty head", Rpc::kUpload, kInvalid, "vocab_size",
      [](Script& s) { UploadStartOf(s).set_vocab_size(0); }},
     {"upload_hidden_negative", "a negative H", Rpc::kUpload, kInvalid, "hidden_size",

@@ -1,14 +1,17 @@
 // End-to-end: a real lossd server on loopback, called over gRPC.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "lossd/kernels/half.h"
 #include "lossd/storage/safetensors.h"
 #include "tests/engine_harness.h"
@@ -178,6 +181,140 @@ TEST_F(ServerE2eTest, AccumulatorHoldsTheSumOfTheCallsSinceItsReset) {
   expect_grad(second_ref, "a reset and one call");
   EXPECT_EQ(server_->ledger().current(server::MemoryPurpose::kGradients), gradient_bytes)
       << "trading buffers must not change what is charged";
+}
+
+// ComputeStart.shift_labels, checked against the reference on labels shifted here: row i of a
+// sequence against the label of row i + 1, the last row of each sequence ignored.
+struct ShiftCase {
+  std::string name;
+  std::string reason;
+  int64_t rows;
+  std::vector<int64_t> sequence_lengths;  // empty: one sequence
+  v1::Reduction reduction;
+};
+
+class ShiftLabelsTest : public ServerE2eTest, public ::testing::WithParamInterface<ShiftCase> {};
+
+TEST_P(ShiftLabelsTest, MatchesTheReferenceOnShiftedLabels) {
+  const ShiftCase& c = GetParam();
+  SCOPED_TRACE(c.reason);
+  const std::string head = "shift-" + c.name;
+  const std::vector<float> weight = RandomWeight(kVocab, rng_);
+  ASSERT_TRUE(Upload(*stub_, head, kVocab, kHidden, weight, false).ok());
+  const Batch batch = RandomBatch(c.rows, rng_, 0.1);
+  Batch shifted = batch;
+  std::vector<int64_t> lengths = c.sequence_lengths;
+  if (lengths.empty()) lengths.push_back(c.rows);
+  for (int64_t first = 0, s = 0; s < static_cast<int64_t>(lengths.size()); first += lengths[s++]) {
+    for (int64_t i = first; i < first + lengths[s]; ++i) {
+      shifted.labels[i] = i + 1 < first + lengths[s] ? batch.labels[i + 1] : -100;
+    }
+  }
+  ReferenceProblem problem;
+  problem.num_tokens = c.rows;
+  problem.hidden_size = kHidden;
+  problem.vocab_size = kVocab;
+  problem.hidden.assign(batch.hidden.begin(), batch.hidden.end());
+  problem.weight.assign(weight.begin(), weight.end());
+  problem.labels = shifted.labels;
+  problem.options.reduction = c.reduction == v1::REDUCTION_SUM ? Reduction::kSum : Reduction::kMean;
+  const ReferenceResult ref = ComputeReference(problem);
+
+  v1::ComputeStart start = TrainingStart(head, batch);  // the labels as given, unshifted
+  start.set_shift_labels(true);
+  for (int64_t length : c.sequence_lengths) start.add_sequence_lengths(length);
+  start.mutable_options()->set_reduction(c.reduction);
+  const ComputeOutcome out = CallCompute(*stub_, start, FloatBytes(batch.hidden), 41);
+  ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+  EXPECT_EQ(out.summary.counted_tokens(), ref.counted_tokens);
+  const FetchedTensor grad = Fetch(*stub_, head, true);
+  ASSERT_TRUE(grad.status.ok()) << grad.status.error_message();
+  if (ref.counted_tokens == 0) {
+    const auto all_zero = [](const std::vector<float>& values) {
+      return std::all_of(values.begin(), values.end(), [](float v) { return v == 0.0f; });
+    };
+    EXPECT_EQ(out.summary.loss(), 0.0);
+    EXPECT_EQ(AsFloats(out.grad_hidden).size(), static_cast<size_t>(c.rows * kHidden));
+    EXPECT_TRUE(all_zero(AsFloats(out.grad_hidden)));
+    EXPECT_TRUE(all_zero(grad.values));
+    return;
+  }
+  EXPECT_LE(std::abs(out.summary.loss() - ref.loss) / ref.loss, kLossBound);
+  EXPECT_LE(RelativeError(out.token_loss, ref.token_loss), kLossBound);
+  EXPECT_LE(MaxAbsError(out.logprob, ref.logprob), 1e-5 * (1 + ref.max_abs_logit));
+  EXPECT_LE(RelativeError(AsFloats(out.grad_hidden), ref.grad_hidden), kGradBound);
+  EXPECT_LE(RelativeError(grad.values, ref.grad_weight), kGradBound);
+}
+
+// About 80 rows per engine chunk (MultiChunkDemoConfig): sequences cross chunk boundaries.
+INSTANTIATE_TEST_SUITE_P(Table, ShiftLabelsTest, ::testing::ValuesIn(std::vector<ShiftCase>{
+    {"one_sequence", "no lengths: the call is one sequence", 300, {}, v1::REDUCTION_MEAN},
+    {"uneven", "sequences of 1 (nothing to predict), 50, 7, 100 and 142 rows", 300,
+     {1, 50, 7, 100, 142}, v1::REDUCTION_MEAN},
+    {"batch_rows_sum", "a [4, 75] batch, each row its own sequence, summed", 300, {75, 75, 75, 75},
+     v1::REDUCTION_SUM},
+    {"single_rows", "every sequence one row long: all labels ignored", 12,
+     std::vector<int64_t>(12, 1), v1::REDUCTION_MEAN},
+    {"one_row", "N = 1", 1, {}, v1::REDUCTION_MEAN},
+}), [](const auto& info) { return info.param.name; });
+
+// A head's soft cap (from config.json, or an upload) applies to every call that does not set its
+// own; a call's 0 turns it off, a call's value replaces it. A new cap makes a new head version.
+TEST_F(ServerE2eTest, HeadSoftCapAppliesUnlessTheCallSaysOtherwise) {
+  const std::string head = "capped";
+  std::vector<float> weight = RandomWeight(kVocab, rng_);
+  for (float& w : weight) w *= 4;  // logits of several units, where a cap of 2 or 5 matters
+  v1::UploadHeadStart upload;
+  upload.set_head(head);
+  upload.set_vocab_size(kVocab);
+  upload.set_hidden_size(kHidden);
+  upload.set_logit_softcap(2.0);
+  ASSERT_TRUE(UploadWithStart(*stub_, upload, weight).ok());
+  const Batch batch = RandomBatch(120, rng_);
+  const auto reference_loss = [&](double cap) {
+    ReferenceProblem problem;
+    problem.num_tokens = 120;
+    problem.hidden_size = kHidden;
+    problem.vocab_size = kVocab;
+    problem.hidden.assign(batch.hidden.begin(), batch.hidden.end());
+    problem.weight.assign(weight.begin(), weight.end());
+    problem.labels = batch.labels;
+    problem.options.logit_softcap = cap;
+    return ComputeReference(problem).loss;
+  };
+  const auto call_loss = [&](std::optional<double> cap) {
+    v1::ComputeStart start = TrainingStart(head, batch);
+    start.mutable_outputs()->set_accumulate_grad_weight(false);
+    if (cap.has_value()) start.mutable_options()->set_logit_softcap(*cap);
+    const ComputeOutcome out = CallCompute(*stub_, start, FloatBytes(batch.hidden), 50);
+    EXPECT_TRUE(out.status.ok()) << out.status.error_message();
+    return out.summary.loss();
+  };
+  // The caps must change the loss for the test to tell them apart.
+  ASSERT_GT(std::abs(reference_loss(2.0) - reference_loss(0.0)), 0.1);
+  ASSERT_GT(std::abs(reference_loss(2.0) - reference_loss(5.0)), 0.1);
+  for (const auto& [asked, applied] : {std::pair<std::optional<double>, double>{std::nullopt, 2.0},
+                                       {0.0, 0.0},
+                                       {5.0, 5.0}}) {
+    SCOPED_TRACE(asked.has_value() ? absl::StrCat("call cap ", *asked) : "call cap unset");
+    EXPECT_LE(std::abs(call_loss(asked) - reference_loss(applied)) / reference_loss(applied), kLossBound);
+  }
+
+  grpc::ClientContext context;
+  v1::GetHeadRequest get;
+  get.set_head(head);
+  v1::HeadInfo before;
+  ASSERT_TRUE(stub_->GetHead(&context, get, &before).ok());
+  EXPECT_EQ(before.logit_softcap(), 2.0);
+  upload.set_logit_softcap(3.0);
+  upload.set_replace(true);
+  ASSERT_TRUE(UploadWithStart(*stub_, upload, weight).ok());
+  grpc::ClientContext again;
+  v1::HeadInfo after;
+  ASSERT_TRUE(stub_->GetHead(&again, get, &after).ok());
+  EXPECT_EQ(after.logit_softcap(), 3.0);
+  EXPECT_EQ(after.version(), before.version() + 1);
+  EXPECT_LE(std::abs(call_loss(std::nullopt) - reference_loss(3.0)) / reference_loss(3.0), kLossBound);
 }
 
 TEST_F(ServerE2eTest, AnySplitOfTheBatchGivesIdenticalBits) {

@@ -142,17 +142,24 @@ FetchedTensor Fetch(v1::LossService::Stub& stub, const std::string& head, bool g
 grpc::Status Upload(v1::LossService::Stub& stub, const std::string& head, int64_t vocab_size,
                     int64_t hidden_size, const std::vector<float>& weight, bool replace,
                     const std::string& token) {
+  v1::UploadHeadStart start;
+  start.set_head(head);
+  start.set_vocab_size(vocab_size);
+  start.set_hidden_size(hidden_size);
+  start.set_replace(replace);
+  return UploadWithStart(stub, start, weight, token);
+}
+
+grpc::Status UploadWithStart(v1::LossService::Stub& stub, v1::UploadHeadStart start,
+                             const std::vector<float>& weight, const std::string& token) {
   grpc::ClientContext context;
   AddToken(context, token);
   v1::HeadInfo info;
   auto writer = stub.UploadHead(&context, &info);
-  v1::UploadHeadRequest start;
-  start.mutable_start()->set_head(head);
-  start.mutable_start()->set_vocab_size(vocab_size);
-  start.mutable_start()->set_hidden_size(hidden_size);
-  start.mutable_start()->set_dtype(v1::DTYPE_FLOAT32);
-  start.mutable_start()->set_replace(replace);
-  writer->Write(start);
+  start.set_dtype(v1::DTYPE_FLOAT32);
+  v1::UploadHeadRequest first;
+  *first.mutable_start() = std::move(start);
+  writer->Write(first);
   const std::string bytes = FloatBytes(weight);
   for (size_t offset = 0; offset < bytes.size(); offset += 1 << 16) {
     v1::UploadHeadRequest piece;

@@ -78,6 +78,10 @@ struct Certificate {
 };
 Certificate MakeCertificate(const std::string& dir, const std::string& name);
 
+// Uploads W as float32 under `start` (head, sizes, replace, tie, soft cap; its dtype is set here).
+grpc::Status UploadWithStart(v1::LossService::Stub& stub, v1::UploadHeadStart start,
+                             const std::vector<float>& weight, const std::string& token = "");
+
 // Exactly the bytes' float32 values.
 std::string FloatBytes(const std::vector<float>& values);
 // The float32 values of the bytes.

@@ -114,7 +114,7 @@ void ToProto(const LossOptions& options, v1::LossOptions& proto) {
   proto.set_ignore_index(options.ignore_index);
   proto.set_label_smoothing(options.label_smoothing);
   proto.set_z_loss_scale(options.z_loss_scale);
-  proto.set_logit_softcap(options.logit_softcap);
+  if (options.logit_softcap.has_value()) proto.set_logit_softcap(*options.logit_softcap);
   proto.set_temperature(options.temperature);
   proto.set_grad_scale(options.grad_scale);
   proto.set_mean_denominator(options.mean_denominator);
@@ -696,6 +696,9 @@ absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) con
   start.set_call_id(!request.call_id.empty()                 ? request.call_id
                     : request.outputs.accumulate_grad_weight ? NewCallId()
                                                              : std::string());
+  start.set_shift_labels(request.shift_labels);
+  start.mutable_sequence_lengths()->Add(request.sequence_lengths.begin(),
+                                        request.sequence_lengths.end());
   const int64_t start_bytes = static_cast<int64_t>(start_message.ByteSizeLong());
   if (start_bytes > options_.max_message_bytes) {
     return InvalidField("labels",

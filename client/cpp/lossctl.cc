@@ -615,7 +615,13 @@ absl::Status RunCompute(const Flags& flags) {
   options.ignore_index = flags.Int("ignore_index");
   options.label_smoothing = flags.Double("label_smoothing");
   options.z_loss_scale = flags.Double("z_loss");
-  options.logit_softcap = flags.Double("softcap");
+  if (const std::string& cap = flags.String("softcap"); !cap.empty()) {
+    double value = 0;
+    if (!absl::SimpleAtod(cap, &value)) {
+      return UsageError(absl::StrCat("--softcap: expected a number, got ", cap));
+    }
+    options.logit_softcap = value;
+  }
   options.temperature = flags.Double("temperature");
   options.grad_scale = flags.Double("grad_scale");
   OutputSelection& outputs = request.outputs;
@@ -977,7 +983,8 @@ const std::vector<Subcommand>& Subcommands() {
         {"ignore_index", FlagKind::kInt, "-100", "label value whose rows count for nothing"},
         {"label_smoothing", FlagKind::kDouble, "0", "label smoothing in [0, 1]"},
         {"z_loss", FlagKind::kDouble, "0", "z-loss scale: adds scale * lse^2 per token"},
-        {"softcap", FlagKind::kDouble, "0", "logit soft cap c: logits <- c tanh(logits / c); 0 turns it off"},
+        {"softcap", FlagKind::kString, "",
+         "logit soft cap c: logits <- c tanh(logits / c); empty: the head's, 0: off"},
         {"temperature", FlagKind::kDouble, "1", "divides the logits, after the soft cap"},
         {"grad_scale", FlagKind::kDouble, "1", "multiplies dL/dh and dL/dW"},
         {"top_k", FlagKind::kInt, "0", "top-k log-probabilities per token (0..64), in --out"},

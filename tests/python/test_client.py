@@ -186,6 +186,90 @@ def test_softcap_temperature_and_z_loss_match_torch(head):
     assert relative_error(head.fetch_grad_weight(), w.grad) < GRAD_RTOL
 
 
+def causal_lm_reference(hidden, weight, labels, upstream, cap=None):
+    """transformers' causal LM loss in float64 (ForCausalLMLoss): labels padded with -100 and
+    shifted by one along the last dimension, mean over the shifted labels not ignored."""
+    h = hidden.detach().double().requires_grad_()
+    w = weight.detach().double().requires_grad_()
+    logits = h @ w.T
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+    shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1),
+                                reduction="none").view(shifted.shape)
+    loss = upstream(per_token)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_shift_labels_is_the_causal_lm_loss(head, reduction):
+    """[4, 75] labels: four sequences, each position scored against the next label, the last
+    one ignored; the hidden rows are sent as they are. "none" with a random upstream gradient
+    also takes backward's correction call through the shift."""
+    hidden, labels = random_batch(4 * 75, ignored=30)
+    hidden, labels = hidden.view(4, 75, HIDDEN), labels.view(4, 75)
+    remote_hidden = hidden.clone().requires_grad_()
+    loss = head(remote_hidden, labels, reduction=reduction, shift_labels=True)
+    weights = torch.randn(4, 75, dtype=torch.float64)
+    counted = (F.pad(labels, (0, 1), value=-100)[..., 1:] != -100).sum()
+    reduce = {"mean": lambda t: t.sum() / counted, "sum": lambda t: t.sum(),
+              "none": lambda t: (t * weights).sum()}[reduction]
+    (loss if reduction != "none" else (loss * weights.float()).sum()).backward()
+    expected_loss, expected_grad_hidden, expected_grad_weight = causal_lm_reference(
+        hidden, head.fetch_weight(), labels, reduce)
+    if reduction != "none":
+        assert relative_error(loss.detach(), expected_loss) < LOSS_RTOL
+    else:
+        assert loss.shape == (4, 75) and torch.all(loss[:, -1] == 0)
+    assert relative_error(remote_hidden.grad, expected_grad_hidden) < GRAD_RTOL
+    assert relative_error(head.fetch_grad_weight(), expected_grad_weight) < GRAD_RTOL
+
+
+def test_shift_labels_with_sequence_lengths(head):
+    """A packed batch: three sequences of 10, 1 and 89 rows in one flat call."""
+    hidden, labels = random_batch(100, ignored=10)
+    lengths = [10, 1, 89]
+    result = head.client.compute(head.head, hidden.numpy(), labels.numpy(), shift_labels=True,
+                                 sequence_lengths=lengths, outputs=["token_loss"])
+    expected = torch.zeros(100, dtype=torch.float64)
+    weight = head.fetch_weight().double()
+    first = 0
+    for length in lengths:
+        rows = slice(first, first + length - 1)
+        targets = labels[first + 1:first + length]
+        expected[rows] = F.cross_entropy(hidden[rows].double() @ weight.T, targets,
+                                         reduction="none")
+        first += length
+    counted = sum(int((labels[f + 1:f + n] != -100).sum()) for f, n in zip([0, 10, 11], lengths))
+    assert result.counted_tokens == counted
+    assert relative_error(result.token_loss, expected) < LOSS_RTOL
+    with pytest.raises(lossd.LossdError) as error:
+        head.client.compute(head.head, hidden.numpy(), labels.numpy(), shift_labels=True,
+                            sequence_lengths=[10, 89])
+    assert error.value.code == "INVALID_ARGUMENT" and "sequence_lengths" in error.value.message
+
+
+def test_head_soft_cap_applies_unless_the_call_sets_one(client):
+    """A head uploaded with the model's soft cap (Gemma 2's final_logit_softcapping) caps every
+    call that leaves logit_softcap unset; 0 turns it off; a value replaces it."""
+    name = f"capped-{uuid.uuid4().hex[:12]}"
+    weight = torch.randn(VOCAB, HIDDEN) * 0.5  # logits of several units, where a cap of 2 bites
+    head = RemoteHead.upload(client, name, weight, logit_softcap=2.0)
+    info = head.info()
+    assert info.logit_softcap == 2.0 and not info.tied_embeddings
+    hidden, labels = random_batch(150, ignored=10)
+    for asked, applied in [(None, 2.0), (0.0, None), (5.0, 5.0)]:
+        remote_hidden = hidden.clone().requires_grad_()
+        loss = head(remote_hidden, labels, logit_softcap=asked, shift_labels=True)
+        loss.backward()
+        expected_loss, expected_grad_hidden, _ = causal_lm_reference(
+            hidden, weight, labels, lambda t: t.sum() / (labels[1:] != -100).sum(), cap=applied)
+        assert relative_error(loss.detach(), expected_loss) < LOSS_RTOL, asked
+        assert relative_error(remote_hidden.grad, expected_grad_hidden) < GRAD_RTOL, asked
+    head.zero_grad()
+
+
 @pytest.mark.parametrize("dtype,grad_rtol", [(torch.float64, GRAD_RTOL), (torch.float16, 2e-3),
                                              (torch.bfloat16, 1e-2)])
 def test_hidden_dtypes(head, dtype, grad_rtol):

@@ -151,6 +151,8 @@ class HeadInfo:
     accumulated_calls: int
     optimizer: str            # "none", "sgd" or "adamw": the optimizer state the server holds
     steps: int
+    tied_embeddings: bool     # W is also the model's input embedding
+    logit_softcap: float      # applied by calls that do not set their own; 0: none
     # SHA-256 of W at `version` (HeadInfo.weight_sha256 in lossd.proto), equal on replicas that
     # serve the same W; get_head always fills it, list_heads only where the server knows it.
     weight_sha256: str = ""
@@ -162,7 +164,8 @@ class HeadInfo:
                    accumulated_tokens=info.accumulated_tokens,
                    accumulated_calls=info.accumulated_calls,
                    optimizer=_OPTIMIZER_NAMES.get(info.optimizer, str(info.optimizer)),
-                   steps=info.steps, weight_sha256=info.weight_sha256)
+                   steps=info.steps, tied_embeddings=info.tied_embeddings,
+                   logit_softcap=info.logit_softcap, weight_sha256=info.weight_sha256)
 
 
 @dataclasses.dataclass
@@ -547,10 +550,14 @@ class Client:
     def get_head(self, head) -> HeadInfo:
         return HeadInfo.from_proto(self._unary("GetHead", pb.GetHeadRequest(head=head)))
 
-    def upload_head(self, head, weight, storage_dtype="float32", replace=False) -> HeadInfo:
+    def upload_head(self, head, weight, storage_dtype="float32", replace=False,
+                    tied_embeddings=False, logit_softcap=0.0) -> HeadInfo:
         """Creates head `head` with W = weight [V, H] (float32/float64/float16, or bfloat16 as
         uint16 bits), stored on the server as storage_dtype. Replacing an existing head must be
-        asked for; it zeroes the head's gradient and optimizer state and bumps its version."""
+        asked for; it zeroes the head's gradient and optimizer state and bumps its version.
+        tied_embeddings: W is also the model's input embedding (the embedding RPCs serve it).
+        logit_softcap: the model's final logit soft cap, which calls apply unless they set
+        their own (0: none)."""
         wire_name, weight = _tensors.as_wire_array(weight)
         if weight.ndim != 2:
             raise ValueError(f"weight: expected a [vocab_size, hidden_size] array, got shape "
@@ -558,7 +565,8 @@ class Client:
         start = pb.UploadHeadStart(head=head, vocab_size=weight.shape[0],
                                    hidden_size=weight.shape[1],
                                    dtype=_tensors.wire_enum(wire_name),
-                                   storage_dtype=_tensors.wire_enum(storage_dtype), replace=replace)
+                                   storage_dtype=_tensors.wire_enum(storage_dtype), replace=replace,
+                                   tied_embeddings=tied_embeddings, logit_softcap=logit_softcap)
         rows = self._rows_per_message(weight.shape[1] * weight.itemsize)
         stub = self._stub_for("UploadHead")
 
@@ -641,14 +649,14 @@ class Client:
     # Compute ---------------------------------------------------------------------------------
 
     def compute(self, head, hidden, labels, *, weights=None, reduction="mean", ignore_index=-100,
-                label_smoothing=0.0, z_loss_scale=0.0, logit_softcap=0.0, temperature=1.0,
-                grad_scale=1.0, mean_denominator=0.0, outputs: Iterable[str] = (), top_k=0,
-                grad_hidden_dtype=None, accumulate_grad_weight=False, head_version=None,
-                allow_tf32=False, rows_per_message=None, shared_memory=False,
-                grad_hidden_out=None, call_id=None, objective="cross_entropy",
-                sampling_logprobs=None, advantages=None, reference_logprobs=None,
-                logprob_grads=None, sequence_lengths=None, clip_low=0.2, clip_high=0.2,
-                dual_clip=0.0, kl_estimator=None, kl_coef=0.0, entropy_coef=0.0,
+                label_smoothing=0.0, z_loss_scale=0.0, logit_softcap=None, temperature=1.0,
+                grad_scale=1.0, mean_denominator=0.0, shift_labels=False,
+                outputs: Iterable[str] = (), top_k=0, grad_hidden_dtype=None,
+                accumulate_grad_weight=False, head_version=None, allow_tf32=False,
+                rows_per_message=None, shared_memory=False, grad_hidden_out=None, call_id=None,
+                objective="cross_entropy", sampling_logprobs=None, advantages=None,
+                reference_logprobs=None, logprob_grads=None, sequence_lengths=None, clip_low=0.2,
+                clip_high=0.2, dual_clip=0.0, kl_estimator=None, kl_coef=0.0, entropy_coef=0.0,
                 teacher_head=None, teacher_hidden=None, teacher_head_version=None,
                 teacher_top_k_tokens=None, teacher_top_k_logprobs=None, distill_beta=0.0,
                 distill_alpha=0.0, distill_temperature=1.0, teacher_logit_softcap=0.0,
@@ -660,6 +668,14 @@ class Client:
         token's loss and gradient without entering the mean's denominator, which counts the
         non-ignored tokens (or is mean_denominator when > 0, for one slice of a larger batch).
         grad_scale multiplies dL/dh and dL/dW (the upstream gradient), not the loss.
+        logit_softcap: None applies the head's soft cap (HeadInfo.logit_softcap, from the
+        model's config; none for most heads), 0 turns capping off, a value > 0 caps at it.
+
+        shift_labels=True computes a causal LM's next-token loss: row i of a sequence is scored
+        against labels[i + 1] of the same sequence and the last row of each sequence is ignored,
+        without moving any row (the mean counts the shifted labels that are not ignored; weights
+        and the objectives' per-token inputs stay with their rows). The sequences are those of
+        sequence_lengths (e.g. [T] * B for a [B, T] batch flattened); None: all rows are one.
 
         objective names the per-token term (lossd.v1.Objective; logp is the log-probability of
         the label, r = exp(logp - sampling_logprobs), clip(r) within [1 - clip_low, 1 + clip_high]):
@@ -780,23 +796,26 @@ class Client:
         lengths = [] if sequence_lengths is None else \
             np.asarray(sequence_lengths, dtype=np.int64).reshape(-1).tolist()
 
+        options = pb.LossOptions(
+            reduction=_REDUCTIONS[reduction], ignore_index=ignore_index,
+            label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, temperature=temperature,
+            grad_scale=grad_scale, mean_denominator=mean_denominator, allow_tf32=allow_tf32,
+            objective=OBJECTIVES[objective],
+            policy=pb.PolicyOptions(
+                clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+                kl_estimator=_KL_ESTIMATORS[kl_estimator], kl_coef=kl_coef,
+                entropy_coef=entropy_coef),
+            distill=pb.DistillOptions(
+                beta=distill_beta, alpha=distill_alpha, temperature=distill_temperature,
+                teacher_logit_softcap=teacher_logit_softcap,
+                teacher_temperature=teacher_temperature,
+                sparse_teacher_mass=SPARSE_TEACHER_MASSES[sparse_teacher_mass]))
+        if logit_softcap is not None:
+            options.logit_softcap = logit_softcap
         start = pb.ComputeStart(
             head=head,
-            options=pb.LossOptions(
-                reduction=_REDUCTIONS[reduction], ignore_index=ignore_index,
-                label_smoothing=label_smoothing, z_loss_scale=z_loss_scale,
-                logit_softcap=logit_softcap, temperature=temperature, grad_scale=grad_scale,
-                mean_denominator=mean_denominator, allow_tf32=allow_tf32,
-                objective=OBJECTIVES[objective],
-                policy=pb.PolicyOptions(
-                    clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-                    kl_estimator=_KL_ESTIMATORS[kl_estimator], kl_coef=kl_coef,
-                    entropy_coef=entropy_coef),
-                distill=pb.DistillOptions(
-                    beta=distill_beta, alpha=distill_alpha, temperature=distill_temperature,
-                    teacher_logit_softcap=teacher_logit_softcap,
-                    teacher_temperature=teacher_temperature,
-                    sparse_teacher_mass=SPARSE_TEACHER_MASSES[sparse_teacher_mass])),
+            options=options,
+            shift_labels=shift_labels,
             outputs=pb.OutputSelection(
                 token_loss="token_loss" in wanted, logprob="logprob" in wanted,
                 lse="lse" in wanted, entropy="entropy" in wanted, argmax="argmax" in wanted,
@@ -945,10 +964,11 @@ class Client:
                             teacher_temperature=teacher_temperature, outputs=["kd"])
 
     def score(self, head, hidden, token_ids, *, top_k=0, entropy=False, temperature=1.0,
-              logit_softcap=0.0, ignore_index=-100, weight_sha256=None) -> LossResult:
+              logit_softcap=None, ignore_index=-100, weight_sha256=None) -> LossResult:
         """Per-token log-probabilities of token_ids [N] given hidden [N, H] (logprob), with the
         top_k most likely tokens (top_k_token, top_k_logprob) and the entropy when asked.
-        Nothing is accumulated on the server. weight_sha256 pins W (see compute)."""
+        logit_softcap as in compute() (None: the head's). Nothing is accumulated on the server.
+        weight_sha256 pins W (see compute)."""
         outputs = ["logprob"] + (["entropy"] if entropy else [])
         return self.compute(head, hidden, token_ids, reduction="sum", ignore_index=ignore_index,
                             temperature=temperature, logit_softcap=logit_softcap,

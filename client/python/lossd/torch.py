@@ -238,6 +238,13 @@ def _accumulate_grad_weight_correction(ctx, hidden, upstream):
     counted = call.counted()
     weights = np.ones(len(counted)) if call.weights is None else call.weights.astype(np.float64)
     correction = weights * (upstream.reshape(-1).numpy() - already)
+    if call.options.get("shift_labels"):
+        # Row i predicts the label of row i + 1: the rows cannot be picked apart from their
+        # neighbours, so all of them go, weighted.
+        if np.any(correction != 0.0):
+            partial = dataclasses.replace(call, weights=correction.astype(np.float32))
+            partial.compute(hidden, accumulate_grad_weight=True, head_version=ctx.head_version)
+        return
     # Rows with a zero correction or an ignored label add nothing: send only the others.
     rows = np.flatnonzero((correction != 0.0) & counted)
     if rows.size == 0:
@@ -351,26 +358,36 @@ class RemoteHead(torch.nn.Module):
 
     @classmethod
     def upload(cls, client, head, weight, storage_dtype="float32", replace=False,
-               shared_memory=False):
-        """Creates head `head` on the server with W = weight [V, H] and returns its RemoteHead."""
+               shared_memory=False, tied_embeddings=False, logit_softcap=0.0):
+        """Creates head `head` on the server with W = weight [V, H] and returns its RemoteHead.
+        tied_embeddings and logit_softcap describe the model (Client.upload_head)."""
         client = client if isinstance(client, Client) else Client(client)
         client.upload_head(head, _wire_array(weight), storage_dtype=storage_dtype,
-                           replace=replace)
+                           replace=replace, tied_embeddings=tied_embeddings,
+                           logit_softcap=logit_softcap)
         return cls(client, head, shared_memory=shared_memory)
 
     def extra_repr(self):
         return f"head={self.head!r}, address={self.client.address!r}"
 
     def forward(self, hidden, labels, *, weights=None, reduction="mean", ignore_index=-100,
-                label_smoothing=0.0, z_loss_scale=0.0, logit_softcap=0.0, temperature=1.0,
-                mean_denominator=0, objective="cross_entropy", sampling_logprobs=None,
-                advantages=None, reference_logprobs=None, sequence_lengths=None, clip_low=0.2,
-                clip_high=0.2, dual_clip=0.0, kl_estimator=None, kl_coef=0.0,
-                entropy_coef=0.0):
+                label_smoothing=0.0, z_loss_scale=0.0, logit_softcap=None, temperature=1.0,
+                mean_denominator=0, shift_labels=False, objective="cross_entropy",
+                sampling_logprobs=None, advantages=None, reference_logprobs=None,
+                sequence_lengths=None, clip_low=0.2, clip_high=0.2, dual_clip=0.0,
+                kl_estimator=None, kl_coef=0.0, entropy_coef=0.0):
         """The loss of hidden [..., H] with labels [...]: a scalar for "mean", "sum" and the
         sequence reductions, labels' shape for "none". weights [...] multiply each token's loss
         and gradient and do not enter the mean's denominator (the count of non-ignored tokens,
-        or mean_denominator when > 0).
+        or mean_denominator when > 0). logit_softcap None applies the head's soft cap
+        (HeadInfo.logit_softcap), 0 none, a value > 0 that cap.
+
+        shift_labels=True gives a causal LM's next-token loss, as transformers' models and Cut
+        Cross-Entropy's shift compute it: position t of a sequence is scored against the label
+        at t + 1 and the last position of each sequence is ignored, without copying hidden.
+        The sequences are the rows of labels' last dimension ([B, T] labels: B sequences of T),
+        or sequence_lengths (consecutive lengths summing to labels.numel()) when given. Weights
+        and the objectives' per-token inputs stay with their rows.
 
         objective is "cross_entropy" (torch's F.cross_entropy), or an RL objective of the
         log-probabilities of labels (the sampled tokens; ignore_index masks prompt and padding):
@@ -384,6 +401,9 @@ class RemoteHead(torch.nn.Module):
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])
         labels_shape = labels.shape
         count = flat_hidden.shape[0]
+        if shift_labels and sequence_lengths is None and labels.numel() > 0:
+            length = labels_shape[-1] if labels.dim() > 0 else 1
+            sequence_lengths = [length] * (labels.numel() // length)
         call = _LossCall(
             client=self.client, head=self.head, labels=_token_ids(labels, "labels"),
             weights=_as_numpy(weights, torch.float32, "weights", count),
@@ -391,7 +411,8 @@ class RemoteHead(torch.nn.Module):
             options=dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
                          z_loss_scale=z_loss_scale, logit_softcap=logit_softcap,
                          temperature=temperature, mean_denominator=mean_denominator,
-                         shared_memory=self.shared_memory, objective=objective,
+                         shift_labels=shift_labels, shared_memory=self.shared_memory,
+                         objective=objective,
                          clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
                          kl_estimator=kl_estimator, kl_coef=kl_coef, entropy_coef=entropy_coef,
                          weight_sha256=self.weight_sha256,
@@ -415,9 +436,10 @@ class RemoteHead(torch.nn.Module):
 
     @torch.no_grad()
     def score(self, hidden, token_ids, top_k=0, entropy=False, temperature=1.0,
-              logit_softcap=0.0):
+              logit_softcap=None):
         """log p(token_ids) under the head for hidden [..., H], with the top_k most likely tokens
-        and the entropy when asked. Nothing is accumulated on the server."""
+        and the entropy when asked (logit_softcap as in forward). Nothing is accumulated on the
+        server."""
         token_ids = torch.as_tensor(token_ids)
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])
         ids = _token_ids(token_ids, "token_ids")
@@ -486,7 +508,7 @@ class RemoteLogprobs(torch.nn.Module):
         self.shared_memory = shared_memory
         self.weight_sha256 = weight_sha256  # pins every call to this W (RemoteHead.pin_weights)
 
-    def forward(self, hidden, tokens, *, ignore_index=-100, temperature=1.0, logit_softcap=0.0):
+    def forward(self, hidden, tokens, *, ignore_index=-100, temperature=1.0, logit_softcap=None):
         tokens = torch.as_tensor(tokens)
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])
         call = _LossCall(

@@ -47,6 +47,16 @@ absl::Status ValidateSparseTeacher(const TeacherInputs& teacher, int64_t count, 
                                    const LossOptions& options, const int64_t* labels,
                                    int64_t first_index = 0);
 
+// OK when sequence_lengths[0 .. num_sequences) are each >= 1 and sum to num_tokens (no lengths:
+// OK, whatever num_tokens). INVALID_ARGUMENT names the first length at fault.
+absl::Status ValidateSequenceLengths(const int64_t* sequence_lengths, int64_t num_sequences,
+                                     int64_t num_tokens);
+
+// Next-token labels, as a causal LM's loss takes them: within each sequence (valid lengths; none:
+// all rows are one) labels[i] <- labels[i + 1], and the last row of each gets ignore_index.
+void ShiftLabelsWithinSequences(int64_t* labels, int64_t num_tokens, const int64_t* sequence_lengths,
+                                int64_t num_sequences, int64_t ignore_index);
+
 // Each row's factor in a sequence reduction (verl's agg_loss "seq-mean-token-sum" and
 // "seq-mean-token-mean") of a batch made of sequences of the given lengths, one after another:
 // 1 / S or 1 / (S L_s), with L_s the non-ignored rows of the row's sequence and S the sequences

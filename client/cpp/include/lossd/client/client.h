@@ -157,7 +157,8 @@ struct LossOptions {
   int64_t ignore_index = -100;
   double label_smoothing = 0.0;  // [0, 1]
   double z_loss_scale = 0.0;     // >= 0: adds scale * lse^2 per token
-  double logit_softcap = 0.0;    // > 0: logits <- cap * tanh(logits / cap); 0 = off
+  // logits <- cap * tanh(logits / cap). Unset: the head's cap (HeadInfo::logit_softcap); 0: off.
+  std::optional<double> logit_softcap;
   double temperature = 1.0;      // > 0, applied after the soft cap
   double grad_scale = 1.0;       // multiplies dL/dh and dL/dW
   // The mean's denominator when this batch is one slice of a larger one; 0 counts this batch's
@@ -194,6 +195,11 @@ struct ComputeRequest {
   TensorView hidden;                     // [num_tokens, hidden_size]
   absl::Span<const int64_t> labels;      // num_tokens token ids or ignore_index
   absl::Span<const float> token_weights; // empty, or num_tokens weights
+  // Next-token prediction: row i is scored against labels[i + 1] of its sequence, the last row of
+  // each sequence is ignored (ComputeStart.shift_labels). sequence_lengths: the consecutive
+  // sequences the rows make up; empty: one sequence.
+  bool shift_labels = false;
+  absl::Span<const int64_t> sequence_lengths;
   // Hidden rows per chunk message; 0 picks as many as fit in min(4 MiB, max_message_bytes), small
   // enough that the server computes early chunks while later ones are still on the wire.
   int64_t rows_per_message = 0;
