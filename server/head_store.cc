@@ -349,6 +349,71 @@ absl::Status Head::ZeroGradient() {
   return ResetAccumulator();
 }
 
+absl::Status Head::ReadRows(uint64_t expected_version, absl::Span<const int64_t> ids, DType dtype,
+                            uint8_t* out) {
+  const size_t row_bytes = hidden_size_ * DTypeSize(dtype_);
+  std::vector<uint8_t> row(row_bytes);
+  absl::ReaderMutexLock lock(&weight_mu_);
+  if (retired_ || version_ != expected_version) {
+    return absl::AbortedError(absl::StrCat("head '", name_, "' moved from version ", expected_version,
+                                           " during the lookup; look the rows up again"));
+  }
+  for (size_t r = 0; r < ids.size(); ++r) {
+    uint8_t* target = out + r * hidden_size_ * DTypeSize(dtype);
+    if (dtype == dtype_) {
+      RETURN_IF_ERROR(backend_.CopyToHost(weight_, ids[r] * row_bytes, row_bytes, target));
+      continue;
+    }
+    RETURN_IF_ERROR(backend_.CopyToHost(weight_, ids[r] * row_bytes, row_bytes, row.data()));
+    for (int64_t j = 0; j < hidden_size_; ++j) {
+      StoreFromFloat(target, dtype, j, LoadAsFloat(row.data(), dtype_, j));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> Head::AddGradientRows(std::optional<uint64_t> expected_version,
+                                               absl::Span<const int64_t> ids, std::vector<float>& rows) {
+  const size_t row_bytes = hidden_size_ * sizeof(float);
+  std::vector<float> accumulated(hidden_size_);
+  absl::ReaderMutexLock weight_lock(&weight_mu_);
+  if (retired_) {
+    return absl::AbortedError(absl::StrCat("head '", name_, "' was replaced by an upload; nothing was "
+                                           "accumulated"));
+  }
+  if (expected_version.has_value() && *expected_version != version_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "head_version: the rows were looked up at version ", *expected_version, " of head '", name_,
+        "', which is now at version ", version_, "; nothing was accumulated"));
+  }
+  absl::MutexLock grad_lock(&grad_mu_);
+  RETURN_IF_ERROR(EnsureAccumulator());
+  // Every sum first, so that a non-finite one leaves the accumulator untouched.
+  double largest = 0.0;
+  for (size_t u = 0; u < ids.size(); ++u) {
+    RETURN_IF_ERROR(backend_.CopyToHost(grad_, ids[u] * row_bytes, row_bytes, accumulated.data()));
+    float* sums = rows.data() + u * hidden_size_;
+    for (int64_t j = 0; j < hidden_size_; ++j) {
+      sums[j] += accumulated[j];
+      if (!std::isfinite(sums[j])) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "grad: the accumulated gradient of token id ", ids[u], " would not be finite (",
+            sums[j], " at column ", j, "); nothing was accumulated"));
+      }
+      largest = std::max(largest, static_cast<double>(std::fabs(sums[j])));
+    }
+  }
+  for (size_t u = 0; u < ids.size(); ++u) {
+    RETURN_IF_ERROR(backend_.CopyToDevice(rows.data() + u * hidden_size_, row_bytes, grad_,
+                                          ids[u] * row_bytes));
+  }
+  // The rows written hold exactly these sums; the others kept their entries, and their bound.
+  grad_bound_ = std::max(grad_bound_, largest);
+  // The accumulator now holds more than zeros: the next Compute commit must add to it.
+  ++accumulated_calls_;
+  return version_;
+}
+
 size_t Head::AccumulatorBytes() const { return vocab_size_ * hidden_size_ * sizeof(float); }
 
 absl::Status Head::EnsureAccumulator() {

@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
 #include "lossd/kernels/backend.h"
 #include "lossd/storage/checkpoint.h"
 #include "server/memory_ledger.h"
@@ -158,6 +159,19 @@ class Head {
   absl::Status CheckCallId(const std::string& call_id, uint64_t start_fingerprint,
                            int64_t max_call_ids) const;
   absl::Status ZeroGradient();
+
+  // The input embedding of a tied head. ReadRows copies W's rows `ids` (each in [0, V), checked
+  // by the caller) into `out`, [ids.size(), H] in `dtype`, if the head is still at
+  // `expected_version` (ABORTED otherwise). AddGradientRows adds `rows` ([ids.size(), H] fp32,
+  // `ids` distinct and in range) into the accumulator's rows `ids`, all or nothing: nothing is
+  // added when a sum is not finite, or when the head is not at `expected_version`
+  // (FAILED_PRECONDITION). It counts as a call in the accumulator, grows the accumulator's bound
+  // to cover the sums, and leaves the sums in `rows`.
+  // On the CUDA backend both copy row by row.
+  absl::Status ReadRows(uint64_t expected_version, absl::Span<const int64_t> ids, DType dtype,
+                        uint8_t* out);
+  absl::StatusOr<uint64_t> AddGradientRows(std::optional<uint64_t> expected_version,
+                                           absl::Span<const int64_t> ids, std::vector<float>& rows);
   absl::StatusOr<TensorSnapshot> ReadGradient(DType dtype);
   absl::StatusOr<TensorSnapshot> ReadWeight(DType dtype);
 

@@ -330,6 +330,147 @@ grpc::Status LossService::Step(grpc::ServerContext* context, const v1::StepReque
   });
 }
 
+absl::StatusOr<std::shared_ptr<Head>> LossService::TiedHead(
+    const std::string& name, const google::protobuf::RepeatedField<int64_t>& ids) {
+  ASSIGN_OR_RETURN(auto head, heads_.Get(name));
+  if (!head->tied_embeddings()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "head: '", name, "' is not tied to the model's input embedding (HeadInfo.tied_embeddings "
+        "is false): its rows are the output projection's only"));
+  }
+  const int64_t max_ids = options_.compute.max_tokens_per_call;
+  if (ids.size() > max_ids) {
+    return InvalidField("token_ids", absl::StrCat("at most ", max_ids, " ids"), absl::StrCat(ids.size()));
+  }
+  for (int i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= head->vocab_size()) {
+      return InvalidField(absl::StrCat("token_ids[", i, "]"),
+                          absl::StrCat("an id in [0, ", head->vocab_size(), ")"), absl::StrCat(ids[i]));
+    }
+  }
+  return head;
+}
+
+absl::Status LossService::StreamEmbeddingRows(const v1::LookupEmbeddingRequest& request,
+                                              grpc::ServerWriter<v1::EmbeddingRows>* writer) {
+  ASSIGN_OR_RETURN(auto head, TiedHead(request.head(), request.token_ids()));
+  ASSIGN_OR_RETURN(const DType dtype, FromProto(request.dtype(), "dtype", DType::kFloat32));
+  if (request.max_chunk_bytes() < 0 || request.max_chunk_bytes() > options_.max_fetch_chunk_bytes) {
+    return InvalidField("max_chunk_bytes", absl::StrCat("0 (default) to ", options_.max_fetch_chunk_bytes),
+                        absl::StrCat(request.max_chunk_bytes()));
+  }
+  const uint64_t version = head->version();
+  if (request.has_head_version() && request.head_version() != version) {
+    return absl::FailedPreconditionError(absl::StrCat("head_version: expected the head's current ", version,
+                                                      ", got ", request.head_version()));
+  }
+  const int64_t chunk_bytes =
+      request.max_chunk_bytes() > 0 ? request.max_chunk_bytes() : options_.default_fetch_chunk_bytes;
+  const int64_t row_bytes = head->hidden_size() * static_cast<int64_t>(DTypeSize(dtype));
+  const int64_t rows_per_chunk = std::max<int64_t>(1, chunk_bytes / row_bytes);
+  const absl::Span<const int64_t> ids(request.token_ids().data(), request.token_ids().size());
+  std::string data;
+  for (int64_t r0 = 0; r0 < static_cast<int64_t>(ids.size()); r0 += rows_per_chunk) {
+    const int64_t rows = std::min<int64_t>(rows_per_chunk, ids.size() - r0);
+    data.resize(rows * row_bytes);
+    RETURN_IF_ERROR(head->ReadRows(version, ids.subspan(r0, rows), dtype,
+                                   reinterpret_cast<uint8_t*>(data.data())));
+    v1::EmbeddingRows chunk;
+    chunk.set_row_offset(r0);
+    chunk.set_num_rows(rows);
+    chunk.set_hidden_size(head->hidden_size());
+    chunk.set_dtype(ToProto(dtype));
+    chunk.set_data(std::move(data));
+    chunk.set_head_version(version);
+    if (!writer->Write(chunk)) return absl::CancelledError("client went away during the lookup");
+    metrics_.AddBytesSent(rows * row_bytes);
+    data = std::move(*chunk.mutable_data());  // its buffer serves the next chunk
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LossService::ReceiveEmbeddingGrad(
+    grpc::ServerContext& context, grpc::ServerReader<v1::AccumulateEmbeddingGradRequest>* reader,
+    v1::AccumulateEmbeddingGradResponse* response) {
+  v1::AccumulateEmbeddingGradRequest request;
+  if (!reader->Read(&request) || !request.has_start()) {
+    return InvalidField("start", "an EmbeddingGradStart as the first message", "none");
+  }
+  const v1::EmbeddingGradStart start = request.start();
+  ASSIGN_OR_RETURN(auto head, TiedHead(start.head(), start.token_ids()));
+  if (start.hidden_size() != head->hidden_size()) {
+    return InvalidField("hidden_size", absl::StrCat(head->hidden_size(), " (head '", head->name(), "')"),
+                        absl::StrCat(start.hidden_size()));
+  }
+  ASSIGN_OR_RETURN(const DType dtype, FromProto(start.dtype(), "dtype"));
+  // One fp32 row per distinct id: the positions' rows are summed there as they arrive, so memory
+  // follows the distinct ids (at most V rows), not what the client declares.
+  const int64_t hidden = head->hidden_size();
+  std::vector<int64_t> distinct(start.token_ids().begin(), start.token_ids().end());
+  std::sort(distinct.begin(), distinct.end());
+  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+  std::vector<float> sums(distinct.size() * hidden, 0.0f);
+  const int64_t num_rows = start.token_ids_size();
+  const size_t row_bytes = hidden * DTypeSize(dtype);
+  const size_t expected_bytes = num_rows * row_bytes;
+  std::string pending;  // bytes of a row not yet complete
+  int64_t row = 0;
+  while (reader->Read(&request)) {
+    if (request.has_start()) {
+      return InvalidField("start", "exactly one EmbeddingGradStart, first", "a second one");
+    }
+    const std::string& bytes = request.grad();
+    metrics_.AddBytesReceived(static_cast<int64_t>(bytes.size()));
+    if (row * row_bytes + pending.size() + bytes.size() > expected_bytes) {
+      return InvalidField("grad", absl::StrCat(expected_bytes, " bytes (", num_rows, " ids x hidden_size ",
+                                               hidden, " x ", DTypeSize(dtype), ")"),
+                          absl::StrCat("at least ", row * row_bytes + pending.size() + bytes.size()));
+    }
+    pending.append(bytes);
+    size_t offset = 0;
+    for (; pending.size() - offset >= row_bytes; offset += row_bytes, ++row) {
+      const auto* values = reinterpret_cast<const uint8_t*>(pending.data() + offset);
+      const int64_t slot =
+          std::lower_bound(distinct.begin(), distinct.end(), start.token_ids(row)) - distinct.begin();
+      float* sum = sums.data() + slot * hidden;
+      for (int64_t j = 0; j < hidden; ++j) {
+        const float value = LoadAsFloat(values, dtype, j);
+        if (!std::isfinite(value)) {
+          return InvalidField(absl::StrCat("grad[", row, ", ", j, "]"), "a finite value",
+                              absl::StrCat(value));
+        }
+        sum[j] += value;
+      }
+    }
+    pending.erase(0, offset);
+  }
+  if (row != num_rows || !pending.empty()) {
+    return InvalidField("grad", absl::StrCat(expected_bytes, " bytes"),
+                        absl::StrCat(row * row_bytes + pending.size(), " before the stream ended"));
+  }
+  // The last point at which a cancelled call can still leave the accumulator untouched.
+  if (context.IsCancelled()) return absl::CancelledError("call cancelled; nothing was accumulated");
+  std::optional<uint64_t> pinned;
+  if (start.has_head_version()) pinned = start.head_version();
+  ASSIGN_OR_RETURN(const uint64_t version, head->AddGradientRows(pinned, distinct, sums));
+  response->set_head_version(version);
+  response->set_accumulated_rows(static_cast<int64_t>(distinct.size()));
+  return absl::OkStatus();
+}
+
+grpc::Status LossService::LookupEmbedding(grpc::ServerContext* context,
+                                          const v1::LookupEmbeddingRequest* request,
+                                          grpc::ServerWriter<v1::EmbeddingRows>* writer) {
+  return Serve("LookupEmbedding", context, [&] { return StreamEmbeddingRows(*request, writer); });
+}
+
+grpc::Status LossService::AccumulateEmbeddingGrad(
+    grpc::ServerContext* context, grpc::ServerReader<v1::AccumulateEmbeddingGradRequest>* reader,
+    v1::AccumulateEmbeddingGradResponse* response) {
+  return Serve("AccumulateEmbeddingGrad", context,
+               [&] { return ReceiveEmbeddingGrad(*context, reader, response); });
+}
+
 grpc::Status LossService::SaveCheckpoint(grpc::ServerContext* context,
                                          const v1::SaveCheckpointRequest* request,
                                          v1::SaveCheckpointResponse* response) {

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <random>
 #include <thread>
@@ -543,6 +544,268 @@ TEST_F(ServerE2eTest, PinnedCallsFailOnceTheHeadMoved) {
   start.set_head_version(response.head_version());
   EXPECT_TRUE(CallCompute(*stub_, start, FloatBytes(batch.hidden), 8).status.ok());
 }
+
+// A tied head's input embedding: LookupEmbedding and AccumulateEmbeddingGrad.
+struct LookedUp {
+  grpc::Status status;
+  std::string data;  // the rows' bytes, in order
+  int messages = 0;
+  uint64_t version = 0;
+};
+
+LookedUp LookupEmbedding(v1::LossService::Stub& stub, const v1::LookupEmbeddingRequest& request) {
+  LookedUp out;
+  grpc::ClientContext context;
+  auto reader = stub.LookupEmbedding(&context, request);
+  v1::EmbeddingRows rows;
+  while (reader->Read(&rows)) {
+    EXPECT_EQ(rows.row_offset() * rows.hidden_size() * (rows.dtype() == v1::DTYPE_FLOAT32 ? 4 : 2),
+              static_cast<int64_t>(out.data.size()));
+    out.data += rows.data();
+    out.version = rows.head_version();
+    ++out.messages;
+  }
+  out.status = reader->Finish();
+  return out;
+}
+
+struct EmbeddingGradOutcome {
+  grpc::Status status;
+  v1::AccumulateEmbeddingGradResponse response;
+};
+
+// Sends `start` and then `grad` in pieces of `piece` bytes (which need not hold whole rows).
+EmbeddingGradOutcome SendEmbeddingGrad(v1::LossService::Stub& stub, const v1::EmbeddingGradStart& start,
+                                       const std::string& grad, size_t piece = 1000) {
+  EmbeddingGradOutcome out;
+  grpc::ClientContext context;
+  auto writer = stub.AccumulateEmbeddingGrad(&context, &out.response);
+  v1::AccumulateEmbeddingGradRequest request;
+  *request.mutable_start() = start;
+  writer->Write(request);
+  for (size_t offset = 0; offset < grad.size(); offset += piece) {
+    v1::AccumulateEmbeddingGradRequest message;
+    message.set_grad(grad.substr(offset, piece));
+    if (!writer->Write(message)) break;
+  }
+  writer->WritesDone();
+  out.status = writer->Finish();
+  return out;
+}
+
+class EmbeddingTest : public ServerE2eTest {
+ protected:
+  void SetUp() override {
+    ServerE2eTest::SetUp();
+    head_ = "tied-" + std::to_string(FreshSeed());
+    weight_ = RandomWeight(kVocab, rng_);
+    v1::UploadHeadStart upload;
+    upload.set_head(head_);
+    upload.set_vocab_size(kVocab);
+    upload.set_hidden_size(kHidden);
+    upload.set_tied_embeddings(true);
+    ASSERT_TRUE(UploadWithStart(*stub_, upload, weight_).ok());
+  }
+  v1::EmbeddingGradStart GradStart(const std::vector<int64_t>& ids) const {
+    v1::EmbeddingGradStart start;
+    start.set_head(head_);
+    start.set_hidden_size(kHidden);
+    start.set_dtype(v1::DTYPE_FLOAT32);
+    start.mutable_token_ids()->Add(ids.begin(), ids.end());
+    return start;
+  }
+  std::vector<float> RandomRows(size_t rows) {
+    std::normal_distribution<float> normal;
+    std::vector<float> values(rows * kHidden);
+    for (float& v : values) v = normal(rng_);
+    return values;
+  }
+
+  std::string head_;
+  std::vector<float> weight_;
+};
+
+TEST_F(EmbeddingTest, LookupReturnsTheRowsOfW) {
+  const std::vector<int64_t> ids = {5, kVocab - 1, 0, 5, 1234, 77};  // repeats, any order
+  v1::LookupEmbeddingRequest request;
+  request.set_head(head_);
+  request.mutable_token_ids()->Add(ids.begin(), ids.end());
+  request.set_max_chunk_bytes(2 * kHidden * 4);  // two rows a message
+  const LookedUp f32 = LookupEmbedding(*stub_, request);
+  ASSERT_TRUE(f32.status.ok()) << f32.status.error_message();
+  EXPECT_EQ(f32.messages, 3);
+  const std::vector<float> rows = AsFloats(f32.data);
+  ASSERT_EQ(rows.size(), ids.size() * kHidden);
+  for (size_t r = 0; r < ids.size(); ++r) {
+    const auto row_of = [](const std::vector<float>& m, int64_t i) {
+      return std::vector<float>(m.begin() + i * kHidden, m.begin() + (i + 1) * kHidden);
+    };
+    EXPECT_EQ(row_of(rows, r), row_of(weight_, ids[r])) << "row " << r;
+  }
+  request.set_dtype(v1::DTYPE_BFLOAT16);
+  request.set_head_version(f32.version);
+  const LookedUp bf16 = LookupEmbedding(*stub_, request);
+  ASSERT_TRUE(bf16.status.ok()) << bf16.status.error_message();
+  ASSERT_EQ(bf16.data.size(), ids.size() * kHidden * 2);
+  for (size_t i = 0; i < ids.size() * kHidden; ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, bf16.data.data() + 2 * i, 2);
+    ASSERT_EQ(bits, FloatToBFloat16(rows[i])) << i;
+  }
+}
+
+// The embedding's gradient and Compute's dL/dW land in the one accumulator, in either order (the
+// first Compute commit after a reset trades buffers with a zero accumulator: not with one that
+// holds embedding rows), and one Step updates W with their sum.
+TEST_F(EmbeddingTest, GradientJoinsComputesInOneAccumulatorAndOneStep) {
+  const std::vector<int64_t> ids = {3, 7, 3, 0, kVocab - 1, 7, 7};
+  const std::vector<float> grad = RandomRows(ids.size());
+  std::vector<double> scattered(kVocab * kHidden, 0.0);
+  for (size_t r = 0; r < ids.size(); ++r) {
+    for (int64_t j = 0; j < kHidden; ++j) scattered[ids[r] * kHidden + j] += grad[r * kHidden + j];
+  }
+  Batch batch = RandomBatch(150, rng_);
+  const std::vector<double> compute_grad = Reference(weight_, batch).grad_weight;
+  std::vector<double> both(scattered.size());
+  for (size_t i = 0; i < both.size(); ++i) both[i] = scattered[i] + compute_grad[i];
+
+  for (const bool embedding_first : {true, false}) {
+    SCOPED_TRACE(embedding_first ? "embedding gradient first" : "Compute first");
+    ASSERT_TRUE(ZeroGrad(head_).ok());
+    const auto send_embedding = [&] {
+      const EmbeddingGradOutcome out = SendEmbeddingGrad(*stub_, GradStart(ids), FloatBytes(grad), 333);
+      ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+      EXPECT_EQ(out.response.accumulated_rows(), 4);
+    };
+    const auto send_compute = [&] {
+      const ComputeOutcome out = CallCompute(*stub_, TrainingStart(head_, batch), FloatBytes(batch.hidden), 64);
+      ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+    };
+    if (embedding_first) {
+      send_embedding();
+      send_compute();
+    } else {
+      send_compute();
+      send_embedding();
+    }
+    const FetchedTensor accumulated = Fetch(*stub_, head_, true);
+    ASSERT_TRUE(accumulated.status.ok());
+    EXPECT_LE(RelativeError(accumulated.values, both), kGradBound);
+  }
+  v1::StepRequest step;
+  step.set_head(head_);
+  step.mutable_sgd()->set_learning_rate(0.5);
+  grpc::ClientContext context;
+  v1::StepResponse stepped;
+  ASSERT_TRUE(stub_->Step(&context, step, &stepped).ok());
+  std::vector<double> expected(weight_.size());
+  for (size_t i = 0; i < expected.size(); ++i) expected[i] = weight_[i] - 0.5 * both[i];
+  EXPECT_LE(RelativeError(Fetch(*stub_, head_, false).values, expected), 1e-6);
+}
+
+// The accumulator's bound covers the embedding rows too: a Compute call whose dL/dW is provably
+// finite (grad_scale 1e37: entries near -1e37 in the label's row) but overflows against an
+// embedding entry of -3.35e38 there (FLT_MAX is 3.40e38) must be read back and refused, not
+// added in place.
+TEST_F(EmbeddingTest, ComputeCommitSeesTheEmbeddingRowsInTheAccumulatorsBound) {
+  Batch batch;
+  batch.hidden.assign(kHidden, 1.0f);
+  batch.labels = {17};
+  std::vector<float> row(kHidden, 0.0f);
+  row[0] = -3.35e38f;
+  ASSERT_TRUE(SendEmbeddingGrad(*stub_, GradStart({17}), FloatBytes(row)).status.ok());
+  const FetchedTensor before = Fetch(*stub_, head_, true);
+  v1::ComputeStart start = TrainingStart(head_, batch);
+  start.mutable_options()->set_grad_scale(1e37);
+  const ComputeOutcome out = CallCompute(*stub_, start, FloatBytes(batch.hidden), 1);
+  EXPECT_EQ(out.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << out.status.error_message();
+  EXPECT_NE(out.status.error_message().find("overflow"), std::string::npos) << out.status.error_message();
+  const FetchedTensor after = Fetch(*stub_, head_, true);
+  EXPECT_EQ(0, std::memcmp(after.values.data(), before.values.data(), before.values.size() * 4));
+}
+
+// Every refusal names the field and leaves the accumulator, W and the version as they were.
+struct EmbeddingRefusal {
+  std::string name;
+  std::string reason;
+  grpc::StatusCode code;
+  std::string fragment;
+  // Alters the call (start, gradient bytes) or, for a lookup (`lookup`), the request.
+  std::function<void(v1::EmbeddingGradStart&, std::string&)> damage;
+  std::function<void(v1::LookupEmbeddingRequest&)> damage_lookup;
+};
+
+class EmbeddingRefusalTest : public EmbeddingTest, public ::testing::WithParamInterface<EmbeddingRefusal> {};
+
+TEST_P(EmbeddingRefusalTest, NamesTheFieldAndChangesNothing) {
+  const EmbeddingRefusal& c = GetParam();
+  SCOPED_TRACE(c.reason);
+  // Something already accumulated, which must stay exactly as it is.
+  const std::vector<int64_t> ids = {1, 2, 2, 40};
+  ASSERT_TRUE(SendEmbeddingGrad(*stub_, GradStart(ids), FloatBytes(RandomRows(ids.size()))).status.ok());
+  const FetchedTensor grad_before = Fetch(*stub_, head_, true);
+  const FetchedTensor weight_before = Fetch(*stub_, head_, false);
+
+  grpc::Status status;
+  if (c.damage_lookup) {
+    v1::LookupEmbeddingRequest request;
+    request.set_head(head_);
+    request.mutable_token_ids()->Add(ids.begin(), ids.end());
+    c.damage_lookup(request);
+    status = LookupEmbedding(*stub_, request).status;
+  } else {
+    v1::EmbeddingGradStart start = GradStart(ids);
+    std::string bytes = FloatBytes(RandomRows(ids.size()));
+    c.damage(start, bytes);
+    status = SendEmbeddingGrad(*stub_, start, bytes).status;
+  }
+  EXPECT_EQ(status.error_code(), c.code) << status.error_message();
+  EXPECT_NE(status.error_message().find(c.fragment), std::string::npos) << status.error_message();
+  const FetchedTensor grad_after = Fetch(*stub_, head_, true);
+  const FetchedTensor weight_after = Fetch(*stub_, head_, false);
+  EXPECT_EQ(0, std::memcmp(grad_after.values.data(), grad_before.values.data(), grad_before.values.size() * 4));
+  EXPECT_EQ(weight_after.values, weight_before.values);
+  EXPECT_EQ(weight_after.version, weight_before.version);
+}
+
+void SetFloat(std::string& bytes, size_t index, float value) { std::memcpy(bytes.data() + 4 * index, &value, 4); }
+
+// clang-format off
+INSTANTIATE_TEST_SUITE_P(Table, EmbeddingRefusalTest, ::testing::ValuesIn(std::vector<EmbeddingRefusal>{
+    {"untied_head", "the demo head is an output projection only", grpc::StatusCode::FAILED_PRECONDITION,
+     "is not tied", [](auto& start, auto&) { start.set_head(kHead); }, nullptr},
+    {"lookup_untied_head", "nor can its rows be looked up", grpc::StatusCode::FAILED_PRECONDITION,
+     "is not tied", nullptr, [](auto& request) { request.set_head(kHead); }},
+    {"unknown_head", "no such head", grpc::StatusCode::NOT_FOUND, "no head named",
+     [](auto& start, auto&) { start.set_head("nothing"); }, nullptr},
+    {"id_vocab_size", "the first id past the vocabulary", grpc::StatusCode::INVALID_ARGUMENT,
+     "token_ids[2]: expected an id in [0, 2999), got 2999", [](auto& start, auto&) { start.set_token_ids(2, kVocab); }, nullptr},
+    {"lookup_id_negative", "a negative id", grpc::StatusCode::INVALID_ARGUMENT, "token_ids[0]",
+     nullptr, [](auto& request) { request.set_token_ids(0, -1); }},
+    {"lookup_dtype_7", "a dtype the contract does not define", grpc::StatusCode::INVALID_ARGUMENT, "dtype",
+     nullptr, [](auto& request) { request.set_dtype(static_cast<v1::DType>(7)); }},
+    {"lookup_stale_version", "a pinned version the head has left", grpc::StatusCode::FAILED_PRECONDITION,
+     "head_version", nullptr, [](auto& request) { request.set_head_version(999); }},
+    {"hidden_size", "H differs from the head's", grpc::StatusCode::INVALID_ARGUMENT, "hidden_size",
+     [](auto& start, auto&) { start.set_hidden_size(kHidden + 1); }, nullptr},
+    {"dtype_unspecified", "the gradient's dtype must be said", grpc::StatusCode::INVALID_ARGUMENT, "dtype",
+     [](auto& start, auto&) { start.set_dtype(v1::DTYPE_UNSPECIFIED); }, nullptr},
+    {"one_byte_short", "the last row is cut", grpc::StatusCode::INVALID_ARGUMENT, "grad",
+     [](auto&, auto& bytes) { bytes.pop_back(); }, nullptr},
+    {"one_row_extra", "more rows than ids", grpc::StatusCode::INVALID_ARGUMENT, "grad",
+     [](auto&, auto& bytes) { bytes += bytes.substr(0, kHidden * 4); }, nullptr},
+    {"nan_value", "a NaN in the last row", grpc::StatusCode::INVALID_ARGUMENT, "grad[3, 5]",
+     [](auto&, auto& bytes) { SetFloat(bytes, 3 * kHidden + 5, std::nanf("")); }, nullptr},
+    {"inf_value", "an infinity in the first row", grpc::StatusCode::INVALID_ARGUMENT, "grad[0, 0]",
+     [](auto&, auto& bytes) { SetFloat(bytes, 0, -INFINITY); }, nullptr},
+    {"sum_overflows", "two finite rows for one id whose sum is not", grpc::StatusCode::INVALID_ARGUMENT,
+     "would not be finite",
+     [](auto&, auto& bytes) { SetFloat(bytes, 1 * kHidden + 7, 3e38f); SetFloat(bytes, 2 * kHidden + 7, 3e38f); },
+     nullptr},
+    {"stale_version", "rows looked up at a version the head has left", grpc::StatusCode::FAILED_PRECONDITION,
+     "head_version", [](auto& start, auto&) { start.set_head_version(999); }, nullptr},
+}), [](const auto& info) { return info.param.name; });
+// clang-format on
 
 TEST_F(ServerE2eTest, HealthServiceReportsServing) {
   const HealthReply reply = CheckHealth(server_->port());
