@@ -212,6 +212,13 @@ class LossResult:
         return self.correct_tokens / self.counted_tokens if self.counted_tokens else 0.0
 
 
+@dataclasses.dataclass
+class EmbeddingRows:
+    """Rows of a tied head's W for a list of token ids (Client.lookup_embedding)."""
+    rows: np.ndarray          # [N, H] in the dtype asked for (bfloat16: uint16 bits)
+    head_version: int         # the version of W they are from
+
+
 @dataclasses.dataclass(frozen=True)
 class StepInfo:
     head_version: int
@@ -641,6 +648,71 @@ class Client:
         return StepInfo(head_version=response.head_version, grad_norm=response.grad_norm,
                         clip_multiplier=response.clip_multiplier,
                         accumulated_tokens=response.accumulated_tokens)
+
+    def lookup_embedding(self, head, token_ids, dtype="float32",
+                         head_version=None) -> EmbeddingRows:
+        """The rows of a tied head's W (its model's input embedding) for token_ids [N], as an
+        [N, H] array of dtype. head_version pins the lookup (FAILED_PRECONDITION otherwise); a
+        head that moves while the rows stream out fails the call with ABORTED. A head that is
+        not tied (HeadInfo.tied_embeddings) refuses with FAILED_PRECONDITION."""
+        token_ids = _token_ids(token_ids, "token_ids")
+        request = pb.LookupEmbeddingRequest(
+            head=head, token_ids=token_ids.tolist(), dtype=_tensors.wire_enum(dtype),
+            max_chunk_bytes=min(_TARGET_MESSAGE_BYTES, self._max_message_bytes // 2))
+        if head_version is not None:
+            request.head_version = head_version
+        rows = None
+        version = None
+        received = 0
+        for chunk in self._responses("LookupEmbedding", self._call("LookupEmbedding", request)):
+            if rows is None:
+                rows = np.empty((token_ids.shape[0], chunk.hidden_size),
+                                dtype=_tensors.numpy_dtype(dtype))
+            rows[chunk.row_offset:chunk.row_offset + chunk.num_rows] = _tensors.from_wire(
+                chunk.data, dtype, (chunk.num_rows, chunk.hidden_size))
+            received += chunk.num_rows
+            version = chunk.head_version
+        if rows is None:
+            # No ids, no rows: the version comes from the head itself.
+            info = self.get_head(head)
+            return EmbeddingRows(rows=np.empty((0, info.hidden_size),
+                                               dtype=_tensors.numpy_dtype(dtype)),
+                                 head_version=info.version)
+        if received != token_ids.shape[0]:
+            raise LossdError("LookupEmbedding", "INTERNAL",
+                             f"the server sent {received} of {token_ids.shape[0]} rows")
+        return EmbeddingRows(rows=rows, head_version=version)
+
+    def accumulate_embedding_grad(self, head, token_ids, grad, head_version=None) -> int:
+        """Adds grad [N, H] (float32/float64/float16, or bfloat16 as uint16 bits), the gradient
+        of the rows of token_ids [N] of a tied head, into the head's gradient accumulator, where
+        Compute's dL/dW goes, so that one step updates the one matrix. Rows of repeated ids add
+        up. All or nothing: every value and every sum must be finite. head_version, the version
+        the rows were looked up at, pins it (FAILED_PRECONDITION once the head has moved).
+        Returns the number of distinct rows of W the gradient went to."""
+        token_ids = _token_ids(token_ids, "token_ids")
+        wire_name, grad = _tensors.as_wire_array(grad)
+        if grad.ndim != 2 or grad.shape[0] != token_ids.shape[0]:
+            raise ValueError(f"grad: expected a [{token_ids.shape[0]}, hidden_size] array (one "
+                             f"row per token id), got shape {grad.shape}")
+        start = pb.EmbeddingGradStart(head=head, token_ids=token_ids.tolist(),
+                                      hidden_size=grad.shape[1],
+                                      dtype=_tensors.wire_enum(wire_name))
+        if head_version is not None:
+            start.head_version = head_version
+        rows = self._rows_per_message(grad.shape[1] * grad.itemsize)
+
+        def requests():
+            yield pb.AccumulateEmbeddingGradRequest(start=start)
+            for r0 in range(0, grad.shape[0], rows):
+                yield pb.AccumulateEmbeddingGradRequest(grad=grad[r0:r0 + rows].tobytes())
+
+        try:
+            response = self._stub.AccumulateEmbeddingGrad(requests(), timeout=self._timeout,
+                                                          metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise LossdError.from_rpc_error("AccumulateEmbeddingGrad", error) from None
+        return response.accumulated_rows
 
     def save_checkpoint(self, head="") -> List[str]:
         """Writes checkpoints of one head (every head when empty); returns their paths."""

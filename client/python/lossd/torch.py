@@ -1,4 +1,5 @@
-"""PyTorch layer of the lossd client: RemoteHead, an lm_head whose W [V, H] lives on a server.
+"""PyTorch layer of the lossd client: RemoteHead, an lm_head whose W [V, H] lives on a server,
+and RemoteEmbedding, the input embedding of a tied head.
 
     head = RemoteHead(lossd.Client("127.0.0.1:50051"), "main")
     loss = head(hidden, labels)      # hidden [..., H] from the model body, labels [...]
@@ -63,13 +64,26 @@ Backward semantics
 Training only W on fixed hidden states (no autograd on hidden) is a Client.compute call with
 accumulate_grad_weight=True followed by head.step().
 
+torch.compile
+-------------
+With torch >= 2.4 RemoteHead's call to the server is a custom operator (torch.library.custom_op,
+lossd::cross_entropy and lossd::cross_entropy_backward) with a fake implementation, so that a
+model using RemoteHead compiles whole (fullgraph; tested with the eager and aot_eager backends)
+and the server call stays one opaque node of the graph. Older torch gets the same computation as
+a plain torch.autograd.Function. RemoteEmbedding's lookup and gradient are lossd::embedding_lookup
+and lossd::embedding_backward. RemoteLogprobs and RemoteDistill remain
+autograd.Functions: a model using them does not compile whole.
+
 Dtypes: float32 and float64 hidden states travel as float32, bfloat16 and float16 as themselves.
 dL/dh comes back in bfloat16 for bfloat16 inputs and in float32 otherwise (float16 would flush the
 small per-token gradients of a large mean to zero), and hidden.grad has hidden's dtype. The loss is
 float64 for float64 inputs, float32 otherwise.
 """
+import collections
 import dataclasses
-from typing import Optional
+import itertools
+import weakref
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -79,6 +93,9 @@ from lossd.client import Client, HeadInfo, StepInfo
 
 _WIRE_NAME_OF_TORCH_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16",
                              torch.float16: "float16"}
+_TORCH_DTYPE_OF_WIRE_NAME = {name: dtype for dtype, name in _WIRE_NAME_OF_TORCH_DTYPE.items()}
+# torch.library.custom_op and register_fake arrived in torch 2.4.
+_CUSTOM_OPS = hasattr(torch.library, "custom_op") and hasattr(torch.library, "register_fake")
 
 
 def _wire_array(tensor):
@@ -109,13 +126,18 @@ def _wire_dtype_name(dtype):
     return _WIRE_NAME_OF_TORCH_DTYPE[dtype]
 
 
-def _token_ids(values, field):
-    """values (a tensor, array or list of ids) as a flat CPU int64 numpy array; anything but
-    integers is refused, as Client.compute does, rather than truncated."""
-    ids = torch.as_tensor(values).detach()
+def _check_token_ids(ids, field):
+    """Refuses a tensor of anything but integer ids, as Client.compute does, rather than
+    truncating it."""
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise TypeError(f"{field}: expected integer token ids, got {ids.dtype} values; cast "
                         f"them with .long() if they are ids")
+
+
+def _token_ids(values, field):
+    """values (a tensor, array or list of ids) as a flat CPU int64 numpy array."""
+    ids = torch.as_tensor(values).detach()
+    _check_token_ids(ids, field)
     return ids.reshape(-1).to("cpu", torch.int64).numpy()
 
 
@@ -125,6 +147,69 @@ def _grad_hidden_wire_dtype(hidden_dtype):
 
 def _loss_dtype(hidden_dtype):
     return torch.float64 if hidden_dtype == torch.float64 else torch.float32
+
+
+def _numpy(tensor, dtype):
+    return None if tensor is None else tensor.detach().reshape(-1).to("cpu", dtype).numpy()
+
+
+# The operators below take plain values, not Python objects: a module is named by an id in this
+# registry, which holds it weakly.
+_MODULES = weakref.WeakValueDictionary()
+_MODULE_IDS = itertools.count(1)
+
+
+def _register(module):
+    module_id = next(_MODULE_IDS)
+    _MODULES[module_id] = module
+    return module_id
+
+
+def _module(module_id):
+    module = _MODULES.get(module_id)
+    if module is None:
+        raise RuntimeError(f"lossd: module {module_id} of this computation no longer exists")
+    return module
+
+
+# Forwards whose dL/dW the server holds for an upstream gradient of 1 and whose first backward
+# has yet to correct it, by call id. A forward whose backward never comes leaves its id here; the
+# oldest go past this many.
+_AWAITING_BACKWARD = collections.OrderedDict()
+_MAX_AWAITING_BACKWARD = 1 << 20
+_CALL_IDS = itertools.count(1)
+
+
+def _sequence_lengths(lengths, shift_labels, row_length, num_tokens):
+    """The sequences of a call: those given; for a shifted call without them, the rows of
+    labels' last dimension; else none."""
+    if lengths is not None:
+        return _numpy(lengths, torch.int64)
+    if not shift_labels or num_tokens == 0:
+        return None
+    return np.full(num_tokens // row_length, row_length, dtype=np.int64)
+
+
+# RemoteHead.forward's options, in the order the operators take them after the module id: the
+# Client.compute arguments of the loss and its objective, and the length of labels' last
+# dimension (a shifted call's sequences when none are given).
+_OPTION_NAMES = ("reduction", "ignore_index", "label_smoothing", "z_loss_scale", "logit_softcap",
+                 "temperature", "mean_denominator", "shift_labels", "objective", "clip_low",
+                 "clip_high", "dual_clip", "kl_estimator", "kl_coef", "entropy_coef", "row_length")
+# The objectives' per-token inputs, tensors of the operators after the sequence lengths.
+_TOKEN_INPUT_NAMES = ("sampling_logprobs", "advantages", "reference_logprobs")
+
+
+def _result_outputs(call):
+    """The per-token outputs a forward asks for beside dL/dh: the per-token loss for "none", the
+    policy objectives' ratio, clip state and KL estimate, and distillation's KD and CE terms."""
+    outputs = ["token_loss"] if call.reduction == "none" else []
+    objective = call.options.get("objective", "cross_entropy")
+    if objective == "distill":
+        return outputs + ["kd"] + (["ce"] if call.labels is not None else [])
+    if objective != "cross_entropy" or call.options.get("kl_estimator") is not None:
+        outputs += ["ratio", "clip", "kl"]
+    return outputs
 
 
 @dataclasses.dataclass
@@ -172,6 +257,289 @@ class _LossCall:
         return dataclasses.replace(self, **{**fields, **replace})
 
 
+def _operator_call(labels, weights, sequence_lengths, token_inputs, head_id, options):
+    """The _LossCall of RemoteHead's operators, from their values."""
+    head = _module(head_id)
+    options = dict(zip(_OPTION_NAMES, options))
+    reduction = options.pop("reduction")
+    row_length = options.pop("row_length")
+    labels = _numpy(labels, torch.int64)
+    options["sequence_lengths"] = _sequence_lengths(sequence_lengths, options["shift_labels"],
+                                                    row_length, labels.shape[0])
+    options["shared_memory"] = head.shared_memory
+    options["weight_sha256"] = head.weight_sha256
+    return _LossCall(client=head.client, head=head.head, labels=labels,
+                     weights=_numpy(weights, torch.float32), reduction=reduction, options=options,
+                     token_inputs={name: _numpy(values, torch.float32)
+                                   for name, values in zip(_TOKEN_INPUT_NAMES, token_inputs)
+                                   if values is not None})
+
+
+def _correct_grad_weight(call, hidden, upstream, already, pinned):
+    """Brings the server's dL/dW from `already` times this call's dL/dW to `upstream` (a CPU
+    tensor: a scalar, or [N] for reduction "none") times it, with at most one call that
+    accumulates only dL/dW (it is linear in the upstream gradient). hidden: the call's rows
+    [N, H]. pinned: the versions of the heads the forward read; the correction reads them too,
+    or fails (FAILED_PRECONDITION)."""
+    correct = dict(accumulate_grad_weight=True, **pinned)
+    if call.reduction != "none":
+        scale = float(upstream) - already
+        if scale != 0.0:
+            call.compute(hidden, grad_scale=scale, **correct)
+        return
+    counted = call.counted()
+    weights = np.ones(len(counted)) if call.weights is None else call.weights.astype(np.float64)
+    correction = weights * (upstream.reshape(-1).numpy() - already)
+    if call.options.get("shift_labels"):
+        # Row i predicts the label of row i + 1: the rows cannot be picked apart from their
+        # neighbours, so all of them go, weighted.
+        if np.any(correction != 0.0):
+            dataclasses.replace(call, weights=correction.astype(np.float32)).compute(
+                hidden, **correct)
+        return
+    # Rows with a zero correction or an ignored label add nothing: send only the others.
+    rows = np.flatnonzero((correction != 0.0) & counted)
+    if rows.size:
+        call.rows(rows, weights=correction[rows].astype(np.float32)).compute(
+            hidden[torch.from_numpy(rows).to(hidden.device)], **correct)
+
+
+def _loss_tensor(result, reduction, hidden):
+    dtype = _loss_dtype(hidden.dtype)
+    if reduction == "none":
+        return torch.from_numpy(result.token_loss).to(device=hidden.device, dtype=dtype)
+    return torch.tensor(result.loss, dtype=dtype, device=hidden.device)
+
+
+def _cross_entropy_forward(hidden, labels, weights, sequence_lengths, sampling_logprobs,
+                           advantages, reference_logprobs, head_id, *options_and_train):
+    """The server call of a forward: (loss, dL/dh in the wire's dtype (empty unless training),
+    state [call id, head version]). The head keeps the LossResult as last_result."""
+    *options, train = options_and_train
+    call = _operator_call(labels, weights, sequence_lengths,
+                          (sampling_logprobs, advantages, reference_logprobs), head_id, options)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    outputs = _result_outputs(call)
+    grad_dtype = _grad_hidden_wire_dtype(hidden.dtype)
+    if train:
+        result = call.compute(flat_hidden, outputs=outputs + ["grad_hidden"],
+                              grad_hidden_dtype=grad_dtype, accumulate_grad_weight=True)
+        grad_hidden = _tensor_from_wire(result.grad_hidden, grad_dtype)
+        grad_hidden = grad_hidden.to(hidden.device).view(hidden.shape)
+        call_id = next(_CALL_IDS)
+        _AWAITING_BACKWARD[call_id] = None
+        while len(_AWAITING_BACKWARD) > _MAX_AWAITING_BACKWARD:
+            _AWAITING_BACKWARD.popitem(last=False)
+    else:
+        result = call.compute(flat_hidden, outputs=outputs)
+        grad_hidden = torch.empty(0, dtype=_TORCH_DTYPE_OF_WIRE_NAME[grad_dtype],
+                                  device=hidden.device)
+        call_id = 0
+    _module(head_id).last_result = result
+    loss = _loss_tensor(result, call.reduction, hidden)
+    if call.reduction == "none":
+        loss = loss.view(labels.shape)
+    return loss, grad_hidden, torch.tensor([call_id, result.head_version], dtype=torch.int64)
+
+
+def _cross_entropy_backward(upstream, grad_hidden, hidden, labels, weights, sequence_lengths,
+                            sampling_logprobs, advantages, reference_logprobs, state, head_id,
+                            *options):
+    """upstream * dL/dh, after bringing the server's dL/dW to upstream times this call's (one
+    correction call that accumulates only dL/dW, pinned to the forward's head version)."""
+    call = _operator_call(labels, weights, sequence_lengths,
+                          (sampling_logprobs, advantages, reference_logprobs), head_id, options)
+    call_id, head_version = (int(x) for x in state.tolist())
+    # The forward's accumulation stands for an upstream gradient of 1 until its first backward;
+    # later backwards through the same graph accumulate in full.
+    already = 1.0 if _AWAITING_BACKWARD.pop(call_id, False) is None else 0.0
+    loss_dtype = _loss_dtype(hidden.dtype)
+    upstream = upstream.detach().to(device=hidden.device, dtype=loss_dtype)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    grad = grad_hidden.to(device=hidden.device, dtype=loss_dtype).reshape(flat_hidden.shape)
+    grad = grad * (upstream.reshape(-1, 1) if call.reduction == "none" else upstream)
+    _correct_grad_weight(call, flat_hidden, upstream.cpu(), already,
+                         dict(head_version=head_version))
+    return grad.view(hidden.shape).to(hidden.dtype)
+
+
+def _embedding_lookup(token_ids, anchor, head_id, dtype):
+    """(rows [*token_ids.shape, H] in dtype, state [head version]): each distinct id is asked for
+    once."""
+    module = _module(head_id)
+    ids = _numpy(token_ids, torch.int64)
+    unique, inverse = np.unique(ids, return_inverse=True)
+    looked_up = module.client.lookup_embedding(module.head, unique,
+                                               dtype=_WIRE_NAME_OF_TORCH_DTYPE[dtype])
+    rows = _tensor_from_wire(looked_up.rows, _WIRE_NAME_OF_TORCH_DTYPE[dtype])
+    rows = rows[torch.from_numpy(inverse.reshape(-1))]
+    rows = rows.view(tuple(token_ids.shape) + (looked_up.rows.shape[1],)).to(anchor.device)
+    return rows, torch.tensor([looked_up.head_version], dtype=torch.int64)
+
+
+def _embedding_backward(grad, token_ids, state, anchor, head_id, padding_idx):
+    """Sends the gradient of the looked-up rows to the server, summed per distinct id (rows of
+    padding_idx get none, as in torch.nn.Embedding); returns the anchor's (empty) gradient."""
+    module = _module(head_id)
+    ids = token_ids.detach().reshape(-1).cpu()
+    grad = grad.detach().reshape(ids.shape[0], -1).to("cpu", torch.float32)
+    if padding_idx >= 0:
+        keep = ids != padding_idx
+        ids, grad = ids[keep], grad[keep]
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    sums = torch.zeros(unique.shape[0], grad.shape[1], dtype=torch.float32)
+    sums.index_add_(0, inverse, grad)
+    module.client.accumulate_embedding_grad(module.head, unique.numpy(), sums.numpy(),
+                                            head_version=int(state[0]))
+    return torch.zeros_like(anchor)
+
+
+if _CUSTOM_OPS:
+    @torch.library.custom_op("lossd::cross_entropy", mutates_args=())
+    def _cross_entropy_op(
+            hidden: torch.Tensor, labels: torch.Tensor, weights: Optional[torch.Tensor],
+            sequence_lengths: Optional[torch.Tensor], sampling_logprobs: Optional[torch.Tensor],
+            advantages: Optional[torch.Tensor], reference_logprobs: Optional[torch.Tensor],
+            head_id: int, reduction: str, ignore_index: int, label_smoothing: float,
+            z_loss_scale: float, logit_softcap: Optional[float], temperature: float,
+            mean_denominator: float, shift_labels: bool, objective: str, clip_low: float,
+            clip_high: float, dual_clip: float, kl_estimator: Optional[str], kl_coef: float,
+            entropy_coef: float, row_length: int,
+            train: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _cross_entropy_forward(
+            hidden, labels, weights, sequence_lengths, sampling_logprobs, advantages,
+            reference_logprobs, head_id, reduction, ignore_index, label_smoothing, z_loss_scale,
+            logit_softcap, temperature, mean_denominator, shift_labels, objective, clip_low,
+            clip_high, dual_clip, kl_estimator, kl_coef, entropy_coef, row_length, train)
+
+    @_cross_entropy_op.register_fake
+    def _(hidden, labels, weights, sequence_lengths, sampling_logprobs, advantages,
+          reference_logprobs, head_id, reduction, *options_and_train):
+        train = options_and_train[-1]
+        loss_shape = labels.shape if reduction == "none" else ()
+        loss = hidden.new_empty(loss_shape, dtype=_loss_dtype(hidden.dtype))
+        grad_dtype = _TORCH_DTYPE_OF_WIRE_NAME[_grad_hidden_wire_dtype(hidden.dtype)]
+        grad_hidden = hidden.new_empty(hidden.shape if train else (0,), dtype=grad_dtype)
+        return loss, grad_hidden, hidden.new_empty((2,), dtype=torch.int64, device="cpu")
+
+    @torch.library.custom_op("lossd::cross_entropy_backward", mutates_args=())
+    def _cross_entropy_backward_op(
+            upstream: torch.Tensor, grad_hidden: torch.Tensor, hidden: torch.Tensor,
+            labels: torch.Tensor, weights: Optional[torch.Tensor],
+            sequence_lengths: Optional[torch.Tensor], sampling_logprobs: Optional[torch.Tensor],
+            advantages: Optional[torch.Tensor], reference_logprobs: Optional[torch.Tensor],
+            state: torch.Tensor, head_id: int, reduction: str, ignore_index: int,
+            label_smoothing: float, z_loss_scale: float, logit_softcap: Optional[float],
+            temperature: float, mean_denominator: float, shift_labels: bool, objective: str,
+            clip_low: float, clip_high: float, dual_clip: float, kl_estimator: Optional[str],
+            kl_coef: float, entropy_coef: float, row_length: int) -> torch.Tensor:
+        return _cross_entropy_backward(
+            upstream, grad_hidden, hidden, labels, weights, sequence_lengths, sampling_logprobs,
+            advantages, reference_logprobs, state, head_id, reduction, ignore_index,
+            label_smoothing, z_loss_scale, logit_softcap, temperature, mean_denominator,
+            shift_labels, objective, clip_low, clip_high, dual_clip, kl_estimator, kl_coef,
+            entropy_coef, row_length)
+
+    @_cross_entropy_backward_op.register_fake
+    def _(upstream, grad_hidden, hidden, *args):
+        return torch.empty_like(hidden)
+
+    def _cross_entropy_setup_context(ctx, inputs, output):
+        _, grad_hidden, state = output
+        ctx.save_for_backward(grad_hidden, *inputs[:7], state)  # hidden .. reference_logprobs
+        ctx.options = inputs[7:-1]  # head_id .. row_length; train is always True here
+
+    def _cross_entropy_op_backward(ctx, upstream, _grad_of_grad_hidden, _grad_of_state):
+        grad_hidden, *tensors, state = ctx.saved_tensors
+        grad = _cross_entropy_backward_op(upstream, grad_hidden, *tensors, state, *ctx.options)
+        return (grad,) + (None,) * (len(tensors) - 1 + len(ctx.options) + 1)
+
+    _cross_entropy_op.register_autograd(_cross_entropy_op_backward,
+                                        setup_context=_cross_entropy_setup_context)
+
+    @torch.library.custom_op("lossd::embedding_lookup", mutates_args=())
+    def _embedding_lookup_op(token_ids: torch.Tensor, anchor: torch.Tensor, head_id: int,
+                             dtype: torch.dtype, hidden_size: int
+                             ) -> Tuple[torch.Tensor, torch.Tensor]:
+        return _embedding_lookup(token_ids, anchor, head_id, dtype)
+
+    @_embedding_lookup_op.register_fake
+    def _(token_ids, anchor, head_id, dtype, hidden_size):
+        rows = anchor.new_empty(tuple(token_ids.shape) + (hidden_size,), dtype=dtype)
+        return rows, token_ids.new_empty((1,), dtype=torch.int64, device="cpu")
+
+    @torch.library.custom_op("lossd::embedding_backward", mutates_args=())
+    def _embedding_backward_op(grad: torch.Tensor, token_ids: torch.Tensor, state: torch.Tensor,
+                               anchor: torch.Tensor, head_id: int,
+                               padding_idx: int) -> torch.Tensor:
+        return _embedding_backward(grad, token_ids, state, anchor, head_id, padding_idx)
+
+    @_embedding_backward_op.register_fake
+    def _(grad, token_ids, state, anchor, head_id, padding_idx):
+        return torch.empty_like(anchor)
+
+    def _embedding_setup_context(ctx, inputs, output):
+        token_ids, anchor, head_id, _, _ = inputs
+        ctx.save_for_backward(token_ids, output[1], anchor)
+        ctx.head_id = head_id
+
+    def _embedding_op_backward(ctx, grad, _grad_of_state):
+        token_ids, state, anchor = ctx.saved_tensors
+        module = _module(ctx.head_id)
+        anchor_grad = _embedding_backward_op(grad, token_ids, state, anchor, ctx.head_id,
+                                             module.padding_idx)
+        return None, anchor_grad, None, None, None
+
+    _embedding_lookup_op.register_autograd(_embedding_op_backward,
+                                           setup_context=_embedding_setup_context)
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    """lossd::cross_entropy for torch without custom operators: the same server calls."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        tensors, options = inputs[:7], inputs[7:]
+        loss, grad_hidden, state = _cross_entropy_forward(*tensors, *options, True)
+        ctx.save_for_backward(grad_hidden, *tensors, state)
+        ctx.options = options
+        return loss
+
+    @staticmethod
+    def backward(ctx, upstream):
+        grad_hidden, *tensors, state = ctx.saved_tensors
+        grad = _cross_entropy_backward(upstream, grad_hidden, *tensors, state, *ctx.options)
+        return (grad,) + (None,) * (len(tensors) - 1 + len(ctx.options))
+
+
+class _EmbeddingFunction(torch.autograd.Function):
+    """lossd::embedding_lookup for torch without custom operators."""
+
+    @staticmethod
+    def forward(ctx, token_ids, anchor, head_id, dtype, hidden_size):
+        rows, state = _embedding_lookup(token_ids, anchor, head_id, dtype)
+        ctx.save_for_backward(token_ids, state, anchor)
+        ctx.head_id = head_id
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad):
+        token_ids, state, anchor = ctx.saved_tensors
+        anchor_grad = _embedding_backward(grad, token_ids, state, anchor, ctx.head_id,
+                                          _module(ctx.head_id).padding_idx)
+        return None, anchor_grad, None, None, None
+
+
+def _cross_entropy(tensors, options, train):
+    """The loss of RemoteHead.forward through the custom operator, or the autograd.Function."""
+    if _CUSTOM_OPS:
+        loss, _, _ = torch.ops.lossd.cross_entropy(*tensors, *options, train)
+        return loss
+    if train:
+        return _CrossEntropyFunction.apply(*tensors, *options)
+    return _cross_entropy_forward(*tensors, *options, False)[0]
+
+
 def _as_numpy(values, dtype, name, count):
     """A flat CPU numpy array of a tensor, array or sequence; `count` entries unless None."""
     if values is None:
@@ -184,7 +552,8 @@ def _as_numpy(values, dtype, name, count):
 
 
 class _RemoteLoss(torch.autograd.Function):
-    """loss(hidden [N, H]) with dL/dh from the server; dL/dW accumulates on the server."""
+    """loss(hidden [N, H]) with dL/dh from the server; dL/dW accumulates on the server. The same
+    computation as lossd::cross_entropy, for calls the operator does not take (a teacher's)."""
 
     @staticmethod
     def forward(ctx, hidden, call):
@@ -194,8 +563,9 @@ class _RemoteLoss(torch.autograd.Function):
         call.result = result
         ctx.save_for_backward(hidden)
         ctx.call = call
-        ctx.head_version = result.head_version
-        ctx.teacher_head_version = result.teacher_head_version
+        ctx.pinned = dict(head_version=result.head_version)
+        if call.options.get("teacher_head") is not None:
+            ctx.pinned["teacher_head_version"] = result.teacher_head_version
         ctx.grad_hidden = _tensor_from_wire(result.grad_hidden,
                                             _grad_hidden_wire_dtype(hidden.dtype))
         # The forward's own accumulation stands for an upstream gradient of 1 until a backward
@@ -215,55 +585,21 @@ class _RemoteLoss(torch.autograd.Function):
             grad_hidden = grad_hidden * upstream.reshape(-1, 1)
         else:
             grad_hidden = grad_hidden * upstream
-        _accumulate_grad_weight_correction(ctx, hidden, upstream.cpu())
+        _correct_grad_weight(call, hidden, upstream.cpu(), ctx.accumulated_upstream, ctx.pinned)
+        ctx.accumulated_upstream = 0.0
         return grad_hidden.to(hidden.dtype), None
 
 
-def _accumulate_grad_weight_correction(ctx, hidden, upstream):
-    """Brings the server's dL/dW from ctx.accumulated_upstream times this call's dL/dW to
-    `upstream` times it more, with one call that accumulates only dL/dW (it is linear in the
-    upstream gradient)."""
-    call = ctx.call
-    already = ctx.accumulated_upstream
-    ctx.accumulated_upstream = 0.0
-    # The correction reads the heads the forward read, or fails (FAILED_PRECONDITION).
-    pinned = dict(head_version=ctx.head_version)
-    if call.options.get("teacher_head") is not None:
-        pinned["teacher_head_version"] = ctx.teacher_head_version
-    if call.reduction != "none":
-        scale = float(upstream) - already
-        if scale != 0.0:
-            call.compute(hidden, grad_scale=scale, accumulate_grad_weight=True, **pinned)
-        return
-    counted = call.counted()
-    weights = np.ones(len(counted)) if call.weights is None else call.weights.astype(np.float64)
-    correction = weights * (upstream.reshape(-1).numpy() - already)
-    if call.options.get("shift_labels"):
-        # Row i predicts the label of row i + 1: the rows cannot be picked apart from their
-        # neighbours, so all of them go, weighted.
-        if np.any(correction != 0.0):
-            partial = dataclasses.replace(call, weights=correction.astype(np.float32))
-            partial.compute(hidden, accumulate_grad_weight=True, head_version=ctx.head_version)
-        return
-    # Rows with a zero correction or an ignored label add nothing: send only the others.
-    rows = np.flatnonzero((correction != 0.0) & counted)
-    if rows.size == 0:
-        return
-    partial = call.rows(rows, weights=correction[rows].astype(np.float32))
-    partial.compute(hidden[torch.from_numpy(rows).to(hidden.device)], accumulate_grad_weight=True,
-                    **pinned)
-
-
-def _result_outputs(call):
-    """The per-token outputs a forward asks for beside dL/dh: the per-token loss for "none", the
-    policy objectives' ratio, clip state and KL estimate, and distillation's KD and CE terms."""
-    outputs = ["token_loss"] if call.reduction == "none" else []
-    objective = call.options.get("objective", "cross_entropy")
-    if objective == "distill":
-        return outputs + ["kd"] + (["ce"] if call.labels is not None else [])
-    if objective != "cross_entropy" or call.options.get("kl_estimator") is not None:
-        outputs += ["ratio", "clip", "kl"]
-    return outputs
+def _run(call, flat_hidden, hidden):
+    """The call's loss under autograd (_RemoteLoss: dL/dh now, dL/dW on the server) or as a plain
+    scoring call without it, and its LossResult; the loss shaped for the reduction."""
+    if torch.is_grad_enabled() and hidden.requires_grad:
+        loss = _RemoteLoss.apply(flat_hidden, call)
+        result = call.result
+    else:
+        result = call.compute(flat_hidden, outputs=_result_outputs(call))
+        loss = _loss_tensor(result, call.reduction, hidden)
+    return (loss.reshape(hidden.shape[:-1]) if call.reduction == "none" else loss), result
 
 
 class _RemoteLogprobs(torch.autograd.Function):
@@ -302,25 +638,6 @@ class _RemoteLogprobs(torch.autograd.Function):
         return grad_hidden.to(hidden.dtype), None
 
 
-def _run(call, flat_hidden, hidden):
-    """The call's loss under autograd (_RemoteLoss: dL/dh now, dL/dW on the server) or as a plain
-    scoring call without it, and its LossResult; the loss shaped for the reduction."""
-    if torch.is_grad_enabled() and hidden.requires_grad:
-        loss = _RemoteLoss.apply(flat_hidden, call)
-        result = call.result
-    else:
-        result = call.compute(flat_hidden, outputs=_result_outputs(call))
-        loss = _loss_tensor(result, call.reduction, hidden)
-    return (loss.reshape(hidden.shape[:-1]) if call.reduction == "none" else loss), result
-
-
-def _loss_tensor(result, reduction, hidden):
-    dtype = _loss_dtype(hidden.dtype)
-    if reduction == "none":
-        return torch.from_numpy(result.token_loss).to(device=hidden.device, dtype=dtype)
-    return torch.tensor(result.loss, dtype=dtype, device=hidden.device)
-
-
 @dataclasses.dataclass
 class Scores:
     """Per-token scores of RemoteHead.score, shaped like token_ids (top-k: plus a last dim k)."""
@@ -347,6 +664,7 @@ class RemoteHead(torch.nn.Module):
         self.shared_memory = shared_memory
         self.weight_sha256 = weight_sha256
         self.last_result = None
+        self._id = _register(self)
 
     def pin_weights(self):
         """Pins this module's calls to W as the server (one replica, over several) reports it now,
@@ -398,36 +716,30 @@ class RemoteHead(torch.nn.Module):
         self.last_result holds its LossResult (clip_fraction, mean_kl, per-token ratio, clip
         and kl for the RL objectives)."""
         labels = torch.as_tensor(labels)
-        flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-        labels_shape = labels.shape
-        count = flat_hidden.shape[0]
-        if shift_labels and sequence_lengths is None and labels.numel() > 0:
-            length = labels_shape[-1] if labels.dim() > 0 else 1
-            sequence_lengths = [length] * (labels.numel() // length)
-        call = _LossCall(
-            client=self.client, head=self.head, labels=_token_ids(labels, "labels"),
-            weights=_as_numpy(weights, torch.float32, "weights", count),
-            reduction=reduction,
-            options=dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
-                         z_loss_scale=z_loss_scale, logit_softcap=logit_softcap,
-                         temperature=temperature, mean_denominator=mean_denominator,
-                         shift_labels=shift_labels, shared_memory=self.shared_memory,
-                         objective=objective,
-                         clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-                         kl_estimator=kl_estimator, kl_coef=kl_coef, entropy_coef=entropy_coef,
-                         weight_sha256=self.weight_sha256,
-                         sequence_lengths=_as_numpy(sequence_lengths, torch.int64,
-                                                    "sequence_lengths", None)),
-            token_inputs={name: _as_numpy(values, torch.float32, name, count)
-                          for name, values in (("sampling_logprobs", sampling_logprobs),
-                                               ("advantages", advantages),
-                                               ("reference_logprobs", reference_logprobs))
-                          if values is not None})
-        if len(call.labels) != count:
-            raise ValueError(f"labels: expected {count} entries (the rows of "
-                             f"hidden {tuple(hidden.shape)}), got shape {tuple(labels_shape)}")
-        loss, self.last_result = _run(call, flat_hidden, hidden)
-        return loss.reshape(labels_shape) if reduction == "none" else loss
+        _check_token_ids(labels, "labels")
+        count = hidden.numel() // hidden.shape[-1]
+        if labels.numel() != count:
+            raise ValueError(f"labels: expected {count} entries (the rows of hidden "
+                             f"{tuple(hidden.shape)}), got shape {tuple(labels.shape)}")
+        per_token = {"weights": weights, "sampling_logprobs": sampling_logprobs,
+                     "advantages": advantages, "reference_logprobs": reference_logprobs}
+        for name, values in per_token.items():
+            if values is not None:
+                values = per_token[name] = torch.as_tensor(values)
+                if values.numel() != count:
+                    raise ValueError(f"{name}: expected {count} entries (the rows of hidden), got "
+                                     f"{values.numel()}")
+        if sequence_lengths is not None:
+            sequence_lengths = torch.as_tensor(sequence_lengths, dtype=torch.int64)
+        tensors = (hidden, labels, per_token["weights"], sequence_lengths,
+                   per_token["sampling_logprobs"], per_token["advantages"],
+                   per_token["reference_logprobs"])
+        options = (self._id, reduction, ignore_index, float(label_smoothing), float(z_loss_scale),
+                   None if logit_softcap is None else float(logit_softcap), float(temperature),
+                   float(mean_denominator), bool(shift_labels), objective, float(clip_low),
+                   float(clip_high), float(dual_clip), kl_estimator, float(kl_coef),
+                   float(entropy_coef), labels.shape[-1] if labels.dim() > 0 else 1)
+        return _cross_entropy(tensors, options, torch.is_grad_enabled() and hidden.requires_grad)
 
     def logprobs(self, hidden, tokens, **kwargs):
         """log p(tokens) for hidden [..., H], differentiable: RemoteLogprobs on this head."""
@@ -623,3 +935,48 @@ class RemoteDistill(torch.nn.Module):
                          reduction=reduction, options=options, side=side)
         loss, self.last_result = _run(call, flat_hidden, hidden)
         return loss
+
+
+class RemoteEmbedding(torch.nn.Module):
+    """The input embedding of a tied head (HeadInfo.tied_embeddings), as a stand-in for the
+    model's torch.nn.Embedding: forward looks the rows of its token ids up in W on the server
+    (each distinct id once) and backward sends their gradient into W's accumulator on the
+    server, pinned to the version the rows came from, where the head's own dL/dW goes. One
+    head.step() then updates the one matrix both ends of the model use.
+
+    padding_idx: as torch.nn.Embedding's, its rows get no gradient. embed_scale: a factor the
+    rows are multiplied by, in their dtype (Gemma's scaled word embeddings). The rows come in the
+    dtype and on the device of grad_anchor, an empty parameter that only carries autograd to the
+    lookup (the rows live on the server), and that follows the model's .to(...) like its other
+    parameters; it takes no part in any update. The gradient call carries no call id and is not
+    retried: a failed one raises from backward, and the head's gradient should then be zeroed."""
+
+    def __init__(self, client, head, hidden_size, padding_idx=None, dtype=torch.float32,
+                 device=None, embed_scale=None):
+        super().__init__()
+        _wire_dtype_name(dtype)
+        self.client = client if isinstance(client, Client) else Client(client)
+        self.head = head
+        self.hidden_size = hidden_size
+        self.padding_idx = -1 if padding_idx is None else padding_idx
+        self.grad_anchor = torch.nn.Parameter(torch.zeros(0, dtype=dtype, device=device))
+        self.register_buffer("embed_scale", None if embed_scale is None else
+                             torch.as_tensor(embed_scale, dtype=torch.float32).to(device),
+                             persistent=False)
+        self._id = _register(self)
+
+    def extra_repr(self):
+        return f"head={self.head!r}, hidden_size={self.hidden_size}"
+
+    def forward(self, token_ids):
+        _check_token_ids(token_ids, "token_ids")
+        dtype = self.grad_anchor.dtype
+        if _CUSTOM_OPS:
+            rows, _ = torch.ops.lossd.embedding_lookup(token_ids, self.grad_anchor, self._id,
+                                                       dtype, self.hidden_size)
+        elif torch.is_grad_enabled():
+            rows = _EmbeddingFunction.apply(token_ids, self.grad_anchor, self._id, dtype,
+                                            self.hidden_size)
+        else:
+            rows = _embedding_lookup(token_ids, self.grad_anchor, self._id, dtype)[0]
+        return rows if self.embed_scale is None else rows * self.embed_scale.to(dtype)
