@@ -2,17 +2,18 @@
 
 lossd.Client is the numpy-level client (one method per RPC); lossd.torch.RemoteHead is a
 torch.nn.Module whose forward returns the loss and whose backward gives dL/dh, with W, its
-gradient and its optimizer state living on the server. lossd.torch is imported on demand so that
-scoring clients need no torch.
+gradient and its optimizer state living on the server; lossd.hf.offload_head makes a transformers
+causal LM compute its loss that way in one call. lossd.torch and lossd.hf are imported on demand
+so that scoring clients need neither torch nor transformers.
 """
 from lossd._version import __version__
 from lossd.client import (CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE, OBJECTIVES, OUTPUT_NAMES,
-                          SPARSE_TEACHER_MASSES, Client, HeadInfo, LossdError, LossResult,
-                          RetryPolicy, StepInfo)
+                          SPARSE_TEACHER_MASSES, Client, EmbeddingRows, HeadInfo, LossdError,
+                          LossResult, RetryPolicy, StepInfo)
 from lossd._address import Target, parse_target
 from lossd._tensors import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
-__all__ = ["__version__", "CLIP_DUAL", "CLIP_HIGH", "CLIP_LOW", "CLIP_NONE", "Client", "HeadInfo",
-           "LossdError", "LossResult", "OBJECTIVES", "OUTPUT_NAMES", "RetryPolicy",
-           "SPARSE_TEACHER_MASSES", "StepInfo", "Target",
+__all__ = ["__version__", "CLIP_DUAL", "CLIP_HIGH", "CLIP_LOW", "CLIP_NONE", "Client",
+           "EmbeddingRows", "HeadInfo", "LossdError", "LossResult", "OBJECTIVES", "OUTPUT_NAMES",
+           "RetryPolicy", "SPARSE_TEACHER_MASSES", "StepInfo", "Target",
            "bfloat16_bits_to_float32", "float32_to_bfloat16_bits", "parse_target"]

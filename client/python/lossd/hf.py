@@ -1,0 +1,240 @@
+"""Hugging Face transformers causal LMs whose loss lossd computes, in one call.
+
+    model = AutoModelForCausalLM.from_pretrained("/models/Qwen2.5-0.5B")
+    head = lossd.hf.offload_head(model, lossd.Client("127.0.0.1:50051"), head="main")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)   # after offload_head
+    for batch in data:
+        loss = model(**batch).loss          # input_ids, attention_mask, labels
+        loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+        head.step("adamw", lr=1e-5)         # W on the server
+
+After offload_head the model's lm_head is a lossd.torch.RemoteHead on the server's head, and
+`model(input_ids, labels=labels)` returns the loss transformers' own forward returns, with the
+gradients it gives, without ever building the [tokens, vocabulary] logits:
+
+* The loss is transformers' ForCausalLMLoss: labels shifted by one within each row of the batch
+  (the server shifts them, ComputeStart.shift_labels), the last position of each row and labels
+  equal to ignore_index (default -100) ignored, the mean over the shifted labels that count, in
+  float32. A `shift_labels` argument is taken as already shifted, as transformers takes it.
+  `num_items_in_batch` (the Trainer's count over all micro-batches of a gradient-accumulation
+  step) makes it the sum divided by that count, sent as the call's mean denominator so that the
+  upstream gradient stays 1. The attention mask does not enter the loss, in transformers either:
+  padding counts only where its labels are not ignore_index (DataCollatorForLanguageModeling
+  sets them to -100).
+* Gemma 2's final_logit_softcapping is applied on the server: the head carries the model's cap
+  (from config.json, or the upload).
+* Tied models (Qwen2.5-0.5B, Llama 3.2 1B, Gemma 2) use W at both ends. Their input embedding is
+  replaced by a lossd.torch.RemoteEmbedding that looks its rows up on the server and sends their
+  gradient into the head's accumulator, so that head.step updates the one matrix as the local
+  model's optimizer would update the tied weight.
+* Without labels (inference, generate()) forward returns logits for the positions asked
+  (`logits_to_keep`, as transformers' forward), from a copy of W fetched from the server and
+  fetched again when the head's version moves (one GetHead per forward); with the soft cap.
+  Those logits carry no gradient to W, so forward refuses to build them under autograd (hidden
+  states that require grad): pass labels to train, or run under torch.no_grad().
+* With labels, the output's logits are None: not building them is the point.
+
+Supported model types: those whose causal-LM forward transformers writes as decoder, lm_head,
+optional soft cap and ForCausalLMLoss, which this module's forward reproduces:
+SUPPORTED_MODEL_TYPES.
+Create optimizers after offload_head: the model's own lm_head (and tied embedding) parameters are
+gone from it. lossd.hf.restore_head puts the server's trained W back into the model (before
+save_pretrained, say).
+"""
+import types
+from typing import Optional
+
+import torch
+
+from lossd.client import Client, LossdError
+from lossd.torch import RemoteEmbedding, RemoteHead
+
+# Checked against transformers 5.23 (tests/python/test_hf.py builds each from its config).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+
+
+class _Offload:
+    """What offload_head changed in a model, to compute the loss and to undo it."""
+
+    def __init__(self, head, embedding, softcap):
+        self.head = head                      # the RemoteHead now at lm_head
+        self.embedding = embedding            # the RemoteEmbedding, for tied models, else None
+        self.softcap = softcap                # the model's final logit soft cap, or None
+        self.original_embedding = None        # tied: the model's embedding, emptied of W
+        self.weight = None                    # W fetched for logits, and its version
+        self.weight_version = None
+
+    def local_weight(self, dtype, device):
+        """W [V, H] as of the head's current version, fetched when the version moved."""
+        version = self.head.info().version
+        if self.weight is None or self.weight_version != version or \
+                self.weight.dtype != dtype or self.weight.device != device:
+            self.weight = self.head.fetch_weight(dtype).to(device)
+            self.weight_version = version
+        return self.weight
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _keep_positions(hidden, logits_to_keep):
+    """The rows of hidden [B, T, H] whose logits are asked for, as transformers' forward keeps
+    them: an int k, the last k positions (0: all); a tensor, those positions."""
+    if isinstance(logits_to_keep, torch.Tensor) and logits_to_keep.dim() == 2:
+        if logits_to_keep.dtype == torch.bool:
+            return hidden[logits_to_keep]
+        return torch.take_along_dim(hidden, logits_to_keep[..., None], dim=1)
+    if isinstance(logits_to_keep, int):
+        logits_to_keep = slice(-logits_to_keep, None)
+    return hidden[:, logits_to_keep, :]
+
+
+def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None,
+                       past_key_values=None, inputs_embeds=None, labels=None, use_cache=None,
+                       logits_to_keep=0, **kwargs):
+    """transformers' causal-LM forward with the loss computed by lossd (see the module
+    docstring); bound to the model by offload_head."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    offload = self._lossd_offload
+    return_dict = kwargs.pop("return_dict", None)
+    outputs = getattr(self, self.base_model_prefix)(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+        **kwargs)
+    hidden = outputs[0]
+    loss = logits = None
+    shifted = kwargs.get("shift_labels")
+    if labels is not None or shifted is not None:
+        num_items = kwargs.get("num_items_in_batch")
+        if torch.is_tensor(num_items):
+            num_items = num_items.item()
+        ignore_index = kwargs.get("ignore_index", -100)
+        targets = shifted if shifted is not None else labels
+        if num_items is not None and num_items <= 0:
+            # transformers divides the sum by it, whatever comes out.
+            loss = offload.head(hidden, targets, reduction="sum", ignore_index=ignore_index,
+                                shift_labels=shifted is None) / num_items
+        else:
+            loss = offload.head(hidden, targets, ignore_index=ignore_index,
+                                mean_denominator=0.0 if num_items is None else float(num_items),
+                                shift_labels=shifted is None)
+    else:
+        kept = _keep_positions(hidden, logits_to_keep)
+        if torch.is_grad_enabled() and kept.requires_grad:
+            raise RuntimeError(
+                "lossd.hf: forward without labels builds logits from a copy of W, which carry no "
+                "gradient to W on the server; pass labels to train, or compute logits under "
+                "torch.no_grad() (generate() does)")
+        weight = offload.local_weight(kept.dtype, kept.device)
+        logits = kept @ weight.T
+        if offload.softcap:
+            logits = torch.tanh(logits / offload.softcap) * offload.softcap
+    output = CausalLMOutputWithPast(loss=loss, logits=logits,
+                                    past_key_values=getattr(outputs, "past_key_values", None),
+                                    hidden_states=getattr(outputs, "hidden_states", None),
+                                    attentions=getattr(outputs, "attentions", None))
+    return output.to_tuple() if return_dict is False else output
+
+
+def offload_head(model, client, head="main", *, upload=False, storage_dtype="float32",
+                 shared_memory=False) -> RemoteHead:
+    """Makes `model`, a transformers causal LM of one of SUPPORTED_MODEL_TYPES, compute its loss
+    through lossd's head `head`, and returns that head (a lossd.torch.RemoteHead, now the
+    model's lm_head: head.step(...) trains W on the server).
+
+    client: a lossd.Client or its address. upload=False: the server already serves the head,
+    loaded from this model's checkpoint (`lossd_server --heads=main=/models/<model>`); its shape,
+    tie and soft cap must be the model's. upload=True: the model's own lm_head weight becomes
+    the head (replacing one of that name), stored as storage_dtype, with the model's tie and
+    soft cap. shared_memory: see lossd.torch.RemoteHead.
+    """
+    if getattr(model, "_lossd_offload", None) is not None:
+        raise ValueError("model: its head is already offloaded (lossd.hf.restore_head undoes it)")
+    config = _text_config(model.config)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model: model_type {model_type!r} is not one lossd.hf knows the forward "
+                         f"of; expected one of {', '.join(SUPPORTED_MODEL_TYPES)}")
+    lm_head = model.get_output_embeddings()
+    if not isinstance(lm_head, torch.nn.Linear) or lm_head.bias is not None:
+        raise ValueError(f"model: expected lm_head to be a torch.nn.Linear without bias, got "
+                         f"{type(lm_head).__name__}")
+    embedding = model.get_input_embeddings()
+    tied = embedding.weight is lm_head.weight
+    # Gemma's embeddings multiply their rows by embed_scale and are otherwise nn.Embedding's.
+    embed_scale = getattr(embedding, "embed_scale", None)
+    plain = type(embedding) is torch.nn.Embedding or (
+        isinstance(embedding, torch.nn.Embedding) and embed_scale is not None and
+        type(embedding).__name__.endswith("ScaledWordEmbedding"))
+    if tied and (embedding.max_norm is not None or embedding.sparse or not plain):
+        raise ValueError(f"model: a tied input embedding must be a torch.nn.Embedding (no "
+                         f"max_norm, not sparse), or a scaled one, got {embedding!r}")
+    softcap = getattr(config, "final_logit_softcapping", None) or None
+    vocab_size, hidden_size = lm_head.weight.shape
+    client = client if isinstance(client, Client) else Client(client)
+
+    if upload:
+        client.upload_head(head, lm_head.weight.detach().float().cpu().numpy(),
+                           storage_dtype=storage_dtype, replace=True, tied_embeddings=tied,
+                           logit_softcap=softcap or 0.0)
+    else:
+        try:
+            info = client.get_head(head)
+        except LossdError as error:
+            if error.code != "NOT_FOUND":
+                raise
+            raise ValueError(f"head: the server at {client.address} has no head {head!r}: start "
+                             f"it with --heads={head}=<the model's directory>, or pass "
+                             f"upload=True") from None
+        expected = dict(vocab_size=vocab_size, hidden_size=hidden_size, tied_embeddings=tied,
+                        logit_softcap=float(softcap or 0.0))
+        found = {key: getattr(info, key) for key in expected}
+        if found != expected:
+            raise ValueError(f"head: the server's {head!r} ({info.source}) is not this model's "
+                             f"head: it has {found}, the model {expected}")
+
+    remote_head = RemoteHead(client, head, shared_memory=shared_memory)
+    remote_embedding = None
+    if tied:
+        remote_embedding = RemoteEmbedding(client, head, hidden_size,
+                                           padding_idx=embedding.padding_idx,
+                                           dtype=embedding.weight.dtype,
+                                           device=embedding.weight.device,
+                                           embed_scale=embed_scale)
+        model.set_input_embeddings(remote_embedding)
+    model.set_output_embeddings(remote_head)
+    model._lossd_offload = _Offload(remote_head, remote_embedding, softcap)
+    if tied:
+        # Kept without its weight (W lives on the server), for restore_head to refill.
+        del embedding.weight
+        embedding.weight = None
+        model._lossd_offload.original_embedding = embedding
+    model.forward = types.MethodType(_causal_lm_forward, model)
+    return remote_head
+
+
+def restore_head(model, dtype: Optional[torch.dtype] = None):
+    """Undoes offload_head: the model gets back a local lm_head (and, tied, input embedding)
+    holding the server's current W, in dtype (default: the model's), and its own forward.
+    Returns the model."""
+    offload = getattr(model, "_lossd_offload", None)
+    if offload is None:
+        raise ValueError("model: its head is not offloaded")
+    device = offload.embedding.grad_anchor.device if offload.embedding is not None else \
+        next(model.parameters()).device
+    weight = offload.head.fetch_weight(torch.float32).to(device=device,
+                                                          dtype=dtype or model.dtype)
+    vocab_size, hidden_size = weight.shape
+    lm_head = torch.nn.Linear(hidden_size, vocab_size, bias=False, device=device,
+                              dtype=weight.dtype)
+    lm_head.weight = torch.nn.Parameter(weight)
+    if offload.embedding is not None:
+        offload.original_embedding.weight = lm_head.weight
+        model.set_input_embeddings(offload.original_embedding)
+    model.set_output_embeddings(lm_head)
+    del model.forward
+    del model._lossd_offload
+    return model
