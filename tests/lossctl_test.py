@@ -172,6 +172,51 @@ def test_upload_safetensors_then_save(server, tmp_path, checkpoint_dir):
     assert os.path.exists(path) and path.startswith(str(checkpoint_dir))
 
 
+def write_safetensors(path, tensors):
+    """A safetensors file of float32 arrays, laid out as the format says."""
+    header, offset = {}, 0
+    for name, array in tensors.items():
+        header[name] = {"dtype": "F32", "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(a.tobytes() for a in tensors.values()))
+
+
+def test_upload_from_a_sharded_model_directory(server, tmp_path):
+    """Read as lossd_server --heads reads it: a tied model serves its embedding, with the tie and
+    soft cap of its config.json; the first shard of an untied one alone is refused."""
+    rng = np.random.default_rng(3)
+    embedding = rng.standard_normal((40, HIDDEN)).astype(np.float32)
+    lm_head = rng.standard_normal((40, HIDDEN)).astype(np.float32)
+    write_safetensors(tmp_path / "model-00001-of-00002.safetensors",
+                      {"model.embed_tokens.weight": embedding})
+    write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"model.norm.weight":
+                                                                       np.ones(HIDDEN, np.float32)})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+        "model.norm.weight": "model-00002-of-00002.safetensors"}}))
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "gemma2", "vocab_size": 40, "final_logit_softcapping": 30.0}))
+    out = lossctl("upload", "--head=tied", "--weight", tmp_path, server=server).stdout
+    assert "uploaded head tied: [40, 64]" in out and "tied to the input embedding" in out, out
+    described = lossctl("head", "tied", server=server).stdout
+    assert "tied_embeddings:    true" in described and "logit_softcap:      30" in described
+    lossctl("fetch-weight", "--head=tied", "--out", tmp_path / "back.npy", server=server)
+    np.testing.assert_array_equal(np.load(tmp_path / "back.npy"), embedding)
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama",
+                                                      "tie_word_embeddings": False}))
+    write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"lm_head.weight": lm_head})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+        "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    err = lossctl("upload", "--head=shard", "--weight", tmp_path / "model-00001-of-00002.safetensors",
+                  server=server, expect=1).stderr
+    assert "'lm_head.weight'" in err and "is one shard of" in err, err
+
+
 def test_bench_reports_throughput_and_latency(server):
     done = lossctl("bench", "--head=demo", "--tokens=64", "--calls=6", "--streams=2", "--grad", server=server)
     assert re.search(r"^6 calls in \S+ s: \S+ calls/s, \S+ tokens/s", done.stdout, re.M), done.stdout

@@ -514,7 +514,8 @@ absl::StatusOr<HeadInfo> Client::GetHead(const std::string& head) const {
 }
 
 absl::StatusOr<HeadInfo> Client::UploadHead(const std::string& head, const TensorView& weight,
-                                            DType storage_dtype, bool replace) const {
+                                            DType storage_dtype, bool replace,
+                                            const ModelTraits& model) const {
   if (weight.rows <= 0 || weight.cols <= 0) {
     return InvalidField("weight", "a [vocab_size, hidden_size] matrix with both sizes positive",
                         absl::StrCat("[", weight.rows, ", ", weight.cols, "]"));
@@ -534,6 +535,8 @@ absl::StatusOr<HeadInfo> Client::UploadHead(const std::string& head, const Tenso
   start.set_dtype(ToProto(weight.dtype));
   start.set_storage_dtype(ToProto(storage_dtype));
   start.set_replace(replace);
+  start.set_tied_embeddings(model.tied_embeddings);
+  start.set_logit_softcap(model.logit_softcap);
   bool open = writer->Write(start_message);
   // The server accepts W in pieces of any size, so pieces need not end on a row.
   const int64_t piece_bytes =

@@ -41,6 +41,7 @@
 #include "lossd/common/version.h"
 #include "lossd/client/client.h"
 #include "nlohmann/json.hpp"
+#include "lossd/storage/hf_checkpoint.h"
 #include "lossd/storage/safetensors.h"
 
 namespace lossd::client {
@@ -770,14 +771,30 @@ absl::Status RunUpload(const Flags& flags) {
   RETURN_IF_ERROR(RequireFlag(flags, "head"));
   RETURN_IF_ERROR(RequireFlag(flags, "weight"));
   ASSIGN_OR_RETURN(const DType storage_dtype, DTypeFlag(flags, "storage_dtype"));
-  // The server's own defaults for a model file: the output layer, else tied input embeddings.
-  ASSIGN_OR_RETURN(const Tensor weight,
-                   ReadMatrix(flags.String("weight"), {"lm_head.weight", "model.embed_tokens.weight"}));
+  const std::string& spec = flags.String("weight");
+  Tensor weight;
+  ModelTraits model;
+  if (absl::EndsWith(spec, ".npy")) {
+    ASSIGN_OR_RETURN(weight, ReadNpyMatrix(spec));
+  } else {
+    // A model checkpoint, read by the server's own rules: the head of an untied model, the
+    // input embedding of a tied one, with the tie and soft cap from its config.json.
+    const size_t hash = spec.rfind('#');
+    const std::string tensor = hash == std::string::npos ? "" : spec.substr(hash + 1);
+    ASSIGN_OR_RETURN(storage::CheckpointHead loaded,
+                     storage::LoadCheckpointHead(spec.substr(0, hash), tensor, lossd::DType::kFloat32));
+    absl::PrintF("%s (%s)\n", loaded.source, loaded.explanation);
+    ASSIGN_OR_RETURN(weight, MatrixFromShape(std::string(loaded.weight.begin(), loaded.weight.end()),
+                                             DType::kFloat32, {loaded.vocab_size, loaded.hidden_size},
+                                             loaded.source));
+    model = {loaded.tied_embeddings, loaded.logit_softcap};
+  }
   ASSIGN_OR_RETURN(const Client client, ConnectFromFlags(flags));
   ASSIGN_OR_RETURN(const HeadInfo head, client.UploadHead(flags.String("head"), weight.view(), storage_dtype,
-                                                          flags.Bool("replace")));
-  absl::PrintF("uploaded head %s: [%d, %d] %s, stored as %s, version %d\n", head.name, head.vocab_size,
-               head.hidden_size, DTypeName(weight.dtype), DTypeName(head.dtype), head.version);
+                                                          flags.Bool("replace"), model));
+  absl::PrintF("uploaded head %s: [%d, %d] %s, stored as %s, version %d%s\n", head.name, head.vocab_size,
+               head.hidden_size, DTypeName(weight.dtype), DTypeName(head.dtype), head.version,
+               head.tied_embeddings ? ", tied to the input embedding" : "");
   return absl::OkStatus();
 }
 
@@ -1041,12 +1058,13 @@ const std::vector<Subcommand>& Subcommands() {
        {{"head", FlagKind::kString, "", "head name (default: every head)"}},
        RunSave},
       {"upload",
-       "upload --head NAME --weight FILE [--storage_dtype D] [--replace]",
-       "create or replace a head from a weight file",
+       "upload --head NAME --weight PATH [--storage_dtype D] [--replace]",
+       "create or replace a head from a weight file or a Hugging Face model checkpoint",
        {{"head", FlagKind::kString, "", "name of the new head"},
         {"weight", FlagKind::kString, "",
-         "W [V, H]: FILE.npy or FILE.safetensors[#TENSOR] (default tensor: lm_head.weight, else "
-         "model.embed_tokens.weight)"},
+         "W [V, H]: FILE.npy, or a model directory, model.safetensors.index.json or safetensors "
+         "file, with #TENSOR to name the tensor; chosen as lossd_server --heads does, with the "
+         "tie and soft cap of the model's config.json"},
         {"storage_dtype", FlagKind::kString, "float32", "dtype the server keeps W in: float32 or bfloat16"},
         {"replace", FlagKind::kBool, "false", "overwrite an existing head of that name"}},
        RunUpload},

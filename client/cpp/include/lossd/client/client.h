@@ -144,6 +144,12 @@ struct HeadInfo {
   std::string weight_sha256;
 };
 
+// What a head's model does with W besides the output projection (UploadHeadStart's fields).
+struct ModelTraits {
+  bool tied_embeddings = false;  // W is also the input embedding
+  double logit_softcap = 0.0;    // the final logit soft cap; 0: none
+};
+
 struct HeadList {
   std::vector<HeadInfo> heads;
   std::string backend;  // the server's compute backend, described by the server
@@ -305,9 +311,11 @@ class Client {
 
   absl::StatusOr<HeadList> ListHeads() const;
   absl::StatusOr<HeadInfo> GetHead(const std::string& head) const;
-  // Creates the head (or, with `replace`, overwrites it) from `weight`, [vocab_size, hidden_size].
+  // Creates the head (or, with `replace`, overwrites it) from `weight`, [vocab_size, hidden_size],
+  // with what `model` says of the model it comes from.
   absl::StatusOr<HeadInfo> UploadHead(const std::string& head, const TensorView& weight,
-                                      DType storage_dtype = DType::kFloat32, bool replace = false) const;
+                                      DType storage_dtype = DType::kFloat32, bool replace = false,
+                                      const ModelTraits& model = {}) const;
   absl::StatusOr<Tensor> FetchWeight(const std::string& head, DType dtype = DType::kFloat32) const;
   absl::StatusOr<Tensor> FetchGradWeight(const std::string& head, DType dtype = DType::kFloat32) const;
   // Returns the head's version.
