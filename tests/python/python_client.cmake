@@ -62,3 +62,34 @@ add_test(NAME gpu_service_cpu
 set_tests_properties(gpu_service_cpu PROPERTIES
   ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;LOSSCTL_BIN=$<TARGET_FILE:lossctl>;ENGINE_BENCH_BIN=$<TARGET_FILE:engine_bench>;LOSSD_PYTHON_DIR=${LOSSD_PYTHON_DIR};OMP_NUM_THREADS=2"
   TIMEOUT 120)
+
+# The same client suites and examples again, and lossd.hf and torch.compile, under the current
+# torch, transformers and protobuf from PyPI: the environment scripts/python_env.sh makes in .venv/
+# (scripts/test.sh builds it and passes its python here). Without LOSSD_PYTHON_ENV none of these
+# is registered.
+set(LOSSD_PYTHON_ENV "" CACHE FILEPATH
+    "python of a venv with current PyPI torch and transformers (scripts/python_env.sh)")
+if(LOSSD_PYTHON_ENV)
+  set(current_tests)
+  foreach(suite client objectives rl_example training_example)
+    add_test(NAME python_${suite}_current_torch
+      COMMAND "${LOSSD_PYTHON_ENV}" -m pytest -q -p no:cacheprovider
+              ${CMAKE_CURRENT_LIST_DIR}/test_${suite}.py)
+    list(APPEND current_tests python_${suite}_current_torch)
+  endforeach()
+  # Tiny Llama, Mistral, Qwen2, Qwen3, Gemma and Gemma 2 models, saved in shards by transformers
+  # and served from their directories: lossd.hf against the unpatched models.
+  add_test(NAME python_hf
+    COMMAND "${LOSSD_PYTHON_ENV}" -m pytest -q -p no:cacheprovider
+            ${CMAKE_CURRENT_LIST_DIR}/test_hf.py)
+  add_test(NAME python_torch_compile
+    COMMAND "${LOSSD_PYTHON_ENV}" -m pytest -q -p no:cacheprovider
+            ${CMAKE_CURRENT_LIST_DIR}/test_torch_compile.py)
+  set_tests_properties(${current_tests} python_hf python_torch_compile PROPERTIES
+    ENVIRONMENT "${LOSSD_PYTHON_TEST_ENVIRONMENT}"
+    TIMEOUT 600)
+  set_tests_properties(python_training_example_current_torch PROPERTIES TIMEOUT 900)
+else()
+  message(STATUS "lossd: LOSSD_PYTHON_ENV not set: the Python suites under current PyPI torch and "
+                 "transformers are not registered (scripts/python_env.sh makes the environment)")
+endif()
