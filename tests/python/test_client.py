@@ -270,6 +270,35 @@ def test_head_soft_cap_applies_unless_the_call_sets_one(client):
     head.zero_grad()
 
 
+def test_tied_head_serves_embedding_rows_and_takes_their_gradient(client, head):
+    """A tied head's rows by token id, in any order and with repeats, and their gradient added
+    into the accumulator by id; a head that is not tied refuses both."""
+    name = f"tied-{uuid.uuid4().hex[:12]}"
+    weight = np.random.default_rng().standard_normal((VOCAB, HIDDEN), dtype=np.float32)
+    client.upload_head(name, weight, tied_embeddings=True)
+    assert client.get_head(name).tied_embeddings
+    ids = np.array([7, 0, VOCAB - 1, 7, 1234])
+    looked_up = client.lookup_embedding(name, ids)
+    np.testing.assert_array_equal(looked_up.rows, weight[ids])
+    assert looked_up.head_version == client.get_head(name).version
+    bf16 = client.lookup_embedding(name, ids, dtype="bfloat16", head_version=looked_up.head_version)
+    np.testing.assert_array_equal(bf16.rows, lossd.float32_to_bfloat16_bits(weight[ids]))
+    empty = client.lookup_embedding(name, [])
+    assert empty.rows.shape == (0, HIDDEN) and empty.head_version == looked_up.head_version
+
+    grad = np.random.default_rng().standard_normal((len(ids), HIDDEN), dtype=np.float32)
+    assert client.accumulate_embedding_grad(name, ids, grad,
+                                            head_version=looked_up.head_version) == 4
+    expected = np.zeros((VOCAB, HIDDEN), np.float64)
+    np.add.at(expected, ids, grad.astype(np.float64))
+    assert relative_error(client.fetch_grad_weight(name), expected) < 1e-6
+    for call in (lambda: client.lookup_embedding(head.head, ids),
+                 lambda: client.accumulate_embedding_grad(head.head, ids, grad)):
+        with pytest.raises(lossd.LossdError) as error:
+            call()
+        assert error.value.code == "FAILED_PRECONDITION" and "not tied" in error.value.message
+
+
 @pytest.mark.parametrize("dtype,grad_rtol", [(torch.float64, GRAD_RTOL), (torch.float16, 2e-3),
                                              (torch.bfloat16, 1e-2)])
 def test_hidden_dtypes(head, dtype, grad_rtol):

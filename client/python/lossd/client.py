@@ -574,38 +574,51 @@ class Client:
                                    dtype=_tensors.wire_enum(wire_name),
                                    storage_dtype=_tensors.wire_enum(storage_dtype), replace=replace,
                                    tied_embeddings=tied_embeddings, logit_softcap=logit_softcap)
-        rows = self._rows_per_message(weight.shape[1] * weight.itemsize)
-        stub = self._stub_for("UploadHead")
+        return HeadInfo.from_proto(
+            self._send_rows("UploadHead", pb.UploadHeadRequest, start, "weight", weight))
+
+    def _send_rows(self, method, request_type, start, field, array):
+        """A client-streaming call: `start`, then the rows of array in messages of a few MiB,
+        each as the bytes field `field` of request_type. Returns the response."""
+        rows = self._rows_per_message(array.shape[1] * array.itemsize)
+        stub = self._stub_for(method)
 
         def requests():
-            yield pb.UploadHeadRequest(start=start)
-            for r0 in range(0, weight.shape[0], rows):
-                yield pb.UploadHeadRequest(weight=weight[r0:r0 + rows].tobytes())
+            yield request_type(start=start)
+            for r0 in range(0, array.shape[0], rows):
+                yield request_type(**{field: array[r0:r0 + rows].tobytes()})
 
         try:
-            info = stub.UploadHead(requests(), timeout=self._timeout, metadata=self._metadata)
+            return getattr(stub, method)(requests(), timeout=self._timeout,
+                                         metadata=self._metadata)
         except grpc.RpcError as error:
-            raise LossdError.from_rpc_error("UploadHead", error) from None
-        return HeadInfo.from_proto(info)
+            raise LossdError.from_rpc_error(method, error) from None
+
+    def _receive_rows(self, method, request, dtype, num_rows=None):
+        """The rows a server-streaming call sends in chunks (TensorChunk, EmbeddingRows) put
+        together by row offset into one array of num_rows (default: the chunks' vocab_size)
+        rows, and the last chunk (None when none came)."""
+        array = None
+        chunk = None
+        received = 0
+        for chunk in self._responses(method, self._call(method, request)):
+            if array is None:
+                rows = chunk.vocab_size if num_rows is None else num_rows
+                array = np.empty((rows, chunk.hidden_size), dtype=_tensors.numpy_dtype(dtype))
+            array[chunk.row_offset:chunk.row_offset + chunk.num_rows] = _tensors.from_wire(
+                chunk.data, dtype, (chunk.num_rows, chunk.hidden_size))
+            received += chunk.num_rows
+        if (array is None and num_rows != 0) or (array is not None and received != array.shape[0]):
+            raise LossdError(method, "INTERNAL",
+                             f"the server sent {received} rows of a {dtype} array "
+                             f"{None if array is None else array.shape}")
+        return array, chunk
 
     def _fetch(self, method, head, dtype):
         chunk_bytes = min(_TARGET_MESSAGE_BYTES, self._max_message_bytes // 2)
-        tensor = None
-        received = 0
         request = pb.FetchTensorRequest(head=head, dtype=_tensors.wire_enum(dtype),
                                         max_chunk_bytes=chunk_bytes)
-        for chunk in self._responses(method, self._call(method, request)):
-            if tensor is None:
-                tensor = np.empty((chunk.vocab_size, chunk.hidden_size),
-                                  dtype=_tensors.numpy_dtype(dtype))
-            tensor[chunk.row_offset:chunk.row_offset + chunk.num_rows] = _tensors.from_wire(
-                chunk.data, dtype, (chunk.num_rows, chunk.hidden_size))
-            received += chunk.num_rows
-        if tensor is None or received != tensor.shape[0]:
-            raise LossdError(method, "INTERNAL",
-                             f"the server sent {received} rows of a {dtype} tensor "
-                             f"{None if tensor is None else tensor.shape}")
-        return tensor
+        return self._receive_rows(method, request, dtype)[0]
 
     def fetch_weight(self, head, dtype="float32") -> np.ndarray:
         """W [V, H] as dtype ("float32", "float16", or "bfloat16" as uint16 bits)."""
@@ -661,27 +674,14 @@ class Client:
             max_chunk_bytes=min(_TARGET_MESSAGE_BYTES, self._max_message_bytes // 2))
         if head_version is not None:
             request.head_version = head_version
-        rows = None
-        version = None
-        received = 0
-        for chunk in self._responses("LookupEmbedding", self._call("LookupEmbedding", request)):
-            if rows is None:
-                rows = np.empty((token_ids.shape[0], chunk.hidden_size),
-                                dtype=_tensors.numpy_dtype(dtype))
-            rows[chunk.row_offset:chunk.row_offset + chunk.num_rows] = _tensors.from_wire(
-                chunk.data, dtype, (chunk.num_rows, chunk.hidden_size))
-            received += chunk.num_rows
-            version = chunk.head_version
-        if rows is None:
+        rows, last = self._receive_rows("LookupEmbedding", request, dtype, token_ids.shape[0])
+        if last is None:
             # No ids, no rows: the version comes from the head itself.
             info = self.get_head(head)
             return EmbeddingRows(rows=np.empty((0, info.hidden_size),
                                                dtype=_tensors.numpy_dtype(dtype)),
                                  head_version=info.version)
-        if received != token_ids.shape[0]:
-            raise LossdError("LookupEmbedding", "INTERNAL",
-                             f"the server sent {received} of {token_ids.shape[0]} rows")
-        return EmbeddingRows(rows=rows, head_version=version)
+        return EmbeddingRows(rows=rows, head_version=last.head_version)
 
     def accumulate_embedding_grad(self, head, token_ids, grad, head_version=None) -> int:
         """Adds grad [N, H] (float32/float64/float16, or bfloat16 as uint16 bits), the gradient
@@ -700,19 +700,8 @@ class Client:
                                       dtype=_tensors.wire_enum(wire_name))
         if head_version is not None:
             start.head_version = head_version
-        rows = self._rows_per_message(grad.shape[1] * grad.itemsize)
-
-        def requests():
-            yield pb.AccumulateEmbeddingGradRequest(start=start)
-            for r0 in range(0, grad.shape[0], rows):
-                yield pb.AccumulateEmbeddingGradRequest(grad=grad[r0:r0 + rows].tobytes())
-
-        try:
-            response = self._stub.AccumulateEmbeddingGrad(requests(), timeout=self._timeout,
-                                                          metadata=self._metadata)
-        except grpc.RpcError as error:
-            raise LossdError.from_rpc_error("AccumulateEmbeddingGrad", error) from None
-        return response.accumulated_rows
+        return self._send_rows("AccumulateEmbeddingGrad", pb.AccumulateEmbeddingGradRequest,
+                               start, "grad", grad).accumulated_rows
 
     def save_checkpoint(self, head="") -> List[str]:
         """Writes checkpoints of one head (every head when empty); returns their paths."""
