@@ -259,6 +259,9 @@ absl::Status ParseTeacher(const ComputeEnvironment& env, const v1::ComputeStart&
   }
   spec.teacher = *std::move(teacher);
   const Head& t = *spec.teacher;
+  if (!start.options().distill().has_teacher_logit_softcap()) {
+    spec.options.distill.teacher_logit_softcap = t.logit_softcap();
+  }
   if (t.vocab_size() != student.vocab_size()) {
     return InvalidField(
         "teacher_head",

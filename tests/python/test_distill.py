@@ -250,6 +250,36 @@ def test_a_head_distilled_from_itself_gets_exactly_nothing(client, heads):
     assert not hidden.grad.any()
 
 
+def test_heads_soft_caps_apply_unless_the_call_sets_them(client):
+    """Heads loaded with a soft cap (Gemma 2's final_logit_softcapping) keep it as students and
+    as teachers; 0 turns each off."""
+    caps = dict(logit_softcap=2.0, teacher_logit_softcap=3.0)
+    names, weights = [], []
+    for columns, scale, cap in ((HIDDEN, 3.0, 2.0), (TEACHER_HIDDEN, 4.0, 3.0)):
+        name = f"capped-{uuid.uuid4().hex[:12]}"
+        weight = np.random.default_rng().standard_normal((VOCAB, columns), dtype=np.float32)
+        weight *= scale / math.sqrt(columns)
+        client.upload_head(name, weight, logit_softcap=cap)
+        names.append(name)
+        weights.append(torch.from_numpy(weight))
+    h, ht, labels = make_batch()
+    # What the call sets, and the caps that then apply.
+    for call_caps, applied in (({}, caps),
+                               (dict(logit_softcap=0.0), dict(teacher_logit_softcap=3.0)),
+                               (dict(teacher_logit_softcap=0.0), dict(logit_softcap=2.0))):
+        spec = dict(beta=0.5, **applied)
+        _, _, _, kd_ref, _ = torch_distill(
+            h, weights[0], dense_teacher_log_probs(ht, weights[1], spec), labels, spec)
+        distill = RemoteDistill(client, names[0], names[1], beta=0.5,
+                                teacher_logit_softcap=call_caps.get("teacher_logit_softcap"))
+        with torch.no_grad():
+            distill(h, ht, labels, reduction="none", logit_softcap=call_caps.get("logit_softcap"))
+        assert np.abs(distill.last_result.kd - kd_ref.numpy()).max() < TERM_ATOL, call_caps
+        kl = client.score_kl(names[0], h.numpy(), names[1], ht.numpy(), beta=0.5, labels=labels,
+                             **call_caps)
+        assert np.array_equal(kl.kd, distill.last_result.kd), call_caps
+
+
 def test_teacher_of_another_vocabulary_is_refused_naming_both(client, heads):
     student, _, _, _ = heads
     other, _ = upload(client, VOCAB - 1, TEACHER_HIDDEN, 1.0, "small")

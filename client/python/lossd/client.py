@@ -720,7 +720,7 @@ class Client:
                 clip_high=0.2, dual_clip=0.0, kl_estimator=None, kl_coef=0.0, entropy_coef=0.0,
                 teacher_head=None, teacher_hidden=None, teacher_head_version=None,
                 teacher_top_k_tokens=None, teacher_top_k_logprobs=None, distill_beta=0.0,
-                distill_alpha=0.0, distill_temperature=1.0, teacher_logit_softcap=0.0,
+                distill_alpha=0.0, distill_temperature=1.0, teacher_logit_softcap=None,
                 teacher_temperature=1.0, sparse_teacher_mass="renormalize",
                 weight_sha256=None) -> LossResult:
         """The loss of hidden [N, H] with labels [N] under head `head`: cross-entropy by default.
@@ -761,7 +761,8 @@ class Client:
         q = softmax(z / tau), p = softmax(z_t / tau), tau = distill_temperature: distill_beta 0
         is KL(p || q), 1 is KL(q || p), between them the generalized JSD (TRL's convention);
         KD = tau^2 D, and the loss per token is distill_alpha * CE + (1 - distill_alpha) * KD.
-        teacher_logit_softcap and teacher_temperature are the teacher head's own transform. labels
+        teacher_logit_softcap and teacher_temperature are the teacher head's own transform
+        (teacher_logit_softcap as logit_softcap: None applies the teacher head's cap). labels
         may be None when distill_alpha is 0 (every row counts). Outputs "kd" and "ce" per token,
         mean_kd and mean_ce in the result; gradients reach the student only. Teacher rows travel
         in messages: shared_memory is refused with a teacher.
@@ -868,11 +869,12 @@ class Client:
                 entropy_coef=entropy_coef),
             distill=pb.DistillOptions(
                 beta=distill_beta, alpha=distill_alpha, temperature=distill_temperature,
-                teacher_logit_softcap=teacher_logit_softcap,
                 teacher_temperature=teacher_temperature,
                 sparse_teacher_mass=SPARSE_TEACHER_MASSES[sparse_teacher_mass]))
         if logit_softcap is not None:
             options.logit_softcap = logit_softcap
+        if teacher_logit_softcap is not None:
+            options.distill.teacher_logit_softcap = teacher_logit_softcap
         start = pb.ComputeStart(
             head=head,
             options=options,
@@ -1009,14 +1011,15 @@ class Client:
         return result
 
     def score_kl(self, head, hidden, teacher_head, teacher_hidden, *, beta=1.0, temperature=1.0,
-                 labels=None, ignore_index=-100, logit_softcap=0.0, teacher_logit_softcap=0.0,
+                 labels=None, ignore_index=-100, logit_softcap=None, teacher_logit_softcap=None,
                  teacher_temperature=1.0) -> LossResult:
         """The divergence per token between head `head` on hidden [N, H] and `teacher_head` on
         teacher_hidden [N, H_t] (the "distill" objective without gradients): result.kd [N] and
         result.mean_kd. beta 1 (the default) is KL(q || p), q the head's and p the teacher's
         distribution: a policy's KL from its reference, as RL's KL penalty measures it; 0 is
         KL(p || q), between them the generalized JSD. labels, when given, only mask tokens
-        (ignore_index). Nothing is accumulated on the server."""
+        (ignore_index). The soft caps as in compute() (None: each head's own). Nothing is
+        accumulated on the server."""
         return self.compute(head, hidden, labels, reduction="none", ignore_index=ignore_index,
                             logit_softcap=logit_softcap, objective="distill",
                             teacher_head=teacher_head, teacher_hidden=teacher_hidden,

@@ -869,7 +869,7 @@ class RemoteDistill(torch.nn.Module):
     self.last_result holds the call's LossResult: kd and ce per token, mean_kd, mean_ce."""
 
     def __init__(self, client, student, teacher=None, *, beta=0.0, alpha=0.0, temperature=1.0,
-                 teacher_temperature=1.0, teacher_logit_softcap=0.0,
+                 teacher_temperature=1.0, teacher_logit_softcap=None,
                  sparse_teacher_mass="renormalize"):
         super().__init__()
         self.client = client if isinstance(client, Client) else Client(client)
@@ -888,12 +888,14 @@ class RemoteDistill(torch.nn.Module):
 
     def forward(self, hidden, teacher_hidden=None, labels=None, *, teacher_top_k_tokens=None,
                 teacher_top_k_logprobs=None, weights=None, reduction="mean", ignore_index=-100,
-                label_smoothing=0.0, z_loss_scale=0.0, logit_softcap=0.0, student_temperature=1.0,
-                mean_denominator=0, sequence_lengths=None):
+                label_smoothing=0.0, z_loss_scale=0.0, logit_softcap=None,
+                student_temperature=1.0, mean_denominator=0, sequence_lengths=None):
         """The loss of the student's hidden [..., H] against the teacher's teacher_hidden
         [..., H_t] for the same tokens (or the sparse teacher's [..., k] top-k), with labels
         [...] (or None): a scalar, or labels' shape for reduction "none". The student head's own
-        logit_softcap and student_temperature apply before the distillation temperature."""
+        logit_softcap and student_temperature apply before the distillation temperature;
+        logit_softcap and teacher_logit_softcap None take each head's cap
+        (HeadInfo.logit_softcap), 0 none."""
         flat_hidden = hidden.reshape(-1, hidden.shape[-1])
         count = flat_hidden.shape[0]
         side = {}
