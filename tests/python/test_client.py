@@ -4,6 +4,7 @@ References are torch's own float64 computations on W fetched from the server. Bo
 engine's: loss relative error 1e-6, gradients relative Frobenius error 2e-5 (the server computes in
 float32 from float32 inputs).
 """
+import gc
 import os
 import signal
 import subprocess
@@ -499,6 +500,22 @@ def test_backward_after_a_step_is_refused(head):
     with pytest.raises(lossd.LossdError) as error:
         (loss * 0.5).backward()
     assert error.value.code == "FAILED_PRECONDITION"
+
+
+def test_a_remote_head_made_for_one_forward_still_backpropagates(client, head):
+    """Nothing but the graph holds a module made for one forward: its backward (with upstream 2,
+    a correction call) still finds it."""
+    hidden, labels = random_batch(30, ignored=3)
+    weight = head.fetch_weight()
+    h = hidden.clone().requires_grad_()
+    loss = RemoteHead(client, head.head)(h, labels, reduction="sum")
+    gc.collect()
+    (loss * 2.0).backward()
+    expected_loss, expected_grad_hidden, expected_grad_weight = torch_reference(
+        hidden, weight, labels, "sum", scalar_times(2.0))
+    assert relative_error(loss.detach(), expected_loss) < LOSS_RTOL
+    assert relative_error(h.grad, expected_grad_hidden) < GRAD_RTOL
+    assert relative_error(head.fetch_grad_weight(), expected_grad_weight) < GRAD_RTOL
 
 
 # Call ids and retries ----------------------------------------------------------------------------

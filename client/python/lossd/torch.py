@@ -448,6 +448,7 @@ if _CUSTOM_OPS:
         _, grad_hidden, state = output
         ctx.save_for_backward(grad_hidden, *inputs[:7], state)  # hidden .. reference_logprobs
         ctx.options = inputs[7:-1]  # head_id .. row_length; train is always True here
+        ctx.module = _module(inputs[7])  # the registry's reference is weak: held for backward
 
     def _cross_entropy_op_backward(ctx, upstream, _grad_of_grad_hidden, _grad_of_state):
         grad_hidden, *tensors, state = ctx.saved_tensors
@@ -482,12 +483,12 @@ if _CUSTOM_OPS:
         token_ids, anchor, head_id, _, _ = inputs
         ctx.save_for_backward(token_ids, output[1], anchor)
         ctx.head_id = head_id
+        ctx.module = _module(head_id)  # the registry's reference is weak: held for backward
 
     def _embedding_op_backward(ctx, grad, _grad_of_state):
         token_ids, state, anchor = ctx.saved_tensors
-        module = _module(ctx.head_id)
         anchor_grad = _embedding_backward_op(grad, token_ids, state, anchor, ctx.head_id,
-                                             module.padding_idx)
+                                             ctx.module.padding_idx)
         return None, anchor_grad, None, None, None
 
     _embedding_lookup_op.register_autograd(_embedding_op_backward,
@@ -503,6 +504,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         loss, grad_hidden, state = _cross_entropy_forward(*tensors, *options, True)
         ctx.save_for_backward(grad_hidden, *tensors, state)
         ctx.options = options
+        ctx.module = _module(options[0])  # the registry's reference is weak: held for backward
         return loss
 
     @staticmethod
@@ -520,13 +522,14 @@ class _EmbeddingFunction(torch.autograd.Function):
         rows, state = _embedding_lookup(token_ids, anchor, head_id, dtype)
         ctx.save_for_backward(token_ids, state, anchor)
         ctx.head_id = head_id
+        ctx.module = _module(head_id)  # the registry's reference is weak: held for backward
         return rows
 
     @staticmethod
     def backward(ctx, grad):
         token_ids, state, anchor = ctx.saved_tensors
         anchor_grad = _embedding_backward(grad, token_ids, state, anchor, ctx.head_id,
-                                          _module(ctx.head_id).padding_idx)
+                                          ctx.module.padding_idx)
         return None, anchor_grad, None, None, None
 
 
