@@ -241,6 +241,8 @@ def test_training_refuses_a_target_that_lists_several_servers(replicas):
             "an upload": lambda: client.upload_head("new", np.zeros((10, HIDDEN), np.float32)),
             "a checkpoint": lambda: client.save_checkpoint(),
             "shared memory": lambda: client.compute("demo", hidden, labels, shared_memory=True),
+            "an embedding gradient": lambda: client.accumulate_embedding_grad(
+                "demo", labels[:2], hidden[:2]),
         }
         for what, call in refusals.items():
             with pytest.raises(lossd.LossdError) as refused:

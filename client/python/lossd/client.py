@@ -74,10 +74,11 @@ _ONE_SERVER_CALLS = {
     "UploadHead": "an upload", "FetchGradWeight": "the accumulated dL/dW",
     "ZeroGradWeight": "zeroing the gradient", "Step": "an optimizer step",
     "SaveCheckpoint": "a checkpoint", "GetSharedMemorySocket": "shared memory",
+    "AccumulateEmbeddingGrad": "an embedding gradient",
 }
 # Read-only calls of one request message, which gRPC's own retryPolicy may send again whole.
 _GRPC_RETRIED_CALLS = ("ListHeads", "GetHead", "FetchWeight", "FetchGradWeight",
-                       "GetSharedMemorySocket")
+                       "GetSharedMemorySocket", "LookupEmbedding")
 _GRPC_MAX_ATTEMPTS = 5  # gRPC clamps retryPolicy.maxAttempts to it
 
 _log = logging.getLogger("lossd")
