@@ -71,7 +71,7 @@ set(LOSSD_PYTHON_ENV "" CACHE FILEPATH
     "python of a venv with current PyPI torch and transformers (scripts/python_env.sh)")
 if(LOSSD_PYTHON_ENV)
   set(current_tests)
-  foreach(suite client objectives distill rl_example training_example)
+  foreach(suite client replicas objectives distill rl_example training_example)
     add_test(NAME python_${suite}_current_torch
       COMMAND "${LOSSD_PYTHON_ENV}" -m pytest -q -p no:cacheprovider
               ${CMAKE_CURRENT_LIST_DIR}/test_${suite}.py)
