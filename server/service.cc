@@ -258,20 +258,26 @@ grpc::Status LossService::UploadHead(grpc::ServerContext* context,
   });
 }
 
+absl::StatusOr<int64_t> LossService::RowsPerChunk(int64_t max_chunk_bytes,
+                                                  int64_t row_bytes) const {
+  if (max_chunk_bytes < 0 || max_chunk_bytes > options_.max_fetch_chunk_bytes) {
+    return InvalidField("max_chunk_bytes",
+                        absl::StrCat("0 (default) to ", options_.max_fetch_chunk_bytes),
+                        absl::StrCat(max_chunk_bytes));
+  }
+  const int64_t chunk_bytes =
+      max_chunk_bytes > 0 ? max_chunk_bytes : options_.default_fetch_chunk_bytes;
+  return std::max<int64_t>(1, chunk_bytes / row_bytes);
+}
+
 absl::Status LossService::StreamTensor(const v1::FetchTensorRequest& request, bool gradient,
                                        grpc::ServerWriter<v1::TensorChunk>* writer) {
   ASSIGN_OR_RETURN(auto head, heads_.Get(request.head()));
   ASSIGN_OR_RETURN(const DType dtype, FromProto(request.dtype(), "dtype", DType::kFloat32));
-  if (request.max_chunk_bytes() < 0 || request.max_chunk_bytes() > options_.max_fetch_chunk_bytes) {
-    return InvalidField("max_chunk_bytes", absl::StrCat("0 (default) to ", options_.max_fetch_chunk_bytes),
-                        absl::StrCat(request.max_chunk_bytes()));
-  }
+  const int64_t row_bytes = head->hidden_size() * static_cast<int64_t>(DTypeSize(dtype));
+  ASSIGN_OR_RETURN(const int64_t rows_per_chunk, RowsPerChunk(request.max_chunk_bytes(), row_bytes));
   ASSIGN_OR_RETURN(const TensorSnapshot snapshot,
                    gradient ? head->ReadGradient(dtype) : head->ReadWeight(dtype));
-  const int64_t chunk_bytes =
-      request.max_chunk_bytes() > 0 ? request.max_chunk_bytes() : options_.default_fetch_chunk_bytes;
-  const int64_t row_bytes = head->hidden_size() * static_cast<int64_t>(DTypeSize(dtype));
-  const int64_t rows_per_chunk = std::max<int64_t>(1, chunk_bytes / row_bytes);
   for (int64_t r0 = 0; r0 < head->vocab_size(); r0 += rows_per_chunk) {
     const int64_t rows = std::min(rows_per_chunk, head->vocab_size() - r0);
     v1::TensorChunk chunk;
@@ -355,19 +361,13 @@ absl::Status LossService::StreamEmbeddingRows(const v1::LookupEmbeddingRequest& 
                                               grpc::ServerWriter<v1::EmbeddingRows>* writer) {
   ASSIGN_OR_RETURN(auto head, TiedHead(request.head(), request.token_ids()));
   ASSIGN_OR_RETURN(const DType dtype, FromProto(request.dtype(), "dtype", DType::kFloat32));
-  if (request.max_chunk_bytes() < 0 || request.max_chunk_bytes() > options_.max_fetch_chunk_bytes) {
-    return InvalidField("max_chunk_bytes", absl::StrCat("0 (default) to ", options_.max_fetch_chunk_bytes),
-                        absl::StrCat(request.max_chunk_bytes()));
-  }
+  const int64_t row_bytes = head->hidden_size() * static_cast<int64_t>(DTypeSize(dtype));
+  ASSIGN_OR_RETURN(const int64_t rows_per_chunk, RowsPerChunk(request.max_chunk_bytes(), row_bytes));
   const uint64_t version = head->version();
   if (request.has_head_version() && request.head_version() != version) {
     return absl::FailedPreconditionError(absl::StrCat("head_version: expected the head's current ", version,
                                                       ", got ", request.head_version()));
   }
-  const int64_t chunk_bytes =
-      request.max_chunk_bytes() > 0 ? request.max_chunk_bytes() : options_.default_fetch_chunk_bytes;
-  const int64_t row_bytes = head->hidden_size() * static_cast<int64_t>(DTypeSize(dtype));
-  const int64_t rows_per_chunk = std::max<int64_t>(1, chunk_bytes / row_bytes);
   const absl::Span<const int64_t> ids(request.token_ids().data(), request.token_ids().size());
   std::string data;
   for (int64_t r0 = 0; r0 < static_cast<int64_t>(ids.size()); r0 += rows_per_chunk) {

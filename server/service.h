@@ -89,6 +89,9 @@ class LossService final : public v1::LossService::Service {
   template <typename Body>
   grpc::Status Serve(const char* method, grpc::ServerContext* context, Body&& body);
   absl::Status Authenticate(const grpc::ServerContext& context) const;
+  // Rows of row_bytes each per message of a streamed tensor: as many as max_chunk_bytes holds (0:
+  // the server's default), at least one; INVALID_ARGUMENT past options.max_fetch_chunk_bytes.
+  absl::StatusOr<int64_t> RowsPerChunk(int64_t max_chunk_bytes, int64_t row_bytes) const;
   absl::Status StreamTensor(const v1::FetchTensorRequest& request, bool gradient,
                             grpc::ServerWriter<v1::TensorChunk>* writer);
   absl::StatusOr<v1::HeadInfo> ReceiveUpload(grpc::ServerReader<v1::UploadHeadRequest>* reader);
