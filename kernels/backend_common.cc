@@ -578,8 +578,9 @@ absl::Status ValidateSequenceLengths(const int64_t* sequence_lengths, int64_t nu
   return absl::OkStatus();
 }
 
-void ShiftLabelsWithinSequences(int64_t* labels, int64_t num_tokens, const int64_t* sequence_lengths,
-                                int64_t num_sequences, int64_t ignore_index) {
+void ShiftLabelsWithinSequences(int64_t* labels, int64_t num_tokens,
+                                const int64_t* sequence_lengths, int64_t num_sequences,
+                                int64_t ignore_index) {
   for (int64_t s = 0, first = 0; first < num_tokens; ++s) {
     const int64_t length = num_sequences == 0 ? num_tokens : sequence_lengths[s];
     std::copy(labels + first + 1, labels + first + length, labels + first);

@@ -26,7 +26,8 @@ case "${1:-}" in
   *) echo "usage: $0 [--upgrade]" >&2; exit 2 ;;
 esac
 
-if [ "$upgrade" = 0 ] && [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "${packages[*]}" ]; then
+if [ "$upgrade" = 0 ] && [ -x "$venv/bin/python" ] &&
+    [ "$(cat "$stamp" 2>/dev/null)" = "${packages[*]}" ]; then
   echo "$(cd "$venv" && pwd)/bin/python"
   exit 0
 fi
@@ -44,6 +45,8 @@ rm -f "$stamp"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade "${packages[@]}" >&2
 "$venv/bin/python" -m pip freeze --disable-pip-version-check > "$venv/lossd-requirements.txt"
 echo "${packages[*]}" > "$stamp"
+versions=$(grep -E -i '^(torch|transformers|protobuf|grpcio)==' "$venv/lossd-requirements.txt" ||
+  true)
 echo "python_env: $venv ready in $((SECONDS - start)) s ($(du -sh "$venv" | cut -f1)):" \
-  "$(grep -E -i '^(torch|transformers|protobuf|grpcio)==' "$venv/lossd-requirements.txt" | tr '\n' ' ')" >&2
+  $versions >&2
 echo "$(cd "$venv" && pwd)/bin/python"

@@ -355,8 +355,9 @@ absl::Status Head::ReadRows(uint64_t expected_version, absl::Span<const int64_t>
   std::vector<uint8_t> row(row_bytes);
   absl::ReaderMutexLock lock(&weight_mu_);
   if (retired_ || version_ != expected_version) {
-    return absl::AbortedError(absl::StrCat("head '", name_, "' moved from version ", expected_version,
-                                           " during the lookup; look the rows up again"));
+    return absl::AbortedError(
+        absl::StrCat("head '", name_, "' moved from version ", expected_version,
+                     " during the lookup; look the rows up again"));
   }
   for (size_t r = 0; r < ids.size(); ++r) {
     uint8_t* target = out + r * hidden_size_ * DTypeSize(dtype);
@@ -373,13 +374,14 @@ absl::Status Head::ReadRows(uint64_t expected_version, absl::Span<const int64_t>
 }
 
 absl::StatusOr<uint64_t> Head::AddGradientRows(std::optional<uint64_t> expected_version,
-                                               absl::Span<const int64_t> ids, std::vector<float>& rows) {
+                                               absl::Span<const int64_t> ids,
+                                               std::vector<float>& rows) {
   const size_t row_bytes = hidden_size_ * sizeof(float);
   std::vector<float> accumulated(hidden_size_);
   absl::ReaderMutexLock weight_lock(&weight_mu_);
   if (retired_) {
-    return absl::AbortedError(absl::StrCat("head '", name_, "' was replaced by an upload; nothing was "
-                                           "accumulated"));
+    return absl::AbortedError(
+        absl::StrCat("head '", name_, "' was replaced by an upload; nothing was accumulated"));
   }
   if (expected_version.has_value() && *expected_version != version_) {
     return absl::FailedPreconditionError(absl::StrCat(

@@ -220,7 +220,8 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
   }
   // Head::Create and ReplaceWeight refuse a W that is not finite as stored.
   const std::string source = absl::StrCat("upload (", DTypeName(wire_dtype), ")");
-  // The same kind of head is overwritten in place; another shape, dtype, tie or cap makes a new one.
+  // The same kind of head is overwritten in place; another shape, dtype, tie or cap makes a new
+  // one.
   if (existing.ok() && (*existing)->vocab_size() == start.vocab_size() &&
       (*existing)->hidden_size() == start.hidden_size() && (*existing)->dtype() == storage_dtype &&
       (*existing)->tied_embeddings() == start.tied_embeddings() &&
@@ -275,7 +276,8 @@ absl::Status LossService::StreamTensor(const v1::FetchTensorRequest& request, bo
   ASSIGN_OR_RETURN(auto head, heads_.Get(request.head()));
   ASSIGN_OR_RETURN(const DType dtype, FromProto(request.dtype(), "dtype", DType::kFloat32));
   const int64_t row_bytes = head->hidden_size() * static_cast<int64_t>(DTypeSize(dtype));
-  ASSIGN_OR_RETURN(const int64_t rows_per_chunk, RowsPerChunk(request.max_chunk_bytes(), row_bytes));
+  ASSIGN_OR_RETURN(const int64_t rows_per_chunk,
+                   RowsPerChunk(request.max_chunk_bytes(), row_bytes));
   ASSIGN_OR_RETURN(const TensorSnapshot snapshot,
                    gradient ? head->ReadGradient(dtype) : head->ReadWeight(dtype));
   for (int64_t r0 = 0; r0 < head->vocab_size(); r0 += rows_per_chunk) {
@@ -346,12 +348,14 @@ absl::StatusOr<std::shared_ptr<Head>> LossService::TiedHead(
   }
   const int64_t max_ids = options_.compute.max_tokens_per_call;
   if (ids.size() > max_ids) {
-    return InvalidField("token_ids", absl::StrCat("at most ", max_ids, " ids"), absl::StrCat(ids.size()));
+    return InvalidField("token_ids", absl::StrCat("at most ", max_ids, " ids"),
+                        absl::StrCat(ids.size()));
   }
   for (int i = 0; i < ids.size(); ++i) {
     if (ids[i] < 0 || ids[i] >= head->vocab_size()) {
       return InvalidField(absl::StrCat("token_ids[", i, "]"),
-                          absl::StrCat("an id in [0, ", head->vocab_size(), ")"), absl::StrCat(ids[i]));
+                          absl::StrCat("an id in [0, ", head->vocab_size(), ")"),
+                          absl::StrCat(ids[i]));
     }
   }
   return head;
@@ -362,11 +366,12 @@ absl::Status LossService::StreamEmbeddingRows(const v1::LookupEmbeddingRequest& 
   ASSIGN_OR_RETURN(auto head, TiedHead(request.head(), request.token_ids()));
   ASSIGN_OR_RETURN(const DType dtype, FromProto(request.dtype(), "dtype", DType::kFloat32));
   const int64_t row_bytes = head->hidden_size() * static_cast<int64_t>(DTypeSize(dtype));
-  ASSIGN_OR_RETURN(const int64_t rows_per_chunk, RowsPerChunk(request.max_chunk_bytes(), row_bytes));
+  ASSIGN_OR_RETURN(const int64_t rows_per_chunk,
+                   RowsPerChunk(request.max_chunk_bytes(), row_bytes));
   const uint64_t version = head->version();
   if (request.has_head_version() && request.head_version() != version) {
-    return absl::FailedPreconditionError(absl::StrCat("head_version: expected the head's current ", version,
-                                                      ", got ", request.head_version()));
+    return absl::FailedPreconditionError(absl::StrCat("head_version: expected the head's current ",
+                                                      version, ", got ", request.head_version()));
   }
   const absl::Span<const int64_t> ids(request.token_ids().data(), request.token_ids().size());
   std::string data;
@@ -399,7 +404,8 @@ absl::Status LossService::ReceiveEmbeddingGrad(
   const v1::EmbeddingGradStart start = request.start();
   ASSIGN_OR_RETURN(auto head, TiedHead(start.head(), start.token_ids()));
   if (start.hidden_size() != head->hidden_size()) {
-    return InvalidField("hidden_size", absl::StrCat(head->hidden_size(), " (head '", head->name(), "')"),
+    return InvalidField("hidden_size",
+                        absl::StrCat(head->hidden_size(), " (head '", head->name(), "')"),
                         absl::StrCat(start.hidden_size()));
   }
   ASSIGN_OR_RETURN(const DType dtype, FromProto(start.dtype(), "dtype"));
@@ -422,16 +428,19 @@ absl::Status LossService::ReceiveEmbeddingGrad(
     const std::string& bytes = request.grad();
     metrics_.AddBytesReceived(static_cast<int64_t>(bytes.size()));
     if (row * row_bytes + pending.size() + bytes.size() > expected_bytes) {
-      return InvalidField("grad", absl::StrCat(expected_bytes, " bytes (", num_rows, " ids x hidden_size ",
-                                               hidden, " x ", DTypeSize(dtype), ")"),
-                          absl::StrCat("at least ", row * row_bytes + pending.size() + bytes.size()));
+      return InvalidField(
+          "grad",
+          absl::StrCat(expected_bytes, " bytes (", num_rows, " ids x hidden_size ", hidden, " x ",
+                       DTypeSize(dtype), ")"),
+          absl::StrCat("at least ", row * row_bytes + pending.size() + bytes.size()));
     }
     pending.append(bytes);
     size_t offset = 0;
     for (; pending.size() - offset >= row_bytes; offset += row_bytes, ++row) {
       const auto* values = reinterpret_cast<const uint8_t*>(pending.data() + offset);
       const int64_t slot =
-          std::lower_bound(distinct.begin(), distinct.end(), start.token_ids(row)) - distinct.begin();
+          std::lower_bound(distinct.begin(), distinct.end(), start.token_ids(row)) -
+          distinct.begin();
       float* sum = sums.data() + slot * hidden;
       for (int64_t j = 0; j < hidden; ++j) {
         const float value = LoadAsFloat(values, dtype, j);

@@ -66,11 +66,12 @@ class LossService final : public v1::LossService::Service {
   // allowed), closed once no call runs any more, revoking every handle.
   absl::Status OpenSharedMemorySocket();
   void CloseSharedMemorySocket();
-  grpc::Status LookupEmbedding(grpc::ServerContext* context, const v1::LookupEmbeddingRequest* request,
+  grpc::Status LookupEmbedding(grpc::ServerContext* context,
+                               const v1::LookupEmbeddingRequest* request,
                                grpc::ServerWriter<v1::EmbeddingRows>* writer) override;
-  grpc::Status AccumulateEmbeddingGrad(grpc::ServerContext* context,
-                                       grpc::ServerReader<v1::AccumulateEmbeddingGradRequest>* reader,
-                                       v1::AccumulateEmbeddingGradResponse* response) override;
+  grpc::Status AccumulateEmbeddingGrad(
+      grpc::ServerContext* context, grpc::ServerReader<v1::AccumulateEmbeddingGradRequest>* reader,
+      v1::AccumulateEmbeddingGradResponse* response) override;
 
   // Shutdown, in two steps. StopAccepting: from now on every call is refused with UNAVAILABLE.
   // WaitForCallsInFlight: returns once the calls already running have returned, or at
@@ -103,8 +104,8 @@ class LossService final : public v1::LossService::Service {
                                     grpc::ServerReader<v1::AccumulateEmbeddingGradRequest>* reader,
                                     v1::AccumulateEmbeddingGradResponse* response);
   // A tied head named `head`, and token ids that index its rows.
-  absl::StatusOr<std::shared_ptr<Head>> TiedHead(const std::string& head,
-                                                 const google::protobuf::RepeatedField<int64_t>& ids);
+  absl::StatusOr<std::shared_ptr<Head>> TiedHead(
+      const std::string& head, const google::protobuf::RepeatedField<int64_t>& ids);
 
   Backend& backend_;
   HeadStore& heads_;

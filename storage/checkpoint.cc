@@ -103,8 +103,8 @@ absl::Status ValidateState(const CheckpointState& state) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": steps ", state.steps, " is negative"));
   }
   if (!std::isfinite(state.logit_softcap) || state.logit_softcap < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": logit_softcap ", state.logit_softcap, " is not a finite value >= 0"));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": logit_softcap ", state.logit_softcap,
+                                                   " is not a finite value >= 0"));
   }
   RETURN_IF_ERROR(DTypeToSafetensors(state.weight_dtype).status());
   size_t weight_bytes = 0, state_bytes = 0;
@@ -407,8 +407,8 @@ absl::StatusOr<CheckpointState> LoadCheckpoint(const std::string& path) {
     state.tied_embeddings = tied->second == "true";
   }
   if (const auto cap = metadata.find("logit_softcap"); cap != metadata.end()) {
-    if (!absl::SimpleAtod(cap->second, &state.logit_softcap) || !std::isfinite(state.logit_softcap) ||
-        state.logit_softcap < 0) {
+    if (!absl::SimpleAtod(cap->second, &state.logit_softcap) ||
+        !std::isfinite(state.logit_softcap) || state.logit_softcap < 0) {
       return bad_field("logit_softcap", cap->second, "a finite number >= 0");
     }
   }

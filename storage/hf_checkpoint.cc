@@ -104,7 +104,8 @@ bool IsRegularFile(const std::string& path) {
 
 // A field of the language model's config: in text_config first (multimodal configs), then at the
 // top level; `where` receives its dotted name.
-const Json* TextField(const Json& root, const Json* text_config, const char* name, std::string* where) {
+const Json* TextField(const Json& root, const Json* text_config, const char* name,
+                      std::string* where) {
   if (text_config != nullptr && text_config->contains(name)) {
     *where = absl::StrCat("text_config.", name);
     return &(*text_config)[name];
@@ -134,7 +135,8 @@ std::string TieText(const ModelConfig& config, absl::string_view config_path) {
     return absl::StrCat(config.tie_word_embeddings_field, ": ",
                         *config.tie_word_embeddings ? "true" : "false", " in ", config_path);
   }
-  return absl::StrCat(config_path, " has no tie_word_embeddings; transformers' default for model_type ",
+  return absl::StrCat(config_path,
+                      " has no tie_word_embeddings; transformers' default for model_type ",
                       Quote(config.model_type), " is ", config.TiesEmbeddings() ? "true" : "false");
 }
 
@@ -189,10 +191,12 @@ bool TiesEmbeddingsByDefault(absl::string_view model_type) {
 }
 
 bool ModelConfig::TiesEmbeddings() const {
-  return tie_word_embeddings.has_value() ? *tie_word_embeddings : TiesEmbeddingsByDefault(model_type);
+  return tie_word_embeddings.has_value() ? *tie_word_embeddings
+                                         : TiesEmbeddingsByDefault(model_type);
 }
 
-absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::string_view source) {
+absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
+                                             absl::string_view source) {
   ASSIGN_OR_RETURN(const Json root, ParseJsonObject(json_text, source));
   ModelConfig config;
   const Json* text_config = nullptr;
@@ -212,8 +216,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::
   ASSIGN_OR_RETURN(config.hidden_size, PositiveSize(root, text_config, "hidden_size", source));
 
   // The top level first: it is the config of the model whose weights transformers ties.
-  for (const auto& [object, prefix] : {std::pair<const Json*, const char*>{&root, ""},
-                                       std::pair<const Json*, const char*>{text_config, "text_config."}}) {
+  for (const auto& [object, prefix] :
+       {std::pair<const Json*, const char*>{&root, ""},
+        std::pair<const Json*, const char*>{text_config, "text_config."}}) {
     if (object == nullptr || !object->contains("tie_word_embeddings")) continue;
     const Json& value = (*object)["tie_word_embeddings"];
     config.tie_word_embeddings_field = absl::StrCat(prefix, "tie_word_embeddings");
@@ -279,8 +284,9 @@ absl::StatusOr<ModelCheckpoint> ModelCheckpoint::Open(const std::string& path) {
     } else if (IsRegularFile(file_candidate)) {
       checkpoint.single_file_ = file_candidate;
     } else {
-      return absl::NotFoundError(absl::StrCat(path, ": a model directory holds ", kShardIndexFileName,
-                                              " or ", kSingleFileName, "; found neither"));
+      return absl::NotFoundError(absl::StrCat(path, ": a model directory holds ",
+                                              kShardIndexFileName, " or ", kSingleFileName,
+                                              "; found neither"));
     }
   } else if (S_ISREG(info.st_mode)) {
     dir = fs::path(path).parent_path();
@@ -316,8 +322,8 @@ std::string ModelCheckpoint::Describe() const {
   for (const auto& [tensor, shard] : index_->shard_of_tensor) shards.push_back(shard);
   std::sort(shards.begin(), shards.end());
   shards.erase(std::unique(shards.begin(), shards.end()), shards.end());
-  return absl::StrCat("index ", index_->path, " (", shards.size(), " shard", shards.size() == 1 ? "" : "s",
-                      ")");
+  return absl::StrCat("index ", index_->path, " (", shards.size(), " shard",
+                      shards.size() == 1 ? "" : "s", ")");
 }
 
 bool ModelCheckpoint::Has(absl::string_view tensor) const {
@@ -353,8 +359,9 @@ absl::StatusOr<TensorRef> ModelCheckpoint::Tensor(absl::string_view tensor) {
   ASSIGN_OR_RETURN(const SafetensorsFile* file, OpenFile(shard));
   absl::StatusOr<TensorRef> ref = file->Tensor(tensor);
   if (!ref.ok() && absl::IsNotFound(ref.status())) {
-    return absl::DataLossError(absl::StrCat(index_->path, ": weight_map puts tensor ", Quote(tensor),
-                                            " in ", shard, ", which does not hold it"));
+    return absl::DataLossError(absl::StrCat(index_->path, ": weight_map puts tensor ",
+                                            Quote(tensor), " in ", shard,
+                                            ", which does not hold it"));
   }
   return ref;
 }
@@ -420,12 +427,13 @@ absl::StatusOr<CheckpointHead> LoadCheckpointHead(const std::string& path, absl:
   ASSIGN_OR_RETURN(const TensorRef ref, checkpoint.Tensor(chosen));
   const std::string file = checkpoint.FileOf(chosen);
   if (ref.shape.size() != 2 || ref.shape[0] <= 0 || ref.shape[1] <= 0) {
-    return InvalidField(absl::StrCat(file, ": tensor ", Quote(chosen)), "a 2-D [vocab, hidden] shape",
-                        ShapeText(ref.shape));
+    return InvalidField(absl::StrCat(file, ": tensor ", Quote(chosen)),
+                        "a 2-D [vocab, hidden] shape", ShapeText(ref.shape));
   }
   if (config.has_value()) {
-    for (const auto& [size, name, dim] : {std::tuple{config->vocab_size, "vocab_size", ref.shape[0]},
-                                          std::tuple{config->hidden_size, "hidden_size", ref.shape[1]}}) {
+    for (const auto& [size, name, dim] :
+         {std::tuple{config->vocab_size, "vocab_size", ref.shape[0]},
+          std::tuple{config->hidden_size, "hidden_size", ref.shape[1]}}) {
       if (size.has_value() && *size != dim) {
         return absl::InvalidArgumentError(absl::StrCat(
             checkpoint.config_path(), ": ", name, " is ", *size, ", but ", file, "#", chosen,

@@ -411,9 +411,10 @@ TEST(CheckpointTest, CheckpointsWithoutTieOrCapLoadUntiedAndUncapped) {
   std::map<std::string, std::string> metadata = file->metadata();
   ASSERT_EQ(metadata.erase("tied_embeddings") + metadata.erase("logit_softcap"), 2u);
   const std::string older = dir.File("older.safetensors");
-  ASSERT_TRUE(WriteSafetensorsAtomically(
-                  older, {{weight.name, weight.dtype, weight.shape, weight.data, weight.bytes}}, metadata)
-                  .ok());
+  ASSERT_TRUE(
+      WriteSafetensorsAtomically(
+          older, {{weight.name, weight.dtype, weight.shape, weight.data, weight.bytes}}, metadata)
+          .ok());
 
   absl::StatusOr<CheckpointState> loaded = LoadCheckpoint(older);
   ASSERT_TRUE(loaded.ok()) << loaded.status();

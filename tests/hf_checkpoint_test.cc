@@ -40,7 +40,8 @@ struct Matrix {
       if (dtype == "BF16") {
         const uint16_t bits = FloatToBFloat16(value);
         value = BFloat16ToFloat(bits);
-        m.bytes.insert(m.bytes.end(), {static_cast<uint8_t>(bits), static_cast<uint8_t>(bits >> 8)});
+        m.bytes.insert(m.bytes.end(),
+                       {static_cast<uint8_t>(bits), static_cast<uint8_t>(bits >> 8)});
       } else {
         uint8_t raw[4];
         std::memcpy(raw, &value, 4);
@@ -61,9 +62,11 @@ std::vector<float> AsFloats(const std::vector<uint8_t>& bytes) {
 // Writes a safetensors file holding `tensors` (name -> matrix) plus a small unrelated tensor.
 void WriteTensors(const std::string& path, const std::map<std::string, const Matrix*>& tensors) {
   static const float kNorm[kHidden] = {1, 1, 1, 1, 1, 1};
-  std::vector<TensorToWrite> entries = {{"model.norm.weight", "F32", {kHidden}, kNorm, sizeof kNorm}};
+  std::vector<TensorToWrite> entries = {
+      {"model.norm.weight", "F32", {kHidden}, kNorm, sizeof kNorm}};
   for (const auto& [name, matrix] : tensors) {
-    entries.push_back({name, matrix->dtype, {kVocab, kHidden}, matrix->bytes.data(), matrix->bytes.size()});
+    entries.push_back(
+        {name, matrix->dtype, {kVocab, kHidden}, matrix->bytes.data(), matrix->bytes.size()});
   }
   ASSERT_TRUE(WriteSafetensorsAtomically(path, entries, {{"format", "pt"}}).ok());
 }
@@ -77,7 +80,8 @@ std::string Config(const std::string& model_type, const std::string& extra = "")
 
 // A sharded checkpoint in `dir`: the embedding in the first shard, lm_head (if any) in the second.
 void WriteSharded(const ScratchDir& dir, const Matrix& embedding, const Matrix* lm_head) {
-  WriteTensors(dir.File("model-00001-of-00002.safetensors"), {{"model.embed_tokens.weight", &embedding}});
+  WriteTensors(dir.File("model-00001-of-00002.safetensors"),
+               {{"model.embed_tokens.weight", &embedding}});
   std::map<std::string, const Matrix*> second;
   if (lm_head != nullptr) second["lm_head.weight"] = lm_head;
   WriteTensors(dir.File("model-00002-of-00002.safetensors"), second);
@@ -107,8 +111,8 @@ TEST(ModelConfigTest, ReadsTheFieldsLossdUses) {
   EXPECT_FALSE(llama->TiesEmbeddings());
   EXPECT_EQ(llama->final_logit_softcapping, 0.0);
 
-  absl::StatusOr<ModelConfig> gemma2 =
-      ParseModelConfig(R"({"model_type": "gemma2", "final_logit_softcapping": 30.0})", "config.json");
+  absl::StatusOr<ModelConfig> gemma2 = ParseModelConfig(
+      R"({"model_type": "gemma2", "final_logit_softcapping": 30.0})", "config.json");
   ASSERT_TRUE(gemma2.ok()) << gemma2.status();
   EXPECT_FALSE(gemma2->tie_word_embeddings.has_value());
   EXPECT_TRUE(gemma2->TiesEmbeddings());  // Gemma2Config's default
@@ -173,7 +177,8 @@ TEST_P(BadConfigTest, IsRefusedNamingTheField) {
   SCOPED_TRACE(c.reason);
   const absl::Status status = ParseModelConfig(c.json, "/m/config.json").status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
-  EXPECT_THAT(std::string(status.message()), AllOf(HasSubstr("/m/config.json"), HasSubstr(c.fragment)));
+  EXPECT_THAT(std::string(status.message()),
+              AllOf(HasSubstr("/m/config.json"), HasSubstr(c.fragment)));
 }
 
 // clang-format off
@@ -247,7 +252,8 @@ TEST_F(HfCheckpointTest, ShardedUntiedCheckpointServesLmHead) {
     EXPECT_EQ(AsFloats(head->weight), lm_head.values);
     EXPECT_FALSE(head->tied_embeddings);
     EXPECT_EQ(head->logit_softcap, 0.0);
-    EXPECT_EQ(head->source, dir_.File("model-00002-of-00002.safetensors") + "#lm_head.weight (BF16)");
+    EXPECT_EQ(head->source,
+              dir_.File("model-00002-of-00002.safetensors") + "#lm_head.weight (BF16)");
     EXPECT_THAT(head->explanation, HasSubstr("tie_word_embeddings: false in"));
   }
   const std::string first_shard = dir_.File("model-00001-of-00002.safetensors");
@@ -256,7 +262,8 @@ TEST_F(HfCheckpointTest, ShardedUntiedCheckpointServesLmHead) {
   EXPECT_THAT(std::string(refused.message()),
               AllOf(HasSubstr("does not tie lm_head"), HasSubstr("'lm_head.weight'"),
                     HasSubstr("'language_model.lm_head.weight'"),
-                    HasSubstr(first_shard + " is one shard of " + dir_.File("model.safetensors.index.json"))));
+                    HasSubstr(first_shard + " is one shard of " +
+                              dir_.File("model.safetensors.index.json"))));
 }
 
 // A Qwen2-style tied checkpoint has no lm_head.weight: the embedding is the head.
@@ -268,7 +275,8 @@ TEST_F(HfCheckpointTest, TiedCheckpointServesTheEmbedding) {
   ASSERT_TRUE(head.ok()) << head.status();
   EXPECT_EQ(AsFloats(head->weight), embedding.values);
   EXPECT_TRUE(head->tied_embeddings);
-  EXPECT_EQ(head->source, dir_.File("model-00001-of-00002.safetensors") + "#model.embed_tokens.weight (F32)");
+  EXPECT_EQ(head->source,
+            dir_.File("model-00001-of-00002.safetensors") + "#model.embed_tokens.weight (F32)");
 }
 
 // Gemma 2 writes no tie (its class default is true) and caps its logits at 30.
@@ -316,10 +324,12 @@ TEST_F(HfCheckpointTest, TiedConfigWithItsOwnLmHeadFollowsTransformers) {
 // embedding.
 TEST_F(HfCheckpointTest, MultimodalCheckpointServesTheLanguageModelsEmbedding) {
   const Matrix embedding = Matrix::Random(rng_);
-  WriteTensors(dir_.File("model.safetensors"), {{"model.language_model.embed_tokens.weight", &embedding}});
-  WriteFile(dir_.File("config.json"),
-            absl::StrCat(R"({"model_type": "gemma3", "tie_word_embeddings": true, "text_config": {)",
-                         R"("vocab_size": )", kVocab, R"(, "hidden_size": )", kHidden, "}}"));
+  WriteTensors(dir_.File("model.safetensors"),
+               {{"model.language_model.embed_tokens.weight", &embedding}});
+  WriteFile(
+      dir_.File("config.json"),
+      absl::StrCat(R"({"model_type": "gemma3", "tie_word_embeddings": true, "text_config": {)",
+                   R"("vocab_size": )", kVocab, R"(, "hidden_size": )", kHidden, "}}"));
   absl::StatusOr<CheckpointHead> head = LoadCheckpointHead(dir_.path(), "", DType::kFloat32);
   ASSERT_TRUE(head.ok()) << head.status();
   EXPECT_TRUE(head->tied_embeddings);
@@ -343,8 +353,8 @@ TEST_F(HfCheckpointTest, WithoutConfigOnlyLmHeadIsTaken) {
   const absl::Status refused = LoadCheckpointHead(embedding_only, "", DType::kFloat32).status();
   EXPECT_EQ(refused.code(), absl::StatusCode::kNotFound) << refused;
   EXPECT_THAT(std::string(refused.message()),
-              AllOf(HasSubstr(embedding_only), HasSubstr("'lm_head.weight'"), HasSubstr("config.json"),
-                    HasSubstr("#model.embed_tokens.weight")));
+              AllOf(HasSubstr(embedding_only), HasSubstr("'lm_head.weight'"),
+                    HasSubstr("config.json"), HasSubstr("#model.embed_tokens.weight")));
 
   // Named explicitly, the embedding is served, untied and uncapped.
   absl::StatusOr<CheckpointHead> chosen =

@@ -181,7 +181,8 @@ def write_safetensors(path, tensors):
         offset += array.nbytes
     text = json.dumps(header).encode()
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(a.tobytes() for a in tensors.values()))
+        f.write(struct.pack("<Q", len(text)) + text)
+        f.write(b"".join(a.tobytes() for a in tensors.values()))
 
 
 def test_upload_from_a_sharded_model_directory(server, tmp_path):
@@ -212,8 +213,8 @@ def test_upload_from_a_sharded_model_directory(server, tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
         "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
         "lm_head.weight": "model-00002-of-00002.safetensors"}}))
-    err = lossctl("upload", "--head=shard", "--weight", tmp_path / "model-00001-of-00002.safetensors",
-                  server=server, expect=1).stderr
+    err = lossctl("upload", "--head=shard", "--weight",
+                  tmp_path / "model-00001-of-00002.safetensors", server=server, expect=1).stderr
     assert "'lm_head.weight'" in err and "is one shard of" in err, err
 
 

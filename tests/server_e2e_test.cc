@@ -298,7 +298,8 @@ TEST_F(ServerE2eTest, HeadSoftCapAppliesUnlessTheCallSaysOtherwise) {
                                        {0.0, 0.0},
                                        {5.0, 5.0}}) {
     SCOPED_TRACE(asked.has_value() ? absl::StrCat("call cap ", *asked) : "call cap unset");
-    EXPECT_LE(std::abs(call_loss(asked) - reference_loss(applied)) / reference_loss(applied), kLossBound);
+    EXPECT_LE(std::abs(call_loss(asked) - reference_loss(applied)) / reference_loss(applied),
+              kLossBound);
   }
 
   grpc::ClientContext context;
@@ -315,7 +316,8 @@ TEST_F(ServerE2eTest, HeadSoftCapAppliesUnlessTheCallSaysOtherwise) {
   ASSERT_TRUE(stub_->GetHead(&again, get, &after).ok());
   EXPECT_EQ(after.logit_softcap(), 3.0);
   EXPECT_EQ(after.version(), before.version() + 1);
-  EXPECT_LE(std::abs(call_loss(std::nullopt) - reference_loss(3.0)) / reference_loss(3.0), kLossBound);
+  EXPECT_LE(std::abs(call_loss(std::nullopt) - reference_loss(3.0)) / reference_loss(3.0),
+            kLossBound);
 }
 
 TEST_F(ServerE2eTest, AnySplitOfTheBatchGivesIdenticalBits) {
@@ -575,8 +577,9 @@ struct EmbeddingGradOutcome {
 };
 
 // Sends `start` and then `grad` in pieces of `piece` bytes (which need not hold whole rows).
-EmbeddingGradOutcome SendEmbeddingGrad(v1::LossService::Stub& stub, const v1::EmbeddingGradStart& start,
-                                       const std::string& grad, size_t piece = 1000) {
+EmbeddingGradOutcome SendEmbeddingGrad(v1::LossService::Stub& stub,
+                                       const v1::EmbeddingGradStart& start, const std::string& grad,
+                                       size_t piece = 1000) {
   EmbeddingGradOutcome out;
   grpc::ClientContext context;
   auto writer = stub.AccumulateEmbeddingGrad(&context, &out.response);
@@ -673,12 +676,14 @@ TEST_F(EmbeddingTest, GradientJoinsComputesInOneAccumulatorAndOneStep) {
     SCOPED_TRACE(embedding_first ? "embedding gradient first" : "Compute first");
     ASSERT_TRUE(ZeroGrad(head_).ok());
     const auto send_embedding = [&] {
-      const EmbeddingGradOutcome out = SendEmbeddingGrad(*stub_, GradStart(ids), FloatBytes(grad), 333);
+      const EmbeddingGradOutcome out =
+          SendEmbeddingGrad(*stub_, GradStart(ids), FloatBytes(grad), 333);
       ASSERT_TRUE(out.status.ok()) << out.status.error_message();
       EXPECT_EQ(out.response.accumulated_rows(), 4);
     };
     const auto send_compute = [&] {
-      const ComputeOutcome out = CallCompute(*stub_, TrainingStart(head_, batch), FloatBytes(batch.hidden), 64);
+      const ComputeOutcome out =
+          CallCompute(*stub_, TrainingStart(head_, batch), FloatBytes(batch.hidden), 64);
       ASSERT_TRUE(out.status.ok()) << out.status.error_message();
     };
     if (embedding_first) {
@@ -718,8 +723,10 @@ TEST_F(EmbeddingTest, ComputeCommitSeesTheEmbeddingRowsInTheAccumulatorsBound) {
   v1::ComputeStart start = TrainingStart(head_, batch);
   start.mutable_options()->set_grad_scale(1e37);
   const ComputeOutcome out = CallCompute(*stub_, start, FloatBytes(batch.hidden), 1);
-  EXPECT_EQ(out.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << out.status.error_message();
-  EXPECT_NE(out.status.error_message().find("overflow"), std::string::npos) << out.status.error_message();
+  EXPECT_EQ(out.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION)
+      << out.status.error_message();
+  EXPECT_NE(out.status.error_message().find("overflow"), std::string::npos)
+      << out.status.error_message();
   const FetchedTensor after = Fetch(*stub_, head_, true);
   EXPECT_EQ(0, std::memcmp(after.values.data(), before.values.data(), before.values.size() * 4));
 }
@@ -735,14 +742,16 @@ struct EmbeddingRefusal {
   std::function<void(v1::LookupEmbeddingRequest&)> damage_lookup;
 };
 
-class EmbeddingRefusalTest : public EmbeddingTest, public ::testing::WithParamInterface<EmbeddingRefusal> {};
+class EmbeddingRefusalTest : public EmbeddingTest,
+                             public ::testing::WithParamInterface<EmbeddingRefusal> {};
 
 TEST_P(EmbeddingRefusalTest, NamesTheFieldAndChangesNothing) {
   const EmbeddingRefusal& c = GetParam();
   SCOPED_TRACE(c.reason);
   // Something already accumulated, which must stay exactly as it is.
   const std::vector<int64_t> ids = {1, 2, 2, 40};
-  ASSERT_TRUE(SendEmbeddingGrad(*stub_, GradStart(ids), FloatBytes(RandomRows(ids.size()))).status.ok());
+  ASSERT_TRUE(
+      SendEmbeddingGrad(*stub_, GradStart(ids), FloatBytes(RandomRows(ids.size()))).status.ok());
   const FetchedTensor grad_before = Fetch(*stub_, head_, true);
   const FetchedTensor weight_before = Fetch(*stub_, head_, false);
 
@@ -763,12 +772,15 @@ TEST_P(EmbeddingRefusalTest, NamesTheFieldAndChangesNothing) {
   EXPECT_NE(status.error_message().find(c.fragment), std::string::npos) << status.error_message();
   const FetchedTensor grad_after = Fetch(*stub_, head_, true);
   const FetchedTensor weight_after = Fetch(*stub_, head_, false);
-  EXPECT_EQ(0, std::memcmp(grad_after.values.data(), grad_before.values.data(), grad_before.values.size() * 4));
+  EXPECT_EQ(0, std::memcmp(grad_after.values.data(), grad_before.values.data(),
+                           grad_before.values.size() * 4));
   EXPECT_EQ(weight_after.values, weight_before.values);
   EXPECT_EQ(weight_after.version, weight_before.version);
 }
 
-void SetFloat(std::string& bytes, size_t index, float value) { std::memcpy(bytes.data() + 4 * index, &value, 4); }
+void SetFloat(std::string& bytes, size_t index, float value) {
+  std::memcpy(bytes.data() + 4 * index, &value, 4);
+}
 
 // clang-format off
 INSTANTIATE_TEST_SUITE_P(Table, EmbeddingRefusalTest, ::testing::ValuesIn(std::vector<EmbeddingRefusal>{
@@ -893,7 +905,8 @@ v1::HeadInfo GetHeadInfo(v1::LossService::Stub& stub, const std::string& head) {
 TEST(ServerStartupTest, LoadsHeadsFromHuggingFaceCheckpoints) {
   std::mt19937_64 rng(FreshSeed());
   const std::string dir = ::testing::TempDir() + "/lossd-heads-" + std::to_string(FreshSeed());
-  const std::string untied = dir + "/untied", tied = dir + "/tied", checkpoints = dir + "/checkpoints";
+  const std::string untied = dir + "/untied", tied = dir + "/tied",
+                    checkpoints = dir + "/checkpoints";
   std::filesystem::create_directories(untied);
   std::filesystem::create_directories(tied);
   const int64_t vocab = 321;
@@ -909,22 +922,25 @@ TEST(ServerStartupTest, LoadsHeadsFromHuggingFaceCheckpoints) {
   const auto write_json = [](const std::string& path, const std::string& text) {
     std::ofstream(path) << text;
   };
-  ASSERT_TRUE(storage::WriteSafetensorsAtomically(
-                  untied + "/model-00001-of-00002.safetensors",
-                  {{"model.embed_tokens.weight", "F32", shape, embedding.data(), embedding.size() * 4}}, {})
-                  .ok());
+  ASSERT_TRUE(
+      storage::WriteSafetensorsAtomically(
+          untied + "/model-00001-of-00002.safetensors",
+          {{"model.embed_tokens.weight", "F32", shape, embedding.data(), embedding.size() * 4}}, {})
+          .ok());
   ASSERT_TRUE(storage::WriteSafetensorsAtomically(
                   untied + "/model-00002-of-00002.safetensors",
-                  {{"lm_head.weight", "BF16", shape, lm_head_bf16.data(), lm_head_bf16.size() * 2}}, {})
+                  {{"lm_head.weight", "BF16", shape, lm_head_bf16.data(), lm_head_bf16.size() * 2}},
+                  {})
                   .ok());
   write_json(untied + "/model.safetensors.index.json",
              R"({"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
                                 "lm_head.weight": "model-00002-of-00002.safetensors"}})");
   write_json(untied + "/config.json", R"({"model_type": "llama", "tie_word_embeddings": false})");
-  ASSERT_TRUE(storage::WriteSafetensorsAtomically(
-                  tied + "/model.safetensors",
-                  {{"model.embed_tokens.weight", "F32", shape, embedding.data(), embedding.size() * 4}}, {})
-                  .ok());
+  ASSERT_TRUE(
+      storage::WriteSafetensorsAtomically(
+          tied + "/model.safetensors",
+          {{"model.embed_tokens.weight", "F32", shape, embedding.data(), embedding.size() * 4}}, {})
+          .ok());
   write_json(tied + "/config.json", R"({"model_type": "gemma2", "final_logit_softcapping": 30.0})");
 
   server::ServerConfig config;
@@ -940,7 +956,8 @@ TEST(ServerStartupTest, LoadsHeadsFromHuggingFaceCheckpoints) {
     EXPECT_EQ(Fetch(*stub, "chosen", false).values, embedding);
     EXPECT_EQ(Fetch(*stub, "demo", false).status.error_code(), grpc::StatusCode::NOT_FOUND);
     const v1::HeadInfo untied_info = GetHeadInfo(*stub, "untied");
-    EXPECT_EQ(untied_info.source(), untied + "/model-00002-of-00002.safetensors#lm_head.weight (BF16)");
+    EXPECT_EQ(untied_info.source(),
+              untied + "/model-00002-of-00002.safetensors#lm_head.weight (BF16)");
     EXPECT_FALSE(untied_info.tied_embeddings());
     EXPECT_EQ(untied_info.logit_softcap(), 0.0);
     const v1::HeadInfo tied_info = GetHeadInfo(*stub, "tied");
@@ -970,7 +987,8 @@ TEST(ServerStartupTest, LoadsHeadsFromHuggingFaceCheckpoints) {
   config.heads = {"shard=" + untied + "/model-00001-of-00002.safetensors"};
   auto refused = server::LossServer::Start(config, CreateBackend("cpu").value());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_NE(refused.status().message().find("'lm_head.weight'"), std::string::npos) << refused.status();
+  EXPECT_NE(refused.status().message().find("'lm_head.weight'"), std::string::npos)
+      << refused.status();
   config.heads = {"broken=" + untied + "#no.such.tensor"};
   refused = server::LossServer::Start(config, CreateBackend("cpu").value());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound);

@@ -122,7 +122,8 @@ const Refusal kRefusals[] = {
                        {})
                        .ok());
        // The model's config says the embedding is the head.
-       std::ofstream(dir + "/config.json") << R"({"model_type": "qwen2", "tie_word_embeddings": true})";
+       std::ofstream(dir + "/config.json")
+           << R"({"model_type": "qwen2", "tie_word_embeddings": true})";
        config.heads = {"main=" + path};
        config.head_dtype = DType::kBFloat16;
        return std::vector<std::string>{

@@ -781,20 +781,22 @@ absl::Status RunUpload(const Flags& flags) {
     // input embedding of a tied one, with the tie and soft cap from its config.json.
     const size_t hash = spec.rfind('#');
     const std::string tensor = hash == std::string::npos ? "" : spec.substr(hash + 1);
-    ASSIGN_OR_RETURN(storage::CheckpointHead loaded,
-                     storage::LoadCheckpointHead(spec.substr(0, hash), tensor, lossd::DType::kFloat32));
+    ASSIGN_OR_RETURN(
+        storage::CheckpointHead loaded,
+        storage::LoadCheckpointHead(spec.substr(0, hash), tensor, lossd::DType::kFloat32));
     absl::PrintF("%s (%s)\n", loaded.source, loaded.explanation);
-    ASSIGN_OR_RETURN(weight, MatrixFromShape(std::string(loaded.weight.begin(), loaded.weight.end()),
-                                             DType::kFloat32, {loaded.vocab_size, loaded.hidden_size},
-                                             loaded.source));
+    ASSIGN_OR_RETURN(
+        weight,
+        MatrixFromShape(std::string(loaded.weight.begin(), loaded.weight.end()), DType::kFloat32,
+                        {loaded.vocab_size, loaded.hidden_size}, loaded.source));
     model = {loaded.tied_embeddings, loaded.logit_softcap};
   }
   ASSIGN_OR_RETURN(const Client client, ConnectFromFlags(flags));
   ASSIGN_OR_RETURN(const HeadInfo head, client.UploadHead(flags.String("head"), weight.view(), storage_dtype,
                                                           flags.Bool("replace"), model));
-  absl::PrintF("uploaded head %s: [%d, %d] %s, stored as %s, version %d%s\n", head.name, head.vocab_size,
-               head.hidden_size, DTypeName(weight.dtype), DTypeName(head.dtype), head.version,
-               head.tied_embeddings ? ", tied to the input embedding" : "");
+  absl::PrintF("uploaded head %s: [%d, %d] %s, stored as %s, version %d%s\n", head.name,
+               head.vocab_size, head.hidden_size, DTypeName(weight.dtype), DTypeName(head.dtype),
+               head.version, head.tied_embeddings ? ", tied to the input embedding" : "");
   return absl::OkStatus();
 }
 

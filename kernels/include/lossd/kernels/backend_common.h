@@ -54,8 +54,9 @@ absl::Status ValidateSequenceLengths(const int64_t* sequence_lengths, int64_t nu
 
 // Next-token labels, as a causal LM's loss takes them: within each sequence (valid lengths; none:
 // all rows are one) labels[i] <- labels[i + 1], and the last row of each gets ignore_index.
-void ShiftLabelsWithinSequences(int64_t* labels, int64_t num_tokens, const int64_t* sequence_lengths,
-                                int64_t num_sequences, int64_t ignore_index);
+void ShiftLabelsWithinSequences(int64_t* labels, int64_t num_tokens,
+                                const int64_t* sequence_lengths, int64_t num_sequences,
+                                int64_t ignore_index);
 
 // Each row's factor in a sequence reduction (verl's agg_loss "seq-mean-token-sum" and
 // "seq-mean-token-mean") of a batch made of sequences of the given lengths, one after another:

@@ -49,7 +49,8 @@ inline constexpr char kConfigFileName[] = "config.json";
 inline constexpr char kShardIndexFileName[] = "model.safetensors.index.json";
 inline constexpr char kSingleFileName[] = "model.safetensors";
 // The output projection, in the order looked for.
-inline constexpr const char* kLmHeadTensorNames[] = {"lm_head.weight", "language_model.lm_head.weight"};
+inline constexpr const char* kLmHeadTensorNames[] = {"lm_head.weight",
+                                                     "language_model.lm_head.weight"};
 // The input embedding, in the order looked for: decoder-only models, then the language model
 // inside multimodal ones (transformers 5, then 4).
 inline constexpr const char* kEmbeddingTensorNames[] = {
