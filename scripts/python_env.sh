@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Python environment of the tests that need current PyPI packages (torch, transformers,
-# safetensors, protobuf 7, ...): a virtual environment in .venv/ (git-ignored), created from
-# Debian's python3 on first use and reused afterwards. Prints the path of its python on stdout.
+# safetensors, protobuf 7, ...) and of bench/peers.sh: a virtual environment in .venv/
+# (git-ignored), created from Debian's python3 on first use and reused afterwards. Prints the path
+# of its python on stdout.
 #
 #   scripts/python_env.sh            create .venv/ if needed, print .venv/bin/python
 #   scripts/python_env.sh --upgrade  reinstall the newest releases of the packages
@@ -15,7 +16,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv="${LOSSD_VENV:-.venv}"
-packages=(torch transformers safetensors grpcio protobuf numpy pytest)
+# matplotlib: bench/peers.sh's plots, which run here too.
+packages=(torch transformers safetensors grpcio protobuf numpy pytest matplotlib)
 # What the environment was made with; a change of the list (or --upgrade) makes it anew.
 stamp="$venv/lossd-packages"
 
