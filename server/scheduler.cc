@@ -1,10 +1,42 @@
 #include "server/scheduler.h"
 
+#include <string>
 #include <utility>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "lossd/common/status_macros.h"
 
 namespace lossd::server {
+namespace {
+
+constexpr char kAdmissionRefusalUrl[] = "type.lossd/lossd.server.AdmissionRefusal";
+
+}  // namespace
+
+const char* AdmissionRefusalName(AdmissionRefusal refusal) {
+  switch (refusal) {
+    case AdmissionRefusal::kQueueFull: return "queue_full";
+    case AdmissionRefusal::kOverBudget: return "over_budget";
+    case AdmissionRefusal::kPendingMemory: return "pending_memory";
+  }
+  return "unknown";
+}
+
+absl::Status WithAdmissionRefusal(absl::Status status, AdmissionRefusal refusal) {
+  status.SetPayload(kAdmissionRefusalUrl, absl::Cord(std::to_string(static_cast<int>(refusal))));
+  return status;
+}
+
+std::optional<AdmissionRefusal> AdmissionRefusalOf(const absl::Status& status) {
+  const absl::optional<absl::Cord> payload = status.GetPayload(kAdmissionRefusalUrl);
+  if (!payload.has_value()) return std::nullopt;
+  for (AdmissionRefusal refusal : {AdmissionRefusal::kQueueFull, AdmissionRefusal::kOverBudget,
+                                   AdmissionRefusal::kPendingMemory}) {
+    if (*payload == std::to_string(static_cast<int>(refusal))) return refusal;
+  }
+  return std::nullopt;
+}
 
 Admission& Admission::operator=(Admission&& other) noexcept {
   if (this != &other) {
@@ -22,23 +54,29 @@ void Admission::Release() {
 }
 
 Scheduler::Scheduler(int64_t capacity_bytes, int max_running, int max_queued)
-    : capacity_bytes_(capacity_bytes), max_running_(max_running), max_queued_(max_queued) {}
+    : max_running_(max_running), max_queued_(max_queued), capacity_bytes_(capacity_bytes) {}
+
+absl::Status Scheduler::OverBudget(int64_t bytes) const {
+  return WithAdmissionRefusal(
+      absl::ResourceExhaustedError(absl::StrCat(
+          "call needs ", bytes, " bytes of device memory (workspace and staging gradient); the "
+          "server's compute budget is ", capacity_bytes_, " bytes")),
+      AdmissionRefusal::kOverBudget);
+}
 
 absl::StatusOr<Admission> Scheduler::Admit(int64_t bytes, const std::function<bool()>& cancelled,
                                            absl::Duration max_wait) {
-  if (bytes > capacity_bytes_) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("call needs ", bytes, " bytes of device memory (workspace and staging "
-                     "gradient); the server's compute budget is ", capacity_bytes_, " bytes"));
-  }
   absl::MutexLock lock(&mu_);
+  if (bytes > capacity_bytes_) return OverBudget(bytes);
   auto fits = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return running_ < max_running_ && admitted_bytes_ + bytes <= capacity_bytes_;
   };
   if (!fits()) {
     if (queued_ >= max_queued_) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("admission queue is full (", max_queued_, " calls waiting); retry later"));
+      return WithAdmissionRefusal(
+          absl::ResourceExhaustedError(absl::StrCat(
+              "admission queue is full (", max_queued_, " calls waiting); retry later")),
+          AdmissionRefusal::kQueueFull);
     }
     ++queued_;
     const absl::Time deadline = absl::Now() + max_wait;
@@ -46,6 +84,10 @@ absl::StatusOr<Admission> Scheduler::Admit(int64_t bytes, const std::function<bo
     while (!fits()) {
       mu_.AwaitWithTimeout(absl::Condition(&fits), absl::Milliseconds(50));
       if (fits()) break;
+      if (bytes > capacity_bytes_) {
+        --queued_;
+        return OverBudget(bytes);
+      }
       if (cancelled()) {
         --queued_;
         return absl::CancelledError("call cancelled while waiting for admission");
@@ -61,6 +103,11 @@ absl::StatusOr<Admission> Scheduler::Admit(int64_t bytes, const std::function<bo
   ++running_;
   admitted_bytes_ += bytes;
   return Admission(this, bytes);
+}
+
+void Scheduler::SetCapacity(int64_t capacity_bytes) {
+  absl::MutexLock lock(&mu_);
+  capacity_bytes_ = capacity_bytes;
 }
 
 void Scheduler::Release(int64_t bytes) {
@@ -79,9 +126,64 @@ int Scheduler::running() const {
   return running_;
 }
 
+int64_t Scheduler::capacity_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return capacity_bytes_;
+}
+
 int64_t Scheduler::admitted_bytes() const {
   absl::MutexLock lock(&mu_);
   return admitted_bytes_;
+}
+
+PendingCharge& PendingCharge::operator=(PendingCharge&& other) noexcept {
+  if (this != &other) {
+    Release();
+    pending_ = std::exchange(other.pending_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+absl::Status PendingCharge::Resize(int64_t bytes) {
+  if (pending_ == nullptr) return absl::FailedPreconditionError("resizing a released charge");
+  RETURN_IF_ERROR(pending_->Change(bytes_, bytes));
+  bytes_ = bytes;
+  return absl::OkStatus();
+}
+
+void PendingCharge::Release() {
+  if (pending_ != nullptr) pending_->Change(bytes_, 0).IgnoreError();  // shrinking cannot fail
+  pending_ = nullptr;
+  bytes_ = 0;
+}
+
+absl::StatusOr<PendingCharge> PendingMemory::Reserve(int64_t bytes) {
+  RETURN_IF_ERROR(Change(0, bytes));
+  return PendingCharge(this, bytes);
+}
+
+absl::Status PendingMemory::Change(int64_t from, int64_t to) {
+  absl::MutexLock lock(&mu_);
+  const int64_t others = held_bytes_ - from;
+  if (to > from && others + to > capacity_bytes_) {
+    const std::string held =
+        others > 0 ? absl::StrCat("; calls not yet admitted hold ", others, " bytes now, retry later")
+                   : "";
+    return WithAdmissionRefusal(
+        absl::ResourceExhaustedError(absl::StrCat(
+            "pending memory: the call needs ", to, " bytes of host memory until it is admitted "
+            "(start message, labels, token weights, rows read ahead); calls not yet admitted may "
+            "hold ", capacity_bytes_, " bytes together (--pending_memory_mib)", held)),
+        AdmissionRefusal::kPendingMemory);
+  }
+  held_bytes_ = others + to;
+  return absl::OkStatus();
+}
+
+int64_t PendingMemory::held_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return held_bytes_;
 }
 
 }  // namespace lossd::server

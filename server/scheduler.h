@@ -1,18 +1,36 @@
 // Admission of Compute calls to one device: a bounded queue in front of a memory budget.
 // A call waits (without reading from its stream, so gRPC flow control pushes back on the client)
 // until its workspace and staging bytes fit; it is refused at once when it could never fit or
-// the queue is full, rather than buffered without limit.
+// the queue is full, rather than buffered without limit. Before it is admitted, the host memory
+// it holds counts against a server-wide bound (PendingMemory).
 #ifndef LOSSD_SERVER_SCHEDULER_H_
 #define LOSSD_SERVER_SCHEDULER_H_
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
 namespace lossd::server {
+
+// Why a Compute call was refused admission (RESOURCE_EXHAUSTED), carried as a payload of its
+// status so that code can act on it without reading the message.
+enum class AdmissionRefusal : int {
+  kQueueFull = 0,      // --max_queued_calls calls already wait
+  kOverBudget = 1,     // the call alone needs more device memory than the compute budget
+  kPendingMemory = 2,  // calls not yet admitted hold --pending_memory_mib of host memory
+};
+
+// The metric label of a refusal: queue_full, over_budget, pending_memory.
+const char* AdmissionRefusalName(AdmissionRefusal refusal);
+// `status` with `refusal` attached.
+absl::Status WithAdmissionRefusal(absl::Status status, AdmissionRefusal refusal);
+// The refusal attached to `status`, if any.
+std::optional<AdmissionRefusal> AdmissionRefusalOf(const absl::Status& status);
 
 class Scheduler;
 
@@ -36,28 +54,81 @@ class Scheduler {
  public:
   Scheduler(int64_t capacity_bytes, int max_running, int max_queued);
 
-  // Waits for `bytes` of the budget and a running slot. RESOURCE_EXHAUSTED when `bytes` exceeds
-  // the whole budget or the queue is full; CANCELLED when `cancelled()` turns true while waiting;
-  // DEADLINE_EXCEEDED after `max_wait`.
+  // Waits for `bytes` of the budget and a running slot. RESOURCE_EXHAUSTED (with its
+  // AdmissionRefusal) when `bytes` exceeds the whole budget or the queue is full; CANCELLED when
+  // `cancelled()` turns true while waiting; DEADLINE_EXCEEDED after `max_wait`.
   absl::StatusOr<Admission> Admit(int64_t bytes, const std::function<bool()>& cancelled,
                                   absl::Duration max_wait);
 
+  // Changes the budget (it follows the heads when --compute_memory_mib is 0). Admitted calls keep
+  // their bytes; waiting calls that no longer fit are refused.
+  void SetCapacity(int64_t capacity_bytes);
+
   int queued() const;
   int running() const;
-  int64_t capacity_bytes() const { return capacity_bytes_; }
+  int64_t capacity_bytes() const;
   int64_t admitted_bytes() const;
 
  private:
   friend class Admission;
   void Release(int64_t bytes);
+  absl::Status OverBudget(int64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  const int64_t capacity_bytes_;
   const int max_running_;
   const int max_queued_;
   mutable absl::Mutex mu_;
+  int64_t capacity_bytes_ ABSL_GUARDED_BY(mu_);
   int64_t admitted_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int running_ ABSL_GUARDED_BY(mu_) = 0;
   int queued_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+class PendingMemory;
+
+// Bytes a call holds against the PendingMemory bound until destroyed or released.
+class PendingCharge {
+ public:
+  PendingCharge() = default;
+  PendingCharge(PendingCharge&& other) noexcept { *this = std::move(other); }
+  PendingCharge& operator=(PendingCharge&& other) noexcept;
+  ~PendingCharge() { Release(); }
+
+  // Changes the charge to `bytes`: shrinking always succeeds, growing only within the bound
+  // (RESOURCE_EXHAUSTED with AdmissionRefusal::kPendingMemory otherwise, the charge unchanged).
+  absl::Status Resize(int64_t bytes);
+  void Release();
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  friend class PendingMemory;
+  PendingCharge(PendingMemory* pending, int64_t bytes) : pending_(pending), bytes_(bytes) {}
+  PendingMemory* pending_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
+// Host memory held by Compute calls not yet admitted to the device: the start message while it
+// is parsed, labels and token weights, rows read ahead. Bounded server-wide
+// (--pending_memory_mib) so that calls waiting for their rows or for admission, up to
+// --max_queued_calls of them and any number still sending, cannot hold memory without limit.
+class PendingMemory {
+ public:
+  explicit PendingMemory(int64_t capacity_bytes) : capacity_bytes_(capacity_bytes) {}
+
+  // A charge of `bytes`, or RESOURCE_EXHAUSTED with AdmissionRefusal::kPendingMemory when it does
+  // not fit beside what other calls hold.
+  absl::StatusOr<PendingCharge> Reserve(int64_t bytes);
+
+  int64_t capacity_bytes() const { return capacity_bytes_; }
+  int64_t held_bytes() const;
+
+ private:
+  friend class PendingCharge;
+  // Moves a charge from `from` to `to` bytes, if it fits.
+  absl::Status Change(int64_t from, int64_t to);
+
+  const int64_t capacity_bytes_;
+  mutable absl::Mutex mu_;
+  int64_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace lossd::server
