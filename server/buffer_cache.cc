@@ -1,6 +1,9 @@
 #include "server/buffer_cache.h"
 
+#include <new>
 #include <utility>
+
+#include "absl/strings/str_cat.h"
 
 namespace lossd::server {
 
@@ -26,6 +29,15 @@ BufferCache::BufferCache(BufferAllocator& allocator, MemoryLedger& ledger, int64
 
 BufferCache::~BufferCache() { Clear(); }
 
+absl::StatusOr<DeviceBuffer> BufferCache::AllocateOrStatus(size_t bytes) {
+  try {
+    return allocator_.Allocate(bytes);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("call buffers: could not allocate ", bytes, " bytes"));
+  }
+}
+
 absl::StatusOr<BufferLease> BufferCache::Acquire(size_t bytes, MemoryPurpose purpose) {
   const int64_t size = static_cast<int64_t>(bytes);
   DeviceBuffer buffer;
@@ -42,11 +54,11 @@ absl::StatusOr<BufferLease> BufferCache::Acquire(size_t bytes, MemoryPurpose pur
     leased_bytes_ += size;
   }
   if (buffer.data() == nullptr) {
-    absl::StatusOr<DeviceBuffer> fresh = allocator_.Allocate(bytes);
+    absl::StatusOr<DeviceBuffer> fresh = AllocateOrStatus(bytes);
     if (!fresh.ok()) {
       // Idle buffers of other sizes may be what stands in the way on a full device.
       Clear();
-      fresh = allocator_.Allocate(bytes);
+      fresh = AllocateOrStatus(bytes);
     }
     if (!fresh.ok()) {
       absl::MutexLock lock(&mu_);
@@ -65,7 +77,11 @@ void BufferCache::Return(DeviceBuffer buffer, size_t leased_bytes) {
   // Moved out and kept by the lease's holder, or too large to keep (freed here, outside the list).
   if (buffer.data() == nullptr || size > capacity_bytes_) return;
   EvictFor(size);
-  idle_.push_front({std::move(buffer), MemoryCharge(&ledger_, MemoryPurpose::kCache, size)});
+  try {
+    idle_.push_front({std::move(buffer), MemoryCharge(&ledger_, MemoryPurpose::kCache, size)});
+  } catch (const std::bad_alloc&) {
+    return;  // no room for the list's node: the buffer is freed rather than kept
+  }
   idle_bytes_ += size;
 }
 
@@ -79,6 +95,12 @@ void BufferCache::EvictFor(int64_t incoming) {
 int64_t BufferCache::idle_bytes() const {
   absl::MutexLock lock(&mu_);
   return idle_bytes_;
+}
+
+void BufferCache::SetCapacity(int64_t capacity_bytes) {
+  absl::MutexLock lock(&mu_);
+  capacity_bytes_ = capacity_bytes;
+  EvictFor(0);
 }
 
 void BufferCache::Clear() {

@@ -66,6 +66,8 @@ class BufferCache {
   int64_t idle_bytes() const;
   // Frees every idle buffer.
   void Clear();
+  // Changes the bound (it follows the compute budget), freeing idle buffers beyond it.
+  void SetCapacity(int64_t capacity_bytes);
 
  private:
   friend class BufferLease;
@@ -75,13 +77,15 @@ class BufferCache {
   };
   // Ends a lease of `leased_bytes`; keeps `buffer` idle unless it was moved out (empty).
   void Return(DeviceBuffer buffer, size_t leased_bytes);
+  // The allocator's buffer, or RESOURCE_EXHAUSTED also when it throws std::bad_alloc.
+  absl::StatusOr<DeviceBuffer> AllocateOrStatus(size_t bytes);
   // Frees idle buffers, least recently used first, until `incoming` more bytes fit.
   void EvictFor(int64_t incoming) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   BufferAllocator& allocator_;
   MemoryLedger& ledger_;
-  const int64_t capacity_bytes_;
   mutable absl::Mutex mu_;
+  int64_t capacity_bytes_ ABSL_GUARDED_BY(mu_);
   std::list<Idle> idle_ ABSL_GUARDED_BY(mu_);  // most recently returned first
   int64_t idle_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t leased_bytes_ ABSL_GUARDED_BY(mu_) = 0;
