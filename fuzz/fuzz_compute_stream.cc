@@ -119,7 +119,8 @@ class ScriptedStream : public ComputeStream {
   }
 
   bool IsCancelled() const override { return cancelled_; }
-  void Cancel() override { cancelled_ = true; }
+  // The call ended its stream: the scripted client gets nothing more through.
+  void End(const absl::Status&) override { cancelled_ = true; }
   // Shared memory names another process's descriptors; its checks are exercised end to end.
   bool PeerIsLocal() const override { return false; }
 
@@ -208,6 +209,7 @@ void RunOne(const Script& script) {
   HeadStore heads;
   Require(heads.Put(head, /*replace=*/false).ok(), "the head is stored");
   Scheduler scheduler(/*capacity_bytes=*/int64_t{1} << 30, /*max_running=*/1, /*max_queued=*/0);
+  PendingMemory pending(/*capacity_bytes=*/int64_t{1} << 30);
 
   ComputeLimits limits;
   limits.workspace_budget_bytes = script.workspace_budget_bytes;
@@ -221,7 +223,7 @@ void RunOne(const Script& script) {
   static SharedMemoryMaps shared_memory_maps;  // never reached: the scripted peer is not local
   const ComputeEnvironment env{&backend, &heads,   &scheduler,     /*metrics=*/nullptr,
                                &ledger,  &buffers, &host_buffers,  &shared_memory_maps,
-                               limits};
+                               &pending, limits};
 
   const auto grad_before = head->ReadGradient(DType::kFloat32);
   Require(grad_before.ok(), "the gradient reads before the call");
@@ -241,6 +243,7 @@ void RunOne(const Script& script) {
           "the call's staging gradient is released or kept as the accumulator");
   Require(scheduler.running() == 0 && scheduler.queued() == 0 && scheduler.admitted_bytes() == 0,
           "the call leaves the scheduler");
+  Require(pending.held_bytes() == 0, "the call holds no pending host memory once it ended");
   Require(ledger.current(MemoryPurpose::kCache) == buffers.idle_bytes(),
           "the call's buffers are back in the cache, charged to it");
 

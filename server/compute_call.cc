@@ -17,6 +17,7 @@
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/common/status_macros.h"
+#include "server/exception_status.h"
 #include "server/proto_convert.h"
 #include "server/row_reader.h"
 #include "server/shared_memory.h"
@@ -485,23 +486,38 @@ class ComputeCall {
   ComputeCall(const ComputeEnvironment& env, ComputeStream& stream) : env_(env), stream_(stream) {}
 
   absl::Status Run() {
-    v1::ComputeRequest request;
-    if (!stream_.Read(&request)) {
-      return stream_.IsCancelled() ? absl::CancelledError("call cancelled before its start message")
-                                   : InvalidField("start", "a ComputeStart as the first message",
-                                                  "an empty stream");
-    }
-    if (!request.has_start()) {
-      return InvalidField("start", "a ComputeStart as the first message", "a chunk");
-    }
-    ASSIGN_OR_RETURN(spec_, ParseStart(env_, request.start()));
+    absl::Status status = CatchExceptions("Compute", [this] { return RunSteps(); });
+    // A reader still waiting on the client ends the stream with the call's own status at once.
+    if (!status.ok() && reader_ != nullptr) reader_->Stop(status);
+    return status;
+  }
+
+ private:
+  absl::Status RunSteps() {
+    RETURN_IF_ERROR(ReadStart());
     if (spec_.shared_memory.has_value()) RETURN_IF_ERROR(MapSharedMemory());
     RETURN_IF_ERROR(Prepare());
+    if (!spec_.shared_memory.has_value()) {
+      // The reader's buffers are host memory, taken before admission (and counted as pending);
+      // the call queues for the device only once it has a chunk to compute or its stream ended,
+      // so a client that is slow to send, or sends nothing, holds no running slot.
+      const RowLayout layout = Layout();
+      RETURN_IF_ERROR(pending_.Resize(pending_.bytes() + RowReader::BufferBytes(layout)));
+      ASSIGN_OR_RETURN(reader_, RowReader::Start(stream_, env_.metrics, layout, *env_.host_buffers,
+                                                 env_.limits.stream_idle));
+      RETURN_IF_ERROR(reader_->AwaitFirstChunk());
+    }
 
     const absl::Time queue_start = absl::Now();
-    ASSIGN_OR_RETURN(admission_,
-                     env_.scheduler->Admit(admitted_bytes_, [this] { return stream_.IsCancelled(); },
-                                           env_.limits.max_admission_wait));
+    absl::StatusOr<Admission> admission = env_.scheduler->Admit(
+        admitted_bytes_, [this] { return stream_.IsCancelled(); }, env_.limits.max_admission_wait);
+    if (!admission.ok()) {
+      return AdmissionRefusalOf(admission.status()) == AdmissionRefusal::kOverBudget
+                 ? OverBudget(admission.status())
+                 : admission.status();
+    }
+    admission_ = *std::move(admission);
+    pending_.Release();
     queue_seconds_ = SecondsSince(queue_start);
     RETURN_IF_ERROR(CheckPinnedWeights(spec_));
     if (env_.metrics != nullptr) env_.metrics->ObserveQueueSeconds(queue_seconds_);
@@ -525,10 +541,95 @@ class ComputeCall {
     return absl::OkStatus();
   }
 
- private:
+  // Reads and validates the start message. Its host memory counts as pending from the moment it
+  // is read; the message itself (its repeated fields can be hundreds of MB) is freed once its
+  // labels and weights are copied out, leaving those copies charged.
+  absl::Status ReadStart() {
+    v1::ComputeRequest request;
+    if (!stream_.Read(&request)) {
+      return stream_.IsCancelled() ? absl::CancelledError("call cancelled before its start message")
+                                   : InvalidField("start", "a ComputeStart as the first message",
+                                                  "an empty stream");
+    }
+    if (!request.has_start()) {
+      return InvalidField("start", "a ComputeStart as the first message", "a chunk");
+    }
+    const v1::ComputeStart& start = request.start();
+    const int64_t copies_bytes = start.labels_size() * static_cast<int64_t>(sizeof(int64_t)) +
+                                 start.token_weights_size() * static_cast<int64_t>(sizeof(float));
+    ASSIGN_OR_RETURN(pending_, env_.pending->Reserve(
+                                   static_cast<int64_t>(request.SpaceUsedLong()) + copies_bytes));
+    ASSIGN_OR_RETURN(spec_, ParseStart(env_, start));
+    return pending_.Resize(copies_bytes);
+  }
+
+  RowLayout Layout() const {
+    RowLayout layout;
+    layout.num_tokens = spec_.num_tokens;
+    layout.hidden_size = spec_.hidden_size;
+    layout.dtype = spec_.hidden_dtype;
+    layout.chunk_rows = plan_.token_chunk;
+    if (spec_.teacher != nullptr) {
+      layout.side.push_back(
+          {SideField::kTeacherHidden,
+           spec_.teacher_hidden_size * static_cast<int64_t>(DTypeSize(spec_.teacher_hidden_dtype)),
+           absl::StrCat(spec_.teacher_hidden_size, " ", DTypeName(spec_.teacher_hidden_dtype),
+                        " values")});
+    } else if (spec_.teacher_top_k > 0) {
+      const int64_t k = spec_.teacher_top_k;
+      layout.side.push_back({SideField::kTeacherTopKTokens, k * 4, absl::StrCat(k, " int32 ids")});
+      layout.side.push_back(
+          {SideField::kTeacherTopKLogprobs, k * 4, absl::StrCat(k, " float32 values")});
+    }
+    return layout;
+  }
+
+  // The call alone needs more device memory than the compute budget: says how much, and what
+  // would make it fit. A training call's V x H fp32 staging dL/dW is fixed by the head, so fewer
+  // tokens help only when the workspace is what overflows.
+  absl::Status OverBudget(const absl::Status& refused) const {
+    const int64_t capacity = env_.scheduler->capacity_bytes();
+    const Head& head = *spec_.head;
+    std::string message = absl::StrCat("the call needs ", admitted_bytes_, " bytes of device memory (",
+                                       plan_.workspace_bytes, " of workspace");
+    if (staging_bytes_ > 0) {
+      absl::StrAppend(&message, " and ", staging_bytes_, " for the ", head.vocab_size(), " x ",
+                      head.hidden_size(), " fp32 staging dL/dW of head '", head.name(), "'");
+    }
+    absl::StrAppend(&message, "); the server's compute budget is ", capacity, " bytes");
+    constexpr int64_t kMiB = int64_t{1} << 20;
+    const int64_t needed_mib = (admitted_bytes_ + kMiB - 1) / kMiB;
+    ProblemShape one_token = shape_;
+    one_token.num_tokens = 1;
+    const absl::StatusOr<ChunkPlan> smallest =
+        env_.backend->Plan(one_token, env_.limits.workspace_budget_bytes);
+    const int64_t smallest_workspace =
+        smallest.ok() ? static_cast<int64_t>(smallest->workspace_bytes) : 0;
+    const int64_t staging = static_cast<int64_t>(staging_bytes_);
+    if (staging + smallest_workspace > capacity) {
+      absl::StrAppend(&message, ". Fewer tokens cannot make it fit",
+                      staging > 0 ? " (the staging dL/dW is fixed by the head)" : "",
+                      ": start the server with --compute_memory_mib of at least ", needed_mib,
+                      ", or 0 to size the budget to the heads it serves");
+    } else {
+      const int64_t workspace_room_mib = (capacity - staging) / kMiB;
+      absl::StrAppend(&message, ". The workspace is what overflows: ");
+      if (workspace_room_mib > 0 && workspace_room_mib * kMiB >= smallest_workspace) {
+        absl::StrAppend(&message, "start the server with --workspace_budget_mib of at most ",
+                        workspace_room_mib, " or ");
+      } else {
+        absl::StrAppend(&message, "start the server with ");
+      }
+      absl::StrAppend(&message, "--compute_memory_mib of at least ", needed_mib,
+                      ", or send fewer tokens per call");
+    }
+    return WithAdmissionRefusal(absl::ResourceExhaustedError(message),
+                                *AdmissionRefusalOf(refused));
+  }
+
   absl::Status Prepare() {
     const Head& head = *spec_.head;
-    ProblemShape shape;
+    ProblemShape& shape = shape_;
     shape.num_tokens = std::max<int64_t>(spec_.num_tokens, 1);
     shape.hidden_size = spec_.hidden_size;
     shape.vocab_size = head.vocab_size();
@@ -617,32 +718,12 @@ class ComputeCall {
       }
       return absl::OkStatus();
     }
-    RowLayout layout;
-    layout.num_tokens = spec_.num_tokens;
-    layout.hidden_size = spec_.hidden_size;
-    layout.dtype = spec_.hidden_dtype;
-    layout.chunk_rows = plan_.token_chunk;
-    if (spec_.teacher != nullptr) {
-      layout.side.push_back(
-          {SideField::kTeacherHidden,
-           spec_.teacher_hidden_size * static_cast<int64_t>(DTypeSize(spec_.teacher_hidden_dtype)),
-           absl::StrCat(spec_.teacher_hidden_size, " ", DTypeName(spec_.teacher_hidden_dtype),
-                        " values")});
-    } else if (spec_.teacher_top_k > 0) {
-      const int64_t k = spec_.teacher_top_k;
-      layout.side.push_back({SideField::kTeacherTopKTokens, k * 4, absl::StrCat(k, " int32 ids")});
-      layout.side.push_back(
-          {SideField::kTeacherTopKLogprobs, k * 4, absl::StrCat(k, " float32 values")});
-    }
-    // On failure the reader stops reading as it goes.
-    ASSIGN_OR_RETURN(std::unique_ptr<RowReader> reader,
-                     RowReader::Start(stream_, env_.metrics, layout, *env_.host_buffers));
     while (computed_rows_ < spec_.num_tokens) {
-      ASSIGN_OR_RETURN(const RowChunk chunk, reader->Next());
+      ASSIGN_OR_RETURN(const RowChunk chunk, reader_->Next());
       RETURN_IF_ERROR(ComputeChunk(chunk));
-      reader->Release();
+      reader_->Release();
     }
-    return reader->Finish();
+    return reader_->Finish();
   }
 
   absl::Status ComputeChunk(const RowChunk& chunk) {
@@ -934,6 +1015,8 @@ class ComputeCall {
   const ComputeEnvironment& env_;
   ComputeStream& stream_;
   CallSpec spec_;
+  PendingCharge pending_;  // host memory held until admission
+  ProblemShape shape_;
   ChunkPlan plan_;
   size_t staging_bytes_ = 0;
   int64_t admitted_bytes_ = 0;
@@ -944,6 +1027,7 @@ class ComputeCall {
   BufferLease shared_rows_copy_;     // host memory: one engine chunk of rows out of shared memory
   ChunkOutputs outputs_;
   SharedCallMemory shared_memory_;
+  std::unique_ptr<RowReader> reader_;  // rows from messages
   v1::ComputeResponse result_message_;
   int64_t computed_rows_ = 0;
   double loss_sum_ = 0.0;

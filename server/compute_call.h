@@ -1,4 +1,5 @@
-// One Compute stream: validate the start message, wait for admission, compute fixed-size row
+// One Compute stream: validate the start message, wait for the first chunk of rows (a client that
+// is slow to send holds no place on the device), then for admission, compute fixed-size row
 // chunks as rows arrive, stream results back, and commit dL/dW only when the whole call succeeded.
 //
 // The engine runs on chunks whose size depends only on the batch shape and the workspace budget,
@@ -27,6 +28,9 @@ struct ComputeLimits {
   int64_t max_tokens_per_call = int64_t{1} << 24;
   int64_t max_result_message_bytes = 4 << 20;
   absl::Duration max_admission_wait = absl::Seconds(300);
+  // How long the call waits for the client's next engine chunk of rows, the end of its stream,
+  // or its reading of a result message before the call is ended (--stream_idle_seconds).
+  absl::Duration stream_idle = absl::Seconds(60);
   bool allow_shared_memory = true;  // ComputeStart.shared_memory from clients on this host
   // Call ids a head keeps per accumulator epoch (ComputeStart.call_id); past them a new id is
   // refused, so that no id is ever forgotten within its epoch.
@@ -45,6 +49,7 @@ struct ComputeEnvironment {
   BufferCache* buffers;  // workspaces and staging gradients
   BufferCache* host_buffers;  // rows from messages and dL/dh for them, in host memory
   SharedMemoryMaps* shared_memory;  // clients' memfds (ComputeStart.shared_memory)
+  PendingMemory* pending;  // host memory of calls not yet admitted
   ComputeLimits limits;
 };
 

@@ -1,8 +1,12 @@
-// A Compute call's stream as the server sees it: gRPC's ServerReaderWriter in the service, a
-// script in tests. One thread may Read while another Writes, as gRPC allows.
+// A Compute call's stream as the server sees it: a gRPC callback reactor in the service, a script
+// in tests. One thread may Read while another Writes, as gRPC allows.
 #ifndef LOSSD_SERVER_COMPUTE_STREAM_H_
 #define LOSSD_SERVER_COMPUTE_STREAM_H_
 
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "lossd/v1/lossd.pb.h"
 
 namespace lossd::server {
@@ -13,13 +17,22 @@ class ComputeStream {
   virtual bool Read(v1::ComputeRequest* request) = 0;
   virtual bool Write(const v1::ComputeResponse& response) = 0;
   virtual bool IsCancelled() const = 0;
-  // Ends the call as cancelled, so that a Read waiting on a client that sends nothing returns
-  // false. The client then sees CANCELLED rather than the call's own error.
-  virtual void Cancel() = 0;
+  // Ends the RPC now with `status`, unless it has ended already (the first status given is the
+  // one the client sees): a Read or Write waiting on a client that sends or reads nothing returns
+  // false, and every later one fails at once.
+  virtual void End(const absl::Status& status) = 0;
   // Whether the client runs on the server's host (loopback or Unix socket): only such a client
   // may hand its rows over in shared memory.
   virtual bool PeerIsLocal() const = 0;
 };
+
+// The status of a call ended because its client kept it waiting for `limit` (--stream_idle_seconds)
+// for `what` ("rows [0, 128)", "the end of the stream", "reading its results").
+inline absl::Status StreamIdleError(absl::string_view what, absl::Duration limit) {
+  return absl::DeadlineExceededError(absl::StrCat(
+      "stream idle: the call waited ", absl::FormatDuration(limit), " for ", what,
+      " (--stream_idle_seconds) and was ended"));
+}
 
 }  // namespace lossd::server
 

@@ -39,6 +39,13 @@ ABSL_FLAG(int64_t, max_call_ids, 65536,
           "gradient is zeroed), so that a retried call is never accumulated twice; a new id past "
           "them is refused");
 ABSL_FLAG(int, max_queued_calls, 64, "Compute calls waiting for admission before new ones are refused");
+ABSL_FLAG(int64_t, pending_memory_mib, 2048,
+          "host memory, in MiB, that Compute calls not yet admitted may hold together (start "
+          "messages, labels, token weights, rows read ahead); calls beyond it are refused with "
+          "RESOURCE_EXHAUSTED");
+ABSL_FLAG(double, stream_idle_seconds, 60,
+          "a Compute call whose client sends no complete chunk of rows (nor ends its stream, nor "
+          "reads its results) for this long is ended with DEADLINE_EXCEEDED");
 ABSL_FLAG(int64_t, max_message_mib, 256, "largest gRPC message accepted or sent, in MiB");
 ABSL_FLAG(int64_t, max_connection_age_seconds, 0,
           "close each client connection after about this many seconds (calls in flight finish), "
@@ -95,6 +102,8 @@ int main(int argc, char** argv) {
   config.shared_memory = absl::GetFlag(FLAGS_shared_memory);
   config.max_call_ids = absl::GetFlag(FLAGS_max_call_ids);
   config.max_queued_calls = absl::GetFlag(FLAGS_max_queued_calls);
+  config.pending_memory_bytes = absl::GetFlag(FLAGS_pending_memory_mib) << 20;
+  config.stream_idle = absl::Seconds(absl::GetFlag(FLAGS_stream_idle_seconds));
   config.max_message_bytes = absl::GetFlag(FLAGS_max_message_mib) << 20;
   config.max_connection_age = absl::Seconds(absl::GetFlag(FLAGS_max_connection_age_seconds));
   config.token_file = absl::GetFlag(FLAGS_token_file);

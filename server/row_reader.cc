@@ -33,40 +33,67 @@ absl::string_view SideFieldName(SideField field) {
   return "unknown";
 }
 
+namespace {
+
+int64_t RowBytes(const RowLayout& layout) {
+  return layout.hidden_size * static_cast<int64_t>(DTypeSize(layout.dtype));
+}
+
+// Row bytes of stream 0 (hidden) and the side streams.
+int64_t StreamRowBytes(const RowLayout& layout, size_t stream) {
+  return stream == 0 ? RowBytes(layout) : layout.side[stream - 1].row_bytes;
+}
+
+// One buffer is enough when a single chunk holds the call.
+int BuffersFor(const RowLayout& layout) { return layout.num_tokens > layout.chunk_rows ? 2 : 1; }
+
+int64_t ChunkRows(const RowLayout& layout) { return std::min(layout.chunk_rows, layout.num_tokens); }
+
+}  // namespace
+
+int64_t RowReader::BufferBytes(const RowLayout& layout) {
+  int64_t chunk_bytes = 0;
+  for (size_t s = 0; s <= layout.side.size(); ++s) {
+    chunk_bytes += ChunkRows(layout) * StreamRowBytes(layout, s);
+  }
+  return BuffersFor(layout) * chunk_bytes;
+}
+
 absl::StatusOr<std::unique_ptr<RowReader>> RowReader::Start(ComputeStream& stream,
                                                            Metrics* metrics,
                                                            const RowLayout& layout,
                                                            BufferCache& host_buffers,
-                                                           absl::Duration stop_grace) {
+                                                           absl::Duration idle_limit) {
   if (layout.side.size() > static_cast<size_t>(kMaxSideStreams)) {
     return absl::InternalError(absl::StrCat("RowReader: at most ", kMaxSideStreams,
                                             " side streams, got ", layout.side.size()));
   }
-  const int64_t row_bytes = layout.hidden_size * static_cast<int64_t>(DTypeSize(layout.dtype));
-  const int64_t rows = std::min(layout.chunk_rows, layout.num_tokens);
-  // One buffer is enough when a single chunk holds the call.
-  const int needed = layout.num_tokens > layout.chunk_rows ? kBuffers : 1;
   std::array<ChunkBuffers, kBuffers> buffers;
-  for (int b = 0; b < needed; ++b) {
+  for (int b = 0; b < BuffersFor(layout); ++b) {
     for (size_t s = 0; s <= layout.side.size(); ++s) {
-      const int64_t bytes = s == 0 ? row_bytes : layout.side[s - 1].row_bytes;
-      ASSIGN_OR_RETURN(buffers[b][s], host_buffers.Acquire(static_cast<size_t>(rows * bytes),
-                                                           MemoryPurpose::kWorkspace));
+      ASSIGN_OR_RETURN(buffers[b][s],
+                       host_buffers.Acquire(
+                           static_cast<size_t>(ChunkRows(layout) * StreamRowBytes(layout, s)),
+                           MemoryPurpose::kWorkspace));
     }
   }
   return std::unique_ptr<RowReader>(
-      new RowReader(stream, metrics, layout, stop_grace, std::move(buffers)));
+      new RowReader(stream, metrics, layout, idle_limit, std::move(buffers)));
 }
 
 RowReader::RowReader(ComputeStream& stream, Metrics* metrics, const RowLayout& layout,
-                     absl::Duration stop_grace, std::array<ChunkBuffers, kBuffers> buffers)
+                     absl::Duration idle_limit, std::array<ChunkBuffers, kBuffers> buffers)
     : stream_(stream),
       metrics_(metrics),
       layout_(layout),
-      row_bytes_(layout.hidden_size * static_cast<int64_t>(DTypeSize(layout.dtype))),
-      stop_grace_(stop_grace),
+      row_bytes_(RowBytes(layout)),
+      idle_limit_(idle_limit),
       buffers_(std::move(buffers)) {
   thread_ = std::thread([this] { ReadAll(); });
+}
+
+RowReader::~RowReader() {
+  Stop(absl::CancelledError("the call ended before its rows were all read"));
 }
 
 int64_t RowReader::RowsInChunk(int64_t chunk) const {
@@ -149,7 +176,7 @@ absl::Status RowReader::TakeMessage(const v1::ComputeRequest& request) {
     }
     const int64_t take = std::min(rows - taken, RowsInChunk(filling_chunk_) - rows_in_filling_);
     for (size_t s = 0; s <= layout_.side.size(); ++s) {
-      const int64_t stream_row_bytes = RowBytesOf(static_cast<int>(s));
+      const int64_t stream_row_bytes = StreamRowBytes(layout_, s);
       uint8_t* into = BufferOf(filling_chunk_, static_cast<int>(s));
       std::memcpy(into + rows_in_filling_ * stream_row_bytes,
                   sources[s]->data() + taken * stream_row_bytes, take * stream_row_bytes);
@@ -178,12 +205,30 @@ bool RowReader::WaitForFreeBuffer() {
   return !stop_;
 }
 
+absl::Status RowReader::AwaitFirstChunk() {
+  absl::MutexLock lock(&mu_);
+  const auto ready_or_done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return filled_ > 0 || done_;
+  };
+  if (!mu_.AwaitWithTimeout(absl::Condition(&ready_or_done), idle_limit_)) {
+    return StreamIdleError(layout_.num_tokens == 0
+                               ? std::string("the end of the stream")
+                               : absl::StrCat("rows [0, ", RowsInChunk(0), ")"),
+                           idle_limit_);
+  }
+  return status_;
+}
+
 absl::StatusOr<RowChunk> RowReader::Next() {
   absl::MutexLock lock(&mu_);
   const auto ready_or_done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return filled_ > taken_ || done_;
   };
-  mu_.Await(absl::Condition(&ready_or_done));
+  if (!mu_.AwaitWithTimeout(absl::Condition(&ready_or_done), idle_limit_)) {
+    const int64_t first = taken_ * layout_.chunk_rows;
+    return StreamIdleError(absl::StrCat("rows [", first, ", ", first + RowsInChunk(taken_), ")"),
+                           idle_limit_);
+  }
   // A failed read ends the call even when rows before it are waiting.
   if (done_ && !status_.ok()) return status_;
   if (filled_ == taken_) {
@@ -205,22 +250,24 @@ void RowReader::Release() {
 absl::Status RowReader::Finish() {
   {
     absl::MutexLock lock(&mu_);
-    mu_.Await(absl::Condition(&done_));
+    if (!mu_.AwaitWithTimeout(absl::Condition(&done_), idle_limit_)) {
+      return StreamIdleError("the end of the stream after its last row", idle_limit_);
+    }
   }
   thread_.join();
   absl::MutexLock lock(&mu_);
   return status_;
 }
 
-void RowReader::Stop() {
+void RowReader::Stop(const absl::Status& reason) {
   if (!thread_.joinable()) return;
   bool done;
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
-    done = mu_.AwaitWithTimeout(absl::Condition(&done_), stop_grace_);
+    done = done_;
   }
-  if (!done) stream_.Cancel();
+  if (!done) stream_.End(reason);
   thread_.join();
 }
 

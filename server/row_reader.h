@@ -5,6 +5,10 @@
 //
 // Chunk boundaries follow the engine's plan, never the client's messages, so the results do not
 // depend on how the client split its rows.
+//
+// Every wait for the client (for a chunk's rows, for the end of the stream) is bounded by the
+// stream idle limit (--stream_idle_seconds): a client that sends nothing, or a byte at a time,
+// cannot keep the call waiting longer than that for any one chunk.
 #ifndef LOSSD_SERVER_ROW_READER_H_
 #define LOSSD_SERVER_ROW_READER_H_
 
@@ -60,30 +64,35 @@ absl::string_view SideFieldName(SideField field);
 
 class RowReader {
  public:
-  // How long Stop waits, by default, for a Read to return before cancelling the stream.
-  static constexpr absl::Duration kStopGrace = absl::Seconds(5);
+  // The host memory a reader of `layout` leases: one chunk buffer, two when the call spans more.
+  static int64_t BufferBytes(const RowLayout& layout);
 
   // Leases its chunk buffers from `host_buffers` and starts reading; `stream`, `metrics` (may be
-  // null) and `host_buffers` must outlive the reader.
+  // null) and `host_buffers` must outlive the reader. Waits for the client end with
+  // StreamIdleError after `idle_limit`.
   static absl::StatusOr<std::unique_ptr<RowReader>> Start(ComputeStream& stream, Metrics* metrics,
                                                           const RowLayout& layout,
                                                           BufferCache& host_buffers,
-                                                          absl::Duration stop_grace = kStopGrace);
+                                                          absl::Duration idle_limit);
   RowReader(const RowReader&) = delete;
   RowReader& operator=(const RowReader&) = delete;
-  ~RowReader() { Stop(); }
+  ~RowReader();
 
+  // Waits until the first chunk's rows are in or the stream has ended, whichever comes first:
+  // the call has something to compute once admitted. The reader's error, if it met one.
+  absl::Status AwaitFirstChunk();
   // The next chunk, once all its rows are in; the previous chunk must have been released. An
-  // error (a malformed message, a short or cancelled stream) as soon as the reader meets it.
+  // error (a malformed message, a short or cancelled stream, a client idle for the limit) as soon
+  // as the reader meets it.
   absl::StatusOr<RowChunk> Next();
   // Hands the chunk from Next back for refilling.
   void Release();
   // Once every chunk was taken: waits for the stream to end and says whether it ended well
   // (exactly num_tokens rows, nothing after them).
   absl::Status Finish();
-  // Ends reading early (the call failed): the reader stops after the message it waits for. A
-  // client that sends nothing more gets its stream cancelled after the stop grace. Idempotent.
-  void Stop();
+  // Ends reading early because the call failed with `reason`: unless the reader has finished,
+  // the stream ends with `reason` at once, so a Read waiting on the client returns. Idempotent.
+  void Stop(const absl::Status& reason);
 
  private:
   static constexpr int kBuffers = 2;
@@ -92,13 +101,9 @@ class RowReader {
   using ChunkBuffers = std::array<BufferLease, 1 + kMaxSideStreams>;
 
   RowReader(ComputeStream& stream, Metrics* metrics, const RowLayout& layout,
-            absl::Duration stop_grace, std::array<ChunkBuffers, kBuffers> buffers);
+            absl::Duration idle_limit, std::array<ChunkBuffers, kBuffers> buffers);
   uint8_t* BufferOf(int64_t chunk, int stream = 0) {
     return static_cast<uint8_t*>(buffers_[chunk % kBuffers][stream].buffer().data());
-  }
-  // Row bytes of stream 0 (hidden) and the side streams.
-  int64_t RowBytesOf(int stream) const {
-    return stream == 0 ? row_bytes_ : layout_.side[stream - 1].row_bytes;
   }
   void ReadAll();
   absl::Status ReadRows();
@@ -111,7 +116,7 @@ class RowReader {
   Metrics* const metrics_;
   const RowLayout layout_;
   const int64_t row_bytes_;
-  const absl::Duration stop_grace_;
+  const absl::Duration idle_limit_;
   std::array<ChunkBuffers, kBuffers> buffers_;  // the second only when the call spans two chunks
 
   // Only the reader thread touches these.

@@ -378,6 +378,10 @@ std::vector<GaugeSample> LossServer::ReadState() const {
                      static_cast<double>(scheduler_->running())});
   samples.push_back({"lossd_compute_budget_bytes", "Device memory the scheduler admits calls against.",
                      {}, static_cast<double>(scheduler_->capacity_bytes())});
+  samples.push_back({"lossd_pending_memory_bytes",
+                     "Host memory held by Compute calls not yet admitted (start messages, labels, "
+                     "token weights, rows read ahead).",
+                     {}, static_cast<double>(pending_->held_bytes())});
   samples.push_back({"lossd_compute_admitted_bytes", "Device memory admitted calls hold now.", {},
                      static_cast<double>(scheduler_->admitted_bytes())});
   const SharedMemoryMaps& maps = service_->shared_memory_maps();
@@ -422,7 +426,7 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
     credentials = grpc::SslServerCredentials(ssl);
   }
 
-  std::unique_ptr<LossServer> server(new LossServer());
+  std::unique_ptr<LossServer> server(new LossServer(config));
   if (backend == nullptr) {
     // A GPU host that silently serves on the CPU (a module built for other GPUs, a missing
     // driver) would look healthy: the log says why "auto" did not take CUDA.
@@ -437,18 +441,10 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   server->startup_log_.push_back(absl::StrCat("backend: ", server->backend_->Describe()));
   RETURN_IF_ERROR(server->LoadHeads(config));
 
-  int64_t largest_head_elements = 0;
-  for (const auto& head : server->heads_.List()) {
-    largest_head_elements = std::max(largest_head_elements, head->vocab_size() * head->hidden_size());
-  }
-  // Room for max_running_calls training calls on the largest head: workspace plus staging dL/dW.
-  const int64_t compute_memory =
-      config.compute_memory_bytes > 0
-          ? config.compute_memory_bytes
-          : config.max_running_calls * (static_cast<int64_t>(config.workspace_budget_bytes) +
-                                        largest_head_elements * static_cast<int64_t>(sizeof(float)));
+  const int64_t compute_memory = server->ComputeBudget(0);
   server->scheduler_ =
       std::make_unique<Scheduler>(compute_memory, config.max_running_calls, config.max_queued_calls);
+  server->pending_ = std::make_unique<PendingMemory>(config.pending_memory_bytes);
   server->buffers_ = std::make_unique<BufferCache>(*server->backend_, server->ledger_,
                                                    config.cache_call_buffers ? compute_memory : 0);
   server->host_buffers_ = std::make_unique<BufferCache>(
@@ -462,6 +458,11 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
     return InvalidField("--max_call_ids", "a count > 0", absl::StrCat(config.max_call_ids));
   }
   options.compute.max_call_ids = config.max_call_ids;
+  options.compute.stream_idle = config.stream_idle;
+  LossServer* raw_server = server.get();
+  options.resize_compute_budget = [raw_server](int64_t incoming_head_elements) {
+    raw_server->ResizeComputeBudget(incoming_head_elements);
+  };
   options.compute.max_result_message_bytes = std::min<int64_t>(config.max_message_bytes / 2, 8 << 20);
   options.max_fetch_chunk_bytes = config.max_message_bytes / 2;
   options.default_fetch_chunk_bytes = std::min<int64_t>(4 << 20, options.max_fetch_chunk_bytes);
@@ -473,7 +474,8 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
     raw->server_->GetHealthCheckService()->SetServingStatus(false);
   };
   server->service_ = std::make_unique<LossService>(*server->backend_, server->heads_,
-                                                   *server->scheduler_, server->metrics_,
+                                                   *server->scheduler_, *server->pending_,
+                                                   server->metrics_,
                                                    server->ledger_, *server->buffers_,
                                                    *server->host_buffers_, std::move(options));
   if (config.shared_memory) {
@@ -533,6 +535,24 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
 
 absl::Status LossServer::device_fault() const { return service_->device_fault(); }
 
+int64_t LossServer::ComputeBudget(int64_t incoming_head_elements) const {
+  if (config_.compute_memory_bytes > 0) return config_.compute_memory_bytes;
+  int64_t largest_head_elements = incoming_head_elements;
+  for (const auto& head : heads_.List()) {
+    largest_head_elements = std::max(largest_head_elements, head->vocab_size() * head->hidden_size());
+  }
+  return config_.max_running_calls *
+         (static_cast<int64_t>(config_.workspace_budget_bytes) +
+          largest_head_elements * static_cast<int64_t>(sizeof(float)));
+}
+
+void LossServer::ResizeComputeBudget(int64_t incoming_head_elements) {
+  if (config_.compute_memory_bytes > 0) return;
+  const int64_t budget = ComputeBudget(incoming_head_elements);
+  scheduler_->SetCapacity(budget);
+  if (config_.cache_call_buffers) buffers_->SetCapacity(budget);
+}
+
 int LossServer::metrics_port() const {
   if (exposer_ == nullptr) return 0;
   const std::vector<int> ports = exposer_->GetListeningPorts();
@@ -555,6 +575,10 @@ void LossServer::Shutdown(absl::Duration drain) {
   const absl::Time close_at = drained ? std::min(deadline, absl::Now() + kStatusGrace) : absl::Now();
   server_->Shutdown(absl::ToChronoTime(close_at));
   server_->Wait();
+  // Compute calls run on threads of their own, which gRPC does not wait for: those cancelled
+  // above end promptly (their reads and writes fail, admission notices), and must have let go of
+  // the service before it goes away.
+  service_->WaitForCallsInFlight(absl::InfiniteFuture());
   service_->CloseSharedMemorySocket();
 }
 

@@ -34,9 +34,15 @@ struct ServerConfig {
   std::string metrics_address = "127.0.0.1:9464";  // empty: no /metrics endpoint
   std::string device = "auto";                     // auto, cpu, cuda, cuda:N
   size_t workspace_budget_bytes = 256u << 20;      // per call
-  int64_t compute_memory_bytes = 0;                // 0: enough for max_running_calls calls
+  // 0: room for max_running_calls training calls on the largest head, following the heads served
+  int64_t compute_memory_bytes = 0;
   int max_running_calls = 2;
   int max_queued_calls = 64;
+  // Host memory that Compute calls not yet admitted may hold together.
+  int64_t pending_memory_bytes = int64_t{2} << 30;
+  // How long a call waits for its client's next chunk of rows (or end of stream, or reading of
+  // results) before it is ended.
+  absl::Duration stream_idle = absl::Seconds(60);
   bool cache_call_buffers = true;                  // keep call buffers between calls
   // Host memory kept for the next call: rows from messages and the dL/dh going out in them.
   int64_t host_cache_bytes = int64_t{1} << 30;
@@ -83,20 +89,28 @@ class LossServer {
   MemoryLedger& ledger() { return ledger_; }
   Metrics& metrics() { return metrics_; }
   const Scheduler& scheduler() const { return *scheduler_; }
+  const PendingMemory& pending_memory() const { return *pending_; }
   BufferCache& buffers() { return *buffers_; }
   SharedMemoryMaps& shared_memory_maps() { return service_->shared_memory_maps(); }
   const std::vector<std::string>& startup_log() const { return startup_log_; }
 
  private:
-  LossServer() = default;
+  explicit LossServer(const ServerConfig& config) : config_(config) {}
   absl::Status LoadHeads(const ServerConfig& config);
+  // Device memory admitted calls may hold together: --compute_memory_mib, or with 0 room for
+  // max_running_calls training calls (workspace budget + V x H fp32 staging dL/dW) on the largest
+  // of the heads served and of a head of `incoming_head_elements` about to be.
+  int64_t ComputeBudget(int64_t incoming_head_elements) const;
+  void ResizeComputeBudget(int64_t incoming_head_elements);
   std::vector<GaugeSample> ReadState() const;
 
+  const ServerConfig config_;
   std::unique_ptr<Backend> backend_;
   MemoryLedger ledger_;
   HeadStore heads_;
   Metrics metrics_;
   std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<PendingMemory> pending_;
   std::unique_ptr<BufferCache> buffers_;
   // Host memory of calls' rows and dL/dh in messages: kWorkspace while a call holds it, kCache idle.
   HostAllocator host_allocator_;

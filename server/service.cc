@@ -1,12 +1,15 @@
 #include "server/service.h"
 
 #include <algorithm>
+#include <memory>
+#include <new>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/common/status_macros.h"
+#include "server/compute_reactor.h"
+#include "server/exception_status.h"
 #include "server/grpc_status.h"
 #include "server/proto_convert.h"
 #include "server/shared_memory.h"
@@ -14,22 +17,6 @@
 
 namespace lossd::server {
 namespace {
-
-class GrpcComputeStream final : public ComputeStream {
- public:
-  GrpcComputeStream(grpc::ServerContext* context,
-                    grpc::ServerReaderWriter<v1::ComputeResponse, v1::ComputeRequest>* stream)
-      : context_(context), stream_(stream) {}
-  bool Read(v1::ComputeRequest* request) override { return stream_->Read(request); }
-  bool Write(const v1::ComputeResponse& response) override { return stream_->Write(response); }
-  bool IsCancelled() const override { return context_->IsCancelled(); }
-  void Cancel() override { context_->TryCancel(); }
-  bool PeerIsLocal() const override { return IsLocalPeer(context_->peer()); }
-
- private:
-  grpc::ServerContext* context_;
-  grpc::ServerReaderWriter<v1::ComputeResponse, v1::ComputeRequest>* stream_;
-};
 
 // Compares every byte whatever the first difference, so the time taken says nothing about the token.
 bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
@@ -43,21 +30,36 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
   return difference == 0;
 }
 
+// Room for `bytes` in `buffer`, or RESOURCE_EXHAUSTED naming the upload it was for: the one
+// allocation a client sizes (up to --max_head_bytes), which may well fail on a smaller host.
+absl::Status ReserveHostMemory(std::vector<uint8_t>& buffer, size_t bytes,
+                               const v1::UploadHeadStart& start, absl::string_view dtype) {
+  try {
+    buffer.reserve(bytes);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "weight: the server cannot allocate ", bytes, " bytes of host memory for head '",
+        start.head(), "' [", start.vocab_size(), ", ", start.hidden_size(), "] in ", dtype));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
-LossService::LossService(Backend& backend, HeadStore& heads, Scheduler& scheduler, Metrics& metrics,
-                         MemoryLedger& ledger, BufferCache& buffers, BufferCache& host_buffers,
-                         ServiceOptions options)
+LossService::LossService(Backend& backend, HeadStore& heads, Scheduler& scheduler,
+                         PendingMemory& pending, Metrics& metrics, MemoryLedger& ledger,
+                         BufferCache& buffers, BufferCache& host_buffers, ServiceOptions options)
     : backend_(backend),
       heads_(heads),
       scheduler_(scheduler),
+      pending_(pending),
       metrics_(metrics),
       ledger_(ledger),
       buffers_(buffers),
       host_buffers_(host_buffers),
       options_(std::move(options)) {}
 
-absl::Status LossService::Authenticate(const grpc::ServerContext& context) const {
+absl::Status LossService::Authenticate(const grpc::ServerContextBase& context) const {
   if (options_.bearer_token.empty()) return absl::OkStatus();
   const auto& metadata = context.client_metadata();
   auto it = metadata.find("authorization");
@@ -106,47 +108,92 @@ absl::Status LossService::Refusal() const {
                                             "calls in flight have drained, to be restarted"));
 }
 
+// One RPC from its start to its status, whatever ends it: counted in flight from construction
+// (unless the service has stopped accepting calls), then recorded by code and duration and no
+// longer counted on destruction.
+class LossService::CallScope {
+ public:
+  CallScope(LossService& service, const char* method)
+      : service_(service), method_(method), start_(absl::Now()) {
+    absl::MutexLock lock(&service_.calls_mu_);
+    if (!service_.accepting_) {
+      status_ = service_.Refusal();
+      return;
+    }
+    ++service_.calls_in_flight_;
+    entered_ = true;
+    service_.metrics_.AddInFlight(1);
+  }
+  CallScope(const CallScope&) = delete;
+  CallScope& operator=(const CallScope&) = delete;
+
+  ~CallScope() {
+    if (IsDeviceFault(status_)) service_.RefuseAfterDeviceFault(status_);
+    service_.metrics_.RecordRequest(method_, GrpcCodeName(ToGrpcStatus(status_).error_code()),
+                                    absl::ToDoubleSeconds(absl::Now() - start_));
+    if (!entered_) return;
+    service_.metrics_.AddInFlight(-1);
+    absl::MutexLock lock(&service_.calls_mu_);
+    --service_.calls_in_flight_;
+  }
+
+  // False once the service stops accepting calls: status() then says so.
+  bool entered() const { return entered_; }
+  const absl::Status& status() const { return status_; }
+  void set_status(absl::Status status) { status_ = std::move(status); }
+
+ private:
+  LossService& service_;
+  const char* const method_;
+  const absl::Time start_;
+  bool entered_ = false;
+  absl::Status status_ = absl::InternalError("the call ended without a status");
+};
+
 template <typename Body>
 grpc::Status LossService::Serve(const char* method, grpc::ServerContext* context, Body&& body) {
-  const absl::Time start = absl::Now();
-  {
-    absl::MutexLock lock(&calls_mu_);
-    if (!accepting_) {
-      metrics_.RecordRequest(method, "UNAVAILABLE", 0.0);
-      return ToGrpcStatus(Refusal());
-    }
-    ++calls_in_flight_;
+  CallScope call(*this, method);
+  if (call.entered()) {
+    absl::Status status = Authenticate(*context);
+    if (status.ok()) status = CatchExceptions(method, body);
+    call.set_status(std::move(status));
   }
-  metrics_.AddInFlight(1);
-  absl::Status status = Authenticate(*context);
-  if (status.ok()) status = body();
-  if (IsDeviceFault(status)) RefuseAfterDeviceFault(status);
-  metrics_.AddInFlight(-1);
-  {
-    absl::MutexLock lock(&calls_mu_);
-    --calls_in_flight_;
-  }
-  const grpc::Status result = ToGrpcStatus(status);
-  metrics_.RecordRequest(method, GrpcCodeName(result.error_code()),
-                         absl::ToDoubleSeconds(absl::Now() - start));
-  return result;
+  return ToGrpcStatus(call.status());
 }
 
-grpc::Status LossService::Compute(
-    grpc::ServerContext* context,
-    grpc::ServerReaderWriter<v1::ComputeResponse, v1::ComputeRequest>* stream) {
-  return Serve("Compute", context, [&] {
-    GrpcComputeStream compute_stream(context, stream);
-    const ComputeEnvironment env{&backend_, &heads_,    &scheduler_,    &metrics_,
-                                 &ledger_,  &buffers_,  &host_buffers_, &shared_memory_maps_,
-                                 options_.compute};
-    absl::Status status = RunComputeCall(env, compute_stream);
-    if (status.code() == absl::StatusCode::kResourceExhausted) {
-      metrics_.CountAdmissionRejected(absl::StrContains(status.message(), "queue") ? "queue_full"
-                                                                                    : "over_budget");
-    }
-    return status;
-  });
+grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>* LossService::Compute(
+    grpc::CallbackServerContext* context) {
+  // Shared with the call's thread, so that the call is recorded once, by whichever lets go last.
+  auto call = std::make_shared<CallScope>(*this, "Compute");
+  absl::Status status = call->entered() ? Authenticate(*context) : call->status();
+  if (status.ok()) {
+    ComputeReactor* reactor = nullptr;
+    status = CatchExceptions("Compute", [&]() -> absl::Status {
+      ASSIGN_OR_RETURN(
+          reactor,
+          ComputeReactor::Start(
+              context, options_.compute.stream_idle,
+              [this](ComputeStream& stream) {
+                return CatchExceptions("Compute", [&] { return RunCompute(stream); });
+              },
+              [call](const absl::Status& sent) { call->set_status(sent); }));
+      return absl::OkStatus();
+    });
+    if (status.ok()) return reactor;
+  }
+  call->set_status(status);
+  return ComputeReactor::Refuse(status);
+}
+
+absl::Status LossService::RunCompute(ComputeStream& stream) {
+  const ComputeEnvironment env{&backend_, &heads_,    &scheduler_,    &metrics_,
+                               &ledger_,  &buffers_,  &host_buffers_, &shared_memory_maps_,
+                               &pending_, options_.compute};
+  absl::Status status = RunComputeCall(env, stream);
+  if (const auto refusal = AdmissionRefusalOf(status); refusal.has_value()) {
+    metrics_.CountAdmissionRejected(AdmissionRefusalName(*refusal));
+  }
+  return status;
 }
 
 grpc::Status LossService::ListHeads(grpc::ServerContext* context, const v1::ListHeadsRequest*,
@@ -202,7 +249,7 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
   }
   const size_t expected_bytes = start.vocab_size() * start.hidden_size() * DTypeSize(wire_dtype);
   std::vector<uint8_t> weight;
-  weight.reserve(expected_bytes);
+  RETURN_IF_ERROR(ReserveHostMemory(weight, expected_bytes, start, DTypeName(wire_dtype)));
   while (reader->Read(&request)) {
     if (request.has_start()) return InvalidField("start", "exactly one UploadHeadStart, first", "a second one");
     const std::string& bytes = request.weight();
@@ -239,14 +286,20 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
   state.tied_embeddings = start.tied_embeddings();
   state.logit_softcap = start.logit_softcap();
   if (wire_dtype != storage_dtype) {
-    std::vector<uint8_t> converted(state.vocab_size * state.hidden_size * DTypeSize(storage_dtype));
+    const size_t converted_bytes = state.vocab_size * state.hidden_size * DTypeSize(storage_dtype);
+    std::vector<uint8_t> converted;
+    RETURN_IF_ERROR(ReserveHostMemory(converted, converted_bytes, start, DTypeName(storage_dtype)));
+    converted.resize(converted_bytes);  // within the reserved capacity
     for (int64_t i = 0; i < state.vocab_size * state.hidden_size; ++i) {
       StoreFromFloat(converted.data(), storage_dtype, i, LoadAsFloat(state.weight.data(), wire_dtype, i));
     }
     state.weight = std::move(converted);
   }
   ASSIGN_OR_RETURN(auto head, Head::Create(backend_, ledger_, state, source));
-  RETURN_IF_ERROR(heads_.Put(head, start.replace()));
+  if (options_.resize_compute_budget) options_.resize_compute_budget(state.vocab_size * state.hidden_size);
+  const absl::Status stored = heads_.Put(head, start.replace());
+  if (options_.resize_compute_budget) options_.resize_compute_budget(0);
+  RETURN_IF_ERROR(stored);
   return ToProto(head->Summary());
 }
 

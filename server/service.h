@@ -31,16 +31,22 @@ struct ServiceOptions {
   // Called once, with the first device fault a call meets (IsDeviceFault), after which the service
   // refuses every call.
   std::function<void(const absl::Status&)> on_device_fault;
+  // Called with the V x H of a head about to be stored by an upload, then with 0 once it is, so
+  // that the compute budget can follow the heads (before: calls on the new head fit at once).
+  std::function<void(int64_t incoming_head_elements)> resize_compute_budget;
 };
 
-class LossService final : public v1::LossService::Service {
+// Compute runs on gRPC's callback API (see compute_reactor.h), the other methods on the
+// synchronous one.
+class LossService final
+    : public v1::LossService::WithCallbackMethod_Compute<v1::LossService::Service> {
  public:
-  LossService(Backend& backend, HeadStore& heads, Scheduler& scheduler, Metrics& metrics,
-              MemoryLedger& ledger, BufferCache& buffers, BufferCache& host_buffers,
-              ServiceOptions options);
+  LossService(Backend& backend, HeadStore& heads, Scheduler& scheduler, PendingMemory& pending,
+              Metrics& metrics, MemoryLedger& ledger, BufferCache& buffers,
+              BufferCache& host_buffers, ServiceOptions options);
 
-  grpc::Status Compute(grpc::ServerContext* context,
-                       grpc::ServerReaderWriter<v1::ComputeResponse, v1::ComputeRequest>* stream) override;
+  grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>* Compute(
+      grpc::CallbackServerContext* context) override;
   grpc::Status ListHeads(grpc::ServerContext* context, const v1::ListHeadsRequest* request,
                          v1::ListHeadsResponse* response) override;
   grpc::Status GetHead(grpc::ServerContext* context, const v1::GetHeadRequest* request,
@@ -74,8 +80,9 @@ class LossService final : public v1::LossService::Service {
       v1::AccumulateEmbeddingGradResponse* response) override;
 
   // Shutdown, in two steps. StopAccepting: from now on every call is refused with UNAVAILABLE.
-  // WaitForCallsInFlight: returns once the calls already running have returned, or at
-  // `deadline`; true when none is left.
+  // WaitForCallsInFlight: returns once the calls already running have ended (their status set,
+  // their metrics recorded, nothing of the service in use any more), or at `deadline`; true when
+  // none is left.
   void StopAccepting();
   bool WaitForCallsInFlight(absl::Time deadline);
 
@@ -86,10 +93,13 @@ class LossService final : public v1::LossService::Service {
   SharedMemoryMaps& shared_memory_maps() { return shared_memory_maps_; }
 
  private:
-  // Authenticates, counts the call in flight, runs `body`, and records its code and duration.
+  class CallScope;
+  // Counts the call in flight, authenticates, runs `body`, and records its code and duration.
   template <typename Body>
   grpc::Status Serve(const char* method, grpc::ServerContext* context, Body&& body);
-  absl::Status Authenticate(const grpc::ServerContext& context) const;
+  absl::Status Authenticate(const grpc::ServerContextBase& context) const;
+  // The Compute call on its own thread, once authenticated.
+  absl::Status RunCompute(ComputeStream& stream);
   // Rows of row_bytes each per message of a streamed tensor: as many as max_chunk_bytes holds (0:
   // the server's default), at least one; INVALID_ARGUMENT past options.max_fetch_chunk_bytes.
   absl::StatusOr<int64_t> RowsPerChunk(int64_t max_chunk_bytes, int64_t row_bytes) const;
@@ -110,6 +120,7 @@ class LossService final : public v1::LossService::Service {
   Backend& backend_;
   HeadStore& heads_;
   Scheduler& scheduler_;
+  PendingMemory& pending_;
   Metrics& metrics_;
   MemoryLedger& ledger_;
   BufferCache& buffers_;

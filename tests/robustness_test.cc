@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -1876,6 +1877,558 @@ TEST(TlsTest, ServesTrustingTlsClientsOnly) {
             StatusCode::UNAVAILABLE);
   std::filesystem::remove_all(dir);
 }
+
+
+// ---------------------------------------------------------------------------------------------
+// Stalled streams: a client that opens a Compute call and then sends nothing, or too little too
+// slowly, holds no running slot while its call waits for its first rows; every wait for a client
+// is bounded by --stream_idle_seconds, and the client is told so by a status naming the flag.
+
+constexpr char kStallHead[] = "stalled";
+constexpr int64_t kStallVocab = 2000;
+constexpr int64_t kStallHidden = 64;
+constexpr int64_t kStallRows = 480;  // about 100 rows per engine chunk under a 1 MiB workspace
+constexpr int64_t kStallRowsPerMessage = 20;
+
+// Whether `condition` holds within 10 s.
+template <typename Condition>
+bool Eventually(Condition condition) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!condition()) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  return true;
+}
+
+// A Compute stream on a connection of its own, written and read by the test.
+class OpenStream {
+ public:
+  explicit OpenStream(int port, absl::Duration deadline = absl::Seconds(60))
+      : channel_(PrivateChannel(port)), stub_(v1::LossService::NewStub(channel_)) {
+    context_.set_deadline(In(deadline));
+    stream_ = stub_->Compute(&context_);
+  }
+  OpenStream(const OpenStream&) = delete;
+  OpenStream& operator=(const OpenStream&) = delete;
+  ~OpenStream() {
+    if (finished_) return;
+    context_.TryCancel();
+    Finish();
+  }
+
+  bool Write(const v1::ComputeRequest& request) { return stream_->Write(request); }
+  bool WritesDone() { return stream_->WritesDone(); }
+  void Cancel() { context_.TryCancel(); }
+  // Reads what is left, then the status.
+  grpc::Status Finish() {
+    v1::ComputeResponse response;
+    while (stream_->Read(&response)) continue;
+    finished_ = true;
+    return stream_->Finish();
+  }
+
+ private:
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::LossService::Stub> stub_;
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::ComputeRequest, v1::ComputeResponse>> stream_;
+  bool finished_ = false;
+};
+
+// A sample of one of the server's event metrics (counters, the in-flight gauge); 0 when absent.
+double EventMetric(server::LossServer& server, const std::string& name,
+                   const std::map<std::string, std::string>& labels = {}) {
+  for (const prometheus::MetricFamily& family : server.metrics().registry()->Collect()) {
+    if (family.name != name) continue;
+    for (const prometheus::ClientMetric& metric : family.metric) {
+      std::map<std::string, std::string> have;
+      for (const auto& label : metric.label) have[label.name] = label.value;
+      bool match = true;
+      for (const auto& [key, value] : labels) match = match && have[key] == value;
+      if (match) return family.type == prometheus::MetricType::Gauge ? metric.gauge.value
+                                                                     : metric.counter.value;
+    }
+  }
+  return 0.0;
+}
+
+server::ServerConfig StallConfig() {
+  server::ServerConfig config;
+  config.demo = {kStallHead, kStallVocab, kStallHidden, 11};
+  config.workspace_budget_bytes = 1 << 20;
+  config.max_running_calls = 2;
+  return config;
+}
+
+TEST(StallTest, StreamsWaitingForRowsHoldNoRunningSlot) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "LOSSD_TEST_SEED=" << seed);
+  std::mt19937_64 rng(seed);
+  const server::ServerConfig config = StallConfig();
+  auto server = StartTestServer(config);
+  ASSERT_NE(server, nullptr);
+  auto stub = ConnectTo(server->port());
+  const FetchedTensor weight = Fetch(*stub, kStallHead, false);
+
+  // As many clients as there are running slots send a training start, then nothing.
+  std::vector<std::unique_ptr<OpenStream>> silent;
+  for (int i = 0; i < config.max_running_calls; ++i) {
+    silent.push_back(std::make_unique<OpenStream>(server->port()));
+    const Batch batch = RandomBatch(kStallRows, kStallVocab, kStallHidden, rng);
+    ASSERT_TRUE(silent.back()->Write(
+        TrainingScript(kStallHead, batch, kStallHidden, kStallRowsPerMessage).front()));
+  }
+  // Both starts were read once both calls hold their labels.
+  ASSERT_TRUE(Eventually([&] {
+    return server->pending_memory().held_bytes() >=
+           config.max_running_calls * kStallRows * static_cast<int64_t>(sizeof(int64_t));
+  }));
+  EXPECT_EQ(server->scheduler().running(), 0);
+  EXPECT_EQ(server->scheduler().queued(), 0);
+
+  // A third client's call is served while they wait.
+  const Batch batch = RandomBatch(kStallRows, kStallVocab, kStallHidden, rng);
+  auto served = std::async(std::launch::async, [&] {
+    return CallCompute(*stub, StartFor(kStallHead, batch, kStallHidden, true),
+                       FloatBytes(batch.hidden), kStallRowsPerMessage);
+  });
+  if (served.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+    ADD_FAILURE() << "a call waited 30 s behind streams that sent nothing";
+    for (auto& call : silent) call->Cancel();
+  }
+  const ComputeOutcome out = served.get();
+  ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+  const ReferenceResult ref = Reference(weight.values, kStallVocab, kStallHidden, batch);
+  EXPECT_TRUE(LossMatches(out.summary.loss(), ref));
+  EXPECT_LE(RelativeError(AsFloats(out.grad_hidden), ref.grad_hidden), kGradBound);
+
+  // The silent calls were still waiting; cancelled now, they leave nothing behind.
+  for (auto& call : silent) {
+    call->Cancel();
+    EXPECT_EQ(call->Finish().error_code(), StatusCode::CANCELLED);
+  }
+  EXPECT_TRUE(SettlesToIdle(*server, kStallVocab * kStallHidden * sizeof(float)));
+  EXPECT_TRUE(Eventually([&] { return server->pending_memory().held_bytes() == 0; }));
+}
+
+struct StallCase {
+  const char* name;
+  const char* why;
+  int64_t rows;               // announced in the start
+  int64_t rows_at_once;       // sent at once, in messages of kStallRowsPerMessage rows
+  absl::Duration trickle;     // then one row per message at this pace, up to `rows`
+  bool half_close;            // after the last row
+  bool reads_results;
+  const char* waited_for;     // in the status message
+};
+
+void PrintTo(const StallCase& c, std::ostream* os) { *os << c.name; }
+
+constexpr absl::Duration kStreamIdle = absl::Milliseconds(300);
+
+const StallCase kStallCases[] = {
+    {"start_only", "a start, then silence: the call ends before it is admitted", kStallRows, 0,
+     absl::ZeroDuration(), false, true, "rows [0, "},
+    {"silent_after_two_chunks", "admitted with its first chunks, then silent holding the device",
+     kStallRows, 200, absl::ZeroDuration(), false, true, "rows ["},
+    {"trickle", "a row every 40 ms: each chunk of about 100 rows takes 4 s", kStallRows, 0,
+     absl::Milliseconds(40), false, true, "rows [0, "},
+    {"trickle_after_first_chunk", "admitted, then a row every 40 ms", kStallRows, 120,
+     absl::Milliseconds(40), false, true, "rows ["},
+    {"no_half_close", "every row, but the stream never ends", kStallRows, kStallRows,
+     absl::ZeroDuration(), false, true, "the end of the stream"},
+    {"never_reads_results", "every row, half-closed, and not one result read: flow control holds "
+     "the results back", 16000, 16000, absl::ZeroDuration(), true, false, "read its results"},
+};
+
+class StalledStreamTest : public ::testing::TestWithParam<StallCase> {};
+
+TEST_P(StalledStreamTest, IsEndedAfterTheIdleLimitNamingTheFlag) {
+  const StallCase& c = GetParam();
+  SCOPED_TRACE(c.why);
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "LOSSD_TEST_SEED=" << seed);
+  std::mt19937_64 rng(seed);
+  server::ServerConfig config = StallConfig();
+  config.stream_idle = kStreamIdle;
+  auto server = StartTestServer(config);
+  ASSERT_NE(server, nullptr);
+  const Batch batch = RandomBatch(c.rows, kStallVocab, kStallHidden, rng);
+  const std::vector<v1::ComputeRequest> script =
+      TrainingScript(kStallHead, batch, kStallHidden, kStallRowsPerMessage);
+  const std::string rows = FloatBytes(batch.hidden);
+  const size_t row_bytes = kStallHidden * sizeof(float);
+
+  OpenStream call(server->port(), absl::Seconds(10));
+  const absl::Time start = absl::Now();
+  // Written on a thread of its own: a client that reads nothing may find its writes held back.
+  std::thread writer([&] {
+    if (!call.Write(script.front())) return;
+    for (int64_t m = 0; m < c.rows_at_once / kStallRowsPerMessage; ++m) {
+      if (!call.Write(script[1 + m])) return;
+    }
+    for (int64_t row = c.rows_at_once; c.trickle > absl::ZeroDuration() && row < c.rows; ++row) {
+      absl::SleepFor(c.trickle);
+      v1::ComputeRequest one;
+      one.mutable_chunk()->set_hidden(rows.substr(row * row_bytes, row_bytes));
+      if (!call.Write(one)) return;
+    }
+    if (c.half_close) call.WritesDone();
+  });
+  // A client that reads nothing sees nothing: the server's own count says how the call ended.
+  if (!c.reads_results) {
+    EXPECT_TRUE(Eventually([&] { return Total(CallsByCode(*server, "Compute")) == 1; }));
+  }
+  const grpc::Status status = call.Finish();
+  const absl::Duration took = absl::Now() - start;
+  writer.join();
+  RecordProperty("client_saw", server::GrpcCodeName(status.error_code()));
+  RecordProperty("seconds", absl::StrCat(absl::ToDoubleSeconds(took)));
+
+  // The server counts the call just after the client has its status.
+  EXPECT_TRUE(Eventually([&] { return Total(CallsByCode(*server, "Compute")) == 1; }));
+  EXPECT_EQ(CallsByCode(*server, "Compute"),
+            (std::map<std::string, int64_t>{{"DEADLINE_EXCEEDED", 1}}));
+  if (c.reads_results) {
+    EXPECT_EQ(status.error_code(), StatusCode::DEADLINE_EXCEEDED) << status.error_message();
+    EXPECT_NE(status.error_message().find("--stream_idle_seconds"), std::string::npos)
+        << status.error_message();
+    EXPECT_NE(status.error_message().find(c.waited_for), std::string::npos)
+        << status.error_message();
+  }
+  EXPECT_GE(took, kStreamIdle);
+  EXPECT_LT(took, absl::Seconds(5));
+  EXPECT_TRUE(SettlesToIdle(*server, 0));
+  EXPECT_TRUE(Eventually([&] { return server->pending_memory().held_bytes() == 0; }));
+  const FetchedTensor grad = Fetch(*ConnectTo(server->port()), kStallHead, true);
+  ASSERT_TRUE(grad.status.ok());
+  EXPECT_TRUE(std::all_of(grad.values.begin(), grad.values.end(), [](float g) { return g == 0; }))
+      << "a stalled call accumulated";
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, StalledStreamTest, ::testing::ValuesIn(kStallCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// ---------------------------------------------------------------------------------------------
+// Pending memory: calls not yet admitted (waiting for their rows or in the queue) hold their start
+// message while it is parsed, their labels and token weights, and rows read ahead, within one
+// server-wide bound; beyond it a call is refused with RESOURCE_EXHAUSTED naming the bound.
+
+// A training start of `tokens` labels and no rows yet.
+v1::ComputeRequest LargeStart(int64_t tokens, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int64_t> token(0, kStallVocab - 1);
+  v1::ComputeRequest request;
+  v1::ComputeStart& start = *request.mutable_start();
+  start.set_head(kStallHead);
+  start.set_num_tokens(tokens);
+  start.set_hidden_size(kStallHidden);
+  start.set_hidden_dtype(v1::DTYPE_FLOAT32);
+  for (int64_t i = 0; i < tokens; ++i) start.add_labels(token(rng));
+  start.mutable_outputs()->set_accumulate_grad_weight(true);
+  return request;
+}
+
+TEST(PendingMemoryTest, CallsNotYetAdmittedStayWithinTheBound) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "LOSSD_TEST_SEED=" << seed);
+  std::mt19937_64 rng(seed);
+  server::ServerConfig config = StallConfig();
+  config.pending_memory_bytes = 16 << 20;
+  auto server = StartTestServer(config);
+  ASSERT_NE(server, nullptr);
+  const int64_t bound = config.pending_memory_bytes;
+
+  // One start alone over the bound: 2^21 labels are 16 MiB once copied, beside the message.
+  {
+    OpenStream call(server->port());
+    ASSERT_TRUE(call.Write(LargeStart(1 << 21, rng)));
+    const grpc::Status status = call.Finish();
+    EXPECT_EQ(status.error_code(), StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+    EXPECT_NE(status.error_message().find("--pending_memory_mib"), std::string::npos)
+        << status.error_message();
+    EXPECT_NE(status.error_message().find(std::to_string(bound)), std::string::npos)
+        << status.error_message();
+  }
+
+  // Starts of 2^18 labels (2 MiB once copied) that send no rows wait for them, each holding its
+  // labels, until one more does not fit.
+  constexpr int64_t kTokens = 1 << 18;
+  constexpr int64_t kLabelBytes = kTokens * sizeof(int64_t);
+  std::vector<std::unique_ptr<OpenStream>> waiting;
+  grpc::Status refused;
+  int64_t peak = 0;
+  for (int i = 0; i < 16 && refused.ok(); ++i) {
+    const int64_t held_before = server->pending_memory().held_bytes();
+    auto call = std::make_unique<OpenStream>(server->port());
+    ASSERT_TRUE(call->Write(LargeStart(kTokens, rng)));
+    // Parsed once it holds its labels and a few rows' buffers, no longer the message as well
+    // (whose labels alone take kLabelBytes); or refused.
+    const auto parsed = [&] {
+      const int64_t held = server->pending_memory().held_bytes() - held_before;
+      return held >= kLabelBytes && held < 2 * kLabelBytes;
+    };
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (!parsed() && Total(CallsByCode(*server, "Compute")) < 2 && absl::Now() < deadline) {
+      peak = std::max(peak, server->pending_memory().held_bytes());
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    if (Total(CallsByCode(*server, "Compute")) == 2) {
+      refused = call->Finish();
+    } else {
+      waiting.push_back(std::move(call));
+    }
+    peak = std::max(peak, server->pending_memory().held_bytes());
+  }
+  RecordProperty("calls_waiting_when_refused", static_cast<int>(waiting.size()));
+  RecordProperty("peak_pending_bytes", std::to_string(peak));
+  EXPECT_GE(waiting.size(), 2u);
+  EXPECT_LE(waiting.size(), static_cast<size_t>(bound / kLabelBytes));
+  EXPECT_LE(peak, bound);
+  EXPECT_EQ(refused.error_code(), StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("--pending_memory_mib"), std::string::npos)
+      << refused.error_message();
+  EXPECT_TRUE(Eventually([&] {
+    return EventMetric(*server, "lossd_admission_rejected_total",
+                       {{"reason", "pending_memory"}}) == 2;
+  }));
+  EXPECT_EQ(EventMetric(*server, "lossd_admission_rejected_total", {{"reason", "queue_full"}}), 0.0);
+  EXPECT_EQ(EventMetric(*server, "lossd_admission_rejected_total", {{"reason", "over_budget"}}), 0.0);
+
+  // A small call still fits beside them and is served.
+  auto stub = ConnectTo(server->port());
+  const Batch batch = RandomBatch(kStallRowsPerMessage, kStallVocab, kStallHidden, rng);
+  const ComputeOutcome out = CallCompute(*stub, StartFor(kStallHead, batch, kStallHidden, false),
+                                         FloatBytes(batch.hidden), kStallRowsPerMessage);
+  EXPECT_TRUE(out.status.ok()) << out.status.error_message();
+
+  // Gone, they hold nothing.
+  for (auto& call : waiting) call->Cancel();
+  waiting.clear();
+  EXPECT_TRUE(Eventually([&] { return server->pending_memory().held_bytes() == 0; }));
+  EXPECT_TRUE(SettlesToIdle(*server, 0));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Handler failures: whatever a handler meets (here every allocation on the device throwing
+// std::bad_alloc, as operator new does when memory runs out) ends the call with a status the
+// client can act on, counted by code, with the in-flight count back down, so that a shutdown
+// does not wait for calls that are gone.
+
+// The CPU backend, except that Allocate throws std::bad_alloc while `failing` is set.
+class ThrowingBackend final : public Backend {
+ public:
+  explicit ThrowingBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
+
+  std::atomic<bool> failing{false};
+
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
+    if (failing.load()) throw std::bad_alloc();
+    return inner_->Allocate(bytes);  // owned, and freed, by the inner backend
+  }
+  absl::string_view kind() const override { return inner_->kind(); }
+  std::string Describe() const override { return inner_->Describe(); }
+  absl::StatusOr<DeviceMemory> QueryMemory() const override { return inner_->QueryMemory(); }
+  absl::Status CopyToDevice(const void* host, size_t bytes, DeviceBuffer& dst,
+                            size_t dst_offset) override {
+    return inner_->CopyToDevice(host, bytes, dst, dst_offset);
+  }
+  absl::Status CopyToHost(const DeviceBuffer& src, size_t src_offset, size_t bytes,
+                          void* host) override {
+    return inner_->CopyToHost(src, src_offset, bytes, host);
+  }
+  absl::Status Zero(DeviceBuffer& buffer) override { return inner_->Zero(buffer); }
+  absl::Status AddFloat32(DeviceBuffer& dst, const DeviceBuffer& src, int64_t count) override {
+    return inner_->AddFloat32(dst, src, count);
+  }
+  absl::StatusOr<double> SumSquaresFloat32(const DeviceBuffer& x, int64_t count) override {
+    return inner_->SumSquaresFloat32(x, count);
+  }
+  absl::Status OptimizerStep(const OptimizerConfig& config,
+                             const OptimizerTensors& tensors) override {
+    return inner_->OptimizerStep(config, tensors);
+  }
+  absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const override {
+    return inner_->Plan(shape, budget_bytes);
+  }
+  absl::StatusOr<BatchSummary> Compute(const BatchInputs& inputs, const WeightView& weight,
+                                       const LossOptions& options, const TokenOutputs& outputs,
+                                       DeviceBuffer* grad_weight, DeviceBuffer& workspace) override {
+    return inner_->Compute(inputs, weight, options, outputs, grad_weight, workspace);
+  }
+
+ protected:
+  void Free(void*, size_t) override {}  // every buffer belongs to the inner backend
+
+ private:
+  std::unique_ptr<Backend> inner_;
+};
+
+TEST(HandlerFailureTest, ThrownAllocationsEndCallsAccountedAndShutdownIsPrompt) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "LOSSD_TEST_SEED=" << seed);
+  std::mt19937_64 rng(seed);
+  absl::StatusOr<std::unique_ptr<Backend>> cpu = CreateBackend("cpu");
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto owned = std::make_unique<ThrowingBackend>(*std::move(cpu));
+  ThrowingBackend& backend = *owned;
+  server::ServerConfig config = StallConfig();
+  config.listen_address = "127.0.0.1:0";
+  config.metrics_address = "";
+  config.cache_call_buffers = false;  // every call allocates
+  absl::StatusOr<std::unique_ptr<server::LossServer>> started =
+      server::LossServer::Start(config, std::move(owned));
+  ASSERT_TRUE(started.ok()) << started.status();
+  server::LossServer& server = **started;
+  auto stub = ConnectTo(server.port());
+  const Batch batch = RandomBatch(kStallRows, kStallVocab, kStallHidden, rng);
+
+  backend.failing = true;
+  const grpc::Status upload = Upload(*stub, "fresh", 64, kStallHidden,
+                                     RandomWeight(64, kStallHidden, rng), false);
+  const ComputeOutcome compute = CallCompute(*stub, StartFor(kStallHead, batch, kStallHidden, true),
+                                             FloatBytes(batch.hidden), kStallRowsPerMessage);
+  grpc::Status step;
+  {
+    grpc::ClientContext context;
+    v1::StepRequest request;
+    request.set_head(kStallHead);
+    request.mutable_adamw()->set_learning_rate(1e-3);  // its moments are allocated now
+    v1::StepResponse response;
+    step = stub->Step(&context, request, &response);
+  }
+  backend.failing = false;
+
+  for (const auto& [method, status] : {std::pair{"UploadHead", upload},
+                                       std::pair{"Compute", compute.status},
+                                       std::pair{"Step", step}}) {
+    SCOPED_TRACE(method);
+    EXPECT_EQ(status.error_code(), StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+    EXPECT_NE(status.error_message().find("alloc"), std::string::npos) << status.error_message();
+    // Counted as the call ends, which may be just after the client has its status.
+    EXPECT_TRUE(Eventually([&, method = method] {
+      return EventMetric(server, "lossd_requests_total",
+                         {{"method", method}, {"code", "RESOURCE_EXHAUSTED"}}) == 1;
+    }));
+  }
+  EXPECT_TRUE(Eventually([&] { return EventMetric(server, "lossd_inflight_calls") == 0.0; }));
+  EXPECT_TRUE(SettlesToIdle(server, 0));
+
+  // The server still serves, and right.
+  const FetchedTensor weight = Fetch(*stub, kStallHead, false);
+  const ComputeOutcome out = CallCompute(*stub, StartFor(kStallHead, batch, kStallHidden, true),
+                                         FloatBytes(batch.hidden), kStallRowsPerMessage);
+  ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+  EXPECT_TRUE(LossMatches(out.summary.loss(),
+                          Reference(weight.values, kStallVocab, kStallHidden, batch)));
+
+  // No call is left in flight, so a shutdown with a long drain returns at once.
+  const absl::Time start = absl::Now();
+  server.Shutdown(absl::Seconds(20));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The compute budget: with --compute_memory_mib 0 it follows the heads the server holds, so that
+// a head added by an upload can be trained on; a call the budget cannot hold is told what would
+// make it fit.
+
+TEST(ComputeBudgetTest, FollowsTheHeadsWhenNotSet) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "LOSSD_TEST_SEED=" << seed);
+  std::mt19937_64 rng(seed);
+  server::ServerConfig config = StallConfig();  // a [2000, 64] head
+  config.demo.vocab_size = 500;
+  auto server = StartTestServer(config);
+  ASSERT_NE(server, nullptr);
+  auto stub = ConnectTo(server->port());
+  auto budget_for = [&](int64_t largest_vocab) {
+    return config.max_running_calls *
+           (static_cast<int64_t>(config.workspace_budget_bytes) +
+            largest_vocab * kStallHidden * static_cast<int64_t>(sizeof(float)));
+  };
+  EXPECT_EQ(server->scheduler().capacity_bytes(), budget_for(500));
+
+  // A head 40 times larger: its staging dL/dW alone is over the budget the demo head gave.
+  constexpr int64_t kLargeVocab = 20000;
+  const std::vector<float> weight = RandomWeight(kLargeVocab, kStallHidden, rng);
+  ASSERT_TRUE(Upload(*stub, "large", kLargeVocab, kStallHidden, weight, false).ok());
+  EXPECT_EQ(server->scheduler().capacity_bytes(), budget_for(kLargeVocab));
+  const Batch batch = RandomBatch(60, kLargeVocab, kStallHidden, rng);
+  const ComputeOutcome out = CallCompute(*stub, StartFor("large", batch, kStallHidden, true),
+                                         FloatBytes(batch.hidden), kStallRowsPerMessage);
+  ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+  const ReferenceResult ref = Reference(weight, kLargeVocab, kStallHidden, batch);
+  EXPECT_TRUE(LossMatches(out.summary.loss(), ref));
+  EXPECT_LE(RelativeError(AsFloats(out.grad_hidden), ref.grad_hidden), kGradBound);
+
+  // Replaced by a smaller head, it no longer sizes the budget.
+  ASSERT_TRUE(Upload(*stub, "large", 1000, kStallHidden, RandomWeight(1000, kStallHidden, rng),
+                     true).ok());
+  EXPECT_EQ(server->scheduler().capacity_bytes(), budget_for(1000));
+  // The trained head went with its accumulator; no call holds anything.
+  EXPECT_TRUE(SettlesToIdle(*server, 0));
+}
+
+struct OverBudgetCase {
+  const char* name;
+  const char* why;
+  int64_t compute_memory_bytes;
+  size_t workspace_budget_bytes;
+  int64_t vocab;
+  int64_t rows;
+  bool training;
+  std::vector<const char*> says;
+  std::vector<const char*> never_says;
+};
+
+void PrintTo(const OverBudgetCase& c, std::ostream* os) { *os << c.name; }
+
+const OverBudgetCase kOverBudgetCases[] = {
+    {"staging_over_budget", "a 20000 x 64 staging dL/dW (5 MB) over a 1 MiB budget", 1 << 20,
+     1 << 20, 20000, 16, true,
+     {"--compute_memory_mib of at least 6", "Fewer tokens cannot make it fit",
+      "staging dL/dW of head 'stalled'"},
+     {"fewer tokens per call", "--workspace_budget_mib"}},
+    {"workspace_over_budget", "a 4 MiB workspace budget over a 3 MiB compute budget", 3 << 20,
+     4 << 20, 4000, 4000, true,
+     {"--workspace_budget_mib of at most 2", "--compute_memory_mib of at least",
+      "fewer tokens per call"},
+     {"cannot"}},
+    {"scoring_workspace_over_budget", "a scoring call with no staging, same budgets", 3 << 20,
+     4 << 20, 4000, 4000, false,
+     {"--workspace_budget_mib of at most 3", "fewer tokens per call"},
+     {"staging", "cannot"}},
+};
+
+class OverBudgetTest : public ::testing::TestWithParam<OverBudgetCase> {};
+
+TEST_P(OverBudgetTest, RefusalSaysWhatWouldMakeTheCallFit) {
+  const OverBudgetCase& c = GetParam();
+  SCOPED_TRACE(c.why);
+  std::mt19937_64 rng(FreshSeed());
+  server::ServerConfig config = StallConfig();
+  config.demo.vocab_size = c.vocab;
+  config.compute_memory_bytes = c.compute_memory_bytes;
+  config.workspace_budget_bytes = c.workspace_budget_bytes;
+  auto server = StartTestServer(config);
+  ASSERT_NE(server, nullptr);
+  auto stub = ConnectTo(server->port());
+  const Batch batch = RandomBatch(c.rows, c.vocab, kStallHidden, rng);
+  const ComputeOutcome out = CallCompute(*stub, StartFor(kStallHead, batch, kStallHidden, c.training),
+                                         FloatBytes(batch.hidden), c.rows);
+  const std::string& message = out.status.error_message();
+  EXPECT_EQ(out.status.error_code(), StatusCode::RESOURCE_EXHAUSTED) << message;
+  for (const char* text : c.says) EXPECT_NE(message.find(text), std::string::npos) << message;
+  for (const char* text : c.never_says) EXPECT_EQ(message.find(text), std::string::npos) << message;
+  // Counted as the call ends, which may be just after the client has its status.
+  EXPECT_TRUE(Eventually([&] {
+    return EventMetric(*server, "lossd_admission_rejected_total", {{"reason", "over_budget"}}) == 1;
+  }));
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, OverBudgetTest, ::testing::ValuesIn(kOverBudgetCases),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace lossd::testing

@@ -1,8 +1,10 @@
-# Robustness: malformed requests, abandoned streams, concurrent load, authentication and TLS
-# against an in-process server (robustness_test), what a server refuses to start on
-# (startup_test), the gradient accumulator's guarantees (accumulator_test), shared memory
-# (shared_memory_test, below), a taken port and crash safety of checkpoints against the real
-# binary (python/test_listen_ports.py, python/test_crash_safety.py). Figures: ROBUSTNESS.md.
+# Robustness: malformed requests, abandoned and stalled streams, concurrent load, admission
+# bounds, handler failures, authentication and TLS against an in-process server
+# (robustness_test), what a server refuses to start on (startup_test), the gradient
+# accumulator's guarantees (accumulator_test), shared memory (shared_memory_test, below), a taken
+# port, crash safety of checkpoints and a handler failure under an address-space limit against
+# the real binary (python/test_listen_ports.py, python/test_crash_safety.py,
+# python/test_handler_failures.py). Figures: ROBUSTNESS.md.
 include(GoogleTest)
 
 add_executable(robustness_test
@@ -42,6 +44,13 @@ add_test(NAME listen_ports
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
           ${CMAKE_CURRENT_LIST_DIR}/python/test_listen_ports.py)
 set_tests_properties(listen_ports PROPERTIES
+  ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;OMP_NUM_THREADS=2"
+  TIMEOUT 120)
+
+add_test(NAME handler_failures
+  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
+          ${CMAKE_CURRENT_LIST_DIR}/python/test_handler_failures.py)
+set_tests_properties(handler_failures PROPERTIES
   ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;OMP_NUM_THREADS=2"
   TIMEOUT 120)
 

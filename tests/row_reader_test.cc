@@ -1,6 +1,6 @@
 // The Compute call's row reader: chunks cut by the engine's plan whatever the client's message
-// sizes, reading ahead by one chunk and no more, every malformed stream named, and a stop that
-// neither waits forever on a silent client nor cancels one that is still sending.
+// sizes, reading ahead by one chunk and no more, every malformed stream named, waits for the
+// client bounded by the idle limit, and a stop that ends the stream with the call's status.
 #include "server/row_reader.h"
 
 #include <gtest/gtest.h>
@@ -20,20 +20,24 @@ namespace {
 constexpr int64_t kHidden = 3;
 constexpr int64_t kRowBytes = kHidden * sizeof(float);
 
-// The client side: a fixed list of messages, then the end of the stream, or silence until the
-// call is cancelled.
+// The client side: a fixed list of messages, each after `pause`, then the end of the stream, or
+// silence until the call is ended.
 class ScriptedStream final : public ComputeStream {
  public:
-  explicit ScriptedStream(std::vector<v1::ComputeRequest> requests, bool silent_at_end = false)
-      : requests_(std::move(requests)), silent_at_end_(silent_at_end) {}
+  explicit ScriptedStream(std::vector<v1::ComputeRequest> requests, bool silent_at_end = false,
+                          absl::Duration pause = absl::ZeroDuration())
+      : requests_(std::move(requests)), silent_at_end_(silent_at_end), pause_(pause) {}
 
   bool Read(v1::ComputeRequest* request) override {
     absl::MutexLock lock(&mu_);
+    const auto over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return cancelled_ || ended_; };
     if (next_ == requests_.size() && silent_at_end_) {
       waiting_in_silence_ = true;
-      mu_.Await(absl::Condition(&cancelled_));
+      mu_.Await(absl::Condition(&over));
+    } else if (pause_ > absl::ZeroDuration()) {
+      mu_.AwaitWithTimeout(absl::Condition(&over), pause_);
     }
-    if (cancelled_ || next_ == requests_.size()) return false;
+    if (over() || next_ == requests_.size()) return false;
     *request = requests_[next_++];
     return true;
   }
@@ -42,11 +46,22 @@ class ScriptedStream final : public ComputeStream {
     absl::MutexLock lock(&mu_);
     return cancelled_;
   }
-  void Cancel() override {
+  void End(const absl::Status& status) override {
+    absl::MutexLock lock(&mu_);
+    if (!ended_) ended_status_ = status;
+    ended_ = true;
+  }
+  bool PeerIsLocal() const override { return false; }
+
+  void Cancel() {
     absl::MutexLock lock(&mu_);
     cancelled_ = true;
   }
-  bool PeerIsLocal() const override { return false; }
+  // The status the stream was ended with; OK while it was not.
+  absl::Status ended_status() const {
+    absl::MutexLock lock(&mu_);
+    return ended_status_;
+  }
 
   // Waits until a Read waits for a message that will never come.
   void AwaitSilence() {
@@ -65,9 +80,12 @@ class ScriptedStream final : public ComputeStream {
  private:
   const std::vector<v1::ComputeRequest> requests_;
   const bool silent_at_end_;
+  const absl::Duration pause_;
   mutable absl::Mutex mu_;
   size_t next_ ABSL_GUARDED_BY(mu_) = 0;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status ended_status_ ABSL_GUARDED_BY(mu_);
   bool waiting_in_silence_ ABSL_GUARDED_BY(mu_) = false;
 };
 
@@ -113,11 +131,14 @@ BufferCache& FreshHostBuffers() {
   return cache;
 }
 
+// Long enough never to end a call that is not stalled, on a loaded machine.
+constexpr absl::Duration kPatient = absl::Seconds(60);
+
 std::unique_ptr<RowReader> StartReader(ComputeStream& stream, const RowLayout& layout,
-                                       absl::Duration stop_grace = RowReader::kStopGrace,
+                                       absl::Duration idle_limit = kPatient,
                                        BufferCache& host_buffers = FreshHostBuffers()) {
   absl::StatusOr<std::unique_ptr<RowReader>> reader =
-      RowReader::Start(stream, nullptr, layout, host_buffers, stop_grace);
+      RowReader::Start(stream, nullptr, layout, host_buffers, idle_limit);
   EXPECT_TRUE(reader.ok()) << reader.status();
   return reader.ok() ? *std::move(reader) : nullptr;
 }
@@ -207,7 +228,7 @@ TEST(RowReaderTest, ReadsTheNextChunkWhileOneIsHeldButNoFurther) {
   EXPECT_EQ(stream.AwaitReads(6, absl::Milliseconds(100)), 5u) << "read past a free buffer";
   reader->Release();
   EXPECT_EQ(stream.AwaitReads(7, absl::Seconds(10)), 7u);
-  reader->Stop();
+  reader->Stop(absl::CancelledError("test over"));
 }
 
 TEST(RowReaderTest, NextCallReadsIntoTheBuffersTheLastOneLeft) {
@@ -218,7 +239,7 @@ TEST(RowReaderTest, NextCallReadsIntoTheBuffersTheLastOneLeft) {
   for (uint32_t seed : {21u, 22u}) {
     const std::vector<float> data = RandomRows(10, seed);
     ScriptedStream stream(Split(data, 3));
-    const auto reader = StartReader(stream, layout, RowReader::kStopGrace, cache);
+    const auto reader = StartReader(stream, layout, kPatient, cache);
     // The second call takes both idle buffers, whose rows are the first call's until overwritten.
     EXPECT_EQ(cache.idle_bytes(), 0);
     for (int64_t first = 0; first < 10; first += 4) {
@@ -299,25 +320,96 @@ TEST(RowReaderTest, CancelledStreamIsReportedAsCancelled) {
   EXPECT_EQ(reader->Next().status().code(), absl::StatusCode::kCancelled);
 }
 
-TEST(RowReaderTest, StopCancelsAClientThatSendsNothingMore) {
+TEST(RowReaderTest, StopEndsTheStreamOfAClientThatSendsNothingMoreWithTheCallsStatus) {
   const std::vector<float> data = RandomRows(8, 9);
   ScriptedStream stream(Split(data, 4), /*silent_at_end=*/true);
-  const auto reader = StartReader(stream, Layout(12, 4), absl::Milliseconds(50));
+  const auto reader = StartReader(stream, Layout(12, 4));
   ASSERT_TRUE(reader->Next().ok());
   stream.AwaitSilence();
   const absl::Time start = absl::Now();
-  reader->Stop();  // the reader waits for a third message that never comes
-  EXPECT_TRUE(stream.IsCancelled());
+  // The reader waits for a third message that never comes.
+  reader->Stop(absl::InvalidArgumentError("chunk.hidden: the call's own error"));
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(stream.ended_status(), absl::InvalidArgumentError("chunk.hidden: the call's own error"));
 }
 
-TEST(RowReaderTest, StopLeavesAClientThatIsStillSendingUncancelled) {
-  const std::vector<float> data = RandomRows(40, 13);
+TEST(RowReaderTest, StopOfAFinishedReaderLeavesTheStreamAlone) {
+  const std::vector<float> data = RandomRows(4, 13);
   ScriptedStream stream(Split(data, 1));
-  const auto reader = StartReader(stream, Layout(40, 4), absl::Seconds(30));
+  const auto reader = StartReader(stream, Layout(4, 4));
   ASSERT_TRUE(reader->Next().ok());
-  reader->Stop();  // the reader is held by a full buffer: stopping frees it without a Read
-  EXPECT_FALSE(stream.IsCancelled());
+  reader->Release();
+  ASSERT_TRUE(reader->Finish().ok());
+  reader->Stop(absl::InternalError("after the end"));
+  EXPECT_TRUE(stream.ended_status().ok()) << "the stream of a call that read everything was ended";
+}
+
+// Where the reader waits for the client, the idle limit bounds the wait, whether the client is
+// silent or sends a row at a time too slowly to fill a chunk; the error names the flag.
+struct IdleCase {
+  const char* why;
+  int64_t rows_sent;          // of 8, in messages of one row
+  bool silent_at_end;
+  absl::Duration pause;       // before each message
+  int chunks_taken;           // Next calls that succeed before the one that waits
+  enum { kFirstChunk, kNext, kFinish } waits_in;
+  const char* names;          // what it waited for, in the message
+};
+
+const IdleCase kIdleCases[] = {
+    {"a client that sends its start and nothing else", 0, true, absl::ZeroDuration(), 0,
+     IdleCase::kFirstChunk, "rows [0, 4)"},
+    {"a client trickling a row every 60 ms into chunks of 4 rows, with a limit of 150 ms", 8,
+     false, absl::Milliseconds(60), 0, IdleCase::kFirstChunk, "rows [0, 4)"},
+    {"a client silent after its first chunk", 4, true, absl::ZeroDuration(), 1, IdleCase::kNext,
+     "rows [4, 8)"},
+    {"a client that sends every row and never ends its stream", 8, true, absl::ZeroDuration(), 2,
+     IdleCase::kFinish, "the end of the stream"},
+};
+
+class RowReaderIdleTest : public ::testing::TestWithParam<IdleCase> {};
+
+TEST_P(RowReaderIdleTest, WaitEndsAfterTheIdleLimitNamingTheFlag) {
+  const IdleCase& c = GetParam();
+  SCOPED_TRACE(c.why);
+  const std::vector<float> data = RandomRows(8, 17);
+  ScriptedStream stream(Split(std::vector<float>(data.begin(), data.begin() + c.rows_sent * kHidden), 1),
+                        c.silent_at_end, c.pause);
+  constexpr absl::Duration kLimit = absl::Milliseconds(150);
+  const auto reader = StartReader(stream, Layout(8, 4), kLimit);
+  if (c.waits_in != IdleCase::kFirstChunk) ASSERT_TRUE(reader->AwaitFirstChunk().ok());
+  for (int i = 0; i < c.chunks_taken; ++i) {
+    ASSERT_TRUE(reader->Next().ok());
+    reader->Release();
+  }
+  const absl::Time start = absl::Now();
+  absl::Status status;
+  switch (c.waits_in) {
+    case IdleCase::kFirstChunk: status = reader->AwaitFirstChunk(); break;
+    case IdleCase::kNext: status = reader->Next().status(); break;
+    case IdleCase::kFinish: status = reader->Finish(); break;
+  }
+  const absl::Duration waited = absl::Now() - start;
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+  EXPECT_NE(status.message().find("--stream_idle_seconds"), std::string::npos) << status;
+  EXPECT_NE(status.message().find(c.names), std::string::npos) << status;
+  EXPECT_GE(waited, kLimit);
+  EXPECT_LT(waited, absl::Seconds(5));
+  reader->Stop(status);
+  EXPECT_EQ(stream.ended_status(), status);
+}
+
+INSTANTIATE_TEST_SUITE_P(Idle, RowReaderIdleTest, ::testing::ValuesIn(kIdleCases));
+
+TEST(RowReaderTest, FirstChunkIsThereOnceItsRowsAreInOrTheStreamEnded) {
+  const std::vector<float> data = RandomRows(8, 19);
+  ScriptedStream whole(Split(data, 3));
+  EXPECT_TRUE(StartReader(whole, Layout(8, 4))->AwaitFirstChunk().ok());
+  ScriptedStream empty({});
+  EXPECT_TRUE(StartReader(empty, Layout(0, 4))->AwaitFirstChunk().ok());
+  ScriptedStream short_stream(Split(std::vector<float>(data.begin(), data.begin() + 2 * kHidden), 1));
+  EXPECT_EQ(StartReader(short_stream, Layout(8, 4))->AwaitFirstChunk().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -15,11 +15,13 @@ SERVER_BIN = os.environ.get("LOSSD_SERVER_BIN", "build/bin/lossd_server")
 class ServerProcess:
     """lossd_server on 127.0.0.1 with free ports, read back from its startup lines."""
 
-    def __init__(self, *flags, metrics=True, timeout=60):
+    def __init__(self, *flags, metrics=True, timeout=60, preexec_fn=None):
+        """`preexec_fn` runs in the child before the server starts (to set resource limits)."""
         self.log = tempfile.NamedTemporaryFile(prefix="lossd-server-", suffix=".log", delete=False)
         args = [SERVER_BIN, "--listen=127.0.0.1:0",
                 "--metrics_listen=" + ("127.0.0.1:0" if metrics else ""), *flags]
-        self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
+                                        preexec_fn=preexec_fn)
         self.port = None
         self.metrics_port = None
         deadline = time.monotonic() + timeout

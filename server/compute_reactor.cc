@@ -1,0 +1,137 @@
+#include "server/compute_reactor.h"
+
+#include <exception>
+#include <system_error>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "server/grpc_status.h"
+#include "server/shared_memory.h"
+
+namespace lossd::server {
+
+ComputeReactor::ComputeReactor(grpc::CallbackServerContext* context,
+                               absl::Duration write_stall_limit, int owners)
+    : context_(context),
+      peer_is_local_(context != nullptr && IsLocalPeer(context->peer())),
+      write_stall_limit_(write_stall_limit),
+      owners_(owners) {}
+
+absl::StatusOr<ComputeReactor*> ComputeReactor::Start(grpc::CallbackServerContext* context,
+                                                      absl::Duration write_stall_limit, Body body,
+                                                      Done done) {
+  // Owned by gRPC (until OnDone) and by the call's thread.
+  auto* reactor = new ComputeReactor(context, write_stall_limit, /*owners=*/2);
+  try {
+    std::thread([reactor, body = std::move(body), done = std::move(done)]() mutable {
+      reactor->RunCall(std::move(body), std::move(done));
+    }).detach();
+  } catch (const std::system_error& e) {
+    delete reactor;
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the server could not start a thread for the call: ", e.what()));
+  }
+  return reactor;
+}
+
+ComputeReactor* ComputeReactor::Refuse(const absl::Status& status) {
+  auto* reactor = new ComputeReactor(nullptr, absl::ZeroDuration(), /*owners=*/1);
+  reactor->End(status);
+  return reactor;
+}
+
+void ComputeReactor::RunCall(Body body, Done done) {
+  // Each callable is destroyed here, on this thread, while what it captured may still be used.
+  absl::Status status = std::move(body)(*this);
+  body = nullptr;
+  End(status);
+  absl::Status sent;
+  {
+    absl::MutexLock lock(&mu_);
+    sent = sent_;
+  }
+  std::move(done)(sent);
+  done = nullptr;
+  Unref();
+}
+
+bool ComputeReactor::Read(v1::ComputeRequest* request) {
+  absl::MutexLock lock(&mu_);
+  // One read at a time: gRPC allows no second StartRead before OnReadDone.
+  mu_.Await(absl::Condition(
+      +[](bool* reading) { return !*reading; }, &reading_));
+  if (ended_ || reads_over_) return false;
+  reading_ = true;
+  // OnReadDone runs on a gRPC thread, never inside StartRead, so starting under mu_ is safe.
+  StartRead(request);
+  mu_.Await(absl::Condition(+[](bool* reading) { return !*reading; }, &reading_));
+  if (!read_ok_) reads_over_ = true;
+  return read_ok_;
+}
+
+bool ComputeReactor::Write(const v1::ComputeResponse& response) {
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(+[](bool* writing) { return !*writing; }, &writing_));
+  if (ended_ || writes_over_) return false;
+  writing_ = true;
+  StartWrite(&response);
+  const auto written = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !writing_; };
+  if (!mu_.AwaitWithTimeout(absl::Condition(&written), write_stall_limit_)) {
+    // The client reads nothing while the call holds the device. Its status cannot pass the
+    // message that flow control holds back, so the call is cancelled as well.
+    const absl::Status stalled = StreamIdleError("the client to read its results", write_stall_limit_);
+    if (!ended_) {
+      ended_ = true;
+      sent_ = stalled;
+      Finish(ToGrpcStatus(stalled));
+    }
+    context_->TryCancel();
+    mu_.Await(absl::Condition(&written));
+  }
+  if (!write_ok_) writes_over_ = true;
+  return write_ok_;
+}
+
+bool ComputeReactor::IsCancelled() const {
+  if (cancelled_.load(std::memory_order_acquire)) return true;
+  absl::MutexLock lock(&mu_);
+  // A failed read marks the context cancelled before OnReadDone, OnCancel may come later.
+  return context_ != nullptr && !done_ && context_->IsCancelled();
+}
+
+void ComputeReactor::End(const absl::Status& status) {
+  absl::MutexLock lock(&mu_);
+  if (ended_) return;
+  ended_ = true;
+  sent_ = status;
+  Finish(ToGrpcStatus(status));
+}
+
+void ComputeReactor::OnReadDone(bool ok) {
+  absl::MutexLock lock(&mu_);
+  read_ok_ = ok;
+  reading_ = false;
+}
+
+void ComputeReactor::OnWriteDone(bool ok) {
+  absl::MutexLock lock(&mu_);
+  write_ok_ = ok;
+  writing_ = false;
+}
+
+void ComputeReactor::OnCancel() { cancelled_.store(true, std::memory_order_release); }
+
+void ComputeReactor::OnDone() {
+  {
+    absl::MutexLock lock(&mu_);
+    done_ = true;
+  }
+  Unref();
+}
+
+void ComputeReactor::Unref() {
+  if (owners_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+}
+
+}  // namespace lossd::server

@@ -1,0 +1,94 @@
+// A Compute RPC on gRPC's callback API, seen by the call as a blocking ComputeStream.
+//
+// The call runs on a thread of its own; its Read and Write start the reactor's read or write and
+// block that thread until gRPC reports it done (OnReadDone, OnWriteDone), so no read is started
+// before the call wants rows and gRPC's flow control pushes back on a client that sends faster
+// than the engine computes. The RPC ends with the first status given to End: the call's own once
+// it returns, or an earlier one (a stalled client, a failed call whose reader still waits), which a
+// pending Read then sees as ok = false. That is what the synchronous API cannot do: there the
+// only way to unblock a Read is to cancel the call, and the client sees a bare CANCELLED.
+//
+// Lifetime: gRPC owns the reactor until OnDone, the call's thread until it has finished with it;
+// whichever comes last deletes it. The thread stops using the server (its `done` callback) before
+// it lets go of the reactor, so the server may go away once every call's `done` has run.
+#ifndef LOSSD_SERVER_COMPUTE_REACTOR_H_
+#define LOSSD_SERVER_COMPUTE_REACTOR_H_
+
+#include <atomic>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "lossd/v1/lossd.pb.h"
+#include "server/compute_stream.h"
+
+namespace lossd::server {
+
+class ComputeReactor final
+    : public grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>,
+      public ComputeStream {
+ public:
+  // The call: runs on the reactor's thread with the reactor as its stream.
+  using Body = absl::AnyInvocable<absl::Status(ComputeStream&) &&>;
+  // Runs on the same thread once the RPC has ended, with the status the client is sent.
+  using Done = absl::AnyInvocable<void(const absl::Status&) &&>;
+
+  // Starts `body` on a new thread. A Write that waits `write_stall_limit` for the client to take
+  // the message ends the call (StreamIdleError). An error when no thread could be started: then
+  // nothing runs and the caller refuses the call.
+  static absl::StatusOr<ComputeReactor*> Start(grpc::CallbackServerContext* context,
+                                               absl::Duration write_stall_limit, Body body,
+                                               Done done);
+  // A reactor that ends the RPC at once with `status`, running nothing.
+  static ComputeReactor* Refuse(const absl::Status& status);
+
+  ComputeReactor(const ComputeReactor&) = delete;
+  ComputeReactor& operator=(const ComputeReactor&) = delete;
+
+  // ComputeStream, for the call's threads.
+  bool Read(v1::ComputeRequest* request) override;
+  bool Write(const v1::ComputeResponse& response) override;
+  bool IsCancelled() const override;
+  void End(const absl::Status& status) override;
+  bool PeerIsLocal() const override { return peer_is_local_; }
+
+  // Reactions, from gRPC.
+  void OnReadDone(bool ok) override;
+  void OnWriteDone(bool ok) override;
+  void OnCancel() override;
+  void OnDone() override;
+
+ private:
+  ComputeReactor(grpc::CallbackServerContext* context, absl::Duration write_stall_limit,
+                 int owners);
+  void RunCall(Body body, Done done);
+  // Drops one owner (gRPC or the call's thread); the last one deletes the reactor.
+  void Unref();
+
+  grpc::CallbackServerContext* const context_;  // null for a refused call
+  const bool peer_is_local_;
+  const absl::Duration write_stall_limit_;
+  std::atomic<int> owners_;
+  std::atomic<bool> cancelled_{false};
+
+  mutable absl::Mutex mu_;
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;  // a StartRead awaits OnReadDone
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;  // a StartWrite awaits OnWriteDone
+  bool read_ok_ ABSL_GUARDED_BY(mu_) = false;
+  bool write_ok_ ABSL_GUARDED_BY(mu_) = false;
+  bool reads_over_ ABSL_GUARDED_BY(mu_) = false;   // a read failed: no later one can succeed
+  bool writes_over_ ABSL_GUARDED_BY(mu_) = false;  // likewise for writes
+  bool ended_ ABSL_GUARDED_BY(mu_) = false;        // Finish was called
+  bool done_ ABSL_GUARDED_BY(mu_) = false;         // OnDone ran: context_ is gone
+  absl::Status sent_ ABSL_GUARDED_BY(mu_);         // the status given to Finish
+};
+
+}  // namespace lossd::server
+
+#endif  // LOSSD_SERVER_COMPUTE_REACTOR_H_
