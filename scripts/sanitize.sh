@@ -3,10 +3,11 @@
 #   build-asan  AddressSanitizer + UndefinedBehaviorSanitizer (+ LeakSanitizer): every GoogleTest
 #               binary of the project (the build targets named *_test).
 #   build-tsan  ThreadSanitizer: the engine's OpenMP paths, the Compute call's row reader, the
-#               whole server end-to-end suite (concurrent streams, cancellation, scheduler limits,
-#               steps racing calls), shared memory (the handover socket's thread, a writer racing
-#               calls over a client's rows) and, where robustness_test exists, its abandoned-stream
-#               and 32-client load tests.
+#               scheduler, the whole server end-to-end suite (concurrent streams, cancellation,
+#               scheduler limits, steps racing calls), shared memory (the handover socket's thread,
+#               a writer racing calls over a client's rows) and, where robustness_test exists, its
+#               abandoned-stream, 32-client load, stalled-stream, pending-memory and
+#               handler-failure tests.
 # Exits non-zero on any test failure or sanitizer report. Run after scripts/setup.sh, which installs
 # the project's libraries. Needs network access to Debian's archive for the TSan abseil (below).
 set -euo pipefail
@@ -75,7 +76,7 @@ cmake --build build-asan --target "${asan_tests[@]}"
 
 # ---- TSan ----
 configure build-tsan thread
-tsan_tests=(engine_test row_reader_test server_e2e_test client_test accumulator_test shared_memory_test)
+tsan_tests=(engine_test row_reader_test scheduler_test server_e2e_test client_test accumulator_test shared_memory_test)
 with_robustness_test=0
 if [[ " $(test_targets build-tsan | tr '\n' ' ') " == *" robustness_test "* ]]; then
   with_robustness_test=1
@@ -101,9 +102,12 @@ build_tsan_abseil build-tsan/abseil-tsan
   export OPENBLAS_NUM_THREADS=1
   # ignore_noninstrumented_modules: Archer's requirement; accesses inside Debian's libraries are
   # not checked, calls into them still synchronize.
-  export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1"
+  # tsan_suppressions.txt: gRPC's callback API hands ops from the thread that starts them to gRPC's
+  # threads through libgrpc's uninstrumented queues; it names the gRPC code on either side.
+  export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$PWD/scripts/tsan_suppressions.txt"
   run_test env "$preload" build-tsan/bin/engine_test --gtest_filter='*/cpu_basic:*/cpu_vocab_tiled:*/cpu_everything_tiled:*/cpu_bf16_grad_hidden:*/cpu_top_k_max:*IdenticalCalls*/cpu:*GradWeightAccumulates*/cpu'
   run_test env "$preload" build-tsan/bin/row_reader_test
+  run_test env "$preload" build-tsan/bin/scheduler_test
   run_test env "$preload" build-tsan/bin/server_e2e_test
   # Shared memory: the handover socket's thread registering and revoking handles against calls
   # mapping and releasing ranges; a writer thread racing the engine over a client's rows.
@@ -111,6 +115,7 @@ build_tsan_abseil build-tsan/abseil-tsan
   run_test env "$preload" build-tsan/bin/shared_memory_test
   run_test env "$preload" build-tsan/bin/accumulator_test --gtest_filter='CallIdTest.*'
   if ((with_robustness_test)); then
-    run_test env "$preload" build-tsan/bin/robustness_test --gtest_filter='CancellationTest.*:LoadTest.*'
+    run_test env "$preload" build-tsan/bin/robustness_test \
+      --gtest_filter='CancellationTest.*:LoadTest.*:StallTest.*:*StalledStreamTest.*:PendingMemoryTest.*:HandlerFailureTest.*'
   fi
 )

@@ -46,7 +46,7 @@ def sample(exposition, name, **labels):
     return 0.0
 
 
-def test_upload_past_the_address_space_is_refused_counted_and_drained_at_once(pb):
+def test_upload_past_the_address_space_is_refused_counted_and_drained_at_once(pb, record_property):
     lossd, lossd_grpc = pb
     with ServerProcess("--device=cpu", "--demo_vocab_size=1000", "--demo_hidden_size=64",
                        f"--drain_seconds={DRAIN_SECONDS}", preexec_fn=limit_address_space) as server:
@@ -72,4 +72,5 @@ def test_upload_past_the_address_space_is_refused_counted_and_drained_at_once(pb
         began = time.monotonic()
         assert server.stop() == 0, server.output()
         took = time.monotonic() - began
+        record_property("sigterm_seconds", f"{took:.2f}")
         assert took < 10, f"SIGTERM took {took:.1f} s with no call in flight (drain {DRAIN_SECONDS} s)"
