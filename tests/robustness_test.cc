@@ -2116,17 +2116,14 @@ INSTANTIATE_TEST_SUITE_P(Table, StalledStreamTest, ::testing::ValuesIn(kStallCas
 // message while it is parsed, their labels and token weights, and rows read ahead, within one
 // server-wide bound; beyond it a call is refused with RESOURCE_EXHAUSTED naming the bound.
 
-// A training start of `tokens` labels and no rows yet.
+// A training start of `tokens` labels, its rows never made (2^21 of them would be 512 MiB).
 v1::ComputeRequest LargeStart(int64_t tokens, std::mt19937_64& rng) {
   std::uniform_int_distribution<int64_t> token(0, kStallVocab - 1);
+  Batch labels_only;
+  labels_only.labels.resize(tokens);
+  for (int64_t& y : labels_only.labels) y = token(rng);
   v1::ComputeRequest request;
-  v1::ComputeStart& start = *request.mutable_start();
-  start.set_head(kStallHead);
-  start.set_num_tokens(tokens);
-  start.set_hidden_size(kStallHidden);
-  start.set_hidden_dtype(v1::DTYPE_FLOAT32);
-  for (int64_t i = 0; i < tokens; ++i) start.add_labels(token(rng));
-  start.mutable_outputs()->set_accumulate_grad_weight(true);
+  *request.mutable_start() = StartFor(kStallHead, labels_only, kStallHidden, true);
   return request;
 }
 
