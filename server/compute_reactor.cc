@@ -1,6 +1,5 @@
 #include "server/compute_reactor.h"
 
-#include <exception>
 #include <system_error>
 #include <thread>
 #include <utility>

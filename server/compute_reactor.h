@@ -15,7 +15,6 @@
 #define LOSSD_SERVER_COMPUTE_REACTOR_H_
 
 #include <atomic>
-#include <string>
 
 #include <grpcpp/grpcpp.h>
 
