@@ -17,19 +17,61 @@ ComputeReactor::ComputeReactor(grpc::CallbackServerContext* context,
       write_stall_limit_(write_stall_limit),
       owners_(owners) {}
 
-absl::StatusOr<ComputeReactor*> ComputeReactor::Start(grpc::CallbackServerContext* context,
-                                                      absl::Duration write_stall_limit, Body body,
-                                                      Done done) {
-  // Owned by gRPC (until OnDone) and by the call's thread.
-  auto* reactor = new ComputeReactor(context, write_stall_limit, /*owners=*/2);
+absl::Status CallThreads::Start(absl::AnyInvocable<void() &&> fn) {
+  JoinFinished();
+  absl::MutexLock lock(&mu_);
+  const uint64_t id = next_id_++;
   try {
-    std::thread([reactor, body = std::move(body), done = std::move(done)]() mutable {
-      reactor->RunCall(std::move(body), std::move(done));
-    }).detach();
+    // Registered under mu_ before the thread can report itself finished.
+    threads_.emplace(id, std::thread([this, id, fn = std::move(fn)]() mutable {
+      std::move(fn)();
+      absl::MutexLock lock(&mu_);
+      finished_.push_back(id);
+    }));
   } catch (const std::system_error& e) {
-    delete reactor;
     return absl::ResourceExhaustedError(
         absl::StrCat("the server could not start a thread for the call: ", e.what()));
+  }
+  return absl::OkStatus();
+}
+
+void CallThreads::JoinFinished() {
+  std::vector<std::thread> done;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const uint64_t id : finished_) {
+      auto it = threads_.find(id);
+      if (it == threads_.end()) continue;  // already joined by JoinAll
+      done.push_back(std::move(it->second));
+      threads_.erase(it);
+    }
+    finished_.clear();
+  }
+  for (std::thread& thread : done) thread.join();  // each is past its last use of mu_
+}
+
+void CallThreads::JoinAll() {
+  std::map<uint64_t, std::thread> all;
+  {
+    absl::MutexLock lock(&mu_);
+    all.swap(threads_);
+    finished_.clear();
+  }
+  for (auto& [id, thread] : all) thread.join();
+}
+
+absl::StatusOr<ComputeReactor*> ComputeReactor::Start(grpc::CallbackServerContext* context,
+                                                      absl::Duration write_stall_limit,
+                                                      CallThreads& threads, Body body, Done done) {
+  // Owned by gRPC (until OnDone) and by the call's thread.
+  auto* reactor = new ComputeReactor(context, write_stall_limit, /*owners=*/2);
+  const absl::Status started =
+      threads.Start([reactor, body = std::move(body), done = std::move(done)]() mutable {
+        reactor->RunCall(std::move(body), std::move(done));
+      });
+  if (!started.ok()) {
+    delete reactor;
+    return started;
   }
   return reactor;
 }

@@ -10,11 +10,15 @@
 //
 // Lifetime: gRPC owns the reactor until OnDone, the call's thread until it has finished with it;
 // whichever comes last deletes it. The thread stops using the server (its `done` callback) before
-// it lets go of the reactor, so the server may go away once every call's `done` has run.
+// it lets go of the reactor, and is itself joined by the CallThreads that started it.
 #ifndef LOSSD_SERVER_COMPUTE_REACTOR_H_
 #define LOSSD_SERVER_COMPUTE_REACTOR_H_
 
 #include <atomic>
+#include <cstdint>
+#include <map>
+#include <thread>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 
@@ -29,6 +33,32 @@
 
 namespace lossd::server {
 
+// The threads Compute calls run on. Each is joined once its function has returned (when the next
+// call starts a thread) or when this goes away, so that no call's thread outlives the server:
+// neither its own epilogue nor what a library does when a thread ends (libomp's goodbye to a thread
+// that ran parallel regions) runs while the process exits.
+class CallThreads {
+ public:
+  CallThreads() = default;
+  CallThreads(const CallThreads&) = delete;
+  CallThreads& operator=(const CallThreads&) = delete;
+  ~CallThreads() { JoinAll(); }
+
+  // Runs `fn` on a new thread; RESOURCE_EXHAUSTED when none can be started (nothing runs then).
+  absl::Status Start(absl::AnyInvocable<void() &&> fn);
+  // Waits for every thread started so far.
+  void JoinAll();
+
+ private:
+  // Joins the threads whose functions have returned.
+  void JoinFinished();
+
+  absl::Mutex mu_;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<uint64_t, std::thread> threads_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint64_t> finished_ ABSL_GUARDED_BY(mu_);  // their functions have returned
+};
+
 class ComputeReactor final
     : public grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>,
       public ComputeStream {
@@ -38,12 +68,12 @@ class ComputeReactor final
   // Runs on the same thread once the RPC has ended, with the status the client is sent.
   using Done = absl::AnyInvocable<void(const absl::Status&) &&>;
 
-  // Starts `body` on a new thread. A Write that waits `write_stall_limit` for the client to take
+  // Starts `body` on a new thread of `threads`. A Write that waits `write_stall_limit` for the client to take
   // the message ends the call (StreamIdleError). An error when no thread could be started: then
   // nothing runs and the caller refuses the call.
   static absl::StatusOr<ComputeReactor*> Start(grpc::CallbackServerContext* context,
-                                               absl::Duration write_stall_limit, Body body,
-                                               Done done);
+                                               absl::Duration write_stall_limit,
+                                               CallThreads& threads, Body body, Done done);
   // A reactor that ends the RPC at once with `status`, running nothing.
   static ComputeReactor* Refuse(const absl::Status& status);
 

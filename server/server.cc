@@ -576,8 +576,8 @@ void LossServer::Shutdown(absl::Duration drain) {
   server_->Shutdown(absl::ToChronoTime(close_at));
   server_->Wait();
   // Compute calls run on threads of their own, which gRPC does not wait for: those cancelled
-  // above end promptly (their reads and writes fail, admission notices), and must have let go of
-  // the service before it goes away.
+  // above end promptly (their reads and writes fail, admission notices). The service joins the
+  // threads when it goes away.
   service_->WaitForCallsInFlight(absl::InfiniteFuture());
   service_->CloseSharedMemorySocket();
 }

@@ -172,7 +172,7 @@ grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>* LossService::C
       ASSIGN_OR_RETURN(
           reactor,
           ComputeReactor::Start(
-              context, options_.compute.stream_idle,
+              context, options_.compute.stream_idle, call_threads_,
               [this](ComputeStream& stream) {
                 return CatchExceptions("Compute", [&] { return RunCompute(stream); });
               },

@@ -11,6 +11,7 @@
 
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/compute_call.h"
+#include "server/compute_reactor.h"
 #include "server/buffer_cache.h"
 #include "server/handover_socket.h"
 #include "server/head_store.h"
@@ -133,6 +134,8 @@ class LossService final
   bool accepting_ ABSL_GUARDED_BY(calls_mu_) = true;
   absl::Status device_fault_ ABSL_GUARDED_BY(calls_mu_);
   int calls_in_flight_ ABSL_GUARDED_BY(calls_mu_) = 0;
+  // Last: joined first, while what the calls' threads use is still there.
+  CallThreads call_threads_;
 };
 
 }  // namespace lossd::server
