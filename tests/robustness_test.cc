@@ -2249,6 +2249,9 @@ class ThrowingBackend final : public Backend {
   absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const override {
     return inner_->Plan(shape, budget_bytes);
   }
+  bool ReadsRowsOnce(DType hidden_dtype) const override {
+    return inner_->ReadsRowsOnce(hidden_dtype);
+  }
   absl::StatusOr<BatchSummary> Compute(const BatchInputs& inputs, const WeightView& weight,
                                        const LossOptions& options, const TokenOutputs& outputs,
                                        DeviceBuffer* grad_weight, DeviceBuffer& workspace) override {
