@@ -62,9 +62,11 @@ void CallThreads::JoinAll() {
 
 absl::StatusOr<ComputeReactor*> ComputeReactor::Start(grpc::CallbackServerContext* context,
                                                       absl::Duration write_stall_limit,
-                                                      CallThreads& threads, Body body, Done done) {
+                                                      CallThreads& threads, Body body,
+                                                      Ending ending, Done done) {
   // Owned by gRPC (until OnDone) and by the call's thread.
   auto* reactor = new ComputeReactor(context, write_stall_limit, /*owners=*/2);
+  reactor->ending_ = std::move(ending);
   const absl::Status started =
       threads.Start([reactor, body = std::move(body), done = std::move(done)]() mutable {
         reactor->RunCall(std::move(body), std::move(done));
@@ -87,6 +89,7 @@ void ComputeReactor::RunCall(Body body, Done done) {
   absl::Status status = std::move(body)(*this);
   body = nullptr;
   End(status);
+  ending_ = nullptr;
   absl::Status sent;
   {
     absl::MutexLock lock(&mu_);
@@ -142,6 +145,7 @@ bool ComputeReactor::IsCancelled() const {
 }
 
 void ComputeReactor::End(const absl::Status& status) {
+  if (ending_) ending_(status);
   absl::MutexLock lock(&mu_);
   if (ended_) return;
   ended_ = true;

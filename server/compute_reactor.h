@@ -65,15 +65,19 @@ class ComputeReactor final
  public:
   // The call: runs on the reactor's thread with the reactor as its stream.
   using Body = absl::AnyInvocable<absl::Status(ComputeStream&) &&>;
+  // Runs on the call's thread with each status the call is ended with (End), before the client
+  // can see it.
+  using Ending = absl::AnyInvocable<void(const absl::Status&)>;
   // Runs on the same thread once the RPC has ended, with the status the client is sent.
   using Done = absl::AnyInvocable<void(const absl::Status&) &&>;
 
-  // Starts `body` on a new thread of `threads`. A Write that waits `write_stall_limit` for the client to take
-  // the message ends the call (StreamIdleError). An error when no thread could be started: then
-  // nothing runs and the caller refuses the call.
+  // Starts `body` on a new thread of `threads`. A Write that waits `write_stall_limit` for the
+  // client to take the message ends the call (StreamIdleError). An error when no thread could be
+  // started: then nothing runs and the caller refuses the call.
   static absl::StatusOr<ComputeReactor*> Start(grpc::CallbackServerContext* context,
                                                absl::Duration write_stall_limit,
-                                               CallThreads& threads, Body body, Done done);
+                                               CallThreads& threads, Body body, Ending ending,
+                                               Done done);
   // A reactor that ends the RPC at once with `status`, running nothing.
   static ComputeReactor* Refuse(const absl::Status& status);
 
@@ -103,6 +107,7 @@ class ComputeReactor final
   grpc::CallbackServerContext* const context_;  // null for a refused call
   const bool peer_is_local_;
   const absl::Duration write_stall_limit_;
+  Ending ending_;  // set before the call's thread starts, used and reset on it
   std::atomic<int> owners_;
   std::atomic<bool> cancelled_{false};
 

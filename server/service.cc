@@ -176,6 +176,10 @@ grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>* LossService::C
               [this](ComputeStream& stream) {
                 return CatchExceptions("Compute", [&] { return RunCompute(stream); });
               },
+              // A device fault refuses later calls before this one's client hears of it.
+              [this](const absl::Status& status) {
+                if (IsDeviceFault(status)) RefuseAfterDeviceFault(status);
+              },
               [call](const absl::Status& sent) { call->set_status(sent); }));
       return absl::OkStatus();
     });
