@@ -128,7 +128,6 @@ class LossService::CallScope {
   CallScope& operator=(const CallScope&) = delete;
 
   ~CallScope() {
-    if (IsDeviceFault(status_)) service_.RefuseAfterDeviceFault(status_);
     service_.metrics_.RecordRequest(method_, GrpcCodeName(ToGrpcStatus(status_).error_code()),
                                     absl::ToDoubleSeconds(absl::Now() - start_));
     if (!entered_) return;
@@ -141,6 +140,13 @@ class LossService::CallScope {
   bool entered() const { return entered_; }
   const absl::Status& status() const { return status_; }
   void set_status(absl::Status status) { status_ = std::move(status); }
+
+  // Every status the call is ended with passes here before its client can hear it (a Compute call
+  // may be ended more than once; its client hears the first): a device fault refuses every later
+  // call first, so that no client learns of the fault from a server still taking calls.
+  void Ending(const absl::Status& status) {
+    if (IsDeviceFault(status)) service_.RefuseAfterDeviceFault(status);
+  }
 
  private:
   LossService& service_;
@@ -156,6 +162,7 @@ grpc::Status LossService::Serve(const char* method, grpc::ServerContext* context
   if (call.entered()) {
     absl::Status status = Authenticate(*context);
     if (status.ok()) status = CatchExceptions(method, body);
+    call.Ending(status);
     call.set_status(std::move(status));
   }
   return ToGrpcStatus(call.status());
@@ -176,10 +183,7 @@ grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>* LossService::C
               [this](ComputeStream& stream) {
                 return CatchExceptions("Compute", [&] { return RunCompute(stream); });
               },
-              // A device fault refuses later calls before this one's client hears of it.
-              [this](const absl::Status& status) {
-                if (IsDeviceFault(status)) RefuseAfterDeviceFault(status);
-              },
+              [call](const absl::Status& status) { call->Ending(status); },
               [call](const absl::Status& sent) { call->set_status(sent); }));
       return absl::OkStatus();
     });
