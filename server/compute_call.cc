@@ -63,7 +63,29 @@ struct CallSpec {
   const int64_t* labels_or_null() const { return has_labels ? labels.data() : nullptr; }
   bool counted(int64_t row) const { return !has_labels || labels[row] != options.ignore_index; }
   int64_t grad_row_bytes() const { return hidden_size * static_cast<int64_t>(DTypeSize(grad_hidden_dtype)); }
+  // Host memory of the per-token values copied out of the start message.
+  int64_t copied_bytes() const {
+    const size_t floats = token_weights.size() + sampling_logprobs.size() + advantages.size() +
+                          reference_logprobs.size() + logprob_grads.size();
+    return static_cast<int64_t>(labels.size() * sizeof(int64_t) + floats * sizeof(float) +
+                                reduction_scales.size() * sizeof(double));
+  }
 };
+
+// At least the host memory ParseStart's copies of `start` take (CallSpec::copied_bytes), before
+// it has run: given sequence lengths, it makes each row's factor in the reduction, kept or not,
+// so one is counted per announced row (at most max_tokens).
+int64_t StartCopiesBound(const v1::ComputeStart& start, int64_t max_tokens) {
+  const int64_t floats = start.token_weights_size() + start.sampling_logprobs_size() +
+                         start.advantages_size() + start.reference_logprobs_size() +
+                         start.logprob_grads_size();
+  const int64_t scales = start.sequence_lengths_size() > 0
+                             ? std::clamp<int64_t>(start.num_tokens(), 0, max_tokens)
+                             : 0;
+  return start.labels_size() * static_cast<int64_t>(sizeof(int64_t)) +
+         floats * static_cast<int64_t>(sizeof(float)) +
+         scales * static_cast<int64_t>(sizeof(double));
+}
 
 // Sets spec.version (and a teacher head's spec.teacher_version) to the head's current version,
 // which a pinned call must match; with a pinned hash, to the version whose W has it, so that a
@@ -504,20 +526,27 @@ class ComputeCall {
       const RowLayout layout = Layout();
       RETURN_IF_ERROR(pending_.Resize(pending_.bytes() + RowReader::BufferBytes(layout)));
       ASSIGN_OR_RETURN(reader_, RowReader::Start(stream_, env_.metrics, layout, *env_.host_buffers,
-                                                 env_.limits.stream_idle));
+                                                 env_.limits.stream_idle, env_.pending));
       RETURN_IF_ERROR(reader_->AwaitFirstChunk());
     }
 
     const absl::Time queue_start = absl::Now();
-    absl::StatusOr<Admission> admission = env_.scheduler->Admit(
-        admitted_bytes_, [this] { return stream_.IsCancelled(); }, env_.limits.max_admission_wait);
+    // A stream that fails while the call waits (a malformed message, rows read ahead that do not
+    // fit the pending memory) ends the wait, and its error is the call's.
+    const auto stream_failed = [this] {
+      return stream_.IsCancelled() || (reader_ != nullptr && !reader_->Error().ok());
+    };
+    absl::StatusOr<Admission> admission =
+        env_.scheduler->Admit(admitted_bytes_, stream_failed, env_.limits.max_admission_wait);
     if (!admission.ok()) {
+      if (reader_ != nullptr) RETURN_IF_ERROR(reader_->Error());
       return AdmissionRefusalOf(admission.status()) == AdmissionRefusal::kOverBudget
                  ? OverBudget(admission.status())
                  : admission.status();
     }
     admission_ = *std::move(admission);
     pending_.Release();
+    if (reader_ != nullptr) reader_->Admitted();
     queue_seconds_ = SecondsSince(queue_start);
     RETURN_IF_ERROR(CheckPinnedWeights(spec_));
     if (env_.metrics != nullptr) env_.metrics->ObserveQueueSeconds(queue_seconds_);
@@ -543,7 +572,7 @@ class ComputeCall {
 
   // Reads and validates the start message. Its host memory counts as pending from the moment it
   // is read; the message itself (its repeated fields can be hundreds of MB) is freed once its
-  // labels and weights are copied out, leaving those copies charged.
+  // per-token values are copied out, leaving those copies charged.
   absl::Status ReadStart() {
     v1::ComputeRequest request;
     if (!stream_.Read(&request)) {
@@ -555,12 +584,11 @@ class ComputeCall {
       return InvalidField("start", "a ComputeStart as the first message", "a chunk");
     }
     const v1::ComputeStart& start = request.start();
-    const int64_t copies_bytes = start.labels_size() * static_cast<int64_t>(sizeof(int64_t)) +
-                                 start.token_weights_size() * static_cast<int64_t>(sizeof(float));
+    const int64_t copies_bound = StartCopiesBound(start, env_.limits.max_tokens_per_call);
     ASSIGN_OR_RETURN(pending_, env_.pending->Reserve(
-                                   static_cast<int64_t>(request.SpaceUsedLong()) + copies_bytes));
+                                   static_cast<int64_t>(request.SpaceUsedLong()) + copies_bound));
     ASSIGN_OR_RETURN(spec_, ParseStart(env_, start));
-    return pending_.Resize(copies_bytes);
+    return pending_.Resize(spec_.copied_bytes());
   }
 
   RowLayout Layout() const {

@@ -41,7 +41,7 @@ ABSL_FLAG(int64_t, max_call_ids, 65536,
 ABSL_FLAG(int, max_queued_calls, 64, "Compute calls waiting for admission before new ones are refused");
 ABSL_FLAG(int64_t, pending_memory_mib, 2048,
           "host memory, in MiB, that Compute calls not yet admitted may hold together (start "
-          "messages, labels, token weights, rows read ahead); calls beyond it are refused with "
+          "messages, per-token values, rows read ahead); calls beyond it are refused with "
           "RESOURCE_EXHAUSTED");
 ABSL_FLAG(double, stream_idle_seconds, 60,
           "a Compute call whose client sends no complete chunk of rows (nor ends its stream, nor "

@@ -63,7 +63,8 @@ absl::StatusOr<std::unique_ptr<RowReader>> RowReader::Start(ComputeStream& strea
                                                            Metrics* metrics,
                                                            const RowLayout& layout,
                                                            BufferCache& host_buffers,
-                                                           absl::Duration idle_limit) {
+                                                           absl::Duration idle_limit,
+                                                           PendingMemory* pending) {
   if (layout.side.size() > static_cast<size_t>(kMaxSideStreams)) {
     return absl::InternalError(absl::StrCat("RowReader: at most ", kMaxSideStreams,
                                             " side streams, got ", layout.side.size()));
@@ -78,16 +79,18 @@ absl::StatusOr<std::unique_ptr<RowReader>> RowReader::Start(ComputeStream& strea
     }
   }
   return std::unique_ptr<RowReader>(
-      new RowReader(stream, metrics, layout, idle_limit, std::move(buffers)));
+      new RowReader(stream, metrics, layout, idle_limit, pending, std::move(buffers)));
 }
 
 RowReader::RowReader(ComputeStream& stream, Metrics* metrics, const RowLayout& layout,
-                     absl::Duration idle_limit, std::array<ChunkBuffers, kBuffers> buffers)
+                     absl::Duration idle_limit, PendingMemory* pending,
+                     std::array<ChunkBuffers, kBuffers> buffers)
     : stream_(stream),
       metrics_(metrics),
       layout_(layout),
       row_bytes_(RowBytes(layout)),
       idle_limit_(idle_limit),
+      pending_(pending),
       buffers_(std::move(buffers)) {
   thread_ = std::thread([this] { ReadAll(); });
 }
@@ -171,9 +174,7 @@ absl::Status RowReader::TakeMessage(const v1::ComputeRequest& request) {
   }
   if (metrics_ != nullptr) metrics_->AddBytesReceived(message_bytes);
   for (int64_t taken = 0; taken < rows;) {
-    if (rows_in_filling_ == 0 && !WaitForFreeBuffer()) {
-      return absl::CancelledError("the call ended before its rows were all read");
-    }
+    if (rows_in_filling_ == 0) RETURN_IF_ERROR(WaitForFreeBuffer(request));
     const int64_t take = std::min(rows - taken, RowsInChunk(filling_chunk_) - rows_in_filling_);
     for (size_t s = 0; s <= layout_.side.size(); ++s) {
       const int64_t stream_row_bytes = StreamRowBytes(layout_, s);
@@ -194,15 +195,33 @@ absl::Status RowReader::TakeMessage(const v1::ComputeRequest& request) {
   return absl::OkStatus();
 }
 
-bool RowReader::WaitForFreeBuffer() {
+absl::Status RowReader::WaitForFreeBuffer(const v1::ComputeRequest& request) {
   const int64_t chunk = filling_chunk_;
   absl::MutexLock lock(&mu_);
   // Chunk c fills the buffer that chunk c - kBuffers used.
   const auto free_or_stopped = [this, chunk]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return stop_ || released_ + kBuffers > chunk;
   };
+  // Only the engine frees a buffer, so an unadmitted call holds the message until admission.
+  if (!free_or_stopped() && !admitted_ && pending_ != nullptr) {
+    ASSIGN_OR_RETURN(held_message_,
+                     pending_->Reserve(static_cast<int64_t>(request.SpaceUsedLong())));
+  }
   mu_.Await(absl::Condition(&free_or_stopped));
-  return !stop_;
+  held_message_.Release();
+  if (stop_) return absl::CancelledError("the call ended before its rows were all read");
+  return absl::OkStatus();
+}
+
+absl::Status RowReader::Error() {
+  absl::MutexLock lock(&mu_);
+  return done_ ? status_ : absl::OkStatus();
+}
+
+void RowReader::Admitted() {
+  absl::MutexLock lock(&mu_);
+  admitted_ = true;
+  held_message_.Release();
 }
 
 absl::Status RowReader::AwaitFirstChunk() {

@@ -9,6 +9,10 @@
 // Every wait for the client (for a chunk's rows, for the end of the stream) is bounded by the
 // stream idle limit (--stream_idle_seconds): a client that sends nothing, or a byte at a time,
 // cannot keep the call waiting longer than that for any one chunk.
+//
+// The reader starts before the call is admitted to the device. Until then (Admitted), a message it
+// must hold because both buffers wait for the engine counts as pending memory: a client cannot
+// park a message of up to the gRPC limit in each queued call beyond --pending_memory_mib.
 #ifndef LOSSD_SERVER_ROW_READER_H_
 #define LOSSD_SERVER_ROW_READER_H_
 
@@ -28,6 +32,7 @@
 #include "server/buffer_cache.h"
 #include "server/compute_stream.h"
 #include "server/metrics.h"
+#include "server/scheduler.h"
 
 namespace lossd::server {
 
@@ -68,12 +73,13 @@ class RowReader {
   static int64_t BufferBytes(const RowLayout& layout);
 
   // Leases its chunk buffers from `host_buffers` and starts reading; `stream`, `metrics` (may be
-  // null) and `host_buffers` must outlive the reader. Waits for the client end with
-  // StreamIdleError after `idle_limit`.
+  // null), `host_buffers` and `pending` (may be null: nothing is counted) must outlive the reader.
+  // Waits for the client end with StreamIdleError after `idle_limit`.
   static absl::StatusOr<std::unique_ptr<RowReader>> Start(ComputeStream& stream, Metrics* metrics,
                                                           const RowLayout& layout,
                                                           BufferCache& host_buffers,
-                                                          absl::Duration idle_limit);
+                                                          absl::Duration idle_limit,
+                                                          PendingMemory* pending = nullptr);
   RowReader(const RowReader&) = delete;
   RowReader& operator=(const RowReader&) = delete;
   ~RowReader();
@@ -81,6 +87,12 @@ class RowReader {
   // Waits until the first chunk's rows are in or the stream has ended, whichever comes first:
   // the call has something to compute once admitted. The reader's error, if it met one.
   absl::Status AwaitFirstChunk();
+  // The error the reader has met so far (the call has yet to take it from Next or Finish), or OK:
+  // a call waiting for admission stops waiting once its stream has failed.
+  absl::Status Error();
+  // The call holds its place on the device: a message held from now on is the call's memory, no
+  // longer pending memory.
+  void Admitted();
   // The next chunk, once all its rows are in; the previous chunk must have been released. An
   // error (a malformed message, a short or cancelled stream, a client idle for the limit) as soon
   // as the reader meets it.
@@ -101,15 +113,17 @@ class RowReader {
   using ChunkBuffers = std::array<BufferLease, 1 + kMaxSideStreams>;
 
   RowReader(ComputeStream& stream, Metrics* metrics, const RowLayout& layout,
-            absl::Duration idle_limit, std::array<ChunkBuffers, kBuffers> buffers);
+            absl::Duration idle_limit, PendingMemory* pending,
+            std::array<ChunkBuffers, kBuffers> buffers);
   uint8_t* BufferOf(int64_t chunk, int stream = 0) {
     return static_cast<uint8_t*>(buffers_[chunk % kBuffers][stream].buffer().data());
   }
   void ReadAll();
   absl::Status ReadRows();
   absl::Status TakeMessage(const v1::ComputeRequest& request);
-  // Waits until the buffer for chunk filling_chunk_ is free again; false if told to stop.
-  bool WaitForFreeBuffer();
+  // Waits until the buffer for chunk filling_chunk_ is free again, holding `request` meanwhile
+  // (counted as pending memory before admission); CANCELLED if told to stop.
+  absl::Status WaitForFreeBuffer(const v1::ComputeRequest& request);
   int64_t RowsInChunk(int64_t chunk) const;
 
   ComputeStream& stream_;
@@ -117,6 +131,7 @@ class RowReader {
   const RowLayout layout_;
   const int64_t row_bytes_;
   const absl::Duration idle_limit_;
+  PendingMemory* const pending_;
   std::array<ChunkBuffers, kBuffers> buffers_;  // the second only when the call spans two chunks
 
   // Only the reader thread touches these.
@@ -131,6 +146,8 @@ class RowReader {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   bool done_ ABSL_GUARDED_BY(mu_) = false;     // the reader thread has finished
   absl::Status status_ ABSL_GUARDED_BY(mu_);   // how it finished
+  bool admitted_ ABSL_GUARDED_BY(mu_) = false;
+  PendingCharge held_message_ ABSL_GUARDED_BY(mu_);  // while waiting for a buffer, unadmitted
 
   std::thread thread_;  // last: started once everything above is set up
 };

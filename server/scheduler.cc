@@ -173,7 +173,7 @@ absl::Status PendingMemory::Change(int64_t from, int64_t to) {
     return WithAdmissionRefusal(
         absl::ResourceExhaustedError(absl::StrCat(
             "pending memory: the call needs ", to, " bytes of host memory until it is admitted "
-            "(start message, labels, token weights, rows read ahead); calls not yet admitted may "
+            "(start message, per-token values, rows read ahead); calls not yet admitted may "
             "hold ", capacity_bytes_, " bytes together (--pending_memory_mib)", held)),
         AdmissionRefusal::kPendingMemory);
   }

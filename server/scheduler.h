@@ -107,7 +107,7 @@ class PendingCharge {
 };
 
 // Host memory held by Compute calls not yet admitted to the device: the start message while it
-// is parsed, labels and token weights, rows read ahead. Bounded server-wide
+// is parsed, the per-token values copied out of it, rows read ahead. Bounded server-wide
 // (--pending_memory_mib) so that calls waiting for their rows or for admission, up to
 // --max_queued_calls of them and any number still sending, cannot hold memory without limit.
 class PendingMemory {

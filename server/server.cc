@@ -379,8 +379,8 @@ std::vector<GaugeSample> LossServer::ReadState() const {
   samples.push_back({"lossd_compute_budget_bytes", "Device memory the scheduler admits calls against.",
                      {}, static_cast<double>(scheduler_->capacity_bytes())});
   samples.push_back({"lossd_pending_memory_bytes",
-                     "Host memory held by Compute calls not yet admitted (start messages, labels, "
-                     "token weights, rows read ahead).",
+                     "Host memory held by Compute calls not yet admitted (start messages, "
+                     "per-token values, rows read ahead).",
                      {}, static_cast<double>(pending_->held_bytes())});
   samples.push_back({"lossd_compute_admitted_bytes", "Device memory admitted calls hold now.", {},
                      static_cast<double>(scheduler_->admitted_bytes())});

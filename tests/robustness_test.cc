@@ -2207,6 +2207,103 @@ TEST(PendingMemoryTest, CallsNotYetAdmittedStayWithinTheBound) {
   EXPECT_TRUE(SettlesToIdle(*server, 0));
 }
 
+// What a call copies out of its start counts whatever reads it: a PPO call's sampling
+// log-probabilities and advantages as well as its labels.
+TEST(PendingMemoryTest, AnObjectivesPerTokenInputsCountWithTheLabels) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "LOSSD_TEST_SEED=" << seed);
+  std::mt19937_64 rng(seed);
+  auto server = StartTestServer(StallConfig());
+  ASSERT_NE(server, nullptr);
+  constexpr int64_t kTokens = 1 << 18;
+  v1::ComputeRequest request = LargeStart(kTokens, rng);
+  v1::ComputeStart& start = *request.mutable_start();
+  start.mutable_options()->set_objective(v1::OBJECTIVE_PPO);
+  for (int64_t i = 0; i < kTokens; ++i) {
+    start.add_sampling_logprobs(-3.0f);
+    start.add_advantages(i % 2 == 0 ? 1.0f : -1.0f);
+  }
+  OpenStream call(server->port());
+  ASSERT_TRUE(call.Write(request));
+  // Parsed: 8 bytes of label and two 4-byte inputs a token, and a few rows' buffers (64 KiB), no
+  // longer the message.
+  constexpr int64_t kCopied = kTokens * (sizeof(int64_t) + 2 * sizeof(float));
+  int64_t held = 0;
+  EXPECT_TRUE(Eventually([&] {
+    held = server->pending_memory().held_bytes();
+    return held >= kCopied && held < kCopied + (1 << 20);
+  })) << "pending memory held: " << held << " bytes";
+  call.Cancel();
+  EXPECT_EQ(call.Finish().error_code(), StatusCode::CANCELLED);
+  EXPECT_TRUE(Eventually([&] { return server->pending_memory().held_bytes() == 0; }));
+}
+
+// A queued call whose reader has filled both its buffers holds the message it read next until the
+// engine frees one, which it does only once the call is admitted: that message counts as pending
+// memory, and one that does not fit ends the call at once rather than leaving it in the queue.
+TEST(PendingMemoryTest, AMessageHeldForAQueuedCallCounts) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "LOSSD_TEST_SEED=" << seed);
+  std::mt19937_64 rng(seed);
+  constexpr int64_t kRows = 8192;  // 2 MiB of rows in one message; 128 rows a buffer
+  constexpr int64_t kMessageBytes = kRows * kStallHidden * sizeof(float);
+  for (const bool fits : {true, false}) {
+    SCOPED_TRACE(fits ? "the message fits the bound" : "the message does not fit the bound");
+    server::ServerConfig config = StallConfig();
+    config.max_running_calls = 1;
+    config.pending_memory_bytes = fits ? 64 << 20 : 1 << 20;
+    auto server = StartTestServer(config);
+    ASSERT_NE(server, nullptr);
+    auto stub = ConnectTo(server->port());
+    const FetchedTensor weight = Fetch(*stub, kStallHead, false);
+
+    // Admitted with its first 200 rows, then silent: it holds the only running slot.
+    OpenStream blocker(server->port());
+    const std::vector<v1::ComputeRequest> blocking = TrainingScript(
+        kStallHead, RandomBatch(kStallRows, kStallVocab, kStallHidden, rng), kStallHidden, 200);
+    ASSERT_TRUE(blocker.Write(blocking[0]));
+    ASSERT_TRUE(blocker.Write(blocking[1]));
+    ASSERT_TRUE(Eventually([&] { return server->scheduler().running() == 1; }));
+
+    const Batch batch = RandomBatch(kRows, kStallVocab, kStallHidden, rng);
+    auto queued = std::async(std::launch::async, [&] {
+      return CallCompute(*stub, StartFor(kStallHead, batch, kStallHidden, true),
+                         FloatBytes(batch.hidden), kRows);
+    });
+    if (fits) {
+      int64_t held = 0;
+      EXPECT_TRUE(Eventually([&] {
+        held = server->pending_memory().held_bytes();
+        return server->scheduler().queued() == 1 && held >= kMessageBytes;
+      })) << "pending memory held: " << held << " bytes";
+      blocker.Cancel();
+    } else if (queued.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+      ADD_FAILURE() << "the call waited in the queue holding a message beyond the bound";
+      blocker.Cancel();
+    }
+    const ComputeOutcome out = queued.get();
+    if (fits) {
+      ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+      const ReferenceResult ref = Reference(weight.values, kStallVocab, kStallHidden, batch);
+      EXPECT_TRUE(LossMatches(out.summary.loss(), ref));
+      EXPECT_LE(RelativeError(AsFloats(out.grad_hidden), ref.grad_hidden), kGradBound);
+    } else {
+      EXPECT_EQ(out.status.error_code(), StatusCode::RESOURCE_EXHAUSTED)
+          << out.status.error_message();
+      EXPECT_NE(out.status.error_message().find("--pending_memory_mib"), std::string::npos)
+          << out.status.error_message();
+      EXPECT_EQ(server->scheduler().running(), 1) << "the call was refused only once admitted";
+      EXPECT_TRUE(Eventually([&] {
+        return EventMetric(*server, "lossd_admission_rejected_total",
+                           {{"reason", "pending_memory"}}) == 1;
+      }));
+      blocker.Cancel();
+    }
+    EXPECT_TRUE(Eventually([&] { return server->pending_memory().held_bytes() == 0; }));
+    EXPECT_TRUE(SettlesToIdle(*server, fits ? kStallVocab * kStallHidden * sizeof(float) : 0));
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Handler failures: whatever a handler meets (here every allocation on the device throwing
 // std::bad_alloc, as operator new does when memory runs out) ends the call with a status the
