@@ -214,6 +214,26 @@ TEST_P(RowReaderSplitTest, SideStreamsFollowTheHiddenRows) {
   EXPECT_TRUE(reader->Finish().ok());
 }
 
+// The host memory a call charges for its reader before admission is what the reader leases: each
+// buffer holds a chunk of every stream, side streams included.
+TEST_P(RowReaderSplitTest, BufferBytesAreWhatTheReaderLeases) {
+  const SplitCase& c = GetParam();
+  SCOPED_TRACE(c.why);
+  RowLayout layout = Layout(c.num_tokens, c.chunk_rows);
+  for (const size_t sides : {0, 1, 2}) {
+    SCOPED_TRACE(::testing::Message() << sides << " side streams");
+    layout.side.resize(sides, {SideField::kTeacherTopKTokens, 5 * kRowBytes, "15 ids"});
+    HostAllocator host;
+    MemoryLedger ledger;
+    BufferCache host_buffers(host, ledger, /*capacity_bytes=*/0);
+    ScriptedStream stream({}, /*silent_at_end=*/true);
+    const auto reader = StartReader(stream, layout, kPatient, host_buffers);
+    ASSERT_NE(reader, nullptr);
+    EXPECT_EQ(ledger.current(MemoryPurpose::kWorkspace), RowReader::BufferBytes(layout));
+    reader->Stop(absl::CancelledError("the test is done"));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Splits, RowReaderSplitTest, ::testing::ValuesIn(kSplits));
 
 TEST(RowReaderTest, ReadsTheNextChunkWhileOneIsHeldButNoFurther) {
@@ -410,6 +430,51 @@ TEST(RowReaderTest, FirstChunkIsThereOnceItsRowsAreInOrTheStreamEnded) {
   ScriptedStream short_stream(Split(std::vector<float>(data.begin(), data.begin() + 2 * kHidden), 1));
   EXPECT_EQ(StartReader(short_stream, Layout(8, 4))->AwaitFirstChunk().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// Before admission only the engine can free a buffer: the message the reader holds meanwhile counts
+// as pending memory, no longer once the call is admitted; one that does not fit fails the reader.
+TEST(RowReaderTest, AMessageHeldBeforeAdmissionIsPendingMemory) {
+  const std::vector<float> data = RandomRows(12, 23);
+  const std::vector<v1::ComputeRequest> one_message = Split(data, 12);  // 3 chunks of 4 rows
+  const int64_t message_bytes = static_cast<int64_t>(one_message.front().SpaceUsedLong());
+  {
+    PendingMemory pending(/*capacity_bytes=*/1 << 20);
+    ScriptedStream stream(one_message);
+    absl::StatusOr<std::unique_ptr<RowReader>> reader = RowReader::Start(
+        stream, nullptr, Layout(12, 4), FreshHostBuffers(), kPatient, &pending);
+    ASSERT_TRUE(reader.ok()) << reader.status();
+    ASSERT_TRUE((*reader)->AwaitFirstChunk().ok());
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while (pending.held_bytes() == 0 && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    EXPECT_EQ(pending.held_bytes(), message_bytes);
+    (*reader)->Admitted();
+    EXPECT_EQ(pending.held_bytes(), 0);
+    for (int chunk = 0; chunk < 3; ++chunk) {
+      ASSERT_TRUE((*reader)->Next().ok());
+      (*reader)->Release();
+    }
+    EXPECT_TRUE((*reader)->Finish().ok());
+    EXPECT_EQ(pending.held_bytes(), 0);
+  }
+  {
+    PendingMemory pending(/*capacity_bytes=*/message_bytes - 1);
+    ScriptedStream stream(one_message, /*silent_at_end=*/true);
+    absl::StatusOr<std::unique_ptr<RowReader>> reader = RowReader::Start(
+        stream, nullptr, Layout(12, 4), FreshHostBuffers(), kPatient, &pending);
+    ASSERT_TRUE(reader.ok()) << reader.status();
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    while ((*reader)->Error().ok() && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    const absl::Status error = (*reader)->Error();
+    EXPECT_EQ(error.code(), absl::StatusCode::kResourceExhausted) << error;
+    EXPECT_EQ(AdmissionRefusalOf(error), AdmissionRefusal::kPendingMemory) << error;
+    EXPECT_EQ((*reader)->Next().status(), error);
+    EXPECT_EQ(pending.held_bytes(), 0);
+  }
 }
 
 }  // namespace
