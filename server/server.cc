@@ -414,6 +414,15 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   if (!config.metrics_address.empty()) {
     RETURN_IF_ERROR(CheckListenAddress("--metrics_listen", config.metrics_address));
   }
+  // 0 would refuse every Compute call, or end it before its client could send a row.
+  if (config.pending_memory_bytes <= 0) {
+    return InvalidField("--pending_memory_mib", "a size > 0",
+                        absl::StrCat(config.pending_memory_bytes >> 20));
+  }
+  if (config.stream_idle <= absl::ZeroDuration()) {
+    return InvalidField("--stream_idle_seconds", "a positive duration",
+                        absl::FormatDuration(config.stream_idle));
+  }
   std::string bearer_token;
   if (!config.token_file.empty()) {
     ASSIGN_OR_RETURN(bearer_token, ReadBearerToken(config.token_file));

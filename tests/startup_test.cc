@@ -247,6 +247,24 @@ const Refusal kRefusals[] = {
        config.metrics_address = "127.0.0.1:-1";
        return std::vector<std::string>{"--metrics_listen: expected HOST:PORT"};
      }},
+    // Compute's bounds.
+    {"pending_memory_zero", "every Compute call would be refused", kInvalid,
+     [](const std::string&, std::mt19937_64&, server::ServerConfig& config) {
+       config.pending_memory_bytes = 0;
+       return std::vector<std::string>{"--pending_memory_mib: expected a size > 0, got 0"};
+     }},
+    {"stream_idle_zero", "every Compute call would end before its rows came", kInvalid,
+     [](const std::string&, std::mt19937_64&, server::ServerConfig& config) {
+       config.stream_idle = absl::ZeroDuration();
+       return std::vector<std::string>{
+           "--stream_idle_seconds: expected a positive duration, got 0"};
+     }},
+    {"stream_idle_negative", "-1 s", kInvalid,
+     [](const std::string&, std::mt19937_64&, server::ServerConfig& config) {
+       config.stream_idle = absl::Seconds(-1);
+       return std::vector<std::string>{
+           "--stream_idle_seconds: expected a positive duration, got -1s"};
+     }},
 };
 
 class StartupRefusalTest : public ::testing::TestWithParam<Refusal> {};
