@@ -23,41 +23,15 @@ constexpr int64_t kHidden = 64;
 constexpr char kHead[] = "faulty";
 
 // The CPU backend, whose Compute fails with a device fault once armed.
-class FaultOnCommandBackend final : public Backend {
+class FaultOnCommandBackend final : public ForwardingBackend {
  public:
-  explicit FaultOnCommandBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
+  using ForwardingBackend::ForwardingBackend;
 
   void Arm() { armed_ = true; }
   int computes_after_arming() const { return computes_after_arming_; }
 
-  absl::string_view kind() const override { return inner_->kind(); }
-  std::string Describe() const override { return "faults on command: " + inner_->Describe(); }
-  absl::StatusOr<DeviceMemory> QueryMemory() const override { return inner_->QueryMemory(); }
-  // Buffers come from the inner backend, which frees them.
-  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override { return inner_->Allocate(bytes); }
-  absl::Status CopyToDevice(const void* host, size_t bytes, DeviceBuffer& dst,
-                            size_t offset) override {
-    return inner_->CopyToDevice(host, bytes, dst, offset);
-  }
-  absl::Status CopyToHost(const DeviceBuffer& src, size_t offset, size_t bytes,
-                          void* host) override {
-    return inner_->CopyToHost(src, offset, bytes, host);
-  }
-  absl::Status Zero(DeviceBuffer& buffer) override { return inner_->Zero(buffer); }
-  absl::Status AddFloat32(DeviceBuffer& dst, const DeviceBuffer& src, int64_t count) override {
-    return inner_->AddFloat32(dst, src, count);
-  }
-  absl::StatusOr<double> SumSquaresFloat32(const DeviceBuffer& x, int64_t count) override {
-    return inner_->SumSquaresFloat32(x, count);
-  }
-  absl::Status OptimizerStep(const OptimizerConfig& config, const OptimizerTensors& t) override {
-    return inner_->OptimizerStep(config, t);
-  }
-  absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget) const override {
-    return inner_->Plan(shape, budget);
-  }
-  bool ReadsRowsOnce(DType hidden_dtype) const override {
-    return inner_->ReadsRowsOnce(hidden_dtype);
+  std::string Describe() const override {
+    return "faults on command: " + ForwardingBackend::Describe();
   }
   absl::StatusOr<BatchSummary> Compute(const BatchInputs& in, const WeightView& weight,
                                        const LossOptions& options, const TokenOutputs& out,
@@ -67,14 +41,10 @@ class FaultOnCommandBackend final : public Backend {
       ++computes_after_arming_;
       return DeviceFaultError("injected by the test backend");
     }
-    return inner_->Compute(in, weight, options, out, grad_weight, workspace);
+    return ForwardingBackend::Compute(in, weight, options, out, grad_weight, workspace);
   }
 
- protected:
-  void Free(void*, size_t) override {}
-
  private:
-  std::unique_ptr<Backend> inner_;
   std::atomic<bool> armed_{false};
   std::atomic<int> computes_after_arming_{0};
 };

@@ -1878,7 +1878,6 @@ TEST(TlsTest, ServesTrustingTlsClientsOnly) {
   std::filesystem::remove_all(dir);
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // Stalled streams: a client that opens a Compute call and then sends nothing, or too little too
 // slowly, holds no running slot while its call waits for its first rows; every wait for a client
@@ -1889,17 +1888,6 @@ constexpr int64_t kStallVocab = 2000;
 constexpr int64_t kStallHidden = 64;
 constexpr int64_t kStallRows = 480;  // 128 rows per engine chunk of a training call, 1 MiB workspace
 constexpr int64_t kStallRowsPerMessage = 20;
-
-// Whether `condition` holds within 10 s.
-template <typename Condition>
-bool Eventually(Condition condition) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
-  while (!condition()) {
-    if (absl::Now() > deadline) return false;
-    absl::SleepFor(absl::Milliseconds(2));
-  }
-  return true;
-}
 
 // A Compute stream on a connection of its own, written and read by the test.
 class OpenStream {
@@ -2311,55 +2299,16 @@ TEST(PendingMemoryTest, AMessageHeldForAQueuedCallCounts) {
 // does not wait for calls that are gone.
 
 // The CPU backend, except that Allocate throws std::bad_alloc while `failing` is set.
-class ThrowingBackend final : public Backend {
+class ThrowingBackend final : public ForwardingBackend {
  public:
-  explicit ThrowingBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
+  using ForwardingBackend::ForwardingBackend;
 
   std::atomic<bool> failing{false};
 
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
     if (failing.load()) throw std::bad_alloc();
-    return inner_->Allocate(bytes);  // owned, and freed, by the inner backend
+    return ForwardingBackend::Allocate(bytes);
   }
-  absl::string_view kind() const override { return inner_->kind(); }
-  std::string Describe() const override { return inner_->Describe(); }
-  absl::StatusOr<DeviceMemory> QueryMemory() const override { return inner_->QueryMemory(); }
-  absl::Status CopyToDevice(const void* host, size_t bytes, DeviceBuffer& dst,
-                            size_t dst_offset) override {
-    return inner_->CopyToDevice(host, bytes, dst, dst_offset);
-  }
-  absl::Status CopyToHost(const DeviceBuffer& src, size_t src_offset, size_t bytes,
-                          void* host) override {
-    return inner_->CopyToHost(src, src_offset, bytes, host);
-  }
-  absl::Status Zero(DeviceBuffer& buffer) override { return inner_->Zero(buffer); }
-  absl::Status AddFloat32(DeviceBuffer& dst, const DeviceBuffer& src, int64_t count) override {
-    return inner_->AddFloat32(dst, src, count);
-  }
-  absl::StatusOr<double> SumSquaresFloat32(const DeviceBuffer& x, int64_t count) override {
-    return inner_->SumSquaresFloat32(x, count);
-  }
-  absl::Status OptimizerStep(const OptimizerConfig& config,
-                             const OptimizerTensors& tensors) override {
-    return inner_->OptimizerStep(config, tensors);
-  }
-  absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const override {
-    return inner_->Plan(shape, budget_bytes);
-  }
-  bool ReadsRowsOnce(DType hidden_dtype) const override {
-    return inner_->ReadsRowsOnce(hidden_dtype);
-  }
-  absl::StatusOr<BatchSummary> Compute(const BatchInputs& inputs, const WeightView& weight,
-                                       const LossOptions& options, const TokenOutputs& outputs,
-                                       DeviceBuffer* grad_weight, DeviceBuffer& workspace) override {
-    return inner_->Compute(inputs, weight, options, outputs, grad_weight, workspace);
-  }
-
- protected:
-  void Free(void*, size_t) override {}  // every buffer belongs to the inner backend
-
- private:
-  std::unique_ptr<Backend> inner_;
 };
 
 TEST(HandlerFailureTest, ThrownAllocationsEndCallsAccountedAndShutdownIsPrompt) {

@@ -35,6 +35,50 @@ server::ServerConfig MultiChunkDemoConfig(const std::string& head, int64_t vocab
   return config;
 }
 
+absl::string_view ForwardingBackend::kind() const { return inner_->kind(); }
+std::string ForwardingBackend::Describe() const { return inner_->Describe(); }
+absl::StatusOr<DeviceMemory> ForwardingBackend::QueryMemory() const {
+  return inner_->QueryMemory();
+}
+absl::StatusOr<DeviceBuffer> ForwardingBackend::Allocate(size_t bytes) {
+  return inner_->Allocate(bytes);
+}
+absl::Status ForwardingBackend::CopyToDevice(const void* host, size_t bytes, DeviceBuffer& dst,
+                                             size_t dst_offset) {
+  return inner_->CopyToDevice(host, bytes, dst, dst_offset);
+}
+absl::Status ForwardingBackend::CopyToHost(const DeviceBuffer& src, size_t src_offset,
+                                           size_t bytes, void* host) {
+  return inner_->CopyToHost(src, src_offset, bytes, host);
+}
+absl::Status ForwardingBackend::Zero(DeviceBuffer& buffer) { return inner_->Zero(buffer); }
+absl::Status ForwardingBackend::AddFloat32(DeviceBuffer& dst, const DeviceBuffer& src,
+                                           int64_t count) {
+  return inner_->AddFloat32(dst, src, count);
+}
+absl::StatusOr<double> ForwardingBackend::SumSquaresFloat32(const DeviceBuffer& x, int64_t count) {
+  return inner_->SumSquaresFloat32(x, count);
+}
+absl::Status ForwardingBackend::OptimizerStep(const OptimizerConfig& config,
+                                              const OptimizerTensors& tensors) {
+  return inner_->OptimizerStep(config, tensors);
+}
+absl::StatusOr<ChunkPlan> ForwardingBackend::Plan(const ProblemShape& shape,
+                                                  size_t budget_bytes) const {
+  return inner_->Plan(shape, budget_bytes);
+}
+bool ForwardingBackend::ReadsRowsOnce(DType hidden_dtype) const {
+  return inner_->ReadsRowsOnce(hidden_dtype);
+}
+absl::StatusOr<BatchSummary> ForwardingBackend::Compute(const BatchInputs& inputs,
+                                                        const WeightView& weight,
+                                                        const LossOptions& options,
+                                                        const TokenOutputs& outputs,
+                                                        DeviceBuffer* grad_weight,
+                                                        DeviceBuffer& workspace) {
+  return inner_->Compute(inputs, weight, options, outputs, grad_weight, workspace);
+}
+
 std::unique_ptr<v1::LossService::Stub> ConnectTo(int port, const std::string& token) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(256 << 20);

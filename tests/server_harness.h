@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "lossd/kernels/backend.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 #include "server/server.h"
 #include "tests/reference.h"
@@ -28,6 +29,39 @@ server::ServerConfig MultiChunkDemoConfig(const std::string& head, int64_t vocab
                                           uint64_t seed);
 
 std::unique_ptr<v1::LossService::Stub> ConnectTo(int port, const std::string& token = "");
+
+// A backend that hands everything to `inner`, for a test to change one behaviour of a real one
+// (an allocation that throws, a device fault) by overriding it. Buffers come from the inner
+// backend, which frees them.
+class ForwardingBackend : public Backend {
+ public:
+  explicit ForwardingBackend(std::unique_ptr<Backend> inner) : inner_(std::move(inner)) {}
+
+  absl::string_view kind() const override;
+  std::string Describe() const override;
+  absl::StatusOr<DeviceMemory> QueryMemory() const override;
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override;
+  absl::Status CopyToDevice(const void* host, size_t bytes, DeviceBuffer& dst,
+                            size_t dst_offset) override;
+  absl::Status CopyToHost(const DeviceBuffer& src, size_t src_offset, size_t bytes,
+                          void* host) override;
+  absl::Status Zero(DeviceBuffer& buffer) override;
+  absl::Status AddFloat32(DeviceBuffer& dst, const DeviceBuffer& src, int64_t count) override;
+  absl::StatusOr<double> SumSquaresFloat32(const DeviceBuffer& x, int64_t count) override;
+  absl::Status OptimizerStep(const OptimizerConfig& config,
+                             const OptimizerTensors& tensors) override;
+  absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const override;
+  bool ReadsRowsOnce(DType hidden_dtype) const override;
+  absl::StatusOr<BatchSummary> Compute(const BatchInputs& inputs, const WeightView& weight,
+                                       const LossOptions& options, const TokenOutputs& outputs,
+                                       DeviceBuffer* grad_weight, DeviceBuffer& workspace) override;
+
+ protected:
+  void Free(void*, size_t) override {}  // every buffer belongs to the inner backend
+
+ private:
+  std::unique_ptr<Backend> inner_;
+};
 
 // Everything a Compute call streamed back, reassembled by row.
 struct ComputeOutcome {
