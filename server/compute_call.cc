@@ -509,6 +509,10 @@ class ComputeCall {
 
   absl::Status Run() {
     absl::Status status = CatchExceptions("Compute", [this] { return RunSteps(); });
+    const std::optional<AdmissionRefusal> refusal = AdmissionRefusalOf(status);
+    if (refusal.has_value() && env_.metrics != nullptr) {
+      env_.metrics->CountAdmissionRejected(AdmissionRefusalName(*refusal));
+    }
     // A reader still waiting on the client ends the stream with the call's own status at once.
     if (!status.ok() && reader_ != nullptr) reader_->Stop(status);
     return status;

@@ -63,14 +63,13 @@ void CallThreads::JoinAll() {
 absl::StatusOr<ComputeReactor*> ComputeReactor::Start(grpc::CallbackServerContext* context,
                                                       absl::Duration write_stall_limit,
                                                       CallThreads& threads, Body body,
-                                                      Ending ending, Done done) {
+                                                      Hooks hooks) {
   // Owned by gRPC (until OnDone) and by the call's thread.
   auto* reactor = new ComputeReactor(context, write_stall_limit, /*owners=*/2);
-  reactor->ending_ = std::move(ending);
-  const absl::Status started =
-      threads.Start([reactor, body = std::move(body), done = std::move(done)]() mutable {
-        reactor->RunCall(std::move(body), std::move(done));
-      });
+  reactor->hooks_ = std::move(hooks);
+  const absl::Status started = threads.Start([reactor, body = std::move(body)]() mutable {
+    reactor->RunCall(std::move(body));
+  });
   if (!started.ok()) {
     delete reactor;
     return started;
@@ -84,19 +83,12 @@ ComputeReactor* ComputeReactor::Refuse(const absl::Status& status) {
   return reactor;
 }
 
-void ComputeReactor::RunCall(Body body, Done done) {
+void ComputeReactor::RunCall(Body body) {
   // Each callable is destroyed here, on this thread, while what it captured may still be used.
   absl::Status status = std::move(body)(*this);
   body = nullptr;
   End(status);
-  ending_ = nullptr;
-  absl::Status sent;
-  {
-    absl::MutexLock lock(&mu_);
-    sent = sent_;
-  }
-  std::move(done)(sent);
-  done = nullptr;
+  hooks_ = Hooks();
   Unref();
 }
 
@@ -124,12 +116,7 @@ bool ComputeReactor::Write(const v1::ComputeResponse& response) {
   if (!mu_.AwaitWithTimeout(absl::Condition(&written), write_stall_limit_)) {
     // The client reads nothing while the call holds the device. Its status cannot pass the
     // message that flow control holds back, so the call is cancelled as well.
-    const absl::Status stalled = StreamIdleError("the client to read its results", write_stall_limit_);
-    if (!ended_) {
-      ended_ = true;
-      sent_ = stalled;
-      Finish(ToGrpcStatus(stalled));
-    }
+    FinishOnce(StreamIdleError("the client to read its results", write_stall_limit_));
     context_->TryCancel();
     mu_.Await(absl::Condition(&written));
   }
@@ -145,11 +132,15 @@ bool ComputeReactor::IsCancelled() const {
 }
 
 void ComputeReactor::End(const absl::Status& status) {
-  if (ending_) ending_(status);
+  if (hooks_.ending) hooks_.ending(status);
   absl::MutexLock lock(&mu_);
+  FinishOnce(status);
+}
+
+void ComputeReactor::FinishOnce(const absl::Status& status) {
   if (ended_) return;
   ended_ = true;
-  sent_ = status;
+  if (hooks_.finishing) hooks_.finishing(status);
   Finish(ToGrpcStatus(status));
 }
 

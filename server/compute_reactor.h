@@ -9,8 +9,8 @@
 // only way to unblock a Read is to cancel the call, and the client sees a bare CANCELLED.
 //
 // Lifetime: gRPC owns the reactor until OnDone, the call's thread until it has finished with it;
-// whichever comes last deletes it. The thread stops using the server (its `done` callback) before
-// it lets go of the reactor, and is itself joined by the CallThreads that started it.
+// whichever comes last deletes it. The thread stops using the server (it destroys its Hooks)
+// before it lets go of the reactor, and is itself joined by the CallThreads that started it.
 #ifndef LOSSD_SERVER_COMPUTE_REACTOR_H_
 #define LOSSD_SERVER_COMPUTE_REACTOR_H_
 
@@ -65,19 +65,21 @@ class ComputeReactor final
  public:
   // The call: runs on the reactor's thread with the reactor as its stream.
   using Body = absl::AnyInvocable<absl::Status(ComputeStream&) &&>;
-  // Runs on the call's thread with each status the call is ended with (End), before the client
-  // can see it.
-  using Ending = absl::AnyInvocable<void(const absl::Status&)>;
-  // Runs on the same thread once the RPC has ended, with the status the client is sent.
-  using Done = absl::AnyInvocable<void(const absl::Status&) &&>;
+  // What the server learns of the call's end, on the call's thread; destroyed there, last, once
+  // the call has run.
+  struct Hooks {
+    // Each status the call is ended with (End), before its client can hear any of them.
+    absl::AnyInvocable<void(const absl::Status&)> ending;
+    // Once: the status the client hears, just before it can hear it.
+    absl::AnyInvocable<void(const absl::Status&)> finishing;
+  };
 
   // Starts `body` on a new thread of `threads`. A Write that waits `write_stall_limit` for the
   // client to take the message ends the call (StreamIdleError). An error when no thread could be
   // started: then nothing runs and the caller refuses the call.
   static absl::StatusOr<ComputeReactor*> Start(grpc::CallbackServerContext* context,
                                                absl::Duration write_stall_limit,
-                                               CallThreads& threads, Body body, Ending ending,
-                                               Done done);
+                                               CallThreads& threads, Body body, Hooks hooks);
   // A reactor that ends the RPC at once with `status`, running nothing.
   static ComputeReactor* Refuse(const absl::Status& status);
 
@@ -100,14 +102,16 @@ class ComputeReactor final
  private:
   ComputeReactor(grpc::CallbackServerContext* context, absl::Duration write_stall_limit,
                  int owners);
-  void RunCall(Body body, Done done);
+  void RunCall(Body body);
+  // Ends the RPC with `status`: the first status given is the one the client hears.
+  void FinishOnce(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops one owner (gRPC or the call's thread); the last one deletes the reactor.
   void Unref();
 
   grpc::CallbackServerContext* const context_;  // null for a refused call
   const bool peer_is_local_;
   const absl::Duration write_stall_limit_;
-  Ending ending_;  // set before the call's thread starts, used and reset on it
+  Hooks hooks_;  // set before the call's thread starts, used and reset on it
   std::atomic<int> owners_;
   std::atomic<bool> cancelled_{false};
 
@@ -120,7 +124,6 @@ class ComputeReactor final
   bool writes_over_ ABSL_GUARDED_BY(mu_) = false;  // likewise for writes
   bool ended_ ABSL_GUARDED_BY(mu_) = false;        // Finish was called
   bool done_ ABSL_GUARDED_BY(mu_) = false;         // OnDone ran: context_ is gone
-  absl::Status sent_ ABSL_GUARDED_BY(mu_);         // the status given to Finish
 };
 
 }  // namespace lossd::server

@@ -109,8 +109,8 @@ absl::Status LossService::Refusal() const {
 }
 
 // One RPC from its start to its status, whatever ends it: counted in flight from construction
-// (unless the service has stopped accepting calls), then recorded by code and duration and no
-// longer counted on destruction.
+// (unless the service has stopped accepting calls), recorded by code and duration as it finishes,
+// and no longer counted in flight on destruction.
 class LossService::CallScope {
  public:
   CallScope(LossService& service, const char* method)
@@ -128,8 +128,7 @@ class LossService::CallScope {
   CallScope& operator=(const CallScope&) = delete;
 
   ~CallScope() {
-    service_.metrics_.RecordRequest(method_, GrpcCodeName(ToGrpcStatus(status_).error_code()),
-                                    absl::ToDoubleSeconds(absl::Now() - start_));
+    Finishing(status_);
     if (!entered_) return;
     service_.metrics_.AddInFlight(-1);
     absl::MutexLock lock(&service_.calls_mu_);
@@ -148,11 +147,23 @@ class LossService::CallScope {
     if (IsDeviceFault(status)) service_.RefuseAfterDeviceFault(status);
   }
 
+  // Records the call by the status its client hears, once, before the client can hear it (a
+  // synchronous call's scope closes first; a Compute call's thread goes on after, unwinding, and
+  // stays counted in flight until it lets go of the scope).
+  void Finishing(absl::Status status) {
+    if (recorded_) return;
+    recorded_ = true;
+    status_ = std::move(status);
+    service_.metrics_.RecordRequest(method_, GrpcCodeName(ToGrpcStatus(status_).error_code()),
+                                    absl::ToDoubleSeconds(absl::Now() - start_));
+  }
+
  private:
   LossService& service_;
   const char* const method_;
   const absl::Time start_;
   bool entered_ = false;
+  bool recorded_ = false;
   absl::Status status_ = absl::InternalError("the call ended without a status");
 };
 
@@ -170,7 +181,7 @@ grpc::Status LossService::Serve(const char* method, grpc::ServerContext* context
 
 grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>* LossService::Compute(
     grpc::CallbackServerContext* context) {
-  // Shared with the call's thread, so that the call is recorded once, by whichever lets go last.
+  // Shared with the call's thread: whichever lets go last ends the call's scope.
   auto call = std::make_shared<CallScope>(*this, "Compute");
   absl::Status status = call->entered() ? Authenticate(*context) : call->status();
   if (status.ok()) {
@@ -183,8 +194,8 @@ grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>* LossService::C
               [this](ComputeStream& stream) {
                 return CatchExceptions("Compute", [&] { return RunCompute(stream); });
               },
-              [call](const absl::Status& status) { call->Ending(status); },
-              [call](const absl::Status& sent) { call->set_status(sent); }));
+              {.ending = [call](const absl::Status& status) { call->Ending(status); },
+               .finishing = [call](const absl::Status& heard) { call->Finishing(heard); }}));
       return absl::OkStatus();
     });
     if (status.ok()) return reactor;
@@ -197,11 +208,7 @@ absl::Status LossService::RunCompute(ComputeStream& stream) {
   const ComputeEnvironment env{&backend_, &heads_,    &scheduler_,    &metrics_,
                                &ledger_,  &buffers_,  &host_buffers_, &shared_memory_maps_,
                                &pending_, options_.compute};
-  absl::Status status = RunComputeCall(env, stream);
-  if (const auto refusal = AdmissionRefusalOf(status); refusal.has_value()) {
-    metrics_.CountAdmissionRejected(AdmissionRefusalName(*refusal));
-  }
-  return status;
+  return RunComputeCall(env, stream);
 }
 
 grpc::Status LossService::ListHeads(grpc::ServerContext* context, const v1::ListHeadsRequest*,
