@@ -4,18 +4,44 @@
 #include <thread>
 #include <utility>
 
+#include "absl/base/config.h"
 #include "absl/strings/str_cat.h"
 #include "server/grpc_status.h"
 #include "server/shared_memory.h"
 
+#ifdef ABSL_HAVE_THREAD_SANITIZER
+#include <sanitizer/tsan_interface.h>
+#endif
+
 namespace lossd::server {
+namespace {
+
+// gRPC hands a reactor from the thread that made it to the threads that run its reactions through
+// libgrpc's queues, which ThreadSanitizer cannot see into (Debian's libgrpc is not instrumented):
+// it would take each reaction's first touch of the reactor (its lock) for a race with the
+// construction. These two tell it of that hand-over; in other builds they are nothing.
+void HandOverToGrpc(void* reactor) {
+#ifdef ABSL_HAVE_THREAD_SANITIZER
+  __tsan_release(reactor);
+#endif
+}
+
+void TakeOverFromGrpc(void* reactor) {
+#ifdef ABSL_HAVE_THREAD_SANITIZER
+  __tsan_acquire(reactor);
+#endif
+}
+
+}  // namespace
 
 ComputeReactor::ComputeReactor(grpc::CallbackServerContext* context,
                                absl::Duration write_stall_limit, int owners)
     : context_(context),
       peer_is_local_(context != nullptr && IsLocalPeer(context->peer())),
       write_stall_limit_(write_stall_limit),
-      owners_(owners) {}
+      owners_(owners) {
+  HandOverToGrpc(this);
+}
 
 absl::Status CallThreads::Start(absl::AnyInvocable<void() &&> fn) {
   JoinFinished();
@@ -145,20 +171,26 @@ void ComputeReactor::FinishOnce(const absl::Status& status) {
 }
 
 void ComputeReactor::OnReadDone(bool ok) {
+  TakeOverFromGrpc(this);
   absl::MutexLock lock(&mu_);
   read_ok_ = ok;
   reading_ = false;
 }
 
 void ComputeReactor::OnWriteDone(bool ok) {
+  TakeOverFromGrpc(this);
   absl::MutexLock lock(&mu_);
   write_ok_ = ok;
   writing_ = false;
 }
 
-void ComputeReactor::OnCancel() { cancelled_.store(true, std::memory_order_release); }
+void ComputeReactor::OnCancel() {
+  TakeOverFromGrpc(this);
+  cancelled_.store(true, std::memory_order_release);
+}
 
 void ComputeReactor::OnDone() {
+  TakeOverFromGrpc(this);
   {
     absl::MutexLock lock(&mu_);
     done_ = true;
