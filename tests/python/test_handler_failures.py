@@ -35,7 +35,7 @@ def limit_address_space():
 
 
 def sample(exposition, name, **labels):
-    """The value of the sample of `name` with (at least) `labels` in a text exposition; 0 if none."""
+    """The value of the sample of `name` with (at least) `labels` in an exposition; 0 if none."""
     for line in exposition.splitlines():
         match = re.fullmatch(r"(\w+)(?:\{(.*)\})? (\S+)", line)
         if not match or match.group(1) != name:
@@ -46,20 +46,24 @@ def sample(exposition, name, **labels):
     return 0.0
 
 
-def test_upload_past_the_address_space_is_refused_counted_and_drained_at_once(pb, record_property):
+def test_upload_past_the_address_space_is_refused_counted_and_drained_at_once(pb,
+                                                                              record_property):
     lossd, lossd_grpc = pb
-    with ServerProcess("--device=cpu", "--demo_vocab_size=1000", "--demo_hidden_size=64",
-                       f"--drain_seconds={DRAIN_SECONDS}", preexec_fn=limit_address_space) as server:
+    flags = ("--device=cpu", "--demo_vocab_size=1000", "--demo_hidden_size=64",
+             f"--drain_seconds={DRAIN_SECONDS}")
+    with ServerProcess(*flags, preexec_fn=limit_address_space) as server:
         with grpc.insecure_channel(server.address) as channel:
             stub = lossd_grpc.LossServiceStub(channel)
             start = lossd.UploadHeadRequest(start=lossd.UploadHeadStart(
                 head="huge", vocab_size=65536, hidden_size=65536, dtype=lossd.DTYPE_FLOAT32))
             with pytest.raises(grpc.RpcError) as refused:
                 stub.UploadHead(iter([start]), timeout=60)
-            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
-            assert "weight" in refused.value.details(), refused.value.details()
-            assert str(65536 * 65536 * 4) in refused.value.details(), refused.value.details()
-            assert [head.name for head in stub.ListHeads(lossd.ListHeadsRequest(), timeout=30).heads] == ["demo"]
+            details = refused.value.details()
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+            assert "weight" in details, details
+            assert str(65536 * 65536 * 4) in details, details
+            heads = stub.ListHeads(lossd.ListHeadsRequest(), timeout=30).heads
+            assert [head.name for head in heads] == ["demo"]
 
         url = f"http://127.0.0.1:{server.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
@@ -73,4 +77,5 @@ def test_upload_past_the_address_space_is_refused_counted_and_drained_at_once(pb
         assert server.stop() == 0, server.output()
         took = time.monotonic() - began
         record_property("sigterm_seconds", f"{took:.2f}")
-        assert took < 10, f"SIGTERM took {took:.1f} s with no call in flight (drain {DRAIN_SECONDS} s)"
+        assert took < 10, \
+            f"SIGTERM took {took:.1f} s with no call in flight (drain {DRAIN_SECONDS} s)"
