@@ -5,9 +5,9 @@
 #   build-tsan  ThreadSanitizer: the engine's OpenMP paths, the Compute call's row reader, the
 #               scheduler, the whole server end-to-end suite (concurrent streams, cancellation,
 #               scheduler limits, steps racing calls), shared memory (the handover socket's thread,
-#               a writer racing calls over a client's rows) and, where robustness_test exists, its
-#               abandoned-stream, 32-client load, stalled-stream, pending-memory and
-#               handler-failure tests.
+#               a writer racing calls over a client's rows), replicas failing over mid-call, a
+#               device fault and, where robustness_test exists, its abandoned-stream, 32-client
+#               load, stalled-stream, pending-memory and handler-failure tests.
 # Exits non-zero on any test failure or sanitizer report. Run after scripts/setup.sh, which installs
 # the project's libraries. Needs network access to Debian's archive for the TSan abseil (below).
 set -euo pipefail
@@ -76,7 +76,8 @@ cmake --build build-asan --target "${asan_tests[@]}"
 
 # ---- TSan ----
 configure build-tsan thread
-tsan_tests=(engine_test row_reader_test scheduler_test server_e2e_test client_test accumulator_test shared_memory_test)
+tsan_tests=(engine_test row_reader_test scheduler_test server_e2e_test client_test accumulator_test
+            shared_memory_test replicas_test device_fault_test)
 with_robustness_test=0
 if [[ " $(test_targets build-tsan | tr '\n' ' ') " == *" robustness_test "* ]]; then
   with_robustness_test=1
@@ -114,6 +115,10 @@ build_tsan_abseil build-tsan/abseil-tsan
   run_test env "$preload" build-tsan/bin/client_test --gtest_filter='*SharedMemory*:*GradHiddenOut*:*LostAnswer*'
   run_test env "$preload" build-tsan/bin/shared_memory_test
   run_test env "$preload" build-tsan/bin/accumulator_test --gtest_filter='CallIdTest.*'
+  # Compute calls failing over between replicas killed mid-call; a device fault met on a call's
+  # thread turning the service and its health away while other calls run.
+  run_test env "$preload" build-tsan/bin/replicas_test
+  run_test env "$preload" build-tsan/bin/device_fault_test
   if ((with_robustness_test)); then
     run_test env "$preload" build-tsan/bin/robustness_test \
       --gtest_filter='CancellationTest.*:LoadTest.*:StallTest.*:*StalledStreamTest.*:PendingMemoryTest.*:HandlerFailureTest.*'
