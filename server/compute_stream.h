@@ -27,7 +27,7 @@ class ComputeStream {
 };
 
 // The status of a call ended because its client kept it waiting for `limit` (--stream_idle_seconds)
-// for `what` ("rows [0, 128)", "the end of the stream", "reading its results").
+// for `what` ("rows [0, 128)", "the end of the stream", "the client to read its results").
 inline absl::Status StreamIdleError(absl::string_view what, absl::Duration limit) {
   return absl::DeadlineExceededError(absl::StrCat(
       "stream idle: the call waited ", absl::FormatDuration(limit), " for ", what,

@@ -1,7 +1,8 @@
-// Robustness of a real lossd server on loopback: malformed requests, abandoned streams, many
-// concurrent clients, authentication and TLS. Crash safety of checkpoints is checked against the
-// real binary in tests/python/test_crash_safety.py. Figures are recorded as test properties
-// (--gtest_output=xml) and summarized in tests/ROBUSTNESS.md.
+// Robustness of a real lossd server on loopback: malformed requests, abandoned and stalled
+// streams, many concurrent clients, admission bounds, handlers that fail, authentication and TLS.
+// Crash safety of checkpoints is checked against the real binary in
+// tests/python/test_crash_safety.py. Figures are recorded as test properties (--gtest_output=xml)
+// and summarized in tests/ROBUSTNESS.md.
 #include <gtest/gtest.h>
 
 #include <algorithm>
