@@ -33,26 +33,19 @@ gtest_discover_tests(accumulator_test
   DISCOVERY_TIMEOUT 60
   PROPERTIES TIMEOUT 120 ENVIRONMENT "OMP_NUM_THREADS=2")
 
-add_test(NAME checkpoint_crash_safety
-  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
-          ${CMAKE_CURRENT_LIST_DIR}/python/test_crash_safety.py)
-set_tests_properties(checkpoint_crash_safety PROPERTIES
-  ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;OMP_NUM_THREADS=2"
-  TIMEOUT 300)
+# A pytest file of python/ against the real lossd_server binary, as the test `name`.
+function(add_server_pytest name file timeout)
+  add_test(NAME ${name}
+    COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
+            ${CMAKE_CURRENT_LIST_DIR}/python/${file})
+  set_tests_properties(${name} PROPERTIES
+    ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;OMP_NUM_THREADS=2"
+    TIMEOUT ${timeout})
+endfunction()
 
-add_test(NAME listen_ports
-  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
-          ${CMAKE_CURRENT_LIST_DIR}/python/test_listen_ports.py)
-set_tests_properties(listen_ports PROPERTIES
-  ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;OMP_NUM_THREADS=2"
-  TIMEOUT 120)
-
-add_test(NAME handler_failures
-  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
-          ${CMAKE_CURRENT_LIST_DIR}/python/test_handler_failures.py)
-set_tests_properties(handler_failures PROPERTIES
-  ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;OMP_NUM_THREADS=2"
-  TIMEOUT 120)
+add_server_pytest(checkpoint_crash_safety test_crash_safety.py 300)
+add_server_pytest(listen_ports test_listen_ports.py 120)
+add_server_pytest(handler_failures test_handler_failures.py 120)
 
 # Shared memory against clients that misbehave on purpose: the handover socket, handles, layouts,
 # rows rewritten during calls, sparse memfds (shared_memory_test, in-process server); clients of
