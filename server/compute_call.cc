@@ -622,8 +622,9 @@ class ComputeCall {
   absl::Status OverBudget(const absl::Status& refused) const {
     const int64_t capacity = env_.scheduler->capacity_bytes();
     const Head& head = *spec_.head;
-    std::string message = absl::StrCat("the call needs ", admitted_bytes_, " bytes of device memory (",
-                                       plan_.workspace_bytes, " of workspace");
+    std::string message = absl::StrCat("the call needs ", admitted_bytes_,
+                                       " bytes of device memory (", plan_.workspace_bytes,
+                                       " of workspace");
     if (staging_bytes_ > 0) {
       absl::StrAppend(&message, " and ", staging_bytes_, " for the ", head.vocab_size(), " x ",
                       head.hidden_size(), " fp32 staging dL/dW of head '", head.name(), "'");

@@ -47,7 +47,9 @@ int64_t StreamRowBytes(const RowLayout& layout, size_t stream) {
 // One buffer is enough when a single chunk holds the call.
 int BuffersFor(const RowLayout& layout) { return layout.num_tokens > layout.chunk_rows ? 2 : 1; }
 
-int64_t ChunkRows(const RowLayout& layout) { return std::min(layout.chunk_rows, layout.num_tokens); }
+int64_t ChunkRows(const RowLayout& layout) {
+  return std::min(layout.chunk_rows, layout.num_tokens);
+}
 
 }  // namespace
 

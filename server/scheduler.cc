@@ -168,8 +168,9 @@ absl::Status PendingMemory::Change(int64_t from, int64_t to) {
   const int64_t others = held_bytes_ - from;
   if (to > from && others + to > capacity_bytes_) {
     const std::string held =
-        others > 0 ? absl::StrCat("; calls not yet admitted hold ", others, " bytes now, retry later")
-                   : "";
+        others > 0
+            ? absl::StrCat("; calls not yet admitted hold ", others, " bytes now, retry later")
+            : "";
     return WithAdmissionRefusal(
         absl::ResourceExhaustedError(absl::StrCat(
             "pending memory: the call needs ", to, " bytes of host memory until it is admitted "

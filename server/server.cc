@@ -548,7 +548,8 @@ int64_t LossServer::ComputeBudget(int64_t incoming_head_elements) const {
   if (config_.compute_memory_bytes > 0) return config_.compute_memory_bytes;
   int64_t largest_head_elements = incoming_head_elements;
   for (const auto& head : heads_.List()) {
-    largest_head_elements = std::max(largest_head_elements, head->vocab_size() * head->hidden_size());
+    largest_head_elements =
+        std::max(largest_head_elements, head->vocab_size() * head->hidden_size());
   }
   return config_.max_running_calls *
          (static_cast<int64_t>(config_.workspace_budget_bytes) +

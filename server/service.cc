@@ -311,7 +311,9 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
     state.weight = std::move(converted);
   }
   ASSIGN_OR_RETURN(auto head, Head::Create(backend_, ledger_, state, source));
-  if (options_.resize_compute_budget) options_.resize_compute_budget(state.vocab_size * state.hidden_size);
+  if (options_.resize_compute_budget) {
+    options_.resize_compute_budget(state.vocab_size * state.hidden_size);
+  }
   const absl::Status stored = heads_.Put(head, start.replace());
   if (options_.resize_compute_budget) options_.resize_compute_budget(0);
   RETURN_IF_ERROR(stored);

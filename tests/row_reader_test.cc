@@ -346,11 +346,12 @@ TEST(RowReaderTest, StopEndsTheStreamOfAClientThatSendsNothingMoreWithTheCallsSt
   const auto reader = StartReader(stream, Layout(12, 4));
   ASSERT_TRUE(reader->Next().ok());
   stream.AwaitSilence();
+  const absl::Status own = absl::InvalidArgumentError("chunk.hidden: the call's own error");
   const absl::Time start = absl::Now();
   // The reader waits for a third message that never comes.
-  reader->Stop(absl::InvalidArgumentError("chunk.hidden: the call's own error"));
+  reader->Stop(own);
   EXPECT_LT(absl::Now() - start, absl::Seconds(5));
-  EXPECT_EQ(stream.ended_status(), absl::InvalidArgumentError("chunk.hidden: the call's own error"));
+  EXPECT_EQ(stream.ended_status(), own);
 }
 
 TEST(RowReaderTest, StopOfAFinishedReaderLeavesTheStreamAlone) {
@@ -393,8 +394,8 @@ TEST_P(RowReaderIdleTest, WaitEndsAfterTheIdleLimitNamingTheFlag) {
   const IdleCase& c = GetParam();
   SCOPED_TRACE(c.why);
   const std::vector<float> data = RandomRows(8, 17);
-  ScriptedStream stream(Split(std::vector<float>(data.begin(), data.begin() + c.rows_sent * kHidden), 1),
-                        c.silent_at_end, c.pause);
+  const std::vector<float> sent(data.begin(), data.begin() + c.rows_sent * kHidden);
+  ScriptedStream stream(Split(sent, 1), c.silent_at_end, c.pause);
   constexpr absl::Duration kLimit = absl::Milliseconds(150);
   const auto reader = StartReader(stream, Layout(8, 4), kLimit);
   if (c.waits_in != IdleCase::kFirstChunk) ASSERT_TRUE(reader->AwaitFirstChunk().ok());
@@ -427,7 +428,8 @@ TEST(RowReaderTest, FirstChunkIsThereOnceItsRowsAreInOrTheStreamEnded) {
   EXPECT_TRUE(StartReader(whole, Layout(8, 4))->AwaitFirstChunk().ok());
   ScriptedStream empty({});
   EXPECT_TRUE(StartReader(empty, Layout(0, 4))->AwaitFirstChunk().ok());
-  ScriptedStream short_stream(Split(std::vector<float>(data.begin(), data.begin() + 2 * kHidden), 1));
+  const std::vector<float> two_rows(data.begin(), data.begin() + 2 * kHidden);
+  ScriptedStream short_stream(Split(two_rows, 1));
   EXPECT_EQ(StartReader(short_stream, Layout(8, 4))->AwaitFirstChunk().code(),
             absl::StatusCode::kInvalidArgument);
 }
