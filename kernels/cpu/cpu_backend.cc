@@ -212,9 +212,7 @@ bool AnyNaN(const float* z, int64_t cols) {
   return found != 0;
 }
 
-}  // namespace
-
-LOSSD_ROW_LOOP float MaxAbs(const float* x, int64_t count) {
+LOSSD_ROW_LOOP float MaxAbsClones(const float* x, int64_t count) {
   float m = 0.0f;
 #pragma omp simd reduction(max : m)
   for (int64_t i = 0; i < count; ++i) m = MaxStep(m, std::fabs(x[i]));
@@ -228,8 +226,9 @@ LOSSD_ROW_LOOP float MaxAbs(const float* x, int64_t count) {
 // the running max of that block, which is recorded in block_max[b] for the gradient pass. The
 // block max also screens the block for the row's top-k list, which it updates while the block is
 // in L1: a separate pass would read the row from memory once more.
-LOSSD_ROW_LOOP RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t label,
-                                     TileStatsWork work, const TopKList& top, float* block_max) {
+LOSSD_ROW_LOOP RowStats TileRowStatsClones(float* z, int64_t cols, int64_t v0, int64_t label,
+                                           TileStatsWork work, const TopKList& top,
+                                           float* block_max) {
   RowStats s = EmptyRowStats();
   if (label >= v0 && label < v0 + cols) s.target = z[label - v0];
   float m = -INFINITY;
@@ -289,6 +288,15 @@ LOSSD_ROW_LOOP RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t
   s.sum_exp_shifted = static_cast<float>(sum_exp_shifted);
   s.argmax = static_cast<int32_t>(v0 + argmax);
   return s;
+}
+
+}  // namespace
+
+float MaxAbs(const float* x, int64_t count) { return MaxAbsClones(x, count); }
+
+RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t label, TileStatsWork work,
+                      const TopKList& top, float* block_max) {
+  return TileRowStatsClones(z, cols, v0, label, work, top, block_max);
 }
 
 }  // namespace cpu

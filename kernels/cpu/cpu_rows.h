@@ -114,13 +114,18 @@ struct TileStatsWork {
   bool zero_after;  // z[c] <- 0 once read, while in L1, for the next product to add onto
 };
 
+// The two row loops other files call are plain functions that call their LOSSD_ROW_LOOP clones in
+// cpu_backend.cc: Clang 14 compiles a call to a target_clones function that is declared, not
+// defined, in the calling file as a call to its resolver, which returns a function pointer, so
+// the caller would read garbage for its result.
+
 // max_j |x_j|.
-LOSSD_ROW_LOOP float MaxAbs(const float* x, int64_t count);
+float MaxAbs(const float* x, int64_t count);
 
 // A row's statistics over one vocabulary tile z[0:cols] holding columns [v0, v0 + cols), read
 // once; see cpu_backend.cc.
-LOSSD_ROW_LOOP RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t label,
-                                     TileStatsWork work, const TopKList& top, float* block_max);
+RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t label, TileStatsWork work,
+                      const TopKList& top, float* block_max);
 
 }  // namespace lossd::cpu
 
