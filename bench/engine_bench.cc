@@ -115,7 +115,7 @@ struct Options {
   std::set<std::string> methods = {"floor", "engine", "naive"};
   bool methods_given = false;
   std::set<Pass> passes = {Pass::kForward, Pass::kForwardBackward};
-  size_t budget_bytes = size_t{256} << 20;
+  size_t budget_bytes = 0;  // 0: the backend's default, as the server takes it
   int reps = 3;
   int64_t warmup_tokens = kWarmUpTokens;  // 0: all of N
   double rep_seconds = 20.0;
@@ -129,7 +129,8 @@ constexpr char kUsage[] = R"(usage: engine_bench [flags]
   --device D                the engine's backend: cpu, cuda, cuda:N or auto (default cpu); with
                             any but the CPU only the engine runs
   --dtype T                 hidden states and W: fp32 or bf16 (default fp32)
-  --budget-mib M            the engine's workspace budget in MiB (default 256)
+  --budget-mib M            the engine's workspace budget in MiB (default: the device's, as
+                            lossd_server takes it)
   --reps R                  timed runs per measurement after one warm-up, median kept (default 3)
   --warmup-tokens W         tokens of the untimed warm-up run (default 64; 0: all of N, so that a
                             GPU's libraries meet the timed runs' shapes before the clock starts)
@@ -724,10 +725,11 @@ absl::Status Run(const Options& options) {
     }
     run_options.methods = {"engine"};
   }
+  if (run_options.budget_bytes == 0) run_options.budget_bytes = backend->DefaultWorkspaceBudget();
   nlohmann::json machine = DescribeMachine();
   machine["device"] = backend->Describe();
   std::cerr << "machine: " << machine.dump() << "\n"
-            << "engine workspace budget " << (options.budget_bytes >> 20) << " MiB, "
+            << "engine workspace budget " << (run_options.budget_bytes >> 20) << " MiB, "
             << DTypeName(options.dtype) << " inputs; useful flops "
             << "2NHV forward, 4NHV fwd_dh, 6NHV forward+backward; seconds are medians\n";
   PrintTableHeader();

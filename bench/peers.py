@@ -286,8 +286,9 @@ class Runner:
 
     def engine_bench(self, method, n, h, v, passes="fwd_bwd"):
         argv = [os.path.join(self.bin, "engine_bench"), "--methods", method, "--passes", passes,
-                "--shapes", f"{n},{h},{v}", "--reps", str(self.args.reps),
-                "--budget-mib", str(self.args.budget_mib)]
+                "--shapes", f"{n},{h},{v}", "--reps", str(self.args.reps)]
+        if self.args.budget_mib:
+            argv += ["--budget-mib", str(self.args.budget_mib)]
         code, out, err, rss = self.launch(argv)
         if code != 0:
             return {"error": failure(err, code)}, rss
@@ -936,7 +937,9 @@ def main():
                         help="V,H,N;V,H,N;... instead of the sweep (rows of one V,H share a server)")
     parser.add_argument("--skip-transport", action="store_true",
                         help="leave out the wire throughput measurements")
-    parser.add_argument("--budget-mib", type=int, default=256, help="lossd's workspace budget")
+    parser.add_argument("--budget-mib", type=int, default=0,
+                        help="lossd's workspace budget (0, the default: the device's, as "
+                             "lossd_server takes it)")
     parser.add_argument("--memory-cap-gib", type=float, default=6.0,
                         help="data-segment cap of every process; 6 GiB of this 24 GiB machine "
                              "plays the part of an accelerator's memory")

@@ -19,8 +19,10 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "HTTP address of the Prometheus /metrics endpoint; empty turns it off");
 ABSL_FLAG(std::string, device, "auto", "compute device: auto, cpu, cuda or cuda:N");
-ABSL_FLAG(int64_t, workspace_budget_mib, 256,
-          "per-call workspace budget in MiB; the engine's chunking keeps every call under it");
+ABSL_FLAG(int64_t, workspace_budget_mib, 0,
+          "per-call workspace budget in MiB; the engine's chunking keeps every call under it (0: "
+          "the device's default, on the CPU 1/16 of the host's memory within [256, 1024] MiB, on "
+          "a GPU 256)");
 ABSL_FLAG(int64_t, compute_memory_mib, 0,
           "device memory admitted calls may hold together, in MiB (0: room for --max_running_calls "
           "training calls on the largest head)");
@@ -94,7 +96,7 @@ int main(int argc, char** argv) {
   config.listen_address = absl::GetFlag(FLAGS_listen);
   config.metrics_address = absl::GetFlag(FLAGS_metrics_listen);
   config.device = absl::GetFlag(FLAGS_device);
-  config.workspace_budget_bytes = static_cast<size_t>(absl::GetFlag(FLAGS_workspace_budget_mib)) << 20;
+  config.workspace_budget_bytes = absl::GetFlag(FLAGS_workspace_budget_mib) << 20;
   config.compute_memory_bytes = absl::GetFlag(FLAGS_compute_memory_mib) << 20;
   config.max_running_calls = absl::GetFlag(FLAGS_max_running_calls);
   config.cache_call_buffers = absl::GetFlag(FLAGS_cache_call_buffers);

@@ -419,6 +419,10 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
     return InvalidField("--pending_memory_mib", "a size > 0",
                         absl::StrCat(config.pending_memory_bytes >> 20));
   }
+  if (config.workspace_budget_bytes < 0) {
+    return InvalidField("--workspace_budget_mib", "a size in MiB >= 0 (0: the device's default)",
+                        absl::StrCat(config.workspace_budget_bytes >> 20));
+  }
   if (config.stream_idle <= absl::ZeroDuration()) {
     return InvalidField("--stream_idle_seconds", "a positive duration",
                         absl::FormatDuration(config.stream_idle));
@@ -448,6 +452,13 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   }
   server->backend_ = std::move(backend);
   server->startup_log_.push_back(absl::StrCat("backend: ", server->backend_->Describe()));
+  if (config.workspace_budget_bytes == 0) {
+    server->config_.workspace_budget_bytes =
+        static_cast<int64_t>(server->backend_->DefaultWorkspaceBudget());
+  }
+  server->startup_log_.push_back(absl::StrCat(
+      "workspace budget: ", server->config_.workspace_budget_bytes >> 20, " MiB per call",
+      config.workspace_budget_bytes == 0 ? " (the device's default)" : ""));
   RETURN_IF_ERROR(server->LoadHeads(config));
 
   const int64_t compute_memory = server->ComputeBudget(0);
@@ -461,7 +472,7 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
       config.cache_call_buffers ? config.host_cache_bytes : 0);
 
   ServiceOptions options;
-  options.compute.workspace_budget_bytes = config.workspace_budget_bytes;
+  options.compute.workspace_budget_bytes = static_cast<size_t>(server->config_.workspace_budget_bytes);
   options.compute.allow_shared_memory = config.shared_memory;
   if (config.max_call_ids <= 0) {
     return InvalidField("--max_call_ids", "a count > 0", absl::StrCat(config.max_call_ids));
@@ -552,7 +563,7 @@ int64_t LossServer::ComputeBudget(int64_t incoming_head_elements) const {
         std::max(largest_head_elements, head->vocab_size() * head->hidden_size());
   }
   return config_.max_running_calls *
-         (static_cast<int64_t>(config_.workspace_budget_bytes) +
+         (config_.workspace_budget_bytes +
           largest_head_elements * static_cast<int64_t>(sizeof(float)));
 }
 

@@ -33,7 +33,7 @@ struct ServerConfig {
   std::string listen_address = "127.0.0.1:50051";  // port 0 picks a free port
   std::string metrics_address = "127.0.0.1:9464";  // empty: no /metrics endpoint
   std::string device = "auto";                     // auto, cpu, cuda, cuda:N
-  size_t workspace_budget_bytes = 256u << 20;      // per call
+  int64_t workspace_budget_bytes = 0;              // per call; 0: Backend::DefaultWorkspaceBudget
   // 0: room for max_running_calls training calls on the largest head, following the heads served
   int64_t compute_memory_bytes = 0;
   int max_running_calls = 2;
@@ -104,7 +104,7 @@ class LossServer {
   void ResizeComputeBudget(int64_t incoming_head_elements);
   std::vector<GaugeSample> ReadState() const;
 
-  const ServerConfig config_;
+  ServerConfig config_;  // workspace_budget_bytes resolved against the backend
   std::unique_ptr<Backend> backend_;
   MemoryLedger ledger_;
   HeadStore heads_;

@@ -705,7 +705,7 @@ TEST(ReferenceTest, GradientsMatchFiniteDifferences) {
 }
 
 // Llama 3 8B's head (H = 4096, V = 128256) and 4096 tokens in bf16, against the same bounds as the
-// small cases: at the server's default budget, 256 MiB, where the vocabulary comes in tiles (two
+// small cases: at a GPU server's default budget, 256 MiB, where the vocabulary comes in tiles (two
 // passes), and at 1 GiB, where each token chunk's products run at their full lengths (K = H for
 // the logits, K = V for dL/dh, K = the chunk for dL/dW) and an accumulation that truncates instead
 // of rounding would show most. GPU only: its float64 reference takes about a minute on 16 cores

@@ -63,6 +63,9 @@ absl::Status ForwardingBackend::OptimizerStep(const OptimizerConfig& config,
                                               const OptimizerTensors& tensors) {
   return inner_->OptimizerStep(config, tensors);
 }
+size_t ForwardingBackend::DefaultWorkspaceBudget() const {
+  return inner_->DefaultWorkspaceBudget();
+}
 absl::StatusOr<ChunkPlan> ForwardingBackend::Plan(const ProblemShape& shape,
                                                   size_t budget_bytes) const {
   return inner_->Plan(shape, budget_bytes);

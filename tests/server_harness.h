@@ -50,6 +50,7 @@ class ForwardingBackend : public Backend {
   absl::StatusOr<double> SumSquaresFloat32(const DeviceBuffer& x, int64_t count) override;
   absl::Status OptimizerStep(const OptimizerConfig& config,
                              const OptimizerTensors& tensors) override;
+  size_t DefaultWorkspaceBudget() const override;
   absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const override;
   bool ReadsRowsOnce(DType hidden_dtype) const override;
   absl::StatusOr<BatchSummary> Compute(const BatchInputs& inputs, const WeightView& weight,

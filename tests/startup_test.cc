@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "lossd/kernels/half.h"
 #include "lossd/storage/checkpoint.h"
@@ -259,6 +260,11 @@ const Refusal kRefusals[] = {
        return std::vector<std::string>{
            "--stream_idle_seconds: expected a positive duration, got 0"};
      }},
+    {"workspace_budget_negative", "-1 MiB would wrap to a budget of 16 EiB", kInvalid,
+     [](const std::string&, std::mt19937_64&, server::ServerConfig& config) {
+       config.workspace_budget_bytes = int64_t{-1} << 20;
+       return std::vector<std::string>{"--workspace_budget_mib: expected a size in MiB >= 0"};
+     }},
     {"stream_idle_negative", "-1 s", kInvalid,
      [](const std::string&, std::mt19937_64&, server::ServerConfig& config) {
        config.stream_idle = absl::Seconds(-1);
@@ -293,6 +299,43 @@ TEST_P(StartupRefusalTest, NamesWhatIsWrong) {
 
 INSTANTIATE_TEST_SUITE_P(Table, StartupRefusalTest, ::testing::ValuesIn(kRefusals),
                          [](const auto& info) { return std::string(info.param.name); });
+
+// MemTotal from /proc/meminfo, read here rather than through the backend under test.
+int64_t HostMemoryBytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key, unit;
+  int64_t kib = 0;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemTotal:") return kib * 1024;
+  }
+  return -1;
+}
+
+// Without a configured budget the CPU server takes 1/16 of the host's memory within
+// [256 MiB, 1 GiB], and says so; a configured budget is used as it is.
+TEST(WorkspaceBudgetTest, ZeroTakesTheDevicesDefaultAndTheLogSaysWhich) {
+  const int64_t host = HostMemoryBytes();
+  ASSERT_GT(host, 0) << "/proc/meminfo has no MemTotal";
+  const int64_t expected_mib =
+      std::clamp<int64_t>(host / 16, int64_t{256} << 20, int64_t{1} << 30) >> 20;
+  for (const int64_t configured_mib : {int64_t{0}, int64_t{3}}) {
+    SCOPED_TRACE(::testing::Message() << "--workspace_budget_mib=" << configured_mib);
+    server::ServerConfig config;
+    config.listen_address = "127.0.0.1:0";
+    config.metrics_address = "";
+    config.demo = {"demo", kVocab, kHidden, 1};
+    config.workspace_budget_bytes = configured_mib << 20;
+    auto started = server::LossServer::Start(config, CreateBackend("cpu").value());
+    ASSERT_TRUE(started.ok()) << started.status();
+    const std::string wanted =
+        configured_mib == 0
+            ? absl::StrCat("workspace budget: ", expected_mib, " MiB per call (the device's default)")
+            : absl::StrCat("workspace budget: ", configured_mib, " MiB per call");
+    const std::vector<std::string>& log = (*started)->startup_log();
+    EXPECT_NE(std::find(log.begin(), log.end(), wanted), log.end())
+        << "no line '" << wanted << "' in:\n" << absl::StrJoin(log, "\n");
+  }
+}
 
 // A head's startup line says how W is stored and what it costs, and when the storage dtype is
 // wider than the file's, what --head_dtype would save: a bf16 checkpoint served as fp32 takes

@@ -429,6 +429,18 @@ class CpuBackend final : public Backend {
     return DeviceMemory{total, total - available};
   }
 
+  // 1/16 of the host's memory, within [256 MiB, 1 GiB]. OpenBLAS packs W for every product, so
+  // each token chunk costs a pass over the head: at N = 4096, H = 2048, V = 128256 a call of eight
+  // 512-row chunks (256 MiB) ran 1.03 to 1.04x the GEMM floor, one of two 2048-row chunks (1 GiB)
+  // 0.99 to 1.00x, and 4096 rows (2 GiB) no faster (bench/RESULTS.md). Past 1 GiB only memory grows.
+  size_t DefaultWorkspaceBudget() const override {
+    constexpr size_t kMostPaying = size_t{1} << 30;
+    const absl::StatusOr<DeviceMemory> memory = QueryMemory();
+    if (!memory.ok()) return kBaseWorkspaceBudget;
+    return std::clamp(static_cast<size_t>(memory->total_bytes) / 16, kBaseWorkspaceBudget,
+                      kMostPaying);
+  }
+
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
     return AllocateHostBuffer(this, bytes);
   }

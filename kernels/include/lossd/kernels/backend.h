@@ -152,6 +152,12 @@ class Backend : public BufferAllocator {
   virtual absl::Status OptimizerStep(const OptimizerConfig& config,
                                      const OptimizerTensors& tensors) = 0;
 
+  // The per-call workspace budget a server uses when none is configured. Larger budgets mean fewer
+  // token chunks, each of which streams W through the products once more, so the default grows
+  // with the device's memory where measurements showed that it pays (see the CPU backend's).
+  virtual size_t DefaultWorkspaceBudget() const { return kBaseWorkspaceBudget; }
+  static constexpr size_t kBaseWorkspaceBudget = size_t{256} << 20;
+
   // The chunking for `shape` whose workspace fits `budget_bytes`, or RESOURCE_EXHAUSTED when even
   // the smallest tile does not fit. Peak extra memory of Compute is plan.workspace_bytes.
   virtual absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const = 0;
