@@ -51,6 +51,7 @@ struct CallSpec {
   std::optional<v1::SharedMemory> shared_memory;  // set: rows and dL/dh in the client's memfd
   std::string call_id;  // set only on calls that accumulate dL/dW
   uint64_t start_fingerprint = 0;  // with a call_id: what a repeat of the call must send again
+  bool stage_grad_weight = false;  // keep dL/dW under call_id for CommitGradWeight
   // A distill call's teacher: a head (its rows in ComputeChunk.teacher_hidden), or a sparse top-k.
   std::shared_ptr<Head> teacher;
   std::optional<uint64_t> teacher_pinned_version;
@@ -164,7 +165,7 @@ uint64_t StartFingerprint(const CallSpec& spec) {
                       absl::MakeConstSpan(spec.reference_logprobs),
                       absl::MakeConstSpan(spec.logprob_grads),
                       absl::MakeConstSpan(spec.reduction_scales), spec.has_labels,
-                      DistillFingerprint(spec));
+                      spec.stage_grad_weight, DistillFingerprint(spec));
 }
 
 // The per-token inputs of the call's objective and terms, each num_tokens long and finite where
@@ -400,6 +401,16 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
     spec.options.mean_denominator = static_cast<double>(spec.counted_tokens);
   }
   RETURN_IF_ERROR(ValidateCallId(start.call_id()));
+  if (start.stage_grad_weight()) {
+    if (!spec.outputs.accumulate_grad_weight()) {
+      return InvalidField("stage_grad_weight", "outputs.accumulate_grad_weight with it",
+                          "a call that does not accumulate dL/dW");
+    }
+    if (start.call_id().empty()) {
+      return InvalidField("call_id", "an id to stage dL/dW under (stage_grad_weight)", "none");
+    }
+    spec.stage_grad_weight = true;
+  }
   if (spec.outputs.accumulate_grad_weight() && !start.call_id().empty()) {
     spec.call_id = start.call_id();
     spec.start_fingerprint = StartFingerprint(spec);
@@ -911,6 +922,23 @@ class ComputeCall {
   // accumulator. The head checks both, with the engine's bound sparing it the reading of V x H
   // floats where that bound proves them finite.
   absl::StatusOr<CommitOutcome> CommitGradient() {
+    if (spec_.stage_grad_weight) {
+      StagedGradient staged;
+      staged.version = spec_.version;
+      staged.tokens = spec_.counted_tokens;
+      staged.rows = spec_.num_tokens;
+      staged.bound = grad_weight_bound_;
+      staged.call_id = spec_.call_id;
+      staged.start_fingerprint = spec_.start_fingerprint;
+      staged.loss_sum = loss_sum_;
+      ASSIGN_OR_RETURN(const CommitOutcome outcome,
+                       spec_.head->StageGradient(staged, staging_.buffer(), *env_.staging_room,
+                                                 absl::Now() + env_.limits.staged_grad_ttl,
+                                                 env_.limits.max_call_ids));
+      // No room: commit as a call that does not stage; the client's backward corrects for its
+      // upstream gradient, as the summary tells it.
+      if (outcome != CommitOutcome::kNoRoom) return outcome;
+    }
     StagedGradient staged;
     staged.version = spec_.version;
     staged.buffer = &staging_.buffer();
@@ -1011,7 +1039,9 @@ class ComputeCall {
     s.set_counted_tokens(spec_.counted_tokens);
     s.set_correct_tokens(correct_tokens_);
     s.set_head_version(spec_.version);
-    s.set_grad_weight_accumulated(staging_.held());
+    const bool staged = commit_ == CommitOutcome::kStaged;
+    s.set_grad_weight_accumulated(staging_.held() && !staged);
+    s.set_grad_weight_staged(staging_.held() && staged);
     s.set_replayed(staging_.held() && commit_ == CommitOutcome::kReplayed);
     s.set_queue_seconds(queue_seconds_);
     s.set_compute_seconds(compute_seconds_);

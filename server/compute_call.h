@@ -35,6 +35,8 @@ struct ComputeLimits {
   // Call ids a head keeps per accumulator epoch (ComputeStart.call_id); past them a new id is
   // refused, so that no id is ever forgotten within its epoch.
   int64_t max_call_ids = 65536;
+  // How long a staged dL/dW (ComputeStart.stage_grad_weight) waits for its commit.
+  absl::Duration staged_grad_ttl = absl::Seconds(300);
 };
 
 // The longest ComputeStart.call_id accepted.
@@ -50,6 +52,7 @@ struct ComputeEnvironment {
   BufferCache* host_buffers;  // rows from messages and dL/dh for them, in host memory
   SharedMemoryMaps* shared_memory;  // clients' memfds (ComputeStart.shared_memory)
   PendingMemory* pending;  // host memory of calls not yet admitted
+  StagingRoom* staging_room;  // staged dL/dW of every head
   ComputeLimits limits;
 };
 

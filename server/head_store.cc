@@ -82,6 +82,42 @@ bool IsNonFiniteGradient(const absl::Status& status) {
   return status.GetPayload(kNonFiniteGradientPayload).has_value();
 }
 
+const char* StagedDropName(StagedDrop reason) {
+  switch (reason) {
+    case StagedDrop::kDiscarded: return "discarded";
+    case StagedDrop::kExpired: return "expired";
+    case StagedDrop::kHeadMoved: return "head_moved";
+  }
+  return "unknown";
+}
+
+bool StagingRoom::TryReserve(int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  if (used_bytes_ + bytes > capacity_bytes_) return false;
+  used_bytes_ += bytes;
+  return true;
+}
+
+void StagingRoom::Release(int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  used_bytes_ -= bytes;
+}
+
+int64_t StagingRoom::used_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return used_bytes_;
+}
+
+int64_t StagingRoom::capacity_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return capacity_bytes_;
+}
+
+void StagingRoom::SetCapacity(int64_t capacity_bytes) {
+  absl::MutexLock lock(&mu_);
+  capacity_bytes_ = capacity_bytes;
+}
+
 Head::Head(Backend& backend, MemoryLedger& ledger, const HeadState& state, std::string source)
     : backend_(backend),
       ledger_(ledger),
@@ -125,6 +161,22 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Create(Backend& backend, MemoryLedge
   }
   ASSIGN_OR_RETURN(head->weight_, UploadBuffer(backend, state.weight.data(), state.weight.size()));
   head->weight_charge_ = MemoryCharge(&ledger, MemoryPurpose::kWeights, state.weight.size());
+  if (!state.master_weight.empty()) {
+    if (state.weight_dtype == DType::kFloat32 ||
+        state.master_weight.size() != static_cast<size_t>(elements)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "head '", state.head, "' from ", head->source_, ": master_weight: expected ",
+          state.weight_dtype == DType::kFloat32 ? 0 : elements, " values for a ",
+          DTypeName(state.weight_dtype), " W, got ", state.master_weight.size()));
+    }
+    RETURN_IF_ERROR(CheckFinite(state.head, head->source_, "master_weight",
+                                state.master_weight.data(), DType::kFloat32, state.vocab_size,
+                                state.hidden_size));
+    const size_t bytes = state.master_weight.size() * sizeof(float);
+    absl::WriterMutexLock weight_lock(&head->weight_mu_);
+    ASSIGN_OR_RETURN(head->master_, UploadBuffer(backend, state.master_weight.data(), bytes));
+    head->master_charge_ = MemoryCharge(&ledger, MemoryPurpose::kWeights, bytes);
+  }
   absl::MutexLock lock(&head->grad_mu_);
   if (state.optimizer != OptimizerKind::kNone) {
     RETURN_IF_ERROR(head->EnsureOptimizerState(state.optimizer));
@@ -159,6 +211,7 @@ HeadSummary Head::SummaryLocked() const {
   s.version = version_;
   s.steps = steps_;
   s.source = source_;
+  s.master_weights = master_.data() != nullptr;
   {
     absl::MutexLock digest_lock(&digest_mu_);
     if (digest_.version == version_) s.weight_sha256 = digest_.sha256;
@@ -167,6 +220,7 @@ HeadSummary Head::SummaryLocked() const {
   s.accumulated_tokens = accumulated_tokens_;
   s.accumulated_calls = accumulated_calls_;
   s.optimizer = optimizer_;
+  s.staged_gradients = static_cast<int64_t>(staged_.size());
   return s;
 }
 
@@ -244,14 +298,193 @@ absl::StatusOr<CommitOutcome> Head::CommitGradient(StagedGradient& call, int64_t
     }
     RETURN_IF_ERROR(CheckRoomForCallId(max_call_ids));
   }
+  RETURN_IF_ERROR(AddCommitted(call, 1.0));
+  return CommitOutcome::kCommitted;
+}
+
+absl::Status Head::AddCommitted(StagedGradient& call, double scale) {
   ASSIGN_OR_RETURN(const double staged_bound, StagedBound(call));
   RETURN_IF_ERROR(AddToAccumulator(*call.buffer, staged_bound));
   accumulated_tokens_ += call.tokens;
   ++accumulated_calls_;
   if (!call.call_id.empty()) {
-    committed_calls_[call.call_id] = CommittedCall{version_, call.start_fingerprint, call.loss_sum};
+    committed_calls_[call.call_id] =
+        CommittedCall{version_, call.start_fingerprint, call.loss_sum, scale};
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CommitOutcome> Head::StageGradient(StagedGradient& call, DeviceBuffer& buffer,
+                                                  StagingRoom& room, absl::Time deadline,
+                                                  int64_t max_call_ids) {
+  if (call.call_id.empty()) {
+    return InvalidField("call_id", "an id for a call that stages its dL/dW", "none");
+  }
+  if (buffer.bytes() != AccumulatorBytes()) {
+    return absl::InternalError(absl::StrCat("head '", name_, "': a staged dL/dW of ",
+                                            buffer.bytes(), " bytes, expected ",
+                                            AccumulatorBytes()));
+  }
+  absl::ReaderMutexLock weight_lock(&weight_mu_);
+  if (retired_ || version_ != call.version) {
+    return VersionMoved(name_, call.version, version_, retired_);
+  }
+  absl::MutexLock grad_lock(&grad_mu_);
+  const auto committed = committed_calls_.find(call.call_id);
+  if (committed != committed_calls_.end()) {
+    RETURN_IF_ERROR(CheckRepeat(call.call_id, committed->second, call.start_fingerprint));
+    return CommitOutcome::kReplayed;
+  }
+  if (const auto staged = staged_.find(call.call_id); staged != staged_.end()) {
+    if (staged->second->call.start_fingerprint != call.start_fingerprint ||
+        absl::bit_cast<uint64_t>(staged->second->call.loss_sum) !=
+            absl::bit_cast<uint64_t>(call.loss_sum)) {
+      return InvalidField("call_id", "a fresh id for a different call",
+                          absl::StrCat("'", call.call_id, "', under which head '", name_,
+                                       "' holds the staged dL/dW of another call; nothing was "
+                                       "staged"));
+    }
+    return CommitOutcome::kStaged;
+  }
+  RETURN_IF_ERROR(CheckRoomForCallId(max_call_ids));
+  const int64_t bytes = static_cast<int64_t>(buffer.bytes());
+  if (!room.TryReserve(bytes)) return CommitOutcome::kNoRoom;
+  auto entry = std::make_unique<StagedCall>();
+  entry->room = &room;
+  entry->reserved = bytes;
+  entry->buffer = std::move(buffer);
+  entry->charge = MemoryCharge(&ledger_, MemoryPurpose::kGradients, bytes);
+  entry->deadline = deadline;
+  entry->call = call;
+  entry->call.buffer = &entry->buffer;
+  staged_[call.call_id] = std::move(entry);
+  dropped_.erase(call.call_id);
+  return CommitOutcome::kStaged;
+}
+
+absl::StatusOr<CommitOutcome> Head::CommitStaged(const std::string& call_id, double scale,
+                                                 int64_t max_call_ids) {
+  absl::ReaderMutexLock weight_lock(&weight_mu_);
+  if (retired_) return VersionMoved(name_, version_, version_, retired_);
+  absl::MutexLock grad_lock(&grad_mu_);
+  const auto staged = staged_.find(call_id);
+  if (staged == staged_.end()) {
+    if (const auto committed = committed_calls_.find(call_id); committed != committed_calls_.end()) {
+      if (absl::bit_cast<uint64_t>(committed->second.scale) == absl::bit_cast<uint64_t>(scale)) {
+        return CommitOutcome::kReplayed;
+      }
+      return absl::AlreadyExistsError(absl::StrCat(
+          "call_id: '", call_id, "' was already committed into head '", name_, "' with scale ",
+          committed->second.scale, "; a commit with scale ", scale,
+          " cannot take it back; nothing was added"));
+    }
+    std::string why = "no call staged it, or it was committed before the head's gradient was last "
+                      "zeroed";
+    if (const auto dropped = dropped_.find(call_id); dropped != dropped_.end()) {
+      switch (dropped->second) {
+        case StagedDrop::kDiscarded: why = "it was discarded"; break;
+        case StagedDrop::kExpired: why = "it expired (--staged_grad_seconds) before this commit"; break;
+        case StagedDrop::kHeadMoved:
+          why = "the head stepped, was replaced, or had its gradient zeroed since it was staged";
+          break;
+      }
+    }
+    return absl::NotFoundError(absl::StrCat("call_id: head '", name_,
+                                            "' holds no gradient staged under '", call_id, "': ",
+                                            why, "; nothing was added"));
+  }
+  std::unique_ptr<StagedCall> entry = std::move(staged->second);
+  staged_.erase(staged);
+  StagedGradient& call = entry->call;
+  const int64_t count = vocab_size_ * hidden_size_;
+  if (scale != 1.0) {
+    RETURN_IF_ERROR(backend_.ScaleFloat32(entry->buffer, count, static_cast<float>(scale)));
+    // The product rounds once more, and fp32(scale) may exceed |scale| by half an ulp.
+    call.bound *= std::fabs(scale) * (1.0 + kFp32Rounding) * (1.0 + kFp32Rounding);
+    if (!std::isfinite(call.bound)) call.bound = HUGE_VAL;
+  }
+  RETURN_IF_ERROR(CheckRoomForCallId(max_call_ids));
+  RETURN_IF_ERROR(AddCommitted(call, scale));
   return CommitOutcome::kCommitted;
+}
+
+int Head::DiscardStaged(absl::Span<const std::string> call_ids) {
+  absl::MutexLock grad_lock(&grad_mu_);
+  int dropped = 0;
+  for (const std::string& id : call_ids) {
+    const auto staged = staged_.find(id);
+    if (staged == staged_.end()) continue;
+    staged_.erase(staged);
+    RememberDrop(id, StagedDrop::kDiscarded);
+    ++dropped;
+  }
+  ObserveDrops(StagedDrop::kDiscarded, dropped);
+  return dropped;
+}
+
+int Head::ExpireStaged(absl::Time now) {
+  absl::MutexLock grad_lock(&grad_mu_);
+  std::vector<std::string> expired;
+  for (const auto& [id, entry] : staged_) {
+    if (entry->deadline < now) expired.push_back(id);
+  }
+  for (const std::string& id : expired) {
+    staged_.erase(id);
+    RememberDrop(id, StagedDrop::kExpired);
+  }
+  ObserveDrops(StagedDrop::kExpired, static_cast<int>(expired.size()));
+  return static_cast<int>(expired.size());
+}
+
+int64_t Head::staged_count() const {
+  absl::MutexLock grad_lock(&grad_mu_);
+  return static_cast<int64_t>(staged_.size());
+}
+
+void Head::SetStagedDropObserver(std::function<void(StagedDrop, int)> observer) {
+  absl::MutexLock grad_lock(&grad_mu_);
+  drop_observer_ = std::move(observer);
+}
+
+void Head::DropAllStaged(StagedDrop reason) {
+  const int count = static_cast<int>(staged_.size());
+  for (const auto& [id, unused] : staged_) RememberDrop(id, reason);
+  staged_.clear();
+  ObserveDrops(reason, count);
+}
+
+void Head::RememberDrop(const std::string& call_id, StagedDrop reason) {
+  constexpr size_t kRemembered = 4096;
+  if (dropped_.emplace(call_id, reason).second) dropped_order_.push_back(call_id);
+  if (dropped_order_.size() > 2 * kRemembered) {
+    const size_t forget = dropped_order_.size() - kRemembered;
+    for (size_t i = 0; i < forget; ++i) dropped_.erase(dropped_order_[i]);
+    dropped_order_.erase(dropped_order_.begin(), dropped_order_.begin() + forget);
+  }
+}
+
+void Head::ObserveDrops(StagedDrop reason, int count) const {
+  if (count > 0 && drop_observer_) drop_observer_(reason, count);
+}
+
+absl::StatusOr<GradNorm> Head::GradientNorm(std::optional<uint64_t> expected_version,
+                                            double grad_multiplier) {
+  absl::ReaderMutexLock weight_lock(&weight_mu_);
+  if (expected_version.has_value() && *expected_version != version_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "head_version: expected the head's current ", version_, ", got ", *expected_version));
+  }
+  absl::MutexLock grad_lock(&grad_mu_);
+  GradNorm norm;
+  norm.version = version_;
+  norm.accumulated_tokens = accumulated_tokens_;
+  norm.accumulated_calls = accumulated_calls_;
+  if (grad_.data() != nullptr) {
+    ASSIGN_OR_RETURN(const double sum_squares,
+                     backend_.SumSquaresFloat32(grad_, vocab_size_ * hidden_size_));
+    norm.norm = std::sqrt(sum_squares) * grad_multiplier;
+  }
+  return norm;
 }
 
 absl::StatusOr<double> Head::StagedBound(const StagedGradient& call) const {
@@ -428,6 +661,7 @@ absl::Status Head::EnsureAccumulator() {
 }
 
 absl::Status Head::ResetAccumulator() {
+  DropAllStaged(StagedDrop::kHeadMoved);
   if (grad_.data() != nullptr) RETURN_IF_ERROR(backend_.Zero(grad_));
   accumulated_tokens_ = 0;
   accumulated_calls_ = 0;
@@ -453,15 +687,19 @@ absl::StatusOr<TensorSnapshot> Head::ReadGradient(DType dtype) {
   return snapshot;
 }
 
-absl::StatusOr<TensorSnapshot> Head::ReadWeight(DType dtype) {
+absl::StatusOr<TensorSnapshot> Head::ReadWeight(DType dtype, bool master) {
   TensorSnapshot snapshot;
-  std::vector<uint8_t> weight(weight_.bytes());
+  std::vector<uint8_t> weight;
+  DType stored = dtype_;
   {
     absl::ReaderMutexLock lock(&weight_mu_);
-    RETURN_IF_ERROR(backend_.CopyToHost(weight_, 0, weight.size(), weight.data()));
+    const DeviceBuffer& source = master && master_.data() != nullptr ? master_ : weight_;
+    if (&source == &master_) stored = DType::kFloat32;
+    weight.resize(source.bytes());
+    RETURN_IF_ERROR(backend_.CopyToHost(source, 0, weight.size(), weight.data()));
     snapshot.version = version_;
   }
-  snapshot.data = ConvertOnHost(std::move(weight), dtype_, dtype);
+  snapshot.data = ConvertOnHost(std::move(weight), stored, dtype);
   snapshot.dtype = dtype;
   return snapshot;
 }
@@ -485,12 +723,36 @@ absl::Status Head::EnsureOptimizerState(OptimizerKind kind) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config, double max_grad_norm,
-                                       bool keep_grad, std::optional<uint64_t> expected_version) {
+absl::Status Head::EnsureMasterWeights() {
+  if (dtype_ == DType::kFloat32 || master_.data() != nullptr) return absl::OkStatus();
+  const int64_t count = vocab_size_ * hidden_size_;
+  const size_t bytes = static_cast<size_t>(count) * sizeof(float);
+  // Widened on the host in slices: exact, and no device memory beyond the master itself.
+  constexpr int64_t kSliceElements = int64_t{4} << 20;
+  ASSIGN_OR_RETURN(DeviceBuffer master, backend_.Allocate(bytes));
+  std::vector<uint8_t> stored(static_cast<size_t>(std::min(count, kSliceElements)) *
+                              DTypeSize(dtype_));
+  std::vector<float> widened(std::min(count, kSliceElements));
+  for (int64_t first = 0; first < count; first += kSliceElements) {
+    const int64_t n = std::min(kSliceElements, count - first);
+    RETURN_IF_ERROR(backend_.CopyToHost(weight_, first * DTypeSize(dtype_), n * DTypeSize(dtype_),
+                                        stored.data()));
+    for (int64_t i = 0; i < n; ++i) widened[i] = LoadAsFloat(stored.data(), dtype_, i);
+    RETURN_IF_ERROR(backend_.CopyToDevice(widened.data(), n * sizeof(float), master,
+                                          first * sizeof(float)));
+  }
+  master_ = std::move(master);
+  master_charge_ = MemoryCharge(&ledger_, MemoryPurpose::kWeights, static_cast<int64_t>(bytes));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config,
+                                       const StepSettings& settings) {
   absl::WriterMutexLock weight_lock(&weight_mu_);
-  if (expected_version.has_value() && *expected_version != version_) {
-    return absl::FailedPreconditionError(absl::StrCat("head_version: expected the head's current ",
-                                                      version_, ", got ", *expected_version));
+  if (settings.expected_version.has_value() && *settings.expected_version != version_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "head_version: expected the head's current ", version_, ", got ",
+        *settings.expected_version));
   }
   absl::MutexLock grad_lock(&grad_mu_);
   // A step with nothing accumulated still moves W (momentum, AdamW's decay): it steps on zeros.
@@ -498,33 +760,47 @@ absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config, double max
   const int64_t count = vocab_size_ * hidden_size_;
   ASSIGN_OR_RETURN(const double sum_squares, backend_.SumSquaresFloat32(grad_, count));
   StepOutcome outcome;
-  outcome.grad_norm = std::sqrt(sum_squares);
+  outcome.grad_norm = std::sqrt(sum_squares) * settings.grad_multiplier;
+  outcome.accumulated_tokens = accumulated_tokens_;
   if (!std::isfinite(outcome.grad_norm)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "gradient of head '", name_, "' has a non-finite norm; step refused, nothing changed"));
+    if (!settings.skip_nonfinite) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "gradient of head '", name_, "' has a non-finite norm (", outcome.grad_norm,
+          " after grad_multiplier ", settings.grad_multiplier,
+          "); step refused, nothing changed"));
+    }
+    // As torch.amp.GradScaler after an overflow: this step's gradient is dropped, nothing moves.
+    outcome.skipped = true;
+    outcome.version = version_;
+    if (!settings.keep_grad) RETURN_IF_ERROR(ResetAccumulator());
+    return outcome;
   }
   // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
-  if (max_grad_norm > 0) {
-    outcome.clip_multiplier = std::min(1.0, max_grad_norm / (outcome.grad_norm + 1e-6));
+  if (settings.max_grad_norm > 0) {
+    outcome.clip_multiplier = std::min(1.0, settings.max_grad_norm / (outcome.grad_norm + 1e-6));
   }
   const OptimizerKind kind =
       config.kind == OptimizerConfig::Kind::kAdamW ? OptimizerKind::kAdamW : OptimizerKind::kSgd;
   const bool fresh_state = optimizer_ != kind;
   RETURN_IF_ERROR(EnsureOptimizerState(kind));
+  RETURN_IF_ERROR(EnsureMasterWeights());
   if (fresh_state) steps_ = 0;
   OptimizerConfig effective = config;
   effective.step = steps_ + 1;
-  effective.grad_multiplier = outcome.clip_multiplier;
+  effective.grad_multiplier = outcome.clip_multiplier * settings.grad_multiplier;
   OptimizerTensors tensors;
-  tensors.weight = &weight_;
-  tensors.weight_dtype = dtype_;
+  const bool master = master_.data() != nullptr;
+  tensors.weight = master ? &master_ : &weight_;
+  tensors.weight_dtype = master ? DType::kFloat32 : dtype_;
   tensors.grad = &grad_;
   tensors.state1 = &state1_;
   tensors.state2 = kind == OptimizerKind::kAdamW ? &state2_ : nullptr;
   tensors.count = count;
   RETURN_IF_ERROR(backend_.OptimizerStep(effective, tensors));
-  outcome.accumulated_tokens = accumulated_tokens_;
-  if (!keep_grad) RETURN_IF_ERROR(ResetAccumulator());
+  if (master) RETURN_IF_ERROR(backend_.ConvertFloat32(master_, weight_, dtype_, count));
+  // The staged gradients are of the W that just went.
+  DropAllStaged(StagedDrop::kHeadMoved);
+  if (!settings.keep_grad) RETURN_IF_ERROR(ResetAccumulator());
   ++steps_;
   outcome.version = ++version_;
   return outcome;
@@ -545,6 +821,8 @@ absl::Status Head::ReplaceWeight(const std::vector<uint8_t>& weight, DType dtype
   absl::MutexLock grad_lock(&grad_mu_);
   RETURN_IF_ERROR(backend_.CopyToDevice(stored.data(), stored.size(), weight_, 0));
   RETURN_IF_ERROR(ResetAccumulator());
+  master_charge_.Reset();
+  master_.Reset();
   state_charge_.Reset();
   state1_.Reset();
   state2_.Reset();
@@ -573,6 +851,11 @@ absl::StatusOr<HeadState> Head::ExportState() {
   RETURN_IF_ERROR(backend_.CopyToHost(weight_, 0, state.weight.size(), state.weight.data()));
   state.optimizer = optimizer_;
   const int64_t count = vocab_size_ * hidden_size_;
+  if (master_.data() != nullptr) {
+    state.master_weight.resize(count);
+    RETURN_IF_ERROR(
+        backend_.CopyToHost(master_, 0, count * sizeof(float), state.master_weight.data()));
+  }
   if (optimizer_ != OptimizerKind::kNone) {
     state.state1.resize(count);
     RETURN_IF_ERROR(backend_.CopyToHost(state1_, 0, count * sizeof(float), state.state1.data()));
@@ -587,6 +870,8 @@ absl::StatusOr<HeadState> Head::ExportState() {
 void Head::Retire() {
   absl::WriterMutexLock lock(&weight_mu_);
   retired_ = true;
+  absl::MutexLock grad_lock(&grad_mu_);
+  DropAllStaged(StagedDrop::kHeadMoved);
 }
 
 absl::StatusOr<std::shared_ptr<Head>> HeadStore::Get(const std::string& name) const {
@@ -606,8 +891,15 @@ std::vector<std::shared_ptr<Head>> HeadStore::List() const {
   return heads;
 }
 
+void HeadStore::SetStagedDropObserver(std::function<void(StagedDrop, int)> observer) {
+  absl::MutexLock lock(&mu_);
+  drop_observer_ = std::move(observer);
+  for (const auto& [unused, head] : heads_) head->SetStagedDropObserver(drop_observer_);
+}
+
 absl::Status HeadStore::Put(std::shared_ptr<Head> head, bool replace) {
   absl::MutexLock lock(&mu_);
+  if (drop_observer_) head->SetStagedDropObserver(drop_observer_);
   auto [it, inserted] = heads_.try_emplace(head->name(), head);
   if (!inserted) {
     if (!replace) {

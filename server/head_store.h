@@ -11,11 +11,17 @@
 // - A call with a call_id reaches the accumulator at most once per accumulator epoch, which ends
 //   whenever the accumulator is zeroed (ZeroGradWeight, a Step without keep_grad, an upload of W).
 // - Step takes W exclusively: it waits for running engine chunks (not for idle streams).
+// - A call may stage its dL/dW instead of committing it (StageGradient): it is kept, under its
+//   call_id, until CommitStaged adds it times a scale, DiscardStaged or its deadline drops it, or
+//   the head moves (Step, upload) or its accumulator is zeroed, which drop every staged gradient.
+// - A 16-bit head that steps keeps fp32 master weights: the optimizer updates them and W, what
+//   calls read, is their rounded copy, so that updates smaller than W's rounding add up.
 #ifndef LOSSD_SERVER_HEAD_STORE_H_
 #define LOSSD_SERVER_HEAD_STORE_H_
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -27,6 +33,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "lossd/kernels/backend.h"
 #include "lossd/storage/checkpoint.h"
@@ -53,6 +60,8 @@ struct HeadSummary {
   bool tied_embeddings = false;
   double logit_softcap = 0.0;
   std::string weight_sha256;  // of W at `version`; empty where not computed yet
+  bool master_weights = false;  // a 16-bit W stepped from fp32 master weights
+  int64_t staged_gradients = 0;
 };
 
 // The SHA-256 of W (see WeightHasher) at the version it belongs to.
@@ -61,12 +70,58 @@ struct WeightDigest {
   std::string sha256;  // empty: not computed
 };
 
+// One optimizer step, beside its optimizer's configuration (StepRequest).
+struct StepSettings {
+  double max_grad_norm = 0.0;           // > 0: clip by the (multiplied) gradient's norm
+  bool keep_grad = false;               // else the accumulator is zeroed after the step
+  std::optional<uint64_t> expected_version;
+  double grad_multiplier = 1.0;         // applied to the accumulated gradient first
+  bool skip_nonfinite = false;          // a non-finite gradient skips the step instead of failing
+};
+
 struct StepOutcome {
   uint64_t version = 0;
   double grad_norm = 0.0;
   double clip_multiplier = 1.0;
   int64_t accumulated_tokens = 0;
+  bool skipped = false;
 };
+
+// The accumulated gradient's norm before a step (GradWeightNorm).
+struct GradNorm {
+  uint64_t version = 0;
+  double norm = 0.0;
+  int64_t accumulated_tokens = 0;
+  int64_t accumulated_calls = 0;
+};
+
+// Device memory that staged gradients may hold together, over every head of a server: a staged
+// dL/dW is as large as an accumulator, and a client that never commits (or discards) would
+// otherwise hold it until its deadline.
+class StagingRoom {
+ public:
+  explicit StagingRoom(int64_t capacity_bytes) : capacity_bytes_(capacity_bytes) {}
+  // Whether `bytes` more fit; they are then held until Release.
+  bool TryReserve(int64_t bytes);
+  void Release(int64_t bytes);
+  int64_t used_bytes() const;
+  int64_t capacity_bytes() const;
+  void SetCapacity(int64_t capacity_bytes);
+
+ private:
+  mutable absl::Mutex mu_;
+  int64_t capacity_bytes_ ABSL_GUARDED_BY(mu_);
+  int64_t used_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Why staged gradients were dropped without a commit (lossd_staged_gradients_dropped_total).
+enum class StagedDrop : int {
+  kDiscarded = 0,  // DiscardGradWeight
+  kExpired = 1,    // --staged_grad_seconds without a commit
+  kHeadMoved = 2,  // a Step or upload, or the accumulator zeroed
+};
+inline constexpr int kStagedDropCount = 3;
+const char* StagedDropName(StagedDrop reason);
 
 // A host copy of W or of the gradient with the version it belongs to.
 struct TensorSnapshot {
@@ -96,6 +151,8 @@ struct StagedGradient {
 enum class CommitOutcome {
   kCommitted,  // dL/dW was added
   kReplayed,   // the call_id was already accumulated at this version: nothing added again
+  kStaged,     // kept under the call_id for CommitStaged (StageGradient)
+  kNoRoom,     // StageGradient only: the staging room is full; nothing kept, nothing added
 };
 
 // Whether a commit was refused because dL/dW, or the accumulator with it, would not be finite.
@@ -160,6 +217,33 @@ class Head {
                            int64_t max_call_ids) const;
   absl::Status ZeroGradient();
 
+  // Keeps `call`'s dL/dW, moved out of `buffer`, under call.call_id (which must be set) until
+  // CommitStaged adds it, DiscardStaged or ExpireStaged (past `deadline`) drops it, or the head
+  // moves. kStaged; kReplayed when the id was already committed in this epoch (the same call,
+  // checked as CommitGradient checks a repeat) or is already staged (the same call computed
+  // again: the first stays); kNoRoom, with `buffer` left as it was, when `room` cannot take it.
+  absl::StatusOr<CommitOutcome> StageGradient(StagedGradient& call, DeviceBuffer& buffer,
+                                              StagingRoom& room, absl::Time deadline,
+                                              int64_t max_call_ids);
+  // Adds the gradient staged under `call_id` times `scale` to the accumulator, as CommitGradient
+  // adds a call's, and drops it whatever the outcome. kReplayed when the id was committed with
+  // the same scale before (nothing added again); ALREADY_EXISTS with another scale; NOT_FOUND,
+  // saying why where the head still knows, when nothing is staged under it.
+  absl::StatusOr<CommitOutcome> CommitStaged(const std::string& call_id, double scale,
+                                             int64_t max_call_ids);
+  // Drops the gradients staged under `call_ids`; returns how many there were.
+  int DiscardStaged(absl::Span<const std::string> call_ids);
+  // Drops the staged gradients whose deadline is before `now`; returns how many.
+  int ExpireStaged(absl::Time now);
+  int64_t staged_count() const;
+  // Called with each drop's reason and count (metrics).
+  void SetStagedDropObserver(std::function<void(StagedDrop, int)> observer);
+
+  // The norm of the accumulated gradient times `grad_multiplier`, if the head is at
+  // `expected_version` (FAILED_PRECONDITION otherwise).
+  absl::StatusOr<GradNorm> GradientNorm(std::optional<uint64_t> expected_version,
+                                        double grad_multiplier);
+
   // The input embedding of a tied head. ReadRows copies W's rows `ids` (each in [0, V), checked
   // by the caller) into `out`, [ids.size(), H] in `dtype`, if the head is still at
   // `expected_version` (ABORTED otherwise). AddGradientRows adds `rows` ([ids.size(), H] fp32,
@@ -173,11 +257,14 @@ class Head {
   absl::StatusOr<uint64_t> AddGradientRows(std::optional<uint64_t> expected_version,
                                            absl::Span<const int64_t> ids, std::vector<float>& rows);
   absl::StatusOr<TensorSnapshot> ReadGradient(DType dtype);
-  absl::StatusOr<TensorSnapshot> ReadWeight(DType dtype);
+  // W as served; with `master`, a 16-bit head's fp32 master weights (W itself where it has none).
+  absl::StatusOr<TensorSnapshot> ReadWeight(DType dtype, bool master = false);
 
-  // One optimizer update from the accumulated gradient; increments the version.
-  absl::StatusOr<StepOutcome> Step(const OptimizerConfig& config, double max_grad_norm,
-                                   bool keep_grad, std::optional<uint64_t> expected_version);
+  // One optimizer update from the accumulated gradient; increments the version. A 16-bit head
+  // steps its fp32 master weights (made from W at its first step) and serves their rounded copy.
+  // With settings.skip_nonfinite, a gradient whose multiplied norm is not finite leaves W, the
+  // optimizer state and the version as they were (skipped) and only resets the accumulator.
+  absl::StatusOr<StepOutcome> Step(const OptimizerConfig& config, const StepSettings& settings);
 
   // Overwrites W (same shape), drops gradient and optimizer state, increments the version.
   absl::Status ReplaceWeight(const std::vector<uint8_t>& weight, DType dtype, std::string source);
@@ -211,6 +298,16 @@ class Head {
                            uint64_t start_fingerprint) const ABSL_SHARED_LOCKS_REQUIRED(weight_mu_);
   absl::Status CheckRoomForCallId(int64_t max_call_ids) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
+  // Adds a gradient that passed the call-id checks: its bound, the sum, the counts.
+  absl::Status AddCommitted(StagedGradient& call, double scale)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_) ABSL_SHARED_LOCKS_REQUIRED(weight_mu_);
+  // Drops every staged gradient (the head moved or was zeroed).
+  void DropAllStaged(StagedDrop reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
+  void RememberDrop(const std::string& call_id, StagedDrop reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
+  void ObserveDrops(StagedDrop reason, int count) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
+  // Makes fp32 master weights from W, for a 16-bit head's first step.
+  absl::Status EnsureMasterWeights() ABSL_EXCLUSIVE_LOCKS_REQUIRED(weight_mu_);
 
   Backend& backend_;
   MemoryLedger& ledger_;
@@ -228,6 +325,9 @@ class Head {
   std::string source_ ABSL_GUARDED_BY(weight_mu_);
   DeviceBuffer weight_;
   MemoryCharge weight_charge_;
+  // A 16-bit head's fp32 master weights, from its first step on; W is their rounded copy.
+  DeviceBuffer master_ ABSL_GUARDED_BY(weight_mu_);
+  MemoryCharge master_charge_ ABSL_GUARDED_BY(weight_mu_);
 
   absl::Mutex digest_pass_mu_ ABSL_ACQUIRED_BEFORE(weight_mu_);  // one pass over W at a time
   mutable absl::Mutex digest_mu_;  // taken last, held only to read or set digest_
@@ -248,8 +348,28 @@ class Head {
     uint64_t version = 0;
     uint64_t start_fingerprint = 0;
     double loss_sum = 0.0;
+    double scale = 1.0;  // the commit's scale (CommitStaged; 1 for a direct commit)
   };
   absl::flat_hash_map<std::string, CommittedCall> committed_calls_ ABSL_GUARDED_BY(grad_mu_);
+  struct StagedCall {
+    StagedGradient call;  // call.buffer points at `buffer`
+    DeviceBuffer buffer;
+    MemoryCharge charge;
+    StagingRoom* room = nullptr;  // holds `reserved` bytes for it until it goes
+    int64_t reserved = 0;
+    absl::Time deadline;
+    StagedCall() = default;
+    StagedCall(const StagedCall&) = delete;
+    StagedCall& operator=(const StagedCall&) = delete;
+    ~StagedCall() {
+      if (room != nullptr) room->Release(reserved);
+    }
+  };
+  absl::flat_hash_map<std::string, std::unique_ptr<StagedCall>> staged_ ABSL_GUARDED_BY(grad_mu_);
+  // Why recent staged gradients went, for the NOT_FOUND of a late commit (bounded, oldest out).
+  std::map<std::string, StagedDrop> dropped_ ABSL_GUARDED_BY(grad_mu_);
+  std::vector<std::string> dropped_order_ ABSL_GUARDED_BY(grad_mu_);
+  std::function<void(StagedDrop, int)> drop_observer_ ABSL_GUARDED_BY(grad_mu_);
   OptimizerKind optimizer_ ABSL_GUARDED_BY(grad_mu_) = OptimizerKind::kNone;
   DeviceBuffer state1_ ABSL_GUARDED_BY(grad_mu_);
   DeviceBuffer state2_ ABSL_GUARDED_BY(grad_mu_);
@@ -262,10 +382,13 @@ class HeadStore {
   std::vector<std::shared_ptr<Head>> List() const;
   // ALREADY_EXISTS unless `replace`.
   absl::Status Put(std::shared_ptr<Head> head, bool replace);
+  // Set on every head stored, now and later (Head::SetStagedDropObserver).
+  void SetStagedDropObserver(std::function<void(StagedDrop, int)> observer);
 
  private:
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Head>> heads_ ABSL_GUARDED_BY(mu_);
+  std::function<void(StagedDrop, int)> drop_observer_ ABSL_GUARDED_BY(mu_);
 };
 
 // A seeded random head, so that the server runs out of the box: W uniform on [-1/sqrt(H), 1/sqrt(H))

@@ -40,6 +40,15 @@ ABSL_FLAG(int64_t, max_call_ids, 65536,
           "calls with a call_id whose ids each head keeps per accumulator epoch (until its "
           "gradient is zeroed), so that a retried call is never accumulated twice; a new id past "
           "them is refused");
+ABSL_FLAG(double, staged_grad_seconds, 300,
+          "how long a Compute call's staged dL/dW (stage_grad_weight) waits for its commit before "
+          "it is dropped");
+ABSL_FLAG(int64_t, staged_grad_mib, 0,
+          "device memory, in MiB, that staged dL/dW may hold together; a call past it commits at "
+          "once instead (0: room for 8 of the largest head's gradients)");
+ABSL_FLAG(double, step_wait_seconds, 300,
+          "how long the ranks of a collective Step (or gradient norm) wait for the last of them; "
+          "then the step fails on every rank and nothing is applied");
 ABSL_FLAG(int, max_queued_calls, 64, "Compute calls waiting for admission before new ones are refused");
 ABSL_FLAG(int64_t, pending_memory_mib, 2048,
           "host memory, in MiB, that Compute calls not yet admitted may hold together (start "
@@ -103,6 +112,9 @@ int main(int argc, char** argv) {
   config.host_cache_bytes = absl::GetFlag(FLAGS_host_cache_mib) << 20;
   config.shared_memory = absl::GetFlag(FLAGS_shared_memory);
   config.max_call_ids = absl::GetFlag(FLAGS_max_call_ids);
+  config.staged_grad_ttl = absl::Seconds(absl::GetFlag(FLAGS_staged_grad_seconds));
+  config.staged_grad_bytes = absl::GetFlag(FLAGS_staged_grad_mib) << 20;
+  config.step_wait = absl::Seconds(absl::GetFlag(FLAGS_step_wait_seconds));
   config.max_queued_calls = absl::GetFlag(FLAGS_max_queued_calls);
   config.pending_memory_bytes = absl::GetFlag(FLAGS_pending_memory_mib) << 20;
   config.stream_idle = absl::Seconds(absl::GetFlag(FLAGS_stream_idle_seconds));

@@ -112,6 +112,11 @@ Metrics::Metrics()
                  .Name("lossd_optimizer_steps_total")
                  .Help("Optimizer steps applied, by head.")
                  .Register(*registry_)),
+      staged_dropped_(prometheus::BuildCounter()
+                          .Name("lossd_staged_gradients_dropped_total")
+                          .Help("Staged dL/dW dropped without a commit, by reason: discarded, "
+                                "expired (a backward that never ran), head_moved.")
+                          .Register(*registry_)),
       in_flight_(prometheus::BuildGauge()
                      .Name("lossd_inflight_calls")
                      .Help("RPCs being served now.")
@@ -145,6 +150,9 @@ void Metrics::CountAdmissionRejected(const std::string& reason) {
   admission_rejected_.Add({{"reason", reason}}).Increment();
 }
 void Metrics::CountStep(const std::string& head) { steps_.Add({{"head", head}}).Increment(); }
+void Metrics::CountStagedDropped(const std::string& reason, int count) {
+  staged_dropped_.Add({{"reason", reason}}).Increment(count);
+}
 void Metrics::AddInFlight(int delta) { in_flight_.Increment(delta); }
 
 }  // namespace lossd::server

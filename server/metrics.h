@@ -46,6 +46,8 @@ class Metrics {
   void CountReplayedCall();
   void CountAdmissionRejected(const std::string& reason);
   void CountStep(const std::string& head);
+  // Staged gradients dropped without a commit, by reason (StagedDropName).
+  void CountStagedDropped(const std::string& reason, int count);
   void AddInFlight(int delta);
 
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
@@ -66,6 +68,7 @@ class Metrics {
   prometheus::Counter& replayed_calls_;
   prometheus::Family<prometheus::Counter>& admission_rejected_;
   prometheus::Family<prometheus::Counter>& steps_;
+  prometheus::Family<prometheus::Counter>& staged_dropped_;
   prometheus::Gauge& in_flight_;
 };
 

@@ -181,6 +181,8 @@ v1::HeadInfo ToProto(const HeadSummary& s) {
   info.set_tied_embeddings(s.tied_embeddings);
   info.set_logit_softcap(s.logit_softcap);
   info.set_weight_sha256(s.weight_sha256);
+  info.set_master_weights(s.master_weights);
+  info.set_staged_gradients(s.staged_gradients);
   return info;
 }
 

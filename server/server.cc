@@ -384,6 +384,9 @@ std::vector<GaugeSample> LossServer::ReadState() const {
                      {}, static_cast<double>(pending_->held_bytes())});
   samples.push_back({"lossd_compute_admitted_bytes", "Device memory admitted calls hold now.", {},
                      static_cast<double>(scheduler_->admitted_bytes())});
+  samples.push_back({"lossd_step_rendezvous_waiting",
+                     "Collective steps (and gradient norms) waiting for their last rank.", {},
+                     static_cast<double>(service_->rendezvous().waiting_meetings())});
   const SharedMemoryMaps& maps = service_->shared_memory_maps();
   samples.push_back({"lossd_shared_memory_handles",
                      "Clients' memfds handed over and not yet revoked.", {},
@@ -401,6 +404,9 @@ std::vector<GaugeSample> LossServer::ReadState() const {
     samples.push_back({"lossd_head_accumulated_tokens",
                        "Tokens in each head's gradient accumulator since it was last zeroed.",
                        {{"head", s.name}}, static_cast<double>(s.accumulated_tokens)});
+    samples.push_back({"lossd_head_staged_gradients",
+                       "dL/dW of calls staged on each head, waiting for their commit.",
+                       {{"head", s.name}}, static_cast<double>(s.staged_gradients)});
   }
   samples.push_back({"lossd_build_info", "Constant 1, labelled with the version and backend.",
                      {{"version", kVersion}, {"backend", std::string(backend_->kind())}}, 1.0});
@@ -426,6 +432,18 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   if (config.stream_idle <= absl::ZeroDuration()) {
     return InvalidField("--stream_idle_seconds", "a positive duration",
                         absl::FormatDuration(config.stream_idle));
+  }
+  if (config.staged_grad_ttl <= absl::ZeroDuration()) {
+    return InvalidField("--staged_grad_seconds", "a positive duration",
+                        absl::FormatDuration(config.staged_grad_ttl));
+  }
+  if (config.staged_grad_bytes < 0) {
+    return InvalidField("--staged_grad_mib", "a size in MiB >= 0 (0: room for 8 of the largest "
+                        "head's gradients)", absl::StrCat(config.staged_grad_bytes >> 20));
+  }
+  if (config.step_wait <= absl::ZeroDuration()) {
+    return InvalidField("--step_wait_seconds", "a positive duration",
+                        absl::FormatDuration(config.step_wait));
   }
   std::string bearer_token;
   if (!config.token_file.empty()) {
@@ -479,6 +497,9 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   }
   options.compute.max_call_ids = config.max_call_ids;
   options.compute.stream_idle = config.stream_idle;
+  options.compute.staged_grad_ttl = config.staged_grad_ttl;
+  options.staged_grad_bytes = server->StagedGradBudget(0);
+  options.rendezvous.wait = config.step_wait;
   LossServer* raw_server = server.get();
   options.resize_compute_budget = [raw_server](int64_t incoming_head_elements) {
     raw_server->ResizeComputeBudget(incoming_head_elements);
@@ -498,6 +519,15 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
                                                    server->metrics_,
                                                    server->ledger_, *server->buffers_,
                                                    *server->host_buffers_, std::move(options));
+  server->heads_.SetStagedDropObserver([metrics = &server->metrics_](StagedDrop reason, int n) {
+    metrics->CountStagedDropped(StagedDropName(reason), n);
+  });
+  server->staged_sweeper_ = std::make_unique<std::thread>([raw_server] {
+    while (!raw_server->stop_sweeping_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
+      const absl::Time now = absl::Now();
+      for (const auto& head : raw_server->heads_.List()) head->ExpireStaged(now);
+    }
+  });
   if (config.shared_memory) {
     const absl::Status opened = server->service_->OpenSharedMemorySocket();
     if (!opened.ok()) {
@@ -567,7 +597,21 @@ int64_t LossServer::ComputeBudget(int64_t incoming_head_elements) const {
           largest_head_elements * static_cast<int64_t>(sizeof(float)));
 }
 
+int64_t LossServer::StagedGradBudget(int64_t incoming_head_elements) const {
+  if (config_.staged_grad_bytes > 0) return config_.staged_grad_bytes;
+  int64_t largest_head_elements = incoming_head_elements;
+  for (const auto& head : heads_.List()) {
+    largest_head_elements =
+        std::max(largest_head_elements, head->vocab_size() * head->hidden_size());
+  }
+  constexpr int64_t kStagedGradients = 8;
+  return kStagedGradients * largest_head_elements * static_cast<int64_t>(sizeof(float));
+}
+
 void LossServer::ResizeComputeBudget(int64_t incoming_head_elements) {
+  if (config_.staged_grad_bytes == 0) {
+    service_->staging_room().SetCapacity(StagedGradBudget(incoming_head_elements));
+  }
   if (config_.compute_memory_bytes > 0) return;
   const int64_t budget = ComputeBudget(incoming_head_elements);
   scheduler_->SetCapacity(budget);
@@ -601,6 +645,10 @@ void LossServer::Shutdown(absl::Duration drain) {
   // threads when it goes away.
   service_->WaitForCallsInFlight(absl::InfiniteFuture());
   service_->CloseSharedMemorySocket();
+  if (staged_sweeper_ != nullptr) {
+    stop_sweeping_.Notify();
+    staged_sweeper_->join();
+  }
 }
 
 LossServer::~LossServer() {

@@ -5,12 +5,14 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/server.h>
 #include <prometheus/exposer.h>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "lossd/kernels/backend.h"
 #include "server/buffer_cache.h"
@@ -48,6 +50,12 @@ struct ServerConfig {
   int64_t host_cache_bytes = int64_t{1} << 30;
   bool shared_memory = true;                       // rows in memfds from clients on this host
   int64_t max_call_ids = 65536;                    // per head and accumulator epoch
+  // ComputeStart.stage_grad_weight: how long a staged dL/dW waits for its commit, and the device
+  // memory all staged dL/dW may hold together (0: room for 8 of the largest head's).
+  absl::Duration staged_grad_ttl = absl::Seconds(300);
+  int64_t staged_grad_bytes = 0;
+  // How long the ranks of a collective Step wait for the last of them (StepRequest.ranks).
+  absl::Duration step_wait = absl::Seconds(300);
   int64_t max_message_bytes = 256 << 20;
   // Zero: unlimited. Else the server closes each client connection after about this long (gRPC
   // GOAWAY; calls in flight finish), so that clients balancing over replicas resolve the Service
@@ -101,6 +109,8 @@ class LossServer {
   // max_running_calls training calls (workspace budget + V x H fp32 staging dL/dW) on the largest
   // of the heads served and of a head of `incoming_head_elements` about to be.
   int64_t ComputeBudget(int64_t incoming_head_elements) const;
+  // --staged_grad_mib, or with 0 room for 8 staged dL/dW of the largest head.
+  int64_t StagedGradBudget(int64_t incoming_head_elements) const;
   void ResizeComputeBudget(int64_t incoming_head_elements);
   std::vector<GaugeSample> ReadState() const;
 
@@ -121,6 +131,9 @@ class LossServer {
   std::unique_ptr<prometheus::Exposer> exposer_;
   int port_ = 0;
   bool shut_down_ = false;
+  // Drops staged gradients past their deadline, about once a second, until Shutdown.
+  std::unique_ptr<std::thread> staged_sweeper_;
+  absl::Notification stop_sweeping_;
   std::vector<std::string> startup_log_;
 };
 

@@ -5,6 +5,13 @@
 #include <new>
 #include <utility>
 
+#include <cfloat>
+#include <cmath>
+
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+
+#include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/common/status_macros.h"
@@ -57,7 +64,9 @@ LossService::LossService(Backend& backend, HeadStore& heads, Scheduler& schedule
       ledger_(ledger),
       buffers_(buffers),
       host_buffers_(host_buffers),
-      options_(std::move(options)) {}
+      options_(std::move(options)),
+      staging_room_(options_.staged_grad_bytes),
+      rendezvous_(options_.rendezvous) {}
 
 absl::Status LossService::Authenticate(const grpc::ServerContextBase& context) const {
   if (options_.bearer_token.empty()) return absl::OkStatus();
@@ -207,7 +216,7 @@ grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>* LossService::C
 absl::Status LossService::RunCompute(ComputeStream& stream) {
   const ComputeEnvironment env{&backend_, &heads_,    &scheduler_,    &metrics_,
                                &ledger_,  &buffers_,  &host_buffers_, &shared_memory_maps_,
-                               &pending_, options_.compute};
+                               &pending_, &staging_room_, options_.compute};
   return RunComputeCall(env, stream);
 }
 
@@ -348,8 +357,11 @@ absl::Status LossService::StreamTensor(const v1::FetchTensorRequest& request, bo
   const int64_t row_bytes = head->hidden_size() * static_cast<int64_t>(DTypeSize(dtype));
   ASSIGN_OR_RETURN(const int64_t rows_per_chunk,
                    RowsPerChunk(request.max_chunk_bytes(), row_bytes));
-  ASSIGN_OR_RETURN(const TensorSnapshot snapshot,
-                   gradient ? head->ReadGradient(dtype) : head->ReadWeight(dtype));
+  if (gradient && request.master()) {
+    return InvalidField("master", "false for FetchGradWeight (the gradient is fp32)", "true");
+  }
+  ASSIGN_OR_RETURN(const TensorSnapshot snapshot, gradient ? head->ReadGradient(dtype)
+                                                           : head->ReadWeight(dtype, request.master()));
   for (int64_t r0 = 0; r0 < head->vocab_size(); r0 += rows_per_chunk) {
     const int64_t rows = std::min(rows_per_chunk, head->vocab_size() - r0);
     v1::TensorChunk chunk;
@@ -390,20 +402,148 @@ grpc::Status LossService::ZeroGradWeight(grpc::ServerContext* context,
   });
 }
 
+namespace {
+
+// A finite multiplier >= 0 of the accumulated gradient (StepRequest.grad_multiplier).
+absl::StatusOr<double> GradMultiplier(bool has, double value) {
+  if (!has) return 1.0;
+  if (!std::isfinite(value) || value < 0.0) {
+    return InvalidField("grad_multiplier", "a finite value >= 0", absl::StrCat(value));
+  }
+  return value;
+}
+
+}  // namespace
+
+template <typename Response>
+absl::Status LossService::Collectively(grpc::ServerContext& context, absl::string_view method,
+                                       const std::string& head,
+                                       const std::optional<uint64_t>& version,
+                                       const v1::RankGroup& group,
+                                       const google::protobuf::Message& request,
+                                       absl::FunctionRef<absl::StatusOr<Response>()> action,
+                                       Response* response) {
+  if (group.world_size() < 0 || (group.world_size() <= 1 && group.rank() != 0)) {
+    return InvalidField("ranks", "world_size >= 2 with a rank in [0, world_size), or none",
+                        absl::StrCat("world_size ", group.world_size(), ", rank ", group.rank()));
+  }
+  if (group.world_size() <= 1) {
+    ASSIGN_OR_RETURN(*response, action());
+    return absl::OkStatus();
+  }
+  if (!version.has_value()) {
+    return InvalidField("head_version", "the version the ranks trained on (ranks.world_size > 1)",
+                        "none");
+  }
+  // Every rank sends the same request but for its rank.
+  std::unique_ptr<google::protobuf::Message> shared(request.New());
+  shared->CopyFrom(request);
+  auto* ranks = shared->GetReflection()->MutableMessage(
+      shared.get(), shared->GetDescriptor()->FindFieldByName("ranks"));
+  static_cast<v1::RankGroup*>(ranks)->set_rank(0);
+  std::string bytes;
+  google::protobuf::io::StringOutputStream stream(&bytes);
+  google::protobuf::io::CodedOutputStream coded(&stream);
+  coded.SetSerializationDeterministic(true);
+  shared->SerializeToCodedStream(&coded);
+  coded.Trim();
+  const std::string key = absl::StrCat(method, " of head '", head, "' at version ", *version);
+  ASSIGN_OR_RETURN(
+      const std::string serialized,
+      rendezvous_.Join(key, group.world_size(), group.rank(), absl::HashOf(bytes),
+                       [&] { return context.IsCancelled(); },
+                       [&]() -> absl::StatusOr<std::string> {
+                         ASSIGN_OR_RETURN(const Response outcome, action());
+                         return outcome.SerializeAsString();
+                       }));
+  if (!response->ParseFromString(serialized)) {
+    return absl::InternalError(absl::StrCat(key, ": the shared outcome does not parse"));
+  }
+  return absl::OkStatus();
+}
+
 grpc::Status LossService::Step(grpc::ServerContext* context, const v1::StepRequest* request,
                                v1::StepResponse* response) {
   return Serve("Step", context, [&]() -> absl::Status {
     ASSIGN_OR_RETURN(auto head, heads_.Get(request->head()));
     ASSIGN_OR_RETURN(const OptimizerConfig config, FromProto(*request));
-    std::optional<uint64_t> pinned;
-    if (request->has_head_version()) pinned = request->head_version();
-    ASSIGN_OR_RETURN(const StepOutcome outcome,
-                     head->Step(config, request->max_grad_norm(), request->keep_grad(), pinned));
-    response->set_head_version(outcome.version);
-    response->set_grad_norm(outcome.grad_norm);
-    response->set_clip_multiplier(outcome.clip_multiplier);
-    response->set_accumulated_tokens(outcome.accumulated_tokens);
-    metrics_.CountStep(head->name());
+    StepSettings settings;
+    settings.max_grad_norm = request->max_grad_norm();
+    settings.keep_grad = request->keep_grad();
+    if (request->has_head_version()) settings.expected_version = request->head_version();
+    ASSIGN_OR_RETURN(settings.grad_multiplier,
+                     GradMultiplier(request->has_grad_multiplier(), request->grad_multiplier()));
+    settings.skip_nonfinite = request->skip_nonfinite();
+    return Collectively<v1::StepResponse>(
+        *context, "Step", head->name(), settings.expected_version, request->ranks(), *request,
+        [&]() -> absl::StatusOr<v1::StepResponse> {
+          ASSIGN_OR_RETURN(const StepOutcome outcome, head->Step(config, settings));
+          v1::StepResponse r;
+          r.set_head_version(outcome.version);
+          r.set_grad_norm(outcome.grad_norm);
+          r.set_clip_multiplier(outcome.clip_multiplier);
+          r.set_accumulated_tokens(outcome.accumulated_tokens);
+          r.set_skipped(outcome.skipped);
+          if (!outcome.skipped) metrics_.CountStep(head->name());
+          return r;
+        },
+        response);
+  });
+}
+
+grpc::Status LossService::GradWeightNorm(grpc::ServerContext* context,
+                                         const v1::GradWeightNormRequest* request,
+                                         v1::GradWeightNormResponse* response) {
+  return Serve("GradWeightNorm", context, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(auto head, heads_.Get(request->head()));
+    std::optional<uint64_t> version;
+    if (request->has_head_version()) version = request->head_version();
+    ASSIGN_OR_RETURN(const double multiplier,
+                     GradMultiplier(request->has_grad_multiplier(), request->grad_multiplier()));
+    return Collectively<v1::GradWeightNormResponse>(
+        *context, "GradWeightNorm", head->name(), version, request->ranks(), *request,
+        [&]() -> absl::StatusOr<v1::GradWeightNormResponse> {
+          ASSIGN_OR_RETURN(const GradNorm norm, head->GradientNorm(version, multiplier));
+          v1::GradWeightNormResponse r;
+          r.set_head_version(norm.version);
+          r.set_grad_norm(norm.norm);
+          r.set_accumulated_tokens(norm.accumulated_tokens);
+          r.set_accumulated_calls(norm.accumulated_calls);
+          return r;
+        },
+        response);
+  });
+}
+
+grpc::Status LossService::CommitGradWeight(grpc::ServerContext* context,
+                                           const v1::CommitGradWeightRequest* request,
+                                           v1::CommitGradWeightResponse* response) {
+  return Serve("CommitGradWeight", context, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(auto head, heads_.Get(request->head()));
+    const double scale = request->has_scale() ? request->scale() : 1.0;
+    if (!std::isfinite(scale) || std::fabs(scale) > FLT_MAX) {
+      return InvalidField("scale", "a finite value within float32's range", absl::StrCat(scale));
+    }
+    absl::StatusOr<CommitOutcome> outcome =
+        head->CommitStaged(request->call_id(), scale, options_.compute.max_call_ids);
+    if (!outcome.ok() && IsNonFiniteGradient(outcome.status())) metrics_.CountNonFiniteCall();
+    RETURN_IF_ERROR(outcome.status());
+    if (*outcome == CommitOutcome::kReplayed) metrics_.CountReplayedCall();
+    const HeadSummary summary = head->Summary();
+    response->set_head_version(summary.version);
+    response->set_accumulated_tokens(summary.accumulated_tokens);
+    response->set_replayed(*outcome == CommitOutcome::kReplayed);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status LossService::DiscardGradWeight(grpc::ServerContext* context,
+                                            const v1::DiscardGradWeightRequest* request,
+                                            v1::DiscardGradWeightResponse* response) {
+  return Serve("DiscardGradWeight", context, [&]() -> absl::Status {
+    ASSIGN_OR_RETURN(auto head, heads_.Get(request->head()));
+    const std::vector<std::string> ids(request->call_ids().begin(), request->call_ids().end());
+    response->set_discarded(head->DiscardStaged(ids));
     return absl::OkStatus();
   });
 }

@@ -17,6 +17,7 @@
 #include "server/head_store.h"
 #include "server/memory_ledger.h"
 #include "server/metrics.h"
+#include "server/rank_rendezvous.h"
 #include "server/scheduler.h"
 
 namespace lossd::server {
@@ -35,6 +36,9 @@ struct ServiceOptions {
   // Called with the V x H of a head about to be stored by an upload, then with 0 once it is, so
   // that the compute budget can follow the heads (before: calls on the new head fit at once).
   std::function<void(int64_t incoming_head_elements)> resize_compute_budget;
+  // Device memory staged gradients may hold together (--staged_grad_mib).
+  int64_t staged_grad_bytes = 0;
+  RendezvousOptions rendezvous;  // wait: --step_wait_seconds
 };
 
 // Compute runs on gRPC's callback API (see compute_reactor.h), the other methods on the
@@ -63,6 +67,15 @@ class LossService final
                               v1::ZeroGradWeightResponse* response) override;
   grpc::Status Step(grpc::ServerContext* context, const v1::StepRequest* request,
                     v1::StepResponse* response) override;
+  grpc::Status GradWeightNorm(grpc::ServerContext* context,
+                              const v1::GradWeightNormRequest* request,
+                              v1::GradWeightNormResponse* response) override;
+  grpc::Status CommitGradWeight(grpc::ServerContext* context,
+                                const v1::CommitGradWeightRequest* request,
+                                v1::CommitGradWeightResponse* response) override;
+  grpc::Status DiscardGradWeight(grpc::ServerContext* context,
+                                 const v1::DiscardGradWeightRequest* request,
+                                 v1::DiscardGradWeightResponse* response) override;
   grpc::Status SaveCheckpoint(grpc::ServerContext* context, const v1::SaveCheckpointRequest* request,
                               v1::SaveCheckpointResponse* response) override;
   grpc::Status GetSharedMemorySocket(grpc::ServerContext* context,
@@ -92,6 +105,8 @@ class LossService final
   absl::Status device_fault() const;
 
   SharedMemoryMaps& shared_memory_maps() { return shared_memory_maps_; }
+  StagingRoom& staging_room() { return staging_room_; }
+  const RankRendezvous& rendezvous() const { return rendezvous_; }
 
  private:
   class CallScope;
@@ -117,6 +132,14 @@ class LossService final
   // A tied head named `head`, and token ids that index its rows.
   absl::StatusOr<std::shared_ptr<Head>> TiedHead(
       const std::string& head, const google::protobuf::RepeatedField<int64_t>& ids);
+  // Runs `action` once for the ranks of `group` (RankRendezvous), or at once for a group of one;
+  // its result is the serialized response every rank returns.
+  template <typename Response>
+  absl::Status Collectively(grpc::ServerContext& context, absl::string_view method,
+                            const std::string& head, const std::optional<uint64_t>& version,
+                            const v1::RankGroup& group, const google::protobuf::Message& request,
+                            absl::FunctionRef<absl::StatusOr<Response>()> action,
+                            Response* response);
 
   Backend& backend_;
   HeadStore& heads_;
@@ -128,6 +151,8 @@ class LossService final
   BufferCache& host_buffers_;
   const ServiceOptions options_;
   SharedMemoryMaps shared_memory_maps_;
+  StagingRoom staging_room_;
+  RankRendezvous rendezvous_;
   std::unique_ptr<HandoverSocket> handover_socket_;  // registers into shared_memory_maps_
 
   mutable absl::Mutex calls_mu_;

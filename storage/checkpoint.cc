@@ -40,6 +40,7 @@ constexpr char kFormatTag[] = "lossd-checkpoint-v1";
 constexpr char kWeightTensor[] = "weight";
 constexpr char kState1Tensor[] = "optimizer.state1";
 constexpr char kState2Tensor[] = "optimizer.state2";
+constexpr char kMasterWeightTensor[] = "master_weight";
 constexpr char kChecksumPrefix[] = "crc32c.";
 constexpr char kFileExtension[] = ".safetensors";
 constexpr size_t kVersionDigits = 20;  // UINT64_MAX has 20 decimal digits
@@ -132,7 +133,19 @@ absl::Status ValidateState(const CheckpointState& state) {
                                                    OptimizerKindName(state.optimizer)));
   };
   RETURN_IF_ERROR(check(state.state1, has_state1, "state1"));
-  return check(state.state2, has_state2, "state2");
+  RETURN_IF_ERROR(check(state.state2, has_state2, "state2"));
+  if (!state.master_weight.empty()) {
+    if (state.weight_dtype == DType::kFloat32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": master_weight given for a float32 weight, which is its own"));
+    }
+    if (state.master_weight.size() != state_floats) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": master_weight has ",
+                                                     state.master_weight.size(),
+                                                     " values, expected ", state_floats));
+    }
+  }
+  return absl::OkStatus();
 }
 
 std::string ZeroPaddedVersion(uint64_t version) {
@@ -352,6 +365,7 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& dir, const Checkpo
   };
   add_state(kState1Tensor, state.state1);
   add_state(kState2Tensor, state.state2);
+  add_state(kMasterWeightTensor, state.master_weight);
 
   const std::string path = CheckpointPath(dir, state.head, state.version);
   RETURN_IF_ERROR(WriteSafetensorsAtomically(path, tensors, metadata));
@@ -419,6 +433,10 @@ absl::StatusOr<CheckpointState> LoadCheckpoint(const std::string& path) {
   if (has_state1) expected_tensors.insert(kState1Tensor);
   if (has_state2) expected_tensors.insert(kState2Tensor);
   const std::vector<std::string> names = file.TensorNames();
+  // Optional: only 16-bit heads that trained have one.
+  const bool has_master =
+      std::find(names.begin(), names.end(), kMasterWeightTensor) != names.end();
+  if (has_master) expected_tensors.insert(kMasterWeightTensor);
   if (std::set<std::string>(names.begin(), names.end()) != expected_tensors) {
     std::vector<std::string> quoted;
     for (const std::string& name : names) quoted.push_back(absl::StrCat("'", absl::CHexEscape(name), "'"));
@@ -446,6 +464,15 @@ absl::StatusOr<CheckpointState> LoadCheckpoint(const std::string& path) {
     ASSIGN_OR_RETURN(const TensorRef state2,
                      VerifiedTensor(file, kState2Tensor, "F32", state.vocab_size, state.hidden_size));
     state.state2 = CopyFloats(state2);
+  }
+  if (has_master) {
+    if (state.weight_dtype == DType::kFloat32) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": tensor 'master_weight' beside a float32 'weight', which is its own master"));
+    }
+    ASSIGN_OR_RETURN(const TensorRef master, VerifiedTensor(file, kMasterWeightTensor, "F32",
+                                                            state.vocab_size, state.hidden_size));
+    state.master_weight = CopyFloats(master);
   }
   return state;
 }

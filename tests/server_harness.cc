@@ -56,6 +56,15 @@ absl::Status ForwardingBackend::AddFloat32(DeviceBuffer& dst, const DeviceBuffer
                                            int64_t count) {
   return inner_->AddFloat32(dst, src, count);
 }
+
+absl::Status ForwardingBackend::ScaleFloat32(DeviceBuffer& x, int64_t count, float factor) {
+  return inner_->ScaleFloat32(x, count, factor);
+}
+
+absl::Status ForwardingBackend::ConvertFloat32(const DeviceBuffer& src, DeviceBuffer& dst,
+                                               DType dst_dtype, int64_t count) {
+  return inner_->ConvertFloat32(src, dst, dst_dtype, count);
+}
 absl::StatusOr<double> ForwardingBackend::SumSquaresFloat32(const DeviceBuffer& x, int64_t count) {
   return inner_->SumSquaresFloat32(x, count);
 }

@@ -48,6 +48,9 @@ class ForwardingBackend : public Backend {
   absl::Status Zero(DeviceBuffer& buffer) override;
   absl::Status AddFloat32(DeviceBuffer& dst, const DeviceBuffer& src, int64_t count) override;
   absl::StatusOr<double> SumSquaresFloat32(const DeviceBuffer& x, int64_t count) override;
+  absl::Status ScaleFloat32(DeviceBuffer& x, int64_t count, float factor) override;
+  absl::Status ConvertFloat32(const DeviceBuffer& src, DeviceBuffer& dst, DType dst_dtype,
+                              int64_t count) override;
   absl::Status OptimizerStep(const OptimizerConfig& config,
                              const OptimizerTensors& tensors) override;
   size_t DefaultWorkspaceBudget() const override;

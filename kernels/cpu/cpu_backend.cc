@@ -482,6 +482,22 @@ class CpuBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  absl::Status ScaleFloat32(DeviceBuffer& x, int64_t count, float factor) override {
+    float* data = static_cast<float*>(x.data());
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < count; ++i) data[i] *= factor;
+    return absl::OkStatus();
+  }
+
+  absl::Status ConvertFloat32(const DeviceBuffer& src, DeviceBuffer& dst, DType dst_dtype,
+                              int64_t count) override {
+    const float* from = static_cast<const float*>(src.data());
+    void* to = dst.data();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < count; ++i) StoreFromFloat(to, dst_dtype, i, from[i]);
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<double> SumSquaresFloat32(const DeviceBuffer& x, int64_t count) override {
     // Fixed blocks summed in order, so the result does not depend on the thread count.
     constexpr int64_t kBlocks = 256;

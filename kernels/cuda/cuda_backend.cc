@@ -697,6 +697,25 @@ class CudaBackend final : public Backend {
     });
   }
 
+  absl::Status ScaleFloat32(DeviceBuffer& x, int64_t count, float factor) override {
+    RETURN_IF_ERROR(CheckFloat32Count(x, count, "x"));
+    return RunOnStream([&](const StreamContext& c) {
+      return LaunchScaleFloat32(static_cast<float*>(x.data()), count, factor, c.stream);
+    });
+  }
+
+  absl::Status ConvertFloat32(const DeviceBuffer& src, DeviceBuffer& dst, DType dst_dtype,
+                              int64_t count) override {
+    RETURN_IF_ERROR(CheckFloat32Count(src, count, "src"));
+    if (dst.bytes() < static_cast<size_t>(count) * DTypeSize(dst_dtype)) {
+      return absl::OutOfRangeError(absl::StrCat("dst: expected ", count, " elements"));
+    }
+    return RunOnStream([&](const StreamContext& c) {
+      return LaunchConvertFloat32(static_cast<const float*>(src.data()), dst.data(), dst_dtype,
+                                  count, c.stream);
+    });
+  }
+
   absl::StatusOr<double> SumSquaresFloat32(const DeviceBuffer& x, int64_t count) override {
     RETURN_IF_ERROR(CheckFloat32Count(x, count, "x"));
     std::vector<double> partials(kSumSquaresBlocks);

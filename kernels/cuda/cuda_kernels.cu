@@ -580,6 +580,32 @@ absl::Status LaunchAddFloat32(float* d_dst, const float* d_src, int64_t count,
   return CheckLaunch("AddFloat32Kernel");
 }
 
+static __global__ void ScaleFloat32Kernel(float* d_x, int64_t count, float factor) {
+  for (int64_t i = GlobalThread(); i < count; i += GridStride()) d_x[i] *= factor;
+}
+
+absl::Status LaunchScaleFloat32(float* d_x, int64_t count, float factor, cudaStream_t stream) {
+  if (count == 0) return absl::OkStatus();
+  ScaleFloat32Kernel<<<GridFor(count, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
+      d_x, count, factor);
+  return CheckLaunch("ScaleFloat32Kernel");
+}
+
+static __global__ void ConvertFloat32Kernel(const float* d_src, void* d_dst, DType dst_dtype,
+                                            int64_t count) {
+  for (int64_t i = GlobalThread(); i < count; i += GridStride()) {
+    StoreFromFloat(d_dst, dst_dtype, i, d_src[i]);
+  }
+}
+
+absl::Status LaunchConvertFloat32(const float* d_src, void* d_dst, DType dst_dtype, int64_t count,
+                                  cudaStream_t stream) {
+  if (count == 0) return absl::OkStatus();
+  ConvertFloat32Kernel<<<GridFor(count, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
+      d_src, d_dst, dst_dtype, count);
+  return CheckLaunch("ConvertFloat32Kernel");
+}
+
 absl::Status CheckKernelImage() {
   cudaFuncAttributes attributes;
   return CudaStatus(cudaFuncGetAttributes(&attributes, AddFloat32Kernel), "cudaFuncGetAttributes");

@@ -101,6 +101,11 @@ absl::Status LaunchDistillLogitGradients(const LogitTile& student, const LogitTi
                                          const GradientSplit& split, cudaStream_t stream);
 
 absl::Status LaunchAddFloat32(float* d_dst, const float* d_src, int64_t count, cudaStream_t stream);
+// d_x[i] *= factor.
+absl::Status LaunchScaleFloat32(float* d_x, int64_t count, float factor, cudaStream_t stream);
+// d_dst[i] = d_src[i] rounded to dst_dtype.
+absl::Status LaunchConvertFloat32(const float* d_src, void* d_dst, DType dst_dtype, int64_t count,
+                                  cudaStream_t stream);
 
 // d_partials[b] = sum of x^2 in double over the b-th of kSumSquaresBlocks equal ranges.
 absl::Status LaunchSumSquaresPartials(const float* d_x, int64_t count, double* d_partials,

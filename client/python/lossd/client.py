@@ -74,7 +74,8 @@ _ONE_SERVER_CALLS = {
     "UploadHead": "an upload", "FetchGradWeight": "the accumulated dL/dW",
     "ZeroGradWeight": "zeroing the gradient", "Step": "an optimizer step",
     "SaveCheckpoint": "a checkpoint", "GetSharedMemorySocket": "shared memory",
-    "AccumulateEmbeddingGrad": "an embedding gradient",
+    "AccumulateEmbeddingGrad": "an embedding gradient", "GradWeightNorm": "the gradient's norm",
+    "CommitGradWeight": "a staged gradient", "DiscardGradWeight": "a staged gradient",
 }
 # Read-only calls of one request message, which gRPC's own retryPolicy may send again whole.
 _GRPC_RETRIED_CALLS = ("ListHeads", "GetHead", "FetchWeight", "FetchGradWeight",
@@ -157,6 +158,9 @@ class HeadInfo:
     # SHA-256 of W at `version` (HeadInfo.weight_sha256 in lossd.proto), equal on replicas that
     # serve the same W; get_head always fills it, list_heads only where the server knows it.
     weight_sha256: str = ""
+    # A 16-bit W stepped from fp32 master weights (fetch_weight(master=True) reads them).
+    master_weights: bool = False
+    staged_gradients: int = 0  # dL/dW staged by calls, waiting for their commit
 
     @classmethod
     def from_proto(cls, info):
@@ -166,7 +170,8 @@ class HeadInfo:
                    accumulated_calls=info.accumulated_calls,
                    optimizer=_OPTIMIZER_NAMES.get(info.optimizer, str(info.optimizer)),
                    steps=info.steps, tied_embeddings=info.tied_embeddings,
-                   logit_softcap=info.logit_softcap, weight_sha256=info.weight_sha256)
+                   logit_softcap=info.logit_softcap, weight_sha256=info.weight_sha256,
+                   master_weights=info.master_weights, staged_gradients=info.staged_gradients)
 
 
 @dataclasses.dataclass
@@ -207,6 +212,9 @@ class LossResult:
     mean_kd: float = 0.0                        # kd averaged over the counted tokens
     mean_ce: float = 0.0                        # ce averaged over the counted tokens
     teacher_head_version: int = 0               # the teacher head's version (distill)
+    # stage_grad_weight: dL/dW is staged under call_id, waiting for commit_grad_weight (False
+    # when the server had no room: it was accumulated at once, grad_weight_accumulated says).
+    grad_weight_staged: bool = False
 
     @property
     def accuracy(self):
@@ -223,9 +231,18 @@ class EmbeddingRows:
 @dataclasses.dataclass(frozen=True)
 class StepInfo:
     head_version: int
-    grad_norm: float          # of the accumulated gradient, before clipping
+    grad_norm: float          # of the accumulated gradient (times grad_multiplier), before clipping
     clip_multiplier: float    # 1 when not clipped
     accumulated_tokens: int
+    skipped: bool = False     # skip_nonfinite met a non-finite gradient: nothing stepped
+
+
+@dataclasses.dataclass(frozen=True)
+class GradNormInfo:
+    head_version: int
+    grad_norm: float          # of the accumulated gradient times grad_multiplier
+    accumulated_tokens: int
+    accumulated_calls: int
 
 
 def _service_config(retry, round_robin):
@@ -615,15 +632,16 @@ class Client:
                              f"{None if array is None else array.shape}")
         return array, chunk
 
-    def _fetch(self, method, head, dtype):
+    def _fetch(self, method, head, dtype, master=False):
         chunk_bytes = min(_TARGET_MESSAGE_BYTES, self._max_message_bytes // 2)
         request = pb.FetchTensorRequest(head=head, dtype=_tensors.wire_enum(dtype),
-                                        max_chunk_bytes=chunk_bytes)
+                                        max_chunk_bytes=chunk_bytes, master=master)
         return self._receive_rows(method, request, dtype)[0]
 
-    def fetch_weight(self, head, dtype="float32") -> np.ndarray:
-        """W [V, H] as dtype ("float32", "float16", or "bfloat16" as uint16 bits)."""
-        return self._fetch("FetchWeight", head, dtype)
+    def fetch_weight(self, head, dtype="float32", master=False) -> np.ndarray:
+        """W [V, H] as dtype ("float32", "float16", or "bfloat16" as uint16 bits). master: a
+        16-bit head's fp32 master weights, where it has them (HeadInfo.master_weights)."""
+        return self._fetch("FetchWeight", head, dtype, master)
 
     def fetch_grad_weight(self, head, dtype="float32") -> np.ndarray:
         """The accumulated dL/dW [V, H] as dtype."""
@@ -635,15 +653,31 @@ class Client:
 
     def step(self, head, optimizer, *, lr=None, momentum=0.0, betas=(0.9, 0.999), eps=1e-8,
              weight_decay=None, max_grad_norm=0.0, keep_grad=False,
-             head_version=None) -> StepInfo:
+             head_version=None, world_size=1, rank=0, grad_multiplier=None,
+             skip_nonfinite=False) -> StepInfo:
         """One optimizer step on W with the accumulated gradient: optimizer "sgd" or "adamw",
         with the semantics and defaults of torch.optim.SGD and torch.optim.AdamW. lr None is
         torch's 1e-3 for both; weight_decay None is AdamW's 0.01 (decoupled) or SGD's 0 (an L2
-        penalty). max_grad_norm > 0 clips by the gradient's
-        norm first (as torch.nn.utils.clip_grad_norm_). The gradient is zeroed afterwards unless
-        keep_grad. head_version pins the step: FAILED_PRECONDITION unless the head is at that
-        version."""
-        request = pb.StepRequest(head=head, max_grad_norm=max_grad_norm, keep_grad=keep_grad)
+        penalty). grad_multiplier multiplies the gradient first (a clip multiplier taken over a
+        whole model, 1 / a loss scale). max_grad_norm > 0 clips by the gradient's norm (as
+        torch.nn.utils.clip_grad_norm_). The gradient is zeroed afterwards unless keep_grad.
+        head_version pins the step: FAILED_PRECONDITION unless the head is at that version.
+        skip_nonfinite: a gradient with Inf or NaN skips the step (StepInfo.skipped) instead of
+        failing, as torch.amp.GradScaler does.
+
+        world_size > 1: the step is collective (lossd.v1.RankGroup): every rank of a
+        data-parallel job calls it with the same arguments but its own rank, after its last
+        gradient of the step; the server steps once when all have, and every rank gets the same
+        answer. head_version (the version the ranks trained on) is then required; a rank that
+        does not come within the server's --step_wait_seconds fails the step on all ranks
+        (ABORTED, nothing applied). A collective step is retried after UNAVAILABLE or
+        DEADLINE_EXCEEDED like a compute call: the server answers a repeat with the step it
+        took, never a second one."""
+        request = pb.StepRequest(head=head, max_grad_norm=max_grad_norm, keep_grad=keep_grad,
+                                 skip_nonfinite=skip_nonfinite,
+                                 ranks=_rank_group(world_size, rank))
+        if grad_multiplier is not None:
+            request.grad_multiplier = grad_multiplier
         if optimizer == "sgd":
             request.sgd.CopyFrom(pb.SgdConfig(
                 learning_rate=1e-3 if lr is None else lr, momentum=momentum,
@@ -658,10 +692,49 @@ class Client:
             raise ValueError(f"optimizer: expected 'sgd' or 'adamw', got {optimizer!r}")
         if head_version is not None:
             request.head_version = head_version
-        response = self._unary("Step", request)
+        response = self._collective("Step", request, world_size)
         return StepInfo(head_version=response.head_version, grad_norm=response.grad_norm,
                         clip_multiplier=response.clip_multiplier,
-                        accumulated_tokens=response.accumulated_tokens)
+                        accumulated_tokens=response.accumulated_tokens, skipped=response.skipped)
+
+    def grad_weight_norm(self, head, *, head_version=None, world_size=1, rank=0,
+                         grad_multiplier=None) -> GradNormInfo:
+        """The norm of the head's accumulated gradient (times grad_multiplier), changing
+        nothing. world_size > 1: collective as step() is, answered once every rank has called,
+        so that each rank can clip its whole model, W included, by one global norm, then step
+        with the clip multiplier as grad_multiplier."""
+        request = pb.GradWeightNormRequest(head=head, ranks=_rank_group(world_size, rank))
+        if head_version is not None:
+            request.head_version = head_version
+        if grad_multiplier is not None:
+            request.grad_multiplier = grad_multiplier
+        response = self._collective("GradWeightNorm", request, world_size)
+        return GradNormInfo(head_version=response.head_version, grad_norm=response.grad_norm,
+                            accumulated_tokens=response.accumulated_tokens,
+                            accumulated_calls=response.accumulated_calls)
+
+    def commit_grad_weight(self, head, call_id, scale=1.0) -> bool:
+        """Adds the dL/dW that the compute call `call_id` staged (stage_grad_weight=True) to the
+        head's accumulator, times scale (the upstream gradient of its loss); returns whether it
+        was a repeat of a commit already made (nothing added again). NOT_FOUND when nothing is
+        staged under that id any more (the head stepped, the gradient expired or was discarded).
+        Retried after UNAVAILABLE or DEADLINE_EXCEEDED: a repeat is answered as the first."""
+        request = pb.CommitGradWeightRequest(head=head, call_id=call_id, scale=scale)
+        return self._with_retries(lambda: self._unary("CommitGradWeight", request),
+                                  call_id, "CommitGradWeight").replayed
+
+    def discard_grad_weight(self, head, call_ids) -> int:
+        """Drops the dL/dW staged under call_ids (forwards whose backward will not run);
+        returns how many were still staged."""
+        request = pb.DiscardGradWeightRequest(head=head, call_ids=list(call_ids))
+        return self._unary("DiscardGradWeight", request).discarded
+
+    def _collective(self, method, request, world_size):
+        """A unary call that changes a head once however often it is repeated (a collective one,
+        pinned to its version), retried like compute; the others are made once."""
+        if world_size <= 1:
+            return self._unary(method, request)
+        return self._with_retries(lambda: self._unary(method, request), "", method)
 
     def lookup_embedding(self, head, token_ids, dtype="float32",
                          head_version=None) -> EmbeddingRows:
@@ -723,7 +796,7 @@ class Client:
                 teacher_top_k_tokens=None, teacher_top_k_logprobs=None, distill_beta=0.0,
                 distill_alpha=0.0, distill_temperature=1.0, teacher_logit_softcap=None,
                 teacher_temperature=1.0, sparse_teacher_mass="renormalize",
-                weight_sha256=None) -> LossResult:
+                weight_sha256=None, stage_grad_weight=False) -> LossResult:
         """The loss of hidden [N, H] with labels [N] under head `head`: cross-entropy by default.
 
         The loss options follow torch.nn.functional.cross_entropy; weights [N] multiply each
@@ -804,6 +877,12 @@ class Client:
         of a committed call comes back with replayed True. A repeat after the head was stepped
         with keep_grad raises ALREADY_EXISTS: its dL/dW is in the accumulator, its results
         cannot be had again.
+
+        stage_grad_weight=True (with accumulate_grad_weight) keeps the call's dL/dW on the server
+        under its call_id instead of adding it: commit_grad_weight(head, call_id, scale) adds it
+        times scale later (a backward pass's upstream gradient), discard_grad_weight drops it,
+        and so does a step. The result's grad_weight_staged says whether it was staged; a
+        server without room for it accumulates it at once (grad_weight_accumulated).
         """
         hidden_dtype, hidden = _tensors.as_wire_array(hidden)
         if hidden.ndim != 2:
@@ -896,6 +975,7 @@ class Client:
         if teacher_head_version is not None:
             start.teacher_head_version = teacher_head_version
         start.weight_sha256 = weight_sha256 or ""
+        start.stage_grad_weight = stage_grad_weight
         # Refused here, before the first attempt, for a target that lists several servers.
         one_server_for = ("shared memory" if shared_memory else
                           "a call that accumulates dL/dW" if accumulate_grad_weight else None)
@@ -922,9 +1002,9 @@ class Client:
         result.call_id = start.call_id
         return result
 
-    def _with_retries(self, attempt, call_id):
+    def _with_retries(self, attempt, call_id, method="Compute"):
         """attempt() until it succeeds, fails with a code not worth retrying, or the policy's
-        attempts are spent; the result records how many it took."""
+        attempts are spent; a compute result records how many it took."""
         policy = self._retry
         backoff = policy.initial_backoff
         for number in range(1, policy.max_attempts + 1):
@@ -934,15 +1014,16 @@ class Client:
                 if error.code not in _RETRYABLE_CODES or number == policy.max_attempts:
                     raise
                 wait = min(backoff, policy.max_backoff) * random.uniform(0.5, 1.0)
-                _log.warning("Compute attempt %d of %d failed (%s: %s); retrying in %.3f s%s",
-                             number, policy.max_attempts, error.code, error.message, wait,
+                _log.warning("%s attempt %d of %d failed (%s: %s); retrying in %.3f s%s",
+                             method, number, policy.max_attempts, error.code, error.message, wait,
                              f" under call_id {call_id}" if call_id else "")
                 if policy.on_retry is not None:
                     policy.on_retry(error, number, wait)
                 time.sleep(wait)
                 backoff = min(backoff * policy.backoff_multiplier, policy.max_backoff)
                 continue
-            result.attempts = number
+            if isinstance(result, LossResult):
+                result.attempts = number
             return result
         raise AssertionError("unreachable: the last attempt returns or raises")
 
@@ -1038,6 +1119,17 @@ class Client:
         return self.compute(head, hidden, token_ids, reduction="sum", ignore_index=ignore_index,
                             temperature=temperature, logit_softcap=logit_softcap,
                             outputs=outputs, top_k=top_k, weight_sha256=weight_sha256)
+
+
+def _rank_group(world_size, rank):
+    """The RankGroup of a collective call, checked here so that a bad rank fails before any rank
+    waits on the server."""
+    if not (isinstance(world_size, int) and world_size >= 1):
+        raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
+    if not (isinstance(rank, int) and 0 <= rank < world_size):
+        raise ValueError(f"rank: expected an int in [0, {world_size}), got {rank!r}")
+    return pb.RankGroup(world_size=world_size if world_size > 1 else 0,
+                        rank=rank if world_size > 1 else 0)
 
 
 def _token_ids(values, field):
@@ -1147,6 +1239,7 @@ def _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype,
         loss=summary.loss, loss_sum=summary.loss_sum, counted_tokens=summary.counted_tokens,
         correct_tokens=summary.correct_tokens, head_version=summary.head_version,
         grad_weight_accumulated=summary.grad_weight_accumulated, replayed=summary.replayed,
+        grad_weight_staged=summary.grad_weight_staged,
         queue_seconds=summary.queue_seconds, compute_seconds=summary.compute_seconds,
         peak_workspace_bytes=summary.peak_workspace_bytes, backend=summary.backend,
         clipped_tokens=summary.clipped_tokens, clip_fraction=summary.clip_fraction,

@@ -149,6 +149,12 @@ class Backend : public BufferAllocator {
   virtual absl::Status AddFloat32(DeviceBuffer& dst, const DeviceBuffer& src, int64_t count) = 0;
   // sum_i x[i]^2 over count fp32 elements, accumulated in double in a fixed order.
   virtual absl::StatusOr<double> SumSquaresFloat32(const DeviceBuffer& x, int64_t count) = 0;
+  // x[i] *= factor for count fp32 elements (a staged dL/dW times its upstream gradient).
+  virtual absl::Status ScaleFloat32(DeviceBuffer& x, int64_t count, float factor) = 0;
+  // dst[i] = src[i] rounded to dst_dtype (to nearest even), count elements: a 16-bit head's W
+  // from its fp32 master weights.
+  virtual absl::Status ConvertFloat32(const DeviceBuffer& src, DeviceBuffer& dst, DType dst_dtype,
+                                      int64_t count) = 0;
   virtual absl::Status OptimizerStep(const OptimizerConfig& config,
                                      const OptimizerTensors& tensors) = 0;
 

@@ -8,6 +8,8 @@
 //   tied_embeddings ("true"/"false"), logit_softcap (decimal, 0: none); files written before
 //                 these two existed lack them and load untied without a cap
 //   crc32c.<tensor>  CRC-32C of each tensor's bytes, 8 hex digits
+// A 16-bit head that trains also holds "master_weight" (F32 [V, H]): the fp32 weights its
+// optimizer steps, of which "weight" is the rounded copy it serves.
 // The checksums let a resume tell a damaged newest checkpoint from a good one, which the
 // structure alone cannot (flipped bits in the data keep every offset valid).
 //
@@ -42,6 +44,8 @@ struct CheckpointState {
   OptimizerKind optimizer = OptimizerKind::kNone;
   // fp32 [V * H] each. kNone has neither, kSgd has state1 (momentum), kAdamW both moments.
   std::vector<float> state1, state2;
+  // Empty, or a 16-bit head's fp32 master weights [V * H] (weight is their rounded copy).
+  std::vector<float> master_weight;
   bool tied_embeddings = false;  // W is also the model's input embedding
   double logit_softcap = 0.0;    // the model's final logit soft cap; 0: none
 };
