@@ -318,16 +318,56 @@ def test_hidden_dtypes(head, dtype, grad_rtol):
     assert relative_error(head.fetch_grad_weight(), expected_grad_weight) < GRAD_RTOL
 
 
-def test_forward_without_backward_has_accumulated_until_zero_grad(head):
+def test_forward_without_backward_accumulates_nothing_until_its_backward(head):
+    """The forward stages its dL/dW on the server; only its backward commits it, times the
+    upstream gradient, so an evaluation forward under autograd trains nothing."""
     hidden, labels = random_batch(100)
-    head(hidden.clone().requires_grad_(), labels)
+    loss = head(hidden.clone().requires_grad_(), labels)
+    assert head.last_result.grad_weight_staged
+    assert not head.fetch_grad_weight().any()
+    assert head.info().accumulated_tokens == 0
+    assert head.info().staged_gradients == 1
+    (loss * 3.0).backward()
     _, _, expected_grad_weight = torch_reference(hidden, head.fetch_weight(), labels, "mean",
-                                                 scalar_times(1.0))
+                                                 scalar_times(3.0))
     assert relative_error(head.fetch_grad_weight(), expected_grad_weight) < GRAD_RTOL
     assert head.info().accumulated_tokens == 100
+    assert head.info().staged_gradients == 0
     head.zero_grad()
     assert not head.fetch_grad_weight().any()
     assert head.info().accumulated_tokens == 0
+
+
+def test_forwards_whose_backward_never_runs_are_dropped_by_the_step(head):
+    hidden, labels = random_batch(50)
+    for _ in range(3):
+        head(hidden.clone().requires_grad_(), labels)  # never backpropagated
+    assert head.info().staged_gradients == 3
+    loss = head(hidden.clone().requires_grad_(), labels)
+    loss.backward()
+    weight = head.fetch_weight()
+    _, _, expected_grad_weight = torch_reference(hidden, weight, labels, "mean",
+                                                 scalar_times(1.0))
+    head.step("sgd", lr=0.5)
+    assert head.info().staged_gradients == 0
+    assert relative_error(weight - head.fetch_weight(), 0.5 * expected_grad_weight) < GRAD_RTOL
+
+
+def test_without_staging_the_forward_accumulates_and_backward_corrects(head):
+    """A server without room to stage (or stage_grad_weight=False) accumulates at the forward
+    for an upstream gradient of 1; backward corrects for its real upstream gradient."""
+    head.stage_grad_weight = False
+    try:
+        hidden, labels = random_batch(100)
+        loss = head(hidden.clone().requires_grad_(), labels)
+        assert head.last_result.grad_weight_accumulated
+        assert head.info().accumulated_tokens == 100
+        (loss * 0.5).backward()
+        _, _, expected_grad_weight = torch_reference(hidden, head.fetch_weight(), labels, "mean",
+                                                     scalar_times(0.5))
+        assert relative_error(head.fetch_grad_weight(), expected_grad_weight) < GRAD_RTOL
+    finally:
+        head.stage_grad_weight = True
 
 
 def test_backward_twice_accumulates_the_full_gradient_again(head):
@@ -597,28 +637,34 @@ def test_a_retry_after_a_lost_answer_accumulates_once(server, head, caplog):
     assert relative_error(head.fetch_grad_weight(), expected_grad_weight) < GRAD_RTOL
 
 
-@pytest.mark.parametrize("lost", ["forward", "backward_correction"])
-def test_remote_head_retries_a_lost_answer_without_counting_twice(server, head, lost):
-    """A RemoteHead training step whose forward call, or backward correction call, loses its
-    answer after the server committed it: hidden.grad and the server's dL/dW are still those of
-    one loss.backward()."""
+@pytest.mark.parametrize("lost, stage", [
+    ("forward", True),    # the staging forward's answer: its retry stages nothing twice
+    ("backward", True),   # the backward's commit: its retry is answered as a replay
+    ("forward", False),   # the accumulating forward's answer
+    ("backward", False),  # the backward's correction call
+])
+def test_remote_head_retries_a_lost_answer_without_counting_twice(server, head, lost, stage):
+    """A RemoteHead training step whose forward call, or backward call, loses its answer after
+    the server took it: hidden.grad and the server's dL/dW are still those of one
+    loss.backward()."""
     hidden, labels = random_batch(30)
-    upstream = scalar_times(2.5)  # makes backward send a correction call
+    upstream = scalar_times(2.5)  # a commit with a scale, or a correction call
     _, expected_grad_hidden, expected_grad_weight = torch_reference(
         hidden, head.fetch_weight(), labels, "mean", upstream)
     with HoldingRelay(server.port) as relay:
         policy = lossd.RetryPolicy(initial_backoff=0.02, on_retry=lambda *failure: relay.release())
         with lossd.Client(relay.address, timeout=1.0, retry=policy) as client:
-            remote = RemoteHead(client, head.head)
+            remote = RemoteHead(client, head.head, stage_grad_weight=stage)
             remote.info()
             remote_hidden = hidden.clone().requires_grad_()
             if lost == "forward":
                 relay.hold()
             loss = remote(remote_hidden, labels)
-            if lost == "backward_correction":
+            if lost == "backward":
                 relay.hold()
             upstream(loss).backward()
-    assert head.info().accumulated_calls == 2, "the forward and its correction, once each"
+    # Staged: one commit of the forward's gradient; else the forward's and its correction's.
+    assert head.info().accumulated_calls == (1 if stage else 2)
     assert relative_error(remote_hidden.grad, expected_grad_hidden) < GRAD_RTOL
     assert relative_error(head.fetch_grad_weight(), expected_grad_weight) < GRAD_RTOL
 

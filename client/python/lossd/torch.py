@@ -89,7 +89,7 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
-from lossd.client import Client, HeadInfo, StepInfo
+from lossd.client import Client, GradNormInfo, HeadInfo, LossdError, StepInfo
 
 _WIRE_NAME_OF_TORCH_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16",
                              torch.float16: "float16"}
@@ -172,12 +172,41 @@ def _module(module_id):
     return module
 
 
-# Forwards whose dL/dW the server holds for an upstream gradient of 1 and whose first backward
-# has yet to correct it, by call id. A forward whose backward never comes leaves its id here; the
-# oldest go past this many.
+@dataclasses.dataclass
+class _Forward:
+    """A training forward whose dL/dW awaits its first backward: staged on the server under
+    call_id (committed by the backward times its upstream gradient), or, where the server had no
+    room to stage it, already accumulated for an upstream gradient of 1."""
+    call_id: str
+    staged: bool
+
+
+# Training forwards whose first backward has yet to run, by forward id. A forward whose backward
+# never comes leaves its entry here (and its staged gradient on the server until a step, a
+# discard or its expiry drops it); the oldest go past this many.
 _AWAITING_BACKWARD = collections.OrderedDict()
 _MAX_AWAITING_BACKWARD = 1 << 20
 _CALL_IDS = itertools.count(1)
+
+
+def _await_backward(result):
+    """Records a training forward's result; returns the id its backward will name."""
+    forward_id = next(_CALL_IDS)
+    _AWAITING_BACKWARD[forward_id] = _Forward(result.call_id, result.grad_weight_staged)
+    while len(_AWAITING_BACKWARD) > _MAX_AWAITING_BACKWARD:
+        _AWAITING_BACKWARD.popitem(last=False)
+    return forward_id
+
+
+def data_parallel_world(process_group=None):
+    """(world size, rank) of the data-parallel job this process belongs to: process_group's, or
+    torch.distributed's default group when it is initialized, else (1, 0)."""
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()):
+        if process_group is not None:
+            raise ValueError("process_group: given, but torch.distributed is not initialized")
+        return 1, 0
+    return (distributed.get_world_size(process_group), distributed.get_rank(process_group))
 
 
 def _sequence_lengths(lengths, shift_labels, row_length, num_tokens):
@@ -225,6 +254,7 @@ class _LossCall:
     # Client.compute arguments with a row per row of hidden, sent beside it (a teacher's).
     side: dict = dataclasses.field(default_factory=dict)
     result: object = None          # the forward's LossResult
+    world_size: int = 1            # ranks whose gradients the head averages (DDP)
 
     def compute(self, hidden, **kwargs):
         return self.client.compute(self.head, _wire_array(hidden), self.labels,
@@ -272,7 +302,8 @@ def _operator_call(labels, weights, sequence_lengths, token_inputs, head_id, opt
                      weights=_numpy(weights, torch.float32), reduction=reduction, options=options,
                      token_inputs={name: _numpy(values, torch.float32)
                                    for name, values in zip(_TOKEN_INPUT_NAMES, token_inputs)
-                                   if values is not None})
+                                   if values is not None},
+                     world_size=head.world()[0])
 
 
 def _correct_grad_weight(call, hidden, upstream, already, pinned):
@@ -304,6 +335,30 @@ def _correct_grad_weight(call, hidden, upstream, already, pinned):
             hidden[torch.from_numpy(rows).to(hidden.device)], **correct)
 
 
+def _commit_backward(call, hidden, upstream, forward, pinned):
+    """Brings the head's accumulated dL/dW to upstream / world size (a CPU tensor: a scalar, or
+    [N] for reduction "none") times this call's, as DDP averages gradients over ranks: a
+    staged forward is committed times that scale (no second call); one whose gradient the server
+    accumulated for an upstream of 1, or whose staged gradient is gone (evicted, expired), or a
+    second backward through the same graph (forward None), gets a correction call."""
+    upstream = upstream / call.world_size
+    already = 0.0
+    if forward is not None and forward.staged:
+        values = upstream.reshape(-1)
+        if values.numel() > 0 and bool((values == values[0]).all()):
+            try:
+                call.client.commit_grad_weight(call.head, forward.call_id, float(values[0]))
+                return
+            except LossdError as error:
+                if error.code != "NOT_FOUND":
+                    raise
+        else:
+            call.client.discard_grad_weight(call.head, [forward.call_id])
+    elif forward is not None:
+        already = 1.0
+    _correct_grad_weight(call, hidden, upstream, already, pinned)
+
+
 def _loss_tensor(result, reduction, hidden):
     dtype = _loss_dtype(hidden.dtype)
     if reduction == "none":
@@ -318,24 +373,28 @@ def _cross_entropy_forward(hidden, labels, weights, sequence_lengths, sampling_l
     *options, train = options_and_train
     call = _operator_call(labels, weights, sequence_lengths,
                           (sampling_logprobs, advantages, reference_logprobs), head_id, options)
+    module = _module(head_id)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     outputs = _result_outputs(call)
     grad_dtype = _grad_hidden_wire_dtype(hidden.dtype)
     if train:
-        result = call.compute(flat_hidden, outputs=outputs + ["grad_hidden"],
-                              grad_hidden_dtype=grad_dtype, accumulate_grad_weight=True)
+        result = module._tracked(lambda pin: call.compute(
+            flat_hidden, outputs=outputs + ["grad_hidden"], grad_hidden_dtype=grad_dtype,
+            accumulate_grad_weight=True, stage_grad_weight=module.stage_grad_weight,
+            head_version=pin), train=True)
         grad_hidden = _tensor_from_wire(result.grad_hidden, grad_dtype)
         grad_hidden = grad_hidden.to(hidden.device).view(hidden.shape)
-        call_id = next(_CALL_IDS)
-        _AWAITING_BACKWARD[call_id] = None
-        while len(_AWAITING_BACKWARD) > _MAX_AWAITING_BACKWARD:
-            _AWAITING_BACKWARD.popitem(last=False)
+        call_id = _await_backward(result)
+        # The result lives on as last_result; dL/dh lives on in the graph, as it must, and
+        # nowhere else once backward has run.
+        result.grad_hidden = None
     else:
-        result = call.compute(flat_hidden, outputs=outputs)
+        result = module._tracked(lambda pin: call.compute(flat_hidden, outputs=outputs,
+                                                          head_version=pin), train=False)
         grad_hidden = torch.empty(0, dtype=_TORCH_DTYPE_OF_WIRE_NAME[grad_dtype],
                                   device=hidden.device)
         call_id = 0
-    _module(head_id).last_result = result
+    module.last_result = result
     loss = _loss_tensor(result, call.reduction, hidden)
     if call.reduction == "none":
         loss = loss.view(labels.shape)
@@ -350,16 +409,14 @@ def _cross_entropy_backward(upstream, grad_hidden, hidden, labels, weights, sequ
     call = _operator_call(labels, weights, sequence_lengths,
                           (sampling_logprobs, advantages, reference_logprobs), head_id, options)
     call_id, head_version = (int(x) for x in state.tolist())
-    # The forward's accumulation stands for an upstream gradient of 1 until its first backward;
-    # later backwards through the same graph accumulate in full.
-    already = 1.0 if _AWAITING_BACKWARD.pop(call_id, False) is None else 0.0
+    # The first backward through the graph commits the forward's dL/dW; later ones add in full.
+    forward = _AWAITING_BACKWARD.pop(call_id, None)
     loss_dtype = _loss_dtype(hidden.dtype)
     upstream = upstream.detach().to(device=hidden.device, dtype=loss_dtype)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     grad = grad_hidden.to(device=hidden.device, dtype=loss_dtype).reshape(flat_hidden.shape)
     grad = grad * (upstream.reshape(-1, 1) if call.reduction == "none" else upstream)
-    _correct_grad_weight(call, flat_hidden, upstream.cpu(), already,
-                         dict(head_version=head_version))
+    _commit_backward(call, flat_hidden, upstream.cpu(), forward, dict(head_version=head_version))
     return grad.view(hidden.shape).to(hidden.dtype)
 
 
@@ -389,6 +446,9 @@ def _embedding_backward(grad, token_ids, state, anchor, head_id, padding_idx):
     unique, inverse = torch.unique(ids, return_inverse=True)
     sums = torch.zeros(unique.shape[0], grad.shape[1], dtype=torch.float32)
     sums.index_add_(0, inverse, grad)
+    world_size = data_parallel_world(module.process_group)[0]
+    if world_size > 1:
+        sums /= world_size  # averaged over the ranks, as RemoteHead's dL/dW is
     module.client.accumulate_embedding_grad(module.head, unique.numpy(), sums.numpy(),
                                             head_version=int(state[0]))
     return torch.zeros_like(anchor)
@@ -562,7 +622,8 @@ class _RemoteLoss(torch.autograd.Function):
     def forward(ctx, hidden, call):
         result = call.compute(
             hidden, outputs=["grad_hidden"] + _result_outputs(call),
-            grad_hidden_dtype=_grad_hidden_wire_dtype(hidden.dtype), accumulate_grad_weight=True)
+            grad_hidden_dtype=_grad_hidden_wire_dtype(hidden.dtype), accumulate_grad_weight=True,
+            stage_grad_weight=True)
         call.result = result
         ctx.save_for_backward(hidden)
         ctx.call = call
@@ -571,9 +632,9 @@ class _RemoteLoss(torch.autograd.Function):
             ctx.pinned["teacher_head_version"] = result.teacher_head_version
         ctx.grad_hidden = _tensor_from_wire(result.grad_hidden,
                                             _grad_hidden_wire_dtype(hidden.dtype))
-        # The forward's own accumulation stands for an upstream gradient of 1 until a backward
-        # corrects it; later backwards through the same graph accumulate in full.
-        ctx.accumulated_upstream = 1.0
+        result.grad_hidden = None  # lives on in ctx until backward, not in the result
+        # The first backward commits the forward's dL/dW; later ones add in full.
+        ctx.forward = _Forward(result.call_id, result.grad_weight_staged)
         return _loss_tensor(result, call.reduction, hidden)
 
     @staticmethod
@@ -588,8 +649,8 @@ class _RemoteLoss(torch.autograd.Function):
             grad_hidden = grad_hidden * upstream.reshape(-1, 1)
         else:
             grad_hidden = grad_hidden * upstream
-        _correct_grad_weight(call, hidden, upstream.cpu(), ctx.accumulated_upstream, ctx.pinned)
-        ctx.accumulated_upstream = 0.0
+        _commit_backward(call, hidden, upstream.cpu(), ctx.forward, ctx.pinned)
+        ctx.forward = None
         return grad_hidden.to(hidden.dtype), None
 
 
@@ -632,13 +693,30 @@ class _RemoteLogprobs(torch.autograd.Function):
             return grad_hidden.to(hidden.dtype), None
         grad_dtype = _grad_hidden_wire_dtype(hidden.dtype)
         device_rows = torch.from_numpy(rows).to(hidden.device)
-        result = call.rows(rows).compute(
-            hidden[device_rows], objective="logprob_gradient", logprob_grads=upstream[rows],
-            outputs=["grad_hidden"], grad_hidden_dtype=grad_dtype, accumulate_grad_weight=True,
-            head_version=ctx.head_version)
+        gradient_call = call.rows(rows)
+        gradient_call.options = dict(gradient_call.options, objective="logprob_gradient")
+        gradient_call.token_inputs = dict(logprob_grads=upstream[rows])
+        pinned = dict(head_version=ctx.head_version)
+        result = gradient_call.compute(
+            hidden[device_rows], outputs=["grad_hidden"], grad_hidden_dtype=grad_dtype,
+            accumulate_grad_weight=True, stage_grad_weight=True, **pinned)
+        # dL/dlogp carries the upstream gradient: the commit only averages over ranks.
+        _commit_backward(gradient_call, hidden[device_rows], torch.tensor(1.0),
+                         _Forward(result.call_id, result.grad_weight_staged), pinned)
         grad_hidden[device_rows] = _tensor_from_wire(result.grad_hidden, grad_dtype).to(
             device=hidden.device, dtype=math_dtype)
         return grad_hidden.to(hidden.dtype), None
+
+
+class HeadMovedError(LossdError):
+    """W on the server is not at the version this module trained it to: the server restarted
+    without its checkpoint, or another client stepped or replaced the head. Training on would
+    train another W. known: the version this module last saw; server: the server's now (None
+    when it could not be asked)."""
+
+    def __init__(self, head, known, server, why):
+        super().__init__("Compute", "FAILED_PRECONDITION", f"head {head!r}: {why}")
+        self.head, self.known_version, self.server_version = head, known, server
 
 
 @dataclasses.dataclass
@@ -657,17 +735,88 @@ class RemoteHead(torch.nn.Module):
     the server (GetHead), so a wrong name fails here with NOT_FOUND and the names the server has,
     not at the first forward. shared_memory: forward and backward hand the rows and dL/dh over in
     memory shared with a server on this host (Client.compute's shared_memory) instead of messages.
-    weight_sha256: every call is pinned to W with this SHA-256 (see pin_weights)."""
+    weight_sha256: every call is pinned to W with this SHA-256 (see pin_weights).
 
-    def __init__(self, client, head, shared_memory=False, weight_sha256=None):
+    Data-parallel training (DDP, FSDP, the Trainer on several processes): every rank holds a
+    RemoteHead on the same server head. dL/dW is averaged over the ranks as DDP averages the
+    body's gradients (each rank commits its share divided by the world size), and step() is
+    collective: every rank calls it after its backward, and the server steps W once. The world
+    is process_group's, or torch.distributed's default group when it is initialized (at each
+    call), or world_size and rank when given; without torch.distributed it is this process alone.
+
+    The module keeps the version of W it trains (version): once it has trained, every call is
+    pinned to it, so that a W that moved under it (a server restarted without its checkpoint,
+    another client's step or upload) raises HeadMovedError naming both versions instead of
+    training on. track_version=False turns that off (a head that others step on purpose).
+    stage_grad_weight=False makes a forward accumulate dL/dW at once, for an upstream gradient of
+    1, as servers without staged gradients do (see the module docstring)."""
+
+    def __init__(self, client, head, shared_memory=False, weight_sha256=None, *,
+                 world_size=None, rank=None, process_group=None, track_version=True,
+                 stage_grad_weight=True):
         super().__init__()
         self.client = client if isinstance(client, Client) else Client(client)
-        self.client.get_head(head)
+        info = self.client.get_head(head)
         self.head = head
         self.shared_memory = shared_memory
         self.weight_sha256 = weight_sha256
         self.last_result = None
+        if (world_size is None) != (rank is None):
+            raise ValueError("world_size, rank: give both or neither")
+        if world_size is not None and not 0 <= rank < world_size:
+            raise ValueError(f"rank: expected 0 to {world_size - 1}, got {rank}")
+        self.world_size, self.rank, self.process_group = world_size, rank, process_group
+        self.track_version = track_version
+        self.stage_grad_weight = stage_grad_weight
+        self.version = info.version  # of W as this module last saw it
+        self.trained = False         # whether this module has trained W (pins calls once it has)
         self._id = _register(self)
+
+    def world(self):
+        """(world size, rank) whose gradients this head averages and whose steps are one."""
+        if self.world_size is not None:
+            return self.world_size, self.rank
+        return data_parallel_world(self.process_group)
+
+    def _tracked(self, call, train):
+        """call(pin) with pin the version this module trained W to (None before it trained, or
+        without tracking); remembers the version the server reports, and turns a refusal of the
+        pinned version into a HeadMovedError that says what happened."""
+        pin = self.version if self.track_version and self.trained else None
+        try:
+            result = call(pin)
+        except LossdError as error:
+            if pin is not None and error.code == "FAILED_PRECONDITION" and \
+                    error.message.startswith("head_version"):
+                raise self._moved(error) from None
+            raise
+        self.version = result.head_version
+        self.trained = self.trained or train
+        return result
+
+    def _moved(self, error):
+        """The HeadMovedError of a call refused because W is not at self.version."""
+        try:
+            info = self.client.get_head(self.head)
+        except LossdError:
+            return HeadMovedError(self.head, self.version, None, error.message)
+        if info.version < self.version:
+            why = (f"the server's version went back from {self.version} to {info.version}: it "
+                   f"restarted without this head's latest checkpoint (start it with "
+                   f"--checkpoint_dir and save checkpoints as you train), or the head was "
+                   f"replaced; W is now {info.source!r}. Resume from the checkpoint that matches "
+                   f"the server's version, or restart training")
+        else:
+            why = (f"W moved from version {self.version} to {info.version} without this "
+                   f"module's step (another client stepped or replaced it). If that is meant, "
+                   f"set track_version=False, or reload the version with head.follow()")
+        return HeadMovedError(self.head, self.version, info.version, why)
+
+    def follow(self):
+        """Takes the server's current version of W as this module's, after a move that was
+        meant (see HeadMovedError); returns it."""
+        self.version = self.client.get_head(self.head).version
+        return self.version
 
     def pin_weights(self):
         """Pins this module's calls to W as the server (one replica, over several) reports it now,
@@ -747,7 +896,8 @@ class RemoteHead(torch.nn.Module):
     def logprobs(self, hidden, tokens, **kwargs):
         """log p(tokens) for hidden [..., H], differentiable: RemoteLogprobs on this head."""
         return RemoteLogprobs(self.client, self.head, shared_memory=self.shared_memory,
-                              weight_sha256=self.weight_sha256)(hidden, tokens, **kwargs)
+                              weight_sha256=self.weight_sha256,
+                              process_group=self.process_group)(hidden, tokens, **kwargs)
 
     @torch.no_grad()
     def score(self, hidden, token_ids, top_k=0, entropy=False, temperature=1.0,
@@ -779,15 +929,61 @@ class RemoteHead(torch.nn.Module):
         return self.client.get_head(self.head)
 
     def zero_grad(self, set_to_none=True):
-        """Zeroes dL/dW on the server. The module has no local parameters; set_to_none is
-        accepted for nn.Module compatibility."""
+        """Zeroes dL/dW on the server, as a local head's zero_grad() would. Several ranks share
+        the server's accumulator, and one rank's zeroing would drop the others' gradients: with
+        a world of more than one, only this rank's forwards still awaiting their backward are
+        dropped (the step zeroes the accumulator). set_to_none is accepted for nn.Module
+        compatibility."""
+        if self.world()[0] > 1:
+            self._discard_awaiting()
+            return
+        self._discard_awaiting()
         self.client.zero_grad(self.head)
+
+    def _discard_awaiting(self):
+        """Forgets this process's forwards that await their backward, and drops their staged
+        dL/dW on the server: a backward that still runs then adds its gradient in full."""
+        staged = [forward.call_id for forward in _AWAITING_BACKWARD.values()
+                  if forward is not None and forward.staged]
+        _AWAITING_BACKWARD.clear()
+        if staged:
+            self.client.discard_grad_weight(self.head, staged)
 
     def step(self, optimizer, **kwargs) -> StepInfo:
         """An optimizer step on the server: "sgd" or "adamw", with torch.optim's defaults; the
         arguments are Client.step's (lr, momentum, betas, eps, weight_decay, max_grad_norm,
-        keep_grad, head_version)."""
-        return self.client.step(self.head, optimizer, **kwargs)
+        keep_grad, grad_multiplier, skip_nonfinite). Collective over this head's world (see
+        the class docstring): every rank calls it, W steps once. The step is pinned to the
+        version this module trained (HeadMovedError if W moved under it)."""
+        world_size, rank = self.world()
+        kwargs.setdefault("world_size", world_size)
+        kwargs.setdefault("rank", rank)
+        tracked = self.track_version and "head_version" not in kwargs
+        if tracked:
+            kwargs["head_version"] = self.version
+        info = self._tracked_step(lambda: self.client.step(self.head, optimizer, **kwargs),
+                                  tracked)
+        self.version = info.head_version
+        self.trained = True
+        return info
+
+    def grad_norm(self, grad_multiplier=None) -> GradNormInfo:
+        """The norm of W's accumulated gradient once every rank has sent its part (collective,
+        as step() is): for clipping a whole model, W included, by one norm."""
+        world_size, rank = self.world()
+        return self._tracked_step(
+            lambda: self.client.grad_weight_norm(self.head, head_version=self.version,
+                                                 world_size=world_size, rank=rank,
+                                                 grad_multiplier=grad_multiplier), True)
+
+    def _tracked_step(self, call, tracked):
+        try:
+            return call()
+        except LossdError as error:
+            if tracked and error.code == "FAILED_PRECONDITION" and \
+                    error.message.startswith("head_version"):
+                raise self._moved(error) from None
+            raise
 
     def fetch_weight(self, dtype=torch.float32) -> torch.Tensor:
         """W [V, H] as a CPU tensor of dtype (float32, bfloat16 or float16)."""
@@ -815,13 +1011,15 @@ class RemoteLogprobs(torch.nn.Module):
     and no gradient. Without autograd it is a plain scoring call. The log-probabilities come
     back in float32 (float64 for float64 hidden, from float32 values)."""
 
-    def __init__(self, client, head, shared_memory=False, weight_sha256=None):
+    def __init__(self, client, head, shared_memory=False, weight_sha256=None,
+                 process_group=None):
         super().__init__()
         self.client = client if isinstance(client, Client) else Client(client)
         self.client.get_head(head)  # a wrong name fails here, as RemoteHead's does
         self.head = head
         self.shared_memory = shared_memory
         self.weight_sha256 = weight_sha256  # pins every call to this W (RemoteHead.pin_weights)
+        self.process_group = process_group  # dL/dW averaged over its ranks (RemoteHead's)
 
     def forward(self, hidden, tokens, *, ignore_index=-100, temperature=1.0, logit_softcap=None):
         tokens = torch.as_tensor(tokens)
@@ -832,7 +1030,8 @@ class RemoteLogprobs(torch.nn.Module):
             reduction="sum",
             options=dict(ignore_index=ignore_index, temperature=temperature,
                          logit_softcap=logit_softcap, shared_memory=self.shared_memory,
-                         weight_sha256=self.weight_sha256))
+                         weight_sha256=self.weight_sha256),
+            world_size=data_parallel_world(self.process_group)[0])
         if len(call.labels) != flat_hidden.shape[0]:
             raise ValueError(f"tokens: expected {flat_hidden.shape[0]} entries (the rows of "
                              f"hidden {tuple(hidden.shape)}), got shape {tuple(tokens.shape)}")
@@ -873,11 +1072,12 @@ class RemoteDistill(torch.nn.Module):
 
     def __init__(self, client, student, teacher=None, *, beta=0.0, alpha=0.0, temperature=1.0,
                  teacher_temperature=1.0, teacher_logit_softcap=None,
-                 sparse_teacher_mass="renormalize"):
+                 sparse_teacher_mass="renormalize", process_group=None):
         super().__init__()
         self.client = client if isinstance(client, Client) else Client(client)
         self.student = student
         self.teacher = teacher
+        self.process_group = process_group  # dL/dW averaged over its ranks (RemoteHead's)
         self.options = dict(distill_beta=beta, distill_alpha=alpha,
                             distill_temperature=temperature,
                             teacher_temperature=teacher_temperature,
@@ -937,7 +1137,8 @@ class RemoteDistill(torch.nn.Module):
                        **self.options)
         call = _LossCall(client=self.client, head=self.student, labels=label_array,
                          weights=_as_numpy(weights, torch.float32, "weights", count),
-                         reduction=reduction, options=options, side=side)
+                         reduction=reduction, options=options, side=side,
+                         world_size=data_parallel_world(self.process_group)[0])
         loss, self.last_result = _run(call, flat_hidden, hidden)
         return loss
 
@@ -957,11 +1158,12 @@ class RemoteEmbedding(torch.nn.Module):
     retried: a failed one raises from backward, and the head's gradient should then be zeroed."""
 
     def __init__(self, client, head, hidden_size, padding_idx=None, dtype=torch.float32,
-                 device=None, embed_scale=None):
+                 device=None, embed_scale=None, process_group=None):
         super().__init__()
         _wire_dtype_name(dtype)
         self.client = client if isinstance(client, Client) else Client(client)
         self.head = head
+        self.process_group = process_group  # gradients averaged over its ranks, as RemoteHead's
         self.hidden_size = hidden_size
         self.padding_idx = -1 if padding_idx is None else padding_idx
         self.grad_anchor = torch.nn.Parameter(torch.zeros(0, dtype=dtype, device=device))
