@@ -3,6 +3,8 @@
 numpy has no bfloat16, so bfloat16 tensors are carried as uint16 arrays holding the bit patterns
 (the upper 16 bits of the float32 with the same sign, exponent and leading mantissa bits).
 """
+import hashlib
+
 import numpy as np
 
 from lossd.v1 import lossd_pb2 as pb
@@ -75,3 +77,22 @@ def float32_to_bfloat16_bits(values):
 def bfloat16_bits_to_float32(bits):
     """The exact float32 values of bfloat16 bit patterns."""
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def weight_sha256(weight, dtype):
+    """HeadInfo.weight_sha256 of W [V, H] stored as dtype ("float32", "bfloat16", "float16"):
+    SHA-256 of "lossd-head-v1 <dtype> <V> <H>\\n" and W's bytes in that dtype. weight is a
+    float array (rounded to dtype as the server stores it) or, for bfloat16, uint16 bits."""
+    weight = np.asarray(weight)
+    if weight.ndim != 2:
+        raise ValueError(f"weight: expected a [vocab_size, hidden_size] array, got shape "
+                         f"{weight.shape}")
+    check_dtype_name(dtype)
+    if dtype == "bfloat16" and weight.dtype != np.uint16:
+        stored = float32_to_bfloat16_bits(weight)
+    else:
+        stored = np.ascontiguousarray(weight, dtype=numpy_dtype(dtype))
+    digest = hashlib.sha256(f"lossd-head-v1 {dtype} {weight.shape[0]} {weight.shape[1]}\n"
+                            .encode())
+    digest.update(stored.tobytes())
+    return digest.hexdigest()

@@ -42,11 +42,13 @@ Create optimizers after offload_head: the model's own lm_head (and tied embeddin
 gone from it. lossd.hf.restore_head puts the server's trained W back into the model (before
 save_pretrained, say).
 """
+import dataclasses
 import types
 from typing import Optional
 
 import torch
 
+from lossd import _tensors
 from lossd.client import Client, LossdError
 from lossd.torch import RemoteEmbedding, RemoteHead
 
@@ -62,17 +64,7 @@ class _Offload:
         self.embedding = embedding            # the RemoteEmbedding, for tied models, else None
         self.softcap = softcap                # the model's final logit soft cap, or None
         self.original_embedding = None        # tied: the model's embedding, emptied of W
-        self.weight = None                    # W fetched for logits, and its version
-        self.weight_version = None
-
-    def local_weight(self, dtype, device):
-        """W [V, H] as of the head's current version, fetched when the version moved."""
-        version = self.head.info().version
-        if self.weight is None or self.weight_version != version or \
-                self.weight.dtype != dtype or self.weight.device != device:
-            self.weight = self.head.fetch_weight(dtype).to(device)
-            self.weight_version = version
-        return self.weight
+        self.cache_field = _output_cache_field()  # the output's name for the cache
 
 
 def _text_config(config):
@@ -91,27 +83,36 @@ def _keep_positions(hidden, logits_to_keep):
     return hidden[:, logits_to_keep, :]
 
 
-def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None,
-                       past_key_values=None, inputs_embeds=None, labels=None, use_cache=None,
-                       logits_to_keep=0, **kwargs):
+# The body's key-value cache: transformers 5.24 renamed past_key_values to cache (the old name
+# deprecated until 5.40), so the forward passes on whichever the caller used, under its name,
+# and the output carries it under the name the output class has.
+_CACHE_NAMES = ("cache", "past_key_values")
+
+
+def _output_cache_field():
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    fields = {field.name for field in dataclasses.fields(CausalLMOutputWithPast)}
+    return next(name for name in _CACHE_NAMES if name in fields)
+
+
+def _causal_lm_forward(self, input_ids=None, labels=None, logits_to_keep=0, **kwargs):
     """transformers' causal-LM forward with the loss computed by lossd (see the module
-    docstring); bound to the model by offload_head."""
+    docstring); bound to the model by offload_head. Everything but the loss's arguments goes to
+    the model's body as it came."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     offload = self._lossd_offload
     return_dict = kwargs.pop("return_dict", None)
-    outputs = getattr(self, self.base_model_prefix)(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-        **kwargs)
+    shifted = kwargs.pop("shift_labels", None)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
+    outputs = getattr(self, self.base_model_prefix)(input_ids=input_ids, **kwargs)
     hidden = outputs[0]
     loss = logits = None
-    shifted = kwargs.get("shift_labels")
     if labels is not None or shifted is not None:
-        num_items = kwargs.get("num_items_in_batch")
         if torch.is_tensor(num_items):
             num_items = num_items.item()
-        ignore_index = kwargs.get("ignore_index", -100)
         targets = shifted if shifted is not None else labels
         if num_items is not None and num_items <= 0:
             # transformers divides the sum by it, whatever comes out.
@@ -128,28 +129,61 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
                 "lossd.hf: forward without labels builds logits from a copy of W, which carry no "
                 "gradient to W on the server; pass labels to train, or compute logits under "
                 "torch.no_grad() (generate() does)")
-        weight = offload.local_weight(kept.dtype, kept.device)
-        logits = kept @ weight.T
-        if offload.softcap:
-            logits = torch.tanh(logits / offload.softcap) * offload.softcap
-    output = CausalLMOutputWithPast(loss=loss, logits=logits,
-                                    past_key_values=getattr(outputs, "past_key_values", None),
+        logits = offload.head.logits(kept)
+    cache = next((getattr(outputs, name) for name in _CACHE_NAMES
+                  if getattr(outputs, name, None) is not None), None)
+    output = CausalLMOutputWithPast(loss=loss, logits=logits, **{offload.cache_field: cache},
                                     hidden_states=getattr(outputs, "hidden_states", None),
                                     attentions=getattr(outputs, "attentions", None))
     return output.to_tuple() if return_dict is False else output
 
 
+def _model_weight_sha256(weight, dtype):
+    """HeadInfo.weight_sha256 of the model's lm_head weight as a server storing it in dtype
+    would hold it."""
+    weight = weight.detach().to("cpu", torch.float32).contiguous().numpy()
+    return _tensors.weight_sha256(weight, dtype)
+
+
+def _check_server_head(client, head, info, model_head, resume):
+    """Refuses a server head that is not the model's lm_head W, saying what differs and what to
+    do; with resume, takes the server's W as the run's (it trained on from this model)."""
+    expected_sha256 = _model_weight_sha256(model_head, info.dtype)
+    if info.weight_sha256 == expected_sha256 or resume:
+        return
+    where = f"the server at {client.address} serves {head!r} from {info.source}"
+    if info.steps > 0 or info.version > 1:
+        raise ValueError(
+            f"head: {where}, and it has trained since ({info.steps} optimizer steps, version "
+            f"{info.version}): its W is no longer this model's lm_head. To continue that "
+            f"training, pass resume=True (with the trainer's checkpoint of the same step); to "
+            f"start over, restart the server without its checkpoints, or pass upload=True to "
+            f"replace the head with this model's W")
+    raise ValueError(
+        f"head: {where} (version {info.version}, weight_sha256 {info.weight_sha256[:16]}...), "
+        f"which is not this model's lm_head (weight_sha256 {expected_sha256[:16]}... as "
+        f"{info.dtype}) though the shapes agree: another model's checkpoint, or another "
+        f"revision. Serve this model's directory (--heads={head}=<its directory>), use another "
+        f"head name, or pass upload=True to replace it with this model's W")
+
+
 def offload_head(model, client, head="main", *, upload=False, storage_dtype="float32",
-                 shared_memory=False) -> RemoteHead:
+                 shared_memory=False, resume=False, process_group=None) -> RemoteHead:
     """Makes `model`, a transformers causal LM of one of SUPPORTED_MODEL_TYPES, compute its loss
     through lossd's head `head`, and returns that head (a lossd.torch.RemoteHead, now the
     model's lm_head: head.step(...) trains W on the server).
 
     client: a lossd.Client or its address. upload=False: the server already serves the head,
     loaded from this model's checkpoint (`lossd_server --heads=main=/models/<model>`); its shape,
-    tie and soft cap must be the model's. upload=True: the model's own lm_head weight becomes
-    the head (replacing one of that name), stored as storage_dtype, with the model's tie and
-    soft cap. shared_memory: see lossd.torch.RemoteHead.
+    tie and soft cap must be the model's, and so must W itself (its SHA-256 as the server stores
+    it): a head that has trained since it was loaded (a script run twice against one server),
+    or another model's W of the same shape, is refused with a ValueError that says which and
+    what to do. resume=True takes the server's W as it is, to continue a run from a checkpoint
+    (lossd.hf.Trainer checks the version against the trainer's checkpoint). upload=True: the
+    model's own lm_head weight becomes the head (replacing one of that name), stored as
+    storage_dtype, with the model's tie and soft cap. Under torch.distributed every rank offloads
+    to the same head; upload on one rank (say rank 0, before a barrier) and offload on all.
+    shared_memory, process_group: see lossd.torch.RemoteHead.
     """
     if getattr(model, "_lossd_offload", None) is not None:
         raise ValueError("model: its head is already offloaded (lossd.hf.restore_head undoes it)")
@@ -195,15 +229,17 @@ def offload_head(model, client, head="main", *, upload=False, storage_dtype="flo
         if found != expected:
             raise ValueError(f"head: the server's {head!r} ({info.source}) is not this model's "
                              f"head: it has {found}, the model {expected}")
+        _check_server_head(client, head, info, lm_head.weight, resume)
 
-    remote_head = RemoteHead(client, head, shared_memory=shared_memory)
+    remote_head = RemoteHead(client, head, shared_memory=shared_memory,
+                             process_group=process_group)
     remote_embedding = None
     if tied:
         remote_embedding = RemoteEmbedding(client, head, hidden_size,
                                            padding_idx=embedding.padding_idx,
                                            dtype=embedding.weight.dtype,
                                            device=embedding.weight.device,
-                                           embed_scale=embed_scale)
+                                           embed_scale=embed_scale, process_group=process_group)
         model.set_input_embeddings(remote_embedding)
     model.set_output_embeddings(remote_head)
     model._lossd_offload = _Offload(remote_head, remote_embedding, softcap)
@@ -216,6 +252,11 @@ def offload_head(model, client, head="main", *, upload=False, storage_dtype="flo
     return remote_head
 
 
+def _tensors_from_master(head):
+    """W [V, H] as float32: a 16-bit head's fp32 master weights where it has them."""
+    return torch.from_numpy(head.client.fetch_weight(head.head, "float32", master=True))
+
+
 def restore_head(model, dtype: Optional[torch.dtype] = None):
     """Undoes offload_head: the model gets back a local lm_head (and, tied, input embedding)
     holding the server's current W, in dtype (default: the model's), and its own forward.
@@ -225,8 +266,8 @@ def restore_head(model, dtype: Optional[torch.dtype] = None):
         raise ValueError("model: its head is not offloaded")
     device = offload.embedding.grad_anchor.device if offload.embedding is not None else \
         next(model.parameters()).device
-    weight = offload.head.fetch_weight(torch.float32).to(device=device,
-                                                          dtype=dtype or model.dtype)
+    # A 16-bit head that trained holds fp32 master weights: the model gets those.
+    weight = _tensors_from_master(offload.head).to(device=device, dtype=dtype or model.dtype)
     vocab_size, hidden_size = weight.shape
     lm_head = torch.nn.Linear(hidden_size, vocab_size, bias=False, device=device,
                               dtype=weight.dtype)

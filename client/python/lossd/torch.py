@@ -555,6 +555,22 @@ if _CUSTOM_OPS:
                                            setup_context=_embedding_setup_context)
 
 
+def _head_logits(hidden, head_id):
+    """hidden [..., H] @ W.T with the head's soft cap, in hidden's dtype, from a copy of W held
+    by the module and fetched again when W's version moves."""
+    return _module(head_id)._logits(hidden)
+
+
+if _CUSTOM_OPS:
+    @torch.library.custom_op("lossd::head_logits", mutates_args=())
+    def _head_logits_op(hidden: torch.Tensor, head_id: int, vocab_size: int) -> torch.Tensor:
+        return _head_logits(hidden, head_id)
+
+    @_head_logits_op.register_fake
+    def _(hidden, head_id, vocab_size):
+        return hidden.new_empty(tuple(hidden.shape[:-1]) + (vocab_size,))
+
+
 class _CrossEntropyFunction(torch.autograd.Function):
     """lossd::cross_entropy for torch without custom operators: the same server calls."""
 
@@ -770,6 +786,9 @@ class RemoteHead(torch.nn.Module):
         self.stage_grad_weight = stage_grad_weight
         self.version = info.version  # of W as this module last saw it
         self.trained = False         # whether this module has trained W (pins calls once it has)
+        self.vocab_size = info.vocab_size
+        self.logit_softcap = info.logit_softcap
+        self._weight_copy = None     # (version, W) for logits
         self._id = _register(self)
 
     def world(self):
@@ -811,6 +830,44 @@ class RemoteHead(torch.nn.Module):
                    f"module's step (another client stepped or replaced it). If that is meant, "
                    f"set track_version=False, or reload the version with head.follow()")
         return HeadMovedError(self.head, self.version, info.version, why)
+
+    def logits(self, hidden):
+        """hidden [..., H] @ W.T, with the head's soft cap, in hidden's dtype: the logits a local
+        lm_head would give, for generation and inspection. They carry no gradient to W (train
+        through forward); asked under autograd for hidden that requires grad, they are refused.
+        Computed here from a copy of W fetched once per version of W (under torch.compile, an
+        opaque custom operator)."""
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            raise RuntimeError(
+                "RemoteHead.logits: the logits come from a copy of W and carry no gradient to W "
+                "on the server; train through forward (the loss), or ask for logits under "
+                "torch.no_grad()")
+        if _CUSTOM_OPS:
+            return torch.ops.lossd.head_logits(hidden, self._id, self.vocab_size)
+        return _head_logits(hidden, self._id)
+
+    def _logits(self, hidden):
+        # A module that trains W here knows its version; one that does not follows the server.
+        version = self.version if self.trained else self.client.get_head(self.head).version
+        copy = self._weight_copy
+        if copy is None or copy[0] != version or copy[1].dtype != hidden.dtype or \
+                copy[1].device != hidden.device:
+            copy = (version, self.fetch_weight(torch.float32).to(hidden.device, hidden.dtype))
+            self._weight_copy = copy
+        logits = hidden @ copy[1].T
+        if self.logit_softcap:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
+
+    def norm_proxy(self):
+        """A parameter [1] of this module whose gradient stands for W's (trainer integrations,
+        lossd.hf.Trainer): set to |dL/dW| before the model's gradients are clipped, it puts W in
+        clip_grad_norm_'s global norm and the logged grad_norm, and clipping scales it by the
+        multiplier W's step must take. It does not require grad, so optimizers and DDP leave it
+        alone."""
+        if not hasattr(self, "grad_norm_proxy"):
+            self.grad_norm_proxy = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+        return self.grad_norm_proxy
 
     def follow(self):
         """Takes the server's current version of W as this module's, after a move that was
