@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 
 venv="${LOSSD_VENV:-.venv}"
 # matplotlib: bench/peers.sh's plots, which run here too.
-packages=(torch transformers safetensors grpcio protobuf numpy pytest matplotlib)
+packages=(torch transformers accelerate safetensors grpcio protobuf numpy pytest matplotlib)
 # What the environment was made with; a change of the list (or --upgrade) makes it anew.
 stamp="$venv/lossd-packages"
 

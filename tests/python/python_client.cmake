@@ -85,9 +85,16 @@ if(LOSSD_PYTHON_ENV)
   add_test(NAME python_torch_compile
     COMMAND "${LOSSD_PYTHON_ENV}" -m pytest -q -p no:cacheprovider
             ${CMAKE_CURRENT_LIST_DIR}/test_torch_compile.py)
-  set_tests_properties(${current_tests} python_hf python_torch_compile PROPERTIES
+  # transformers.Trainer on 2 and 4 processes (torch.distributed, gloo) with a local head and
+  # with lossd.hf.Trainer and a server killed halfway: the same parameters at the end; and the
+  # wrong-W cases refused (about 5 minutes on two cores, most of it starting processes).
+  add_test(NAME python_trainer
+    COMMAND "${LOSSD_PYTHON_ENV}" -m pytest -q -p no:cacheprovider
+            ${CMAKE_CURRENT_LIST_DIR}/test_trainer.py)
+  set_tests_properties(${current_tests} python_hf python_torch_compile python_trainer PROPERTIES
     ENVIRONMENT "${LOSSD_PYTHON_TEST_ENVIRONMENT}"
     TIMEOUT 600)
+  set_tests_properties(python_trainer PROPERTIES TIMEOUT 1500)
   set_tests_properties(python_training_example_current_torch PROPERTIES TIMEOUT 900)
 else()
   message(STATUS "lossd: LOSSD_PYTHON_ENV not set: the Python suites under current PyPI torch and "

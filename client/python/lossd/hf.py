@@ -279,3 +279,175 @@ def restore_head(model, dtype: Optional[torch.dtype] = None):
     del model.forward
     del model._lossd_offload
     return model
+
+
+# ---- transformers.Trainer ----------------------------------------------------------------------
+
+# The Trainer's optimizers whose update the server's AdamW or SGD is (torch.optim's semantics).
+_ADAMW_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused")
+_SGD_OPTIMIZERS = ("sgd",)
+CHECKPOINT_RECORD = "lossd_head.json"  # in each of the Trainer's checkpoint directories
+
+
+def _head_optimizer(args):
+    """The server optimizer and hyperparameters that step W as the Trainer's optimizer steps the
+    model's other parameters (W is one of the Trainer's decayed parameters)."""
+    optim = getattr(args.optim, "value", args.optim)
+    if optim in _ADAMW_OPTIMIZERS:
+        return "adamw", dict(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                             weight_decay=args.weight_decay)
+    if optim in _SGD_OPTIMIZERS:
+        return "sgd", dict(weight_decay=args.weight_decay)
+    raise ValueError(f"args.optim: lossd steps W with torch's AdamW or SGD, expected one of "
+                     f"{', '.join(_ADAMW_OPTIMIZERS + _SGD_OPTIMIZERS)}, got {optim!r}")
+
+
+def _offloaded_head(model):
+    """The RemoteHead of a model offload_head patched, through DDP's and Accelerate's wrappers."""
+    while not hasattr(model, "_lossd_offload") and hasattr(model, "module"):
+        model = model.module
+    offload = getattr(model, "_lossd_offload", None)
+    if offload is None:
+        raise ValueError("model: its head is not offloaded; call lossd.hf.offload_head(model, "
+                         "client) before building the Trainer")
+    return offload.head
+
+
+class TrainerMixin:
+    """What a transformers.Trainer (or a subclass, such as TRL's) needs to train a model whose
+    head lossd.hf.offload_head put on a lossd server, as it trains a local one:
+
+        class MyTrainer(lossd.hf.TrainerMixin, trl.SFTTrainer): ...
+        trainer = lossd.hf.Trainer(model=model, args=args, train_dataset=data)  # both in one
+
+    * W steps with the Trainer's optimizer (AdamW or SGD as args.optim says, with its betas, eps
+      and weight decay) at the learning rate its schedule gives each step, once per optimizer
+      step however many ranks train (a collective step on the server).
+    * W's gradient is in the gradient clipping and the logged grad_norm: after the last
+      micro-batch of each step the head's norm_proxy parameter gets |dL/dW| as its gradient, so
+      that the Trainer's clip_grad_norm_ over the model's parameters takes the global norm of
+      the whole model, W included, and the multiplier it clips by reaches W's step.
+    * Gradient accumulation and ranks: each micro-batch's backward commits its share, averaged
+      over the ranks as DDP averages the body's gradients.
+    * Checkpoints: each of the Trainer's checkpoints saves the server's head too
+      (SaveCheckpoint) and records its version and SHA-256 in lossd_head.json beside the
+      Trainer's files; train(resume_from_checkpoint=...) refuses a server whose head is not at
+      that version (restart the server from its --checkpoint_dir, which then holds it).
+    Evaluation runs under torch.no_grad() and trains nothing."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._lossd_head = _offloaded_head(self.model)
+        self._lossd_optimizer = _head_optimizer(self.args)
+        self._lossd_proxy = self._lossd_head.norm_proxy()
+        self._lossd_norm = None
+        self.add_callback(_HeadCallback(self))
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.sync_gradients:
+            # Every rank's last backward of the step is in once the collective norm returns.
+            self._lossd_norm = self._lossd_head.grad_norm().grad_norm
+            self._lossd_proxy.grad = torch.full_like(self._lossd_proxy, self._lossd_norm)
+        return loss
+
+    def _lossd_step(self, optimizer):
+        """W's step, with the Trainer's learning rate for this step and the multiplier its
+        clipping left on the norm proxy."""
+        norm = self._lossd_norm
+        proxy_grad = self._lossd_proxy.grad
+        clip = 1.0 if not norm or proxy_grad is None else float(proxy_grad.item()) / norm
+        kind, hyper = self._lossd_optimizer
+        lr = optimizer.param_groups[0]["lr"]
+        self._lossd_head.step(kind, lr=lr, grad_multiplier=clip, **hyper)
+        self._lossd_proxy.grad = None
+        self._lossd_norm = None
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        path = resume_from_checkpoint
+        if path is True:
+            from transformers.trainer_utils import get_last_checkpoint
+            path = get_last_checkpoint(self.args.output_dir)
+        if path:
+            self._lossd_check_resume(path)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _lossd_check_resume(self, path):
+        """Refuses to resume from a Trainer checkpoint whose head the server does not hold."""
+        import json
+        import os
+
+        record_path = os.path.join(path, CHECKPOINT_RECORD)
+        if not os.path.exists(record_path):
+            raise ValueError(f"resume_from_checkpoint: {path} has no {CHECKPOINT_RECORD}: it was "
+                             f"not saved by lossd.hf.Trainer, so the server's head cannot be "
+                             f"matched to it")
+        with open(record_path, encoding="utf-8") as f:
+            record = json.load(f)
+        head = self._lossd_head
+        info = head.info()
+        if (info.version, info.weight_sha256) != (record["version"], record["weight_sha256"]):
+            raise ValueError(
+                f"resume_from_checkpoint: {path} was saved with head {record['head']!r} at "
+                f"version {record['version']}, but the server at {head.client.address} holds "
+                f"version {info.version} ({info.source}): start the server with the "
+                f"--checkpoint_dir that holds {', '.join(record['paths']) or 'that checkpoint'}, "
+                f"or resume from the Trainer checkpoint of version {info.version}")
+        head.version = info.version
+        head.trained = True
+
+    def _lossd_save(self, checkpoint_dir):
+        """Saves the server's head beside the Trainer's checkpoint and records which."""
+        import json
+        import os
+
+        head = self._lossd_head
+        paths = head.client.save_checkpoint(head.head)
+        info = head.info()
+        record = dict(head=head.head, version=info.version, weight_sha256=info.weight_sha256,
+                      steps=info.steps, paths=paths, address=head.client.address)
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        temporary = os.path.join(checkpoint_dir, CHECKPOINT_RECORD + ".tmp")
+        with open(temporary, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=2)
+        os.replace(temporary, os.path.join(checkpoint_dir, CHECKPOINT_RECORD))
+
+
+def _callback_base():
+    from transformers import TrainerCallback
+    return TrainerCallback
+
+
+class _HeadCallback:
+    """The Trainer's events that reach W: its step, and the checkpoints."""
+
+    def __new__(cls, trainer):
+        base = _callback_base()
+
+        class HeadCallback(base):
+            def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+                trainer._lossd_step(optimizer if optimizer is not None else trainer.optimizer)
+
+            def on_save(self, args, state, control, **kwargs):
+                import os
+
+                from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+                if state.is_world_process_zero:
+                    trainer._lossd_save(os.path.join(
+                        args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+
+        return HeadCallback()
+
+
+def __getattr__(name):
+    # lossd.hf.Trainer: transformers.Trainer with TrainerMixin, built on first use so that
+    # importing lossd.hf does not import the Trainer's dependencies.
+    if name == "Trainer":
+        import transformers
+
+        trainer = type("Trainer", (TrainerMixin, transformers.Trainer),
+                       {"__doc__": TrainerMixin.__doc__, "__module__": __name__})
+        globals()["Trainer"] = trainer
+        return trainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
