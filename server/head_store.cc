@@ -87,6 +87,7 @@ const char* StagedDropName(StagedDrop reason) {
     case StagedDrop::kDiscarded: return "discarded";
     case StagedDrop::kExpired: return "expired";
     case StagedDrop::kHeadMoved: return "head_moved";
+    case StagedDrop::kEvicted: return "evicted";
   }
   return "unknown";
 }
@@ -348,7 +349,20 @@ absl::StatusOr<CommitOutcome> Head::StageGradient(StagedGradient& call, DeviceBu
   }
   RETURN_IF_ERROR(CheckRoomForCallId(max_call_ids));
   const int64_t bytes = static_cast<int64_t>(buffer.bytes());
-  if (!room.TryReserve(bytes)) return CommitOutcome::kNoRoom;
+  bool reserved = room.TryReserve(bytes);
+  int evicted = 0;
+  while (!reserved && !staged_.empty()) {
+    const auto oldest =
+        std::min_element(staged_.begin(), staged_.end(), [](const auto& a, const auto& b) {
+          return a.second->deadline < b.second->deadline;
+        });
+    RememberDrop(oldest->first, StagedDrop::kEvicted);
+    staged_.erase(oldest);
+    ++evicted;
+    reserved = room.TryReserve(bytes);
+  }
+  ObserveDrops(StagedDrop::kEvicted, evicted);
+  if (!reserved) return CommitOutcome::kNoRoom;
   auto entry = std::make_unique<StagedCall>();
   entry->room = &room;
   entry->reserved = bytes;
@@ -384,6 +398,9 @@ absl::StatusOr<CommitOutcome> Head::CommitStaged(const std::string& call_id, dou
       switch (dropped->second) {
         case StagedDrop::kDiscarded: why = "it was discarded"; break;
         case StagedDrop::kExpired: why = "it expired (--staged_grad_seconds) before this commit"; break;
+        case StagedDrop::kEvicted:
+          why = "newer staged gradients took its room (--staged_grad_mib); compute it again";
+          break;
         case StagedDrop::kHeadMoved:
           why = "the head stepped, was replaced, or had its gradient zeroed since it was staged";
           break;
@@ -762,7 +779,8 @@ absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config,
   StepOutcome outcome;
   outcome.grad_norm = std::sqrt(sum_squares) * settings.grad_multiplier;
   outcome.accumulated_tokens = accumulated_tokens_;
-  if (!std::isfinite(outcome.grad_norm)) {
+  // The optimizer multiplies in float32: past FLT_MAX the norm's largest entries would overflow.
+  if (!(outcome.grad_norm <= FLT_MAX)) {
     if (!settings.skip_nonfinite) {
       return absl::FailedPreconditionError(absl::StrCat(
           "gradient of head '", name_, "' has a non-finite norm (", outcome.grad_norm,

@@ -119,8 +119,9 @@ enum class StagedDrop : int {
   kDiscarded = 0,  // DiscardGradWeight
   kExpired = 1,    // --staged_grad_seconds without a commit
   kHeadMoved = 2,  // a Step or upload, or the accumulator zeroed
+  kEvicted = 3,    // the oldest of the head's, for a newer one when the staging room was full
 };
-inline constexpr int kStagedDropCount = 3;
+inline constexpr int kStagedDropCount = 4;
 const char* StagedDropName(StagedDrop reason);
 
 // A host copy of W or of the gradient with the version it belongs to.
@@ -221,7 +222,10 @@ class Head {
   // CommitStaged adds it, DiscardStaged or ExpireStaged (past `deadline`) drops it, or the head
   // moves. kStaged; kReplayed when the id was already committed in this epoch (the same call,
   // checked as CommitGradient checks a repeat) or is already staged (the same call computed
-  // again: the first stays); kNoRoom, with `buffer` left as it was, when `room` cannot take it.
+  // again: the first stays). When `room` is full, the head's staged gradients closest to their
+  // deadline make way (a later commit of one gets NOT_FOUND, and its client computes it again):
+  // the newest forward is the likeliest to see its backward. kNoRoom, with `buffer` left as it
+  // was, when even that cannot make room.
   absl::StatusOr<CommitOutcome> StageGradient(StagedGradient& call, DeviceBuffer& buffer,
                                               StagingRoom& room, absl::Time deadline,
                                               int64_t max_call_ids);

@@ -53,6 +53,7 @@ absl::StatusOr<std::string> RankRendezvous::Join(
     slot->world_size = world_size;
     slot->fingerprint = fingerprint;
     slot->present.assign(world_size, false);
+    slot->left.assign(world_size, false);
     slot->first_arrival = now;
     slot->deadline = now + options_.wait;
   }
@@ -71,10 +72,14 @@ absl::StatusOr<std::string> RankRendezvous::Join(
   if (!meeting->present[rank]) {
     meeting->present[rank] = true;
     ++meeting->present_count;
-    if (!meeting->missing_reason.empty()) {
-      // A rank that left came back (its client retried): the meeting waits as long as before.
-      meeting->missing_reason.clear();
-      meeting->deadline = meeting->first_arrival + options_.wait;
+    if (meeting->left[rank]) {
+      meeting->left[rank] = false;
+      if (--meeting->left_count == 0) {
+        // Every rank that left came back (their clients retried): the meeting waits as long as
+        // it would have.
+        meeting->missing_reason.clear();
+        meeting->deadline = meeting->first_arrival + options_.wait;
+      }
     }
   }
   if (meeting->present_count == world_size) {
@@ -105,6 +110,8 @@ absl::StatusOr<std::string> RankRendezvous::Join(
     if (cancelled()) {
       meeting->present[rank] = false;
       --meeting->present_count;
+      meeting->left[rank] = true;
+      ++meeting->left_count;
       meeting->missing_reason =
           absl::StrCat("left (its call was cancelled) and did not come back within ",
                        absl::FormatDuration(options_.grace));

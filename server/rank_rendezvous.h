@@ -57,7 +57,9 @@ class RankRendezvous {
     int world_size = 0;
     uint64_t fingerprint = 0;
     std::vector<bool> present;        // by rank: arrived and not cancelled since
+    std::vector<bool> left;           // by rank: its call was cancelled while it waited
     int present_count = 0;
+    int left_count = 0;
     absl::Time first_arrival;
     absl::Time deadline;              // the wait, or sooner after a cancellation
     std::string missing_reason;       // why the deadline was brought forward

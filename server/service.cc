@@ -404,11 +404,12 @@ grpc::Status LossService::ZeroGradWeight(grpc::ServerContext* context,
 
 namespace {
 
-// A finite multiplier >= 0 of the accumulated gradient (StepRequest.grad_multiplier).
+// A multiplier of the accumulated gradient (StepRequest.grad_multiplier) that float32, where the
+// optimizer applies it, can carry.
 absl::StatusOr<double> GradMultiplier(bool has, double value) {
   if (!has) return 1.0;
-  if (!std::isfinite(value) || value < 0.0) {
-    return InvalidField("grad_multiplier", "a finite value >= 0", absl::StrCat(value));
+  if (!(value >= 0.0 && value <= FLT_MAX)) {
+    return InvalidField("grad_multiplier", "a value in [0, 3.40282e+38]", absl::StrCat(value));
   }
   return value;
 }

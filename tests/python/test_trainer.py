@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -197,3 +198,47 @@ def test_resuming_from_a_trainer_checkpoint_of_another_version_is_refused(model_
         with pytest.raises(ValueError, match="saved with head 'main' at version 7, but the "
                                              "server .* holds version 1"):
             trainer.train(resume_from_checkpoint=str(checkpoint))
+
+
+RANK_THAT_DIES = """
+import sys
+import time
+import lossd
+client = lossd.Client(sys.argv[1])
+client.step("demo", "sgd", lr=0.5, head_version=int(sys.argv[2]), world_size=2, rank=1)
+"""
+
+
+def test_a_rank_killed_while_it_waits_for_the_step_fails_the_step_on_every_rank():
+    """Rank 1 calls Step and dies while it waits for rank 0; rank 0's Step then fails with
+    ABORTED (after the grace a rank whose call went away has to come back), and nothing moved."""
+    import urllib.request
+
+    with ServerProcess("--device=cpu", "--demo_vocab_size=64", "--demo_hidden_size=8") as server:
+        client = lossd.Client(server.address, timeout=120)
+        before = client.get_head("demo")
+        rank1 = subprocess.Popen([sys.executable, "-c", RANK_THAT_DIES, server.address,
+                                  str(before.version)], env=dict(os.environ))
+
+        def metric(line):
+            url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+            return line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines()
+
+        def wait_for(line, why):
+            deadline = time.monotonic() + 60
+            while not metric(line):
+                assert time.monotonic() < deadline, why
+                time.sleep(0.05)
+
+        wait_for("lossd_step_rendezvous_waiting 1", "rank 1 never reached the step")
+        rank1.kill()
+        rank1.wait()
+        # The server has seen rank 1's call go once its Step handler has returned.
+        wait_for("lossd_inflight_calls 0", "rank 1's call did not end")
+        with pytest.raises(lossd.LossdError) as failed:
+            client.step("demo", "sgd", lr=0.5, head_version=before.version, world_size=2,
+                        rank=0)
+        assert failed.value.code == "ABORTED"
+        assert "rank(s) 1 of 2 left (its call was cancelled)" in failed.value.message
+        after = client.get_head("demo")
+        assert (after.version, after.weight_sha256) == (before.version, before.weight_sha256)
