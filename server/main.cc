@@ -5,7 +5,11 @@
 #include <string>
 #include <vector>
 
+#include <iostream>
+
 #include "absl/flags/flag.h"
+#include "absl/flags/internal/parse.h"
+#include "absl/flags/internal/usage.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
@@ -88,11 +92,23 @@ int main(int argc, char** argv) {
                                "  lossd_server --heads=main=/models/Llama-3.1-8B --device=cuda");
   // Abseil lists under --help only flags defined in a file named after the program; ours live here.
   absl::FlagsUsageConfig usage;
-  usage.contains_help_flags = [](absl::string_view file) { return absl::EndsWith(file, "main.cc"); };
+  usage.contains_help_flags = [](absl::string_view file) { return file == "lossd_server"; };
   usage.contains_helpshort_flags = usage.contains_help_flags;
   usage.version_string = [] { return std::string("lossd_server ") + lossd::kVersion + "\n"; };
+  // The help names the program, not the file its flags are defined in.
+  usage.normalize_filename = [](absl::string_view file) {
+    return absl::EndsWith(file, "main.cc") ? std::string("lossd_server") : std::string(file);
+  };
   absl::SetFlagsUsageConfig(usage);
-  absl::ParseCommandLine(argc, argv);
+  // Abseil's own parse ends --help with status 1, as it ends a bad flag: help that was asked for
+  // is printed on stdout and ends with 0.
+  absl::flags_internal::ParseCommandLineImpl(
+      argc, argv, absl::flags_internal::ArgvListAction::kRemoveParsedArgs,
+      absl::flags_internal::UsageFlagsAction::kIgnoreUsage,
+      absl::flags_internal::OnUndefinedFlag::kAbortIfUndefined);
+  if (absl::flags_internal::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) >= 0) {
+    return 0;
+  }
 
   // Block the stop signals before any thread starts, so that only sigwait below receives them.
   sigset_t stop_signals;

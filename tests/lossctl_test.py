@@ -96,6 +96,15 @@ def test_compute_from_files_matches_numpy(server, tmp_path):
     np.testing.assert_array_equal(np.array(results["top_k_token"])[:, 0], logp.argmax(axis=1))
     assert len(results["top_k_logprob"][0]) == 4
 
+    # Without --out the top-k is not lost silently: row 0's is printed, with where the rest goes.
+    out = lossctl("compute", "--head=demo", "--hidden", tmp_path / "h.npy", "--labels",
+                  tmp_path / "y.npy", "--top_k=3", server=server).stdout
+    shown = re.search(r"^top-3 of row 0 \(token:logprob\) (\S+) (\S+) (\S+); every row's top-3: "
+                      r"--out FILE.json$", out, re.M)
+    assert shown, out
+    best = np.argsort(-logp[0])[:3]
+    assert [int(entry.split(":")[0]) for entry in shown.groups()] == best.tolist()
+
 
 def test_accumulate_fetch_grad_and_step(server, tmp_path):
     lossctl("zero-grad", "--head=demo", server=server)
@@ -318,10 +327,17 @@ def test_one_version_everywhere(tmp_path):
         metrics
 
 
-def test_server_help_names_the_program_once():
+def test_server_help_names_the_program_once_and_ends_well():
+    """--help is a request that succeeds: on stdout, status 0, the flags listed under the
+    program's name rather than the path of the file that defines them in the build tree."""
     done = subprocess.run([SERVER_BIN, "--help"], capture_output=True, text=True, timeout=30)
-    first_line = (done.stdout + done.stderr).splitlines()[0]
+    assert done.returncode == 0, done
+    first_line = done.stdout.splitlines()[0]
     assert first_line == "lossd_server: linear cross-entropy as a service.", first_line
+    assert "Flags from lossd_server:" in done.stdout, done.stdout
+    assert "--step_wait_seconds" in done.stdout and "main.cc" not in done.stdout, done.stdout
+    assert subprocess.run([SERVER_BIN, "--no_such_flag"], capture_output=True,
+                          timeout=30).returncode != 0
 
 
 def test_replicas_score_pinned_and_refuse_training(server, tmp_path):

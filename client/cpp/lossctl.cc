@@ -670,6 +670,16 @@ absl::Status RunCompute(const Flags& flags) {
     for (float value : result.entropy) total += value;
     absl::PrintF("entropy mean %.6g nats\n", total / static_cast<double>(result.entropy.size()));
   }
+  if (result.top_k > 0 && !per_token && hidden.rows > 0) {
+    // The whole table goes to --out; without it, the first row shows what came back.
+    std::vector<std::string> first_row;
+    for (int j = 0; j < result.top_k; ++j) {
+      first_row.push_back(
+          absl::StrFormat("%d:%.4g", result.top_k_token[j], result.top_k_logprob[j]));
+    }
+    absl::PrintF("top-%d of row 0 (token:logprob) %s; every row's top-%d: --out FILE.json\n",
+                 result.top_k, absl::StrJoin(first_row, " "), result.top_k);
+  }
   if (outputs.grad_hidden) {
     absl::PrintF("dL/dh [%d, %d] %s, norm %.6g\n", result.grad_hidden.rows, result.grad_hidden.cols,
                  DTypeName(result.grad_hidden.dtype), L2Norm(result.grad_hidden));

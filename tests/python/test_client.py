@@ -7,6 +7,7 @@ float32 from float32 inputs).
 import gc
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -586,11 +587,49 @@ def test_training_calls_carry_fresh_ids_and_a_repeated_id_is_a_replay(client, he
 
 def test_retry_policy_is_validated():
     for bad in (dict(max_attempts=0), dict(initial_backoff=-1.0),
-                dict(initial_backoff=2.0, max_backoff=1.0), dict(backoff_multiplier=0.5)):
+                dict(initial_backoff=2.0, max_backoff=1.0), dict(backoff_multiplier=0.5),
+                dict(max_elapsed=-1.0), dict(max_elapsed=float("inf"))):
         with pytest.raises(ValueError):
             lossd.RetryPolicy(**bad)
     with pytest.raises(TypeError):
         lossd.Client("127.0.0.1:1", retry=3)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_client_without_a_server_says_where_it_looked():
+    address = f"127.0.0.1:{free_port()}"
+    with lossd.Client(address, timeout=10, retry=lossd.RetryPolicy(max_attempts=1)) as client:
+        with pytest.raises(lossd.LossdError) as error:
+            client.get_head("demo")
+    assert error.value.code == "UNAVAILABLE"
+    assert f"no lossd server answers at {address}" in error.value.message
+    assert f"lossd_server --listen={address}" in error.value.message
+
+
+def test_retries_ride_out_a_server_restart():
+    """A policy with a window of seconds keeps a call going while its server restarts."""
+    port = free_port()
+    flags = ("--device=cpu", "--demo_vocab_size=50", "--demo_hidden_size=8",
+             f"--listen=127.0.0.1:{port}")
+    with ServerProcess(*flags, metrics=False):
+        pass  # stopped: the call below starts while no server listens
+    policy = lossd.RetryPolicy(max_attempts=10**6, max_elapsed=120, max_backoff=0.2)
+    outcome = {}
+    with lossd.Client(f"127.0.0.1:{port}", timeout=30, retry=policy) as client:
+        hidden, labels = np.ones((3, 8), np.float32), np.array([1, 2, 3])
+        caller = threading.Thread(target=lambda: outcome.update(
+            result=client.compute("demo", hidden, labels)))
+        caller.start()
+        time.sleep(0.5)
+        with ServerProcess(*flags, metrics=False):
+            caller.join(timeout=120)
+    assert outcome["result"].attempts > 1
+    assert outcome["result"].counted_tokens == 3
 
 
 def test_a_retry_after_a_lost_answer_accumulates_once(server, head, caplog):

@@ -91,10 +91,14 @@ def test_the_documented_command_works_from_a_checkout_with_progress_on_a_termina
         assert steps == [1, 2, 3], repr(terminal)
     assert terminal.count("\n") == 2, repr(terminal)  # each run's line ends once
 
+    # In a log the progress is plain lines (3 steps: each is a tenth or more of the run).
     piped = subprocess.run(documented_command(server), cwd=checkout, env=without_pythonpath(),
                            capture_output=True, text=True, timeout=300)
-    assert piped.returncode == 0 and piped.stderr == "" and "max |local - lossd|" in piped.stdout, \
-        piped.stderr
+    assert piped.returncode == 0 and "max |local - lossd|" in piped.stdout, piped.stderr
+    for run in ("(A) local head", "(B) lossd head"):
+        lines = re.findall(rf"^{re.escape(run)}: step (\d+)/3, loss [\d.]+$", piped.stderr, re.M)
+        assert lines == ["1", "2", "3"], piped.stderr
+    assert "\r" not in piped.stderr and "\033" not in piped.stderr, repr(piped.stderr)
     code, out, terminal = run_with_terminal_stderr(documented_command(server, "--quiet"),
                                                    cwd=checkout, env=without_pythonpath(),
                                                    timeout=300)

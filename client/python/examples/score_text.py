@@ -41,7 +41,7 @@ def main(argv=None):
 
     with lossd.Client(args.address, timeout=120) as client:
         corpus = train_tiny_lm.load_corpus()
-        progress = train_tiny_lm.StepProgress(not args.quiet and sys.stderr.isatty())
+        progress = train_tiny_lm.StepProgress.for_stderr(args.quiet)
         losses, body, head = train_tiny_lm.train_remote(training, corpus, client, progress)
         print(f"trained {args.train_steps} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
         body.eval()

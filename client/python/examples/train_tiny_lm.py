@@ -123,19 +123,27 @@ def batches(corpus, args):
 
 
 class StepProgress:
-    """A run's step and loss on stderr, one line redrawn in place, for a person watching: only
-    when enabled (stderr is a terminal and --quiet is not given), so that a log or a pipe gets
-    the results alone."""
+    """A run's step and loss on stderr while it trains: on a terminal one line redrawn in place;
+    in a log or a pipe a plain line every tenth of the run, so that a long run is seen to move
+    there too; nothing with --quiet (enabled False)."""
 
-    def __init__(self, enabled):
+    def __init__(self, enabled, terminal=True):
         self.enabled = enabled
+        self.terminal = terminal
+
+    @classmethod
+    def for_stderr(cls, quiet):
+        return cls(not quiet, sys.stderr.isatty())
 
     def step(self, run, step, steps, loss):
         if not self.enabled:
             return
-        sys.stderr.write(f"\r{run}: step {step}/{steps}, loss {loss:.4f}\033[K")
-        if step == steps:
-            sys.stderr.write("\n")
+        if self.terminal:
+            sys.stderr.write(f"\r{run}: step {step}/{steps}, loss {loss:.4f}\033[K")
+            if step == steps:
+                sys.stderr.write("\n")
+        elif step == steps or step % max(1, steps // 10) == 0:
+            sys.stderr.write(f"{run}: step {step}/{steps}, loss {loss:.4f}\n")
         sys.stderr.flush()
 
 
@@ -233,7 +241,7 @@ def main(argv=None):
     parameters = sum(p.numel() for p in [*body.parameters(), *lm_head.parameters()])
     print(f"tiny byte-level LM: {parameters / 1e6:.2f}M parameters, {args.steps} steps of "
           f"{args.batch_size}x{args.context} tokens, AdamW lr {args.lr}")
-    progress = StepProgress(not args.quiet and sys.stderr.isatty())
+    progress = StepProgress.for_stderr(args.quiet)
     with lossd.Client(args.address, timeout=120) as client:
         result = compare(args, client, progress)
     print(f"{'step':>6} {'local loss':>12} {'lossd loss':>12} {'difference':>12}")

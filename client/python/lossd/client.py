@@ -67,6 +67,9 @@ CLIP_NONE, CLIP_HIGH, CLIP_LOW, CLIP_DUAL = (pb.CLIP_NONE, pb.CLIP_HIGH, pb.CLIP
 _SHARED_MEMORY_ALIGNMENT = 64
 # Failures after which the client cannot know whether the server committed the call.
 _RETRYABLE_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+# What gRPC says when nothing listens where a call went.
+_NO_SERVER_SIGNS = ("Connection refused", "failed to connect", "Failed to connect",
+                    "DNS resolution failed")
 # What lives in one process, by RPC: these go to one server (pick_first), and a target that lists
 # several servers is refused for them, naming what (see Client). Compute joins them when it
 # accumulates dL/dW or uses shared memory.
@@ -96,8 +99,17 @@ class LossdError(RuntimeError):
         self.message = message
 
     @classmethod
-    def from_rpc_error(cls, method, error):
-        return cls(method, error.code().name, error.details() or "")
+    def from_rpc_error(cls, method, error, address=None):
+        """The error of a failed gRPC call; with the client's address, a call that reached no
+        server says where it looked and what to start."""
+        details = error.details() or ""
+        code = error.code().name
+        if address is not None and code == "UNAVAILABLE" and any(
+                sign in details for sign in _NO_SERVER_SIGNS):
+            details += (f" -- no lossd server answers at {address}: start one there (for "
+                        f"example `lossd_server --listen={address}`), or give the Client the "
+                        f"address a running server listens on")
+        return cls(method, code, details)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,14 +132,19 @@ class RetryPolicy:
 
     max_attempts counts every attempt (1 turns retrying off). The wait before the n-th retry is
     initial_backoff * backoff_multiplier ** (n - 1) seconds, at most max_backoff, times a random
-    factor in [0.5, 1] so that clients that failed together do not retry together. Each retry is
-    logged as a warning on the "lossd" logger, and on_retry(error, attempt, wait), when given, is
-    called before the wait."""
+    factor in [0.5, 1] so that clients that failed together do not retry together. max_elapsed,
+    when set, ends the retries once that many seconds have passed since the first attempt began:
+    RetryPolicy(max_attempts=10**6, max_elapsed=300) rides out a server that restarts from its
+    checkpoint within five minutes (the default gives up after about 1.5 s of waits). Each retry
+    is logged as a warning on the "lossd" logger, and on_retry(error, attempt, wait), when given,
+    is called before the wait. Step, GradWeightNorm and CommitGradWeight of a training run are
+    retried the same way."""
     max_attempts: int = 4
     initial_backoff: float = 0.2
     max_backoff: float = 5.0
     backoff_multiplier: float = 2.0
     on_retry: Optional[Callable[["LossdError", int, float], None]] = None
+    max_elapsed: Optional[float] = None
 
     def __post_init__(self):
         if not (isinstance(self.max_attempts, int) and self.max_attempts >= 1):
@@ -136,6 +153,9 @@ class RetryPolicy:
             raise ValueError(f"initial_backoff, max_backoff: expected finite seconds with "
                              f"0 <= initial_backoff <= max_backoff, got {self.initial_backoff!r}, "
                              f"{self.max_backoff!r}")
+        if self.max_elapsed is not None and not 0 <= self.max_elapsed < float("inf"):
+            raise ValueError(f"max_elapsed: expected finite seconds >= 0 or None, got "
+                             f"{self.max_elapsed!r}")
         if not 1 <= self.backoff_multiplier < float("inf"):
             raise ValueError(f"backoff_multiplier: expected a finite value >= 1, got "
                              f"{self.backoff_multiplier!r}")
@@ -547,20 +567,19 @@ class Client:
         try:
             return getattr(stub, method)(request, timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as error:
-            raise LossdError.from_rpc_error(method, error) from None
+            raise LossdError.from_rpc_error(method, error, self.address) from None
 
     def _call(self, method, request, one_server_for=None):
         """Starts a server-streaming or bidirectional call; the handle can cancel it."""
         return getattr(self._stub_for(method, one_server_for), method)(
             request, timeout=self._timeout, metadata=self._metadata)
 
-    @staticmethod
-    def _responses(method, call):
+    def _responses(self, method, call):
         """The responses of a started call (see _call), as they arrive."""
         try:
             yield from call
         except grpc.RpcError as error:
-            raise LossdError.from_rpc_error(method, error) from None
+            raise LossdError.from_rpc_error(method, error, self.address) from None
 
     def _rows_per_message(self, row_bytes):
         budget = min(_TARGET_MESSAGE_BYTES, self._max_message_bytes - _MESSAGE_OVERHEAD_BYTES)
@@ -610,7 +629,7 @@ class Client:
             return getattr(stub, method)(requests(), timeout=self._timeout,
                                          metadata=self._metadata)
         except grpc.RpcError as error:
-            raise LossdError.from_rpc_error(method, error) from None
+            raise LossdError.from_rpc_error(method, error, self.address) from None
 
     def _receive_rows(self, method, request, dtype, num_rows=None):
         """The rows a server-streaming call sends in chunks (TensorChunk, EmbeddingRows) put
@@ -1007,6 +1026,7 @@ class Client:
         attempts are spent; a compute result records how many it took."""
         policy = self._retry
         backoff = policy.initial_backoff
+        started = time.monotonic()
         for number in range(1, policy.max_attempts + 1):
             try:
                 result = attempt()
@@ -1014,6 +1034,9 @@ class Client:
                 if error.code not in _RETRYABLE_CODES or number == policy.max_attempts:
                     raise
                 wait = min(backoff, policy.max_backoff) * random.uniform(0.5, 1.0)
+                if policy.max_elapsed is not None and \
+                        time.monotonic() - started + wait > policy.max_elapsed:
+                    raise
                 _log.warning("%s attempt %d of %d failed (%s: %s); retrying in %.3f s%s",
                              method, number, policy.max_attempts, error.code, error.message, wait,
                              f" under call_id {call_id}" if call_id else "")
