@@ -31,7 +31,7 @@ def main(argv=None):
     parser.add_argument("--text", default="The keeper climbed the steps and lit the lamp.")
     parser.add_argument("--train-steps", type=int, default=80)
     parser.add_argument("--quiet", action="store_true",
-                        help="no training progress on stderr (shown only on a terminal)")
+                        help="no training progress on stderr")
     args = parser.parse_args(argv)
     training = train_tiny_lm.parse_args(["--steps", str(args.train_steps),
                                          "--head", "tiny-lm-scorer"])

@@ -231,7 +231,7 @@ def parse_args(argv=None):
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--print-every", type=int, default=10)
     parser.add_argument("--quiet", action="store_true",
-                        help="no per-step progress on stderr (shown only on a terminal)")
+                        help="no per-step progress on stderr")
     return parser.parse_args(argv)
 
 
