@@ -33,33 +33,39 @@ teacher outputs) goes through RemoteDistill, with the same backward semantics:
 Backward semantics
 ------------------
 * Under autograd (torch.is_grad_enabled() and hidden.requires_grad), forward asks the server for
-  dL/dh and adds dL/dW for an upstream gradient of 1 to the head's accumulator, in the same call
-  (accumulate_grad_weight). backward(g) returns g * dL/dh (reduction "none": g[i] * dL/dh_i per
-  row). When g is not exactly 1 (all ones for "none"), backward makes ONE correction call with the
-  same hidden rows that accumulates only dL/dW: grad_scale = g - 1 for "mean"/"sum", per-token
-  weights w_i * (g_i - 1) for "none". dL/dW is linear in the upstream gradient, so afterwards both
-  hidden.grad and the server's dL/dW equal what torch computes for the same loss times g, up to
-  float32 rounding. The correction is pinned to the head version the forward used; if W was
-  stepped in between, backward fails with FAILED_PRECONDITION. Backward through the same graph a
-  second time (retain_graph=True) accumulates g2 * dL/dW in full, as torch would.
+  dL/dh and stages dL/dW for an upstream gradient of 1 under the call's id
+  (stage_grad_weight), without adding it. backward(g) returns g * dL/dh (reduction "none":
+  g[i] * dL/dh_i per row) and commits the staged dL/dW times g / world_size: one small call, no
+  recomputation. So a forward whose backward never runs (an evaluation forward in model.eval()
+  without torch.no_grad(), a loss computed and dropped) adds nothing: its staged gradient is
+  dropped by the next step, or after the server's --staged_grad_seconds. Where the server had no
+  room to stage it (the forward then added dL/dW for an upstream of 1), where the staged gradient
+  was pushed out before the backward came, and for reduction "none" with upstream gradients that
+  differ between rows, backward makes ONE correction call with the same hidden rows that
+  accumulates only dL/dW (grad_scale = g - 1 for "mean"/"sum", per-token weights w_i * (g_i - 1)
+  for "none"; dL/dW is linear in the upstream gradient). Either way both hidden.grad and the
+  server's dL/dW equal what torch computes for the same loss times g, up to float32 rounding. The
+  correction is pinned to the head version the forward used; if W was stepped in between,
+  backward fails with FAILED_PRECONDITION. Backward through the same graph a second time
+  (retain_graph=True) accumulates g2 * dL/dW in full, as torch would.
 * Without autograd (inside torch.no_grad(), or hidden.requires_grad False) forward is a plain
-  scoring call: no gradients, nothing accumulated on the server.
-* A forward under autograd whose backward is never called has still accumulated its dL/dW (for
-  upstream 1). Call head.zero_grad() (ZeroGradWeight on the server) after such a forward, and run
-  evaluation under torch.no_grad(). model.zero_grad() on a parent module does not reach the server;
-  head.step() zeroes the server's gradient after the step (unless keep_grad=True).
+  scoring call: no gradients, nothing staged or accumulated on the server.
+* Data parallel: under torch.distributed (or with world_size given) every rank's commit is
+  divided by the world size, as DDP averages the body's gradients over ranks, and step() is
+  collective: each rank calls it after its backward, the server steps once. zero_grad() of one
+  rank of several drops only that rank's staged forwards (one rank zeroing the shared
+  accumulator would drop the others' gradients); a step zeroes it.
 * The correction adds (g - 1) * dL/dW to the float32 accumulator that already holds 1 * dL/dW, so
   its absolute rounding is about 6e-8 * |dL/dW|: relative to g * dL/dW that is fine for g of order
-  1 or larger (loss scaling), poorer for |g| << 0.01. For gradient accumulation prefer
-  mean_denominator (the whole batch's token count, the same for every micro-batch) over dividing
-  the loss: the upstream gradient then stays 1 and no correction call is made.
+  1 or larger (loss scaling), poorer for |g| << 0.01. A commit scales the staged gradient itself
+  and has no such rounding.
 
-* Forward's call and backward's correction call each carry a fresh call_id, and the Client
-  retries them after UNAVAILABLE or DEADLINE_EXCEEDED under that id (its RetryPolicy): a call the
-  server committed before its answer was lost is answered again without its dL/dW being added a
-  second time, so a retried step still accumulates exactly one loss.backward(). If the head was
-  stepped with keep_grad between the lost answer and the retry, the retry fails with
-  ALREADY_EXISTS (the gradient is on the server, dL/dh cannot be had again).
+* Forward, its commit and its correction call each carry a call_id, and the Client retries them
+  after UNAVAILABLE or DEADLINE_EXCEEDED under that id (its RetryPolicy): a call the server took
+  before its answer was lost is answered again without its dL/dW being staged or added a second
+  time, so a retried step still accumulates exactly one loss.backward(). If the head was stepped
+  with keep_grad between the lost answer and the retry, the retry fails with ALREADY_EXISTS (the
+  gradient is on the server, dL/dh cannot be had again).
 
 Training only W on fixed hidden states (no autograd on hidden) is a Client.compute call with
 accumulate_grad_weight=True followed by head.step().
