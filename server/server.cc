@@ -522,12 +522,7 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   server->heads_.SetStagedDropObserver([metrics = &server->metrics_](StagedDrop reason, int n) {
     metrics->CountStagedDropped(StagedDropName(reason), n);
   });
-  server->staged_sweeper_ = std::make_unique<std::thread>([raw_server] {
-    while (!raw_server->stop_sweeping_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
-      const absl::Time now = absl::Now();
-      for (const auto& head : raw_server->heads_.List()) head->ExpireStaged(now);
-    }
-  });
+
   if (config.shared_memory) {
     const absl::Status opened = server->service_->OpenSharedMemorySocket();
     if (!opened.ok()) {
@@ -580,6 +575,13 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
     server->exposer_->RegisterCollectable(server->metrics_.registry());
     server->exposer_->RegisterCollectable(server->metrics_.state_collector());
   }
+  // Last: a server that failed to start has no thread to join.
+  server->staged_sweeper_ = std::make_unique<std::thread>([raw = server.get()] {
+    while (!raw->stop_sweeping_.WaitForNotificationWithTimeout(absl::Seconds(1))) {
+      const absl::Time now = absl::Now();
+      for (const auto& head : raw->heads_.List()) head->ExpireStaged(now);
+    }
+  });
   return server;
 }
 

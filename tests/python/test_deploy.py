@@ -549,7 +549,7 @@ def server_flags():
 def main_cc_flags():
     """{flag: default} of the flags server/main.cc defines."""
     text = subprocess.run([SERVER_BIN, "--helpfull"], capture_output=True, text=True, timeout=30).stdout
-    section = re.search(r"Flags from \S*server/main\.cc:\n(.*?)(?:\n\n|\Z)", text, re.S).group(1)
+    section = re.search(r"Flags from lossd_server:\n(.*?)(?:\n\n|\Z)", text, re.S).group(1)
     return {k: v.strip('"') for k, v in re.findall(r"--(\w+) \(.*?\);\s+default: (.*?);", section, re.S)}
 
 
