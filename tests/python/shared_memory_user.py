@@ -19,6 +19,7 @@ import sys
 import numpy as np
 
 import lossd
+from lossd import _wire
 from lossd import client as lossd_client
 from lossd.v1 import lossd_pb2 as pb
 
@@ -51,11 +52,11 @@ def layout_bytes(grad_offset, pid=None, fd=None, handle=None):
 
 def call(client, start):
     """(status code name, result messages received, error message) of a Compute call."""
-    responses = client._call("Compute", iter([pb.ComputeRequest(start=start)]))
+    responses = client._call("Compute", iter([_wire.encode_start(start)]))
     results = 0
     try:
         for response in responses:
-            results += response.HasField("result")
+            results += isinstance(response, _wire.Result)
     except Exception as error:  # grpc.RpcError
         return error.code().name, results, error.details()
     return "OK", results, ""
@@ -160,9 +161,9 @@ def intruder(address, head, owner_json):
                           layout_bytes(grad_offset, pid=victim["pid"], fd=victim["fd"],
                                        handle=own_handle))
     responses = list(client._responses("Compute", client._call(
-        "Compute", iter([pb.ComputeRequest(start=start)]))))
-    token_loss = np.concatenate([np.array(r.result.token_loss, dtype=np.float32)
-                                 for r in responses if r.HasField("result")])
+        "Compute", iter([_wire.encode_start(start)]))))
+    token_loss = np.concatenate([np.array(r.message.token_loss, dtype=np.float32)
+                                 for r in responses if isinstance(r, _wire.Result)])
     expected = client.compute(head, own, labels, outputs=["token_loss", "grad_hidden"])
     outcome["own_memory_with_pid_and_fd"] = {
         "rows_were_its_own": bool(np.array_equal(token_loss, expected.token_loss)),

@@ -23,6 +23,7 @@ from server_process import ServerProcess, ensure_python_client
 
 ensure_python_client()
 import lossd  # noqa: E402
+from lossd import _wire  # noqa: E402
 from lossd.torch import RemoteHead, RemoteLogprobs  # noqa: E402
 from lossd.v1 import lossd_pb2 as pb  # noqa: E402
 
@@ -786,10 +787,38 @@ def test_results_with_grad_hidden_of_the_wrong_size_are_refused(in_messages, gra
     responses = [pb.ComputeResponse(result=pb.ComputeResult(row_offset=0, num_rows=1,
                                                             grad_hidden=bytes(grad_bytes))),
                  pb.ComputeResponse(summary=pb.ComputeSummary())]
+    decoded = [_wire.decode_response(r.SerializeToString()) for r in responses]
     with pytest.raises(lossd.LossdError) as error:
-        lossd.client._assemble(iter(responses), {"grad_hidden"}, 0, 1, HIDDEN, "float32",
+        lossd.client._assemble(iter(decoded), {"grad_hidden"}, 0, 1, HIDDEN, "float32",
                                grad_hidden_in_messages=in_messages)
     assert error.value.code == "INTERNAL" and "grad_hidden" in error.value.message
+
+
+def test_tensor_messages_encoded_by_hand_are_protobufs_messages():
+    """Compute's messages skip protobuf objects for their tensor fields: protobuf itself reads
+    what the client writes, and the client reads what protobuf writes, every field."""
+    rng = np.random.default_rng()
+    hidden = rng.standard_normal((3, 5), dtype=np.float32)
+    teacher = rng.standard_normal((3, 7), dtype=np.float32)
+    request = pb.ComputeRequest.FromString(_wire.encode_chunk({"hidden": hidden,
+                                                               "teacher_hidden": teacher}))
+    assert request.chunk.hidden == hidden.tobytes()
+    assert request.chunk.teacher_hidden == teacher.tobytes()
+    assert pb.ComputeRequest.FromString(_wire.encode_chunk({"hidden": hidden[:0]})) \
+        .HasField("chunk")
+    result = pb.ComputeResult(row_offset=300, num_rows=3, token_loss=[1.5, -2.0, 3.25],
+                              argmax=[7, 0, 2**30], top_k_logprob=[-0.5] * 6,
+                              top_k_token=[1, 2, 3, 4, 5, 6], grad_hidden=hidden.tobytes(),
+                              grad_hidden_dtype=pb.DTYPE_FLOAT32, clip=[0, 1, 3], kd=[0.5] * 3)
+    decoded = _wire.decode_response(pb.ComputeResponse(result=result).SerializeToString())
+    assert bytes(decoded.grad_hidden) == hidden.tobytes()
+    without_grad = pb.ComputeResult()
+    without_grad.CopyFrom(result)
+    without_grad.ClearField("grad_hidden")
+    assert decoded.message == without_grad
+    summary = pb.ComputeSummary(loss=1.25, counted_tokens=2**40, backend="cpu", replayed=True)
+    assert _wire.decode_response(pb.ComputeResponse(summary=summary).SerializeToString()) == \
+        summary
 
 
 # A server run with --shared_memory=false refuses it by name, and the same client goes on with
@@ -815,7 +844,7 @@ def compute_with_layout(client, head, shared_memory, num_tokens=4, grad_hidden=T
         head=head, num_tokens=num_tokens, hidden_size=HIDDEN, hidden_dtype=pb.DTYPE_FLOAT32,
         labels=list(range(num_tokens)), outputs=pb.OutputSelection(grad_hidden=grad_hidden),
         shared_memory=shared_memory)
-    call = client._call("Compute", iter([pb.ComputeRequest(start=start)]))
+    call = client._call("Compute", iter([_wire.encode_start(start)]))
     return list(client._responses("Compute", call))
 
 

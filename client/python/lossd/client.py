@@ -17,11 +17,12 @@ from typing import Callable, Iterable, List, Optional
 import grpc
 import numpy as np
 
-from lossd import _address, _tensors
+from lossd import _address, _tensors, _wire
 from lossd.v1 import lossd_pb2 as pb
 from lossd.v1 import lossd_pb2_grpc as pb_grpc
 
 _MIB = 1 << 20
+_COMPUTE_METHOD = "/lossd.v1.LossService/Compute"
 # Room for a message's framing and non-tensor fields beside its tensor bytes.
 _MESSAGE_OVERHEAD_BYTES = 64 * 1024
 # Messages of a few MiB keep a stream moving: the server computes the first rows while later
@@ -512,6 +513,12 @@ class Client:
         self._one_server_channel = channel(round_robin=False)
         self._stub = pb_grpc.LossServiceStub(self._channel)
         self._one_server_stub = pb_grpc.LossServiceStub(self._one_server_channel)
+        # Compute over each channel with its tensor fields encoded and decoded by hand (_wire).
+        self._raw_compute = {
+            id(stub): channel.stream_stream(_COMPUTE_METHOD, request_serializer=bytes,
+                                            response_deserializer=_wire.decode_response)
+            for stub, channel in ((self._stub, self._channel),
+                                  (self._one_server_stub, self._one_server_channel))}
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._max_message_bytes = max_message_bytes
         self._timeout = timeout
@@ -570,9 +577,11 @@ class Client:
             raise LossdError.from_rpc_error(method, error, self.address) from None
 
     def _call(self, method, request, one_server_for=None):
-        """Starts a server-streaming or bidirectional call; the handle can cancel it."""
-        return getattr(self._stub_for(method, one_server_for), method)(
-            request, timeout=self._timeout, metadata=self._metadata)
+        """Starts a server-streaming or bidirectional call; the handle can cancel it. Compute
+        takes serialized ComputeRequests and yields pb.ComputeSummary and _wire.Result."""
+        stub = self._stub_for(method, one_server_for)
+        invoke = self._raw_compute[id(stub)] if method == "Compute" else getattr(stub, method)
+        return invoke(request, timeout=self._timeout, metadata=self._metadata)
 
     def _responses(self, method, call):
         """The responses of a started call (see _call), as they arrive."""
@@ -1060,11 +1069,11 @@ class Client:
         side = side or {}
 
         def requests():
-            yield pb.ComputeRequest(start=start)
+            yield _wire.encode_start(start)
             for r0 in range(0, num_tokens, rows):
-                rows_bytes = hidden[r0:r0 + rows].tobytes()
-                fields = {name: array[r0:r0 + rows].tobytes() for name, array in side.items()}
-                yield pb.ComputeRequest(chunk=pb.ComputeChunk(hidden=rows_bytes, **fields))
+                yield _wire.encode_chunk({"hidden": hidden[r0:r0 + rows],
+                                          **{name: array[r0:r0 + rows]
+                                             for name, array in side.items()}})
 
         call = self._call("Compute", requests(), one_server_for)
         result = _assemble(self._responses("Compute", call), wanted, top_k, num_tokens,
@@ -1093,7 +1102,7 @@ class Client:
             start.shared_memory.CopyFrom(pb.SharedMemory(
                 handle=handle, hidden_offset=0, grad_hidden_offset=grad_offset))
             # One message, then the end of the stream: the server reads nothing more.
-            call = self._call("Compute", iter((pb.ComputeRequest(start=start),)),
+            call = self._call("Compute", iter((_wire.encode_start(start),)),
                               "shared memory")
             result = _assemble(self._responses("Compute", call), wanted, top_k, num_tokens,
                                hidden_size, grad_dtype, grad_hidden_in_messages=False)
@@ -1235,21 +1244,21 @@ def _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype,
     received = 0
     summary = None
     for response in responses:
-        if response.HasField("summary"):
-            summary = response.summary
+        if isinstance(response, pb.ComputeSummary):
+            summary = response
             continue
-        chunk = response.result
+        chunk, grad_hidden = response.message, response.grad_hidden
         first, end = chunk.row_offset, chunk.row_offset + chunk.num_rows
         if first < 0 or end > num_tokens:
             raise LossdError("Compute", "INTERNAL",
                              f"result rows [{first}, {end}) outside [0, {num_tokens})")
-        if len(chunk.grad_hidden) != chunk.num_rows * grad_row_bytes:
+        if len(grad_hidden) != chunk.num_rows * grad_row_bytes:
             raise LossdError("Compute", "INTERNAL",
-                             f"result rows [{first}, {end}) carry {len(chunk.grad_hidden)} bytes "
+                             f"result rows [{first}, {end}) carry {len(grad_hidden)} bytes "
                              f"of grad_hidden, expected {chunk.num_rows * grad_row_bytes}")
         for name, array in per_token.items():
             if name == "grad_hidden":
-                array[first:end] = _tensors.from_wire(chunk.grad_hidden, grad_dtype,
+                array[first:end] = _tensors.from_wire(grad_hidden, grad_dtype,
                                                       (chunk.num_rows, hidden_size))
             else:
                 array[first:end] = np.asarray(getattr(chunk, name), array.dtype).reshape(
