@@ -922,23 +922,6 @@ class ComputeCall {
   // accumulator. The head checks both, with the engine's bound sparing it the reading of V x H
   // floats where that bound proves them finite.
   absl::StatusOr<CommitOutcome> CommitGradient() {
-    if (spec_.stage_grad_weight) {
-      StagedGradient staged;
-      staged.version = spec_.version;
-      staged.tokens = spec_.counted_tokens;
-      staged.rows = spec_.num_tokens;
-      staged.bound = grad_weight_bound_;
-      staged.call_id = spec_.call_id;
-      staged.start_fingerprint = spec_.start_fingerprint;
-      staged.loss_sum = loss_sum_;
-      ASSIGN_OR_RETURN(const CommitOutcome outcome,
-                       spec_.head->StageGradient(staged, staging_.buffer(), *env_.staging_room,
-                                                 absl::Now() + env_.limits.staged_grad_ttl,
-                                                 env_.limits.max_call_ids));
-      // No room: commit as a call that does not stage; the client's backward corrects for its
-      // upstream gradient, as the summary tells it.
-      if (outcome != CommitOutcome::kNoRoom) return outcome;
-    }
     StagedGradient staged;
     staged.version = spec_.version;
     staged.buffer = &staging_.buffer();
@@ -948,6 +931,15 @@ class ComputeCall {
     staged.call_id = spec_.call_id;
     staged.start_fingerprint = spec_.start_fingerprint;
     staged.loss_sum = loss_sum_;
+    if (spec_.stage_grad_weight) {
+      ASSIGN_OR_RETURN(const CommitOutcome outcome,
+                       spec_.head->StageGradient(staged, staging_.buffer(), *env_.staging_room,
+                                                 absl::Now() + env_.limits.staged_grad_ttl,
+                                                 env_.limits.max_call_ids));
+      // No room: commit as a call that does not stage; the client's backward corrects for its
+      // upstream gradient, as the summary tells it.
+      if (outcome != CommitOutcome::kNoRoom) return outcome;
+    }
     absl::StatusOr<CommitOutcome> outcome =
         spec_.head->CommitGradient(staged, env_.limits.max_call_ids);
     // INVALID_ARGUMENT: this call's own dL/dW is not finite, which its options and weights explain

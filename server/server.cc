@@ -587,27 +587,25 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
 
 absl::Status LossServer::device_fault() const { return service_->device_fault(); }
 
-int64_t LossServer::ComputeBudget(int64_t incoming_head_elements) const {
-  if (config_.compute_memory_bytes > 0) return config_.compute_memory_bytes;
+int64_t LossServer::LargestGradientBytes(int64_t incoming_head_elements) const {
   int64_t largest_head_elements = incoming_head_elements;
   for (const auto& head : heads_.List()) {
     largest_head_elements =
         std::max(largest_head_elements, head->vocab_size() * head->hidden_size());
   }
+  return largest_head_elements * static_cast<int64_t>(sizeof(float));
+}
+
+int64_t LossServer::ComputeBudget(int64_t incoming_head_elements) const {
+  if (config_.compute_memory_bytes > 0) return config_.compute_memory_bytes;
   return config_.max_running_calls *
-         (config_.workspace_budget_bytes +
-          largest_head_elements * static_cast<int64_t>(sizeof(float)));
+         (config_.workspace_budget_bytes + LargestGradientBytes(incoming_head_elements));
 }
 
 int64_t LossServer::StagedGradBudget(int64_t incoming_head_elements) const {
   if (config_.staged_grad_bytes > 0) return config_.staged_grad_bytes;
-  int64_t largest_head_elements = incoming_head_elements;
-  for (const auto& head : heads_.List()) {
-    largest_head_elements =
-        std::max(largest_head_elements, head->vocab_size() * head->hidden_size());
-  }
   constexpr int64_t kStagedGradients = 8;
-  return kStagedGradients * largest_head_elements * static_cast<int64_t>(sizeof(float));
+  return kStagedGradients * LargestGradientBytes(incoming_head_elements);
 }
 
 void LossServer::ResizeComputeBudget(int64_t incoming_head_elements) {

@@ -109,6 +109,8 @@ class LossServer {
   // max_running_calls training calls (workspace budget + V x H fp32 staging dL/dW) on the largest
   // of the heads served and of a head of `incoming_head_elements` about to be.
   int64_t ComputeBudget(int64_t incoming_head_elements) const;
+  // The fp32 gradient of the largest of the heads served and of one of `incoming_head_elements`.
+  int64_t LargestGradientBytes(int64_t incoming_head_elements) const;
   // --staged_grad_mib, or with 0 room for 8 staged dL/dW of the largest head.
   int64_t StagedGradBudget(int64_t incoming_head_elements) const;
   void ResizeComputeBudget(int64_t incoming_head_elements);
