@@ -738,6 +738,7 @@ absl::StatusOr<CallPlan> PlanCall(const Backend& backend, const BatchInputs& inp
   RETURN_IF_ERROR(ValidateCall(inputs, weight, options, outputs, grad_weight));
   CallPlan call;
   call.shape = ShapeOfCall(inputs, weight, outputs, grad_weight != nullptr);
+  call.shape.exact_gradients = options.exact_gradients;
   ASSIGN_OR_RETURN(call.plan, backend.Plan(call.shape, workspace.bytes()));
   return call;
 }

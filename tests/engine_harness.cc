@@ -20,9 +20,8 @@ std::vector<std::string> AvailableBackends() {
   return names;
 }
 
-std::unique_ptr<Backend> MakeBackend(const std::string& name) {
-  auto backend = CreateBackend(name);
-  return backend.ok() ? std::move(backend).value() : nullptr;
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& name) {
+  return CreateBackend(name);
 }
 
 uint64_t FreshSeed() {
@@ -214,6 +213,7 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   shape.grad_weight = request.grad_weight;
   shape.grad_hidden_dtype = request.grad_hidden_dtype;
   shape.top_k = k;
+  shape.exact_gradients = s.options.exact_gradients;
   ASSIGN_OR_RETURN(const ChunkPlan plan, backend.Plan(shape, request.budget_bytes));
   ASSIGN_OR_RETURN(DeviceBuffer workspace, backend.Allocate(plan.workspace_bytes));
   // All bits set: NaN as fp32 and 16-bit floats, so that whatever the engine reads of its

@@ -32,6 +32,34 @@ absl::Status RowMajorGemm(cublasHandle_t cublas, bool transpose_a, bool transpos
                           int64_t n, int64_t k, float alpha, const Matrix& a, const Matrix& b,
                           float beta, float* c, int64_t ldc, bool allow_tf32);
 
+// The longest contraction one cuBLAS call runs in the engine. Tensor cores accumulate in fp32 but
+// may truncate rather than round as they add; a product over K = V = 128256 terms (dL/dh at a
+// Llama 3 head) would let that bias grow with K. Longer products are split into blocks of at most
+// this many terms, each added onto C in fp32 (beta = 1): one more pass over C per block.
+inline constexpr int64_t kMaxProductDepth = 16384;
+
+// RowMajorGemm with K split into blocks of at most kMaxProductDepth, in order: the first block
+// with `beta`, the rest with beta = 1. The engine's products all go through it.
+absl::Status RowMajorGemmBlocked(cublasHandle_t cublas, bool transpose_a, bool transpose_b,
+                                 int64_t m, int64_t n, int64_t k, float alpha, const Matrix& a,
+                                 const Matrix& b, float beta, float* c, int64_t ldc,
+                                 bool allow_tf32);
+
+// alpha and the two betas of a product read from device memory when the product runs (cuBLAS's
+// device pointer mode), so that a scale the device computed (the 16-bit carriage of dL/da's
+// LaunchSplitScale) reaches the GEMM without a trip to the host.
+struct DeviceScalars {
+  const float* d_alpha;
+  const float* d_zero;
+  const float* d_one;
+};
+
+// RowMajorGemmBlocked with alpha from the device, and beta 0 (store) or 1 (accumulate).
+absl::Status RowMajorGemmBlocked(cublasHandle_t cublas, bool transpose_a, bool transpose_b,
+                                 int64_t m, int64_t n, int64_t k, const DeviceScalars& scalars,
+                                 const Matrix& a, const Matrix& b, bool accumulate, float* c,
+                                 int64_t ldc, bool allow_tf32);
+
 // cuBLAS's recommended workspace for a device of compute capability `major`.x: 32 MiB on Hopper
 // and later, 4 MiB before. The backend gives each handle this much, so cuBLAS allocates nothing
 // during a call and picks its kernels with it.

@@ -1,0 +1,192 @@
+// The distill objective's tiles (distill_math.h): the student's and the teacher's logits side by
+// side, same rows and columns. Statistics of both distributions in one read of each tile (online,
+// as row_stats.cu keeps the student's RowStats), the per-row sums of D's and K's summands with the
+// divergence as a template argument, and the teacher's tile made from a sparse top-k.
+#include "kernels/cuda/cuda_device.cuh"
+#include "kernels/cuda/cuda_kernels.cuh"
+
+namespace lossd::cuda {
+
+static __global__ void ResetDistillStatsKernel(int64_t rows, DistillStats* d_stats) {
+  for (int64_t i = GlobalThread(); i < rows; i += GridStride()) d_stats[i] = EmptyDistillStats();
+}
+
+absl::Status LaunchResetDistillStats(int64_t rows, DistillStats* d_stats, cudaStream_t stream) {
+  if (rows == 0) return absl::OkStatus();
+  ResetDistillStatsKernel<<<GridFor(rows, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
+      rows, d_stats);
+  return CheckLaunch("ResetDistillStatsKernel");
+}
+
+static __global__ void TransformLogitsKernel(LogitTile tile, LogitTransform transform) {
+  const int64_t row = blockIdx.y;
+  float* d_z = tile.d_logits + row * tile.ld;
+  for (int64_t c = GlobalThread(); c < tile.cols; c += GridStride()) {
+    d_z[c] = TransformLogit(d_z[c], transform);
+  }
+}
+
+absl::Status LaunchTransformLogits(const LogitTile& tile, const LogitTransform& transform,
+                                   cudaStream_t stream) {
+  if (tile.rows == 0 || transform.identity()) return absl::OkStatus();
+  dim3 grid;
+  RETURN_IF_ERROR(RowGrid("TransformLogits", tile.rows, tile.cols, grid));
+  TransformLogitsKernel<<<grid, kElementwiseThreads, 0, stream>>>(tile, transform);
+  return CheckLaunch("TransformLogitsKernel");
+}
+
+// The fill, then the top-k: a block's threads write the fill before any of them scatters.
+static __global__ void FillSparseTeacherKernel(LogitTile tile, int k, const int32_t* d_tokens,
+                                               const float* d_logprobs,
+                                               const float* d_rest_logits) {
+  const int64_t row = blockIdx.x;
+  float* d_z = tile.d_logits + row * tile.ld;
+  const float rest = d_rest_logits[row];
+  for (int64_t c = threadIdx.x; c < tile.cols; c += blockDim.x) d_z[c] = rest;
+  __syncthreads();
+  for (int j = threadIdx.x; j < k; j += blockDim.x) {
+    const int64_t token = d_tokens[row * k + j];
+    if (token >= tile.v0 && token < tile.v0 + tile.cols) {
+      d_z[token - tile.v0] = d_logprobs[row * k + j];
+    }
+  }
+}
+
+absl::Status LaunchFillSparseTeacher(const LogitTile& tile, int k, const int32_t* d_tokens,
+                                     const float* d_logprobs, const float* d_rest_logits,
+                                     cudaStream_t stream) {
+  if (tile.rows == 0) return absl::OkStatus();
+  FillSparseTeacherKernel<<<static_cast<unsigned>(tile.rows), kRowThreads, 0, stream>>>(
+      tile, k, d_tokens, d_logprobs, d_rest_logits);
+  return CheckLaunch("FillSparseTeacherKernel");
+}
+
+// ---- Statistics of both distributions ----
+
+// A thread's share of LseStats: m = max x, s = sum e^(x - m) in double (kept against a running
+// max), min x, and whether a NaN was seen. Columns at -inf (a sparse teacher's outside its top-k)
+// add nothing.
+struct PartialLse {
+  float max;
+  float min;
+  double sum;
+  int nan;
+};
+
+__device__ __forceinline__ void AddValue(PartialLse& p, float x) {
+  p.nan |= x != x;
+  p.min = MinStep(p.min, x);
+  if (x > p.max) {
+    if (p.max > -INFINITY) p.sum *= Exp(p.max - x);
+    p.max = x;
+  }
+  if (p.max > -INFINITY) p.sum += Exp(x - p.max);
+}
+
+struct CombinePartialLse {
+  __device__ PartialLse operator()(const PartialLse& a, const PartialLse& b) const {
+    PartialLse r;
+    r.nan = a.nan | b.nan;
+    r.min = MinStep(a.min, b.min);
+    r.max = MaxStep(a.max, b.max);
+    if (r.max == -INFINITY) {
+      r.sum = a.sum + b.sum;
+    } else {
+      r.sum = a.sum * Exp(a.max - r.max) + b.sum * Exp(b.max - r.max);
+    }
+    return r;
+  }
+};
+
+__device__ __forceinline__ PartialLse ShuffleDown(const PartialLse& x, int offset) {
+  PartialLse r;
+  r.max = __shfl_down_sync(kFullMask, x.max, offset);
+  r.min = __shfl_down_sync(kFullMask, x.min, offset);
+  r.sum = __shfl_down_sync(kFullMask, x.sum, offset);
+  r.nan = __shfl_down_sync(kFullMask, x.nan, offset);
+  return r;
+}
+
+// LseStats of x_c = d_y[c] * scale over one row, as the CPU's TileLseStats gives them (up to
+// rounding); a NaN leaves the sum NaN. Reached by every thread of the block.
+__device__ LseStats BlockLseStats(const float* d_y, int64_t cols, float scale,
+                                  PartialLse* scratch) {
+  PartialLse p{-INFINITY, INFINITY, 0.0, 0};
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) AddValue(p, d_y[c] * scale);
+  p = BlockReduce(p, CombinePartialLse{}, scratch);
+  LseStats s;
+  s.max = p.max;
+  s.sum_exp = p.nan != 0 ? NAN : static_cast<float>(p.sum);
+  s.min = p.min;
+  return s;
+}
+
+static __global__ void __launch_bounds__(kRowThreads)
+    MergeTileDistillStatsKernel(LogitTile student, LogitTile teacher, float inv_tau,
+                                DistillStats* d_stats) {
+  __shared__ PartialLse scratch[kWarpSize + 1];
+  const int64_t row = blockIdx.x;
+  DistillStats tile;
+  tile.student = BlockLseStats(student.d_logits + row * student.ld, student.cols, inv_tau, scratch);
+  tile.teacher = BlockLseStats(teacher.d_logits + row * teacher.ld, teacher.cols, inv_tau, scratch);
+  if (threadIdx.x == 0) MergeDistillStats(d_stats[row], tile);
+}
+
+absl::Status LaunchMergeTileDistillStats(const LogitTile& student, const LogitTile& teacher,
+                                         float inv_tau, DistillStats* d_stats,
+                                         cudaStream_t stream) {
+  if (student.rows == 0) return absl::OkStatus();
+  MergeTileDistillStatsKernel<<<static_cast<unsigned>(student.rows), kRowThreads, 0, stream>>>(
+      student, teacher, inv_tau, d_stats);
+  return CheckLaunch("MergeTileDistillStatsKernel");
+}
+
+// ---- Phase 2: the sums of D's and K's summands ----
+
+template <DivergenceKind kKind>
+static __global__ void __launch_bounds__(kRowThreads)
+    AddTileDistillTermsKernel(LogitTile student, LogitTile teacher,
+                              const DistillRowConstants* d_constants, DistillRowTerms* d_terms) {
+  __shared__ double scratch[kWarpSize + 1];
+  const int64_t row = blockIdx.x;
+  const DistillRowConstants c = d_constants[row];
+  const float* d_z = student.d_logits + row * student.ld;
+  const float* d_zt = teacher.d_logits + row * teacher.ld;
+  double divergence = 0.0;
+  double k = 0.0;
+  for (int64_t col = threadIdx.x; col < student.cols; col += blockDim.x) {
+    const DistillSummands s = DistillElementTerms<kKind>(d_z[col], d_zt[col], c);
+    divergence += s.divergence;
+    k += s.k;
+  }
+  divergence = BlockReduce(divergence, Plus{}, scratch);
+  k = BlockReduce(k, Plus{}, scratch);
+  if (threadIdx.x == 0) {
+    d_terms[row].divergence += divergence;
+    d_terms[row].k += k;
+  }
+}
+
+absl::Status LaunchAddTileDistillTerms(const LogitTile& student, const LogitTile& teacher,
+                                       DivergenceKind kind, const DistillRowConstants* d_constants,
+                                       DistillRowTerms* d_terms, cudaStream_t stream) {
+  if (student.rows == 0) return absl::OkStatus();
+  const unsigned grid = static_cast<unsigned>(student.rows);
+  switch (kind) {
+    case DivergenceKind::kForwardKl:
+      AddTileDistillTermsKernel<DivergenceKind::kForwardKl>
+          <<<grid, kRowThreads, 0, stream>>>(student, teacher, d_constants, d_terms);
+      break;
+    case DivergenceKind::kReverseKl:
+      AddTileDistillTermsKernel<DivergenceKind::kReverseKl>
+          <<<grid, kRowThreads, 0, stream>>>(student, teacher, d_constants, d_terms);
+      break;
+    default:
+      AddTileDistillTermsKernel<DivergenceKind::kJsd>
+          <<<grid, kRowThreads, 0, stream>>>(student, teacher, d_constants, d_terms);
+      break;
+  }
+  return CheckLaunch("AddTileDistillTermsKernel");
+}
+
+}  // namespace lossd::cuda
