@@ -31,6 +31,12 @@
 #      Then give the machine back (`give_back`).
 #   3. Here: unpack the archives; peers/results.md and service/results.md hold tables for
 #      bench/RESULTS.md, *.xml the JUnit results with the recorded errors against float64.
+#   4. A later round, once calls 1 and 2 passed on an earlier one, measures every shape and
+#      budget beside every peer in one call of its own (Llama 3 8B at N = 8192 and 16384, Gemma 2
+#      2B at N = 8192; lossd at its default budget and at 256, 1024 and 8192 MiB, both modes):
+#        command:   scripts/gpu_round.sh bench
+#        carry:     [".gpu"]
+#        timeout_s: 540
 # `scripts/gpu_round.sh call1 table scale` runs only the named checks of a call (those a call ran
 # out of time for, say); the names are in its summary. Each call prints its plan (its checks and
 # their time limits) first and its summary last.
@@ -47,7 +53,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
 usage() {
-  echo "usage: scripts/gpu_round.sh call1|call2 [check ...]  (runbook: this file's header)" >&2
+  echo "usage: scripts/gpu_round.sh call1|call2|bench [check ...]  (runbook: this file's header)" >&2
   exit 2
 }
 [ $# -ge 1 ] || usage
@@ -56,6 +62,7 @@ shift
 case "$call" in
   call1) default_seconds=500 ;;
   call2) default_seconds=215 ;;
+  bench) default_seconds=500 ;;
   *) usage ;;
 esac
 only=("$@")
@@ -146,11 +153,11 @@ finish() {
 
 # ---- The plan: each check's time limit, in the order they run ----------------------------------
 
-if [ "$call" = call1 ]; then
-  plan=(table:110 probe:35 foreign:20 scale:120 peers:110 memcheck:75)
-else
-  plan=(fault:20 fault_drain:20 racecheck:40 synccheck:25 initcheck:40 service:40)
-fi
+case "$call" in
+  call1) plan=(table:110 probe:35 foreign:20 scale:120 peers:110 memcheck:75) ;;
+  call2) plan=(fault:20 fault_drain:20 racecheck:40 synccheck:25 initcheck:40 service:40) ;;
+  bench) plan=(peers:470) ;;
+esac
 # limit NAME: the planned seconds of a check.
 limit() {
   local entry
@@ -379,9 +386,11 @@ unpack_wheels() {
   done
 }
 
-# lossd at the Llama 3 8B shape first (its default budget, then 1024 MiB; default and exact
-# gradients), then the cuBLAS floor and the peers, each peer with its own deadline, while the
-# check's time lasts.
+# lossd at the Llama 3 8B shape first (its default budget, default and exact gradients: two
+# engine_bench processes of about 10 s each), then the cuBLAS floor, torch and the fused peers,
+# each peer with its own deadline (Triton compiles Liger-Kernel's and Cut Cross-Entropy's kernels
+# at their first call), while the check's time lasts. Other budgets and shapes are the next
+# run's (LOSSD_GPU_PEERS_ARGS overrides these flags).
 peers() {
   wanted peers || return
   local site="$work/peers-site"
@@ -392,13 +401,21 @@ peers() {
     say "peers: no wheels in .gpu/wheels/peers; Liger-Kernel and Cut Cross-Entropy will say so"
   fi
   read -ra extra <<<"${LOSSD_GPU_PEERS_ARGS:-}"
-  local limit
+  local scope=(--shapes=16384,4096,128256 --budgets-mib=default
+    --methods=lossd,floor,torch_naive,liger,cce --peer-seconds=30)
+  if [ "$call" = bench ]; then
+    scope=(--shapes="8192,4096,128256;16384,4096,128256;8192,2304,256000"
+      --budgets-mib=default,256,1024,8192 --peer-seconds=60)
+  fi
+  # The peers stop starting 30 s before the check's end (the call's, when that comes first).
+  local limit left
   limit="$(limit peers)"
+  left=$(($(seconds_left) - 15))
+  [ "$left" -lt "$limit" ] && limit="$left"
   timed peers "$limit" env PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
     python3 bench/gpu_peers.py --engine-bench "$run/engine_bench" --out "$logs/peers" \
-    --shapes=16384,4096,128256 --budgets-mib=default,1024 --lossd-modes=default,exact \
-    --methods=lossd,floor,torch_naive,liger,cce --reps=5 --warmup=1 --peer-seconds=25 \
-    --engine-timeout=60 --deadline-seconds="$((limit - 30))" "${extra[@]}"
+    "${scope[@]}" --lossd-modes=default,exact --reps=5 --warmup=1 --engine-timeout=60 \
+    --deadline-seconds="$((limit > 30 ? limit - 30 : 0))" "${extra[@]}"
   local result
   result="$(verdict)"
   local failed=0 rows=0
@@ -406,7 +423,7 @@ peers() {
     failed="$(grep -c '"error": "failed' "$logs/peers/results.jsonl")"
     rows="$(wc -l <"$logs/peers/results.jsonl")"
   fi
-  record peers "$result" "bench/gpu_peers.py at 16384, 4096, 128256: $rows rows, $failed failed (peers/results.md in the archive); ${took} s"
+  record peers "$result" "bench/gpu_peers.py ${scope[0]#--shapes=}: $rows rows, $failed failed (peers/results.md in the archive); ${took} s"
   [ -f "$logs/peers/results.md" ] && grep '^|' "$logs/peers/results.md" | cut -c1-150 | tee -a "$summary"
 }
 
@@ -462,6 +479,11 @@ call1() {
   grep -h '^N=4096' "$logs/scale.log" 2>/dev/null | sed 's/^/       /' | tee -a "$summary"
   peers
   sanitize memcheck "$sanitizer_cases"
+}
+
+bench() {
+  say "-- lossd beside the floor and the peers at every shape; logs in the archive"
+  peers
 }
 
 call2() {

@@ -1,6 +1,6 @@
 """scripts/gpu_round.sh without a GPU. Its failures before it touches one: a missing or unknown
 call is a usage error, and without .gpu/ (git-ignored, so absent on a GPU machine unless its tool
-carried it) a call stops at once saying how to bring it. And a dry run of both calls of the
+carried it) a call stops at once saying how to bring it. And a dry run of each call of the
 runbook on fakes (nvidia-smi, compute-sanitizer, the packed programs, the benchmark scripts, an xz
 that is not there): every check runs in the runbook's order and passes, each call writes only
 its summary and archive under its own OUT subfolder, within the device tool's limits on what comes
@@ -38,10 +38,10 @@ def run(checkout, *args, env=None, timeout=30):
 def test_a_call_must_be_named(bare_checkout, args):
     done = run(bare_checkout, *args)
     assert done.returncode == 2
-    assert "usage: scripts/gpu_round.sh call1|call2 [check ...]" in done.stderr
+    assert "usage: scripts/gpu_round.sh call1|call2|bench [check ...]" in done.stderr
 
 
-@pytest.mark.parametrize("call", ["call1", "call2"])
+@pytest.mark.parametrize("call", ["call1", "call2", "bench"])
 def test_without_gpu_folder_a_call_says_to_carry_it(bare_checkout, call):
     done = run(bare_checkout, call)
     assert done.returncode == 2
@@ -173,8 +173,7 @@ def dry_run(tmp_path):
 def runbook(call):
     """The command, carry and timeout_s the runbook at the top of gpu_round.sh gives a call."""
     header = open(SCRIPT).read().split("\nset -uo pipefail")[0]
-    number = call[-1]
-    entry = re.search(rf"Call {number}, .*?^# +command: +(.+?)$.*?^# +carry: +(.+?)$"
+    entry = re.search(rf"^# +command: +(scripts/gpu_round.sh {call})$.*?^# +carry: +(.+?)$"
                       r".*?^# +timeout_s: +(\d+)$", header, re.S | re.M)
     assert entry, f"no runbook entry for {call}"
     return entry.group(1).strip(), json.loads(entry.group(2)), int(entry.group(3))
@@ -188,6 +187,7 @@ def checks_of(summary):
 @pytest.mark.parametrize("call, checks", [
     ("call1", ["table", "probe", "foreign", "scale", "peers", "memcheck"]),
     ("call2", ["fault", "fault_drain", "racecheck", "synccheck", "initcheck", "service"]),
+    ("bench", ["peers"]),
 ])
 def test_dry_run_of_a_call(dry_run, call, checks):
     checkout, env, out = dry_run
@@ -214,7 +214,7 @@ def test_dry_run_of_a_call(dry_run, call, checks):
     planned, call_seconds = int(plan.group(1)), int(plan.group(2))
     assert planned + 30 <= call_seconds
     assert call_seconds + 25 <= timeout_s
-    assert timeout_s <= (540 if call == "call1" else 240)
+    assert timeout_s <= (240 if call == "call2" else 540)
 
     with tarfile.open(out / call / f"{call}.tar.gz") as archive:
         names = archive.getnames()
@@ -228,8 +228,13 @@ def test_dry_run_of_a_call(dry_run, call, checks):
             peers = archive.extractfile("call1/peers/argv.txt").read().decode()
         assert "filter *cuda*:-*AtScale*" in table
         assert "--shapes=16384,4096,128256" in peers and "--lossd-modes=default,exact" in peers
-        assert "bench/gpu_peers.py at 16384, 4096, 128256: 1 rows, 0 failed" in summary
+        assert "bench/gpu_peers.py 16384,4096,128256: 1 rows, 0 failed" in summary
         assert "a module for sm_100 only is refused at start" in summary
+    if call == "bench":
+        with tarfile.open(out / call / f"{call}.tar.gz") as archive:
+            peers = archive.extractfile("bench/peers/argv.txt").read().decode()
+        assert "--shapes=8192,4096,128256;16384,4096,128256;8192,2304,256000" in peers
+        assert "--budgets-mib=default,256,1024,8192" in peers
 
 
 def test_dry_run_of_named_checks_only(dry_run):
