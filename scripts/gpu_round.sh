@@ -364,14 +364,14 @@ foreign_module() {
 # rows, a 16-bit head widened in slabs for fp32 products, vocabulary tiles, top-k up to its
 # maximum, dL/dh in bf16, scoring, a policy objective with the entropy bonus, distillation with a
 # dense teacher and with a sparse one (renormalized, and spread over tiles), buffer arithmetic and
-# optimizer steps, repeated calls.
+# optimizer steps, repeated calls, rows and dL/dh in page-locked memory over several chunks.
 sanitizer_cases='*cuda_basic:*cuda_vocab_tiled:*cuda_large_vocab:*cuda_bf16_inputs*'
 sanitizer_cases+=':*cuda_fp32_hidden_bf16_head_slabs:*cuda_fp32_hidden_fp16_head_slabs_tiled'
 sanitizer_cases+=':*cuda_fp16_hidden_fp32_head:*cuda_top_k_max:*cuda_everything_tiled'
 sanitizer_cases+=':*cuda_bf16_scoring_tiled:*cuda_bf16_grad_hidden:*cuda_ppo_entropy_tiled'
 sanitizer_cases+=':*cuda_ppo_bf16:*cuda_distill_bf16:*cuda_distill_sparse_renormalize'
 sanitizer_cases+=':*cuda_distill_sparse_spread_reverse_tiled'
-sanitizer_cases+=':*BufferArithmetic*/cuda:*IdenticalCalls*/cuda'
+sanitizer_cases+=':*BufferArithmetic*/cuda:*IdenticalCalls*/cuda:*HostBuffers*/cuda'
 
 # ---- Measured beside the peers ------------------------------------------------------------------
 

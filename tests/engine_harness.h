@@ -98,6 +98,9 @@ struct RunRequest {
   // Of the per-token outputs only the loss, so that the engine may skip the work of the others
   // (argmax, entropy, top-k); the others stay NaN / -7.
   bool loss_only = false;
+  // The rows and dL/dh in the backend's HostBuffers (page-locked memory on a GPU, which the CUDA
+  // backend copies directly instead of staging) rather than in plain host memory.
+  bool host_buffers = false;
 };
 
 // Uploads W, runs one Compute with every per-token output requested (unless loss_only), the
