@@ -262,6 +262,49 @@ TEST(CudaPlanTest, HostStagingHoldsTwoSlotsAndEveryRowsResults) {
                               16 * WorkspaceArena::kAlignment);
 }
 
+// The blocks of K the engine's products run in, on the CPU: for every transposition of both
+// operands, summing each block's product from the offsets BlockOffsetA/B give (with the
+// operands' own leading dimensions, wider than the matrices) adds up to the whole product, and
+// no block is deeper than kMaxProductDepth.
+TEST(CudaPlanTest, ProductBlocksAddUpToTheWholeProduct) {
+  const int64_t m = 3, n = 2, k = 2 * kMaxProductDepth + 5;
+  std::mt19937_64 rng(11);
+  std::uniform_int_distribution<int> small(-3, 3);
+  for (const bool transpose_a : {false, true})
+    for (const bool transpose_b : {false, true}) {
+      // Stored row-major with a padded leading dimension; integers, so every sum is exact.
+      const int64_t lda = (transpose_a ? m : k) + 3;
+      const int64_t ldb = (transpose_b ? k : n) + 1;
+      std::vector<double> a((transpose_a ? k : m) * lda), b((transpose_b ? n : k) * ldb);
+      for (double& x : a) x = small(rng);
+      for (double& x : b) x = small(rng);
+      const auto a_at = [&](const double* base, int64_t i, int64_t l) {  // op(A)[i, l]
+        return transpose_a ? base[l * lda + i] : base[i * lda + l];
+      };
+      const auto b_at = [&](const double* base, int64_t l, int64_t j) {  // op(B)[l, j]
+        return transpose_b ? base[j * ldb + l] : base[l * ldb + j];
+      };
+      std::vector<double> whole(m * n, 0.0), blocked(m * n, 0.0);
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t l = 0; l < k; ++l)
+            whole[i * n + j] += a_at(a.data(), i, l) * b_at(b.data(), l, j);
+      int blocks = 0;
+      for (int64_t k0 = 0; k0 < k; k0 += kMaxProductDepth, ++blocks) {
+        const int64_t depth = std::min(kMaxProductDepth, k - k0);
+        const double* a_block = a.data() + BlockOffsetA(transpose_a, k0, lda);
+        const double* b_block = b.data() + BlockOffsetB(transpose_b, k0, ldb);
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t j = 0; j < n; ++j)
+            for (int64_t l = 0; l < depth; ++l) {
+              blocked[i * n + j] += a_at(a_block, i, l) * b_at(b_block, l, j);
+            }
+      }
+      EXPECT_EQ(blocks, 3);
+      EXPECT_EQ(blocked, whole) << "transpose_a " << transpose_a << ", transpose_b " << transpose_b;
+    }
+}
+
 // GradientSplitScale: the power of two that keeps |S dL/da| under 2^14 for fp16's range.
 TEST(SharedMathTest, GradientSplitScaleKeepsScaledGradientsInRange) {
   EXPECT_EQ(GradientSplitScale(0.0, kSplitMaxExponent), 1.0f);

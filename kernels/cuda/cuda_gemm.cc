@@ -32,17 +32,17 @@ absl::Status Gemm(cublasHandle_t cublas, bool transpose_a, bool transpose_b, int
       "cublasGemmEx");
 }
 
-// op(A) is [m, k] and op(B) [k, n]: a block of K is a block of A's columns (rows of A stored
-// transposed) and of B's rows (columns of B stored transposed). `beta_of(first)` gives the beta of
-// the first block and of the rest.
+// C = alpha op(A) op(B) + beta C over blocks of K of at most kMaxProductDepth (cuda_plan.h says
+// where each starts in A and B). `beta_of(first)` gives the beta of the first block and of the
+// rest.
 template <typename BetaOf>
 absl::Status Blocked(cublasHandle_t cublas, bool transpose_a, bool transpose_b, int64_t m,
                      int64_t n, int64_t k, const float* alpha, const Matrix& a, const Matrix& b,
                      BetaOf beta_of, float* c, int64_t ldc, bool allow_tf32) {
   for (int64_t k0 = 0; k0 < k; k0 += kMaxProductDepth) {
     const int64_t depth = std::min(kMaxProductDepth, k - k0);
-    const Matrix a_block = a.At(transpose_a ? k0 * a.ld : k0);
-    const Matrix b_block = b.At(transpose_b ? k0 : k0 * b.ld);
+    const Matrix a_block = a.At(BlockOffsetA(transpose_a, k0, a.ld));
+    const Matrix b_block = b.At(BlockOffsetB(transpose_b, k0, b.ld));
     RETURN_IF_ERROR(Gemm(cublas, transpose_a, transpose_b, m, n, depth, alpha, a_block, b_block,
                          beta_of(k0 == 0), c, ldc, allow_tf32));
   }

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "kernels/cuda/cuda_plan.h"
 #include "lossd/kernels/types.h"
 
 namespace lossd::cuda {
@@ -31,12 +32,6 @@ struct Matrix {
 absl::Status RowMajorGemm(cublasHandle_t cublas, bool transpose_a, bool transpose_b, int64_t m,
                           int64_t n, int64_t k, float alpha, const Matrix& a, const Matrix& b,
                           float beta, float* c, int64_t ldc, bool allow_tf32);
-
-// The longest contraction one cuBLAS call runs in the engine. Tensor cores accumulate in fp32 but
-// may truncate rather than round as they add; a product over K = V = 128256 terms (dL/dh at a
-// Llama 3 head) would let that bias grow with K. Longer products are split into blocks of at most
-// this many terms, each added onto C in fp32 (beta = 1): one more pass over C per block.
-inline constexpr int64_t kMaxProductDepth = 16384;
 
 // RowMajorGemm with K split into blocks of at most kMaxProductDepth, in order: the first block
 // with `beta`, the rest with beta = 1. The engine's products all go through it.

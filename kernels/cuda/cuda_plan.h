@@ -37,6 +37,22 @@ inline constexpr int64_t kLeadingDimensionMultiple = 16;
 // The split scale S keeps |S dL/da| below 2^kSplitMaxExponent, under fp16's largest value (~2^16).
 inline constexpr int kSplitMaxExponent = 14;
 
+// The longest contraction one cuBLAS call runs in the engine. Tensor cores accumulate in fp32 but
+// may truncate rather than round as they add; a product over K = V = 128256 terms (dL/dh at a
+// Llama 3 head) would let that bias grow with K. Longer products are split into blocks of at most
+// this many terms, each added onto C in fp32 (beta = 1): one more pass over C per block.
+inline constexpr int64_t kMaxProductDepth = 16384;
+
+// Where the block of K starting at k0 begins in a row-major operand of C = op(A) op(B), in
+// elements: op(A) is [m, k], stored [m, k] (its columns: k0) or, transposed, [k, m] (its rows:
+// k0 * ld); op(B) is [k, n], stored [k, n] (rows) or, transposed, [n, k] (columns).
+inline int64_t BlockOffsetA(bool transpose_a, int64_t k0, int64_t ld) {
+  return transpose_a ? k0 * ld : k0;
+}
+inline int64_t BlockOffsetB(bool transpose_b, int64_t k0, int64_t ld) {
+  return transpose_b ? k0 : k0 * ld;
+}
+
 // The default workspace budget: a quarter of the device memory free when asked (W, its gradient
 // and optimizer state are allocated by then on a serving GPU, or are yet to come on an empty one),
 // at least Backend::kBaseWorkspaceBudget and at most 8 GiB, past which longer chunks buy nothing:
