@@ -2,7 +2,8 @@
 // memory, its plans at the Llama 3 8B and Gemma 2 2B heads take one pass over the vocabulary in
 // chunks of 2048 to 8192 rows, the workspace it carves stays inside the budget and its pieces
 // neither overlap nor leave it, and the exact gradient mode is the only one that pays for dL/da's
-// second half. Also the shared scale that carries dL/da in 16 bits.
+// second half. Also the shared math its kernels run: the scale that carries dL/da in 16 bits, and
+// the online statistics its row kernels keep per thread and merge per block.
 #include "kernels/cuda/cuda_plan.h"
 
 #include <gtest/gtest.h>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "lossd/kernels/loss_math.h"
+#include "lossd/kernels/online_stats.h"
 
 namespace lossd::cuda {
 namespace {
@@ -303,6 +305,121 @@ TEST(CudaPlanTest, ProductBlocksAddUpToTheWholeProduct) {
       EXPECT_EQ(blocks, 3);
       EXPECT_EQ(blocked, whole) << "transpose_a " << transpose_a << ", transpose_b " << transpose_b;
     }
+}
+
+// ---- The row kernels' online statistics, as a block of 512 threads runs them ----
+
+constexpr int kThreads = 512;
+constexpr int kWarp = 32;
+
+// What BlockReduce leaves in lane 0 of warp 0: each warp's shuffle-down tree (lane l takes lane
+// l + offset for offsets 16 to 1), then the warps in order.
+template <typename T, typename Combine>
+T SimulatedBlockReduce(std::vector<T> values, Combine combine) {
+  std::vector<T> warps;
+  for (int w = 0; w < kThreads / kWarp; ++w) {
+    T* lanes = values.data() + w * kWarp;
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+      for (int l = 0; l + offset < kWarp; ++l) lanes[l] = combine(lanes[l], lanes[l + offset]);
+    }
+    warps.push_back(lanes[0]);
+  }
+  T total = warps[0];
+  for (size_t w = 1; w < warps.size(); ++w) total = combine(total, warps[w]);
+  return total;
+}
+
+// A row's RowStats as RowStatsKernel makes them: thread t reads columns t, t + 512, ...
+RowStats KernelRowStats(const std::vector<float>& z, int label, int64_t v0) {
+  std::vector<PartialRowStats> partial(kThreads, EmptyPartialRowStats());
+  for (size_t c = 0; c < z.size(); ++c) {
+    AddColumn(partial[c % kThreads], z[c], static_cast<int32_t>(c));
+  }
+  const PartialRowStats total = SimulatedBlockReduce(partial, CombinePartialRowStats);
+  return TileRowStats(total, label >= 0 ? z[label] : 0.0f, v0);
+}
+
+TEST(SharedMathTest, OnlineRowStatsOfABlockMatchFloat64) {
+  std::mt19937_64 rng(5);
+  for (const int64_t cols : {1, 7, 511, 513, 5003, 128256}) {
+    for (const double scale : {1.0, 30.0, 1e3}) {
+      SCOPED_TRACE(::testing::Message() << cols << " columns, logits of scale " << scale);
+      std::normal_distribution<float> normal(0.0f, static_cast<float>(scale));
+      std::vector<float> z(cols);
+      for (float& x : z) x = normal(rng);
+      // Ties for the maximum, the later ones in lower-numbered threads' shares.
+      const int64_t top = static_cast<int64_t>(std::max_element(z.begin(), z.end()) - z.begin());
+      if (cols > 600) z[cols - 3] = z[top];
+      if (cols > 600 && top > 0) z[top - 1] = z[top];
+      const int label = static_cast<int>(cols / 2);
+      const RowStats stats = KernelRowStats(z, label, 1000);
+      double max = -INFINITY;
+      int64_t argmax = -1;
+      for (int64_t c = 0; c < cols; ++c) {
+        if (z[c] > max) {
+          max = z[c];
+          argmax = c;
+        }
+      }
+      double sum_exp = 0.0, sum_shifted = 0.0, sum_z = 0.0;
+      for (const float x : z) {
+        sum_exp += std::exp(x - max);
+        sum_shifted += std::exp(x - max) * (x - max);
+        sum_z += x;
+      }
+      EXPECT_EQ(stats.max, max);
+      EXPECT_EQ(stats.argmax, 1000 + argmax);
+      EXPECT_NEAR(stats.sum_exp, sum_exp, 1e-5 * sum_exp);
+      EXPECT_NEAR(stats.sum_exp_shifted, sum_shifted, 1e-5 * std::abs(sum_shifted) + 1e-6);
+      EXPECT_NEAR(stats.sum_z, sum_z, 1e-6 * std::sqrt(cols) * scale + 1e-4);
+      EXPECT_EQ(stats.target, z[label]);
+    }
+  }
+}
+
+TEST(SharedMathTest, OnlineRowStatsCarryANaNAndAnAllNaNRowHasNoMaximum) {
+  std::vector<float> z(2000, 1.0f);
+  z[3] = NAN;  // the first column of thread 3's share
+  const RowStats with_nan = KernelRowStats(z, -1, 0);
+  EXPECT_TRUE(std::isnan(with_nan.sum_exp) || std::isnan(with_nan.sum_z));
+  EXPECT_EQ(with_nan.argmax, 0);
+  const RowStats all_nan = KernelRowStats(std::vector<float>(700, NAN), -1, 0);
+  EXPECT_EQ(all_nan.argmax, -1);
+  EXPECT_TRUE(std::isnan(all_nan.sum_z));
+}
+
+TEST(SharedMathTest, OnlineLseOfABlockMatchesFloat64) {
+  std::mt19937_64 rng(6);
+  std::normal_distribution<float> normal(0.0f, 4.0f);
+  for (const int64_t cols : {1, 300, 5003, 152064}) {
+    SCOPED_TRACE(::testing::Message() << cols << " columns");
+    std::vector<float> x(cols);
+    for (float& v : x) v = normal(rng);
+    // A sparse teacher's columns outside its top-k, and whole shares of them.
+    for (int64_t c = 0; c < cols; c += 3) x[c] = -INFINITY;
+    if (cols > 1) x[1] = 2.5f;
+    std::vector<PartialLse> partial(kThreads, EmptyPartialLse());
+    for (int64_t c = 0; c < cols; ++c) AddValue(partial[c % kThreads], x[c]);
+    const LseStats s = LseStatsOf(SimulatedBlockReduce(partial, CombinePartialLse));
+    double max = -INFINITY, min = INFINITY;
+    for (const float v : x) {
+      max = std::max<double>(max, v);
+      min = std::min<double>(min, v);
+    }
+    double sum = 0.0;
+    for (const float v : x) sum += max > -INFINITY ? std::exp(v - max) : 0.0;
+    EXPECT_EQ(s.max, max);
+    EXPECT_EQ(s.min, min);
+    if (max == -INFINITY) {
+      EXPECT_EQ(s.sum_exp, 0.0f);
+    } else {
+      EXPECT_NEAR(s.sum_exp, sum, 1e-5 * sum);
+    }
+  }
+  std::vector<PartialLse> with_nan(kThreads, EmptyPartialLse());
+  AddValue(with_nan[7], 1.0f);
+  AddValue(with_nan[9], NAN);
+  EXPECT_TRUE(std::isnan(LseStatsOf(SimulatedBlockReduce(with_nan, CombinePartialLse)).sum_exp));
 }
 
 // GradientSplitScale: the power of two that keeps |S dL/da| under 2^14 for fp16's range.

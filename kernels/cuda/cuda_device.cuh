@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "absl/status/status.h"
@@ -94,6 +95,18 @@ __device__ __forceinline__ int ShuffleDown(int x, int offset) {
   return __shfl_down_sync(kFullMask, x, offset);
 }
 
+// __shfl_down_sync of a trivially copyable struct (a partial statistic), word by word.
+template <typename T>
+__device__ __forceinline__ T ShuffleDownWords(const T& x, int offset) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) % sizeof(unsigned) == 0);
+  unsigned words[sizeof(T) / sizeof(unsigned)];
+  memcpy(words, &x, sizeof(T));
+  for (unsigned& word : words) word = __shfl_down_sync(kFullMask, word, offset);
+  T r;
+  memcpy(&r, words, sizeof(T));
+  return r;
+}
+
 struct Plus {
   template <typename T>
   __device__ T operator()(T a, T b) const {
@@ -108,7 +121,11 @@ __device__ T BlockReduce(T value, Combine combine, T* scratch) {
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    value = combine(value, ShuffleDown(value, offset));
+    if constexpr (std::is_class_v<T>) {
+      value = combine(value, ShuffleDownWords(value, offset));
+    } else {
+      value = combine(value, ShuffleDown(value, offset));
+    }
   }
   if (lane == 0) scratch[warp] = value;
   __syncthreads();

@@ -4,6 +4,7 @@
 // divergence as a template argument, and the teacher's tile made from a sparse top-k.
 #include "kernels/cuda/cuda_device.cuh"
 #include "kernels/cuda/cuda_kernels.cuh"
+#include "lossd/kernels/online_stats.h"
 
 namespace lossd::cuda {
 
@@ -63,62 +64,20 @@ absl::Status LaunchFillSparseTeacher(const LogitTile& tile, int k, const int32_t
 
 // ---- Statistics of both distributions ----
 
-// A thread's share of LseStats: m = max x, s = sum e^(x - m) in double (kept against a running
-// max), min x, and whether a NaN was seen. Columns at -inf (a sparse teacher's outside its top-k)
-// add nothing.
-struct PartialLse {
-  float max;
-  float min;
-  double sum;
-  int nan;
-};
-
-__device__ __forceinline__ void AddValue(PartialLse& p, float x) {
-  p.nan |= x != x;
-  p.min = MinStep(p.min, x);
-  if (x > p.max) {
-    if (p.max > -INFINITY) p.sum *= Exp(p.max - x);
-    p.max = x;
-  }
-  if (p.max > -INFINITY) p.sum += Exp(x - p.max);
-}
-
-struct CombinePartialLse {
+// A thread's share of LseStats (online_stats.h), merged across the block in a fixed order.
+struct CombinePartialLseOp {
   __device__ PartialLse operator()(const PartialLse& a, const PartialLse& b) const {
-    PartialLse r;
-    r.nan = a.nan | b.nan;
-    r.min = MinStep(a.min, b.min);
-    r.max = MaxStep(a.max, b.max);
-    if (r.max == -INFINITY) {
-      r.sum = a.sum + b.sum;
-    } else {
-      r.sum = a.sum * Exp(a.max - r.max) + b.sum * Exp(b.max - r.max);
-    }
-    return r;
+    return CombinePartialLse(a, b);
   }
 };
-
-__device__ __forceinline__ PartialLse ShuffleDown(const PartialLse& x, int offset) {
-  PartialLse r;
-  r.max = __shfl_down_sync(kFullMask, x.max, offset);
-  r.min = __shfl_down_sync(kFullMask, x.min, offset);
-  r.sum = __shfl_down_sync(kFullMask, x.sum, offset);
-  r.nan = __shfl_down_sync(kFullMask, x.nan, offset);
-  return r;
-}
 
 // LseStats of x_c = d_y[c] * scale over one row, as the CPU's TileLseStats gives them (up to
 // rounding); a NaN leaves the sum NaN. Reached by every thread of the block.
 __device__ LseStats BlockLseStats(const float* d_y, int64_t cols, float scale,
                                   PartialLse* scratch) {
-  PartialLse p{-INFINITY, INFINITY, 0.0, 0};
+  PartialLse p = EmptyPartialLse();
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) AddValue(p, d_y[c] * scale);
-  p = BlockReduce(p, CombinePartialLse{}, scratch);
-  LseStats s;
-  s.max = p.max;
-  s.sum_exp = p.nan != 0 ? NAN : static_cast<float>(p.sum);
-  s.min = p.min;
-  return s;
+  return LseStatsOf(BlockReduce(p, CombinePartialLseOp{}, scratch));
 }
 
 static __global__ void __launch_bounds__(kRowThreads)

@@ -5,6 +5,7 @@
 // identical calls give identical bits and the rounding does not grow with V.
 #include "kernels/cuda/cuda_device.cuh"
 #include "kernels/cuda/cuda_kernels.cuh"
+#include "lossd/kernels/online_stats.h"
 
 namespace lossd::cuda {
 
@@ -29,82 +30,13 @@ absl::Status LaunchResetRows(int64_t rows, int top_k, RowStats* d_stats, float* 
   return CheckLaunch("ResetRowsKernel");
 }
 
-// ---- The online statistics of one thread's columns, and their merge ----
+// ---- The online statistics of one thread's columns, and their merge (online_stats.h) ----
 
-// A thread's share of a row: m = max z, s = sum e^(z - m), t = sum e^(z - m)(z - m), sum z, and
-// the first column holding m (-1 before the first non-NaN column; a NaN then goes into s).
-struct PartialStats {
-  float max;
-  int32_t argmax;
-  double sum_exp;
-  double sum_shifted;
-  double sum_z;
-};
-
-__device__ __forceinline__ PartialStats EmptyPartialStats() {
-  return {-INFINITY, -1, 0.0, 0.0, 0.0};
-}
-
-// Adds column c's z; columns come in increasing order, so the first maximum is kept. A new
-// maximum moves the sums to it as MergeRowStats does: t' = (t + (m - m') s) e^(m - m'),
-// s' = s e^(m - m').
-__device__ __forceinline__ void AddColumn(PartialStats& p, float z, int32_t c) {
-  p.sum_z += z;
-  if (z > p.max || (p.argmax < 0 && z == p.max)) {
-    if (p.argmax >= 0) {
-      const float d = p.max - z;
-      const float scale = Exp(d);
-      p.sum_shifted = (p.sum_shifted + static_cast<double>(d) * p.sum_exp) * scale;
-      p.sum_exp *= scale;
-    }
-    p.max = z;
-    p.argmax = c;
-  }
-  if (p.argmax >= 0) {
-    const float d = z - p.max;
-    const float e = Exp(d);
-    p.sum_exp += e;
-    p.sum_shifted += e * d;
-  } else {
-    p.sum_exp += z;  // a NaN before any number: the sums carry it
-  }
-}
-
-// The statistics of two disjoint column sets; the lower column wins a tie for the maximum.
 struct CombinePartialStats {
-  __device__ PartialStats operator()(const PartialStats& a, const PartialStats& b) const {
-    PartialStats r;
-    r.sum_z = a.sum_z + b.sum_z;
-    if (a.argmax < 0 || b.argmax < 0) {  // one side holds no column, or only NaN ones
-      const bool keep_b = a.argmax < 0;
-      r.max = keep_b ? b.max : a.max;
-      r.argmax = keep_b ? b.argmax : a.argmax;
-      r.sum_exp = a.sum_exp + b.sum_exp;
-      r.sum_shifted = a.sum_shifted + b.sum_shifted;
-      return r;
-    }
-    const float m = a.max > b.max ? a.max : b.max;
-    const float da = a.max - m;
-    const float db = b.max - m;
-    const double ca = Exp(da);
-    const double cb = Exp(db);
-    r.sum_shifted = (a.sum_shifted + da * a.sum_exp) * ca + (b.sum_shifted + db * b.sum_exp) * cb;
-    r.sum_exp = a.sum_exp * ca + b.sum_exp * cb;
-    r.max = m;
-    r.argmax = (b.max > a.max || (b.max == a.max && b.argmax < a.argmax)) ? b.argmax : a.argmax;
-    return r;
+  __device__ PartialRowStats operator()(const PartialRowStats& a, const PartialRowStats& b) const {
+    return CombinePartialRowStats(a, b);
   }
 };
-
-__device__ __forceinline__ PartialStats ShuffleDown(const PartialStats& x, int offset) {
-  PartialStats r;
-  r.max = __shfl_down_sync(kFullMask, x.max, offset);
-  r.argmax = __shfl_down_sync(kFullMask, x.argmax, offset);
-  r.sum_exp = __shfl_down_sync(kFullMask, x.sum_exp, offset);
-  r.sum_shifted = __shfl_down_sync(kFullMask, x.sum_shifted, offset);
-  r.sum_z = __shfl_down_sync(kFullMask, x.sum_z, offset);
-  return r;
-}
 
 // ---- Top-k ----
 
@@ -193,7 +125,7 @@ template <bool kTransform, bool kTopK>
 static __global__ void __launch_bounds__(kRowThreads)
     RowStatsKernel(LogitTile tile, const int64_t* d_labels, LogitTransform transform, int k,
                    RowStats* d_stats, float* d_top_values, int32_t* d_top_tokens) {
-  __shared__ PartialStats stats_scratch[kWarpSize + 1];
+  __shared__ PartialRowStats stats_scratch[kWarpSize + 1];
   __shared__ float warp_values[kTopK ? kTopKWarps : 1][kMaxTopK];
   __shared__ int32_t warp_tokens[kTopK ? kTopKWarps : 1][kMaxTopK];
   const int lane = threadIdx.x % kWarpSize;
@@ -201,7 +133,7 @@ static __global__ void __launch_bounds__(kRowThreads)
   const int64_t row = blockIdx.x;
   float* d_z = tile.d_logits + row * tile.ld;
 
-  PartialStats partial = EmptyPartialStats();
+  PartialRowStats partial = EmptyPartialRowStats();
   WarpTopK list{-INFINITY, -INFINITY, 0, 0};
   float kth_value = -INFINITY;
   int32_t kth_token = 0;
@@ -226,18 +158,12 @@ static __global__ void __launch_bounds__(kRowThreads)
   partial = BlockReduce(partial, CombinePartialStats{}, stats_scratch);
 
   if (threadIdx.x == 0) {
-    RowStats stats = EmptyRowStats();
-    stats.sum_z = static_cast<float>(partial.sum_z);
-    // Written by another thread when transformed; the reduction's barriers made it visible.
+    // The label's logit, written by another thread when transformed; the reduction's barriers
+    // made it visible.
     const int64_t label = d_labels[row];
-    if (label >= tile.v0 && label < tile.v0 + tile.cols) stats.target = d_z[label - tile.v0];
-    if (partial.argmax >= 0) {  // else a NaN row: sum_z carries the NaN
-      stats.max = partial.max;
-      stats.sum_exp = static_cast<float>(partial.sum_exp);
-      stats.sum_exp_shifted = static_cast<float>(partial.sum_shifted);
-      stats.argmax = static_cast<int32_t>(tile.v0 + partial.argmax);
-    }
-    MergeRowStats(d_stats[row], stats);
+    const bool in_tile = label >= tile.v0 && label < tile.v0 + tile.cols;
+    MergeRowStats(d_stats[row],
+                  TileRowStats(partial, in_tile ? d_z[label - tile.v0] : 0.0f, tile.v0));
   }
   if constexpr (!kTopK) return;
 
