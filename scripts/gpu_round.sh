@@ -8,7 +8,7 @@
 #
 # Runbook
 #   0. Here (Debian 12 with the CUDA toolkit), once per commit to be measured:
-#        scripts/gpu_pack.sh          # ~11 min on 2 cores; fills the git-ignored .gpu/ (~22 MiB)
+#        scripts/gpu_pack.sh          # 6-11 min on 2 cores; fills the git-ignored .gpu/ (~22 MiB)
 #   1. Call 1, the decisive facts, at most 9 minutes (the device tool's `run`):
 #        command:   scripts/gpu_round.sh call1
 #        carry:     [".gpu"]
@@ -42,7 +42,7 @@
 # their time limits) first and its summary last.
 #
 # Environment: OUT (default .gpu/out), LOSSD_GPU_CALL_SECONDS (the call's time; default 500 for
-# call 1, 215 for call 2), LOSSD_GPU_PEERS_ARGS and LOSSD_GPU_SERVICE_ARGS (more flags for
+# call 1 and bench, 215 for call 2), LOSSD_GPU_PEERS_ARGS and LOSSD_GPU_SERVICE_ARGS (more flags for
 # bench/gpu_peers.py and bench/gpu_service.py, which override the call's own),
 # LOSSD_GPU_LIBRARY_DIRS (folders searched for cuBLAS before the toolkit's and the wheels').
 #
