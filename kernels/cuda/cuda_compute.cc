@@ -418,16 +418,16 @@ class ChunkedCompute::Impl {
     const float inv_tau = static_cast<float>(1.0 / options_.distill.temperature);
     for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
       const int64_t cols = std::min(tile_cols_, v_ - v0);
-      if (distill_) {
+      if (distill_) {  // both tiles transformed already
         RETURN_IF_ERROR(ComputeDistillTiles(d, rows, v0, cols));
-        RETURN_IF_ERROR(LaunchMergeTileDistillStats(Tile(rows, v0, cols),
-                                                    TeacherTile(rows, v0, cols), inv_tau,
-                                                    ws_.d_distill_stats, stream_));
-      } else {
-        RETURN_IF_ERROR(ComputeLogits(rows, v0, cols));
+        RETURN_IF_ERROR(LaunchDistillRowStats(Tile(rows, v0, cols), TeacherTile(rows, v0, cols),
+                                              d.labels, inv_tau, k_, ws_.d_stats,
+                                              ws_.d_top_values, ws_.d_top_tokens,
+                                              ws_.d_distill_stats, stream_));
+        continue;
       }
-      // A distill call's tile is transformed already.
-      RETURN_IF_ERROR(LaunchRowStats(Tile(rows, v0, cols), d.labels, transform_, !distill_, k_,
+      RETURN_IF_ERROR(ComputeLogits(rows, v0, cols));
+      RETURN_IF_ERROR(LaunchRowStats(Tile(rows, v0, cols), d.labels, transform_, true, k_,
                                      ws_.d_stats, ws_.d_top_values, ws_.d_top_tokens, stream_));
     }
     return absl::OkStatus();

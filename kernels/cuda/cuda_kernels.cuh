@@ -84,6 +84,14 @@ absl::Status LaunchRowStats(const LogitTile& tile, const int64_t* d_labels,
                             RowStats* d_stats, float* d_top_values, int32_t* d_top_tokens,
                             cudaStream_t stream);
 
+// LaunchRowStats of a distill call's student tile (transformed already), and from the same loads
+// both distributions' LseStats at tau (u = z * inv_tau, t = z_t * inv_tau, the teacher's tile
+// transformed as well) merged into d_distill_stats[row].
+absl::Status LaunchDistillRowStats(const LogitTile& student, const LogitTile& teacher,
+                                   const int64_t* d_labels, float inv_tau, int top_k,
+                                   RowStats* d_stats, float* d_top_values, int32_t* d_top_tokens,
+                                   DistillStats* d_distill_stats, cudaStream_t stream);
+
 // ---- row_finish.cu: rows finished on the device with loss_math.h's and distill_math.h's
 // FinishRowAt / RowGradientAt, as the CPU backend finishes them on the host ----
 
@@ -147,11 +155,6 @@ absl::Status LaunchTransformLogits(const LogitTile& tile, const LogitTransform& 
 absl::Status LaunchFillSparseTeacher(const LogitTile& tile, int k, const int32_t* d_tokens,
                                      const float* d_logprobs, const float* d_rest_logits,
                                      cudaStream_t stream);
-
-// One block per row: LseStats of u = z * inv_tau over the student's tile and of t = z_t * inv_tau
-// over the teacher's (both transformed), merged into d_stats[row].
-absl::Status LaunchMergeTileDistillStats(const LogitTile& student, const LogitTile& teacher,
-                                         float inv_tau, DistillStats* d_stats, cudaStream_t stream);
 
 // One block per row: the tile's sums of D's and K's summands (DistillElementTerms of the call's
 // divergence), added to d_terms[row]; tiles are added in launch order.

@@ -1,10 +1,9 @@
 // The distill objective's tiles (distill_math.h): the student's and the teacher's logits side by
-// side, same rows and columns. Statistics of both distributions in one read of each tile (online,
-// as row_stats.cu keeps the student's RowStats), the per-row sums of D's and K's summands with the
-// divergence as a template argument, and the teacher's tile made from a sparse top-k.
+// side, same rows and columns. The per-row sums of D's and K's summands with the divergence as a
+// template argument, and the teacher's tile made from a sparse top-k; both distributions'
+// statistics come with the student's RowStats from the same loads (row_stats.cu).
 #include "kernels/cuda/cuda_device.cuh"
 #include "kernels/cuda/cuda_kernels.cuh"
-#include "lossd/kernels/online_stats.h"
 
 namespace lossd::cuda {
 
@@ -60,44 +59,6 @@ absl::Status LaunchFillSparseTeacher(const LogitTile& tile, int k, const int32_t
   FillSparseTeacherKernel<<<static_cast<unsigned>(tile.rows), kRowThreads, 0, stream>>>(
       tile, k, d_tokens, d_logprobs, d_rest_logits);
   return CheckLaunch("FillSparseTeacherKernel");
-}
-
-// ---- Statistics of both distributions ----
-
-// A thread's share of LseStats (online_stats.h), merged across the block in a fixed order.
-struct CombinePartialLseOp {
-  __device__ PartialLse operator()(const PartialLse& a, const PartialLse& b) const {
-    return CombinePartialLse(a, b);
-  }
-};
-
-// LseStats of x_c = d_y[c] * scale over one row, as the CPU's TileLseStats gives them (up to
-// rounding); a NaN leaves the sum NaN. Reached by every thread of the block.
-__device__ LseStats BlockLseStats(const float* d_y, int64_t cols, float scale,
-                                  PartialLse* scratch) {
-  PartialLse p = EmptyPartialLse();
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) AddValue(p, d_y[c] * scale);
-  return LseStatsOf(BlockReduce(p, CombinePartialLseOp{}, scratch));
-}
-
-static __global__ void __launch_bounds__(kRowThreads)
-    MergeTileDistillStatsKernel(LogitTile student, LogitTile teacher, float inv_tau,
-                                DistillStats* d_stats) {
-  __shared__ PartialLse scratch[kWarpSize + 1];
-  const int64_t row = blockIdx.x;
-  DistillStats tile;
-  tile.student = BlockLseStats(student.d_logits + row * student.ld, student.cols, inv_tau, scratch);
-  tile.teacher = BlockLseStats(teacher.d_logits + row * teacher.ld, teacher.cols, inv_tau, scratch);
-  if (threadIdx.x == 0) MergeDistillStats(d_stats[row], tile);
-}
-
-absl::Status LaunchMergeTileDistillStats(const LogitTile& student, const LogitTile& teacher,
-                                         float inv_tau, DistillStats* d_stats,
-                                         cudaStream_t stream) {
-  if (student.rows == 0) return absl::OkStatus();
-  MergeTileDistillStatsKernel<<<static_cast<unsigned>(student.rows), kRowThreads, 0, stream>>>(
-      student, teacher, inv_tau, d_stats);
-  return CheckLaunch("MergeTileDistillStatsKernel");
 }
 
 // ---- Phase 2: the sums of D's and K's summands ----

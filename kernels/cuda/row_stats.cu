@@ -1,8 +1,9 @@
 // Row statistics of a logits tile in one read of each logit: the soft cap and temperature applied
 // in place where the tile holds raw logits, the online softmax's running max and sum-exp (and the
-// shifted sum the entropy needs, and sum z for label smoothing), and, when asked, the top-k, all
-// from the same load. Sums run in double per thread and in a fixed order across the block, so
-// identical calls give identical bits and the rounding does not grow with V.
+// shifted sum the entropy needs, and sum z for label smoothing), and, when asked, the top-k and a
+// distill call's statistics of both distributions, all from the same load. Sums run in double per
+// thread and in a fixed order across the block, so identical calls give identical bits and the
+// rounding does not grow with V.
 #include "kernels/cuda/cuda_device.cuh"
 #include "kernels/cuda/cuda_kernels.cuh"
 #include "lossd/kernels/online_stats.h"
@@ -118,14 +119,31 @@ __device__ __forceinline__ void OfferCandidates(WarpTopK& list, int k, bool offe
 
 // ---- The kernel ----
 
+struct CombineLse {
+  __device__ PartialLse operator()(const PartialLse& a, const PartialLse& b) const {
+    return CombinePartialLse(a, b);
+  }
+};
+
+// A distill call's tiles beside the student's: the teacher's, and where both distributions'
+// statistics at tau go.
+struct DistillTiles {
+  LogitTile teacher;
+  float inv_tau;
+  DistillStats* d_stats;
+};
+
 // One block per row. Warp w reads columns w * 32 + lane, then on by the block's width: each warp
 // reads 32 consecutive floats at a time (coalesced), and its lanes' candidates for the top-k come
-// together in one ballot.
-template <bool kTransform, bool kTopK>
+// together in one ballot. A distill call's tiles (transformed already) also give both
+// distributions' LseStats at tau from the same loads of the student's logits.
+template <bool kTransform, bool kTopK, bool kDistill>
 static __global__ void __launch_bounds__(kRowThreads)
     RowStatsKernel(LogitTile tile, const int64_t* d_labels, LogitTransform transform, int k,
-                   RowStats* d_stats, float* d_top_values, int32_t* d_top_tokens) {
+                   RowStats* d_stats, float* d_top_values, int32_t* d_top_tokens,
+                   DistillTiles distill) {
   __shared__ PartialRowStats stats_scratch[kWarpSize + 1];
+  __shared__ PartialLse lse_scratch[kDistill ? kWarpSize + 1 : 1];
   __shared__ float warp_values[kTopK ? kTopKWarps : 1][kMaxTopK];
   __shared__ int32_t warp_tokens[kTopK ? kTopKWarps : 1][kMaxTopK];
   const int lane = threadIdx.x % kWarpSize;
@@ -134,6 +152,9 @@ static __global__ void __launch_bounds__(kRowThreads)
   float* d_z = tile.d_logits + row * tile.ld;
 
   PartialRowStats partial = EmptyPartialRowStats();
+  PartialLse student = EmptyPartialLse();
+  PartialLse teacher = EmptyPartialLse();
+  const float* d_zt = kDistill ? distill.teacher.d_logits + row * distill.teacher.ld : nullptr;
   WarpTopK list{-INFINITY, -INFINITY, 0, 0};
   float kth_value = -INFINITY;
   int32_t kth_token = 0;
@@ -150,12 +171,22 @@ static __global__ void __launch_bounds__(kRowThreads)
         d_z[c] = z;
       }
       AddColumn(partial, z, static_cast<int32_t>(c));
+      if constexpr (kDistill) {
+        AddValue(student, z * distill.inv_tau);
+        AddValue(teacher, d_zt[c] * distill.inv_tau);
+      }
     }
     if constexpr (kTopK) {
       OfferCandidates(list, k, valid, z, static_cast<int32_t>(tile.v0 + c), kth_value, kth_token);
     }
   }
   partial = BlockReduce(partial, CombinePartialStats{}, stats_scratch);
+  if constexpr (kDistill) {
+    DistillStats tile_stats;
+    tile_stats.student = LseStatsOf(BlockReduce(student, CombineLse{}, lse_scratch));
+    tile_stats.teacher = LseStatsOf(BlockReduce(teacher, CombineLse{}, lse_scratch));
+    if (threadIdx.x == 0) MergeDistillStats(distill.d_stats[row], tile_stats);
+  }
 
   if (threadIdx.x == 0) {
     // The label's logit, written by another thread when transformed; the reduction's barriers
@@ -203,24 +234,46 @@ static __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-absl::Status LaunchRowStats(const LogitTile& tile, const int64_t* d_labels,
-                            const LogitTransform& transform, bool apply_transform, int top_k,
-                            RowStats* d_stats, float* d_top_values, int32_t* d_top_tokens,
-                            cudaStream_t stream) {
+// Launches RowStatsKernel with its options as template arguments.
+static absl::Status LaunchRowStatsKernel(const LogitTile& tile, const int64_t* d_labels,
+                                         const LogitTransform& transform, bool apply_transform,
+                                         int top_k, RowStats* d_stats, float* d_top_values,
+                                         int32_t* d_top_tokens, const DistillTiles* distill,
+                                         cudaStream_t stream) {
   if (tile.rows == 0) return absl::OkStatus();
   if (top_k < 0 || top_k > kMaxTopK) {
     return absl::InvalidArgumentError(
         absl::StrCat("RowStats: top_k ", top_k, " outside [0, ", kMaxTopK, "]"));
   }
   const unsigned grid = static_cast<unsigned>(tile.rows);
+  const DistillTiles tiles = distill != nullptr ? *distill : DistillTiles{};
   BoolSwitch(apply_transform && !transform.identity(), [&](auto transformed) {
     BoolSwitch(top_k > 0, [&](auto with_top_k) {
-      RowStatsKernel<decltype(transformed)::value, decltype(with_top_k)::value>
-          <<<grid, kRowThreads, 0, stream>>>(tile, d_labels, transform, top_k, d_stats,
-                                             d_top_values, d_top_tokens);
+      BoolSwitch(distill != nullptr, [&](auto with_distill) {
+        RowStatsKernel<decltype(transformed)::value, decltype(with_top_k)::value,
+                       decltype(with_distill)::value><<<grid, kRowThreads, 0, stream>>>(
+            tile, d_labels, transform, top_k, d_stats, d_top_values, d_top_tokens, tiles);
+      });
     });
   });
   return CheckLaunch("RowStatsKernel");
+}
+
+absl::Status LaunchRowStats(const LogitTile& tile, const int64_t* d_labels,
+                            const LogitTransform& transform, bool apply_transform, int top_k,
+                            RowStats* d_stats, float* d_top_values, int32_t* d_top_tokens,
+                            cudaStream_t stream) {
+  return LaunchRowStatsKernel(tile, d_labels, transform, apply_transform, top_k, d_stats,
+                              d_top_values, d_top_tokens, nullptr, stream);
+}
+
+absl::Status LaunchDistillRowStats(const LogitTile& student, const LogitTile& teacher,
+                                   const int64_t* d_labels, float inv_tau, int top_k,
+                                   RowStats* d_stats, float* d_top_values, int32_t* d_top_tokens,
+                                   DistillStats* d_distill_stats, cudaStream_t stream) {
+  const DistillTiles distill{teacher, inv_tau, d_distill_stats};
+  return LaunchRowStatsKernel(student, d_labels, LogitTransform{}, false, top_k, d_stats,
+                              d_top_values, d_top_tokens, &distill, stream);
 }
 
 }  // namespace lossd::cuda
