@@ -20,8 +20,11 @@
 // Each measurement is one warm-up run (on the first 64 tokens, or --warmup-tokens), then the
 // median of up to --reps timed runs (fewer when one run would exceed --rep-seconds); the three
 // methods of a pass take turns, and the engine is also compared with the naive baseline round by
-// round (median ratio, rounds won, one-sided sign test). A table goes to stderr, one JSON object
-// per measurement to stdout (and to --json FILE), each with its rounds' times.
+// round (median ratio, rounds won, one-sided sign test). Times are the host's clock around each
+// call; on a GPU the engine also reports the device's own time of each call (CUDA events,
+// BatchSummary::device_seconds), which leaves out the host's side of pageable copies and the
+// call's setup. A table goes to stderr, one JSON object per measurement to stdout (and to --json
+// FILE), each with its rounds' times (device_seconds and device_round_seconds where measured).
 // The engine's loss and dL/dh are checked against the naive baseline; the exit status is 1 when
 // they disagree.
 #include <cblas.h>
@@ -116,6 +119,7 @@ struct Options {
   bool methods_given = false;
   std::set<Pass> passes = {Pass::kForward, Pass::kForwardBackward};
   size_t budget_bytes = 0;  // 0: the backend's default, as the server takes it
+  bool exact_gradients = false;  // LossOptions::exact_gradients
   int reps = 3;
   int64_t warmup_tokens = kWarmUpTokens;  // 0: all of N
   double rep_seconds = 20.0;
@@ -136,6 +140,8 @@ constexpr char kUsage[] = R"(usage: engine_bench [flags]
                             GPU's libraries meet the timed runs' shapes before the clock starts)
   --rep-seconds S           fewer runs when one is long: clamp(S / run seconds, 1, R) (default 20)
   --naive-cap-gib G         skip the naive baseline when its [N, V] logits exceed G GiB (default 6)
+  --gradients G             the engine's dL/da for 16-bit products on a GPU: default (rounded
+                            once to 16 bits) or exact (two 16-bit halves); LossOptions
   --methods M,M             run only these of floor, engine, naive (default all three)
   --passes P,P              run only these of fwd, fwd_dh, fwd_bwd (default fwd and fwd_bwd)
   --json FILE               also write the JSON lines to FILE
@@ -156,7 +162,8 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
     }
     static const std::set<std::string> kValueFlags = {
         "--shapes",  "--device",  "--dtype",  "--budget-mib", "--reps",
-        "--warmup-tokens", "--rep-seconds", "--naive-cap-gib", "--methods", "--passes", "--json"};
+        "--warmup-tokens", "--rep-seconds", "--naive-cap-gib", "--methods", "--passes", "--json",
+        "--gradients"};
     if (!kValueFlags.contains(name)) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag '", arg, "'\n", kUsage));
     }
@@ -209,6 +216,9 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
       }
     } else if (name == "--json") {
       o.json_path = value;
+    } else if (name == "--gradients") {
+      valid = value == "default" || value == "exact";
+      o.exact_gradients = value == "exact";
     }
     if (!valid) {
       static const std::map<std::string, std::string> kExpected = {
@@ -220,7 +230,8 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
           {"--rep-seconds", "a number >= 0"},
           {"--naive-cap-gib", "a number >= 0"},
           {"--methods", "a comma-separated subset of floor, engine, naive"},
-          {"--passes", "a comma-separated subset of fwd, fwd_dh, fwd_bwd"}};
+          {"--passes", "a comma-separated subset of fwd, fwd_dh, fwd_bwd"},
+          {"--gradients", "default or exact"}};
       return absl::InvalidArgumentError(
           absl::StrCat(name, ": expected ", kExpected.at(name), ", got '", value, "'"));
     }
@@ -271,6 +282,7 @@ struct Problem {
   std::vector<float> loss, logprob;  // [N], written by the engine and by the naive baseline
   std::vector<float> engine_grad_hidden, naive_grad_hidden, floor_grad_hidden;  // [N, H]
   double engine_loss = 0.0, naive_loss = 0.0;
+  double engine_device_seconds = 0.0;  // the last engine call's BatchSummary::device_seconds
 };
 
 // Rounds x to bf16 in place and returns the bf16 bit patterns.
@@ -335,8 +347,9 @@ const float* Weight(const Problem& p) {
 }
 float* GradWeight(Problem& p) { return static_cast<float*>(p.grad_weight.data()); }
 
-ProblemShape EngineShape(const Shape& s, DType dtype, Pass pass) {
+ProblemShape EngineShape(const Shape& s, DType dtype, Pass pass, bool exact_gradients) {
   ProblemShape shape;
+  shape.exact_gradients = exact_gradients;
   shape.hidden_dtype = dtype;
   shape.weight_dtype = dtype;
   shape.num_tokens = s.n;
@@ -348,8 +361,8 @@ ProblemShape EngineShape(const Shape& s, DType dtype, Pass pass) {
 }
 
 // Each method runs on the first `n` tokens: all of them when timed, a few to warm up.
-absl::Status RunEngine(Backend& backend, Problem& p, Pass pass, DeviceBuffer& workspace,
-                       int64_t n) {
+absl::Status RunEngine(Backend& backend, Problem& p, Pass pass, const LossOptions& options,
+                       DeviceBuffer& workspace, int64_t n) {
   BatchInputs in;
   in.hidden = p.hidden16.empty() ? static_cast<const void*>(p.hidden.data()) : p.hidden16.data();
   in.hidden_dtype = p.dtype;
@@ -362,9 +375,10 @@ absl::Status RunEngine(Backend& backend, Problem& p, Pass pass, DeviceBuffer& wo
   if (WantsGradHidden(pass)) out.grad_hidden = p.engine_grad_hidden.data();
   const WeightView weight{&p.weight, p.dtype, p.shape.v, p.shape.h};
   ASSIGN_OR_RETURN(const BatchSummary summary,
-                   backend.Compute(in, weight, LossOptions{}, out,
+                   backend.Compute(in, weight, options, out,
                                    WantsGradWeight(pass) ? &p.grad_weight : nullptr, workspace));
   p.engine_loss = summary.loss;
+  p.engine_device_seconds = summary.device_seconds;
   return absl::OkStatus();
 }
 
@@ -443,7 +457,10 @@ double Median(std::vector<double> values) {
 
 // The timed runs of one method, by round.
 struct Timing {
-  std::vector<double> rounds;  // seconds of each
+  std::vector<double> rounds;  // seconds of each, by the host's clock
+  // The device's own time of each round, where the backend reports one (BatchSummary's
+  // device_seconds): the host's clock also counts copying the rows and dL/dh over PCIe.
+  std::vector<double> device_rounds;
   double seconds() const { return Median(rounds); }
   int reps() const { return static_cast<int>(rounds.size()); }
 };
@@ -501,6 +518,8 @@ PairedComparison CompareByRound(const Timing& engine, const Timing& naive) {
 struct Contender {
   Result* result;
   std::function<absl::Status(int64_t rows)> run;
+  // The device seconds of the last run, or 0 where there is no device clock.
+  std::function<double()> device_seconds = [] { return 0.0; };
 };
 
 // One warm-up run each, then timed rounds that run every contender in turn, so that a slow spell
@@ -518,16 +537,22 @@ absl::Status MeasureInRounds(const Options& options, int64_t num_tokens, int64_t
       std::clamp(options.rep_seconds / longest_run, 1.0, static_cast<double>(options.reps)));
   // Each round starts with the next contender, so that none always runs first (after the
   // warm-up's allocations) or right after the same neighbour.
-  std::vector<std::vector<double>> seconds(contenders.size());
+  std::vector<Timing> timings(contenders.size());
   for (int round = 0; round < reps; ++round) {
     for (size_t j = 0; j < contenders.size(); ++j) {
       const size_t i = (j + round) % contenders.size();
       ASSIGN_OR_RETURN(const double s, TimeOnce(contenders[i].run, num_tokens));
-      seconds[i].push_back(s);
+      timings[i].rounds.push_back(s);
+      if (const double device = contenders[i].device_seconds(); device > 0) {
+        timings[i].device_rounds.push_back(device);
+      }
     }
   }
   for (size_t i = 0; i < contenders.size(); ++i) {
-    contenders[i].result->timing = Timing{seconds[i]};
+    if (timings[i].device_rounds.size() != timings[i].rounds.size()) {
+      timings[i].device_rounds.clear();
+    }
+    contenders[i].result->timing = std::move(timings[i]);
   }
   return absl::OkStatus();
 }
@@ -550,8 +575,10 @@ void PrintTableRow(const Result& r) {
                                  r.skipped);
     return;
   }
-  const std::string chunk =
-      r.token_chunk > 0 ? absl::StrCat(r.token_chunk, " x ", r.vocab_chunk) : "-";
+  std::string chunk = r.token_chunk > 0 ? absl::StrCat(r.token_chunk, " x ", r.vocab_chunk) : "-";
+  if (!r.timing->device_rounds.empty()) {
+    absl::StrAppendFormat(&chunk, "; device %.4f s", Median(r.timing->device_rounds));
+  }
   std::cerr << absl::StrFormat("%-20s %-14s %4d %10.3f %9.1f %8s %8s %11.1f  %s\n", shape, r.method,
                                r.timing->reps(), r.timing->seconds(),
                                UsefulFlops(r.shape, r.pass) / r.timing->seconds() / 1e9,
@@ -567,6 +594,7 @@ nlohmann::json ToJson(const Result& r, const nlohmann::json& machine, const Opti
       {"dtype", DTypeName(options.dtype)},
       {"method", r.method},
       {"budget_bytes", budget_bytes},
+      {"gradients", options.exact_gradients ? "exact" : "default"},
       {"peak_extra_bytes", r.peak_extra_bytes},
   };
   auto number_or_null = [](const std::optional<double>& x) {
@@ -580,6 +608,10 @@ nlohmann::json ToJson(const Result& r, const nlohmann::json& machine, const Opti
   j["ratio_to_floor"] = number_or_null(r.ratio_to_floor);
   j["ratio_to_naive"] = number_or_null(r.ratio_to_naive);
   if (r.timing) j["round_seconds"] = r.timing->rounds;
+  if (r.timing && !r.timing->device_rounds.empty()) {
+    j["device_seconds"] = Median(r.timing->device_rounds);
+    j["device_round_seconds"] = r.timing->device_rounds;
+  }
   if (r.paired_to_naive) {
     j["paired_to_naive"] = {{"median_ratio", r.paired_to_naive->median_ratio},
                             {"faster_rounds", r.paired_to_naive->faster_rounds},
@@ -628,10 +660,13 @@ absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
     ASSIGN_OR_RETURN(floor_logits, touched(static_cast<size_t>(floor_rows) * s.v * sizeof(float)));
   }
 
+  LossOptions loss_options;
+  loss_options.exact_gradients = options.exact_gradients;
   std::vector<Result> results;
   for (Pass pass : options.passes) {
     ASSIGN_OR_RETURN(const ChunkPlan plan,
-                     backend.Plan(EngineShape(s, options.dtype, pass), options.budget_bytes));
+                     backend.Plan(EngineShape(s, options.dtype, pass, options.exact_gradients),
+                                  options.budget_bytes));
     const std::string suffix(PassSuffix(pass));
 
     Result floor{s, "floor_" + suffix, pass};
@@ -657,8 +692,11 @@ absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
                             }});
     }
     if (with_engine) {
-      contenders.push_back(
-          {&engine, [&](int64_t n) { return RunEngine(backend, *p, pass, workspace, n); }});
+      contenders.push_back({&engine,
+                            [&](int64_t n) {
+                              return RunEngine(backend, *p, pass, loss_options, workspace, n);
+                            },
+                            [&] { return p->engine_device_seconds; }});
     }
     if (with_naive && naive_fits) {
       contenders.push_back({&naive, [&](int64_t n) {

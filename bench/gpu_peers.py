@@ -16,12 +16,16 @@ and fwd (the loss alone, without autograd).
   liger           Liger-Kernel's LigerFusedLinearCrossEntropyLoss.
   cce             Cut Cross-Entropy's linear_cross_entropy with its default gradient filter.
   lossd_<B>MiB    the lossd engine on the CUDA backend with a workspace budget of B MiB
-                  (engine_bench --device=cuda, one process per budget; --budgets-mib), whose hidden
-                  states and outputs live in host memory as the server's do: its time includes
-                  copying them to and from the GPU, which the others do not pay, and is the host's
-                  clock around each call (the engine synchronizes before it returns).
-A method that cannot run here is recorded with the reason, one that fails with its error (out of
-memory or anything else), and the run goes on; the engine is timed whatever its peers did.
+                  (engine_bench --device=cuda, one process per budget; --budgets-mib, where
+                  `default` is the budget the server takes by default: lossd_default), and with
+                  --lossd-modes=default,exact also in the exact gradient mode (_exact), whose
+                  hidden states and outputs live in host memory as the server's do. Its device
+                  time is the engine's own (CUDA events around each call, which count the copies
+                  the call waits for); its wall time is the host's clock around each call.
+The engine is timed first, before this process holds any inputs on the GPU, so that its rows exist
+whatever the peers do. A method that cannot run here is recorded with the reason, one that fails
+with its error (out of memory, a failed import or anything else) or runs past its own deadline
+(--peer-seconds) with that, and the run goes on. --methods picks the methods to run.
 
 Each method runs --warmup calls on the real shape first (the first one's time is recorded: it
 includes torch.compile's and Triton's compilation), then --reps timed calls: device time from CUDA
@@ -29,11 +33,12 @@ events around each call (median, min and max), wall time from the host's clock (
 peak memory allocated during the timed calls above what was allocated before them (inputs and
 W.grad excluded; the engine's is its workspace). Each method's loss and dL/dh are compared with
 torch_naive's on the same inputs. Peers whose turn comes after --deadline-seconds are skipped and
-recorded so; the engine rows still run.
+recorded so.
 
 Writes results.jsonl and results.md (a header naming the device, driver, CUDA, versions, date and
-command, then the table, ready for bench/RESULTS.md) to --out. On the GPU machine
-scripts/gpu_round.sh bench runs it; `--device cpu --dtype fp32` runs the same code on the CPU with
+command, then the table, ready for bench/RESULTS.md) to --out, both rewritten after every row, so
+that a run stopped from outside keeps what it measured. On the GPU machine scripts/gpu_round.sh
+call1 runs it; `--device cpu --dtype fp32` runs the same code on the CPU with
 small shapes, for testing.
 """
 import argparse
@@ -42,6 +47,7 @@ import importlib.metadata
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -55,6 +61,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SHAPES = "16384,4096,128256;8192,2304,256000"
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PASSES = ("fwd_bwd", "fwd")
+PEERS = ("floor", "torch_naive", "torch_chunked", "torch_lce", "liger", "cce", "torch_compiled")
+METHODS = ("lossd",) + PEERS
 GIB = 1 << 30
 MIB = 1 << 20
 OUT_OF_MEMORY = "out of memory"
@@ -72,10 +80,33 @@ def parse_shapes(text):
 
 
 def parse_budgets(text):
+    """Budgets in MiB; 0 stands for `default`, the budget the server takes by default."""
     items = [item for item in text.split(",") if item]
-    if not items or not all(item.isdigit() and int(item) > 0 for item in items):
-        raise SystemExit(f"--budgets-mib: expected positive integers separated by ',', got '{text}'")
-    return [int(item) for item in items]
+    if not items or not all(item == "default" or (item.isdigit() and int(item) > 0)
+                            for item in items):
+        raise SystemExit("--budgets-mib: expected positive integers or 'default' separated by ',', "
+                         f"got '{text}'")
+    return [0 if item == "default" else int(item) for item in items]
+
+
+def parse_methods(text):
+    items = [item for item in text.split(",") if item]
+    if not items or any(item not in METHODS for item in items):
+        raise SystemExit(f"--methods: expected a comma-separated subset of {', '.join(METHODS)}, "
+                         f"got '{text}'")
+    return items
+
+
+def parse_modes(text):
+    items = [item for item in text.split(",") if item]
+    if not items or any(item not in ("default", "exact") for item in items):
+        raise SystemExit(f"--lossd-modes: expected default, exact or both, got '{text}'")
+    return items
+
+
+def engine_method(budget_mib, mode="default"):
+    name = "lossd_default" if budget_mib == 0 else f"lossd_{budget_mib}MiB"
+    return name if mode == "default" else f"{name}_exact"
 
 
 def useful_flops(n, h, v, pass_name):
@@ -131,38 +162,83 @@ def floor_gemms(h, weight, labels):
     return torch.zeros((), device=h.device)
 
 
+def describe_failure(error):
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:250]
+
+
+def make_liger():
+    from liger_kernel.transformers.fused_linear_cross_entropy import (
+        LigerFusedLinearCrossEntropyLoss)
+    liger = LigerFusedLinearCrossEntropyLoss()
+    return lambda h, weight, labels: liger(weight, h, labels)
+
+
+def make_cce():
+    from cut_cross_entropy import linear_cross_entropy
+    return lambda h, weight, labels: linear_cross_entropy(h, weight, labels)
+
+
+def make_torch_lce():
+    if not (hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")):
+        return (f"absent: torch {torch.__version__} has no "
+                "F.linear_cross_entropy with LinearCrossEntropyOptions")
+    options = torch.nn.LinearCrossEntropyOptions()
+    return lambda h, weight, labels: F.linear_cross_entropy(h, weight, labels, options=options)
+
+
 def peer_methods(device, chunk_rows):
-    """name -> loss function, or the reason it cannot run here."""
-    methods = {"floor": floor_gemms, "torch_naive": naive_loss,
-               "torch_chunked": chunked(sum_loss, chunk_rows)}
-    if hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
-        options = torch.nn.LinearCrossEntropyOptions()
-        methods["torch_lce"] = lambda h, weight, labels: F.linear_cross_entropy(
-            h, weight, labels, options=options)
-    else:
-        methods["torch_lce"] = (f"absent: torch {torch.__version__} has no "
-                                "F.linear_cross_entropy with LinearCrossEntropyOptions")
-    if device.type != "cuda":
-        methods["liger"] = methods["cce"] = "unavailable: needs a CUDA device"
-    else:
-        try:
-            from liger_kernel.transformers.fused_linear_cross_entropy import (
-                LigerFusedLinearCrossEntropyLoss)
-            liger = LigerFusedLinearCrossEntropyLoss()
-            methods["liger"] = lambda h, weight, labels: liger(weight, h, labels)
-        except ImportError as error:
-            methods["liger"] = f"unavailable: {error}"
-        try:
-            from cut_cross_entropy import linear_cross_entropy
-            methods["cce"] = lambda h, weight, labels: linear_cross_entropy(h, weight, labels)
-        except ImportError as error:
-            methods["cce"] = f"unavailable: {error}"
+    """name -> loss function, or the reason it cannot run here. A peer whose import or setup
+    raises anything at all (not only ImportError: a Triton that does not know this GPU, a wheel
+    built for another torch) is recorded with the error; the others still run."""
+    makers = {"floor": lambda: floor_gemms, "torch_naive": lambda: naive_loss,
+              "torch_chunked": lambda: chunked(sum_loss, chunk_rows),
+              "torch_lce": make_torch_lce, "liger": make_liger, "cce": make_cce}
     # Last among the peers: its first call compiles, for up to a minute per shape and pass.
-    if not hasattr(torch, "compile"):
-        methods["torch_compiled"] = f"unavailable: torch {torch.__version__} has no torch.compile"
-    else:
-        methods["torch_compiled"] = chunked(torch.compile(sum_loss), chunk_rows)
+    if hasattr(torch, "compile"):
+        makers["torch_compiled"] = lambda: chunked(torch.compile(sum_loss), chunk_rows)
+    methods = {}
+    for name in PEERS:
+        if name in ("liger", "cce") and device.type != "cuda":
+            methods[name] = "unavailable: needs a CUDA device"
+        elif name not in makers:
+            methods[name] = f"unavailable: torch {torch.__version__} has no torch.compile"
+        else:
+            try:
+                methods[name] = makers[name]()
+            except ImportError as error:
+                methods[name] = f"unavailable: {error}"
+            except Exception as error:  # recorded; the next peer is made
+                methods[name] = f"failed: {describe_failure(error)}"
     return methods
+
+
+class PeerTimeout(Exception):
+    pass
+
+
+class Deadline:
+    """Raises PeerTimeout in the main thread after `seconds` (SIGALRM): a peer stuck compiling or
+    in a slow fallback gives up its turn instead of the run's. A call blocked in C (a kernel, a
+    synchronize) is interrupted when it returns to Python."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def _expired(self, signum, frame):
+        raise PeerTimeout(f"past its {self.seconds:g} s deadline")
+
+    def __enter__(self):
+        if self.seconds and self.seconds != float("inf"):
+            self.previous = signal.signal(signal.SIGALRM, self._expired)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        return self
+
+    def __exit__(self, *exc):
+        if self.seconds and self.seconds != float("inf"):
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+        return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,35 +317,43 @@ def measure_peer(loss_fn, hidden, weight, labels, pass_name, clock, args, device
 
 
 def failure(error):
-    """The record of a method that raised: out of memory, or the error's type and first line."""
+    """The record of a method that raised: out of memory, its deadline, or the error's type and
+    first line."""
+    if isinstance(error, PeerTimeout):
+        return {"error": f"timeout: {error}"}
     if isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower():
         return {"error": OUT_OF_MEMORY}
-    lines = str(error).strip().splitlines()
-    return {"error": f"failed: {type(error).__name__}: {lines[0] if lines else ''}"[:300]}
+    return {"error": f"failed: {describe_failure(error)}"[:300]}
 
 
-def measure_engine(n, h, v, budget_mib, args):
+def measure_engine(n, h, v, budget_mib, mode, args):
     """{pass name: result} from one engine_bench process, or {pass name: {"error": ...}}."""
     argv = [args.engine_bench, f"--device={args.device}", f"--dtype={args.dtype}",
-            "--methods=engine", f"--passes={','.join(PASSES)}", f"--shapes={n},{h},{v}",
+            "--methods=engine", f"--passes={','.join(args.passes)}", f"--shapes={n},{h},{v}",
             f"--reps={args.reps}", "--rep-seconds=600", "--warmup-tokens=0",
-            f"--budget-mib={budget_mib}"]
+            f"--gradients={mode}"]
+    if budget_mib > 0:
+        argv.append(f"--budget-mib={budget_mib}")
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=args.engine_timeout)
     except subprocess.TimeoutExpired:
-        return {p: {"error": f"failed: engine_bench ran past {args.engine_timeout} s"}
-                for p in PASSES}
+        return {p: {"error": f"failed: engine_bench ran past {args.engine_timeout:g} s"}
+                for p in args.passes}
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-        return {p: {"error": f"failed: {last}"[:300]} for p in PASSES}
+        return {p: {"error": f"failed: {last}"[:300]} for p in args.passes}
     results = {}
     for line in done.stdout.splitlines():
         row = json.loads(line)
         pass_name = row["method"].removeprefix("engine_")
-        rounds = row["round_seconds"]
-        # The host's clock around calls that end synchronized: device and wall time alike.
-        results[pass_name] = dict(spread(rounds, rounds), peak_extra_bytes=row["peak_extra_bytes"],
-                                  chunk=row.get("chunk"), backend=row["machine"].get("device"))
+        wall = row["round_seconds"]
+        # The device's own clock where the backend has one; else the host's around calls that
+        # end synchronized.
+        device_rounds = row.get("device_round_seconds") or wall
+        results[pass_name] = dict(spread(device_rounds, wall),
+                                  peak_extra_bytes=row["peak_extra_bytes"],
+                                  budget_bytes=row["budget_bytes"], chunk=row.get("chunk"),
+                                  backend=row["machine"].get("device"))
     return results
 
 
@@ -278,17 +362,8 @@ def relative(a, b):
 
 
 def bench_shape(n, h, v, args, device, record, started):
-    dtype = TORCH_DTYPES[args.dtype]
-    generator = torch.Generator(device="cpu").manual_seed(n * 1000003 + v)
-    hidden = torch.randn(n, h, generator=generator).to(device, dtype)
-    # Logits with standard deviation about 3, as a trained head gives.
-    weight = (torch.randn(v, h, generator=generator) * (3.0 / h ** 0.5)).to(device, dtype)
-    weight.requires_grad_()
-    weight.grad = torch.zeros_like(weight)
-    labels = torch.randint(0, v, (n,), generator=generator).to(device)
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (torch)"
-    clock = Clock(device)
-    kept = {}  # pass -> the floor's and torch_naive's results, which later methods compare with
+    kept = {}  # (method, pass) -> the floor's and torch_naive's results, for later methods
 
     def finish(method, pass_name, result):
         """Records a result as soon as it is measured, so that a run cut short keeps it."""
@@ -310,7 +385,30 @@ def bench_shape(n, h, v, args, device, record, started):
             kept[method, pass_name] = dict(result, loss=loss, grad_hidden=grad)
         record(entry)
 
+    # The engine first, in processes of its own, while this one holds nothing on the GPU.
+    if "lossd" in args.methods:
+        for budget in args.budgets_mib:
+            for mode in args.lossd_modes:
+                method = engine_method(budget, mode)
+                print(f"gpu_peers: {n},{h},{v} {method}", file=sys.stderr, flush=True)
+                for pass_name, result in measure_engine(n, h, v, budget, mode, args).items():
+                    if pass_name in args.passes:
+                        finish(method, pass_name, result)
+    if not any(m in args.methods for m in PEERS):
+        return
+
+    dtype = TORCH_DTYPES[args.dtype]
+    generator = torch.Generator(device="cpu").manual_seed(n * 1000003 + v)
+    hidden = torch.randn(n, h, generator=generator).to(device, dtype)
+    # Logits with standard deviation about 3, as a trained head gives.
+    weight = (torch.randn(v, h, generator=generator) * (3.0 / h ** 0.5)).to(device, dtype)
+    weight.requires_grad_()
+    weight.grad = torch.zeros_like(weight)
+    labels = torch.randint(0, v, (n,), generator=generator).to(device)
+    clock = Clock(device)
     for method, loss_fn in peer_methods(device, args.chunk_rows).items():
+        if method not in args.methods:
+            continue
         for pass_name in args.passes:
             if isinstance(loss_fn, str):
                 finish(method, pass_name, {"error": loss_fn})
@@ -321,26 +419,19 @@ def bench_shape(n, h, v, args, device, record, started):
                 continue
             print(f"gpu_peers: {n},{h},{v} {method} {pass_name}", file=sys.stderr, flush=True)
             try:
-                result = measure_peer(loss_fn, hidden, weight, labels, pass_name, clock, args,
-                                      device)
+                with Deadline(args.peer_seconds):
+                    result = measure_peer(loss_fn, hidden, weight, labels, pass_name, clock,
+                                          args, device)
             except Exception as error:  # recorded, and the next method runs
                 result = failure(error)
             finish(method, pass_name, result)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
-    # The engine makes inputs of its own: only the floor's time stays for its rows.
-    for result in kept.values():
-        result.pop("loss", None)
-        result.pop("grad_hidden", None)
-    del hidden, weight, labels
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    for budget in args.budgets_mib:
-        print(f"gpu_peers: {n},{h},{v} lossd_{budget}MiB", file=sys.stderr, flush=True)
-        for pass_name, result in measure_engine(n, h, v, budget, args).items():
-            if pass_name in args.passes:
-                finish(f"lossd_{budget}MiB", pass_name, result)
+            try:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+            except Exception as error:  # a peer that broke the device: the rest cannot run
+                print(f"gpu_peers: the device failed after {method}: {error}", file=sys.stderr)
+                return
 
 
 # --------------------------------------------------------------------------------------------
@@ -382,14 +473,21 @@ def markdown(run, entries):
              f"Date: {run['date']}",
              f"Command: `{run['command']}`",
              "",
-             "Device time: median (min to max) of the timed calls, CUDA events for the peers, the "
-             "host's clock for lossd (which includes moving the rows and dL/dh between host and "
-             "GPU); TFLOP/s: useful flops (2NHV fwd, 6NHV fwd_bwd) over the median; extra: peak "
-             "memory above the inputs; diff: loss and dL/dh relative to torch_naive.",
+             "Device time: median (min to max) of the timed calls, from CUDA events (lossd's "
+             "around each of its calls, counting the copies of rows and dL/dh between host and "
+             "GPU that the call waits for); wall: the host's clock; TFLOP/s: useful flops (2NHV "
+             "fwd, 6NHV fwd_bwd) over the median; extra: peak memory above the inputs (lossd: "
+             "its workspace); diff: loss and dL/dh relative to torch_naive.",
              "",
              "| N, H, V | pass | method | device ms | min to max ms | wall ms | TFLOP/s "
              "| x floor | extra GiB | first call s | loss, dL/dh diff |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    # The engine runs before the floor: its ratio to the floor is taken here.
+    floors = {(e["n"], e["h"], e["v"], e["pass"]): e["seconds"] for e in entries
+              if e["method"] == "floor" and "seconds" in e}
+    entries = [dict(e, ratio_to_floor=e["seconds"] / floors[e["n"], e["h"], e["v"], e["pass"]])
+               if "seconds" in e and (e["n"], e["h"], e["v"], e["pass"]) in floors else e
+               for e in entries]
     shapes = list(dict.fromkeys((e["n"], e["h"], e["v"]) for e in entries))
     by_shape_and_pass = sorted(entries, key=lambda e: (shapes.index((e["n"], e["h"], e["v"])),
                                                       PASSES.index(e["pass"])))
@@ -427,7 +525,14 @@ def main(argv=None):
     parser.add_argument("--chunk-rows", type=int, default=4096,
                         help="token chunk of torch_chunked and torch_compiled")
     parser.add_argument("--budgets-mib", default="256,1024,8192",
-                        help="lossd's workspace budgets, one engine row each")
+                        help="lossd's workspace budgets, one engine row each; 'default' for the "
+                        "budget the server takes by default")
+    parser.add_argument("--lossd-modes", default="default",
+                        help="lossd's gradient modes: default, exact or both (one row each)")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"which of {', '.join(METHODS)} to run (default all)")
+    parser.add_argument("--peer-seconds", type=float, default=float("inf"),
+                        help="each peer's deadline for one pass, warm-up included")
     parser.add_argument("--deadline-seconds", type=float, default=float("inf"),
                         help="skip the peers whose turn comes later than this into the run")
     parser.add_argument("--engine-timeout", type=float, default=180.0,
@@ -442,6 +547,10 @@ def main(argv=None):
     if not args.passes or any(p not in PASSES for p in args.passes):
         raise SystemExit(f"--passes: expected fwd_bwd, fwd or both, got '{','.join(args.passes)}'")
     args.budgets_mib = parse_budgets(args.budgets_mib)
+    args.methods = parse_methods(args.methods)
+    args.lossd_modes = parse_modes(args.lossd_modes)
+    if not args.peer_seconds > 0:
+        raise SystemExit("--peer-seconds: expected a number of seconds > 0")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
@@ -455,13 +564,21 @@ def main(argv=None):
             entries.append(entry)
             jsonl.write(json.dumps(entry) + "\n")
             jsonl.flush()
+            write_report(args.out, markdown(run, entries))
 
         for n, h, v in shapes:
             bench_shape(n, h, v, args, device, record, started)
     report = markdown(run, entries)
-    with open(os.path.join(args.out, "results.md"), "w") as md:
-        md.write(report)
+    write_report(args.out, report)
     sys.stdout.write(report)
+
+
+def write_report(out, report):
+    """results.md, replaced whole (a reader never sees half a table)."""
+    path = os.path.join(out, "results.md")
+    with open(path + ".tmp", "w") as md:
+        md.write(report)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ they travelled). The engine's in-process time moves the rows between host and de
 server does, but no bytes between processes; it returns dL/dh in fp32 (engine_bench's), where the
 calls get it in --dtype, so with bf16 it copies twice the dL/dh bytes back from the device.
 
-Writes results.jsonl, results.md and the server's log to --out. scripts/gpu_round.sh service runs
+Writes results.jsonl, results.md and the server's log to --out. scripts/gpu_round.sh call2 runs
 it on the GPU machine; `--device cpu` with a small --shape runs the same code anywhere, for
 testing. The Python client needs grpcio and protobuf: when lossd cannot be imported from
 --python-path, its rows say why and the rest still runs.

@@ -738,6 +738,7 @@ absl::StatusOr<CallPlan> PlanCall(const Backend& backend, const BatchInputs& inp
   RETURN_IF_ERROR(ValidateCall(inputs, weight, options, outputs, grad_weight));
   CallPlan call;
   call.shape = ShapeOfCall(inputs, weight, outputs, grad_weight != nullptr);
+  call.shape.exact_gradients = options.exact_gradients;
   ASSIGN_OR_RETURN(call.plan, backend.Plan(call.shape, workspace.bytes()));
   return call;
 }
@@ -750,43 +751,45 @@ BatchSummary PlannedSummary(const ChunkPlan& plan, size_t workspace_bytes) {
   return summary;
 }
 
+RowInputArrays RowInputArraysOf(const BatchInputs& inputs) {
+  RowInputArrays a;
+  a.labels = inputs.labels;
+  a.token_weights = inputs.token_weights;
+  a.sampling_logprobs = inputs.sampling_logprobs;
+  a.advantages = inputs.advantages;
+  a.reference_logprobs = inputs.reference_logprobs;
+  a.logprob_grads = inputs.logprob_grads;
+  a.reduction_scales = inputs.reduction_scales;
+  return a;
+}
+
 RowFinisher::RowFinisher(const BatchInputs& inputs, int64_t vocab_size, const LossOptions& options,
                          const TokenOutputs& outputs)
     : inputs_(inputs),
       options_(options),
       outputs_(outputs),
-      transform_(MakeLogitTransform(options)),
-      terms_(MakeLossTerms(options, vocab_size)),
       counted_rows_(CountCountedRows(inputs.labels, inputs.num_tokens, options.ignore_index)),
-      multiplier_(GradientMultiplier(options, counted_rows_)) {}
+      constants_(MakeRowFinishConstants(options, vocab_size, counted_rows_)),
+      arrays_(RowInputArraysOf(inputs)) {}
 
 RowResult RowFinisher::Finish(int64_t row, const RowStats& stats) const {
-  RowInputs in;
-  const auto at = [row](const float* values) {
-    return values != nullptr ? static_cast<double>(values[row]) : 0.0;
-  };
-  in.sampling_logprob = at(inputs_.sampling_logprobs);
-  in.advantage = at(inputs_.advantages);
-  in.reference_logprob = at(inputs_.reference_logprobs);
-  in.logprob_grad = at(inputs_.logprob_grads);
-  return FinishRow(stats, counted(row), weight(row), terms_, in);
+  return FinishRowAt(arrays_, constants_, row, stats);
 }
 
 RowGradient RowFinisher::Gradient(int64_t row, const RowResult& result) const {
-  return MakeRowGradient(result, label(row), counted(row), weight(row), multiplier(row), terms_);
+  return RowGradientAt(arrays_, constants_, row, result);
 }
 
 DistillRowResult RowFinisher::FinishDistill(int64_t row, const RowStats& stats,
                                             const DistillStats& distill,
                                             const DistillRowTerms& terms) const {
-  return FinishDistillRow(stats, distill, terms, counted(row), inputs_.labels != nullptr,
-                          weight(row), terms_, options_.distill, inputs_.teacher.dense());
+  return FinishDistillRowAt(arrays_, constants_, options_.distill, inputs_.teacher.dense(), row,
+                            stats, distill, terms);
 }
 
 DistillRowGradient RowFinisher::DistillGradient(int64_t row, const DistillRowResult& result,
                                                 const DistillRowConstants& constants) const {
-  return MakeDistillRowGradient(result, constants, label(row), counted(row), weight(row),
-                                multiplier(row), terms_, options_.distill);
+  return DistillRowGradientAt(arrays_, constants_, options_.distill, row, result, constants);
 }
 
 void RowFinisher::Emit(int64_t row, const RowResult& result, const RowStats& stats,

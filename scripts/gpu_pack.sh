@@ -10,9 +10,11 @@
 #                          need), sm100/, python/ (the lossd package with its gRPC stubs) and
 #                          MANIFEST.txt (commit, glibc and GLIBCXX needed, cuBLAS sonames);
 #   .gpu/wheels/peers/     Liger-Kernel 0.8.5 and Cut Cross-Entropy 25.1.1 (pure Python; torch and
-#                          Triton, their only needs, are on the GPU machine), for the bench step;
-#   .gpu/wheels/grpc/      grpcio and protobuf for CPython 3.12 (the GPU machine's), for the
-#                          service step's Python client should the machine's own not import it.
+#                          Triton, their only needs, are on the GPU machine), for call 1's peers;
+#   .gpu/wheels/grpc/      grpcio and protobuf for CPython 3.12 (the GPU machine's), for call 2's
+#                          Python client should the machine's own not import it.
+# The archive is xz's (gzip's would take about a third more of the 64 MiB that travel); on a GPU
+# machine without xz, gpu_round.sh unpacks it with python3's lzma.
 # .gpu/ is git-ignored: the GPU machine gets it only when its tool is told to carry it. Everything
 # sent there (working tree and .gpu/) must stay under 64 MiB; this script fails above
 # LOSSD_GPU_PACK_LIMIT_MIB (default 40). LOSSD_GPU_BUILD_DIR picks the build folder (build-gpu).

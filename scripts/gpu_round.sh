@@ -1,30 +1,50 @@
 #!/usr/bin/env bash
-# The GPU round: lossd's CUDA backend checked, measured beside its peers, and served, on a GPU
-# machine that has the driver, the CUDA toolkit, PyTorch and Triton but none of lossd's Debian
-# packages and no network, runs one command of at most 10 minutes at a time over a copy of the
-# repository's working tree, and returns only a few files written under $OUT.
+# The GPU round: lossd's CUDA backend checked against float64, measured beside its peers, and
+# served, on a GPU machine that has the driver, the CUDA toolkit, PyTorch and Triton but none of
+# lossd's Debian packages and no network. The machine is lent for 15 minutes of device time in all
+# (its start of 1-2 minutes and every idle wait counted), runs one command of at most 10 minutes
+# at a time over a copy of the repository's working tree, and returns at most 8 files written
+# under $OUT, no more than two folders down.
 #
 # Runbook
-#   1. Here (Debian 12 with the CUDA toolkit):  scripts/gpu_pack.sh
-#      It builds for Hopper (sm_90) and fills .gpu/ (about 21 MiB; git ignores it).
-#   2. On the GPU machine, from the repository root, three commands, each carrying the ignored
-#      folder .gpu (the machine's tool: carry [".gpu"]; without it a step stops at once), each
-#      under 8 minutes and complete on its own:
-#        scripts/gpu_round.sh tests     # ~7 min: the CUDA engine's test table, the bf16 GEMM
-#                                       #   probe, device faults, a foreign module refused, a
-#                                       #   Llama 3 head against float64, compute-sanitizer
-#        scripts/gpu_round.sh bench     # ~6 min: bench/gpu_peers.py, lossd beside torch,
-#                                       #   torch.compile, Liger-Kernel and Cut Cross-Entropy
-#        scripts/gpu_round.sh service   # ~3 min: bench/gpu_service.py, the server called by
-#                                       #   lossctl and the Python client, messages and memfds
-#      Each step writes one archive, $OUT/gpu-<step>.tar.gz (logs, results, JUnit XML), and prints
-#      a short summary last. `scripts/gpu_round.sh tests memcheck initcheck` runs only the named
-#      checks of a step (those a step ran out of time for, say); the names are in its summary.
-#   3. Here: unpack the archives; bench/ and service/ hold results.md tables for bench/RESULTS.md.
+#   0. Here (Debian 12 with the CUDA toolkit), once per commit to be measured:
+#        scripts/gpu_pack.sh          # 6-11 min on 2 cores; fills the git-ignored .gpu/ (~22 MiB)
+#   1. Call 1, the decisive facts, at most 9 minutes (the device tool's `run`):
+#        command:   scripts/gpu_round.sh call1
+#        carry:     [".gpu"]
+#        timeout_s: 540
+#      the CUDA engine's test table against float64 (fp32 and 16-bit, V >= 128k, N not a multiple
+#      of the chunk, every objective), the cuBLAS GEMM probe at the engine's real K, a module built
+#      for another GPU refused, the Llama 3 8B head at N = 4096 against float64 in both gradient
+#      modes, bench/gpu_peers.py at the Llama 3 8B shape (lossd first, default and exact modes, then
+#      the floor and the peers while time lasts), and compute-sanitizer memcheck. Files come back
+#      as $OUT/call1/summary.txt and $OUT/call1/call1.tar.gz.
+#   2. Call 2, only if the device tool's `status` still gives budget_left_s >= 255 (else skip it,
+#      or give it timeout_s = budget_left_s - 15 and LOSSD_GPU_CALL_SECONDS = timeout_s - 25 in
+#      front of the command: its checks run in this order until its time is spent):
+#        command:   scripts/gpu_round.sh call2
+#        carry:     [".gpu"]
+#        timeout_s: 240
+#      a provoked device fault (UNAVAILABLE, NOT_SERVING, the server drains), compute-sanitizer
+#      racecheck, synccheck and initcheck, and a short service check (lossd_server called by
+#      lossctl and the Python client). Files: $OUT/call2/summary.txt and $OUT/call2/call2.tar.gz.
+#      Then give the machine back (`give_back`).
+#   3. Here: unpack the archives; peers/results.md and service/results.md hold tables for
+#      bench/RESULTS.md, *.xml the JUnit results with the recorded errors against float64.
+#   4. A later round, once calls 1 and 2 passed on an earlier one, measures every shape and
+#      budget beside every peer in one call of its own (Llama 3 8B at N = 8192 and 16384, Gemma 2
+#      2B at N = 8192; lossd at its default budget and at 256, 1024 and 8192 MiB, both modes):
+#        command:   scripts/gpu_round.sh bench
+#        carry:     [".gpu"]
+#        timeout_s: 540
+# `scripts/gpu_round.sh call1 table scale` runs only the named checks of a call (those a call ran
+# out of time for, say); the names are in its summary. Each call prints its plan (its checks and
+# their time limits) first and its summary last.
 #
-# Environment: OUT (default .gpu/out), LOSSD_GPU_STEP_SECONDS (each step's time, default 450),
-# LOSSD_GPU_PEERS_ARGS and LOSSD_GPU_SERVICE_ARGS (more flags for bench/gpu_peers.py and
-# bench/gpu_service.py, which override the step's own, e.g. "--shapes=4096,4096,128256").
+# Environment: OUT (default .gpu/out), LOSSD_GPU_CALL_SECONDS (the call's time; default 500 for
+# call 1 and bench, 215 for call 2), LOSSD_GPU_PEERS_ARGS and LOSSD_GPU_SERVICE_ARGS (more flags for
+# bench/gpu_peers.py and bench/gpu_service.py, which override the call's own),
+# LOSSD_GPU_LIBRARY_DIRS (folders searched for cuBLAS before the toolkit's and the wheels').
 #
 # Only lossd's own programs load the libraries packed from Debian: each runs through a wrapper
 # that sets LD_LIBRARY_PATH for it alone, so python3, torch and compute-sanitizer keep the
@@ -33,31 +53,34 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
 usage() {
-  echo "usage: scripts/gpu_round.sh tests|bench|service [check ...]  (runbook: this file's header)" >&2
+  echo "usage: scripts/gpu_round.sh call1|call2|bench [check ...]  (runbook: this file's header)" >&2
   exit 2
 }
 [ $# -ge 1 ] || usage
-step="$1"
+call="$1"
 shift
-case "$step" in
-  tests | bench | service) ;;
+case "$call" in
+  call1) default_seconds=500 ;;
+  call2) default_seconds=215 ;;
+  bench) default_seconds=500 ;;
   *) usage ;;
 esac
 only=("$@")
 
-if [ ! -f .gpu/lossd-gpu.tar.xz ]; then
-  echo "gpu_round: .gpu/lossd-gpu.tar.xz is missing. .gpu/ is ignored by git, so it reaches the" \
-    "GPU machine only when the command carries it (the tool's carry: [\".gpu\"]); make it here" \
-    "with scripts/gpu_pack.sh first." >&2
+archive_in=.gpu/lossd-gpu.tar.xz
+if [ ! -f "$archive_in" ]; then
+  echo "gpu_round: $archive_in is missing. .gpu/ is ignored by git, so it reaches the GPU" \
+    "machine only when the command carries it (the tool's carry: [\".gpu\"]); make it here with" \
+    "scripts/gpu_pack.sh first." >&2
   exit 2
 fi
 
-step_seconds="${LOSSD_GPU_STEP_SECONDS:-450}"
-out="${OUT:-.gpu/out}"
+call_seconds="${LOSSD_GPU_CALL_SECONDS:-$default_seconds}"
+out="${OUT:-.gpu/out}/$call"
 mkdir -p "$out" || exit 2
 out="$(cd "$out" && pwd)"
 work="$(mktemp -d "${TMPDIR:-/tmp}/lossd-gpu.XXXXXX")" || exit 2
-logs="$work/$step"  # everything in here goes into the step's archive
+logs="$work/$call"  # everything in here goes into the call's archive
 pkg="$work/pkg"     # the unpacked .gpu/lossd-gpu.tar.xz
 run="$work/run"     # wrappers of the packed programs
 mkdir -p "$logs" "$pkg" "$run"
@@ -65,9 +88,9 @@ summary="$logs/summary.txt"
 failures=0
 
 say() { echo "$*" | tee -a "$summary"; }
-seconds_left() { echo $((step_seconds - SECONDS)); }
+seconds_left() { echo $((call_seconds - SECONDS)); }
 
-# record NAME STATUS DETAIL: one line of the summary; any status but PASS fails the step.
+# record NAME STATUS DETAIL: one line of the summary; any status but PASS fails the call.
 record() {
   printf '%-4s %-11s %s\n' "$2" "$1" "$3" | tee -a "$summary"
   [ "$2" = PASS ] || failures=$((failures + 1))
@@ -82,20 +105,20 @@ wanted() {
 }
 
 # timed NAME LIMIT COMMAND...: runs COMMAND, its output in $logs/NAME.log, for at most LIMIT
-# seconds and no longer than the step has left; sets `status` (124: out of time) and `took`.
+# seconds and no longer than the call has left; sets `status` (124: out of time) and `took`.
 timed() {
   local name="$1" limit="$2"
   shift 2
-  local left=$(($(seconds_left) - 20))
+  local left=$(($(seconds_left) - 15))
   [ "$left" -lt "$limit" ] && limit="$left"
   if [ "$limit" -lt 10 ]; then
     status=125
     took=0
-    echo "not run: the step's ${step_seconds} s were spent" >"$logs/$name.log"
+    echo "not run: the call's ${call_seconds} s were spent" >"$logs/$name.log"
     return
   fi
   local start=$SECONDS
-  timeout --kill-after=15 "$limit" "$@" >"$logs/$name.log" 2>&1
+  timeout --kill-after=10 "$limit" "$@" >"$logs/$name.log" 2>&1
   status=$?
   took=$((SECONDS - start))
 }
@@ -114,22 +137,41 @@ finish() {
   # Logs cut to their last 4 MiB each, so the archive stays far under the 16 MiB that comes back.
   find "$logs" -type f -name '*.log' -size +4M -exec sh -c \
     'tail -c 4M "$1" >"$1.tail" && mv "$1.tail" "$1"' _ {} \;
-  local archive="$out/gpu-$step.tar.gz"
-  tar -C "$work" -czf "$archive" "$step"
-  say "archive: $archive ($(du -h "$archive" | cut -f1))"
   if [ "$failures" -eq 0 ]; then
-    say "RESULT: $step PASS ($SECONDS s)"
+    say "RESULT: $call PASS ($SECONDS s)"
   else
-    say "RESULT: $step FAIL: $failures check(s) did not pass ($SECONDS s)"
+    say "RESULT: $call FAIL: $failures check(s) did not pass ($SECONDS s)"
   fi
+  local archive="$out/$call.tar.gz"
+  tar -C "$work" -czf "$archive" "$call"
+  cp "$summary" "$out/summary.txt"
+  echo "archive: $archive ($(du -h "$archive" | cut -f1)); summary: $out/summary.txt"
   rm -rf "$work"
   [ "$failures" -eq 0 ]
   exit
 }
 
+# ---- The plan: each check's time limit, in the order they run ----------------------------------
+
+case "$call" in
+  call1) plan=(table:110 probe:35 foreign:20 scale:120 peers:110 memcheck:75) ;;
+  call2) plan=(fault:20 fault_drain:20 racecheck:40 synccheck:25 initcheck:40 service:40) ;;
+  bench) plan=(peers:470) ;;
+esac
+# limit NAME: the planned seconds of a check.
+limit() {
+  local entry
+  for entry in "${plan[@]}"; do [ "${entry%%:*}" = "$1" ] && echo "${entry#*:}"; done
+}
+planned=0
+for entry in "${plan[@]}"; do
+  wanted "${entry%%:*}" && planned=$((planned + ${entry#*:}))
+done
+
 # ---- The machine ------------------------------------------------------------------------------
 
-say "== gpu_round $step, $(date -u '+%Y-%m-%d %H:%M UTC')"
+say "== gpu_round $call, $(date -u '+%Y-%m-%d %H:%M UTC')"
+say "plan: ${plan[*]} (check:seconds); ${planned} s of checks within the call's ${call_seconds} s"
 if ! nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader \
   >"$logs/device.txt" 2>&1; then
   record device FAIL "nvidia-smi found no GPU: $(head -c 300 "$logs/device.txt")"
@@ -141,12 +183,19 @@ say "device: $(head -n 1 "$logs/device.txt")"
   uname -a
   ldd --version | head -n 1
   python3 --version
-  command -v compute-sanitizer nvcc
+  command -v compute-sanitizer nvcc xz
 } >"$logs/machine.txt" 2>&1
 say "python: $(python3 --version 2>&1); $(ldd --version | head -n 1)"
 
-if ! xz -dc .gpu/lossd-gpu.tar.xz | tar -C "$pkg" -xf -; then
-  record unpack FAIL ".gpu/lossd-gpu.tar.xz did not unpack"
+# xz may be missing from the GPU machine's image: python3's lzma reads the archive then.
+if command -v xz >/dev/null 2>&1 && xz -dc "$archive_in" 2>>"$logs/unpack.log" |
+  tar -C "$pkg" -xf - 2>>"$logs/unpack.log"; then
+  say "unpack: xz"
+elif python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' \
+  "$archive_in" "$pkg" 2>>"$logs/unpack.log"; then
+  say "unpack: python3's lzma (xz $(command -v xz >/dev/null 2>&1 && echo failed || echo is absent))"
+else
+  record unpack FAIL "$archive_in did not unpack: $(tail -n 2 "$logs/unpack.log" | tr '\n' ' ')"
   finish
 fi
 cp "$pkg/MANIFEST.txt" "$logs/"
@@ -165,8 +214,9 @@ for base in (spec.submodule_search_locations if spec else []):
 EOF
 )"
 cublas_dir=""
-for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/local/cuda/lib \
-  $wheel_dirs; do
+# shellcheck disable=SC2086  # the lists split on whitespace
+for dir in ${LOSSD_GPU_LIBRARY_DIRS:-} /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+  /usr/local/cuda/lib $wheel_dirs; do
   if [ -e "$dir/$cublas_soname" ]; then
     cublas_dir="$dir"
     break
@@ -191,31 +241,35 @@ else
     "$(manifest glibcxx_needed)); compute-sanitizer may not load into the programs"
 fi
 
+elf_programs=()
 for program in "$pkg"/bin/*; do
   name="$(basename "$program")"
+  [ "$(head -c 4 "$program" | tr -d '\000')" = $'\x7fELF' ] && elf_programs+=("$program")
   [[ "$name" == *.so ]] && continue
   # shellcheck disable=SC2016  # ${LD_LIBRARY_PATH...} and $@ are the wrapper's, not this script's
   printf '#!/bin/sh\nLD_LIBRARY_PATH=%q${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec %q "$@"\n' \
     "$library_path" "$program" >"$run/$name"
   chmod +x "$run/$name"
 done
-if LD_LIBRARY_PATH="$library_path" ldd "$pkg"/bin/* >"$logs/ldd.txt" 2>&1 &&
-  ! grep -q "not found" "$logs/ldd.txt"; then
-  say "libraries: every packed program resolves all of its own ($step/ldd.txt in the archive)"
+if [ ${#elf_programs[@]} -eq 0 ] ||
+  { LD_LIBRARY_PATH="$library_path" ldd "${elf_programs[@]}" >"$logs/ldd.txt" 2>&1 &&
+    ! grep -q "not found" "$logs/ldd.txt"; }; then
+  say "libraries: every packed program resolves all of its own ($call/ldd.txt in the archive)"
 else
   record libraries FAIL "unresolved: $(grep "not found" "$logs/ldd.txt" | sort -u | tr -s ' \t\n' ' ')"
   finish
 fi
 
-# ---- tests: correct on the GPU ------------------------------------------------------------------
+# ---- Correct on the GPU -------------------------------------------------------------------------
 
-# gtest NAME LIMIT DESCRIPTION PROGRAM ARGS...: a GoogleTest run that must pass and skip nothing
-# (a CUDA case skips only when it finds no GPU).
+# gtest NAME DESCRIPTION PROGRAM ARGS...: a GoogleTest run within the check's planned time that
+# must pass and skip nothing (a CUDA case skips only when the backend cannot be made; the first
+# skip's message, which carries CreateBackend's status, goes into the summary).
 gtest() {
-  local name="$1" limit="$2" description="$3"
-  shift 3
+  local name="$1" description="$2"
+  shift 2
   wanted "$name" || return
-  timed "$name" "$limit" "$@" --gtest_output="xml:$logs/$name.xml"
+  timed "$name" "$(limit "$name")" "$@" --gtest_output="xml:$logs/$name.xml"
   local result
   result="$(verdict)"
   local counts
@@ -223,18 +277,20 @@ gtest() {
       gsub(/[][]/, ""); printf "%s%s %s", sep, tolower($1), $2; sep = ", " }' "$logs/$name.log")"
   if [ "$result" = PASS ] && grep -q '^\[  SKIPPED \]' "$logs/$name.log"; then
     result=FAIL
-    counts="$counts (a GPU test skipped: no GPU?)"
+    local why
+    why="$(awk '/: Skipped$/ { getline; print; exit }' "$logs/$name.log" | cut -c1-300)"
+    counts="$counts (a GPU test skipped: ${why:-no reason given})"
   fi
   record "$name" "$result" "$description: ${counts:-no test ran}; ${took} s"
 }
 
-# sanitize TOOL LIMIT FILTER [FLAG...]: engine_test's CUDA cases under compute-sanitizer's TOOL.
-# Reports in kernels whose name holds "lossd" (every kernel of kernels/cuda/cuda_kernels.cu is
-# lossd::cuda::...; cuBLAS's are not) and host API errors fail it; initcheck's reports inside
-# cuBLAS's own kernels are counted and listed in the log, not failed.
+# sanitize TOOL FILTER [FLAG...]: engine_test's CUDA cases under compute-sanitizer's TOOL.
+# Reports in kernels whose name holds "lossd" (every kernel of kernels/cuda/ is lossd::cuda::...;
+# cuBLAS's are not) and host API errors fail it; initcheck's reports inside cuBLAS's own kernels
+# are counted and listed in the log, not failed.
 sanitize() {
-  local tool="$1" limit="$2" filter="$3"
-  shift 3
+  local tool="$1" filter="$2"
+  shift 2
   wanted "$tool" || return
   local sanitizer
   sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
@@ -242,8 +298,8 @@ sanitize() {
     record "$tool" FAIL "compute-sanitizer is neither on PATH nor $sanitizer"
     return
   fi
-  timed "$tool" "$limit" "$sanitizer" --tool "$tool" --error-exitcode 3 --target-processes all \
-    "$@" "$run/engine_test" --gtest_filter="$filter"
+  timed "$tool" "$(limit "$tool")" "$sanitizer" --tool "$tool" --error-exitcode 3 \
+    --target-processes all "$@" "$run/engine_test" --gtest_filter="$filter"
   local result
   result="$(verdict)"
   local reports ours theirs
@@ -278,8 +334,8 @@ foreign_module() {
   LOSSD_CUDA_MODULE="$pkg/sm100/liblossd_cuda.so" "$run/lossd_server" --device=cuda \
     --listen=127.0.0.1:0 --metrics_listen= >"$log" 2>&1 &
   local server=$!
-  local outcome="neither refused nor served within 90 s"
-  for _ in $(seq 90); do
+  local outcome="neither refused nor served within $(limit foreign) s"
+  for _ in $(seq "$(limit foreign)"); do
     if grep -q "serving gRPC on" "$log"; then
       outcome=accepted
       break
@@ -304,44 +360,20 @@ foreign_module() {
   fi
 }
 
-tests_step() {
-  say "-- every check of the step must pass; logs and JUnit XML in the archive"
-  gtest table 240 "engine_test, each CUDA case of the table and the backend tests against float64" \
-    "$run/engine_test" --gtest_filter='*cuda*:-*AtScale*'
-  gtest probe 120 "cuBLAS bf16 GEMM error at K = 2048, 4096, 128256 against float64" \
-    "$run/cuda_gemm_probe_test"
-  grep -h '^bf16 GEMM' "$logs/probe.log" 2>/dev/null | sed 's/^/       /' | tee -a "$summary"
-  gtest fault_fake 60 "the server's reaction to a faked device fault" \
-    "$run/device_fault_test" --gtest_filter='*cpu_fake'
-  # One process per real fault: it leaves the process's device unusable.
-  gtest fault 60 "an illegal address: UNAVAILABLE, NOT_SERVING, refusals" \
-    "$run/device_fault_test" --gtest_filter='*EveryCallAfterTheFault*/cuda_illegal_address'
-  gtest fault_drain 60 "an illegal address during another call: both end, the server drains" \
-    "$run/device_fault_test" --gtest_filter='*ACallInFlight*/cuda_illegal_address'
-  foreign_module
-  gtest scale 200 "N = 4096, H = 4096, V = 128256, bf16, against float64 (16 cores)" \
-    "$run/engine_test" --gtest_filter='*AtScale*'
-  grep -h '^N=4096' "$logs/scale.log" 2>/dev/null | sed 's/^/       /' | tee -a "$summary"
-  # Every kernel and path, on the small cases: fp32 and bf16 products, fp16 hidden states, slabs
-  # of a 16-bit head, vocabulary tiles, top-k up to its maximum over 128k columns, dL/dh in bf16,
-  # scoring, a policy objective with the entropy bonus, buffer arithmetic and optimizer steps,
-  # repeated calls.
-  local cases='*cuda_basic:*cuda_vocab_tiled:*cuda_large_vocab:*cuda_bf16_inputs'
-  cases+=':*cuda_bf16_head_in_slabs:*cuda_fp16_hidden_fp32_head:*cuda_top_k_max'
-  cases+=':*cuda_everything_tiled:*cuda_bf16_scoring_tiled:*cuda_bf16_grad_hidden'
-  cases+=':*cuda_ppo_entropy_tiled:*cuda_ppo_bf16'
-  cases+=':*BufferArithmetic*/cuda:*IdenticalCalls*/cuda'
-  sanitize memcheck 100 "$cases"
-  # Shared memory and barriers: lossd's kernels only (--kernel-name kns=lossd), since cuBLAS's
-  # Hopper kernels can report hazards that are not lossd's.
-  sanitize racecheck 90 "$cases" --kernel-name kns=lossd
-  sanitize synccheck 60 "$cases" --kernel-name kns=lossd
-  # Unfiltered, so that every kernel's writes count as initializing (a filtered-out cuBLAS GEMM's
-  # logits would read as uninitialized in lossd's kernels).
-  sanitize initcheck 100 "$cases"
-}
+# Every kernel and path on the small cases: fp32 and 16-bit products in both gradient modes, fp16
+# rows, a 16-bit head widened in slabs for fp32 products, vocabulary tiles, top-k up to its
+# maximum, dL/dh in bf16, scoring, a policy objective with the entropy bonus, distillation with a
+# dense teacher and with a sparse one (renormalized, and spread over tiles), buffer arithmetic and
+# optimizer steps, repeated calls, rows and dL/dh in page-locked memory over several chunks.
+sanitizer_cases='*cuda_basic:*cuda_vocab_tiled:*cuda_large_vocab:*cuda_bf16_inputs*'
+sanitizer_cases+=':*cuda_fp32_hidden_bf16_head_slabs:*cuda_fp32_hidden_fp16_head_slabs_tiled'
+sanitizer_cases+=':*cuda_fp16_hidden_fp32_head:*cuda_top_k_max:*cuda_everything_tiled'
+sanitizer_cases+=':*cuda_bf16_scoring_tiled:*cuda_bf16_grad_hidden:*cuda_ppo_entropy_tiled'
+sanitizer_cases+=':*cuda_ppo_bf16:*cuda_distill_bf16:*cuda_distill_sparse_renormalize'
+sanitizer_cases+=':*cuda_distill_sparse_spread_reverse_tiled'
+sanitizer_cases+=':*BufferArithmetic*/cuda:*IdenticalCalls*/cuda:*HostBuffers*/cuda'
 
-# ---- bench: measured beside the peers -----------------------------------------------------------
+# ---- Measured beside the peers ------------------------------------------------------------------
 
 # Unpacks wheels into a folder for PYTHONPATH: a wheel is a zip of what goes into site-packages.
 unpack_wheels() {
@@ -354,7 +386,12 @@ unpack_wheels() {
   done
 }
 
-bench_step() {
+# lossd at the Llama 3 8B shape first (its default budget, default and exact gradients: two
+# engine_bench processes of about 10 s each), then the cuBLAS floor, torch and the fused peers,
+# each peer with its own deadline (Triton compiles Liger-Kernel's and Cut Cross-Entropy's kernels
+# at their first call), while the check's time lasts. Other budgets and shapes are the next
+# run's (LOSSD_GPU_PEERS_ARGS overrides these flags).
+peers() {
   wanted peers || return
   local site="$work/peers-site"
   if compgen -G ".gpu/wheels/peers/*.whl" >/dev/null &&
@@ -364,24 +401,35 @@ bench_step() {
     say "peers: no wheels in .gpu/wheels/peers; Liger-Kernel and Cut Cross-Entropy will say so"
   fi
   read -ra extra <<<"${LOSSD_GPU_PEERS_ARGS:-}"
-  # The peers stop starting 150 s before the step's end, leaving the engine rows their time.
-  local deadline=$(($(seconds_left) - 170))
-  timed peers 600 env PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
+  local scope=(--shapes=16384,4096,128256 --budgets-mib=default
+    --methods=lossd,floor,torch_naive,liger,cce --peer-seconds=30)
+  if [ "$call" = bench ]; then
+    scope=(--shapes="8192,4096,128256;16384,4096,128256;8192,2304,256000"
+      --budgets-mib=default,256,1024,8192 --peer-seconds=60)
+  fi
+  # The peers stop starting 30 s before the check's end (the call's, when that comes first).
+  local limit left
+  limit="$(limit peers)"
+  left=$(($(seconds_left) - 15))
+  [ "$left" -lt "$limit" ] && limit="$left"
+  timed peers "$limit" env PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
     python3 bench/gpu_peers.py --engine-bench "$run/engine_bench" --out "$logs/peers" \
-    --deadline-seconds "$deadline" "${extra[@]}"
+    "${scope[@]}" --lossd-modes=default,exact --reps=5 --warmup=1 --engine-timeout=60 \
+    --deadline-seconds="$((limit > 30 ? limit - 30 : 0))" "${extra[@]}"
   local result
   result="$(verdict)"
-  local failed=0
+  local failed=0 rows=0
   if [ -f "$logs/peers/results.jsonl" ]; then
     failed="$(grep -c '"error": "failed' "$logs/peers/results.jsonl")"
+    rows="$(wc -l <"$logs/peers/results.jsonl")"
   fi
-  record peers "$result" "bench/gpu_peers.py: $(wc -l <"$logs/peers/results.jsonl" 2>/dev/null || echo 0) rows, $failed failed (bench/peers/results.md in the archive); ${took} s"
+  record peers "$result" "bench/gpu_peers.py ${scope[0]#--shapes=}: $rows rows, $failed failed (peers/results.md in the archive); ${took} s"
   [ -f "$logs/peers/results.md" ] && grep '^|' "$logs/peers/results.md" | cut -c1-150 | tee -a "$summary"
 }
 
-# ---- service: the server on the GPU -------------------------------------------------------------
+# ---- The server on the GPU ----------------------------------------------------------------------
 
-service_step() {
+service() {
   wanted service || return
   # The Python client with the machine's grpcio and protobuf, else with the packed wheels.
   local python_path="$pkg/python"
@@ -401,9 +449,10 @@ service_step() {
     say "Python client: the machine's grpcio and protobuf ($versions)"
   fi
   read -ra extra <<<"${LOSSD_GPU_SERVICE_ARGS:-}"
-  timed service 600 env PYTHONUNBUFFERED=1 python3 bench/gpu_service.py --device=cuda \
-    --server "$run/lossd_server" --lossctl "$run/lossctl" --engine-bench "$run/engine_bench" \
-    --python-path "$python_path" --out "$logs/service" "${extra[@]}"
+  timed service "$(limit service)" env PYTHONUNBUFFERED=1 python3 bench/gpu_service.py \
+    --device=cuda --shape=4096,2048,32000 --calls=2 --warmup=1 --server "$run/lossd_server" \
+    --lossctl "$run/lossctl" --engine-bench "$run/engine_bench" --python-path "$python_path" \
+    --out "$logs/service" "${extra[@]}"
   local result
   result="$(verdict)"
   local failed=0
@@ -411,13 +460,48 @@ service_step() {
     failed="$(grep -c '"error": "failed' "$logs/service/results.jsonl")"
     [ "$failed" -eq 0 ] || result=FAIL
   fi
-  record service "$result" "bench/gpu_service.py: $failed failed (service/service/results.md in the archive); ${took} s"
+  record service "$result" "bench/gpu_service.py: $failed failed (service/results.md in the archive); ${took} s"
   [ -f "$logs/service/results.md" ] && tee -a "$summary" <"$logs/service/results.md"
 }
 
-case "$step" in
-  tests) tests_step ;;
-  bench) bench_step ;;
-  service) service_step ;;
-esac
+# ---- The calls ----------------------------------------------------------------------------------
+
+call1() {
+  say "-- every check must pass; logs and JUnit XML in the archive"
+  gtest table "engine_test, every CUDA case of the table and the backend tests against float64" \
+    "$run/engine_test" --gtest_filter='*cuda*:-*AtScale*'
+  gtest probe "cuBLAS bf16 GEMMs as the engine runs them, against float64, K up to 128256" \
+    "$run/cuda_gemm_probe_test"
+  grep -h '^bf16 GEMM' "$logs/probe.log" 2>/dev/null | sed 's/^/       /' | tee -a "$summary"
+  foreign_module
+  gtest scale "N = 4096, H = 4096, V = 128256, bf16, both gradient modes, against float64" \
+    "$run/engine_test" --gtest_filter='*AtScale*'
+  grep -h '^N=4096' "$logs/scale.log" 2>/dev/null | sed 's/^/       /' | tee -a "$summary"
+  peers
+  sanitize memcheck "$sanitizer_cases"
+}
+
+bench() {
+  say "-- lossd beside the floor and the peers at every shape; logs in the archive"
+  peers
+}
+
+call2() {
+  say "-- every check must pass; logs and JUnit XML in the archive"
+  # One process per real fault: it leaves the process's device unusable.
+  gtest fault "an illegal address: UNAVAILABLE, NOT_SERVING, refusals" \
+    "$run/device_fault_test" --gtest_filter='*EveryCallAfterTheFault*/cuda_illegal_address'
+  gtest fault_drain "an illegal address during another call: both end, the server drains" \
+    "$run/device_fault_test" --gtest_filter='*ACallInFlight*/cuda_illegal_address'
+  # Shared memory and barriers: lossd's kernels only (--kernel-name kns=lossd), since cuBLAS's
+  # Hopper kernels can report hazards that are not lossd's.
+  sanitize racecheck "$sanitizer_cases" --kernel-name kns=lossd
+  sanitize synccheck "$sanitizer_cases" --kernel-name kns=lossd
+  # Unfiltered, so that every kernel's writes count as initializing (a filtered-out cuBLAS GEMM's
+  # logits would read as uninitialized in lossd's kernels).
+  sanitize initcheck "$sanitizer_cases"
+  service
+}
+
+"$call"
 finish

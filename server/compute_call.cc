@@ -683,6 +683,7 @@ class ComputeCall {
     shape.grad_weight = spec_.outputs.accumulate_grad_weight();
     shape.grad_hidden_dtype = spec_.grad_hidden_dtype;
     shape.top_k = spec_.outputs.top_k();
+    shape.exact_gradients = spec_.options.exact_gradients;
     if (spec_.teacher != nullptr) {
       shape.teacher.kind = TeacherKind::kDense;
       shape.teacher.hidden_size = spec_.teacher_hidden_size;

@@ -486,7 +486,7 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   server->buffers_ = std::make_unique<BufferCache>(*server->backend_, server->ledger_,
                                                    config.cache_call_buffers ? compute_memory : 0);
   server->host_buffers_ = std::make_unique<BufferCache>(
-      server->host_allocator_, server->host_ledger_,
+      server->backend_->HostBuffers(), server->host_ledger_,
       config.cache_call_buffers ? config.host_cache_bytes : 0);
 
   ServiceOptions options;

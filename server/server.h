@@ -124,8 +124,9 @@ class LossServer {
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<PendingMemory> pending_;
   std::unique_ptr<BufferCache> buffers_;
-  // Host memory of calls' rows and dL/dh in messages: kWorkspace while a call holds it, kCache idle.
-  HostAllocator host_allocator_;
+  // Host memory of calls' rows and dL/dh in messages, the backend's host buffers (page-locked on
+  // a GPU, so that dL/dh comes back into them without staging): kWorkspace while a call holds
+  // it, kCache idle.
   MemoryLedger host_ledger_;
   std::unique_ptr<BufferCache> host_buffers_;
   std::unique_ptr<LossService> service_;

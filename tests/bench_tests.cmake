@@ -30,10 +30,11 @@ add_test(NAME peers_report
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/peers_report_test.py)
 set_tests_properties(peers_report PROPERTIES TIMEOUT 60)
 
-# scripts/gpu_round.sh's usage and its message when .gpu/ was not carried to the GPU machine.
-add_test(NAME gpu_round_without_gpu_folder
+# scripts/gpu_round.sh's usage, its message when .gpu/ was not carried to the GPU machine, and a
+# dry run of both calls of its runbook on fakes of the GPU machine's tools and lossd's programs.
+add_test(NAME gpu_round_dry_run
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/gpu_round_test.py)
-set_tests_properties(gpu_round_without_gpu_folder PROPERTIES TIMEOUT 60)
+set_tests_properties(gpu_round_dry_run PROPERTIES TIMEOUT 180)
 
 # The distillation peer benchmark's own logic on the CPU, the engine's row from distill_bench on
 # the same inputs as torch's.

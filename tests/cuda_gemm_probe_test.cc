@@ -1,7 +1,10 @@
-// How far cuBLAS's bf16 products, called as the CUDA backend calls them (RowMajorGemm: bf16
-// operands, fp32 results, CUBLAS_COMPUTE_32F, the default algorithm, the backend's workspace),
-// land from float64 at the contraction lengths of the engine's products on Llama 3 heads:
-// K = H = 2048 and 4096 for the logits h W^T, K = V = 128256 for dL/dh = dA W. Products of bf16
+// How far cuBLAS's bf16 products, called as the CUDA backend calls them (RowMajorGemmBlocked:
+// bf16 operands, fp32 results, CUBLAS_COMPUTE_32F, the default algorithm, the backend's
+// workspace, K split into blocks of at most kMaxProductDepth), land from float64 at the
+// contraction lengths of the engine's products on Llama 3 heads: K = H = 2048 and 4096 for the
+// logits h W^T, K = V = 128256 for dL/dh = dA W, K = a token chunk of 8192 rows for
+// dL/dW = dA^T h; and dL/dh as one cuBLAS call over all of K, the product the blocks replace,
+// for comparison. Products of bf16
 // values are exact in fp32, so the error is the accumulation's, and tensor cores may truncate
 // rather than round as they accumulate. With random signs the errors mostly cancel either way;
 // with every term positive truncation's bias adds up, to about K 2^-24 relative, where rounding
@@ -36,8 +39,10 @@ enum class Values { kSigned, kPositive };
 struct ProbeCase {
   const char* name;
   int64_t k;
+  bool transpose_a;  // true: C = A^T B, dL/dW (A stored [K, M])
   bool transpose_b;  // true: C = A B^T, the logits; false: C = A B, dL/dh
   Values values;
+  bool one_call = false;  // RowMajorGemm over all of K in one call instead of the engine's blocks
 };
 
 // Device memory freed with its owner.
@@ -62,8 +67,10 @@ class GemmProbeTest : public ::testing::TestWithParam<ProbeCase> {
  protected:
   void SetUp() override {
     int devices = 0;
-    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-      GTEST_SKIP() << "no CUDA device";
+    const cudaError_t counted = cudaGetDeviceCount(&devices);
+    if (counted != cudaSuccess || devices == 0) {
+      GTEST_SKIP() << "no CUDA device: cudaGetDeviceCount gave " << cudaGetErrorName(counted)
+                   << " (" << cudaGetErrorString(counted) << "), " << devices << " device(s)";
     }
     cudaDeviceProp props;
     ASSERT_EQ(cudaGetDeviceProperties(&props, 0), cudaSuccess);
@@ -108,7 +115,7 @@ TEST_P(GemmProbeTest, Bf16ProductErrorAgainstFloat64) {
   std::mt19937_64 rng(20261124 + k);
   std::vector<uint16_t> a_bits, b_bits;
   std::vector<double> a, b;
-  RandomBf16(m * k, c.values, rng, a_bits, a);  // A [m, k]
+  RandomBf16(m * k, c.values, rng, a_bits, a);  // A [m, k], or [k, m] when transposed
   RandomBf16(k * n, c.values, rng, b_bits, b);  // B [n, k] when transposed, else [k, n]
 
   DeviceArray<uint16_t> d_a(a_bits.size()), d_b(b_bits.size());
@@ -120,10 +127,14 @@ TEST_P(GemmProbeTest, Bf16ProductErrorAgainstFloat64) {
             cudaSuccess);
   ASSERT_EQ(cudaMemcpy(d_b.get(), b_bits.data(), b_bits.size() * 2, cudaMemcpyHostToDevice),
             cudaSuccess);
-  const Matrix a_matrix{d_a.get(), DType::kBFloat16, k};
+  const Matrix a_matrix{d_a.get(), DType::kBFloat16, c.transpose_a ? m : k};
   const Matrix b_matrix{d_b.get(), DType::kBFloat16, c.transpose_b ? k : n};
-  const absl::Status product = RowMajorGemm(cublas_, false, c.transpose_b, m, n, k, 1.0f, a_matrix,
-                                            b_matrix, 0.0f, d_c.get(), n, /*allow_tf32=*/false);
+  using Product = absl::Status (*)(cublasHandle_t, bool, bool, int64_t, int64_t, int64_t, float,
+                                   const Matrix&, const Matrix&, float, float*, int64_t, bool);
+  const Product product_of = c.one_call ? Product{RowMajorGemm} : Product{RowMajorGemmBlocked};
+  const absl::Status product =
+      product_of(cublas_, c.transpose_a, c.transpose_b, m, n, k, 1.0f, a_matrix, b_matrix, 0.0f,
+                 d_c.get(), n, /*allow_tf32=*/false);
   ASSERT_TRUE(product.ok()) << product;
   std::vector<float> result(m * n);
   ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
@@ -135,7 +146,10 @@ TEST_P(GemmProbeTest, Bf16ProductErrorAgainstFloat64) {
   for (int64_t ij = 0; ij < m * n; ++ij) {
     const int64_t i = ij / n, j = ij % n;
     double sum = 0.0;
-    for (int64_t l = 0; l < k; ++l) sum += a[i * k + l] * (c.transpose_b ? b[j * k + l] : b[l * n + j]);
+    for (int64_t l = 0; l < k; ++l) {
+      sum += (c.transpose_a ? a[l * m + i] : a[i * k + l]) *
+             (c.transpose_b ? b[j * k + l] : b[l * n + j]);
+    }
     reference[ij] = sum;
   }
   double difference = 0.0, norm = 0.0, worst = 0.0;
@@ -148,9 +162,11 @@ TEST_P(GemmProbeTest, Bf16ProductErrorAgainstFloat64) {
   const double relative = std::sqrt(difference / norm);
   const double rounding = kUnitRoundoff * std::sqrt(static_cast<double>(k));
   const double truncation = kUnitRoundoff * static_cast<double>(k);
-  std::printf("bf16 GEMM %s on %s: K = %ld, %s: relative error %.2e (max element %.2e); "
+  const char* product_name = c.transpose_a ? "dA^T h" : (c.transpose_b ? "h W^T" : "dA W");
+  std::printf("bf16 GEMM %s%s on %s: K = %ld, %s: relative error %.2e (max element %.2e); "
               "accumulation scale: rounding ~%.1e, truncating ~%.1e\n",
-              c.transpose_b ? "h W^T" : "dA W", device_.c_str(), static_cast<long>(k),
+              product_name, c.one_call ? " in one call" : " (blocks of 16k)", device_.c_str(),
+              static_cast<long>(k),
               c.values == Values::kSigned ? "random signs" : "all terms positive", relative, worst,
               rounding, truncation);
   RecordProperty("relative_error", absl::StrFormat("%.3e", relative));
@@ -165,12 +181,17 @@ TEST_P(GemmProbeTest, Bf16ProductErrorAgainstFloat64) {
 
 INSTANTIATE_TEST_SUITE_P(
     Llama3, GemmProbeTest,
-    ::testing::Values(ProbeCase{"logits_k2048_signed", 2048, true, Values::kSigned},
-                      ProbeCase{"logits_k2048_positive", 2048, true, Values::kPositive},
-                      ProbeCase{"logits_k4096_signed", 4096, true, Values::kSigned},
-                      ProbeCase{"logits_k4096_positive", 4096, true, Values::kPositive},
-                      ProbeCase{"grad_hidden_k128256_signed", 128256, false, Values::kSigned},
-                      ProbeCase{"grad_hidden_k128256_positive", 128256, false, Values::kPositive}),
+    ::testing::Values(
+        ProbeCase{"logits_k2048_signed", 2048, false, true, Values::kSigned},
+        ProbeCase{"logits_k2048_positive", 2048, false, true, Values::kPositive},
+        ProbeCase{"logits_k4096_signed", 4096, false, true, Values::kSigned},
+        ProbeCase{"logits_k4096_positive", 4096, false, true, Values::kPositive},
+        ProbeCase{"grad_hidden_k128256_signed", 128256, false, false, Values::kSigned},
+        ProbeCase{"grad_hidden_k128256_positive", 128256, false, false, Values::kPositive},
+        ProbeCase{"grad_hidden_k128256_positive_one_call", 128256, false, false,
+                  Values::kPositive, /*one_call=*/true},
+        ProbeCase{"grad_weight_k8192_signed", 8192, true, false, Values::kSigned},
+        ProbeCase{"grad_weight_k8192_positive", 8192, true, false, Values::kPositive}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

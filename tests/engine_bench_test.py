@@ -1,6 +1,6 @@
 """engine_bench's reports: the comparison of the engine with the naive baseline round by round,
 checked against the rounds' own times as it reports them (rounds won, median ratio and the sign
-test's tail), and the useful flops it credits each pass with."""
+test's tail), the useful flops it credits each pass with, and the gradient mode it passes on."""
 import json
 import math
 import os
@@ -46,3 +46,19 @@ def test_frozen_head_pass_counts_two_gemms_of_useful_work():
     for e in lines:
         assert math.isclose(e["gflops"] * 1e9 * e["seconds"], 4.0 * n * h * v, rel_tol=1e-9)
     assert "agree" in done.stderr
+
+
+def test_gradient_mode_is_a_flag_and_is_reported():
+    # On the CPU both modes compute exact fp32 gradients; the flag reaches LossOptions and the
+    # report either way, and a mode it does not know is named.
+    done = subprocess.run([os.environ["ENGINE_BENCH_BIN"], "--shapes=96,64,1000", "--reps=1",
+                           "--methods=engine", "--passes=fwd_bwd", "--gradients=exact"],
+                          check=True, capture_output=True, text=True)
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [e["gradients"] for e in lines] == ["exact"]
+    # The CPU has no device clock: wall time only.
+    assert "device_seconds" not in lines[0]
+    bad = subprocess.run([os.environ["ENGINE_BENCH_BIN"], "--gradients=fast"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "--gradients: expected default or exact, got 'fast'" in bad.stderr

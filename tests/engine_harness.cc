@@ -20,9 +20,8 @@ std::vector<std::string> AvailableBackends() {
   return names;
 }
 
-std::unique_ptr<Backend> MakeBackend(const std::string& name) {
-  auto backend = CreateBackend(name);
-  return backend.ok() ? std::move(backend).value() : nullptr;
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& name) {
+  return CreateBackend(name);
 }
 
 uint64_t FreshSeed() {
@@ -214,6 +213,7 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   shape.grad_weight = request.grad_weight;
   shape.grad_hidden_dtype = request.grad_hidden_dtype;
   shape.top_k = k;
+  shape.exact_gradients = s.options.exact_gradients;
   ASSIGN_OR_RETURN(const ChunkPlan plan, backend.Plan(shape, request.budget_bytes));
   ASSIGN_OR_RETURN(DeviceBuffer workspace, backend.Allocate(plan.workspace_bytes));
   // All bits set: NaN as fp32 and 16-bit floats, so that whatever the engine reads of its
@@ -235,9 +235,21 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   run.kd.assign(n, nan);
   run.ce.assign(n, nan);
   std::vector<uint8_t> grad_hidden_bytes(n * h * DTypeSize(request.grad_hidden_dtype), 0xff);
+  void* grad_hidden_target = grad_hidden_bytes.data();
+  const void* hidden_source = problem.hidden_bytes.data();
+  DeviceBuffer host_rows;
+  DeviceBuffer host_grad_hidden;
+  if (request.host_buffers) {
+    ASSIGN_OR_RETURN(host_rows, backend.HostBuffers().Allocate(problem.hidden_bytes.size()));
+    std::memcpy(host_rows.data(), problem.hidden_bytes.data(), problem.hidden_bytes.size());
+    hidden_source = host_rows.data();
+    ASSIGN_OR_RETURN(host_grad_hidden, backend.HostBuffers().Allocate(grad_hidden_bytes.size()));
+    std::memset(host_grad_hidden.data(), 0xff, grad_hidden_bytes.size());
+    grad_hidden_target = host_grad_hidden.data();
+  }
 
   BatchInputs in;
-  in.hidden = problem.hidden_bytes.data();
+  in.hidden = hidden_source;
   in.hidden_dtype = s.hidden_dtype;
   in.num_tokens = n;
   in.hidden_size = h;
@@ -305,7 +317,7 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   out.top_k = k;
   out.top_k_logprob = k > 0 ? run.top_k_logprob.data() : nullptr;
   out.top_k_token = k > 0 ? run.top_k_token.data() : nullptr;
-  out.grad_hidden = request.grad_hidden ? grad_hidden_bytes.data() : nullptr;
+  out.grad_hidden = request.grad_hidden ? grad_hidden_target : nullptr;
   out.grad_hidden_dtype = request.grad_hidden_dtype;
 
   const WeightView weight{&weight_buffer, s.weight_dtype, v, h};
@@ -316,7 +328,7 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   if (request.grad_hidden) {
     run.grad_hidden.resize(n * h);
     for (int64_t i = 0; i < n * h; ++i) {
-      run.grad_hidden[i] = LoadAsFloat(grad_hidden_bytes.data(), request.grad_hidden_dtype, i);
+      run.grad_hidden[i] = LoadAsFloat(grad_hidden_target, request.grad_hidden_dtype, i);
     }
   }
   if (request.grad_weight) {

@@ -16,7 +16,9 @@ namespace lossd::testing {
 
 // The backends this machine can run: always "cpu", plus "cuda" when a GPU and the module are found.
 std::vector<std::string> AvailableBackends();
-std::unique_ptr<Backend> MakeBackend(const std::string& name);
+// The backend, or the status CreateBackend returned: a test that skips for want of a backend says
+// why (no driver, no device, a module built for other GPUs, a cuBLAS that would not start).
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& name);
 
 // A seed from std::random_device, or $LOSSD_TEST_SEED to replay a failure.
 uint64_t FreshSeed();
@@ -96,6 +98,9 @@ struct RunRequest {
   // Of the per-token outputs only the loss, so that the engine may skip the work of the others
   // (argmax, entropy, top-k); the others stay NaN / -7.
   bool loss_only = false;
+  // The rows and dL/dh in the backend's HostBuffers (page-locked memory on a GPU, which the CUDA
+  // backend copies directly instead of staging) rather than in plain host memory.
+  bool host_buffers = false;
 };
 
 // Uploads W, runs one Compute with every per-token output requested (unless loss_only), the

@@ -1,11 +1,13 @@
 """bench/gpu_peers.py run on the CPU with small shapes: every method is reported for both passes,
-the chunked torch peer agrees with the naive one, the engine's rows come from engine_bench, and a
-peer that fails, runs out of memory or comes after the deadline is recorded as such while the
-others, the engine included, are still timed."""
+the engine first, the chunked torch peer agrees with the naive one, the engine's rows come from
+engine_bench, and a peer that fails (in its calls or while it is made), runs out of memory, runs
+past its own deadline or comes after the run's is recorded as such while the others, the engine
+included, are still timed; --methods picks the methods."""
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -35,6 +37,8 @@ def test_cpu_run_reports_every_method_for_both_passes(tmp_path):
                     *cpu_argv(tmp_path, shapes="300,64,1000;1,32,517")],
                    check=True, capture_output=True)
     entries = read_entries(tmp_path)
+    # The engine is timed before any peer, of each shape.
+    assert [e["method"] for e in entries[:4]] == ["lossd_1MiB"] * 2 + ["lossd_2MiB"] * 2
     for n in (300, 1):
         for pass_name in ("fwd_bwd", "fwd"):
             rows = {e["method"]: e for e in entries if e["n"] == n and e["pass"] == pass_name}
@@ -79,21 +83,54 @@ def test_failing_peers_are_recorded_and_the_others_and_the_engine_still_run(tmp_
         def out_of_memory(h, weight, labels):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64 GiB")
 
+        def stuck(h, weight, labels):
+            time.sleep(30)
+
         # Before torch_chunked, so that the methods after them must still run.
         ordered = {"floor": methods.pop("floor"), "torch_naive": methods.pop("torch_naive"),
-                   "flaky": fails_on_its_second_call, "greedy": out_of_memory}
+                   "flaky": fails_on_its_second_call, "greedy": out_of_memory, "stuck": stuck}
         ordered.update(methods)
         return ordered
 
     monkeypatch.setattr(gpu_peers, "peer_methods", with_failing_peers)
-    gpu_peers.main(cpu_argv(tmp_path, budgets="1", extra=["--passes=fwd_bwd"]))
+    monkeypatch.setattr(gpu_peers, "METHODS", gpu_peers.METHODS + ("flaky", "greedy", "stuck"))
+    gpu_peers.main(cpu_argv(tmp_path, budgets="1", extra=["--passes=fwd_bwd",
+                                                          "--peer-seconds=3"]))
     rows = {e["method"]: e for e in read_entries(tmp_path)}
     assert rows["flaky"]["error"] == "failed: ValueError: kernel launch failed"
     assert rows["greedy"]["error"] == "out of memory"
+    assert rows["stuck"]["error"] == "timeout: past its 3 s deadline"
     assert rows["torch_chunked"]["seconds"] > 0
     assert rows["lossd_1MiB"]["seconds"] > 0
     assert "| flaky | failed: ValueError: kernel launch failed |" in (
         tmp_path / "results.md").read_text()
+
+
+def test_a_peer_that_fails_while_it_is_made_is_recorded(tmp_path, monkeypatch):
+    def broken_triton():
+        raise RuntimeError("Triton does not know this GPU\nmore")
+
+    monkeypatch.setattr(gpu_peers, "make_torch_lce", broken_triton)
+    gpu_peers.main(cpu_argv(tmp_path, budgets="1", extra=["--passes=fwd"]))
+    rows = {e["method"]: e for e in read_entries(tmp_path)}
+    assert rows["torch_lce"]["error"] == "failed: RuntimeError: Triton does not know this GPU"
+    assert rows["torch_chunked"]["seconds"] > 0 and rows["lossd_1MiB"]["seconds"] > 0
+
+
+def test_methods_picks_what_runs(tmp_path):
+    gpu_peers.main(cpu_argv(tmp_path, budgets="1,default",
+                            extra=["--passes=fwd", "--methods=lossd,floor",
+                                   "--lossd-modes=default,exact"]))
+    entries = read_entries(tmp_path)
+    assert [e["method"] for e in entries] == ["lossd_1MiB", "lossd_1MiB_exact", "lossd_default",
+                                              "lossd_default_exact", "floor"]
+    assert entries[2]["budget_bytes"] >= 256 << 20  # the CPU's default budget
+    report = (tmp_path / "results.md").read_text()
+    assert "| 300, 64, 1000 | fwd | lossd_default_exact |" in report
+    # The engine ran before the floor; its ratio to it is taken in the report.
+    floor = entries[4]["seconds"]
+    line = next(row for row in report.splitlines() if "| lossd_1MiB |" in row)
+    assert f"| {entries[0]['seconds'] / floor:.2f} |" in line
 
 
 def test_peers_past_the_deadline_are_skipped_but_the_engine_is_timed(tmp_path):
@@ -115,8 +152,12 @@ def test_an_engine_that_fails_is_recorded(tmp_path):
 
 @pytest.mark.parametrize("flag, message", [
     ("--shapes=300,64", "--shapes: expected positive N,H,V triples separated by ';', got '300,64'"),
-    ("--budgets-mib=1,x", "--budgets-mib: expected positive integers separated by ',', got '1,x'"),
+    ("--budgets-mib=1,x",
+     "--budgets-mib: expected positive integers or 'default' separated by ',', got '1,x'"),
+    ("--methods=lossd,torch", "--methods: expected a comma-separated subset of lossd, floor, "
+     "torch_naive, torch_chunked, torch_lce, liger, cce, torch_compiled, got 'lossd,torch'"),
     ("--passes=bwd", "--passes: expected fwd_bwd, fwd or both, got 'bwd'"),
+    ("--lossd-modes=fast", "--lossd-modes: expected default, exact or both, got 'fast'"),
 ])
 def test_bad_flags_are_named(tmp_path, flag, message):
     done = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_peers.py"),

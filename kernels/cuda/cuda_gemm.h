@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "kernels/cuda/cuda_plan.h"
 #include "lossd/kernels/types.h"
 
 namespace lossd::cuda {
@@ -31,6 +32,28 @@ struct Matrix {
 absl::Status RowMajorGemm(cublasHandle_t cublas, bool transpose_a, bool transpose_b, int64_t m,
                           int64_t n, int64_t k, float alpha, const Matrix& a, const Matrix& b,
                           float beta, float* c, int64_t ldc, bool allow_tf32);
+
+// RowMajorGemm with K split into blocks of at most kMaxProductDepth, in order: the first block
+// with `beta`, the rest with beta = 1. The engine's products all go through it.
+absl::Status RowMajorGemmBlocked(cublasHandle_t cublas, bool transpose_a, bool transpose_b,
+                                 int64_t m, int64_t n, int64_t k, float alpha, const Matrix& a,
+                                 const Matrix& b, float beta, float* c, int64_t ldc,
+                                 bool allow_tf32);
+
+// alpha and the two betas of a product read from device memory when the product runs (cuBLAS's
+// device pointer mode), so that a scale the device computed (the 16-bit carriage of dL/da's
+// LaunchSplitScale) reaches the GEMM without a trip to the host.
+struct DeviceScalars {
+  const float* d_alpha;
+  const float* d_zero;
+  const float* d_one;
+};
+
+// RowMajorGemmBlocked with alpha from the device, and beta 0 (store) or 1 (accumulate).
+absl::Status RowMajorGemmBlocked(cublasHandle_t cublas, bool transpose_a, bool transpose_b,
+                                 int64_t m, int64_t n, int64_t k, const DeviceScalars& scalars,
+                                 const Matrix& a, const Matrix& b, bool accumulate, float* c,
+                                 int64_t ldc, bool allow_tf32);
 
 // cuBLAS's recommended workspace for a device of compute capability `major`.x: 32 MiB on Hopper
 // and later, 4 MiB before. The backend gives each handle this much, so cuBLAS allocates nothing

@@ -92,6 +92,8 @@ struct ProblemShape {
   bool grad_weight = false;
   DType grad_hidden_dtype = DType::kFloat32;
   int top_k = 0;
+  // LossOptions::exact_gradients: a GPU backend's 16-bit products then hold dL/da in two halves.
+  bool exact_gradients = false;
   // With a teacher every chunk holds two logits tiles, the student's and the teacher's, and the
   // workspace both of them.
   TeacherShape teacher;
@@ -158,6 +160,11 @@ class Backend : public BufferAllocator {
   virtual absl::Status OptimizerStep(const OptimizerConfig& config,
                                      const OptimizerTensors& tensors) = 0;
 
+  // Host memory that this backend's device copies to and from fastest (page-locked memory for a
+  // GPU; plain memory for the CPU), as ggml's backends offer their host buffer type: for buffers
+  // a caller fills with rows or reads dL/dh from, which Compute then copies without staging them.
+  virtual BufferAllocator& HostBuffers() { return host_buffers_; }
+
   // The per-call workspace budget a server uses when none is configured. Larger budgets mean fewer
   // token chunks, each of which streams W through the products once more, so the default grows
   // with the device's memory where measurements showed that it pays (see the CPU backend's).
@@ -184,6 +191,9 @@ class Backend : public BufferAllocator {
                                                const TokenOutputs& outputs,
                                                DeviceBuffer* grad_weight,
                                                DeviceBuffer& workspace) = 0;
+
+ private:
+  HostAllocator host_buffers_;
 };
 
 // A fault that leaves the backend's device unusable for the rest of the process (CUDA's sticky

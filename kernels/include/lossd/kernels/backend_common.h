@@ -133,8 +133,12 @@ class RowFinisher {
   RowFinisher(const BatchInputs& inputs, int64_t vocab_size, const LossOptions& options,
               const TokenOutputs& outputs);
 
-  const LogitTransform& transform() const { return transform_; }
+  const LogitTransform& transform() const { return constants_.transform; }
   int64_t counted_rows() const { return counted_rows_; }
+  // What the rows are finished from (loss_math.h): a backend that finishes rows elsewhere (on its
+  // device) passes the same constants with its own copies of the arrays.
+  const RowFinishConstants& constants() const { return constants_; }
+  const RowInputArrays& arrays() const { return arrays_; }
 
   RowResult Finish(int64_t row, const RowStats& stats) const;
   RowGradient Gradient(int64_t row, const RowResult& result) const;
@@ -159,27 +163,18 @@ class RowFinisher {
   void Close(BatchSummary& summary) const;
 
  private:
-  bool counted(int64_t row) const {
-    return inputs_.labels == nullptr || inputs_.labels[row] != options_.ignore_index;
-  }
-  int64_t label(int64_t row) const { return inputs_.labels != nullptr ? inputs_.labels[row] : -1; }
-  double multiplier(int64_t row) const {
-    return IsSequenceReduction(options_.reduction)
-               ? options_.grad_scale * inputs_.reduction_scales[row]
-               : multiplier_;
-  }
-  float weight(int64_t row) const {
-    return inputs_.token_weights != nullptr ? inputs_.token_weights[row] : 1.0f;
-  }
+  bool counted(int64_t row) const { return RowCounted(arrays_, constants_, row); }
 
   const BatchInputs& inputs_;
   const LossOptions& options_;
   const TokenOutputs& outputs_;
-  const LogitTransform transform_;
-  const LossTerms terms_;
   const int64_t counted_rows_;
-  const double multiplier_;
+  const RowFinishConstants constants_;
+  const RowInputArrays arrays_;
 };
+
+// The per-row arrays of a call's inputs (host memory).
+RowInputArrays RowInputArraysOf(const BatchInputs& inputs);
 
 // Hands out aligned pieces of one workspace allocation. With a null base it only measures, so that
 // a backend computes its workspace size with the same code that carves it.

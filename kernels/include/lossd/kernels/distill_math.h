@@ -291,6 +291,25 @@ LOSSD_HD DistillRowGradient MakeDistillRowGradient(const DistillRowResult& r,
   return d;
 }
 
+// FinishDistillRow and MakeDistillRowGradient of row `row` of a call (RowFinishConstants and
+// RowInputArrays as in loss_math.h), on the host or the device.
+LOSSD_HD DistillRowResult FinishDistillRowAt(const RowInputArrays& a, const RowFinishConstants& c,
+                                             const DistillOptions& options, bool dense_teacher,
+                                             int64_t row, const RowStats& stats,
+                                             const DistillStats& distill,
+                                             const DistillRowTerms& terms) {
+  return FinishDistillRow(stats, distill, terms, RowCounted(a, c, row), a.labels != nullptr,
+                          RowWeight(a, row), c.terms, options, dense_teacher);
+}
+LOSSD_HD DistillRowGradient DistillRowGradientAt(const RowInputArrays& a,
+                                                 const RowFinishConstants& c,
+                                                 const DistillOptions& options, int64_t row,
+                                                 const DistillRowResult& result,
+                                                 const DistillRowConstants& constants) {
+  return MakeDistillRowGradient(result, constants, RowLabel(a, row), RowCounted(a, c, row),
+                                RowWeight(a, row), RowMultiplier(a, c, row), c.terms, options);
+}
+
 // dD/du_v of one column (phase 3).
 template <DivergenceKind kKind>
 LOSSD_HD float DivergenceGradient(float z, float z_teacher, const DistillRowGradient& g) {

@@ -482,6 +482,76 @@ LOSSD_HD float LogitGradientFromExp(float e, bool is_label, const RowGradient& g
   return dz * t.inv_temperature;
 }
 
+// A power of two S with |S dL/da| < 2^max_exponent wherever |dL/da| <= bound, for carrying dL/da
+// in 16 bits: fp16's largest value is about 2^16, and bf16's range is fp32's. Multiplying and
+// dividing by a power of two is exact. A bound that is 0, not finite or NaN gives 1; S and 1/S
+// stay normal floats.
+LOSSD_HD float GradientSplitScale(double bound, int max_exponent) {
+  if (!(bound > 0.0) || !IsFinite(bound)) return 1.0f;
+  int exponent = 0;
+  frexp(bound, &exponent);  // bound < 2^exponent
+  int e = max_exponent - exponent;
+  e = e < -126 ? -126 : (e > 126 ? 126 : e);
+  return ldexpf(1.0f, e);
+}
+
+// A call's per-row inputs (BatchInputs) as pointers into host or device memory, null where the
+// call has none; row indices are the pointers' own.
+struct RowInputArrays {
+  const int64_t* labels = nullptr;  // null: no labels, and every row counts
+  const float* token_weights = nullptr;
+  const float* sampling_logprobs = nullptr;
+  const float* advantages = nullptr;
+  const float* reference_logprobs = nullptr;
+  const float* logprob_grads = nullptr;
+  const double* reduction_scales = nullptr;  // a sequence reduction's per-row factors
+};
+
+// What finishing any row of a call needs beside its own inputs, resolved once from its options.
+struct RowFinishConstants {
+  LossTerms terms;
+  LogitTransform transform;
+  int64_t ignore_index = -100;
+  double multiplier = 1.0;  // every row's gradient factor under a token-level reduction
+  double grad_scale = 1.0;  // a sequence reduction's rows: grad_scale times the row's factor
+  bool sequence_reduction = false;
+};
+
+LOSSD_HD bool RowCounted(const RowInputArrays& a, const RowFinishConstants& c, int64_t row) {
+  return a.labels == nullptr || a.labels[row] != c.ignore_index;
+}
+LOSSD_HD int64_t RowLabel(const RowInputArrays& a, int64_t row) {
+  return a.labels != nullptr ? a.labels[row] : -1;
+}
+LOSSD_HD float RowWeight(const RowInputArrays& a, int64_t row) {
+  return a.token_weights != nullptr ? a.token_weights[row] : 1.0f;
+}
+// g / w: the reduction's scale and grad_scale.
+LOSSD_HD double RowMultiplier(const RowInputArrays& a, const RowFinishConstants& c, int64_t row) {
+  return c.sequence_reduction ? c.grad_scale * a.reduction_scales[row] : c.multiplier;
+}
+LOSSD_HD RowInputs RowInputsAt(const RowInputArrays& a, int64_t row) {
+  RowInputs in;
+  in.sampling_logprob = a.sampling_logprobs != nullptr ? a.sampling_logprobs[row] : 0.0;
+  in.advantage = a.advantages != nullptr ? a.advantages[row] : 0.0;
+  in.reference_logprob = a.reference_logprobs != nullptr ? a.reference_logprobs[row] : 0.0;
+  in.logprob_grad = a.logprob_grads != nullptr ? a.logprob_grads[row] : 0.0;
+  return in;
+}
+
+// Row `row`'s results from its complete statistics, and its gradient constants: what every
+// backend does with a row once its statistics are complete (the CPU on the host, the GPU on the
+// device), from the same formulas.
+LOSSD_HD RowResult FinishRowAt(const RowInputArrays& a, const RowFinishConstants& c, int64_t row,
+                               const RowStats& stats) {
+  return FinishRow(stats, RowCounted(a, c, row), RowWeight(a, row), c.terms, RowInputsAt(a, row));
+}
+LOSSD_HD RowGradient RowGradientAt(const RowInputArrays& a, const RowFinishConstants& c,
+                                   int64_t row, const RowResult& result) {
+  return MakeRowGradient(result, RowLabel(a, row), RowCounted(a, c, row), RowWeight(a, row),
+                         RowMultiplier(a, c, row), c.terms);
+}
+
 // D of the mean: the caller's whole-batch count when given, else this call's counted rows.
 inline double MeanDenominator(const LossOptions& options, int64_t counted_rows) {
   return options.mean_denominator > 0 ? options.mean_denominator
@@ -503,6 +573,19 @@ inline double ReducedLoss(const LossOptions& options, double loss_sum, int64_t c
   if (options.reduction != Reduction::kMean) return loss_sum;
   const double denominator = MeanDenominator(options, counted_rows);
   return denominator > 0 ? loss_sum / denominator : 0.0;
+}
+
+// A call's RowFinishConstants, from its options and its count of counted rows.
+inline RowFinishConstants MakeRowFinishConstants(const LossOptions& options, int64_t vocab_size,
+                                                 int64_t counted_rows) {
+  RowFinishConstants c;
+  c.terms = MakeLossTerms(options, vocab_size);
+  c.transform = MakeLogitTransform(options);
+  c.ignore_index = options.ignore_index;
+  c.multiplier = GradientMultiplier(options, counted_rows);
+  c.grad_scale = options.grad_scale;
+  c.sequence_reduction = IsSequenceReduction(options.reduction);
+  return c;
 }
 
 // Loads element i of a tensor of the given dtype as fp32.

@@ -138,6 +138,14 @@ struct LossOptions {
   double mean_denominator = 0.0;
   // Lets GPU backends run fp32 products on TF32 tensor cores (about 10 bits of mantissa).
   bool allow_tf32 = false;
+  // How a GPU backend's 16-bit products (hidden states and head in the same 16-bit dtype) take
+  // dL/da for dL/dh = dL/da W and dL/dW = dL/da^T h. By default dL/da, computed in fp32 with the
+  // target-class term, is rounded once to the products' dtype: one GEMM each, and bf16's 8
+  // significant bits give the gradients a relative error near 1e-3 (the loss, log-probabilities
+  // and row statistics stay fp32). Exact: dL/da enters as two 16-bit halves, S dL/da = hi + lo,
+  // two GEMMs each, about 16 significant bits, gradients as close to float64 as fp32 products
+  // give. fp32 products, and the CPU backend, are exact either way.
+  bool exact_gradients = false;
   // Stores this call's dL/dW into grad_weight instead of adding it, so that a caller staging one
   // call's gradient need not zero the buffer first. Every entry is written when the call has rows.
   bool overwrite_grad_weight = false;
@@ -228,6 +236,10 @@ struct BatchSummary {
   // that must know the contribution is finite can skip reading it when the bound is far below
   // FLT_MAX.
   double grad_weight_bound = HUGE_VAL;
+  // Seconds from the call's first operation on the device to its last, read from the device's own
+  // clock (CUDA events), copies between host and device included where the call waits for them;
+  // 0 where the backend has no such clock (the CPU, whose wall time is the caller's to take).
+  double device_seconds = 0.0;
 };
 
 }  // namespace lossd
