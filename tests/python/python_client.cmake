@@ -14,6 +14,10 @@ set(LOSSD_PYTHON_TEST_ENVIRONMENT
 # Loss, dL/dh and dL/dW against torch's float64 F.cross_entropy; scoring, errors, upload, steps.
 add_test(NAME python_client
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_client.py)
+# The call's options and outputs as Python objects derived from lossd.proto's descriptors.
+add_test(NAME python_options
+  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
+          ${CMAKE_CURRENT_LIST_DIR}/test_options.py)
 # Scoring over three lossd_server replicas of one head: spread, failover, pinned W; training
 # refuses a target that lists several servers.
 add_test(NAME python_replicas
@@ -47,7 +51,8 @@ add_test(NAME python_packaging
 set_tests_properties(python_packaging PROPERTIES
   ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;OMP_NUM_THREADS=2"
   TIMEOUT 900)
-set_tests_properties(python_client python_replicas python_objectives python_distill python_rl_example
+set_tests_properties(python_client python_options python_replicas python_objectives python_distill
+  python_rl_example
   python_training_example shared_memory_users PROPERTIES
   ENVIRONMENT "${LOSSD_PYTHON_TEST_ENVIRONMENT}"
   TIMEOUT 300)
@@ -71,7 +76,7 @@ set(LOSSD_PYTHON_ENV "" CACHE FILEPATH
     "python of a venv with current PyPI torch and transformers (scripts/python_env.sh)")
 if(LOSSD_PYTHON_ENV)
   set(current_tests)
-  foreach(suite client replicas objectives distill rl_example training_example)
+  foreach(suite client options replicas objectives distill rl_example training_example)
     add_test(NAME python_${suite}_current_torch
       COMMAND "${LOSSD_PYTHON_ENV}" -m pytest -q -p no:cacheprovider
               ${CMAKE_CURRENT_LIST_DIR}/test_${suite}.py)

@@ -19,8 +19,7 @@ import sys
 import numpy as np
 
 import lossd
-from lossd import _wire
-from lossd import client as lossd_client
+from lossd import _shared_memory, _wire
 from lossd.v1 import lossd_pb2 as pb
 
 ROWS = 8
@@ -84,7 +83,7 @@ def owner(address, head):
     # recognizable byte that nobody else may overwrite.
     rows_bytes = hidden.nbytes
     grad_offset = -(-rows_bytes // 64) * 64
-    buffer = lossd_client._SharedBuffer(grad_offset + rows_bytes)
+    buffer = _shared_memory._SharedBuffer(grad_offset + rows_bytes)
     buffer.array(0, np.float32, hidden.shape)[:] = hidden
     buffer.array(grad_offset, np.uint8, (rows_bytes,))[:] = SENTINEL
     handover = client._handover_connection()
@@ -154,7 +153,7 @@ def intruder(address, head, owner_json):
     rng = np.random.default_rng()
     own = rng.standard_normal((len(labels), info.hidden_size), dtype=np.float32)
     rows_bytes = own.nbytes
-    buffer = lossd_client._SharedBuffer(grad_offset + rows_bytes)
+    buffer = _shared_memory._SharedBuffer(grad_offset + rows_bytes)
     buffer.array(0, np.float32, own.shape)[:] = own
     own_handle = buffer.handle_on(client._handover_connection())
     start = start_message(head, info.hidden_size, labels,

@@ -23,7 +23,7 @@ from server_process import ServerProcess, ensure_python_client
 
 ensure_python_client()
 import lossd  # noqa: E402
-from lossd import _wire  # noqa: E402
+from lossd import _shared_memory, _wire  # noqa: E402
 from lossd.torch import RemoteHead, RemoteLogprobs  # noqa: E402
 from lossd.v1 import lossd_pb2 as pb  # noqa: E402
 
@@ -794,6 +794,29 @@ def test_results_with_grad_hidden_of_the_wrong_size_are_refused(in_messages, gra
     assert error.value.code == "INTERNAL" and "grad_hidden" in error.value.message
 
 
+def test_options_as_objects_and_as_keywords_are_the_same_call(client, head):
+    """compute(options=LossOptions(...)) and compute(**keywords) send the same start: the same
+    results, bit for bit, for a PPO call with a KL penalty."""
+    hidden, labels = random_batch(40, ignored=5)
+    rng = np.random.default_rng(3)
+    inputs = dict(sampling_logprobs=rng.normal(-3, 1, 40).astype(np.float32),
+                  advantages=rng.normal(0, 1, 40).astype(np.float32),
+                  reference_logprobs=rng.normal(-3, 1, 40).astype(np.float32))
+    as_object = lossd.LossOptions(
+        reduction="sum", objective="ppo",
+        policy=lossd.PolicyOptions(clip_high=0.28, dual_clip=3.0, kl_estimator="k3",
+                                   kl_coef=0.01))
+    by_object = client.compute(head.head, hidden.numpy(), labels.numpy(), options=as_object,
+                               outputs=["token_loss", "ratio", "clip", "kl"], **inputs)
+    by_keywords = client.compute(head.head, hidden.numpy(), labels.numpy(), reduction="sum",
+                                 objective="ppo", clip_high=0.28, dual_clip=3.0,
+                                 kl_estimator="k3", kl_coef=0.01,
+                                 outputs=["token_loss", "ratio", "clip", "kl"], **inputs)
+    assert by_object.loss == by_keywords.loss and by_object.mean_kl == by_keywords.mean_kl
+    for name in ("token_loss", "ratio", "clip", "kl"):
+        np.testing.assert_array_equal(getattr(by_object, name), getattr(by_keywords, name))
+
+
 def test_tensor_messages_encoded_by_hand_are_protobufs_messages():
     """Compute's messages skip protobuf objects for their tensor fields: protobuf itself reads
     what the client writes, and the client reads what protobuf writes, every field."""
@@ -853,7 +876,7 @@ def compute_with_layout(client, head, shared_memory, num_tokens=4, grad_hidden=T
 def test_shared_memory_layout_errors_name_the_field(client, head):
     rows_bytes = 4 * HIDDEN * 4
     handover = client._handover_connection()
-    sealed = lossd.client._SharedBuffer(2 * rows_bytes + 64)
+    sealed = _shared_memory._SharedBuffer(2 * rows_bytes + 64)
     try:
         handle = sealed.handle_on(handover)
         layouts = [

@@ -6,8 +6,6 @@ Arrays go in and come out as numpy arrays. bfloat16 tensors are uint16 arrays of
 import dataclasses
 import json
 import logging
-import mmap
-import os
 import random
 import threading
 import time
@@ -18,6 +16,10 @@ import grpc
 import numpy as np
 
 from lossd import _address, _tensors, _wire
+from lossd._errors import LossdError  # noqa: F401  (public here too)
+from lossd._shared_memory import (_SHARED_MEMORY_ALIGNMENT, _HandoverConnection,
+                                  _SharedBufferPool)
+from lossd import options as _options
 from lossd.v1 import lossd_pb2 as pb
 from lossd.v1 import lossd_pb2_grpc as pb_grpc
 
@@ -29,28 +31,6 @@ _MESSAGE_OVERHEAD_BYTES = 64 * 1024
 # ones are still in flight, and each message stays far from any size limit.
 _TARGET_MESSAGE_BYTES = 4 * _MIB
 
-# verl's agg_loss names are accepted beside lossd's own.
-_REDUCTIONS = {
-    "mean": pb.REDUCTION_MEAN, "sum": pb.REDUCTION_SUM, "none": pb.REDUCTION_NONE,
-    "sequence_mean_token_sum": pb.REDUCTION_SEQUENCE_MEAN_TOKEN_SUM,
-    "sequence_mean_token_mean": pb.REDUCTION_SEQUENCE_MEAN_TOKEN_MEAN,
-    "token-mean": pb.REDUCTION_MEAN,
-    "seq-mean-token-sum": pb.REDUCTION_SEQUENCE_MEAN_TOKEN_SUM,
-    "seq-mean-token-mean": pb.REDUCTION_SEQUENCE_MEAN_TOKEN_MEAN,
-}
-OBJECTIVES = {
-    "cross_entropy": pb.OBJECTIVE_CROSS_ENTROPY,
-    "importance_sampling": pb.OBJECTIVE_IMPORTANCE_SAMPLING,
-    "ppo": pb.OBJECTIVE_PPO,
-    "cispo": pb.OBJECTIVE_CISPO,
-    "logprob_gradient": pb.OBJECTIVE_LOGPROB_GRADIENT,
-    "distill": pb.OBJECTIVE_DISTILL,
-}
-# What a sparse teacher does with the mass outside its top-k (lossd.v1.SparseTeacherMass).
-SPARSE_TEACHER_MASSES = {"renormalize": pb.SPARSE_TEACHER_RENORMALIZE,
-                         "spread": pb.SPARSE_TEACHER_SPREAD}
-_KL_ESTIMATORS = {None: pb.KL_ESTIMATOR_NONE, "k1": pb.KL_ESTIMATOR_K1,
-                  "k2": pb.KL_ESTIMATOR_K2, "k3": pb.KL_ESTIMATOR_K3}
 # The per-token inputs of the objectives (ComputeStart), float32 on the wire.
 TOKEN_INPUT_NAMES = ("sampling_logprobs", "advantages", "reference_logprobs", "logprob_grads")
 _OPTIMIZER_NAMES = {
@@ -58,19 +38,19 @@ _OPTIMIZER_NAMES = {
     pb.OptimizerState.KIND_SGD: "sgd",
     pb.OptimizerState.KIND_ADAMW: "adamw",
 }
-# The per-token outputs compute() can ask for by name; top-k has its own argument.
-OUTPUT_NAMES = ("token_loss", "logprob", "lse", "entropy", "argmax", "grad_hidden", "ratio",
-                "clip", "kl", "kd", "ce")
+# The per-token outputs compute() can ask for by name (lossd.options: from lossd.proto); top-k has
+# its own argument.
+OUTPUT_NAMES = _options.OUTPUT_NAMES
+_PER_TOKEN_NAMES = frozenset(_options.ROW_OUTPUT_NAMES + _options.TOP_K_OUTPUT_NAMES)
+OBJECTIVES = _options.OBJECTIVES
+SPARSE_TEACHER_MASSES = _options.SPARSE_TEACHER_MASSES
+# lossd.proto's default of LossOptions.ignore_index, which the clients read to mask rows.
+DEFAULT_IGNORE_INDEX = -100
 # ComputeResult.clip values (lossd.v1.ClipState).
 CLIP_NONE, CLIP_HIGH, CLIP_LOW, CLIP_DUAL = (pb.CLIP_NONE, pb.CLIP_HIGH, pb.CLIP_LOW,
                                              pb.CLIP_DUAL)
-# The server's rule for both offsets into a shared-memory call's memfd (SharedMemory in the proto).
-_SHARED_MEMORY_ALIGNMENT = 64
 # Failures after which the client cannot know whether the server committed the call.
 _RETRYABLE_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
-# What gRPC says when nothing listens where a call went.
-_NO_SERVER_SIGNS = ("Connection refused", "failed to connect", "Failed to connect",
-                    "DNS resolution failed")
 # What lives in one process, by RPC: these go to one server (pick_first), and a target that lists
 # several servers is refused for them, naming what (see Client). Compute joins them when it
 # accumulates dL/dW or uses shared memory.
@@ -87,30 +67,6 @@ _GRPC_RETRIED_CALLS = ("ListHeads", "GetHead", "FetchWeight", "FetchGradWeight",
 _GRPC_MAX_ATTEMPTS = 5  # gRPC clamps retryPolicy.maxAttempts to it
 
 _log = logging.getLogger("lossd")
-
-
-class LossdError(RuntimeError):
-    """A failed call: the gRPC status code name (e.g. "INVALID_ARGUMENT") and the server's
-    message."""
-
-    def __init__(self, method, code, message):
-        super().__init__(f"{method}: {code}: {message}")
-        self.method = method
-        self.code = code
-        self.message = message
-
-    @classmethod
-    def from_rpc_error(cls, method, error, address=None):
-        """The error of a failed gRPC call; with the client's address, a call that reached no
-        server says where it looked and what to start."""
-        details = error.details() or ""
-        code = error.code().name
-        if address is not None and code == "UNAVAILABLE" and any(
-                sign in details for sign in _NO_SERVER_SIGNS):
-            details += (f" -- no lossd server answers at {address}: start one there (for "
-                        f"example `lossd_server --listen={address}`), or give the Client the "
-                        f"address a running server listens on")
-        return cls(method, code, details)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,51 +151,39 @@ class HeadInfo:
                    master_weights=info.master_weights, staged_gradients=info.staged_gradients)
 
 
-@dataclasses.dataclass
 class LossResult:
-    """The summary of one compute() call and the per-token outputs it asked for (the others
-    are None)."""
-    loss: float                  # reduced as asked (the sum for reduction "none")
-    loss_sum: float
-    counted_tokens: int          # tokens whose label is not ignore_index
-    correct_tokens: int          # counted tokens whose argmax is the label
-    head_version: int            # the version of W the call used
-    grad_weight_accumulated: bool
-    # A repeat of a call_id the server had already accumulated (a retry after a commit whose
-    # answer was lost): the results were computed again and dL/dW was not added again.
-    replayed: bool
-    queue_seconds: float
-    compute_seconds: float
-    peak_workspace_bytes: int
-    backend: str
-    token_loss: Optional[np.ndarray] = None     # [N] float32, weighted, before the reduction
-    logprob: Optional[np.ndarray] = None        # [N] float32, log p(label); 0 for ignored rows
-    lse: Optional[np.ndarray] = None            # [N] float32
-    entropy: Optional[np.ndarray] = None        # [N] float32
-    argmax: Optional[np.ndarray] = None         # [N] int32
-    top_k_logprob: Optional[np.ndarray] = None  # [N, k] float32, best first
-    top_k_token: Optional[np.ndarray] = None    # [N, k] int32
-    grad_hidden: Optional[np.ndarray] = None    # [N, H] grad_hidden_dtype (bfloat16: uint16 bits)
-    call_id: str = ""                           # the one sent; "" for none
-    attempts: int = 1                           # more than 1 when the client retried
-    ratio: Optional[np.ndarray] = None          # [N] float32, exp(logp - sampling_logprobs)
-    clip: Optional[np.ndarray] = None           # [N] int32, CLIP_NONE/HIGH/LOW/DUAL
-    kl: Optional[np.ndarray] = None             # [N] float32, by the call's kl_estimator
-    clipped_tokens: int = 0                     # counted tokens whose clip is not CLIP_NONE
-    clip_fraction: float = 0.0                  # clipped_tokens / counted_tokens
-    mean_kl: float = 0.0                        # kl averaged over the counted tokens
-    kd: Optional[np.ndarray] = None             # [N] float32, distill: tau^2 D per token
-    ce: Optional[np.ndarray] = None             # [N] float32, distill: the label's CE per token
-    mean_kd: float = 0.0                        # kd averaged over the counted tokens
-    mean_ce: float = 0.0                        # ce averaged over the counted tokens
-    teacher_head_version: int = 0               # the teacher head's version (distill)
-    # stage_grad_weight: dL/dW is staged under call_id, waiting for commit_grad_weight (False
-    # when the server had no room: it was accumulated at once, grad_weight_accumulated says).
-    grad_weight_staged: bool = False
+    """One compute() call's answer: every field of its lossd.v1.ComputeSummary as an attribute
+    (loss, loss_sum, counted_tokens, head_version, grad_weight_accumulated, replayed,
+    clip_fraction, mean_kl, mean_kd, ...), and every per-token output by its name in
+    lossd.v1.ComputeResult: an array of num_tokens values (top_k_*: [num_tokens, k]) when the
+    call asked for it, else None. grad_hidden is dL/dh [N, H] in grad_hidden_dtype (bfloat16:
+    uint16 bits), or None. call_id is the id sent ("" for none), attempts how many it took."""
+
+    def __init__(self, summary, outputs, grad_hidden=None, call_id="", attempts=1):
+        self.summary = summary
+        self.outputs = outputs
+        self.grad_hidden = grad_hidden
+        self.call_id = call_id
+        self.attempts = attempts
+
+    def __getattr__(self, name):
+        # Only names not set on the instance reach here.
+        if name in _PER_TOKEN_NAMES:
+            return self.outputs.get(name)
+        summary = self.__dict__.get("summary")
+        if summary is not None and name in summary.DESCRIPTOR.fields_by_name:
+            return getattr(summary, name)
+        raise AttributeError(f"LossResult has no {name!r}")
 
     @property
     def accuracy(self):
         return self.correct_tokens / self.counted_tokens if self.counted_tokens else 0.0
+
+    def __repr__(self):
+        outputs = ", ".join(f"{name}[{len(array)}]" for name, array in self.outputs.items())
+        return (f"LossResult(loss={self.loss!r}, counted_tokens={self.counted_tokens}, "
+                f"head_version={self.head_version}, outputs=[{outputs}], "
+                f"call_id={self.call_id!r})")
 
 
 @dataclasses.dataclass
@@ -287,184 +231,6 @@ def _service_config(retry, round_robin):
                             "backoffMultiplier": retry.backoff_multiplier,
                             "retryableStatusCodes": ["UNAVAILABLE"]}}]
     return json.dumps(config)
-
-
-def _code_name(code):
-    """The name of a gRPC status code number, as LossdError carries it."""
-    for status in grpc.StatusCode:
-        if status.value[0] == code:
-            return status.name
-    return str(code)
-
-
-class _HandoverConnection:
-    """One connection to the server's handover socket (HandoverRequest in lossd.proto), where
-    memfds are handed over with SCM_RIGHTS for handles. The handles it registers live as long as
-    it does: the server revokes them when it closes."""
-
-    # A reply from a server that is up comes within microseconds; this bounds a hung one.
-    _TIMEOUT_SECONDS = 30
-    _MAX_REPLY_BYTES = 4096
-
-    def __init__(self, abstract_name):
-        import socket  # Unix only: imported here so that the client still imports elsewhere
-        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._socket.settimeout(self._TIMEOUT_SECONDS)
-        try:
-            self._socket.connect("\0" + abstract_name)
-        except OSError as error:
-            self._socket.close()
-            # The socket lives in the server's network namespace.
-            raise LossdError("GetSharedMemorySocket", "UNAVAILABLE",
-                             f"cannot connect to the server's handover socket @{abstract_name} "
-                             f"(client and server must share a network namespace): "
-                             f"{error}") from None
-        self._lock = threading.Lock()
-
-    def register(self, fd):
-        """Hands the memfd `fd` over; returns its handle."""
-        return self._exchange(pb.HandoverRequest(register_memfd=pb.RegisterMemfd()), [fd]).handle
-
-    def release(self, handle):
-        self._exchange(pb.HandoverRequest(release_handle=pb.ReleaseHandle(handle=handle)), [])
-
-    def is_open(self):
-        """False once the server has closed the connection (it shut down or restarted)."""
-        import select
-        if self._socket.fileno() < 0:
-            return False
-        poller = select.poll()
-        # The server never speaks first: anything to read is the end of the connection.
-        poller.register(self._socket, select.POLLIN | select.POLLRDHUP)
-        return not poller.poll(0)
-
-    def close(self):
-        self._socket.close()
-
-    def _exchange(self, request, fds):
-        import socket
-        with self._lock:
-            try:
-                socket.send_fds(self._socket, [request.SerializeToString()], fds)
-                data = self._socket.recv(self._MAX_REPLY_BYTES)
-            except OSError as error:
-                # A request without its reply would pair the next request with this one's reply:
-                # the connection is closed, and the client opens a new one (is_open).
-                self._socket.close()
-                raise LossdError("handover", "UNAVAILABLE",
-                                 f"the server's handover socket: {error}") from None
-        if not data:
-            self._socket.close()
-            raise LossdError("handover", "UNAVAILABLE",
-                             "the server closed its handover connection")
-        reply = pb.HandoverReply.FromString(data)
-        if reply.code != 0:
-            raise LossdError("handover", _code_name(reply.code), reply.message)
-        return reply
-
-
-class _SharedBuffer:
-    """A memfd that carries a call's rows to a server on this host and its dL/dh back
-    (ComputeStart.shared_memory): sealed against shrinking, since the server maps it and a shrunk
-    mapping would kill the server, and mapped read-write here. It is handed over once per handover
-    connection, and its handle kept for the calls after."""
-
-    def __init__(self, size):
-        if not hasattr(os, "memfd_create"):
-            raise OSError("shared_memory: needs memfd_create (Linux)")
-        import fcntl  # Unix only: imported here so that the client still imports elsewhere
-        # A zero-length mapping is not allowed; a call without rows still names a memfd.
-        self.size = max(size, 1)
-        self.fd = os.memfd_create("lossd-rows", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        self._registered_on = None
-        self._handle = None
-        try:
-            os.ftruncate(self.fd, self.size)
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
-            self._mapping = mmap.mmap(self.fd, self.size)  # MAP_SHARED, read-write
-        except BaseException:
-            os.close(self.fd)
-            raise
-
-    def handle_on(self, connection):
-        """Its handle on `connection`, registering it there first unless it is already. A buffer
-        serves one call at a time."""
-        if self._registered_on is not connection:
-            # A handle on an earlier connection died with it.
-            self._registered_on = None
-            self._handle = connection.register(self.fd)
-            self._registered_on = connection
-        return self._handle
-
-    def array(self, offset, dtype, shape):
-        """A numpy view of the mapping at offset: valid only until the buffer goes back to its
-        pool, so results are copied out of it, never returned as views."""
-        count = int(np.prod(shape))
-        return np.frombuffer(self._mapping, dtype=dtype, count=count, offset=offset).reshape(shape)
-
-    @property
-    def closed(self):
-        return self._mapping.closed
-
-    def close(self):
-        # Without it the server would keep the memfd alive until the connection closes.
-        if self._registered_on is not None and self._registered_on.is_open():
-            try:
-                self._registered_on.release(self._handle)
-            except LossdError:
-                pass  # the server let go of it already
-        self._registered_on = None
-        try:
-            self._mapping.close()
-        except BufferError:
-            pass  # a view still alive (say, in a traceback) keeps it mapped until it goes
-        os.close(self.fd)
-
-
-class _SharedBufferPool:
-    """Buffers between calls: a call takes one at least as large as it needs (or a new one) and
-    gives it back, so that the pages of a batch's size are allocated once, not on every call.
-    Shared by the threads that use one Client."""
-
-    # As many as calls a client typically runs at once; more are closed on release.
-    _MAX_IDLE = 4
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._idle = []
-        self._closed = False
-
-    def acquire(self, size):
-        with self._lock:
-            # The smallest that fits, so that large buffers stay for large calls.
-            fitting = [buffer for buffer in self._idle if buffer.size >= size]
-            if fitting:
-                best = min(fitting, key=lambda buffer: buffer.size)
-                self._idle.remove(best)
-                return best
-        return _SharedBuffer(size)
-
-    def release(self, buffer):
-        with self._lock:
-            if self._closed:
-                surplus = buffer
-            else:
-                self._idle.append(buffer)
-                surplus = None
-                if len(self._idle) > self._MAX_IDLE:
-                    # The smallest goes: the calls to come are likeliest to be as large as the
-                    # largest seen.
-                    surplus = min(self._idle, key=lambda idle: idle.size)
-                    self._idle.remove(surplus)
-        if surplus is not None:
-            surplus.close()
-
-    def close(self):
-        with self._lock:
-            idle, self._idle = self._idle, []
-            self._closed = True
-        for buffer in idle:
-            buffer.close()
 
 
 class Client:
@@ -811,28 +577,26 @@ class Client:
 
     # Compute ---------------------------------------------------------------------------------
 
-    def compute(self, head, hidden, labels, *, weights=None, reduction="mean", ignore_index=-100,
-                label_smoothing=0.0, z_loss_scale=0.0, logit_softcap=None, temperature=1.0,
-                grad_scale=1.0, mean_denominator=0.0, shift_labels=False,
-                outputs: Iterable[str] = (), top_k=0, grad_hidden_dtype=None,
-                accumulate_grad_weight=False, head_version=None, allow_tf32=False,
-                rows_per_message=None, shared_memory=False, grad_hidden_out=None, call_id=None,
-                objective="cross_entropy", sampling_logprobs=None, advantages=None,
-                reference_logprobs=None, logprob_grads=None, sequence_lengths=None, clip_low=0.2,
-                clip_high=0.2, dual_clip=0.0, kl_estimator=None, kl_coef=0.0, entropy_coef=0.0,
-                teacher_head=None, teacher_hidden=None, teacher_head_version=None,
-                teacher_top_k_tokens=None, teacher_top_k_logprobs=None, distill_beta=0.0,
-                distill_alpha=0.0, distill_temperature=1.0, teacher_logit_softcap=None,
-                teacher_temperature=1.0, sparse_teacher_mass="renormalize",
-                weight_sha256=None, stage_grad_weight=False) -> LossResult:
+    def compute(self, head, hidden, labels, *, options=None, outputs: Iterable[str] = (),
+                top_k=0, weights=None, grad_hidden_dtype=None, accumulate_grad_weight=False,
+                stage_grad_weight=False, head_version=None, weight_sha256=None, call_id=None,
+                shift_labels=False, sequence_lengths=None, sampling_logprobs=None,
+                advantages=None, reference_logprobs=None, logprob_grads=None, teacher_head=None,
+                teacher_hidden=None, teacher_head_version=None, teacher_top_k_tokens=None,
+                teacher_top_k_logprobs=None, rows_per_message=None, shared_memory=False,
+                grad_hidden_out=None, **option_keywords) -> LossResult:
         """The loss of hidden [N, H] with labels [N] under head `head`: cross-entropy by default.
 
-        The loss options follow torch.nn.functional.cross_entropy; weights [N] multiply each
-        token's loss and gradient without entering the mean's denominator, which counts the
-        non-ignored tokens (or is mean_denominator when > 0, for one slice of a larger batch).
-        grad_scale multiplies dL/dh and dL/dW (the upstream gradient), not the loss.
-        logit_softcap: None applies the head's soft cap (HeadInfo.logit_softcap, from the
-        model's config; none for most heads), 0 turns capping off, a value > 0 caps at it.
+        options: a lossd.LossOptions (lossd.v1.LossOptions: reduction, ignore_index,
+        label_smoothing, z_loss_scale, logit_softcap, temperature, grad_scale,
+        mean_denominator, objective, policy, distill, ...); keyword arguments set its fields
+        too, flattened (reduction="sum", clip_high=0.28, distill_beta=0.5: see lossd.options).
+        They follow torch.nn.functional.cross_entropy; weights [N] multiply each token's loss and
+        gradient without entering the mean's denominator, which counts the non-ignored tokens
+        (or is mean_denominator when > 0, for one slice of a larger batch). grad_scale multiplies
+        dL/dh and dL/dW (the upstream gradient), not the loss. logit_softcap: None applies the
+        head's soft cap (HeadInfo.logit_softcap, from the model's config), 0 turns capping off,
+        a value > 0 caps at it.
 
         shift_labels=True computes a causal LM's next-token loss: row i of a sequence is scored
         against labels[i + 1] of the same sequence and the last row of each sequence is ignored,
@@ -869,15 +633,15 @@ class Client:
         mean_kd and mean_ce in the result; gradients reach the student only. Teacher rows travel
         in messages: shared_memory is refused with a teacher.
 
-        outputs names the per-token results to return, from OUTPUT_NAMES; top_k > 0 adds the k
-        most likely tokens and their log-probabilities. grad_hidden_dtype (default: the dtype
-        hidden travels in) is the dtype of grad_hidden. accumulate_grad_weight adds this call's
-        dL/dW to the head's accumulator, all or nothing. head_version pins the call to a version
-        of W (FAILED_PRECONDITION otherwise); versions count each server's own uploads and steps,
-        so across replicas pin weight_sha256 instead: a HeadInfo.weight_sha256 (say from a first
-        get_head), which a server with another W refuses with FAILED_PRECONDITION naming both
-        hashes, so that the calls of one scoring session over replicas use one W even while an
-        update rolls out.
+        outputs names the per-token results to return, from OUTPUT_NAMES (lossd.v1's
+        OutputSelection and ComputeResult); top_k > 0 adds the k most likely tokens and their
+        log-probabilities. grad_hidden_dtype (default: the dtype hidden travels in) is the dtype
+        of grad_hidden. accumulate_grad_weight adds this call's dL/dW to the head's accumulator,
+        all or nothing. head_version pins the call to a version of W (FAILED_PRECONDITION
+        otherwise); versions count each server's own uploads and steps, so across replicas pin
+        weight_sha256 instead: a HeadInfo.weight_sha256 (say from a first get_head), which a
+        server with another W refuses with FAILED_PRECONDITION naming both hashes, so that the
+        calls of one scoring session over replicas use one W even while an update rolls out.
 
         The rows stream to the server in messages of rows_per_message rows (default: a few MiB,
         within max_message_bytes); results stream back per computed chunk while later rows are
@@ -917,7 +681,8 @@ class Client:
             raise ValueError(f"hidden: expected a [num_tokens, hidden_size] array, got shape "
                              f"{hidden.shape}")
         num_tokens, hidden_size = hidden.shape
-        if labels is None and objective != "distill":
+        loss_options = _options.options_from_keywords(options, **option_keywords)
+        if labels is None and loss_options.objective != "distill":
             raise ValueError("labels: expected an array of num_tokens token ids (only the "
                              "distill objective, with distill_alpha 0, goes without)")
         labels = np.zeros(0, np.int64) if labels is None else _token_ids(labels, "labels")
@@ -926,84 +691,34 @@ class Client:
                              f"{labels.shape[0]}")
         side, teacher_fields = _teacher_rows(teacher_head, teacher_hidden, teacher_top_k_tokens,
                                              teacher_top_k_logprobs, num_tokens, hidden_dtype)
-        if sparse_teacher_mass not in SPARSE_TEACHER_MASSES:
-            raise ValueError(f"sparse_teacher_mass: expected one of "
-                             f"{', '.join(SPARSE_TEACHER_MASSES)}, got {sparse_teacher_mass!r}")
         if side and shared_memory:
             raise ValueError("shared_memory: not with a teacher (its rows travel in messages)")
-        if weights is not None:
-            weights = np.asarray(weights, dtype=np.float32).reshape(-1)
-            if weights.shape[0] != num_tokens:
-                raise ValueError(f"weights: expected {num_tokens} entries (rows of hidden), got "
-                                 f"{weights.shape[0]}")
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction: expected one of {', '.join(_REDUCTIONS)}, got "
-                             f"{reduction!r}")
         wanted = set(outputs)
         unknown = wanted - set(OUTPUT_NAMES)
         if unknown:
             raise ValueError(f"outputs: unknown {sorted(unknown)}; expected names from "
                              f"{', '.join(OUTPUT_NAMES)}")
         grad_dtype = hidden_dtype if grad_hidden_dtype is None else grad_hidden_dtype
-        if objective not in OBJECTIVES:
-            raise ValueError(f"objective: expected one of {', '.join(OBJECTIVES)}, got "
-                             f"{objective!r}")
-        if kl_estimator not in _KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator: expected None, 'k1', 'k2' or 'k3', got "
-                             f"{kl_estimator!r}")
-        token_inputs = {}
-        for name, values in (("sampling_logprobs", sampling_logprobs),
-                             ("advantages", advantages),
-                             ("reference_logprobs", reference_logprobs),
-                             ("logprob_grads", logprob_grads)):
-            if values is None:
-                continue
-            values = np.asarray(values, dtype=np.float32).reshape(-1)
-            if values.shape[0] != num_tokens:
-                raise ValueError(f"{name}: expected {num_tokens} entries (rows of hidden), got "
-                                 f"{values.shape[0]}")
-            token_inputs[name] = values.tolist()
-        lengths = [] if sequence_lengths is None else \
-            np.asarray(sequence_lengths, dtype=np.int64).reshape(-1).tolist()
-
-        options = pb.LossOptions(
-            reduction=_REDUCTIONS[reduction], ignore_index=ignore_index,
-            label_smoothing=label_smoothing, z_loss_scale=z_loss_scale, temperature=temperature,
-            grad_scale=grad_scale, mean_denominator=mean_denominator, allow_tf32=allow_tf32,
-            objective=OBJECTIVES[objective],
-            policy=pb.PolicyOptions(
-                clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
-                kl_estimator=_KL_ESTIMATORS[kl_estimator], kl_coef=kl_coef,
-                entropy_coef=entropy_coef),
-            distill=pb.DistillOptions(
-                beta=distill_beta, alpha=distill_alpha, temperature=distill_temperature,
-                teacher_temperature=teacher_temperature,
-                sparse_teacher_mass=SPARSE_TEACHER_MASSES[sparse_teacher_mass]))
-        if logit_softcap is not None:
-            options.logit_softcap = logit_softcap
-        if teacher_logit_softcap is not None:
-            options.distill.teacher_logit_softcap = teacher_logit_softcap
+        per_token = _per_token_inputs(
+            num_tokens, weights=weights, sampling_logprobs=sampling_logprobs,
+            advantages=advantages, reference_logprobs=reference_logprobs,
+            logprob_grads=logprob_grads)
+        selection = pb.OutputSelection(
+            top_k=top_k, grad_hidden_dtype=_tensors.wire_enum(grad_dtype),
+            accumulate_grad_weight=accumulate_grad_weight,
+            **{name: True for name in wanted})
         start = pb.ComputeStart(
-            head=head,
-            options=options,
-            shift_labels=shift_labels,
-            outputs=pb.OutputSelection(
-                token_loss="token_loss" in wanted, logprob="logprob" in wanted,
-                lse="lse" in wanted, entropy="entropy" in wanted, argmax="argmax" in wanted,
-                top_k=top_k, grad_hidden="grad_hidden" in wanted,
-                grad_hidden_dtype=_tensors.wire_enum(grad_dtype),
-                accumulate_grad_weight=accumulate_grad_weight, ratio="ratio" in wanted,
-                clip="clip" in wanted, kl="kl" in wanted, kd="kd" in wanted, ce="ce" in wanted),
-            num_tokens=num_tokens, hidden_size=hidden_size,
+            head=head, options=loss_options.to_proto(), outputs=selection,
+            shift_labels=shift_labels, num_tokens=num_tokens, hidden_size=hidden_size,
             hidden_dtype=_tensors.wire_enum(hidden_dtype), labels=labels.tolist(),
-            token_weights=[] if weights is None else weights.tolist(),
-            sequence_lengths=lengths, **token_inputs, **teacher_fields)
+            sequence_lengths=([] if sequence_lengths is None else np.asarray(
+                sequence_lengths, dtype=np.int64).reshape(-1).tolist()),
+            weight_sha256=weight_sha256 or "", stage_grad_weight=stage_grad_weight,
+            **per_token, **teacher_fields)
         if head_version is not None:
             start.head_version = head_version
         if teacher_head_version is not None:
             start.teacher_head_version = teacher_head_version
-        start.weight_sha256 = weight_sha256 or ""
-        start.stage_grad_weight = stage_grad_weight
         # Refused here, before the first attempt, for a target that lists several servers.
         one_server_for = ("shared memory" if shared_memory else
                           "a call that accumulates dL/dW" if accumulate_grad_weight else None)
@@ -1175,6 +890,21 @@ def _token_ids(values, field):
     return array.astype(np.int64, copy=False).reshape(-1)
 
 
+def _per_token_inputs(num_tokens, **inputs):
+    """The ComputeStart fields of the per-token inputs given (weights as token_weights), each
+    num_tokens float32 values."""
+    fields = {}
+    for name, values in inputs.items():
+        if values is None:
+            continue
+        values = np.asarray(values, dtype=np.float32).reshape(-1)
+        if values.shape[0] != num_tokens:
+            raise ValueError(f"{name}: expected {num_tokens} entries (rows of hidden), got "
+                             f"{values.shape[0]}")
+        fields["token_weights" if name == "weights" else name] = values.tolist()
+    return fields
+
+
 def _teacher_rows(teacher_head, teacher_hidden, tokens, logprobs, num_tokens, hidden_dtype):
     """The per-row teacher arrays that ride in each chunk message beside the hidden rows, by their
     ComputeChunk field name, and the ComputeStart fields that announce them."""
@@ -1223,57 +953,50 @@ def _check_grad_hidden_out(out, grad_wanted, num_tokens, hidden_size, dtype):
 
 def _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype,
               grad_hidden_in_messages=True):
-    """A LossResult from a Compute call's responses: per-chunk results placed by row offset as
-    they arrive, then the summary. Without grad_hidden_in_messages (shared memory) the messages
-    carry no dL/dh and grad_hidden is left None, for the caller to fill."""
-    per_token = {name: np.empty(num_tokens, np.float32)
-                 for name in ("token_loss", "logprob", "lse", "entropy", "ratio", "kl", "kd", "ce")
-                 if name in wanted}
-    for name in ("argmax", "clip"):
-        if name in wanted:
-            per_token[name] = np.empty(num_tokens, np.int32)
+    """A LossResult from a Compute call's responses (pb.ComputeSummary and _wire.Result):
+    per-chunk results placed by row offset as they arrive, then the summary. Every per-token
+    output the call asked for (lossd.options' naming rule) must come with each message's rows.
+    Without grad_hidden_in_messages (shared memory) the messages carry no dL/dh and
+    grad_hidden is left None, for the caller to fill."""
+    per_row = {name: 1 for name in _options.ROW_OUTPUT_NAMES if name in wanted}
     if top_k > 0:
-        per_token["top_k_logprob"] = np.empty((num_tokens, top_k), np.float32)
-        per_token["top_k_token"] = np.empty((num_tokens, top_k), np.int32)
+        per_row.update({name: top_k for name in _options.TOP_K_OUTPUT_NAMES})
+    outputs = {name: np.empty((num_tokens, top_k) if name in _options.TOP_K_OUTPUT_NAMES
+                              else num_tokens, _options.output_numpy_dtype(name))
+               for name in per_row}
+    grad_hidden = None
     # dL/dh bytes each result must carry per row: none unless asked for and sent in messages.
     grad_row_bytes = 0
     if "grad_hidden" in wanted and grad_hidden_in_messages:
-        per_token["grad_hidden"] = np.empty((num_tokens, hidden_size),
-                                            _tensors.numpy_dtype(grad_dtype))
-        grad_row_bytes = hidden_size * per_token["grad_hidden"].itemsize
+        grad_hidden = np.empty((num_tokens, hidden_size), _tensors.numpy_dtype(grad_dtype))
+        grad_row_bytes = hidden_size * grad_hidden.itemsize
     received = 0
     summary = None
     for response in responses:
         if isinstance(response, pb.ComputeSummary):
             summary = response
             continue
-        chunk, grad_hidden = response.message, response.grad_hidden
+        chunk, grad_bytes = response.message, response.grad_hidden
         first, end = chunk.row_offset, chunk.row_offset + chunk.num_rows
         if first < 0 or end > num_tokens:
             raise LossdError("Compute", "INTERNAL",
                              f"result rows [{first}, {end}) outside [0, {num_tokens})")
-        if len(grad_hidden) != chunk.num_rows * grad_row_bytes:
+        if len(grad_bytes) != chunk.num_rows * grad_row_bytes:
             raise LossdError("Compute", "INTERNAL",
-                             f"result rows [{first}, {end}) carry {len(grad_hidden)} bytes "
+                             f"result rows [{first}, {end}) carry {len(grad_bytes)} bytes "
                              f"of grad_hidden, expected {chunk.num_rows * grad_row_bytes}")
-        for name, array in per_token.items():
-            if name == "grad_hidden":
-                array[first:end] = _tensors.from_wire(grad_hidden, grad_dtype,
-                                                      (chunk.num_rows, hidden_size))
-            else:
-                array[first:end] = np.asarray(getattr(chunk, name), array.dtype).reshape(
-                    array[first:end].shape)
+        if grad_hidden is not None:
+            grad_hidden[first:end] = _tensors.from_wire(grad_bytes, grad_dtype,
+                                                        (chunk.num_rows, hidden_size))
+        for name, array in outputs.items():
+            values = getattr(chunk, name)
+            if len(values) != chunk.num_rows * per_row[name]:
+                raise LossdError("Compute", "INTERNAL",
+                                 f"result rows [{first}, {end}) carry {len(values)} values of "
+                                 f"{name}, expected {chunk.num_rows * per_row[name]}")
+            array[first:end] = np.asarray(values, array.dtype).reshape(array[first:end].shape)
         received += chunk.num_rows
     if summary is None or received != num_tokens:
         raise LossdError("Compute", "INTERNAL", f"results for {received} of {num_tokens} rows"
                          f"{'' if summary else ' and no summary'}")
-    return LossResult(
-        loss=summary.loss, loss_sum=summary.loss_sum, counted_tokens=summary.counted_tokens,
-        correct_tokens=summary.correct_tokens, head_version=summary.head_version,
-        grad_weight_accumulated=summary.grad_weight_accumulated, replayed=summary.replayed,
-        grad_weight_staged=summary.grad_weight_staged,
-        queue_seconds=summary.queue_seconds, compute_seconds=summary.compute_seconds,
-        peak_workspace_bytes=summary.peak_workspace_bytes, backend=summary.backend,
-        clipped_tokens=summary.clipped_tokens, clip_fraction=summary.clip_fraction,
-        mean_kl=summary.mean_kl, mean_kd=summary.mean_kd, mean_ce=summary.mean_ce,
-        teacher_head_version=summary.teacher_head_version, **per_token)
+    return LossResult(summary, outputs, grad_hidden)

@@ -95,7 +95,10 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
-from lossd.client import Client, GradNormInfo, HeadInfo, LossdError, StepInfo
+from lossd.client import (DEFAULT_IGNORE_INDEX, Client, GradNormInfo, HeadInfo, LossdError,
+                          StepInfo)
+from lossd.options import (REDUCTIONS, LossOptions, _enum_name, options_from_keywords)
+from lossd.v1 import lossd_pb2 as pb
 
 _WIRE_NAME_OF_TORCH_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16",
                              torch.float16: "float16"}
@@ -225,24 +228,44 @@ def _sequence_lengths(lengths, shift_labels, row_length, num_tokens):
     return np.full(num_tokens // row_length, row_length, dtype=np.int64)
 
 
-# RemoteHead.forward's options, in the order the operators take them after the module id: the
-# Client.compute arguments of the loss and its objective, and the length of labels' last
-# dimension (a shifted call's sequences when none are given).
-_OPTION_NAMES = ("reduction", "ignore_index", "label_smoothing", "z_loss_scale", "logit_softcap",
-                 "temperature", "mean_denominator", "shift_labels", "objective", "clip_low",
-                 "clip_high", "dual_clip", "kl_estimator", "kl_coef", "entropy_coef", "row_length")
 # The objectives' per-token inputs, tensors of the operators after the sequence lengths.
 _TOKEN_INPUT_NAMES = ("sampling_logprobs", "advantages", "reference_logprobs")
+
+
+def _pack_options(options):
+    """A LossOptions as the operators take it: its proto's deterministic bytes, in hex (a string
+    argument, a constant that torch.compile guards on)."""
+    return options.to_proto().SerializeToString(deterministic=True).hex()
+
+
+def _packed_keywords(options, **keywords):
+    """_pack_options of options_from_keywords: under torch.compile a constant computed when the
+    graph is traced (the options are Python values, not tensors), so that building them stays
+    out of the graph."""
+    return _pack_options(options_from_keywords(options, **keywords))
+
+
+if hasattr(getattr(torch, "compiler", None), "assume_constant_result"):
+    _packed_keywords = torch.compiler.assume_constant_result(_packed_keywords)
+
+
+def _unpack_options(packed):
+    return LossOptions.from_proto(pb.LossOptions.FromString(bytes.fromhex(packed)))
+
+
+def _reduction(options):
+    """The reduction's own name (verl's aliases resolved)."""
+    return _enum_name(pb.Reduction.DESCRIPTOR, REDUCTIONS[options.reduction])
 
 
 def _result_outputs(call):
     """The per-token outputs a forward asks for beside dL/dh: the per-token loss for "none", the
     policy objectives' ratio, clip state and KL estimate, and distillation's KD and CE terms."""
     outputs = ["token_loss"] if call.reduction == "none" else []
-    objective = call.options.get("objective", "cross_entropy")
-    if objective == "distill":
+    if call.loss.objective == "distill":
         return outputs + ["kd"] + (["ce"] if call.labels is not None else [])
-    if objective != "cross_entropy" or call.options.get("kl_estimator") is not None:
+    if call.loss.objective != "cross_entropy" or call.loss.policy.kl_estimator not in (None,
+                                                                                        "none"):
         outputs += ["ratio", "clip", "kl"]
     return outputs
 
@@ -254,26 +277,36 @@ class _LossCall:
     head: str
     labels: Optional[np.ndarray]   # [N] int64, or None (distill without labels)
     weights: Optional[np.ndarray]  # [N] float32 or None
-    reduction: str
-    options: dict                  # the remaining Client.compute arguments (loss options, transfer)
+    loss: LossOptions              # the loss, its objective and their options
+    # The remaining Client.compute arguments (sequences, shift_labels, transfer, pins, teacher).
+    extra: dict = dataclasses.field(default_factory=dict)
     token_inputs: dict = dataclasses.field(default_factory=dict)  # name -> [N] float32
     # Client.compute arguments with a row per row of hidden, sent beside it (a teacher's).
     side: dict = dataclasses.field(default_factory=dict)
     result: object = None          # the forward's LossResult
     world_size: int = 1            # ranks whose gradients the head averages (DDP)
 
+    @property
+    def reduction(self):
+        return _reduction(self.loss)
+
+    @property
+    def ignore_index(self):
+        return DEFAULT_IGNORE_INDEX if self.loss.ignore_index is None else self.loss.ignore_index
+
     def compute(self, hidden, **kwargs):
+        """Client.compute of this call; keywords that name options change them (grad_scale, an
+        objective), the others are compute's own."""
         return self.client.compute(self.head, _wire_array(hidden), self.labels,
-                                   weights=self.weights, reduction=self.reduction,
-                                   **{**self.options, **self.token_inputs, **self.side,
-                                      **kwargs})
+                                   weights=self.weights, options=self.loss,
+                                   **{**self.extra, **self.token_inputs, **self.side, **kwargs})
 
     def counted(self):
         """[N] bool: the rows whose label is not ignore_index (all of them without labels)."""
         if self.labels is None:
             return np.ones(len(self.weights) if self.weights is not None else self.num_rows(),
                            bool)
-        return self.labels != self.options["ignore_index"]
+        return self.labels != self.ignore_index
 
     def num_rows(self):
         for values in (self.labels, *self.side.values(), *self.token_inputs.values()):
@@ -286,26 +319,27 @@ class _LossCall:
         teacher's rows taken along, sequences dropped."""
         fields = dict(
             labels=None if self.labels is None else self.labels[rows],
-            options={k: v for k, v in self.options.items() if k != "sequence_lengths"},
+            extra={k: v for k, v in self.extra.items() if k != "sequence_lengths"},
             weights=None if self.weights is None else self.weights[rows],
             token_inputs={name: values[rows] for name, values in self.token_inputs.items()},
             side={name: values[rows] for name, values in self.side.items()})
         return dataclasses.replace(self, **{**fields, **replace})
 
 
-def _operator_call(labels, weights, sequence_lengths, token_inputs, head_id, options):
-    """The _LossCall of RemoteHead's operators, from their values."""
+def _operator_call(labels, weights, sequence_lengths, token_inputs, head_id, options,
+                   shift_labels, row_length):
+    """The _LossCall of RemoteHead's operators, from their values (options packed by
+    _pack_options; row_length: the length of labels' last dimension, a shifted call's
+    sequences when none are given)."""
     head = _module(head_id)
-    options = dict(zip(_OPTION_NAMES, options))
-    reduction = options.pop("reduction")
-    row_length = options.pop("row_length")
     labels = _numpy(labels, torch.int64)
-    options["sequence_lengths"] = _sequence_lengths(sequence_lengths, options["shift_labels"],
-                                                    row_length, labels.shape[0])
-    options["shared_memory"] = head.shared_memory
-    options["weight_sha256"] = head.weight_sha256
+    extra = dict(shift_labels=shift_labels, shared_memory=head.shared_memory,
+                 weight_sha256=head.weight_sha256,
+                 sequence_lengths=_sequence_lengths(sequence_lengths, shift_labels, row_length,
+                                                    labels.shape[0]))
     return _LossCall(client=head.client, head=head.head, labels=labels,
-                     weights=_numpy(weights, torch.float32), reduction=reduction, options=options,
+                     weights=_numpy(weights, torch.float32), loss=_unpack_options(options),
+                     extra=extra,
                      token_inputs={name: _numpy(values, torch.float32)
                                    for name, values in zip(_TOKEN_INPUT_NAMES, token_inputs)
                                    if values is not None},
@@ -327,7 +361,7 @@ def _correct_grad_weight(call, hidden, upstream, already, pinned):
     counted = call.counted()
     weights = np.ones(len(counted)) if call.weights is None else call.weights.astype(np.float64)
     correction = weights * (upstream.reshape(-1).numpy() - already)
-    if call.options.get("shift_labels"):
+    if call.extra.get("shift_labels"):
         # Row i predicts the label of row i + 1: the rows cannot be picked apart from their
         # neighbours, so all of them go, weighted.
         if np.any(correction != 0.0):
@@ -378,7 +412,7 @@ def _cross_entropy_forward(hidden, labels, weights, sequence_lengths, sampling_l
     state [call id, head version]). The head keeps the LossResult as last_result."""
     *options, train = options_and_train
     call = _operator_call(labels, weights, sequence_lengths,
-                          (sampling_logprobs, advantages, reference_logprobs), head_id, options)
+                          (sampling_logprobs, advantages, reference_logprobs), head_id, *options)
     module = _module(head_id)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     outputs = _result_outputs(call)
@@ -413,7 +447,7 @@ def _cross_entropy_backward(upstream, grad_hidden, hidden, labels, weights, sequ
     """upstream * dL/dh, after bringing the server's dL/dW to upstream times this call's (one
     correction call that accumulates only dL/dW, pinned to the forward's head version)."""
     call = _operator_call(labels, weights, sequence_lengths,
-                          (sampling_logprobs, advantages, reference_logprobs), head_id, options)
+                          (sampling_logprobs, advantages, reference_logprobs), head_id, *options)
     call_id, head_version = (int(x) for x in state.tolist())
     # The first backward through the graph commits the forward's dL/dW; later ones add in full.
     forward = _AWAITING_BACKWARD.pop(call_id, None)
@@ -466,23 +500,16 @@ if _CUSTOM_OPS:
             hidden: torch.Tensor, labels: torch.Tensor, weights: Optional[torch.Tensor],
             sequence_lengths: Optional[torch.Tensor], sampling_logprobs: Optional[torch.Tensor],
             advantages: Optional[torch.Tensor], reference_logprobs: Optional[torch.Tensor],
-            head_id: int, reduction: str, ignore_index: int, label_smoothing: float,
-            z_loss_scale: float, logit_softcap: Optional[float], temperature: float,
-            mean_denominator: float, shift_labels: bool, objective: str, clip_low: float,
-            clip_high: float, dual_clip: float, kl_estimator: Optional[str], kl_coef: float,
-            entropy_coef: float, row_length: int,
+            head_id: int, options: str, shift_labels: bool, row_length: int,
             train: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _cross_entropy_forward(
             hidden, labels, weights, sequence_lengths, sampling_logprobs, advantages,
-            reference_logprobs, head_id, reduction, ignore_index, label_smoothing, z_loss_scale,
-            logit_softcap, temperature, mean_denominator, shift_labels, objective, clip_low,
-            clip_high, dual_clip, kl_estimator, kl_coef, entropy_coef, row_length, train)
+            reference_logprobs, head_id, options, shift_labels, row_length, train)
 
     @_cross_entropy_op.register_fake
     def _(hidden, labels, weights, sequence_lengths, sampling_logprobs, advantages,
-          reference_logprobs, head_id, reduction, *options_and_train):
-        train = options_and_train[-1]
-        loss_shape = labels.shape if reduction == "none" else ()
+          reference_logprobs, head_id, options, shift_labels, row_length, train):
+        loss_shape = labels.shape if _reduction(_unpack_options(options)) == "none" else ()
         loss = hidden.new_empty(loss_shape, dtype=_loss_dtype(hidden.dtype))
         grad_dtype = _TORCH_DTYPE_OF_WIRE_NAME[_grad_hidden_wire_dtype(hidden.dtype)]
         grad_hidden = hidden.new_empty(hidden.shape if train else (0,), dtype=grad_dtype)
@@ -494,17 +521,11 @@ if _CUSTOM_OPS:
             labels: torch.Tensor, weights: Optional[torch.Tensor],
             sequence_lengths: Optional[torch.Tensor], sampling_logprobs: Optional[torch.Tensor],
             advantages: Optional[torch.Tensor], reference_logprobs: Optional[torch.Tensor],
-            state: torch.Tensor, head_id: int, reduction: str, ignore_index: int,
-            label_smoothing: float, z_loss_scale: float, logit_softcap: Optional[float],
-            temperature: float, mean_denominator: float, shift_labels: bool, objective: str,
-            clip_low: float, clip_high: float, dual_clip: float, kl_estimator: Optional[str],
-            kl_coef: float, entropy_coef: float, row_length: int) -> torch.Tensor:
+            state: torch.Tensor, head_id: int, options: str, shift_labels: bool,
+            row_length: int) -> torch.Tensor:
         return _cross_entropy_backward(
             upstream, grad_hidden, hidden, labels, weights, sequence_lengths, sampling_logprobs,
-            advantages, reference_logprobs, state, head_id, reduction, ignore_index,
-            label_smoothing, z_loss_scale, logit_softcap, temperature, mean_denominator,
-            shift_labels, objective, clip_low, clip_high, dual_clip, kl_estimator, kl_coef,
-            entropy_coef, row_length)
+            advantages, reference_logprobs, state, head_id, options, shift_labels, row_length)
 
     @_cross_entropy_backward_op.register_fake
     def _(upstream, grad_hidden, hidden, *args):
@@ -650,7 +671,7 @@ class _RemoteLoss(torch.autograd.Function):
         ctx.save_for_backward(hidden)
         ctx.call = call
         ctx.pinned = dict(head_version=result.head_version)
-        if call.options.get("teacher_head") is not None:
+        if call.extra.get("teacher_head") is not None:
             ctx.pinned["teacher_head_version"] = result.teacher_head_version
         ctx.grad_hidden = _tensor_from_wire(result.grad_hidden,
                                             _grad_hidden_wire_dtype(hidden.dtype))
@@ -710,13 +731,13 @@ class _RemoteLogprobs(torch.autograd.Function):
         grad_hidden = torch.zeros(hidden.shape, dtype=math_dtype, device=hidden.device)
         upstream = upstream.detach().reshape(-1).to("cpu", torch.float32).numpy()
         # Ignored rows and rows without a gradient add nothing: send only the others.
-        rows = np.flatnonzero((upstream != 0.0) & (call.labels != call.options["ignore_index"]))
+        rows = np.flatnonzero((upstream != 0.0) & (call.labels != call.ignore_index))
         if rows.size == 0:
             return grad_hidden.to(hidden.dtype), None
         grad_dtype = _grad_hidden_wire_dtype(hidden.dtype)
         device_rows = torch.from_numpy(rows).to(hidden.device)
         gradient_call = call.rows(rows)
-        gradient_call.options = dict(gradient_call.options, objective="logprob_gradient")
+        gradient_call.loss = gradient_call.loss.replace(objective="logprob_gradient")
         gradient_call.token_inputs = dict(logprob_grads=upstream[rows])
         pinned = dict(head_version=ctx.head_version)
         result = gradient_call.compute(
@@ -903,17 +924,18 @@ class RemoteHead(torch.nn.Module):
     def extra_repr(self):
         return f"head={self.head!r}, address={self.client.address!r}"
 
-    def forward(self, hidden, labels, *, weights=None, reduction="mean", ignore_index=-100,
-                label_smoothing=0.0, z_loss_scale=0.0, logit_softcap=None, temperature=1.0,
-                mean_denominator=0, shift_labels=False, objective="cross_entropy",
-                sampling_logprobs=None, advantages=None, reference_logprobs=None,
-                sequence_lengths=None, clip_low=0.2, clip_high=0.2, dual_clip=0.0,
-                kl_estimator=None, kl_coef=0.0, entropy_coef=0.0):
+    def forward(self, hidden, labels, *, options=None, weights=None, shift_labels=False,
+                sequence_lengths=None, sampling_logprobs=None, advantages=None,
+                reference_logprobs=None, **option_keywords):
         """The loss of hidden [..., H] with labels [...]: a scalar for "mean", "sum" and the
-        sequence reductions, labels' shape for "none". weights [...] multiply each token's loss
-        and gradient and do not enter the mean's denominator (the count of non-ignored tokens,
-        or mean_denominator when > 0). logit_softcap None applies the head's soft cap
-        (HeadInfo.logit_softcap), 0 none, a value > 0 that cap.
+        sequence reductions, labels' shape for "none". options (a lossd.LossOptions) and
+        keywords that name its fields (reduction, ignore_index, label_smoothing, z_loss_scale,
+        logit_softcap, temperature, mean_denominator, objective, clip_low, clip_high, dual_clip,
+        kl_estimator, kl_coef, entropy_coef, ...: see lossd.options and Client.compute) set the
+        loss. weights [...] multiply each token's loss and gradient and do not enter the mean's
+        denominator (the count of non-ignored tokens, or mean_denominator when > 0).
+        logit_softcap None applies the head's soft cap (HeadInfo.logit_softcap), 0 none, a value
+        > 0 that cap.
 
         shift_labels=True gives a causal LM's next-token loss, as transformers' models and Cut
         Cross-Entropy's shift compute it: position t of a sequence is scored against the label
@@ -925,11 +947,11 @@ class RemoteHead(torch.nn.Module):
         objective is "cross_entropy" (torch's F.cross_entropy), or an RL objective of the
         log-probabilities of labels (the sampled tokens; ignore_index masks prompt and padding):
         "importance_sampling", "ppo" or "cispo" with sampling_logprobs [...] and advantages
-        [...], clip_low/clip_high (eps), dual_clip; kl_estimator ("k1", "k2", "k3") with
-        reference_logprobs [...] and kl_coef; entropy_coef; reductions "seq-mean-token-sum" and
-        "seq-mean-token-mean" with sequence_lengths. See Client.compute. After the call,
-        self.last_result holds its LossResult (clip_fraction, mean_kl, per-token ratio, clip
-        and kl for the RL objectives)."""
+        [...]; kl_estimator ("k1", "k2", "k3") with reference_logprobs [...] and kl_coef;
+        entropy_coef; reductions "seq-mean-token-sum" and "seq-mean-token-mean" with
+        sequence_lengths. After the call, self.last_result holds its LossResult
+        (clip_fraction, mean_kl, per-token ratio, clip and kl for the RL objectives)."""
+        packed_options = _packed_keywords(options, **option_keywords)
         labels = torch.as_tensor(labels)
         _check_token_ids(labels, "labels")
         count = hidden.numel() // hidden.shape[-1]
@@ -949,12 +971,10 @@ class RemoteHead(torch.nn.Module):
         tensors = (hidden, labels, per_token["weights"], sequence_lengths,
                    per_token["sampling_logprobs"], per_token["advantages"],
                    per_token["reference_logprobs"])
-        options = (self._id, reduction, ignore_index, float(label_smoothing), float(z_loss_scale),
-                   None if logit_softcap is None else float(logit_softcap), float(temperature),
-                   float(mean_denominator), bool(shift_labels), objective, float(clip_low),
-                   float(clip_high), float(dual_clip), kl_estimator, float(kl_coef),
-                   float(entropy_coef), labels.shape[-1] if labels.dim() > 0 else 1)
-        return _cross_entropy(tensors, options, torch.is_grad_enabled() and hidden.requires_grad)
+        operator_options = (self._id, packed_options, bool(shift_labels),
+                            labels.shape[-1] if labels.dim() > 0 else 1)
+        return _cross_entropy(tensors, operator_options,
+                              torch.is_grad_enabled() and hidden.requires_grad)
 
     def logprobs(self, hidden, tokens, **kwargs):
         """log p(tokens) for hidden [..., H], differentiable: RemoteLogprobs on this head."""
@@ -1090,10 +1110,9 @@ class RemoteLogprobs(torch.nn.Module):
         call = _LossCall(
             client=self.client, head=self.head,
             labels=_token_ids(tokens, "tokens"), weights=None,
-            reduction="sum",
-            options=dict(ignore_index=ignore_index, temperature=temperature,
-                         logit_softcap=logit_softcap, shared_memory=self.shared_memory,
-                         weight_sha256=self.weight_sha256),
+            loss=options_from_keywords(reduction="sum", ignore_index=ignore_index,
+                                       temperature=temperature, logit_softcap=logit_softcap),
+            extra=dict(shared_memory=self.shared_memory, weight_sha256=self.weight_sha256),
             world_size=data_parallel_world(self.process_group)[0])
         if len(call.labels) != flat_hidden.shape[0]:
             raise ValueError(f"tokens: expected {flat_hidden.shape[0]} entries (the rows of "
@@ -1191,16 +1210,17 @@ class RemoteDistill(torch.nn.Module):
             if len(label_array) != count:
                 raise ValueError(f"labels: expected {count} entries (the tokens of hidden "
                                  f"{tuple(hidden.shape)}), got {len(label_array)}")
-        options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing,
-                       z_loss_scale=z_loss_scale, logit_softcap=logit_softcap,
-                       temperature=student_temperature, mean_denominator=mean_denominator,
-                       objective="distill", teacher_head=self.teacher,
-                       sequence_lengths=_as_numpy(sequence_lengths, torch.int64,
-                                                  "sequence_lengths", None),
-                       **self.options)
+        loss = options_from_keywords(
+            reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
+            z_loss_scale=z_loss_scale, logit_softcap=logit_softcap,
+            temperature=student_temperature, mean_denominator=mean_denominator,
+            objective="distill", **self.options)
+        extra = dict(teacher_head=self.teacher,
+                     sequence_lengths=_as_numpy(sequence_lengths, torch.int64,
+                                                "sequence_lengths", None))
         call = _LossCall(client=self.client, head=self.student, labels=label_array,
                          weights=_as_numpy(weights, torch.float32, "weights", count),
-                         reduction=reduction, options=options, side=side,
+                         loss=loss, extra=extra, side=side,
                          world_size=data_parallel_world(self.process_group)[0])
         loss, self.last_result = _run(call, flat_hidden, hidden)
         return loss

@@ -1,0 +1,185 @@
+"""Shared memory between a client and a server on one host (SharedMemory and HandoverRequest in
+lossd.proto): memfds handed over on the server's handover socket for handles, kept in a pool
+between calls, and the layout of a call's rows and dL/dh in one.
+"""
+import mmap
+import os
+import threading
+
+import numpy as np
+
+from lossd._errors import LossdError, _code_name
+from lossd.v1 import lossd_pb2 as pb
+
+# The server's rule for both offsets into a shared-memory call's memfd (SharedMemory in the proto).
+_SHARED_MEMORY_ALIGNMENT = 64
+
+
+class _HandoverConnection:
+    """One connection to the server's handover socket (HandoverRequest in lossd.proto), where
+    memfds are handed over with SCM_RIGHTS for handles. The handles it registers live as long as
+    it does: the server revokes them when it closes."""
+
+    # A reply from a server that is up comes within microseconds; this bounds a hung one.
+    _TIMEOUT_SECONDS = 30
+    _MAX_REPLY_BYTES = 4096
+
+    def __init__(self, abstract_name):
+        import socket  # Unix only: imported here so that the client still imports elsewhere
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._socket.settimeout(self._TIMEOUT_SECONDS)
+        try:
+            self._socket.connect("\0" + abstract_name)
+        except OSError as error:
+            self._socket.close()
+            # The socket lives in the server's network namespace.
+            raise LossdError("GetSharedMemorySocket", "UNAVAILABLE",
+                             f"cannot connect to the server's handover socket @{abstract_name} "
+                             f"(client and server must share a network namespace): "
+                             f"{error}") from None
+        self._lock = threading.Lock()
+
+    def register(self, fd):
+        """Hands the memfd `fd` over; returns its handle."""
+        return self._exchange(pb.HandoverRequest(register_memfd=pb.RegisterMemfd()), [fd]).handle
+
+    def release(self, handle):
+        self._exchange(pb.HandoverRequest(release_handle=pb.ReleaseHandle(handle=handle)), [])
+
+    def is_open(self):
+        """False once the server has closed the connection (it shut down or restarted)."""
+        import select
+        if self._socket.fileno() < 0:
+            return False
+        poller = select.poll()
+        # The server never speaks first: anything to read is the end of the connection.
+        poller.register(self._socket, select.POLLIN | select.POLLRDHUP)
+        return not poller.poll(0)
+
+    def close(self):
+        self._socket.close()
+
+    def _exchange(self, request, fds):
+        import socket
+        with self._lock:
+            try:
+                socket.send_fds(self._socket, [request.SerializeToString()], fds)
+                data = self._socket.recv(self._MAX_REPLY_BYTES)
+            except OSError as error:
+                # A request without its reply would pair the next request with this one's reply:
+                # the connection is closed, and the client opens a new one (is_open).
+                self._socket.close()
+                raise LossdError("handover", "UNAVAILABLE",
+                                 f"the server's handover socket: {error}") from None
+        if not data:
+            self._socket.close()
+            raise LossdError("handover", "UNAVAILABLE",
+                             "the server closed its handover connection")
+        reply = pb.HandoverReply.FromString(data)
+        if reply.code != 0:
+            raise LossdError("handover", _code_name(reply.code), reply.message)
+        return reply
+
+
+class _SharedBuffer:
+    """A memfd that carries a call's rows to a server on this host and its dL/dh back
+    (ComputeStart.shared_memory): sealed against shrinking, since the server maps it and a shrunk
+    mapping would kill the server, and mapped read-write here. It is handed over once per handover
+    connection, and its handle kept for the calls after."""
+
+    def __init__(self, size):
+        if not hasattr(os, "memfd_create"):
+            raise OSError("shared_memory: needs memfd_create (Linux)")
+        import fcntl  # Unix only: imported here so that the client still imports elsewhere
+        # A zero-length mapping is not allowed; a call without rows still names a memfd.
+        self.size = max(size, 1)
+        self.fd = os.memfd_create("lossd-rows", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self._registered_on = None
+        self._handle = None
+        try:
+            os.ftruncate(self.fd, self.size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            self._mapping = mmap.mmap(self.fd, self.size)  # MAP_SHARED, read-write
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def handle_on(self, connection):
+        """Its handle on `connection`, registering it there first unless it is already. A buffer
+        serves one call at a time."""
+        if self._registered_on is not connection:
+            # A handle on an earlier connection died with it.
+            self._registered_on = None
+            self._handle = connection.register(self.fd)
+            self._registered_on = connection
+        return self._handle
+
+    def array(self, offset, dtype, shape):
+        """A numpy view of the mapping at offset: valid only until the buffer goes back to its
+        pool, so results are copied out of it, never returned as views."""
+        count = int(np.prod(shape))
+        return np.frombuffer(self._mapping, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+    @property
+    def closed(self):
+        return self._mapping.closed
+
+    def close(self):
+        # Without it the server would keep the memfd alive until the connection closes.
+        if self._registered_on is not None and self._registered_on.is_open():
+            try:
+                self._registered_on.release(self._handle)
+            except LossdError:
+                pass  # the server let go of it already
+        self._registered_on = None
+        try:
+            self._mapping.close()
+        except BufferError:
+            pass  # a view still alive (say, in a traceback) keeps it mapped until it goes
+        os.close(self.fd)
+
+
+class _SharedBufferPool:
+    """Buffers between calls: a call takes one at least as large as it needs (or a new one) and
+    gives it back, so that the pages of a batch's size are allocated once, not on every call.
+    Shared by the threads that use one Client."""
+
+    # As many as calls a client typically runs at once; more are closed on release.
+    _MAX_IDLE = 4
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._idle = []
+        self._closed = False
+
+    def acquire(self, size):
+        with self._lock:
+            # The smallest that fits, so that large buffers stay for large calls.
+            fitting = [buffer for buffer in self._idle if buffer.size >= size]
+            if fitting:
+                best = min(fitting, key=lambda buffer: buffer.size)
+                self._idle.remove(best)
+                return best
+        return _SharedBuffer(size)
+
+    def release(self, buffer):
+        with self._lock:
+            if self._closed:
+                surplus = buffer
+            else:
+                self._idle.append(buffer)
+                surplus = None
+                if len(self._idle) > self._MAX_IDLE:
+                    # The smallest goes: the calls to come are likeliest to be as large as the
+                    # largest seen.
+                    surplus = min(self._idle, key=lambda idle: idle.size)
+                    self._idle.remove(surplus)
+        if surplus is not None:
+            surplus.close()
+
+    def close(self):
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._closed = True
+        for buffer in idle:
+            buffer.close()
