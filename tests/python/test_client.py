@@ -7,7 +7,6 @@ float32 from float32 inputs).
 import gc
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -19,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from holding_relay import HoldingRelay
-from server_process import ServerProcess, ensure_python_client
+from server_process import ServerProcess, ensure_python_client, free_port
 
 ensure_python_client()
 import lossd  # noqa: E402
@@ -594,12 +593,6 @@ def test_retry_policy_is_validated():
             lossd.RetryPolicy(**bad)
     with pytest.raises(TypeError):
         lossd.Client("127.0.0.1:1", retry=3)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_client_without_a_server_says_where_it_looked():

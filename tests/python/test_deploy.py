@@ -23,7 +23,6 @@ import os
 import re
 import runpy
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -36,7 +35,7 @@ import numpy as np
 import pytest
 import yaml
 
-from server_process import SERVER_BIN, ServerProcess, generate_stubs
+from server_process import SERVER_BIN, ServerProcess, free_port, generate_stubs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEPLOY = os.path.join(REPO, "deploy")
@@ -348,12 +347,6 @@ def test_selectors_use_exported_labels(exposition):
                 assert label in labels, f"{where}: {name} has no label {label} (has {sorted(labels)})"
                 if op == "=":
                     assert value in labels[label], f"{where}: {name}{{{label}=\"{value}\"}} never exported"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def api(port, path, **params):

@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 
-from server_process import ServerProcess, generate_stubs
+from server_process import ServerProcess, free_port, generate_stubs
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -67,13 +67,6 @@ def query(port, expr):
         body = json.load(r)
     assert body["status"] == "success", body
     return body["data"]["result"]
-
-
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_prometheus_scrapes_and_queries(server, stubs):

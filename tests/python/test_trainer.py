@@ -10,7 +10,6 @@ Needs current torch, transformers and accelerate (scripts/python_env.sh's enviro
 """
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import pytest
 import torch
 import transformers
 
-from server_process import ServerProcess, ensure_python_client
+from server_process import ServerProcess, ensure_python_client, free_port
 
 ensure_python_client()
 import lossd  # noqa: E402
@@ -42,12 +41,6 @@ FP32_RTOL, FP32_ATOL = 1e-5, 1e-6
 # in each run: a local head whose products are computed in float64 (another float32 rounding)
 # against the plain local head. lossd must be no further from the local head than that.
 BF16_NOISE_FACTOR = 3.0
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(world_size, *args, timeout=600):
