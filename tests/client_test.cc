@@ -725,7 +725,7 @@ const ObjectiveCase kObjectiveCases[] = {
      .teacher = Teacher::kSparse},
 };
 
-class ObjectiveTest : public ClientTest, public ::testing::WithParamInterface<ObjectiveCase> {};
+class ClientObjectiveTest : public ClientTest, public ::testing::WithParamInterface<ObjectiveCase> {};
 
 // Labels that the server's shift turns into `targets`: row i of each sequence is scored against
 // label i + 1, so label i + 1 is target i; the sequence's first label is never scored, and its last
@@ -740,7 +740,7 @@ std::vector<int64_t> UnshiftedLabels(std::vector<int64_t>& targets, const std::v
   return labels;
 }
 
-TEST_P(ObjectiveTest, MatchesTheFloat64Reference) {
+TEST_P(ClientObjectiveTest, MatchesTheFloat64Reference) {
   const ObjectiveCase& c = GetParam();
   const Client client = Connect(OptionsFor(server_->port()));
   v1::LossOptions options;
@@ -850,7 +850,7 @@ TEST_P(ObjectiveTest, MatchesTheFloat64Reference) {
   EXPECT_LE(RelativeError(client::ToFloat32(*grad), ref.grad_weight), kGradBound);
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, ObjectiveTest, ::testing::ValuesIn(kObjectiveCases),
+INSTANTIATE_TEST_SUITE_P(Cases, ClientObjectiveTest, ::testing::ValuesIn(kObjectiveCases),
                          [](const ::testing::TestParamInfo<ObjectiveCase>& info) {
                            return std::string(info.param.name);
                          });
@@ -1226,7 +1226,7 @@ void SelectEverything(google::protobuf::Message& selection, int top_k) {
 
 // The rule covers every repeated field of the contract's ComputeResult: each has its
 // OutputSelection bool, or follows top_k.
-TEST(PerTokenRuleTest, CoversEveryRepeatedFieldOfTheContract) {
+TEST(ClientPerTokenRuleTest, CoversEveryRepeatedFieldOfTheContract) {
   const google::protobuf::Descriptor& result = *v1::ComputeResult::descriptor();
   v1::OutputSelection everything;
   SelectEverything(everything, 3);
@@ -1246,7 +1246,7 @@ TEST(PerTokenRuleTest, CoversEveryRepeatedFieldOfTheContract) {
   for (const client::PerTokenField& f : *none) EXPECT_EQ(f.values_per_row, 0) << f.field->name();
 }
 
-TEST(PerTokenAssemblerTest, PlacesEveryFieldInRowOrderFromMessagesInAnyOrder) {
+TEST(ClientPerTokenAssemblerTest, PlacesEveryFieldInRowOrderFromMessagesInAnyOrder) {
   v1::OutputSelection everything;
   SelectEverything(everything, 2);
   v1::ComputeResult per_token;
@@ -1290,7 +1290,7 @@ const google::protobuf::FileDescriptor* GrownContract(google::protobuf::Descript
 // The contract grows a per-token output (a field of ComputeResult and its OutputSelection bool)
 // and a top_k_* field: a client built from it assembles and checks both with no code of its own.
 // Here the grown contract is built at run time, and the messages are dynamic ones of it.
-TEST(PerTokenAssemblerTest, AssemblesAnOutputTheClientHasNeverHeardOf) {
+TEST(ClientPerTokenAssemblerTest, AssemblesAnOutputTheClientHasNeverHeardOf) {
   google::protobuf::DescriptorPool pool;
   const google::protobuf::FileDescriptor* grown = GrownContract(pool, [](DescriptorProto& message) {
     if (message.name() == "OutputSelection") {
@@ -1343,7 +1343,7 @@ TEST(PerTokenAssemblerTest, AssemblesAnOutputTheClientHasNeverHeardOf) {
 
 // A repeated field no OutputSelection field speaks for breaks the rule: the client says so
 // rather than guess how many values it carries.
-TEST(PerTokenAssemblerTest, RefusesAContractThatBreaksTheRule) {
+TEST(ClientPerTokenAssemblerTest, RefusesAContractThatBreaksTheRule) {
   google::protobuf::DescriptorPool pool;
   const google::protobuf::FileDescriptor* grown = GrownContract(pool, [](DescriptorProto& message) {
     if (message.name() == "ComputeResult") {
@@ -1358,7 +1358,7 @@ TEST(PerTokenAssemblerTest, RefusesAContractThatBreaksTheRule) {
 }
 
 // What a server that breaks the contract sends is refused, never placed.
-TEST(PerTokenAssemblerTest, RefusesResultsThatBreakTheContract) {
+TEST(ClientPerTokenAssemblerTest, RefusesResultsThatBreakTheContract) {
   v1::OutputSelection selection;
   selection.set_logprob(true);
   selection.set_top_k(2);
