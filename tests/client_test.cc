@@ -16,15 +16,22 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
+#include <tuple>
 #include <vector>
+
+#include <google/protobuf/descriptor.pb.h>
+#include <google/protobuf/dynamic_message.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/types/span.h"
 #include "client/cpp/npy.h"
+#include "client/cpp/result_assembler.h"
 #include "client/cpp/shared_buffer.h"
 #include "lossd/kernels/half.h"
+#include "server/proto_convert.h"
 #include "server/shared_memory.h"
 #include "tests/engine_harness.h"
 #include "tests/holding_relay.h"
@@ -76,7 +83,31 @@ ReferenceProblem MakeReferenceProblem(const std::vector<float>& hidden, const st
   return problem;
 }
 
-std::vector<double> AsDoubles(const std::vector<int32_t>& values) { return {values.begin(), values.end()}; }
+// A repeated field's values, to compare with the reference's vectors.
+template <typename T>
+std::vector<T> Values(const google::protobuf::RepeatedField<T>& field) {
+  return {field.begin(), field.end()};
+}
+
+std::vector<double> AsDoubles(const google::protobuf::RepeatedField<int32_t>& values) {
+  return {values.begin(), values.end()};
+}
+
+// Every per-token output and summary field the same, bit for bit (equal values serialize alike).
+void ExpectSameResults(const ComputeResult& a, const ComputeResult& b) {
+  EXPECT_EQ(a.per_token.SerializeAsString(), b.per_token.SerializeAsString()) << "per-token outputs differ";
+  const double loss_a = a.summary.loss(), loss_b = b.summary.loss();
+  EXPECT_EQ(std::memcmp(&loss_a, &loss_b, sizeof(double)), 0) << loss_a << " vs " << loss_b;
+  EXPECT_EQ(a.summary.counted_tokens(), b.summary.counted_tokens());
+  EXPECT_EQ(a.summary.correct_tokens(), b.summary.correct_tokens());
+}
+
+// Sets the bool field `name` of an OutputSelection, by the name the contract gives it.
+void SelectOutput(v1::OutputSelection& outputs, const std::string& name) {
+  const google::protobuf::FieldDescriptor* field = outputs.GetDescriptor()->FindFieldByName(name);
+  ASSERT_NE(field, nullptr) << name;
+  outputs.GetReflection()->SetBool(&outputs, field, true);
+}
 
 // A call on fp32 rows [labels.size(), hidden.size() / labels.size()]; the request views both
 // vectors, which must outlive it.
@@ -142,33 +173,35 @@ TEST_F(ClientTest, ComputeMatchesFloat64Reference) {
 
   ComputeRequest request = Fp32Request("reference", hidden, labels);
   request.rows_per_message = 37;  // many chunk messages that do not line up with engine chunks
-  request.outputs = {.token_loss = true,
-                     .logprob = true,
-                     .lse = true,
-                     .entropy = true,
-                     .argmax = true,
-                     .top_k = 5,
-                     .grad_hidden = true,
-                     .accumulate_grad_weight = true};
+  for (const char* output : {"token_loss", "logprob", "lse", "entropy", "argmax", "grad_hidden",
+                             "accumulate_grad_weight"}) {
+    SelectOutput(request.outputs, output);
+  }
+  request.outputs.set_top_k(5);
   const absl::StatusOr<ComputeResult> result = client.Compute(request);
   ASSERT_TRUE(result.ok()) << result.status();
 
   EXPECT_EQ(result->messages_sent, 1 + (n + 36) / 37);
   EXPECT_GT(result->messages_received, 2);
-  EXPECT_TRUE(result->summary.grad_weight_accumulated);
-  EXPECT_EQ(result->summary.counted_tokens, ref.counted_tokens);
-  EXPECT_LE(std::abs(result->summary.loss - ref.loss) / ref.loss, kLossBound);
-  EXPECT_LE(RelativeError(result->token_loss, ref.token_loss), kLossBound);
-  EXPECT_LE(MaxAbsError(result->logprob, ref.logprob), 1e-5 * (1 + ref.max_abs_logit));
-  EXPECT_LE(MaxAbsError(result->lse, ref.lse), 1e-5 * (1 + ref.max_abs_logit));
-  EXPECT_LE(MaxAbsError(result->entropy, ref.entropy), 1e-4);
-  EXPECT_EQ(AsDoubles(result->argmax), std::vector<double>(ref.argmax.begin(), ref.argmax.end()));
-  EXPECT_EQ(result->top_k, 5);
-  ASSERT_EQ(result->top_k_logprob.size(), static_cast<size_t>(n * 5));
-  EXPECT_LE(MaxAbsError(result->top_k_logprob, ref.top_k_logprob), 1e-5 * (1 + ref.max_abs_logit));
+  EXPECT_TRUE(result->summary.grad_weight_accumulated());
+  EXPECT_EQ(result->summary.counted_tokens(), ref.counted_tokens);
+  EXPECT_LE(std::abs(result->summary.loss() - ref.loss) / ref.loss, kLossBound);
+  const v1::ComputeResult& per_token = result->per_token;
+  EXPECT_EQ(per_token.row_offset(), 0);
+  EXPECT_EQ(per_token.num_rows(), n);
+  EXPECT_LE(RelativeError(Values(per_token.token_loss()), ref.token_loss), kLossBound);
+  EXPECT_LE(MaxAbsError(Values(per_token.logprob()), ref.logprob), 1e-5 * (1 + ref.max_abs_logit));
+  EXPECT_LE(MaxAbsError(Values(per_token.lse()), ref.lse), 1e-5 * (1 + ref.max_abs_logit));
+  EXPECT_LE(MaxAbsError(Values(per_token.entropy()), ref.entropy), 1e-4);
+  EXPECT_EQ(AsDoubles(per_token.argmax()), std::vector<double>(ref.argmax.begin(), ref.argmax.end()));
+  ASSERT_EQ(per_token.top_k_logprob_size(), n * 5);
+  ASSERT_EQ(per_token.top_k_token_size(), n * 5);
+  EXPECT_LE(MaxAbsError(Values(per_token.top_k_logprob()), ref.top_k_logprob), 1e-5 * (1 + ref.max_abs_logit));
+  // Outputs not asked for stay empty.
+  EXPECT_EQ(per_token.ratio_size() + per_token.kl_size() + per_token.kd_size(), 0);
   EXPECT_EQ(result->grad_hidden.rows, n);
   EXPECT_EQ(result->grad_hidden.cols, kHidden);
-  EXPECT_EQ(result->grad_hidden.head_version, result->summary.head_version);
+  EXPECT_EQ(result->grad_hidden.head_version, result->summary.head_version());
   EXPECT_LE(RelativeError(client::ToFloat32(result->grad_hidden), ref.grad_hidden), kGradBound);
 
   const absl::StatusOr<client::Tensor> grad = client.FetchGradWeight("reference");
@@ -196,17 +229,16 @@ TEST_F(ClientTest, ShiftedLabelsAndTheHeadsSoftCapReachTheServer) {
   ComputeRequest shifted = Fp32Request("shifted", hidden, labels);
   shifted.shift_labels = true;
   shifted.sequence_lengths = lengths;
-  shifted.outputs = {.token_loss = true, .grad_hidden = true};
+  shifted.outputs.set_token_loss(true);
+  shifted.outputs.set_grad_hidden(true);
   ComputeRequest reference = Fp32Request("shifted", hidden, by_hand);
   reference.outputs = shifted.outputs;
-  reference.options.logit_softcap = 0.0;
+  reference.options.set_logit_softcap(0.0);
   const absl::StatusOr<ComputeResult> a = client.Compute(shifted);
   const absl::StatusOr<ComputeResult> b = client.Compute(reference);
   ASSERT_TRUE(a.ok()) << a.status();
   ASSERT_TRUE(b.ok()) << b.status();
-  EXPECT_EQ(a->summary.counted_tokens, b->summary.counted_tokens);
-  EXPECT_EQ(a->summary.loss, b->summary.loss);
-  EXPECT_EQ(a->token_loss, b->token_loss);
+  ExpectSameResults(*a, *b);
   EXPECT_EQ(client::ToFloat32(a->grad_hidden), client::ToFloat32(b->grad_hidden));
 }
 
@@ -232,8 +264,8 @@ TEST_F(ClientTest, BatchLargerThanTheMessageLimitStreamsBothWaysAtOnce) {
   const std::vector<float> hidden = RandomNormal(n * hidden_size, 1.0f, rng_);
   const std::vector<int64_t> labels = RandomLabels(n, 64, 0.0, rng_);
   ComputeRequest request = Fp32Request("wide", hidden, labels);
-  request.outputs.grad_hidden = true;
-  request.outputs.token_loss = true;
+  request.outputs.set_grad_hidden(true);
+  request.outputs.set_token_loss(true);
   const absl::StatusOr<ComputeResult> result = client.Compute(request);
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_GE(result->messages_sent, 1 + 16);  // no message above 1 MiB
@@ -242,8 +274,8 @@ TEST_F(ClientTest, BatchLargerThanTheMessageLimitStreamsBothWaysAtOnce) {
 
   const ReferenceResult ref =
       ComputeReference(MakeReferenceProblem(hidden, client::ToFloat32(*weight), labels, hidden_size, 0));
-  EXPECT_LE(std::abs(result->summary.loss - ref.loss) / ref.loss, kLossBound);
-  EXPECT_LE(RelativeError(result->token_loss, ref.token_loss), kLossBound);
+  EXPECT_LE(std::abs(result->summary.loss() - ref.loss) / ref.loss, kLossBound);
+  EXPECT_LE(RelativeError(Values(result->per_token.token_loss()), ref.token_loss), kLossBound);
   EXPECT_LE(RelativeError(client::ToFloat32(result->grad_hidden), ref.grad_hidden), kGradBound);
 
   // An error in the first rows ends the call while most rows are still unsent: the writer must
@@ -368,7 +400,7 @@ TEST_F(ClientTest, SgdStepMovesWeightAgainstTheGradient) {
   const std::vector<float> hidden = RandomNormal(n * kHidden, 1.0f, rng_);
   const std::vector<int64_t> labels = RandomLabels(n, kVocab, 0.0, rng_);
   ComputeRequest request = Fp32Request("train", hidden, labels);
-  request.outputs.accumulate_grad_weight = true;
+  request.outputs.set_accumulate_grad_weight(true);
   const absl::StatusOr<ComputeResult> before = client.Compute(request);
   ASSERT_TRUE(before.ok()) << before.status();
   const absl::StatusOr<client::Tensor> grad = client.FetchGradWeight("train");
@@ -397,11 +429,11 @@ TEST_F(ClientTest, SgdStepMovesWeightAgainstTheGradient) {
   const absl::StatusOr<client::Tensor> zeroed = client.FetchGradWeight("train");
   ASSERT_TRUE(zeroed.ok());
   EXPECT_EQ(zeroed->accumulated_tokens, 0);
-  request.outputs.accumulate_grad_weight = false;
+  request.outputs.set_accumulate_grad_weight(false);
   const absl::StatusOr<ComputeResult> after = client.Compute(request);
   ASSERT_TRUE(after.ok());
-  EXPECT_LT(after->summary.loss, before->summary.loss);
-  EXPECT_EQ(after->summary.head_version, step->head_version);
+  EXPECT_LT(after->summary.loss(), before->summary.loss());
+  EXPECT_EQ(after->summary.head_version(), step->head_version);
   const absl::StatusOr<uint64_t> version = client.ZeroGrad("train");
   ASSERT_TRUE(version.ok());
   EXPECT_EQ(*version, step->head_version);
@@ -418,30 +450,31 @@ TEST_F(ClientTest, TrainingCallsCarryAFreshIdAndARepeatedIdIsAReplay) {
   const std::vector<float> hidden = RandomNormal(40 * kHidden, 1.0f, rng_);
   const std::vector<int64_t> labels = RandomLabels(40, 300, 0.0, rng_);
   ComputeRequest request = Fp32Request("ids", hidden, labels);
-  request.outputs = {.token_loss = true, .grad_hidden = true, .accumulate_grad_weight = true};
+  for (const char* output : {"token_loss", "grad_hidden", "accumulate_grad_weight"}) {
+    SelectOutput(request.outputs, output);
+  }
 
   const absl::StatusOr<ComputeResult> first = client.Compute(request);
   const absl::StatusOr<ComputeResult> second = client.Compute(request);
   ASSERT_TRUE(first.ok() && second.ok()) << first.status() << " / " << second.status();
   EXPECT_EQ(first->call_id.size(), 32u);
   EXPECT_NE(first->call_id, second->call_id) << "each call gets its own id";
-  EXPECT_FALSE(first->summary.replayed || second->summary.replayed);
+  EXPECT_FALSE(first->summary.replayed() || second->summary.replayed());
   EXPECT_EQ(first->attempts, 1);
   EXPECT_EQ(client.GetHead("ids")->accumulated_calls, 2) << "two calls, two ids, two commits";
 
   request.call_id = first->call_id;
   const absl::StatusOr<ComputeResult> repeat = client.Compute(request);
   ASSERT_TRUE(repeat.ok()) << repeat.status();
-  EXPECT_TRUE(repeat->summary.replayed);
-  EXPECT_TRUE(repeat->summary.grad_weight_accumulated);
-  EXPECT_EQ(repeat->summary.loss, first->summary.loss);
-  EXPECT_EQ(repeat->token_loss, first->token_loss);
+  EXPECT_TRUE(repeat->summary.replayed());
+  EXPECT_TRUE(repeat->summary.grad_weight_accumulated());
+  ExpectSameResults(*repeat, *first);
   EXPECT_EQ(repeat->grad_hidden.bytes, first->grad_hidden.bytes);
   EXPECT_EQ(client.GetHead("ids")->accumulated_calls, 2);
 
   // A scoring call carries no id: there is nothing to count twice.
   request.call_id.clear();
-  request.outputs.accumulate_grad_weight = false;
+  request.outputs.set_accumulate_grad_weight(false);
   const absl::StatusOr<ComputeResult> scored = client.Compute(request);
   ASSERT_TRUE(scored.ok()) << scored.status();
   EXPECT_TRUE(scored->call_id.empty());
@@ -460,7 +493,9 @@ TEST_F(ClientTest, ARetryAfterALostAnswerAccumulatesOnce) {
   const ReferenceResult ref =
       ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 0));
   ComputeRequest request = Fp32Request("lost_answer", hidden, labels);
-  request.outputs = {.token_loss = true, .grad_hidden = true, .accumulate_grad_weight = true};
+  for (const char* output : {"token_loss", "grad_hidden", "accumulate_grad_weight"}) {
+    SelectOutput(request.outputs, output);
+  }
   auto expect_one_copy = [&](const char* after) {
     const absl::StatusOr<client::Tensor> grad = direct.FetchGradWeight("lost_answer");
     ASSERT_TRUE(grad.ok()) << grad.status();
@@ -484,7 +519,7 @@ TEST_F(ClientTest, ARetryAfterALostAnswerAccumulatesOnce) {
   // The caller's own retry, with the same id.
   const absl::StatusOr<ComputeResult> by_hand = once.Compute(request);
   ASSERT_TRUE(by_hand.ok()) << by_hand.status();
-  EXPECT_TRUE(by_hand->summary.replayed);
+  EXPECT_TRUE(by_hand->summary.replayed());
   expect_one_copy("a repeat by hand");
 
   // The same with the client's retries, from a fresh accumulator and a fresh id.
@@ -505,8 +540,8 @@ TEST_F(ClientTest, ARetryAfterALostAnswerAccumulatesOnce) {
   ASSERT_EQ(failures.size(), 1u);
   EXPECT_EQ(failures[0].code(), absl::StatusCode::kDeadlineExceeded) << failures[0];
   EXPECT_EQ(retried->attempts, 2);
-  EXPECT_TRUE(retried->summary.replayed);
-  EXPECT_LE(std::abs(retried->summary.loss - ref.loss) / ref.loss, kLossBound);
+  EXPECT_TRUE(retried->summary.replayed());
+  EXPECT_LE(std::abs(retried->summary.loss() - ref.loss) / ref.loss, kLossBound);
   EXPECT_LE(RelativeError(client::ToFloat32(retried->grad_hidden), ref.grad_hidden), kGradBound);
   expect_one_copy("the client's retry");
 }
@@ -518,7 +553,7 @@ TEST_F(ClientTest, UnavailableIsRetriedWithBackoff) {
   const std::vector<float> hidden = RandomNormal(8 * kHidden, 1.0f, rng_);
   const std::vector<int64_t> labels = RandomLabels(8, 300, 0.0, rng_);
   ComputeRequest request = Fp32Request("unavailable", hidden, labels);
-  request.outputs.accumulate_grad_weight = true;
+  request.outputs.set_accumulate_grad_weight(true);
 
   // A port nobody listens on: every attempt fails at once.
   std::unique_ptr<HoldingRelay> closed = HoldingRelay::Start(server_->port());
@@ -546,9 +581,833 @@ TEST_F(ClientTest, UnavailableIsRetriedWithBackoff) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Rows and dL/dh through shared memory (ComputeStart.shared_memory).
+// Objectives, their terms and distillation through the client, against the float64 reference.
+// The options travel as the contract's own LossOptions; the reference gets the same options
+// through the server's conversion of them.
 
-bool SameBits(double a, double b) { return std::memcmp(&a, &b, sizeof(double)) == 0; }
+constexpr int64_t kTeacherHidden = 32;
+constexpr int kTeacherTopK = 8;
+// KD and CE per token, absolute, at logits of a few units (as distill_server_test.cc).
+constexpr double kTermBound = 2e-4;
+
+enum class Teacher { kNone, kDense, kSparse };
+
+struct ObjectiveCase {
+  const char* name;
+  int64_t rows = 300;  // about 80 rows per engine chunk (40 with a dense teacher): several chunks
+  double ignore_fraction = 0.1;
+  void (*options)(v1::LossOptions&) = nullptr;
+  Teacher teacher = Teacher::kNone;
+  bool no_labels = false;
+  bool token_weights = false;
+  bool shift_labels = false;
+  int64_t max_sequence_length = 0;  // > 0: the rows are sequences (the sequence reductions make some)
+};
+
+void PrintTo(const ObjectiveCase& c, std::ostream* os) { *os << c.name; }
+
+void SetPolicy(v1::LossOptions& o, v1::Objective objective, v1::Reduction reduction) {
+  o.set_objective(objective);
+  o.set_reduction(reduction);
+  o.mutable_policy()->set_clip_low(0.2);
+  o.mutable_policy()->set_clip_high(0.28);
+}
+
+void SetDistill(v1::LossOptions& o, double beta, double alpha, double tau) {
+  o.set_objective(v1::OBJECTIVE_DISTILL);
+  o.mutable_distill()->set_beta(beta);
+  o.mutable_distill()->set_alpha(alpha);
+  o.mutable_distill()->set_temperature(tau);
+}
+
+bool IsPolicy(v1::Objective objective) {
+  return objective == v1::OBJECTIVE_IMPORTANCE_SAMPLING || objective == v1::OBJECTIVE_PPO ||
+         objective == v1::OBJECTIVE_CISPO;
+}
+
+const ObjectiveCase kObjectiveCases[] = {
+    {.name = "importance_sampling_weighted_mean",
+     .options = [](v1::LossOptions& o) { SetPolicy(o, v1::OBJECTIVE_IMPORTANCE_SAMPLING, v1::REDUCTION_MEAN); },
+     .token_weights = true},
+    // Ratios past 3 with negative advantages meet the dual-clip bound.
+    {.name = "ppo_dual_clip_sum",
+     .options =
+         [](v1::LossOptions& o) {
+           SetPolicy(o, v1::OBJECTIVE_PPO, v1::REDUCTION_SUM);
+           o.mutable_policy()->set_dual_clip(3.0);
+         }},
+    {.name = "ppo_k3_entropy_sequence_mean_token_mean",
+     .options =
+         [](v1::LossOptions& o) {
+           SetPolicy(o, v1::OBJECTIVE_PPO, v1::REDUCTION_SEQUENCE_MEAN_TOKEN_MEAN);
+           o.mutable_policy()->set_kl_estimator(v1::KL_ESTIMATOR_K3);
+           o.mutable_policy()->set_kl_coef(0.05);
+           o.mutable_policy()->set_entropy_coef(0.01);
+         }},
+    // MiniMax-M1's setting: the weight is clipped from above only.
+    {.name = "cispo_sequence_mean_token_sum",
+     .options =
+         [](v1::LossOptions& o) {
+           SetPolicy(o, v1::OBJECTIVE_CISPO, v1::REDUCTION_SEQUENCE_MEAN_TOKEN_SUM);
+           o.mutable_policy()->set_clip_low(1.0);
+         }},
+    {.name = "logprob_gradient_sum",
+     .options = [](v1::LossOptions& o) { SetPolicy(o, v1::OBJECTIVE_LOGPROB_GRADIENT, v1::REDUCTION_SUM); }},
+    // The KL and entropy terms on cross-entropy, with label smoothing.
+    {.name = "cross_entropy_k2_entropy",
+     .options =
+         [](v1::LossOptions& o) {
+           o.set_label_smoothing(0.05);
+           o.mutable_policy()->set_kl_estimator(v1::KL_ESTIMATOR_K2);
+           o.mutable_policy()->set_kl_coef(0.1);
+           o.mutable_policy()->set_entropy_coef(0.02);
+         }},
+    {.name = "ppo_k1_one_row",
+     .rows = 1,
+     .ignore_fraction = 0.0,
+     .options =
+         [](v1::LossOptions& o) {
+           SetPolicy(o, v1::OBJECTIVE_PPO, v1::REDUCTION_MEAN);
+           o.mutable_policy()->set_kl_estimator(v1::KL_ESTIMATOR_K1);
+           o.mutable_policy()->set_kl_coef(0.1);
+         }},
+    // Nothing counts: loss 0, every gradient 0, statistics 0.
+    {.name = "ppo_all_ignored",
+     .ignore_fraction = 1.0,
+     .options =
+         [](v1::LossOptions& o) {
+           SetPolicy(o, v1::OBJECTIVE_PPO, v1::REDUCTION_MEAN);
+           o.mutable_policy()->set_kl_estimator(v1::KL_ESTIMATOR_K3);
+         }},
+    // Labels sent as the model's input ids, shifted by the server within each sequence.
+    {.name = "ppo_shift_labels",
+     .options = [](v1::LossOptions& o) { SetPolicy(o, v1::OBJECTIVE_PPO, v1::REDUCTION_MEAN); },
+     .shift_labels = true,
+     .max_sequence_length = 40},
+    {.name = "dense_forward_kl_with_labels",
+     .options = [](v1::LossOptions& o) { SetDistill(o, 0.0, 0.3, 2.0); },
+     .teacher = Teacher::kDense},
+    {.name = "dense_jsd_without_labels",
+     .options = [](v1::LossOptions& o) { SetDistill(o, 0.5, 0.0, 1.0); },
+     .teacher = Teacher::kDense,
+     .no_labels = true},
+    // Soft caps and temperatures on both heads.
+    {.name = "dense_reverse_kl_sum_capped",
+     .options =
+         [](v1::LossOptions& o) {
+           SetDistill(o, 1.0, 0.5, 1.5);
+           o.set_reduction(v1::REDUCTION_SUM);
+           o.set_logit_softcap(30.0);
+           o.set_temperature(1.2);
+           o.mutable_distill()->set_teacher_logit_softcap(20.0);
+           o.mutable_distill()->set_teacher_temperature(0.8);
+         },
+     .teacher = Teacher::kDense},
+    {.name = "dense_one_row",
+     .rows = 1,
+     .ignore_fraction = 0.0,
+     .options = [](v1::LossOptions& o) { SetDistill(o, 0.5, 0.5, 1.0); },
+     .teacher = Teacher::kDense},
+    {.name = "sparse_forward_kl_without_labels",
+     .options = [](v1::LossOptions& o) { SetDistill(o, 0.0, 0.0, 1.0); },
+     .teacher = Teacher::kSparse,
+     .no_labels = true},
+    // The reverse KL needs the mass outside the top-k spread, not dropped.
+    {.name = "sparse_reverse_kl_spread_with_labels",
+     .options =
+         [](v1::LossOptions& o) {
+           SetDistill(o, 1.0, 0.4, 2.0);
+           o.mutable_distill()->set_sparse_teacher_mass(v1::SPARSE_TEACHER_SPREAD);
+         },
+     .teacher = Teacher::kSparse},
+    {.name = "sparse_jsd_with_labels",
+     .options = [](v1::LossOptions& o) { SetDistill(o, 0.5, 0.2, 1.0); },
+     .teacher = Teacher::kSparse},
+};
+
+class ClientObjectiveTest : public ClientTest, public ::testing::WithParamInterface<ObjectiveCase> {};
+
+// Labels that the server's shift turns into `targets`: row i of each sequence is scored against
+// label i + 1, so label i + 1 is target i; the sequence's first label is never scored, and its last
+// target becomes ignore_index, as the server ignores that row.
+std::vector<int64_t> UnshiftedLabels(std::vector<int64_t>& targets, const std::vector<int64_t>& lengths) {
+  std::vector<int64_t> labels(targets.size(), 0);
+  for (int64_t first = 0; const int64_t length : lengths) {
+    for (int64_t i = first; i + 1 < first + length; ++i) labels[i + 1] = targets[i];
+    targets[first + length - 1] = -100;
+    first += length;
+  }
+  return labels;
+}
+
+TEST_P(ClientObjectiveTest, MatchesTheFloat64Reference) {
+  const ObjectiveCase& c = GetParam();
+  const Client client = Connect(OptionsFor(server_->port()));
+  v1::LossOptions options;
+  c.options(options);
+  const absl::StatusOr<LossOptions> engine_options = server::FromProto(options);
+  ASSERT_TRUE(engine_options.ok()) << engine_options.status();
+
+  ProblemSpec spec;
+  spec.num_tokens = c.rows;
+  spec.hidden_size = kHidden;
+  spec.vocab_size = kVocab;
+  spec.options = *engine_options;
+  spec.ignore_fraction = c.ignore_fraction;
+  spec.token_weights = c.token_weights;
+  spec.ratio_targets = kRatioTargets;
+  spec.max_sequence_length = c.max_sequence_length;
+  spec.teacher_hidden_size = kTeacherHidden;
+  spec.teacher_top_k = c.teacher == Teacher::kSparse ? kTeacherTopK : 0;
+  spec.no_labels = c.no_labels;
+  Problem problem = MakeProblem(spec, rng_);
+  ReferenceProblem& r = problem.reference;
+  std::vector<int64_t> labels = r.labels;
+  if (c.shift_labels) labels = UnshiftedLabels(r.labels, r.sequence_lengths);
+  const ReferenceResult ref = ComputeReference(r);
+
+  const std::string head = absl::StrCat("objective-", c.name);
+  ASSERT_TRUE(client.UploadHead(head, {problem.weight_bytes.data(), client::DType::kFloat32, kVocab, kHidden}).ok());
+  ComputeRequest request;
+  request.head = head;
+  request.options = options;
+  request.hidden = {problem.hidden_bytes.data(), client::DType::kFloat32, c.rows, kHidden};
+  request.labels = labels;
+  request.token_weights = problem.token_weights;
+  request.sampling_logprobs = problem.sampling_logprobs;
+  request.advantages = problem.advantages;
+  request.reference_logprobs = problem.reference_logprobs;
+  request.logprob_grads = problem.logprob_grads;
+  request.sequence_lengths = r.sequence_lengths;
+  request.shift_labels = c.shift_labels;
+  request.rows_per_message = 37;  // messages that do not line up with engine chunks
+  if (c.teacher == Teacher::kDense) {
+    request.teacher_head = head + "-teacher";
+    ASSERT_TRUE(client
+                    .UploadHead(request.teacher_head, {problem.teacher_weight_bytes.data(),
+                                                       client::DType::kFloat32, kVocab, kTeacherHidden})
+                    .ok());
+    request.teacher_hidden = {problem.teacher_hidden_bytes.data(), client::DType::kFloat32, c.rows,
+                              kTeacherHidden};
+  } else if (c.teacher == Teacher::kSparse) {
+    request.teacher_top_k = kTeacherTopK;
+    request.teacher_top_k_tokens = problem.teacher_top_k_tokens;
+    request.teacher_top_k_logprobs = problem.teacher_top_k_logprobs;
+  }
+  const bool policy = IsPolicy(options.objective());
+  const bool kl = options.policy().kl_estimator() != v1::KL_ESTIMATOR_NONE;
+  const bool distill = options.objective() == v1::OBJECTIVE_DISTILL;
+  request.outputs.set_token_loss(true);
+  request.outputs.set_logprob(true);
+  request.outputs.set_ratio(policy);
+  request.outputs.set_clip(policy);
+  request.outputs.set_kl(kl);
+  request.outputs.set_kd(distill);
+  request.outputs.set_ce(distill);
+  request.outputs.set_grad_hidden(true);
+  request.outputs.set_accumulate_grad_weight(true);
+  const absl::StatusOr<ComputeResult> result = client.Compute(request);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const v1::ComputeSummary& s = result->summary;
+  const v1::ComputeResult& t = result->per_token;
+
+  const int64_t counted = ref.counted_tokens;
+  EXPECT_EQ(s.counted_tokens(), counted);
+  if (counted == 0) {
+    EXPECT_EQ(s.loss(), 0.0);
+  } else {
+    EXPECT_LE(LossError(s.loss(), ref), distill ? 1e-5 : kPolicyLossBound) << s.loss() << " vs " << ref.loss;
+  }
+  EXPECT_LE(RelativeError(Values(t.token_loss()), ref.token_loss), kPolicyLossBound);
+  const double logit_bound = 1e-5 * (1 + ref.max_abs_logit);
+  EXPECT_LE(MaxAbsError(Values(t.logprob()), ref.logprob), logit_bound);
+  ASSERT_EQ(t.ratio_size(), policy ? c.rows : 0);
+  if (policy) {
+    // kRatioTargets keep every ratio 1% from a bound, so the clip states are exact.
+    EXPECT_LE(RelativeError(Values(t.ratio()), ref.ratio), logit_bound);
+    EXPECT_EQ(std::vector<int32_t>(t.clip().begin(), t.clip().end()), ref.clip);
+    EXPECT_EQ(s.clipped_tokens(), ref.clipped_tokens);
+    EXPECT_DOUBLE_EQ(s.clip_fraction(), counted > 0 ? static_cast<double>(ref.clipped_tokens) / counted : 0.0);
+  }
+  ASSERT_EQ(t.kl_size(), kl ? c.rows : 0);
+  if (kl) {
+    // The estimates carry logp's error times |dKL/dlogp|, at most about 5 here.
+    EXPECT_LE(MaxAbsError(Values(t.kl()), ref.kl), 5 * logit_bound);
+    EXPECT_NEAR(s.mean_kl(), counted > 0 ? ref.kl_sum / counted : 0.0, 5 * logit_bound);
+  }
+  ASSERT_EQ(t.kd_size(), distill ? c.rows : 0);
+  ASSERT_EQ(t.ce_size(), distill ? c.rows : 0);
+  if (distill) {
+    EXPECT_LE(MaxAbsError(Values(t.kd()), ref.kd), kTermBound);
+    EXPECT_LE(MaxAbsError(Values(t.ce()), ref.ce), kTermBound);
+    EXPECT_NEAR(s.mean_kd(), ref.kd_sum / counted, kTermBound);
+    EXPECT_NEAR(s.mean_ce(), ref.ce_sum / counted, kTermBound);
+    EXPECT_EQ(s.teacher_head_version() > 0, c.teacher == Teacher::kDense);
+  }
+  EXPECT_LE(RelativeError(client::ToFloat32(result->grad_hidden), ref.grad_hidden), kGradBound);
+  const absl::StatusOr<client::Tensor> grad = client.FetchGradWeight(head);
+  ASSERT_TRUE(grad.ok()) << grad.status();
+  EXPECT_LE(RelativeError(client::ToFloat32(*grad), ref.grad_weight), kGradBound);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, ClientObjectiveTest, ::testing::ValuesIn(kObjectiveCases),
+                         [](const ::testing::TestParamInfo<ObjectiveCase>& info) {
+                           return std::string(info.param.name);
+                         });
+
+// Sizes are checked before anything is sent, naming the field and what it expected.
+TEST_F(ClientTest, RequestSizesAreCheckedNamingTheField) {
+  const Client client = Connect(OptionsFor(server_->port()));
+  const std::vector<float> hidden = RandomNormal(4 * kHidden, 1.0f, rng_);
+  const std::vector<float> teacher_rows = RandomNormal(4 * 8, 1.0f, rng_);
+  const std::vector<int64_t> labels = {1, 2, 3, 4};
+  const std::vector<float> three(3, 0.0f), eight(8, -1.0f);
+  const std::vector<int32_t> tokens(8, 1);
+  struct Case {
+    const char* reason;
+    std::function<void(ComputeRequest&)> change;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"a per-token input of another length",
+       [&](ComputeRequest& r) { r.sampling_logprobs = three; },
+       "sampling_logprobs: expected 0 or 4 entries (hidden.rows), got 3"},
+      {"labels left out where the objective reads them", [&](ComputeRequest& r) { r.labels = {}; },
+       "labels: expected 4 entries (hidden.rows), got 0"},
+      {"labels left out of distill with alpha > 0",
+       [&](ComputeRequest& r) {
+         SetDistill(r.options, 0.0, 0.5, 1.0);
+         r.labels = absl::MakeConstSpan(labels).subspan(0, 2);
+       },
+       "labels: expected 4 entries (hidden.rows), got 2"},
+      {"distill with alpha 0 takes all labels or none",
+       [&](ComputeRequest& r) {
+         SetDistill(r.options, 0.0, 0.0, 1.0);
+         r.labels = absl::MakeConstSpan(labels).subspan(0, 2);
+       },
+       "labels: expected 4 entries (hidden.rows), or none, got 2"},
+      {"teacher rows for other positions",
+       [&](ComputeRequest& r) {
+         r.teacher_head = kHead;
+         r.teacher_hidden = {teacher_rows.data(), client::DType::kFloat32, 2, 16};
+       },
+       "teacher_hidden.rows: expected 4 (hidden.rows), got 2"},
+      {"teacher rows without a teacher head",
+       [&](ComputeRequest& r) { r.teacher_hidden = {teacher_rows.data(), client::DType::kFloat32, 4, 8}; },
+       "teacher_hidden: expected no rows without a teacher_head, got 4 rows"},
+      {"two teachers",
+       [&](ComputeRequest& r) {
+         r.teacher_head = kHead;
+         r.teacher_top_k = 2;
+       },
+       "teacher_head/teacher_top_k: expected one teacher, got both"},
+      {"a sparse teacher short of a row",
+       [&](ComputeRequest& r) {
+         r.teacher_top_k = 3;
+         r.teacher_top_k_tokens = tokens;
+         r.teacher_top_k_logprobs = eight;
+       },
+       "teacher_top_k_tokens: expected 12 entries (hidden.rows x teacher_top_k, 4 x 3), got 8"},
+      {"a sparse teacher without k",
+       [&](ComputeRequest& r) {
+         r.teacher_top_k_tokens = tokens;
+         r.teacher_top_k_logprobs = eight;
+       },
+       "teacher_top_k: expected k >= 1 beside teacher_top_k_tokens/logprobs, got 0"},
+      {"teacher rows cannot travel through shared memory",
+       [&](ComputeRequest& r) {
+         r.teacher_head = kHead;
+         r.teacher_hidden = {teacher_rows.data(), client::DType::kFloat32, 4, 8};
+         r.shared_memory = true;
+       },
+       "shared_memory: expected false for a call with a teacher, whose rows travel in messages, got true"},
+      {"more top-k than the client sizes for", [&](ComputeRequest& r) { r.outputs.set_top_k(65); },
+       "outputs.top_k: expected a value in [0, 64], got 65"},
+      {"a dtype the contract does not have",
+       [&](ComputeRequest& r) { r.outputs.set_grad_hidden_dtype(static_cast<v1::DType>(9)); },
+       "outputs.grad_hidden_dtype: expected a lossd.v1.DType, got 9"},
+  };
+  for (const Case& c : cases) {
+    ComputeRequest request = Fp32Request(kHead, hidden, labels);
+    c.change(request);
+    const absl::StatusOr<ComputeResult> result = client.Compute(request);
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument) << c.reason;
+    EXPECT_EQ(result.status().message(), c.message) << c.reason;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Training RPCs: staged gradients, collective steps, the norm, master weights.
+
+// A call stages its dL/dW; a commit adds it times a scale, once however often it is repeated;
+// a discarded one can no longer be committed.
+TEST_F(ClientTest, AStagedGradientIsCommittedOnceTimesItsScale) {
+  const Client client = Connect(OptionsFor(server_->port()));
+  const std::vector<float> weight = UploadRandomHead(client, "staged");
+  const int64_t n = 200;
+  const std::vector<float> hidden = RandomNormal(n * kHidden, 1.0f, rng_);
+  const std::vector<int64_t> labels = RandomLabels(n, kVocab, 0.1, rng_);
+  const ReferenceResult ref = ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 0));
+  ComputeRequest request = Fp32Request("staged", hidden, labels);
+  request.outputs.set_accumulate_grad_weight(true);
+  request.stage_grad_weight = true;
+  const absl::StatusOr<ComputeResult> staged = client.Compute(request);
+  ASSERT_TRUE(staged.ok()) << staged.status();
+  EXPECT_TRUE(staged->summary.grad_weight_staged());
+  EXPECT_FALSE(staged->summary.grad_weight_accumulated());
+  absl::StatusOr<client::HeadInfo> info = client.GetHead("staged");
+  EXPECT_EQ(info->staged_gradients, 1);
+  EXPECT_EQ(info->accumulated_calls, 0);
+
+  constexpr double kScale = 0.25;
+  absl::StatusOr<client::CommitResult> commit = client.CommitGradWeight("staged", staged->call_id, kScale);
+  ASSERT_TRUE(commit.ok()) << commit.status();
+  EXPECT_FALSE(commit->replayed);
+  EXPECT_EQ(commit->accumulated_tokens, ref.counted_tokens);
+  commit = client.CommitGradWeight("staged", staged->call_id, kScale);
+  ASSERT_TRUE(commit.ok()) << commit.status();
+  EXPECT_TRUE(commit->replayed) << "a repeated commit adds nothing again";
+  std::vector<double> scaled = ref.grad_weight;
+  for (double& g : scaled) g *= kScale;
+  const absl::StatusOr<client::Tensor> grad = client.FetchGradWeight("staged");
+  ASSERT_TRUE(grad.ok()) << grad.status();
+  EXPECT_LE(RelativeError(client::ToFloat32(*grad), scaled), kGradBound);
+  EXPECT_EQ(grad->accumulated_tokens, ref.counted_tokens);
+
+  const absl::StatusOr<ComputeResult> dropped = client.Compute(request);
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  const std::vector<std::string> ids = {dropped->call_id, "never-staged"};
+  const absl::StatusOr<int> discarded = client.DiscardGradWeight("staged", ids);
+  ASSERT_TRUE(discarded.ok()) << discarded.status();
+  EXPECT_EQ(*discarded, 1);
+  EXPECT_EQ(client.CommitGradWeight("staged", dropped->call_id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(client.CommitGradWeight("staged", "").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client.GetHead("staged")->staged_gradients, 0);
+}
+
+// The server commits, the answer is lost: the client sends the commit again, and the server
+// answers it as the first without adding the gradient twice.
+TEST_F(ClientTest, ACommitIsRetriedAfterALostAnswer) {
+  const Client direct = Connect(OptionsFor(server_->port()));
+  const std::vector<float> weight = UploadRandomHead(direct, "lost_commit", 400);
+  const std::vector<float> hidden = RandomNormal(30 * kHidden, 1.0f, rng_);
+  const std::vector<int64_t> labels = RandomLabels(30, 400, 0.0, rng_);
+  const ReferenceResult ref = ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 0));
+  ComputeRequest request = Fp32Request("lost_commit", hidden, labels);
+  request.outputs.set_accumulate_grad_weight(true);
+  request.stage_grad_weight = true;
+  const absl::StatusOr<ComputeResult> staged = direct.Compute(request);
+  ASSERT_TRUE(staged.ok()) << staged.status();
+
+  const std::unique_ptr<HoldingRelay> relay = HoldingRelay::Start(server_->port());
+  ASSERT_NE(relay, nullptr);
+  ChannelOptions options = OptionsFor(relay->port());
+  options.deadline = absl::Seconds(1);
+  options.compute_retry.max_attempts = 3;
+  options.compute_retry.initial_backoff = absl::Milliseconds(20);
+  std::vector<absl::Status> failures;
+  options.compute_retry.on_retry = [&](const absl::Status& failure, int, absl::Duration) {
+    failures.push_back(failure);
+    relay->Release();
+  };
+  const Client retrying = Connect(options);
+  ASSERT_TRUE(retrying.GetHead("lost_commit").ok());  // the connection is up before the hold
+  relay->Hold();
+  const absl::StatusOr<client::CommitResult> commit =
+      retrying.CommitGradWeight("lost_commit", staged->call_id, 2.0);
+  ASSERT_TRUE(commit.ok()) << commit.status();
+  ASSERT_EQ(failures.size(), 1u);
+  EXPECT_EQ(failures[0].code(), absl::StatusCode::kDeadlineExceeded) << failures[0];
+  EXPECT_TRUE(commit->replayed);
+  std::vector<double> doubled = ref.grad_weight;
+  for (double& g : doubled) g *= 2.0;
+  const absl::StatusOr<client::Tensor> grad = direct.FetchGradWeight("lost_commit");
+  ASSERT_TRUE(grad.ok()) << grad.status();
+  EXPECT_LE(RelativeError(client::ToFloat32(*grad), doubled), kGradBound);
+}
+
+// Two ranks, each a thread with a client of its own, train on halves of one batch: the norm and
+// the step meet once both have called, both get the same answer, and W moves by the whole batch's
+// gradient times the multiplier.
+TEST_F(ClientTest, RanksStepTogether) {
+  const Client client = Connect(OptionsFor(server_->port()));
+  const std::vector<float> weight = UploadRandomHead(client, "ranks");
+  const uint64_t version = client.GetHead("ranks")->version;
+  const int64_t n = 240;
+  const std::vector<float> hidden = RandomNormal(n * kHidden, 1.0f, rng_);
+  const std::vector<int64_t> labels = RandomLabels(n, kVocab, 0.1, rng_);
+  const ReferenceResult ref = ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 0));
+  constexpr double kMultiplier = 0.5, kLearningRate = 0.5;
+
+  std::vector<absl::StatusOr<client::GradNormResult>> norms(2, absl::UnknownError("not run"));
+  std::vector<absl::StatusOr<client::StepResult>> steps(2, absl::UnknownError("not run"));
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    ranks.emplace_back([&, rank] {
+      const Client own = Connect(OptionsFor(server_->port()));
+      const int64_t first = rank * n / 2;
+      ComputeRequest request;
+      request.head = "ranks";
+      request.hidden = {hidden.data() + first * kHidden, client::DType::kFloat32, n / 2, kHidden};
+      request.labels = absl::MakeConstSpan(labels).subspan(first, n / 2);
+      // The mean over the whole batch: each rank's share of it.
+      request.options.set_mean_denominator(static_cast<double>(ref.counted_tokens));
+      request.outputs.set_accumulate_grad_weight(true);
+      const absl::StatusOr<ComputeResult> computed = own.Compute(request);
+      if (!computed.ok()) {
+        norms[rank] = computed.status();
+        return;
+      }
+      const client::RankGroup group{.world_size = 2, .rank = rank};
+      norms[rank] = own.GradWeightNorm(
+          {.head = "ranks", .head_version = version, .ranks = group, .grad_multiplier = kMultiplier});
+      steps[rank] = own.Step({.head = "ranks",
+                              .optimizer = client::SgdOptions{.learning_rate = kLearningRate},
+                              .head_version = version,
+                              .ranks = group,
+                              .grad_multiplier = kMultiplier});
+    });
+  }
+  for (std::thread& rank : ranks) rank.join();
+  double norm = 0.0;
+  for (double g : ref.grad_weight) norm += g * g;
+  norm = kMultiplier * std::sqrt(norm);
+  for (int rank = 0; rank < 2; ++rank) {
+    ASSERT_TRUE(norms[rank].ok()) << rank << ": " << norms[rank].status();
+    ASSERT_TRUE(steps[rank].ok()) << rank << ": " << steps[rank].status();
+    EXPECT_NEAR(norms[rank]->grad_norm, norm, 1e-5 * norm);
+    EXPECT_EQ(norms[rank]->accumulated_calls, 2);
+    EXPECT_EQ(steps[rank]->head_version, version + 1) << "one step, however many ranks";
+    EXPECT_EQ(steps[rank]->grad_norm, steps[0]->grad_norm);
+    EXPECT_FALSE(steps[rank]->skipped);
+  }
+  const absl::StatusOr<client::Tensor> stepped = client.FetchWeight("ranks");
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  std::vector<double> expected(weight.size());
+  for (size_t i = 0; i < weight.size(); ++i) {
+    expected[i] = weight[i] - kLearningRate * kMultiplier * ref.grad_weight[i];
+  }
+  EXPECT_LE(RelativeError(client::ToFloat32(*stepped), expected), 1e-6);
+
+  // A rank outside the group is refused before it waits on the server; so is a collective call
+  // that names no step.
+  EXPECT_EQ(client.Step({.head = "ranks", .ranks = {.world_size = 2, .rank = 2}}).status().message(),
+            "ranks.rank: expected a rank in [0, 2), got 2");
+  EXPECT_EQ(client.GradWeightNorm({.head = "ranks", .ranks = {.world_size = 2, .rank = 0}}).status().message(),
+            "head_version: expected the version the ranks trained on (ranks.world_size > 1), got none");
+}
+
+// A multiplier that takes the gradient past float32 skips the step instead of failing it; a
+// 16-bit head that steps trains from fp32 master weights, which FetchWeight reads on request.
+TEST_F(ClientTest, SkippedStepsAndMasterWeights) {
+  const Client client = Connect(OptionsFor(server_->port()));
+  const std::vector<float> weight = RandomNormal(300 * kHidden, 0.2f, rng_);
+  ASSERT_TRUE(client.UploadHead("master", {weight.data(), client::DType::kFloat32, 300, kHidden},
+                                client::DType::kBFloat16).ok());
+  const std::vector<float> hidden = RandomNormal(50 * kHidden, 1.0f, rng_);
+  const std::vector<int64_t> labels = RandomLabels(50, 300, 0.0, rng_);
+  ComputeRequest request = Fp32Request("master", hidden, labels);
+  request.outputs.set_accumulate_grad_weight(true);
+  request.options.set_grad_scale(1e3);  // a norm far above 1, which 3e38 takes past float32
+  ASSERT_TRUE(client.Compute(request).ok());
+  const uint64_t version = client.GetHead("master")->version;
+  const absl::StatusOr<client::StepResult> skipped =
+      client.Step({.head = "master",
+                   .optimizer = client::SgdOptions{.learning_rate = 0.1},
+                   .keep_grad = true,
+                   .grad_multiplier = 3e38,
+                   .skip_nonfinite = true});
+  ASSERT_TRUE(skipped.ok()) << skipped.status();
+  EXPECT_TRUE(skipped->skipped) << "grad norm " << skipped->grad_norm;
+  EXPECT_EQ(skipped->head_version, version);
+  EXPECT_FALSE(client.GetHead("master")->master_weights) << "nothing stepped yet";
+
+  const absl::StatusOr<client::StepResult> step =
+      client.Step({.head = "master",
+                   .optimizer = client::SgdOptions{.learning_rate = 0.1},
+                   .grad_multiplier = 1e-3});
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_FALSE(step->skipped);
+  EXPECT_EQ(step->head_version, version + 1);
+  EXPECT_TRUE(client.GetHead("master")->master_weights);
+  const absl::StatusOr<client::Tensor> master = client.FetchWeight("master", client::DType::kFloat32, true);
+  const absl::StatusOr<client::Tensor> rounded = client.FetchWeight("master", client::DType::kBFloat16);
+  ASSERT_TRUE(master.ok() && rounded.ok()) << master.status() << " / " << rounded.status();
+  // W is the master weights rounded, and the master weights keep what rounding dropped.
+  EXPECT_EQ(client::EncodeFromFloat32(client::ToFloat32(*master), client::DType::kBFloat16), rounded->bytes);
+  EXPECT_NE(client::ToFloat32(*master), client::ToFloat32(*rounded));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-token results, put together by the contract's rule rather than field by field.
+
+// A distinct value per (field, position), in the field's own type, and read back as a double.
+void AddValue(google::protobuf::Message& message, const google::protobuf::FieldDescriptor* field,
+              int64_t value) {
+  using google::protobuf::FieldDescriptor;
+  const google::protobuf::Reflection& r = *message.GetReflection();
+  switch (field->cpp_type()) {
+    case FieldDescriptor::CPPTYPE_INT32: r.AddInt32(&message, field, static_cast<int32_t>(value)); break;
+    case FieldDescriptor::CPPTYPE_INT64: r.AddInt64(&message, field, value); break;
+    case FieldDescriptor::CPPTYPE_UINT32: r.AddUInt32(&message, field, static_cast<uint32_t>(value)); break;
+    case FieldDescriptor::CPPTYPE_UINT64: r.AddUInt64(&message, field, static_cast<uint64_t>(value)); break;
+    case FieldDescriptor::CPPTYPE_FLOAT: r.AddFloat(&message, field, static_cast<float>(value)); break;
+    case FieldDescriptor::CPPTYPE_DOUBLE: r.AddDouble(&message, field, static_cast<double>(value)); break;
+    case FieldDescriptor::CPPTYPE_BOOL: r.AddBool(&message, field, value % 2 == 1); break;
+    case FieldDescriptor::CPPTYPE_ENUM: r.AddEnumValue(&message, field, static_cast<int>(value)); break;
+    case FieldDescriptor::CPPTYPE_STRING: r.AddString(&message, field, absl::StrCat(value)); break;
+    case FieldDescriptor::CPPTYPE_MESSAGE: FAIL() << field->full_name() << " holds messages";
+  }
+}
+
+double GetValue(const google::protobuf::Message& message, const google::protobuf::FieldDescriptor* field,
+                int index) {
+  using google::protobuf::FieldDescriptor;
+  const google::protobuf::Reflection& r = *message.GetReflection();
+  switch (field->cpp_type()) {
+    case FieldDescriptor::CPPTYPE_INT32: return r.GetRepeatedInt32(message, field, index);
+    case FieldDescriptor::CPPTYPE_INT64: return static_cast<double>(r.GetRepeatedInt64(message, field, index));
+    case FieldDescriptor::CPPTYPE_UINT32: return r.GetRepeatedUInt32(message, field, index);
+    case FieldDescriptor::CPPTYPE_UINT64: return static_cast<double>(r.GetRepeatedUInt64(message, field, index));
+    case FieldDescriptor::CPPTYPE_FLOAT: return r.GetRepeatedFloat(message, field, index);
+    case FieldDescriptor::CPPTYPE_DOUBLE: return r.GetRepeatedDouble(message, field, index);
+    case FieldDescriptor::CPPTYPE_BOOL: return r.GetRepeatedBool(message, field, index) ? 1 : 0;
+    case FieldDescriptor::CPPTYPE_ENUM: return r.GetRepeatedEnumValue(message, field, index);
+    case FieldDescriptor::CPPTYPE_STRING: return std::stod(r.GetRepeatedString(message, field, index));
+    case FieldDescriptor::CPPTYPE_MESSAGE: break;
+  }
+  return std::nan("");
+}
+
+// Field f's value j of row `row`: rows, fields and positions all tell apart (and small enough
+// for every type, floats included, to hold exactly).
+int64_t Encoded(int field_number, int64_t row, int64_t j) { return field_number * 100000 + row * 100 + j; }
+
+// A result message for rows [offset, offset + count) that fills every field asked for.
+std::unique_ptr<google::protobuf::Message> Piece(const google::protobuf::Message& prototype,
+                                                 const std::vector<client::PerTokenField>& fields,
+                                                 int64_t offset, int64_t count) {
+  std::unique_ptr<google::protobuf::Message> piece(prototype.New());
+  const google::protobuf::Descriptor& type = *piece->GetDescriptor();
+  piece->GetReflection()->SetInt64(piece.get(), type.FindFieldByName("row_offset"), offset);
+  piece->GetReflection()->SetInt64(piece.get(), type.FindFieldByName("num_rows"), count);
+  for (const client::PerTokenField& f : fields) {
+    for (int64_t row = offset; row < offset + count; ++row) {
+      for (int64_t j = 0; j < f.values_per_row; ++j) AddValue(*piece, f.field, Encoded(f.field->number(), row, j));
+    }
+  }
+  return piece;
+}
+
+// Every repeated field of `per_token` holds its rows in order, as Piece encoded them.
+void ExpectRowsInOrder(const google::protobuf::Message& per_token,
+                       const std::vector<client::PerTokenField>& fields, int64_t rows) {
+  for (const client::PerTokenField& f : fields) {
+    const int size = per_token.GetReflection()->FieldSize(per_token, f.field);
+    ASSERT_EQ(size, rows * f.values_per_row) << f.field->name();
+    for (int i = 0; i < size; ++i) {
+      ASSERT_EQ(GetValue(per_token, f.field, i),
+                Encoded(f.field->number(), i / f.values_per_row, i % f.values_per_row))
+          << f.field->name() << "[" << i << "]";
+    }
+  }
+}
+
+// Every bool of an OutputSelection set, and top_k.
+void SelectEverything(google::protobuf::Message& selection, int top_k) {
+  const google::protobuf::Descriptor& type = *selection.GetDescriptor();
+  for (int i = 0; i < type.field_count(); ++i) {
+    if (type.field(i)->type() == google::protobuf::FieldDescriptor::TYPE_BOOL) {
+      selection.GetReflection()->SetBool(&selection, type.field(i), true);
+    }
+  }
+  selection.GetReflection()->SetInt32(&selection, type.FindFieldByName("top_k"), top_k);
+}
+
+// The rule covers every repeated field of the contract's ComputeResult: each has its
+// OutputSelection bool, or follows top_k.
+TEST(ClientPerTokenRuleTest, CoversEveryRepeatedFieldOfTheContract) {
+  const google::protobuf::Descriptor& result = *v1::ComputeResult::descriptor();
+  v1::OutputSelection everything;
+  SelectEverything(everything, 3);
+  const absl::StatusOr<std::vector<client::PerTokenField>> fields =
+      client::PerTokenFields(everything, result);
+  ASSERT_TRUE(fields.ok()) << fields.status();
+  int repeated = 0;
+  for (int i = 0; i < result.field_count(); ++i) repeated += result.field(i)->is_repeated();
+  ASSERT_EQ(static_cast<int>(fields->size()), repeated);
+  for (const client::PerTokenField& f : *fields) {
+    EXPECT_EQ(f.values_per_row, f.matrix ? 3 : 1) << f.field->name();
+    EXPECT_EQ(f.matrix, absl::StartsWith(f.field->name(), "top_k_")) << f.field->name();
+  }
+  const absl::StatusOr<std::vector<client::PerTokenField>> none =
+      client::PerTokenFields(v1::OutputSelection(), result);
+  ASSERT_TRUE(none.ok());
+  for (const client::PerTokenField& f : *none) EXPECT_EQ(f.values_per_row, 0) << f.field->name();
+}
+
+TEST(ClientPerTokenAssemblerTest, PlacesEveryFieldInRowOrderFromMessagesInAnyOrder) {
+  v1::OutputSelection everything;
+  SelectEverything(everything, 2);
+  v1::ComputeResult per_token;
+  absl::StatusOr<client::PerTokenAssembler> assembler =
+      client::PerTokenAssembler::Create(everything, 10, &per_token);
+  ASSERT_TRUE(assembler.ok()) << assembler.status();
+  // Out of order, with an empty message: rows wait until the gap before them is filled.
+  for (const auto& [offset, count] : std::vector<std::pair<int64_t, int64_t>>{{7, 3}, {3, 4}, {5, 0}, {0, 3}}) {
+    std::unique_ptr<google::protobuf::Message> piece =
+        Piece(v1::ComputeResult::default_instance(), assembler->fields(), offset, count);
+    ASSERT_TRUE(assembler->Add(*piece).ok());
+  }
+  ASSERT_TRUE(assembler->Finish().ok());
+  EXPECT_EQ(per_token.row_offset(), 0);
+  EXPECT_EQ(per_token.num_rows(), 10);
+  ExpectRowsInOrder(per_token, assembler->fields(), 10);
+}
+
+using google::protobuf::DescriptorProto;
+using google::protobuf::FieldDescriptorProto;
+
+void AddField(DescriptorProto& message, const std::string& name, int number, FieldDescriptorProto::Type type,
+              FieldDescriptorProto::Label label) {
+  FieldDescriptorProto& field = *message.add_field();
+  field.set_name(name);
+  field.set_number(number);
+  field.set_type(type);
+  field.set_label(label);
+}
+
+// The contract's file, its messages changed by `grow` (given each message), built into a pool of
+// its own.
+const google::protobuf::FileDescriptor* GrownContract(google::protobuf::DescriptorPool& pool,
+                                                      const std::function<void(DescriptorProto&)>& grow) {
+  google::protobuf::FileDescriptorProto file;
+  v1::ComputeResult::descriptor()->file()->CopyTo(&file);
+  for (DescriptorProto& message : *file.mutable_message_type()) grow(message);
+  return pool.BuildFile(file);
+}
+
+// The contract grows a per-token output (a field of ComputeResult and its OutputSelection bool)
+// and a top_k_* field: a client built from it assembles and checks both with no code of its own.
+// Here the grown contract is built at run time, and the messages are dynamic ones of it.
+TEST(ClientPerTokenAssemblerTest, AssemblesAnOutputTheClientHasNeverHeardOf) {
+  google::protobuf::DescriptorPool pool;
+  const google::protobuf::FileDescriptor* grown = GrownContract(pool, [](DescriptorProto& message) {
+    if (message.name() == "OutputSelection") {
+      AddField(message, "novel_score", 90, FieldDescriptorProto::TYPE_BOOL, FieldDescriptorProto::LABEL_OPTIONAL);
+    }
+    if (message.name() == "ComputeResult") {
+      AddField(message, "novel_score", 90, FieldDescriptorProto::TYPE_DOUBLE, FieldDescriptorProto::LABEL_REPEATED);
+      AddField(message, "top_k_novel_rank", 91, FieldDescriptorProto::TYPE_INT64,
+               FieldDescriptorProto::LABEL_REPEATED);
+    }
+  });
+  ASSERT_NE(grown, nullptr);
+  google::protobuf::DynamicMessageFactory factory(&pool);
+  const google::protobuf::Message& result_type =
+      *factory.GetPrototype(grown->FindMessageTypeByName("ComputeResult"));
+  std::unique_ptr<google::protobuf::Message> selection(
+      factory.GetPrototype(grown->FindMessageTypeByName("OutputSelection"))->New());
+  const google::protobuf::Descriptor& selection_type = *selection->GetDescriptor();
+  selection->GetReflection()->SetBool(selection.get(), selection_type.FindFieldByName("novel_score"), true);
+  selection->GetReflection()->SetBool(selection.get(), selection_type.FindFieldByName("logprob"), true);
+  selection->GetReflection()->SetInt32(selection.get(), selection_type.FindFieldByName("top_k"), 2);
+
+  std::unique_ptr<google::protobuf::Message> per_token(result_type.New());
+  absl::StatusOr<client::PerTokenAssembler> assembler =
+      client::PerTokenAssembler::Create(*selection, 6, per_token.get());
+  ASSERT_TRUE(assembler.ok()) << assembler.status();
+  std::vector<std::string> wanted;
+  for (const client::PerTokenField& f : assembler->fields()) {
+    if (f.values_per_row > 0) wanted.push_back(absl::StrCat(f.field->name(), " x", f.values_per_row));
+  }
+  EXPECT_EQ(wanted, (std::vector<std::string>{"logprob x1", "top_k_logprob x2", "top_k_token x2",
+                                               "novel_score x1", "top_k_novel_rank x2"}));
+  for (const auto& [offset, count] : std::vector<std::pair<int64_t, int64_t>>{{4, 2}, {0, 4}}) {
+    ASSERT_TRUE(assembler->Add(*Piece(result_type, assembler->fields(), offset, count)).ok());
+  }
+  ASSERT_TRUE(assembler->Finish().ok());
+  ExpectRowsInOrder(*per_token, assembler->fields(), 6);
+
+  // And checks it: a message short of one novel_score is the server's fault.
+  std::unique_ptr<google::protobuf::Message> again(result_type.New());
+  assembler = client::PerTokenAssembler::Create(*selection, 6, again.get());
+  ASSERT_TRUE(assembler.ok());
+  std::unique_ptr<google::protobuf::Message> short_piece = Piece(result_type, assembler->fields(), 0, 6);
+  short_piece->GetReflection()->RemoveLast(short_piece.get(),
+                                           short_piece->GetDescriptor()->FindFieldByName("novel_score"));
+  const absl::Status refused = assembler->Add(*short_piece);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(refused.message(), "server sent 5 values of novel_score for 6 rows, expected 6");
+}
+
+// A repeated field no OutputSelection field speaks for breaks the rule: the client says so
+// rather than guess how many values it carries.
+TEST(ClientPerTokenAssemblerTest, RefusesAContractThatBreaksTheRule) {
+  google::protobuf::DescriptorPool pool;
+  const google::protobuf::FileDescriptor* grown = GrownContract(pool, [](DescriptorProto& message) {
+    if (message.name() == "ComputeResult") {
+      AddField(message, "orphan", 92, FieldDescriptorProto::TYPE_FLOAT, FieldDescriptorProto::LABEL_REPEATED);
+    }
+  });
+  ASSERT_NE(grown, nullptr);
+  const absl::StatusOr<std::vector<client::PerTokenField>> fields =
+      client::PerTokenFields(v1::OutputSelection(), *grown->FindMessageTypeByName("ComputeResult"));
+  EXPECT_EQ(fields.status().code(), absl::StatusCode::kInternal);
+  EXPECT_TRUE(absl::StrContains(fields.status().message(), "lossd.v1.ComputeResult.orphan")) << fields.status();
+}
+
+// What a server that breaks the contract sends is refused, never placed.
+TEST(ClientPerTokenAssemblerTest, RefusesResultsThatBreakTheContract) {
+  v1::OutputSelection selection;
+  selection.set_logprob(true);
+  selection.set_top_k(2);
+  struct Case {
+    const char* reason;
+    std::function<void(v1::ComputeResult&)> spoil;  // applied to the message of rows [2, 5)
+    std::string message;                            // of Add, or of Finish when Add passes
+  };
+  const std::vector<Case> cases = {
+      {"a value short", [](v1::ComputeResult& r) { r.mutable_logprob()->RemoveLast(); },
+       "server sent 2 values of logprob for 3 rows, expected 3"},
+      {"one value per row of a top_k field",
+       [](v1::ComputeResult& r) { r.mutable_top_k_token()->Truncate(3); },
+       "server sent 3 values of top_k_token for 3 rows, expected 6"},
+      {"an output not asked for", [](v1::ComputeResult& r) { r.add_entropy(1.0f); },
+       "server sent 1 values of entropy for 3 rows, expected 0"},
+      {"rows past the end", [](v1::ComputeResult& r) { r.set_row_offset(4); },
+       "server sent rows [4, 7) of a 5-row result"},
+      {"a negative offset", [](v1::ComputeResult& r) { r.set_row_offset(-1); },
+       "server sent rows [-1, 2) of a 5-row result"},
+      {"a row twice", [](v1::ComputeResult& r) { r.set_row_offset(1); }, "server sent row 1 twice"},
+      {"a row missing",
+       [](v1::ComputeResult& r) {
+         r.set_num_rows(2);
+         r.mutable_logprob()->RemoveLast();
+         r.mutable_top_k_logprob()->Truncate(4);
+         r.mutable_top_k_token()->Truncate(4);
+       },
+       "server sent results for 4 of 5 rows"},
+  };
+  for (const Case& c : cases) {
+    v1::ComputeResult per_token;
+    absl::StatusOr<client::PerTokenAssembler> assembler = client::PerTokenAssembler::Create(selection, 5, &per_token);
+    ASSERT_TRUE(assembler.ok());
+    std::unique_ptr<google::protobuf::Message> first =
+        Piece(v1::ComputeResult::default_instance(), assembler->fields(), 0, 2);
+    ASSERT_TRUE(assembler->Add(*first).ok()) << c.reason;
+    std::unique_ptr<google::protobuf::Message> rest =
+        Piece(v1::ComputeResult::default_instance(), assembler->fields(), 2, 3);
+    c.spoil(static_cast<v1::ComputeResult&>(*rest));
+    absl::Status status = assembler->Add(*rest);
+    if (status.ok()) status = assembler->Finish();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInternal) << c.reason;
+    EXPECT_EQ(status.message(), c.message) << c.reason;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rows and dL/dh through shared memory (ComputeStart.shared_memory).
 
 struct SharedMemoryCase {
   const char* name;
@@ -578,15 +1437,12 @@ TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
   ComputeRequest request;
   request.hidden = {hidden_bytes.data(), c.hidden_dtype, c.rows, kHidden};
   request.labels = labels;
-  request.outputs = {.token_loss = true,
-                     .logprob = true,
-                     .lse = true,
-                     .entropy = true,
-                     .argmax = true,
-                     .top_k = 3,
-                     .grad_hidden = true,
-                     .grad_hidden_dtype = c.grad_dtype,
-                     .accumulate_grad_weight = true};
+  for (const char* output : {"token_loss", "logprob", "lse", "entropy", "argmax", "grad_hidden",
+                             "accumulate_grad_weight"}) {
+    SelectOutput(request.outputs, output);
+  }
+  request.outputs.set_top_k(3);
+  if (c.grad_dtype.has_value()) request.outputs.set_grad_hidden_dtype(client::ToProto(*c.grad_dtype));
   request.head = by_messages;
   const absl::StatusOr<ComputeResult> sent = client.Compute(request);
   ASSERT_TRUE(sent.ok()) << sent.status();
@@ -595,17 +1451,8 @@ TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
   const absl::StatusOr<ComputeResult> shared = client.Compute(request);
   ASSERT_TRUE(shared.ok()) << shared.status();
 
-  EXPECT_TRUE(SameBits(shared->summary.loss, sent->summary.loss))
-      << shared->summary.loss << " vs " << sent->summary.loss;
-  EXPECT_EQ(shared->summary.counted_tokens, sent->summary.counted_tokens);
-  EXPECT_EQ(shared->summary.correct_tokens, sent->summary.correct_tokens);
-  EXPECT_EQ(shared->token_loss, sent->token_loss);
-  EXPECT_EQ(shared->logprob, sent->logprob);
-  EXPECT_EQ(shared->lse, sent->lse);
-  EXPECT_EQ(shared->entropy, sent->entropy);
-  EXPECT_EQ(shared->argmax, sent->argmax);
-  EXPECT_EQ(shared->top_k_logprob, sent->top_k_logprob);
-  EXPECT_EQ(shared->top_k_token, sent->top_k_token);
+  ExpectSameResults(*shared, *sent);
+  EXPECT_EQ(shared->per_token.top_k_token_size(), c.rows * 3);
   EXPECT_EQ(shared->grad_hidden.dtype, sent->grad_hidden.dtype);
   EXPECT_EQ(shared->grad_hidden.rows, c.rows);
   EXPECT_TRUE(shared->grad_hidden.bytes == sent->grad_hidden.bytes) << "dL/dh differs";
@@ -620,9 +1467,9 @@ TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
   client::Tensor hidden_tensor{hidden_bytes, c.hidden_dtype, c.rows, kHidden};
   const ReferenceResult ref =
       ComputeReference(MakeReferenceProblem(client::ToFloat32(hidden_tensor), weight, labels, kHidden, 3));
-  EXPECT_EQ(shared->summary.counted_tokens, ref.counted_tokens);
+  EXPECT_EQ(shared->summary.counted_tokens(), ref.counted_tokens);
   if (ref.counted_tokens > 0) {
-    EXPECT_LE(std::abs(shared->summary.loss - ref.loss) / ref.loss, kLossBound);
+    EXPECT_LE(std::abs(shared->summary.loss() - ref.loss) / ref.loss, kLossBound);
     EXPECT_LE(RelativeError(client::ToFloat32(*grad_shared), ref.grad_weight), kGradBound);
     if (shared->grad_hidden.dtype == client::DType::kFloat32) {
       EXPECT_LE(RelativeError(client::ToFloat32(shared->grad_hidden), ref.grad_hidden), kGradBound);
@@ -693,7 +1540,7 @@ TEST_F(ClientTest, SharedMemoryHandlesAndMappingsLiveAsLongAsTheClient) {
     std::vector<float> hidden = RandomNormal(100 * kHidden, 1.0f, rng_);
     const std::vector<int64_t> labels = RandomLabels(100, kVocab, 0.0, rng_);
     ComputeRequest request = Fp32Request("kept", hidden, labels);
-    request.outputs.grad_hidden = true;
+    request.outputs.set_grad_hidden(true);
     request.shared_memory = true;
     ASSERT_TRUE(client.Compute(request).ok());
     ASSERT_TRUE(client.Compute(request).ok());
@@ -728,7 +1575,7 @@ TEST_F(ClientTest, GradHiddenOutIsWrittenOnlyWhenTheCallSucceeds) {
   std::vector<float> hidden = RandomNormal(n * kHidden, 1.0f, rng_);
   const std::vector<int64_t> labels = RandomLabels(n, kVocab, 0.1, rng_);
   ComputeRequest request = Fp32Request("out", hidden, labels);
-  request.outputs.grad_hidden = true;
+  request.outputs.set_grad_hidden(true);
   const absl::StatusOr<ComputeResult> reference = client.Compute(request);
   ASSERT_TRUE(reference.ok()) << reference.status();
 

@@ -185,6 +185,17 @@ Problem MakeProblem(const ProblemSpec& spec, std::mt19937_64& rng) {
   return p;
 }
 
+double LossError(double loss, const ReferenceResult& ref) {
+  double sum = 0.0;
+  double magnitude = 0.0;
+  for (const double term : ref.token_loss) {
+    sum += term;
+    magnitude += std::abs(term);
+  }
+  const double cancellation = sum == 0.0 ? 1.0 : magnitude / std::abs(sum);
+  return std::abs(loss - ref.loss) / std::abs(ref.loss) / std::max(1.0, cancellation);
+}
+
 absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
                                     const RunRequest& request) {
   const ProblemSpec& s = problem.spec;

@@ -109,6 +109,21 @@ struct RunRequest {
 absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
                                     const RunRequest& request);
 
+// The policy objectives' losses are r A or clip(r) A logp: a logp carrying the fp32 logits' error
+// (about 1e-6 at the tests' scales) moves r by as much relative to itself, and a term
+// -clip(r) A logp near logp = 0 by as much relative to a small value, where cross-entropy's
+// lse - z_y stays well away from 0.
+inline constexpr double kPolicyLossBound = 2e-5;
+
+// Ratios on both sides of 1 - eps_low = 0.8 and 1 + eps_high = 1.28, inside and far outside the
+// trust region, and past the dual-clip bound 3 (ProblemSpec::ratio_targets).
+inline const std::vector<double> kRatioTargets = {0.3, 0.79, 0.81, 1.0, 1.1, 1.27, 1.29, 2.5, 3.2, 0.95};
+
+// Relative error of the reduced loss. It is a positive multiple of the sum of the per-token
+// losses, each carrying fp32 error relative to itself; negative token weights make the terms
+// cancel, so the sum's relative error grows by sum |l_i| / |sum l_i| (1 without cancellation).
+double LossError(double loss, const ReferenceResult& ref);
+
 // ||a - b||_F / ||b||_F, or ||a||_F when b is all zeros.
 double RelativeError(const std::vector<float>& actual, const std::vector<double>& expected);
 double MaxAbsError(const std::vector<float>& actual, const std::vector<double>& expected);

@@ -43,20 +43,6 @@ bool RoundsGradients(const std::string& backend_name, const ProblemSpec& spec) {
          spec.hidden_dtype != DType::kFloat32 && !spec.options.exact_gradients;
 }
 
-// Relative error of the reduced loss. It is a positive multiple of the sum of the per-token
-// losses, each carrying fp32 error relative to itself; negative token weights make the terms
-// cancel, so the sum's relative error grows by sum |l_i| / |sum l_i| (1 without cancellation).
-double LossError(double loss, const ReferenceResult& ref) {
-  double sum = 0.0;
-  double magnitude = 0.0;
-  for (const double term : ref.token_loss) {
-    sum += term;
-    magnitude += std::abs(term);
-  }
-  const double cancellation = sum == 0.0 ? 1.0 : magnitude / std::abs(sum);
-  return std::abs(loss - ref.loss) / std::abs(ref.loss) / std::max(1.0, cancellation);
-}
-
 enum class Tiling { kAny, kTokenChunks, kVocabTiles };
 
 struct EngineCase {
@@ -125,15 +111,6 @@ LossOptions SliceOfBatch() {
   return o;
 }
 
-// The policy objectives' losses are r A or clip(r) A logp: a logp carrying the fp32 logits' error
-// (LogitBound, about 1e-6 at these scales) moves r by as much relative to itself, and a term
-// -clip(r) A logp near logp = 0 by as much relative to a small value, where cross-entropy's
-// lse - z_y stays well away from 0.
-constexpr double kPolicyLossBound = 2e-5;
-
-// Ratios on both sides of 1 - eps_low = 0.8 and 1 + eps_high = 1.28, inside and far outside the
-// trust region, and past the dual-clip bound 3.
-const std::vector<double> kRatioTargets = {0.3, 0.79, 0.81, 1.0, 1.1, 1.27, 1.29, 2.5, 3.2, 0.95};
 
 LossOptions Policy(Objective objective, Reduction reduction) {
   LossOptions o;

@@ -17,8 +17,11 @@ from server_process import SERVER_BIN, ServerProcess, run_with_terminal_stderr  
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSSCTL = os.environ.get("LOSSCTL_BIN", "build/bin/lossctl")
 VOCAB, HIDDEN = 1000, 64
-SUBCOMMANDS = ["heads", "head", "compute", "fetch-grad", "fetch-weight", "zero-grad", "step", "save",
-               "upload", "bench"]
+SUBCOMMANDS = ["heads", "head", "compute", "fetch-grad", "fetch-weight", "zero-grad", "step",
+               "grad-norm", "commit-grad", "discard-grad", "save", "upload", "bench"]
+# Ratios on both sides of each ppo bound (0.8, 1.28) and past the dual clip 3, far enough from
+# them that float rounding cannot move a token across.
+RATIO_TARGETS = np.array([0.3, 0.79, 0.81, 1.0, 1.1, 1.27, 1.29, 2.5, 3.2, 0.95])
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,14 @@ def test_help_describes_every_subcommand():
         sub = lossctl(name, "--help")
         assert f"Usage: lossctl {name}" in sub.stdout
         assert "--server" in sub.stdout
-    assert "--grad_out" in lossctl("compute", "--help").stdout
+    compute_help = lossctl("compute", "--help").stdout
+    for flag in ["--grad_out", "--objective", "--kl_estimator", "--teacher_head", "--outputs",
+                 "--sequence_lengths", "--sparse_teacher_mass"]:
+        assert flag in compute_help, flag
+    # Choices and output names come from the wire contract itself.
+    assert "cross_entropy, importance_sampling, ppo, cispo, logprob_gradient, distill" in compute_help
+    assert "sequence_mean_token_mean" in compute_help and "ratio, clip, kl, kd, ce" in compute_help
+    assert "--skip_nonfinite" in lossctl("step", "--help").stdout
 
 
 def test_usage_errors_exit_2():
@@ -135,6 +145,172 @@ def test_accumulate_fetch_grad_and_step(server, tmp_path):
     assert not np.load(tmp_path / "after.npy").any()
     assert "momentum is an SGD setting" in lossctl("step", "--head=demo", "--optimizer=adamw", "--lr=1",
                                                    "--momentum=0.9", server=server, expect=2).stderr
+
+
+def small_server():
+    return ServerProcess("--device=cpu", "--demo_vocab_size=300", "--demo_hidden_size=16",
+                         f"--demo_seed={os.getpid()}", metrics=False)
+
+
+def test_compute_ppo_matches_numpy(tmp_path):
+    """An RL objective named on the command line: ppo with dual clip and a k3 KL term, with its
+    per-token ratio, clip state and KL in --out and its statistics printed, against numpy."""
+    n = 60
+    rng = np.random.default_rng(7)
+    hidden = rng.standard_normal((n, 16)).astype(np.float32)
+    labels = rng.integers(0, 300, n)
+    labels[:4] = -100
+    with small_server() as s:
+        lossctl("fetch-weight", "--out", tmp_path / "w.npy", server=s)
+        weight = np.load(tmp_path / "w.npy").astype(np.float64)
+        logp = log_softmax(hidden.astype(np.float64) @ weight.T)[np.arange(n), np.maximum(labels, 0)]
+        sampling = (logp - np.log(RATIO_TARGETS[np.arange(n) % 10])).astype(np.float32)
+        advantages = (rng.choice([-1.0, 1.0], n) * rng.uniform(0.5, 2.0, n)).astype(np.float32)
+        reference = (logp + rng.normal(0.0, 0.5, n)).astype(np.float32)
+        for name, array in [("h", hidden), ("y", labels), ("q", sampling), ("a", advantages),
+                            ("r", reference)]:
+            np.save(tmp_path / f"{name}.npy", array)
+        out = lossctl("compute", "--hidden", tmp_path / "h.npy", "--labels", tmp_path / "y.npy",
+                      "--objective=ppo", "--clip_low=0.2", "--clip_high=0.28", "--dual_clip=3",
+                      "--kl_estimator=k3", "--kl_coef=0.05", "--reduction=sum",
+                      "--sampling_logprobs", tmp_path / "q.npy", "--advantages", tmp_path / "a.npy",
+                      "--reference_logprobs", tmp_path / "r.npy",
+                      "--outputs=token_loss,ratio,clip,kl", "--out", tmp_path / "o.json",
+                      server=s).stdout
+
+    q, adv = sampling.astype(np.float64), advantages.astype(np.float64)
+    ratio = np.exp(logp - q)
+    term = -np.minimum(ratio * adv, np.clip(ratio, 0.8, 1.28) * adv)
+    dual = (adv < 0) & (term > -3 * adv)
+    term = np.where(dual, -3 * adv, term)
+    delta = reference.astype(np.float64) - logp
+    kl = np.exp(delta) - delta - 1
+    counted = labels != -100
+    state = np.where(dual, 3, np.where((adv > 0) & (ratio > 1.28), 1,
+                                       np.where((adv < 0) & (ratio < 0.8), 2, 0)))
+    state[~counted] = 0
+    expected_loss = (term + 0.05 * kl)[counted].sum()
+
+    loss = float(re.search(r"^loss (\S+) \(sum\)", out, re.M).group(1))
+    assert abs(loss - expected_loss) <= 1e-4 * np.abs(term + 0.05 * kl)[counted].sum(), out
+    clipped = int((state != 0).sum())
+    assert f"clip fraction {clipped / counted.sum():.6f} ({clipped} of {counted.sum()} counted " \
+           "tokens clipped)" in out, out
+    assert {1, 2, 3} <= set(state.tolist()), "the batch reaches every clip state"
+    mean_kl = float(re.search(r"^mean KL (\S+) \(k3\)", out, re.M).group(1))
+    assert mean_kl == pytest.approx(kl[counted].mean(), rel=1e-4), out
+
+    results = json.load(open(tmp_path / "o.json"))
+    assert results["counted_tokens"] == counted.sum()
+    assert results["clipped_tokens"] == clipped
+    np.testing.assert_array_equal(results["clip"], state)
+    np.testing.assert_allclose(np.array(results["ratio"])[counted], ratio[counted], rtol=1e-4)
+    np.testing.assert_allclose(np.array(results["kl"])[counted], kl[counted], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.array(results["token_loss"])[counted],
+                               (term + 0.05 * kl)[counted], rtol=1e-4, atol=1e-5)
+    assert "logprob" not in results, "only the outputs asked for"
+
+
+def kl_divergence(p, logp, logq):
+    return (p * (logp - logq)).sum(axis=1)
+
+
+def test_compute_distill_matches_numpy(tmp_path):
+    """Distillation on the command line: a teacher head served beside the student (the JSD at
+    temperature 2, without labels) and a sparse teacher's top-k (forward KL, half cross-entropy),
+    their per-token KD and CE in --out and their means printed, against numpy."""
+    n, k = 40, 5
+    rng = np.random.default_rng(11)
+    hidden = rng.standard_normal((n, 16)).astype(np.float32)
+    teacher_hidden = rng.standard_normal((n, 8)).astype(np.float32)
+    teacher_weight = (0.5 * rng.standard_normal((300, 8))).astype(np.float32)
+    labels = rng.integers(0, 300, n)
+    labels[::7] = -100
+    np.save(tmp_path / "h.npy", hidden)
+    np.save(tmp_path / "th.npy", teacher_hidden)
+    np.save(tmp_path / "tw.npy", teacher_weight)
+    np.save(tmp_path / "y.npy", labels)
+    teacher_logp = log_softmax(teacher_hidden.astype(np.float64) @ teacher_weight.T.astype(np.float64))
+    top = np.argsort(-teacher_logp, axis=1)[:, :k]
+    np.save(tmp_path / "tk.npy", top.astype(np.int32))
+    np.save(tmp_path / "tl.npy", np.take_along_axis(teacher_logp, top, 1).astype(np.float32))
+    with small_server() as s:
+        lossctl("fetch-weight", "--out", tmp_path / "w.npy", server=s)
+        lossctl("upload", "--head=teacher", "--weight", tmp_path / "tw.npy", server=s)
+        dense = lossctl("compute", "--head=demo", "--hidden", tmp_path / "h.npy",
+                        "--objective=distill", "--teacher_head=teacher", "--teacher_hidden",
+                        tmp_path / "th.npy", "--distill_beta=0.5", "--distill_temperature=2",
+                        "--outputs=kd,ce", "--out", tmp_path / "dense.json", server=s).stdout
+        sparse = lossctl("compute", "--head=demo", "--hidden", tmp_path / "h.npy", "--labels",
+                         tmp_path / "y.npy", "--objective=distill", "--distill_alpha=0.5",
+                         "--teacher_top_k_tokens", tmp_path / "tk.npy", "--teacher_top_k_logprobs",
+                         tmp_path / "tl.npy", "--outputs=kd,ce", "--out", tmp_path / "sparse.json",
+                         server=s).stdout
+    logits = hidden.astype(np.float64) @ np.load(tmp_path / "w.npy").astype(np.float64).T
+
+    # The JSD with beta 0.5 at tau 2, times tau^2; every row counts without labels.
+    logq = log_softmax(logits / 2)
+    logp = log_softmax(teacher_hidden.astype(np.float64) @ teacher_weight.T.astype(np.float64) / 2)
+    logm = np.log(0.5 * np.exp(logp) + 0.5 * np.exp(logq))
+    kd = 4 * (0.5 * kl_divergence(np.exp(logp), logp, logm) +
+              0.5 * kl_divergence(np.exp(logq), logq, logm))
+    results = json.load(open(tmp_path / "dense.json"))
+    assert results["counted_tokens"] == n and results["labels"] == []
+    np.testing.assert_allclose(results["kd"], kd, rtol=1e-4, atol=1e-6)
+    assert results["mean_kd"] == pytest.approx(kd.mean(), rel=1e-4)
+    loss = float(re.search(r"^loss (\S+) \(mean\)", dense, re.M).group(1))
+    assert loss == pytest.approx(kd.mean(), rel=1e-4), dense
+    assert re.search(r"^mean KD \S+, mean CE 0 \(teacher at version \d+\)", dense, re.M), dense
+
+    # The top-k renormalized, against the student at tau 1; half the label's cross-entropy.
+    student = log_softmax(logits)
+    top_logp = np.take_along_axis(teacher_logp, top, 1)
+    top_logp -= np.log(np.exp(top_logp).sum(axis=1, keepdims=True))
+    kd = kl_divergence(np.exp(top_logp), top_logp, np.take_along_axis(student, top, 1))
+    ce = -student[np.arange(n), np.maximum(labels, 0)]
+    counted = labels != -100
+    results = json.load(open(tmp_path / "sparse.json"))
+    np.testing.assert_allclose(np.array(results["kd"])[counted], kd[counted], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.array(results["ce"])[counted], ce[counted], rtol=1e-4)
+    assert results["mean_ce"] == pytest.approx(ce[counted].mean(), rel=1e-4)
+    loss = float(re.search(r"^loss (\S+) \(mean\)", sparse, re.M).group(1))
+    assert loss == pytest.approx((0.5 * ce + 0.5 * kd)[counted].mean(), rel=1e-4), sparse
+
+
+def test_staged_gradient_norm_and_skipped_step(tmp_path):
+    """compute --stage keeps dL/dW on the server until commit-grad adds it times a scale;
+    grad-norm reads the norm; a step whose multiplied gradient overflows is skipped."""
+    with small_server() as s:
+        # A gradient norm far above 1, which a multiplier of 3e38 takes past float32.
+        lossctl("compute", "--synthetic=32", "--seed=1", "--grad_scale=100", "--accumulate",
+                server=s)
+        lossctl("fetch-grad", "--out", tmp_path / "g1.npy", server=s)
+        lossctl("zero-grad", server=s)
+        out = lossctl("compute", "--synthetic=32", "--seed=1", "--grad_scale=100", "--accumulate",
+                      "--stage", "--call_id=staged-1", server=s).stdout
+        assert "dL/dW is staged, waiting for commit-grad" in out and "staged-1" in out, out
+        assert "staged_gradients:   1" in lossctl("head", "demo", server=s).stdout
+        out = lossctl("commit-grad", "--call_id=staged-1", "--scale=0.5", server=s).stdout
+        assert out.startswith("committed the dL/dW staged by call staged-1"), out
+        out = lossctl("commit-grad", "--call_id=staged-1", "--scale=0.5", server=s).stdout
+        assert out.startswith("had already committed"), out
+        lossctl("fetch-grad", "--out", tmp_path / "g2.npy", server=s)
+        norm = float(re.search(r"^grad norm (\S+)", lossctl("grad-norm", server=s).stdout).group(1))
+        assert "discarded 0 of 2" in lossctl("discard-grad", "--call_id=staged-1,other",
+                                             server=s).stdout
+        out = lossctl("step", "--optimizer=sgd", "--grad_multiplier=3e38", "--skip_nonfinite",
+                      "--keep_grad", server=s).stdout
+        assert out.startswith("skipped the step of head demo"), out
+        out = lossctl("step", "--optimizer=sgd", "--grad_multiplier=2", server=s).stdout
+        assert re.search(r"version \d+ -> \d+, grad norm (\S+)", out), out
+        stepped_norm = float(re.search(r"grad norm (\S+)", out).group(1))
+        err = lossctl("step", "--optimizer=sgd", "--world_size=2", "--rank=2", server=s,
+                      expect=2).stderr
+        assert "--rank: expected a rank in [0, 2), got 2" in err, err
+    g1, g2 = np.load(tmp_path / "g1.npy"), np.load(tmp_path / "g2.npy")
+    np.testing.assert_allclose(g2, 0.5 * g1, rtol=1e-5, atol=1e-9)
+    assert norm == pytest.approx(np.linalg.norm(g2.astype(np.float64)), rel=1e-5)
+    assert stepped_norm == pytest.approx(2 * norm, rel=1e-5)
 
 
 def test_step_takes_torchs_adamw_defaults(tmp_path):

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "client/cpp/result_assembler.h"
 #include "client/cpp/shared_buffer.h"
 #include "lossd/common/status_macros.h"
 
@@ -29,11 +30,6 @@ constexpr int64_t kTargetMessageBytes = int64_t{4} << 20;
 // Below this a start message with labels of any useful batch would not fit.
 constexpr int64_t kMinMessageBytes = int64_t{64} << 10;
 constexpr int kMaxTopK = 64;
-
-// The server broke the wire contract; the call's data cannot be trusted.
-absl::Status ServerViolation(absl::string_view what) {
-  return absl::InternalError(absl::StrCat("server sent ", what));
-}
 
 int ClampToInt(int64_t value) { return static_cast<int>(std::min<int64_t>(value, INT_MAX)); }
 
@@ -54,15 +50,6 @@ std::string NewCallId() {
 double RandomJitter() {
   thread_local std::mt19937_64 generator{std::random_device{}()};
   return std::uniform_real_distribution<double>(0.5, 1.0)(generator);
-}
-
-v1::DType ToProto(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return v1::DTYPE_FLOAT32;
-    case DType::kBFloat16: return v1::DTYPE_BFLOAT16;
-    case DType::kFloat16: return v1::DTYPE_FLOAT16;
-  }
-  return v1::DTYPE_UNSPECIFIED;
 }
 
 absl::StatusOr<DType> FromProto(v1::DType dtype, absl::string_view field) {
@@ -97,42 +84,74 @@ absl::StatusOr<HeadInfo> FromProto(const v1::HeadInfo& proto) {
   info.weight_sha256 = proto.weight_sha256();
   info.tied_embeddings = proto.tied_embeddings();
   info.logit_softcap = proto.logit_softcap();
+  info.master_weights = proto.master_weights();
+  info.staged_gradients = proto.staged_gradients();
   return info;
 }
 
-v1::Reduction ToProto(Reduction reduction) {
-  switch (reduction) {
-    case Reduction::kMean: return v1::REDUCTION_MEAN;
-    case Reduction::kSum: return v1::REDUCTION_SUM;
-    case Reduction::kNone: return v1::REDUCTION_NONE;
+// The dtype of a call's dL/dh: outputs.grad_hidden_dtype, or unspecified, the rows'.
+absl::StatusOr<DType> GradHiddenDType(const ComputeRequest& request) {
+  const v1::DType wanted = request.outputs.grad_hidden_dtype();
+  if (wanted == v1::DTYPE_UNSPECIFIED) return request.hidden.dtype;
+  absl::StatusOr<DType> dtype = FromProto(wanted, "outputs.grad_hidden_dtype");
+  if (!dtype.ok()) {
+    return InvalidField("outputs.grad_hidden_dtype", "a lossd.v1.DType", absl::StrCat(static_cast<int>(wanted)));
   }
-  return v1::REDUCTION_MEAN;
+  return dtype;
 }
 
-void ToProto(const LossOptions& options, v1::LossOptions& proto) {
-  proto.set_reduction(ToProto(options.reduction));
-  proto.set_ignore_index(options.ignore_index);
-  proto.set_label_smoothing(options.label_smoothing);
-  proto.set_z_loss_scale(options.z_loss_scale);
-  if (options.logit_softcap.has_value()) proto.set_logit_softcap(*options.logit_softcap);
-  proto.set_temperature(options.temperature);
-  proto.set_grad_scale(options.grad_scale);
-  proto.set_mean_denominator(options.mean_denominator);
-  proto.set_allow_tf32(options.allow_tf32);
+// A matrix of `rows` rows the caller hands over: its columns positive and its data there.
+absl::Status CheckMatrix(const TensorView& view, int64_t rows, absl::string_view field,
+                         absl::string_view rows_are) {
+  if (view.rows != rows) {
+    return InvalidField(absl::StrCat(field, ".rows"), absl::StrCat(rows, " (", rows_are, ")"),
+                        absl::StrCat(view.rows));
+  }
+  if (view.cols <= 0) {
+    return InvalidField(absl::StrCat(field, ".cols"), "a positive hidden size",
+                        absl::StrCat(view.cols));
+  }
+  if (rows > 0 && view.data == nullptr) {
+    return InvalidField(absl::StrCat(field, ".data"), "a pointer to the rows", "null");
+  }
+  return absl::OkStatus();
 }
 
-void ToProto(const OutputSelection& outputs, v1::OutputSelection& proto) {
-  proto.set_token_loss(outputs.token_loss);
-  proto.set_logprob(outputs.logprob);
-  proto.set_lse(outputs.lse);
-  proto.set_entropy(outputs.entropy);
-  proto.set_argmax(outputs.argmax);
-  proto.set_top_k(outputs.top_k);
-  proto.set_grad_hidden(outputs.grad_hidden);
-  if (outputs.grad_hidden_dtype.has_value()) {
-    proto.set_grad_hidden_dtype(ToProto(*outputs.grad_hidden_dtype));
+absl::Status ValidateTeacher(const ComputeRequest& request) {
+  const int64_t rows = request.hidden.rows;
+  const bool dense = !request.teacher_head.empty();
+  const bool sparse = request.teacher_top_k != 0 || !request.teacher_top_k_tokens.empty() ||
+                      !request.teacher_top_k_logprobs.empty();
+  if (dense && sparse) {
+    return InvalidField("teacher_head/teacher_top_k", "one teacher", "both");
   }
-  proto.set_accumulate_grad_weight(outputs.accumulate_grad_weight);
+  if (!dense && (request.teacher_hidden.rows != 0 || request.teacher_hidden.data != nullptr)) {
+    return InvalidField("teacher_hidden", "no rows without a teacher_head",
+                        absl::StrCat(request.teacher_hidden.rows, " rows"));
+  }
+  if (dense) RETURN_IF_ERROR(CheckMatrix(request.teacher_hidden, rows, "teacher_hidden", "hidden.rows"));
+  if (sparse) {
+    if (request.teacher_top_k <= 0) {
+      return InvalidField("teacher_top_k", "k >= 1 beside teacher_top_k_tokens/logprobs",
+                          absl::StrCat(request.teacher_top_k));
+    }
+    const int64_t values = rows * request.teacher_top_k;
+    for (const auto& [name, size] :
+         {std::pair<absl::string_view, size_t>{"teacher_top_k_tokens", request.teacher_top_k_tokens.size()},
+          {"teacher_top_k_logprobs", request.teacher_top_k_logprobs.size()}}) {
+      if (static_cast<int64_t>(size) != values) {
+        return InvalidField(name,
+                            absl::StrCat(values, " entries (hidden.rows x teacher_top_k, ", rows, " x ",
+                                         request.teacher_top_k, ")"),
+                            absl::StrCat(size));
+      }
+    }
+  }
+  if ((dense || sparse) && request.shared_memory) {
+    return InvalidField("shared_memory", "false for a call with a teacher, whose rows travel in messages",
+                        "true");
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ValidateComputeRequest(const ComputeRequest& request) {
@@ -142,24 +161,48 @@ absl::Status ValidateComputeRequest(const ComputeRequest& request) {
   if (hidden.rows > 0 && hidden.data == nullptr) {
     return InvalidField("hidden.data", "a pointer to the rows", "null");
   }
-  if (static_cast<int64_t>(request.labels.size()) != hidden.rows) {
-    return InvalidField("labels", absl::StrCat(hidden.rows, " entries (hidden.rows)"),
+  const bool may_go_without_labels = request.options.objective() == v1::OBJECTIVE_DISTILL &&
+                                     request.options.distill().alpha() == 0.0;
+  if (static_cast<int64_t>(request.labels.size()) != hidden.rows &&
+      !(may_go_without_labels && request.labels.empty())) {
+    return InvalidField("labels",
+                        absl::StrCat(hidden.rows, " entries (hidden.rows)",
+                                     may_go_without_labels ? ", or none" : ""),
                         absl::StrCat(request.labels.size()));
   }
-  if (!request.token_weights.empty() && static_cast<int64_t>(request.token_weights.size()) != hidden.rows) {
-    return InvalidField("token_weights", absl::StrCat("0 or ", hidden.rows, " entries (hidden.rows)"),
-                        absl::StrCat(request.token_weights.size()));
+  for (const auto& [name, size] : {std::pair<absl::string_view, size_t>{"token_weights", request.token_weights.size()},
+                                   {"sampling_logprobs", request.sampling_logprobs.size()},
+                                   {"advantages", request.advantages.size()},
+                                   {"reference_logprobs", request.reference_logprobs.size()},
+                                   {"logprob_grads", request.logprob_grads.size()}}) {
+    if (size != 0 && static_cast<int64_t>(size) != hidden.rows) {
+      return InvalidField(name, absl::StrCat("0 or ", hidden.rows, " entries (hidden.rows)"),
+                          absl::StrCat(size));
+    }
   }
+  RETURN_IF_ERROR(ValidateTeacher(request));
   // Checked here as well as on the server because the result buffers are sized by it.
-  if (request.outputs.top_k < 0 || request.outputs.top_k > kMaxTopK) {
+  if (request.outputs.top_k() < 0 || request.outputs.top_k() > kMaxTopK) {
     return InvalidField("outputs.top_k", absl::StrCat("a value in [0, ", kMaxTopK, "]"),
-                        absl::StrCat(request.outputs.top_k));
+                        absl::StrCat(request.outputs.top_k()));
   }
+  RETURN_IF_ERROR(GradHiddenDType(request).status());
   if (request.rows_per_message < 0) {
     return InvalidField("rows_per_message", "0 (automatic) or a positive count",
                         absl::StrCat(request.rows_per_message));
   }
   return absl::OkStatus();
+}
+
+// The bytes one row of a call takes in chunk messages: its hidden row and the teacher's data for it.
+int64_t ChunkRowBytes(const ComputeRequest& request) {
+  const auto row_bytes = [](const TensorView& view) {
+    return view.cols * static_cast<int64_t>(DTypeSize(view.dtype));
+  };
+  int64_t bytes = row_bytes(request.hidden);
+  if (!request.teacher_head.empty()) bytes += row_bytes(request.teacher_hidden);
+  bytes += int64_t{request.teacher_top_k} * (sizeof(int32_t) + sizeof(float));
+  return bytes;
 }
 
 absl::StatusOr<int64_t> RowsPerMessage(int64_t requested, int64_t row_bytes, int64_t max_message_bytes) {
@@ -180,61 +223,64 @@ absl::StatusOr<int64_t> RowsPerMessage(int64_t requested, int64_t row_bytes, int
   return requested;
 }
 
-// Which rows of a result have arrived, so that results streamed in any order are each placed once
-// and a missing or repeated row is an error rather than silently zero.
-class RowCoverage {
- public:
-  explicit RowCoverage(int64_t rows) : seen_(static_cast<size_t>(rows), false) {}
-
-  absl::Status Mark(int64_t offset, int64_t count) {
-    const int64_t rows = static_cast<int64_t>(seen_.size());
-    if (offset < 0 || count < 0 || offset > rows || count > rows - offset) {
-      return ServerViolation(
-          absl::StrCat("rows [", offset, ", ", offset + count, ") of a ", rows, "-row result"));
+// The start message of a call: everything but the rows.
+v1::ComputeRequest StartMessage(const ComputeRequest& request) {
+  const TensorView& hidden = request.hidden;
+  v1::ComputeRequest message;
+  v1::ComputeStart& start = *message.mutable_start();
+  start.set_head(request.head);
+  if (request.head_version.has_value()) start.set_head_version(*request.head_version);
+  start.set_weight_sha256(request.weight_sha256);
+  *start.mutable_options() = request.options;
+  *start.mutable_outputs() = request.outputs;
+  start.set_num_tokens(hidden.rows);
+  start.set_hidden_size(hidden.cols);
+  start.set_hidden_dtype(ToProto(hidden.dtype));
+  start.mutable_labels()->Add(request.labels.begin(), request.labels.end());
+  const auto add = [](absl::Span<const float> values, google::protobuf::RepeatedField<float>* field) {
+    field->Add(values.begin(), values.end());
+  };
+  add(request.token_weights, start.mutable_token_weights());
+  add(request.sampling_logprobs, start.mutable_sampling_logprobs());
+  add(request.advantages, start.mutable_advantages());
+  add(request.reference_logprobs, start.mutable_reference_logprobs());
+  add(request.logprob_grads, start.mutable_logprob_grads());
+  start.set_call_id(!request.call_id.empty()                   ? request.call_id
+                    : request.outputs.accumulate_grad_weight() ? NewCallId()
+                                                               : std::string());
+  start.set_shift_labels(request.shift_labels);
+  start.mutable_sequence_lengths()->Add(request.sequence_lengths.begin(),
+                                        request.sequence_lengths.end());
+  if (!request.teacher_head.empty()) {
+    start.set_teacher_head(request.teacher_head);
+    if (request.teacher_head_version.has_value()) {
+      start.set_teacher_head_version(*request.teacher_head_version);
     }
-    for (int64_t row = offset; row < offset + count; ++row) {
-      if (seen_[row]) return ServerViolation(absl::StrCat("row ", row, " twice"));
-      seen_[row] = true;
-    }
-    covered_ += count;
-    return absl::OkStatus();
+    start.set_teacher_hidden_size(request.teacher_hidden.cols);
+    start.set_teacher_hidden_dtype(ToProto(request.teacher_hidden.dtype));
   }
+  start.set_teacher_top_k(request.teacher_top_k);
+  start.set_stage_grad_weight(request.stage_grad_weight);
+  return message;
+}
 
-  bool complete() const { return covered_ == static_cast<int64_t>(seen_.size()); }
-  int64_t covered() const { return covered_; }
-
- private:
-  std::vector<bool> seen_;
-  int64_t covered_ = 0;
-};
-
-// Places per-row results into the buffers of one Compute call as they arrive. dL/dh comes in the
-// result messages, into `grad_hidden_target` if given, else into the result; or (shared memory)
-// not at all.
+// Puts one Compute call's results together as they arrive: the per-token outputs by the
+// contract's rule (PerTokenAssembler), dL/dh from the result messages into `grad_hidden_target`
+// if given, else into the result, or (shared memory) not at all, and the summary.
 class ResultAssembler {
  public:
-  ResultAssembler(const ComputeRequest& request, ComputeResult& result, bool grad_hidden_in_messages,
+  ResultAssembler(const ComputeRequest& request, DType grad_dtype, PerTokenAssembler per_token,
+                  ComputeResult& result, bool grad_hidden_in_messages,
                   uint8_t* grad_hidden_target = nullptr)
-      : want_(request.outputs),
-        on_progress_(request.on_progress),
+      : on_progress_(request.on_progress),
+        grad_hidden_wanted_(request.outputs.grad_hidden()),
         grad_hidden_in_messages_(grad_hidden_in_messages),
         rows_(request.hidden.rows),
-        grad_dtype_(request.outputs.grad_hidden_dtype.value_or(request.hidden.dtype)),
+        grad_dtype_(grad_dtype),
         grad_row_bytes_(request.hidden.cols * static_cast<int64_t>(DTypeSize(grad_dtype_))),
         result_(result),
-        coverage_(request.hidden.rows) {
-    auto size = [this](bool wanted, auto& buffer, int64_t per_row) {
-      if (wanted) buffer.resize(rows_ * per_row);
-    };
-    size(want_.token_loss, result_.token_loss, 1);
-    size(want_.logprob, result_.logprob, 1);
-    size(want_.lse, result_.lse, 1);
-    size(want_.entropy, result_.entropy, 1);
-    size(want_.argmax, result_.argmax, 1);
-    size(want_.top_k > 0, result_.top_k_logprob, want_.top_k);
-    size(want_.top_k > 0, result_.top_k_token, want_.top_k);
-    result_.top_k = want_.top_k;
-    if (want_.grad_hidden) {
+        per_token_(std::move(per_token)) {
+    if (grad_hidden_wanted_) {
       grad_hidden_ = grad_hidden_target;
       if (grad_hidden_in_messages_ && grad_hidden_ == nullptr) {
         result_.grad_hidden.bytes.resize(rows_ * grad_row_bytes_);
@@ -246,43 +292,32 @@ class ResultAssembler {
     }
   }
 
-  absl::Status Add(const v1::ComputeResponse& response) {
+  // Takes what it keeps out of `response`, which the stream reads into again.
+  absl::Status Add(v1::ComputeResponse& response) {
     if (summary_received_) return ServerViolation("a message after the summary");
     if (response.has_summary()) {
       summary_received_ = true;
-      StoreSummary(response.summary());
+      result_.summary.Swap(response.mutable_summary());
       return absl::OkStatus();
     }
     if (!response.has_result()) return ServerViolation("a response with neither result nor summary");
-    return Place(response.result());
+    return Place(*response.mutable_result());
   }
 
   absl::Status Finish() {
     if (!summary_received_) return ServerViolation("no summary before ending the call");
-    if (!coverage_.complete()) {
-      return ServerViolation(absl::StrCat("results for ", coverage_.covered(), " of ", rows_, " rows"));
-    }
-    result_.grad_hidden.head_version = result_.summary.head_version;
+    RETURN_IF_ERROR(per_token_.Finish());
+    result_.grad_hidden.head_version = result_.summary.head_version();
     return absl::OkStatus();
   }
 
  private:
-  absl::Status Place(const v1::ComputeResult& piece) {
-    const int64_t offset = piece.row_offset();
+  absl::Status Place(v1::ComputeResult& piece) {
+    // Checks the rows' place and every per-token field's count before dL/dh is copied by them.
+    RETURN_IF_ERROR(per_token_.Add(piece));
+    if (on_progress_) on_progress_(per_token_.covered(), rows_);
     const int64_t count = piece.num_rows();
-    RETURN_IF_ERROR(coverage_.Mark(offset, count));
-    if (on_progress_) on_progress_(coverage_.covered(), rows_);
-    RETURN_IF_ERROR(
-        PlaceField("token_loss", piece.token_loss(), want_.token_loss, 1, offset, count, result_.token_loss));
-    RETURN_IF_ERROR(PlaceField("logprob", piece.logprob(), want_.logprob, 1, offset, count, result_.logprob));
-    RETURN_IF_ERROR(PlaceField("lse", piece.lse(), want_.lse, 1, offset, count, result_.lse));
-    RETURN_IF_ERROR(PlaceField("entropy", piece.entropy(), want_.entropy, 1, offset, count, result_.entropy));
-    RETURN_IF_ERROR(PlaceField("argmax", piece.argmax(), want_.argmax, 1, offset, count, result_.argmax));
-    RETURN_IF_ERROR(PlaceField("top_k_logprob", piece.top_k_logprob(), want_.top_k > 0, want_.top_k, offset,
-                               count, result_.top_k_logprob));
-    RETURN_IF_ERROR(PlaceField("top_k_token", piece.top_k_token(), want_.top_k > 0, want_.top_k, offset,
-                               count, result_.top_k_token));
-    const int64_t grad_bytes = want_.grad_hidden && grad_hidden_in_messages_ ? count * grad_row_bytes_ : 0;
+    const int64_t grad_bytes = grad_hidden_wanted_ && grad_hidden_in_messages_ ? count * grad_row_bytes_ : 0;
     if (static_cast<int64_t>(piece.grad_hidden().size()) != grad_bytes) {
       return ServerViolation(absl::StrCat(piece.grad_hidden().size(), " bytes of grad_hidden for ", count,
                                           " rows, expected ", grad_bytes));
@@ -292,52 +327,51 @@ class ResultAssembler {
         return ServerViolation(absl::StrCat("grad_hidden_dtype ", static_cast<int>(piece.grad_hidden_dtype()),
                                             ", expected ", DTypeName(grad_dtype_)));
       }
-      std::memcpy(grad_hidden_ + offset * grad_row_bytes_, piece.grad_hidden().data(), grad_bytes);
+      std::memcpy(grad_hidden_ + piece.row_offset() * grad_row_bytes_, piece.grad_hidden().data(),
+                  grad_bytes);
     }
     return absl::OkStatus();
   }
 
-  template <typename Field, typename Buffer>
-  absl::Status PlaceField(absl::string_view name, const Field& field, bool wanted, int64_t per_row,
-                          int64_t offset, int64_t count, Buffer& buffer) {
-    const int64_t expected = wanted ? count * per_row : 0;
-    if (field.size() != expected) {
-      return ServerViolation(
-          absl::StrCat(field.size(), " values of ", name, " for ", count, " rows, expected ", expected));
-    }
-    // An output not asked for has an empty buffer, where even a zero offset is undefined.
-    if (expected > 0) std::copy(field.begin(), field.end(), buffer.begin() + offset * per_row);
-    return absl::OkStatus();
-  }
-
-  void StoreSummary(const v1::ComputeSummary& proto) {
-    ComputeSummary& s = result_.summary;
-    s.loss = proto.loss();
-    s.loss_sum = proto.loss_sum();
-    s.counted_tokens = proto.counted_tokens();
-    s.correct_tokens = proto.correct_tokens();
-    s.head_version = proto.head_version();
-    s.grad_weight_accumulated = proto.grad_weight_accumulated();
-    s.replayed = proto.replayed();
-    s.queue_seconds = proto.queue_seconds();
-    s.compute_seconds = proto.compute_seconds();
-    s.peak_workspace_bytes = proto.peak_workspace_bytes();
-    s.backend = proto.backend();
-  }
-
-  const OutputSelection& want_;
   const std::function<void(int64_t, int64_t)>& on_progress_;
+  const bool grad_hidden_wanted_;
   const bool grad_hidden_in_messages_;
   const int64_t rows_;
   const DType grad_dtype_;
   const int64_t grad_row_bytes_;
   uint8_t* grad_hidden_ = nullptr;  // where dL/dh from messages goes
   ComputeResult& result_;
-  RowCoverage coverage_;
+  PerTokenAssembler per_token_;
   bool summary_received_ = false;
 };
 
+// Runs `attempt` (given its number, from 1) until it succeeds, fails with a code other than those
+// after which the client cannot know whether the server acted (IsRetryable), or has had
+// retry.max_attempts attempts; waits between attempts as `retry` says.
+template <typename T>
+absl::StatusOr<T> WithRetries(const RetryOptions& retry,
+                              const std::function<absl::StatusOr<T>(int attempt)>& attempt) {
+  absl::Duration backoff = retry.initial_backoff;
+  for (int number = 1;; ++number) {
+    absl::StatusOr<T> result = attempt(number);
+    if (result.ok() || !IsRetryable(result.status()) || number >= retry.max_attempts) return result;
+    const absl::Duration wait = std::min(backoff, retry.max_backoff) * RandomJitter();
+    if (retry.on_retry) retry.on_retry(result.status(), number, wait);
+    absl::SleepFor(wait);
+    backoff = std::min(backoff * retry.backoff_multiplier, retry.max_backoff);
+  }
+}
+
 }  // namespace
+
+v1::DType ToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return v1::DTYPE_FLOAT32;
+    case DType::kBFloat16: return v1::DTYPE_BFLOAT16;
+    case DType::kFloat16: return v1::DTYPE_FLOAT16;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
@@ -554,21 +588,23 @@ absl::StatusOr<HeadInfo> Client::UploadHead(const std::string& head, const Tenso
   return FromProto(response);
 }
 
-absl::StatusOr<Tensor> Client::FetchWeight(const std::string& head, DType dtype) const {
-  return FetchTensor(head, dtype, /*gradient=*/false);
+absl::StatusOr<Tensor> Client::FetchWeight(const std::string& head, DType dtype, bool master) const {
+  return FetchTensor(head, dtype, /*gradient=*/false, master);
 }
 
 absl::StatusOr<Tensor> Client::FetchGradWeight(const std::string& head, DType dtype) const {
-  return FetchTensor(head, dtype, /*gradient=*/true);
+  return FetchTensor(head, dtype, /*gradient=*/true, /*master=*/false);
 }
 
-absl::StatusOr<Tensor> Client::FetchTensor(const std::string& head, DType dtype, bool gradient) const {
+absl::StatusOr<Tensor> Client::FetchTensor(const std::string& head, DType dtype, bool gradient,
+                                           bool master) const {
   if (gradient) RETURN_IF_ERROR(RequireOneServer("the accumulated dL/dW"));
   grpc::ClientContext context;
   PrepareContext(context);
   v1::FetchTensorRequest request;
   request.set_head(head);
   request.set_dtype(ToProto(dtype));
+  request.set_master(master);
   // Half the message limit: the server allows chunks up to half of its own limit, so with equal
   // limits on both ends the request is accepted and every chunk fits this channel.
   request.set_max_chunk_bytes(std::min(kTargetMessageBytes, options_.max_message_bytes / 2));
@@ -622,21 +658,75 @@ absl::StatusOr<Tensor> Client::FetchTensor(const std::string& head, DType dtype,
   return tensor;
 }
 
-absl::StatusOr<uint64_t> Client::ZeroGrad(const std::string& head) const {
-  RETURN_IF_ERROR(RequireOneServer("zeroing the gradient"));
+template <typename Request, typename Response>
+absl::StatusOr<Response> Client::CallOneServer(
+    grpc::Status (v1::LossService::Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+    const Request& request) const {
   grpc::ClientContext context;
   PrepareContext(context);
+  Response response;
+  RETURN_IF_ERROR(FromGrpcStatus((one_server_stub_.get()->*method)(&context, request, &response)));
+  return response;
+}
+
+template <typename Request, typename Response>
+absl::StatusOr<Response> Client::CallOneServerRetried(
+    grpc::Status (v1::LossService::Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+    const Request& request, bool repeatable) const {
+  if (!repeatable) return CallOneServer(method, request);
+  return WithRetries<Response>(options_.compute_retry,
+                               [&](int) { return CallOneServer(method, request); });
+}
+
+absl::StatusOr<uint64_t> Client::ZeroGrad(const std::string& head) const {
+  RETURN_IF_ERROR(RequireOneServer("zeroing the gradient"));
   v1::ZeroGradWeightRequest request;
   request.set_head(head);
-  v1::ZeroGradWeightResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(one_server_stub_->ZeroGradWeight(&context, request, &response)));
+  ASSIGN_OR_RETURN(const v1::ZeroGradWeightResponse response,
+                   CallOneServer(&v1::LossService::Stub::ZeroGradWeight, request));
   return response.head_version();
 }
+
+namespace {
+
+// A collective call's ranks, checked before any rank waits on the server for the others.
+absl::Status SetRanks(const RankGroup& ranks, const std::optional<uint64_t>& head_version,
+                      v1::RankGroup& proto) {
+  if (ranks.world_size < 1) {
+    return InvalidField("ranks.world_size", "a count >= 1", absl::StrCat(ranks.world_size));
+  }
+  if (ranks.rank < 0 || ranks.rank >= ranks.world_size) {
+    return InvalidField("ranks.rank", absl::StrCat("a rank in [0, ", ranks.world_size, ")"),
+                        absl::StrCat(ranks.rank));
+  }
+  if (ranks.world_size > 1 && !head_version.has_value()) {
+    return InvalidField("head_version", "the version the ranks trained on (ranks.world_size > 1)",
+                        "none");
+  }
+  if (ranks.world_size > 1) {
+    proto.set_world_size(ranks.world_size);
+    proto.set_rank(ranks.rank);
+  }
+  return absl::OkStatus();
+}
+
+// What Step and GradWeightNorm requests share: the head, the step's version, the ranks and the
+// multiplier.
+template <typename Options, typename Request>
+absl::Status SetCollective(const Options& options, Request& request) {
+  request.set_head(options.head);
+  if (options.head_version.has_value()) request.set_head_version(*options.head_version);
+  RETURN_IF_ERROR(SetRanks(options.ranks, options.head_version, *request.mutable_ranks()));
+  if (options.grad_multiplier.has_value()) request.set_grad_multiplier(*options.grad_multiplier);
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<StepResult> Client::Step(const StepOptions& options) const {
   RETURN_IF_ERROR(RequireOneServer("an optimizer step"));
   v1::StepRequest request;
-  request.set_head(options.head);
+  RETURN_IF_ERROR(SetCollective(options, request));
   if (const auto* sgd = std::get_if<SgdOptions>(&options.optimizer)) {
     v1::SgdConfig& config = *request.mutable_sgd();
     if (sgd->learning_rate.has_value()) config.set_learning_rate(*sgd->learning_rate);
@@ -653,84 +743,93 @@ absl::StatusOr<StepResult> Client::Step(const StepOptions& options) const {
   }
   request.set_max_grad_norm(options.max_grad_norm);
   request.set_keep_grad(options.keep_grad);
-  if (options.head_version.has_value()) request.set_head_version(*options.head_version);
+  request.set_skip_nonfinite(options.skip_nonfinite);
 
-  grpc::ClientContext context;
-  PrepareContext(context);
-  v1::StepResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(one_server_stub_->Step(&context, request, &response)));
-  StepResult result;
-  result.head_version = response.head_version();
-  result.grad_norm = response.grad_norm();
-  result.clip_multiplier = response.clip_multiplier();
-  result.accumulated_tokens = response.accumulated_tokens();
-  return result;
+  // A single process's step is made once: a repeat of it would be a second step.
+  ASSIGN_OR_RETURN(const v1::StepResponse response,
+                   CallOneServerRetried(&v1::LossService::Stub::Step, request,
+                                        /*repeatable=*/options.ranks.world_size > 1));
+  return StepResult{.head_version = response.head_version(),
+                    .grad_norm = response.grad_norm(),
+                    .clip_multiplier = response.clip_multiplier(),
+                    .accumulated_tokens = response.accumulated_tokens(),
+                    .skipped = response.skipped()};
+}
+
+absl::StatusOr<GradNormResult> Client::GradWeightNorm(const GradNormOptions& options) const {
+  RETURN_IF_ERROR(RequireOneServer("the accumulated dL/dW"));
+  v1::GradWeightNormRequest request;
+  RETURN_IF_ERROR(SetCollective(options, request));
+  // It changes nothing, so a repeat is always safe; a collective one is answered as the first.
+  ASSIGN_OR_RETURN(const v1::GradWeightNormResponse response,
+                   CallOneServerRetried(&v1::LossService::Stub::GradWeightNorm, request,
+                                        /*repeatable=*/true));
+  return GradNormResult{.head_version = response.head_version(),
+                        .grad_norm = response.grad_norm(),
+                        .accumulated_tokens = response.accumulated_tokens(),
+                        .accumulated_calls = response.accumulated_calls()};
+}
+
+absl::StatusOr<CommitResult> Client::CommitGradWeight(const std::string& head, const std::string& call_id,
+                                                      double scale) const {
+  RETURN_IF_ERROR(RequireOneServer("committing a staged dL/dW"));
+  if (call_id.empty()) return InvalidField("call_id", "the id of a call that staged its dL/dW", "none");
+  v1::CommitGradWeightRequest request;
+  request.set_head(head);
+  request.set_call_id(call_id);
+  request.set_scale(scale);
+  ASSIGN_OR_RETURN(const v1::CommitGradWeightResponse response,
+                   CallOneServerRetried(&v1::LossService::Stub::CommitGradWeight, request,
+                                        /*repeatable=*/true));
+  return CommitResult{.head_version = response.head_version(),
+                      .accumulated_tokens = response.accumulated_tokens(),
+                      .replayed = response.replayed()};
+}
+
+absl::StatusOr<int> Client::DiscardGradWeight(const std::string& head,
+                                              absl::Span<const std::string> call_ids) const {
+  RETURN_IF_ERROR(RequireOneServer("discarding a staged dL/dW"));
+  v1::DiscardGradWeightRequest request;
+  request.set_head(head);
+  for (const std::string& id : call_ids) request.add_call_ids(id);
+  ASSIGN_OR_RETURN(const v1::DiscardGradWeightResponse response,
+                   CallOneServer(&v1::LossService::Stub::DiscardGradWeight, request));
+  return response.discarded();
 }
 
 absl::StatusOr<std::vector<std::string>> Client::SaveCheckpoint(const std::string& head) const {
   RETURN_IF_ERROR(RequireOneServer("a checkpoint"));
-  grpc::ClientContext context;
-  PrepareContext(context);
   v1::SaveCheckpointRequest request;
   request.set_head(head);
-  v1::SaveCheckpointResponse response;
-  RETURN_IF_ERROR(FromGrpcStatus(one_server_stub_->SaveCheckpoint(&context, request, &response)));
+  ASSIGN_OR_RETURN(const v1::SaveCheckpointResponse response,
+                   CallOneServer(&v1::LossService::Stub::SaveCheckpoint, request));
   return std::vector<std::string>(response.paths().begin(), response.paths().end());
 }
 
 absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) const {
   RETURN_IF_ERROR(ValidateComputeRequest(request));
-  if (request.outputs.accumulate_grad_weight) {
+  if (request.outputs.accumulate_grad_weight()) {
     RETURN_IF_ERROR(RequireOneServer("a call that accumulates dL/dW"));
   }
-  const TensorView& hidden = request.hidden;
-  v1::ComputeRequest start_message;
-  v1::ComputeStart& start = *start_message.mutable_start();
-  start.set_head(request.head);
-  if (request.head_version.has_value()) start.set_head_version(*request.head_version);
-  start.set_weight_sha256(request.weight_sha256);
-  ToProto(request.options, *start.mutable_options());
-  ToProto(request.outputs, *start.mutable_outputs());
-  start.set_num_tokens(hidden.rows);
-  start.set_hidden_size(hidden.cols);
-  start.set_hidden_dtype(ToProto(hidden.dtype));
-  start.mutable_labels()->Add(request.labels.begin(), request.labels.end());
-  start.mutable_token_weights()->Add(request.token_weights.begin(), request.token_weights.end());
-  start.set_call_id(!request.call_id.empty()                 ? request.call_id
-                    : request.outputs.accumulate_grad_weight ? NewCallId()
-                                                             : std::string());
-  start.set_shift_labels(request.shift_labels);
-  start.mutable_sequence_lengths()->Add(request.sequence_lengths.begin(),
-                                        request.sequence_lengths.end());
+  v1::ComputeRequest start_message = StartMessage(request);
   const int64_t start_bytes = static_cast<int64_t>(start_message.ByteSizeLong());
   if (start_bytes > options_.max_message_bytes) {
     return InvalidField("labels",
                         absl::StrCat("a start message within max_message_bytes (", options_.max_message_bytes,
                                      " bytes); split the batch into several calls"),
-                        absl::StrCat(hidden.rows, " tokens in ", start_bytes, " bytes"));
+                        absl::StrCat(request.hidden.rows, " tokens in ", start_bytes, " bytes"));
   }
-
-  const RetryOptions& retry = options_.compute_retry;
-  absl::Duration backoff = retry.initial_backoff;
-  for (int attempt = 1;; ++attempt) {
+  return WithRetries<ComputeResult>(options_.compute_retry, [&](int attempt) -> absl::StatusOr<ComputeResult> {
     ComputeResult result;
     const absl::Time call_start = absl::Now();
     // The shared-memory path names its memfd in the start message, anew for each attempt.
-    const absl::Status status = request.shared_memory
-                                    ? RunComputeShared(request, start_message, result)
-                                    : RunCompute(request, start_message, result);
-    if (status.ok()) {
-      result.wall_seconds = absl::ToDoubleSeconds(absl::Now() - call_start);
-      result.call_id = start.call_id();
-      result.attempts = attempt;
-      return result;
-    }
-    if (!IsRetryable(status) || attempt >= retry.max_attempts) return status;
-    const absl::Duration wait = std::min(backoff, retry.max_backoff) * RandomJitter();
-    if (retry.on_retry) retry.on_retry(status, attempt, wait);
-    absl::SleepFor(wait);
-    backoff = std::min(backoff * retry.backoff_multiplier, retry.max_backoff);
-  }
+    RETURN_IF_ERROR(request.shared_memory ? RunComputeShared(request, start_message, result)
+                                          : RunCompute(request, start_message, result));
+    result.wall_seconds = absl::ToDoubleSeconds(absl::Now() - call_start);
+    result.call_id = start_message.start().call_id();
+    result.attempts = attempt;
+    return result;
+  });
 }
 
 namespace {
@@ -764,32 +863,63 @@ absl::Status FinishCall(ComputeStream& stream, const absl::Status& assembled, Re
   return assembler.Finish();
 }
 
+// One field of the chunk messages that carries rows: each message's bytes for its rows.
+struct RowStream {
+  std::string* (v1::ComputeChunk::*field)();
+  const char* data;
+  int64_t row_bytes;
+};
+
+// The hidden rows, and beside them the teacher's data for the same rows.
+std::vector<RowStream> RowStreams(const ComputeRequest& request) {
+  const auto matrix = [](std::string* (v1::ComputeChunk::*field)(), const TensorView& view) {
+    return RowStream{field, static_cast<const char*>(view.data),
+                     view.cols * static_cast<int64_t>(DTypeSize(view.dtype))};
+  };
+  std::vector<RowStream> streams = {matrix(&v1::ComputeChunk::mutable_hidden, request.hidden)};
+  if (!request.teacher_head.empty()) {
+    streams.push_back(matrix(&v1::ComputeChunk::mutable_teacher_hidden, request.teacher_hidden));
+  }
+  if (request.teacher_top_k > 0) {
+    const int64_t k = request.teacher_top_k;
+    streams.push_back({&v1::ComputeChunk::mutable_teacher_top_k_tokens,
+                       reinterpret_cast<const char*>(request.teacher_top_k_tokens.data()),
+                       k * static_cast<int64_t>(sizeof(int32_t))});
+    streams.push_back({&v1::ComputeChunk::mutable_teacher_top_k_logprobs,
+                       reinterpret_cast<const char*>(request.teacher_top_k_logprobs.data()),
+                       k * static_cast<int64_t>(sizeof(float))});
+  }
+  return streams;
+}
+
 }  // namespace
 
 absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeRequest& start_message,
                                 ComputeResult& result) const {
   const TensorView& hidden = request.hidden;
-  const int64_t row_bytes = hidden.cols * static_cast<int64_t>(DTypeSize(hidden.dtype));
   ASSIGN_OR_RETURN(const int64_t rows_per_message,
-                   RowsPerMessage(request.rows_per_message, row_bytes, options_.max_message_bytes));
+                   RowsPerMessage(request.rows_per_message, ChunkRowBytes(request),
+                                  options_.max_message_bytes));
+  ASSIGN_OR_RETURN(const DType grad_dtype, GradHiddenDType(request));
+  ASSIGN_OR_RETURN(PerTokenAssembler per_token,
+                   PerTokenAssembler::Create(request.outputs, hidden.rows, &result.per_token));
   // dL/dh bound for the caller's buffer is assembled apart, so that a failed call leaves that
   // buffer as it was, in memory kept between calls: fresh pages would fault in as they are written.
   std::unique_ptr<SharedBuffer> staging;
   const uint64_t staged_bytes =
-      request.grad_hidden_out != nullptr && request.outputs.grad_hidden
-          ? static_cast<uint64_t>(hidden.rows) * hidden.cols *
-                DTypeSize(request.outputs.grad_hidden_dtype.value_or(hidden.dtype))
+      request.grad_hidden_out != nullptr && request.outputs.grad_hidden()
+          ? static_cast<uint64_t>(hidden.rows) * hidden.cols * DTypeSize(grad_dtype)
           : 0;
   if (staged_bytes > 0) {
     ASSIGN_OR_RETURN(staging, shared_buffers_->Acquire(staged_bytes));
   }
-  ResultAssembler assembler(request, result, /*grad_hidden_in_messages=*/true,
-                            staging ? staging->data() : nullptr);
+  ResultAssembler assembler(request, grad_dtype, std::move(per_token), result,
+                            /*grad_hidden_in_messages=*/true, staging ? staging->data() : nullptr);
   grpc::ClientContext context;
   PrepareContext(context);
   // A scoring call takes the next server in the rotation; a training call, the one server.
   v1::LossService::Stub& stub =
-      request.outputs.accumulate_grad_weight ? *one_server_stub_ : *balanced_stub_;
+      request.outputs.accumulate_grad_weight() ? *one_server_stub_ : *balanced_stub_;
   std::unique_ptr<ComputeStream> stream = stub.Compute(&context);
 
   // The writer thread owns the sending half of the stream: Write blocks under flow control, and the
@@ -799,11 +929,14 @@ absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeReques
     if (!stream->Write(start_message)) return;
     result.bytes_sent += static_cast<int64_t>(start_message.ByteSizeLong());
     ++result.messages_sent;
-    const char* rows = static_cast<const char*>(hidden.data);
-    v1::ComputeRequest chunk;  // reused: setting its rows again keeps the string's buffer
+    const std::vector<RowStream> streams = RowStreams(request);
+    v1::ComputeRequest chunk;  // reused: setting its rows again keeps the strings' buffers
     for (int64_t first = 0; first < hidden.rows; first += rows_per_message) {
       const int64_t count = std::min(rows_per_message, hidden.rows - first);
-      chunk.mutable_chunk()->set_hidden(rows + first * row_bytes, count * row_bytes);
+      for (const RowStream& part : streams) {
+        (chunk.mutable_chunk()->*part.field)()->assign(part.data + first * part.row_bytes,
+                                                       count * part.row_bytes);
+      }
       // A failed Write means the call has ended (the server returned an error, or it was
       // cancelled); the reader learns why from Finish.
       if (!stream->Write(chunk)) return;
@@ -827,9 +960,11 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request, v1::Compute
   const TensorView& hidden = request.hidden;
   const uint64_t hidden_bytes =
       static_cast<uint64_t>(hidden.rows) * hidden.cols * DTypeSize(hidden.dtype);
-  const DType grad_dtype = request.outputs.grad_hidden_dtype.value_or(hidden.dtype);
+  ASSIGN_OR_RETURN(const DType grad_dtype, GradHiddenDType(request));
+  ASSIGN_OR_RETURN(PerTokenAssembler per_token,
+                   PerTokenAssembler::Create(request.outputs, hidden.rows, &result.per_token));
   const uint64_t grad_bytes =
-      request.outputs.grad_hidden ? static_cast<uint64_t>(hidden.rows) * hidden.cols * DTypeSize(grad_dtype) : 0;
+      request.outputs.grad_hidden() ? static_cast<uint64_t>(hidden.rows) * hidden.cols * DTypeSize(grad_dtype) : 0;
   constexpr uint64_t kAlignment = 64;  // the server's rule for both offsets
   const uint64_t grad_offset = (hidden_bytes + kAlignment - 1) / kAlignment * kAlignment;
   ASSIGN_OR_RETURN(const std::shared_ptr<HandoverConnection> handover,
@@ -842,7 +977,8 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request, v1::Compute
   shared.set_hidden_offset(0);
   shared.set_grad_hidden_offset(grad_offset);
 
-  ResultAssembler assembler(request, result, /*grad_hidden_in_messages=*/false);
+  ResultAssembler assembler(request, grad_dtype, std::move(per_token), result,
+                            /*grad_hidden_in_messages=*/false);
   grpc::ClientContext context;
   PrepareContext(context);
   // On the server the memfd was handed over to.

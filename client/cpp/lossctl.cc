@@ -34,8 +34,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "client/cpp/npy.h"
+#include "client/cpp/result_assembler.h"
 #include "lossd/common/counter_random.h"
 #include "lossd/common/status_macros.h"
 #include "lossd/common/version.h"
@@ -321,38 +324,47 @@ absl::StatusOr<Tensor> ReadMatrix(const std::string& spec, const std::vector<std
   return ReadNpyMatrix(spec);
 }
 
-absl::StatusOr<std::vector<int64_t>> ReadLabels(const std::string& path, int64_t expected_count) {
+// The number of elements an .npy file must hold: `count`, or any number when it is negative.
+absl::Status CheckCount(const std::string& path, const NpyArray& array, absl::string_view what,
+                        int64_t count) {
+  if (count < 0 || array.num_elements() == count) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(path, ": expected ", count, " ", what, ", got ", array.num_elements()));
+}
+
+// An .npy file's integers (<i8 or <i4) as int64.
+absl::StatusOr<std::vector<int64_t>> ReadIntegers(const std::string& path, absl::string_view what,
+                                                  int64_t count) {
   ASSIGN_OR_RETURN(const NpyArray array, ReadNpyFile(path));
-  if (array.num_elements() != expected_count) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, ": expected ", expected_count, " labels (one per hidden row), got ", array.num_elements()));
-  }
-  std::vector<int64_t> labels(expected_count);
+  RETURN_IF_ERROR(CheckCount(path, array, what, count));
+  std::vector<int64_t> values(array.num_elements());
   if (array.dtype == NpyDType::kInt64) {
-    std::memcpy(labels.data(), array.data.data(), array.data.size());
+    std::memcpy(values.data(), array.data.data(), array.data.size());
   } else if (array.dtype == NpyDType::kInt32) {
-    for (int64_t i = 0; i < expected_count; ++i) {
-      int32_t label;
-      std::memcpy(&label, array.data.data() + 4 * i, sizeof label);
-      labels[i] = label;
+    for (size_t i = 0; i < values.size(); ++i) {
+      int32_t value;
+      std::memcpy(&value, array.data.data() + 4 * i, sizeof value);
+      values[i] = value;
     }
   } else {
     return absl::InvalidArgumentError(
-        absl::StrCat(path, ": expected labels as <i8 or <i4, got ", NpyDescr(array.dtype)));
+        absl::StrCat(path, ": expected ", what, " as <i8 or <i4, got ", NpyDescr(array.dtype)));
   }
-  return labels;
+  return values;
 }
 
-absl::StatusOr<std::vector<float>> ReadTokenWeights(const std::string& path, int64_t expected_count) {
+// An .npy file's <f4 values.
+absl::StatusOr<std::vector<float>> ReadFloats(const std::string& path, absl::string_view what,
+                                              int64_t count) {
   ASSIGN_OR_RETURN(const NpyArray array, ReadNpyFile(path));
-  if (array.dtype != NpyDType::kFloat32 || array.num_elements() != expected_count) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": expected ", expected_count,
-                                                   " token weights as <f4, got ", array.num_elements(),
-                                                   " of ", NpyDescr(array.dtype)));
+  if (array.dtype != NpyDType::kFloat32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": expected ", what, " as <f4, got ", NpyDescr(array.dtype)));
   }
-  std::vector<float> weights(expected_count);
-  std::memcpy(weights.data(), array.data.data(), array.data.size());
-  return weights;
+  RETURN_IF_ERROR(CheckCount(path, array, what, count));
+  std::vector<float> values(array.num_elements());
+  std::memcpy(values.data(), array.data.data(), array.data.size());
+  return values;
 }
 
 // Labels from (--seed, purpose), a stream of their own.
@@ -527,42 +539,126 @@ absl::Status RunHead(const Flags& flags) {
   absl::PrintF("tied_embeddings:    %s\n", head.tied_embeddings ? "true" : "false");
   absl::PrintF("logit_softcap:      %g\n", head.logit_softcap);
   absl::PrintF("weight_sha256:      %s\n", head.weight_sha256);
+  absl::PrintF("master_weights:     %s\n", head.master_weights ? "true" : "false");
+  absl::PrintF("staged_gradients:   %d\n", head.staged_gradients);
   return absl::OkStatus();
 }
 
-absl::StatusOr<Reduction> ParseReduction(const std::string& name) {
-  if (name == "mean") return Reduction::kMean;
-  if (name == "sum") return Reduction::kSum;
-  if (name == "none") return Reduction::kNone;
-  return UsageError(absl::StrCat("--reduction: expected mean, sum or none, got \"", name, "\""));
+// ---------------------------------------------------------------------------------------------
+// compute: options and outputs named as in lossd.v1, read off its descriptors.
+
+// verl's agg_loss names, accepted beside lossd's own.
+const std::map<std::string, std::string>& ReductionAliases() {
+  static const auto* aliases = new std::map<std::string, std::string>{
+      {"token-mean", "mean"},
+      {"seq-mean-token-sum", "sequence_mean_token_sum"},
+      {"seq-mean-token-mean", "sequence_mean_token_mean"}};
+  return *aliases;
 }
 
+// An enum flag takes the names of the enum's values without `prefix`, in lower case ("ppo" for
+// OBJECTIVE_PPO), or the full names.
+std::string EnumChoices(const google::protobuf::EnumDescriptor& type, absl::string_view prefix) {
+  std::vector<std::string> names;
+  for (int i = 0; i < type.value_count(); ++i) {
+    names.push_back(absl::AsciiStrToLower(absl::StripPrefix(type.value(i)->name(), prefix)));
+  }
+  return absl::StrJoin(names, ", ");
+}
+
+absl::StatusOr<int> EnumFlag(const Flags& flags, const std::string& name,
+                             const google::protobuf::EnumDescriptor& type, absl::string_view prefix,
+                             const std::map<std::string, std::string>& aliases = {}) {
+  std::string value = flags.String(name);
+  if (const auto alias = aliases.find(value); alias != aliases.end()) value = alias->second;
+  const std::string full = absl::StartsWith(absl::AsciiStrToUpper(value), prefix)
+                               ? absl::AsciiStrToUpper(value)
+                               : absl::StrCat(prefix, absl::AsciiStrToUpper(value));
+  const google::protobuf::EnumValueDescriptor* found = type.FindValueByName(full);
+  if (found == nullptr) {
+    return UsageError(absl::StrCat("--", name, ": expected one of ", EnumChoices(type, prefix), ", got \"",
+                                   flags.String(name), "\""));
+  }
+  return found->number();
+}
+
+// The outputs --outputs may name: OutputSelection's bool fields.
+std::vector<std::string> OutputNames() {
+  std::vector<std::string> names;
+  const google::protobuf::Descriptor& type = *v1::OutputSelection::descriptor();
+  for (int i = 0; i < type.field_count(); ++i) {
+    if (type.field(i)->type() == google::protobuf::FieldDescriptor::TYPE_BOOL) {
+      names.push_back(type.field(i)->name());
+    }
+  }
+  return names;
+}
+
+absl::Status SelectOutputs(const std::string& list, v1::OutputSelection& outputs) {
+  for (absl::string_view name : absl::StrSplit(list, ',', absl::SkipWhitespace())) {
+    name = absl::StripAsciiWhitespace(name);
+    const google::protobuf::FieldDescriptor* field =
+        outputs.GetDescriptor()->FindFieldByName(std::string(name));
+    if (field == nullptr || field->type() != google::protobuf::FieldDescriptor::TYPE_BOOL) {
+      return UsageError(absl::StrCat("--outputs: expected names among ", absl::StrJoin(OutputNames(), ", "),
+                                     "; got \"", name, "\""));
+    }
+    outputs.GetReflection()->SetBool(&outputs, field, true);
+  }
+  return absl::OkStatus();
+}
+
+// One value of a field as JSON: numbers as numbers, enums as their numbers.
+nlohmann::json FieldJson(const google::protobuf::Message& message,
+                         const google::protobuf::FieldDescriptor* field, int index) {
+  using google::protobuf::FieldDescriptor;
+  const google::protobuf::Reflection& r = *message.GetReflection();
+  const bool repeated = field->is_repeated();
+#define LOSSCTL_VALUE(Type) \
+  (repeated ? r.GetRepeated##Type(message, field, index) : r.Get##Type(message, field))
+  switch (field->cpp_type()) {
+    case FieldDescriptor::CPPTYPE_INT32: return LOSSCTL_VALUE(Int32);
+    case FieldDescriptor::CPPTYPE_INT64: return LOSSCTL_VALUE(Int64);
+    case FieldDescriptor::CPPTYPE_UINT32: return LOSSCTL_VALUE(UInt32);
+    case FieldDescriptor::CPPTYPE_UINT64: return LOSSCTL_VALUE(UInt64);
+    case FieldDescriptor::CPPTYPE_DOUBLE: return LOSSCTL_VALUE(Double);
+    case FieldDescriptor::CPPTYPE_FLOAT: return LOSSCTL_VALUE(Float);
+    case FieldDescriptor::CPPTYPE_BOOL: return LOSSCTL_VALUE(Bool);
+    case FieldDescriptor::CPPTYPE_ENUM: return LOSSCTL_VALUE(EnumValue);
+    case FieldDescriptor::CPPTYPE_STRING: return LOSSCTL_VALUE(String);
+    case FieldDescriptor::CPPTYPE_MESSAGE: break;
+  }
+#undef LOSSCTL_VALUE
+  return nullptr;
+}
+
+// The whole summary, every per-token output the call asked for (by the contract's rule, so an
+// output added to it is written too; top_k_* as [rows, top_k]), the head and the labels.
 absl::Status WriteComputeJson(const std::string& path, const ComputeRequest& request,
                               const ComputeResult& result) {
   nlohmann::json json;
+  const google::protobuf::Descriptor& summary = *result.summary.GetDescriptor();
+  for (int i = 0; i < summary.field_count(); ++i) {
+    json[summary.field(i)->name()] = FieldJson(result.summary, summary.field(i), -1);
+  }
   json["head"] = request.head;
-  json["head_version"] = result.summary.head_version;
-  json["backend"] = result.summary.backend;
-  json["loss"] = result.summary.loss;
-  json["loss_sum"] = result.summary.loss_sum;
-  json["counted_tokens"] = result.summary.counted_tokens;
-  json["correct_tokens"] = result.summary.correct_tokens;
   json["labels"] = std::vector<int64_t>(request.labels.begin(), request.labels.end());
-  json["token_loss"] = result.token_loss;
-  json["logprob"] = result.logprob;
-  json["argmax"] = result.argmax;
-  if (!result.entropy.empty()) json["entropy"] = result.entropy;
-  if (result.top_k > 0) {
-    nlohmann::json tokens = nlohmann::json::array(), logprobs = nlohmann::json::array();
-    for (int64_t row = 0; row < request.hidden.rows; ++row) {
-      const auto first = static_cast<size_t>(row * result.top_k);
-      tokens.push_back(std::vector<int32_t>(result.top_k_token.begin() + first,
-                                            result.top_k_token.begin() + first + result.top_k));
-      logprobs.push_back(std::vector<float>(result.top_k_logprob.begin() + first,
-                                            result.top_k_logprob.begin() + first + result.top_k));
+  ASSIGN_OR_RETURN(const std::vector<PerTokenField> fields,
+                   PerTokenFields(request.outputs, *result.per_token.GetDescriptor()));
+  for (const PerTokenField& f : fields) {
+    if (f.values_per_row == 0) continue;
+    nlohmann::json values = nlohmann::json::array();
+    const int size = result.per_token.GetReflection()->FieldSize(result.per_token, f.field);
+    for (int i = 0; i < size; i += static_cast<int>(f.values_per_row)) {
+      if (!f.matrix) {
+        values.push_back(FieldJson(result.per_token, f.field, i));
+        continue;
+      }
+      nlohmann::json row = nlohmann::json::array();
+      for (int j = 0; j < f.values_per_row; ++j) row.push_back(FieldJson(result.per_token, f.field, i + j));
+      values.push_back(std::move(row));
     }
-    json["top_k_token"] = std::move(tokens);
-    json["top_k_logprob"] = std::move(logprobs);
+    json[f.field->name()] = std::move(values);
   }
   std::ofstream file(path);
   if (!file) return absl::ErrnoToStatus(errno, absl::StrCat("--out: cannot create ", path));
@@ -570,6 +666,156 @@ absl::Status WriteComputeJson(const std::string& path, const ComputeRequest& req
   file.close();
   if (!file) return absl::ErrnoToStatus(errno, absl::StrCat("--out: write to ", path, " failed"));
   return absl::OkStatus();
+}
+
+// A flag that sets an optional double of the options only when given.
+void SetIfGiven(const Flags& flags, const std::string& name, const std::function<void(double)>& set) {
+  if (flags.given(name)) set(flags.Double(name));
+}
+
+// The options of the call, from the flags named as their lossd.v1.LossOptions fields.
+absl::Status LossOptionsFromFlags(const Flags& flags, v1::LossOptions& options) {
+  ASSIGN_OR_RETURN(const int reduction, EnumFlag(flags, "reduction", *v1::Reduction_descriptor(),
+                                                 "REDUCTION_", ReductionAliases()));
+  options.set_reduction(static_cast<v1::Reduction>(reduction));
+  ASSIGN_OR_RETURN(const int objective,
+                   EnumFlag(flags, "objective", *v1::Objective_descriptor(), "OBJECTIVE_"));
+  options.set_objective(static_cast<v1::Objective>(objective));
+  options.set_ignore_index(flags.Int("ignore_index"));
+  options.set_label_smoothing(flags.Double("label_smoothing"));
+  options.set_z_loss_scale(flags.Double("z_loss"));
+  if (const std::string& cap = flags.String("softcap"); !cap.empty()) {
+    double value = 0;
+    if (!absl::SimpleAtod(cap, &value)) {
+      return UsageError(absl::StrCat("--softcap: expected a number, got ", cap));
+    }
+    options.set_logit_softcap(value);
+  }
+  options.set_temperature(flags.Double("temperature"));
+  options.set_grad_scale(flags.Double("grad_scale"));
+  options.set_mean_denominator(flags.Double("mean_denominator"));
+  options.set_allow_tf32(flags.Bool("allow_tf32"));
+
+  v1::PolicyOptions& policy = *options.mutable_policy();
+  SetIfGiven(flags, "clip_low", [&](double v) { policy.set_clip_low(v); });
+  SetIfGiven(flags, "clip_high", [&](double v) { policy.set_clip_high(v); });
+  policy.set_dual_clip(flags.Double("dual_clip"));
+  ASSIGN_OR_RETURN(const int estimator,
+                   EnumFlag(flags, "kl_estimator", *v1::KlEstimator_descriptor(), "KL_ESTIMATOR_"));
+  policy.set_kl_estimator(static_cast<v1::KlEstimator>(estimator));
+  policy.set_kl_coef(flags.Double("kl_coef"));
+  policy.set_entropy_coef(flags.Double("entropy_coef"));
+
+  v1::DistillOptions& distill = *options.mutable_distill();
+  distill.set_beta(flags.Double("distill_beta"));
+  distill.set_alpha(flags.Double("distill_alpha"));
+  SetIfGiven(flags, "distill_temperature", [&](double v) { distill.set_temperature(v); });
+  SetIfGiven(flags, "teacher_softcap", [&](double v) { distill.set_teacher_logit_softcap(v); });
+  SetIfGiven(flags, "teacher_temperature", [&](double v) { distill.set_teacher_temperature(v); });
+  ASSIGN_OR_RETURN(const int mass, EnumFlag(flags, "sparse_teacher_mass",
+                                            *v1::SparseTeacherMass_descriptor(), "SPARSE_TEACHER_"));
+  distill.set_sparse_teacher_mass(static_cast<v1::SparseTeacherMass>(mass));
+  return absl::OkStatus();
+}
+
+// What a call reads from files beside its rows; the request views it.
+struct ComputeInputs {
+  Tensor hidden;
+  std::vector<int64_t> labels;
+  std::vector<int64_t> sequence_lengths;
+  std::vector<float> token_weights, sampling_logprobs, advantages, reference_logprobs, logprob_grads;
+  Tensor teacher_hidden;
+  std::vector<int32_t> teacher_top_k_tokens;
+  std::vector<float> teacher_top_k_logprobs;
+  int teacher_top_k = 0;
+};
+
+// A sparse teacher's [rows, k] token ids and log-probabilities, k from the files' last dimension.
+absl::Status ReadSparseTeacher(const Flags& flags, int64_t rows, ComputeInputs& inputs) {
+  const std::string& tokens_path = flags.String("teacher_top_k_tokens");
+  const std::string& logprobs_path = flags.String("teacher_top_k_logprobs");
+  if (tokens_path.empty() != logprobs_path.empty()) {
+    return UsageError("--teacher_top_k_tokens and --teacher_top_k_logprobs go together");
+  }
+  if (tokens_path.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const NpyArray shape_of, ReadNpyFile(tokens_path));
+  const int64_t k = shape_of.shape.empty() ? 0 : shape_of.shape.back();
+  if (k < 1 || k > INT32_MAX) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(tokens_path, ": expected [", rows, ", k] token ids with k >= 1"));
+  }
+  const std::string what = absl::StrCat("values ([", rows, ", ", k, "], k of each row)");
+  ASSIGN_OR_RETURN(const std::vector<int64_t> tokens, ReadIntegers(tokens_path, what, rows * k));
+  for (const int64_t token : tokens) {
+    if (token < 0 || token > INT32_MAX) {
+      return absl::InvalidArgumentError(absl::StrCat(tokens_path, ": token id ", token, " is not one"));
+    }
+    inputs.teacher_top_k_tokens.push_back(static_cast<int32_t>(token));
+  }
+  ASSIGN_OR_RETURN(inputs.teacher_top_k_logprobs, ReadFloats(logprobs_path, what, rows * k));
+  inputs.teacher_top_k = static_cast<int>(k);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ComputeInputs> ReadComputeInputs(const Flags& flags, const HeadInfo& head,
+                                                const v1::LossOptions& options, DType synthetic_dtype) {
+  ComputeInputs inputs;
+  const uint64_t seed = static_cast<uint64_t>(flags.Int("seed"));
+  if (flags.given("synthetic")) {
+    inputs.hidden = SyntheticHidden(flags.Int("synthetic"), head.hidden_size, synthetic_dtype, seed);
+  } else {
+    ASSIGN_OR_RETURN(inputs.hidden, ReadMatrix(flags.String("hidden"), {}));
+  }
+  const int64_t rows = inputs.hidden.rows;
+  // A distill call that takes nothing from the labels goes without, and every row counts.
+  const bool labels_unused =
+      options.objective() == v1::OBJECTIVE_DISTILL && options.distill().alpha() == 0.0;
+  if (!flags.String("labels").empty()) {
+    ASSIGN_OR_RETURN(inputs.labels,
+                     ReadIntegers(flags.String("labels"), "labels (one per hidden row)", rows));
+  } else if (!labels_unused) {
+    inputs.labels = RandomLabels(rows, head.vocab_size, seed);
+  }
+  if (!flags.String("sequence_lengths").empty()) {
+    ASSIGN_OR_RETURN(inputs.sequence_lengths,
+                     ReadIntegers(flags.String("sequence_lengths"), "sequence lengths", -1));
+  }
+  for (const auto& [flag, values] : {std::pair<const char*, std::vector<float>*>{"weights", &inputs.token_weights},
+                                     {"sampling_logprobs", &inputs.sampling_logprobs},
+                                     {"advantages", &inputs.advantages},
+                                     {"reference_logprobs", &inputs.reference_logprobs},
+                                     {"logprob_grads", &inputs.logprob_grads}}) {
+    if (flags.String(flag).empty()) continue;
+    ASSIGN_OR_RETURN(*values, ReadFloats(flags.String(flag), absl::StrCat(flag, " (one per hidden row)"), rows));
+  }
+  if (!flags.String("teacher_head").empty()) {
+    RETURN_IF_ERROR(RequireFlag(flags, "teacher_hidden"));
+    ASSIGN_OR_RETURN(inputs.teacher_hidden, ReadMatrix(flags.String("teacher_hidden"), {}));
+  } else if (!flags.String("teacher_hidden").empty()) {
+    return UsageError("--teacher_hidden needs --teacher_head");
+  }
+  RETURN_IF_ERROR(ReadSparseTeacher(flags, rows, inputs));
+  return inputs;
+}
+
+// The statistics a call has by its options: the clip fraction of ppo and cispo, the mean KL of a
+// KL estimator, the means of distillation's terms.
+void PrintObjectiveStatistics(const v1::LossOptions& options, const v1::ComputeSummary& summary) {
+  if (options.objective() == v1::OBJECTIVE_PPO || options.objective() == v1::OBJECTIVE_CISPO) {
+    absl::PrintF("clip fraction %.6f (%d of %d counted tokens clipped)\n", summary.clip_fraction(),
+                 summary.clipped_tokens(), summary.counted_tokens());
+  }
+  if (options.policy().kl_estimator() != v1::KL_ESTIMATOR_NONE) {
+    absl::PrintF("mean KL %.9g (%s)\n", summary.mean_kl(),
+                 absl::AsciiStrToLower(absl::StripPrefix(
+                     v1::KlEstimator_Name(options.policy().kl_estimator()), "KL_ESTIMATOR_")));
+  }
+  if (options.objective() == v1::OBJECTIVE_DISTILL) {
+    absl::PrintF("mean KD %.9g, mean CE %.9g%s\n", summary.mean_kd(), summary.mean_ce(),
+                 summary.teacher_head_version() > 0
+                     ? absl::StrFormat(" (teacher at version %d)", summary.teacher_head_version())
+                     : "");
+  }
 }
 
 absl::Status RunCompute(const Flags& flags) {
@@ -580,61 +826,48 @@ absl::Status RunCompute(const Flags& flags) {
     return UsageError(absl::StrCat("--synthetic: expected a token count >= 0, got ", flags.Int("synthetic")));
   }
   if (!flags.String("grad_out").empty() && !flags.Bool("grad")) return UsageError("--grad_out needs --grad");
-  ASSIGN_OR_RETURN(const Reduction reduction, ParseReduction(flags.String("reduction")));
+  if (flags.Bool("stage") && !flags.Bool("accumulate")) return UsageError("--stage needs --accumulate");
+  ComputeRequest request;
+  RETURN_IF_ERROR(LossOptionsFromFlags(flags, request.options));
   ASSIGN_OR_RETURN(const DType synthetic_dtype, DTypeFlag(flags, "dtype"));
   ASSIGN_OR_RETURN(const std::optional<DType> grad_dtype, OptionalDType(flags, "grad_dtype"));
+  v1::OutputSelection& outputs = request.outputs;
+  const bool per_token = !flags.String("out").empty();
+  if (flags.given("outputs")) {
+    RETURN_IF_ERROR(SelectOutputs(flags.String("outputs"), outputs));
+  } else if (per_token) {
+    // What --out always held before outputs could be named.
+    for (const char* name : {"token_loss", "logprob", "argmax"}) RETURN_IF_ERROR(SelectOutputs(name, outputs));
+  }
+  if (flags.Bool("entropy")) outputs.set_entropy(true);
+  outputs.set_top_k(static_cast<int32_t>(flags.Int("top_k")));
+  if (flags.Bool("grad")) outputs.set_grad_hidden(true);
+  if (grad_dtype.has_value()) outputs.set_grad_hidden_dtype(ToProto(*grad_dtype));
+  if (flags.Bool("accumulate")) outputs.set_accumulate_grad_weight(true);
 
   ASSIGN_OR_RETURN(const Client client, ConnectFromFlags(flags));
   ASSIGN_OR_RETURN(const HeadInfo head, ResolveHead(client, flags));
-  const uint64_t seed = static_cast<uint64_t>(flags.Int("seed"));
-  Tensor hidden;
-  if (flags.given("synthetic")) {
-    hidden = SyntheticHidden(flags.Int("synthetic"), head.hidden_size, synthetic_dtype, seed);
-  } else {
-    ASSIGN_OR_RETURN(hidden, ReadMatrix(flags.String("hidden"), {}));
-  }
-  std::vector<int64_t> labels;
-  if (flags.String("labels").empty()) {
-    labels = RandomLabels(hidden.rows, head.vocab_size, seed);
-  } else {
-    ASSIGN_OR_RETURN(labels, ReadLabels(flags.String("labels"), hidden.rows));
-  }
-  std::vector<float> token_weights;
-  if (!flags.String("weights").empty()) {
-    ASSIGN_OR_RETURN(token_weights, ReadTokenWeights(flags.String("weights"), hidden.rows));
-  }
-
-  ComputeRequest request;
+  ASSIGN_OR_RETURN(const ComputeInputs inputs,
+                   ReadComputeInputs(flags, head, request.options, synthetic_dtype));
+  const Tensor& hidden = inputs.hidden;
   request.head = head.name;
   request.hidden = hidden.view();
-  request.labels = labels;
-  request.token_weights = token_weights;
+  request.labels = inputs.labels;
+  request.token_weights = inputs.token_weights;
+  request.sampling_logprobs = inputs.sampling_logprobs;
+  request.advantages = inputs.advantages;
+  request.reference_logprobs = inputs.reference_logprobs;
+  request.logprob_grads = inputs.logprob_grads;
+  request.shift_labels = flags.Bool("shift_labels");
+  request.sequence_lengths = inputs.sequence_lengths;
+  request.teacher_head = flags.String("teacher_head");
+  if (!request.teacher_head.empty()) request.teacher_hidden = inputs.teacher_hidden.view();
+  request.teacher_top_k = inputs.teacher_top_k;
+  request.teacher_top_k_tokens = inputs.teacher_top_k_tokens;
+  request.teacher_top_k_logprobs = inputs.teacher_top_k_logprobs;
+  request.stage_grad_weight = flags.Bool("stage");
   request.rows_per_message = flags.Int("rows_per_message");
   request.shared_memory = flags.Bool("shared_memory");
-  LossOptions& options = request.options;
-  options.reduction = reduction;
-  options.ignore_index = flags.Int("ignore_index");
-  options.label_smoothing = flags.Double("label_smoothing");
-  options.z_loss_scale = flags.Double("z_loss");
-  if (const std::string& cap = flags.String("softcap"); !cap.empty()) {
-    double value = 0;
-    if (!absl::SimpleAtod(cap, &value)) {
-      return UsageError(absl::StrCat("--softcap: expected a number, got ", cap));
-    }
-    options.logit_softcap = value;
-  }
-  options.temperature = flags.Double("temperature");
-  options.grad_scale = flags.Double("grad_scale");
-  OutputSelection& outputs = request.outputs;
-  const bool per_token = !flags.String("out").empty();
-  outputs.token_loss = per_token;
-  outputs.logprob = per_token;
-  outputs.argmax = per_token;
-  outputs.entropy = flags.Bool("entropy");
-  outputs.top_k = static_cast<int>(flags.Int("top_k"));
-  outputs.grad_hidden = flags.Bool("grad");
-  outputs.grad_hidden_dtype = grad_dtype;
-  outputs.accumulate_grad_weight = flags.Bool("accumulate");
   request.call_id = flags.String("call_id");
   ASSIGN_OR_RETURN(request.weight_sha256, PinnedWeights(client, flags, head));
 
@@ -649,38 +882,42 @@ absl::Status RunCompute(const Flags& flags) {
   progress.Stop();
   RETURN_IF_ERROR(computed.status());
   const ComputeResult& result = *computed;
-  const ComputeSummary& summary = result.summary;
+  const v1::ComputeSummary& summary = result.summary;
   absl::PrintF("head %s at version %d, backend %s: %d tokens of %s, %d counted\n", head.name,
-               summary.head_version, summary.backend, hidden.rows, DTypeName(hidden.dtype),
-               summary.counted_tokens);
+               summary.head_version(), summary.backend(), hidden.rows, DTypeName(hidden.dtype),
+               summary.counted_tokens());
   if (!request.weight_sha256.empty()) {
     absl::PrintF("W pinned to SHA-256 %s\n", request.weight_sha256);
   }
   // The server reports the sum as the loss of an unreduced call.
-  const char* reduction_name = reduction == Reduction::kMean  ? "mean"
-                               : reduction == Reduction::kSum ? "sum"
-                                                              : "sum; reduction none";
-  absl::PrintF("loss %.9g (%s), loss_sum %.9g\n", summary.loss, reduction_name, summary.loss_sum);
-  absl::PrintF(
-      "accuracy %.6f (%d of %d counted tokens)\n",
-      summary.counted_tokens > 0 ? static_cast<double>(summary.correct_tokens) / summary.counted_tokens : 0.0,
-      summary.correct_tokens, summary.counted_tokens);
-  if (!result.entropy.empty()) {
+  const std::string reduction_name =
+      request.options.reduction() == v1::REDUCTION_NONE
+          ? "sum; reduction none"
+          : absl::AsciiStrToLower(absl::StripPrefix(v1::Reduction_Name(request.options.reduction()), "REDUCTION_"));
+  absl::PrintF("loss %.9g (%s), loss_sum %.9g\n", summary.loss(), reduction_name, summary.loss_sum());
+  absl::PrintF("accuracy %.6f (%d of %d counted tokens)\n",
+               summary.counted_tokens() > 0
+                   ? static_cast<double>(summary.correct_tokens()) / summary.counted_tokens()
+                   : 0.0,
+               summary.correct_tokens(), summary.counted_tokens());
+  PrintObjectiveStatistics(request.options, summary);
+  if (result.per_token.entropy_size() > 0) {
     double total = 0.0;
-    for (float value : result.entropy) total += value;
-    absl::PrintF("entropy mean %.6g nats\n", total / static_cast<double>(result.entropy.size()));
+    for (float value : result.per_token.entropy()) total += value;
+    absl::PrintF("entropy mean %.6g nats\n", total / static_cast<double>(result.per_token.entropy_size()));
   }
-  if (result.top_k > 0 && !per_token && hidden.rows > 0) {
+  const int top_k = outputs.top_k();
+  if (top_k > 0 && !per_token && hidden.rows > 0) {
     // The whole table goes to --out; without it, the first row shows what came back.
     std::vector<std::string> first_row;
-    for (int j = 0; j < result.top_k; ++j) {
-      first_row.push_back(
-          absl::StrFormat("%d:%.4g", result.top_k_token[j], result.top_k_logprob[j]));
+    for (int j = 0; j < top_k; ++j) {
+      first_row.push_back(absl::StrFormat("%d:%.4g", result.per_token.top_k_token(j),
+                                          result.per_token.top_k_logprob(j)));
     }
-    absl::PrintF("top-%d of row 0 (token:logprob) %s; every row's top-%d: --out FILE.json\n",
-                 result.top_k, absl::StrJoin(first_row, " "), result.top_k);
+    absl::PrintF("top-%d of row 0 (token:logprob) %s; every row's top-%d: --out FILE.json\n", top_k,
+                 absl::StrJoin(first_row, " "), top_k);
   }
-  if (outputs.grad_hidden) {
+  if (outputs.grad_hidden()) {
     absl::PrintF("dL/dh [%d, %d] %s, norm %.6g\n", result.grad_hidden.rows, result.grad_hidden.cols,
                  DTypeName(result.grad_hidden.dtype), L2Norm(result.grad_hidden));
     if (!flags.String("grad_out").empty()) {
@@ -688,11 +925,12 @@ absl::Status RunCompute(const Flags& flags) {
       absl::PrintF("wrote dL/dh to %s%s\n", flags.String("grad_out"), DTypeNote(result.grad_hidden.dtype));
     }
   }
-  if (outputs.accumulate_grad_weight) {
+  if (outputs.accumulate_grad_weight()) {
     absl::PrintF("dL/dW %s the head's accumulator (call id %s)\n",
-                 summary.replayed                  ? "was already in (replayed), not added again to"
-                 : summary.grad_weight_accumulated ? "added to"
-                                                   : "NOT added to",
+                 summary.replayed()                  ? "was already in (replayed), not added again to"
+                 : summary.grad_weight_staged()      ? "is staged, waiting for commit-grad to add it to"
+                 : summary.grad_weight_accumulated() ? "added to"
+                                                     : "NOT added to",
                  result.call_id);
   }
   if (per_token) {
@@ -700,9 +938,9 @@ absl::Status RunCompute(const Flags& flags) {
     absl::PrintF("wrote per-token results to %s\n", flags.String("out"));
   }
   absl::PrintF("time %.3f s wall, %.3f s queued, %.3f s computing; sent %s, received %s; peak workspace %s\n",
-               result.wall_seconds, summary.queue_seconds, summary.compute_seconds,
+               result.wall_seconds, summary.queue_seconds(), summary.compute_seconds(),
                Mebibytes(result.bytes_sent), Mebibytes(result.bytes_received),
-               Mebibytes(summary.peak_workspace_bytes));
+               Mebibytes(summary.peak_workspace_bytes()));
   return absl::OkStatus();
 }
 
@@ -712,9 +950,10 @@ absl::Status RunFetch(const Flags& flags, bool gradient) {
   ASSIGN_OR_RETURN(const Client client, ConnectFromFlags(flags));
   ASSIGN_OR_RETURN(const HeadInfo head, ResolveHead(client, flags));
   ASSIGN_OR_RETURN(const Tensor tensor, gradient ? client.FetchGradWeight(head.name, dtype)
-                                                 : client.FetchWeight(head.name, dtype));
+                                                 : client.FetchWeight(head.name, dtype, flags.Bool("master")));
   RETURN_IF_ERROR(WriteTensorNpy(flags.String("out"), tensor));
-  absl::PrintF("wrote %s of head %s (version %d) to %s: [%d, %d] %s%s, norm %.6g", gradient ? "dL/dW" : "W",
+  absl::PrintF("wrote %s of head %s (version %d) to %s: [%d, %d] %s%s, norm %.6g",
+               gradient ? "dL/dW" : (flags.Bool("master") ? "W's master weights" : "W"),
                head.name, tensor.head_version, flags.String("out"), tensor.rows, tensor.cols,
                DTypeName(tensor.dtype), DTypeNote(tensor.dtype), L2Norm(tensor));
   if (gradient) absl::PrintF(", %d accumulated tokens", tensor.accumulated_tokens);
@@ -727,6 +966,28 @@ absl::Status RunZeroGrad(const Flags& flags) {
   ASSIGN_OR_RETURN(const HeadInfo head, ResolveHead(client, flags));
   ASSIGN_OR_RETURN(const uint64_t version, client.ZeroGrad(head.name));
   absl::PrintF("zeroed the gradient of head %s (version %d)\n", head.name, version);
+  return absl::OkStatus();
+}
+
+// --world_size and --rank; a collective call is named by the version the ranks trained on,
+// --head_version or else the head's version now (no rank's call can complete the step before
+// every rank has called).
+absl::Status RanksFromFlags(const Flags& flags, const HeadInfo& head, RankGroup& ranks,
+                            std::optional<uint64_t>& head_version) {
+  const int64_t world_size = flags.Int("world_size");
+  const int64_t rank = flags.Int("rank");
+  if (world_size < 1 || world_size > INT32_MAX) {
+    return UsageError(absl::StrCat("--world_size: expected a count >= 1, got ", world_size));
+  }
+  if (rank < 0 || rank >= world_size) {
+    return UsageError(absl::StrCat("--rank: expected a rank in [0, ", world_size, "), got ", rank));
+  }
+  ranks = {static_cast<int>(world_size), static_cast<int>(rank)};
+  if (flags.given("head_version")) {
+    head_version = static_cast<uint64_t>(flags.Int("head_version"));
+  } else if (world_size > 1) {
+    head_version = head.version;
+  }
   return absl::OkStatus();
 }
 
@@ -759,14 +1020,62 @@ absl::Status RunStep(const Flags& flags) {
   }
   options.max_grad_norm = flags.Double("max_grad_norm");
   options.keep_grad = flags.Bool("keep_grad");
+  options.skip_nonfinite = flags.Bool("skip_nonfinite");
+  SetIfGiven(flags, "grad_multiplier", [&](double v) { options.grad_multiplier = v; });
   ASSIGN_OR_RETURN(const Client client, ConnectFromFlags(flags));
   ASSIGN_OR_RETURN(const HeadInfo head, ResolveHead(client, flags));
   options.head = head.name;
+  RETURN_IF_ERROR(RanksFromFlags(flags, head, options.ranks, options.head_version));
   ASSIGN_OR_RETURN(const StepResult result, client.Step(options));
+  if (result.skipped) {
+    absl::PrintF("skipped the step of head %s: the gradient's norm %.6g is not finite; version %d, %d tokens%s\n",
+                 head.name, result.grad_norm, result.head_version, result.accumulated_tokens,
+                 options.keep_grad ? ", gradient kept" : ", gradient zeroed");
+    return absl::OkStatus();
+  }
   absl::PrintF(
-      "stepped head %s with %s: version %d -> %d, grad norm %.6g (clip multiplier %.6g), %d tokens%s\n",
+      "stepped head %s with %s: version %d -> %d, grad norm %.6g (clip multiplier %.6g), %d tokens%s%s\n",
       head.name, optimizer, head.version, result.head_version, result.grad_norm, result.clip_multiplier,
-      result.accumulated_tokens, options.keep_grad ? ", gradient kept" : ", gradient zeroed");
+      result.accumulated_tokens, options.keep_grad ? ", gradient kept" : ", gradient zeroed",
+      options.ranks.world_size > 1 ? absl::StrFormat(" (rank %d of %d)", options.ranks.rank,
+                                                     options.ranks.world_size)
+                                   : "");
+  return absl::OkStatus();
+}
+
+absl::Status RunGradNorm(const Flags& flags) {
+  GradNormOptions options;
+  SetIfGiven(flags, "grad_multiplier", [&](double v) { options.grad_multiplier = v; });
+  ASSIGN_OR_RETURN(const Client client, ConnectFromFlags(flags));
+  ASSIGN_OR_RETURN(const HeadInfo head, ResolveHead(client, flags));
+  options.head = head.name;
+  RETURN_IF_ERROR(RanksFromFlags(flags, head, options.ranks, options.head_version));
+  ASSIGN_OR_RETURN(const GradNormResult result, client.GradWeightNorm(options));
+  absl::PrintF("grad norm %.9g of head %s at version %d: %d tokens from %d calls\n", result.grad_norm,
+               head.name, result.head_version, result.accumulated_tokens, result.accumulated_calls);
+  return absl::OkStatus();
+}
+
+absl::Status RunCommitGrad(const Flags& flags) {
+  RETURN_IF_ERROR(RequireFlag(flags, "call_id"));
+  ASSIGN_OR_RETURN(const Client client, ConnectFromFlags(flags));
+  ASSIGN_OR_RETURN(const HeadInfo head, ResolveHead(client, flags));
+  ASSIGN_OR_RETURN(const CommitResult result,
+                   client.CommitGradWeight(head.name, flags.String("call_id"), flags.Double("scale")));
+  absl::PrintF("%s the dL/dW staged by call %s times %.9g %s the accumulator of head %s: %d tokens (version %d)\n",
+               result.replayed ? "had already committed" : "committed", flags.String("call_id"),
+               flags.Double("scale"), result.replayed ? "to" : "into", head.name, result.accumulated_tokens,
+               result.head_version);
+  return absl::OkStatus();
+}
+
+absl::Status RunDiscardGrad(const Flags& flags) {
+  RETURN_IF_ERROR(RequireFlag(flags, "call_id"));
+  const std::vector<std::string> ids = absl::StrSplit(flags.String("call_id"), ',', absl::SkipWhitespace());
+  ASSIGN_OR_RETURN(const Client client, ConnectFromFlags(flags));
+  ASSIGN_OR_RETURN(const HeadInfo head, ResolveHead(client, flags));
+  ASSIGN_OR_RETURN(const int discarded, client.DiscardGradWeight(head.name, ids));
+  absl::PrintF("discarded %d of %d staged gradients of head %s\n", discarded, ids.size(), head.name);
   return absl::OkStatus();
 }
 
@@ -854,8 +1163,8 @@ absl::Status RunBench(const Flags& flags) {
   request.head = head.name;
   request.hidden = hidden.view();
   request.labels = labels;
-  request.outputs.grad_hidden = flags.Bool("grad");
-  request.outputs.accumulate_grad_weight = flags.Bool("accumulate");
+  request.outputs.set_grad_hidden(flags.Bool("grad"));
+  request.outputs.set_accumulate_grad_weight(flags.Bool("accumulate"));
   request.rows_per_message = flags.Int("rows_per_message");
   request.shared_memory = flags.Bool("shared_memory");
   ASSIGN_OR_RETURN(request.weight_sha256, PinnedWeights(client, flags, head));
@@ -868,8 +1177,8 @@ absl::Status RunBench(const Flags& flags) {
                   "bench: head %s [%d x %d], %d tokens of %s per call, %d calls, %d at a "
                   "time%s%s%s\n",
                   head.name, head.vocab_size, head.hidden_size, tokens, DTypeName(dtype), calls,
-                  streams, request.outputs.grad_hidden ? ", dL/dh" : "",
-                  request.outputs.accumulate_grad_weight ? ", dL/dW accumulated" : "", pinned);
+                  streams, request.outputs.grad_hidden() ? ", dL/dh" : "",
+                  request.outputs.accumulate_grad_weight() ? ", dL/dW accumulated" : "", pinned);
   }
   // The first rows only, where a whole call would cost as much as a timed one: enough to connect,
   // start the server's threads and bring this machine's cores up to speed.
@@ -880,7 +1189,7 @@ absl::Status RunBench(const Flags& flags) {
 
   // Each stream writes dL/dh into a buffer of its own, reused from call to call as a training
   // loop would, allocated (and its pages faulted in) before the clock starts.
-  const size_t grad_hidden_bytes_per_call = request.outputs.grad_hidden ? hidden.bytes.size() : 0;
+  const size_t grad_hidden_bytes_per_call = request.outputs.grad_hidden() ? hidden.bytes.size() : 0;
   std::vector<std::string> grad_hidden_outs(streams, std::string(grad_hidden_bytes_per_call, '\0'));
 
   std::mutex mutex;
@@ -903,8 +1212,8 @@ absl::Status RunBench(const Flags& flags) {
           totals.latencies.push_back(result->wall_seconds);
           totals.bytes_sent += result->bytes_sent;
           totals.bytes_received += result->bytes_received;
-          totals.compute_seconds += result->summary.compute_seconds;
-          totals.queue_seconds += result->summary.queue_seconds;
+          totals.compute_seconds += result->summary.compute_seconds();
+          totals.queue_seconds += result->summary.queue_seconds();
         }
         progressed.notify_one();
       }
@@ -937,7 +1246,7 @@ absl::Status RunBench(const Flags& flags) {
   std::sort(totals.latencies.begin(), totals.latencies.end());
   // The tensors each way, however they travelled (messages or shared memory).
   const int64_t hidden_bytes = calls * static_cast<int64_t>(hidden.bytes.size());
-  const int64_t grad_hidden_bytes = request.outputs.grad_hidden ? hidden_bytes : 0;
+  const int64_t grad_hidden_bytes = request.outputs.grad_hidden() ? hidden_bytes : 0;
   if (flags.Bool("json")) {
     absl::PrintF(
         "{\"calls\": %d, \"tokens_per_call\": %d, \"streams\": %d, \"dtype\": \"%s\", "
@@ -985,6 +1294,17 @@ FlagSpec SharedMemoryFlag() {
 
 FlagSpec HeadFlag() { return {"head", FlagKind::kString, "", "head name (default: the server's only head)"}; }
 
+FlagSpec WorldSizeFlag() {
+  return {"world_size", FlagKind::kInt, "1",
+          "ranks of a data-parallel job that call together: the server acts once all have"};
+}
+FlagSpec RankFlag() { return {"rank", FlagKind::kInt, "0", "this caller's rank in [0, world_size)"}; }
+FlagSpec HeadVersionFlag() {
+  return {"head_version", FlagKind::kInt, "",
+          "the version the ranks trained on, which names a collective call (default with "
+          "--world_size > 1: the head's version now)"};
+}
+
 FlagSpec PinWeightsFlag() {
   return {"pin_weights", FlagKind::kBool, "false",
           "pin the calls to the SHA-256 of the head's W as the first server asked reports it: a "
@@ -1006,9 +1326,61 @@ const std::vector<Subcommand>& Subcommands() {
         {"dtype", FlagKind::kString, "float32", "dtype of --synthetic rows: float32, bfloat16, float16"},
         {"seed", FlagKind::kInt, "0", "seed of --synthetic rows and of random labels"},
         {"labels", FlagKind::kString, "",
-         "labels FILE.npy (<i8 or <i4, one per row); default: uniform random"},
+         "labels FILE.npy (<i8 or <i4, one per row); default: uniform random, or none for "
+         "distill with --distill_alpha 0"},
         {"weights", FlagKind::kString, "", "per-token weights FILE.npy (<f4, one per row)"},
-        {"reduction", FlagKind::kString, "mean", "mean, sum or none"},
+        {"shift_labels", FlagKind::kBool, "false",
+         "next-token prediction: row i is scored against label i + 1 of its sequence, the last "
+         "row of each sequence is ignored"},
+        {"sequence_lengths", FlagKind::kString, "",
+         "FILE.npy (<i8 or <i4): the lengths of the sequences packed one after another in the "
+         "rows, summing to the row count (sequence reductions, shift_labels); default: one "
+         "sequence"},
+        {"reduction", FlagKind::kString, "mean",
+         absl::StrCat(EnumChoices(*v1::Reduction_descriptor(), "REDUCTION_"),
+                      " (verl's token-mean, seq-mean-token-sum, seq-mean-token-mean too); the "
+                      "sequence reductions need --sequence_lengths")},
+        {"objective", FlagKind::kString, "cross_entropy",
+         absl::StrCat("the per-token term (lossd.v1.Objective): ",
+                      EnumChoices(*v1::Objective_descriptor(), "OBJECTIVE_"))},
+        {"sampling_logprobs", FlagKind::kString, "",
+         "FILE.npy (<f4, one per row): the sampler's log-probabilities q_i (importance_sampling, "
+         "ppo, cispo)"},
+        {"advantages", FlagKind::kString, "",
+         "FILE.npy (<f4, one per row): the advantages A_i (importance_sampling, ppo, cispo)"},
+        {"reference_logprobs", FlagKind::kString, "",
+         "FILE.npy (<f4, one per row): the reference policy's log-probabilities (--kl_estimator)"},
+        {"logprob_grads", FlagKind::kString, "",
+         "FILE.npy (<f4, one per row): dL/dlogp_i of a loss computed elsewhere (logprob_gradient)"},
+        {"clip_low", FlagKind::kDouble, "", "ppo and cispo: eps_low in [0, 1] (default 0.2)"},
+        {"clip_high", FlagKind::kDouble, "", "ppo and cispo: eps_high >= 0 (default 0.2)"},
+        {"dual_clip", FlagKind::kDouble, "0", "ppo: the dual-clip bound c > 1 of negative advantages; 0: off"},
+        {"kl_estimator", FlagKind::kString, "none",
+         absl::StrCat("KL to the reference policy per token: ",
+                      EnumChoices(*v1::KlEstimator_descriptor(), "KL_ESTIMATOR_"),
+                      " (needs --reference_logprobs)")},
+        {"kl_coef", FlagKind::kDouble, "0", "adds kl_coef * KL_i to each token's loss"},
+        {"entropy_coef", FlagKind::kDouble, "0", "subtracts entropy_coef * H_i (an entropy bonus)"},
+        {"teacher_head", FlagKind::kString, "",
+         "distill: the teacher head on the same server (with --teacher_hidden)"},
+        {"teacher_hidden", FlagKind::kString, "",
+         "distill: the teacher's hidden states for the same rows, as --hidden takes them"},
+        {"teacher_top_k_tokens", FlagKind::kString, "",
+         "distill, a sparse teacher: FILE.npy [rows, k] (<i4 or <i8) of each row's k most likely "
+         "tokens (with --teacher_top_k_logprobs)"},
+        {"teacher_top_k_logprobs", FlagKind::kString, "",
+         "distill, a sparse teacher: FILE.npy [rows, k] (<f4) of their log-probabilities"},
+        {"distill_beta", FlagKind::kDouble, "0",
+         "distill: 0 forward KL(p || q), 1 reverse KL(q || p), between: the generalized JSD"},
+        {"distill_alpha", FlagKind::kDouble, "0",
+         "distill: loss = alpha CE + (1 - alpha) KD; 0 without --labels sends no labels"},
+        {"distill_temperature", FlagKind::kDouble, "", "distill: tau of both distributions (default 1)"},
+        {"teacher_softcap", FlagKind::kDouble, "",
+         "distill: the teacher's logit soft cap (default the teacher head's; 0: off)"},
+        {"teacher_temperature", FlagKind::kDouble, "", "distill: the teacher's temperature (default 1)"},
+        {"sparse_teacher_mass", FlagKind::kString, "renormalize",
+         absl::StrCat("distill, a sparse teacher: what becomes of the mass outside its top-k: ",
+                      EnumChoices(*v1::SparseTeacherMass_descriptor(), "SPARSE_TEACHER_"))},
         {"ignore_index", FlagKind::kInt, "-100", "label value whose rows count for nothing"},
         {"label_smoothing", FlagKind::kDouble, "0", "label smoothing in [0, 1]"},
         {"z_loss", FlagKind::kDouble, "0", "z-loss scale: adds scale * lse^2 per token"},
@@ -1016,16 +1388,30 @@ const std::vector<Subcommand>& Subcommands() {
          "logit soft cap c: logits <- c tanh(logits / c); empty: the head's, 0: off"},
         {"temperature", FlagKind::kDouble, "1", "divides the logits, after the soft cap"},
         {"grad_scale", FlagKind::kDouble, "1", "multiplies dL/dh and dL/dW"},
+        {"mean_denominator", FlagKind::kDouble, "0",
+         "the mean's denominator when the call is a slice of a larger batch (sequences for the "
+         "sequence reductions); 0: this call's own count"},
+        {"allow_tf32", FlagKind::kBool, "false", "GPU: fp32 products on TF32 tensor cores"},
+        {"outputs", FlagKind::kString, "",
+         absl::StrCat("per-token outputs to ask for, comma-separated, named as lossd.v1.OutputSelection's "
+                      "fields: ",
+                      absl::StrJoin(OutputNames(), ", "),
+                      " (default with --out: token_loss,logprob,argmax)")},
         {"top_k", FlagKind::kInt, "0", "top-k log-probabilities per token (0..64), in --out"},
         {"entropy", FlagKind::kBool, "false", "per-token entropy; prints its mean"},
         {"grad", FlagKind::kBool, "false", "ask for dL/dh; prints its norm"},
         {"grad_dtype", FlagKind::kString, "", "dtype of dL/dh (default: that of the hidden states)"},
         {"grad_out", FlagKind::kString, "", "save dL/dh to FILE.npy (needs --grad)"},
         {"accumulate", FlagKind::kBool, "false", "add dL/dW to the head's accumulator on the server"},
+        {"stage", FlagKind::kBool, "false",
+         "with --accumulate: keep dL/dW staged on the server under the call id until commit-grad "
+         "adds it (times a scale) or discard-grad drops it"},
         {"call_id", FlagKind::kString, "",
          "with --accumulate: the call's id (default: a fresh random one); running the same call "
          "again with it adds nothing twice"},
-        {"out", FlagKind::kString, "", "write per-token results (loss, logprob, argmax, ...) to FILE.json"},
+        {"out", FlagKind::kString, "",
+         "write the summary and every per-token output asked for to FILE.json (top_k_* as "
+         "[rows, k], enums such as clip as their numbers)"},
         {"rows_per_message", FlagKind::kInt, "0", "hidden rows per chunk message; 0 sends about 4 MiB each"},
         SharedMemoryFlag(),
         PinWeightsFlag()},
@@ -1042,7 +1428,9 @@ const std::vector<Subcommand>& Subcommands() {
        "save the head's weight W [V, H] to an .npy file",
        {HeadFlag(),
         {"out", FlagKind::kString, "", "output FILE.npy"},
-        {"dtype", FlagKind::kString, "float32", "float32, bfloat16 (stored as <u2 bits) or float16"}},
+        {"dtype", FlagKind::kString, "float32", "float32, bfloat16 (stored as <u2 bits) or float16"},
+        {"master", FlagKind::kBool, "false",
+         "the fp32 master weights of a 16-bit head that trains from them (W without them)"}},
        [](const Flags& flags) { return RunFetch(flags, /*gradient=*/false); }},
       {"zero-grad",
        "zero-grad [--head H]",
@@ -1062,8 +1450,32 @@ const std::vector<Subcommand>& Subcommands() {
         {"weight_decay", FlagKind::kDouble, "",
          "decoupled weight decay for AdamW (default 0.01) or L2 penalty for SGD (default 0)"},
         {"max_grad_norm", FlagKind::kDouble, "0", "clip the gradient to this global norm first (0: off)"},
-        {"keep_grad", FlagKind::kBool, "false", "keep the accumulator after the step (default: zero it)"}},
+        {"keep_grad", FlagKind::kBool, "false", "keep the accumulator after the step (default: zero it)"},
+        {"grad_multiplier", FlagKind::kDouble, "",
+         "multiplies the gradient before anything else (a clip multiplier, 1 / a loss scale; default 1)"},
+        {"skip_nonfinite", FlagKind::kBool, "false",
+         "skip the step, instead of failing, when the gradient's norm is not finite"},
+        WorldSizeFlag(), RankFlag(), HeadVersionFlag()},
        RunStep},
+      {"grad-norm",
+       "grad-norm [--head H] [--world_size N --rank R] [--grad_multiplier M]",
+       "print the norm of the head's accumulated gradient (collective over ranks); changes nothing",
+       {HeadFlag(),
+        {"grad_multiplier", FlagKind::kDouble, "", "the norm of the gradient times this (default 1)"},
+        WorldSizeFlag(), RankFlag(), HeadVersionFlag()},
+       RunGradNorm},
+      {"commit-grad",
+       "commit-grad [--head H] --call_id ID [--scale S]",
+       "add the dL/dW a `compute --accumulate --stage` call staged to the accumulator, times a scale",
+       {HeadFlag(),
+        {"call_id", FlagKind::kString, "", "the id of the call that staged its dL/dW"},
+        {"scale", FlagKind::kDouble, "1", "the upstream gradient the staged dL/dW is multiplied by"}},
+       RunCommitGrad},
+      {"discard-grad",
+       "discard-grad [--head H] --call_id ID[,ID...]",
+       "drop staged dL/dW that will never be committed",
+       {HeadFlag(), {"call_id", FlagKind::kString, "", "ids of the calls, comma-separated"}},
+       RunDiscardGrad},
       {"save",
        "save [--head H]",
        "write checkpoints on the server (all heads without --head)",
@@ -1112,7 +1524,7 @@ void PrintFlagHelp(std::FILE* out, const std::vector<FlagSpec>& flags) {
     const std::string default_text = flag.default_value.empty() || flag.kind == FlagKind::kBool
                                          ? ""
                                          : absl::StrCat(" (default ", flag.default_value, ")");
-    absl::FPrintF(out, "  --%-26s %s%s\n", absl::StrCat(flag.name, value), flag.help, default_text);
+    absl::FPrintF(out, "  --%-30s %s%s\n", absl::StrCat(flag.name, value), flag.help, default_text);
   }
 }
 

@@ -5,8 +5,8 @@
 //   request.head = "main";
 //   request.hidden = {hidden.data(), lossd::client::DType::kBFloat16, num_tokens, hidden_size};
 //   request.labels = labels;
-//   request.outputs.grad_hidden = true;
-//   auto result = client->Compute(request);   // result->summary.loss, result->grad_hidden
+//   request.outputs.set_grad_hidden(true);     // request.options, request.outputs: lossd.v1's own
+//   auto result = client->Compute(request);   // result->summary.loss(), result->grad_hidden
 //
 // Every call returns the server's gRPC status as an absl::Status with the same code and message.
 // A Client is cheap to move and safe to use from several threads at once (its channels, shared).
@@ -50,14 +50,20 @@ inline constexpr int kDefaultServerPort = 50051;
 // retry goes to the next server in the rotation. Other codes are the server's answer and are
 // returned as they are.
 //
+// The same retries, for the same reason, cover the other calls the server answers as the first
+// when they are repeated: CommitGradWeight (a repeated commit of an id is a replay), and Step and
+// GradWeightNorm of several ranks (ranks.world_size > 1: head_version names the step, and a
+// repeat gets that step's outcome).
+//
 // Compute is retried here, not by gRPC: gRPC replays a stream only while everything sent fits its
 // per-call retry buffer (256 KiB) and no response has come, so a call that failed after sending
 // its rows, or while results were streaming back (a replica killed mid-call), would not be
 // replayed. The read-only unary and fetch calls (ListHeads, GetHead, FetchWeight, FetchGradWeight,
 // GetSharedMemorySocket) are retried on UNAVAILABLE by gRPC's own retryPolicy in the channels'
 // service config, with these attempts (at most 5, gRPC's cap) and backoff: they send one small
-// message and take effect nowhere. Calls that change a head (Step, ZeroGradWeight, UploadHead,
-// SaveCheckpoint) are made once, since a lost answer cannot tell whether they took effect.
+// message and take effect nowhere. The other calls that change a head (a single process's Step,
+// ZeroGradWeight, DiscardGradWeight, UploadHead, SaveCheckpoint) are made once, since a lost
+// answer cannot tell whether they took effect.
 struct RetryOptions {
   int max_attempts = 4;  // attempts in all; 1 turns retrying off
   // The wait before the n-th retry is initial_backoff * multiplier^(n - 1), at most max_backoff,
@@ -82,7 +88,9 @@ struct ChannelOptions {
   // sizes, at most min(half its own limit, 8 MiB): a limit below that can refuse them.
   int64_t max_message_bytes = int64_t{256} << 20;
   absl::Duration deadline = absl::InfiniteDuration();  // per call, and per attempt of Compute
-  RetryOptions compute_retry;  // Compute only: the other calls are made once
+  // Compute, CommitGradWeight and collective Step and GradWeightNorm (see RetryOptions); the
+  // other calls are made once or retried by gRPC.
+  RetryOptions compute_retry;
   // HTTP/2 keepalive pings on an idle connection. A server with gRPC's default policy answers
   // pings more frequent than every 5 minutes with GOAWAY, so the default stays at that.
   absl::Duration keepalive_time = absl::Minutes(5);
@@ -120,6 +128,9 @@ enum class Balancing {
 std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options, Balancing balancing);
 absl::Status ValidateChannelOptions(const ChannelOptions& options);
 
+// The wire's name for a dtype, as in OutputSelection.grad_hidden_dtype.
+v1::DType ToProto(DType dtype);
+
 // The same code (gRPC and absl share the canonical numbering) and the server's message.
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
@@ -142,6 +153,9 @@ struct HeadInfo {
   // Always set by GetHead; ListHeads leaves it empty where the server has not hashed W since it
   // last changed.
   std::string weight_sha256;
+  // A 16-bit W that trains from fp32 master weights (FetchWeight with master reads them).
+  bool master_weights = false;
+  int64_t staged_gradients = 0;  // dL/dW staged by calls, waiting for CommitGradWeight
 };
 
 // What a head's model does with W besides the output projection (UploadHeadStart's fields).
@@ -155,38 +169,14 @@ struct HeadList {
   std::string backend;  // the server's compute backend, described by the server
 };
 
-enum class Reduction { kMean, kSum, kNone };
-
-// Mirrors lossd.v1.LossOptions; defaults follow torch.nn.functional.cross_entropy.
-struct LossOptions {
-  Reduction reduction = Reduction::kMean;
-  int64_t ignore_index = -100;
-  double label_smoothing = 0.0;  // [0, 1]
-  double z_loss_scale = 0.0;     // >= 0: adds scale * lse^2 per token
-  // logits <- cap * tanh(logits / cap). Unset: the head's cap (HeadInfo::logit_softcap); 0: off.
-  std::optional<double> logit_softcap;
-  double temperature = 1.0;      // > 0, applied after the soft cap
-  double grad_scale = 1.0;       // multiplies dL/dh and dL/dW
-  // The mean's denominator when this batch is one slice of a larger one; 0 counts this batch's
-  // non-ignored tokens.
-  double mean_denominator = 0.0;
-  bool allow_tf32 = false;       // GPU only
-};
-
-// Which per-token results to stream back; the summary always comes.
-struct OutputSelection {
-  bool token_loss = false;
-  bool logprob = false;
-  bool lse = false;
-  bool entropy = false;
-  bool argmax = false;
-  int top_k = 0;  // 0..64
-  bool grad_hidden = false;
-  std::optional<DType> grad_hidden_dtype;  // unset: the dtype of the hidden states
-  // Adds this batch's dL/dW to the head's accumulator on the server, all or nothing.
-  bool accumulate_grad_weight = false;
-};
-
+// A Compute call. Its options and the outputs it asks for are the wire contract's own messages,
+// lossd.v1.LossOptions and lossd.v1.OutputSelection (lossd/v1/lossd.pb.h), with the wire's
+// defaults (torch's): every option the server takes is set here as it travels, e.g.
+//   request.options.set_objective(v1::OBJECTIVE_PPO);
+//   request.options.mutable_policy()->set_dual_clip(3.0);
+//   request.outputs.set_ratio(true);
+// The tensors and per-token inputs are views of the caller's memory, which must stay valid for
+// the call. Sizes are checked before anything is sent (INVALID_ARGUMENT naming the field).
 struct ComputeRequest {
   std::string head;
   // Set: FAILED_PRECONDITION unless the head is there. Versions are per server: across replicas
@@ -196,23 +186,48 @@ struct ComputeRequest {
   // hashes, from a server whose W is another, so that the calls of one scoring session over
   // replicas all use one W even while an update rolls out.
   std::string weight_sha256;
-  LossOptions options;
-  OutputSelection outputs;
+  v1::LossOptions options;
+  v1::OutputSelection outputs;
   TensorView hidden;                     // [num_tokens, hidden_size]
-  absl::Span<const int64_t> labels;      // num_tokens token ids or ignore_index
-  absl::Span<const float> token_weights; // empty, or num_tokens weights
+  // num_tokens token ids or ignore_index; empty only for OBJECTIVE_DISTILL with distill.alpha 0,
+  // where every row then counts.
+  absl::Span<const int64_t> labels;
+  // Per-token inputs, each empty or num_tokens values (ComputeStart in lossd.proto says which
+  // objective reads which).
+  absl::Span<const float> token_weights;       // w_i
+  absl::Span<const float> sampling_logprobs;   // q_i: importance sampling, ppo, cispo
+  absl::Span<const float> advantages;          // A_i: importance sampling, ppo, cispo
+  absl::Span<const float> reference_logprobs;  // with options.policy.kl_estimator
+  absl::Span<const float> logprob_grads;       // g_i = dL/dlogp_i: OBJECTIVE_LOGPROB_GRADIENT
   // Next-token prediction: row i is scored against labels[i + 1] of its sequence, the last row of
   // each sequence is ignored (ComputeStart.shift_labels). sequence_lengths: the consecutive
-  // sequences the rows make up; empty: one sequence.
+  // sequences the rows make up (the sequence reductions need them); empty: one sequence.
   bool shift_labels = false;
   absl::Span<const int64_t> sequence_lengths;
+  // The teacher of OBJECTIVE_DISTILL, one of:
+  // - a head served by the same server, with its hidden rows for the same positions
+  //   ([num_tokens, teacher hidden size], any dtype), sent beside each chunk of `hidden`;
+  //   teacher_head_version pins it;
+  // - a sparse teacher: per row its teacher_top_k most likely tokens and their log-probabilities,
+  //   [num_tokens, teacher_top_k] each, row-major.
+  std::string teacher_head;
+  std::optional<uint64_t> teacher_head_version;
+  TensorView teacher_hidden;
+  int teacher_top_k = 0;
+  absl::Span<const int32_t> teacher_top_k_tokens;
+  absl::Span<const float> teacher_top_k_logprobs;
+  // With outputs.accumulate_grad_weight: keep this call's dL/dW on the server under call_id until
+  // Client::CommitGradWeight adds it times a scale, or DiscardGradWeight drops it
+  // (ComputeStart.stage_grad_weight; the summary's grad_weight_staged says whether it was).
+  bool stage_grad_weight = false;
   // Hidden rows per chunk message; 0 picks as many as fit in min(4 MiB, max_message_bytes), small
   // enough that the server computes early chunks while later ones are still on the wire.
   int64_t rows_per_message = 0;
   // Rows and dL/dh through a memfd shared with a server on this host instead of messages (see
   // SharedMemory in lossd.proto): the client hands its memfd over on the server's handover socket,
   // once per memfd, and the server computes on the rows there. For a server on loopback or a Unix
-  // socket in the client's network namespace, whichever user either runs as.
+  // socket in the client's network namespace, whichever user either runs as. Not with a teacher,
+  // whose rows travel in messages only.
   bool shared_memory = false;
   // The call's name on the server, so that a retry cannot add its dL/dW twice (see RetryOptions
   // and ComputeStart.call_id in lossd.proto). Empty: a call that accumulates dL/dW gets a fresh
@@ -229,33 +244,17 @@ struct ComputeRequest {
   void* grad_hidden_out = nullptr;
 };
 
-struct ComputeSummary {
-  double loss = 0.0;  // reduced as asked (the sum for Reduction::kNone)
-  double loss_sum = 0.0;
-  int64_t counted_tokens = 0;  // tokens whose label is not ignore_index
-  int64_t correct_tokens = 0;  // counted tokens whose argmax is the label
-  uint64_t head_version = 0;
-  bool grad_weight_accumulated = false;
-  // A repeat of a call_id the server had already accumulated (a retry after a commit whose answer
-  // was lost): results computed again, dL/dW not added again.
-  bool replayed = false;
-  double queue_seconds = 0.0;  // server: waiting for admission
-  double compute_seconds = 0.0;  // server: inside the engine
-  int64_t peak_workspace_bytes = 0;
-  std::string backend;
-};
-
-// Per-token vectors are in row order and empty unless asked for.
 struct ComputeResult {
-  ComputeSummary summary;
-  std::vector<float> token_loss;
-  std::vector<float> logprob;
-  std::vector<float> lse;
-  std::vector<float> entropy;
-  std::vector<int32_t> argmax;
-  int top_k = 0;
-  std::vector<float> top_k_logprob;  // [num_tokens, top_k], best first
-  std::vector<int32_t> top_k_token;  // [num_tokens, top_k]
+  // As the server sent it: the loss (reduced as asked; the sum for REDUCTION_NONE), counts, the
+  // policy and distillation statistics (clip_fraction, mean_kl, mean_kd, mean_ce), whether dL/dW
+  // was accumulated, staged or replayed, the server's timings.
+  v1::ComputeSummary summary;
+  // Every per-token output asked for, over all rows in row order (row_offset 0, num_rows
+  // num_tokens), put together from the result messages by the rule of lossd.proto's
+  // ComputeResult: a repeated field is filled when the OutputSelection field of its name is set,
+  // with one value per row (per_token.logprob(i) is row i's), and the top_k_* fields with top_k
+  // values per row ([num_tokens, top_k], best first). Outputs not asked for are empty.
+  v1::ComputeResult per_token;
   Tensor grad_hidden;                // [num_tokens, hidden_size] when asked for (see grad_hidden_out)
   std::string call_id;               // the one sent, empty for none
   int attempts = 0;                  // 1 unless retried
@@ -282,19 +281,58 @@ struct AdamWOptions {
   double weight_decay = 0.01;  // decoupled
 };
 
+// The ranks of a data-parallel job that step one head together (lossd.v1.RankGroup): each calls
+// Step (and GradWeightNorm) with the same request but its own rank, the server acts once when all
+// world_size ranks have called and answers every rank alike. world_size 1: this call alone.
+struct RankGroup {
+  int world_size = 1;
+  int rank = 0;  // [0, world_size)
+};
+
 struct StepOptions {
   std::string head;
   std::variant<SgdOptions, AdamWOptions> optimizer;
-  double max_grad_norm = 0.0;  // > 0: clip by global norm first
+  double max_grad_norm = 0.0;  // > 0: clip by global norm first (after grad_multiplier)
   bool keep_grad = false;      // false: the server zeroes the accumulator after the step
-  std::optional<uint64_t> head_version;  // set: FAILED_PRECONDITION unless the head is there
+  // Set: FAILED_PRECONDITION unless the head is there. Required with ranks.world_size > 1, where
+  // it names the step (the version the ranks trained on).
+  std::optional<uint64_t> head_version;
+  RankGroup ranks;
+  // Multiplies the accumulated gradient before anything else (a clip multiplier taken over the
+  // whole model, 1 / a loss scale); unset: 1.
+  std::optional<double> grad_multiplier;
+  // A gradient whose norm (after grad_multiplier) leaves float32's range skips the step, as
+  // torch.amp.GradScaler does, instead of failing it: StepResult::skipped.
+  bool skip_nonfinite = false;
 };
 
 struct StepResult {
   uint64_t head_version = 0;
-  double grad_norm = 0.0;  // before clipping
+  double grad_norm = 0.0;  // after grad_multiplier, before clipping
   double clip_multiplier = 1.0;
   int64_t accumulated_tokens = 0;
+  bool skipped = false;    // skip_nonfinite met a non-finite gradient: W did not move
+};
+
+// GradWeightNorm: the norm of a head's accumulated gradient, once every rank has sent its part.
+struct GradNormOptions {
+  std::string head;
+  std::optional<uint64_t> head_version;  // required with ranks.world_size > 1, as for Step
+  RankGroup ranks;
+  std::optional<double> grad_multiplier;  // the norm is of the multiplied gradient
+};
+
+struct GradNormResult {
+  uint64_t head_version = 0;
+  double grad_norm = 0.0;  // +inf or NaN when an entry is not finite
+  int64_t accumulated_tokens = 0;
+  int64_t accumulated_calls = 0;
+};
+
+struct CommitResult {
+  uint64_t head_version = 0;
+  int64_t accumulated_tokens = 0;
+  bool replayed = false;  // the id was committed before: nothing added again
 };
 
 class Handover;
@@ -316,11 +354,24 @@ class Client {
   absl::StatusOr<HeadInfo> UploadHead(const std::string& head, const TensorView& weight,
                                       DType storage_dtype = DType::kFloat32, bool replace = false,
                                       const ModelTraits& model = {}) const;
-  absl::StatusOr<Tensor> FetchWeight(const std::string& head, DType dtype = DType::kFloat32) const;
+  // `master`: a head's fp32 master weights (HeadInfo::master_weights) instead of the 16-bit W that
+  // calls read; W for a head without them.
+  absl::StatusOr<Tensor> FetchWeight(const std::string& head, DType dtype = DType::kFloat32,
+                                     bool master = false) const;
   absl::StatusOr<Tensor> FetchGradWeight(const std::string& head, DType dtype = DType::kFloat32) const;
   // Returns the head's version.
   absl::StatusOr<uint64_t> ZeroGrad(const std::string& head) const;
   absl::StatusOr<StepResult> Step(const StepOptions& options) const;
+  // Changes nothing; collective like Step with ranks.world_size > 1.
+  absl::StatusOr<GradNormResult> GradWeightNorm(const GradNormOptions& options) const;
+  // Adds the dL/dW that the call `call_id` staged (ComputeRequest::stage_grad_weight) to the
+  // accumulator times `scale` (the upstream gradient of its loss). NOT_FOUND when nothing is
+  // staged under the id any more (the head stepped, the gradient expired or was discarded).
+  absl::StatusOr<CommitResult> CommitGradWeight(const std::string& head, const std::string& call_id,
+                                                double scale = 1.0) const;
+  // Drops staged gradients whose backward will not run; returns how many were still staged.
+  absl::StatusOr<int> DiscardGradWeight(const std::string& head,
+                                        absl::Span<const std::string> call_ids) const;
   // An empty `head` saves every head; returns the checkpoint paths on the server.
   absl::StatusOr<std::vector<std::string>> SaveCheckpoint(const std::string& head = "") const;
 
@@ -339,7 +390,19 @@ class Client {
   absl::Status RequireOneServer(absl::string_view what) const;
   // Adds the bearer token and the deadline to a call's context.
   void PrepareContext(grpc::ClientContext& context) const;
-  absl::StatusOr<Tensor> FetchTensor(const std::string& head, DType dtype, bool gradient) const;
+  absl::StatusOr<Tensor> FetchTensor(const std::string& head, DType dtype, bool gradient,
+                                     bool master) const;
+  // One unary call to the one server.
+  template <typename Request, typename Response>
+  absl::StatusOr<Response> CallOneServer(
+      grpc::Status (v1::LossService::Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+      const Request& request) const;
+  // CallOneServer, retried as options().compute_retry says where `repeatable`: the server
+  // answers a repeat of the request as the first.
+  template <typename Request, typename Response>
+  absl::StatusOr<Response> CallOneServerRetried(
+      grpc::Status (v1::LossService::Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+      const Request& request, bool repeatable) const;
   // The part of Compute that depends on how the rows travel.
   absl::Status RunCompute(const ComputeRequest& request, v1::ComputeRequest& start_message,
                           ComputeResult& result) const;
