@@ -263,22 +263,27 @@ def test_a_unix_socket_target_passes_through():
     path = os.path.join(tempfile.mkdtemp(prefix="lossd-unix-"), "lossd.sock")
     with start_server(SEED, f"--listen=unix:{path}") as server, \
             lossd.Client(f"unix:{path}") as client:
-        assert client.target == lossd.Target(f"unix:{path}", 1)
+        assert client.target == lossd.Target(f"unix:{path}", 1, local=True)
         assert client.get_head("demo").weight_sha256
         assert server.process.poll() is None
 
 
-@pytest.mark.parametrize("address,listed", [
-    ("lossd:50051", 1),                                    # HOST:PORT, resolved by DNS
-    ("dns:///lossd-scoring:50051", 1),                     # may resolve to several; names one
-    ("ipv4:127.0.0.1:5001,127.0.0.1:5002,127.0.0.1:5003", 3),
-    ("ipv4:///127.0.0.1:1,127.0.0.1:2", 2),                # the URI form, empty authority
-    ("ipv6:[::1]:5001,[::1]:5002", 2),
-    ("unix:/run/lossd/lossd.sock", 1),
-    ("unix-abstract:lossd", 1),
+@pytest.mark.parametrize("address,listed,local", [
+    ("lossd:50051", 1, False),                             # HOST:PORT, resolved by DNS
+    ("dns:///lossd-scoring:50051", 1, False),              # may resolve to several; names one
+    ("ipv4:127.0.0.1:5001,127.0.0.1:5002,127.0.0.1:5003", 3, False),  # several: replicas
+    ("ipv4:///127.0.0.1:1,127.0.0.1:2", 2, False),         # the URI form, empty authority
+    ("ipv6:[::1]:5001,[::1]:5002", 2, False),
+    ("unix:/run/lossd/lossd.sock", 1, True),
+    ("unix-abstract:lossd", 1, True),
+    ("127.0.0.1:50051", 1, True),                          # loopback: shared memory may serve
+    ("localhost:50051", 1, True),
+    ("[::1]:50051", 1, True),
+    ("dns:///localhost:50051", 1, True),
+    ("10.0.0.7:50051", 1, False),
 ])
-def test_parse_target_lists_what_the_target_names_and_keeps_it(address, listed):
-    assert lossd.parse_target(address) == lossd.Target(address, listed)
+def test_parse_target_lists_what_the_target_names_and_keeps_it(address, listed, local):
+    assert lossd.parse_target(address) == lossd.Target(address, listed, local)
 
 
 @pytest.mark.parametrize("address", ["", "ipv4:", "ipv4:127.0.0.1:1,,127.0.0.1:2", None])
@@ -292,8 +297,9 @@ def test_connections_age_out_so_that_clients_reach_new_replicas():
     (GOAWAY); calls in flight finish, and the client connects again, resolving its target anew,
     which is how clients of a headless Service reach the replicas a scale-up adds."""
     hidden, labels = batch(64, 5)
+    # Scoring in messages, over the round-robin channel watched here.
     with start_server(SEED, "--max_connection_age_seconds=1") as server, \
-            lossd.Client(server.address, timeout=30) as client:
+            lossd.Client(server.address, timeout=30, shared_memory=False) as client:
         states = []
         # The client's round-robin channel, watched from the outside: READY each time it connects.
         client._channel.subscribe(states.append, try_to_connect=False)

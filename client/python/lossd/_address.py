@@ -66,6 +66,9 @@ class Target:
     """A channel target as the client reads it (parse_target)."""
     uri: str               # what the channels are built on: the address as written
     listed_addresses: int  # several for an ipv4:/ipv6: list, else 1
+    # One server on this host: a loopback address or a Unix socket, where shared memory can
+    # carry the rows instead of the connection.
+    local: bool = False
 
 
 def parse_target(address):
@@ -76,10 +79,24 @@ def parse_target(address):
     check(address)
     scheme, colon, rest = address.partition(":")
     if not colon or scheme.lower() not in ("ipv4", "ipv6"):
-        return Target(address, 1)
+        return Target(address, 1, _is_local(address))
     # ipv4:ADDR:PORT,ADDR:PORT or, as a URI with an empty authority, ipv4:///ADDR:PORT,...
     entries = rest.lstrip("/").split(",")
     if not all(entries):
         raise ValueError(f"address: expected ADDR:PORT entries separated by commas after "
                          f'{scheme.lower()}:, got "{address}"')
-    return Target(address, len(entries))
+    return Target(address, len(entries), len(entries) == 1 and _is_local(entries[0]))
+
+
+def _is_local(address):
+    """Whether one address names this host: a Unix socket, or a loopback host."""
+    scheme, colon, rest = address.partition(":")
+    scheme = scheme.lower()
+    if colon and scheme in ("unix", "unix-abstract"):
+        return True
+    if colon and scheme in ("dns", "ipv4", "ipv6"):
+        address = rest.lstrip("/")
+        if "/" in address:  # dns://AUTHORITY/HOST:PORT
+            address = address.split("/", 1)[1]
+    host = address[1:address.find("]")] if address.startswith("[") else address.rpartition(":")[0]
+    return host in ("localhost", "::1") or host.startswith("127.")

@@ -210,14 +210,15 @@ class GradNormInfo:
     accumulated_calls: int
 
 
-def _service_config(retry, round_robin):
+def _service_config(retry, round_robin, health_check=True):
     """A channel's service config, as gRPC's JSON. Round robin checks each server's health
     (grpc.health.v1), so that a replica draining after SIGTERM (NOT_SERVING) leaves the rotation at
     once; gRPC retries the read-only calls of one message (see RetryPolicy)."""
     config = {}
     if round_robin:
         config["loadBalancingConfig"] = [{"round_robin": {}}]
-        config["healthCheckConfig"] = {"serviceName": ""}
+        if health_check:
+            config["healthCheckConfig"] = {"serviceName": ""}
     attempts = min(retry.max_attempts, _GRPC_MAX_ATTEMPTS)
     if attempts >= 2:
         def seconds(value):  # gRPC wants backoffs above 0
@@ -250,12 +251,19 @@ class Client:
     sent or received (gRPC's own default of 4 MiB is too small for tensors). timeout: seconds
     each call (each attempt of a compute call) may take, None for no deadline. retry: how
     compute() retries UNAVAILABLE and DEADLINE_EXCEEDED (a RetryPolicy; RetryPolicy(max_attempts=1)
-    turns it off), and the read-only calls' retryPolicy in gRPC.
+    turns it off), and the read-only calls' retryPolicy in gRPC. shared_memory: whether compute()
+    hands rows and dL/dh over in memory shared with the server by default (its shared_memory
+    argument): "auto" (the default) does for a server on this host (a loopback address or a
+    Unix socket) that offers it, and sends messages otherwise or when the handover fails.
     """
 
     def __init__(self, address, token=None, tls_root_cert=None, max_message_bytes=256 * _MIB,
-                 timeout=None, retry=RetryPolicy()):
+                 timeout=None, retry=RetryPolicy(), shared_memory="auto"):
         self.target = _address.parse_target(address)
+        if shared_memory not in ("auto", True, False):
+            raise ValueError(f"shared_memory: expected 'auto', True or False, got "
+                             f"{shared_memory!r}")
+        self._shared_memory = shared_memory
         if not isinstance(retry, RetryPolicy):
             raise TypeError(f"retry: expected a lossd.RetryPolicy, got {type(retry).__name__}")
         if isinstance(tls_root_cert, str):
@@ -265,7 +273,12 @@ class Client:
         def channel(round_robin):
             options = [("grpc.max_send_message_length", max_message_bytes),
                        ("grpc.max_receive_message_length", max_message_bytes),
-                       ("grpc.service_config", _service_config(retry, round_robin)),
+                       # grpcio 1.51 (Debian 12's) crashes the process when a round-robin
+                       # channel with health checking dials a server that a pick_first channel
+                       # of the same process failed to reach. A server on this host is one
+                       # server, with no replicas to steer round: it goes without.
+                       ("grpc.service_config",
+                        _service_config(retry, round_robin, not self.target.local)),
                        # The balancing is the client's: a DNS TXT record cannot replace it.
                        ("grpc.service_config_disable_resolution", 1),
                        ("grpc.enable_retries", 1)]
@@ -290,6 +303,7 @@ class Client:
         self._timeout = timeout
         self._retry = retry
         self._shared_buffers = _SharedBufferPool()
+        self._shared_memory_works = None  # "auto": decided at the first call that could use it
         self._handover = None  # the _HandoverConnection the pool's memfds are registered on
         self._handover_lock = threading.Lock()
         self.address = address
@@ -302,6 +316,24 @@ class Client:
         self._shared_buffers.close()
         self._channel.close()
         self._one_server_channel.close()
+
+    def _use_shared_memory(self, asked):
+        """Whether a call that asked for `asked` (True, False, "auto", or None: the client's
+        default) hands its rows over in shared memory. "auto" tries the handover once, on first
+        use, and keeps to messages if the server is not on this host or does not offer it."""
+        asked = self._shared_memory if asked is None else asked
+        if asked != "auto":
+            return bool(asked)
+        if self._shared_memory_works is None:
+            works = self.target.local
+            if works:
+                try:
+                    self._handover_connection()
+                except LossdError as error:
+                    _log.debug("shared memory unavailable, sending messages: %s", error)
+                    works = False
+            self._shared_memory_works = works
+        return self._shared_memory_works
 
     def _handover_connection(self):
         """The open handover connection, opened on first use and again once the server has
@@ -583,7 +615,7 @@ class Client:
                 shift_labels=False, sequence_lengths=None, sampling_logprobs=None,
                 advantages=None, reference_logprobs=None, logprob_grads=None, teacher_head=None,
                 teacher_hidden=None, teacher_head_version=None, teacher_top_k_tokens=None,
-                teacher_top_k_logprobs=None, rows_per_message=None, shared_memory=False,
+                teacher_top_k_logprobs=None, rows_per_message=None, shared_memory=None,
                 grad_hidden_out=None, **option_keywords) -> LossResult:
         """The loss of hidden [N, H] with labels [N] under head `head`: cross-entropy by default.
 
@@ -648,7 +680,9 @@ class Client:
         still in flight and are put back together by row offset.
 
         shared_memory=True, for a client on the server's host (any user, the server's network
-        namespace), hands the rows over and takes dL/dh back in a memfd instead of messages: the
+        namespace), hands the rows over and takes dL/dh back in a memfd instead of messages (None,
+        the default, takes the Client's: "auto" does so for a server on this host that offers
+        it, and sends messages otherwise): the
         rows are copied once into the memfd, the server computes on them there and writes dL/dh
         there, and no tensor bytes cross the socket (rows_per_message is then unused). Each memfd
         is handed over once, on the server's handover socket, for a handle the calls name; the
@@ -691,8 +725,12 @@ class Client:
                              f"{labels.shape[0]}")
         side, teacher_fields = _teacher_rows(teacher_head, teacher_hidden, teacher_top_k_tokens,
                                              teacher_top_k_logprobs, num_tokens, hidden_dtype)
-        if side and shared_memory:
+        if side and shared_memory is True:
             raise ValueError("shared_memory: not with a teacher (its rows travel in messages)")
+        if shared_memory is not True:
+            # Chosen for the call: a teacher's rows travel in messages, and a call without rows
+            # has nothing to share.
+            shared_memory = not side and num_tokens > 0 and self._use_shared_memory(shared_memory)
         wanted = set(outputs)
         unknown = wanted - set(OUTPUT_NAMES)
         if unknown:

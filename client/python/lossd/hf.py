@@ -168,7 +168,7 @@ def _check_server_head(client, head, info, model_head, resume):
 
 
 def offload_head(model, client, head="main", *, upload=False, storage_dtype="float32",
-                 shared_memory=False, resume=False, process_group=None) -> RemoteHead:
+                 shared_memory=None, resume=False, process_group=None) -> RemoteHead:
     """Makes `model`, a transformers causal LM of one of SUPPORTED_MODEL_TYPES, compute its loss
     through lossd's head `head`, and returns that head (a lossd.torch.RemoteHead, now the
     model's lm_head: head.step(...) trains W on the server).

@@ -776,8 +776,9 @@ class RemoteHead(torch.nn.Module):
     docstring for what forward and backward do). client: a lossd.Client or an address (a gRPC
     target: several replicas score, one server trains). The head must exist: construction asks
     the server (GetHead), so a wrong name fails here with NOT_FOUND and the names the server has,
-    not at the first forward. shared_memory: forward and backward hand the rows and dL/dh over in
-    memory shared with a server on this host (Client.compute's shared_memory) instead of messages.
+    not at the first forward. shared_memory: whether forward and backward hand the rows and dL/dh
+    over in memory shared with a server on this host (Client.compute's shared_memory) instead of
+    messages; None, the default, leaves it to the Client (which does for a local server).
     weight_sha256: every call is pinned to W with this SHA-256 (see pin_weights).
 
     Data-parallel training (DDP, FSDP, the Trainer on several processes): every rank holds a
@@ -794,7 +795,7 @@ class RemoteHead(torch.nn.Module):
     stage_grad_weight=False makes a forward accumulate dL/dW at once, for an upstream gradient of
     1, as servers without staged gradients do (see the module docstring)."""
 
-    def __init__(self, client, head, shared_memory=False, weight_sha256=None, *,
+    def __init__(self, client, head, shared_memory=None, weight_sha256=None, *,
                  world_size=None, rank=None, process_group=None, track_version=True,
                  stage_grad_weight=True):
         super().__init__()
@@ -912,7 +913,7 @@ class RemoteHead(torch.nn.Module):
 
     @classmethod
     def upload(cls, client, head, weight, storage_dtype="float32", replace=False,
-               shared_memory=False, tied_embeddings=False, logit_softcap=0.0):
+               shared_memory=None, tied_embeddings=False, logit_softcap=0.0):
         """Creates head `head` on the server with W = weight [V, H] and returns its RemoteHead.
         tied_embeddings and logit_softcap describe the model (Client.upload_head)."""
         client = client if isinstance(client, Client) else Client(client)
@@ -1094,7 +1095,7 @@ class RemoteLogprobs(torch.nn.Module):
     and no gradient. Without autograd it is a plain scoring call. The log-probabilities come
     back in float32 (float64 for float64 hidden, from float32 values)."""
 
-    def __init__(self, client, head, shared_memory=False, weight_sha256=None,
+    def __init__(self, client, head, shared_memory=None, weight_sha256=None,
                  process_group=None):
         super().__init__()
         self.client = client if isinstance(client, Client) else Client(client)
