@@ -91,10 +91,18 @@ if(LOSSD_PYTHON_ENV)
   add_test(NAME python_trainer
     COMMAND "${LOSSD_PYTHON_ENV}" -m pytest -q -p no:cacheprovider
             ${CMAKE_CURRENT_LIST_DIR}/test_trainer.py)
-  set_tests_properties(${current_tests} python_hf python_torch_compile python_trainer PROPERTIES
+  # Three servers training one head as a replica group for six Trainer ranks, one replica killed
+  # mid-step and the group restarted from its checkpoint: the parameters of one server's run and
+  # one W on every replica after every step (about 4 minutes on two cores).
+  add_test(NAME python_training_replicas
+    COMMAND "${LOSSD_PYTHON_ENV}" -m pytest -q -p no:cacheprovider
+            ${CMAKE_CURRENT_LIST_DIR}/test_training_replicas.py)
+  set_tests_properties(${current_tests} python_hf python_torch_compile python_trainer
+    python_training_replicas PROPERTIES
     ENVIRONMENT "${LOSSD_PYTHON_TEST_ENVIRONMENT}"
     TIMEOUT 600)
   set_tests_properties(python_trainer PROPERTIES TIMEOUT 1500)
+  set_tests_properties(python_training_replicas PROPERTIES TIMEOUT 900)
   set_tests_properties(python_training_example_current_torch PROPERTIES TIMEOUT 900)
 else()
   message(STATUS "lossd: LOSSD_PYTHON_ENV not set: the Python suites under current PyPI torch and "
