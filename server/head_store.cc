@@ -527,12 +527,11 @@ absl::StatusOr<GradNorm> Head::GradientNormLocked(std::optional<uint64_t> expect
 }
 
 void Head::DropReduced() {
-  reduced_ = std::vector<float>();
-  reduced_charge_.Reset();
+  reduced_valid_ = false;
 }
 
 absl::Status Head::ReduceGradient(GradientExchange& exchange, const absl::Status& refusal) {
-  const bool kept = !reduced_.empty() && reduced_generation_ == grad_generation_ &&
+  const bool kept = reduced_valid_ && reduced_generation_ == grad_generation_ &&
                     reduced_version_ == version_;
   std::optional<uint64_t> digest;
   {
@@ -549,17 +548,21 @@ absl::Status Head::ReduceGradient(GradientExchange& exchange, const absl::Status
   // A host copy of this replica's accumulator (zeros before it first trained) becomes the sum.
   const int64_t count = vocab_size_ * hidden_size_;
   DropReduced();
-  std::vector<float> gradient(count, 0.0f);
-  MemoryCharge charge(&ledger_, MemoryPurpose::kGradients, count * int64_t{sizeof(float)});
+  if (reduced_ == nullptr) {
+    reduced_.reset(new float[count]);
+    reduced_charge_ = MemoryCharge(&ledger_, MemoryPurpose::kGradients, count * int64_t{sizeof(float)});
+  }
   if (grad_.data() != nullptr) {
-    RETURN_IF_ERROR(backend_.CopyToHost(grad_, 0, count * sizeof(float), gradient.data()));
+    RETURN_IF_ERROR(backend_.CopyToHost(grad_, 0, count * sizeof(float), reduced_.get()));
+  } else {
+    std::fill_n(reduced_.get(), count, 0.0f);  // what a head yet to train holds
   }
   double counts[2] = {static_cast<double>(accumulated_tokens_),
                       static_cast<double>(accumulated_calls_)};
-  RETURN_IF_ERROR(exchange.Reduce(absl::MakeSpan(gradient), absl::MakeSpan(counts)));
-  ASSIGN_OR_RETURN(const double sum_squares, exchange.SumSquares(gradient));
-  reduced_ = std::move(gradient);
-  reduced_charge_ = std::move(charge);
+  const absl::Span<float> sum(reduced_.get(), count);
+  RETURN_IF_ERROR(exchange.Reduce(sum, absl::MakeSpan(counts)));
+  ASSIGN_OR_RETURN(const double sum_squares, exchange.SumSquares(sum));
+  reduced_valid_ = true;
   reduced_generation_ = grad_generation_;
   reduced_version_ = version_;
   reduced_tokens_ = static_cast<int64_t>(counts[0]);
@@ -850,10 +853,6 @@ absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config,
   StepOutcome outcome;
   if (exchange != nullptr) {
     RETURN_IF_ERROR(ReduceGradient(*exchange, refusal));
-    ASSIGN_OR_RETURN(reduced, backend_.Allocate(count * sizeof(float)));
-    reduced_charge = MemoryCharge(&ledger_, MemoryPurpose::kGradients, count * sizeof(float));
-    RETURN_IF_ERROR(backend_.CopyToDevice(reduced_.data(), count * sizeof(float), reduced, 0));
-    gradient = &reduced;
     sum_squares = reduced_sum_squares_;
     outcome.accumulated_tokens = reduced_tokens_;
   } else {
@@ -881,6 +880,18 @@ absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config,
   // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
   if (settings.max_grad_norm > 0) {
     outcome.clip_multiplier = std::min(1.0, settings.max_grad_norm / (outcome.grad_norm + 1e-6));
+  }
+  if (exchange != nullptr) {
+    // The group's sum onto the device: into the accumulator, which the step resets anyway,
+    // unless it keeps this replica's own gradient (keep_grad).
+    if (settings.keep_grad) {
+      ASSIGN_OR_RETURN(reduced, backend_.Allocate(count * sizeof(float)));
+      reduced_charge = MemoryCharge(&ledger_, MemoryPurpose::kGradients, count * sizeof(float));
+      gradient = &reduced;
+    } else {
+      RETURN_IF_ERROR(EnsureAccumulator());
+    }
+    RETURN_IF_ERROR(backend_.CopyToDevice(reduced_.get(), count * sizeof(float), *gradient, 0));
   }
   const OptimizerKind kind =
       config.kind == OptimizerConfig::Kind::kAdamW ? OptimizerKind::kAdamW : OptimizerKind::kSgd;

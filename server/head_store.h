@@ -347,6 +347,7 @@ class Head {
   // why this replica cannot go on (it still takes part, so that the others hear it).
   absl::Status ReduceGradient(GradientExchange& exchange, const absl::Status& refusal)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(weight_mu_, grad_mu_);
+  // Forgets the group's gradient (its host buffer stays for the next exchange).
   void DropReduced() ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
   absl::StatusOr<GradNorm> GradientNormLocked(std::optional<uint64_t> expected_version,
                                               double grad_multiplier, GradientExchange* exchange)
@@ -417,8 +418,11 @@ class Head {
   // one generation.
   uint64_t grad_generation_ ABSL_GUARDED_BY(grad_mu_) = 0;
   // The group's gradient (replicas) of generation reduced_generation_ at version
-  // reduced_version_, with its counts (tokens, calls) and sum of squares; empty when none is kept.
-  std::vector<float> reduced_ ABSL_GUARDED_BY(grad_mu_);
+  // reduced_version_, with its counts (tokens, calls) and sum of squares, when reduced_valid_.
+  // V x H floats on the host, allocated at the head's first exchange and kept for the next ones
+  // (fresh pages for every step would cost a fault each).
+  std::unique_ptr<float[]> reduced_ ABSL_GUARDED_BY(grad_mu_);
+  bool reduced_valid_ ABSL_GUARDED_BY(grad_mu_) = false;
   uint64_t reduced_generation_ ABSL_GUARDED_BY(grad_mu_) = 0;
   uint64_t reduced_version_ ABSL_GUARDED_BY(grad_mu_) = 0;
   int64_t reduced_tokens_ ABSL_GUARDED_BY(grad_mu_) = 0;

@@ -155,8 +155,9 @@ std::vector<grpc::Status> NormEverywhere(const std::vector<std::unique_ptr<LossS
                         });
 }
 
-v1::StepRequest AdamWRequest(uint64_t version, double learning_rate) {
+v1::StepRequest AdamWRequest(uint64_t version, double learning_rate, bool keep_grad = false) {
   v1::StepRequest request;
+  request.set_keep_grad(keep_grad);
   request.set_head("head");
   request.mutable_adamw()->set_learning_rate(learning_rate);
   request.mutable_adamw()->set_beta1(0.9);
@@ -272,20 +273,23 @@ TEST(ReplicaGroupTest, AStepOverReplicasIsOneServersStepOnAllTheGradients) {
       ASSERT_TRUE(status.ok()) << status.error_message();
     }
     const double bytes_before = AllReducedBytes(*replicas[0]);
+    // The first step keeps the gradient: the next one adds to it, on every replica as on one
+    // server.
+    const v1::StepRequest step_request = AdamWRequest(version, 0.01, /*keep_grad=*/step == 0);
     std::vector<v1::StepResponse> steps;
-    for (const grpc::Status& status : StepEverywhere(replicas, AdamWRequest(version, 0.01), steps)) {
+    for (const grpc::Status& status : StepEverywhere(replicas, step_request, steps)) {
       ASSERT_TRUE(status.ok()) << status.error_message();
     }
     EXPECT_EQ(AllReducedBytes(*replicas[0]), bytes_before) << "the step all-reduced again";
     v1::StepResponse single_step;
     {
       grpc::ClientContext context;
-      ASSERT_TRUE(single_stub->Step(&context, AdamWRequest(version, 0.01), &single_step).ok());
+      ASSERT_TRUE(single_stub->Step(&context, step_request, &single_step).ok());
     }
     for (int r = 0; r < kReplicas; ++r) {
       EXPECT_EQ(steps[r].head_version(), version + 1);
       EXPECT_EQ(steps[r].accumulated_tokens(), single_step.accumulated_tokens());
-      EXPECT_EQ(norms[r].accumulated_calls(), kReplicas);
+      EXPECT_EQ(norms[r].accumulated_calls(), kReplicas * (step + 1));
       // Every replica computed the same norm, to the bit.
       EXPECT_EQ(steps[r].grad_norm(), steps[0].grad_norm());
       EXPECT_EQ(norms[r].grad_norm(), steps[0].grad_norm());
