@@ -402,5 +402,32 @@ TEST(ReplicaGroupTest, AReplicaThatLeavesEndsTheGroupAndAStepWaitingForItFailsAt
   EXPECT_EQ(replicas[0]->heads().Get("head").value()->version(), before.version);
 }
 
+TEST(ReplicaGroupTest, AReplicaWhoseRanksNeverComeEndsTheGroupAfterTheStepWait) {
+  // Replica 2 stays up but its ranks never reach the step (its trainers hang): the others give
+  // up after --step_wait_seconds, fail the step and end the group.
+  std::vector<std::unique_ptr<LossServer>> replicas = StartReplicas(absl::Seconds(2));
+  for (const auto& replica : replicas) ASSERT_NE(replica, nullptr);
+  const uint64_t version = Fetch(*ConnectTo(replicas[0]->port()), "head", false).version;
+  std::vector<grpc::Status> statuses(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      grpc::ClientContext context;
+      v1::StepResponse response;
+      statuses[r] =
+          ConnectTo(replicas[r]->port())->Step(&context, AdamWRequest(version, 0.01), &response);
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  for (const grpc::Status& status : statuses) {
+    EXPECT_EQ(status.error_code(), StatusCode::ABORTED) << status.error_message();
+    EXPECT_TRUE(Contains(status.error_message(), "replica(s) 2 of 3 did not reach it"));
+  }
+  for (const auto& replica : replicas) {
+    ASSERT_TRUE(Eventually([&] { return !replica->replica_failure().ok(); }));
+    EXPECT_EQ(replica->heads().Get("head").value()->version(), version);
+  }
+}
+
 }  // namespace
 }  // namespace lossd::testing
