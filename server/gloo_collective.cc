@@ -1,5 +1,6 @@
 #include "server/gloo_collective.h"
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <utility>
@@ -24,17 +25,6 @@ std::chrono::milliseconds Milliseconds(absl::Duration d) {
 
 // Gloo's element-wise reductions, picked out of their overloads.
 using ReduceFunction = void (*)(void*, const void*, const void*, size_t);
-
-template <typename T>
-absl::Status AllReduce(gloo::AllreduceOptions& options, absl::Span<T> values,
-                       ReduceFunction reduce, uint32_t tag, absl::Duration timeout) {
-  options.setOutput(values.data(), values.size());
-  options.setReduceFunction(reduce);
-  options.setTag(tag);
-  options.setTimeout(Milliseconds(timeout));
-  gloo::allreduce(options);
-  return absl::OkStatus();
-}
 
 }  // namespace
 
@@ -90,30 +80,31 @@ absl::Status GlooCollective::Run(absl::string_view what, Op&& op) {
   return broken_;
 }
 
-absl::Status GlooCollective::AllReduceSum(absl::Span<float> values, absl::Duration timeout) {
+template <typename T>
+absl::Status GlooCollective::AllReduce(absl::string_view what, absl::Span<T> values,
+                                       ReduceFunction reduce, absl::Duration timeout) {
   if (values.empty()) return absl::OkStatus();
-  return Run("all-reduce (sum) of float32", [&](uint32_t tag) {
+  return Run(what, [&](uint32_t tag) {
     gloo::AllreduceOptions options(context_);
-    return AllReduce(options, values, static_cast<ReduceFunction>(&gloo::sum<float>), tag,
-                     timeout);
+    options.setOutput(values.data(), values.size());
+    options.setReduceFunction(reduce);
+    options.setTag(tag);
+    options.setTimeout(Milliseconds(timeout));
+    gloo::allreduce(options);
+    return absl::OkStatus();
   });
+}
+
+absl::Status GlooCollective::AllReduceSum(absl::Span<float> values, absl::Duration timeout) {
+  return AllReduce("all-reduce (sum) of float32", values, &gloo::sum<float>, timeout);
 }
 
 absl::Status GlooCollective::AllReduceSum(absl::Span<double> values, absl::Duration timeout) {
-  if (values.empty()) return absl::OkStatus();
-  return Run("all-reduce (sum) of float64", [&](uint32_t tag) {
-    gloo::AllreduceOptions options(context_);
-    return AllReduce(options, values, static_cast<ReduceFunction>(&gloo::sum<double>), tag,
-                     timeout);
-  });
+  return AllReduce("all-reduce (sum) of float64", values, &gloo::sum<double>, timeout);
 }
 
 absl::Status GlooCollective::AllReduceMax(absl::Span<double> values, absl::Duration timeout) {
-  return Run("all-reduce (max) of float64", [&](uint32_t tag) {
-    gloo::AllreduceOptions options(context_);
-    return AllReduce(options, values, static_cast<ReduceFunction>(&gloo::max<double>), tag,
-                     timeout);
-  });
+  return AllReduce("all-reduce (max) of float64", values, &gloo::max<double>, timeout);
 }
 
 absl::Status GlooCollective::Broadcast(absl::Span<uint8_t> bytes, int root,

@@ -52,6 +52,11 @@ class GlooCollective final : public Collective {
   // the group; refuses at once once it is broken.
   template <typename Op>
   absl::Status Run(absl::string_view what, Op&& op);
+  // An all-reduce of `values` with Gloo's element-wise `reduce`.
+  template <typename T>
+  absl::Status AllReduce(absl::string_view what, absl::Span<T> values,
+                         void (*reduce)(void*, const void*, const void*, size_t),
+                         absl::Duration timeout);
 
   const int rank_;
   const int size_;

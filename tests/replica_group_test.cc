@@ -135,14 +135,25 @@ std::vector<grpc::Status> OnEveryReplica(const std::vector<std::unique_ptr<LossS
   return statuses;
 }
 
-std::vector<grpc::Status> StepEverywhere(const std::vector<std::unique_ptr<LossServer>>& replicas,
-                                         const v1::StepRequest& request,
-                                         std::vector<v1::StepResponse>& responses) {
-  return OnEveryReplica(replicas, request, responses,
-                        [](v1::LossService::Stub& stub, grpc::ClientContext* context,
-                           const v1::StepRequest& r, v1::StepResponse* response) {
-                          return stub.Step(context, r, response);
-                        });
+// Step on the replicas `which` at once, each with request_of(its rank); their statuses, and
+// their responses in `responses` when given.
+std::vector<grpc::Status> StepOn(const std::vector<std::unique_ptr<LossServer>>& replicas,
+                                 const std::vector<int>& which,
+                                 const std::function<v1::StepRequest(int)>& request_of,
+                                 std::vector<v1::StepResponse>* responses = nullptr) {
+  std::vector<grpc::Status> statuses(which.size());
+  std::vector<v1::StepResponse> answers(which.size());
+  std::vector<std::thread> ranks;
+  for (size_t i = 0; i < which.size(); ++i) {
+    ranks.emplace_back([&, i] {
+      grpc::ClientContext context;
+      statuses[i] = ConnectTo(replicas[which[i]]->port())
+                        ->Step(&context, request_of(which[i]), &answers[i]);
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  if (responses != nullptr) *responses = std::move(answers);
+  return statuses;
 }
 
 std::vector<grpc::Status> NormEverywhere(const std::vector<std::unique_ptr<LossServer>>& replicas,
@@ -277,7 +288,8 @@ TEST(ReplicaGroupTest, AStepOverReplicasIsOneServersStepOnAllTheGradients) {
     // server.
     const v1::StepRequest step_request = AdamWRequest(version, 0.01, /*keep_grad=*/step == 0);
     std::vector<v1::StepResponse> steps;
-    for (const grpc::Status& status : StepEverywhere(replicas, step_request, steps)) {
+    for (const grpc::Status& status :
+         StepOn(replicas, {0, 1, 2}, [&](int) { return step_request; }, &steps)) {
       ASSERT_TRUE(status.ok()) << status.error_message();
     }
     EXPECT_EQ(AllReducedBytes(*replicas[0]), bytes_before) << "the step all-reduced again";
@@ -324,17 +336,9 @@ TEST(ReplicaGroupTest, ReplicasWhoseRanksDisagreeFailTheStepAlikeAndGoOn) {
   for (const auto& replica : replicas) ASSERT_NE(replica, nullptr);
   const uint64_t version = Fetch(*ConnectTo(replicas[0]->port()), "head", false).version;
   // Replica 2's rank asks for another learning rate: every replica refuses the step alike.
-  std::vector<grpc::Status> statuses(kReplicas);
-  auto step_with = [&](auto request_of) {
-    std::vector<std::thread> ranks;
-    for (int r = 0; r < kReplicas; ++r) {
-      ranks.emplace_back([&, r] {
-        grpc::ClientContext context;
-        v1::StepResponse response;
-        statuses[r] = ConnectTo(replicas[r]->port())->Step(&context, request_of(r), &response);
-      });
-    }
-    for (std::thread& t : ranks) t.join();
+  std::vector<grpc::Status> statuses;
+  auto step_with = [&](const std::function<v1::StepRequest(int)>& request_of) {
+    statuses = StepOn(replicas, {0, 1, 2}, request_of);
   };
   step_with([&](int r) { return AdamWRequest(version, r == 2 ? 0.5 : 0.01); });
   for (const grpc::Status& status : statuses) {
@@ -369,20 +373,14 @@ TEST(ReplicaGroupTest, AReplicaThatLeavesEndsTheGroupAndAStepWaitingForItFailsAt
   const uint64_t version = Fetch(*ConnectTo(replicas[0]->port()), "head", false).version;
   const FetchedTensor before = Fetch(*ConnectTo(replicas[0]->port()), "head", false);
   // Replicas 0 and 1 reach the step; replica 2's ranks never do.
-  std::vector<grpc::Status> statuses(2);
-  std::vector<std::thread> ranks;
   const absl::Time start = absl::Now();
-  for (int r = 0; r < 2; ++r) {
-    ranks.emplace_back([&, r] {
-      grpc::ClientContext context;
-      v1::StepResponse response;
-      statuses[r] =
-          ConnectTo(replicas[r]->port())->Step(&context, AdamWRequest(version, 0.01), &response);
-    });
-  }
-  absl::SleepFor(absl::Milliseconds(500));
-  replicas[2]->Shutdown(absl::ZeroDuration());
-  for (std::thread& t : ranks) t.join();
+  std::thread leaving([&] {
+    absl::SleepFor(absl::Milliseconds(500));
+    replicas[2]->Shutdown(absl::ZeroDuration());
+  });
+  const std::vector<grpc::Status> statuses =
+      StepOn(replicas, {0, 1}, [&](int) { return AdamWRequest(version, 0.01); });
+  leaving.join();
   EXPECT_LT(absl::Now() - start, absl::Seconds(60)) << "the step waited out --step_wait_seconds";
   for (const grpc::Status& status : statuses) {
     EXPECT_EQ(status.error_code(), StatusCode::ABORTED) << status.error_message();
@@ -408,18 +406,8 @@ TEST(ReplicaGroupTest, AReplicaWhoseRanksNeverComeEndsTheGroupAfterTheStepWait) 
   std::vector<std::unique_ptr<LossServer>> replicas = StartReplicas(absl::Seconds(2));
   for (const auto& replica : replicas) ASSERT_NE(replica, nullptr);
   const uint64_t version = Fetch(*ConnectTo(replicas[0]->port()), "head", false).version;
-  std::vector<grpc::Status> statuses(2);
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < 2; ++r) {
-    ranks.emplace_back([&, r] {
-      grpc::ClientContext context;
-      v1::StepResponse response;
-      statuses[r] =
-          ConnectTo(replicas[r]->port())->Step(&context, AdamWRequest(version, 0.01), &response);
-    });
-  }
-  for (std::thread& t : ranks) t.join();
-  for (const grpc::Status& status : statuses) {
+  for (const grpc::Status& status :
+       StepOn(replicas, {0, 1}, [&](int) { return AdamWRequest(version, 0.01); })) {
     EXPECT_EQ(status.error_code(), StatusCode::ABORTED) << status.error_message();
     EXPECT_TRUE(Contains(status.error_message(), "replica(s) 2 of 3 did not reach it"));
   }
