@@ -602,7 +602,7 @@ REPLICA_GROUP = "training-replicas.yaml"
 def replica_group():
     """(Service, StatefulSet, its lossd container) of REPLICA_GROUP."""
     docs = {doc["kind"]: doc for doc in load_k8s(REPLICA_GROUP)}
-    assert set(docs) == {"Service", "StatefulSet"}, REPLICA_GROUP
+    assert set(docs) == {"Service", "StatefulSet", "NetworkPolicy"}, REPLICA_GROUP
     (container,) = docs["StatefulSet"]["spec"]["template"]["spec"]["containers"]
     return docs["Service"], docs["StatefulSet"], container
 
@@ -773,6 +773,14 @@ def test_training_replicas_meet_at_replica_zero_and_start_together():
     assert spec["template"]["spec"]["terminationGracePeriodSeconds"] > drain
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == 1
     assert args["device"].startswith("cuda")
+    # Gloo's ports are open to the group's pods alone; gRPC and metrics to all.
+    (policy,) = [doc for doc in load_k8s(REPLICA_GROUP) if doc["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    peers, anyone = policy["spec"]["ingress"]
+    (pods,) = peers["from"]
+    assert pods["podSelector"]["matchLabels"].items() <= labels.items() and "ports" not in peers
+    assert "from" not in anyone
+    assert {p["port"] for p in anyone["ports"]} == set(ports.values())
 
 
 def test_scoring_replicas_roll_balance_and_scale():
