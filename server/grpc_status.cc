@@ -1,13 +1,49 @@
 #include "server/grpc_status.h"
 
+#include <algorithm>
 #include <string>
 
+#include "absl/strings/str_cat.h"
+
 namespace lossd::server {
+namespace {
+
+// Compares every byte whatever the first difference, so the time taken says nothing about the token.
+bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
+  unsigned char difference = a.size() == b.size() ? 0 : 1;
+  const size_t n = std::max(a.size(), b.size());
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    difference |= x ^ y;
+  }
+  return difference == 0;
+}
+
+}  // namespace
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   // absl::StatusCode and grpc::StatusCode share the canonical numbering (0..16).
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+absl::Status CheckBearerToken(const grpc::ServerContextBase& context, absl::string_view token) {
+  if (token.empty()) return absl::OkStatus();
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find("authorization");
+  const absl::string_view presented =
+      it == metadata.end() ? absl::string_view() : absl::string_view(it->second.data(), it->second.size());
+  if (!ConstantTimeEquals(presented, absl::StrCat("Bearer ", token))) {
+    return absl::UnauthenticatedError(
+        "authorization: expected metadata \"authorization: Bearer <token>\" with the server's token");
+  }
+  return absl::OkStatus();
 }
 
 const char* GrpcCodeName(grpc::StatusCode code) {

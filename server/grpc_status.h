@@ -2,13 +2,21 @@
 #ifndef LOSSD_SERVER_GRPC_STATUS_H_
 #define LOSSD_SERVER_GRPC_STATUS_H_
 
+#include <grpcpp/server_context.h>
 #include <grpcpp/support/status.h>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 
 namespace lossd::server {
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
+// What a call this server made to another one (a replica) ended with.
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+// OK when `token` is empty or the call carries "authorization: Bearer <token>" (compared in
+// constant time); UNAUTHENTICATED otherwise.
+absl::Status CheckBearerToken(const grpc::ServerContextBase& context, absl::string_view token);
 
 // The canonical code name ("OK", "INVALID_ARGUMENT", ...) used as a metrics label.
 const char* GrpcCodeName(grpc::StatusCode code);

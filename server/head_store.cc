@@ -7,6 +7,7 @@
 
 #include "absl/base/casts.h"
 #include "absl/strings/cord.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "lossd/kernels/backend_common.h"
@@ -306,6 +307,7 @@ absl::StatusOr<CommitOutcome> Head::CommitGradient(StagedGradient& call, int64_t
 absl::Status Head::AddCommitted(StagedGradient& call, double scale) {
   ASSIGN_OR_RETURN(const double staged_bound, StagedBound(call));
   RETURN_IF_ERROR(AddToAccumulator(*call.buffer, staged_bound));
+  ++grad_generation_;
   accumulated_tokens_ += call.tokens;
   ++accumulated_calls_;
   if (!call.call_id.empty()) {
@@ -485,15 +487,35 @@ void Head::ObserveDrops(StagedDrop reason, int count) const {
 }
 
 absl::StatusOr<GradNorm> Head::GradientNorm(std::optional<uint64_t> expected_version,
-                                            double grad_multiplier) {
+                                            double grad_multiplier, GradientExchange* exchange) {
+  if (exchange != nullptr) {
+    // The group's gradient is kept for the step: W must not move in between.
+    absl::WriterMutexLock weight_lock(&weight_mu_);
+    return GradientNormLocked(expected_version, grad_multiplier, exchange);
+  }
   absl::ReaderMutexLock weight_lock(&weight_mu_);
+  return GradientNormLocked(expected_version, grad_multiplier, nullptr);
+}
+
+absl::StatusOr<GradNorm> Head::GradientNormLocked(std::optional<uint64_t> expected_version,
+                                                  double grad_multiplier,
+                                                  GradientExchange* exchange) {
+  absl::Status refusal;
   if (expected_version.has_value() && *expected_version != version_) {
-    return absl::FailedPreconditionError(absl::StrCat(
+    refusal = absl::FailedPreconditionError(absl::StrCat(
         "head_version: expected the head's current ", version_, ", got ", *expected_version));
   }
   absl::MutexLock grad_lock(&grad_mu_);
   GradNorm norm;
   norm.version = version_;
+  if (exchange != nullptr) {
+    RETURN_IF_ERROR(ReduceGradient(*exchange, refusal));
+    norm.accumulated_tokens = reduced_tokens_;
+    norm.accumulated_calls = reduced_calls_;
+    norm.norm = std::sqrt(reduced_sum_squares_) * grad_multiplier;
+    return norm;
+  }
+  RETURN_IF_ERROR(refusal);
   norm.accumulated_tokens = accumulated_tokens_;
   norm.accumulated_calls = accumulated_calls_;
   if (grad_.data() != nullptr) {
@@ -502,6 +524,51 @@ absl::StatusOr<GradNorm> Head::GradientNorm(std::optional<uint64_t> expected_ver
     norm.norm = std::sqrt(sum_squares) * grad_multiplier;
   }
   return norm;
+}
+
+void Head::DropReduced() {
+  reduced_valid_ = false;
+}
+
+absl::Status Head::ReduceGradient(GradientExchange& exchange, const absl::Status& refusal) {
+  const bool kept = reduced_valid_ && reduced_generation_ == grad_generation_ &&
+                    reduced_version_ == version_;
+  std::optional<uint64_t> digest;
+  {
+    absl::MutexLock digest_lock(&digest_mu_);
+    if (digest_.version == version_ && digest_.sha256.size() >= 16) {
+      uint64_t prefix = 0;
+      if (absl::SimpleHexAtoi(absl::string_view(digest_.sha256).substr(0, 16), &prefix)) {
+        digest = prefix;
+      }
+    }
+  }
+  ASSIGN_OR_RETURN(const bool all_kept, exchange.Agree(version_, digest, refusal, kept));
+  if (all_kept) return absl::OkStatus();
+  // A host copy of this replica's accumulator (zeros before it first trained) becomes the sum.
+  const int64_t count = vocab_size_ * hidden_size_;
+  DropReduced();
+  if (reduced_ == nullptr) {
+    reduced_.reset(new float[count]);
+    reduced_charge_ = MemoryCharge(&ledger_, MemoryPurpose::kGradients, count * int64_t{sizeof(float)});
+  }
+  if (grad_.data() != nullptr) {
+    RETURN_IF_ERROR(backend_.CopyToHost(grad_, 0, count * sizeof(float), reduced_.get()));
+  } else {
+    std::fill_n(reduced_.get(), count, 0.0f);  // what a head yet to train holds
+  }
+  double counts[2] = {static_cast<double>(accumulated_tokens_),
+                      static_cast<double>(accumulated_calls_)};
+  const absl::Span<float> sum(reduced_.get(), count);
+  RETURN_IF_ERROR(exchange.Reduce(sum, absl::MakeSpan(counts)));
+  ASSIGN_OR_RETURN(const double sum_squares, exchange.SumSquares(sum));
+  reduced_valid_ = true;
+  reduced_generation_ = grad_generation_;
+  reduced_version_ = version_;
+  reduced_tokens_ = static_cast<int64_t>(counts[0]);
+  reduced_calls_ = static_cast<int64_t>(counts[1]);
+  reduced_sum_squares_ = sum_squares;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<double> Head::StagedBound(const StagedGradient& call) const {
@@ -661,6 +728,7 @@ absl::StatusOr<uint64_t> Head::AddGradientRows(std::optional<uint64_t> expected_
   }
   // The rows written hold exactly these sums; the others kept their entries, and their bound.
   grad_bound_ = std::max(grad_bound_, largest);
+  ++grad_generation_;
   // The accumulator now holds more than zeros: the next Compute commit must add to it.
   ++accumulated_calls_;
   return version_;
@@ -679,6 +747,8 @@ absl::Status Head::EnsureAccumulator() {
 
 absl::Status Head::ResetAccumulator() {
   DropAllStaged(StagedDrop::kHeadMoved);
+  ++grad_generation_;
+  DropReduced();
   if (grad_.data() != nullptr) RETURN_IF_ERROR(backend_.Zero(grad_));
   accumulated_tokens_ = 0;
   accumulated_calls_ = 0;
@@ -764,28 +834,42 @@ absl::Status Head::EnsureMasterWeights() {
 }
 
 absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config,
-                                       const StepSettings& settings) {
+                                       const StepSettings& settings,
+                                       GradientExchange* exchange) {
   absl::WriterMutexLock weight_lock(&weight_mu_);
+  absl::Status refusal;
   if (settings.expected_version.has_value() && *settings.expected_version != version_) {
-    return absl::FailedPreconditionError(absl::StrCat(
+    refusal = absl::FailedPreconditionError(absl::StrCat(
         "head_version: expected the head's current ", version_, ", got ",
         *settings.expected_version));
   }
   absl::MutexLock grad_lock(&grad_mu_);
-  // A step with nothing accumulated still moves W (momentum, AdamW's decay): it steps on zeros.
-  RETURN_IF_ERROR(EnsureAccumulator());
   const int64_t count = vocab_size_ * hidden_size_;
-  ASSIGN_OR_RETURN(const double sum_squares, backend_.SumSquaresFloat32(grad_, count));
+  // The gradient the step takes: the accumulator, or with replicas the group's, on the device.
+  DeviceBuffer* gradient = &grad_;
+  DeviceBuffer reduced;
+  MemoryCharge reduced_charge;
+  double sum_squares = 0.0;
   StepOutcome outcome;
+  if (exchange != nullptr) {
+    RETURN_IF_ERROR(ReduceGradient(*exchange, refusal));
+    sum_squares = reduced_sum_squares_;
+    outcome.accumulated_tokens = reduced_tokens_;
+  } else {
+    RETURN_IF_ERROR(refusal);
+    // A step with nothing accumulated still moves W (momentum, AdamW's decay): it steps on zeros.
+    RETURN_IF_ERROR(EnsureAccumulator());
+    ASSIGN_OR_RETURN(sum_squares, backend_.SumSquaresFloat32(grad_, count));
+    outcome.accumulated_tokens = accumulated_tokens_;
+  }
   outcome.grad_norm = std::sqrt(sum_squares) * settings.grad_multiplier;
-  outcome.accumulated_tokens = accumulated_tokens_;
   // The optimizer multiplies in float32: past FLT_MAX the norm's largest entries would overflow.
   if (!(outcome.grad_norm <= FLT_MAX)) {
     if (!settings.skip_nonfinite) {
-      return absl::FailedPreconditionError(absl::StrCat(
+      return NonFiniteGradient(absl::FailedPreconditionError(absl::StrCat(
           "gradient of head '", name_, "' has a non-finite norm (", outcome.grad_norm,
           " after grad_multiplier ", settings.grad_multiplier,
-          "); step refused, nothing changed"));
+          "); step refused, nothing changed")));
     }
     // As torch.amp.GradScaler after an overflow: this step's gradient is dropped, nothing moves.
     outcome.skipped = true;
@@ -796,6 +880,18 @@ absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config,
   // As torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
   if (settings.max_grad_norm > 0) {
     outcome.clip_multiplier = std::min(1.0, settings.max_grad_norm / (outcome.grad_norm + 1e-6));
+  }
+  if (exchange != nullptr) {
+    // The group's sum onto the device: into the accumulator, which the step resets anyway,
+    // unless it keeps this replica's own gradient (keep_grad).
+    if (settings.keep_grad) {
+      ASSIGN_OR_RETURN(reduced, backend_.Allocate(count * sizeof(float)));
+      reduced_charge = MemoryCharge(&ledger_, MemoryPurpose::kGradients, count * sizeof(float));
+      gradient = &reduced;
+    } else {
+      RETURN_IF_ERROR(EnsureAccumulator());
+    }
+    RETURN_IF_ERROR(backend_.CopyToDevice(reduced_.get(), count * sizeof(float), *gradient, 0));
   }
   const OptimizerKind kind =
       config.kind == OptimizerConfig::Kind::kAdamW ? OptimizerKind::kAdamW : OptimizerKind::kSgd;
@@ -810,7 +906,7 @@ absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config,
   const bool master = master_.data() != nullptr;
   tensors.weight = master ? &master_ : &weight_;
   tensors.weight_dtype = master ? DType::kFloat32 : dtype_;
-  tensors.grad = &grad_;
+  tensors.grad = gradient;
   tensors.state1 = &state1_;
   tensors.state2 = kind == OptimizerKind::kAdamW ? &state2_ : nullptr;
   tensors.count = count;
@@ -818,6 +914,7 @@ absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config,
   if (master) RETURN_IF_ERROR(backend_.ConvertFloat32(master_, weight_, dtype_, count));
   // The staged gradients are of the W that just went.
   DropAllStaged(StagedDrop::kHeadMoved);
+  DropReduced();
   if (!settings.keep_grad) RETURN_IF_ERROR(ResetAccumulator());
   ++steps_;
   outcome.version = ++version_;
@@ -928,6 +1025,15 @@ absl::Status HeadStore::Put(std::shared_ptr<Head> head, bool replace) {
     it->second = std::move(head);
   }
   return absl::OkStatus();
+}
+
+bool HeadStore::Remove(const std::string& name) {
+  absl::MutexLock lock(&mu_);
+  auto it = heads_.find(name);
+  if (it == heads_.end()) return false;
+  it->second->Retire();
+  heads_.erase(it);
+  return true;
 }
 
 HeadState MakeDemoHead(const std::string& name, int64_t vocab_size, int64_t hidden_size,

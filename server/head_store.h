@@ -156,8 +156,28 @@ enum class CommitOutcome {
   kNoRoom,     // StageGradient only: the staging room is full; nothing kept, nothing added
 };
 
-// Whether a commit was refused because dL/dW, or the accumulator with it, would not be finite.
+// Whether a commit was refused because dL/dW, or the accumulator with it, would not be finite,
+// or a step because the gradient's norm is not.
 bool IsNonFiniteGradient(const absl::Status& status);
+
+// How a head's accumulated gradient becomes its group's before a step or a norm, when several
+// replicas serve the head (ReplicaGroup implements it over a Collective). Each replica's head
+// calls it in the same order, holding W exclusively, with its own accumulator and counts.
+class GradientExchange {
+ public:
+  virtual ~GradientExchange() = default;
+  // Whether every replica goes on, the same answer on each. A replica says where its head
+  // stands (its version, the first 8 bytes of W's SHA-256 as a number where it knows them),
+  // why it cannot go on (`refusal`, OK when it can) and whether it kept the group's gradient of
+  // what it accumulated (a GradWeightNorm before this step). OK with whether every replica kept
+  // it; else this replica's refusal, or a refusal naming what differs.
+  virtual absl::StatusOr<bool> Agree(uint64_t version, std::optional<uint64_t> weight_digest,
+                                     const absl::Status& refusal, bool kept) = 0;
+  // Sums over the replicas, in place: the gradient and the counts that go with it.
+  virtual absl::Status Reduce(absl::Span<float> gradient, absl::Span<double> counts) = 0;
+  // The sum of squares of the (reduced) gradient, in double, the same bits on every replica.
+  virtual absl::StatusOr<double> SumSquares(absl::Span<const float> gradient) = 0;
+};
 
 class Head {
  public:
@@ -244,9 +264,12 @@ class Head {
   void SetStagedDropObserver(std::function<void(StagedDrop, int)> observer);
 
   // The norm of the accumulated gradient times `grad_multiplier`, if the head is at
-  // `expected_version` (FAILED_PRECONDITION otherwise).
+  // `expected_version` (FAILED_PRECONDITION otherwise). With `exchange` (replicas), of the
+  // group's gradient, the sum of every replica's, which the head keeps for the step that
+  // follows (see Step); the counts are the group's too.
   absl::StatusOr<GradNorm> GradientNorm(std::optional<uint64_t> expected_version,
-                                        double grad_multiplier);
+                                        double grad_multiplier,
+                                        GradientExchange* exchange = nullptr);
 
   // The input embedding of a tied head. ReadRows copies W's rows `ids` (each in [0, V), checked
   // by the caller) into `out`, [ids.size(), H] in `dtype`, if the head is still at
@@ -268,7 +291,14 @@ class Head {
   // steps its fp32 master weights (made from W at its first step) and serves their rounded copy.
   // With settings.skip_nonfinite, a gradient whose multiplied norm is not finite leaves W, the
   // optimizer state and the version as they were (skipped) and only resets the accumulator.
-  absl::StatusOr<StepOutcome> Step(const OptimizerConfig& config, const StepSettings& settings);
+  //
+  // With `exchange` (replicas) the step is the group's: it takes the sum of every replica's
+  // accumulated gradient, formed in a host copy (the accumulator itself only ever holds this
+  // replica's own, so that a failed exchange leaves it as it was and keep_grad keeps it), or the
+  // sum a GradWeightNorm kept when no replica's accumulator changed since. Every replica then
+  // applies the same update to the same W.
+  absl::StatusOr<StepOutcome> Step(const OptimizerConfig& config, const StepSettings& settings,
+                                   GradientExchange* exchange = nullptr);
 
   // Overwrites W (same shape), drops gradient and optimizer state, increments the version.
   absl::Status ReplaceWeight(const std::vector<uint8_t>& weight, DType dtype, std::string source);
@@ -312,6 +342,16 @@ class Head {
   void ObserveDrops(StagedDrop reason, int count) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
   // Makes fp32 master weights from W, for a 16-bit head's first step.
   absl::Status EnsureMasterWeights() ABSL_EXCLUSIVE_LOCKS_REQUIRED(weight_mu_);
+  // The group's gradient (GradientExchange) of the accumulator as it is now, in reduced_: the one
+  // kept since a GradWeightNorm when every replica kept its own, else reduced anew. `refusal`:
+  // why this replica cannot go on (it still takes part, so that the others hear it).
+  absl::Status ReduceGradient(GradientExchange& exchange, const absl::Status& refusal)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(weight_mu_, grad_mu_);
+  // Forgets the group's gradient (its host buffer stays for the next exchange).
+  void DropReduced() ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
+  absl::StatusOr<GradNorm> GradientNormLocked(std::optional<uint64_t> expected_version,
+                                              double grad_multiplier, GradientExchange* exchange)
+      ABSL_SHARED_LOCKS_REQUIRED(weight_mu_);
 
   Backend& backend_;
   MemoryLedger& ledger_;
@@ -374,6 +414,21 @@ class Head {
   std::map<std::string, StagedDrop> dropped_ ABSL_GUARDED_BY(grad_mu_);
   std::vector<std::string> dropped_order_ ABSL_GUARDED_BY(grad_mu_);
   std::function<void(StagedDrop, int)> drop_observer_ ABSL_GUARDED_BY(grad_mu_);
+  // Grows with every change of grad_ (a commit, added rows, a reset): a reduced gradient is of
+  // one generation.
+  uint64_t grad_generation_ ABSL_GUARDED_BY(grad_mu_) = 0;
+  // The group's gradient (replicas) of generation reduced_generation_ at version
+  // reduced_version_, with its counts (tokens, calls) and sum of squares, when reduced_valid_.
+  // V x H floats on the host, allocated at the head's first exchange and kept for the next ones
+  // (fresh pages for every step would cost a fault each).
+  std::unique_ptr<float[]> reduced_ ABSL_GUARDED_BY(grad_mu_);
+  bool reduced_valid_ ABSL_GUARDED_BY(grad_mu_) = false;
+  uint64_t reduced_generation_ ABSL_GUARDED_BY(grad_mu_) = 0;
+  uint64_t reduced_version_ ABSL_GUARDED_BY(grad_mu_) = 0;
+  int64_t reduced_tokens_ ABSL_GUARDED_BY(grad_mu_) = 0;
+  int64_t reduced_calls_ ABSL_GUARDED_BY(grad_mu_) = 0;
+  double reduced_sum_squares_ ABSL_GUARDED_BY(grad_mu_) = 0.0;
+  MemoryCharge reduced_charge_ ABSL_GUARDED_BY(grad_mu_);
   OptimizerKind optimizer_ ABSL_GUARDED_BY(grad_mu_) = OptimizerKind::kNone;
   DeviceBuffer state1_ ABSL_GUARDED_BY(grad_mu_);
   DeviceBuffer state2_ ABSL_GUARDED_BY(grad_mu_);
@@ -386,6 +441,8 @@ class HeadStore {
   std::vector<std::shared_ptr<Head>> List() const;
   // ALREADY_EXISTS unless `replace`.
   absl::Status Put(std::shared_ptr<Head> head, bool replace);
+  // Stops serving the head `name` (its calls in flight fail with ABORTED); false if none.
+  bool Remove(const std::string& name);
   // Set on every head stored, now and later (Head::SetStagedDropObserver).
   void SetStagedDropObserver(std::function<void(StagedDrop, int)> observer);
 

@@ -14,6 +14,7 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "lossd/common/version.h"
 #include "server/server.h"
@@ -81,10 +82,27 @@ ABSL_FLAG(std::string, head_dtype, "float32", "storage dtype of heads: float32, 
 ABSL_FLAG(int64_t, demo_vocab_size, 32000, "vocabulary of the demo head served when no head is given");
 ABSL_FLAG(int64_t, demo_hidden_size, 512, "hidden size of the demo head");
 ABSL_FLAG(uint64_t, demo_seed, 0, "seed of the demo head's random init");
+ABSL_FLAG(int, replicas, 1,
+          "servers that train their heads together as one (a replica group): every Step and "
+          "GradWeightNorm all-reduces the gradient across them; 1: this server alone");
+ABSL_FLAG(int, replica_rank, 0,
+          "this server's rank in its replica group, 0 to --replicas - 1; -1: the ordinal that "
+          "ends the hostname (a StatefulSet pod NAME-N)");
+ABSL_FLAG(std::string, replica_store, "",
+          "HOST:PORT of replica 0's gRPC address, where the replicas meet (every replica, "
+          "replica 0 too)");
+ABSL_FLAG(double, replica_join_seconds, 600,
+          "how long a replica waits at startup for the whole group to meet");
+ABSL_FLAG(double, replica_timeout_seconds, 60,
+          "how long a collective operation (the all-reduce of a gradient) may take once every "
+          "replica has reached it; past it the group ends");
 ABSL_FLAG(int, drain_seconds, 30, "on SIGTERM, how long in-flight calls may run before they are cancelled");
 
 // The exit status after a device fault (1: the server could not start, 2: a bad flag).
 constexpr int kExitDeviceFault = 3;
+// The exit status of a replica whose group ended: its supervisor restarts it, and the group
+// forms again from the last checkpoint.
+constexpr int kExitReplicaGroupEnded = 4;
 
 int main(int argc, char** argv) {
   // Abseil prints this after "lossd_server: ".
@@ -145,6 +163,11 @@ int main(int argc, char** argv) {
   config.demo.vocab_size = absl::GetFlag(FLAGS_demo_vocab_size);
   config.demo.hidden_size = absl::GetFlag(FLAGS_demo_hidden_size);
   config.demo.seed = absl::GetFlag(FLAGS_demo_seed);
+  config.replicas = absl::GetFlag(FLAGS_replicas);
+  config.replica_rank = absl::GetFlag(FLAGS_replica_rank);
+  config.replica_store = absl::GetFlag(FLAGS_replica_store);
+  config.replica_join = absl::Seconds(absl::GetFlag(FLAGS_replica_join_seconds));
+  config.replica_timeout = absl::Seconds(absl::GetFlag(FLAGS_replica_timeout_seconds));
   auto dtype = lossd::server::ParseDType(absl::GetFlag(FLAGS_head_dtype));
   if (!dtype.ok()) {
     std::fprintf(stderr, "lossd_server: --head_%s\n", std::string(dtype.status().message()).c_str());
@@ -167,10 +190,20 @@ int main(int argc, char** argv) {
                  config.metrics_address.c_str(), (*server)->metrics_port());
   }
 
-  // Until a stop signal, or a device fault, which no call in this process can get past.
+  // Until a stop signal, a device fault, which no call in this process can get past, or the end
+  // of the replica group.
   absl::Status fault;
+  int fault_status = 0;
   constexpr timespec kFaultPoll = {0, 100'000'000};
-  while ((fault = (*server)->device_fault()).ok()) {
+  while (true) {
+    if (!(fault = (*server)->device_fault()).ok()) {
+      fault_status = kExitDeviceFault;
+      break;
+    }
+    if (!(fault = (*server)->replica_failure()).ok()) {
+      fault_status = kExitReplicaGroupEnded;
+      break;
+    }
     const int received = sigtimedwait(&stop_signals, nullptr, &kFaultPoll);
     if (received > 0) {
       std::fprintf(stderr, "lossd_server: signal %d, draining in-flight calls (up to %d s)\n",
@@ -179,13 +212,18 @@ int main(int argc, char** argv) {
     }
   }
   if (!fault.ok()) {
+    std::string heads;
+    for (const auto& head : (*server)->heads().List()) {
+      absl::StrAppend(&heads, heads.empty() ? "" : ", ", "'", head->name(), "' at version ",
+                      head->version());
+    }
     std::fprintf(stderr,
                  "lossd_server: %s; health is NOT_SERVING, draining in-flight calls (up to %d s), "
-                 "then exiting with status %d to be restarted\n",
+                 "then exiting with status %d to be restarted (heads: %s)\n",
                  std::string(fault.message()).c_str(), absl::GetFlag(FLAGS_drain_seconds),
-                 kExitDeviceFault);
+                 fault_status, heads.c_str());
   }
   (*server)->Shutdown(absl::Seconds(absl::GetFlag(FLAGS_drain_seconds)));
   std::fprintf(stderr, "lossd_server: stopped\n");
-  return fault.ok() ? 0 : kExitDeviceFault;
+  return fault_status;
 }

@@ -117,6 +117,30 @@ Metrics::Metrics()
                           .Help("Staged dL/dW dropped without a commit, by reason: discarded, "
                                 "expired (a backward that never ran), head_moved.")
                           .Register(*registry_)),
+      step_seconds_(prometheus::BuildHistogram()
+                        .Name("lossd_step_seconds")
+                        .Help("Time of collective steps and gradient norms from their last "
+                              "rank's arrival: waiting for the other replicas, the all-reduce "
+                              "of the gradient, the update.")
+                        .Register(*registry_)
+                        .Add({}, kSecondsBuckets)),
+      replica_wait_seconds_(prometheus::BuildHistogram()
+                                .Name("lossd_replica_wait_seconds")
+                                .Help("Time a step or gradient norm waited for the other "
+                                      "replicas of the group to reach it.")
+                                .Register(*registry_)
+                                .Add({}, kSecondsBuckets)),
+      allreduce_seconds_(prometheus::BuildHistogram()
+                             .Name("lossd_replica_allreduce_seconds")
+                             .Help("Time of all-reduces of a head's gradient across the "
+                                   "replicas.")
+                             .Register(*registry_)
+                             .Add({}, kSecondsBuckets)),
+      allreduce_bytes_(prometheus::BuildCounter()
+                           .Name("lossd_replica_allreduce_bytes_total")
+                           .Help("Bytes of gradient all-reduced across the replicas.")
+                           .Register(*registry_)
+                           .Add({})),
       in_flight_(prometheus::BuildGauge()
                      .Name("lossd_inflight_calls")
                      .Help("RPCs being served now.")
@@ -152,6 +176,12 @@ void Metrics::CountAdmissionRejected(const std::string& reason) {
 void Metrics::CountStep(const std::string& head) { steps_.Add({{"head", head}}).Increment(); }
 void Metrics::CountStagedDropped(const std::string& reason, int count) {
   staged_dropped_.Add({{"reason", reason}}).Increment(count);
+}
+void Metrics::ObserveStepSeconds(double seconds) { step_seconds_.Observe(seconds); }
+void Metrics::ObserveReplicaWait(double seconds) { replica_wait_seconds_.Observe(seconds); }
+void Metrics::ObserveAllReduce(double seconds, int64_t bytes) {
+  allreduce_seconds_.Observe(seconds);
+  allreduce_bytes_.Increment(static_cast<double>(bytes));
 }
 void Metrics::AddInFlight(int delta) { in_flight_.Increment(delta); }
 

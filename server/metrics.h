@@ -48,6 +48,11 @@ class Metrics {
   void CountStep(const std::string& head);
   // Staged gradients dropped without a commit, by reason (StagedDropName).
   void CountStagedDropped(const std::string& reason, int count);
+  // A collective step or norm, from its last rank's arrival to its outcome.
+  void ObserveStepSeconds(double seconds);
+  // Replicas: the wait for the others at a step, and an all-reduce of a gradient.
+  void ObserveReplicaWait(double seconds);
+  void ObserveAllReduce(double seconds, int64_t bytes);
   void AddInFlight(int delta);
 
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
@@ -69,6 +74,10 @@ class Metrics {
   prometheus::Family<prometheus::Counter>& admission_rejected_;
   prometheus::Family<prometheus::Counter>& steps_;
   prometheus::Family<prometheus::Counter>& staged_dropped_;
+  prometheus::Histogram& step_seconds_;
+  prometheus::Histogram& replica_wait_seconds_;
+  prometheus::Histogram& allreduce_seconds_;
+  prometheus::Counter& allreduce_bytes_;
   prometheus::Gauge& in_flight_;
 };
 

@@ -39,7 +39,7 @@ absl::StatusOr<std::string> RankRendezvous::Join(
     const std::string& key, int world_size, int rank, uint64_t fingerprint,
     absl::FunctionRef<bool()> cancelled,
     absl::FunctionRef<absl::StatusOr<std::string>()> action) {
-  if (world_size < 2 || rank < 0 || rank >= world_size) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(absl::StrCat("ranks.rank: expected 0 to ", world_size - 1,
                                                    " of ranks.world_size ", world_size, ", got ",
                                                    rank));
@@ -122,6 +122,17 @@ absl::StatusOr<std::string> RankRendezvous::Join(
                           std::min(meeting->deadline, now_waiting + options_.poll));
   }
   return meeting->result;
+}
+
+void RankRendezvous::FailWaiting(const absl::Status& status) {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = absl::Now();
+  for (auto& [unused, meeting] : meetings_) {
+    if (meeting->done || meeting->present_count == meeting->world_size) continue;
+    meeting->result = status;
+    meeting->done = true;
+    meeting->done_at = now;
+  }
 }
 
 int RankRendezvous::waiting_meetings() const {

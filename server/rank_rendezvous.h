@@ -41,7 +41,7 @@ class RankRendezvous {
  public:
   explicit RankRendezvous(RendezvousOptions options = {}) : options_(options) {}
 
-  // Joins the meeting `key` of `world_size` ranks as `rank`. `fingerprint` stands for the
+  // Joins the meeting `key` of `world_size` ranks (one or more) as `rank`. `fingerprint` stands for the
   // request without its rank: ranks whose requests differ are refused (INVALID_ARGUMENT), as is a
   // world size other than the meeting's. `cancelled` tells whether this rank's call went away.
   // The last rank to arrive runs `action`; every rank returns its result.
@@ -51,6 +51,9 @@ class RankRendezvous {
 
   // Meetings waiting for ranks now (a gauge).
   int waiting_meetings() const;
+
+  // Ends every meeting still waiting for ranks with `status` (the server is going away).
+  void FailWaiting(const absl::Status& status);
 
  private:
   struct Meeting {

@@ -34,6 +34,7 @@
 #include "lossd/storage/checkpoint.h"
 #include "lossd/storage/hf_checkpoint.h"
 #include "lossd/storage/safetensors.h"
+#include "server/head_sync.h"
 
 namespace lossd::server {
 namespace {
@@ -408,6 +409,11 @@ std::vector<GaugeSample> LossServer::ReadState() const {
                        "dL/dW of calls staged on each head, waiting for their commit.",
                        {{"head", s.name}}, static_cast<double>(s.staged_gradients)});
   }
+  samples.push_back({"lossd_replica_info",
+                     "Constant 1, labelled with this server's rank in its replica group and the "
+                     "group's size (0 of 1 for a server alone).",
+                     {{"rank", absl::StrCat(replica_rank())}, {"replicas", absl::StrCat(replicas())}},
+                     1.0});
   samples.push_back({"lossd_build_info", "Constant 1, labelled with the version and backend.",
                      {{"version", kVersion}, {"backend", std::string(backend_->kind())}}, 1.0});
   return samples;
@@ -449,6 +455,30 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   if (!config.token_file.empty()) {
     ASSIGN_OR_RETURN(bearer_token, ReadBearerToken(config.token_file));
   }
+  if (config.replicas < 1) {
+    return InvalidField("--replicas", "1 (a server alone) or more", absl::StrCat(config.replicas));
+  }
+  std::unique_ptr<ReplicaGroup> replicas;
+  if (config.replicas > 1) {
+    ReplicaGroupOptions group;
+    group.replicas = config.replicas;
+    group.rank = config.replica_rank;
+    if (group.rank == -1) {
+      char hostname[256] = {};
+      gethostname(hostname, sizeof(hostname) - 1);
+      ASSIGN_OR_RETURN(group.rank, ReplicaRankFromHostname(hostname));
+    }
+    group.store_address = config.replica_store;
+    group.bearer_token = bearer_token;
+    group.tls = !config.tls_cert_file.empty();
+    group.join_timeout = config.replica_join;
+    group.timeout = config.replica_timeout;
+    group.step_wait = config.step_wait;
+    ASSIGN_OR_RETURN(replicas, ReplicaGroup::Create(group));
+  } else if (config.replica_rank != 0 && config.replica_rank != -1) {
+    return InvalidField("--replica_rank", "0 (or -1) without --replicas", 
+                        absl::StrCat(config.replica_rank));
+  }
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
   if (!config.tls_cert_file.empty() || !config.tls_key_file.empty()) {
     ASSIGN_OR_RETURN(auto key_cert_pair, ReadTlsKeyPair(config));
@@ -458,6 +488,7 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   }
 
   std::unique_ptr<LossServer> server(new LossServer(config));
+  server->replicas_ = std::move(replicas);
   if (backend == nullptr) {
     // A GPU host that silently serves on the CPU (a module built for other GPUs, a missing
     // driver) would look healthy: the log says why "auto" did not take CUDA.
@@ -510,10 +541,12 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   options.checkpoint_dir = config.checkpoint_dir;
   options.keep_checkpoints = config.keep_checkpoints;
   options.bearer_token = std::move(bearer_token);
-  // Load balancers and orchestrators read health; a faulted device serves nothing again.
-  options.on_device_fault = [raw = server.get()](const absl::Status&) {
-    raw->server_->GetHealthCheckService()->SetServingStatus(false);
+  // Load balancers and orchestrators read health; a faulted device serves nothing again, nor
+  // does a replica whose group ended.
+  options.on_fault = [raw = server.get()](const absl::Status&) {
+    if (raw->server_ != nullptr) raw->server_->GetHealthCheckService()->SetServingStatus(false);
   };
+  options.replicas = server->replicas_.get();
   server->service_ = std::make_unique<LossService>(*server->backend_, server->heads_,
                                                    *server->scheduler_, *server->pending_,
                                                    server->metrics_,
@@ -556,10 +589,41 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   builder.SetMaxReceiveMessageSize(static_cast<int>(config.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(config.max_message_bytes));
   builder.RegisterService(server->service_.get());
+  if (server->replicas_ != nullptr) {
+    server->replicas_->SetFailureHandler([raw = server.get()](const absl::Status& failure) {
+      raw->service_->EndAfterReplicaFailure(failure);
+    });
+    if (server->replicas_->service() != nullptr) {
+      builder.RegisterService(server->replicas_->service());
+    }
+    // The other replicas ping replica 0 every 10 s on their Join streams (a replica that stops
+    // answering has left), and replica 0 pings them: allow it.
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
+    builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10000);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
+  }
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     return ListenFailure("--listen", config.listen_address,
                          absl::StrCat("gRPC cannot listen on ", config.listen_address));
+  }
+  if (server->replicas_ != nullptr) {
+    // Health stays NOT_SERVING until every replica is in: a group that has not formed trains
+    // nothing.
+    server->server_->GetHealthCheckService()->SetServingStatus(false);
+    RETURN_IF_ERROR(server->replicas_->Form());
+    ASSIGN_OR_RETURN(const std::string local, LocalAddressTowards(config.replica_store));
+    server->startup_log_.push_back(absl::StrCat(
+        "replica ", server->replicas_->rank(), " of ", server->replicas_->replicas(),
+        ": the group met at replica 0 (", config.replica_store,
+        "); gradients all-reduce over Gloo, TCP from ", local));
+    // Replica 0's heads are the group's.
+    ASSIGN_OR_RETURN(Collective* const collective, server->replicas_->collective());
+    RETURN_IF_ERROR(SyncHeadsFromReplicaZero(*collective, server->heads_, *server->backend_,
+                                             server->ledger_, config.replica_join,
+                                             server->startup_log_));
+    server->ResizeComputeBudget(0);
   }
   server->server_->GetHealthCheckService()->SetServingStatus(true);
 
@@ -586,6 +650,8 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
 }
 
 absl::Status LossServer::device_fault() const { return service_->device_fault(); }
+
+absl::Status LossServer::replica_failure() const { return service_->replica_failure(); }
 
 int64_t LossServer::LargestGradientBytes(int64_t incoming_head_elements) const {
   int64_t largest_head_elements = incoming_head_elements;
@@ -627,6 +693,8 @@ int LossServer::metrics_port() const {
 void LossServer::Shutdown(absl::Duration drain) {
   if (shut_down_) return;
   shut_down_ = true;
+  // This replica leaving ends its group for the others (their streams to it end).
+  if (replicas_ != nullptr) replicas_->Shutdown();
   server_->GetHealthCheckService()->SetServingStatus(false);
   // gRPC's own Shutdown(deadline) also waits for idle client connections to hang up, up to the
   // deadline (seconds, for a client that keeps its channel open). So the service refuses new

@@ -20,6 +20,7 @@
 #include "server/memory_ledger.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
+#include "server/replica_group.h"
 #include "server/service.h"
 
 namespace lossd::server {
@@ -72,6 +73,12 @@ struct ServerConfig {
   std::vector<std::string> heads;
   DType head_dtype = DType::kFloat32;              // storage dtype of heads loaded from files
   DemoHeadConfig demo;                             // served when no other head is configured
+  // A replica group (--replicas > 1) trains its heads together: see replica_group.h.
+  int replicas = 1;
+  int replica_rank = 0;                            // -1: the ordinal that ends the hostname
+  std::string replica_store;                       // HOST:PORT of replica 0's gRPC port
+  absl::Duration replica_join = absl::Minutes(10);  // forming the group at startup
+  absl::Duration replica_timeout = absl::Seconds(60);  // a collective once all replicas are in
 };
 
 class LossServer {
@@ -91,6 +98,14 @@ class LossServer {
   // Shutdown() and end the process with a failure status, so that its supervisor restarts it on
   // a working device.
   absl::Status device_fault() const;
+  // OK, or why this server's replica group ended (see replica_group.h): from then on health
+  // reports NOT_SERVING and every call is refused with UNAVAILABLE naming it; the owner should
+  // Shutdown() and exit with a status of its own, so that the group restarts from its last
+  // checkpoint.
+  absl::Status replica_failure() const;
+  // The rank of this server in its replica group and the group's size (0 of 1 alone).
+  int replica_rank() const { return replicas_ == nullptr ? 0 : replicas_->rank(); }
+  int replicas() const { return replicas_ == nullptr ? 1 : replicas_->replicas(); }
 
   Backend& backend() { return *backend_; }
   HeadStore& heads() { return heads_; }
@@ -129,6 +144,7 @@ class LossServer {
   // it, kCache idle.
   MemoryLedger host_ledger_;
   std::unique_ptr<BufferCache> host_buffers_;
+  std::unique_ptr<ReplicaGroup> replicas_;  // null alone; outlives the service, which uses it
   std::unique_ptr<LossService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<prometheus::Exposer> exposer_;

@@ -25,18 +25,6 @@
 namespace lossd::server {
 namespace {
 
-// Compares every byte whatever the first difference, so the time taken says nothing about the token.
-bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
-  unsigned char difference = a.size() == b.size() ? 0 : 1;
-  const size_t n = std::max(a.size(), b.size());
-  for (size_t i = 0; i < n; ++i) {
-    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
-    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
-    difference |= x ^ y;
-  }
-  return difference == 0;
-}
-
 // Room for `bytes` in `buffer`, or RESOURCE_EXHAUSTED naming the upload it was for: the one
 // allocation a client sizes (up to --max_head_bytes), which may well fail on a smaller host.
 absl::Status ReserveHostMemory(std::vector<uint8_t>& buffer, size_t bytes,
@@ -66,20 +54,15 @@ LossService::LossService(Backend& backend, HeadStore& heads, Scheduler& schedule
       host_buffers_(host_buffers),
       options_(std::move(options)),
       staging_room_(options_.staged_grad_bytes),
-      rendezvous_(options_.rendezvous) {}
+      rendezvous_(options_.rendezvous) {
+  replica_observer_.waited = [this](double seconds) { metrics_.ObserveReplicaWait(seconds); };
+  replica_observer_.all_reduced = [this](double seconds, int64_t bytes) {
+    metrics_.ObserveAllReduce(seconds, bytes);
+  };
+}
 
 absl::Status LossService::Authenticate(const grpc::ServerContextBase& context) const {
-  if (options_.bearer_token.empty()) return absl::OkStatus();
-  const auto& metadata = context.client_metadata();
-  auto it = metadata.find("authorization");
-  const absl::string_view presented =
-      it == metadata.end() ? absl::string_view() : absl::string_view(it->second.data(), it->second.size());
-  const std::string expected = absl::StrCat("Bearer ", options_.bearer_token);
-  if (!ConstantTimeEquals(presented, expected)) {
-    return absl::UnauthenticatedError(
-        "authorization: expected metadata \"authorization: Bearer <token>\" with the server's token");
-  }
-  return absl::OkStatus();
+  return CheckBearerToken(context, options_.bearer_token);
 }
 
 void LossService::StopAccepting() {
@@ -95,26 +78,39 @@ bool LossService::WaitForCallsInFlight(absl::Time deadline) {
 
 absl::Status LossService::device_fault() const {
   absl::MutexLock lock(&calls_mu_);
-  return device_fault_;
+  return fault_kind_ == FaultKind::kDevice ? fault_ : absl::OkStatus();
 }
 
-void LossService::RefuseAfterDeviceFault(const absl::Status& fault) {
+absl::Status LossService::replica_failure() const {
+  absl::MutexLock lock(&calls_mu_);
+  return fault_kind_ == FaultKind::kReplicaGroup ? fault_ : absl::OkStatus();
+}
+
+void LossService::RefuseAfterFault(FaultKind kind, const absl::Status& fault) {
   {
     absl::MutexLock lock(&calls_mu_);
-    if (!device_fault_.ok()) return;  // calls running at the time meet the same fault
-    device_fault_ = fault;
+    if (fault_kind_ != FaultKind::kNone) return;  // calls running at the time meet the same fault
+    fault_kind_ = kind;
+    fault_ = fault;
     accepting_ = false;
   }
-  if (options_.on_device_fault) options_.on_device_fault(fault);
+  // Ranks waiting for others at a step would wait for ranks that will not come.
+  rendezvous_.FailWaiting(absl::AbortedError(absl::StrCat(
+      fault.message(), "; nothing was applied. The server exits to be restarted")));
+  if (options_.on_fault) options_.on_fault(fault);
+}
+
+void LossService::EndAfterReplicaFailure(const absl::Status& failure) {
+  RefuseAfterFault(FaultKind::kReplicaGroup, failure);
 }
 
 absl::Status LossService::Refusal() const {
-  if (device_fault_.ok()) {
+  if (fault_kind_ == FaultKind::kNone) {
     return absl::UnavailableError("the server is shutting down and takes no new calls");
   }
   return absl::UnavailableError(
-      absl::StrCat(device_fault_.message(), "; the server takes no new calls and exits once the "
-                                            "calls in flight have drained, to be restarted"));
+      absl::StrCat(fault_.message(), "; the server takes no new calls and exits once the "
+                                     "calls in flight have drained, to be restarted"));
 }
 
 // One RPC from its start to its status, whatever ends it: counted in flight from construction
@@ -153,7 +149,7 @@ class LossService::CallScope {
   // may be ended more than once; its client hears the first): a device fault refuses every later
   // call first, so that no client learns of the fault from a server still taking calls.
   void Ending(const absl::Status& status) {
-    if (IsDeviceFault(status)) service_.RefuseAfterDeviceFault(status);
+    if (IsDeviceFault(status)) service_.RefuseAfterFault(FaultKind::kDevice, status);
   }
 
   // Records the call by the status its client hears, once, before the client can hear it (a
@@ -404,6 +400,17 @@ grpc::Status LossService::ZeroGradWeight(grpc::ServerContext* context,
 
 namespace {
 
+// FNV-1a, 64 bits: the same for the same request in every process, as replicas compare it
+// (absl::Hash is seeded per process).
+uint64_t StableFingerprint(absl::string_view bytes) {
+  uint64_t hash = 0xcbf29ce484222325ULL;
+  for (const char c : bytes) {
+    hash ^= static_cast<unsigned char>(c);
+    hash *= 0x100000001b3ULL;
+  }
+  return hash;
+}
+
 // A multiplier of the accumulated gradient (StepRequest.grad_multiplier) that float32, where the
 // optimizer applies it, can carry.
 absl::StatusOr<double> GradMultiplier(bool has, double value) {
@@ -417,23 +424,25 @@ absl::StatusOr<double> GradMultiplier(bool has, double value) {
 }  // namespace
 
 template <typename Response>
-absl::Status LossService::Collectively(grpc::ServerContext& context, absl::string_view method,
-                                       const std::string& head,
-                                       const std::optional<uint64_t>& version,
-                                       const v1::RankGroup& group,
-                                       const google::protobuf::Message& request,
-                                       absl::FunctionRef<absl::StatusOr<Response>()> action,
-                                       Response* response) {
+absl::Status LossService::Collectively(
+    grpc::ServerContext& context, absl::string_view method, const std::string& head,
+    const std::optional<uint64_t>& version, const v1::RankGroup& group,
+    const google::protobuf::Message& request,
+    absl::FunctionRef<absl::StatusOr<Response>(GradientExchange*)> action, Response* response) {
   if (group.world_size() < 0 || (group.world_size() <= 1 && group.rank() != 0)) {
     return InvalidField("ranks", "world_size >= 2 with a rank in [0, world_size), or none",
                         absl::StrCat("world_size ", group.world_size(), ", rank ", group.rank()));
   }
-  if (group.world_size() <= 1) {
-    ASSIGN_OR_RETURN(*response, action());
+  ReplicaGroup* const replicas = options_.replicas;
+  if (group.world_size() <= 1 && replicas == nullptr) {
+    ASSIGN_OR_RETURN(*response, action(nullptr));
     return absl::OkStatus();
   }
   if (!version.has_value()) {
-    return InvalidField("head_version", "the version the ranks trained on (ranks.world_size > 1)",
+    return InvalidField("head_version",
+                        replicas != nullptr
+                            ? "the version the ranks trained on (a server of a replica group)"
+                            : "the version the ranks trained on (ranks.world_size > 1)",
                         "none");
   }
   // Every rank sends the same request but for its rank.
@@ -448,19 +457,50 @@ absl::Status LossService::Collectively(grpc::ServerContext& context, absl::strin
   coded.SetSerializationDeterministic(true);
   shared->SerializeToCodedStream(&coded);
   coded.Trim();
+  const uint64_t fingerprint = StableFingerprint(bytes);
   const std::string key = absl::StrCat(method, " of head '", head, "' at version ", *version);
+  // With replicas, a step of one local rank meets too: its outcome is kept for a retry, which
+  // must not make the group step twice.
   ASSIGN_OR_RETURN(
       const std::string serialized,
-      rendezvous_.Join(key, group.world_size(), group.rank(), absl::HashOf(bytes),
+      rendezvous_.Join(key, std::max(1, group.world_size()), group.rank(), fingerprint,
                        [&] { return context.IsCancelled(); },
                        [&]() -> absl::StatusOr<std::string> {
-                         ASSIGN_OR_RETURN(const Response outcome, action());
-                         return outcome.SerializeAsString();
+                         const absl::Time start = absl::Now();
+                         absl::StatusOr<Response> outcome = ActOverReplicas<Response>(
+                             replicas, key, fingerprint, action);
+                         metrics_.ObserveStepSeconds(absl::ToDoubleSeconds(absl::Now() - start));
+                         RETURN_IF_ERROR(outcome.status());
+                         return outcome->SerializeAsString();
                        }));
   if (!response->ParseFromString(serialized)) {
     return absl::InternalError(absl::StrCat(key, ": the shared outcome does not parse"));
   }
   return absl::OkStatus();
+}
+
+template <typename Response>
+absl::StatusOr<Response> LossService::ActOverReplicas(
+    ReplicaGroup* replicas, const std::string& key, uint64_t fingerprint,
+    absl::FunctionRef<absl::StatusOr<Response>(GradientExchange*)> action) {
+  if (replicas == nullptr) return action(nullptr);
+  absl::MutexLock lock(&replicas->operation_mutex());
+  ReplicaExchange exchange(*replicas, key, fingerprint, &replica_observer_);
+  RETURN_IF_ERROR(exchange.AwaitReplicas());
+  absl::StatusOr<Response> outcome = action(&exchange);
+  // Past the agreement every replica applies the same step: a replica that could not (its
+  // device failed, memory ran out) holds another W than the others now, and leaves the group.
+  // A non-finite norm is the same on every replica, which all refuse alike.
+  if (!outcome.ok() && exchange.agreed() && !IsNonFiniteGradient(outcome.status())) {
+    const absl::Status failure = absl::InternalError(absl::StrCat(
+        key, ": replica ", replicas->rank(), " could not apply what the group agreed on (",
+        outcome.status().message(), ")"));
+    replicas->Fail(failure);
+    return absl::AbortedError(absl::StrCat(
+        failure.message(), "; the replica group has ended: every replica restarts from the last "
+        "checkpoint, and the trainers resume from theirs"));
+  }
+  return outcome;
 }
 
 grpc::Status LossService::Step(grpc::ServerContext* context, const v1::StepRequest* request,
@@ -477,8 +517,8 @@ grpc::Status LossService::Step(grpc::ServerContext* context, const v1::StepReque
     settings.skip_nonfinite = request->skip_nonfinite();
     return Collectively<v1::StepResponse>(
         *context, "Step", head->name(), settings.expected_version, request->ranks(), *request,
-        [&]() -> absl::StatusOr<v1::StepResponse> {
-          ASSIGN_OR_RETURN(const StepOutcome outcome, head->Step(config, settings));
+        [&](GradientExchange* exchange) -> absl::StatusOr<v1::StepResponse> {
+          ASSIGN_OR_RETURN(const StepOutcome outcome, head->Step(config, settings, exchange));
           v1::StepResponse r;
           r.set_head_version(outcome.version);
           r.set_grad_norm(outcome.grad_norm);
@@ -503,8 +543,9 @@ grpc::Status LossService::GradWeightNorm(grpc::ServerContext* context,
                      GradMultiplier(request->has_grad_multiplier(), request->grad_multiplier()));
     return Collectively<v1::GradWeightNormResponse>(
         *context, "GradWeightNorm", head->name(), version, request->ranks(), *request,
-        [&]() -> absl::StatusOr<v1::GradWeightNormResponse> {
-          ASSIGN_OR_RETURN(const GradNorm norm, head->GradientNorm(version, multiplier));
+        [&](GradientExchange* exchange) -> absl::StatusOr<v1::GradWeightNormResponse> {
+          ASSIGN_OR_RETURN(const GradNorm norm,
+                           head->GradientNorm(version, multiplier, exchange));
           v1::GradWeightNormResponse r;
           r.set_head_version(norm.version);
           r.set_grad_norm(norm.norm);
@@ -695,6 +736,13 @@ grpc::Status LossService::SaveCheckpoint(grpc::ServerContext* context,
                                          const v1::SaveCheckpointRequest* request,
                                          v1::SaveCheckpointResponse* response) {
   return Serve("SaveCheckpoint", context, [&]() -> absl::Status {
+    if (options_.replicas != nullptr && options_.replicas->rank() != 0) {
+      // The replicas hold the same heads; one writer keeps the directory they resume from whole.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "SaveCheckpoint: this server is replica ", options_.replicas->rank(), " of ",
+          options_.replicas->replicas(), "; replica 0 (the server of trainer rank 0) saves the "
+          "group's checkpoints"));
+    }
     if (options_.checkpoint_dir.empty()) {
       return absl::FailedPreconditionError(
           "checkpoint_dir: the server was started without --checkpoint_dir");

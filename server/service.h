@@ -18,6 +18,7 @@
 #include "server/memory_ledger.h"
 #include "server/metrics.h"
 #include "server/rank_rendezvous.h"
+#include "server/replica_group.h"
 #include "server/scheduler.h"
 
 namespace lossd::server {
@@ -30,15 +31,18 @@ struct ServiceOptions {
   std::string bearer_token;                       // empty: no authentication
   std::string checkpoint_dir;                     // empty: SaveCheckpoint is refused
   int keep_checkpoints = 3;
-  // Called once, with the first device fault a call meets (IsDeviceFault), after which the service
-  // refuses every call.
-  std::function<void(const absl::Status&)> on_device_fault;
+  // Called once, with the first device fault a call meets (IsDeviceFault) or the end of the
+  // replica group, after which the service refuses every call.
+  std::function<void(const absl::Status&)> on_fault;
   // Called with the V x H of a head about to be stored by an upload, then with 0 once it is, so
   // that the compute budget can follow the heads (before: calls on the new head fit at once).
   std::function<void(int64_t incoming_head_elements)> resize_compute_budget;
   // Device memory staged gradients may hold together (--staged_grad_mib).
   int64_t staged_grad_bytes = 0;
   RendezvousOptions rendezvous;  // wait: --step_wait_seconds
+  // The replicas this server trains its heads with (--replicas > 1): every Step and
+  // GradWeightNorm is then collective across them. Null: this server alone.
+  ReplicaGroup* replicas = nullptr;
 };
 
 // Compute runs on gRPC's callback API (see compute_reactor.h), the other methods on the
@@ -103,6 +107,11 @@ class LossService final
   // OK, or the first device fault a call met; from then on every call is refused with UNAVAILABLE
   // naming it.
   absl::Status device_fault() const;
+  // OK, or why the replica group ended (EndAfterReplicaFailure).
+  absl::Status replica_failure() const;
+  // The replica group has ended: from now on every call is refused with UNAVAILABLE naming why,
+  // and the ranks waiting at a step hear ABORTED.
+  void EndAfterReplicaFailure(const absl::Status& failure);
 
   SharedMemoryMaps& shared_memory_maps() { return shared_memory_maps_; }
   StagingRoom& staging_room() { return staging_room_; }
@@ -122,7 +131,8 @@ class LossService final
   absl::Status StreamTensor(const v1::FetchTensorRequest& request, bool gradient,
                             grpc::ServerWriter<v1::TensorChunk>* writer);
   absl::StatusOr<v1::HeadInfo> ReceiveUpload(grpc::ServerReader<v1::UploadHeadRequest>* reader);
-  void RefuseAfterDeviceFault(const absl::Status& fault);
+  enum class FaultKind { kNone, kDevice, kReplicaGroup };
+  void RefuseAfterFault(FaultKind kind, const absl::Status& fault);
   absl::Status Refusal() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(calls_mu_);
   absl::Status StreamEmbeddingRows(const v1::LookupEmbeddingRequest& request,
                                    grpc::ServerWriter<v1::EmbeddingRows>* writer);
@@ -132,14 +142,21 @@ class LossService final
   // A tied head named `head`, and token ids that index its rows.
   absl::StatusOr<std::shared_ptr<Head>> TiedHead(
       const std::string& head, const google::protobuf::RepeatedField<int64_t>& ids);
-  // Runs `action` once for the ranks of `group` (RankRendezvous), or at once for a group of one;
-  // its result is the serialized response every rank returns.
+  // Runs `action` once for the ranks of `group` (RankRendezvous), or at once for a group of one
+  // on a server alone; its result is the serialized response every rank returns. With replicas,
+  // the action runs once the other replicas have reached the same step, with the exchange of
+  // their gradients (null on a server alone).
   template <typename Response>
-  absl::Status Collectively(grpc::ServerContext& context, absl::string_view method,
-                            const std::string& head, const std::optional<uint64_t>& version,
-                            const v1::RankGroup& group, const google::protobuf::Message& request,
-                            absl::FunctionRef<absl::StatusOr<Response>()> action,
-                            Response* response);
+  absl::Status Collectively(
+      grpc::ServerContext& context, absl::string_view method, const std::string& head,
+      const std::optional<uint64_t>& version, const v1::RankGroup& group,
+      const google::protobuf::Message& request,
+      absl::FunctionRef<absl::StatusOr<Response>(GradientExchange*)> action, Response* response);
+  // `action` over the replicas once all have reached it (see Collectively), or alone.
+  template <typename Response>
+  absl::StatusOr<Response> ActOverReplicas(
+      ReplicaGroup* replicas, const std::string& key, uint64_t fingerprint,
+      absl::FunctionRef<absl::StatusOr<Response>(GradientExchange*)> action);
 
   Backend& backend_;
   HeadStore& heads_;
@@ -153,11 +170,13 @@ class LossService final
   SharedMemoryMaps shared_memory_maps_;
   StagingRoom staging_room_;
   RankRendezvous rendezvous_;
+  ReplicaObserver replica_observer_;  // into metrics_
   std::unique_ptr<HandoverSocket> handover_socket_;  // registers into shared_memory_maps_
 
   mutable absl::Mutex calls_mu_;
   bool accepting_ ABSL_GUARDED_BY(calls_mu_) = true;
-  absl::Status device_fault_ ABSL_GUARDED_BY(calls_mu_);
+  FaultKind fault_kind_ ABSL_GUARDED_BY(calls_mu_) = FaultKind::kNone;
+  absl::Status fault_ ABSL_GUARDED_BY(calls_mu_);
   int calls_in_flight_ ABSL_GUARDED_BY(calls_mu_) = 0;
   // Last: joined first, while what the calls' threads use is still there.
   CallThreads call_threads_;

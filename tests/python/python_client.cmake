@@ -68,6 +68,16 @@ set_tests_properties(gpu_service_cpu PROPERTIES
   ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;LOSSCTL_BIN=$<TARGET_FILE:lossctl>;ENGINE_BENCH_BIN=$<TARGET_FILE:engine_bench>;LOSSD_PYTHON_DIR=${LOSSD_PYTHON_DIR};OMP_NUM_THREADS=2"
   TIMEOUT 120)
 
+# The replica-group benchmark end to end on a tiny head: one and two servers, W checked the same
+# on both after every step, its table printed.
+add_test(NAME replicas_bench_runs
+  COMMAND /usr/bin/python3 ${CMAKE_CURRENT_LIST_DIR}/../../bench/replicas_bench.py
+          --replicas 1,2 --vocab 300 --hidden 16 --steps 2 --rounds 1 --rows 8)
+set_tests_properties(replicas_bench_runs PROPERTIES
+  ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;PYTHONPATH=${LOSSD_PYTHON_DIR};OMP_NUM_THREADS=2"
+  PASS_REGULAR_EXPRESSION "\\| 2 \\| 300 x 16 \\| 0 \\|"
+  TIMEOUT 120)
+
 # The same client suites and examples again, and lossd.hf and torch.compile, under the current
 # torch, transformers and protobuf from PyPI: the environment scripts/python_env.sh makes in .venv/
 # (scripts/test.sh builds it and passes its python here). Without LOSSD_PYTHON_ENV none of these
@@ -96,10 +106,18 @@ if(LOSSD_PYTHON_ENV)
   add_test(NAME python_trainer
     COMMAND "${LOSSD_PYTHON_ENV}" -m pytest -q -p no:cacheprovider
             ${CMAKE_CURRENT_LIST_DIR}/test_trainer.py)
-  set_tests_properties(${current_tests} python_hf python_torch_compile python_trainer PROPERTIES
+  # Three servers training one head as a replica group for six Trainer ranks, one replica killed
+  # mid-step and the group restarted from its checkpoint: the parameters of one server's run and
+  # one W on every replica after every step (about 4 minutes on two cores).
+  add_test(NAME python_training_replicas
+    COMMAND "${LOSSD_PYTHON_ENV}" -m pytest -q -p no:cacheprovider
+            ${CMAKE_CURRENT_LIST_DIR}/test_training_replicas.py)
+  set_tests_properties(${current_tests} python_hf python_torch_compile python_trainer
+    python_training_replicas PROPERTIES
     ENVIRONMENT "${LOSSD_PYTHON_TEST_ENVIRONMENT}"
     TIMEOUT 600)
   set_tests_properties(python_trainer PROPERTIES TIMEOUT 1500)
+  set_tests_properties(python_training_replicas PROPERTIES TIMEOUT 900)
   set_tests_properties(python_training_example_current_torch PROPERTIES TIMEOUT 900)
 else()
   message(STATUS "lossd: LOSSD_PYTHON_ENV not set: the Python suites under current PyPI torch and "

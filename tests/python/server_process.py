@@ -23,15 +23,24 @@ def free_port():
 class ServerProcess:
     """lossd_server on 127.0.0.1 with free ports, read back from its startup lines."""
 
-    def __init__(self, *flags, metrics=True, timeout=60, preexec_fn=None):
-        """`preexec_fn` runs in the child before the server starts (to set resource limits)."""
+    def __init__(self, *flags, metrics=True, timeout=60, preexec_fn=None, wait=True):
+        """`preexec_fn` runs in the child before the server starts (to set resource limits).
+        wait=False returns at once: wait_until_serving() then waits (replicas of a group start
+        serving only once all of them have started). A --listen among flags overrides the free
+        port."""
         self.log = tempfile.NamedTemporaryFile(prefix="lossd-server-", suffix=".log", delete=False)
+        self.metrics = metrics
         args = [SERVER_BIN, "--listen=127.0.0.1:0",
                 "--metrics_listen=" + ("127.0.0.1:0" if metrics else ""), *flags]
         self.process = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
                                         preexec_fn=preexec_fn)
         self.port = None
         self.metrics_port = None
+        if wait:
+            self.wait_until_serving(timeout)
+
+    def wait_until_serving(self, timeout=60):
+        metrics = self.metrics
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = self.output()

@@ -588,13 +588,26 @@ def k8s_container(name="deployment.yaml"):
     return deployment, container
 
 
+# The replica group that trains one head: a headless Service and a StatefulSet in one file.
+REPLICA_GROUP = "training-replicas.yaml"
+
+
+def replica_group():
+    """(Service, StatefulSet, its lossd container) of REPLICA_GROUP."""
+    docs = {doc["kind"]: doc for doc in load_k8s(REPLICA_GROUP)}
+    assert set(docs) == {"Service", "StatefulSet", "NetworkPolicy"}, REPLICA_GROUP
+    (container,) = docs["StatefulSet"]["spec"]["template"]["spec"]["containers"]
+    return docs["Service"], docs["StatefulSet"], container
+
+
 def command_lines():
     """Every lossd_server command line in deploy/, as (where, flag values)."""
     entrypoint, cmd = docker_command()
     compose = load_yaml(COMPOSE)["services"]["lossd"]
     return ([("Dockerfile", flag_values(entrypoint[1:] + cmd)),
              ("compose.yml", flag_values(entrypoint[1:] + compose["command"]))]
-            + [(name, flag_values(k8s_container(name)[1]["args"])) for name in DEPLOYMENTS])
+            + [(name, flag_values(k8s_container(name)[1]["args"])) for name in DEPLOYMENTS]
+            + [(REPLICA_GROUP, flag_values(replica_group()[2]["args"]))])
 
 
 def test_every_flag_exists():
@@ -711,6 +724,56 @@ def test_grace_periods_exceed_drain_and_gpu_is_requested():
     assert grace and int(grace.group(1)) > drain
     (device,) = lossd["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+
+
+def test_training_replicas_meet_at_replica_zero_and_start_together():
+    service, statefulset, container = replica_group()
+    spec = statefulset["spec"]
+    args = flag_values(container["args"])
+    assert container["command"] == [docker_command()[0][0]]
+    # One rank per pod, from its ordinal; as many replicas as pods.
+    assert int(args["replicas"]) == spec["replicas"] >= 2
+    assert args["replica_rank"] == "-1"
+    # The pods find replica 0 by its stable name under the headless Service, before any of them
+    # is ready (a pod is ready once the whole group has met): Parallel start, not-ready addresses
+    # published.
+    grpc_port = port_of(args["listen"])
+    assert args["replica_store"] == \
+        f"{statefulset['metadata']['name']}-0.{service['metadata']['name']}:{grpc_port}"
+    assert spec["serviceName"] == service["metadata"]["name"]
+    assert spec["podManagementPolicy"] == "Parallel"
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    labels = spec["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= labels.items()
+    assert service["spec"]["selector"].items() <= labels.items()
+    for deployment_file in DEPLOYMENTS:
+        assert not service["spec"]["selector"].items() <= pod_labels(deployment_file).items()
+        (other,) = load_k8s(DEPLOYMENTS[deployment_file])
+        assert not other["spec"]["selector"].items() <= labels.items(), deployment_file
+    # Scraped like the others, ports as everywhere.
+    (monitor,) = load_k8s("servicemonitor.yaml")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "lossd"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == ports
+    assert container["readinessProbe"]["grpc"]["port"] == grpc_port
+    # Each pod's checkpoints on its own volume; a GPU each; drained within the grace period.
+    (claim,) = spec["volumeClaimTemplates"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts[claim["metadata"]["name"]] == args["checkpoint_dir"]
+    drain = int(args.get("drain_seconds", server_flags()["drain_seconds"]))
+    assert spec["template"]["spec"]["terminationGracePeriodSeconds"] > drain
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == 1
+    assert args["device"].startswith("cuda")
+    # Gloo's ports are open to the group's pods alone; gRPC and metrics to all.
+    (policy,) = [doc for doc in load_k8s(REPLICA_GROUP) if doc["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    peers, anyone = policy["spec"]["ingress"]
+    (pods,) = peers["from"]
+    assert pods["podSelector"]["matchLabels"].items() <= labels.items() and "ports" not in peers
+    assert "from" not in anyone
+    assert {p["port"] for p in anyone["ports"]} == set(ports.values())
 
 
 def test_scoring_replicas_roll_balance_and_scale():

@@ -5,7 +5,7 @@ a client whose target lists the three spreads its calls over all of them (each s
 request counter, from its /metrics, says how many it served) with the results one server gives;
 a replica killed (SIGKILL) or drained (SIGTERM) mid-run costs no call; a client pinned to W's
 SHA-256 is refused by the server with the other W; training refuses a target that lists several
-servers. Results are checked against torch's float64 log-softmax of W fetched from a replica.
+servers, and trainer ranks map onto the servers of a training replica group. Results are checked against torch's float64 log-softmax of W fetched from a replica.
 """
 import hashlib
 import os
@@ -354,3 +354,23 @@ def test_grpc_retries_the_read_only_calls_and_makes_steps_once():
                     for method in ("FetchGradWeight", "Step")}
         caller.join()
     assert refusals == {"FetchGradWeight": 4, "Step": 1}, refusals
+
+
+def test_trainer_ranks_spread_over_a_replica_group():
+    """Rank r trains with replica r % R; a step meets the ranks of one replica (their number,
+    this rank's place among them), while commits still average over the whole world."""
+    from lossd._address import replica_group
+
+    addresses = ["a:1", "b:1", "c:1"]
+    assert [lossd.replica_address(addresses, r) for r in range(7)] == \
+        ["a:1", "b:1", "c:1", "a:1", "b:1", "c:1", "a:1"]
+    # Seven ranks over three replicas: replica 0 serves ranks 0, 3, 6; the others two each.
+    assert [replica_group(7, r, 3) for r in range(7)] == \
+        [(3, 0), (2, 0), (2, 0), (3, 1), (2, 1), (2, 1), (3, 2)]
+    assert replica_group(4, 3, 1) == (4, 3)
+    with pytest.raises(ValueError, match="3 server replicas for 2 trainer ranks"):
+        replica_group(2, 0, 3)
+    with pytest.raises(ValueError, match=r"addresses\[1\]: .*which has no port"):
+        lossd.replica_address(["a:1", "b"], 0)
+    with pytest.raises(ValueError, match="replicas: expected an int >= 1"):
+        replica_group(2, 0, 0)

@@ -2,14 +2,18 @@
 local or on a lossd server; test_trainer.py starts world_size of these (torch.distributed on
 gloo, as torchrun would) and compares what they end with.
 
-    trainer_rank.py --model llama --head local|remote [--address A] --output_dir D
-                    --max_steps N [--resume] [--result R]
+    trainer_rank.py --model llama --head local|remote [--address A | --replicas A0,A1,...]
+                    --output_dir D --max_steps N [--resume] [--result R] [--digests F]
 
 The model is built from a config with a fixed seed, so every rank and every run starts from the
 same weights; the data is fixed too. The local head runs in float32 outside autocast, as lossd
 computes its head (float32 products from the body's hidden states), so that the two runs differ
 only by float32 rounding. Rank 0 writes R: the parameters at the end (W as float32, the
 server's master weights for the remote head), the logged losses and grad norms.
+
+With --replicas, several servers train the head as a replica group: rank r trains with replica
+r % R, the first rank of each replica uploads the head to it, and after every step rank 0 appends
+to F (--digests) a JSON line with the version and weight_sha256 that every rank's replica reports.
 """
 import argparse
 import json
@@ -71,6 +75,23 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": labels}
 
 
+class ReplicaDigests(transformers.TrainerCallback):
+    """After every step, the version and SHA-256 of W that each rank's server holds, gathered
+    over the ranks; rank 0 appends them to a file as a JSON line."""
+
+    def __init__(self, head, path):
+        self.head, self.path = head, path
+
+    def on_step_end(self, args, state, control, **kwargs):
+        info = self.head.info()
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, [info.version, info.weight_sha256])
+        if torch.distributed.get_rank() == 0:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": state.global_step, "replicas": gathered}) + "\n")
+        return control
+
+
 class StopAfter(transformers.TrainerCallback):
     """Ends training after a step whose checkpoint was saved, with the schedule of the whole
     run: the first half of a run that a restart resumes."""
@@ -91,6 +112,8 @@ def main():
                         help="local64: the local head's products in float64, rounded to float32 "
                              "(the rounding noise of another float32 head)")
     parser.add_argument("--address")
+    parser.add_argument("--replicas", help="the replicas' addresses, replica 0 first, by commas")
+    parser.add_argument("--digests", help="with --replicas: where rank 0 records each step's W")
     parser.add_argument("--head_name", default="main")
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--max_steps", type=int, required=True)
@@ -115,18 +138,25 @@ def main():
         model.lm_head = Fp32Head(model.lm_head, exact=args.head == "local64")
         trainer_class = transformers.Trainer
     else:
-        client = lossd.Client(args.address, timeout=300)
-        if not args.resume and training.process_index == 0:
+        addresses = args.replicas.split(",") if args.replicas else [args.address]
+        replicas = len(addresses) if args.replicas else None
+        rank = training.process_index
+        client = lossd.Client(lossd.replica_address(addresses, rank), timeout=300)
+        # One upload per server: the first rank that trains with it.
+        if not args.resume and rank < len(addresses):
             lossd.hf.offload_head(model, client, args.head_name, upload=True)
             lossd.hf.restore_head(model)  # the model as it was: every rank offloads below
         torch.distributed.barrier()  # the head is uploaded before any rank looks at it
-        lossd.hf.offload_head(model, client, args.head_name, resume=args.resume)
+        lossd.hf.offload_head(model, client, args.head_name, resume=args.resume,
+                              replicas=replicas)
         trainer_class = lossd.hf.Trainer
     data = Tokens()
     trainer = trainer_class(model=model, args=training, train_dataset=data,
                             eval_dataset=torch.utils.data.Subset(data, range(8)))
     if args.stop_after:
         trainer.add_callback(StopAfter(args.stop_after))
+    if args.digests:
+        trainer.add_callback(ReplicaDigests(model.get_output_embeddings(), args.digests))
     trainer.train(resume_from_checkpoint=True if args.resume else None)
 
     if training.process_index == 0 and args.result:

@@ -10,7 +10,7 @@ from lossd._version import __version__
 from lossd.client import (CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE, OBJECTIVES, OUTPUT_NAMES,
                           SPARSE_TEACHER_MASSES, Client, EmbeddingRows, GradNormInfo, HeadInfo,
                           LossdError, LossResult, RetryPolicy, StepInfo)
-from lossd._address import Target, parse_target
+from lossd._address import Target, parse_target, replica_address
 from lossd.options import DistillOptions, LossOptions, PolicyOptions
 from lossd._tensors import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 
@@ -18,4 +18,5 @@ __all__ = ["__version__", "CLIP_DUAL", "CLIP_HIGH", "CLIP_LOW", "CLIP_NONE", "Cl
            "DistillOptions", "EmbeddingRows", "GradNormInfo", "HeadInfo", "LossOptions",
            "PolicyOptions", "LossdError", "LossResult", "OBJECTIVES", "OUTPUT_NAMES",
            "RetryPolicy", "SPARSE_TEACHER_MASSES", "StepInfo", "Target",
-           "bfloat16_bits_to_float32", "float32_to_bfloat16_bits", "parse_target"]
+           "bfloat16_bits_to_float32", "float32_to_bfloat16_bits", "parse_target",
+           "replica_address"]

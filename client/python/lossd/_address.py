@@ -100,3 +100,32 @@ def _is_local(address):
             address = address.split("/", 1)[1]
     host = address[1:address.find("]")] if address.startswith("[") else address.rpartition(":")[0]
     return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def replica_address(addresses, rank):
+    """The address of the server replica that trainer rank `rank` trains with, when several
+    servers train one head as a replica group (lossd_server --replicas=len(addresses)): rank r
+    of a data-parallel job goes to addresses[r % len(addresses)], so each replica takes every
+    R-th rank. addresses lists the replicas by their --replica_rank, replica 0 first."""
+    addresses = list(addresses)
+    if not addresses:
+        raise ValueError("addresses: expected the address of every replica, replica 0 first, "
+                         "got none")
+    for i, address in enumerate(addresses):
+        check(address, f"addresses[{i}]")
+    if not (isinstance(rank, int) and rank >= 0):
+        raise ValueError(f"rank: expected an int >= 0, got {rank!r}")
+    return addresses[rank % len(addresses)]
+
+
+def replica_group(world_size, rank, replicas):
+    """(world size, rank) of trainer rank `rank` of `world_size` among the ranks that train with
+    the same replica (replica_address) of `replicas`: the ranks that meet there for a step."""
+    if not (isinstance(replicas, int) and replicas >= 1):
+        raise ValueError(f"replicas: expected an int >= 1, got {replicas!r}")
+    if replicas > world_size:
+        raise ValueError(f"replicas: {replicas} server replicas for {world_size} trainer ranks; "
+                         f"every replica steps with the ranks it serves, so give at most one "
+                         f"replica per rank")
+    replica = rank % replicas
+    return len(range(replica, world_size, replicas)), rank // replicas

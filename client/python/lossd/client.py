@@ -480,7 +480,7 @@ class Client:
     def step(self, head, optimizer, *, lr=None, momentum=0.0, betas=(0.9, 0.999), eps=1e-8,
              weight_decay=None, max_grad_norm=0.0, keep_grad=False,
              head_version=None, world_size=1, rank=0, grad_multiplier=None,
-             skip_nonfinite=False) -> StepInfo:
+             skip_nonfinite=False, replicated=False) -> StepInfo:
         """One optimizer step on W with the accumulated gradient: optimizer "sgd" or "adamw",
         with the semantics and defaults of torch.optim.SGD and torch.optim.AdamW. lr None is
         torch's 1e-3 for both; weight_decay None is AdamW's 0.01 (decoupled) or SGD's 0 (an L2
@@ -498,7 +498,12 @@ class Client:
         does not come within the server's --step_wait_seconds fails the step on all ranks
         (ABORTED, nothing applied). A collective step is retried after UNAVAILABLE or
         DEADLINE_EXCEEDED like a compute call: the server answers a repeat with the step it
-        took, never a second one."""
+        took, never a second one.
+
+        replicated: the server is a replica of a group (lossd_server --replicas) and the step
+        is collective across the replicas whatever world_size (the ranks of this replica:
+        lossd.torch.RemoteHead(replicas=...) derives them); head_version is required, and the
+        step is retried as a collective one."""
         request = pb.StepRequest(head=head, max_grad_norm=max_grad_norm, keep_grad=keep_grad,
                                  skip_nonfinite=skip_nonfinite,
                                  ranks=_rank_group(world_size, rank))
@@ -518,23 +523,24 @@ class Client:
             raise ValueError(f"optimizer: expected 'sgd' or 'adamw', got {optimizer!r}")
         if head_version is not None:
             request.head_version = head_version
-        response = self._collective("Step", request, world_size)
+        response = self._collective("Step", request, world_size, replicated)
         return StepInfo(head_version=response.head_version, grad_norm=response.grad_norm,
                         clip_multiplier=response.clip_multiplier,
                         accumulated_tokens=response.accumulated_tokens, skipped=response.skipped)
 
     def grad_weight_norm(self, head, *, head_version=None, world_size=1, rank=0,
-                         grad_multiplier=None) -> GradNormInfo:
+                         grad_multiplier=None, replicated=False) -> GradNormInfo:
         """The norm of the head's accumulated gradient (times grad_multiplier), changing
         nothing. world_size > 1: collective as step() is, answered once every rank has called,
         so that each rank can clip its whole model, W included, by one global norm, then step
-        with the clip multiplier as grad_multiplier."""
+        with the clip multiplier as grad_multiplier. replicated: as step()'s (the norm is of
+        the gradient summed over the replicas)."""
         request = pb.GradWeightNormRequest(head=head, ranks=_rank_group(world_size, rank))
         if head_version is not None:
             request.head_version = head_version
         if grad_multiplier is not None:
             request.grad_multiplier = grad_multiplier
-        response = self._collective("GradWeightNorm", request, world_size)
+        response = self._collective("GradWeightNorm", request, world_size, replicated)
         return GradNormInfo(head_version=response.head_version, grad_norm=response.grad_norm,
                             accumulated_tokens=response.accumulated_tokens,
                             accumulated_calls=response.accumulated_calls)
@@ -555,10 +561,10 @@ class Client:
         request = pb.DiscardGradWeightRequest(head=head, call_ids=list(call_ids))
         return self._unary("DiscardGradWeight", request).discarded
 
-    def _collective(self, method, request, world_size):
+    def _collective(self, method, request, world_size, replicated=False):
         """A unary call that changes a head once however often it is repeated (a collective one,
         pinned to its version), retried like compute; the others are made once."""
-        if world_size <= 1:
+        if world_size <= 1 and not replicated:
             return self._unary(method, request)
         return self._with_retries(lambda: self._unary(method, request), "", method)
 

@@ -49,8 +49,9 @@ from typing import Optional
 import torch
 
 from lossd import _tensors
+from lossd._address import replica_address
 from lossd.client import Client, LossdError
-from lossd.torch import RemoteEmbedding, RemoteHead
+from lossd.torch import RemoteEmbedding, RemoteHead, data_parallel_world
 
 # Checked against transformers 5.23 (tests/python/test_hf.py builds each from its config).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
@@ -168,7 +169,8 @@ def _check_server_head(client, head, info, model_head, resume):
 
 
 def offload_head(model, client, head="main", *, upload=False, storage_dtype="float32",
-                 shared_memory=None, resume=False, process_group=None) -> RemoteHead:
+                 shared_memory=None, resume=False, process_group=None,
+                 replicas=None) -> RemoteHead:
     """Makes `model`, a transformers causal LM of one of SUPPORTED_MODEL_TYPES, compute its loss
     through lossd's head `head`, and returns that head (a lossd.torch.RemoteHead, now the
     model's lm_head: head.step(...) trains W on the server).
@@ -184,6 +186,13 @@ def offload_head(model, client, head="main", *, upload=False, storage_dtype="flo
     storage_dtype, with the model's tie and soft cap. Under torch.distributed every rank offloads
     to the same head; upload on one rank (say rank 0, before a barrier) and offload on all.
     shared_memory, process_group: see lossd.torch.RemoteHead.
+
+    Several servers training the head as a replica group (lossd_server --replicas=R): pass the
+    replicas' addresses, replica 0 first, as `client`; this rank trains with replica
+    rank % R (lossd.replica_address), and steps meet there (RemoteHead's replicas). Or pass this
+    rank's replica as client and replicas=R. Each replica serves the head (start them all with the
+    same --heads or checkpoint; with upload, the first rank of each replica, ranks 0 to R - 1,
+    uploads to its own).
     """
     if getattr(model, "_lossd_offload", None) is not None:
         raise ValueError("model: its head is already offloaded (lossd.hf.restore_head undoes it)")
@@ -208,6 +217,12 @@ def offload_head(model, client, head="main", *, upload=False, storage_dtype="flo
                          f"max_norm, not sparse), or a scaled one, got {embedding!r}")
     softcap = getattr(config, "final_logit_softcapping", None) or None
     vocab_size, hidden_size = lm_head.weight.shape
+    if isinstance(client, (list, tuple)):
+        if replicas is not None and replicas != len(client):
+            raise ValueError(f"replicas: {replicas}, but client lists {len(client)} replica "
+                             f"addresses")
+        replicas = len(client)
+        client = replica_address(client, data_parallel_world(process_group)[1])
     client = client if isinstance(client, Client) else Client(client)
 
     if upload:
@@ -232,7 +247,7 @@ def offload_head(model, client, head="main", *, upload=False, storage_dtype="flo
         _check_server_head(client, head, info, lm_head.weight, resume)
 
     remote_head = RemoteHead(client, head, shared_memory=shared_memory,
-                             process_group=process_group)
+                             process_group=process_group, replicas=replicas)
     remote_embedding = None
     if tied:
         remote_embedding = RemoteEmbedding(client, head, hidden_size,

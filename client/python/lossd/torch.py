@@ -95,6 +95,7 @@ import numpy as np
 import torch
 from torch.autograd.function import once_differentiable
 
+from lossd._address import replica_group
 from lossd.client import (DEFAULT_IGNORE_INDEX, Client, GradNormInfo, HeadInfo, LossdError,
                           StepInfo)
 from lossd.options import (REDUCTIONS, LossOptions, _enum_name, options_from_keywords)
@@ -788,6 +789,12 @@ class RemoteHead(torch.nn.Module):
     is process_group's, or torch.distributed's default group when it is initialized (at each
     call), or world_size and rank when given; without torch.distributed it is this process alone.
 
+    Several servers can train one head as a replica group (lossd_server --replicas=R): trainer
+    rank r then talks to replica r % R (lossd.replica_address picks its address), and
+    replicas=R tells this module so. Its commits still average over the whole world; its step()
+    and grad_norm() meet the ranks of its replica (world size: the ranks that replica serves,
+    rank: r // R), and the replicas all-reduce their gradients before W steps everywhere.
+
     The module keeps the version of W it trains (version): once it has trained, every call is
     pinned to it, so that a W that moved under it (a server restarted without its checkpoint,
     another client's step or upload) raises HeadMovedError naming both versions instead of
@@ -797,7 +804,7 @@ class RemoteHead(torch.nn.Module):
 
     def __init__(self, client, head, shared_memory=None, weight_sha256=None, *,
                  world_size=None, rank=None, process_group=None, track_version=True,
-                 stage_grad_weight=True):
+                 stage_grad_weight=True, replicas=None):
         super().__init__()
         self.client = client if isinstance(client, Client) else Client(client)
         info = self.client.get_head(head)
@@ -810,6 +817,10 @@ class RemoteHead(torch.nn.Module):
         if world_size is not None and not 0 <= rank < world_size:
             raise ValueError(f"rank: expected 0 to {world_size - 1}, got {rank}")
         self.world_size, self.rank, self.process_group = world_size, rank, process_group
+        if replicas is not None and not (isinstance(replicas, int) and replicas >= 1):
+            raise ValueError(f"replicas: expected an int >= 1 (the servers of the replica "
+                             f"group), got {replicas!r}")
+        self.replicas = replicas
         self.track_version = track_version
         self.stage_grad_weight = stage_grad_weight
         self.version = info.version  # of W as this module last saw it
@@ -824,6 +835,14 @@ class RemoteHead(torch.nn.Module):
         if self.world_size is not None:
             return self.world_size, self.rank
         return data_parallel_world(self.process_group)
+
+    def step_group(self):
+        """(world size, rank) of the ranks that meet on this module's server for step() and
+        grad_norm(): the whole world, or with replicas the ranks of this rank's replica."""
+        world_size, rank = self.world()
+        if self.replicas is None:
+            return world_size, rank
+        return replica_group(world_size, rank, self.replicas)
 
     def _tracked(self, call, train):
         """call(pin) with pin the version this module trained W to (None before it trained, or
@@ -1039,9 +1058,10 @@ class RemoteHead(torch.nn.Module):
         keep_grad, grad_multiplier, skip_nonfinite). Collective over this head's world (see
         the class docstring): every rank calls it, W steps once. The step is pinned to the
         version this module trained (HeadMovedError if W moved under it)."""
-        world_size, rank = self.world()
+        world_size, rank = self.step_group()
         kwargs.setdefault("world_size", world_size)
         kwargs.setdefault("rank", rank)
+        kwargs.setdefault("replicated", self.replicas is not None)
         tracked = self.track_version and "head_version" not in kwargs
         if tracked:
             kwargs["head_version"] = self.version
@@ -1054,11 +1074,12 @@ class RemoteHead(torch.nn.Module):
     def grad_norm(self, grad_multiplier=None) -> GradNormInfo:
         """The norm of W's accumulated gradient once every rank has sent its part (collective,
         as step() is): for clipping a whole model, W included, by one norm."""
-        world_size, rank = self.world()
+        world_size, rank = self.step_group()
         return self._tracked_step(
             lambda: self.client.grad_weight_norm(self.head, head_version=self.version,
                                                  world_size=world_size, rank=rank,
-                                                 grad_multiplier=grad_multiplier), True)
+                                                 grad_multiplier=grad_multiplier,
+                                                 replicated=self.replicas is not None), True)
 
     def _tracked_step(self, call, tracked):
         try:
