@@ -28,6 +28,13 @@ std::string NormalFloatRange() { return absl::StrCat("[", FLT_MIN, ", ", FLT_MAX
 
 }  // namespace
 
+absl::Status ValidateSoftcap(absl::string_view field, double value) {
+  if (value == 0.0 || (value > 0.0 && IsNormalFloat(value))) return absl::OkStatus();
+  return InvalidField(
+      field, absl::StrCat("0 (off) or a value in ", NormalFloatRange(), " (a normal fp32 number)"),
+      absl::StrCat(value));
+}
+
 absl::string_view DTypeName(DType dtype) {
   switch (dtype) {
     case DType::kFloat32: return "float32";
@@ -127,14 +134,6 @@ absl::Status ValidateTemperature(absl::string_view field, double value) {
                       absl::StrCat("a value in ", NormalFloatRange(),
                                    " (a normal fp32 number: T and 1 / T finite in fp32)"),
                       absl::StrCat(value));
-}
-
-// 0 (off) or a positive normal fp32 value.
-absl::Status ValidateSoftcap(absl::string_view field, double value) {
-  if (value == 0.0 || (value > 0.0 && IsNormalFloat(value))) return absl::OkStatus();
-  return InvalidField(
-      field, absl::StrCat("0 (off) or a value in ", NormalFloatRange(), " (a normal fp32 number)"),
-      absl::StrCat(value));
 }
 
 // The distill options: in range under the distill objective, at their defaults under any other.

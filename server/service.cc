@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/common/status_macros.h"
 #include "server/compute_reactor.h"
@@ -245,10 +246,8 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
   ASSIGN_OR_RETURN(const DType wire_dtype, FromProto(start.dtype(), "dtype"));
   ASSIGN_OR_RETURN(const DType storage_dtype,
                    FromProto(start.storage_dtype(), "storage_dtype", DType::kFloat32));
-  if (!std::isfinite(start.logit_softcap()) || start.logit_softcap() < 0) {
-    return InvalidField("logit_softcap", "a finite value >= 0 (0: none)",
-                        absl::StrCat(start.logit_softcap()));
-  }
+  // Every call on the head that leaves its own cap unset takes this one.
+  RETURN_IF_ERROR(ValidateSoftcap("logit_softcap", start.logit_softcap()));
   // Checked by division: the product of absurd declared sizes overflows int64 (2^32 x 2^32 is 0).
   const int64_t max_elements = options_.max_head_bytes / 4;
   if (start.vocab_size() > max_elements / start.hidden_size()) {

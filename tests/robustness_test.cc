@@ -950,6 +950,21 @@ const BadRow kBadRows[] = {
      }},
     {"max_grad_norm_negative", "a clip norm of -1", Rpc::kStep, kInvalid, "max_grad_norm",
      [](Script& s) { s.step.set_max_grad_norm(-1); }},
+    // Valid steps whose result is not finite: refused, W, the optimizer state and the version as
+    // they were (a step that wrote Inf into W would fail every later call and be checkpointed).
+    {"sgd_step_overflows_w", "lr 1e38 with an L2 decay of 1e10: every |update| past fp32",
+     Rpc::kStep, StatusCode::FAILED_PRECONDITION, "the step would make weight[",
+     [](Script& s) {
+       s.step.mutable_sgd()->set_learning_rate(1e38);
+       s.step.mutable_sgd()->set_weight_decay(1e10);
+     }},
+    {"adamw_step_overflows_w", "a switch to AdamW whose decoupled decay overflows: the head's "
+     "SGD momentum is kept, no AdamW state is left", Rpc::kStep, StatusCode::FAILED_PRECONDITION,
+     "W, the optimizer state and the version are unchanged",
+     [](Script& s) {
+       s.step.mutable_adamw()->set_learning_rate(1e38);
+       s.step.mutable_adamw()->set_weight_decay(1e10);
+     }},
     // FetchWeight.
     {"fetch_unknown_head", "no head of that name", Rpc::kFetchWeight, StatusCode::NOT_FOUND, "head",
      [](Script& s) { s.fetch.set_head("missing"); }},

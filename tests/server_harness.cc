@@ -59,8 +59,8 @@ absl::Status ForwardingBackend::AddFloat32(DeviceBuffer& dst, const DeviceBuffer
 absl::StatusOr<double> ForwardingBackend::SumSquaresFloat32(const DeviceBuffer& x, int64_t count) {
   return inner_->SumSquaresFloat32(x, count);
 }
-absl::Status ForwardingBackend::OptimizerStep(const OptimizerConfig& config,
-                                              const OptimizerTensors& tensors) {
+absl::StatusOr<OptimizerStepResult> ForwardingBackend::OptimizerStep(
+    const OptimizerConfig& config, const OptimizerTensors& tensors) {
   return inner_->OptimizerStep(config, tensors);
 }
 size_t ForwardingBackend::DefaultWorkspaceBudget() const {

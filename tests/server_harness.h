@@ -48,8 +48,8 @@ class ForwardingBackend : public Backend {
   absl::Status Zero(DeviceBuffer& buffer) override;
   absl::Status AddFloat32(DeviceBuffer& dst, const DeviceBuffer& src, int64_t count) override;
   absl::StatusOr<double> SumSquaresFloat32(const DeviceBuffer& x, int64_t count) override;
-  absl::Status OptimizerStep(const OptimizerConfig& config,
-                             const OptimizerTensors& tensors) override;
+  absl::StatusOr<OptimizerStepResult> OptimizerStep(const OptimizerConfig& config,
+                                                    const OptimizerTensors& tensors) override;
   size_t DefaultWorkspaceBudget() const override;
   absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const override;
   bool ReadsRowsOnce(DType hidden_dtype) const override;

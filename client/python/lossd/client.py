@@ -802,8 +802,8 @@ class Client:
         spaces sets it, to repeat a call from another process or after the client gave up.
         UNAVAILABLE and DEADLINE_EXCEEDED are retried as the Client's RetryPolicy says; a repeat
         of a committed call comes back with replayed True. A repeat after the head was stepped
-        with keep_grad raises ALREADY_EXISTS: its dL/dW is in the accumulator, its results
-        cannot be had again.
+        (with or without keep_grad), replaced or had its gradient zeroed raises ALREADY_EXISTS:
+        its dL/dW was counted once, its results cannot be had again.
         """
         hidden_dtype, hidden = _tensors.as_wire_array(hidden)
         if hidden.ndim != 2:

@@ -58,8 +58,8 @@ Backward semantics
   retries them after UNAVAILABLE or DEADLINE_EXCEEDED under that id (its RetryPolicy): a call the
   server committed before its answer was lost is answered again without its dL/dW being added a
   second time, so a retried step still accumulates exactly one loss.backward(). If the head was
-  stepped with keep_grad between the lost answer and the retry, the retry fails with
-  ALREADY_EXISTS (the gradient is on the server, dL/dh cannot be had again).
+  stepped (or its gradient zeroed) between the lost answer and the retry, the retry fails with
+  ALREADY_EXISTS (the gradient was counted once, dL/dh cannot be had again).
 
 Training only W on fixed hidden states (no autograd on hidden) is a Client.compute call with
 accumulate_grad_weight=True followed by head.step().

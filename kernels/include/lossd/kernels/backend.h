@@ -124,6 +124,7 @@ struct OptimizerConfig {
 };
 
 // Buffers of one optimizer update; count elements each. Gradient and state are fp32.
+// state1 is null for SGD without a momentum buffer.
 struct OptimizerTensors {
   DeviceBuffer* weight = nullptr;
   DType weight_dtype = DType::kFloat32;
@@ -131,6 +132,16 @@ struct OptimizerTensors {
   DeviceBuffer* state1 = nullptr;  // SGD momentum buffer or AdamW first moment
   DeviceBuffer* state2 = nullptr;  // AdamW second moment
   int64_t count = 0;
+};
+
+// What an optimizer update did (Backend::OptimizerStep).
+struct OptimizerStepResult {
+  // Where the first value that would not have been finite was to go; kNone when the update was
+  // written.
+  enum class NonFinite : int { kNone = 0, kWeight = 1, kState1 = 2, kState2 = 3 };
+  NonFinite non_finite = NonFinite::kNone;
+  int64_t element = -1;  // its index, row-major over [V, H]; -1 with kNone
+  bool applied() const { return non_finite == NonFinite::kNone; }
 };
 
 class Backend : public BufferAllocator {
@@ -149,8 +160,14 @@ class Backend : public BufferAllocator {
   virtual absl::Status AddFloat32(DeviceBuffer& dst, const DeviceBuffer& src, int64_t count) = 0;
   // sum_i x[i]^2 over count fp32 elements, accumulated in double in a fixed order.
   virtual absl::StatusOr<double> SumSquaresFloat32(const DeviceBuffer& x, int64_t count) = 0;
-  virtual absl::Status OptimizerStep(const OptimizerConfig& config,
-                                     const OptimizerTensors& tensors) = 0;
+  // One optimizer update, all or nothing: a first pass computes every element's new weight (as
+  // stored, in weight_dtype) and state without writing them, and only when all are finite does
+  // a second pass write them. Otherwise nothing is written and the result names the first
+  // element at fault, so that a caller can refuse the step and leave W and the state as they
+  // were. (A trainer whose step overflows, a learning rate of 1e38 say, would otherwise leave a
+  // W on which every later call fails, and checkpoint it.)
+  virtual absl::StatusOr<OptimizerStepResult> OptimizerStep(const OptimizerConfig& config,
+                                                            const OptimizerTensors& tensors) = 0;
 
   // The per-call workspace budget a server uses when none is configured. Larger budgets mean fewer
   // token chunks, each of which streams W through the products once more, so the default grows
