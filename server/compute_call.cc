@@ -566,10 +566,16 @@ class ComputeCall {
       }
       ASSIGN_OR_RETURN(commit_, CommitGradient());
     }
+    accumulated_ = staging_.held();
+    // The device is done with the call: its slot and buffers go back before the summary, which a
+    // client that reads nothing would otherwise keep them waiting for.
+    workspace_ = BufferLease();
+    staging_ = BufferLease();
+    admission_.Release();
     const absl::Status sent = SendSummary();
     // Once dL/dW is committed the call has taken effect: failing it now, because the client left
     // before its summary, would report as failed (so: nothing accumulated) a gradient that was.
-    if (!sent.ok() && !staging_.held()) return sent;
+    if (!sent.ok() && !accumulated_) return sent;
     Account();
     return absl::OkStatus();
   }
@@ -688,16 +694,11 @@ class ComputeCall {
   }
 
   // Before admission, so that a call that cannot use shared memory fails without waiting for, or
-  // holding, a place on the device: nothing may follow the start message, since the rows are in
-  // the memfd, and the memfd must be mapped.
+  // holding, a place on the device. The rows are in the memfd, so the start message is the whole
+  // call: nothing after it is read, and the call does not wait for the client to half-close.
   absl::Status MapSharedMemory() {
     RETURN_IF_ERROR(
         CheckSharedMemoryOffered(env_.limits.allow_shared_memory, stream_.PeerIsLocal()));
-    v1::ComputeRequest extra;
-    if (stream_.Read(&extra)) {
-      return InvalidField("chunk", "no messages after a start with shared_memory (the rows are in the memfd)",
-                          "a message");
-    }
     if (stream_.IsCancelled()) return absl::CancelledError("call cancelled before it was admitted");
     const uint64_t rows = static_cast<uint64_t>(spec_.num_tokens);
     const uint64_t grad_hidden_bytes = spec_.outputs.grad_hidden() ? rows * spec_.grad_row_bytes() : 0;
@@ -732,6 +733,34 @@ class ComputeCall {
     return absl::OkStatus();
   }
 
+  // While the call waits for its client (its next rows not yet in, a result not yet taken) it
+  // holds no running slot: the slot and the workspace go back to the scheduler, the staging dL/dW
+  // stays admitted (it holds the call's sum so far), and the call queues again once its client
+  // has caught up (ResumeIfPaused). Slots are for computing: a client that sends or reads slowly,
+  // or not at all, delays its own call only.
+  absl::Status PauseWhileWaiting() {
+    if (!admission_.held() || admission_.paused()) return absl::OkStatus();
+    workspace_ = BufferLease();
+    admission_.Pause(static_cast<int64_t>(staging_bytes_));
+    return absl::OkStatus();
+  }
+
+  absl::Status ResumeIfPaused() {
+    if (!admission_.paused()) return absl::OkStatus();
+    const auto stream_failed = [this] {
+      return stream_.IsCancelled() || (reader_ != nullptr && !reader_->Error().ok());
+    };
+    const absl::Status resumed = admission_.Resume(stream_failed, env_.limits.max_admission_wait);
+    if (!resumed.ok()) {
+      // A stream that failed meanwhile: its error is the call's.
+      if (reader_ != nullptr) RETURN_IF_ERROR(reader_->Error());
+      return resumed;
+    }
+    ASSIGN_OR_RETURN(workspace_,
+                     env_.buffers->Acquire(plan_.workspace_bytes, MemoryPurpose::kWorkspace));
+    return absl::OkStatus();
+  }
+
   // One engine chunk's dL/dh on its way into result messages.
   uint8_t* MessageGradHidden() { return static_cast<uint8_t*>(message_grad_hidden_.buffer().data()); }
 
@@ -752,7 +781,9 @@ class ComputeCall {
       return absl::OkStatus();
     }
     while (computed_rows_ < spec_.num_tokens) {
+      if (!reader_->ChunkReady()) RETURN_IF_ERROR(PauseWhileWaiting());
       ASSIGN_OR_RETURN(const RowChunk chunk, reader_->Next());
+      RETURN_IF_ERROR(ResumeIfPaused());
       RETURN_IF_ERROR(ComputeChunk(chunk));
       reader_->Release();
     }
@@ -1011,8 +1042,8 @@ class ComputeCall {
     s.set_counted_tokens(spec_.counted_tokens);
     s.set_correct_tokens(correct_tokens_);
     s.set_head_version(spec_.version);
-    s.set_grad_weight_accumulated(staging_.held());
-    s.set_replayed(staging_.held() && commit_ == CommitOutcome::kReplayed);
+    s.set_grad_weight_accumulated(accumulated_);
+    s.set_replayed(accumulated_ && commit_ == CommitOutcome::kReplayed);
     s.set_queue_seconds(queue_seconds_);
     s.set_compute_seconds(compute_seconds_);
     s.set_peak_workspace_bytes(peak_workspace_bytes_);
@@ -1028,7 +1059,9 @@ class ComputeCall {
   }
 
   absl::Status Send(const v1::ComputeResponse& response) {
-    if (!stream_.Write(response)) {
+    const bool written = stream_.WriteOrStall(response, [this] { (void)PauseWhileWaiting(); });
+    RETURN_IF_ERROR(ResumeIfPaused());
+    if (!written) {
       return absl::CancelledError("client went away while results were sent; nothing was accumulated");
     }
     if (env_.metrics != nullptr) env_.metrics->AddBytesSent(static_cast<int64_t>(response.ByteSizeLong()));
@@ -1072,6 +1105,7 @@ class ComputeCall {
   int64_t correct_tokens_ = 0;
   double grad_weight_bound_ = 0.0;  // on |this call's dL/dW|, summed over engine chunks
   CommitOutcome commit_ = CommitOutcome::kCommitted;  // of a call that accumulates
+  bool accumulated_ = false;  // dL/dW was committed (or replayed)
   int64_t peak_workspace_bytes_ = 0;
   double queue_seconds_ = 0.0;
   double compute_seconds_ = 0.0;

@@ -35,6 +35,9 @@ struct ComputeLimits {
   // Call ids a head keeps per accumulator epoch (ComputeStart.call_id); past them a new id is
   // refused, so that no id is ever forgotten within its epoch.
   int64_t max_call_ids = 65536;
+  // Compute streams that may wait for their start message at once (each costs a little memory,
+  // no thread); more are refused with RESOURCE_EXHAUSTED.
+  int64_t max_unstarted_streams = 1024;
 };
 
 // The longest ComputeStart.call_id accepted.

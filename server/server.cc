@@ -516,6 +516,7 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   options.compute.allow_shared_memory = config.shared_memory;
   options.compute.max_call_ids = config.max_call_ids;
   options.compute.stream_idle = config.stream_idle;
+  options.compute.max_unstarted_streams = config.max_unstarted_streams;
   LossServer* raw_server = server.get();
   options.resize_compute_budget = [raw_server](int64_t incoming_head_elements) {
     raw_server->ResizeComputeBudget(incoming_head_elements);

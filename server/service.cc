@@ -58,7 +58,8 @@ LossService::LossService(Backend& backend, HeadStore& heads, Scheduler& schedule
       ledger_(ledger),
       buffers_(buffers),
       host_buffers_(host_buffers),
-      options_(std::move(options)) {}
+      options_(std::move(options)),
+      start_watch_(options_.compute.stream_idle, options_.compute.max_unstarted_streams) {}
 
 absl::Status LossService::Authenticate(const grpc::ServerContextBase& context) const {
   if (options_.bearer_token.empty()) return absl::OkStatus();
@@ -75,8 +76,12 @@ absl::Status LossService::Authenticate(const grpc::ServerContextBase& context) c
 }
 
 void LossService::StopAccepting() {
-  absl::MutexLock lock(&calls_mu_);
-  accepting_ = false;
+  {
+    absl::MutexLock lock(&calls_mu_);
+    accepting_ = false;
+  }
+  // A stream that has not even sent its start is not a call in flight: nothing to drain.
+  start_watch_.EndAll(absl::UnavailableError("the server is shutting down and takes no new calls"));
 }
 
 bool LossService::WaitForCallsInFlight(absl::Time deadline) {
@@ -191,7 +196,7 @@ grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>* LossService::C
       ASSIGN_OR_RETURN(
           reactor,
           ComputeReactor::Start(
-              context, options_.compute.stream_idle, call_threads_,
+              context, options_.compute.stream_idle, call_threads_, start_watch_,
               [this](ComputeStream& stream) {
                 return CatchExceptions("Compute", [&] { return RunCompute(stream); });
               },

@@ -308,7 +308,7 @@ std::map<std::string, int64_t> CallsByCode(server::LossServer& server, const std
 }
 
 bool Eventually(const std::function<bool()>& done) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  const absl::Time deadline = absl::Now() + kEventually;
   while (!done()) {
     if (absl::Now() > deadline) return false;
     absl::SleepFor(absl::Milliseconds(5));
