@@ -317,10 +317,14 @@ absl::StatusOr<ModelCheckpoint> ModelCheckpoint::Open(const std::string& path) {
     dir = path;
     const std::string index_candidate = (dir / kShardIndexFileName).string();
     const std::string file_candidate = (dir / kSingleFileName).string();
+    struct stat candidate;
     if (IsRegularFile(index_candidate)) {
       index_path = index_candidate;
     } else if (IsRegularFile(file_candidate)) {
       checkpoint.single_file_ = file_candidate;
+    } else if (::stat(file_candidate.c_str(), &candidate) == 0) {
+      // A FIFO or a device there would be waited on or read without end.
+      return absl::InvalidArgumentError(absl::StrCat(file_candidate, ": not a regular file"));
     } else {
       return absl::NotFoundError(absl::StrCat(path, ": a model directory holds ",
                                               kShardIndexFileName, " or ", kSingleFileName,

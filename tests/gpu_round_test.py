@@ -19,7 +19,7 @@ def bare_checkout(tmp_path):
 
 def run(checkout, *args):
     return subprocess.run([str(checkout / "scripts" / "gpu_round.sh"), *args],
-                          capture_output=True, text=True, timeout=30, cwd="/",
+                          capture_output=True, text=True, timeout=600, cwd="/",
                           env=dict(os.environ, OUT=str(checkout / "out")))
 
 

@@ -46,6 +46,7 @@ endfunction()
 add_server_pytest(checkpoint_crash_safety test_crash_safety.py 1200)
 add_server_pytest(listen_ports test_listen_ports.py 600)
 add_server_pytest(handler_failures test_handler_failures.py 600)
+add_server_pytest(server_startup test_startup.py 1800)
 
 # Shared memory against clients that misbehave on purpose: the handover socket, handles, layouts,
 # rows rewritten during calls, sparse memfds (shared_memory_test, in-process server); clients of

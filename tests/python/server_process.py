@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 SERVER_BIN = os.environ.get("LOSSD_SERVER_BIN", "build/bin/lossd_server")
 
@@ -15,8 +16,10 @@ SERVER_BIN = os.environ.get("LOSSD_SERVER_BIN", "build/bin/lossd_server")
 class ServerProcess:
     """lossd_server on 127.0.0.1 with free ports, read back from its startup lines."""
 
-    def __init__(self, *flags, metrics=True, timeout=60, preexec_fn=None):
-        """`preexec_fn` runs in the child before the server starts (to set resource limits)."""
+    def __init__(self, *flags, metrics=True, timeout=600, preexec_fn=None):
+        """`preexec_fn` runs in the child before the server starts (to set resource limits).
+        `timeout` only keeps a server that never starts from hanging the test: a loaded machine
+        can take a long while to start one."""
         self.log = tempfile.NamedTemporaryFile(prefix="lossd-server-", suffix=".log", delete=False)
         args = [SERVER_BIN, "--listen=127.0.0.1:0",
                 "--metrics_listen=" + ("127.0.0.1:0" if metrics else ""), *flags]
@@ -47,7 +50,16 @@ class ServerProcess:
         with open(self.log.name, encoding="utf-8", errors="replace") as f:
             return f.read()
 
-    def stop(self, sig=signal.SIGTERM, timeout=60):
+    def metric(self, name):
+        """The value of an unlabelled metric on /metrics (0 when it is not there)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                    timeout=600) as reply:
+            for line in reply.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        return 0.0
+
+    def stop(self, sig=signal.SIGTERM, timeout=600):
         if self.process.poll() is None:
             self.process.send_signal(sig)
             try:
@@ -65,7 +77,7 @@ class ServerProcess:
         os.unlink(self.log.name)
 
 
-def run_to_exit(*flags, timeout=60):
+def run_to_exit(*flags, timeout=600):
     """Runs lossd_server with `flags` where it is expected to refuse to start: (exit code, output).
     A server that starts instead is stopped and reported as exit code None."""
     process = subprocess.Popen([SERVER_BIN, *flags], stdout=subprocess.PIPE,
@@ -79,7 +91,7 @@ def run_to_exit(*flags, timeout=60):
         return None, output
 
 
-def run_with_terminal_stderr(command, timeout=300, **kwargs):
+def run_with_terminal_stderr(command, timeout=600, **kwargs):
     """Runs command with stderr on a pseudo-terminal, as when a person watches, and stdout piped:
     (exit code, stdout, what the terminal received)."""
     import pty  # Unix only, as the server is

@@ -169,7 +169,7 @@ def test_sigkill_at_random_moments_resumes_the_newest_complete_checkpoint(pb, ch
                 assert error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), error
             for killer in killers:
                 killer.join()
-            assert server.process.wait(timeout=30) == -signal.SIGKILL
+            assert server.process.wait(timeout=600) == -signal.SIGKILL
             left_temporary = bool(temporary_files(checkpoint_dir) - temporaries)
             kills["mid_write" if left_temporary else "in_save_outside_the_write" if in_save else "between_saves"] += 1
 
