@@ -460,6 +460,38 @@ std::vector<std::string> OverflowSuspects(const CallSpec& spec, int64_t first, i
                                       " (the ratio exp(logp - sampling_logprobs) overflows)"));
     }
   }
+  // Per-token inputs that multiply a row's term or gradient (an advantage, dL/dlogp), or that
+  // enter an exponential (k3's e^(logp_ref - logp)): the largest on counted rows, when it can
+  // carry finite values past fp32.
+  const auto largest_counted = [&](const std::vector<float>& values) {
+    int64_t at = -1;
+    for (int64_t i = first; i < first + rows && !values.empty(); ++i) {
+      if (spec.counted(i) && (at < 0 || std::fabs(values[i]) > std::fabs(values[at]))) at = i;
+    }
+    return at;
+  };
+  for (const auto& [field, values] : {std::pair{"advantages", &spec.advantages},
+                                      std::pair{"logprob_grads", &spec.logprob_grads}}) {
+    const int64_t at = largest_counted(*values);
+    if (at >= 0 && std::fabs((*values)[at]) > 1.0f) {
+      suspects.push_back(absl::StrCat(field, "[", at, "] = ", (*values)[at]));
+    }
+  }
+  if (o.policy.kl_estimator != KlEstimator::kNone) {
+    const int64_t at = largest_counted(spec.reference_logprobs);
+    // k3 exponentiates logp_ref - logp (logp <= 0), k2 squares it, k1 is linear in it.
+    const double limit = o.policy.kl_estimator == KlEstimator::kK3   ? 80.0
+                         : o.policy.kl_estimator == KlEstimator::kK2 ? 1e18
+                                                                     : 1e37;
+    if (at >= 0 && std::fabs(spec.reference_logprobs[at]) > limit) {
+      suspects.push_back(absl::StrCat("reference_logprobs[", at, "] = ",
+                                      spec.reference_logprobs[at], " (under ",
+                                      KlEstimatorName(o.policy.kl_estimator), ")"));
+    }
+    if (o.policy.kl_coef > 1.0) {
+      suspects.push_back(absl::StrCat("options.policy.kl_coef = ", o.policy.kl_coef));
+    }
+  }
   if (gradients && std::fabs(o.grad_scale) > 1.0) {
     suspects.push_back(absl::StrCat("options.grad_scale = ", o.grad_scale));
   }
@@ -920,21 +952,32 @@ class ComputeCall {
                        " of chunk.hidden are finite, but their results overflow fp32 under this; "
                        "nothing was accumulated"));
     }
-    float largest = 0.0f;
-    int64_t largest_at = 0;
-    for (int64_t i = 0; i < rows * columns; ++i) {
-      const float magnitude = std::fabs(LoadAsFloat(chunk.rows, spec_.hidden_dtype, i));
-      if (magnitude > largest) {
-        largest = magnitude;
-        largest_at = i;
+    const auto largest_of = [rows](const void* data, DType dtype, int64_t columns) {
+      std::pair<float, int64_t> largest{0.0f, 0};
+      for (int64_t i = 0; i < rows * columns; ++i) {
+        const float magnitude = std::fabs(LoadAsFloat(data, dtype, i));
+        if (magnitude > largest.first) largest = {magnitude, i};
+      }
+      return largest;
+    };
+    const auto [largest, largest_at] = largest_of(chunk.rows, spec_.hidden_dtype, columns);
+    if (spec_.teacher != nullptr) {
+      // The teacher's logits overflow as the student's do: blame the larger rows.
+      const int64_t teacher_columns = spec_.teacher_hidden_size;
+      const auto [teacher_largest, teacher_at] =
+          largest_of(chunk.side_rows[0], spec_.teacher_hidden_dtype, teacher_columns);
+      if (teacher_largest > largest) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "chunk.teacher_hidden: ", which, " are finite, but the teacher's logits overflow fp32 "
+            "(the largest |h| of the teacher's rows is ", teacher_largest,
+            ", at chunk.teacher_hidden[", first + teacher_at / teacher_columns, ", ",
+            teacher_at % teacher_columns, "]); nothing was accumulated"));
       }
     }
     return absl::InvalidArgumentError(absl::StrCat(
         "chunk.hidden: ", which, " are finite, but their logits h W^T overflow fp32 (the largest "
         "|h| is ", largest, ", at chunk.hidden[", first + largest_at / columns, ", ",
-        largest_at % columns, "]; or an optimizer step left W non-finite",
-        spec_.teacher != nullptr ? "; or the teacher's, from chunk.teacher_hidden" : "",
-        "); nothing was accumulated"));
+        largest_at % columns, "]); nothing was accumulated"));
   }
 
   // Finite logits do not make dL/dW finite: under a soft cap an infinite hidden value gives capped

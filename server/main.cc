@@ -49,7 +49,7 @@ ABSL_FLAG(int64_t, pending_memory_mib, 2048,
           "messages, per-token values, rows read ahead); calls beyond it are refused with "
           "RESOURCE_EXHAUSTED");
 ABSL_FLAG(double, stream_idle_seconds, 60,
-          "a Compute call whose client sends no complete chunk of rows (nor ends its stream, nor "
+          "a Compute call whose client sends no start message or complete chunk of rows (nor "
           "reads its results) for this long is ended with DEADLINE_EXCEEDED");
 ABSL_FLAG(int64_t, max_message_mib, 256, "largest gRPC message accepted or sent, in MiB");
 ABSL_FLAG(int64_t, max_connection_age_seconds, 0,

@@ -602,6 +602,40 @@ const BadRow kBadRows[] = {
      [](Script& s) {
        for (int64_t c = 0; c < kHidden; ++c) SetValue(ChunkOf(s, 3), 1, c, 3e38f);
      }},
+    // ... and per-token inputs whose products leave fp32, named rather than the rows.
+    {"advantage_3e38", "a clipped PPO term 1.2 A with A = 3e38 overflows: blame the advantage",
+     Rpc::kCompute, kInvalid, "advantages[10] = 3e+38",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).set_advantages(10, 3e38f);
+       StartOf(s).set_sampling_logprobs(10, -10.0f);  // ratio e^(logp + 10) > 1.2: clipped
+     }},
+    {"logprob_grad_3e38", "g logp with g = 3e38 overflows: blame dL/dlogp", Rpc::kCompute,
+     kInvalid, "logprob_grads[10] = 3e+38",
+     [](Script& s) {
+       StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_LOGPROB_GRADIENT);
+       for (int i = 0; i < kRows; ++i) StartOf(s).add_logprob_grads(i == 10 ? 3e38f : 0.5f);
+     }},
+    {"k3_reference_plus_1000", "k3's e^(logp_ref - logp) overflows: blame the reference",
+     Rpc::kCompute, kInvalid, "reference_logprobs[10] = 1000 (under k3)",
+     [](Script& s) {
+       MakePpo(s, v1::KL_ESTIMATOR_K3);
+       PolicyOf(s).set_kl_coef(0.1);
+       StartOf(s).set_reference_logprobs(10, 1000.0f);
+     }},
+    {"teacher_rows_3e38", "finite teacher rows whose logits overflow: blame the teacher's rows",
+     Rpc::kCompute, kInvalid,
+     "chunk.teacher_hidden: rows [0, 12) are finite, but the teacher's logits overflow fp32 (the "
+     "largest |h| of the teacher's rows is 3e+38, at chunk.teacher_hidden[10, 0]",
+     [](Script& s) {
+       MakeDistill(s);
+       std::string& rows = *MessageOf(s, 3).mutable_teacher_hidden();
+       const float big = 3e38f;
+       for (int64_t c = 0; c < kTeacherHidden; ++c) {
+         rows.replace((2 * kTeacherHidden + c) * sizeof(float), sizeof(float),
+                      reinterpret_cast<const char*>(&big), sizeof(float));
+       }
+     }},
     {"inf_under_softcap", "the cap keeps the logits finite, but dL/dW = 0 * Inf is NaN",
      Rpc::kCompute, kInvalid, "an Inf in chunk.hidden under options.logit_softcap = 30",
      [](Script& s) {
