@@ -158,7 +158,8 @@ uint64_t StartFingerprint(const CallSpec& spec) {
                       static_cast<int>(o.reduction), o.ignore_index, o.label_smoothing,
                       o.z_loss_scale, o.logit_softcap, o.temperature, o.grad_scale,
                       o.mean_denominator, o.allow_tf32, static_cast<int>(o.objective),
-                      p.clip_low, p.clip_high, p.dual_clip, static_cast<int>(p.kl_estimator),
+                      p.clip_low, p.clip_high, p.dual_clip, p.log_ratio_clamp,
+                      static_cast<int>(p.kl_estimator),
                       p.kl_coef, p.entropy_coef, absl::MakeConstSpan(spec.sampling_logprobs),
                       absl::MakeConstSpan(spec.advantages),
                       absl::MakeConstSpan(spec.reference_logprobs),
@@ -454,7 +455,8 @@ std::vector<std::string> OverflowSuspects(const CallSpec& spec, int64_t first, i
         smallest_at = i;
       }
     }
-    if (smallest_at >= 0 && spec.sampling_logprobs[smallest_at] < -80.0f) {
+    if (smallest_at >= 0 && spec.sampling_logprobs[smallest_at] < -80.0f &&
+        o.policy.log_ratio_clamp == 0.0) {
       suspects.push_back(absl::StrCat("sampling_logprobs[", smallest_at, "] = ",
                                       spec.sampling_logprobs[smallest_at],
                                       " (the ratio exp(logp - sampling_logprobs) overflows)"));

@@ -467,6 +467,50 @@ const BadRow kBadRows[] = {
        StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_IMPORTANCE_SAMPLING);
        StartOf(s).set_sampling_logprobs(kRows - 1, -1000.0f);
      }},
+    {"ratio_overflows_under_dual_clip", "q = -300: the dual-clip bound keeps the term finite, but "
+     "r = e^(logp + 300) is Inf in fp32 and would be answered", Rpc::kCompute, kInvalid,
+     "sampling_logprobs[10] = -300",
+     [](Script& s) {
+       MakePpo(s);
+       PolicyOf(s).set_dual_clip(3.0);
+       StartOf(s).set_advantages(10, -1.0f);
+       StartOf(s).set_sampling_logprobs(10, -300.0f);
+     }},
+    {"ratio_overflows_clipped_ppo", "q = -300 with A > 0: the clipped term is finite, r is not",
+     Rpc::kCompute, kInvalid, "sampling_logprobs[10] = -300",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).set_sampling_logprobs(10, -300.0f);
+     }},
+    {"ratio_overflows_cispo", "q = -300 under cispo: a clipped weight, an Inf ratio",
+     Rpc::kCompute, kInvalid, "sampling_logprobs[10] = -300",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_CISPO);
+       StartOf(s).set_sampling_logprobs(10, -300.0f);
+     }},
+    {"ratio_overflows_zero_advantage", "q = -300 with A = 0 under importance sampling: a term of "
+     "0 * Inf", Rpc::kCompute, kInvalid, "sampling_logprobs[10] = -300",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_IMPORTANCE_SAMPLING);
+       StartOf(s).set_advantages(10, 0.0f);
+       StartOf(s).set_sampling_logprobs(10, -300.0f);
+     }},
+    {"log_ratio_clamp_negative", "a clamp of -20", Rpc::kCompute, kInvalid,
+     "policy.log_ratio_clamp",
+     [](Script& s) {
+       MakePpo(s);
+       PolicyOf(s).set_log_ratio_clamp(-20.0);
+     }},
+    {"log_ratio_clamp_100", "e^100 is Inf in fp32", Rpc::kCompute, kInvalid,
+     "policy.log_ratio_clamp",
+     [](Script& s) {
+       MakePpo(s);
+       PolicyOf(s).set_log_ratio_clamp(100.0);
+     }},
+    {"log_ratio_clamp_under_cross_entropy", "cross-entropy has no ratio", Rpc::kCompute, kInvalid,
+     "policy.log_ratio_clamp", [](Script& s) { PolicyOf(s).set_log_ratio_clamp(20.0); }},
     {"advantages_under_cross_entropy", "an input the objective does not read is refused",
      Rpc::kCompute, kInvalid, "advantages",
      [](Script& s) {
@@ -1372,7 +1416,6 @@ struct BoundsWatch {
 
 void WatchBounds(server::LossServer& server, const std::atomic<bool>& done,
                  int64_t accumulator_bytes, BoundsWatch& watch) {
-  const int64_t staging_bytes = kLoadVocab * kLoadHidden * static_cast<int64_t>(sizeof(float));
   while (!done) {
     const CallResources s = ReadCallResources(server);
     ++watch.samples;
@@ -1384,7 +1427,9 @@ void WatchBounds(server::LossServer& server, const std::atomic<bool>& done,
         s.admitted_bytes <= server.scheduler().capacity_bytes() && s.running <= kLoadRunning &&
         s.queued <= kLoadQueued &&
         s.workspace_bytes <= kLoadRunning * static_cast<int64_t>(kLoadWorkspaceBudget) &&
-        s.gradient_bytes <= accumulator_bytes + kLoadRunning * staging_bytes &&
+        // Staging dL/dW: of the running calls and of those paused waiting for their clients,
+        // all admitted against the budget.
+        s.gradient_bytes <= accumulator_bytes + server.scheduler().capacity_bytes() &&
         s.cache_bytes <= server.scheduler().capacity_bytes();
     if (!within && watch.violations++ == 0) {
       watch.first_violation = absl::StrCat("admitted ", s.admitted_bytes, " B, running ", s.running,

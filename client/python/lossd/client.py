@@ -718,7 +718,8 @@ class Client:
                 rows_per_message=None, shared_memory=False, grad_hidden_out=None, call_id=None,
                 objective="cross_entropy", sampling_logprobs=None, advantages=None,
                 reference_logprobs=None, logprob_grads=None, sequence_lengths=None, clip_low=0.2,
-                clip_high=0.2, dual_clip=0.0, kl_estimator=None, kl_coef=0.0, entropy_coef=0.0,
+                clip_high=0.2, dual_clip=0.0, log_ratio_clamp=0.0, kl_estimator=None, kl_coef=0.0,
+                entropy_coef=0.0,
                 teacher_head=None, teacher_hidden=None, teacher_head_version=None,
                 teacher_top_k_tokens=None, teacher_top_k_logprobs=None, distill_beta=0.0,
                 distill_alpha=0.0, distill_temperature=1.0, teacher_logit_softcap=None,
@@ -743,7 +744,10 @@ class Client:
         the label, r = exp(logp - sampling_logprobs), clip(r) within [1 - clip_low, 1 + clip_high]):
         "importance_sampling" -r A, "ppo" -min(r A, clip(r) A) (dual_clip c > 1 bounds a negative
         advantage's term by -c A), "cispo" -sg(clip(r)) A logp, all three with advantages A [N]
-        and sampling_logprobs [N]; "logprob_gradient" g logp with logprob_grads g [N], the
+        and sampling_logprobs [N]; log_ratio_clamp c > 0 clamps log r to [-c, c] before the
+        exponential (verl's 20: r at most e^20, no gradient through r where clamped), 0 (the
+        default) keeps r exact and refuses a call whose r overflows, naming sampling_logprobs[i];
+        "logprob_gradient" g logp with logprob_grads g [N], the
         gradient of a loss of the log-probabilities computed elsewhere (use reduction "sum").
         kl_estimator ("k1", "k2", "k3") with reference_logprobs [N] adds kl_coef * KL per token
         and returns the estimate ("kl" output, mean_kl); entropy_coef subtracts entropy_coef * H.
@@ -866,6 +870,7 @@ class Client:
             objective=OBJECTIVES[objective],
             policy=pb.PolicyOptions(
                 clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip,
+                log_ratio_clamp=log_ratio_clamp,
                 kl_estimator=_KL_ESTIMATORS[kl_estimator], kl_coef=kl_coef,
                 entropy_coef=entropy_coef),
             distill=pb.DistillOptions(
