@@ -347,7 +347,8 @@ def test_grpc_retries_the_read_only_calls_and_makes_steps_once():
         caller = threading.Thread(
             target=lambda: list(busy._stub.Compute(requests(), timeout=2 * drain)))
         caller.start()
-        while server.metric("lossd_inflight_calls") < 1:
+        # In flight: the server has read the call's first rows.
+        while server.metric("lossd_received_bytes_total") == 0:
             time.sleep(0.01)
         server.process.send_signal(signal.SIGTERM)
         while "draining in-flight calls" not in server.output():
