@@ -114,10 +114,12 @@ LOSSD_HD double NonFiniteUpdateCode(const ElementUpdate& u, int64_t element, DTy
   return field == 0 ? 0.0 : static_cast<double>(element) * 4.0 + field;
 }
 
-// The result for the smallest code of NonFiniteUpdateCode over all elements (+inf: none).
+// The result for the smallest code of NonFiniteUpdateCode over all elements. Codes are integers
+// below 2^53; anything above stands for none (the sums start at +inf, an OpenMP min reduction's
+// private copies at the largest double).
 inline OptimizerStepResult OptimizerResultFromCode(double smallest_code) {
   OptimizerStepResult result;
-  if (!(smallest_code < HUGE_VAL)) return result;
+  if (!(smallest_code < 0x1p53)) return result;
   const int64_t code = static_cast<int64_t>(smallest_code);
   result.non_finite = static_cast<OptimizerStepResult::NonFinite>(code % 4);
   result.element = code / 4;
