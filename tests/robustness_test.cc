@@ -2322,10 +2322,13 @@ TEST(StallTest, ClientsThatReadNothingHoldNoRunningSlot) {
   // 16000 rows of dL/dh (4 MB) each: more than gRPC buffers for a client that reads nothing, so
   // flow control holds the results back.
   constexpr int64_t kUnreadRows = 16000;
+  // All streams open before any writer starts: the writers index the vector.
   std::vector<std::unique_ptr<OpenStream>> unread;
-  std::vector<std::thread> writers;
   for (int i = 0; i < config.max_running_calls; ++i) {
     unread.push_back(std::make_unique<OpenStream>(server->port(), absl::Hours(1)));
+  }
+  std::vector<std::thread> writers;
+  for (int i = 0; i < config.max_running_calls; ++i) {
     writers.emplace_back([&, i, batch = RandomBatch(kUnreadRows, kStallVocab, kStallHidden, rng)] {
       for (const v1::ComputeRequest& message :
            TrainingScript(kStallHead, batch, kStallHidden, 400)) {
