@@ -504,5 +504,32 @@ TEST(CallIdBoundTest, ANewIdPastTheBoundIsRefusedNotAnOldOneForgotten) {
   EXPECT_EQ(GetHead(*stub, "bounded").accumulated_calls(), 2);
 }
 
+// SGD keeps a momentum buffer only once a step asks for momentum (torch's first buffer is that
+// step's gradient, which momentum * 0 + g gives too): with momentum 0 a head holds, and would
+// checkpoint, no V x H state.
+TEST(OptimizerStateTest, SgdWithoutMomentumKeepsNoState) {
+  server::ServerConfig config = MultiChunkDemoConfig("sgd", 400, kIdHidden, 2);
+  auto server = StartTestServer(config);
+  ASSERT_NE(server, nullptr);
+  auto stub = ConnectTo(server->port());
+  const int64_t state_bytes = 400 * kIdHidden * static_cast<int64_t>(sizeof(float));
+  auto step = [&](double momentum) {
+    grpc::ClientContext context;
+    v1::StepRequest request;
+    request.set_head("sgd");
+    request.mutable_sgd()->set_learning_rate(0.1);
+    request.mutable_sgd()->set_momentum(momentum);
+    v1::StepResponse response;
+    return stub->Step(&context, request, &response);
+  };
+  ASSERT_TRUE(step(0.0).ok());
+  EXPECT_EQ(server->ledger().current(server::MemoryPurpose::kOptimizerState), 0);
+  ASSERT_TRUE(step(0.9).ok());
+  EXPECT_EQ(server->ledger().current(server::MemoryPurpose::kOptimizerState), state_bytes);
+  // The buffer, once there, stays (a later step with momentum 0 neither reads nor drops it).
+  ASSERT_TRUE(step(0.0).ok());
+  EXPECT_EQ(server->ledger().current(server::MemoryPurpose::kOptimizerState), state_bytes);
+}
+
 }  // namespace
 }  // namespace lossd::testing
