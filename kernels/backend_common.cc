@@ -28,6 +28,13 @@ std::string NormalFloatRange() { return absl::StrCat("[", FLT_MIN, ", ", FLT_MAX
 
 }  // namespace
 
+absl::Status ValidateSoftcap(absl::string_view field, double value) {
+  if (value == 0.0 || (value > 0.0 && IsNormalFloat(value))) return absl::OkStatus();
+  return InvalidField(
+      field, absl::StrCat("0 (off) or a value in ", NormalFloatRange(), " (a normal fp32 number)"),
+      absl::StrCat(value));
+}
+
 absl::string_view DTypeName(DType dtype) {
   switch (dtype) {
     case DType::kFloat32: return "float32";
@@ -100,6 +107,17 @@ absl::Status ValidatePolicyOptions(const LossOptions& o) {
     return InvalidField("policy.dual_clip", "0 unless the objective is ppo",
                         absl::StrCat(p.dual_clip, " with objective ", ObjectiveName(o.objective)));
   }
+  if (!(p.log_ratio_clamp >= 0.0 && p.log_ratio_clamp <= 80.0)) {
+    return InvalidField("policy.log_ratio_clamp",
+                        "0 (none) or a bound in (0, 80] on |log r| (e^80 is finite in fp32)",
+                        absl::StrCat(p.log_ratio_clamp));
+  }
+  if (p.log_ratio_clamp != 0.0 && !IsPolicyObjective(o.objective)) {
+    return InvalidField("policy.log_ratio_clamp",
+                        "0 unless the objective is importance_sampling, ppo or cispo",
+                        absl::StrCat(p.log_ratio_clamp, " with objective ",
+                                     ObjectiveName(o.objective)));
+  }
   if (p.kl_estimator != KlEstimator::kNone && p.kl_estimator != KlEstimator::kK1 &&
       p.kl_estimator != KlEstimator::kK2 && p.kl_estimator != KlEstimator::kK3) {
     return InvalidField("policy.kl_estimator", "none, k1, k2 or k3",
@@ -127,14 +145,6 @@ absl::Status ValidateTemperature(absl::string_view field, double value) {
                       absl::StrCat("a value in ", NormalFloatRange(),
                                    " (a normal fp32 number: T and 1 / T finite in fp32)"),
                       absl::StrCat(value));
-}
-
-// 0 (off) or a positive normal fp32 value.
-absl::Status ValidateSoftcap(absl::string_view field, double value) {
-  if (value == 0.0 || (value > 0.0 && IsNormalFloat(value))) return absl::OkStatus();
-  return InvalidField(
-      field, absl::StrCat("0 (off) or a value in ", NormalFloatRange(), " (a normal fp32 number)"),
-      absl::StrCat(value));
 }
 
 // The distill options: in range under the distill objective, at their defaults under any other.

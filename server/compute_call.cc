@@ -159,7 +159,8 @@ uint64_t StartFingerprint(const CallSpec& spec) {
                       static_cast<int>(o.reduction), o.ignore_index, o.label_smoothing,
                       o.z_loss_scale, o.logit_softcap, o.temperature, o.grad_scale,
                       o.mean_denominator, o.allow_tf32, static_cast<int>(o.objective),
-                      p.clip_low, p.clip_high, p.dual_clip, static_cast<int>(p.kl_estimator),
+                      p.clip_low, p.clip_high, p.dual_clip, p.log_ratio_clamp,
+                      static_cast<int>(p.kl_estimator),
                       p.kl_coef, p.entropy_coef, absl::MakeConstSpan(spec.sampling_logprobs),
                       absl::MakeConstSpan(spec.advantages),
                       absl::MakeConstSpan(spec.reference_logprobs),
@@ -465,10 +466,43 @@ std::vector<std::string> OverflowSuspects(const CallSpec& spec, int64_t first, i
         smallest_at = i;
       }
     }
-    if (smallest_at >= 0 && spec.sampling_logprobs[smallest_at] < -80.0f) {
+    if (smallest_at >= 0 && spec.sampling_logprobs[smallest_at] < -80.0f &&
+        o.policy.log_ratio_clamp == 0.0) {
       suspects.push_back(absl::StrCat("sampling_logprobs[", smallest_at, "] = ",
                                       spec.sampling_logprobs[smallest_at],
                                       " (the ratio exp(logp - sampling_logprobs) overflows)"));
+    }
+  }
+  // Per-token inputs that multiply a row's term or gradient (an advantage, dL/dlogp), or that
+  // enter an exponential (k3's e^(logp_ref - logp)): the largest on counted rows, when it can
+  // carry finite values past fp32.
+  const auto largest_counted = [&](const std::vector<float>& values) {
+    int64_t at = -1;
+    for (int64_t i = first; i < first + rows && !values.empty(); ++i) {
+      if (spec.counted(i) && (at < 0 || std::fabs(values[i]) > std::fabs(values[at]))) at = i;
+    }
+    return at;
+  };
+  for (const auto& [field, values] : {std::pair{"advantages", &spec.advantages},
+                                      std::pair{"logprob_grads", &spec.logprob_grads}}) {
+    const int64_t at = largest_counted(*values);
+    if (at >= 0 && std::fabs((*values)[at]) > 1.0f) {
+      suspects.push_back(absl::StrCat(field, "[", at, "] = ", (*values)[at]));
+    }
+  }
+  if (o.policy.kl_estimator != KlEstimator::kNone) {
+    const int64_t at = largest_counted(spec.reference_logprobs);
+    // k3 exponentiates logp_ref - logp (logp <= 0), k2 squares it, k1 is linear in it.
+    const double limit = o.policy.kl_estimator == KlEstimator::kK3   ? 80.0
+                         : o.policy.kl_estimator == KlEstimator::kK2 ? 1e18
+                                                                     : 1e37;
+    if (at >= 0 && std::fabs(spec.reference_logprobs[at]) > limit) {
+      suspects.push_back(absl::StrCat("reference_logprobs[", at, "] = ",
+                                      spec.reference_logprobs[at], " (under ",
+                                      KlEstimatorName(o.policy.kl_estimator), ")"));
+    }
+    if (o.policy.kl_coef > 1.0) {
+      suspects.push_back(absl::StrCat("options.policy.kl_coef = ", o.policy.kl_coef));
     }
   }
   if (gradients && std::fabs(o.grad_scale) > 1.0) {
@@ -577,10 +611,16 @@ class ComputeCall {
       }
       ASSIGN_OR_RETURN(commit_, CommitGradient());
     }
+    accumulated_ = staging_.held();
+    // The device is done with the call: its slot and buffers go back before the summary, which a
+    // client that reads nothing would otherwise keep them waiting for.
+    workspace_ = BufferLease();
+    staging_ = BufferLease();
+    admission_.Release();
     const absl::Status sent = SendSummary();
     // Once dL/dW is committed the call has taken effect: failing it now, because the client left
     // before its summary, would report as failed (so: nothing accumulated) a gradient that was.
-    if (!sent.ok() && !staging_.held()) return sent;
+    if (!sent.ok() && !accumulated_) return sent;
     Account();
     return absl::OkStatus();
   }
@@ -700,16 +740,11 @@ class ComputeCall {
   }
 
   // Before admission, so that a call that cannot use shared memory fails without waiting for, or
-  // holding, a place on the device: nothing may follow the start message, since the rows are in
-  // the memfd, and the memfd must be mapped.
+  // holding, a place on the device. The rows are in the memfd, so the start message is the whole
+  // call: nothing after it is read, and the call does not wait for the client to half-close.
   absl::Status MapSharedMemory() {
     RETURN_IF_ERROR(
         CheckSharedMemoryOffered(env_.limits.allow_shared_memory, stream_.PeerIsLocal()));
-    v1::ComputeRequest extra;
-    if (stream_.Read(&extra)) {
-      return InvalidField("chunk", "no messages after a start with shared_memory (the rows are in the memfd)",
-                          "a message");
-    }
     if (stream_.IsCancelled()) return absl::CancelledError("call cancelled before it was admitted");
     const uint64_t rows = static_cast<uint64_t>(spec_.num_tokens);
     const uint64_t grad_hidden_bytes = spec_.outputs.grad_hidden() ? rows * spec_.grad_row_bytes() : 0;
@@ -744,6 +779,34 @@ class ComputeCall {
     return absl::OkStatus();
   }
 
+  // While the call waits for its client (its next rows not yet in, a result not yet taken) it
+  // holds no running slot: the slot and the workspace go back to the scheduler, the staging dL/dW
+  // stays admitted (it holds the call's sum so far), and the call queues again once its client
+  // has caught up (ResumeIfPaused). Slots are for computing: a client that sends or reads slowly,
+  // or not at all, delays its own call only.
+  absl::Status PauseWhileWaiting() {
+    if (!admission_.held() || admission_.paused()) return absl::OkStatus();
+    workspace_ = BufferLease();
+    admission_.Pause(static_cast<int64_t>(staging_bytes_));
+    return absl::OkStatus();
+  }
+
+  absl::Status ResumeIfPaused() {
+    if (!admission_.paused()) return absl::OkStatus();
+    const auto stream_failed = [this] {
+      return stream_.IsCancelled() || (reader_ != nullptr && !reader_->Error().ok());
+    };
+    const absl::Status resumed = admission_.Resume(stream_failed, env_.limits.max_admission_wait);
+    if (!resumed.ok()) {
+      // A stream that failed meanwhile: its error is the call's.
+      if (reader_ != nullptr) RETURN_IF_ERROR(reader_->Error());
+      return resumed;
+    }
+    ASSIGN_OR_RETURN(workspace_,
+                     env_.buffers->Acquire(plan_.workspace_bytes, MemoryPurpose::kWorkspace));
+    return absl::OkStatus();
+  }
+
   // One engine chunk's dL/dh on its way into result messages.
   uint8_t* MessageGradHidden() { return static_cast<uint8_t*>(message_grad_hidden_.buffer().data()); }
 
@@ -764,7 +827,9 @@ class ComputeCall {
       return absl::OkStatus();
     }
     while (computed_rows_ < spec_.num_tokens) {
+      if (!reader_->ChunkReady()) RETURN_IF_ERROR(PauseWhileWaiting());
       ASSIGN_OR_RETURN(const RowChunk chunk, reader_->Next());
+      RETURN_IF_ERROR(ResumeIfPaused());
       RETURN_IF_ERROR(ComputeChunk(chunk));
       reader_->Release();
     }
@@ -901,21 +966,32 @@ class ComputeCall {
                        " of chunk.hidden are finite, but their results overflow fp32 under this; "
                        "nothing was accumulated"));
     }
-    float largest = 0.0f;
-    int64_t largest_at = 0;
-    for (int64_t i = 0; i < rows * columns; ++i) {
-      const float magnitude = std::fabs(LoadAsFloat(chunk.rows, spec_.hidden_dtype, i));
-      if (magnitude > largest) {
-        largest = magnitude;
-        largest_at = i;
+    const auto largest_of = [rows](const void* data, DType dtype, int64_t columns) {
+      std::pair<float, int64_t> largest{0.0f, 0};
+      for (int64_t i = 0; i < rows * columns; ++i) {
+        const float magnitude = std::fabs(LoadAsFloat(data, dtype, i));
+        if (magnitude > largest.first) largest = {magnitude, i};
+      }
+      return largest;
+    };
+    const auto [largest, largest_at] = largest_of(chunk.rows, spec_.hidden_dtype, columns);
+    if (spec_.teacher != nullptr) {
+      // The teacher's logits overflow as the student's do: blame the larger rows.
+      const int64_t teacher_columns = spec_.teacher_hidden_size;
+      const auto [teacher_largest, teacher_at] =
+          largest_of(chunk.side_rows[0], spec_.teacher_hidden_dtype, teacher_columns);
+      if (teacher_largest > largest) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "chunk.teacher_hidden: ", which, " are finite, but the teacher's logits overflow fp32 "
+            "(the largest |h| of the teacher's rows is ", teacher_largest,
+            ", at chunk.teacher_hidden[", first + teacher_at / teacher_columns, ", ",
+            teacher_at % teacher_columns, "]); nothing was accumulated"));
       }
     }
     return absl::InvalidArgumentError(absl::StrCat(
         "chunk.hidden: ", which, " are finite, but their logits h W^T overflow fp32 (the largest "
         "|h| is ", largest, ", at chunk.hidden[", first + largest_at / columns, ", ",
-        largest_at % columns, "]; or an optimizer step left W non-finite",
-        spec_.teacher != nullptr ? "; or the teacher's, from chunk.teacher_hidden" : "",
-        "); nothing was accumulated"));
+        largest_at % columns, "]); nothing was accumulated"));
   }
 
   // Finite logits do not make dL/dW finite: under a soft cap an infinite hidden value gives capped
@@ -1033,9 +1109,9 @@ class ComputeCall {
     s.set_correct_tokens(correct_tokens_);
     s.set_head_version(spec_.version);
     const bool staged = commit_ == CommitOutcome::kStaged;
-    s.set_grad_weight_accumulated(staging_.held() && !staged);
-    s.set_grad_weight_staged(staging_.held() && staged);
-    s.set_replayed(staging_.held() && commit_ == CommitOutcome::kReplayed);
+    s.set_grad_weight_accumulated(accumulated_ && !staged);
+    s.set_grad_weight_staged(accumulated_ && staged);
+    s.set_replayed(accumulated_ && commit_ == CommitOutcome::kReplayed);
     s.set_queue_seconds(queue_seconds_);
     s.set_compute_seconds(compute_seconds_);
     s.set_peak_workspace_bytes(peak_workspace_bytes_);
@@ -1051,7 +1127,9 @@ class ComputeCall {
   }
 
   absl::Status Send(const v1::ComputeResponse& response) {
-    if (!stream_.Write(response)) {
+    const bool written = stream_.WriteOrStall(response, [this] { (void)PauseWhileWaiting(); });
+    RETURN_IF_ERROR(ResumeIfPaused());
+    if (!written) {
       return absl::CancelledError("client went away while results were sent; nothing was accumulated");
     }
     if (env_.metrics != nullptr) env_.metrics->AddBytesSent(static_cast<int64_t>(response.ByteSizeLong()));
@@ -1095,6 +1173,7 @@ class ComputeCall {
   int64_t correct_tokens_ = 0;
   double grad_weight_bound_ = 0.0;  // on |this call's dL/dW|, summed over engine chunks
   CommitOutcome commit_ = CommitOutcome::kCommitted;  // of a call that accumulates
+  bool accumulated_ = false;  // dL/dW was committed (or replayed)
   int64_t peak_workspace_bytes_ = 0;
   double queue_seconds_ = 0.0;
   double compute_seconds_ = 0.0;

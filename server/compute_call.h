@@ -37,6 +37,9 @@ struct ComputeLimits {
   int64_t max_call_ids = 65536;
   // How long a staged dL/dW (ComputeStart.stage_grad_weight) waits for its commit.
   absl::Duration staged_grad_ttl = absl::Seconds(300);
+  // Compute streams that may wait for their start message at once (each costs a little memory,
+  // no thread); more are refused with RESOURCE_EXHAUSTED.
+  int64_t max_unstarted_streams = 1024;
 };
 
 // The longest ComputeStart.call_id accepted.

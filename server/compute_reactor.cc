@@ -86,21 +86,116 @@ void CallThreads::JoinAll() {
   for (auto& [id, thread] : all) thread.join();
 }
 
+StartWatch::StartWatch(absl::Duration limit, int64_t max_streams)
+    : limit_(limit), max_streams_(max_streams), thread_([this] { Run(); }) {}
+
+StartWatch::~StartWatch() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  thread_.join();
+}
+
+absl::Status StartWatch::Watch(ComputeReactor* reactor) {
+  absl::MutexLock lock(&mu_);
+  if (!refuse_all_.ok()) return refuse_all_;
+  if (static_cast<int64_t>(deadline_of_.size()) >= max_streams_) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "Compute: ", deadline_of_.size(), " streams already wait for their start message, the "
+        "most the server keeps; send the start message when opening a call, or retry later"));
+  }
+  const absl::Time deadline = absl::Now() + limit_;
+  by_deadline_.emplace(deadline, reactor);
+  deadline_of_[reactor] = deadline;
+  return absl::OkStatus();
+}
+
+void StartWatch::Forget(ComputeReactor* reactor) {
+  absl::MutexLock lock(&mu_);
+  const auto found = deadline_of_.find(reactor);
+  if (found == deadline_of_.end()) return;
+  const auto [first, last] = by_deadline_.equal_range(found->second);
+  for (auto it = first; it != last; ++it) {
+    if (it->second == reactor) {
+      by_deadline_.erase(it);
+      break;
+    }
+  }
+  deadline_of_.erase(found);
+}
+
+void StartWatch::EndAll(const absl::Status& status) {
+  absl::MutexLock lock(&mu_);
+  refuse_all_ = status;
+  // Ended under mu_, so that no reactor goes away meanwhile: one that is done Forgets itself
+  // first, and waits here.
+  for (const auto& [deadline, reactor] : by_deadline_) reactor->End(status);
+  by_deadline_.clear();
+  deadline_of_.clear();
+}
+
+int64_t StartWatch::waiting() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(deadline_of_.size());
+}
+
+void StartWatch::Run() {
+  absl::MutexLock lock(&mu_);
+  while (!stop_) {
+    const absl::Time next =
+        by_deadline_.empty() ? absl::Now() + absl::Seconds(1) : by_deadline_.begin()->first;
+    const auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
+    mu_.AwaitWithDeadline(absl::Condition(&stopping), next);
+    const absl::Time now = absl::Now();
+    while (!by_deadline_.empty() && by_deadline_.begin()->first <= now) {
+      ComputeReactor* reactor = by_deadline_.begin()->second;
+      by_deadline_.erase(by_deadline_.begin());
+      deadline_of_.erase(reactor);
+      reactor->End(StreamIdleError("its start message (ComputeStart)", limit_));
+    }
+  }
+}
+
 absl::StatusOr<ComputeReactor*> ComputeReactor::Start(grpc::CallbackServerContext* context,
                                                       absl::Duration write_stall_limit,
-                                                      CallThreads& threads, Body body,
-                                                      Hooks hooks) {
-  // Owned by gRPC (until OnDone) and by the call's thread.
+                                                      CallThreads& threads, StartWatch& watch,
+                                                      Body body, Hooks hooks) {
+  // Owned by gRPC (until OnDone) and by the call's thread (or, until it starts, its first read).
   auto* reactor = new ComputeReactor(context, write_stall_limit, /*owners=*/2);
   reactor->hooks_ = std::move(hooks);
-  const absl::Status started = threads.Start([reactor, body = std::move(body)]() mutable {
-    reactor->RunCall(std::move(body));
-  });
-  if (!started.ok()) {
+  reactor->body_ = std::move(body);
+  reactor->threads_ = &threads;
+  reactor->watch_ = &watch;
+  if (const absl::Status watched = watch.Watch(reactor); !watched.ok()) {
     delete reactor;
-    return started;
+    return watched;
   }
+  absl::MutexLock lock(&reactor->mu_);
+  reactor->reading_ = true;
+  // Held by gRPC until the reactor is bound to the call; its completion starts the call.
+  reactor->StartRead(&reactor->first_);
   return reactor;
+}
+
+void ComputeReactor::StartCall() {
+  // After this no watch can end the stream any more: it waited for an End in progress.
+  watch_->Forget(this);
+  bool ended;
+  {
+    absl::MutexLock lock(&mu_);
+    ended = ended_;
+  }
+  if (!ended) {
+    const absl::Status started = threads_->Start([this] { RunCall(std::move(body_)); });
+    if (started.ok()) return;
+    End(started);
+  }
+  // No call to run: the stream was ended while silent (the start's idle limit, a shutdown), or
+  // no thread could start. What the thread would have let go of goes here.
+  body_ = nullptr;
+  hooks_ = Hooks();
+  Unref();
 }
 
 ComputeReactor* ComputeReactor::Refuse(const absl::Status& status) {
@@ -123,6 +218,16 @@ bool ComputeReactor::Read(v1::ComputeRequest* request) {
   // One read at a time: gRPC allows no second StartRead before OnReadDone.
   mu_.Await(absl::Condition(
       +[](bool* reading) { return !*reading; }, &reading_));
+  if (!first_taken_) {
+    // The first read was the reactor's own, done before the call's thread started.
+    first_taken_ = true;
+    if (!read_ok_) {
+      reads_over_ = true;
+      return false;
+    }
+    request->Swap(&first_);
+    return !ended_;
+  }
   if (ended_ || reads_over_) return false;
   reading_ = true;
   // OnReadDone runs on a gRPC thread, never inside StartRead, so starting under mu_ is safe.
@@ -133,13 +238,28 @@ bool ComputeReactor::Read(v1::ComputeRequest* request) {
 }
 
 bool ComputeReactor::Write(const v1::ComputeResponse& response) {
+  return WriteOrStall(response, [] {});
+}
+
+bool ComputeReactor::WriteOrStall(const v1::ComputeResponse& response,
+                                  absl::FunctionRef<void()> on_stall) {
+  // How long a message may take to leave before its call counts as stalled on the client. Only
+  // what the call does meanwhile depends on it (whether it gives its slot back), never a result.
+  constexpr absl::Duration kStallGrace = absl::Milliseconds(20);
   absl::MutexLock lock(&mu_);
   mu_.Await(absl::Condition(+[](bool* writing) { return !*writing; }, &writing_));
   if (ended_ || writes_over_) return false;
   writing_ = true;
   StartWrite(&response);
   const auto written = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !writing_; };
-  if (!mu_.AwaitWithTimeout(absl::Condition(&written), write_stall_limit_)) {
+  const absl::Time started = absl::Now();
+  if (!mu_.AwaitWithTimeout(absl::Condition(&written), kStallGrace)) {
+    mu_.Unlock();
+    on_stall();
+    mu_.Lock();
+  }
+  const absl::Duration left = write_stall_limit_ - (absl::Now() - started);
+  if (!mu_.AwaitWithTimeout(absl::Condition(&written), left)) {
     // The client reads nothing while the call holds the device. Its status cannot pass the
     // message that flow control holds back, so the call is cancelled as well.
     FinishOnce(StreamIdleError("the client to read its results", write_stall_limit_));
@@ -172,9 +292,14 @@ void ComputeReactor::FinishOnce(const absl::Status& status) {
 
 void ComputeReactor::OnReadDone(bool ok) {
   TakeOverFromGrpc(this);
-  absl::MutexLock lock(&mu_);
-  read_ok_ = ok;
-  reading_ = false;
+  bool first;
+  {
+    absl::MutexLock lock(&mu_);
+    read_ok_ = ok;
+    reading_ = false;
+    first = std::exchange(first_read_, false);
+  }
+  if (first) StartCall();
 }
 
 void ComputeReactor::OnWriteDone(bool ok) {
@@ -191,6 +316,7 @@ void ComputeReactor::OnCancel() {
 
 void ComputeReactor::OnDone() {
   TakeOverFromGrpc(this);
+  if (watch_ != nullptr) watch_->Forget(this);
   {
     absl::MutexLock lock(&mu_);
     done_ = true;

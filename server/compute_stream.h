@@ -3,6 +3,7 @@
 #ifndef LOSSD_SERVER_COMPUTE_STREAM_H_
 #define LOSSD_SERVER_COMPUTE_STREAM_H_
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -16,6 +17,14 @@ class ComputeStream {
   virtual ~ComputeStream() = default;
   virtual bool Read(v1::ComputeRequest* request) = 0;
   virtual bool Write(const v1::ComputeResponse& response) = 0;
+  // Write, calling `on_stall` once, on this thread and before waiting on, if the client has not
+  // taken the message soon after it was sent (flow control holds it back): a call gives its
+  // running slot back while its client is slow to read. A stream that never waits on its client
+  // just writes.
+  virtual bool WriteOrStall(const v1::ComputeResponse& response,
+                            absl::FunctionRef<void()> on_stall) {
+    return Write(response);
+  }
   virtual bool IsCancelled() const = 0;
   // Ends the RPC now with `status`, unless it has ended already (the first status given is the
   // one the client sees): a Read or Write waiting on a client that sends or reads nothing returns

@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"
+#include "lossd/kernels/optimizer_math.h"
 #include "lossd/common/counter_random.h"
 #include "lossd/common/status_macros.h"
 
@@ -143,6 +144,10 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Create(Backend& backend, MemoryLedge
         " bytes of W [", state.vocab_size, ", ", state.hidden_size, "] in ",
         DTypeName(state.weight_dtype), ", got ", state.weight.size()));
   }
+  if (const absl::Status cap = ValidateSoftcap("logit_softcap", state.logit_softcap); !cap.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("head '", state.head, "' from ", source, ": ", cap.message()));
+  }
   RETURN_IF_ERROR(CheckFinite(state.head, source, "weight", state.weight.data(), state.weight_dtype,
                               state.vocab_size, state.hidden_size));
   for (const auto& [field, values] : {std::pair{"optimizer.state1", &state.state1},
@@ -180,15 +185,18 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Create(Backend& backend, MemoryLedge
     head->master_charge_ = MemoryCharge(&ledger, MemoryPurpose::kWeights, bytes);
   }
   absl::MutexLock lock(&head->grad_mu_);
-  if (state.optimizer != OptimizerKind::kNone) {
-    RETURN_IF_ERROR(head->EnsureOptimizerState(state.optimizer));
-    RETURN_IF_ERROR(backend.CopyToDevice(state.state1.data(), state.state1.size() * sizeof(float),
-                                         head->state1_, 0));
-    if (state.optimizer == OptimizerKind::kAdamW) {
-      RETURN_IF_ERROR(backend.CopyToDevice(state.state2.data(), state.state2.size() * sizeof(float),
-                                           head->state2_, 0));
-    }
+  head->optimizer_ = state.optimizer;
+  // SGD without momentum has no state1; a checkpoint holds what the head had.
+  if (!state.state1.empty()) {
+    ASSIGN_OR_RETURN(head->state1_, UploadBuffer(backend, state.state1.data(),
+                                                 state.state1.size() * sizeof(float)));
   }
+  if (!state.state2.empty()) {
+    ASSIGN_OR_RETURN(head->state2_, UploadBuffer(backend, state.state2.data(),
+                                                 state.state2.size() * sizeof(float)));
+  }
+  head->state_charge_ = MemoryCharge(&ledger, MemoryPurpose::kOptimizerState,
+                                     head->state1_.bytes() + head->state2_.bytes());
   return head;
 }
 
@@ -300,19 +308,18 @@ absl::StatusOr<CommitOutcome> Head::CommitGradient(StagedGradient& call, int64_t
     }
     RETURN_IF_ERROR(CheckRoomForCallId(max_call_ids));
   }
-  RETURN_IF_ERROR(AddCommitted(call, 1.0));
+  RETURN_IF_ERROR(AddCommitted(call, 1.0, max_call_ids));
   return CommitOutcome::kCommitted;
 }
 
-absl::Status Head::AddCommitted(StagedGradient& call, double scale) {
+absl::Status Head::AddCommitted(StagedGradient& call, double scale, int64_t max_call_ids) {
   ASSIGN_OR_RETURN(const double staged_bound, StagedBound(call));
   RETURN_IF_ERROR(AddToAccumulator(*call.buffer, staged_bound));
   ++grad_generation_;
   accumulated_tokens_ += call.tokens;
   ++accumulated_calls_;
   if (!call.call_id.empty()) {
-    committed_calls_[call.call_id] =
-        CommittedCall{version_, call.start_fingerprint, call.loss_sum, scale};
+    RememberCallId(call.call_id, call.start_fingerprint, call.loss_sum, scale, max_call_ids);
   }
   return absl::OkStatus();
 }
@@ -423,7 +430,7 @@ absl::StatusOr<CommitOutcome> Head::CommitStaged(const std::string& call_id, dou
     if (!std::isfinite(call.bound)) call.bound = HUGE_VAL;
   }
   RETURN_IF_ERROR(CheckRoomForCallId(max_call_ids));
-  RETURN_IF_ERROR(AddCommitted(call, scale));
+  RETURN_IF_ERROR(AddCommitted(call, scale, max_call_ids));
   return CommitOutcome::kCommitted;
 }
 
@@ -631,20 +638,36 @@ absl::Status Head::CheckRepeat(const std::string& call_id, const CommittedCall& 
                                      "' already accumulated for a call with other labels, token "
                                      "weights, loss options or shapes; nothing was accumulated"));
   }
-  if (first.version != version_) {
+  if (first.epoch != epoch_ || first.version != version_) {
+    const char* since = first.epoch == epoch_    ? " (a step with keep_grad)"
+                        : first.version == version_ ? ", and its gradient was zeroed since"
+                                                    : " (a step or an upload of W since)";
     return absl::AlreadyExistsError(absl::StrCat(
         "call_id: '", call_id, "' was already accumulated into head '", name_, "' at version ",
-        first.version, ", and the head has moved to version ", version_,
-        " since (a step with keep_grad): a repeat can neither reproduce that call's results nor "
-        "add its dL/dW again; nothing was accumulated"));
+        first.version, ", and the head is now at version ", version_, since,
+        ": a repeat can neither reproduce that call's results nor add its dL/dW again; nothing "
+        "was accumulated"));
   }
   return absl::OkStatus();
 }
 
+void Head::RememberCallId(const std::string& call_id, uint64_t start_fingerprint,
+                          double loss_sum, double scale, int64_t max_call_ids) {
+  committed_calls_[call_id] = CommittedCall{epoch_, version_, start_fingerprint, loss_sum, scale};
+  call_id_order_.push_back(call_id);
+  ++epoch_call_ids_;
+  // This epoch holds at most max_call_ids ids (CheckRoomForCallId), all after the earlier epochs'
+  // in the order, so only ids of earlier epochs are forgotten here.
+  while (static_cast<int64_t>(call_id_order_.size()) > max_call_ids) {
+    committed_calls_.erase(call_id_order_.front());
+    call_id_order_.pop_front();
+  }
+}
+
 absl::Status Head::CheckRoomForCallId(int64_t max_call_ids) const {
-  if (static_cast<int64_t>(committed_calls_.size()) < max_call_ids) return absl::OkStatus();
+  if (epoch_call_ids_ < max_call_ids) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
-      "call_id: head '", name_, "' has accumulated ", committed_calls_.size(),
+      "call_id: head '", name_, "' has accumulated ", epoch_call_ids_,
       " calls with a call_id since its gradient was last zeroed, the most whose ids it keeps "
       "(--max_call_ids); nothing was accumulated. Step or zero the gradient, or send the call "
       "without a call_id"));
@@ -753,7 +776,9 @@ absl::Status Head::ResetAccumulator() {
   accumulated_tokens_ = 0;
   accumulated_calls_ = 0;
   grad_bound_ = 0.0;
-  committed_calls_.clear();
+  // The ids stay: a retry of a call committed before the reset must not count again after it.
+  ++epoch_;
+  epoch_call_ids_ = 0;
   return absl::OkStatus();
 }
 
@@ -791,23 +816,10 @@ absl::StatusOr<TensorSnapshot> Head::ReadWeight(DType dtype, bool master) {
   return snapshot;
 }
 
-absl::Status Head::EnsureOptimizerState(OptimizerKind kind) {
-  if (optimizer_ == kind) return absl::OkStatus();
-  const size_t bytes = vocab_size_ * hidden_size_ * sizeof(float);
-  state_charge_.Reset();
-  state1_.Reset();
-  state2_.Reset();
-  optimizer_ = OptimizerKind::kNone;
-  ASSIGN_OR_RETURN(state1_, backend_.Allocate(bytes));
-  RETURN_IF_ERROR(backend_.Zero(state1_));
-  if (kind == OptimizerKind::kAdamW) {
-    ASSIGN_OR_RETURN(state2_, backend_.Allocate(bytes));
-    RETURN_IF_ERROR(backend_.Zero(state2_));
-  }
-  state_charge_ = MemoryCharge(&ledger_, MemoryPurpose::kOptimizerState,
-                               kind == OptimizerKind::kAdamW ? 2 * bytes : bytes);
-  optimizer_ = kind;
-  return absl::OkStatus();
+absl::StatusOr<DeviceBuffer> Head::ZeroedStateBuffer() {
+  ASSIGN_OR_RETURN(DeviceBuffer buffer, backend_.Allocate(AccumulatorBytes()));
+  RETURN_IF_ERROR(backend_.Zero(buffer));
+  return buffer;
 }
 
 absl::Status Head::EnsureMasterWeights() {
@@ -896,21 +908,51 @@ absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config,
   const OptimizerKind kind =
       config.kind == OptimizerConfig::Kind::kAdamW ? OptimizerKind::kAdamW : OptimizerKind::kSgd;
   const bool fresh_state = optimizer_ != kind;
-  RETURN_IF_ERROR(EnsureOptimizerState(kind));
+  // The state this step reads and writes. Another optimizer's starts from zeros, and SGD's
+  // momentum buffer is made by the first step with momentum (torch.optim.SGD's first buffer is
+  // that step's gradient, which momentum * 0 + g gives too), so momentum 0 keeps no V x H state.
+  // New buffers become the head's only once the step applied: a refused step leaves the state
+  // as it was, whichever optimizer it belonged to.
+  DeviceBuffer new_state1, new_state2;
+  DeviceBuffer* state1 = nullptr;
+  DeviceBuffer* state2 = nullptr;
+  if (!fresh_state && state1_.data() != nullptr) {
+    state1 = &state1_;
+  } else if (kind == OptimizerKind::kAdamW || config.momentum != 0.0) {
+    ASSIGN_OR_RETURN(new_state1, ZeroedStateBuffer());
+    state1 = &new_state1;
+  }
+  if (kind == OptimizerKind::kAdamW) {
+    if (fresh_state) {
+      ASSIGN_OR_RETURN(new_state2, ZeroedStateBuffer());
+      state2 = &new_state2;
+    } else {
+      state2 = &state2_;
+    }
+  }
   RETURN_IF_ERROR(EnsureMasterWeights());
-  if (fresh_state) steps_ = 0;
   OptimizerConfig effective = config;
-  effective.step = steps_ + 1;
+  effective.step = (fresh_state ? 0 : steps_) + 1;
   effective.grad_multiplier = outcome.clip_multiplier * settings.grad_multiplier;
   OptimizerTensors tensors;
   const bool master = master_.data() != nullptr;
   tensors.weight = master ? &master_ : &weight_;
   tensors.weight_dtype = master ? DType::kFloat32 : dtype_;
+  tensors.served_dtype = dtype_;
   tensors.grad = gradient;
-  tensors.state1 = &state1_;
-  tensors.state2 = kind == OptimizerKind::kAdamW ? &state2_ : nullptr;
+  tensors.state1 = state1;
+  tensors.state2 = state2;
   tensors.count = count;
-  RETURN_IF_ERROR(backend_.OptimizerStep(effective, tensors));
+  ASSIGN_OR_RETURN(const OptimizerStepResult result, backend_.OptimizerStep(effective, tensors));
+  if (!result.applied()) return NonFiniteStep(effective, tensors, result, outcome);
+  if (fresh_state || state1 == &new_state1) {
+    state1_ = std::move(new_state1);  // of the fresh optimizer (maybe none), or a new buffer
+    if (fresh_state) state2_ = std::move(new_state2);
+    optimizer_ = kind;
+    state_charge_ = MemoryCharge(&ledger_, MemoryPurpose::kOptimizerState,
+                                 state1_.bytes() + state2_.bytes());
+  }
+  if (fresh_state) steps_ = 0;
   if (master) RETURN_IF_ERROR(backend_.ConvertFloat32(master_, weight_, dtype_, count));
   // The staged gradients are of the W that just went.
   DropAllStaged(StagedDrop::kHeadMoved);
@@ -919,6 +961,49 @@ absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config,
   ++steps_;
   outcome.version = ++version_;
   return outcome;
+}
+
+absl::Status Head::NonFiniteStep(const OptimizerConfig& config, const OptimizerTensors& tensors,
+                                 const OptimizerStepResult& result,
+                                 const StepOutcome& outcome) const {
+  // The element at fault, read back and updated once more on the host, so that the refusal says
+  // what the step would have written.
+  const int64_t i = result.element;
+  uint32_t weight = 0;
+  float grad = 0.0f, state1 = 0.0f, state2 = 0.0f;
+  // The step's own operands: fp32 master weights when the head keeps them, the group's gradient
+  // when it has replicas.
+  const size_t weight_bytes = DTypeSize(tensors.weight_dtype);
+  RETURN_IF_ERROR(backend_.CopyToHost(*tensors.weight, i * weight_bytes, weight_bytes, &weight));
+  RETURN_IF_ERROR(backend_.CopyToHost(*tensors.grad, i * sizeof(float), sizeof(float), &grad));
+  if (tensors.state1 != nullptr) {
+    RETURN_IF_ERROR(backend_.CopyToHost(*tensors.state1, i * sizeof(float), sizeof(float), &state1));
+  }
+  if (tensors.state2 != nullptr) {
+    RETURN_IF_ERROR(backend_.CopyToHost(*tensors.state2, i * sizeof(float), sizeof(float), &state2));
+  }
+  const bool adamw = config.kind == OptimizerConfig::Kind::kAdamW;
+  const float old_weight = LoadAsFloat(&weight, tensors.weight_dtype, 0);
+  const ElementUpdate u = UpdateElement(adamw, tensors.state1 != nullptr, old_weight, grad, state1,
+                                        state2, MakeOptimizerScalars(config));
+  std::string field = "weight";
+  float value = AsStored(u.weight, dtype_);
+  if (result.non_finite == OptimizerStepResult::NonFinite::kState1) {
+    field = adamw ? "optimizer.state1 (AdamW's first moment)" : "optimizer.state1 (momentum)";
+    value = u.state1;
+  } else if (result.non_finite == OptimizerStepResult::NonFinite::kState2) {
+    field = "optimizer.state2 (AdamW's second moment)";
+    value = u.state2;
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "head '", name_, "': the step would make ", field, "[", i / hidden_size_, ", ",
+      i % hidden_size_, "] ", value, ", not a finite ",
+      result.non_finite == OptimizerStepResult::NonFinite::kWeight ? DTypeName(dtype_)
+                                                                   : "float32",
+      " value (learning_rate ", config.learning_rate, ", gradient entry ", grad,
+      ", gradient norm ", outcome.grad_norm, ", weight ", old_weight,
+      "); step refused: W, the optimizer state and the version are unchanged. Lower the learning "
+      "rate, or clip the gradient (max_grad_norm)"));
 }
 
 absl::Status Head::ReplaceWeight(const std::vector<uint8_t>& weight, DType dtype, std::string source) {
@@ -971,11 +1056,11 @@ absl::StatusOr<HeadState> Head::ExportState() {
     RETURN_IF_ERROR(
         backend_.CopyToHost(master_, 0, count * sizeof(float), state.master_weight.data()));
   }
-  if (optimizer_ != OptimizerKind::kNone) {
+  if (state1_.data() != nullptr) {
     state.state1.resize(count);
     RETURN_IF_ERROR(backend_.CopyToHost(state1_, 0, count * sizeof(float), state.state1.data()));
   }
-  if (optimizer_ == OptimizerKind::kAdamW) {
+  if (state2_.data() != nullptr) {
     state.state2.resize(count);
     RETURN_IF_ERROR(backend_.CopyToHost(state2_, 0, count * sizeof(float), state.state2.data()));
   }

@@ -8,8 +8,9 @@
 // - Gradients from a call reach the accumulator in one locked add after the whole call succeeded,
 //   so the accumulator always holds whole calls computed against the current W, and only finite
 //   values: a call whose dL/dW, or whose sum with the accumulator, is not finite is refused.
-// - A call with a call_id reaches the accumulator at most once per accumulator epoch, which ends
-//   whenever the accumulator is zeroed (ZeroGradWeight, a Step without keep_grad, an upload of W).
+// - A call with a call_id reaches the accumulator at most once: its id is kept, with the version
+//   and accumulator epoch it was committed at, across the ends of epochs (ZeroGradWeight, a Step
+//   without keep_grad, an upload of W), until max_call_ids newer ids push it out.
 // - Step takes W exclusively: it waits for running engine chunks (not for idle streams).
 // - A call may stage its dL/dW instead of committing it (StageGradient): it is kept, under its
 //   call_id, until CommitStaged adds it times a scale, DiscardStaged or its deadline drops it, or
@@ -21,6 +22,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -227,13 +229,17 @@ class Head {
   // buffer itself (leaving it empty), or its first step: a head that only scores never holds
   // V x H fp32 of gradient.
   //
-  // A call_id already accumulated in this epoch is not added again: kReplayed when it was at this
-  // same version with the same call, ALREADY_EXISTS when the head has moved since (a Step with
-  // keep_grad), INVALID_ARGUMENT when it came with another call. An epoch keeps at most
-  // `max_call_ids` ids; a new one past them is refused (FAILED_PRECONDITION), never forgotten.
+  // A call_id already accumulated is not added again: kReplayed when it was in this epoch at this
+  // same version with the same call, ALREADY_EXISTS when the head has moved since (a Step, with or
+  // without keep_grad) or its accumulator was zeroed, INVALID_ARGUMENT when it came with another
+  // call. The head keeps at most `max_call_ids` ids: those of the current epoch, all of them (a new
+  // one past them is refused with FAILED_PRECONDITION, never forgotten), and of earlier epochs the
+  // most recent that fit beside them, so an id is recognized until max_call_ids later calls with
+  // an id have been committed.
   absl::StatusOr<CommitOutcome> CommitGradient(StagedGradient& call, int64_t max_call_ids);
   // What CommitGradient would refuse of `call_id` now, checked before a call is computed in vain:
-  // an id accumulated at another version or with another start, or a new id in a full epoch.
+  // an id accumulated in another epoch, at another version or with another start, or a new id in
+  // a full epoch.
   absl::Status CheckCallId(const std::string& call_id, uint64_t start_fingerprint,
                            int64_t max_call_ids) const;
   absl::Status ZeroGradient();
@@ -287,7 +293,10 @@ class Head {
   // W as served; with `master`, a 16-bit head's fp32 master weights (W itself where it has none).
   absl::StatusOr<TensorSnapshot> ReadWeight(DType dtype, bool master = false);
 
-  // One optimizer update from the accumulated gradient; increments the version. A 16-bit head
+  // One optimizer update from the accumulated gradient; increments the version. All or nothing:
+  // a step whose W (as served) or optimizer state would not be finite is refused with
+  // FAILED_PRECONDITION naming the element and the value, and leaves W, the optimizer state (of
+  // whichever optimizer), the accumulator and the version as they were. A 16-bit head
   // steps its fp32 master weights (made from W at its first step) and serves their rounded copy.
   // With settings.skip_nonfinite, a gradient whose multiplied norm is not finite leaves W, the
   // optimizer state and the version as they were (skipped) and only resets the accumulator.
@@ -314,11 +323,18 @@ class Head {
   // Hashes W unless digest_ is of the current version.
   absl::Status RefreshDigest() ABSL_EXCLUSIVE_LOCKS_REQUIRED(digest_pass_mu_)
       ABSL_SHARED_LOCKS_REQUIRED(weight_mu_);
-  absl::Status EnsureOptimizerState(OptimizerKind kind) ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
+  // A V x H fp32 buffer of zeros, for optimizer state.
+  absl::StatusOr<DeviceBuffer> ZeroedStateBuffer();
+  // Why the step on `tensors` was refused (`result` names the element), with the value the
+  // element would have taken.
+  absl::Status NonFiniteStep(const OptimizerConfig& config, const OptimizerTensors& tensors,
+                             const OptimizerStepResult& result, const StepOutcome& outcome) const
+      ABSL_SHARED_LOCKS_REQUIRED(weight_mu_) ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
   size_t AccumulatorBytes() const;
   // Allocates the accumulator, zeroed, if the head has none yet.
   absl::Status EnsureAccumulator() ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
-  // Zeroes the accumulator (if allocated) and its token and call counts, and starts a new epoch.
+  // Zeroes the accumulator (if allocated) and its token and call counts, and starts a new epoch;
+  // the ids of the epoch that ends stay known (see CommitGradient).
   absl::Status ResetAccumulator() ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
   // A bound on |entries| of the call's dL/dW after fp32 rounding, reading it back where the
   // engine's bound does not prove it finite; INVALID_ARGUMENT when it is not.
@@ -327,13 +343,13 @@ class Head {
   absl::Status AddToAccumulator(DeviceBuffer& staged, double staged_bound)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
   struct CommittedCall;
-  // Why a repeat of `first`, a call accumulated in this epoch, cannot replay it; OK when it can.
+  // Why a repeat of `first`, a call accumulated earlier, cannot replay it; OK when it can.
   absl::Status CheckRepeat(const std::string& call_id, const CommittedCall& first,
                            uint64_t start_fingerprint) const ABSL_SHARED_LOCKS_REQUIRED(weight_mu_);
   absl::Status CheckRoomForCallId(int64_t max_call_ids) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
   // Adds a gradient that passed the call-id checks: its bound, the sum, the counts.
-  absl::Status AddCommitted(StagedGradient& call, double scale)
+  absl::Status AddCommitted(StagedGradient& call, double scale, int64_t max_call_ids)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_) ABSL_SHARED_LOCKS_REQUIRED(weight_mu_);
   // Drops every staged gradient (the head moved or was zeroed).
   void DropAllStaged(StagedDrop reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
@@ -351,6 +367,11 @@ class Head {
   void DropReduced() ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_);
   absl::StatusOr<GradNorm> GradientNormLocked(std::optional<uint64_t> expected_version,
                                               double grad_multiplier, GradientExchange* exchange)
+      ABSL_SHARED_LOCKS_REQUIRED(weight_mu_);
+  // Remembers `call_id` as committed now, forgetting the oldest ids of earlier epochs beyond
+  // max_call_ids.
+  void RememberCallId(const std::string& call_id, uint64_t start_fingerprint, double loss_sum,
+                      double scale, int64_t max_call_ids) ABSL_EXCLUSIVE_LOCKS_REQUIRED(grad_mu_)
       ABSL_SHARED_LOCKS_REQUIRED(weight_mu_);
 
   Backend& backend_;
@@ -387,8 +408,12 @@ class Head {
   // by every add, taken from the sum of squares where a commit read the sum back. A Step leaves
   // grad_, and so its bound, as they are.
   double grad_bound_ ABSL_GUARDED_BY(grad_mu_) = 0.0;
-  // The calls with a call_id accumulated in this epoch.
+  // Accumulator epochs: one ends whenever the accumulator is zeroed.
+  uint64_t epoch_ ABSL_GUARDED_BY(grad_mu_) = 0;
+  // The calls with a call_id accumulated in this epoch and, within max_call_ids in all, in the
+  // epochs before it; call_id_order_ holds their ids oldest first.
   struct CommittedCall {
+    uint64_t epoch = 0;
     uint64_t version = 0;
     uint64_t start_fingerprint = 0;
     double loss_sum = 0.0;
@@ -429,7 +454,11 @@ class Head {
   int64_t reduced_calls_ ABSL_GUARDED_BY(grad_mu_) = 0;
   double reduced_sum_squares_ ABSL_GUARDED_BY(grad_mu_) = 0.0;
   MemoryCharge reduced_charge_ ABSL_GUARDED_BY(grad_mu_);
+  std::deque<std::string> call_id_order_ ABSL_GUARDED_BY(grad_mu_);
+  int64_t epoch_call_ids_ ABSL_GUARDED_BY(grad_mu_) = 0;  // of committed_calls_, this epoch's
   OptimizerKind optimizer_ ABSL_GUARDED_BY(grad_mu_) = OptimizerKind::kNone;
+  // SGD's momentum buffer (empty until a step with momentum) or AdamW's first moment; AdamW's
+  // second moment.
   DeviceBuffer state1_ ABSL_GUARDED_BY(grad_mu_);
   DeviceBuffer state2_ ABSL_GUARDED_BY(grad_mu_);
   MemoryCharge state_charge_ ABSL_GUARDED_BY(grad_mu_);

@@ -1,8 +1,11 @@
 // lossd_server: serves lm_head heads over gRPC and exports metrics for Prometheus.
+#include <atomic>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <iostream>
@@ -60,7 +63,7 @@ ABSL_FLAG(int64_t, pending_memory_mib, 2048,
           "messages, per-token values, rows read ahead); calls beyond it are refused with "
           "RESOURCE_EXHAUSTED");
 ABSL_FLAG(double, stream_idle_seconds, 60,
-          "a Compute call whose client sends no complete chunk of rows (nor ends its stream, nor "
+          "a Compute call whose client sends no start message or complete chunk of rows (nor "
           "reads its results) for this long is ended with DEADLINE_EXCEEDED");
 ABSL_FLAG(int64_t, max_message_mib, 256, "largest gRPC message accepted or sent, in MiB");
 ABSL_FLAG(int64_t, max_connection_age_seconds, 0,
@@ -175,7 +178,23 @@ int main(int argc, char** argv) {
   }
   config.head_dtype = *dtype;
 
+  // Loading heads can take minutes (or wait on a slow disk): a stop signal meanwhile ends the
+  // process at once, as it would one that serves nothing yet. Started after the signals are
+  // blocked, so that this thread takes them until serving begins.
+  std::atomic<bool> started{false};
+  std::thread startup_watch([&] {
+    constexpr timespec kPoll = {0, 50'000'000};
+    while (!started.load()) {
+      const int received = sigtimedwait(&stop_signals, nullptr, &kPoll);
+      if (received > 0) {
+        std::fprintf(stderr, "lossd_server: signal %d while starting; exiting\n", received);
+        std::_Exit(128 + received);
+      }
+    }
+  });
   auto server = lossd::server::LossServer::Start(config);
+  started.store(true);
+  startup_watch.join();
   if (!server.ok()) {
     std::fprintf(stderr, "lossd_server: %s\n", server.status().ToString().c_str());
     return 1;

@@ -99,6 +99,7 @@ absl::StatusOr<LossOptions> FromProto(const v1::LossOptions& p) {
   if (policy.has_clip_low()) o.policy.clip_low = policy.clip_low();
   if (policy.has_clip_high()) o.policy.clip_high = policy.clip_high();
   o.policy.dual_clip = policy.dual_clip();
+  o.policy.log_ratio_clamp = policy.log_ratio_clamp();
   o.policy.kl_coef = policy.kl_coef();
   o.policy.entropy_coef = policy.entropy_coef();
   if (p.has_ignore_index()) o.ignore_index = p.ignore_index();

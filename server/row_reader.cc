@@ -114,21 +114,21 @@ void RowReader::ReadAll() {
 
 absl::Status RowReader::ReadRows() {
   v1::ComputeRequest request;
-  while (stream_.Read(&request)) {
+  // Once the last row is in, the call has everything it needs: what the client sends after it,
+  // and whether it half-closes, no longer matters to it.
+  while (received_rows_ < layout_.num_tokens && stream_.Read(&request)) {
     {
       absl::MutexLock lock(&mu_);
       if (stop_) return absl::CancelledError("the call ended before its rows were all read");
     }
     RETURN_IF_ERROR(TakeMessage(request));
   }
+  if (received_rows_ == layout_.num_tokens) return absl::OkStatus();
   if (stream_.IsCancelled()) {
     return absl::CancelledError("call cancelled mid-stream; nothing was accumulated");
   }
-  if (received_rows_ != layout_.num_tokens) {
-    return InvalidField("chunk.hidden", absl::StrCat(layout_.num_tokens, " rows (num_tokens)"),
-                        absl::StrCat(received_rows_, " before the stream ended"));
-  }
-  return absl::OkStatus();
+  return InvalidField("chunk.hidden", absl::StrCat(layout_.num_tokens, " rows (num_tokens)"),
+                      absl::StrCat(received_rows_, " before the stream ended"));
 }
 
 absl::Status RowReader::TakeMessage(const v1::ComputeRequest& request) {
@@ -238,6 +238,11 @@ absl::Status RowReader::AwaitFirstChunk() {
                            idle_limit_);
   }
   return status_;
+}
+
+bool RowReader::ChunkReady() {
+  absl::MutexLock lock(&mu_);
+  return filled_ > taken_ || done_;
 }
 
 absl::StatusOr<RowChunk> RowReader::Next() {

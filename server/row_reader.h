@@ -93,14 +93,17 @@ class RowReader {
   // The call holds its place on the device: a message held from now on is the call's memory, no
   // longer pending memory.
   void Admitted();
+  // Whether Next would return at once: the next chunk's rows are in, or the reader has ended.
+  bool ChunkReady();
   // The next chunk, once all its rows are in; the previous chunk must have been released. An
   // error (a malformed message, a short or cancelled stream, a client idle for the limit) as soon
   // as the reader meets it.
   absl::StatusOr<RowChunk> Next();
   // Hands the chunk from Next back for refilling.
   void Release();
-  // Once every chunk was taken: waits for the stream to end and says whether it ended well
-  // (exactly num_tokens rows, nothing after them).
+  // Once every chunk was taken: says whether the call's rows ended well (exactly num_tokens
+  // rows). The rows a call announced are the whole call: nothing after its last row is read, and
+  // the reader does not wait for the client to half-close.
   absl::Status Finish();
   // Ends reading early because the call failed with `reason`: unless the reader has finished,
   // the stream ends with `reason` at once, so a Read waiting on the client returns. Idempotent.

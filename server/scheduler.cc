@@ -1,5 +1,6 @@
 #include "server/scheduler.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 
@@ -43,14 +44,36 @@ Admission& Admission::operator=(Admission&& other) noexcept {
     Release();
     scheduler_ = std::exchange(other.scheduler_, nullptr);
     bytes_ = std::exchange(other.bytes_, 0);
+    paused_bytes_ = std::exchange(other.paused_bytes_, -1);
   }
   return *this;
 }
 
 void Admission::Release() {
-  if (scheduler_ != nullptr) scheduler_->Release(bytes_);
+  if (scheduler_ != nullptr) {
+    // Paused, the slot and the paused bytes are back already; the kept bytes are not.
+    if (paused()) {
+      scheduler_->Release(bytes_ - paused_bytes_, /*running_slot=*/false);
+    } else {
+      scheduler_->Release(bytes_, /*running_slot=*/true);
+    }
+  }
   scheduler_ = nullptr;
   bytes_ = 0;
+  paused_bytes_ = -1;
+}
+
+void Admission::Pause(int64_t keep_bytes) {
+  if (scheduler_ == nullptr || paused()) return;
+  paused_bytes_ = bytes_ - std::min(keep_bytes, bytes_);
+  scheduler_->Release(paused_bytes_, /*running_slot=*/true);
+}
+
+absl::Status Admission::Resume(const std::function<bool()>& cancelled, absl::Duration max_wait) {
+  if (scheduler_ == nullptr || !paused()) return absl::OkStatus();
+  RETURN_IF_ERROR(scheduler_->Wait(paused_bytes_, cancelled, max_wait, /*queue_limited=*/false));
+  paused_bytes_ = -1;
+  return absl::OkStatus();
 }
 
 Scheduler::Scheduler(int64_t capacity_bytes, int max_running, int max_queued)
@@ -66,13 +89,19 @@ absl::Status Scheduler::OverBudget(int64_t bytes) const {
 
 absl::StatusOr<Admission> Scheduler::Admit(int64_t bytes, const std::function<bool()>& cancelled,
                                            absl::Duration max_wait) {
+  RETURN_IF_ERROR(Wait(bytes, cancelled, max_wait, /*queue_limited=*/true));
+  return Admission(this, bytes);
+}
+
+absl::Status Scheduler::Wait(int64_t bytes, const std::function<bool()>& cancelled,
+                             absl::Duration max_wait, bool queue_limited) {
   absl::MutexLock lock(&mu_);
   if (bytes > capacity_bytes_) return OverBudget(bytes);
   auto fits = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return running_ < max_running_ && admitted_bytes_ + bytes <= capacity_bytes_;
   };
   if (!fits()) {
-    if (queued_ >= max_queued_) {
+    if (queue_limited && queued_ >= max_queued_) {
       return WithAdmissionRefusal(
           absl::ResourceExhaustedError(absl::StrCat(
               "admission queue is full (", max_queued_, " calls waiting); retry later")),
@@ -102,7 +131,7 @@ absl::StatusOr<Admission> Scheduler::Admit(int64_t bytes, const std::function<bo
   }
   ++running_;
   admitted_bytes_ += bytes;
-  return Admission(this, bytes);
+  return absl::OkStatus();
 }
 
 void Scheduler::SetCapacity(int64_t capacity_bytes) {
@@ -110,9 +139,9 @@ void Scheduler::SetCapacity(int64_t capacity_bytes) {
   capacity_bytes_ = capacity_bytes;
 }
 
-void Scheduler::Release(int64_t bytes) {
+void Scheduler::Release(int64_t bytes, bool running_slot) {
   absl::MutexLock lock(&mu_);
-  --running_;
+  if (running_slot) --running_;
   admitted_bytes_ -= bytes;
 }
 

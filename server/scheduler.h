@@ -34,7 +34,8 @@ std::optional<AdmissionRefusal> AdmissionRefusalOf(const absl::Status& status);
 
 class Scheduler;
 
-// Holds admitted bytes until destroyed.
+// Holds a running slot and admitted bytes until destroyed. A call that waits for its client gives
+// the slot and part of its bytes back meanwhile (Pause), and queues again to go on (Resume).
 class Admission {
  public:
   Admission() = default;
@@ -42,12 +43,22 @@ class Admission {
   Admission& operator=(Admission&& other) noexcept;
   ~Admission() { Release(); }
   void Release();
+  bool held() const { return scheduler_ != nullptr; }
+  bool paused() const { return paused_bytes_ >= 0; }
+
+  // Gives the running slot and all but `keep_bytes` of the admitted bytes back; the call must
+  // use the device no more until Resume.
+  void Pause(int64_t keep_bytes);
+  // Waits, as Scheduler::Admit does (but never refused for a full queue), for a running slot and
+  // the bytes Pause gave back.
+  absl::Status Resume(const std::function<bool()>& cancelled, absl::Duration max_wait);
 
  private:
   friend class Scheduler;
   Admission(Scheduler* scheduler, int64_t bytes) : scheduler_(scheduler), bytes_(bytes) {}
   Scheduler* scheduler_ = nullptr;
   int64_t bytes_ = 0;
+  int64_t paused_bytes_ = -1;  // while paused, the bytes given back; else -1
 };
 
 class Scheduler {
@@ -71,7 +82,11 @@ class Scheduler {
 
  private:
   friend class Admission;
-  void Release(int64_t bytes);
+  void Release(int64_t bytes, bool running_slot);
+  // Waits for `bytes` and a running slot as Admit does; `queue_limited`: refused when the queue
+  // is full.
+  absl::Status Wait(int64_t bytes, const std::function<bool()>& cancelled,
+                    absl::Duration max_wait, bool queue_limited);
   absl::Status OverBudget(int64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int max_running_;

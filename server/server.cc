@@ -25,6 +25,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
@@ -297,10 +298,29 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
 absl::Status LossServer::LoadHeads(const ServerConfig& config) {
   ASSIGN_OR_RETURN(const std::vector<HeadSpec> specs, ParseHeadSpecs(config.heads));
   if (!config.checkpoint_dir.empty()) {
-    ASSIGN_OR_RETURN(const storage::ResumeResult resumed,
-                     storage::ResumeFromDirectory(config.checkpoint_dir));
+    absl::StatusOr<storage::ResumeResult> resuming =
+        storage::ResumeFromDirectory(config.checkpoint_dir);
+    if (!resuming.ok()) {
+      return absl::Status(resuming.status().code(),
+                          absl::StrCat("--checkpoint_dir: ", resuming.status().message()));
+    }
+    const storage::ResumeResult& resumed = *resuming;
     for (const std::string& skipped : resumed.skipped) {
       startup_log_.push_back(absl::StrCat("skipped checkpoint: ", skipped));
+    }
+    // A head that trained and whose every checkpoint is damaged would otherwise start again from
+    // its source W (or not at all) as if it had never trained.
+    if (!resumed.damaged.empty()) {
+      std::vector<std::string> heads;
+      for (const storage::DamagedHead& damaged : resumed.damaged) {
+        heads.push_back(absl::StrCat("head '", damaged.head, "' in ", damaged.directory, " (",
+                                     absl::StrJoin(damaged.reasons, "; "), ")"));
+      }
+      return absl::DataLossError(absl::StrCat(
+          "--checkpoint_dir: every checkpoint of ", absl::StrJoin(heads, ", and of "),
+          " is damaged; refusing to start rather than serve the head as if it had never been "
+          "trained. Restore a good checkpoint into the head's directory, or move the directory "
+          "aside to start the head from its source"));
     }
     for (const HeadState& state : resumed.heads) {
       const std::string source = absl::StrCat(
@@ -313,7 +333,20 @@ absl::Status LossServer::LoadHeads(const ServerConfig& config) {
     }
   }
   for (const HeadSpec& spec : specs) {
-    if (heads_.Get(spec.name).ok()) {
+    if (absl::StatusOr<std::shared_ptr<Head>> resumed = heads_.Get(spec.name); resumed.ok()) {
+      // A checkpoint of another shape is of another model: it must not silently replace the
+      // head the operator named.
+      ASSIGN_OR_RETURN(const storage::CheckpointHead source,
+                       storage::ProbeCheckpointHead(spec.path, spec.tensor));
+      const Head& head = **resumed;
+      if (source.vocab_size != head.vocab_size() || source.hidden_size != head.hidden_size()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "--heads: head '", spec.name, "' is [", source.vocab_size, ", ", source.hidden_size,
+            "] in ", source.source, ", but its checkpoint in --checkpoint_dir (", head.Summary().source,
+            ") is [", head.vocab_size(), ", ", head.hidden_size(),
+            "]: a checkpoint of another model. Point --checkpoint_dir elsewhere, or move the "
+            "head's checkpoint directory aside"));
+      }
       startup_log_.push_back(absl::StrCat("head '", spec.name, "': ", spec.path,
                                           " not loaded, its checkpoint is newer"));
       continue;
@@ -451,6 +484,13 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
     return InvalidField("--step_wait_seconds", "a positive duration",
                         absl::FormatDuration(config.step_wait));
   }
+  if (config.max_call_ids <= 0) {
+    return InvalidField("--max_call_ids", "a count > 0", absl::StrCat(config.max_call_ids));
+  }
+  if (config.max_connection_age < absl::ZeroDuration()) {
+    return InvalidField("--max_connection_age_seconds", "0 (unlimited) or a positive duration",
+                        absl::FormatDuration(config.max_connection_age));
+  }
   std::string bearer_token;
   if (!config.token_file.empty()) {
     ASSIGN_OR_RETURN(bearer_token, ReadBearerToken(config.token_file));
@@ -523,14 +563,12 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   ServiceOptions options;
   options.compute.workspace_budget_bytes = static_cast<size_t>(server->config_.workspace_budget_bytes);
   options.compute.allow_shared_memory = config.shared_memory;
-  if (config.max_call_ids <= 0) {
-    return InvalidField("--max_call_ids", "a count > 0", absl::StrCat(config.max_call_ids));
-  }
   options.compute.max_call_ids = config.max_call_ids;
   options.compute.stream_idle = config.stream_idle;
   options.compute.staged_grad_ttl = config.staged_grad_ttl;
   options.staged_grad_bytes = server->StagedGradBudget(0);
   options.rendezvous.wait = config.step_wait;
+  options.compute.max_unstarted_streams = config.max_unstarted_streams;
   LossServer* raw_server = server.get();
   options.resize_compute_budget = [raw_server](int64_t incoming_head_elements) {
     raw_server->ResizeComputeBudget(incoming_head_elements);
@@ -570,10 +608,6 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen_address, credentials, &server->port_);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  if (config.max_connection_age < absl::ZeroDuration()) {
-    return InvalidField("--max_connection_age_seconds", "0 (unlimited) or a positive duration",
-                        absl::FormatDuration(config.max_connection_age));
-  }
   if (config.max_connection_age > absl::ZeroDuration()) {
     // Calls still running when a connection reaches its age get this long to finish; one that
     // takes longer fails with UNAVAILABLE, which the clients retry on another connection.

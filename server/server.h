@@ -46,6 +46,9 @@ struct ServerConfig {
   // How long a call waits for its client's next chunk of rows (or end of stream, or reading of
   // results) before it is ended.
   absl::Duration stream_idle = absl::Seconds(60);
+  // Compute streams that may wait for their start message at once; more are refused with
+  // RESOURCE_EXHAUSTED. Each costs a little memory and no thread.
+  int64_t max_unstarted_streams = 1024;
   bool cache_call_buffers = true;                  // keep call buffers between calls
   // Host memory kept for the next call: rows from messages and the dL/dh going out in them.
   int64_t host_cache_bytes = int64_t{1} << 30;

@@ -13,6 +13,7 @@
 
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
+#include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/common/status_macros.h"
 #include "server/compute_reactor.h"
@@ -54,7 +55,8 @@ LossService::LossService(Backend& backend, HeadStore& heads, Scheduler& schedule
       host_buffers_(host_buffers),
       options_(std::move(options)),
       staging_room_(options_.staged_grad_bytes),
-      rendezvous_(options_.rendezvous) {
+      rendezvous_(options_.rendezvous),
+      start_watch_(options_.compute.stream_idle, options_.compute.max_unstarted_streams) {
   replica_observer_.waited = [this](double seconds) { metrics_.ObserveReplicaWait(seconds); };
   replica_observer_.all_reduced = [this](double seconds, int64_t bytes) {
     metrics_.ObserveAllReduce(seconds, bytes);
@@ -66,8 +68,12 @@ absl::Status LossService::Authenticate(const grpc::ServerContextBase& context) c
 }
 
 void LossService::StopAccepting() {
-  absl::MutexLock lock(&calls_mu_);
-  accepting_ = false;
+  {
+    absl::MutexLock lock(&calls_mu_);
+    accepting_ = false;
+  }
+  // A stream that has not even sent its start is not a call in flight: nothing to drain.
+  start_watch_.EndAll(absl::UnavailableError("the server is shutting down and takes no new calls"));
 }
 
 bool LossService::WaitForCallsInFlight(absl::Time deadline) {
@@ -195,7 +201,7 @@ grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>* LossService::C
       ASSIGN_OR_RETURN(
           reactor,
           ComputeReactor::Start(
-              context, options_.compute.stream_idle, call_threads_,
+              context, options_.compute.stream_idle, call_threads_, start_watch_,
               [this](ComputeStream& stream) {
                 return CatchExceptions("Compute", [&] { return RunCompute(stream); });
               },
@@ -250,10 +256,8 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
   ASSIGN_OR_RETURN(const DType wire_dtype, FromProto(start.dtype(), "dtype"));
   ASSIGN_OR_RETURN(const DType storage_dtype,
                    FromProto(start.storage_dtype(), "storage_dtype", DType::kFloat32));
-  if (!std::isfinite(start.logit_softcap()) || start.logit_softcap() < 0) {
-    return InvalidField("logit_softcap", "a finite value >= 0 (0: none)",
-                        absl::StrCat(start.logit_softcap()));
-  }
+  // Every call on the head that leaves its own cap unset takes this one.
+  RETURN_IF_ERROR(ValidateSoftcap("logit_softcap", start.logit_softcap()));
   // Checked by division: the product of absurd declared sizes overflows int64 (2^32 x 2^32 is 0).
   const int64_t max_elements = options_.max_head_bytes / 4;
   if (start.vocab_size() > max_elements / start.hidden_size()) {

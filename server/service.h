@@ -178,6 +178,8 @@ class LossService final
   FaultKind fault_kind_ ABSL_GUARDED_BY(calls_mu_) = FaultKind::kNone;
   absl::Status fault_ ABSL_GUARDED_BY(calls_mu_);
   int calls_in_flight_ ABSL_GUARDED_BY(calls_mu_) = 0;
+  // Compute streams that have not sent their start message yet (no thread runs them).
+  StartWatch start_watch_;
   // Last: joined first, while what the calls' threads use is still there.
   CallThreads call_threads_;
 };

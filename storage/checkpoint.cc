@@ -26,6 +26,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "lossd/common/status_macros.h"
+#include "lossd/kernels/backend_common.h"
 #include "lossd/storage/safetensors.h"
 
 namespace lossd::storage {
@@ -81,9 +82,40 @@ bool ProductFits(int64_t vocab_size, int64_t hidden_size, size_t element_size, s
   return true;
 }
 
-// Which optimizer tensors a kind carries.
+// Which optimizer tensors a kind carries; SGD's momentum buffer is there only once a step used
+// momentum, so a kSgd state may go without state1.
 std::pair<bool, bool> StatesOf(OptimizerKind kind) {
   return {kind != OptimizerKind::kNone, kind == OptimizerKind::kAdamW};
+}
+bool State1IsOptional(OptimizerKind kind) { return kind == OptimizerKind::kSgd; }
+
+// What a resumed head would carry into every later call and step: W finite in its dtype, finite
+// optimizer state, and an AdamW second moment that is a sum of squares (>= 0: a negative one
+// makes sqrt(v) NaN at the next step).
+absl::Status ValidateValues(const CheckpointState& state) {
+  RETURN_IF_ERROR(ValidateFiniteMatrix("weight", state.weight.data(), state.weight_dtype,
+                                       state.vocab_size, state.hidden_size));
+  if (!state.master_weight.empty()) {
+    RETURN_IF_ERROR(ValidateFiniteMatrix("master_weight", state.master_weight.data(),
+                                         DType::kFloat32, state.vocab_size, state.hidden_size));
+  }
+  if (!state.state1.empty()) {
+    RETURN_IF_ERROR(ValidateFiniteMatrix("optimizer.state1", state.state1.data(), DType::kFloat32,
+                                         state.vocab_size, state.hidden_size));
+  }
+  if (!state.state2.empty()) {
+    RETURN_IF_ERROR(ValidateFiniteMatrix("optimizer.state2", state.state2.data(), DType::kFloat32,
+                                         state.vocab_size, state.hidden_size));
+    const auto negative = std::find_if(state.state2.begin(), state.state2.end(),
+                                       [](float v) { return v < 0.0f; });
+    if (negative != state.state2.end()) {
+      const int64_t i = negative - state.state2.begin();
+      return InvalidField(absl::StrCat("optimizer.state2[", i / state.hidden_size, ", ",
+                                       i % state.hidden_size, "]"),
+                          "AdamW's second moment, >= 0", absl::StrCat(*negative));
+    }
+  }
+  return absl::OkStatus();
 }
 
 std::optional<OptimizerKind> OptimizerFromName(absl::string_view name) {
@@ -103,9 +135,8 @@ absl::Status ValidateState(const CheckpointState& state) {
   if (state.steps < 0) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": steps ", state.steps, " is negative"));
   }
-  if (!std::isfinite(state.logit_softcap) || state.logit_softcap < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": logit_softcap ", state.logit_softcap,
-                                                   " is not a finite value >= 0"));
+  if (const absl::Status cap = ValidateSoftcap("logit_softcap", state.logit_softcap); !cap.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", cap.message()));
   }
   RETURN_IF_ERROR(DTypeToSafetensors(state.weight_dtype).status());
   size_t weight_bytes = 0, state_bytes = 0;
@@ -132,7 +163,9 @@ absl::Status ValidateState(const CheckpointState& state) {
                                                    " values, expected ", expected, " for optimizer ",
                                                    OptimizerKindName(state.optimizer)));
   };
-  RETURN_IF_ERROR(check(state.state1, has_state1, "state1"));
+  RETURN_IF_ERROR(check(state.state1,
+                        has_state1 && !(State1IsOptional(state.optimizer) && state.state1.empty()),
+                        "state1"));
   RETURN_IF_ERROR(check(state.state2, has_state2, "state2"));
   if (!state.master_weight.empty()) {
     if (state.weight_dtype == DType::kFloat32) {
@@ -329,6 +362,13 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& dir, const Checkpo
                                            int keep_last) {
   if (dir.empty()) return absl::InvalidArgumentError("checkpoint_dir: empty");
   RETURN_IF_ERROR(ValidateState(state));
+  // A checkpoint that a resume would refuse is not written: it would only push a good one out.
+  const absl::Status values = ValidateValues(state);
+  if (!values.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "checkpoint of head '", state.head, "' at version ", state.version, ": ",
+        values.message(), "; nothing was saved"));
+  }
   const fs::path head_dir = fs::path(dir) / state.head;
   std::error_code error;
   if (fs::create_directories(head_dir, error)) {
@@ -422,8 +462,9 @@ absl::StatusOr<CheckpointState> LoadCheckpoint(const std::string& path) {
   }
   if (const auto cap = metadata.find("logit_softcap"); cap != metadata.end()) {
     if (!absl::SimpleAtod(cap->second, &state.logit_softcap) ||
-        !std::isfinite(state.logit_softcap) || state.logit_softcap < 0) {
-      return bad_field("logit_softcap", cap->second, "a finite number >= 0");
+        !ValidateSoftcap("logit_softcap", state.logit_softcap).ok()) {
+      return bad_field("logit_softcap", cap->second,
+                       "0 or a positive normal fp32 number (1.17549e-38 to 3.40282e+38)");
     }
   }
 
@@ -433,11 +474,14 @@ absl::StatusOr<CheckpointState> LoadCheckpoint(const std::string& path) {
   if (has_state1) expected_tensors.insert(kState1Tensor);
   if (has_state2) expected_tensors.insert(kState2Tensor);
   const std::vector<std::string> names = file.TensorNames();
+  const std::set<std::string> present(names.begin(), names.end());
+  // SGD without momentum saves no momentum buffer.
+  const bool without_state1 = State1IsOptional(state.optimizer) && present.count(kState1Tensor) == 0;
+  if (without_state1) expected_tensors.erase(kState1Tensor);
   // Optional: only 16-bit heads that trained have one.
-  const bool has_master =
-      std::find(names.begin(), names.end(), kMasterWeightTensor) != names.end();
+  const bool has_master = present.count(kMasterWeightTensor) > 0;
   if (has_master) expected_tensors.insert(kMasterWeightTensor);
-  if (std::set<std::string>(names.begin(), names.end()) != expected_tensors) {
+  if (present != expected_tensors) {
     std::vector<std::string> quoted;
     for (const std::string& name : names) quoted.push_back(absl::StrCat("'", absl::CHexEscape(name), "'"));
     return absl::InvalidArgumentError(absl::StrCat(path, ": tensors [", absl::StrJoin(quoted, ", "),
@@ -455,7 +499,7 @@ absl::StatusOr<CheckpointState> LoadCheckpoint(const std::string& path) {
   ASSIGN_OR_RETURN(const TensorRef weight, VerifiedTensor(file, kWeightTensor, weight_entry.dtype,
                                                           state.vocab_size, state.hidden_size));
   state.weight.assign(weight.data, weight.data + weight.bytes);
-  if (has_state1) {
+  if (has_state1 && !without_state1) {
     ASSIGN_OR_RETURN(const TensorRef state1,
                      VerifiedTensor(file, kState1Tensor, "F32", state.vocab_size, state.hidden_size));
     state.state1 = CopyFloats(state1);
@@ -474,6 +518,10 @@ absl::StatusOr<CheckpointState> LoadCheckpoint(const std::string& path) {
                                                             state.vocab_size, state.hidden_size));
     state.master_weight = CopyFloats(master);
   }
+  const absl::Status values = ValidateValues(state);
+  if (!values.ok()) {
+    return absl::Status(values.code(), absl::StrCat(path, ": ", values.message()));
+  }
   return state;
 }
 
@@ -481,7 +529,17 @@ absl::StatusOr<ResumeResult> ResumeFromDirectory(const std::string& dir) {
   ResumeResult result;
   std::error_code error;
   const fs::file_status status = fs::status(dir, error);
-  if (status.type() == fs::file_type::not_found) return result;
+  if (status.type() == fs::file_type::not_found) {
+    // A link to nowhere is not a directory yet to be made: saves would fail, or go elsewhere
+    // once something appears there.
+    std::error_code link_error;
+    if (fs::is_symlink(fs::symlink_status(dir, link_error))) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          dir, ": a symbolic link to ", fs::read_symlink(dir, link_error).string(),
+          ", which does not exist; expected a directory, or nothing there yet"));
+    }
+    return result;
+  }
   if (error) return FilesystemError(error, absl::StrCat(dir, ": cannot stat"));
   if (!fs::is_directory(status)) return absl::FailedPreconditionError(absl::StrCat(dir, ": not a directory"));
 
@@ -518,19 +576,24 @@ absl::StatusOr<ResumeResult> ResumeFromDirectory(const std::string& dir) {
                                                            : std::string("removed")));
       }
     }
+    std::vector<std::string> reasons;
+    bool resumed = false;
     for (const auto& [version, path] : listing.checkpoints) {
       absl::StatusOr<CheckpointState> loaded = LoadCheckpoint(path);
       if (!loaded.ok()) {
-        result.skipped.push_back(std::string(loaded.status().message()));
-        continue;
+        reasons.push_back(std::string(loaded.status().message()));
+      } else if (loaded->head != head || loaded->version != version) {
+        reasons.push_back(absl::StrCat(path, ": metadata names head '", loaded->head, "' version ",
+                                       loaded->version, ", not the file name's"));
+      } else {
+        result.heads.push_back(*std::move(loaded));
+        resumed = true;
+        break;
       }
-      if (loaded->head != head || loaded->version != version) {
-        result.skipped.push_back(absl::StrCat(path, ": metadata names head '", loaded->head, "' version ",
-                                              loaded->version, ", not the file name's"));
-        continue;
-      }
-      result.heads.push_back(*std::move(loaded));
-      break;
+    }
+    result.skipped.insert(result.skipped.end(), reasons.begin(), reasons.end());
+    if (!resumed && !reasons.empty()) {
+      result.damaged.push_back({head, entry.string(), std::move(reasons)});
     }
   }
   return result;

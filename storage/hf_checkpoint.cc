@@ -1,6 +1,8 @@
 #include "lossd/storage/hf_checkpoint.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -16,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "lossd/common/status_macros.h"
+#include "lossd/kernels/backend_common.h"
 #include "nlohmann/json.hpp"
 
 namespace lossd::storage {
@@ -24,8 +27,10 @@ namespace {
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
 
-// config.json and index files are kilobytes to a few megabytes; anything this large is not one.
-constexpr std::streamoff kMaxJsonFileBytes = 64 << 20;
+// config.json files are kilobytes (the largest, with label maps, well under a megabyte) and index
+// files at most a few megabytes; anything this large is not one.
+constexpr int64_t kMaxConfigFileBytes = 4 << 20;
+constexpr int64_t kMaxIndexFileBytes = 64 << 20;
 
 // Model types whose transformers config class sets tie_word_embeddings to false (transformers
 // 5.23, every causal-LM and image-text-to-text type).
@@ -55,40 +60,70 @@ constexpr absl::string_view kUntiedByDefault[] = {
 };
 
 // Names from files go into messages quoted and printable.
-std::string Quote(absl::string_view text) {
-  constexpr size_t kShown = 120;
-  std::string shown(text.substr(0, kShown));
-  for (char& c : shown) {
-    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = '?';
-  }
-  return absl::StrCat("'", shown, text.size() > kShown ? "...'" : "'");
-}
+std::string Quote(absl::string_view text) { return absl::StrCat("'", Printable(text, 120), "'"); }
 
 std::string TypeOf(const Json& value) { return value.type_name(); }
 
-absl::StatusOr<std::string> ReadJsonFile(const std::string& path) {
-  std::ifstream file(path, std::ios::binary | std::ios::ate);
-  if (!file) return absl::NotFoundError(absl::StrCat(path, ": cannot read"));
-  const std::streamoff size = file.tellg();
-  if (size > kMaxJsonFileBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": ", size, " bytes, more than the ", kMaxJsonFileBytes,
-                     " a config or index file may have"));
+// A regular file's contents, at most `max_bytes`. Opened without blocking, so that a FIFO (or a
+// link to one) is refused rather than waited on for a writer that never comes.
+absl::StatusOr<std::string> ReadJsonFile(const std::string& path, int64_t max_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat(path, ": cannot read"));
+  struct stat info;
+  std::string contents;
+  absl::Status status;
+  if (::fstat(fd, &info) != 0) {
+    status = absl::ErrnoToStatus(errno, absl::StrCat(path, ": cannot stat"));
+  } else if (!S_ISREG(info.st_mode)) {
+    status = absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+  } else if (info.st_size > max_bytes) {
+    status = absl::InvalidArgumentError(absl::StrCat(
+        path, ": ", info.st_size, " bytes, more than the ", max_bytes, " such a file may have"));
+  } else {
+    contents.resize(static_cast<size_t>(info.st_size));
+    size_t done = 0;
+    while (done < contents.size()) {
+      const ssize_t got = ::read(fd, contents.data() + done, contents.size() - done);
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) {
+        status = got < 0 ? absl::ErrnoToStatus(errno, absl::StrCat(path, ": cannot read"))
+                         : absl::DataLossError(absl::StrCat(path, ": shorter than its size"));
+        break;
+      }
+      done += static_cast<size_t>(got);
+    }
   }
-  file.seekg(0);
-  std::ostringstream contents;
-  contents << file.rdbuf();
-  return contents.str();
+  ::close(fd);
+  if (!status.ok()) return status;
+  return contents;
 }
 
+// Thrown by the parser's callback to stop a document nested too deeply.
+struct TooDeep {};
+
 absl::StatusOr<Json> ParseJsonObject(absl::string_view text, absl::string_view source) {
+  // lossd reads fields at depth 1 and 2 (text_config's, the weight map's entries): deeper values
+  // are dropped as they are parsed, and a document nested past kMaxJsonDepth is refused, so that
+  // its memory stays near the text's size however it nests.
+  constexpr int kKeptDepth = 2;
+  constexpr int kMaxJsonDepth = 64;
+  const Json::parser_callback_t keep_shallow = [](int depth, Json::parse_event_t event, Json&) {
+    if (depth > kMaxJsonDepth) throw TooDeep();
+    const bool completes_a_value = event == Json::parse_event_t::value ||
+                                   event == Json::parse_event_t::object_end ||
+                                   event == Json::parse_event_t::array_end;
+    return !(completes_a_value && depth > kKeptDepth);
+  };
   Json root;
   try {
-    root = Json::parse(text.begin(), text.end());
+    root = Json::parse(text.begin(), text.end(), keep_shallow);
+  } catch (const TooDeep&) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": nested deeper than ", kMaxJsonDepth, " levels"));
   } catch (const Json::exception& e) {
-    std::string what = e.what();
-    if (what.size() > 300) what = absl::StrCat(what.substr(0, 300), "...");
-    return absl::InvalidArgumentError(absl::StrCat(source, ": not valid JSON: ", what));
+    // The parser quotes what it last read: bytes of the file, which may not be text.
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": not valid JSON: ", Printable(e.what(), 300)));
   }
   if (!root.is_object()) {
     return absl::InvalidArgumentError(
@@ -170,7 +205,7 @@ std::string ShardHint(const ModelCheckpoint& checkpoint) {
   const std::string file = checkpoint.Describe();
   const fs::path index_path = fs::path(file).parent_path() / kShardIndexFileName;
   if (!IsRegularFile(index_path.string())) return {};
-  absl::StatusOr<std::string> text = ReadJsonFile(index_path.string());
+  absl::StatusOr<std::string> text = ReadJsonFile(index_path.string(), kMaxIndexFileBytes);
   if (!text.ok()) return {};
   absl::StatusOr<ShardIndex> index = ParseShardIndex(*text, index_path.string());
   if (!index.ok()) return {};
@@ -238,6 +273,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
       return InvalidField(absl::StrCat(source, ": ", where), "a positive number or null",
                           cap->is_structured() ? TypeOf(*cap) : cap->dump());
     }
+    // Every call on the head that leaves its own cap unset takes this one, so one that fp32
+    // cannot hold would make the head refuse its own default calls.
+    RETURN_IF_ERROR(ValidateSoftcap(absl::StrCat(source, ": ", where), cap->get<double>()));
     config.final_logit_softcapping = cap->get<double>();
   }
   return config;
@@ -279,10 +317,14 @@ absl::StatusOr<ModelCheckpoint> ModelCheckpoint::Open(const std::string& path) {
     dir = path;
     const std::string index_candidate = (dir / kShardIndexFileName).string();
     const std::string file_candidate = (dir / kSingleFileName).string();
+    struct stat candidate;
     if (IsRegularFile(index_candidate)) {
       index_path = index_candidate;
     } else if (IsRegularFile(file_candidate)) {
       checkpoint.single_file_ = file_candidate;
+    } else if (::stat(file_candidate.c_str(), &candidate) == 0) {
+      // A FIFO or a device there would be waited on or read without end.
+      return absl::InvalidArgumentError(absl::StrCat(file_candidate, ": not a regular file"));
     } else {
       return absl::NotFoundError(absl::StrCat(path, ": a model directory holds ",
                                               kShardIndexFileName, " or ", kSingleFileName,
@@ -302,13 +344,16 @@ absl::StatusOr<ModelCheckpoint> ModelCheckpoint::Open(const std::string& path) {
   if (dir.empty()) dir = ".";
 
   const std::string config_path = (dir / kConfigFileName).string();
-  if (IsRegularFile(config_path)) {
-    ASSIGN_OR_RETURN(const std::string text, ReadJsonFile(config_path));
+  // Anything under the name but a missing file is read, and a FIFO or a directory refused: the
+  // config decides the tie and the soft cap, so it must not be passed over silently.
+  struct stat config_info;
+  if (::lstat(config_path.c_str(), &config_info) == 0) {
+    ASSIGN_OR_RETURN(const std::string text, ReadJsonFile(config_path, kMaxConfigFileBytes));
     ASSIGN_OR_RETURN(checkpoint.config_, ParseModelConfig(text, config_path));
     checkpoint.config_path_ = config_path;
   }
   if (!index_path.empty()) {
-    ASSIGN_OR_RETURN(const std::string text, ReadJsonFile(index_path));
+    ASSIGN_OR_RETURN(const std::string text, ReadJsonFile(index_path, kMaxIndexFileBytes));
     ASSIGN_OR_RETURN(checkpoint.index_, ParseShardIndex(text, index_path));
   } else {
     RETURN_IF_ERROR(checkpoint.OpenFile(checkpoint.single_file_).status());
@@ -366,8 +411,12 @@ absl::StatusOr<TensorRef> ModelCheckpoint::Tensor(absl::string_view tensor) {
   return ref;
 }
 
-absl::StatusOr<CheckpointHead> LoadCheckpointHead(const std::string& path, absl::string_view tensor,
-                                                  DType dtype) {
+namespace {
+
+// LoadCheckpointHead, reading W only `with_weight`.
+absl::StatusOr<CheckpointHead> FindCheckpointHead(const std::string& path,
+                                                  absl::string_view tensor, DType dtype,
+                                                  bool with_weight) {
   ASSIGN_OR_RETURN(ModelCheckpoint checkpoint, ModelCheckpoint::Open(path));
   const std::optional<ModelConfig>& config = checkpoint.config();
   CheckpointHead head;
@@ -444,13 +493,32 @@ absl::StatusOr<CheckpointHead> LoadCheckpointHead(const std::string& path, absl:
   head.vocab_size = ref.shape[0];
   head.hidden_size = ref.shape[1];
   head.weight_dtype = dtype;
-  ASSIGN_OR_RETURN(head.weight, ReadAsDType(ref, dtype));
+  if (with_weight) {
+    absl::StatusOr<std::vector<uint8_t>> weight = ReadAsDType(ref, dtype);
+    if (!weight.ok()) {
+      return absl::Status(weight.status().code(),
+                          absl::StrCat(file, ": ", weight.status().message()));
+    }
+    head.weight = *std::move(weight);
+  }
   head.source = absl::StrCat(file, "#", chosen, " (", ref.dtype, ")");
   head.file_dtype = ref.dtype;
   if (head.logit_softcap > 0) {
     absl::StrAppend(&head.explanation, "; final_logit_softcapping ", head.logit_softcap);
   }
   return head;
+}
+
+}  // namespace
+
+absl::StatusOr<CheckpointHead> LoadCheckpointHead(const std::string& path, absl::string_view tensor,
+                                                  DType dtype) {
+  return FindCheckpointHead(path, tensor, dtype, /*with_weight=*/true);
+}
+
+absl::StatusOr<CheckpointHead> ProbeCheckpointHead(const std::string& path,
+                                                   absl::string_view tensor) {
+  return FindCheckpointHead(path, tensor, DType::kFloat32, /*with_weight=*/false);
 }
 
 }  // namespace lossd::storage

@@ -39,12 +39,6 @@ constexpr SafetensorsDType kSafetensorsDTypes[] = {
     {"BF16", 2}, {"I32", 4}, {"U32", 4}, {"F32", 4},     {"I64", 8},     {"U64", 8}, {"F64", 8},
 };
 
-// Text from untrusted files goes into error messages short and printable.
-std::string Printable(absl::string_view text, size_t max_bytes) {
-  if (text.size() <= max_bytes) return absl::CHexEscape(text);
-  return absl::StrCat(absl::CHexEscape(text.substr(0, max_bytes)), "... (", text.size(), " bytes)");
-}
-
 std::string Quote(absl::string_view text) { return absl::StrCat("'", Printable(text, 80), "'"); }
 
 std::string ShapeText(const std::vector<int64_t>& shape) {
@@ -169,6 +163,11 @@ std::string RandomHex() {
 
 }  // namespace
 
+std::string Printable(absl::string_view text, size_t max_bytes) {
+  if (text.size() <= max_bytes) return absl::CHexEscape(text);
+  return absl::StrCat(absl::CHexEscape(text.substr(0, max_bytes)), "... (", text.size(), " bytes)");
+}
+
 absl::StatusOr<size_t> SafetensorsDTypeSize(absl::string_view dtype) {
   for (const SafetensorsDType& known : kSafetensorsDTypes) {
     if (dtype == known.name) return known.size;
@@ -237,7 +236,9 @@ size_t SafetensorsFile::file_size() const {
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // Non-blocking: opening a FIFO for reading would otherwise wait for a writer, for ever. A
+  // regular file, the only kind taken, ignores the flag.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat(path, ": cannot open"));
   struct stat info;
   if (::fstat(fd, &info) != 0) {

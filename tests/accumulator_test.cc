@@ -305,10 +305,12 @@ TEST_F(CallIdTest, ARepeatIsReplayedBitwiseAndAccumulatedOnce) {
   EXPECT_TRUE(BitwiseEqual(Fetch(*stub_, head_, true).values, once.values));
 }
 
-// How an accumulator epoch ends, after which an id is new again.
+// How an accumulator epoch ends. A retry that reaches the server after it (its first attempt
+// committed, the answer was lost, a step came before the retry) must not count the call again.
 struct EpochEnd {
   const char* name;
   const char* why;
+  bool moves_version;
   void (*end)(v1::LossService::Stub& stub, const std::string& head,
               const std::vector<float>& weight);
 };
@@ -316,16 +318,16 @@ struct EpochEnd {
 void PrintTo(const EpochEnd& e, std::ostream* os) { *os << e.name; }
 
 const EpochEnd kEpochEnds[] = {
-    {"zero_grad", "ZeroGradWeight empties the accumulator; W stays",
+    {"zero_grad", "ZeroGradWeight empties the accumulator; W stays", false,
      [](v1::LossService::Stub& stub, const std::string& head, const std::vector<float>&) {
        ASSERT_TRUE(ZeroGrad(stub, head).ok());
      }},
-    {"step", "a step without keep_grad moves W and empties the accumulator",
+    {"step", "a step without keep_grad moves W and empties the accumulator", true,
      [](v1::LossService::Stub& stub, const std::string& head, const std::vector<float>&) {
        v1::StepResponse response;
        ASSERT_TRUE(SgdStep(stub, head, false, 0.0, &response).ok());
      }},
-    {"upload", "an upload that replaces W empties the accumulator",
+    {"upload", "an upload that replaces W empties the accumulator", true,
      [](v1::LossService::Stub& stub, const std::string& head, const std::vector<float>& weight) {
        std::vector<float> halved = weight;
        for (float& x : halved) x *= 0.5f;
@@ -335,19 +337,29 @@ const EpochEnd kEpochEnds[] = {
 
 class CallIdEpochTest : public CallIdTest, public ::testing::WithParamInterface<EpochEnd> {};
 
-TEST_P(CallIdEpochTest, ANewEpochTakesTheIdAgain) {
+TEST_P(CallIdEpochTest, ARepeatAfterTheEpochEndedIsRefused) {
   SCOPED_TRACE(GetParam().why);
   ASSERT_TRUE(Train("epoch").status.ok());
+  const uint64_t committed_at = GetHead(*stub_, head_).version();
   GetParam().end(*stub_, head_, weight_);
-  const std::vector<float> weight = Fetch(*stub_, head_, false).values;
+  const uint64_t now = GetHead(*stub_, head_).version();
+  EXPECT_EQ(now != committed_at, GetParam().moves_version);
+  const FetchedTensor emptied = Fetch(*stub_, head_, true);
+
   const ComputeOutcome again = Train("epoch");
-  ASSERT_TRUE(again.status.ok()) << again.status.error_message();
-  EXPECT_FALSE(again.summary.replayed());
-  ExpectOneCopy(Reference(weight, kIdVocab, kIdHidden, batch_).grad_weight);
-  // And within the new epoch it is a repeat again.
-  const ComputeOutcome repeat = Train("epoch");
-  ASSERT_TRUE(repeat.status.ok()) << repeat.status.error_message();
-  EXPECT_TRUE(repeat.summary.replayed());
+  const std::string& message = again.status.error_message();
+  EXPECT_EQ(again.status.error_code(), StatusCode::ALREADY_EXISTS) << message;
+  EXPECT_TRUE(Contains(message, "'epoch'")) << message;
+  EXPECT_TRUE(Contains(message, absl::StrCat("at version ", committed_at))) << message;
+  EXPECT_TRUE(Contains(message, absl::StrCat("now at version ", now))) << message;
+  EXPECT_EQ(again.result_messages, 0) << "refused before it was computed";
+  EXPECT_TRUE(BitwiseEqual(Fetch(*stub_, head_, true).values, emptied.values));
+  EXPECT_EQ(GetHead(*stub_, head_).accumulated_calls(), 0);
+  // A fresh id is a new call in the new epoch.
+  const std::vector<float> weight = Fetch(*stub_, head_, false).values;
+  const ComputeOutcome fresh = Train("epoch-2");
+  ASSERT_TRUE(fresh.status.ok()) << fresh.status.error_message();
+  EXPECT_FALSE(fresh.summary.replayed());
   ExpectOneCopy(Reference(weight, kIdVocab, kIdHidden, batch_).grad_weight);
 }
 
@@ -448,8 +460,9 @@ TEST_F(CallIdTest, AnIdReusedForAnotherCallIsRefused) {
   EXPECT_EQ(GetHead(*stub_, head_).accumulated_calls(), 1);
 }
 
-// The ids a head keeps per epoch are bounded; past the bound a new id is refused rather than an
-// old one forgotten (which a late repeat of it would then count twice).
+// The ids a head keeps are bounded. Within an epoch a new id past the bound is refused rather
+// than an old one forgotten (which a late repeat of it would then count twice); ids of earlier
+// epochs are kept while they fit beside the current epoch's, oldest forgotten first.
 TEST(CallIdBoundTest, ANewIdPastTheBoundIsRefusedNotAnOldOneForgotten) {
   std::mt19937_64 rng(FreshSeed());
   server::ServerConfig config = MultiChunkDemoConfig("bounded", 400, kIdHidden, 2);
@@ -476,9 +489,46 @@ TEST(CallIdBoundTest, ANewIdPastTheBoundIsRefusedNotAnOldOneForgotten) {
   // Calls without an id are not limited.
   EXPECT_TRUE(train("").status.ok());
   EXPECT_EQ(GetHead(*stub, "bounded").accumulated_calls(), 4);
-  // A new epoch has room again.
-  ASSERT_TRUE(ZeroGrad(*stub, "bounded").ok());
+  // A new epoch has room again; its first id pushes out the oldest of the last epoch's.
+  v1::StepResponse step;
+  ASSERT_TRUE(SgdStep(*stub, "bounded", /*keep_grad=*/false, 0.0, &step).ok());
   EXPECT_TRUE(train("d").status.ok());
+  for (const char* id : {"b", "c"}) {
+    EXPECT_EQ(train(id).status.error_code(), StatusCode::ALREADY_EXISTS) << id;
+  }
+  EXPECT_EQ(GetHead(*stub, "bounded").accumulated_calls(), 1);
+  // "a" had 3 later ids committed after it: forgotten, it is a new call.
+  const ComputeOutcome forgotten = train("a");
+  ASSERT_TRUE(forgotten.status.ok()) << forgotten.status.error_message();
+  EXPECT_FALSE(forgotten.summary.replayed());
+  EXPECT_EQ(GetHead(*stub, "bounded").accumulated_calls(), 2);
+}
+
+// SGD keeps a momentum buffer only once a step asks for momentum (torch's first buffer is that
+// step's gradient, which momentum * 0 + g gives too): with momentum 0 a head holds, and would
+// checkpoint, no V x H state.
+TEST(OptimizerStateTest, SgdWithoutMomentumKeepsNoState) {
+  server::ServerConfig config = MultiChunkDemoConfig("sgd", 400, kIdHidden, 2);
+  auto server = StartTestServer(config);
+  ASSERT_NE(server, nullptr);
+  auto stub = ConnectTo(server->port());
+  const int64_t state_bytes = 400 * kIdHidden * static_cast<int64_t>(sizeof(float));
+  auto step = [&](double momentum) {
+    grpc::ClientContext context;
+    v1::StepRequest request;
+    request.set_head("sgd");
+    request.mutable_sgd()->set_learning_rate(0.1);
+    request.mutable_sgd()->set_momentum(momentum);
+    v1::StepResponse response;
+    return stub->Step(&context, request, &response);
+  };
+  ASSERT_TRUE(step(0.0).ok());
+  EXPECT_EQ(server->ledger().current(server::MemoryPurpose::kOptimizerState), 0);
+  ASSERT_TRUE(step(0.9).ok());
+  EXPECT_EQ(server->ledger().current(server::MemoryPurpose::kOptimizerState), state_bytes);
+  // The buffer, once there, stays (a later step with momentum 0 neither reads nor drops it).
+  ASSERT_TRUE(step(0.0).ok());
+  EXPECT_EQ(server->ledger().current(server::MemoryPurpose::kOptimizerState), state_bytes);
 }
 
 }  // namespace

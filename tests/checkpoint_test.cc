@@ -17,9 +17,11 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "lossd/kernels/half.h"
+#include "lossd/kernels/loss_math.h"
 #include "lossd/storage/safetensors.h"
 #include "tests/scratch_files.h"
 
@@ -29,6 +31,7 @@ namespace {
 using ::lossd::testing::ReadFile;
 using ::lossd::testing::ScratchDir;
 using ::lossd::testing::WriteFile;
+using ::lossd::testing::WriteUncheckedCheckpoint;
 
 namespace fs = std::filesystem;
 using ::testing::ElementsAre;
@@ -43,8 +46,9 @@ std::set<std::string> FileNames(const std::string& dir) {
   return names;
 }
 
-// A head of random shape and values; optimizer state includes values whose bits only a bitwise
-// copy preserves (NaN payloads, negative zero, infinities).
+// A head of random shape and values, finite as a checkpoint must hold them (random bits that are
+// not NaN or Inf); optimizer state includes values whose bits only a bitwise copy preserves
+// (negative zero, the smallest subnormal, the largest float). AdamW's second moment is >= 0.
 CheckpointState RandomState(std::mt19937& rng, const std::string& head, uint64_t version, DType dtype,
                             OptimizerKind optimizer) {
   CheckpointState state;
@@ -56,19 +60,27 @@ CheckpointState RandomState(std::mt19937& rng, const std::string& head, uint64_t
   state.weight_dtype = dtype;
   const size_t count = static_cast<size_t>(state.vocab_size * state.hidden_size);
   state.weight.resize(count * DTypeSize(dtype));
-  for (uint8_t& byte : state.weight) byte = static_cast<uint8_t>(rng());
+  for (size_t i = 0; i < count; ++i) {
+    float value;
+    do {
+      for (size_t b = 0; b < DTypeSize(dtype); ++b) {
+        state.weight[i * DTypeSize(dtype) + b] = static_cast<uint8_t>(rng());
+      }
+      value = LoadAsFloat(state.weight.data(), dtype, static_cast<int64_t>(i));
+    } while (!std::isfinite(value));
+  }
   state.optimizer = optimizer;
   std::normal_distribution<float> normal;
-  const auto random_floats = [&] {
+  const auto random_floats = [&](bool non_negative) {
     std::vector<float> values(count);
-    for (float& value : values) value = normal(rng);
-    values[0] = -0.0f;
-    if (count > 1) values[1] = BitsToFloat(0x7fc01234u);
-    if (count > 2) values[2] = -std::numeric_limits<float>::infinity();
+    for (float& value : values) value = non_negative ? std::fabs(normal(rng)) : normal(rng);
+    values[0] = non_negative ? 0.0f : -0.0f;
+    if (count > 1) values[1] = BitsToFloat(0x00000001u);
+    if (count > 2) values[2] = std::numeric_limits<float>::max() * (non_negative ? 1.0f : -1.0f);
     return values;
   };
-  if (optimizer != OptimizerKind::kNone) state.state1 = random_floats();
-  if (optimizer == OptimizerKind::kAdamW) state.state2 = random_floats();
+  if (optimizer != OptimizerKind::kNone) state.state1 = random_floats(false);
+  if (optimizer == OptimizerKind::kAdamW) state.state2 = random_floats(true);
   state.tied_embeddings = rng() % 2 == 0;
   // Gemma 2's cap, none, or a value that needs every digit of a double to come back the same.
   const double caps[] = {30.0, 0.0, std::uniform_real_distribution<double>(0.1, 100.0)(rng)};
@@ -266,7 +278,6 @@ TEST(CheckpointTest, RejectsInconsistentStatesWithoutWriting) {
       {"zero vocabulary", [](auto& s) { s.vocab_size = 0; }, "positive"},
       {"negative steps", [](auto& s) { s.steps = -1; }, "steps"},
       {"shape too large", [](auto& s) { s.vocab_size = s.hidden_size = int64_t{1} << 40; }, "too large"},
-      {"SGD without momentum", [](auto& s) { s.state1.clear(); }, "state1"},
       {"SGD with a second moment", [](auto& s) { s.state2 = s.state1; }, "state2"},
       {"no optimizer but state", [](auto& s) { s.optimizer = OptimizerKind::kNone; }, "state1"},
       {"AdamW without second moment", [](auto& s) { s.optimizer = OptimizerKind::kAdamW; }, "state2"},
@@ -274,6 +285,8 @@ TEST(CheckpointTest, RejectsInconsistentStatesWithoutWriting) {
       {"unknown optimizer", [](auto& s) { s.optimizer = static_cast<OptimizerKind>(7); }, "optimizer"},
       {"negative soft cap", [](auto& s) { s.logit_softcap = -1; }, "logit_softcap"},
       {"infinite soft cap", [](auto& s) { s.logit_softcap = HUGE_VAL; }, "logit_softcap"},
+      {"soft cap 0 in fp32", [](auto& s) { s.logit_softcap = 1e-300; }, "logit_softcap"},
+      {"soft cap Inf in fp32", [](auto& s) { s.logit_softcap = 1e39; }, "logit_softcap"},
   };
   // clang-format on
 
@@ -545,6 +558,91 @@ TEST(ResumeTest, PicksTheNewestCheckpointThatLoads) {
   EXPECT_THAT(skipped_for(beta_v7_path), HasSubstr("CRC-32C"));
   EXPECT_THAT(skipped_for(gamma_v1_path), HasSubstr("header length"));
   EXPECT_THAT(skipped_for(CheckpointPath(dir.path(), "delta", 2)), HasSubstr("head 'alpha'"));
+  // gamma and delta hold checkpoints, none of which loads: the caller must not start them afresh.
+  ASSERT_EQ(result->damaged.size(), 2u);
+  EXPECT_EQ(result->damaged[0].head, "delta");
+  EXPECT_EQ(result->damaged[1].head, "gamma");
+  EXPECT_EQ(result->damaged[1].directory, dir.File("gamma"));
+  EXPECT_THAT(result->damaged[1].reasons, ElementsAre(StartsWith(gamma_v1_path + ": ")));
+}
+
+// A checkpoint is what the next start serves: values it would refuse (a NaN or Inf in W or the
+// optimizer state, a negative AdamW second moment) are refused by a save, which writes nothing,
+// and by a load, naming the element; a resume falls back past them to the newest good one.
+TEST(CheckpointTest, ValuesAResumeWouldRefuseAreNeverSavedAndAreSkippedAtLoad) {
+  const uint32_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  ScratchDir dir;
+  const CheckpointState good = RandomState(rng, "h", 3, DType::kFloat32, OptimizerKind::kAdamW);
+  ASSERT_TRUE(SaveCheckpoint(dir.path(), good).ok());
+  const int64_t count = good.vocab_size * good.hidden_size;
+  const int64_t at = std::uniform_int_distribution<int64_t>(0, count - 1)(rng);
+  const std::string element =
+      absl::StrCat("[", at / good.hidden_size, ", ", at % good.hidden_size, "]");
+  const struct {
+    const char* reason;
+    std::function<void(CheckpointState&)> damage;
+    std::string fragment;
+  } cases[] = {
+      {"Inf in W", [&](CheckpointState& s) {
+         const float inf = INFINITY;
+         std::memcpy(s.weight.data() + at * sizeof(float), &inf, sizeof(float));
+       }, "weight" + element + ": expected a finite float32 value, got inf"},
+      {"NaN in the first moment", [&](CheckpointState& s) { s.state1[at] = std::nanf(""); },
+       "optimizer.state1" + element + ": expected a finite float32 value, got nan"},
+      {"negative second moment", [&](CheckpointState& s) { s.state2[at] = -1e-3f; },
+       "optimizer.state2" + element + ": expected AdamW's second moment, >= 0, got -0.001"},
+  };
+  uint64_t version = 4;
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.reason);
+    CheckpointState bad = good;
+    bad.version = version++;
+    c.damage(bad);
+    const absl::Status saved = SaveCheckpoint(dir.path(), bad).status();
+    EXPECT_EQ(saved.code(), absl::StatusCode::kFailedPrecondition) << saved;
+    EXPECT_THAT(std::string(saved.message()), HasSubstr(c.fragment));
+    EXPECT_FALSE(fs::exists(CheckpointPath(dir.path(), "h", bad.version)));
+
+    const std::string path = WriteUncheckedCheckpoint(dir.path(), bad);
+    const absl::Status loaded = LoadCheckpoint(path).status();
+    EXPECT_EQ(loaded.code(), absl::StatusCode::kInvalidArgument) << loaded;
+    EXPECT_THAT(std::string(loaded.message()), StartsWith(path + ": "));
+    EXPECT_THAT(std::string(loaded.message()), HasSubstr(c.fragment));
+  }
+  // v4 to v6 are bad: the resume takes v3, and lists them.
+  absl::StatusOr<ResumeResult> result = ResumeFromDirectory(dir.path());
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_EQ(result->heads.size(), 1u);
+  ExpectSameState(result->heads[0], good);
+  EXPECT_EQ(result->skipped.size(), 3u) << ::testing::PrintToString(result->skipped);
+  EXPECT_TRUE(result->damaged.empty());
+}
+
+// SGD without momentum keeps no momentum buffer, and its checkpoint holds none.
+TEST(CheckpointTest, SgdWithoutAMomentumBufferRoundTrips) {
+  std::mt19937 rng(FreshSeed());
+  ScratchDir dir;
+  CheckpointState state = RandomState(rng, "h", 2, DType::kFloat32, OptimizerKind::kSgd);
+  state.state1.clear();
+  absl::StatusOr<std::string> path = SaveCheckpoint(dir.path(), state);
+  ASSERT_TRUE(path.ok()) << path.status();
+  absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(*path);
+  ASSERT_TRUE(file.ok());
+  EXPECT_THAT(file->TensorNames(), ElementsAre("weight"));
+  absl::StatusOr<CheckpointState> loaded = LoadCheckpoint(*path);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ExpectSameState(*loaded, state);
+}
+
+// A --checkpoint_dir that is a link to nothing would take saves nowhere: refused.
+TEST(ResumeTest, ADanglingLinkIsRefused) {
+  ScratchDir dir;
+  fs::create_symlink(dir.File("gone"), dir.File("link"));
+  const absl::Status status = ResumeFromDirectory(dir.File("link")).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr("symbolic link to " + dir.File("gone")));
 }
 
 TEST(ResumeTest, ListsEntriesThatAreNotCheckpoints) {

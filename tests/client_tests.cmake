@@ -11,7 +11,7 @@ target_link_libraries(client_test PRIVATE
   lossd_test_reference
   GTest::gtest_main
 )
-gtest_discover_tests(client_test DISCOVERY_TIMEOUT 60)
+gtest_discover_tests(client_test DISCOVERY_TIMEOUT 300)
 
 # Scoring over replicas of one head: several real servers in one process, one target.
 add_executable(replicas_test
@@ -25,11 +25,11 @@ target_link_libraries(replicas_test PRIVATE
   OpenSSL::Crypto
   GTest::gtest_main
 )
-gtest_discover_tests(replicas_test DISCOVERY_TIMEOUT 60)
+gtest_discover_tests(replicas_test DISCOVERY_TIMEOUT 300)
 
 # lossctl run as a user would, against the real lossd_server binary.
 add_test(NAME lossctl_test
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/lossctl_test.py)
 set_tests_properties(lossctl_test PROPERTIES
   ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;LOSSCTL_BIN=$<TARGET_FILE:lossctl>;OMP_NUM_THREADS=2"
-  TIMEOUT 120)
+  TIMEOUT 600)

@@ -5,4 +5,4 @@ add_test(NAME deploy_files
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/python/test_deploy.py)
 set_tests_properties(deploy_files PROPERTIES
   ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;OMP_NUM_THREADS=2"
-  TIMEOUT 300)
+  TIMEOUT 1200)

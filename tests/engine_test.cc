@@ -6,12 +6,14 @@
 #include <cstring>
 #include <limits>
 #include <cstdio>
+#include <random>
 #include <ostream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "lossd/kernels/backend.h"
 #include "lossd/kernels/backend_common.h"
+#include "lossd/kernels/loss_math.h"
 #include "tests/engine_harness.h"
 #include "tests/reference.h"
 
@@ -1133,7 +1135,9 @@ TEST_P(EngineBackendTest, BufferArithmeticAndOptimizerStepsMatchFloat64) {
       const DeviceBuffer grad = upload(g);
       OptimizerTensors tensors{&weight, DType::kFloat32, &grad, &state1,
                                kind == OptimizerConfig::Kind::kAdamW ? &state2 : nullptr, kCount};
-      ASSERT_TRUE(backend_->OptimizerStep(config, tensors).ok());
+      const absl::StatusOr<OptimizerStepResult> applied = backend_->OptimizerStep(config, tensors);
+      ASSERT_TRUE(applied.ok()) << applied.status();
+      ASSERT_TRUE(applied->applied());
       const double lr = config.learning_rate, wd = config.weight_decay;
       for (int64_t i = 0; i < kCount; ++i) {
         const double gi = config.grad_multiplier * g[i];
@@ -1154,6 +1158,93 @@ TEST_P(EngineBackendTest, BufferArithmeticAndOptimizerStepsMatchFloat64) {
     EXPECT_LE(RelativeError(download(weight), w), 1e-6);
     EXPECT_LE(RelativeError(download(state1), m), 1e-6);
     if (kind == OptimizerConfig::Kind::kAdamW) EXPECT_LE(RelativeError(download(state2), v), 1e-6);
+  }
+}
+
+// An update whose result would not be finite writes nothing, and names the first element at
+// fault and the buffer it was to go to: the weight as stored (3.4e38 fits fp32, not bf16; 1e5 not
+// fp16), AdamW's second moment ((1 - beta2) g g past fp32 for a gradient entry of 1e22, W finite).
+TEST_P(EngineBackendTest, AnOptimizerStepThatWouldNotBeFiniteWritesNothing) {
+  constexpr int64_t kCount = 70'001;  // more elements than the check's blocks, in uneven ranges
+  std::mt19937_64 rng(FreshSeed());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  struct Case {
+    const char* name;
+    OptimizerConfig::Kind kind;
+    DType dtype;
+    double learning_rate;
+    double momentum;
+    float big_grad;  // at the faulty elements
+    OptimizerStepResult::NonFinite expected;
+  };
+  const Case cases[] = {
+      {"sgd_lr_1e38_fp32", OptimizerConfig::Kind::kSgd, DType::kFloat32, 1e38, 0.0, 1e3f,
+       OptimizerStepResult::NonFinite::kWeight},
+      {"sgd_bf16_overflows_as_stored", OptimizerConfig::Kind::kSgd, DType::kBFloat16, 1.0, 0.0,
+       -3.4e38f, OptimizerStepResult::NonFinite::kWeight},
+      {"sgd_fp16_overflows_as_stored", OptimizerConfig::Kind::kSgd, DType::kFloat16, 1.0, 0.0,
+       -1e5f, OptimizerStepResult::NonFinite::kWeight},
+      {"adamw_second_moment_overflows", OptimizerConfig::Kind::kAdamW, DType::kFloat32, 1e-3, 0.0,
+       1e22f, OptimizerStepResult::NonFinite::kState2},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::vector<float> w(kCount), g(kCount), s1(kCount), s2(kCount);
+    for (int64_t i = 0; i < kCount; ++i) {
+      w[i] = normal(rng);
+      g[i] = 1e-3f * normal(rng);
+      s1[i] = c.kind == OptimizerConfig::Kind::kAdamW ? 1e-4f * normal(rng) : normal(rng);
+      s2[i] = 1e-6f * std::fabs(normal(rng));
+    }
+    // Two faulty elements: the first one in the order is named.
+    const int64_t first = std::uniform_int_distribution<int64_t>(0, kCount / 2)(rng);
+    const int64_t later = std::uniform_int_distribution<int64_t>(first + 1, kCount - 1)(rng);
+    g[first] = g[later] = c.big_grad;
+    std::vector<uint8_t> stored(kCount * DTypeSize(c.dtype));
+    for (int64_t i = 0; i < kCount; ++i) StoreFromFloat(stored.data(), c.dtype, i, w[i]);
+    auto upload = [&](const void* host, size_t bytes) {
+      auto buffer = backend_->Allocate(bytes);
+      EXPECT_TRUE(buffer.ok()) << buffer.status();
+      EXPECT_TRUE(backend_->CopyToDevice(host, bytes, *buffer, 0).ok());
+      return std::move(buffer).value();
+    };
+    DeviceBuffer weight = upload(stored.data(), stored.size());
+    const DeviceBuffer grad = upload(g.data(), kCount * sizeof(float));
+    DeviceBuffer state1 = upload(s1.data(), kCount * sizeof(float));
+    DeviceBuffer state2 = upload(s2.data(), kCount * sizeof(float));
+    const bool adamw = c.kind == OptimizerConfig::Kind::kAdamW;
+    OptimizerConfig config;
+    config.kind = c.kind;
+    config.learning_rate = c.learning_rate;
+    config.momentum = c.momentum;
+    const bool has_state1 = adamw || c.momentum != 0.0;
+    OptimizerTensors tensors{&weight, c.dtype, &grad, has_state1 ? &state1 : nullptr,
+                             adamw ? &state2 : nullptr, kCount};
+    const absl::StatusOr<OptimizerStepResult> result = backend_->OptimizerStep(config, tensors);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_FALSE(result->applied());
+    EXPECT_EQ(result->non_finite, c.expected);
+    EXPECT_EQ(result->element, first);
+    std::vector<uint8_t> weight_after(stored.size());
+    std::vector<float> state1_after(kCount), state2_after(kCount);
+    ASSERT_TRUE(backend_->CopyToHost(weight, 0, stored.size(), weight_after.data()).ok());
+    ASSERT_TRUE(backend_->CopyToHost(state1, 0, kCount * sizeof(float), state1_after.data()).ok());
+    ASSERT_TRUE(backend_->CopyToHost(state2, 0, kCount * sizeof(float), state2_after.data()).ok());
+    EXPECT_EQ(weight_after, stored) << "W was written";
+    EXPECT_EQ(std::memcmp(state1_after.data(), s1.data(), kCount * sizeof(float)), 0)
+        << "state1 was written";
+    EXPECT_EQ(std::memcmp(state2_after.data(), s2.data(), kCount * sizeof(float)), 0)
+        << "state2 was written";
+
+    // Without the faulty elements the same step applies.
+    g[first] = g[later] = 0.0f;
+    const DeviceBuffer tame = upload(g.data(), kCount * sizeof(float));
+    tensors.grad = &tame;
+    config.learning_rate = std::min(c.learning_rate, 1e-3);
+    const absl::StatusOr<OptimizerStepResult> applied = backend_->OptimizerStep(config, tensors);
+    ASSERT_TRUE(applied.ok()) << applied.status();
+    EXPECT_TRUE(applied->applied());
+    EXPECT_EQ(applied->element, -1);
   }
 }
 

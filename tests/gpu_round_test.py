@@ -28,7 +28,7 @@ def bare_checkout(tmp_path):
     return tmp_path
 
 
-def run(checkout, *args, env=None, timeout=30):
+def run(checkout, *args, env=None, timeout=600):
     return subprocess.run([str(checkout / "scripts" / "gpu_round.sh"), *args],
                           capture_output=True, text=True, timeout=timeout, cwd="/",
                           env=env or dict(os.environ, OUT=str(checkout / "out")))

@@ -82,6 +82,13 @@ void HoldingRelay::Release() {
   holding_ = false;
 }
 
+void HoldingRelay::Drop() {
+  absl::MutexLock lock(&mu_);
+  // Shut first: a pump released below can then deliver nothing more.
+  for (int fd : sockets_) shutdown(fd, SHUT_RDWR);
+  holding_ = false;
+}
+
 void HoldingRelay::AcceptConnections() {
   while (true) {
     const int client = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);

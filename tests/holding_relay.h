@@ -26,6 +26,11 @@ class HoldingRelay {
   void Hold();
   // Delivers what waited, in order, and stops holding.
   void Release();
+  // Breaks every connection made so far, dropping what waited: the client sees the connection
+  // fail (UNAVAILABLE) without the answer. New connections are relayed as before, unheld. With
+  // Hold, a test that waits for the server to commit before it drops loses the answer for sure,
+  // however long the call takes, where a client deadline would race the call.
+  void Drop();
 
  private:
   HoldingRelay(int listen_fd, int port, int server_port);

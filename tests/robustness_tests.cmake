@@ -13,15 +13,15 @@ add_executable(robustness_test
 )
 target_link_libraries(robustness_test PRIVATE lossd_server_lib lossd_test_reference GTest::gtest_main)
 gtest_discover_tests(robustness_test
-  DISCOVERY_TIMEOUT 60
-  PROPERTIES TIMEOUT 120 ENVIRONMENT "OMP_NUM_THREADS=2")
+  DISCOVERY_TIMEOUT 300
+  PROPERTIES TIMEOUT 600 ENVIRONMENT "OMP_NUM_THREADS=2")
 
 add_executable(startup_test
   ${CMAKE_CURRENT_LIST_DIR}/startup_test.cc
   ${CMAKE_CURRENT_LIST_DIR}/server_harness.cc
 )
 target_link_libraries(startup_test PRIVATE lossd_server_lib lossd_test_reference GTest::gtest_main)
-gtest_discover_tests(startup_test DISCOVERY_TIMEOUT 60 PROPERTIES TIMEOUT 60)
+gtest_discover_tests(startup_test DISCOVERY_TIMEOUT 300 PROPERTIES TIMEOUT 300)
 
 # The gradient accumulator: calls that would overflow it, and call ids against double counting.
 add_executable(accumulator_test
@@ -30,8 +30,8 @@ add_executable(accumulator_test
 )
 target_link_libraries(accumulator_test PRIVATE lossd_server_lib lossd_test_reference GTest::gtest_main)
 gtest_discover_tests(accumulator_test
-  DISCOVERY_TIMEOUT 60
-  PROPERTIES TIMEOUT 120 ENVIRONMENT "OMP_NUM_THREADS=2")
+  DISCOVERY_TIMEOUT 300
+  PROPERTIES TIMEOUT 600 ENVIRONMENT "OMP_NUM_THREADS=2")
 
 # A pytest file of python/ against the real lossd_server binary, as the test `name`.
 function(add_server_pytest name file timeout)
@@ -43,9 +43,10 @@ function(add_server_pytest name file timeout)
     TIMEOUT ${timeout})
 endfunction()
 
-add_server_pytest(checkpoint_crash_safety test_crash_safety.py 300)
-add_server_pytest(listen_ports test_listen_ports.py 120)
-add_server_pytest(handler_failures test_handler_failures.py 120)
+add_server_pytest(checkpoint_crash_safety test_crash_safety.py 1200)
+add_server_pytest(listen_ports test_listen_ports.py 600)
+add_server_pytest(handler_failures test_handler_failures.py 600)
+add_server_pytest(server_startup test_startup.py 1800)
 
 # Shared memory against clients that misbehave on purpose: the handover socket, handles, layouts,
 # rows rewritten during calls, sparse memfds (shared_memory_test, in-process server); clients of
@@ -57,5 +58,5 @@ add_executable(shared_memory_test
 target_link_libraries(shared_memory_test PRIVATE
   lossd_client lossd_server_lib lossd_test_reference GTest::gtest_main)
 gtest_discover_tests(shared_memory_test
-  DISCOVERY_TIMEOUT 60
-  PROPERTIES TIMEOUT 120 ENVIRONMENT "OMP_NUM_THREADS=2")
+  DISCOVERY_TIMEOUT 300
+  PROPERTIES TIMEOUT 600 ENVIRONMENT "OMP_NUM_THREADS=2")

@@ -51,11 +51,10 @@ TEST(SchedulerTest, AWaitingCallThatNoLongerFitsAShrunkBudgetIsRefused) {
   absl::Status waited;
   std::thread waiter([&] { waited = scheduler.Admit(80, Never, absl::Seconds(30)).status(); });
   while (scheduler.queued() == 0) absl::SleepFor(absl::Milliseconds(1));
-  const absl::Time shrunk = absl::Now();
   scheduler.SetCapacity(50);
   waiter.join();
+  // Refused for the budget, not at its 30 s limit (DEADLINE_EXCEEDED, no refusal).
   EXPECT_EQ(AdmissionRefusalOf(waited), AdmissionRefusal::kOverBudget) << waited;
-  EXPECT_LT(absl::Now() - shrunk, absl::Seconds(5));
   EXPECT_EQ(scheduler.queued(), 0);
 
   // Grown, it admits what it refused, once the running call is gone.

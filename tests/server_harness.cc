@@ -68,8 +68,8 @@ absl::Status ForwardingBackend::ConvertFloat32(const DeviceBuffer& src, DeviceBu
 absl::StatusOr<double> ForwardingBackend::SumSquaresFloat32(const DeviceBuffer& x, int64_t count) {
   return inner_->SumSquaresFloat32(x, count);
 }
-absl::Status ForwardingBackend::OptimizerStep(const OptimizerConfig& config,
-                                              const OptimizerTensors& tensors) {
+absl::StatusOr<OptimizerStepResult> ForwardingBackend::OptimizerStep(
+    const OptimizerConfig& config, const OptimizerTensors& tensors) {
   return inner_->OptimizerStep(config, tensors);
 }
 size_t ForwardingBackend::DefaultWorkspaceBudget() const {
@@ -317,7 +317,7 @@ std::map<std::string, int64_t> CallsByCode(server::LossServer& server, const std
 }
 
 bool Eventually(const std::function<bool()>& done) {
-  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  const absl::Time deadline = absl::Now() + kEventually;
   while (!done()) {
     if (absl::Now() > deadline) return false;
     absl::SleepFor(absl::Milliseconds(5));

@@ -51,8 +51,8 @@ class ForwardingBackend : public Backend {
   absl::Status ScaleFloat32(DeviceBuffer& x, int64_t count, float factor) override;
   absl::Status ConvertFloat32(const DeviceBuffer& src, DeviceBuffer& dst, DType dst_dtype,
                               int64_t count) override;
-  absl::Status OptimizerStep(const OptimizerConfig& config,
-                             const OptimizerTensors& tensors) override;
+  absl::StatusOr<OptimizerStepResult> OptimizerStep(const OptimizerConfig& config,
+                                                    const OptimizerTensors& tensors) override;
   size_t DefaultWorkspaceBudget() const override;
   absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const override;
   bool ReadsRowsOnce(DType hidden_dtype) const override;
@@ -147,8 +147,11 @@ ReferenceResult Reference(const std::vector<float>& weight, int64_t vocab, int64
 // request counter.
 std::map<std::string, int64_t> CallsByCode(server::LossServer& server, const std::string& method);
 
-// True once `done` holds, polling for up to 10 s: for what the server does on a thread of its own
-// a moment after the client acted (revoking a closed connection's shared-memory handles).
+// True once `done` holds, polling for up to kEventually: for what the server does on a thread of
+// its own a moment after the client acted (revoking a closed connection's shared-memory handles).
+// The bound only keeps a broken server from hanging the test: a loaded machine can delay such a
+// moment by seconds, so it is far beyond any delay a working server shows.
+inline constexpr absl::Duration kEventually = absl::Seconds(60);
 bool Eventually(const std::function<bool()>& done);
 
 // grpc.health.v1.Health/Check of the whole server: the reply's ServingStatus (kServing,

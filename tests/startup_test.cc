@@ -77,8 +77,7 @@ std::string WriteCheckpoint(const std::string& dir, std::mt19937_64& rng,
   state.optimizer = storage::OptimizerKind::kSgd;
   state.state1 = RandomWeight(rng);
   poison(state, index);
-  const absl::StatusOr<std::string> path = storage::SaveCheckpoint(dir, state);
-  return path.ok() ? *path : std::string(path.status().message());
+  return WriteUncheckedCheckpoint(dir, state);
 }
 
 struct Refusal {
@@ -143,7 +142,8 @@ const Refusal kRefusals[] = {
            path + "#lm_head.weight",
            bad.Named("weight") + ": expected a finite float16 value, got inf"};
      }},
-    {"checkpoint_inf_weight", "a step drove W to Inf before the checkpoint was saved", kInvalid,
+    {"checkpoint_inf_weight", "a step drove W to Inf before the checkpoint was saved, and no "
+     "older checkpoint is there to fall back to", absl::StatusCode::kDataLoss,
      [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
        const Element bad = RandomElement(rng);
        const std::string path = WriteCheckpoint(
@@ -155,10 +155,12 @@ const Refusal kRefusals[] = {
            bad.index());
        config.checkpoint_dir = dir + "/checkpoints";
        return std::vector<std::string>{
-           "head 'main' from checkpoint " + path,
-           bad.Named("weight") + ": expected a finite float32 value, got inf"};
+           "--checkpoint_dir: every checkpoint of head 'main' in " + dir + "/checkpoints/main",
+           path + ": " + bad.Named("weight") + ": expected a finite float32 value, got inf",
+           "refusing to start"};
      }},
-    {"checkpoint_nan_momentum", "a NaN momentum would carry into W at the next step", kInvalid,
+    {"checkpoint_nan_momentum", "a NaN momentum would carry into W at the next step",
+     absl::StatusCode::kDataLoss,
      [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
        const Element bad = RandomElement(rng);
        const std::string path = WriteCheckpoint(
@@ -169,8 +171,86 @@ const Refusal kRefusals[] = {
            bad.index());
        config.checkpoint_dir = dir + "/checkpoints";
        return std::vector<std::string>{
-           "head 'main' from checkpoint " + path,
-           bad.Named("optimizer.state1") + ": expected a finite float32 value, got nan"};
+           "every checkpoint of head 'main'",
+           path + ": " + bad.Named("optimizer.state1") + ": expected a finite float32 value, got nan"};
+     }},
+    {"checkpoint_of_another_shape", "a [41, 8] checkpoint must not silently replace the [40, 8] "
+     "head named by --heads", absl::StatusCode::kFailedPrecondition,
+     [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
+       const std::string source =
+           WriteF32Head(dir + "/model.safetensors", "lm_head.weight", RandomWeight(rng));
+       storage::CheckpointState state;
+       state.head = "main";
+       state.version = 3;
+       state.vocab_size = kVocab + 1;
+       state.hidden_size = kHidden;
+       state.weight.assign((kVocab + 1) * kHidden * sizeof(float), 0);
+       const std::string checkpoint = WriteUncheckedCheckpoint(dir + "/checkpoints", state);
+       config.heads = {"main=" + source};
+       config.checkpoint_dir = dir + "/checkpoints";
+       return std::vector<std::string>{"--heads: head 'main' is [40, 8] in " + source,
+                                       "checkpoint " + checkpoint, "is [41, 8]"};
+     }},
+    // Soft caps fp32 cannot hold: every default call on the head would be refused naming a
+    // field its client never sent.
+    {"config_softcap_rounds_to_zero", "final_logit_softcapping 1e-300 is 0 in fp32", kInvalid,
+     [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
+       WriteF32Head(dir + "/model.safetensors", "lm_head.weight", RandomWeight(rng));
+       WriteText(dir + "/config.json", R"({"model_type": "gemma2", "tie_word_embeddings": false,
+                                           "final_logit_softcapping": 1e-300})");
+       config.heads = {"main=" + dir};
+       return std::vector<std::string>{dir + "/config.json: final_logit_softcapping",
+                                       "a normal fp32 number", "got 1e-300"};
+     }},
+    {"config_softcap_overflows", "final_logit_softcapping 1e39 is Inf in fp32", kInvalid,
+     [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
+       WriteF32Head(dir + "/model.safetensors", "lm_head.weight", RandomWeight(rng));
+       WriteText(dir + "/config.json",
+                 R"({"text_config": {"final_logit_softcapping": 1e39}, "model_type": "x"})");
+       config.heads = {"main=" + dir};
+       return std::vector<std::string>{
+           dir + "/config.json: text_config.final_logit_softcapping", "got 1e+39"};
+     }},
+    // Files that are not what they claim, and what they say about themselves.
+    {"config_not_utf8", "a parse error quotes the bytes it read: escaped, not raw", kInvalid,
+     [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
+       WriteF32Head(dir + "/model.safetensors", "lm_head.weight", RandomWeight(rng));
+       WriteText(dir + "/config.json", "{\"model_type\": \xff\xfe\x01}");
+       config.heads = {"main=" + dir};
+       return std::vector<std::string>{dir + "/config.json: not valid JSON", "\\xff"};
+     }},
+    {"config_nested_deep", "a config nested a million levels deep", kInvalid,
+     [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
+       WriteF32Head(dir + "/model.safetensors", "lm_head.weight", RandomWeight(rng));
+       WriteText(dir + "/config.json", "{\"a\": " + std::string(1 << 20, '[') +
+                                           std::string(1 << 20, ']') + "}");
+       config.heads = {"main=" + dir};
+       return std::vector<std::string>{dir + "/config.json: nested deeper than 64 levels"};
+     }},
+    {"config_too_large", "a config of 5 MiB", kInvalid,
+     [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
+       WriteF32Head(dir + "/model.safetensors", "lm_head.weight", RandomWeight(rng));
+       WriteText(dir + "/config.json", "{\"a\": \"" + std::string(5 << 20, 'x') + "\"}");
+       config.heads = {"main=" + dir};
+       return std::vector<std::string>{dir + "/config.json: 5242889 bytes, more than the"};
+     }},
+    {"head_dtype_not_float", "the dtype error names the file", kInvalid,
+     [](const std::string& dir, std::mt19937_64&, server::ServerConfig& config) {
+       const std::vector<int32_t> ids(kVocab * kHidden, 1);
+       const std::string path = dir + "/ids.safetensors";
+       EXPECT_TRUE(storage::WriteSafetensorsAtomically(
+                       path, {{"lm_head.weight", "I32", {kVocab, kHidden}, ids.data(),
+                               ids.size() * sizeof(int32_t)}}, {})
+                       .ok());
+       config.heads = {"main=" + path};
+       return std::vector<std::string>{path + ": tensor 'lm_head.weight': has dtype 'I32'"};
+     }},
+    {"checkpoint_dir_dangling_link", "saves would go nowhere", absl::StatusCode::kFailedPrecondition,
+     [](const std::string& dir, std::mt19937_64&, server::ServerConfig& config) {
+       std::filesystem::create_symlink(dir + "/gone", dir + "/checkpoints");
+       config.checkpoint_dir = dir + "/checkpoints";
+       return std::vector<std::string>{"--checkpoint_dir: " + dir + "/checkpoints",
+                                       "symbolic link to " + dir + "/gone"};
      }},
     // The --heads list.
     {"heads_duplicate_name", "the second entry was skipped as if a checkpoint were newer",
@@ -271,6 +351,20 @@ const Refusal kRefusals[] = {
        return std::vector<std::string>{
            "--stream_idle_seconds: expected a positive duration, got -1s"};
      }},
+    // Flags are checked before heads load (which may take minutes): a head that cannot load
+    // must not be what a bad flag is reported as.
+    {"max_call_ids_zero", "checked before the heads", kInvalid,
+     [](const std::string& dir, std::mt19937_64&, server::ServerConfig& config) {
+       config.max_call_ids = 0;
+       config.heads = {"main=" + dir + "/missing.safetensors"};
+       return std::vector<std::string>{"--max_call_ids: expected a count > 0, got 0"};
+     }},
+    {"max_connection_age_negative", "checked before the heads", kInvalid,
+     [](const std::string& dir, std::mt19937_64&, server::ServerConfig& config) {
+       config.max_connection_age = absl::Seconds(-1);
+       config.heads = {"main=" + dir + "/missing.safetensors"};
+       return std::vector<std::string>{"--max_connection_age_seconds: expected 0 (unlimited)"};
+     }},
 };
 
 class StartupRefusalTest : public ::testing::TestWithParam<Refusal> {};
@@ -299,6 +393,42 @@ TEST_P(StartupRefusalTest, NamesWhatIsWrong) {
 
 INSTANTIATE_TEST_SUITE_P(Table, StartupRefusalTest, ::testing::ValuesIn(kRefusals),
                          [](const auto& info) { return std::string(info.param.name); });
+
+// A newest checkpoint the server would refuse (a step drove W to Inf before it was saved) is
+// passed over: the head resumes from the newest good one, and the log says what was skipped.
+TEST(CheckpointFallbackTest, ResumesFromTheNewestGoodCheckpoint) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  ScratchDir dir("lossd_startup");
+  const std::string checkpoints = dir.path() + "/checkpoints";
+  const std::string good = WriteCheckpoint(
+      checkpoints, rng, [](storage::CheckpointState&, int64_t) {}, 0);
+  const Element bad = RandomElement(rng);
+  const std::string newest = WriteCheckpoint(
+      checkpoints, rng,
+      [](storage::CheckpointState& state, int64_t index) {
+        state.version = 8;
+        const float inf = -INFINITY;
+        std::memcpy(state.weight.data() + index * sizeof(float), &inf, sizeof(float));
+      },
+      bad.index());
+  server::ServerConfig config;
+  config.listen_address = "127.0.0.1:0";
+  config.metrics_address = "";
+  config.checkpoint_dir = checkpoints;
+  auto server = server::LossServer::Start(config, CreateBackend("cpu").value());
+  ASSERT_TRUE(server.ok()) << server.status();
+  absl::StatusOr<std::shared_ptr<server::Head>> head = (*server)->heads().Get("main");
+  ASSERT_TRUE(head.ok()) << head.status();
+  EXPECT_EQ((*head)->version(), 7u);
+  EXPECT_EQ((*head)->Summary().source, "checkpoint " + good);
+  const std::string log = absl::StrJoin((*server)->startup_log(), "\n");
+  EXPECT_NE(log.find("skipped checkpoint: " + newest + ": " + bad.Named("weight") +
+                     ": expected a finite float32 value, got -inf"),
+            std::string::npos)
+      << log;
+}
 
 // MemTotal from /proc/meminfo, read here rather than through the backend under test.
 int64_t HostMemoryBytes() {

@@ -5,4 +5,4 @@ add_executable(storage_test
   safetensors_test.cc
 )
 target_link_libraries(storage_test PRIVATE lossd_storage GTest::gtest_main)
-gtest_discover_tests(storage_test DISCOVERY_TIMEOUT 60)
+gtest_discover_tests(storage_test DISCOVERY_TIMEOUT 300)

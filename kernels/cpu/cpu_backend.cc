@@ -516,28 +516,41 @@ class CpuBackend final : public Backend {
     return total;
   }
 
-  absl::Status OptimizerStep(const OptimizerConfig& config, const OptimizerTensors& t) override {
+  absl::StatusOr<OptimizerStepResult> OptimizerStep(const OptimizerConfig& config,
+                                                    const OptimizerTensors& t) override {
     const OptimizerScalars s = MakeOptimizerScalars(config);
     const float* grad = static_cast<const float*>(t.grad->data());
     float* state1 = t.state1 != nullptr ? static_cast<float*>(t.state1->data()) : nullptr;
     float* state2 = t.state2 != nullptr ? static_cast<float*>(t.state2->data()) : nullptr;
-    if (config.kind == OptimizerConfig::Kind::kAdamW && (state1 == nullptr || state2 == nullptr)) {
+    const bool adamw = config.kind == OptimizerConfig::Kind::kAdamW;
+    if (adamw && (state1 == nullptr || state2 == nullptr)) {
       return absl::FailedPreconditionError("AdamW: expected both moment buffers");
     }
     void* weight = t.weight->data();
-    const bool adamw = config.kind == OptimizerConfig::Kind::kAdamW;
+    const bool has_state1 = state1 != nullptr;
+    const bool has_state2 = adamw;
+    const auto update = [&](int64_t i) {
+      return UpdateElement(adamw, has_state1, LoadAsFloat(weight, t.weight_dtype, i), grad[i],
+                           has_state1 ? state1[i] : 0.0f, has_state2 ? state2[i] : 0.0f, s);
+    };
+    // The check: nothing is written unless every updated value is finite as stored.
+    double first = HUGE_VAL;
+#pragma omp parallel for schedule(static) reduction(min : first)
+    for (int64_t i = 0; i < t.count; ++i) {
+      const double code = NonFiniteUpdateCode(update(i), i, t.served_dtype.value_or(t.weight_dtype),
+                                              has_state1, has_state2);
+      if (code != 0.0 && code < first) first = code;
+    }
+    const OptimizerStepResult result = OptimizerResultFromCode(first);
+    if (!result.applied()) return result;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < t.count; ++i) {
-      float w = LoadAsFloat(weight, t.weight_dtype, i);
-      if (adamw) {
-        AdamWUpdate(w, grad[i], state1[i], state2[i], s);
-      } else {
-        float unused = 0.0f;
-        SgdUpdate(w, grad[i], state1 != nullptr ? state1[i] : unused, s);
-      }
-      StoreFromFloat(weight, t.weight_dtype, i, w);
+      const ElementUpdate u = update(i);
+      StoreFromFloat(weight, t.weight_dtype, i, u.weight);
+      if (has_state1) state1[i] = u.state1;
+      if (has_state2) state2[i] = u.state2;
     }
-    return absl::OkStatus();
+    return result;
   }
 
   // 16-bit rows are widened into the workspace once per chunk and read only there; fp32 rows are

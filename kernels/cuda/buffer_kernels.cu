@@ -90,18 +90,55 @@ absl::Status LaunchSumSquaresPartials(const float* d_x, int64_t count, double* d
   return CheckLaunch("SumSquaresPartialsKernel");
 }
 
+// The smaller of two codes (NonFiniteUpdateCode); both are whole numbers or +inf, never NaN.
+struct MinCode {
+  __device__ double operator()(double a, double b) const { return b < a ? b : a; }
+};
+
+static __global__ void OptimizerCheckKernel(bool adamw, OptimizerScalars scalars,
+                                            const void* d_weight, DType weight_dtype,
+                                            DType served_dtype, const float* d_grad,
+                                            const float* d_state1,
+                                            const float* d_state2, int64_t count,
+                                            double* d_partials) {
+  __shared__ double scratch[kWarpSize + 1];
+  const int64_t begin = count * blockIdx.x / gridDim.x;
+  const int64_t end = count * (blockIdx.x + 1) / gridDim.x;
+  const bool has_state1 = d_state1 != nullptr;
+  double first = HUGE_VAL;
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const ElementUpdate u =
+        UpdateElement(adamw, has_state1, LoadAsFloat(d_weight, weight_dtype, i), d_grad[i],
+                      has_state1 ? d_state1[i] : 0.0f, adamw ? d_state2[i] : 0.0f, scalars);
+    const double code = NonFiniteUpdateCode(u, i, served_dtype, has_state1, adamw);
+    if (code != 0.0 && code < first) first = code;
+  }
+  first = BlockReduce(first, MinCode{}, scratch);
+  if (threadIdx.x == 0) d_partials[blockIdx.x] = first;
+}
+
+absl::Status LaunchOptimizerCheck(OptimizerConfig::Kind kind, const OptimizerScalars& scalars,
+                                  const void* d_weight, DType weight_dtype, DType served_dtype,
+                                  const float* d_grad, const float* d_state1,
+                                  const float* d_state2, int64_t count, double* d_partials,
+                                  cudaStream_t stream) {
+  OptimizerCheckKernel<<<kSumSquaresBlocks, kElementwiseThreads, 0, stream>>>(
+      kind == OptimizerConfig::Kind::kAdamW, scalars, d_weight, weight_dtype, served_dtype,
+      d_grad, d_state1, d_state2, count, d_partials);
+  return CheckLaunch("OptimizerCheckKernel");
+}
+
 static __global__ void OptimizerStepKernel(bool adamw, OptimizerScalars scalars, void* d_weight,
                                            DType weight_dtype, const float* d_grad, float* d_state1,
                                            float* d_state2, int64_t count) {
+  const bool has_state1 = d_state1 != nullptr;
   for (int64_t i = GlobalThread(); i < count; i += GridStride()) {
-    float w = LoadAsFloat(d_weight, weight_dtype, i);
-    if (adamw) {
-      AdamWUpdate(w, d_grad[i], d_state1[i], d_state2[i], scalars);
-    } else {
-      float no_momentum = 0.0f;
-      SgdUpdate(w, d_grad[i], d_state1 != nullptr ? d_state1[i] : no_momentum, scalars);
-    }
-    StoreFromFloat(d_weight, weight_dtype, i, w);
+    const ElementUpdate u =
+        UpdateElement(adamw, has_state1, LoadAsFloat(d_weight, weight_dtype, i), d_grad[i],
+                      has_state1 ? d_state1[i] : 0.0f, adamw ? d_state2[i] : 0.0f, scalars);
+    StoreFromFloat(d_weight, weight_dtype, i, u.weight);
+    if (has_state1) d_state1[i] = u.state1;
+    if (adamw) d_state2[i] = u.state2;
   }
 }
 

@@ -207,7 +207,8 @@ class CudaBackend final : public Backend {
     return total;
   }
 
-  absl::Status OptimizerStep(const OptimizerConfig& config, const OptimizerTensors& t) override {
+  absl::StatusOr<OptimizerStepResult> OptimizerStep(const OptimizerConfig& config,
+                                                    const OptimizerTensors& t) override {
     const bool adamw = config.kind == OptimizerConfig::Kind::kAdamW;
     if (adamw && (t.state1 == nullptr || t.state2 == nullptr)) {
       return absl::FailedPreconditionError("AdamW: expected both moment buffers");
@@ -222,11 +223,31 @@ class CudaBackend final : public Backend {
     auto state = [](DeviceBuffer* b) {
       return b != nullptr ? static_cast<float*>(b->data()) : nullptr;
     };
-    return RunOnStream([&](StreamContext& c) {
-      return LaunchOptimizerStep(config.kind, MakeOptimizerScalars(config), t.weight->data(),
-                                 t.weight_dtype, static_cast<const float*>(t.grad->data()),
-                                 state(t.state1), state(t.state2), t.count, c.stream);
-    });
+    const OptimizerScalars scalars = MakeOptimizerScalars(config);
+    // The check pass: per-block smallest codes of NonFiniteUpdateCode, read back; nothing is
+    // written unless every updated value is finite as stored.
+    std::vector<double> partials(kSumSquaresBlocks);
+    RETURN_IF_ERROR(RunOnStream([&](StreamContext& c) {
+      RETURN_IF_ERROR(LaunchOptimizerCheck(config.kind, scalars, t.weight->data(), t.weight_dtype,
+                                           t.served_dtype.value_or(t.weight_dtype),
+                                           static_cast<const float*>(t.grad->data()),
+                                           state(t.state1), state(t.state2), t.count,
+                                           c.d_sum_squares_partials, c.stream));
+      return CudaStatus(cudaMemcpyAsync(partials.data(), c.d_sum_squares_partials,
+                                        partials.size() * sizeof(double), cudaMemcpyDeviceToHost,
+                                        c.stream),
+                        "cudaMemcpyAsync");
+    }));
+    double first = HUGE_VAL;
+    for (double p : partials) first = std::min(first, p);
+    const OptimizerStepResult result = OptimizerResultFromCode(first);
+    if (!result.applied()) return result;
+    RETURN_IF_ERROR(RunOnStream([&](StreamContext& c) {
+      return LaunchOptimizerStep(config.kind, scalars, t.weight->data(), t.weight_dtype,
+                                 static_cast<const float*>(t.grad->data()), state(t.state1),
+                                 state(t.state2), t.count, c.stream);
+    }));
+    return result;
   }
 
   // Each chunk's rows are copied to the device once (LoadChunk) and read only there.

@@ -62,6 +62,14 @@ absl::Status LaunchScaleFloat32(float* d_x, int64_t count, float factor, cudaStr
 // d_partials[b] = sum of x^2 in double over the b-th of kSumSquaresBlocks equal ranges.
 absl::Status LaunchSumSquaresPartials(const float* d_x, int64_t count, double* d_partials,
                                       cudaStream_t stream);
+// d_partials[b] = the smallest NonFiniteUpdateCode of an update of the b-th of kSumSquaresBlocks
+// equal ranges of elements (+inf: none), the weight as served_dtype stores it, computed without
+// writing anything.
+absl::Status LaunchOptimizerCheck(OptimizerConfig::Kind kind, const OptimizerScalars& scalars,
+                                  const void* d_weight, DType weight_dtype, DType served_dtype,
+                                  const float* d_grad, const float* d_state1,
+                                  const float* d_state2, int64_t count, double* d_partials,
+                                  cudaStream_t stream);
 // SgdUpdate or AdamWUpdate on every element; d_state1/d_state2 as in OptimizerTensors.
 absl::Status LaunchOptimizerStep(OptimizerConfig::Kind kind, const OptimizerScalars& scalars,
                                  void* d_weight, DType weight_dtype, const float* d_grad,

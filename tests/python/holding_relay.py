@@ -32,6 +32,16 @@ class HoldingRelay:
         """Delivers what waited, in order, and stops holding."""
         self._released.set()
 
+    def drop(self):
+        """Breaks every connection made so far, dropping what waited: the client sees the
+        connection fail (UNAVAILABLE) without the answer. New connections are relayed, unheld.
+        With hold, a test that waits for the server to commit before it drops loses the answer
+        for sure, however long the call takes, where a client deadline would race the call."""
+        with self._lock:
+            for sock in self._sockets:
+                _shutdown(sock, socket.SHUT_RDWR)  # first: a released pump delivers nothing more
+        self._released.set()
+
     def close(self):
         self._released.set()
         # Wakes the blocked accept and every blocked recv.

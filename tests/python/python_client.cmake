@@ -50,15 +50,15 @@ add_test(NAME python_packaging
           ${CMAKE_CURRENT_LIST_DIR}/test_packaging.py)
 set_tests_properties(python_packaging PROPERTIES
   ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;OMP_NUM_THREADS=2"
-  TIMEOUT 900)
+  TIMEOUT 2400)
 set_tests_properties(python_client python_options python_replicas python_objectives python_distill
   python_rl_example
   python_training_example shared_memory_users PROPERTIES
   ENVIRONMENT "${LOSSD_PYTHON_TEST_ENVIRONMENT}"
-  TIMEOUT 300)
+  TIMEOUT 1200)
 # Two trainings of a small transformer: about 30 s on a quiet 2-core machine, several times that
 # when the machine is shared.
-set_tests_properties(python_training_example PROPERTIES TIMEOUT 900)
+set_tests_properties(python_training_example PROPERTIES TIMEOUT 2400)
 
 # The GPU round's service step (bench/gpu_service.py) on the CPU: the server, lossctl and the
 # Python client over messages and shared memory beside the engine in-process.
@@ -66,7 +66,7 @@ add_test(NAME gpu_service_cpu
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/../gpu_service_test.py)
 set_tests_properties(gpu_service_cpu PROPERTIES
   ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;LOSSCTL_BIN=$<TARGET_FILE:lossctl>;ENGINE_BENCH_BIN=$<TARGET_FILE:engine_bench>;LOSSD_PYTHON_DIR=${LOSSD_PYTHON_DIR};OMP_NUM_THREADS=2"
-  TIMEOUT 120)
+  TIMEOUT 600)
 
 # The replica-group benchmark end to end on a tiny head: one and two servers, W checked the same
 # on both after every step, its table printed.
@@ -115,10 +115,10 @@ if(LOSSD_PYTHON_ENV)
   set_tests_properties(${current_tests} python_hf python_torch_compile python_trainer
     python_training_replicas PROPERTIES
     ENVIRONMENT "${LOSSD_PYTHON_TEST_ENVIRONMENT}"
-    TIMEOUT 600)
-  set_tests_properties(python_trainer PROPERTIES TIMEOUT 1500)
-  set_tests_properties(python_training_replicas PROPERTIES TIMEOUT 900)
-  set_tests_properties(python_training_example_current_torch PROPERTIES TIMEOUT 900)
+    TIMEOUT 1800)
+  set_tests_properties(python_trainer PROPERTIES TIMEOUT 2400)
+  set_tests_properties(python_training_replicas PROPERTIES TIMEOUT 2400)
+  set_tests_properties(python_training_example_current_torch PROPERTIES TIMEOUT 2400)
 else()
   message(STATUS "lossd: LOSSD_PYTHON_ENV not set: the Python suites under current PyPI torch and "
                  "transformers are not registered (scripts/python_env.sh makes the environment)")

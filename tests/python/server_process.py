@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 SERVER_BIN = os.environ.get("LOSSD_SERVER_BIN", "build/bin/lossd_server")
 
@@ -23,11 +24,12 @@ def free_port():
 class ServerProcess:
     """lossd_server on 127.0.0.1 with free ports, read back from its startup lines."""
 
-    def __init__(self, *flags, metrics=True, timeout=60, preexec_fn=None, wait=True):
+    def __init__(self, *flags, metrics=True, timeout=600, preexec_fn=None, wait=True):
         """`preexec_fn` runs in the child before the server starts (to set resource limits).
         wait=False returns at once: wait_until_serving() then waits (replicas of a group start
         serving only once all of them have started). A --listen among flags overrides the free
-        port."""
+        port. `timeout` only keeps a server that never starts from hanging the test: a loaded
+        machine can take a long while to start one."""
         self.log = tempfile.NamedTemporaryFile(prefix="lossd-server-", suffix=".log", delete=False)
         self.metrics = metrics
         args = [SERVER_BIN, "--listen=127.0.0.1:0",
@@ -39,7 +41,7 @@ class ServerProcess:
         if wait:
             self.wait_until_serving(timeout)
 
-    def wait_until_serving(self, timeout=60):
+    def wait_until_serving(self, timeout=600):
         metrics = self.metrics
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -64,7 +66,16 @@ class ServerProcess:
         with open(self.log.name, encoding="utf-8", errors="replace") as f:
             return f.read()
 
-    def stop(self, sig=signal.SIGTERM, timeout=60):
+    def metric(self, name):
+        """The value of an unlabelled metric on /metrics (0 when it is not there)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                    timeout=600) as reply:
+            for line in reply.read().decode().splitlines():
+                if line.startswith(name + " "):
+                    return float(line.split()[1])
+        return 0.0
+
+    def stop(self, sig=signal.SIGTERM, timeout=600):
         if self.process.poll() is None:
             self.process.send_signal(sig)
             try:
@@ -82,7 +93,7 @@ class ServerProcess:
         os.unlink(self.log.name)
 
 
-def run_to_exit(*flags, timeout=60):
+def run_to_exit(*flags, timeout=600):
     """Runs lossd_server with `flags` where it is expected to refuse to start: (exit code, output).
     A server that starts instead is stopped and reported as exit code None."""
     process = subprocess.Popen([SERVER_BIN, *flags], stdout=subprocess.PIPE,
@@ -96,7 +107,7 @@ def run_to_exit(*flags, timeout=60):
         return None, output
 
 
-def run_with_terminal_stderr(command, timeout=300, **kwargs):
+def run_with_terminal_stderr(command, timeout=600, **kwargs):
     """Runs command with stderr on a pseudo-terminal, as when a person watches, and stdout piped:
     (exit code, stdout, what the terminal received)."""
     import pty  # Unix only, as the server is

@@ -66,7 +66,7 @@ def memfd_bytes(fd, size):
 
 
 def owner(address, head):
-    client = lossd.Client(address, timeout=120)
+    client = lossd.Client(address, timeout=600)
     info = client.get_head(head)
     rng = np.random.default_rng()
     hidden = rng.standard_normal((ROWS, info.hidden_size), dtype=np.float32)
@@ -113,7 +113,7 @@ def owner(address, head):
 
 def intruder(address, head, owner_json):
     victim = json.loads(owner_json)
-    client = lossd.Client(address, timeout=120)
+    client = lossd.Client(address, timeout=600)
     info = client.get_head(head)
     labels = victim["labels"]
     grad_offset = victim["grad_offset"]

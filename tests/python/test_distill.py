@@ -36,7 +36,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    with lossd.Client(server.address, timeout=120) as c:
+    with lossd.Client(server.address, timeout=600) as c:
         yield c
 
 

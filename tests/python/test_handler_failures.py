@@ -20,7 +20,8 @@ from server_process import ServerProcess, generate_stubs
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The server starts in about 1.2 GB of address space (threads' stacks, OpenBLAS buffers).
 ADDRESS_SPACE_BYTES = 3 << 30
-DRAIN_SECONDS = 30
+# Far beyond what a shutdown with nothing in flight takes: one that waited it out would show.
+DRAIN_SECONDS = 600
 
 
 @pytest.fixture(scope="module")
@@ -57,16 +58,16 @@ def test_upload_past_the_address_space_is_refused_counted_and_drained_at_once(pb
             start = lossd.UploadHeadRequest(start=lossd.UploadHeadStart(
                 head="huge", vocab_size=65536, hidden_size=65536, dtype=lossd.DTYPE_FLOAT32))
             with pytest.raises(grpc.RpcError) as refused:
-                stub.UploadHead(iter([start]), timeout=60)
+                stub.UploadHead(iter([start]), timeout=600)
             details = refused.value.details()
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, details
             assert "weight" in details, details
             assert str(65536 * 65536 * 4) in details, details
-            heads = stub.ListHeads(lossd.ListHeadsRequest(), timeout=30).heads
+            heads = stub.ListHeads(lossd.ListHeadsRequest(), timeout=600).heads
             assert [head.name for head in heads] == ["demo"]
 
         url = f"http://127.0.0.1:{server.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as response:
+        with urllib.request.urlopen(url, timeout=600) as response:
             exposition = response.read().decode()
         assert sample(exposition, "lossd_inflight_calls") == 0
         assert sample(exposition, "lossd_requests_total", method="UploadHead",
@@ -77,5 +78,5 @@ def test_upload_past_the_address_space_is_refused_counted_and_drained_at_once(pb
         assert server.stop() == 0, server.output()
         took = time.monotonic() - began
         record_property("sigterm_seconds", f"{took:.2f}")
-        assert took < 10, \
+        assert took < DRAIN_SECONDS / 2, \
             f"SIGTERM took {took:.1f} s with no call in flight (drain {DRAIN_SECONDS} s)"

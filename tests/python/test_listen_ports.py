@@ -47,7 +47,7 @@ def vocab_sizes_served(stubs, server, connections=8):
         options = [("grpc.use_local_subchannel_pool", 1)]
         with grpc.insecure_channel(server.address, options=options) as channel:
             stub = pb_grpc.LossServiceStub(channel)
-            sizes.append(stub.ListHeads(pb.ListHeadsRequest(), timeout=10).heads[0].vocab_size)
+            sizes.append(stub.ListHeads(pb.ListHeadsRequest(), timeout=600).heads[0].vocab_size)
     return sizes
 
 
@@ -65,7 +65,7 @@ def test_second_server_on_the_metrics_port_exits(first, stubs):
     assert code not in (0, None), f"a second server started on {metrics_address}:\n{output}"
     assert f"--metrics_listen: {metrics_address} is in use by another process" in output, output
     assert "null context" not in output, output
-    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as response:
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=600) as response:
         assert response.status == 200
         assert "lossd_build_info" in response.read().decode()
     assert vocab_sizes_served(stubs, first) == [FIRST_VOCAB] * 8

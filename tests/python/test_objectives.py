@@ -38,7 +38,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    with lossd.Client(server.address, timeout=120) as c:
+    with lossd.Client(server.address, timeout=600) as c:
         yield c
 
 
@@ -208,6 +208,44 @@ def test_policy_objectives_match_torch(client, head, case, shared_memory):
     assert relative_error(result.ratio, stats["ratio"]) < 1e-5
     if spec.get("kl_estimator"):
         assert result.mean_kl == pytest.approx(stats["mean_kl"], rel=1e-4, abs=1e-6)
+
+
+def test_log_ratio_clamp_follows_verl(client, head):
+    """log_ratio_clamp=20 clamps log r = logp - q to [-20, 20] before the exponential, as verl's
+    ppo loss does, with no gradient through r where the clamp holds; tokens whose exact ratio is
+    e^30 or e^-30 then match verl's float64 formula, where without the clamp e^30 is 1e13."""
+    rng = np.random.default_rng()
+    hidden = torch.randn(NUM_TOKENS, HIDDEN)
+    labels = torch.randint(0, VOCAB, (NUM_TOKENS,))
+    weight = head.fetch_weight()
+    exact_logp = F.log_softmax(torch_logits(hidden.double(), weight.double()), -1).gather(
+        1, labels[:, None])[:, 0].numpy()
+    offsets = RATIO_TARGETS[np.arange(NUM_TOKENS) % 10]
+    q = exact_logp - np.log(offsets)
+    q[:5] = exact_logp[:5] - 30.0   # r = e^30: clamped to e^20
+    q[5:10] = exact_logp[5:10] + 30.0  # r = e^-30: clamped to e^-20
+    q = q.astype(np.float32)
+    a = rng.uniform(-2, 2, NUM_TOKENS).astype(np.float32)
+    head.zero_grad()
+    result = client.compute(head.head, hidden.numpy(), labels.numpy(), objective="ppo",
+                            sampling_logprobs=q, advantages=a, clip_low=CLIP_LOW,
+                            clip_high=CLIP_HIGH, log_ratio_clamp=20.0,
+                            outputs=["grad_hidden", "ratio"], accumulate_grad_weight=True)
+
+    h = hidden.double().requires_grad_()
+    w = weight.double().requires_grad_()
+    logp = F.log_softmax(torch_logits(h, w), -1).gather(1, labels[:, None])[:, 0]
+    ratio = torch.exp(torch.clamp(logp - torch.as_tensor(q).double(), -20.0, 20.0))
+    advantage = torch.as_tensor(a).double()
+    term = torch.maximum(-advantage * ratio,
+                         -advantage * torch.clamp(ratio, 1 - CLIP_LOW, 1 + CLIP_HIGH))
+    loss = term.mean()
+    loss.backward()
+    assert abs(result.loss - loss.item()) <= LOSS_RTOL * (abs(loss.item()) + 1e-3)
+    assert relative_error(result.ratio, ratio.detach()) < 1e-5
+    assert result.ratio[:5] == pytest.approx(np.exp(20.0), rel=1e-5)
+    assert relative_error(result.grad_hidden, h.grad) < GRAD_RTOL
+    assert relative_error(head.fetch_grad_weight(), w.grad) < GRAD_RTOL
 
 
 def test_remote_logprobs_backpropagate_any_loss(client, head):

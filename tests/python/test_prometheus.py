@@ -45,7 +45,7 @@ def compute_once(server, stubs):
 
 
 def scrape(server):
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=600) as r:
         return r.read().decode()
 
 
@@ -63,7 +63,7 @@ def test_promtool_accepts_the_exposition(server, stubs):
 
 def query(port, expr):
     url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-    with urllib.request.urlopen(url, timeout=10) as r:
+    with urllib.request.urlopen(url, timeout=600) as r:
         body = json.load(r)
     assert body["status"] == "success", body
     return body["data"]["result"]
@@ -82,7 +82,7 @@ def test_prometheus_scrapes_and_queries(server, stubs):
          f"--web.listen-address=127.0.0.1:{port}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 600  # a hang guard: a loaded machine scrapes late
         result = []
         while time.monotonic() < deadline and not result:
             time.sleep(1)
@@ -105,7 +105,7 @@ def test_prometheus_scrapes_and_queries(server, stubs):
         assert up and up[0]["value"][1] == "1"
     finally:
         prometheus.terminate()
-        prometheus.wait(timeout=30)
+        prometheus.wait(timeout=600)
         shutil.rmtree(work, ignore_errors=True)
 
 

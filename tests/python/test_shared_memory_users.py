@@ -93,7 +93,7 @@ def run_as(user, client_dir, *args, **popen):
 def intrude(user, client_dir, server, head, victim):
     process = run_as(user, client_dir, "intruder", server.address, head, json.dumps(victim),
                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = process.communicate(timeout=120)
+    out, err = process.communicate(timeout=600)
     assert process.returncode == 0, err
     return json.loads(out.strip().splitlines()[-1])
 
@@ -102,7 +102,7 @@ def test_a_client_of_another_user_reaches_nothing_of_its_memory(users, client_di
     user_a, user_b = users
     assert user_a.pw_uid != user_b.pw_uid and 0 not in (user_a.pw_uid, user_b.pw_uid)
     head = f"users-{uuid.uuid4().hex[:8]}"
-    with lossd.Client(server.address, timeout=120) as root_client:
+    with lossd.Client(server.address, timeout=600) as root_client:
         weight = np.random.default_rng().standard_normal((VOCAB, HIDDEN), dtype=np.float32) * 0.3
         root_client.upload_head(head, weight)
 
@@ -155,7 +155,7 @@ def test_a_client_of_another_user_reaches_nothing_of_its_memory(users, client_di
             assert root_client.get_head(head).accumulated_tokens == tokens_before + 2 * 8
             owner.stdin.write("exit\n")
             owner.stdin.flush()
-            assert owner.wait(timeout=60) == 0, owner.stderr.read()
+            assert owner.wait(timeout=600) == 0, owner.stderr.read()
         finally:
             if owner.poll() is None:
                 owner.kill()

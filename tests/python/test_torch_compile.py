@@ -26,7 +26,7 @@ BACKENDS = ["eager", "aot_eager"]
 @pytest.fixture(scope="module")
 def client():
     with ServerProcess("--device=cpu", "--demo_vocab_size=16", "--demo_hidden_size=8",
-                       metrics=False) as server, lossd.Client(server.address, timeout=120) as c:
+                       metrics=False) as server, lossd.Client(server.address, timeout=600) as c:
         yield c
 
 

@@ -33,7 +33,7 @@ def server():
 
 def test_remote_head_training_follows_local_training(server):
     args = train_tiny_lm.parse_args(["--steps", str(STEPS), "--seed", str(os.getpid() % 1000)])
-    with lossd.Client(server.address, timeout=120) as client:
+    with lossd.Client(server.address, timeout=600) as client:
         result = train_tiny_lm.compare(args, client)
         assert client.get_head(args.head).steps == STEPS
     assert len(result.remote_losses) == STEPS
@@ -82,7 +82,7 @@ def without_pythonpath():
 def test_the_documented_command_works_from_a_checkout_with_progress_on_a_terminal(server,
                                                                                    checkout):
     code, out, terminal = run_with_terminal_stderr(documented_command(server), cwd=checkout,
-                                                   env=without_pythonpath(), timeout=300)
+                                                   env=without_pythonpath(), timeout=600)
     assert code == 0, out + terminal
     assert re.search(r"^max \|local - lossd\| over 3 steps: ", out, re.M), out
     for run in ("(A) local head", "(B) lossd head"):
@@ -93,7 +93,7 @@ def test_the_documented_command_works_from_a_checkout_with_progress_on_a_termina
 
     # In a log the progress is plain lines (3 steps: each is a tenth or more of the run).
     piped = subprocess.run(documented_command(server), cwd=checkout, env=without_pythonpath(),
-                           capture_output=True, text=True, timeout=300)
+                           capture_output=True, text=True, timeout=600)
     assert piped.returncode == 0 and "max |local - lossd|" in piped.stdout, piped.stderr
     for run in ("(A) local head", "(B) lossd head"):
         lines = re.findall(rf"^{re.escape(run)}: step (\d+)/3, loss [\d.]+$", piped.stderr, re.M)
@@ -101,14 +101,14 @@ def test_the_documented_command_works_from_a_checkout_with_progress_on_a_termina
     assert "\r" not in piped.stderr and "\033" not in piped.stderr, repr(piped.stderr)
     code, out, terminal = run_with_terminal_stderr(documented_command(server, "--quiet"),
                                                    cwd=checkout, env=without_pythonpath(),
-                                                   timeout=300)
+                                                   timeout=600)
     assert code == 0 and terminal == "", repr(terminal)
 
 
 def test_without_lossd_installed_or_built_the_example_says_how_to_get_it(server, checkout):
     os.unlink(checkout.parent.parent.parent / "build" / "python")
     done = subprocess.run(documented_command(server), cwd=checkout, env=without_pythonpath(),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode != 0
     assert "lossd is neither installed nor built in" in done.stderr, done.stderr
     assert "pip install ./client/python" in done.stderr, done.stderr

@@ -646,7 +646,10 @@ class Client:
         the label, r = exp(logp - sampling_logprobs), clip(r) within [1 - clip_low, 1 + clip_high]):
         "importance_sampling" -r A, "ppo" -min(r A, clip(r) A) (dual_clip c > 1 bounds a negative
         advantage's term by -c A), "cispo" -sg(clip(r)) A logp, all three with advantages A [N]
-        and sampling_logprobs [N]; "logprob_gradient" g logp with logprob_grads g [N], the
+        and sampling_logprobs [N]; log_ratio_clamp c > 0 clamps log r to [-c, c] before the
+        exponential (verl's 20: r at most e^20, no gradient through r where clamped), 0 (the
+        default) keeps r exact and refuses a call whose r overflows, naming sampling_logprobs[i];
+        "logprob_gradient" g logp with logprob_grads g [N], the
         gradient of a loss of the log-probabilities computed elsewhere (use reduction "sum").
         kl_estimator ("k1", "k2", "k3") with reference_logprobs [N] adds kl_coef * KL per token
         and returns the estimate ("kl" output, mean_kl); entropy_coef subtracts entropy_coef * H.
@@ -707,8 +710,8 @@ class Client:
         spaces sets it, to repeat a call from another process or after the client gave up.
         UNAVAILABLE and DEADLINE_EXCEEDED are retried as the Client's RetryPolicy says; a repeat
         of a committed call comes back with replayed True. A repeat after the head was stepped
-        with keep_grad raises ALREADY_EXISTS: its dL/dW is in the accumulator, its results
-        cannot be had again.
+        (with or without keep_grad), replaced or had its gradient zeroed raises ALREADY_EXISTS:
+        its dL/dW was counted once, its results cannot be had again.
 
         stage_grad_weight=True (with accumulate_grad_weight) keeps the call's dL/dW on the server
         under its call_id instead of adding it: commit_grad_weight(head, call_id, scale) adds it

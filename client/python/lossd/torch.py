@@ -60,12 +60,12 @@ Backward semantics
   1 or larger (loss scaling), poorer for |g| << 0.01. A commit scales the staged gradient itself
   and has no such rounding.
 
-* Forward, its commit and its correction call each carry a call_id, and the Client retries them
-  after UNAVAILABLE or DEADLINE_EXCEEDED under that id (its RetryPolicy): a call the server took
-  before its answer was lost is answered again without its dL/dW being staged or added a second
-  time, so a retried step still accumulates exactly one loss.backward(). If the head was stepped
-  with keep_grad between the lost answer and the retry, the retry fails with ALREADY_EXISTS (the
-  gradient is on the server, dL/dh cannot be had again).
+* Forward's call and backward's correction call each carry a fresh call_id, and the Client
+  retries them after UNAVAILABLE or DEADLINE_EXCEEDED under that id (its RetryPolicy): a call the
+  server committed before its answer was lost is answered again without its dL/dW being added a
+  second time, so a retried step still accumulates exactly one loss.backward(). If the head was
+  stepped (or its gradient zeroed) between the lost answer and the retry, the retry fails with
+  ALREADY_EXISTS (the gradient was counted once, dL/dh cannot be had again).
 
 Training only W on fixed hidden states (no autograd on hidden) is a Client.compute call with
 accumulate_grad_weight=True followed by head.step().

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include "absl/strings/string_view.h"
 
@@ -126,6 +127,7 @@ struct OptimizerConfig {
 };
 
 // Buffers of one optimizer update; count elements each. Gradient and state are fp32.
+// state1 is null for SGD without a momentum buffer.
 struct OptimizerTensors {
   DeviceBuffer* weight = nullptr;
   DType weight_dtype = DType::kFloat32;
@@ -133,6 +135,20 @@ struct OptimizerTensors {
   DeviceBuffer* state1 = nullptr;  // SGD momentum buffer or AdamW first moment
   DeviceBuffer* state2 = nullptr;  // AdamW second moment
   int64_t count = 0;
+  // The dtype the new weight is served in when that is narrower than weight_dtype (fp32 master
+  // weights of a 16-bit W, which a caller rounds them to after the step): the update must be
+  // finite as that dtype stores it too. Unset: weight_dtype.
+  std::optional<DType> served_dtype;
+};
+
+// What an optimizer update did (Backend::OptimizerStep).
+struct OptimizerStepResult {
+  // Where the first value that would not have been finite was to go; kNone when the update was
+  // written.
+  enum class NonFinite : int { kNone = 0, kWeight = 1, kState1 = 2, kState2 = 3 };
+  NonFinite non_finite = NonFinite::kNone;
+  int64_t element = -1;  // its index, row-major over [V, H]; -1 with kNone
+  bool applied() const { return non_finite == NonFinite::kNone; }
 };
 
 class Backend : public BufferAllocator {
@@ -157,8 +173,14 @@ class Backend : public BufferAllocator {
   // from its fp32 master weights.
   virtual absl::Status ConvertFloat32(const DeviceBuffer& src, DeviceBuffer& dst, DType dst_dtype,
                                       int64_t count) = 0;
-  virtual absl::Status OptimizerStep(const OptimizerConfig& config,
-                                     const OptimizerTensors& tensors) = 0;
+  // One optimizer update, all or nothing: a first pass computes every element's new weight (as
+  // stored, in weight_dtype) and state without writing them, and only when all are finite does
+  // a second pass write them. Otherwise nothing is written and the result names the first
+  // element at fault, so that a caller can refuse the step and leave W and the state as they
+  // were. (A trainer whose step overflows, a learning rate of 1e38 say, would otherwise leave a
+  // W on which every later call fails, and checkpoint it.)
+  virtual absl::StatusOr<OptimizerStepResult> OptimizerStep(const OptimizerConfig& config,
+                                                            const OptimizerTensors& tensors) = 0;
 
   // Host memory that this backend's device copies to and from fastest (page-locked memory for a
   // GPU; plain memory for the CPU), as ggml's backends offer their host buffer type: for buffers

@@ -31,6 +31,11 @@ absl::Status ValidateTokenWeights(const float* weights, int64_t count, int64_t f
 // OK when every element of the row-major [rows, cols] matrix `data`, stored in `dtype`, is finite;
 // else INVALID_ARGUMENT naming the first Inf or NaN as `field`[first_row + r, c]. Reads the raw
 // bits (an exponent of all ones), so it costs one pass over memory even at V x H of a large head.
+// A logit soft cap: 0 (off) or a positive normal fp32 number (a cap of 1e-300 would round to 0
+// in fp32 and turn capping off, one of 1e39 to Inf). Wherever a head's cap comes from
+// (config.json, an upload, a checkpoint), a call that leaves its own unset is capped with it.
+absl::Status ValidateSoftcap(absl::string_view field, double value);
+
 absl::Status ValidateFiniteMatrix(absl::string_view field, const void* data, DType dtype,
                                   int64_t rows, int64_t cols, int64_t first_row = 0);
 

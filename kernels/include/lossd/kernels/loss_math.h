@@ -247,7 +247,15 @@ LOSSD_HD ObjectiveTerm PolicyObjectiveTerm(Objective objective, double logprob,
     return t;
   }
   const double a = in.advantage;
-  const double r = std::exp(logprob - in.sampling_logprob);
+  double log_ratio = logprob - in.sampling_logprob;
+  // dr/dlogp = r, or 0 where the clamp holds r at e^(+-c) (torch.clamp's gradient).
+  double r_slope = 1.0;
+  if (p.log_ratio_clamp > 0.0 &&
+      (log_ratio > p.log_ratio_clamp || log_ratio < -p.log_ratio_clamp)) {
+    log_ratio = log_ratio > 0.0 ? p.log_ratio_clamp : -p.log_ratio_clamp;
+    r_slope = 0.0;
+  }
+  const double r = std::exp(log_ratio);
   const double low = 1.0 - p.clip_low;
   const double high = 1.0 + p.clip_high;
   const double clipped = r < low ? low : (r > high ? high : r);
@@ -255,7 +263,7 @@ LOSSD_HD ObjectiveTerm PolicyObjectiveTerm(Objective objective, double logprob,
   switch (objective) {
     case Objective::kImportanceSampling:
       t.value = -r * a;
-      t.logprob_grad = -r * a;
+      t.logprob_grad = -r * a * r_slope;
       break;
     case Objective::kPpo: {
       const double unclipped_loss = -r * a;
@@ -265,7 +273,7 @@ LOSSD_HD ObjectiveTerm PolicyObjectiveTerm(Objective objective, double logprob,
         t.clip = r > high ? ClipState::kHigh : ClipState::kLow;
       } else {
         t.value = unclipped_loss;
-        t.logprob_grad = -r * a;
+        t.logprob_grad = -r * a * r_slope;
       }
       const double dual_bound = -p.dual_clip * a;
       if (p.dual_clip > 0.0 && a < 0.0 && t.value > dual_bound) {
@@ -401,8 +409,10 @@ LOSSD_HD RowResult FinishRow(const RowStats& s, bool counted, float weight, cons
     r.logprob = static_cast<float>(logprob);
     r.loss = static_cast<float>(weight * loss);
   }
+  // The ratio is an output too: a row whose r overflows fp32 (even where its term is clipped and
+  // finite) is not answered with Inf.
   r.finite = IsFinite(lse) && IsFinite(mean_z) && IsFinite(entropy) && IsFinite(r.loss) &&
-             IsFinite(r.logprob_grad);
+             IsFinite(r.logprob_grad) && IsFinite(r.ratio);
   return r;
 }
 

@@ -85,6 +85,9 @@ struct PolicyOptions {
   KlEstimator kl_estimator = KlEstimator::kNone;
   double kl_coef = 0.0;       // beta >= 0: adds beta KL_i; needs a KL estimator
   double entropy_coef = 0.0;  // c_H: subtracts c_H H_i (an entropy bonus for c_H > 0)
+  // c > 0: log r = logp - q is clamped to [-c, c] before exp (verl's 20), and r is constant in
+  // logp where the clamp holds; 0: none (a non-finite r fails the row).
+  double log_ratio_clamp = 0.0;
 };
 
 // What a sparse teacher's distribution does with the mass outside its top-k (DistillOptions).

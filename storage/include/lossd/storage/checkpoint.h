@@ -5,6 +5,7 @@
 // "optimizer.state1" and "optimizer.state2" (F32 [V, H]); its __metadata__ holds
 //   format       "lossd-checkpoint-v1"
 //   head, version, steps, optimizer ("none", "sgd", "adamw"), vocab_size, hidden_size
+// ("sgd" without an optimizer.state1 tensor: no momentum buffer, as momentum 0 keeps none)
 //   tied_embeddings ("true"/"false"), logit_softcap (decimal, 0: none); files written before
 //                 these two existed lack them and load untied without a cap
 //   crc32c.<tensor>  CRC-32C of each tensor's bytes, 8 hex digits
@@ -59,25 +60,36 @@ std::string CheckpointPath(const std::string& dir, absl::string_view head, uint6
 // Writes `state` atomically to CheckpointPath(dir, state.head, state.version), creating the
 // directories as needed, and returns that path. Then removes the head's older checkpoints so that
 // the newest `keep_last` remain (keep_last <= 0 keeps all); the file just written is never removed.
-// A state whose sizes disagree with its shape or optimizer is INVALID_ARGUMENT and writes nothing.
+// A state whose sizes disagree with its shape or optimizer is INVALID_ARGUMENT, one whose values a
+// load would refuse (see LoadCheckpoint) FAILED_PRECONDITION; neither writes anything.
 absl::StatusOr<std::string> SaveCheckpoint(const std::string& dir, const CheckpointState& state,
                                            int keep_last = 3);
 
-// Reads and fully validates one checkpoint file: format tag, metadata, shapes, dtypes and
-// checksums. A truncated or corrupt file is an error (DATA_LOSS or INVALID_ARGUMENT), never a
-// partial state.
+// Reads and fully validates one checkpoint file: format tag, metadata, shapes, dtypes, checksums
+// and values (W and the optimizer state finite, AdamW's second moment >= 0). A truncated or
+// corrupt file is an error (DATA_LOSS or INVALID_ARGUMENT), never a partial state.
 absl::StatusOr<CheckpointState> LoadCheckpoint(const std::string& path);
+
+// A head directory that holds checkpoints, none of which loads.
+struct DamagedHead {
+  std::string head;
+  std::string directory;
+  std::vector<std::string> reasons;  // "<path>: <reason>", newest first
+};
 
 struct ResumeResult {
   std::vector<CheckpointState> heads;  // sorted by head name
   std::vector<std::string> skipped;    // "<path>: <reason>" for each file passed over
+  std::vector<DamagedHead> damaged;    // heads with checkpoints, none of them good
 };
 
 // For every head subdirectory of `dir`, loads the newest checkpoint that loads cleanly (and whose
 // metadata names the same head and version as its file name). Newer ones that fail, temporary
-// files of saves and unrecognized entries are listed in `skipped`. Temporary files whose writing
-// process is gone (a save cut short by a crash) are removed; those of a running process are kept.
-// A missing `dir` gives an empty result; an unreadable one is an error.
+// files of saves and unrecognized entries are listed in `skipped`; a head none of whose
+// checkpoints loads is listed in `damaged`, for the caller to refuse rather than start it afresh.
+// Temporary files whose writing process is gone (a save cut short by a crash) are removed; those
+// of a running process are kept. A missing `dir` gives an empty result; an unreadable one, or a
+// symbolic link to nothing, is an error.
 absl::StatusOr<ResumeResult> ResumeFromDirectory(const std::string& dir);
 
 // CRC-32C (Castagnoli), the checksum stored in checkpoint metadata. `crc` continues a previous

@@ -142,6 +142,10 @@ struct CheckpointHead {
 // empty `tensor` chooses by the rules above.
 absl::StatusOr<CheckpointHead> LoadCheckpointHead(const std::string& path, absl::string_view tensor,
                                                   DType dtype);
+// What LoadCheckpointHead would load, without W (`weight` stays empty; only headers are read):
+// its shape, tie, soft cap and source.
+absl::StatusOr<CheckpointHead> ProbeCheckpointHead(const std::string& path,
+                                                   absl::string_view tensor);
 
 }  // namespace lossd::storage
 

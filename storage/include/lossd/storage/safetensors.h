@@ -31,6 +31,10 @@ inline constexpr uint64_t kMaxSafetensorsHeaderBytes = 100'000'000;
 // Bytes per element of a safetensors dtype name ("F32", "BF16", "I64", ...), or INVALID_ARGUMENT.
 absl::StatusOr<size_t> SafetensorsDTypeSize(absl::string_view dtype);
 
+// Text from untrusted files, for error messages and the log: at most `max_bytes` of it, with
+// control characters and bytes above 0x7e (text that may not be UTF-8) escaped as \xNN.
+std::string Printable(absl::string_view text, size_t max_bytes);
+
 // lossd's DType <-> the safetensors dtype name: float32 <-> "F32", bfloat16 <-> "BF16",
 // float16 <-> "F16". Other safetensors dtypes have no lossd DType and give INVALID_ARGUMENT.
 absl::StatusOr<std::string> DTypeToSafetensors(DType dtype);
