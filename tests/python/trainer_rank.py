@@ -173,6 +173,11 @@ def main():
                     "eval_loss": [entry["eval_loss"] for entry in history if "eval_loss" in entry]},
                    args.result)
         print(json.dumps({"steps": trainer.state.global_step}))
+    if torch.distributed.is_initialized():
+        # No rank leaves while another still talks to it: a Gloo peer that vanishes
+        # mid-exchange aborts the ranks still connected to it.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
