@@ -575,7 +575,8 @@ class ComputeCall {
       const RowLayout layout = Layout();
       RETURN_IF_ERROR(pending_.Resize(pending_.bytes() + RowReader::BufferBytes(layout)));
       ASSIGN_OR_RETURN(reader_, RowReader::Start(stream_, env_.metrics, layout, *env_.host_buffers,
-                                                 env_.limits.stream_idle, env_.pending));
+                                                 env_.limits.stream_idle,
+                                                 PendingAccount{env_.pending, stream_.Peer()}));
       RETURN_IF_ERROR(reader_->AwaitFirstChunk());
     }
 
@@ -641,6 +642,7 @@ class ComputeCall {
     const v1::ComputeStart& start = request.start();
     const int64_t copies_bound = StartCopiesBound(start, env_.limits.max_tokens_per_call);
     ASSIGN_OR_RETURN(pending_, env_.pending->Reserve(
+                                   stream_.Peer(),
                                    static_cast<int64_t>(request.SpaceUsedLong()) + copies_bound));
     ASSIGN_OR_RETURN(spec_, ParseStart(env_, start));
     return pending_.Resize(spec_.copied_bytes());

@@ -37,7 +37,8 @@ void TakeOverFromGrpc(void* reactor) {
 ComputeReactor::ComputeReactor(grpc::CallbackServerContext* context,
                                absl::Duration write_stall_limit, int owners)
     : context_(context),
-      peer_is_local_(context != nullptr && IsLocalPeer(context->peer())),
+      peer_(context != nullptr ? context->peer() : ""),
+      peer_is_local_(IsLocalPeer(peer_)),
       write_stall_limit_(write_stall_limit),
       owners_(owners) {
   HandOverToGrpc(this);

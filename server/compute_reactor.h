@@ -135,6 +135,7 @@ class ComputeReactor final
   bool IsCancelled() const override;
   void End(const absl::Status& status) override;
   bool PeerIsLocal() const override { return peer_is_local_; }
+  std::string Peer() const override { return peer_; }
 
   // Reactions, from gRPC.
   void OnReadDone(bool ok) override;
@@ -154,6 +155,7 @@ class ComputeReactor final
   void Unref();
 
   grpc::CallbackServerContext* const context_;  // null for a refused call
+  const std::string peer_;
   const bool peer_is_local_;
   const absl::Duration write_stall_limit_;
   Hooks hooks_;  // set before the call's thread starts, used and reset on it

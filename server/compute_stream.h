@@ -3,6 +3,8 @@
 #ifndef LOSSD_SERVER_COMPUTE_STREAM_H_
 #define LOSSD_SERVER_COMPUTE_STREAM_H_
 
+#include <string>
+
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -33,6 +35,9 @@ class ComputeStream {
   // Whether the client runs on the server's host (loopback or Unix socket): only such a client
   // may hand its rows over in shared memory.
   virtual bool PeerIsLocal() const = 0;
+  // The client's connection (gRPC's peer address): calls not yet admitted share out the pending
+  // memory by it.
+  virtual std::string Peer() const { return ""; }
 };
 
 // The status of a call ended because its client kept it waiting for `limit` (--stream_idle_seconds)

@@ -62,6 +62,9 @@ ABSL_FLAG(int64_t, pending_memory_mib, 2048,
           "host memory, in MiB, that Compute calls not yet admitted may hold together (start "
           "messages, per-token values, rows read ahead); calls beyond it are refused with "
           "RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, pending_memory_per_connection_mib, 0,
+          "of --pending_memory_mib, what the calls of one client connection may hold together, "
+          "so that no one client can take it all (0: half of --pending_memory_mib)");
 ABSL_FLAG(double, stream_idle_seconds, 60,
           "a Compute call whose client sends no start message or complete chunk of rows (nor "
           "reads its results) for this long is ended with DEADLINE_EXCEEDED");
@@ -154,6 +157,8 @@ int main(int argc, char** argv) {
   config.step_wait = absl::Seconds(absl::GetFlag(FLAGS_step_wait_seconds));
   config.max_queued_calls = absl::GetFlag(FLAGS_max_queued_calls);
   config.pending_memory_bytes = absl::GetFlag(FLAGS_pending_memory_mib) << 20;
+  config.pending_memory_per_connection_bytes =
+      absl::GetFlag(FLAGS_pending_memory_per_connection_mib) << 20;
   config.stream_idle = absl::Seconds(absl::GetFlag(FLAGS_stream_idle_seconds));
   config.max_message_bytes = absl::GetFlag(FLAGS_max_message_mib) << 20;
   config.max_connection_age = absl::Seconds(absl::GetFlag(FLAGS_max_connection_age_seconds));

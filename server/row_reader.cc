@@ -66,7 +66,7 @@ absl::StatusOr<std::unique_ptr<RowReader>> RowReader::Start(ComputeStream& strea
                                                            const RowLayout& layout,
                                                            BufferCache& host_buffers,
                                                            absl::Duration idle_limit,
-                                                           PendingMemory* pending) {
+                                                           PendingAccount pending) {
   if (layout.side.size() > static_cast<size_t>(kMaxSideStreams)) {
     return absl::InternalError(absl::StrCat("RowReader: at most ", kMaxSideStreams,
                                             " side streams, got ", layout.side.size()));
@@ -81,18 +81,18 @@ absl::StatusOr<std::unique_ptr<RowReader>> RowReader::Start(ComputeStream& strea
     }
   }
   return std::unique_ptr<RowReader>(
-      new RowReader(stream, metrics, layout, idle_limit, pending, std::move(buffers)));
+      new RowReader(stream, metrics, layout, idle_limit, std::move(pending), std::move(buffers)));
 }
 
 RowReader::RowReader(ComputeStream& stream, Metrics* metrics, const RowLayout& layout,
-                     absl::Duration idle_limit, PendingMemory* pending,
+                     absl::Duration idle_limit, PendingAccount pending,
                      std::array<ChunkBuffers, kBuffers> buffers)
     : stream_(stream),
       metrics_(metrics),
       layout_(layout),
       row_bytes_(RowBytes(layout)),
       idle_limit_(idle_limit),
-      pending_(pending),
+      pending_(std::move(pending)),
       buffers_(std::move(buffers)) {
   thread_ = std::thread([this] { ReadAll(); });
 }
@@ -205,9 +205,9 @@ absl::Status RowReader::WaitForFreeBuffer(const v1::ComputeRequest& request) {
     return stop_ || released_ + kBuffers > chunk;
   };
   // Only the engine frees a buffer, so an unadmitted call holds the message until admission.
-  if (!free_or_stopped() && !admitted_ && pending_ != nullptr) {
+  if (!free_or_stopped() && !admitted_ && pending_.memory != nullptr) {
     ASSIGN_OR_RETURN(held_message_,
-                     pending_->Reserve(static_cast<int64_t>(request.SpaceUsedLong())));
+                     pending_.Reserve(static_cast<int64_t>(request.SpaceUsedLong())));
   }
   mu_.Await(absl::Condition(&free_or_stopped));
   held_message_.Release();

@@ -73,13 +73,14 @@ class RowReader {
   static int64_t BufferBytes(const RowLayout& layout);
 
   // Leases its chunk buffers from `host_buffers` and starts reading; `stream`, `metrics` (may be
-  // null), `host_buffers` and `pending` (may be null: nothing is counted) must outlive the reader.
+  // null), `host_buffers` and `pending.memory` (may be null: nothing is counted) must outlive the
+  // reader.
   // Waits for the client end with StreamIdleError after `idle_limit`.
   static absl::StatusOr<std::unique_ptr<RowReader>> Start(ComputeStream& stream, Metrics* metrics,
                                                           const RowLayout& layout,
                                                           BufferCache& host_buffers,
                                                           absl::Duration idle_limit,
-                                                          PendingMemory* pending = nullptr);
+                                                          PendingAccount pending = {});
   RowReader(const RowReader&) = delete;
   RowReader& operator=(const RowReader&) = delete;
   ~RowReader();
@@ -116,7 +117,7 @@ class RowReader {
   using ChunkBuffers = std::array<BufferLease, 1 + kMaxSideStreams>;
 
   RowReader(ComputeStream& stream, Metrics* metrics, const RowLayout& layout,
-            absl::Duration idle_limit, PendingMemory* pending,
+            absl::Duration idle_limit, PendingAccount pending,
             std::array<ChunkBuffers, kBuffers> buffers);
   uint8_t* BufferOf(int64_t chunk, int stream = 0) {
     return static_cast<uint8_t*>(buffers_[chunk % kBuffers][stream].buffer().data());
@@ -134,7 +135,7 @@ class RowReader {
   const RowLayout layout_;
   const int64_t row_bytes_;
   const absl::Duration idle_limit_;
-  PendingMemory* const pending_;
+  const PendingAccount pending_;
   std::array<ChunkBuffers, kBuffers> buffers_;  // the second only when the call spans two chunks
 
   // Only the reader thread touches these.

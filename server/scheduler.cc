@@ -169,6 +169,7 @@ PendingCharge& PendingCharge::operator=(PendingCharge&& other) noexcept {
   if (this != &other) {
     Release();
     pending_ = std::exchange(other.pending_, nullptr);
+    connection_ = std::move(other.connection_);
     bytes_ = std::exchange(other.bytes_, 0);
   }
   return *this;
@@ -176,44 +177,68 @@ PendingCharge& PendingCharge::operator=(PendingCharge&& other) noexcept {
 
 absl::Status PendingCharge::Resize(int64_t bytes) {
   if (pending_ == nullptr) return absl::FailedPreconditionError("resizing a released charge");
-  RETURN_IF_ERROR(pending_->Change(bytes_, bytes));
+  RETURN_IF_ERROR(pending_->Change(connection_, bytes_, bytes));
   bytes_ = bytes;
   return absl::OkStatus();
 }
 
 void PendingCharge::Release() {
-  if (pending_ != nullptr) pending_->Change(bytes_, 0).IgnoreError();  // shrinking cannot fail
+  // Shrinking cannot fail.
+  if (pending_ != nullptr) pending_->Change(connection_, bytes_, 0).IgnoreError();
   pending_ = nullptr;
   bytes_ = 0;
 }
 
-absl::StatusOr<PendingCharge> PendingMemory::Reserve(int64_t bytes) {
-  RETURN_IF_ERROR(Change(0, bytes));
-  return PendingCharge(this, bytes);
+absl::StatusOr<PendingCharge> PendingMemory::Reserve(absl::string_view connection,
+                                                     int64_t bytes) {
+  std::string key(connection);
+  RETURN_IF_ERROR(Change(key, 0, bytes));
+  return PendingCharge(this, std::move(key), bytes);
 }
 
-absl::Status PendingMemory::Change(int64_t from, int64_t to) {
+absl::Status PendingMemory::Change(const std::string& connection, int64_t from, int64_t to) {
   absl::MutexLock lock(&mu_);
   const int64_t others = held_bytes_ - from;
-  if (to > from && others + to > capacity_bytes_) {
-    const std::string held =
-        others > 0
-            ? absl::StrCat("; calls not yet admitted hold ", others, " bytes now, retry later")
-            : "";
-    return WithAdmissionRefusal(
-        absl::ResourceExhaustedError(absl::StrCat(
-            "pending memory: the call needs ", to, " bytes of host memory until it is admitted "
-            "(start message, per-token values, rows read ahead); calls not yet admitted may "
-            "hold ", capacity_bytes_, " bytes together (--pending_memory_mib)", held)),
-        AdmissionRefusal::kPendingMemory);
+  const auto held = held_by_connection_.find(connection);
+  const int64_t connection_others = (held == held_by_connection_.end() ? 0 : held->second) - from;
+  if (to > from) {
+    const auto refuse = [to](absl::string_view whose, int64_t capacity, absl::string_view flag,
+                             int64_t held_now) {
+      const std::string now =
+          held_now > 0 ? absl::StrCat("; they hold ", held_now, " bytes now, retry later") : "";
+      return WithAdmissionRefusal(
+          absl::ResourceExhaustedError(absl::StrCat(
+              "pending memory: the call needs ", to, " bytes of host memory until it is admitted "
+              "(start message, per-token values, rows read ahead); ", whose, " may hold ",
+              capacity, " bytes together (", flag, ")", now)),
+          AdmissionRefusal::kPendingMemory);
+    };
+    if (others + to > capacity_bytes_) {
+      return refuse("calls not yet admitted", capacity_bytes_, "--pending_memory_mib", others);
+    }
+    if (connection_others + to > per_connection_bytes_) {
+      return refuse("one client connection's calls not yet admitted", per_connection_bytes_,
+                    "--pending_memory_per_connection_mib", connection_others);
+    }
   }
   held_bytes_ = others + to;
+  if (connection_others + to > 0) {
+    held_by_connection_[connection] = connection_others + to;
+  } else if (held != held_by_connection_.end()) {
+    held_by_connection_.erase(held);
+  }
   return absl::OkStatus();
 }
 
 int64_t PendingMemory::held_bytes() const {
   absl::MutexLock lock(&mu_);
   return held_bytes_;
+}
+
+int64_t PendingMemory::held_bytes(absl::string_view connection) const {
+  absl::MutexLock lock(&mu_);
+  const auto held = held_by_connection_.find(connection);
+  return held == held_by_connection_.end() ? 0 : held->second;
 }
 
 }  // namespace lossd::server

@@ -10,8 +10,12 @@
 #include <functional>
 #include <optional>
 
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
@@ -22,7 +26,8 @@ namespace lossd::server {
 enum class AdmissionRefusal : int {
   kQueueFull = 0,      // --max_queued_calls calls already wait
   kOverBudget = 1,     // the call alone needs more device memory than the compute budget
-  kPendingMemory = 2,  // calls not yet admitted hold --pending_memory_mib of host memory
+  kPendingMemory = 2,  // calls not yet admitted hold --pending_memory_mib of host memory (or
+                       // one connection's calls its --pending_memory_per_connection_mib)
 };
 
 // The metric label of a refusal: queue_full, over_budget, pending_memory.
@@ -100,7 +105,7 @@ class Scheduler {
 
 class PendingMemory;
 
-// Bytes a call holds against the PendingMemory bound until destroyed or released.
+// Bytes a call holds against the PendingMemory bounds until destroyed or released.
 class PendingCharge {
  public:
   PendingCharge() = default;
@@ -108,7 +113,7 @@ class PendingCharge {
   PendingCharge& operator=(PendingCharge&& other) noexcept;
   ~PendingCharge() { Release(); }
 
-  // Changes the charge to `bytes`: shrinking always succeeds, growing only within the bound
+  // Changes the charge to `bytes`: shrinking always succeeds, growing only within the bounds
   // (RESOURCE_EXHAUSTED with AdmissionRefusal::kPendingMemory otherwise, the charge unchanged).
   absl::Status Resize(int64_t bytes);
   void Release();
@@ -116,34 +121,55 @@ class PendingCharge {
 
  private:
   friend class PendingMemory;
-  PendingCharge(PendingMemory* pending, int64_t bytes) : pending_(pending), bytes_(bytes) {}
+  PendingCharge(PendingMemory* pending, std::string connection, int64_t bytes)
+      : pending_(pending), connection_(std::move(connection)), bytes_(bytes) {}
   PendingMemory* pending_ = nullptr;
+  std::string connection_;
   int64_t bytes_ = 0;
 };
 
 // Host memory held by Compute calls not yet admitted to the device: the start message while it
 // is parsed, the per-token values copied out of it, rows read ahead. Bounded server-wide
 // (--pending_memory_mib) so that calls waiting for their rows or for admission, up to
-// --max_queued_calls of them and any number still sending, cannot hold memory without limit.
+// --max_queued_calls of them and any number still sending, cannot hold memory without limit; and
+// per client connection (--pending_memory_per_connection_mib), so that one client opening calls
+// it never feeds cannot take all of it and refuse everyone else.
 class PendingMemory {
  public:
-  explicit PendingMemory(int64_t capacity_bytes) : capacity_bytes_(capacity_bytes) {}
+  PendingMemory(int64_t capacity_bytes, int64_t per_connection_bytes)
+      : capacity_bytes_(capacity_bytes), per_connection_bytes_(per_connection_bytes) {}
 
-  // A charge of `bytes`, or RESOURCE_EXHAUSTED with AdmissionRefusal::kPendingMemory when it does
-  // not fit beside what other calls hold.
-  absl::StatusOr<PendingCharge> Reserve(int64_t bytes);
+  // A charge of `bytes` for a call of `connection` (gRPC's peer address of the client), or
+  // RESOURCE_EXHAUSTED with AdmissionRefusal::kPendingMemory when it does not fit beside what
+  // other calls, or that connection's other calls, hold.
+  absl::StatusOr<PendingCharge> Reserve(absl::string_view connection, int64_t bytes);
 
   int64_t capacity_bytes() const { return capacity_bytes_; }
+  int64_t per_connection_bytes() const { return per_connection_bytes_; }
   int64_t held_bytes() const;
+  int64_t held_bytes(absl::string_view connection) const;
 
  private:
   friend class PendingCharge;
-  // Moves a charge from `from` to `to` bytes, if it fits.
-  absl::Status Change(int64_t from, int64_t to);
+  // Moves a charge of `connection` from `from` to `to` bytes, if it fits.
+  absl::Status Change(const std::string& connection, int64_t from, int64_t to);
 
   const int64_t capacity_bytes_;
+  const int64_t per_connection_bytes_;
   mutable absl::Mutex mu_;
   int64_t held_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Only connections that hold something.
+  absl::flat_hash_map<std::string, int64_t> held_by_connection_ ABSL_GUARDED_BY(mu_);
+};
+
+// A client connection's account at PendingMemory, as a call's row reader charges it.
+struct PendingAccount {
+  PendingMemory* memory = nullptr;  // null: nothing is counted
+  std::string connection;
+
+  absl::StatusOr<PendingCharge> Reserve(int64_t bytes) const {
+    return memory->Reserve(connection, bytes);
+  }
 };
 
 }  // namespace lossd::server

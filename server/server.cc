@@ -464,6 +464,11 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
     return InvalidField("--pending_memory_mib", "a size > 0",
                         absl::StrCat(config.pending_memory_bytes >> 20));
   }
+  if (config.pending_memory_per_connection_bytes < 0) {
+    return InvalidField("--pending_memory_per_connection_mib",
+                        "a size in MiB >= 0 (0: half of --pending_memory_mib)",
+                        absl::StrCat(config.pending_memory_per_connection_bytes >> 20));
+  }
   if (config.workspace_budget_bytes < 0) {
     return InvalidField("--workspace_budget_mib", "a size in MiB >= 0 (0: the device's default)",
                         absl::StrCat(config.workspace_budget_bytes >> 20));
@@ -553,7 +558,11 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   const int64_t compute_memory = server->ComputeBudget(0);
   server->scheduler_ =
       std::make_unique<Scheduler>(compute_memory, config.max_running_calls, config.max_queued_calls);
-  server->pending_ = std::make_unique<PendingMemory>(config.pending_memory_bytes);
+  server->pending_ = std::make_unique<PendingMemory>(
+      config.pending_memory_bytes,
+      config.pending_memory_per_connection_bytes == 0
+          ? config.pending_memory_bytes / 2
+          : std::min(config.pending_memory_per_connection_bytes, config.pending_memory_bytes));
   server->buffers_ = std::make_unique<BufferCache>(*server->backend_, server->ledger_,
                                                    config.cache_call_buffers ? compute_memory : 0);
   server->host_buffers_ = std::make_unique<BufferCache>(

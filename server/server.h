@@ -43,6 +43,8 @@ struct ServerConfig {
   int max_queued_calls = 64;
   // Host memory that Compute calls not yet admitted may hold together.
   int64_t pending_memory_bytes = int64_t{2} << 30;
+  // Of that, what the calls of one client connection may hold together; 0: half of it.
+  int64_t pending_memory_per_connection_bytes = 0;
   // How long a call waits for its client's next chunk of rows (or end of stream, or reading of
   // results) before it is ended.
   absl::Duration stream_idle = absl::Seconds(60);

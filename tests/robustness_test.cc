@@ -1996,7 +1996,11 @@ constexpr int64_t kStallRowsPerMessage = 20;
 class OpenStream {
  public:
   explicit OpenStream(int port, absl::Duration deadline = absl::Seconds(60))
-      : channel_(PrivateChannel(port)), stub_(v1::LossService::NewStub(channel_)) {
+      : OpenStream(PrivateChannel(port), deadline) {}
+  // On `channel`'s connection, beside other streams.
+  explicit OpenStream(std::shared_ptr<grpc::Channel> channel,
+                      absl::Duration deadline = absl::Seconds(60))
+      : channel_(std::move(channel)), stub_(v1::LossService::NewStub(channel_)) {
     context_.set_deadline(In(deadline));
     stream_ = stub_->Compute(&context_);
   }
@@ -2452,6 +2456,87 @@ TEST(PendingMemoryTest, CallsNotYetAdmittedStayWithinTheBound) {
   // Gone, they hold nothing.
   for (auto& call : waiting) call->Cancel();
   waiting.clear();
+  EXPECT_TRUE(Eventually([&] { return server->pending_memory().held_bytes() == 0; }));
+  EXPECT_TRUE(SettlesToIdle(*server, 0));
+}
+
+// Silent starts on one connection stop at its share of the pending memory
+// (--pending_memory_per_connection_mib): a client that opens calls it never feeds does not lock
+// the others out.
+TEST(PendingMemoryTest, OneConnectionCannotTakeItAll) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "LOSSD_TEST_SEED=" << seed);
+  std::mt19937_64 rng(seed);
+  server::ServerConfig config = StallConfig();
+  config.pending_memory_bytes = 32 << 20;
+  config.pending_memory_per_connection_bytes = 8 << 20;
+  auto server = StartTestServer(config);
+  ASSERT_NE(server, nullptr);
+  // Starts of 2^18 labels: 2 MiB once copied, about 4 MiB while parsed.
+  constexpr int64_t kTokens = 1 << 18;
+  constexpr int64_t kLabelBytes = kTokens * sizeof(int64_t);
+
+  // Opens silent starts on `channel` until one is refused; the ones left waiting.
+  const auto fill = [&](const std::shared_ptr<grpc::Channel>& channel, grpc::Status* refused) {
+    std::vector<std::unique_ptr<OpenStream>> waiting;
+    for (int i = 0; i < 16; ++i) {
+      const double ended = Total(CallsByCode(*server, "Compute"));
+      const int64_t held_before = server->pending_memory().held_bytes();
+      auto call = std::make_unique<OpenStream>(channel);
+      if (!call->Write(LargeStart(kTokens, rng))) {
+        *refused = call->Finish();
+        return waiting;
+      }
+      // Parsed (holding its labels, no longer the message) or refused.
+      int64_t held = 0;
+      const bool settled = Eventually([&] {
+        held = server->pending_memory().held_bytes() - held_before;
+        return Total(CallsByCode(*server, "Compute")) > ended ||
+               (held >= kLabelBytes && held < 2 * kLabelBytes);
+      });
+      EXPECT_TRUE(settled) << "the start was neither parsed nor refused; it holds " << held;
+      if (Total(CallsByCode(*server, "Compute")) > ended) {
+        *refused = call->Finish();
+        return waiting;
+      }
+      waiting.push_back(std::move(call));
+    }
+    return waiting;
+  };
+
+  const std::shared_ptr<grpc::Channel> greedy = PrivateChannel(server->port());
+  grpc::Status refused;
+  std::vector<std::unique_ptr<OpenStream>> greedy_calls = fill(greedy, &refused);
+  EXPECT_GE(greedy_calls.size(), 1u);
+  EXPECT_LE(greedy_calls.size(), static_cast<size_t>(
+                                     config.pending_memory_per_connection_bytes / kLabelBytes));
+  EXPECT_EQ(refused.error_code(), StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("--pending_memory_per_connection_mib"),
+            std::string::npos)
+      << refused.error_message();
+  EXPECT_LE(server->pending_memory().held_bytes(), config.pending_memory_per_connection_bytes);
+  EXPECT_EQ(EventMetric(*server, "lossd_admission_rejected_total", {{"reason", "pending_memory"}}),
+            1.0);
+
+  // Another connection gets as many waiting calls in as the first did, while it still holds its
+  // own, and a call on a third connection is served.
+  grpc::Status other_refused;
+  std::vector<std::unique_ptr<OpenStream>> other_calls =
+      fill(PrivateChannel(server->port()), &other_refused);
+  EXPECT_EQ(other_calls.size(), greedy_calls.size());
+  EXPECT_NE(other_refused.error_message().find("--pending_memory_per_connection_mib"),
+            std::string::npos)
+      << other_refused.error_message();
+  auto stub = ConnectTo(server->port());
+  const Batch batch = RandomBatch(kStallRowsPerMessage, kStallVocab, kStallHidden, rng);
+  const ComputeOutcome out = CallCompute(*stub, StartFor(kStallHead, batch, kStallHidden, false),
+                                         FloatBytes(batch.hidden), kStallRowsPerMessage);
+  EXPECT_TRUE(out.status.ok()) << out.status.error_message();
+
+  for (auto& call : greedy_calls) call->Cancel();
+  for (auto& call : other_calls) call->Cancel();
+  greedy_calls.clear();
+  other_calls.clear();
   EXPECT_TRUE(Eventually([&] { return server->pending_memory().held_bytes() == 0; }));
   EXPECT_TRUE(SettlesToIdle(*server, 0));
 }

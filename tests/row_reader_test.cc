@@ -459,10 +459,11 @@ TEST(RowReaderTest, AMessageHeldBeforeAdmissionIsPendingMemory) {
   const std::vector<v1::ComputeRequest> one_message = Split(data, 12);  // 3 chunks of 4 rows
   const int64_t message_bytes = static_cast<int64_t>(one_message.front().SpaceUsedLong());
   {
-    PendingMemory pending(/*capacity_bytes=*/1 << 20);
+    PendingMemory pending(/*capacity_bytes=*/1 << 20, /*per_connection_bytes=*/1 << 20);
     ScriptedStream stream(one_message);
     absl::StatusOr<std::unique_ptr<RowReader>> reader = RowReader::Start(
-        stream, nullptr, Layout(12, 4), FreshHostBuffers(), kPatient, &pending);
+        stream, nullptr, Layout(12, 4), FreshHostBuffers(), kPatient,
+        PendingAccount{&pending, "ipv4:127.0.0.1:1"});
     ASSERT_TRUE(reader.ok()) << reader.status();
     ASSERT_TRUE((*reader)->AwaitFirstChunk().ok());
     const absl::Time deadline = absl::Now() + kPatient;
@@ -480,10 +481,12 @@ TEST(RowReaderTest, AMessageHeldBeforeAdmissionIsPendingMemory) {
     EXPECT_EQ(pending.held_bytes(), 0);
   }
   {
-    PendingMemory pending(/*capacity_bytes=*/message_bytes - 1);
+    PendingMemory pending(/*capacity_bytes=*/message_bytes - 1,
+                          /*per_connection_bytes=*/message_bytes - 1);
     ScriptedStream stream(one_message, /*silent_at_end=*/true);
     absl::StatusOr<std::unique_ptr<RowReader>> reader = RowReader::Start(
-        stream, nullptr, Layout(12, 4), FreshHostBuffers(), kPatient, &pending);
+        stream, nullptr, Layout(12, 4), FreshHostBuffers(), kPatient,
+        PendingAccount{&pending, "ipv4:127.0.0.1:1"});
     ASSERT_TRUE(reader.ok()) << reader.status();
     const absl::Time deadline = absl::Now() + kPatient;
     while ((*reader)->Error().ok() && absl::Now() < deadline) {

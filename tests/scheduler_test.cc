@@ -65,10 +65,10 @@ TEST(SchedulerTest, AWaitingCallThatNoLongerFitsAShrunkBudgetIsRefused) {
 }
 
 TEST(PendingChargeTest, ChargesStayWithinTheBound) {
-  PendingMemory pending(/*capacity_bytes=*/100);
-  absl::StatusOr<PendingCharge> a = pending.Reserve(60);
+  PendingMemory pending(/*capacity_bytes=*/100, /*per_connection_bytes=*/100);
+  absl::StatusOr<PendingCharge> a = pending.Reserve("a", 60);
   ASSERT_TRUE(a.ok()) << a.status();
-  const absl::StatusOr<PendingCharge> refused = pending.Reserve(50);
+  const absl::StatusOr<PendingCharge> refused = pending.Reserve("b", 50);
   EXPECT_EQ(AdmissionRefusalOf(refused.status()), AdmissionRefusal::kPendingMemory);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
   const std::string message(refused.status().message());
@@ -77,7 +77,7 @@ TEST(PendingChargeTest, ChargesStayWithinTheBound) {
   EXPECT_EQ(pending.held_bytes(), 60);
 
   ASSERT_TRUE(a->Resize(20).ok());
-  absl::StatusOr<PendingCharge> b = pending.Reserve(80);
+  absl::StatusOr<PendingCharge> b = pending.Reserve("b", 80);
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ(pending.held_bytes(), 100);
   // Growing past the bound fails and leaves the charge as it was.
@@ -91,6 +91,35 @@ TEST(PendingChargeTest, ChargesStayWithinTheBound) {
   EXPECT_EQ(pending.held_bytes(), 80);
   moved.Release();
   EXPECT_EQ(pending.held_bytes(), 0);
+}
+
+// One connection's calls stop at its share; another connection still gets what is left.
+TEST(PendingChargeTest, OneConnectionCannotTakeItAll) {
+  PendingMemory pending(/*capacity_bytes=*/100, /*per_connection_bytes=*/50);
+  absl::StatusOr<PendingCharge> first = pending.Reserve("ipv4:10.0.0.1:1000", 30);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const absl::StatusOr<PendingCharge> refused = pending.Reserve("ipv4:10.0.0.1:1000", 21);
+  EXPECT_EQ(AdmissionRefusalOf(refused.status()), AdmissionRefusal::kPendingMemory);
+  const std::string message(refused.status().message());
+  EXPECT_NE(message.find("--pending_memory_per_connection_mib"), std::string::npos) << message;
+  EXPECT_NE(message.find("50 bytes"), std::string::npos) << message;
+  EXPECT_NE(message.find("hold 30 bytes now"), std::string::npos) << message;
+  // Growing one of its charges past the share fails too, and changes nothing.
+  EXPECT_EQ(AdmissionRefusalOf(first->Resize(51)), AdmissionRefusal::kPendingMemory);
+  EXPECT_EQ(pending.held_bytes("ipv4:10.0.0.1:1000"), 30);
+
+  absl::StatusOr<PendingCharge> other = pending.Reserve("ipv4:10.0.0.1:1001", 50);
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_EQ(pending.held_bytes(), 80);
+  // The server-wide bound still holds whoever asks: 80 + 30 > 100.
+  const absl::StatusOr<PendingCharge> over = pending.Reserve("ipv4:10.0.0.2:1000", 30);
+  EXPECT_NE(std::string(over.status().message()).find("--pending_memory_mib"), std::string::npos)
+      << over.status();
+
+  // Released, a connection's share is whole again.
+  first->Release();
+  EXPECT_EQ(pending.held_bytes("ipv4:10.0.0.1:1000"), 0);
+  EXPECT_TRUE(pending.Reserve("ipv4:10.0.0.1:1000", 50).ok());
 }
 
 }  // namespace

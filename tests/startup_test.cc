@@ -334,6 +334,13 @@ const Refusal kRefusals[] = {
        config.pending_memory_bytes = 0;
        return std::vector<std::string>{"--pending_memory_mib: expected a size > 0, got 0"};
      }},
+    {"pending_memory_per_connection_negative", "a negative share would refuse every call",
+     kInvalid,
+     [](const std::string&, std::mt19937_64&, server::ServerConfig& config) {
+       config.pending_memory_per_connection_bytes = int64_t{-1} << 20;
+       return std::vector<std::string>{
+           "--pending_memory_per_connection_mib: expected a size in MiB >= 0"};
+     }},
     {"stream_idle_zero", "every Compute call would end before its rows came", kInvalid,
      [](const std::string&, std::mt19937_64&, server::ServerConfig& config) {
        config.stream_idle = absl::ZeroDuration();
