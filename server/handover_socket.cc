@@ -6,6 +6,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
@@ -25,6 +26,7 @@ namespace {
 struct Connection {
   UniqueFd socket;
   uint64_t id = 0;
+  uint32_t user = 0;  // the peer's uid, from the kernel (SO_PEERCRED)
 };
 
 socklen_t AbstractAddress(const std::string& name, sockaddr_un& address) {
@@ -49,8 +51,9 @@ bool SendReply(int socket, const absl::StatusOr<std::string>& outcome) {
 }
 
 // The answer to one request: the handle registered or released, or why it was refused.
-absl::StatusOr<std::string> Answer(SharedMemoryMaps& maps, uint64_t connection, const char* data,
-                                   size_t size, int flags, std::vector<UniqueFd> descriptors) {
+absl::StatusOr<std::string> Answer(SharedMemoryMaps& maps, const Connection& connection,
+                                   const char* data, size_t size, int flags,
+                                   std::vector<UniqueFd> descriptors) {
   if ((flags & MSG_CTRUNC) != 0) {
     return InvalidField("request",
                         absl::StrCat("at most ", HandoverSocket::kMaxDescriptorsPerMessage,
@@ -75,12 +78,12 @@ absl::StatusOr<std::string> Answer(SharedMemoryMaps& maps, uint64_t connection, 
                             "exactly one descriptor, in an SCM_RIGHTS control message",
                             absl::StrCat(descriptors.size()));
       }
-      return maps.Register(std::move(descriptors.front()), connection);
+      return maps.Register(std::move(descriptors.front()), connection.id, connection.user);
     case v1::HandoverRequest::kReleaseHandle:
       if (!descriptors.empty()) {
         return InvalidField("release_handle", "no descriptor", absl::StrCat(descriptors.size()));
       }
-      RETURN_IF_ERROR(maps.Release(request.release_handle().handle(), connection));
+      RETURN_IF_ERROR(maps.Release(request.release_handle().handle(), connection.id));
       return request.release_handle().handle();
     default:
       return InvalidField("request", "register_memfd or release_handle", "neither");
@@ -117,7 +120,7 @@ bool ServeMessage(SharedMemoryMaps& maps, const Connection& connection) {
   // The end of the stream (a SOCK_SEQPACKET peer that closes reads as an empty message).
   if (received == 0 && descriptors.empty() && (message.msg_flags & MSG_CTRUNC) == 0) return false;
   return SendReply(connection.socket.get(),
-                   Answer(maps, connection.id, data, static_cast<size_t>(received),
+                   Answer(maps, connection, data, static_cast<size_t>(received),
                           message.msg_flags, std::move(descriptors)));
 }
 
@@ -210,7 +213,24 @@ void HandoverSocket::Serve() {
                                    " open handover connections, got one more; try again later")));
         continue;
       }
-      connections.push_back({std::move(accepted), next_id++});
+      ucred peer{};
+      socklen_t peer_size = sizeof peer;
+      if (getsockopt(accepted.get(), SOL_SOCKET, SO_PEERCRED, &peer, &peer_size) != 0) {
+        SendReply(accepted.get(), ErrnoError("connection: SO_PEERCRED of the peer", errno));
+        continue;
+      }
+      const size_t of_user =
+          std::count_if(connections.begin(), connections.end(),
+                        [&](const Connection& open) { return open.user == peer.uid; });
+      if (of_user >= limits_.max_connections_per_user) {
+        SendReply(accepted.get(), absl::ResourceExhaustedError(absl::StrCat(
+                                      "connection: expected at most ",
+                                      limits_.max_connections_per_user,
+                                      " open handover connections per local user (uid ", peer.uid,
+                                      "), got one more; try again later")));
+        continue;
+      }
+      connections.push_back({std::move(accepted), next_id++, static_cast<uint32_t>(peer.uid)});
     }
   }
   while (!connections.empty()) close_connection(connections.size() - 1);

@@ -30,6 +30,8 @@ class HandoverSocket {
 
   struct Limits {
     size_t max_connections = 32;
+    // So that one local user cannot take every connection and lock the others out.
+    size_t max_connections_per_user = 16;
   };
 
   // Binds a fresh random abstract name and starts serving it, registering into `maps`, which must

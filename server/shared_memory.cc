@@ -137,12 +137,14 @@ struct SharedMemoryMaps::Memfd {
   std::string handle;
   UniqueFd fd;
   uint64_t connection = 0;
+  uint32_t user = 0;
   bool open_for_writing = false;
 };
 
 SharedMemoryMaps::SharedMemoryMaps(Limits limits) : limits_(limits) {}
 
-absl::StatusOr<std::string> SharedMemoryMaps::Register(UniqueFd memfd, uint64_t connection) {
+absl::StatusOr<std::string> SharedMemoryMaps::Register(UniqueFd memfd, uint64_t connection,
+                                                       uint32_t user) {
   // F_GET_SEALS answers only for tmpfs and hugetlbfs files and never reaches another file
   // system's driver; everything else is looked at only once it passed.
   const int seals = fcntl(memfd.get(), F_GET_SEALS);
@@ -175,16 +177,26 @@ absl::StatusOr<std::string> SharedMemoryMaps::Register(UniqueFd memfd, uint64_t 
   ASSIGN_OR_RETURN(registered->handle, RandomHandle());
   registered->fd = std::move(memfd);
   registered->connection = connection;
+  registered->user = user;
   registered->open_for_writing = (flags & O_ACCMODE) == O_RDWR;
 
   absl::MutexLock lock(&mu_);
-  const size_t of_connection =
-      std::count_if(handles_.begin(), handles_.end(),
-                    [&](const auto& entry) { return entry.second->connection == connection; });
+  size_t of_connection = 0;
+  size_t of_user = 0;
+  for (const auto& [handle, held] : handles_) {
+    of_connection += held->connection == connection ? 1 : 0;
+    of_user += held->user == user ? 1 : 0;
+  }
   if (of_connection >= limits_.max_handles_per_connection) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "register_memfd: expected at most ", limits_.max_handles_per_connection,
         " handles per connection (release_handle the memfds no longer used), got one more"));
+  }
+  if (of_user >= limits_.max_handles_per_user) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "register_memfd: expected at most ", limits_.max_handles_per_user,
+        " handles per local user (uid ", user, " holds ", of_user,
+        " on its connections; release_handle the memfds no longer used), got one more"));
   }
   if (handles_.size() >= limits_.max_handles) {
     return absl::ResourceExhaustedError(

@@ -100,6 +100,8 @@ class SharedMemoryMaps {
   struct Limits {
     size_t max_idle_mappings = 16;
     size_t max_handles_per_connection = 64;
+    // So that one local user cannot take every handle and lock the others out.
+    size_t max_handles_per_user = 128;
     size_t max_handles = 256;  // each holds a descriptor open in the server
   };
 
@@ -108,11 +110,11 @@ class SharedMemoryMaps {
   SharedMemoryMaps(const SharedMemoryMaps&) = delete;
   SharedMemoryMaps& operator=(const SharedMemoryMaps&) = delete;
 
-  // Registers `memfd`, which handover connection `connection` passed, and returns its handle.
-  // INVALID_ARGUMENT unless it is a memfd sealed against shrinking (F_SEAL_SHRINK: no mapped page
-  // can go away, which would kill the server with SIGBUS) and open for reading;
-  // RESOURCE_EXHAUSTED beyond the limits on handles.
-  absl::StatusOr<std::string> Register(UniqueFd memfd, uint64_t connection);
+  // Registers `memfd`, which handover connection `connection` of local user `user` (its peer's
+  // uid) passed, and returns its handle. INVALID_ARGUMENT unless it is a memfd sealed against
+  // shrinking (F_SEAL_SHRINK: no mapped page can go away, which would kill the server with
+  // SIGBUS) and open for reading; RESOURCE_EXHAUSTED beyond the limits on handles.
+  absl::StatusOr<std::string> Register(UniqueFd memfd, uint64_t connection, uint32_t user);
   // Revokes one handle `connection` registered (NOT_FOUND otherwise).
   absl::Status Release(absl::string_view handle, uint64_t connection);
   // Revokes every handle `connection` registered: it has closed.

@@ -37,6 +37,7 @@
 #include "client/cpp/shared_buffer.h"
 #include "lossd/common/unique_fd.h"
 #include "lossd/kernels/half.h"
+#include "server/handover_socket.h"
 #include "server/shared_memory.h"
 #include "tests/engine_harness.h"
 #include "tests/server_harness.h"
@@ -729,15 +730,16 @@ void ExpectRegistrationRefused(RawHandover& raw, std::vector<UniqueFd>& keep,
   EXPECT_NE(refused->message().find(why), std::string::npos) << refused->message();
 }
 
-// 64 handles per connection, 256 in all: beyond them RESOURCE_EXHAUSTED, until some are released.
-TEST(HandoverLimitsTest, HandlesAreBoundedPerConnectionAndInAll) {
+// 64 handles per connection, 128 per local user: beyond them RESOURCE_EXHAUSTED, until some are
+// released.
+TEST(HandoverLimitsTest, HandlesAreBoundedPerConnectionAndPerUser) {
   std::unique_ptr<server::LossServer> server = StartTestServer(SmallServerConfig());
   ASSERT_NE(server, nullptr);
   const std::string socket_name = SocketName(*ConnectTo(server->port()));
   std::vector<std::unique_ptr<RawHandover>> connections;
   std::vector<UniqueFd> keep;
   std::vector<std::string> first_handles;
-  for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < 2; ++c) {
     connections.push_back(std::make_unique<RawHandover>(socket_name));
     for (int i = 0; i < 64; ++i) {
       const std::string handle = RegisterFresh(*connections.back(), keep);
@@ -747,9 +749,11 @@ TEST(HandoverLimitsTest, HandlesAreBoundedPerConnectionAndInAll) {
     ExpectRegistrationRefused(*connections.back(), keep,
                               "expected at most 64 handles per connection");
   }
-  EXPECT_EQ(server->shared_memory_maps().handles(), 256u);
+  EXPECT_EQ(server->shared_memory_maps().handles(), 128u);
   connections.push_back(std::make_unique<RawHandover>(socket_name));
-  ExpectRegistrationRefused(*connections.back(), keep, "the server holds 256 handles");
+  ExpectRegistrationRefused(*connections.back(), keep,
+                            absl::StrCat("expected at most 128 handles per local user (uid ",
+                                         geteuid(), " holds 128"));
 
   // A release makes room on both counts.
   ASSERT_TRUE(connections[0]->Send(ReleaseRequest(first_handles[0])));
@@ -757,14 +761,48 @@ TEST(HandoverLimitsTest, HandlesAreBoundedPerConnectionAndInAll) {
   EXPECT_EQ(RegisterFresh(*connections.back(), keep).size(), 16u);
 }
 
-// At most 32 connections: the 33rd is told so and closed; once one closes, a new one is served.
-TEST(HandoverLimitsTest, ConnectionsAreBounded) {
+// The server-wide bound on handles holds across users, and each user's own bound beside it.
+// (Other users through the real socket: python/test_shared_memory_users.py.)
+TEST(HandoverLimitsTest, HandlesAreBoundedPerUserAndInAll) {
+  server::SharedMemoryMaps maps({.max_idle_mappings = 4,
+                                 .max_handles_per_connection = 2,
+                                 .max_handles_per_user = 3,
+                                 .max_handles = 5});
+  const auto register_one = [&](uint64_t connection, uint32_t user) {
+    return maps.Register(MakeMemfd(4096, F_SEAL_SHRINK), connection, user);
+  };
+  constexpr uint32_t kAlice = 1001, kBob = 1002, kCarol = 1003;
+  for (const uint64_t connection : {1, 1, 2}) {
+    ASSERT_TRUE(register_one(connection, kAlice).ok());
+  }
+  const absl::StatusOr<std::string> alice_over = register_one(3, kAlice);
+  EXPECT_EQ(alice_over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(alice_over.status().message(),
+                                "expected at most 3 handles per local user (uid 1001"))
+      << alice_over.status();
+  // Bob is not held back by Alice's handles, only by the server's bound.
+  ASSERT_TRUE(register_one(4, kBob).ok());
+  ASSERT_TRUE(register_one(4, kBob).ok());
+  const absl::StatusOr<std::string> carol_over = register_one(5, kCarol);
+  EXPECT_TRUE(absl::StrContains(carol_over.status().message(), "the server holds 5 handles"))
+      << carol_over.status();
+  // Alice's connections close: her handles go, and so does her share.
+  maps.RevokeConnection(1);
+  maps.RevokeConnection(2);
+  EXPECT_EQ(maps.handles(), 2u);
+  EXPECT_TRUE(register_one(5, kCarol).ok());
+  EXPECT_TRUE(register_one(3, kAlice).ok());
+}
+
+// At most 16 connections of one local user: the 17th is told so and closed; once one closes, a
+// new one is served.
+TEST(HandoverLimitsTest, ConnectionsAreBoundedPerUser) {
   std::unique_ptr<server::LossServer> server = StartTestServer(SmallServerConfig());
   ASSERT_NE(server, nullptr);
   const std::string socket_name = SocketName(*ConnectTo(server->port()));
   std::vector<std::unique_ptr<RawHandover>> connections;
   std::vector<UniqueFd> keep;
-  for (int c = 0; c < 32; ++c) {
+  for (int c = 0; c < 16; ++c) {
     connections.push_back(std::make_unique<RawHandover>(socket_name));
     RegisterFresh(*connections.back(), keep);  // served: the connection is counted
   }
@@ -772,15 +810,39 @@ TEST(HandoverLimitsTest, ConnectionsAreBounded) {
   const std::optional<v1::HandoverReply> refused = extra.Reply();
   ASSERT_TRUE(refused.has_value());
   EXPECT_EQ(refused->code(), static_cast<int>(StatusCode::RESOURCE_EXHAUSTED));
-  EXPECT_NE(refused->message().find("expected at most 32 open handover connections"),
+  EXPECT_NE(refused->message().find(absl::StrCat(
+                "expected at most 16 open handover connections per local user (uid ", geteuid(),
+                ")")),
             std::string::npos)
       << refused->message();
   EXPECT_TRUE(extra.Ended());
 
   connections.front()->Close();
-  EXPECT_TRUE(Eventually([&] { return server->shared_memory_maps().handles() == 31; }));
+  EXPECT_TRUE(Eventually([&] { return server->shared_memory_maps().handles() == 15; }));
   RawHandover next(socket_name);
   EXPECT_EQ(RegisterFresh(next, keep).size(), 16u);
+}
+
+// The server-wide bound on connections comes first, whoever connects.
+TEST(HandoverLimitsTest, ConnectionsAreBoundedInAll) {
+  server::SharedMemoryMaps maps;
+  absl::StatusOr<std::unique_ptr<server::HandoverSocket>> socket = server::HandoverSocket::Open(
+      maps, {.max_connections = 3, .max_connections_per_user = 16});
+  ASSERT_TRUE(socket.ok()) << socket.status();
+  std::vector<std::unique_ptr<RawHandover>> connections;
+  std::vector<UniqueFd> keep;
+  for (int c = 0; c < 3; ++c) {
+    connections.push_back(std::make_unique<RawHandover>((*socket)->abstract_name()));
+    RegisterFresh(*connections.back(), keep);
+  }
+  RawHandover extra((*socket)->abstract_name());
+  const std::optional<v1::HandoverReply> refused = extra.Reply();
+  ASSERT_TRUE(refused.has_value());
+  EXPECT_EQ(refused->code(), static_cast<int>(StatusCode::RESOURCE_EXHAUSTED));
+  EXPECT_NE(refused->message().find("expected at most 3 open handover connections, got one more"),
+            std::string::npos)
+      << refused->message();
+  EXPECT_TRUE(extra.Ended());
 }
 
 // Shutdown closes the socket: open connections end (their handles with them) and the name is

@@ -7,6 +7,11 @@
         "check" (its memfd is as it wrote it; its calls still work), "revoke" (closes its handover
         connection, so the server revokes its handle), "exit".
 
+    shared_memory_user.py hog ADDRESS
+        Opens handover connections and registers memfds on them until the server refuses each,
+        prints {"connections", "handles", "connection_refused", "handle_refused"} as one JSON
+        line, then holds them all until stdin closes.
+
     shared_memory_user.py intruder ADDRESS HEAD OWNER_JSON
         Tries to get results from, or write dL/dh into, the owner's memfd by every means the
         protocol offers, and prints what each attempt got as one JSON line. Its own memory it
@@ -14,6 +19,7 @@
 """
 import json
 import os
+import select
 import sys
 
 import numpy as np
@@ -180,8 +186,57 @@ def intruder(address, head, owner_json):
     print(json.dumps(outcome), flush=True)
 
 
+def memfd():
+    """A one-page memfd sealed as the server expects."""
+    import fcntl
+    fd = os.memfd_create("lossd-hog", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 4096)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    return fd
+
+
+def hog(address):
+    client = lossd.Client(address, timeout=600)
+    socket_name = client._unary("GetSharedMemorySocket",
+                                pb.GetSharedMemorySocketRequest()).abstract_name
+    connections, fds = [], []
+    outcome = {"handles": 0, "connection_refused": None, "handle_refused": None}
+    while len(connections) < 64:
+        connection = _shared_memory._HandoverConnection(socket_name)
+        # A refused connection is told so and closed at once; a request sent before the refusal
+        # is read would make the close a reset, which loses the refusal's text.
+        select.select([connection._socket], [], [], 0.5)
+        fds.append(memfd())
+        try:
+            connection.register(fds[-1])
+        except lossd.LossdError as error:
+            outcome["connection_refused"] = [error.code, str(error)]
+            connection.close()
+            break
+        connections.append(connection)
+        outcome["handles"] += 1
+    # Handles on every connection, until the server takes no more from this user.
+    for connection in connections:
+        while outcome["handle_refused"] is None and outcome["handles"] < 1024:
+            fds.append(memfd())
+            try:
+                connection.register(fds[-1])
+            except lossd.LossdError as error:
+                if "per connection" not in str(error):
+                    outcome["handle_refused"] = [error.code, str(error)]
+                break
+            outcome["handles"] += 1
+    outcome["connections"] = len(connections)
+    print(json.dumps(outcome), flush=True)
+    sys.stdin.read()
+    for connection in connections:
+        connection.close()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "owner":
         owner(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "hog":
+        hog(sys.argv[2])
     else:
         intruder(sys.argv[2], sys.argv[3], sys.argv[4])

@@ -160,3 +160,43 @@ def test_a_client_of_another_user_reaches_nothing_of_its_memory(users, client_di
             if owner.poll() is None:
                 owner.kill()
                 owner.wait()
+
+
+def test_one_user_cannot_take_every_handover_connection_or_handle(users, client_dir, server):
+    """A takes all the handover connections and handles the server gives one user; B, and the
+    server's own user, still hand memory over and compute through it."""
+    user_a, user_b = users
+    hog = run_as(user_a, client_dir, "hog", server.address,
+                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        line = hog.stdout.readline()
+        assert line, hog.stderr.read()
+        held = json.loads(line)
+        # 16 connections of the server's 32; 128 handles of its 256.
+        assert held["connections"] == 16, held
+        code, message = held["connection_refused"]
+        # Or reset, when the refusal came only after its request was sent (see the helper).
+        assert (code == "RESOURCE_EXHAUSTED" and "per local user" in message
+                and f"uid {user_a.pw_uid}" in message) or (
+                    code == "UNAVAILABLE" and "reset" in message), held
+        assert held["handles"] == 128, held
+        code, message = held["handle_refused"]
+        assert code == "RESOURCE_EXHAUSTED" and "per local user" in message, held
+
+        head = f"users-{uuid.uuid4().hex[:8]}"
+        with lossd.Client(server.address, timeout=600) as root_client:
+            weight = np.random.default_rng().standard_normal((VOCAB, HIDDEN), dtype=np.float32)
+            root_client.upload_head(head, weight)
+        # B's calls through its own memfd work while A holds its share (and agree with the
+        # message path bit for bit).
+        seen = intrude(user_b, client_dir, server, head, {
+            "pid": 1, "fd": 3, "labels": [0] * 8, "grad_offset": 8 * HIDDEN * 4})
+        assert seen["own_calls_match_messages"], seen
+        # And so do the server's own user's.
+        with lossd.Client(server.address, timeout=600, shared_memory=True) as root_client:
+            hidden = np.random.default_rng().standard_normal((4, HIDDEN), dtype=np.float32)
+            out = root_client.compute(head, hidden, labels=np.arange(4))
+            assert np.isfinite(out.loss)
+    finally:
+        hog.stdin.close()
+        assert hog.wait(timeout=600) == 0, hog.stderr.read()
