@@ -29,9 +29,10 @@ Transport: Compute calls on a 16-row head, where compute is small, give the wire
 (hidden rows in, dL/dh out; fp32 and bf16; one stream and the batch split over several), with the
 rows in gRPC messages and in shared memory (lossctl bench --shared_memory: a memfd the server
 maps), next to the engine alone on the same rows in-process (fp32, dL/dh without dL/dW as the
-calls ask; no transfer at all, the bound of any transport), the ceiling gRPC itself reaches here (grpc_echo: bench/grpc_echo_bench echoing the same bytes each
-way, in messages of the client's 4 MiB, over as many concurrent calls, between two processes over
-loopback, nothing else done) and this machine's single-thread memcpy bandwidth. Remote/in-process
+calls ask; no transfer at all, the bound of any transport), the ceiling gRPC itself reaches here
+(grpc_echo: bench/grpc_echo_bench echoing the same bytes each way, in messages of the client's
+4 MiB, over as many concurrent calls, between two processes over loopback, nothing else done) and
+this machine's single-thread memcpy bandwidth. Remote/in-process
 ratios are measured two ways: rows streamed in messages of about 4 MiB, each token chunk computed
 as soon as its rows are in, and the whole batch sent as one message, so that the server computes
 nothing before all of it arrived (C++ client only, to keep the run under 20 minutes on 2 cores).
@@ -384,7 +385,7 @@ class Server:
                     if self.process.poll() is not None or time.monotonic() > deadline:
                         self.log.seek(0)
                         raise RuntimeError("lossd_server did not start:\n" +
-                                           self.log.read().decode())
+                                           self.log.read().decode()) from None
                     time.sleep(0.2)
             client.upload_head("wire", np.zeros((TRANSPORT_VOCAB, h), np.float32))
 

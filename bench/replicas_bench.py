@@ -134,10 +134,10 @@ def bench(count, vocab, hidden, steps, rows):
                 labels = rng.integers(0, vocab, rows)
                 client.compute("demo", hidden_rows, labels, accumulate_grad_weight=True)
             reduced_before = replicas.metric("lossd_replica_allreduce_seconds_sum")
-            norm_seconds, _ = on_every_replica(clients, lambda rank, client: client.grad_weight_norm(
+            norm_seconds, _ = on_every_replica(clients, lambda rank, client, version=version: client.grad_weight_norm(
                 "demo", head_version=version, replicated=replicated))
             allreduce_seconds = replicas.metric("lossd_replica_allreduce_seconds_sum") - reduced_before
-            step_seconds, answers = on_every_replica(clients, lambda rank, client: client.step(
+            step_seconds, answers = on_every_replica(clients, lambda rank, client, version=version: client.step(
                 "demo", "adamw", lr=1e-4, max_grad_norm=1.0, head_version=version,
                 replicated=replicated))
             assert len({answer.head_version for answer in answers}) == 1

@@ -16,8 +16,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv="${LOSSD_VENV:-.venv}"
-# matplotlib: bench/peers.sh's plots, which run here too.
-packages=(torch transformers accelerate safetensors grpcio protobuf numpy pytest matplotlib)
+# matplotlib: bench/peers.sh's plots, which run here too; ruff: the Python linter CI runs.
+packages=(torch transformers accelerate safetensors grpcio protobuf numpy pytest matplotlib ruff)
 # What the environment was made with; a change of the list (or --upgrade) makes it anew.
 stamp="$venv/lossd-packages"
 

@@ -112,6 +112,9 @@ if(LOSSD_PYTHON_ENV)
   add_test(NAME python_training_replicas
     COMMAND "${LOSSD_PYTHON_ENV}" -m pytest -q -p no:cacheprovider
             ${CMAKE_CURRENT_LIST_DIR}/test_training_replicas.py)
+  # Every Python file of the tree against ruff.toml (pyflakes, pycodestyle, bugbear).
+  add_test(NAME python_lint
+    COMMAND "${LOSSD_PYTHON_ENV}" -m ruff check --no-cache ${PROJECT_SOURCE_DIR})
   set_tests_properties(${current_tests} python_hf python_torch_compile python_trainer
     python_training_replicas PROPERTIES
     ENVIRONMENT "${LOSSD_PYTHON_TEST_ENVIRONMENT}"

@@ -145,7 +145,7 @@ def test_sigkill_at_random_moments_resumes_the_newest_complete_checkpoint(pb, ch
             temporaries = temporary_files(checkpoint_dir)
             kill = lambda: os.kill(server.process.pid, signal.SIGKILL)  # noqa: E731
 
-            def kill_mid_write(process=server.process, before=temporaries):
+            def kill_mid_write(process=server.process, before=temporaries, kill=kill):
                 while process.poll() is None:
                     if temporary_files(checkpoint_dir) - before:
                         kill()
@@ -159,7 +159,7 @@ def test_sigkill_at_random_moments_resumes_the_newest_complete_checkpoint(pb, ch
                 killer.start()
             in_save = False
             try:
-                for round_index in itertools.count():
+                for _ in itertools.count():
                     # Mostly a new version; sometimes the same one again, which replaces its file.
                     if version == 1 or rng.random() < 0.75:
                         version = train_and_step(pb, stub, rng)

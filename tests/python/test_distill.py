@@ -17,7 +17,7 @@ from server_process import ServerProcess, ensure_python_client
 
 ensure_python_client()
 import lossd  # noqa: E402
-from lossd.torch import RemoteDistill, RemoteHead  # noqa: E402
+from lossd.torch import RemoteDistill  # noqa: E402
 
 VOCAB, HIDDEN, TEACHER_HIDDEN = 2003, 48, 32
 NUM_TOKENS = 200
@@ -74,7 +74,7 @@ def generalized_jsd(student_logits, teacher_log_probs, beta, tau):
     teacher's p log p terms use xlogy, so that a sparse teacher's zero probabilities add 0."""
     log_q = F.log_softmax(student_logits / tau, dim=-1)
     log_p = teacher_log_probs
-    p, q = log_p.exp(), log_q.exp()
+    p = log_p.exp()
     if beta == 0:
         return (torch.xlogy(p, p) - p * log_q).sum(-1)
     if beta == 1:

@@ -5,7 +5,8 @@ a client whose target lists the three spreads its calls over all of them (each s
 request counter, from its /metrics, says how many it served) with the results one server gives;
 a replica killed (SIGKILL) or drained (SIGTERM) mid-run costs no call; a client pinned to W's
 SHA-256 is refused by the server with the other W; training refuses a target that lists several
-servers, and trainer ranks map onto the servers of a training replica group. Results are checked against torch's float64 log-softmax of W fetched from a replica.
+servers, and trainer ranks map onto the servers of a training replica group. Results are checked
+against torch's float64 log-softmax of W fetched from a replica.
 """
 import hashlib
 import os

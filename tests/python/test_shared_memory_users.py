@@ -64,7 +64,7 @@ def client_dir():
     shutil.copytree(os.path.dirname(lossd.__file__), os.path.join(directory, "lossd"),
                     ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(HELPER, directory)
-    for root, dirs, files in os.walk(directory):
+    for root, _, files in os.walk(directory):
         os.chmod(root, 0o755)
         for name in files:
             os.chmod(os.path.join(root, name), 0o644)

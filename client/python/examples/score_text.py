@@ -11,7 +11,6 @@ folder (lossd comes from the build when it is not installed):
 """
 import argparse
 import math
-import sys
 
 import torch
 

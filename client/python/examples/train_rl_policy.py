@@ -19,7 +19,8 @@ iteration:
 
 The trainer never materializes a logit. Start a server first (e.g. `build/bin/lossd_server
 --device=cpu --metrics_listen=`), then, from this folder (lossd comes from the build when it is
-not installed): /usr/bin/python3 train_rl_policy.py [--address HOST:PORT] [--iterations N]. The default 40 iterations took about 15 s here on 2 cores; the mean reward
+not installed): /usr/bin/python3 train_rl_policy.py [--address HOST:PORT] [--iterations N]. The
+default 40 iterations took about 15 s here on 2 cores; the mean reward
 went from about 1 / V (0.07 to 0.08 over the first 5 iterations, seeds 1, 2, 5, 7) to 0.42 to
 0.53 over the last 5, with a quarter to a half of the tokens clipped in the early epochs.
 """
