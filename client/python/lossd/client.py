@@ -328,20 +328,26 @@ class Client:
             works = self.target.local
             if works:
                 try:
-                    self._handover_connection()
+                    self._handover_connection(timeout=self._PROBE_SECONDS)
                 except LossdError as error:
                     _log.debug("shared memory unavailable, sending messages: %s", error)
                     works = False
             self._shared_memory_works = works
         return self._shared_memory_works
 
-    def _handover_connection(self):
+    # How long "auto" waits for a local server to name its handover socket before it keeps to
+    # messages: the answer comes within milliseconds from a server that is up, and a probe that
+    # waited the call's whole timeout would hold the call that triggered it as long.
+    _PROBE_SECONDS = 10
+
+    def _handover_connection(self, timeout=None):
         """The open handover connection, opened on first use and again once the server has
         closed it (a restart)."""
         with self._handover_lock:
             if self._handover is None or not self._handover.is_open():
                 socket_name = self._unary("GetSharedMemorySocket",
-                                          pb.GetSharedMemorySocketRequest()).abstract_name
+                                          pb.GetSharedMemorySocketRequest(),
+                                          timeout=timeout).abstract_name
                 self._handover = _HandoverConnection(socket_name)
             return self._handover
 
@@ -367,10 +373,13 @@ class Client:
                 f"has its own: score over replicas, train against one server")
         return self._one_server_stub
 
-    def _unary(self, method, request):
+    def _unary(self, method, request, timeout=None):
+        """`method` called once; `timeout` (seconds) instead of the client's when given."""
         stub = self._stub_for(method)
+        if timeout is None or (self._timeout is not None and self._timeout < timeout):
+            timeout = self._timeout
         try:
-            return getattr(stub, method)(request, timeout=self._timeout, metadata=self._metadata)
+            return getattr(stub, method)(request, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             raise LossdError.from_rpc_error(method, error, self.address) from None
 
