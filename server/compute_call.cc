@@ -1,6 +1,7 @@
 #include "server/compute_call.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -14,6 +15,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/types/span.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream.h"
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/common/status_macros.h"
@@ -98,26 +102,29 @@ absl::Status CheckPinnedWeights(CallSpec& spec) {
     ASSIGN_OR_RETURN(const WeightDigest digest, spec.head->Digest());
     spec.version = digest.version;
     if (digest.sha256 != spec.pinned_sha256) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "weight_sha256: the call is pinned to W with SHA-256 ", spec.pinned_sha256,
-          ", but head '", spec.head->name(), "' on this server holds W with SHA-256 ",
-          digest.sha256, " (version ", digest.version,
-          "): this replica serves another W; nothing was computed"));
+      return HeadMovedError(
+          "weight_sha256",
+          absl::StrCat("the call is pinned to W with SHA-256 ", spec.pinned_sha256, ", but head '",
+                       spec.head->name(), "' on this server holds W with SHA-256 ", digest.sha256,
+                       " (version ", digest.version,
+                       "): this replica serves another W; nothing was computed"));
     }
   }
   if (spec.pinned_version.has_value() && *spec.pinned_version != spec.version) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("head_version: the call is pinned to version ", *spec.pinned_version,
-                     " of head '", spec.head->name(), "', which is now at version ", spec.version));
+    return HeadMovedError(
+        "head_version", absl::StrCat("the call is pinned to version ", *spec.pinned_version,
+                                     " of head '", spec.head->name(), "', which is now at version ",
+                                     spec.version));
   }
   if (spec.teacher == nullptr) return absl::OkStatus();
   spec.teacher_version = spec.teacher->version();
   if (spec.teacher_pinned_version.has_value() &&
       *spec.teacher_pinned_version != spec.teacher_version) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "teacher_head_version: the call is pinned to version ", *spec.teacher_pinned_version,
-        " of teacher head '", spec.teacher->name(), "', which is now at version ",
-        spec.teacher_version));
+    return HeadMovedError(
+        "teacher_head_version",
+        absl::StrCat("the call is pinned to version ", *spec.teacher_pinned_version,
+                     " of teacher head '", spec.teacher->name(), "', which is now at version ",
+                     spec.teacher_version));
   }
   return absl::OkStatus();
 }
@@ -139,34 +146,68 @@ absl::Status ValidateCallId(const std::string& call_id) {
   return absl::OkStatus();
 }
 
-// What of a distill call's teacher and options decides its dL/dW besides the teacher's rows.
-uint64_t DistillFingerprint(const CallSpec& spec) {
-  const DistillOptions& d = spec.options.distill;
-  return absl::HashOf(spec.teacher != nullptr ? spec.teacher->name() : std::string(),
-                      spec.teacher_hidden_size, static_cast<int>(spec.teacher_hidden_dtype),
-                      spec.teacher_top_k, d.beta, d.alpha, d.temperature, d.teacher_logit_softcap,
-                      d.teacher_temperature, static_cast<int>(d.sparse_mass));
-}
+// A protobuf output stream that hashes what is serialized into it instead of keeping it, so that
+// a start message of any size is fingerprinted in a fixed 64 KiB. Equal bytes are cut into equal
+// chunks, so equal messages hash equal.
+class HashingOutputStream final : public google::protobuf::io::ZeroCopyOutputStream {
+ public:
+  bool Next(void** data, int* size) override {
+    Absorb();
+    *data = buffer_.data();
+    *size = static_cast<int>(buffer_.size());
+    filled_ = buffer_.size();
+    return true;
+  }
+  void BackUp(int count) override { filled_ -= static_cast<size_t>(count); }
+  int64_t ByteCount() const override { return static_cast<int64_t>(absorbed_ + filled_); }
 
-// What decides a call's dL/dW besides its rows and W; equal for a retry of the call whatever
-// transfer it uses or version it pins, different for another call with the id (within a process:
-// absl::Hash is seeded per process, and ids live no longer than the process).
-uint64_t StartFingerprint(const CallSpec& spec) {
-  const LossOptions& o = spec.options;
-  const PolicyOptions& p = o.policy;
-  return absl::HashOf(absl::MakeConstSpan(spec.labels), absl::MakeConstSpan(spec.token_weights),
-                      spec.num_tokens, spec.hidden_size, static_cast<int>(spec.hidden_dtype),
-                      static_cast<int>(o.reduction), o.ignore_index, o.label_smoothing,
-                      o.z_loss_scale, o.logit_softcap, o.temperature, o.grad_scale,
-                      o.mean_denominator, o.allow_tf32, static_cast<int>(o.objective),
-                      p.clip_low, p.clip_high, p.dual_clip, p.log_ratio_clamp,
-                      static_cast<int>(p.kl_estimator),
-                      p.kl_coef, p.entropy_coef, absl::MakeConstSpan(spec.sampling_logprobs),
-                      absl::MakeConstSpan(spec.advantages),
-                      absl::MakeConstSpan(spec.reference_logprobs),
-                      absl::MakeConstSpan(spec.logprob_grads),
-                      absl::MakeConstSpan(spec.reduction_scales), spec.has_labels,
-                      spec.stage_grad_weight, DistillFingerprint(spec));
+  uint64_t Finish() {
+    Absorb();
+    return state_;
+  }
+
+ private:
+  void Absorb() {
+    if (filled_ == 0) return;
+    state_ = absl::HashOf(state_, absl::string_view(buffer_.data(), filled_));
+    absorbed_ += filled_;
+    filled_ = 0;
+  }
+
+  std::array<char, 64 << 10> buffer_;
+  size_t filled_ = 0;
+  size_t absorbed_ = 0;
+  uint64_t state_ = 0;
+};
+
+// What decides a call's dL/dW besides its rows and W: the start message's deterministic
+// serialization without the fields that only name the call (call_id), say how its rows travel
+// (shared_memory), pin what it may run against (head_version, teacher_head_version,
+// weight_sha256) or choose what comes back (outputs). Every other field, present or added later,
+// counts, so a retry must send it again. Equal for a retry of the call, different for another
+// call with the id (within a process: absl::Hash is seeded per process, and ids live no longer
+// than the process). The set-aside fields are put back before it returns.
+uint64_t StartFingerprint(v1::ComputeStart& start) {
+  const google::protobuf::Descriptor& descriptor = *v1::ComputeStart::descriptor();
+  std::vector<const google::protobuf::FieldDescriptor*> set_aside;
+  for (const int number :
+       {v1::ComputeStart::kCallIdFieldNumber, v1::ComputeStart::kSharedMemoryFieldNumber,
+        v1::ComputeStart::kHeadVersionFieldNumber, v1::ComputeStart::kTeacherHeadVersionFieldNumber,
+        v1::ComputeStart::kWeightSha256FieldNumber, v1::ComputeStart::kOutputsFieldNumber}) {
+    set_aside.push_back(descriptor.FindFieldByNumber(number));
+  }
+  v1::ComputeStart aside;
+  const google::protobuf::Reflection& reflection = *start.GetReflection();
+  reflection.SwapFields(&start, &aside, set_aside);
+  HashingOutputStream hashed;
+  {
+    google::protobuf::io::CodedOutputStream coded(&hashed);
+    coded.SetSerializationDeterministic(true);
+    start.ByteSizeLong();  // the sizes that serialization reads, of the message as it is now
+    start.SerializeWithCachedSizes(&coded);
+  }
+  reflection.SwapFields(&start, &aside, set_aside);
+  return hashed.Finish();
 }
 
 // The per-token inputs of the call's objective and terms, each num_tokens long and finite where
@@ -307,7 +348,9 @@ absl::Status ParseTeacher(const ComputeEnvironment& env, const v1::ComputeStart&
   return absl::OkStatus();
 }
 
-absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::ComputeStart& start) {
+// `start_fingerprint`: StartFingerprint(start) when it has a call_id.
+absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::ComputeStart& start,
+                                    uint64_t start_fingerprint) {
   CallSpec spec;
   ASSIGN_OR_RETURN(spec.head, env.heads->Get(start.head()));
   const Head& head = *spec.head;
@@ -414,7 +457,7 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   }
   if (spec.outputs.accumulate_grad_weight() && !start.call_id().empty()) {
     spec.call_id = start.call_id();
-    spec.start_fingerprint = StartFingerprint(spec);
+    spec.start_fingerprint = start_fingerprint;
     RETURN_IF_ERROR(
         head.CheckCallId(spec.call_id, spec.start_fingerprint, env.limits.max_call_ids));
   }
@@ -644,7 +687,10 @@ class ComputeCall {
     ASSIGN_OR_RETURN(pending_, env_.pending->Reserve(
                                    stream_.Peer(),
                                    static_cast<int64_t>(request.SpaceUsedLong()) + copies_bound));
-    ASSIGN_OR_RETURN(spec_, ParseStart(env_, start));
+    // Only a call with an id can be retried, so only its start is fingerprinted.
+    const uint64_t fingerprint =
+        start.call_id().empty() ? 0 : StartFingerprint(*request.mutable_start());
+    ASSIGN_OR_RETURN(spec_, ParseStart(env_, start, fingerprint));
     return pending_.Resize(spec_.copied_bytes());
   }
 

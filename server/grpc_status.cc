@@ -4,6 +4,10 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "lossd/common/status_macros.h"
+#include "lossd/kernels/backend.h"
+#include "server/head_store.h"
+#include "server/scheduler.h"
 
 namespace lossd::server {
 namespace {
@@ -22,10 +26,36 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
 
 }  // namespace
 
+v1::ErrorInfo::Reason ErrorReasonOf(const absl::Status& status) {
+  if (const std::optional<AdmissionRefusal> refusal = AdmissionRefusalOf(status)) {
+    switch (*refusal) {
+      case AdmissionRefusal::kQueueFull: return v1::ErrorInfo::QUEUE_FULL;
+      case AdmissionRefusal::kOverBudget: return v1::ErrorInfo::OVER_BUDGET;
+      case AdmissionRefusal::kPendingMemory: return v1::ErrorInfo::PENDING_MEMORY;
+    }
+  }
+  if (IsDeviceFault(status)) return v1::ErrorInfo::DEVICE_FAULT;
+  if (IsNonFiniteGradient(status)) return v1::ErrorInfo::NON_FINITE_GRADIENT;
+  if (IsHeadMoved(status)) return v1::ErrorInfo::HEAD_MOVED;
+  return v1::ErrorInfo::REASON_UNSPECIFIED;
+}
+
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   // absl::StatusCode and grpc::StatusCode share the canonical numbering (0..16).
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+  const auto code = static_cast<grpc::StatusCode>(status.code());
+  std::string message(status.message());
+  v1::ErrorInfo info;
+  info.set_reason(ErrorReasonOf(status));
+  info.set_field(FieldOf(status));
+  if (info.reason() == v1::ErrorInfo::REASON_UNSPECIFIED && info.field().empty()) {
+    return grpc::Status(code, std::move(message));
+  }
+  v1::RpcStatus details;
+  details.set_code(static_cast<int32_t>(code));
+  details.set_message(message);
+  details.add_details()->PackFrom(info);
+  return grpc::Status(code, std::move(message), details.SerializeAsString());
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {

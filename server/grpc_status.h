@@ -7,10 +7,15 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "lossd/v1/lossd.pb.h"
 
 namespace lossd::server {
 
+// Code and message as they are, and, when the status has a reason (ErrorReasonOf) or names a
+// field (FieldOf), a v1::ErrorInfo in its details (an RpcStatus).
 grpc::Status ToGrpcStatus(const absl::Status& status);
+// The typed reason of a status, for ErrorInfo.reason.
+v1::ErrorInfo::Reason ErrorReasonOf(const absl::Status& status);
 // What a call this server made to another one (a replica) ended with.
 absl::Status FromGrpcStatus(const grpc::Status& status);
 

@@ -84,6 +84,19 @@ bool IsNonFiniteGradient(const absl::Status& status) {
   return status.GetPayload(kNonFiniteGradientPayload).has_value();
 }
 
+constexpr char kHeadMovedPayload[] = "type.lossd/lossd.HeadMoved";
+
+absl::Status HeadMovedError(absl::string_view field, absl::string_view message) {
+  absl::Status status =
+      WithField(absl::FailedPreconditionError(absl::StrCat(field, ": ", message)), field);
+  status.SetPayload(kHeadMovedPayload, absl::Cord());
+  return status;
+}
+
+bool IsHeadMoved(const absl::Status& status) {
+  return status.GetPayload(kHeadMovedPayload).has_value();
+}
+
 const char* StagedDropName(StagedDrop reason) {
   switch (reason) {
     case StagedDrop::kDiscarded: return "discarded";
@@ -509,8 +522,8 @@ absl::StatusOr<GradNorm> Head::GradientNormLocked(std::optional<uint64_t> expect
                                                   GradientExchange* exchange) {
   absl::Status refusal;
   if (expected_version.has_value() && *expected_version != version_) {
-    refusal = absl::FailedPreconditionError(absl::StrCat(
-        "head_version: expected the head's current ", version_, ", got ", *expected_version));
+    refusal = HeadMovedError("head_version", absl::StrCat("expected the head's current ", version_,
+                                                          ", got ", *expected_version));
   }
   absl::MutexLock grad_lock(&grad_mu_);
   GradNorm norm;
@@ -635,8 +648,9 @@ absl::Status Head::CheckRepeat(const std::string& call_id, const CommittedCall& 
   if (first.start_fingerprint != start_fingerprint) {
     return InvalidField("call_id", "a fresh id for a different call",
                         absl::StrCat("'", call_id, "', which head '", name_,
-                                     "' already accumulated for a call with other labels, token "
-                                     "weights, loss options or shapes; nothing was accumulated"));
+                                     "' already accumulated for another start message (other "
+                                     "labels, token weights, options, shapes or per-token "
+                                     "inputs); nothing was accumulated"));
   }
   if (first.epoch != epoch_ || first.version != version_) {
     const char* since = first.epoch == epoch_    ? " (a step with keep_grad)"
@@ -724,9 +738,10 @@ absl::StatusOr<uint64_t> Head::AddGradientRows(std::optional<uint64_t> expected_
         absl::StrCat("head '", name_, "' was replaced by an upload; nothing was accumulated"));
   }
   if (expected_version.has_value() && *expected_version != version_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "head_version: the rows were looked up at version ", *expected_version, " of head '", name_,
-        "', which is now at version ", version_, "; nothing was accumulated"));
+    return HeadMovedError(
+        "head_version", absl::StrCat("the rows were looked up at version ", *expected_version,
+                                     " of head '", name_, "', which is now at version ", version_,
+                                     "; nothing was accumulated"));
   }
   absl::MutexLock grad_lock(&grad_mu_);
   RETURN_IF_ERROR(EnsureAccumulator());
@@ -851,9 +866,8 @@ absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config,
   absl::WriterMutexLock weight_lock(&weight_mu_);
   absl::Status refusal;
   if (settings.expected_version.has_value() && *settings.expected_version != version_) {
-    refusal = absl::FailedPreconditionError(absl::StrCat(
-        "head_version: expected the head's current ", version_, ", got ",
-        *settings.expected_version));
+    refusal = HeadMovedError("head_version", absl::StrCat("expected the head's current ", version_,
+                                                          ", got ", *settings.expected_version));
   }
   absl::MutexLock grad_lock(&grad_mu_);
   const int64_t count = vocab_size_ * hidden_size_;

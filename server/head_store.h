@@ -162,6 +162,12 @@ enum class CommitOutcome {
 // or a step because the gradient's norm is not.
 bool IsNonFiniteGradient(const absl::Status& status);
 
+// FAILED_PRECONDITION "<field>: <message>" for a call pinned by `field` (head_version,
+// teacher_head_version, weight_sha256) to a W the head is no longer at; clients act on it
+// (ErrorInfo.HEAD_MOVED) by looking at the head anew.
+absl::Status HeadMovedError(absl::string_view field, absl::string_view message);
+bool IsHeadMoved(const absl::Status& status);
+
 // How a head's accumulated gradient becomes its group's before a step or a norm, when several
 // replicas serve the head (ReplicaGroup implements it over a Collective). Each replica's head
 // calls it in the same order, holding W exclusively, with its own accumulator and counts.

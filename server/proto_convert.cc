@@ -111,7 +111,12 @@ absl::StatusOr<LossOptions> FromProto(const v1::LossOptions& p) {
   o.mean_denominator = p.mean_denominator();
   o.allow_tf32 = p.allow_tf32();
   absl::Status status = ValidateOptions(o);
-  if (!status.ok()) return absl::InvalidArgumentError(absl::StrCat("options.", status.message()));
+  if (!status.ok()) {
+    // The kernels name the option; on the wire it sits in ComputeStart.options.
+    const std::string field = FieldOf(status);
+    absl::Status named = absl::InvalidArgumentError(absl::StrCat("options.", status.message()));
+    return field.empty() ? named : WithField(std::move(named), absl::StrCat("options.", field));
+  }
   return o;
 }
 

@@ -626,8 +626,8 @@ absl::Status LossService::StreamEmbeddingRows(const v1::LookupEmbeddingRequest& 
                    RowsPerChunk(request.max_chunk_bytes(), row_bytes));
   const uint64_t version = head->version();
   if (request.has_head_version() && request.head_version() != version) {
-    return absl::FailedPreconditionError(absl::StrCat("head_version: expected the head's current ",
-                                                      version, ", got ", request.head_version()));
+    return HeadMovedError("head_version", absl::StrCat("expected the head's current ", version,
+                                                       ", got ", request.head_version()));
   }
   const absl::Span<const int64_t> ids(request.token_ids().data(), request.token_ids().size());
   std::string data;

@@ -1,12 +1,14 @@
 // The head's gradient accumulator through a real server on loopback: it never takes a call that
 // would make it non-finite, and a call_id reaches it at most once per accumulator epoch. What each
 // case sends, gets back and checks afterwards: tests/ROBUSTNESS.md, "The accumulator".
+#include <google/protobuf/unknown_field_set.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <thread>
@@ -456,6 +458,79 @@ TEST_F(CallIdTest, AnIdReusedForAnotherCallIsRefused) {
   const ComputeOutcome other_options = CallCompute(*stub_, scaled, FloatBytes(batch_.hidden), 40);
   EXPECT_EQ(other_options.status.error_code(), StatusCode::INVALID_ARGUMENT);
 
+  EXPECT_TRUE(BitwiseEqual(Fetch(*stub_, head_, true).values, once.values));
+  EXPECT_EQ(GetHead(*stub_, head_).accumulated_calls(), 1);
+}
+
+// Whatever in a start decides dL/dW, a repeat of its id must send again: each row changes one
+// field of the first call's start, and the repeat is refused naming call_id with nothing
+// accumulated, before any result. The fingerprint covers the whole start but the fields that say
+// how rows travel, what the call is pinned to or what comes back, so a field added later counts
+// without being listed anywhere.
+struct StartChange {
+  const char* name;
+  const char* why;
+  std::function<void(v1::ComputeStart&)> change;
+};
+
+class CallIdFingerprintTest : public CallIdTest,
+                              public ::testing::WithParamInterface<StartChange> {};
+
+TEST_P(CallIdFingerprintTest, ARepeatWithAnotherStartIsRefused) {
+  ASSERT_TRUE(Train("changed").status.ok());
+  const FetchedTensor once = Fetch(*stub_, head_, true);
+  v1::ComputeStart start = TrainingStart(head_, batch_, kIdHidden, "changed");
+  GetParam().change(start);
+  const ComputeOutcome repeat = CallCompute(*stub_, start, FloatBytes(batch_.hidden), 40);
+  EXPECT_EQ(repeat.status.error_code(), StatusCode::INVALID_ARGUMENT)
+      << repeat.status.error_message();
+  EXPECT_TRUE(Contains(repeat.status.error_message(), "call_id"))
+      << repeat.status.error_message();
+  EXPECT_EQ(repeat.result_messages, 0);
+  EXPECT_TRUE(BitwiseEqual(Fetch(*stub_, head_, true).values, once.values));
+  EXPECT_EQ(GetHead(*stub_, head_).accumulated_calls(), 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Table, CallIdFingerprintTest,
+    ::testing::Values(
+        StartChange{"grad_scale", "scales dL/dW",
+                    [](v1::ComputeStart& s) { s.mutable_options()->set_grad_scale(2.0); }},
+        StartChange{"label_smoothing", "another loss",
+                    [](v1::ComputeStart& s) { s.mutable_options()->set_label_smoothing(0.1f); }},
+        StartChange{"z_loss_scale", "another term",
+                    [](v1::ComputeStart& s) { s.mutable_options()->set_z_loss_scale(1e-4f); }},
+        StartChange{"temperature", "other logits",
+                    [](v1::ComputeStart& s) { s.mutable_options()->set_temperature(2.0f); }},
+        StartChange{"reduction_sum", "another normalizer",
+                    [](v1::ComputeStart& s) {
+                      s.mutable_options()->set_reduction(v1::REDUCTION_SUM);
+                    }},
+        StartChange{"one_label", "one token's target",
+                    [](v1::ComputeStart& s) { s.set_labels(0, (s.labels(0) + 1) % kIdVocab); }},
+        StartChange{"token_weights", "weights where there were none",
+                    [](v1::ComputeStart& s) {
+                      for (int64_t i = 0; i < s.num_tokens(); ++i) s.add_token_weights(0.5f);
+                    }},
+        StartChange{"shift_labels", "every token's target moves by one",
+                    [](v1::ComputeStart& s) { s.set_shift_labels(true); }},
+        StartChange{"unknown_field", "a field this server does not know is still the call's",
+                    [](v1::ComputeStart& s) {
+                      s.GetReflection()->MutableUnknownFields(&s)->AddVarint(1000, 1);
+                    }}),
+    [](const ::testing::TestParamInfo<StartChange>& info) { return info.param.name; });
+
+// What does not decide dL/dW may differ on a repeat, which is then recognised as the same call.
+TEST_F(CallIdTest, ARepeatMayDifferInOutputsAndPins) {
+  ASSERT_TRUE(Train("same").status.ok());
+  const FetchedTensor once = Fetch(*stub_, head_, true);
+  v1::ComputeStart start = TrainingStart(head_, batch_, kIdHidden, "same");
+  start.mutable_outputs()->set_logprob(false);
+  start.mutable_outputs()->set_token_loss(true);
+  start.set_head_version(GetHead(*stub_, head_).version());
+  const ComputeOutcome repeat = CallCompute(*stub_, start, FloatBytes(batch_.hidden), 40);
+  ASSERT_TRUE(repeat.status.ok()) << repeat.status.error_message();
+  EXPECT_TRUE(repeat.summary.replayed());
   EXPECT_TRUE(BitwiseEqual(Fetch(*stub_, head_, true).values, once.values));
   EXPECT_EQ(GetHead(*stub_, head_).accumulated_calls(), 1);
 }

@@ -30,6 +30,7 @@
 #include "client/cpp/npy.h"
 #include "client/cpp/result_assembler.h"
 #include "client/cpp/shared_buffer.h"
+#include "lossd/common/status_macros.h"
 #include "lossd/kernels/half.h"
 #include "server/proto_convert.h"
 #include "server/shared_memory.h"
@@ -310,6 +311,13 @@ TEST_F(ClientTest, ErrorsKeepTheServersCodeAndMessage) {
   EXPECT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition) << result.status();
   EXPECT_NE(result.status().message().find("pinned to version 12345"), absl::string_view::npos)
       << result.status();
+  // What the server says to code arrives typed: why, and which field.
+  const std::optional<v1::ErrorInfo> moved = client::ErrorInfoOf(result.status());
+  ASSERT_TRUE(moved.has_value()) << result.status();
+  EXPECT_EQ(moved->reason(), v1::ErrorInfo::HEAD_MOVED);
+  EXPECT_EQ(moved->field(), "head_version");
+  EXPECT_EQ(FieldOf(result.status()), "head_version");
+  EXPECT_FALSE(client::ErrorInfoOf(absl::NotFoundError("no details")).has_value());
 
   // Caught before anything is sent.
   request.head_version.reset();

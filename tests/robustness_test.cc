@@ -21,6 +21,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -1194,6 +1195,12 @@ TEST_P(BadInputTest, GetsItsCodeNamesTheFieldAndChangesNothing) {
   EXPECT_EQ(status.error_code(), row.code) << status.error_message();
   EXPECT_NE(status.error_message().find(row.field), std::string::npos)
       << "the message does not name " << row.field << ": " << status.error_message();
+  // A field in the status details is the one the message names first, for clients to act on.
+  if (const std::optional<v1::ErrorInfo> info = ErrorInfoIn(status);
+      info.has_value() && !info->field().empty()) {
+    EXPECT_TRUE(absl::StartsWith(status.error_message(), info->field() + ":"))
+        << info->field() << " vs " << status.error_message();
+  }
 
   EXPECT_TRUE(SettlesToIdle(*server_, gradient_bytes));
   EXPECT_EQ(server_->ledger().current(MemoryPurpose::kOptimizerState), optimizer_bytes);
@@ -2514,6 +2521,9 @@ TEST(PendingMemoryTest, OneConnectionCannotTakeItAll) {
   EXPECT_NE(refused.error_message().find("--pending_memory_per_connection_mib"),
             std::string::npos)
       << refused.error_message();
+  const std::optional<v1::ErrorInfo> info = ErrorInfoIn(refused);
+  ASSERT_TRUE(info.has_value()) << "no ErrorInfo in the refusal's details";
+  EXPECT_EQ(info->reason(), v1::ErrorInfo::PENDING_MEMORY);
   EXPECT_LE(server->pending_memory().held_bytes(), config.pending_memory_per_connection_bytes);
   EXPECT_EQ(EventMetric(*server, "lossd_admission_rejected_total", {{"reason", "pending_memory"}}),
             1.0);
@@ -2821,6 +2831,10 @@ TEST_P(OverBudgetTest, RefusalSaysWhatWouldMakeTheCallFit) {
   EXPECT_EQ(out.status.error_code(), StatusCode::RESOURCE_EXHAUSTED) << message;
   for (const char* text : c.says) EXPECT_NE(message.find(text), std::string::npos) << message;
   for (const char* text : c.never_says) EXPECT_EQ(message.find(text), std::string::npos) << message;
+  // Typed in the status details, for clients to act on without reading the message.
+  const std::optional<v1::ErrorInfo> info = ErrorInfoIn(out.status);
+  ASSERT_TRUE(info.has_value()) << "no ErrorInfo in the refusal's details";
+  EXPECT_EQ(info->reason(), v1::ErrorInfo::OVER_BUDGET);
   // Counted before the client could hear its status.
   EXPECT_EQ(EventMetric(*server, "lossd_admission_rejected_total", {{"reason", "over_budget"}}), 1);
 }

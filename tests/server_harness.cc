@@ -91,6 +91,23 @@ absl::StatusOr<BatchSummary> ForwardingBackend::Compute(const BatchInputs& input
   return inner_->Compute(inputs, weight, options, outputs, grad_weight, workspace);
 }
 
+std::optional<v1::ErrorInfo> ErrorInfoIn(const grpc::Status& status) {
+  v1::RpcStatus details;
+  if (status.error_details().empty() || !details.ParseFromString(status.error_details())) {
+    return std::nullopt;
+  }
+  // Details that disagree with the status they came with are no details.
+  if (details.code() != static_cast<int>(status.error_code()) ||
+      details.message() != status.error_message()) {
+    return std::nullopt;
+  }
+  for (const google::protobuf::Any& detail : details.details()) {
+    v1::ErrorInfo info;
+    if (detail.UnpackTo(&info)) return info;
+  }
+  return std::nullopt;
+}
+
 std::unique_ptr<v1::LossService::Stub> ConnectTo(int port, const std::string& token) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(256 << 20);

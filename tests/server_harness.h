@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -153,6 +154,9 @@ std::map<std::string, int64_t> CallsByCode(server::LossServer& server, const std
 // moment by seconds, so it is far beyond any delay a working server shows.
 inline constexpr absl::Duration kEventually = absl::Seconds(60);
 bool Eventually(const std::function<bool()>& done);
+
+// The ErrorInfo a failed call's status details carry (an RpcStatus), or none.
+std::optional<v1::ErrorInfo> ErrorInfoIn(const grpc::Status& status);
 
 // grpc.health.v1.Health/Check of the whole server: the reply's ServingStatus (kServing,
 // kNotServing), or 0 with the failed call's status.

@@ -373,10 +373,32 @@ v1::DType ToProto(DType dtype) {
   return v1::DTYPE_UNSPECIFIED;
 }
 
+namespace {
+constexpr char kErrorInfoPayload[] = "type.googleapis.com/lossd.v1.ErrorInfo";
+}  // namespace
+
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
   // gRPC and absl share the canonical code numbering (0..16).
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  absl::Status converted(static_cast<absl::StatusCode>(status.error_code()),
+                         status.error_message());
+  v1::RpcStatus details;
+  if (!status.error_details().empty() && details.ParseFromString(status.error_details())) {
+    for (const google::protobuf::Any& detail : details.details()) {
+      v1::ErrorInfo info;
+      if (!detail.UnpackTo(&info)) continue;
+      converted.SetPayload(kErrorInfoPayload, absl::Cord(info.SerializeAsString()));
+      if (!info.field().empty()) converted = WithField(std::move(converted), info.field());
+    }
+  }
+  return converted;
+}
+
+std::optional<v1::ErrorInfo> ErrorInfoOf(const absl::Status& status) {
+  const auto payload = status.GetPayload(kErrorInfoPayload);
+  v1::ErrorInfo info;
+  if (!payload.has_value() || !info.ParseFromString(std::string(*payload))) return std::nullopt;
+  return info;
 }
 
 absl::Status ValidateChannelOptions(const ChannelOptions& options) {

@@ -447,11 +447,18 @@ def test_errors_carry_the_grpc_code_and_the_servers_message(client, head):
     assert error.value.code == "INVALID_ARGUMENT" and "labels" in error.value.message
     with pytest.raises(lossd.LossdError) as error:
         client.get_head("no-such-head")
-    assert error.value.code == "NOT_FOUND"
+    assert error.value.code == "NOT_FOUND" and error.value.reason is None
     with pytest.raises(lossd.LossdError) as error:
         client.compute(head.head, hidden.numpy(), labels.numpy(),
                        head_version=head.info().version + 1)
     assert error.value.code == "FAILED_PRECONDITION"
+    # What code acts on arrives typed (the server's ErrorInfo), not only in the message.
+    assert (error.value.reason, error.value.field) == ("HEAD_MOVED", "head_version")
+    with pytest.raises(lossd.LossdError) as error:
+        client.compute(head.head, hidden.numpy(), labels.numpy(), options=lossd.LossOptions(
+            label_smoothing=2.0))
+    assert error.value.code == "INVALID_ARGUMENT" and error.value.reason is None
+    assert error.value.field is not None and error.value.message.startswith(error.value.field + ":")
 
 
 # Addresses both clients refuse before dialing, and what the message must say besides the field.
@@ -650,7 +657,9 @@ def test_a_retry_after_a_lost_answer_accumulates_once(server, head, caplog):
         hidden, head.fetch_weight(), labels, "mean", scalar_times(1.0))
     with HoldingRelay(server.port) as relay:
         # Without retries the caller sees UNAVAILABLE, the gradient already accumulated.
-        with lossd.Client(relay.address, timeout=600,
+        # Rows in messages: a local target would otherwise ask for the shared-memory socket at
+        # the first call, through the relay while it holds.
+        with lossd.Client(relay.address, timeout=600, shared_memory=False,
                           retry=lossd.RetryPolicy(max_attempts=1)) as once:
             once.get_head(head.head)  # the connection is up before the hold
             relay.hold()
@@ -673,7 +682,8 @@ def test_a_retry_after_a_lost_answer_accumulates_once(server, head, caplog):
         policy = lossd.RetryPolicy(initial_backoff=0.02,
                                    on_retry=lambda error, attempt, wait: (failures.append(error),
                                                                           relay.release()))
-        with lossd.Client(relay.address, timeout=600, retry=policy) as retrying:
+        with lossd.Client(relay.address, timeout=600, retry=policy,
+                          shared_memory=False) as retrying:
             retrying.get_head(head.head)
             relay.hold()
             drop_once(relay, head, committed=1)
@@ -704,7 +714,8 @@ def test_remote_head_retries_a_lost_answer_without_counting_twice(server, head, 
         hidden, head.fetch_weight(), labels, "mean", upstream)
     with HoldingRelay(server.port) as relay:
         policy = lossd.RetryPolicy(initial_backoff=0.02, on_retry=lambda *failure: relay.release())
-        with lossd.Client(relay.address, timeout=600, retry=policy) as client:
+        with lossd.Client(relay.address, timeout=600, retry=policy,
+                          shared_memory=False) as client:  # rows through the relay
             remote = RemoteHead(client, head.head, stage_grad_weight=stage)
             remote.info()
             remote_hidden = hidden.clone().requires_grad_()

@@ -852,8 +852,8 @@ class RemoteHead(torch.nn.Module):
         try:
             result = call(pin)
         except LossdError as error:
-            if pin is not None and error.code == "FAILED_PRECONDITION" and \
-                    error.message.startswith("head_version"):
+            if pin is not None and error.reason == "HEAD_MOVED" and \
+                    error.field == "head_version":
                 raise self._moved(error) from None
             raise
         self.version = result.head_version
@@ -1085,8 +1085,8 @@ class RemoteHead(torch.nn.Module):
         try:
             return call()
         except LossdError as error:
-            if tracked and error.code == "FAILED_PRECONDITION" and \
-                    error.message.startswith("head_version"):
+            if tracked and error.reason == "HEAD_MOVED" and \
+                    error.field == "head_version":
                 raise self._moved(error) from None
             raise
 

@@ -3,8 +3,10 @@
 #define LOSSD_COMMON_STATUS_MACROS_H_
 
 #include <cstring>
+#include <string>
 
 #include "absl/status/status.h"
+#include "absl/strings/cord.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -29,10 +31,24 @@
 
 namespace lossd {
 
+// `status` with the request field it is about attached, for clients to act on (ErrorInfo.field)
+// without parsing the message.
+inline absl::Status WithField(absl::Status status, absl::string_view field) {
+  status.SetPayload("type.lossd/lossd.Field", absl::Cord(field));
+  return status;
+}
+// The field WithField attached; empty when none.
+inline std::string FieldOf(const absl::Status& status) {
+  const auto field = status.GetPayload("type.lossd/lossd.Field");
+  return field.has_value() ? std::string(*field) : std::string();
+}
+
 // The one shape of lossd's bad-input errors: "<field>: expected <what>, got <what came>".
 inline absl::Status InvalidField(absl::string_view field, absl::string_view expected,
                                  absl::string_view got) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": expected ", expected, ", got ", got));
+  return WithField(
+      absl::InvalidArgumentError(absl::StrCat(field, ": expected ", expected, ", got ", got)),
+      field);
 }
 
 // A failed system call as a Status: "<what>: <strerror>", with the code errno maps to.

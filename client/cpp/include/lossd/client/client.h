@@ -8,7 +8,8 @@
 //   request.outputs.set_grad_hidden(true);     // request.options, request.outputs: lossd.v1's own
 //   auto result = client->Compute(request);   // result->summary.loss(), result->grad_hidden
 //
-// Every call returns the server's gRPC status as an absl::Status with the same code and message.
+// Every call returns the server's gRPC status as an absl::Status with the same code and message;
+// ErrorInfoOf gives what it says to code (why it failed, which field).
 // A Client is cheap to move and safe to use from several threads at once (its channels, shared).
 //
 // Replicas: the address is any gRPC target, and scoring spreads over every address it resolves to
@@ -131,8 +132,12 @@ absl::Status ValidateChannelOptions(const ChannelOptions& options);
 // The wire's name for a dtype, as in OutputSelection.grad_hidden_dtype.
 v1::DType ToProto(DType dtype);
 
-// The same code (gRPC and absl share the canonical numbering) and the server's message.
+// The same code (gRPC and absl share the canonical numbering) and the server's message, with the
+// server's ErrorInfo (why, and the field it names) kept for ErrorInfoOf.
 absl::Status FromGrpcStatus(const grpc::Status& status);
+// The ErrorInfo a status from the server carried (its reason and field, to act on rather than the
+// message); none for a status without one.
+std::optional<v1::ErrorInfo> ErrorInfoOf(const absl::Status& status);
 
 enum class Optimizer { kNone, kSgd, kAdamW };
 
