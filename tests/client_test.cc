@@ -173,6 +173,7 @@ TEST_F(ClientTest, ComputeMatchesFloat64Reference) {
   const ReferenceResult ref = ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 5));
 
   ComputeRequest request = Fp32Request("reference", hidden, labels);
+  request.shared_memory = false;  // rows in messages, whose chunking this test checks too
   request.rows_per_message = 37;  // many chunk messages that do not line up with engine chunks
   for (const char* output : {"token_loss", "logprob", "lse", "entropy", "argmax", "grad_hidden",
                              "accumulate_grad_weight"}) {
@@ -267,6 +268,7 @@ TEST_F(ClientTest, BatchLargerThanTheMessageLimitStreamsBothWaysAtOnce) {
   ComputeRequest request = Fp32Request("wide", hidden, labels);
   request.outputs.set_grad_hidden(true);
   request.outputs.set_token_loss(true);
+  request.shared_memory = false;  // the messages are what this test is about
   const absl::StatusOr<ComputeResult> result = client.Compute(request);
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_GE(result->messages_sent, 1 + 16);  // no message above 1 MiB
@@ -523,6 +525,9 @@ TEST_F(ClientTest, ARetryAfterALostAnswerAccumulatesOnce) {
   };
   ChannelOptions options = OptionsFor(relay->port());
   options.deadline = absl::Minutes(10);  // a hang guard: the drop ends the call
+  // Rows in messages: a local target would otherwise ask for the shared-memory socket at the
+  // first call, through the relay while it holds.
+  request.shared_memory = false;
   options.compute_retry.max_attempts = 1;
   const Client once = Connect(options);
   ASSERT_TRUE(once.GetHead("lost_answer").ok());  // the connection is up before the hold
@@ -1301,8 +1306,15 @@ void AddField(DescriptorProto& message, const std::string& name, int number, Fie
 // its own.
 const google::protobuf::FileDescriptor* GrownContract(google::protobuf::DescriptorPool& pool,
                                                       const std::function<void(DescriptorProto&)>& grow) {
+  // The files the contract imports (google/protobuf/any.proto) first.
+  const google::protobuf::FileDescriptor* contract = v1::ComputeResult::descriptor()->file();
+  for (int i = 0; i < contract->dependency_count(); ++i) {
+    google::protobuf::FileDescriptorProto dependency;
+    contract->dependency(i)->CopyTo(&dependency);
+    if (pool.BuildFile(dependency) == nullptr) return nullptr;
+  }
   google::protobuf::FileDescriptorProto file;
-  v1::ComputeResult::descriptor()->file()->CopyTo(&file);
+  contract->CopyTo(&file);
   for (DescriptorProto& message : *file.mutable_message_type()) grow(message);
   return pool.BuildFile(file);
 }
@@ -1642,6 +1654,46 @@ TEST_F(ClientTest, SharedMemoryCanBeTurnedOff) {
       << refused.status();
   request.shared_memory = false;
   EXPECT_TRUE(client.Compute(request).ok());
+  // Left to the client, a call goes by messages to a server that offers no shared memory.
+  request.shared_memory.reset();
+  EXPECT_TRUE(client.Compute(request).ok());
+}
+
+// Left to the client (shared_memory unset), a call to one server on this host hands its rows over
+// in shared memory, with the same bits as by messages; a call with a teacher, or to a target
+// elsewhere, sends messages.
+TEST_F(ClientTest, SharedMemoryIsChosenForALocalServer) {
+  const Client client = Connect(OptionsFor(server_->port()));
+  ASSERT_TRUE(client.target().local);
+  UploadRandomHead(client, "auto");
+  const std::vector<float> hidden = RandomNormal(40 * kHidden, 1.0f, rng_);
+  const std::vector<int64_t> labels = RandomLabels(40, kVocab, 0.1, rng_);
+  ComputeRequest request = Fp32Request("auto", hidden, labels);
+  request.outputs.set_grad_hidden(true);
+  request.shared_memory = false;
+  const absl::StatusOr<ComputeResult> by_messages = client.Compute(request);
+  ASSERT_TRUE(by_messages.ok()) << by_messages.status();
+  const size_t handles_before = server_->shared_memory_maps().handles();
+  request.shared_memory.reset();
+  const absl::StatusOr<ComputeResult> chosen = client.Compute(request);
+  ASSERT_TRUE(chosen.ok()) << chosen.status();
+  EXPECT_GT(server_->shared_memory_maps().handles(), handles_before)
+      << "no memfd was handed over";
+  EXPECT_TRUE(chosen->grad_hidden.bytes == by_messages->grad_hidden.bytes);
+  EXPECT_EQ(chosen->summary.loss(), by_messages->summary.loss());
+
+  for (const char* address : {"10.1.2.3:50051", "dns:///lossd.example.com:50051",
+                              "ipv4:127.0.0.1:1,127.0.0.1:2"}) {
+    const absl::StatusOr<client::Target> target = client::ParseTarget(address);
+    ASSERT_TRUE(target.ok()) << target.status();
+    EXPECT_FALSE(target->local && target->listed_addresses == 1) << address;
+  }
+  for (const char* address : {"127.0.0.1:50051", "localhost:50051", "[::1]:50051",
+                              "unix:/run/lossd.sock", "dns:///localhost:50051"}) {
+    const absl::StatusOr<client::Target> target = client::ParseTarget(address);
+    ASSERT_TRUE(target.ok()) << target.status();
+    EXPECT_TRUE(target->local) << address;
+  }
 }
 
 TEST(SharedMemoryPeerTest, OnlyLoopbackAndUnixPeersAreLocal) {

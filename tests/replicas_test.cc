@@ -423,6 +423,7 @@ TEST(RetryPolicyTest, GrpcRetriesTheReadOnlyCallsAndMakesStepsOnce) {
   long_call.head = kHead;
   long_call.hidden = {batch.hidden.data(), client::DType::kFloat32, kRows, kLargeHidden};
   long_call.labels = batch.labels;
+  long_call.shared_memory = false;  // its rows in messages, which the server counts as they come
   ChannelOptions options = OptionsFor(Loopback(*server));
   options.compute_retry.max_attempts = 4;
   options.compute_retry.initial_backoff = absl::Milliseconds(10);

@@ -147,7 +147,7 @@ absl::Status ValidateTeacher(const ComputeRequest& request) {
       }
     }
   }
-  if ((dense || sparse) && request.shared_memory) {
+  if ((dense || sparse) && request.shared_memory.value_or(false)) {
     return InvalidField("shared_memory", "false for a call with a teacher, whose rows travel in messages",
                         "true");
   }
@@ -548,15 +548,28 @@ absl::StatusOr<HeadList> Client::ListHeads() const {
   return list;
 }
 
-absl::StatusOr<std::string> Client::SharedMemorySocketName() const {
+absl::StatusOr<std::string> Client::SharedMemorySocketName(absl::Duration deadline) const {
   RETURN_IF_ERROR(RequireOneServer("shared memory"));
   grpc::ClientContext context;
   PrepareContext(context);
+  if (deadline < options_.deadline) context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
   v1::SharedMemorySocket response;
   RETURN_IF_ERROR(FromGrpcStatus(
       one_server_stub_->GetSharedMemorySocket(&context, v1::GetSharedMemorySocketRequest(),
                                               &response)));
   return response.abstract_name();
+}
+
+bool Client::UsesSharedMemory(const ComputeRequest& request) const {
+  if (request.shared_memory.has_value()) return *request.shared_memory;
+  // A server that is up names its socket within milliseconds; one that does not answer soon is
+  // not worth holding the first call for.
+  constexpr absl::Duration kProbeDeadline = absl::Seconds(10);
+  // A teacher's rows travel in messages only.
+  const bool teacher = !request.teacher_head.empty() || request.teacher_top_k != 0 ||
+                       !request.teacher_top_k_tokens.empty();
+  return target_.local && target_.listed_addresses == 1 && !teacher &&
+         handover_->Offered([this] { return SharedMemorySocketName(kProbeDeadline); });
 }
 
 absl::StatusOr<HeadInfo> Client::GetHead(const std::string& head) const {
@@ -841,12 +854,13 @@ absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) con
                                      " bytes); split the batch into several calls"),
                         absl::StrCat(request.hidden.rows, " tokens in ", start_bytes, " bytes"));
   }
+  const bool shared_memory = UsesSharedMemory(request);
   return WithRetries<ComputeResult>(options_.compute_retry, [&](int attempt) -> absl::StatusOr<ComputeResult> {
     ComputeResult result;
     const absl::Time call_start = absl::Now();
     // The shared-memory path names its memfd in the start message, anew for each attempt.
-    RETURN_IF_ERROR(request.shared_memory ? RunComputeShared(request, start_message, result)
-                                          : RunCompute(request, start_message, result));
+    RETURN_IF_ERROR(shared_memory ? RunComputeShared(request, start_message, result)
+                                  : RunCompute(request, start_message, result));
     result.wall_seconds = absl::ToDoubleSeconds(absl::Now() - call_start);
     result.call_id = start_message.start().call_id();
     result.attempts = attempt;

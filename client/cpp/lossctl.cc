@@ -1255,7 +1255,7 @@ absl::Status RunBench(const Flags& flags) {
         "\"latency_p50\": %.6f, \"latency_p90\": %.6f, "
         "\"latency_max\": %.6f, \"server_compute_seconds\": %.6f, "
         "\"server_queue_seconds\": %.6f}\n",
-        calls, tokens, streams, DTypeName(dtype), request.shared_memory ? "true" : "false", elapsed,
+        calls, tokens, streams, DTypeName(dtype), request.shared_memory.value_or(false) ? "true" : "false", elapsed,
         calls * tokens / elapsed, totals.bytes_sent, totals.bytes_received, hidden_bytes, grad_hidden_bytes,
         Percentile(totals.latencies, 0.5),
         Percentile(totals.latencies, 0.9), totals.latencies.back(), totals.compute_seconds,
@@ -1267,7 +1267,7 @@ absl::Status RunBench(const Flags& flags) {
   absl::PrintF("sent %.3f GB/s, received %.3f GB/s (gRPC message payloads)\n",
                totals.bytes_sent / elapsed / 1e9, totals.bytes_received / elapsed / 1e9);
   absl::PrintF("rows in %.3f GB/s, dL/dh out %.3f GB/s (%s)\n", hidden_bytes / elapsed / 1e9,
-               grad_hidden_bytes / elapsed / 1e9, request.shared_memory ? "shared memory" : "messages");
+               grad_hidden_bytes / elapsed / 1e9, request.shared_memory.value_or(false) ? "shared memory" : "messages");
   absl::PrintF("latency p50 %.4f s, p90 %.4f s, p99 %.4f s\n", Percentile(totals.latencies, 0.5),
                Percentile(totals.latencies, 0.9), Percentile(totals.latencies, 0.99));
   absl::PrintF("server per call: %.4f s computing, %.4f s queued (means)\n", totals.compute_seconds / calls,

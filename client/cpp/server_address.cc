@@ -89,6 +89,35 @@ absl::Status CheckServerAddress(absl::string_view address, absl::string_view fie
   return got(", which is not HOST:PORT with a port in [1, 65535]");
 }
 
+namespace {
+
+// Whether one address names this host: a Unix socket, or a loopback host.
+bool IsLocalAddress(absl::string_view address) {
+  const size_t colon = address.find(':');
+  const std::string scheme =
+      colon == absl::string_view::npos ? "" : absl::AsciiStrToLower(address.substr(0, colon));
+  if (scheme == "unix" || scheme == "unix-abstract") return true;
+  if (scheme == "dns" || scheme == "ipv4" || scheme == "ipv6") {
+    address.remove_prefix(colon + 1);
+    while (absl::ConsumePrefix(&address, "/")) {
+    }
+    // dns://AUTHORITY/HOST:PORT
+    if (const size_t slash = address.find('/'); slash != absl::string_view::npos) {
+      address.remove_prefix(slash + 1);
+    }
+  }
+  absl::string_view host;
+  if (absl::StartsWith(address, "[")) {
+    host = address.substr(1, address.find(']') - 1);
+  } else {
+    const size_t port = address.rfind(':');
+    host = port == absl::string_view::npos ? address : address.substr(0, port);
+  }
+  return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
+}
+
+}  // namespace
+
 absl::StatusOr<Target> ParseTarget(absl::string_view address) {
   RETURN_IF_ERROR(CheckServerAddress(address, "address"));
   Target target;
@@ -109,7 +138,10 @@ absl::StatusOr<Target> ParseTarget(absl::string_view address) {
       }
       ++target.listed_addresses;
     }
+    target.local = target.listed_addresses == 1 && IsLocalAddress(list);
+    return target;
   }
+  target.local = IsLocalAddress(address);
   return target;
 }
 

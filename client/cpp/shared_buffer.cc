@@ -125,6 +125,12 @@ absl::StatusOr<std::shared_ptr<HandoverConnection>> Handover::Get(
   return connection_;
 }
 
+bool Handover::Offered(absl::FunctionRef<absl::StatusOr<std::string>()> socket_name) {
+  absl::MutexLock lock(&offered_mu_);
+  if (!offered_.has_value()) offered_ = Get(socket_name).ok();
+  return *offered_;
+}
+
 absl::StatusOr<std::unique_ptr<SharedBuffer>> SharedBuffer::Create(uint64_t bytes) {
   // A zero-length mapping is not allowed; a call without rows still names a memfd.
   const uint64_t size = std::max<uint64_t>(bytes, 1);

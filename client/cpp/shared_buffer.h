@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -78,10 +79,15 @@ class Handover {
   // it is called only when a connection must be opened.
   absl::StatusOr<std::shared_ptr<HandoverConnection>> Get(
       absl::FunctionRef<absl::StatusOr<std::string>()> socket_name);
+  // Whether a connection could be opened, tried on the first ask only: the client's default
+  // for calls that do not say how their rows travel.
+  bool Offered(absl::FunctionRef<absl::StatusOr<std::string>()> socket_name);
 
  private:
   absl::Mutex mu_;
   std::shared_ptr<HandoverConnection> connection_ ABSL_GUARDED_BY(mu_);
+  absl::Mutex offered_mu_;  // held while the first ask runs, so that it runs once
+  std::optional<bool> offered_ ABSL_GUARDED_BY(offered_mu_);
 };
 
 // Buffers between calls: a call takes one at least as large as it needs (or a new one) and gives

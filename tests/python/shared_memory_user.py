@@ -26,6 +26,7 @@ import numpy as np
 
 import lossd
 from lossd import _shared_memory, _wire
+from lossd._errors import _code_name
 from lossd.v1 import lossd_pb2 as pb
 
 ROWS = 8
@@ -203,9 +204,14 @@ def hog(address):
     outcome = {"handles": 0, "connection_refused": None, "handle_refused": None}
     while len(connections) < 64:
         connection = _shared_memory._HandoverConnection(socket_name)
-        # A refused connection is told so and closed at once; a request sent before the refusal
-        # is read would make the close a reset, which loses the refusal's text.
-        select.select([connection._socket], [], [], 0.5)
+        # A refused connection is told so and closed at once (the server never speaks first to one
+        # it keeps); a request sent before the refusal is read would make the close a reset,
+        # which loses the refusal's text.
+        if select.select([connection._socket], [], [], 0.5)[0]:
+            reply = pb.HandoverReply.FromString(connection._socket.recv(4096))
+            outcome["connection_refused"] = [_code_name(reply.code), reply.message]
+            connection.close()
+            break
         fds.append(memfd())
         try:
             connection.register(fds[-1])

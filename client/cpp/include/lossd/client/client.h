@@ -113,6 +113,9 @@ struct Target {
   // then stay on the first that answers (pick_first), so name one server, or a Service with one
   // virtual IP, for training.
   int listed_addresses = 1;
+  // One address on this host (loopback or a Unix socket): a server there can take rows in
+  // shared memory.
+  bool local = false;
 };
 absl::StatusOr<Target> ParseTarget(absl::string_view address);
 
@@ -232,8 +235,10 @@ struct ComputeRequest {
   // SharedMemory in lossd.proto): the client hands its memfd over on the server's handover socket,
   // once per memfd, and the server computes on the rows there. For a server on loopback or a Unix
   // socket in the client's network namespace, whichever user either runs as. Not with a teacher,
-  // whose rows travel in messages only.
-  bool shared_memory = false;
+  // whose rows travel in messages only. Unset: shared memory when the target is one server on
+  // this host, the call has no teacher and the server offers it (the client asks once, for at most
+  // 10 s, and keeps to messages if it does not); true or false: as said.
+  std::optional<bool> shared_memory;
   // The call's name on the server, so that a retry cannot add its dL/dW twice (see RetryOptions
   // and ComputeStart.call_id in lossd.proto). Empty: a call that accumulates dL/dW gets a fresh
   // random id (32 hex digits). Set one to repeat a call across processes; at most 64 characters
@@ -414,8 +419,11 @@ class Client {
   absl::Status RunComputeShared(const ComputeRequest& request, v1::ComputeRequest& start_message,
                                 ComputeResult& result) const;
 
-  // Where the server takes memfds (GetSharedMemorySocket).
-  absl::StatusOr<std::string> SharedMemorySocketName() const;
+  // Where the server takes memfds (GetSharedMemorySocket), asked within `deadline` at most.
+  absl::StatusOr<std::string> SharedMemorySocketName(
+      absl::Duration deadline = absl::InfiniteDuration()) const;
+  // Whether `request`'s rows travel in shared memory (ComputeRequest.shared_memory).
+  bool UsesSharedMemory(const ComputeRequest& request) const;
 
   ChannelOptions options_;
   Target target_;
