@@ -1476,6 +1476,7 @@ TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
   request.outputs.set_top_k(3);
   if (c.grad_dtype.has_value()) request.outputs.set_grad_hidden_dtype(client::ToProto(*c.grad_dtype));
   request.head = by_messages;
+  request.shared_memory = false;
   const absl::StatusOr<ComputeResult> sent = client.Compute(request);
   ASSERT_TRUE(sent.ok()) << sent.status();
   request.head = by_memory;
