@@ -162,6 +162,9 @@ TEST_P(OverflowTest, TheCallThatWouldOverflowIsRefusedAndChangesNothing) {
   EXPECT_TRUE(Contains(refused.status.error_message(), "overflow"));
   EXPECT_TRUE(Contains(refused.status.error_message(), "nothing was accumulated"));
   EXPECT_TRUE(Contains(refused.status.error_message(), "options.grad_scale"));
+  const std::optional<v1::ErrorInfo> info_of_refusal = ErrorInfoIn(refused.status);
+  ASSERT_TRUE(info_of_refusal.has_value()) << "no ErrorInfo in the status details";
+  EXPECT_EQ(info_of_refusal->reason(), v1::ErrorInfo::NON_FINITE_GRADIENT);
   const FetchedTensor after = Fetch(*stub, kOverflowHead, true);
   EXPECT_TRUE(BitwiseEqual(after.values, before.values))
       << "the refused call changed the accumulator";

@@ -100,6 +100,10 @@ class DeviceFaultTest : public ::testing::TestWithParam<FaultCase> {
         << status.error_message();
     EXPECT_NE(status.error_message().find(GetParam().fault_names), std::string::npos)
         << status.error_message();
+    // Typed too, so that clients move to another replica without reading the message.
+    const std::optional<v1::ErrorInfo> info = ErrorInfoIn(status);
+    ASSERT_TRUE(info.has_value()) << "no ErrorInfo in the status details";
+    EXPECT_EQ(info->reason(), v1::ErrorInfo::DEVICE_FAULT);
   }
 
   std::mt19937_64 rng_{12345};
