@@ -564,12 +564,13 @@ bool Client::UsesSharedMemory(const ComputeRequest& request) const {
   if (request.shared_memory.has_value()) return *request.shared_memory;
   // A server that is up names its socket within milliseconds; one that does not answer soon is
   // not worth holding the first call for.
-  constexpr absl::Duration kProbeDeadline = absl::Seconds(10);
+  const absl::Duration probe_deadline = absl::Seconds(10);
   // A teacher's rows travel in messages only.
   const bool teacher = !request.teacher_head.empty() || request.teacher_top_k != 0 ||
                        !request.teacher_top_k_tokens.empty();
   return target_.local && target_.listed_addresses == 1 && !teacher &&
-         handover_->Offered([this] { return SharedMemorySocketName(kProbeDeadline); });
+         handover_->Offered(
+             [this, probe_deadline] { return SharedMemorySocketName(probe_deadline); });
 }
 
 absl::StatusOr<HeadInfo> Client::GetHead(const std::string& head) const {
