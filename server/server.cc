@@ -575,7 +575,7 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   options.compute.max_call_ids = config.max_call_ids;
   options.compute.stream_idle = config.stream_idle;
   options.compute.staged_grad_ttl = config.staged_grad_ttl;
-  options.staged_grad_bytes = server->StagedGradBudget(0);
+  server->staging_room_.SetCapacity(server->StagedGradBudget(0));
   options.rendezvous.wait = config.step_wait;
   options.compute.max_unstarted_streams = config.max_unstarted_streams;
   LossServer* raw_server = server.get();
@@ -595,6 +595,7 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   };
   options.replicas = server->replicas_.get();
   server->service_ = std::make_unique<LossService>(*server->backend_, server->heads_,
+                                                   server->staging_room_,
                                                    *server->scheduler_, *server->pending_,
                                                    server->metrics_,
                                                    server->ledger_, *server->buffers_,
@@ -719,7 +720,7 @@ int64_t LossServer::StagedGradBudget(int64_t incoming_head_elements) const {
 
 void LossServer::ResizeComputeBudget(int64_t incoming_head_elements) {
   if (config_.staged_grad_bytes == 0) {
-    service_->staging_room().SetCapacity(StagedGradBudget(incoming_head_elements));
+    staging_room_.SetCapacity(StagedGradBudget(incoming_head_elements));
   }
   if (config_.compute_memory_bytes > 0) return;
   const int64_t budget = ComputeBudget(incoming_head_elements);

@@ -139,6 +139,8 @@ class LossServer {
   ServerConfig config_;  // workspace_budget_bytes resolved against the backend
   std::unique_ptr<Backend> backend_;
   MemoryLedger ledger_;
+  // Before heads_, which it outlives: staged dL/dW give their room back to it as they go.
+  StagingRoom staging_room_{0};
   HeadStore heads_;
   Metrics metrics_;
   std::unique_ptr<Scheduler> scheduler_;

@@ -42,9 +42,10 @@ absl::Status ReserveHostMemory(std::vector<uint8_t>& buffer, size_t bytes,
 
 }  // namespace
 
-LossService::LossService(Backend& backend, HeadStore& heads, Scheduler& scheduler,
-                         PendingMemory& pending, Metrics& metrics, MemoryLedger& ledger,
-                         BufferCache& buffers, BufferCache& host_buffers, ServiceOptions options)
+LossService::LossService(Backend& backend, HeadStore& heads, StagingRoom& staging_room,
+                         Scheduler& scheduler, PendingMemory& pending, Metrics& metrics,
+                         MemoryLedger& ledger, BufferCache& buffers, BufferCache& host_buffers,
+                         ServiceOptions options)
     : backend_(backend),
       heads_(heads),
       scheduler_(scheduler),
@@ -54,7 +55,7 @@ LossService::LossService(Backend& backend, HeadStore& heads, Scheduler& schedule
       buffers_(buffers),
       host_buffers_(host_buffers),
       options_(std::move(options)),
-      staging_room_(options_.staged_grad_bytes),
+      staging_room_(staging_room),
       rendezvous_(options_.rendezvous),
       start_watch_(options_.compute.stream_idle, options_.compute.max_unstarted_streams) {
   replica_observer_.waited = [this](double seconds) { metrics_.ObserveReplicaWait(seconds); };

@@ -37,8 +37,6 @@ struct ServiceOptions {
   // Called with the V x H of a head about to be stored by an upload, then with 0 once it is, so
   // that the compute budget can follow the heads (before: calls on the new head fit at once).
   std::function<void(int64_t incoming_head_elements)> resize_compute_budget;
-  // Device memory staged gradients may hold together (--staged_grad_mib).
-  int64_t staged_grad_bytes = 0;
   RendezvousOptions rendezvous;  // wait: --step_wait_seconds
   // The replicas this server trains its heads with (--replicas > 1): every Step and
   // GradWeightNorm is then collective across them. Null: this server alone.
@@ -50,8 +48,10 @@ struct ServiceOptions {
 class LossService final
     : public v1::LossService::WithCallbackMethod_Compute<v1::LossService::Service> {
  public:
-  LossService(Backend& backend, HeadStore& heads, Scheduler& scheduler, PendingMemory& pending,
-              Metrics& metrics, MemoryLedger& ledger, BufferCache& buffers,
+  // `staging_room` (staged dL/dW of every head) must outlive `heads`, whose staged gradients
+  // give their room back to it when they go.
+  LossService(Backend& backend, HeadStore& heads, StagingRoom& staging_room, Scheduler& scheduler,
+              PendingMemory& pending, Metrics& metrics, MemoryLedger& ledger, BufferCache& buffers,
               BufferCache& host_buffers, ServiceOptions options);
 
   grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>* Compute(
@@ -114,7 +114,6 @@ class LossService final
   void EndAfterReplicaFailure(const absl::Status& failure);
 
   SharedMemoryMaps& shared_memory_maps() { return shared_memory_maps_; }
-  StagingRoom& staging_room() { return staging_room_; }
   const RankRendezvous& rendezvous() const { return rendezvous_; }
 
  private:
@@ -168,7 +167,7 @@ class LossService final
   BufferCache& host_buffers_;
   const ServiceOptions options_;
   SharedMemoryMaps shared_memory_maps_;
-  StagingRoom staging_room_;
+  StagingRoom& staging_room_;
   RankRendezvous rendezvous_;
   ReplicaObserver replica_observer_;  // into metrics_
   std::unique_ptr<HandoverSocket> handover_socket_;  // registers into shared_memory_maps_
