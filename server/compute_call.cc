@@ -4,6 +4,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <string>
@@ -559,10 +560,41 @@ std::vector<std::string> OverflowSuspects(const CallSpec& spec, int64_t first, i
   return suspects;
 }
 
-// Per-row outputs of one engine chunk, in host memory.
+// The per-token outputs of one value a row, as the server handles them: the OutputSelection field
+// that asks for one, the engine's slot for it and the ComputeResult field it streams in. Binding
+// the engine's outputs and streaming the results both run over these tables, so a new output is
+// one row here besides its math and its fields in lossd.proto. (top_k, k values a row, and dL/dh,
+// bytes in the caller's dtype, are bound and streamed on their own.)
+template <typename T>
+struct PerTokenOutput {
+  bool (v1::OutputSelection::*wanted)() const;
+  T* TokenOutputs::*slot;
+  google::protobuf::RepeatedField<T>* (v1::ComputeResult::*field)();
+};
+
+constexpr PerTokenOutput<float> kFloatOutputs[] = {
+    {&v1::OutputSelection::token_loss, &TokenOutputs::loss, &v1::ComputeResult::mutable_token_loss},
+    {&v1::OutputSelection::logprob, &TokenOutputs::logprob, &v1::ComputeResult::mutable_logprob},
+    {&v1::OutputSelection::lse, &TokenOutputs::lse, &v1::ComputeResult::mutable_lse},
+    {&v1::OutputSelection::entropy, &TokenOutputs::entropy, &v1::ComputeResult::mutable_entropy},
+    {&v1::OutputSelection::ratio, &TokenOutputs::ratio, &v1::ComputeResult::mutable_ratio},
+    {&v1::OutputSelection::kl, &TokenOutputs::kl, &v1::ComputeResult::mutable_kl},
+    {&v1::OutputSelection::kd, &TokenOutputs::kd, &v1::ComputeResult::mutable_kd},
+    {&v1::OutputSelection::ce, &TokenOutputs::ce, &v1::ComputeResult::mutable_ce},
+};
+constexpr PerTokenOutput<int32_t> kIntOutputs[] = {
+    {&v1::OutputSelection::argmax, &TokenOutputs::argmax, &v1::ComputeResult::mutable_argmax},
+    {&v1::OutputSelection::clip, &TokenOutputs::clip, &v1::ComputeResult::mutable_clip},
+};
+// Values a row of the one-value outputs, all four bytes wide.
+constexpr int64_t kOneValueOutputs = std::size(kFloatOutputs) + std::size(kIntOutputs);
+
+// Per-row outputs of one engine chunk, in host memory: one buffer a table row, and top-k's.
 struct ChunkOutputs {
-  std::vector<float> loss, logprob, lse, entropy, top_k_logprob, ratio, kl, kd, ce;
-  std::vector<int32_t> argmax, top_k_token, clip;
+  std::array<std::vector<float>, std::size(kFloatOutputs)> floats;
+  std::array<std::vector<int32_t>, std::size(kIntOutputs)> ints;
+  std::vector<float> top_k_logprob;
+  std::vector<int32_t> top_k_token;
 
   // dL/dh, when wanted, goes to `grad_hidden` (shared memory, or the call's host buffer).
   TokenOutputs Bind(const v1::OutputSelection& want, int64_t rows, void* grad_hidden,
@@ -572,21 +604,17 @@ struct ChunkOutputs {
       buffer.resize(wanted ? rows * per_row : 0);
       return wanted ? buffer.data() : nullptr;
     };
-    out.loss = bind(want.token_loss(), loss, 1);
-    out.logprob = bind(want.logprob(), logprob, 1);
-    out.lse = bind(want.lse(), lse, 1);
-    out.entropy = bind(want.entropy(), entropy, 1);
-    out.argmax = bind(want.argmax(), argmax, 1);
+    for (size_t i = 0; i < floats.size(); ++i) {
+      out.*kFloatOutputs[i].slot = bind((want.*kFloatOutputs[i].wanted)(), floats[i], 1);
+    }
+    for (size_t i = 0; i < ints.size(); ++i) {
+      out.*kIntOutputs[i].slot = bind((want.*kIntOutputs[i].wanted)(), ints[i], 1);
+    }
     out.top_k = want.top_k();
     out.top_k_logprob = bind(want.top_k() > 0, top_k_logprob, want.top_k());
     out.top_k_token = bind(want.top_k() > 0, top_k_token, want.top_k());
     out.grad_hidden = grad_hidden;
     out.grad_hidden_dtype = grad_dtype;
-    out.ratio = bind(want.ratio(), ratio, 1);
-    out.clip = bind(want.clip(), clip, 1);
-    out.kl = bind(want.kl(), kl, 1);
-    out.kd = bind(want.kd(), kd, 1);
-    out.ce = bind(want.ce(), ce, 1);
     return out;
   }
 };
@@ -1109,7 +1137,7 @@ class ComputeCall {
     const int k = want.top_k();
     const bool grad_in_messages = want.grad_hidden() && !spec_.shared_memory.has_value();
     const int64_t grad_row_bytes = grad_in_messages ? spec_.grad_row_bytes() : 0;
-    const int64_t row_bytes = grad_row_bytes + 4 * (10 + 2 * k) + 16;
+    const int64_t row_bytes = grad_row_bytes + 4 * (kOneValueOutputs + 2 * k) + 16;
     const int64_t rows_per_message =
         std::max<int64_t>(1, env_.limits.max_result_message_bytes / row_bytes);
     for (int64_t r0 = 0; r0 < rows; r0 += rows_per_message) {
@@ -1125,18 +1153,14 @@ class ComputeCall {
           target->Add(source.begin() + r0 * per_row, source.begin() + (r0 + n) * per_row);
         }
       };
-      copy(outputs_.loss, 1, result.mutable_token_loss());
-      copy(outputs_.logprob, 1, result.mutable_logprob());
-      copy(outputs_.lse, 1, result.mutable_lse());
-      copy(outputs_.entropy, 1, result.mutable_entropy());
-      copy(outputs_.argmax, 1, result.mutable_argmax());
+      for (size_t i = 0; i < outputs_.floats.size(); ++i) {
+        copy(outputs_.floats[i], 1, (result.*kFloatOutputs[i].field)());
+      }
+      for (size_t i = 0; i < outputs_.ints.size(); ++i) {
+        copy(outputs_.ints[i], 1, (result.*kIntOutputs[i].field)());
+      }
       copy(outputs_.top_k_logprob, k, result.mutable_top_k_logprob());
       copy(outputs_.top_k_token, k, result.mutable_top_k_token());
-      copy(outputs_.ratio, 1, result.mutable_ratio());
-      copy(outputs_.clip, 1, result.mutable_clip());
-      copy(outputs_.kl, 1, result.mutable_kl());
-      copy(outputs_.kd, 1, result.mutable_kd());
-      copy(outputs_.ce, 1, result.mutable_ce());
       if (grad_in_messages) {
         result.set_grad_hidden(MessageGradHidden() + r0 * grad_row_bytes, n * grad_row_bytes);
         result.set_grad_hidden_dtype(ToProto(spec_.grad_hidden_dtype));
