@@ -195,7 +195,16 @@ TEST_F(ClientTest, ComputeMatchesFloat64Reference) {
   EXPECT_LE(MaxAbsError(Values(per_token.logprob()), ref.logprob), 1e-5 * (1 + ref.max_abs_logit));
   EXPECT_LE(MaxAbsError(Values(per_token.lse()), ref.lse), 1e-5 * (1 + ref.max_abs_logit));
   EXPECT_LE(MaxAbsError(Values(per_token.entropy()), ref.entropy), 1e-4);
-  EXPECT_EQ(AsDoubles(per_token.argmax()), std::vector<double>(ref.argmax.begin(), ref.argmax.end()));
+  // The float64 argmax, except where the two best logits are closer than fp32 can tell apart
+  // (random inputs make such a near tie now and then).
+  ASSERT_EQ(per_token.argmax_size(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    if (per_token.argmax(i) == ref.argmax[i]) continue;
+    const double gap = ref.top_k_logprob[i * 5] - ref.top_k_logprob[i * 5 + 1];
+    EXPECT_LE(gap, 1e-5 * (1 + ref.max_abs_logit)) << "row " << i << ": argmax "
+                                                    << per_token.argmax(i) << ", float64 "
+                                                    << ref.argmax[i];
+  }
   ASSERT_EQ(per_token.top_k_logprob_size(), n * 5);
   ASSERT_EQ(per_token.top_k_token_size(), n * 5);
   EXPECT_LE(MaxAbsError(Values(per_token.top_k_logprob()), ref.top_k_logprob), 1e-5 * (1 + ref.max_abs_logit));
