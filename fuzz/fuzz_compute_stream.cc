@@ -206,10 +206,13 @@ void RunOne(const Script& script) {
                               "fuzz");
   Require(created.ok(), "the head is created");
   std::shared_ptr<Head> head = *created;
+  // Before the heads, which give their staged dL/dW's room back to it as they go.
+  StagingRoom staging_room(/*capacity_bytes=*/int64_t{1} << 30);
   HeadStore heads;
   Require(heads.Put(head, /*replace=*/false).ok(), "the head is stored");
   Scheduler scheduler(/*capacity_bytes=*/int64_t{1} << 30, /*max_running=*/1, /*max_queued=*/0);
-  PendingMemory pending(/*capacity_bytes=*/int64_t{1} << 30);
+  PendingMemory pending(/*capacity_bytes=*/int64_t{1} << 30,
+                        /*per_connection_bytes=*/int64_t{1} << 30);
 
   ComputeLimits limits;
   limits.workspace_budget_bytes = script.workspace_budget_bytes;
@@ -221,9 +224,9 @@ void RunOne(const Script& script) {
   MemoryLedger host_ledger;
   BufferCache host_buffers(host, host_ledger, /*capacity_bytes=*/0);
   static SharedMemoryMaps shared_memory_maps;  // never reached: the scripted peer is not local
-  const ComputeEnvironment env{&backend, &heads,   &scheduler,     /*metrics=*/nullptr,
-                               &ledger,  &buffers, &host_buffers,  &shared_memory_maps,
-                               &pending, limits};
+  const ComputeEnvironment env{&backend, &heads,   &scheduler,    /*metrics=*/nullptr,
+                               &ledger,  &buffers, &host_buffers, &shared_memory_maps,
+                               &pending, &staging_room, limits};
 
   const auto grad_before = head->ReadGradient(DType::kFloat32);
   Require(grad_before.ok(), "the gradient reads before the call");
