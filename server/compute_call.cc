@@ -715,9 +715,9 @@ class ComputeCall {
     ASSIGN_OR_RETURN(pending_, env_.pending->Reserve(
                                    stream_.Peer(),
                                    static_cast<int64_t>(request.SpaceUsedLong()) + copies_bound));
-    // Only a call with an id can be retried, so only its start is fingerprinted.
-    const uint64_t fingerprint =
-        start.call_id().empty() ? 0 : StartFingerprint(*request.mutable_start());
+    // Only a call that accumulates under an id is matched against its retries.
+    const bool repeatable = !start.call_id().empty() && start.outputs().accumulate_grad_weight();
+    const uint64_t fingerprint = repeatable ? StartFingerprint(*request.mutable_start()) : 0;
     ASSIGN_OR_RETURN(spec_, ParseStart(env_, start, fingerprint));
     return pending_.Resize(spec_.copied_bytes());
   }

@@ -814,6 +814,7 @@ TEST_P(ClientObjectiveTest, MatchesTheFloat64Reference) {
   request.logprob_grads = problem.logprob_grads;
   request.sequence_lengths = r.sequence_lengths;
   request.shift_labels = c.shift_labels;
+  request.shared_memory = false;
   request.rows_per_message = 37;  // messages that do not line up with engine chunks
   if (c.teacher == Teacher::kDense) {
     request.teacher_head = head + "-teacher";

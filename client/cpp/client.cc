@@ -117,11 +117,17 @@ absl::Status CheckMatrix(const TensorView& view, int64_t rows, absl::string_view
   return absl::OkStatus();
 }
 
+// Whether the call names a teacher head (dense) or carries a teacher's top-k (sparse).
+bool DenseTeacher(const ComputeRequest& request) { return !request.teacher_head.empty(); }
+bool SparseTeacher(const ComputeRequest& request) {
+  return request.teacher_top_k != 0 || !request.teacher_top_k_tokens.empty() ||
+         !request.teacher_top_k_logprobs.empty();
+}
+
 absl::Status ValidateTeacher(const ComputeRequest& request) {
   const int64_t rows = request.hidden.rows;
-  const bool dense = !request.teacher_head.empty();
-  const bool sparse = request.teacher_top_k != 0 || !request.teacher_top_k_tokens.empty() ||
-                      !request.teacher_top_k_logprobs.empty();
+  const bool dense = DenseTeacher(request);
+  const bool sparse = SparseTeacher(request);
   if (dense && sparse) {
     return InvalidField("teacher_head/teacher_top_k", "one teacher", "both");
   }
@@ -566,8 +572,7 @@ bool Client::UsesSharedMemory(const ComputeRequest& request) const {
   // not worth holding the first call for.
   const absl::Duration probe_deadline = absl::Seconds(10);
   // A teacher's rows travel in messages only.
-  const bool teacher = !request.teacher_head.empty() || request.teacher_top_k != 0 ||
-                       !request.teacher_top_k_tokens.empty();
+  const bool teacher = DenseTeacher(request) || SparseTeacher(request);
   return target_.local && target_.listed_addresses == 1 && !teacher &&
          handover_->Offered(
              [this, probe_deadline] { return SharedMemorySocketName(probe_deadline); });
