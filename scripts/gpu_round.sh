@@ -17,8 +17,11 @@
 #      of the chunk, every objective), the cuBLAS GEMM probe at the engine's real K, a module built
 #      for another GPU refused, the Llama 3 8B head at N = 4096 against float64 in both gradient
 #      modes, bench/gpu_peers.py at the Llama 3 8B shape (lossd first, default and exact modes, then
-#      the floor and the peers while time lasts), and compute-sanitizer memcheck. Files come back
-#      as $OUT/call1/summary.txt and $OUT/call1/call1.tar.gz.
+#      the floor and the peers while time lasts), compute-sanitizer memcheck, and each kernel's
+#      device time in one forward + backward at that shape (Nsight Compute). Files come back as
+#      $OUT/call1/summary.txt and $OUT/call1/call1.tar.gz. On an H100 (2026-11-26) the checks took
+#      8, 6, 1, 147, 60, 6 and 6 s, the Llama check almost all in its float64 reference on a CPU
+#      that OpenBLAS then took for a Prescott; call 2's took 30 s in all.
 #   2. Call 2, only if the device tool's `status` still gives budget_left_s >= 255 (else skip it,
 #      or give it timeout_s = budget_left_s - 15 and LOSSD_GPU_CALL_SECONDS = timeout_s - 25 in
 #      front of the command: its checks run in this order until its time is spent):
@@ -41,9 +44,10 @@
 # out of time for, say); the names are in its summary. Each call prints its plan (its checks and
 # their time limits) first and its summary last.
 #
-# Environment: OUT (default .gpu/out), LOSSD_GPU_CALL_SECONDS (the call's time; default 500 for
-# call 1 and bench, 215 for call 2), LOSSD_GPU_PEERS_ARGS and LOSSD_GPU_SERVICE_ARGS (more flags for
+# Environment: OUT (default .gpu/out), LOSSD_GPU_CALL_SECONDS (the call's time; default 515 for
+# call 1, 215 for call 2, 500 for bench), LOSSD_GPU_PEERS_ARGS and LOSSD_GPU_SERVICE_ARGS (more flags for
 # bench/gpu_peers.py and bench/gpu_service.py, which override the call's own),
+# LOSSD_GPU_SANITIZER_CASES (the gtest filter of the compute-sanitizer checks),
 # LOSSD_GPU_LIBRARY_DIRS (folders searched for cuBLAS before the toolkit's and the wheels').
 #
 # Only lossd's own programs load the libraries packed from Debian: each runs through a wrapper
@@ -60,7 +64,7 @@ usage() {
 call="$1"
 shift
 case "$call" in
-  call1) default_seconds=500 ;;
+  call1) default_seconds=515 ;;
   call2) default_seconds=215 ;;
   bench) default_seconds=500 ;;
   *) usage ;;
@@ -154,8 +158,8 @@ finish() {
 # ---- The plan: each check's time limit, in the order they run ----------------------------------
 
 case "$call" in
-  call1) plan=(table:110 probe:35 foreign:20 scale:120 peers:110 memcheck:75) ;;
-  call2) plan=(fault:20 fault_drain:20 racecheck:40 synccheck:25 initcheck:40 service:40) ;;
+  call1) plan=(table:45 probe:25 foreign:15 scale:200 peers:110 memcheck:50 profile:40) ;;
+  call2) plan=(fault:20 fault_drain:20 racecheck:45 synccheck:25 initcheck:35 service:40) ;;
   bench) plan=(peers:470) ;;
 esac
 # limit NAME: the planned seconds of a check.
@@ -186,6 +190,17 @@ say "device: $(head -n 1 "$logs/device.txt")"
   command -v compute-sanitizer nvcc xz
 } >"$logs/machine.txt" 2>&1
 say "python: $(python3 --version 2>&1); $(ldd --version | head -n 1)"
+# The GPU machine is a virtual machine whose CPUID OpenBLAS's DYNAMIC_ARCH reads as a Prescott
+# (seen on an H100 machine, 2026-11-26): SSE3 kernels, which made the float64 reference of the
+# Llama-sized test take 112 s. Its kernels are chosen from the instructions the CPU reports.
+if [ -z "${OPENBLAS_CORETYPE:-}" ]; then
+  if grep -qw avx512f /proc/cpuinfo; then
+    export OPENBLAS_CORETYPE=SkylakeX
+  elif grep -qw avx2 /proc/cpuinfo; then
+    export OPENBLAS_CORETYPE=Haswell
+  fi
+fi
+say "OpenBLAS kernels: ${OPENBLAS_CORETYPE:-as OpenBLAS detects them}"
 
 # xz may be missing from the GPU machine's image: python3's lzma reads the archive then.
 if command -v xz >/dev/null 2>&1 && xz -dc "$archive_in" 2>>"$logs/unpack.log" |
@@ -287,7 +302,10 @@ gtest() {
 # sanitize TOOL FILTER [FLAG...]: engine_test's CUDA cases under compute-sanitizer's TOOL.
 # Reports in kernels whose name holds "lossd" (every kernel of kernels/cuda/ is lossd::cuda::...;
 # cuBLAS's are not) and host API errors fail it; initcheck's reports inside cuBLAS's own kernels
-# are counted and listed in the log, not failed.
+# are counted and listed in the log, not failed. A test that leaves the device faulted (a real
+# fault, or the sanitizer's own "failed to handle a hardware exception") makes every later CUDA
+# test of its process skip: those run again in a process of their own, round after round, so
+# that one fault hides no other case; the faulting tests are named in the summary.
 sanitize() {
   local tool="$1" filter="$2"
   shift 2
@@ -298,30 +316,59 @@ sanitize() {
     record "$tool" FAIL "compute-sanitizer is neither on PATH nor $sanitizer"
     return
   fi
-  timed "$tool" "$(limit "$tool")" "$sanitizer" --tool "$tool" --error-exitcode 3 \
-    --target-processes all "$@" "$run/engine_test" --gtest_filter="$filter"
+  local log="$logs/$tool.log" started=$SECONDS round=1 worst=0 skipped
+  : >"$log"
+  while :; do
+    local left=$(($(limit "$tool") - (SECONDS - started)))
+    timed "$tool.$round" "$left" "$sanitizer" --tool "$tool" --error-exitcode 3 \
+      --target-processes all "$@" "$run/engine_test" --gtest_filter="$filter"
+    { echo "---- round $round: $filter"; cat "$logs/$tool.$round.log"; } >>"$log"
+    rm -f "$logs/$tool.$round.log"
+    [ "$status" -ne 0 ] && [ "$worst" -eq 0 ] && worst=$status
+    [ "$status" -eq 124 ] || [ "$status" -eq 137 ] || [ "$status" -eq 125 ] && worst=$status
+    # Only this round's skips count: the earlier rounds' ran again already.
+    skipped="$(sed -n "/^---- round $round: /,\$p" "$log" |
+      awk '/^\[  SKIPPED \] [A-Za-z]/ {print $4}' | sort -u | paste -sd: -)"
+    [ -z "$skipped" ] || [ "$skipped" = "$filter" ] || [ "$worst" -ge 124 ] && break
+    filter="$skipped"
+    round=$((round + 1))
+  done
+  status=$worst
+  took=$((SECONDS - started))
   local result
   result="$(verdict)"
   local reports ours theirs
   reports="$(awk '
-    /^========= [^ ]/ && !/ERROR SUMMARY|LEAK SUMMARY|COMPUTE-SANITIZER|Target application/ {
+    /^========= [^ ]/ && !/ERROR SUMMARY|LEAK SUMMARY|SUMMARY:|COMPUTE-SANITIZER|Target application|Internal Sanitizer Error/ {
       pending = 1
       if ($0 ~ /Host API/) { ours++; pending = 0 }
       next
     }
     pending && /^=========     at / { if ($0 ~ /lossd/) ours++; else theirs++; pending = 0 }
-    END { print ours + 0, theirs + 0 }' "$logs/$tool.log")"
+    END { print ours + 0, theirs + 0 }' "$log")"
   read -r ours theirs <<<"$reports"
   if [ "$tool" = initcheck ] && [ "$result" = FAIL ] && [ "$ours" -eq 0 ] && [ "$theirs" -gt 0 ] &&
-    grep -q '^\[  PASSED  \]' "$logs/$tool.log" && ! grep -q '^\[  FAILED  \]' "$logs/$tool.log"; then
+    grep -q '^\[  PASSED  \]' "$log" && ! grep -q '^\[  FAILED  \]' "$log"; then
     result=PASS
   fi
-  local summary_line
-  summary_line="$(grep -m 1 'ERROR SUMMARY' "$logs/$tool.log" | sed 's/^========= //')"
-  if grep -q "Device not supported" "$logs/$tool.log"; then
+  local summary_line faulted
+  summary_line="$(grep 'ERROR SUMMARY\|RACECHECK SUMMARY' "$log" | sed 's/^========= //' |
+    sort | uniq -c | sed 's/^ *\([0-9]*\) /\1x /' | paste -sd';' -)"
+  if grep -q "Device not supported" "$log"; then
     summary_line="compute-sanitizer does not support this device (seen on gVisor machines)"
   fi
-  record "$tool" "$result" "${summary_line:-no summary}; in lossd's kernels or host calls: $ours, in others: $theirs; ${took} s"
+  # The tests a device fault ended, with the sanitizer's own failure where it said so.
+  faulted="$(awk '
+    /^\[ RUN      \]/ { test = $4 }
+    /Internal Sanitizer Error/ { internal[test] = 1 }
+    /device fault:/ && !/backend not available/ { fault[test] = 1 }
+    END {
+      for (t in fault) {
+        printf "%s%s%s", sep, t, (t in internal ? " (the sanitizer failed to handle a hardware exception)" : "")
+        sep = ", "
+      }
+    }' "$log")"
+  record "$tool" "$result" "${summary_line:-no summary}; in lossd's kernels or host calls: $ours, in others: $theirs; $round round(s)${faulted:+; device fault in: $faulted}; ${took} s"
 }
 
 # The server must refuse, at start, a CUDA module without code for this GPU, naming the
@@ -372,6 +419,7 @@ sanitizer_cases+=':*cuda_bf16_scoring_tiled:*cuda_bf16_grad_hidden:*cuda_ppo_ent
 sanitizer_cases+=':*cuda_ppo_bf16:*cuda_distill_bf16:*cuda_distill_sparse_renormalize'
 sanitizer_cases+=':*cuda_distill_sparse_spread_reverse_tiled'
 sanitizer_cases+=':*BufferArithmetic*/cuda:*IdenticalCalls*/cuda:*HostBuffers*/cuda'
+sanitizer_cases="${LOSSD_GPU_SANITIZER_CASES:-$sanitizer_cases}"
 
 # ---- Measured beside the peers ------------------------------------------------------------------
 
@@ -427,6 +475,55 @@ peers() {
   [ -f "$logs/peers/results.md" ] && grep '^|' "$logs/peers/results.md" | cut -c1-150 | tee -a "$summary"
 }
 
+# Where lossd's device time goes at the Llama 3 8B shape: one forward + backward under Nsight
+# Compute with a single metric (each kernel's duration), the kernels summed by name. Their sum
+# against the run's device time (peers) is the time the GPU waits for the host.
+profile() {
+  wanted profile || return
+  local ncu
+  ncu="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
+  if [ ! -x "$ncu" ]; then
+    record profile FAIL "Nsight Compute is neither on PATH nor $ncu"
+    return
+  fi
+  timed profile "$(limit profile)" "$ncu" --clock-control none --target-processes all \
+    --metrics gpu__time_duration.sum --csv --page raw --log-file "$logs/profile.csv" \
+    "$run/engine_bench" --device=cuda --dtype=bf16 --shapes=16384,4096,128256 --methods=engine \
+    --passes=fwd_bwd --reps=1 --warmup-tokens=64
+  local result
+  result="$(verdict)"
+  python3 - "$logs/profile.csv" >"$logs/profile.txt" 2>&1 <<'EOF_PY'
+import collections, csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if r]
+header = next((r for r in rows if "Kernel Name" in r), None)
+if header is None:
+    sys.exit("no kernel rows in " + sys.argv[1])
+name_at, time_at = header.index("Kernel Name"), header.index("gpu__time_duration.sum")
+first = rows.index(header) + 1
+unit = rows[first][time_at] if first < len(rows) else ""
+if unit.replace(",", "").replace(".", "").isdigit():
+    unit = "nsecond"  # no row of units: ncu's default unit
+else:
+    first += 1
+total, count = collections.Counter(), collections.Counter()
+for r in rows[first:]:
+    try:
+        value = float(r[time_at].replace(",", ""))
+    except (ValueError, IndexError):
+        continue
+    name = r[name_at].split("(")[0][:90]
+    total[name] += value
+    count[name] += 1
+scale = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0}.get(unit, float("nan"))
+print(f"kernels: {sum(count.values())}, sum {sum(total.values()) * scale:.1f} ms (warm-up included)")
+for name, value in total.most_common(14):
+    print(f"{value * scale:9.2f} ms {count[name]:5d}x  {name}")
+EOF_PY
+  [ -s "$logs/profile.txt" ] || result=FAIL
+  record profile "$result" "Nsight Compute, kernel durations of one forward + backward at 16384,4096,128256 bf16; ${took} s"
+  sed 's/^/       /' "$logs/profile.txt" | tee -a "$summary"
+}
+
 # ---- The server on the GPU ----------------------------------------------------------------------
 
 service() {
@@ -479,6 +576,7 @@ call1() {
   grep -h '^N=4096' "$logs/scale.log" 2>/dev/null | sed 's/^/       /' | tee -a "$summary"
   peers
   sanitize memcheck "$sanitizer_cases"
+  profile
 }
 
 bench() {

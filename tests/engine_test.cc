@@ -11,6 +11,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "lossd/kernels/backend.h"
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"
@@ -37,12 +39,23 @@ constexpr double kBf16GradBound = 1.0 / 256;
 // gradients sum such terms with independent errors, about 2^-9 / sqrt(3) ~ 1.1e-3 relative to
 // their norm where the terms do not cancel; 2^-8 leaves a factor of 3.5.
 constexpr double kRoundedGradBound = 1.0 / 256;
+// The CUDA backend's 16-bit products run on tensor cores, whose fp32 accumulation is a little
+// coarser than the CPU's sums: on an H100 (2026-11-26) a bf16 loss at H = 2048 erred by 1.3e-6
+// against float64, and cuBLAS's logits by 2e-6 to 4e-6 relative at K = 2048 to 4096
+// (cuda_gemm_probe_test). 1e-5 keeps a factor of 2.5 over the logits' error.
+constexpr double kTensorCoreLossBound = 1e-5;
+
+// Whether the CUDA backend runs a spec's products in 16 bits on tensor cores, in either gradient
+// mode.
+bool TensorCoreProducts(const std::string& backend_name, const ProblemSpec& spec) {
+  return backend_name == "cuda" && spec.hidden_dtype == spec.weight_dtype &&
+         spec.hidden_dtype != DType::kFloat32;
+}
 
 // Whether the CUDA backend runs a spec's products in 16 bits (rows and head in one 16-bit dtype)
 // and so rounds its dL/da to 16 bits unless the call asks for exact gradients.
 bool RoundsGradients(const std::string& backend_name, const ProblemSpec& spec) {
-  return backend_name == "cuda" && spec.hidden_dtype == spec.weight_dtype &&
-         spec.hidden_dtype != DType::kFloat32 && !spec.options.exact_gradients;
+  return TensorCoreProducts(backend_name, spec) && !spec.options.exact_gradients;
 }
 
 enum class Tiling { kAny, kTokenChunks, kVocabTiles };
@@ -520,6 +533,9 @@ TEST_P(EngineCaseTest, MatchesFloat64Reference) {
   std::mt19937_64 rng(seed);
   const Problem problem = MakeProblem(c.spec, rng);
   const ReferenceResult ref = ComputeReference(problem.reference);
+  const double loss_bound = TensorCoreProducts(backend_name, c.spec)
+                                ? std::max(c.loss_bound, kTensorCoreLossBound)
+                                : c.loss_bound;
 
   RunRequest request;
   request.grad_hidden = c.gradients;
@@ -553,9 +569,9 @@ TEST_P(EngineCaseTest, MatchesFloat64Reference) {
   if (ref.loss == 0.0) {
     EXPECT_EQ(s.loss, 0.0);
   } else {
-    EXPECT_LE(LossError(s.loss, ref), c.loss_bound) << "loss " << s.loss << " vs " << ref.loss;
+    EXPECT_LE(LossError(s.loss, ref), loss_bound) << "loss " << s.loss << " vs " << ref.loss;
   }
-  EXPECT_LE(RelativeError(run.loss, ref.token_loss), c.loss_bound);
+  EXPECT_LE(RelativeError(run.loss, ref.token_loss), loss_bound);
 
   const double logit_bound = LogitBound(ref.max_abs_logit);
   EXPECT_LE(MaxAbsError(run.logprob, ref.logprob), logit_bound);
@@ -636,9 +652,9 @@ TEST_P(EngineCaseTest, MatchesFloat64Reference) {
   ASSERT_TRUE(lean_or.ok()) << lean_or.status();
   const EngineRun& lean = *lean_or;
   EXPECT_TRUE(lean.summary.all_finite);
-  EXPECT_LE(RelativeError(lean.loss, ref.token_loss), c.loss_bound);
+  EXPECT_LE(RelativeError(lean.loss, ref.token_loss), loss_bound);
   if (ref.counted_tokens > 0) {
-    EXPECT_LE(LossError(lean.summary.loss, ref), c.loss_bound);
+    EXPECT_LE(LossError(lean.summary.loss, ref), loss_bound);
   }
   EXPECT_EQ(lean.summary.correct_tokens, s.correct_tokens);
   expect_gradients(lean);
@@ -752,8 +768,17 @@ TEST_P(EngineAtScaleTest, Llama3HeadInBf16MatchesFloat64) {
   ProblemSpec spec = Spec(4096, 4096, 128256);
   spec.hidden_dtype = DType::kBFloat16;
   spec.weight_dtype = DType::kBFloat16;
+  // Each stage's time goes to stderr as it ends, so that a run cut short says where it was.
+  absl::Time stage_start = absl::Now();
+  const auto stage_done = [&stage_start](const char* stage) {
+    std::fprintf(stderr, "%s: %.1f s\n", stage, absl::ToDoubleSeconds(absl::Now() - stage_start));
+    std::fflush(stderr);
+    stage_start = absl::Now();
+  };
   Problem problem = MakeProblem(spec, rng);
+  stage_done("inputs drawn");
   const ReferenceResult ref = ComputeReference(problem.reference);
+  stage_done("float64 reference");
   struct Setting {
     size_t budget;
     bool exact;
@@ -769,6 +794,7 @@ TEST_P(EngineAtScaleTest, Llama3HeadInBf16MatchesFloat64) {
     request.budget_bytes = setting.budget;
     auto run = RunEngine(*backend, problem, request);
     ASSERT_TRUE(run.ok()) << run.status();
+    stage_done("engine run");
 
     const double loss_error = LossError(run->summary.loss, ref);
     const double token_loss_error = RelativeError(run->loss, ref.token_loss);
@@ -791,8 +817,8 @@ TEST_P(EngineAtScaleTest, Llama3HeadInBf16MatchesFloat64) {
     const double grad_bound = setting.exact ? kGradBound : kRoundedGradBound;
     EXPECT_TRUE(run->summary.all_finite);
     EXPECT_LE(static_cast<size_t>(run->summary.workspace_bytes), setting.budget);
-    EXPECT_LE(loss_error, kLossBound);
-    EXPECT_LE(token_loss_error, kLossBound);
+    EXPECT_LE(loss_error, kTensorCoreLossBound);
+    EXPECT_LE(token_loss_error, kTensorCoreLossBound);
     EXPECT_LE(logprob_error, LogitBound(ref.max_abs_logit));
     EXPECT_LE(grad_hidden_error, grad_bound);
     EXPECT_LE(grad_weight_error, grad_bound);

@@ -83,7 +83,7 @@ fi
 echo "serving gRPC on 127.0.0.1:1 (port 1)"
 """
 
-# compute-sanitizer: runs the program and reports no error.
+# compute-sanitizer: runs the program, reports no error and exits as the program did.
 FAKE_SANITIZER = """#!/bin/sh
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -92,7 +92,24 @@ while [ $# -gt 0 ]; do
   esac
 done
 "$@"
+status=$?
 echo "========= ERROR SUMMARY: 0 errors"
+exit $status
+"""
+
+# Nsight Compute: writes one kernel's row where --log-file says and runs the program.
+FAKE_NCU = """#!/bin/sh
+log=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --log-file) log="$2"; shift 2 ;;
+    --clock-control|--target-processes|--metrics|--page) shift 2 ;;
+    --csv) shift ;;
+    *) break ;;
+  esac
+done
+printf '"ID","Kernel Name","gpu__time_duration.sum"\n"","","us"\n"0","lossd::RowStatsKernel(float*)","1,500"\n' >"$log"
+"$@"
 """
 
 FAKE_NVIDIA_SMI = """#!/bin/sh
@@ -160,6 +177,7 @@ def dry_run(tmp_path):
     fakes.mkdir()
     executable(fakes / "nvidia-smi", FAKE_NVIDIA_SMI)
     executable(fakes / "compute-sanitizer", FAKE_SANITIZER)
+    executable(fakes / "ncu", FAKE_NCU)
     executable(fakes / "python3", FAKE_PYTHON.replace("REAL_PYTHON", sys.executable))
     executable(fakes / "xz", "#!/bin/sh\necho 'xz: not installed here' >&2\nexit 127\n")
     cublas = tmp_path / "cublas"
@@ -185,7 +203,7 @@ def checks_of(summary):
 
 
 @pytest.mark.parametrize("call, checks", [
-    ("call1", ["table", "probe", "foreign", "scale", "peers", "memcheck"]),
+    ("call1", ["table", "probe", "foreign", "scale", "peers", "memcheck", "profile"]),
     ("call2", ["fault", "fault_drain", "racecheck", "synccheck", "initcheck", "service"]),
     ("bench", ["peers"]),
 ])
@@ -230,6 +248,7 @@ def test_dry_run_of_a_call(dry_run, call, checks):
         assert "--shapes=16384,4096,128256" in peers and "--lossd-modes=default,exact" in peers
         assert "bench/gpu_peers.py 16384,4096,128256: 1 rows, 0 failed" in summary
         assert "a module for sm_100 only is refused at start" in summary
+        assert "1.50 ms     1x  lossd::RowStatsKernel" in summary
     if call == "bench":
         with tarfile.open(out / call / f"{call}.tar.gz") as archive:
             peers = archive.extractfile("bench/peers/argv.txt").read().decode()
@@ -244,7 +263,7 @@ def test_dry_run_of_named_checks_only(dry_run):
     assert done.returncode == 0, done.stdout + done.stderr
     summary = (out / "call1" / "summary.txt").read_text()
     assert checks_of(summary) == ["probe", "foreign"]
-    assert "55 s of checks" in summary
+    assert "40 s of checks" in summary
 
 
 def test_a_skipped_gpu_test_fails_the_check_with_its_reason(dry_run):
@@ -254,19 +273,72 @@ def test_a_skipped_gpu_test_fails_the_check_with_its_reason(dry_run):
         'echo "tests/engine_test.cc:492: Skipped"\n'
         'echo "cuda backend not available: UNAVAILABLE: no GPU found (no NVIDIA driver)"\n'
         'echo "[  PASSED  ] 1 test."\necho "[  SKIPPED ] 1 test, listed below:"')
-    archive_path = checkout / ".gpu" / "lossd-gpu.tar.xz"
-    with tarfile.open(archive_path) as archive:
-        members = [(m, archive.extractfile(m).read() if m.isfile() else None)
-                   for m in archive.getmembers()]
-    with tarfile.open(archive_path, "w:xz") as archive:
-        for member, data in members:
-            if member.name == "bin/engine_test":
-                data = skipping.encode()
-                member.size = len(data)
-            archive.addfile(member, io.BytesIO(data) if data is not None else None)
+    replace_program(checkout, "engine_test", skipping)
     done = subprocess.run(["scripts/gpu_round.sh", "call1", "table"], capture_output=True,
                           text=True, timeout=60, cwd=checkout, env=env)
     assert done.returncode != 0
     summary = (out / "call1" / "summary.txt").read_text()
     assert ("FAIL table" in summary and "a GPU test skipped: cuda backend not available: "
             "UNAVAILABLE: no GPU found (no NVIDIA driver)" in summary)
+
+
+def replace_program(checkout, name, text):
+    """Puts `text` in the packed archive as bin/`name`."""
+    archive_path = checkout / ".gpu" / "lossd-gpu.tar.xz"
+    with tarfile.open(archive_path) as archive:
+        members = [(m, archive.extractfile(m).read() if m.isfile() else None)
+                   for m in archive.getmembers()]
+    with tarfile.open(archive_path, "w:xz") as archive:
+        for member, data in members:
+            if member.name == f"bin/{name}":
+                data = text.encode()
+                member.size = len(data)
+            archive.addfile(member, io.BytesIO(data) if data is not None else None)
+
+
+# engine_test as a device fault leaves it: the first test faults (the sanitizer failing to handle
+# the exception), every later CUDA test of the process skips; run without the faulting test, the
+# others pass.
+FAULTING_GTEST = """#!/bin/sh
+filter=""
+for arg in "$@"; do
+  case "$arg" in --gtest_filter=*) filter="${arg#--gtest_filter=}" ;; esac
+done
+echo "filter $filter"
+case "$filter" in
+  *faults_first*)
+    echo "[ RUN      ] Cases/T.faults_first"
+    echo "========= Internal Sanitizer Error: The Sanitizer failed to handle a hardware exception."
+    echo "UNAVAILABLE: device fault: cudaStreamSynchronize: cudaErrorIllegalAddress"
+    echo "[  FAILED  ] Cases/T.faults_first (5 ms)"
+    for t in later_a later_b; do
+      echo "[ RUN      ] Cases/T.$t"
+      echo "cuda backend not available: UNAVAILABLE: cuda:0 (device fault: cudaErrorIllegalAddress)"
+      echo "[  SKIPPED ] Cases/T.$t (0 ms)"
+    done
+    echo "[  SKIPPED ] 2 tests, listed below:"
+    echo "[  SKIPPED ] Cases/T.later_a"
+    echo "[  SKIPPED ] Cases/T.later_b"
+    echo "========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)"
+    exit 3 ;;
+esac
+echo "[  PASSED  ] 2 tests."
+"""
+
+
+def test_a_device_fault_under_a_sanitizer_reruns_the_tests_it_skipped(dry_run):
+    checkout, env, out = dry_run
+    replace_program(checkout, "engine_test", FAULTING_GTEST)
+    env = dict(env, LOSSD_GPU_SANITIZER_CASES="*faults_first:*later_a:*later_b")
+    done = subprocess.run(["scripts/gpu_round.sh", "call2", "racecheck"], capture_output=True,
+                          text=True, timeout=60, cwd=checkout, env=env)
+    assert done.returncode != 0
+    summary = (out / "call2" / "summary.txt").read_text()
+    line = next(x for x in summary.splitlines() if x.startswith("FAIL racecheck"))
+    assert "2 round(s)" in line
+    assert ("device fault in: Cases/T.faults_first (the sanitizer failed to handle a hardware "
+            "exception)") in line
+    with tarfile.open(out / "call2" / "call2.tar.gz") as archive:
+        log = archive.extractfile("call2/racecheck.log").read().decode()
+    assert "---- round 2: Cases/T.later_a:Cases/T.later_b" in log
+    assert "filter Cases/T.later_a:Cases/T.later_b" in log
