@@ -1122,13 +1122,11 @@ class ComputeCall {
     if (causes.empty()) {
       causes.push_back("hidden values in chunk.hidden large enough to overflow it");
     }
-    absl::Status explained = absl::InvalidArgumentError(
-        absl::StrCat("this call's dL/dW has non-finite values in fp32, from ",
-                     absl::StrJoin(causes, ", or "), "; nothing was accumulated"));
-    status.ForEachPayload([&](absl::string_view type_url, const absl::Cord& payload) {
-      explained.SetPayload(type_url, payload);
-    });
-    return explained;
+    return WithPayloadsOf(
+        absl::InvalidArgumentError(absl::StrCat("this call's dL/dW has non-finite values in fp32, from ",
+                                                absl::StrJoin(causes, ", or "),
+                                                "; nothing was accumulated")),
+        status);
   }
 
   // Streams one chunk's results, split so that no message exceeds the result message limit.

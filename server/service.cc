@@ -115,14 +115,12 @@ absl::Status LossService::Refusal() const {
   if (fault_kind_ == FaultKind::kNone) {
     return absl::UnavailableError("the server is shutting down and takes no new calls");
   }
-  absl::Status refusal = absl::UnavailableError(
-      absl::StrCat(fault_.message(), "; the server takes no new calls and exits once the "
-                                     "calls in flight have drained, to be restarted"));
   // The fault's type (a device fault, say) goes with every refusal it causes.
-  fault_.ForEachPayload([&refusal](absl::string_view url, const absl::Cord& payload) {
-    refusal.SetPayload(url, payload);
-  });
-  return refusal;
+  return WithPayloadsOf(
+      absl::UnavailableError(absl::StrCat(fault_.message(),
+                                          "; the server takes no new calls and exits once the "
+                                          "calls in flight have drained, to be restarted")),
+      fault_);
 }
 
 // One RPC from its start to its status, whatever ends it: counted in flight from construction

@@ -67,7 +67,17 @@ absl::Status LaunchScaleFloat32(float* d_x, int64_t count, float factor, cudaStr
 
 absl::Status CheckKernelImage() {
   cudaFuncAttributes attributes;
-  return CudaStatus(cudaFuncGetAttributes(&attributes, AddFloat32Kernel), "cudaFuncGetAttributes");
+  const cudaError_t error = cudaFuncGetAttributes(&attributes, AddFloat32Kernel);
+  switch (error) {
+    case cudaErrorNoKernelImageForDevice:
+    case cudaErrorInvalidKernelImage:
+    case cudaErrorInvalidDeviceFunction:
+    case cudaErrorUnsupportedPtxVersion:
+      cudaGetLastError();  // see CudaStatus
+      return absl::FailedPreconditionError(
+          absl::StrCat(cudaGetErrorName(error), ": ", cudaGetErrorString(error)));
+    default: return CudaStatus(error, "cudaFuncGetAttributes");
+  }
 }
 
 static __global__ void SumSquaresPartialsKernel(const float* d_x, int64_t count,

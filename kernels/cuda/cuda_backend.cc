@@ -378,12 +378,18 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int ordinal) {
   RETURN_IF_ERROR(CudaStatus(cudaSetDevice(ordinal), "cudaSetDevice"));
   cudaDeviceProp props;
   RETURN_IF_ERROR(CudaStatus(cudaGetDeviceProperties(&props, ordinal), "cudaGetDeviceProperties"));
-  if (const absl::Status image = CheckKernelImage(); !image.ok()) {
+  if (const absl::Status image = CheckKernelImage(); absl::IsFailedPrecondition(image)) {
     return absl::UnavailableError(absl::StrFormat(
         "%s (sm_%d%d) cannot run this CUDA module, built for architectures %s (%s); rebuild it "
         "with -DLOSSD_CUDA_ARCHITECTURES=%d%d",
         props.name, props.major, props.minor, LOSSD_CUDA_ARCHITECTURES_BUILT, image.message(),
         props.major, props.minor));
+  } else if (!image.ok()) {
+    // After a device fault CUDA refuses every call of the process, this one included.
+    return WithPayloadsOf(
+        absl::Status(image.code(), absl::StrCat("cuda:", ordinal, " ", props.name, ": ",
+                                                image.message())),
+        image);
   }
   int runtime_version = 0;
   int driver_version = 0;

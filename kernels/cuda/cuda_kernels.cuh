@@ -45,7 +45,9 @@ struct GradientOut {
 
 // OK when this module holds code that the current device can run: machine code for its
 // architecture, or PTX that the driver can compile for it. Without it every launch would fail
-// with cudaErrorNoKernelImageForDevice, so the backend checks once, at creation.
+// with cudaErrorNoKernelImageForDevice, so the backend checks once, at creation. A missing or
+// unusable image is FAILED_PRECONDITION; any other error (a device already faulted in this
+// process, say) is the runtime's own, as CudaStatus maps it.
 absl::Status CheckKernelImage();
 
 // ---- buffer_kernels.cu ----

@@ -43,6 +43,15 @@ inline std::string FieldOf(const absl::Status& status) {
   return field.has_value() ? std::string(*field) : std::string();
 }
 
+// `status` carrying every payload of `source` too (the typed reasons code acts on), for an error
+// that explains or re-words another.
+inline absl::Status WithPayloadsOf(absl::Status status, const absl::Status& source) {
+  source.ForEachPayload([&status](absl::string_view type_url, const absl::Cord& payload) {
+    status.SetPayload(type_url, payload);
+  });
+  return status;
+}
+
 // The one shape of lossd's bad-input errors: "<field>: expected <what>, got <what came>".
 inline absl::Status InvalidField(absl::string_view field, absl::string_view expected,
                                  absl::string_view got) {
