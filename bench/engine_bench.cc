@@ -12,8 +12,9 @@
 //           the cost of the useful flops on this BLAS, independent of the engine's plan.
 // Useful flops are 2NHV forward, 4NHV forward + dL/dh and 6NHV forward+backward for every method.
 // --methods picks a subset (one per process, say, to measure each one's memory on its own). The
-// engine runs on --device (any backend; the hidden states and outputs are in host memory, as the
-// server holds them); the naive baseline and the floor are CPU BLAS in fp32 on the same (rounded)
+// engine runs on --device (any backend; the hidden states and dL/dh are in host memory, by
+// default in the backend's host buffers, page-locked on a GPU, as lossd_server receives rows and
+// returns dL/dh; --host-memory pageable gives the engine plain memory instead); the naive baseline and the floor are CPU BLAS in fp32 on the same (rounded)
 // values, so with another device only the engine runs. With bf16 the naive baseline still computes in fp32:
 // it is what a caller without a bf16 GEMM would run.
 //
@@ -35,6 +36,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -120,6 +122,7 @@ struct Options {
   std::set<Pass> passes = {Pass::kForward, Pass::kForwardBackward};
   size_t budget_bytes = 0;  // 0: the backend's default, as the server takes it
   bool exact_gradients = false;  // LossOptions::exact_gradients
+  bool pageable = false;         // the engine's rows and dL/dh in plain memory, not HostBuffers
   int reps = 3;
   int64_t warmup_tokens = kWarmUpTokens;  // 0: all of N
   double rep_seconds = 20.0;
@@ -144,6 +147,9 @@ constexpr char kUsage[] = R"(usage: engine_bench [flags]
                             once to 16 bits) or exact (two 16-bit halves); LossOptions
   --methods M,M             run only these of floor, engine, naive (default all three)
   --passes P,P              run only these of fwd, fwd_dh, fwd_bwd (default fwd and fwd_bwd)
+  --host-memory M           the engine's rows and dL/dh: server (default; the backend's host
+                            buffers, page-locked on a GPU, where lossd_server puts them) or
+                            pageable (plain memory, as an in-process caller's own arrays)
   --json FILE               also write the JSON lines to FILE
 )";
 
@@ -163,7 +169,7 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
     static const std::set<std::string> kValueFlags = {
         "--shapes",  "--device",  "--dtype",  "--budget-mib", "--reps",
         "--warmup-tokens", "--rep-seconds", "--naive-cap-gib", "--methods", "--passes", "--json",
-        "--gradients"};
+        "--gradients", "--host-memory"};
     if (!kValueFlags.contains(name)) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag '", arg, "'\n", kUsage));
     }
@@ -219,6 +225,9 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
     } else if (name == "--gradients") {
       valid = value == "default" || value == "exact";
       o.exact_gradients = value == "exact";
+    } else if (name == "--host-memory") {
+      valid = value == "server" || value == "pageable";
+      o.pageable = value == "pageable";
     }
     if (!valid) {
       static const std::map<std::string, std::string> kExpected = {
@@ -231,7 +240,8 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
           {"--naive-cap-gib", "a number >= 0"},
           {"--methods", "a comma-separated subset of floor, engine, naive"},
           {"--passes", "a comma-separated subset of fwd, fwd_dh, fwd_bwd"},
-          {"--gradients", "default or exact"}};
+          {"--gradients", "default or exact"},
+          {"--host-memory", "server or pageable"}};
       return absl::InvalidArgumentError(
           absl::StrCat(name, ": expected ", kExpected.at(name), ", got '", value, "'"));
     }
@@ -281,6 +291,9 @@ struct Problem {
   DeviceBuffer grad_weight;          // [V, H], accumulated into by every backward run
   std::vector<float> loss, logprob;  // [N], written by the engine and by the naive baseline
   std::vector<float> engine_grad_hidden, naive_grad_hidden, floor_grad_hidden;  // [N, H]
+  // The engine's rows and dL/dh in the backend's host buffers, unless --host-memory pageable:
+  // then `hidden` (or `hidden16`) and `engine_grad_hidden` are the engine's.
+  DeviceBuffer engine_rows, engine_grad_hidden_host;
   double engine_loss = 0.0, naive_loss = 0.0;
   double engine_device_seconds = 0.0;  // the last engine call's BatchSummary::device_seconds
 };
@@ -339,7 +352,28 @@ absl::StatusOr<std::unique_ptr<Problem>> MakeProblem(Backend& backend, const Sha
         std::pair{"floor", &p->floor_grad_hidden}}) {
     if (methods.contains(method)) grad->resize(s.n * s.h);
   }
+  if (methods.contains("engine") && !options.pageable) {
+    const void* rows = p->hidden16.empty() ? static_cast<const void*>(p->hidden.data())
+                                           : p->hidden16.data();
+    const size_t row_bytes = s.n * s.h * DTypeSize(p->dtype);
+    ASSIGN_OR_RETURN(p->engine_rows, backend.HostBuffers().Allocate(row_bytes));
+    std::memcpy(p->engine_rows.data(), rows, row_bytes);
+    ASSIGN_OR_RETURN(p->engine_grad_hidden_host,
+                     backend.HostBuffers().Allocate(s.n * s.h * sizeof(float)));
+    std::vector<float>().swap(p->engine_grad_hidden);
+  }
   return p;
+}
+
+const void* EngineRows(const Problem& p) {
+  if (p.engine_rows.data() != nullptr) return p.engine_rows.data();
+  return p.hidden16.empty() ? static_cast<const void*>(p.hidden.data()) : p.hidden16.data();
+}
+float* EngineGradHidden(Problem& p) {
+  if (p.engine_grad_hidden_host.data() != nullptr) {
+    return static_cast<float*>(p.engine_grad_hidden_host.data());
+  }
+  return p.engine_grad_hidden.data();
 }
 
 const float* Weight(const Problem& p) {
@@ -364,7 +398,7 @@ ProblemShape EngineShape(const Shape& s, DType dtype, Pass pass, bool exact_grad
 absl::Status RunEngine(Backend& backend, Problem& p, Pass pass, const LossOptions& options,
                        DeviceBuffer& workspace, int64_t n) {
   BatchInputs in;
-  in.hidden = p.hidden16.empty() ? static_cast<const void*>(p.hidden.data()) : p.hidden16.data();
+  in.hidden = EngineRows(p);
   in.hidden_dtype = p.dtype;
   in.num_tokens = n;
   in.hidden_size = p.shape.h;
@@ -372,7 +406,7 @@ absl::Status RunEngine(Backend& backend, Problem& p, Pass pass, const LossOption
   TokenOutputs out;
   out.loss = p.loss.data();
   out.logprob = p.logprob.data();
-  if (WantsGradHidden(pass)) out.grad_hidden = p.engine_grad_hidden.data();
+  if (WantsGradHidden(pass)) out.grad_hidden = EngineGradHidden(p);
   const WeightView weight{&p.weight, p.dtype, p.shape.v, p.shape.h};
   ASSIGN_OR_RETURN(const BatchSummary summary,
                    backend.Compute(in, weight, options, out,
@@ -595,6 +629,7 @@ nlohmann::json ToJson(const Result& r, const nlohmann::json& machine, const Opti
       {"method", r.method},
       {"budget_bytes", budget_bytes},
       {"gradients", options.exact_gradients ? "exact" : "default"},
+      {"host_memory", options.pageable ? "pageable" : "server"},
       {"peak_extra_bytes", r.peak_extra_bytes},
   };
   auto number_or_null = [](const std::optional<double>& x) {
@@ -624,9 +659,9 @@ nlohmann::json ToJson(const Result& r, const nlohmann::json& machine, const Opti
 }
 
 // ||a - b|| / ||b|| in double.
-double RelativeDifference(const std::vector<float>& a, const std::vector<float>& b) {
+double RelativeDifference(const float* a, const std::vector<float>& b) {
   double diff = 0.0, norm = 0.0;
-  for (size_t i = 0; i < a.size(); ++i) {
+  for (size_t i = 0; i < b.size(); ++i) {
     const double d = double(a[i]) - b[i];
     diff += d * d;
     norm += double(b[i]) * b[i];
@@ -732,7 +767,7 @@ absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
   if (with_engine && naive_logits.data() != nullptr) {
     const double loss_difference =
         std::abs(p->engine_loss - p->naive_loss) / std::abs(p->naive_loss);
-    const double grad_difference = RelativeDifference(p->engine_grad_hidden, p->naive_grad_hidden);
+    const double grad_difference = RelativeDifference(EngineGradHidden(*p), p->naive_grad_hidden);
     const bool agree = loss_difference < 1e-4 && grad_difference < 1e-3;
     check_failed = check_failed || !agree;
     std::cerr << absl::StrFormat(

@@ -18,8 +18,10 @@ and fwd (the loss alone, without autograd).
   lossd_<B>MiB    the lossd engine on the CUDA backend with a workspace budget of B MiB
                   (engine_bench --device=cuda, one process per budget; --budgets-mib, where
                   `default` is the budget the server takes by default: lossd_default), and with
-                  --lossd-modes=default,exact also in the exact gradient mode (_exact), whose
-                  hidden states and outputs live in host memory as the server's do. Its device
+                  --lossd-modes=default,exact also in the exact gradient mode (_exact). Its
+                  hidden states and dL/dh live in page-locked host memory, as the server's
+                  do; the mode `pageable` (_pageable) gives it plain memory instead, as an
+                  in-process caller's own arrays, copied through staging. Its device
                   time is the engine's own (CUDA events around each call, which count the copies
                   the call waits for); its wall time is the host's clock around each call.
 The engine is timed first, before this process holds any inputs on the GPU, so that its rows exist
@@ -97,16 +99,20 @@ def parse_methods(text):
     return items
 
 
+LOSSD_MODES = ("default", "exact", "pageable")
+
+
 def parse_modes(text):
     items = [item for item in text.split(",") if item]
-    if not items or any(item not in ("default", "exact") for item in items):
-        raise SystemExit(f"--lossd-modes: expected default, exact or both, got '{text}'")
+    if not items or any(item not in LOSSD_MODES for item in items):
+        raise SystemExit(f"--lossd-modes: expected a comma-separated subset of "
+                         f"{', '.join(LOSSD_MODES)}, got '{text}'")
     return items
 
 
 def engine_method(budget_mib, mode="default"):
     name = "lossd_default" if budget_mib == 0 else f"lossd_{budget_mib}MiB"
-    return name if mode == "default" else f"{name}_exact"
+    return name if mode == "default" else f"{name}_{mode}"
 
 
 def useful_flops(n, h, v, pass_name):
@@ -331,7 +337,8 @@ def measure_engine(n, h, v, budget_mib, mode, args):
     argv = [args.engine_bench, f"--device={args.device}", f"--dtype={args.dtype}",
             "--methods=engine", f"--passes={','.join(args.passes)}", f"--shapes={n},{h},{v}",
             f"--reps={args.reps}", "--rep-seconds=600", "--warmup-tokens=0",
-            f"--gradients={mode}"]
+            "--gradients=exact" if mode == "exact" else "--gradients=default",
+            "--host-memory=pageable" if mode == "pageable" else "--host-memory=server"]
     if budget_mib > 0:
         argv.append(f"--budget-mib={budget_mib}")
     try:
@@ -353,6 +360,7 @@ def measure_engine(n, h, v, budget_mib, mode, args):
         results[pass_name] = dict(spread(device_rounds, wall),
                                   peak_extra_bytes=row["peak_extra_bytes"],
                                   budget_bytes=row["budget_bytes"], chunk=row.get("chunk"),
+                                  host_memory=row.get("host_memory"),
                                   backend=row["machine"].get("device"))
     return results
 
@@ -528,7 +536,8 @@ def main(argv=None):
                         help="lossd's workspace budgets, one engine row each; 'default' for the "
                         "budget the server takes by default")
     parser.add_argument("--lossd-modes", default="default",
-                        help="lossd's gradient modes: default, exact or both (one row each)")
+                        help="lossd's modes, one row each: default, exact (gradients) and "
+                        "pageable (rows and dL/dh in plain host memory)")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help=f"which of {', '.join(METHODS)} to run (default all)")
     parser.add_argument("--peer-seconds", type=float, default=float("inf"),

@@ -462,7 +462,7 @@ peers() {
   [ "$left" -lt "$limit" ] && limit="$left"
   timed peers "$limit" env PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
     python3 bench/gpu_peers.py --engine-bench "$run/engine_bench" --out "$logs/peers" \
-    "${scope[@]}" --lossd-modes=default,exact --reps=5 --warmup=1 --engine-timeout=60 \
+    "${scope[@]}" --lossd-modes=default,exact,pageable --reps=5 --warmup=1 --engine-timeout=60 \
     --deadline-seconds="$((limit > 30 ? limit - 30 : 0))" "${extra[@]}"
   local result
   result="$(verdict)"

@@ -124,6 +124,7 @@ def test_methods_picks_what_runs(tmp_path):
     entries = read_entries(tmp_path)
     assert [e["method"] for e in entries] == ["lossd_1MiB", "lossd_1MiB_exact", "lossd_default",
                                               "lossd_default_exact", "floor"]
+    assert {e["host_memory"] for e in entries[:4]} == {"server"}
     assert entries[2]["budget_bytes"] >= 256 << 20  # the CPU's default budget
     report = (tmp_path / "results.md").read_text()
     assert "| 300, 64, 1000 | fwd | lossd_default_exact |" in report
@@ -131,6 +132,15 @@ def test_methods_picks_what_runs(tmp_path):
     floor = entries[4]["seconds"]
     line = next(row for row in report.splitlines() if "| lossd_1MiB |" in row)
     assert f"| {entries[0]['seconds'] / floor:.2f} |" in line
+
+
+def test_the_pageable_mode_gives_the_engine_plain_memory(tmp_path):
+    gpu_peers.main(cpu_argv(tmp_path, budgets="1", extra=["--passes=fwd", "--methods=lossd",
+                                                          "--lossd-modes=default,pageable"]))
+    entries = read_entries(tmp_path)
+    assert [(e["method"], e["host_memory"]) for e in entries] == [
+        ("lossd_1MiB", "server"), ("lossd_1MiB_pageable", "pageable")]
+    assert all(e["seconds"] > 0 for e in entries)
 
 
 def test_peers_past_the_deadline_are_skipped_but_the_engine_is_timed(tmp_path):
@@ -157,7 +167,8 @@ def test_an_engine_that_fails_is_recorded(tmp_path):
     ("--methods=lossd,torch", "--methods: expected a comma-separated subset of lossd, floor, "
      "torch_naive, torch_chunked, torch_lce, liger, cce, torch_compiled, got 'lossd,torch'"),
     ("--passes=bwd", "--passes: expected fwd_bwd, fwd or both, got 'bwd'"),
-    ("--lossd-modes=fast", "--lossd-modes: expected default, exact or both, got 'fast'"),
+    ("--lossd-modes=fast",
+     "--lossd-modes: expected a comma-separated subset of default, exact, pageable, got 'fast'"),
 ])
 def test_bad_flags_are_named(tmp_path, flag, message):
     done = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_peers.py"),

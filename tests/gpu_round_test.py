@@ -245,7 +245,7 @@ def test_dry_run_of_a_call(dry_run, call, checks):
             table = archive.extractfile("call1/table.log").read().decode()
             peers = archive.extractfile("call1/peers/argv.txt").read().decode()
         assert "filter *cuda*:-*AtScale*" in table
-        assert "--shapes=16384,4096,128256" in peers and "--lossd-modes=default,exact" in peers
+        assert "--shapes=16384,4096,128256" in peers and "--lossd-modes=default,exact,pageable" in peers
         assert "bench/gpu_peers.py 16384,4096,128256: 1 rows, 0 failed" in summary
         assert "a module for sm_100 only is refused at start" in summary
         assert "1.50 ms     1x  lossd::RowStatsKernel" in summary
