@@ -83,6 +83,19 @@ __device__ __forceinline__ int64_t GridStride() {
   return static_cast<int64_t>(gridDim.x) * blockDim.x;
 }
 
+// Columns [4q, 4q + 4) of a row of a logits tile (16-byte aligned: its leading dimension is a
+// multiple of kLeadingDimensionMultiple), as one 16-byte load, and back as one store.
+__device__ __forceinline__ void Load4(const float* d_row, int64_t q, float (&z)[4]) {
+  const float4 v = reinterpret_cast<const float4*>(d_row)[q];
+  z[0] = v.x;
+  z[1] = v.y;
+  z[2] = v.z;
+  z[3] = v.w;
+}
+__device__ __forceinline__ void Store4(float* d_row, int64_t q, const float (&z)[4]) {
+  reinterpret_cast<float4*>(d_row)[q] = make_float4(z[0], z[1], z[2], z[3]);
+}
+
 // ---- Block reductions in a fixed order: a shuffle tree in each warp, then the warps in order ----
 
 __device__ __forceinline__ double ShuffleDown(double x, int offset) {

@@ -8,15 +8,6 @@
 
 namespace lossd::cuda {
 
-// Columns [4q, 4q + 4) of a row, as one 16-byte load.
-__device__ __forceinline__ void Load4(const float* d_row, int64_t q, float (&z)[4]) {
-  const float4 v = reinterpret_cast<const float4*>(d_row)[q];
-  z[0] = v.x;
-  z[1] = v.y;
-  z[2] = v.z;
-  z[3] = v.w;
-}
-
 template <DType kDType>
 __device__ __forceinline__ uint16_t Round16(float x) {
   uint16_t bits;

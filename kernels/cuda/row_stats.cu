@@ -133,10 +133,12 @@ struct DistillTiles {
   DistillStats* d_stats;
 };
 
-// One block per row. Warp w reads columns w * 32 + lane, then on by the block's width: each warp
-// reads 32 consecutive floats at a time (coalesced), and its lanes' candidates for the top-k come
-// together in one ballot. A distill call's tiles (transformed already) also give both
-// distributions' LseStats at tau from the same loads of the student's logits.
+// One block per row. Warp w reads quads (4 columns, one 16-byte load) w * 32 + lane, then on by
+// the block's width: a warp reads 512 consecutive bytes at a time, and its lanes' candidates for
+// the top-k come together in ballots; the last cols % 4 columns are warp 0's, after its quads, so
+// that each thread still meets its columns in increasing order. A distill call's tiles
+// (transformed already) also give both distributions' LseStats at tau from the same loads of the
+// student's logits.
 template <bool kTransform, bool kTopK, bool kDistill>
 static __global__ void __launch_bounds__(kRowThreads)
     RowStatsKernel(LogitTile tile, const int64_t* d_labels, LogitTransform transform, int k,
@@ -159,22 +161,42 @@ static __global__ void __launch_bounds__(kRowThreads)
   float kth_value = -INFINITY;
   int32_t kth_token = 0;
   if constexpr (kTopK) ReadEntry(list, k - 1, kth_value, kth_token);
-  for (int64_t base = static_cast<int64_t>(warp) * kWarpSize; base < tile.cols;
-       base += blockDim.x) {
-    const int64_t c = base + lane;
+  // Column c's statistics; its top-k offer is the caller's, made by the whole warp.
+  const auto add = [&](float& z, float zt, int64_t c) {
+    if constexpr (kTransform) z = TransformLogit(z, transform);
+    AddColumn(partial, z, static_cast<int32_t>(c));
+    if constexpr (kDistill) {
+      AddValue(student, z * distill.inv_tau);
+      AddValue(teacher, zt * distill.inv_tau);
+    }
+  };
+  const int64_t quads = tile.cols / 4;
+  for (int64_t base = static_cast<int64_t>(warp) * kWarpSize; base < quads; base += blockDim.x) {
+    const int64_t q = base + lane;
+    const bool valid = q < quads;
+    float z[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    if (valid) {
+      float zt[4] = {};
+      Load4(d_z, q, z);
+      if constexpr (kDistill) Load4(d_zt, q, zt);
+      for (int j = 0; j < 4; ++j) add(z[j], zt[j], 4 * q + j);
+      if constexpr (kTransform) Store4(d_z, q, z);
+    }
+    if constexpr (kTopK) {
+      for (int j = 0; j < 4; ++j) {
+        OfferCandidates(list, k, valid, z[j], static_cast<int32_t>(tile.v0 + 4 * q + j),
+                        kth_value, kth_token);
+      }
+    }
+  }
+  if (warp == 0) {
+    const int64_t c = 4 * quads + lane;
     const bool valid = c < tile.cols;
     float z = -INFINITY;
     if (valid) {
       z = d_z[c];
-      if constexpr (kTransform) {
-        z = TransformLogit(z, transform);
-        d_z[c] = z;
-      }
-      AddColumn(partial, z, static_cast<int32_t>(c));
-      if constexpr (kDistill) {
-        AddValue(student, z * distill.inv_tau);
-        AddValue(teacher, d_zt[c] * distill.inv_tau);
-      }
+      add(z, kDistill ? d_zt[c] : 0.0f, c);
+      if constexpr (kTransform) d_z[c] = z;
     }
     if constexpr (kTopK) {
       OfferCandidates(list, k, valid, z, static_cast<int32_t>(tile.v0 + c), kth_value, kth_token);
