@@ -20,13 +20,13 @@ namespace {
 // libgrpc's queues, which ThreadSanitizer cannot see into (Debian's libgrpc is not instrumented):
 // it would take each reaction's first touch of the reactor (its lock) for a race with the
 // construction. These two tell it of that hand-over; in other builds they are nothing.
-void HandOverToGrpc(void* reactor) {
+void HandOverToGrpc([[maybe_unused]] void* reactor) {
 #ifdef ABSL_HAVE_THREAD_SANITIZER
   __tsan_release(reactor);
 #endif
 }
 
-void TakeOverFromGrpc(void* reactor) {
+void TakeOverFromGrpc([[maybe_unused]] void* reactor) {
 #ifdef ABSL_HAVE_THREAD_SANITIZER
   __tsan_acquire(reactor);
 #endif

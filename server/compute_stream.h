@@ -24,7 +24,7 @@ class ComputeStream {
   // running slot back while its client is slow to read. A stream that never waits on its client
   // just writes.
   virtual bool WriteOrStall(const v1::ComputeResponse& response,
-                            absl::FunctionRef<void()> on_stall) {
+                            absl::FunctionRef<void()> /*on_stall*/) {
     return Write(response);
   }
   virtual bool IsCancelled() const = 0;

@@ -503,8 +503,8 @@ absl::Status WriteSafetensorsAtomically(const std::string& path, const std::vect
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", prepared.status().message()));
   const PreparedFile& file = *prepared;
 
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
+  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  const std::string dir = parent.empty() ? std::string(".") : parent.string();
   const std::string temp_path = absl::StrCat(path, ".tmp-", ::getpid(), "-", RandomHex());
   const int fd = ::open(temp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat(temp_path, ": cannot create"));

@@ -90,10 +90,6 @@ std::vector<T> Values(const google::protobuf::RepeatedField<T>& field) {
   return {field.begin(), field.end()};
 }
 
-std::vector<double> AsDoubles(const google::protobuf::RepeatedField<int32_t>& values) {
-  return {values.begin(), values.end()};
-}
-
 // Every per-token output and summary field the same, bit for bit (equal values serialize alike).
 void ExpectSameResults(const ComputeResult& a, const ComputeResult& b) {
   EXPECT_EQ(a.per_token.SerializeAsString(), b.per_token.SerializeAsString()) << "per-token outputs differ";
@@ -1501,7 +1497,9 @@ TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
   EXPECT_TRUE(shared->grad_hidden.bytes == sent->grad_hidden.bytes) << "dL/dh differs";
   // Only the start message goes out; dL/dh does not come back in messages.
   EXPECT_EQ(shared->messages_sent, 1);
-  if (c.rows > 0) EXPECT_LT(shared->bytes_received, sent->bytes_received);
+  if (c.rows > 0) {
+    EXPECT_LT(shared->bytes_received, sent->bytes_received);
+  }
   const absl::StatusOr<client::Tensor> grad_sent = client.FetchGradWeight(by_messages);
   const absl::StatusOr<client::Tensor> grad_shared = client.FetchGradWeight(by_memory);
   ASSERT_TRUE(grad_sent.ok() && grad_shared.ok());

@@ -244,7 +244,9 @@ TEST(CudaPlanTest, CarvedWorkspaceFitsTheBudgetAndItsPiecesAreDisjoint) {
     for (size_t i = 0; i < pieces.size(); ++i) {
       EXPECT_EQ(pieces[i].first % WorkspaceArena::kAlignment, 0u);
       EXPECT_LE(pieces[i].second, plan->workspace_bytes);
-      if (i > 0) EXPECT_LE(pieces[i - 1].second, pieces[i].first) << "piece " << i << " overlaps";
+      if (i > 0) {
+        EXPECT_LE(pieces[i - 1].second, pieces[i].first) << "piece " << i << " overlaps";
+      }
     }
   }
 }

@@ -135,7 +135,9 @@ TEST_P(DeviceFaultTest, EveryCallAfterTheFaultIsRefusedAndHealthIsNotServing) {
   grpc::ClientContext context;
   v1::ListHeadsResponse heads;
   ExpectRefusalNamingTheFault(stub_->ListHeads(&context, v1::ListHeadsRequest(), &heads));
-  if (fake_ != nullptr) EXPECT_EQ(fake_->computes_after_arming(), 1);
+  if (fake_ != nullptr) {
+    EXPECT_EQ(fake_->computes_after_arming(), 1);
+  }
 
   // A call left to drain would hold the shutdown for its whole limit.
   constexpr absl::Duration kDrain = absl::Seconds(300);

@@ -642,7 +642,9 @@ TEST_P(EngineCaseTest, MatchesFloat64Reference) {
     double max_grad_weight = 0.0;
     for (double g : ref.grad_weight) max_grad_weight = std::max(max_grad_weight, std::abs(g));
     EXPECT_GE(s.grad_weight_bound, max_grad_weight * (1.0 - 1e-6));
-    if (backend_name == "cpu") EXPECT_TRUE(std::isfinite(s.grad_weight_bound));
+    if (backend_name == "cpu") {
+      EXPECT_TRUE(std::isfinite(s.grad_weight_bound));
+    }
   }
 
   // Asked for the loss alone, the engine skips the entropy and label-smoothing sums (unless the
@@ -1183,7 +1185,9 @@ TEST_P(EngineBackendTest, BufferArithmeticAndOptimizerStepsMatchFloat64) {
     // fp32 updates are within 6e-8 of float64's after two steps.
     EXPECT_LE(RelativeError(download(weight), w), 1e-6);
     EXPECT_LE(RelativeError(download(state1), m), 1e-6);
-    if (kind == OptimizerConfig::Kind::kAdamW) EXPECT_LE(RelativeError(download(state2), v), 1e-6);
+    if (kind == OptimizerConfig::Kind::kAdamW) {
+      EXPECT_LE(RelativeError(download(state2), v), 1e-6);
+    }
   }
 }
 

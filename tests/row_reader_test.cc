@@ -416,7 +416,9 @@ TEST_P(RowReaderIdleTest, WaitEndsAfterTheIdleLimitNamingTheFlag) {
   ScriptedStream stream(Split(sent, 1), c.silent_at_end, c.pause);
   constexpr absl::Duration kLimit = absl::Milliseconds(150);
   const auto reader = StartReader(stream, Layout(8, 4), kLimit);
-  if (c.waits_in != IdleCase::kFirstChunk) ASSERT_TRUE(reader->AwaitFirstChunk().ok());
+  if (c.waits_in != IdleCase::kFirstChunk) {
+    ASSERT_TRUE(reader->AwaitFirstChunk().ok());
+  }
   for (int i = 0; i < c.chunks_taken; ++i) {
     ASSERT_TRUE(reader->Next().ok());
     reader->Release();

@@ -108,7 +108,7 @@ std::optional<v1::ErrorInfo> ErrorInfoIn(const grpc::Status& status) {
   return std::nullopt;
 }
 
-std::unique_ptr<v1::LossService::Stub> ConnectTo(int port, const std::string& token) {
+std::unique_ptr<v1::LossService::Stub> ConnectTo(int port) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(256 << 20);
   args.SetMaxSendMessageSize(256 << 20);

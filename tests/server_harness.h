@@ -29,7 +29,8 @@ std::unique_ptr<server::LossServer> StartTestServer(server::ServerConfig config,
 server::ServerConfig MultiChunkDemoConfig(const std::string& head, int64_t vocab, int64_t hidden,
                                           uint64_t seed);
 
-std::unique_ptr<v1::LossService::Stub> ConnectTo(int port, const std::string& token = "");
+// A stub on 127.0.0.1:`port` that sends and takes messages of up to 256 MiB.
+std::unique_ptr<v1::LossService::Stub> ConnectTo(int port);
 
 // A backend that hands everything to `inner`, for a test to change one behaviour of a real one
 // (an allocation that throws, a device fault) by overriding it. Buffers come from the inner

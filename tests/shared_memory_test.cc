@@ -70,7 +70,9 @@ UniqueFd MakeMemfd(uint64_t bytes, int seals, const char* name = "lossd-test") {
   UniqueFd fd(memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING));
   EXPECT_TRUE(fd.valid());
   EXPECT_EQ(ftruncate(fd.get(), static_cast<off_t>(bytes)), 0);
-  if (seals != 0) EXPECT_EQ(fcntl(fd.get(), F_ADD_SEALS, seals), 0);
+  if (seals != 0) {
+    EXPECT_EQ(fcntl(fd.get(), F_ADD_SEALS, seals), 0);
+  }
   return fd;
 }
 
