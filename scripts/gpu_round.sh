@@ -16,8 +16,8 @@
 #      the CUDA engine's test table against float64 (fp32 and 16-bit, V >= 128k, N not a multiple
 #      of the chunk, every objective), the cuBLAS GEMM probe at the engine's real K, a module built
 #      for another GPU refused, the Llama 3 8B head at N = 4096 against float64 in both gradient
-#      modes, bench/gpu_peers.py at the Llama 3 8B shape (lossd first, default and exact modes, then
-#      the floor and the peers while time lasts), compute-sanitizer memcheck, and each kernel's
+#      modes, bench/gpu_peers.py at the Llama 3 8B shape (lossd first, in the default and exact
+#      modes and with pageable rows, then the floor and the peers while time lasts), compute-sanitizer memcheck, and each kernel's
 #      device time in one forward + backward at that shape (Nsight Compute). Files come back as
 #      $OUT/call1/summary.txt and $OUT/call1/call1.tar.gz. On an H100 (2026-11-26) the checks took
 #      8, 6, 1, 147, 60, 6 and 6 s, the Llama check almost all in its float64 reference on a CPU
@@ -34,18 +34,23 @@
 #      Then give the machine back (`give_back`).
 #   3. Here: unpack the archives; peers/results.md and service/results.md hold tables for
 #      bench/RESULTS.md, *.xml the JUnit results with the recorded errors against float64.
-#   4. A later round, once calls 1 and 2 passed on an earlier one, measures every shape and
-#      budget beside every peer in one call of its own (Llama 3 8B at N = 8192 and 16384, Gemma 2
-#      2B at N = 8192; lossd at its default budget and at 256, 1024 and 8192 MiB, both modes):
+#   4. The peers at every shape, in the same round when call 1 took at most 5 minutes and status
+#      still gives budget_left_s >= 420 after call 2 (else the next round): Llama 3 8B at N = 8192
+#      and 16384 and Gemma 2 2B at N = 8192, lossd at its default budget (8 GiB on an H100), 256
+#      and 1024 MiB with page-locked and pageable rows, beside the floor, torch naive, torch's
+#      F.linear_cross_entropy, Liger-Kernel and Cut Cross-Entropy:
 #        command:   scripts/gpu_round.sh bench
 #        carry:     [".gpu"]
-#        timeout_s: 540
+#        timeout_s: 400
+#      (LOSSD_GPU_CALL_SECONDS = timeout_s - 25 in front of the command when it must be shorter.)
+#      Calls 2 and 4 can share one run, which saves a machine start: command
+#      `scripts/gpu_round.sh call2; scripts/gpu_round.sh bench`, timeout_s 600.
 # `scripts/gpu_round.sh call1 table scale` runs only the named checks of a call (those a call ran
 # out of time for, say); the names are in its summary. Each call prints its plan (its checks and
 # their time limits) first and its summary last.
 #
 # Environment: OUT (default .gpu/out), LOSSD_GPU_CALL_SECONDS (the call's time; default 515 for
-# call 1, 215 for call 2, 500 for bench), LOSSD_GPU_PEERS_ARGS and LOSSD_GPU_SERVICE_ARGS (more flags for
+# call 1, 215 for call 2, 375 for bench), LOSSD_GPU_PEERS_ARGS and LOSSD_GPU_SERVICE_ARGS (more flags for
 # bench/gpu_peers.py and bench/gpu_service.py, which override the call's own),
 # LOSSD_GPU_SANITIZER_CASES (the gtest filter of the compute-sanitizer checks),
 # LOSSD_GPU_LIBRARY_DIRS (folders searched for cuBLAS before the toolkit's and the wheels').
@@ -66,7 +71,7 @@ shift
 case "$call" in
   call1) default_seconds=515 ;;
   call2) default_seconds=215 ;;
-  bench) default_seconds=500 ;;
+  bench) default_seconds=375 ;;
   *) usage ;;
 esac
 only=("$@")
@@ -160,7 +165,7 @@ finish() {
 case "$call" in
   call1) plan=(table:45 probe:25 foreign:15 scale:200 peers:110 memcheck:50 profile:40) ;;
   call2) plan=(fault:20 fault_drain:20 racecheck:45 synccheck:25 initcheck:35 service:40) ;;
-  bench) plan=(peers:470) ;;
+  bench) plan=(peers:340) ;;
 esac
 # limit NAME: the planned seconds of a check.
 limit() {
@@ -450,10 +455,12 @@ peers() {
   fi
   read -ra extra <<<"${LOSSD_GPU_PEERS_ARGS:-}"
   local scope=(--shapes=16384,4096,128256 --budgets-mib=default
-    --methods=lossd,floor,torch_naive,liger,cce --peer-seconds=30)
+    --methods=lossd,floor,torch_naive,liger,cce --lossd-modes=default,exact,pageable
+    --peer-seconds=30)
   if [ "$call" = bench ]; then
     scope=(--shapes="8192,4096,128256;16384,4096,128256;8192,2304,256000"
-      --budgets-mib=default,256,1024,8192 --peer-seconds=60)
+      --budgets-mib=default,256,1024 --methods=lossd,floor,torch_naive,torch_lce,liger,cce
+      --lossd-modes=default,pageable --peer-seconds=45)
   fi
   # The peers stop starting 30 s before the check's end (the call's, when that comes first).
   local limit left
@@ -462,7 +469,7 @@ peers() {
   [ "$left" -lt "$limit" ] && limit="$left"
   timed peers "$limit" env PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 \
     python3 bench/gpu_peers.py --engine-bench "$run/engine_bench" --out "$logs/peers" \
-    "${scope[@]}" --lossd-modes=default,exact,pageable --reps=5 --warmup=1 --engine-timeout=60 \
+    "${scope[@]}" --reps=5 --warmup=1 --engine-timeout=60 \
     --deadline-seconds="$((limit > 30 ? limit - 30 : 0))" "${extra[@]}"
   local result
   result="$(verdict)"
