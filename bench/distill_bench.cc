@@ -143,12 +143,12 @@ absl::Status Run(const Options& o) {
   for (const Shape& s : o.shapes) {
     const std::vector<uint8_t> hidden = RandomTensor(s.n * s.h, 1.0, 1, o.dtype);
     const std::vector<uint8_t> teacher_hidden = RandomTensor(s.n * s.ht, 1.0, 3, o.dtype);
-    ASSIGN_OR_RETURN(DeviceBuffer weight,
-                     OnDevice(*backend, RandomTensor(s.v * s.h, 3.0 / std::sqrt(double(s.h)), 2,
-                                                     o.dtype)));
-    ASSIGN_OR_RETURN(DeviceBuffer teacher_weight,
-                     OnDevice(*backend, RandomTensor(s.v * s.ht, 3.0 / std::sqrt(double(s.ht)),
-                                                     4, o.dtype)));
+    ASSIGN_OR_RETURN(
+        DeviceBuffer weight,
+        OnDevice(*backend, RandomTensor(s.v * s.h, 3.0 / std::sqrt(double(s.h)), 2, o.dtype)));
+    ASSIGN_OR_RETURN(
+        DeviceBuffer teacher_weight,
+        OnDevice(*backend, RandomTensor(s.v * s.ht, 3.0 / std::sqrt(double(s.ht)), 4, o.dtype)));
     std::vector<int64_t> labels(s.n);
     for (int64_t i = 0; i < s.n; ++i) labels[i] = (i * 7919 + 13) % s.v;
     const WeightView student_view{&weight, o.dtype, s.v, s.h};
@@ -201,32 +201,31 @@ absl::Status Run(const Options& o) {
       std::sort(sorted.begin(), sorted.end());
       const double median = sorted[sorted.size() / 2];
       if (backward && !o.grad_hidden_out.empty()) {
-        std::ofstream file(absl::StrCat(o.grad_hidden_out, "_", s.n, "_", s.h, "_", s.ht, "_",
-                                        s.v, ".f32"),
-                           std::ios::binary);
+        std::ofstream file(
+            absl::StrCat(o.grad_hidden_out, "_", s.n, "_", s.h, "_", s.ht, "_", s.v, ".f32"),
+            std::ios::binary);
         file.write(reinterpret_cast<const char*>(grad_hidden.data()),
                    static_cast<std::streamsize>(grad_hidden.size() * sizeof(float)));
       }
-      nlohmann::json row = {
-          {"method", "engine"},
-          {"n", s.n},
-          {"h", s.h},
-          {"ht", s.ht},
-          {"v", s.v},
-          {"dtype", o.dtype == DType::kBFloat16 ? "bf16" : "fp32"},
-          {"pass", pass},
-          {"beta", o.beta},
-          {"alpha", o.alpha},
-          {"temperature", o.temperature},
-          {"seconds", median},
-          {"rounds", rounds},
-          {"reps", o.reps},
-          {"loss", summary.loss},
-          {"all_finite", summary.all_finite},
-          {"chunk", {summary.token_chunk, summary.vocab_chunk}},
-          {"peak_extra_bytes", summary.workspace_bytes},
-          {"device", backend->Describe()},
-          {"threads", omp_get_max_threads()}};
+      nlohmann::json row = {{"method", "engine"},
+                            {"n", s.n},
+                            {"h", s.h},
+                            {"ht", s.ht},
+                            {"v", s.v},
+                            {"dtype", o.dtype == DType::kBFloat16 ? "bf16" : "fp32"},
+                            {"pass", pass},
+                            {"beta", o.beta},
+                            {"alpha", o.alpha},
+                            {"temperature", o.temperature},
+                            {"seconds", median},
+                            {"rounds", rounds},
+                            {"reps", o.reps},
+                            {"loss", summary.loss},
+                            {"all_finite", summary.all_finite},
+                            {"chunk", {summary.token_chunk, summary.vocab_chunk}},
+                            {"peak_extra_bytes", summary.workspace_bytes},
+                            {"device", backend->Describe()},
+                            {"threads", omp_get_max_threads()}};
       std::cout << row.dump() << std::endl;
     }
   }

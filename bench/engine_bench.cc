@@ -14,9 +14,10 @@
 // --methods picks a subset (one per process, say, to measure each one's memory on its own). The
 // engine runs on --device (any backend; the hidden states and dL/dh are in host memory, by
 // default in the backend's host buffers, page-locked on a GPU, as lossd_server receives rows and
-// returns dL/dh; --host-memory pageable gives the engine plain memory instead); the naive baseline and the floor are CPU BLAS in fp32 on the same (rounded)
-// values, so with another device only the engine runs. With bf16 the naive baseline still computes in fp32:
-// it is what a caller without a bf16 GEMM would run.
+// returns dL/dh; --host-memory pageable gives the engine plain memory instead); the naive baseline
+// and the floor are CPU BLAS in fp32 on the same (rounded) values, so with another device only the
+// engine runs. With bf16 the naive baseline still computes in fp32: it is what a caller without a
+// bf16 GEMM would run.
 //
 // Each measurement is one warm-up run (on the first 64 tokens, or --warmup-tokens), then the
 // median of up to --reps timed runs (fewer when one run would exceed --rep-seconds); the three
@@ -120,7 +121,7 @@ struct Options {
   std::set<std::string> methods = {"floor", "engine", "naive"};
   bool methods_given = false;
   std::set<Pass> passes = {Pass::kForward, Pass::kForwardBackward};
-  size_t budget_bytes = 0;  // 0: the backend's default, as the server takes it
+  size_t budget_bytes = 0;       // 0: the backend's default, as the server takes it
   bool exact_gradients = false;  // LossOptions::exact_gradients
   bool pageable = false;         // the engine's rows and dL/dh in plain memory, not HostBuffers
   int reps = 3;
@@ -167,9 +168,9 @@ absl::StatusOr<Options> ParseOptions(int argc, char** argv) {
       continue;
     }
     static const std::set<std::string> kValueFlags = {
-        "--shapes",  "--device",  "--dtype",  "--budget-mib", "--reps",
-        "--warmup-tokens", "--rep-seconds", "--naive-cap-gib", "--methods", "--passes", "--json",
-        "--gradients", "--host-memory"};
+        "--shapes",        "--device",      "--dtype",         "--budget-mib", "--reps",
+        "--warmup-tokens", "--rep-seconds", "--naive-cap-gib", "--methods",    "--passes",
+        "--json",          "--gradients",   "--host-memory"};
     if (!kValueFlags.contains(name)) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag '", arg, "'\n", kUsage));
     }
@@ -333,8 +334,8 @@ absl::StatusOr<std::unique_ptr<Problem>> MakeProblem(Backend& backend, const Sha
   // Logits with standard deviation 3, as a trained head gives.
   FillUniform(values, weight_count, 3.0 / std::sqrt(double(s.h)), 2);
   if (!weight_is_host_fp32) {
-    const std::vector<uint16_t> narrow = bf16 ? RoundToBFloat16(values, weight_count)
-                                              : std::vector<uint16_t>();
+    const std::vector<uint16_t> narrow =
+        bf16 ? RoundToBFloat16(values, weight_count) : std::vector<uint16_t>();
     const void* bytes = bf16 ? static_cast<const void*>(narrow.data()) : values;
     RETURN_IF_ERROR(backend.CopyToDevice(bytes, p->weight.bytes(), p->weight, 0));
     if (!methods.contains("floor") && !methods.contains("naive")) {
@@ -353,8 +354,8 @@ absl::StatusOr<std::unique_ptr<Problem>> MakeProblem(Backend& backend, const Sha
     if (methods.contains(method)) grad->resize(s.n * s.h);
   }
   if (methods.contains("engine") && !options.pageable) {
-    const void* rows = p->hidden16.empty() ? static_cast<const void*>(p->hidden.data())
-                                           : p->hidden16.data();
+    const void* rows =
+        p->hidden16.empty() ? static_cast<const void*>(p->hidden.data()) : p->hidden16.data();
     const size_t row_bytes = s.n * s.h * DTypeSize(p->dtype);
     ASSIGN_OR_RETURN(p->engine_rows, backend.HostBuffers().Allocate(row_bytes));
     std::memcpy(p->engine_rows.data(), rows, row_bytes);
@@ -419,8 +420,10 @@ absl::Status RunEngine(Backend& backend, Problem& p, Pass pass, const LossOption
 // One row of the naive baseline: log-softmax, and with `backward` dz = (softmax - onehot) / N in
 // place. Compiled like the engine's row loops (AVX2 + FMA clone, no trapping math, the same Exp),
 // so that the comparison isolates what materializing [N, V] costs.
-__attribute__((target_clones("arch=x86-64-v3", "default"))) float NaiveRow(
-    float* z, int64_t v, int64_t label, bool backward, float inv_n) {
+__attribute__((target_clones("arch=x86-64-v3", "default"))) float NaiveRow(float* z, int64_t v,
+                                                                           int64_t label,
+                                                                           bool backward,
+                                                                           float inv_n) {
   float max = -INFINITY;
 #pragma omp simd reduction(max : max)
   for (int64_t c = 0; c < v; ++c) max = MaxStep(max, z[c]);
@@ -460,10 +463,12 @@ void RunNaive(Problem& p, Pass pass, float* logits, int64_t n) {
               1.0f, GradWeight(p), h);
 }
 
-// Rows per floor block: the whole batch when its logits fit kFloorBlockBytes, else a multiple of 64.
+// Rows per floor block: the whole batch when its logits fit kFloorBlockBytes, else a multiple
+// of 64.
 int64_t FloorBlockRows(const Shape& s) {
   const int64_t fitting = std::max<int64_t>(1, kFloorBlockBytes / (s.v * sizeof(float)));
-  return fitting >= s.n ? s.n : std::max<int64_t>(fitting / 64 * 64, std::min<int64_t>(fitting, 64));
+  return fitting >= s.n ? s.n
+                        : std::max<int64_t>(fitting / 64 * 64, std::min<int64_t>(fitting, 64));
 }
 
 // The useful GEMMs, in blocks of `block_rows` tokens over the whole vocabulary.
@@ -505,7 +510,7 @@ struct PairedComparison {
   double median_ratio = 0.0;  // of engine / naive, over rounds
   int faster_rounds = 0;      // rounds in which the engine took less time
   int rounds = 0;
-  double sign_test_p = 1.0;   // one-sided: P(at least faster_rounds of rounds by a coin's toss)
+  double sign_test_p = 1.0;  // one-sided: P(at least faster_rounds of rounds by a coin's toss)
 };
 
 // One row of the report.
@@ -636,9 +641,9 @@ nlohmann::json ToJson(const Result& r, const nlohmann::json& machine, const Opti
     return x ? nlohmann::json(*x) : nlohmann::json(nullptr);
   };
   j["seconds"] = number_or_null(r.timing ? std::optional(r.timing->seconds()) : std::nullopt);
-  j["gflops"] = number_or_null(r.timing ? std::optional(UsefulFlops(r.shape, r.pass) /
-                                                          r.timing->seconds() / 1e9)
-                                         : std::nullopt);
+  j["gflops"] = number_or_null(
+      r.timing ? std::optional(UsefulFlops(r.shape, r.pass) / r.timing->seconds() / 1e9)
+               : std::nullopt);
   j["reps"] = r.timing ? r.timing->reps() : 0;
   j["ratio_to_floor"] = number_or_null(r.ratio_to_floor);
   j["ratio_to_naive"] = number_or_null(r.ratio_to_naive);
@@ -722,16 +727,16 @@ absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
     std::vector<Contender> contenders;
     if (with_floor) {
       contenders.push_back({&floor, [&](int64_t n) {
-                              RunFloor(*p, pass, floor_rows, static_cast<float*>(floor_logits.data()), n);
+                              RunFloor(*p, pass, floor_rows,
+                                       static_cast<float*>(floor_logits.data()), n);
                               return absl::OkStatus();
                             }});
     }
     if (with_engine) {
-      contenders.push_back({&engine,
-                            [&](int64_t n) {
-                              return RunEngine(backend, *p, pass, loss_options, workspace, n);
-                            },
-                            [&] { return p->engine_device_seconds; }});
+      contenders.push_back(
+          {&engine,
+           [&](int64_t n) { return RunEngine(backend, *p, pass, loss_options, workspace, n); },
+           [&] { return p->engine_device_seconds; }});
     }
     if (with_naive && naive_fits) {
       contenders.push_back({&naive, [&](int64_t n) {

@@ -1,4 +1,5 @@
-// grpc_echo_bench: the ceiling gRPC itself reaches on this machine for the traffic of a Compute call.
+// grpc_echo_bench: the ceiling gRPC itself reaches on this machine for the traffic of a Compute
+// call.
 //
 // A bidirectional stream echoes --bytes each way in messages of --message_bytes (about 4 MiB, what
 // the lossd client sends), split over --streams concurrent calls on one channel, as `lossctl bench
@@ -63,7 +64,8 @@ class EchoService final : public Echo::Service {
                       grpc::ServerReaderWriter<Blob, Blob>* stream) override {
     Blob blob;  // Reused, so that its buffer is allocated once per call rather than per message.
     while (stream->Read(&blob)) {
-      if (!stream->Write(blob)) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the client went away");
+      if (!stream->Write(blob))
+        return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the client went away");
     }
     return grpc::Status::OK;
   }
@@ -99,7 +101,8 @@ int RunServer(int control_fd, pid_t parent, int message_limit) {
   // The server must never outlive the client, even one killed by SIGKILL; the getppid check covers
   // a parent that died before the prctl.
   if (prctl(PR_SET_PDEATHSIG, SIGTERM) != 0 || getppid() != parent) {
-    absl::FPrintF(stderr, "grpc_echo_bench: the echo server could not tie its life to the client's\n");
+    absl::FPrintF(stderr,
+                  "grpc_echo_bench: the echo server could not tie its life to the client's\n");
     return 1;
   }
   EchoService service;
@@ -141,7 +144,8 @@ absl::StatusOr<Traffic> EchoCall(Echo::Stub& stub, int64_t payload_bytes, int64_
   bool all_written = true;
   std::thread writer([&] {
     Blob request;  // Reused: one buffer for every message of the call.
-    request.mutable_data()->assign(static_cast<size_t>(std::min(payload_bytes, message_bytes)), '\x5a');
+    request.mutable_data()->assign(static_cast<size_t>(std::min(payload_bytes, message_bytes)),
+                                   '\x5a');
     for (int64_t left = payload_bytes; left > 0; left -= message_bytes) {
       if (left < message_bytes) request.mutable_data()->resize(static_cast<size_t>(left));
       if (!stream->Write(request)) {  // The call is over; Finish says why.
@@ -161,7 +165,8 @@ absl::StatusOr<Traffic> EchoCall(Echo::Stub& stub, int64_t payload_bytes, int64_
     return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
                         absl::StrCat("echo call failed: ", status.error_message()));
   }
-  if (!all_written) return absl::UnavailableError("echo call ended before all its messages were sent");
+  if (!all_written)
+    return absl::UnavailableError("echo call ended before all its messages were sent");
   if (traffic.bytes_received != traffic.bytes_sent) {
     return absl::DataLossError(absl::StrFormat("echo call sent %d bytes but received %d",
                                                traffic.bytes_sent, traffic.bytes_received));
@@ -219,10 +224,11 @@ absl::Status RunClient(int port, const Options& options, int message_limit) {
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(message_limit);
   args.SetMaxReceiveMessageSize(message_limit);
-  const std::shared_ptr<grpc::Channel> channel =
-      grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials(), args);
+  const std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
+      absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials(), args);
   if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + kConnectDeadline))) {
-    return absl::UnavailableError(absl::StrCat("could not connect to the echo server on port ", port));
+    return absl::UnavailableError(
+        absl::StrCat("could not connect to the echo server on port ", port));
   }
   const std::unique_ptr<Echo::Stub> stub = Echo::NewStub(channel);
   const std::vector<int64_t> call_bytes = SplitBytes(options.bytes, options.streams);
@@ -245,11 +251,12 @@ absl::Status RunClient(int port, const Options& options, int message_limit) {
         median, traffic.bytes_sent, traffic.bytes_received, options.streams, options.message_bytes,
         options.reps);
   } else {
-    absl::PrintF("%d bytes each way in %d-byte messages over %d stream%s: %.4f s (median of %d), "
-                 "%.3f GB/s sent, %.3f GB/s received\n",
-                 options.bytes, options.message_bytes, options.streams, options.streams == 1 ? "" : "s",
-                 median, options.reps, traffic.bytes_sent / median / 1e9,
-                 traffic.bytes_received / median / 1e9);
+    absl::PrintF(
+        "%d bytes each way in %d-byte messages over %d stream%s: %.4f s (median of %d), "
+        "%.3f GB/s sent, %.3f GB/s received\n",
+        options.bytes, options.message_bytes, options.streams, options.streams == 1 ? "" : "s",
+        median, options.reps, traffic.bytes_sent / median / 1e9,
+        traffic.bytes_received / median / 1e9);
   }
   return absl::OkStatus();
 }
@@ -265,13 +272,16 @@ int Main(int argc, char** argv) {
       "call's wire throughput.\n  grpc_echo_bench --bytes=134217728 --streams=4 --json");
   absl::ParseCommandLine(argc, argv);
   const Options options{absl::GetFlag(FLAGS_bytes), absl::GetFlag(FLAGS_message_bytes),
-                        absl::GetFlag(FLAGS_streams), absl::GetFlag(FLAGS_reps), absl::GetFlag(FLAGS_json)};
+                        absl::GetFlag(FLAGS_streams), absl::GetFlag(FLAGS_reps),
+                        absl::GetFlag(FLAGS_json)};
   if (options.message_bytes < 1 || options.message_bytes > INT_MAX - kFramingBytes) {
-    absl::FPrintF(stderr, "grpc_echo_bench: --message_bytes must be in [1, %d]\n", INT_MAX - kFramingBytes);
+    absl::FPrintF(stderr, "grpc_echo_bench: --message_bytes must be in [1, %d]\n",
+                  INT_MAX - kFramingBytes);
     return 2;
   }
   if (options.streams < 1 || options.bytes < options.streams || options.reps < 1) {
-    absl::FPrintF(stderr, "grpc_echo_bench: --streams and --reps must be >= 1, --bytes >= --streams\n");
+    absl::FPrintF(stderr,
+                  "grpc_echo_bench: --streams and --reps must be >= 1, --bytes >= --streams\n");
     return 2;
   }
   const int message_limit = static_cast<int>(options.message_bytes + kFramingBytes);

@@ -7,13 +7,12 @@
 //   finite accumulator.
 //
 // Input layout (kScriptHeaderBytes, then records):
-//   [0] Read index from which the client has cancelled (Read fails, IsCancelled is true); 255: never
-//   [1] Read index just before which the head is replaced by an upload (Head::Retire); 255: never
-//   [2] Write index from which writes fail, as when the client has gone away; 255: never
-//   [3] workspace budget in units of kBudgetUnitBytes, plus one
-//   [4] result message limit in units of kResultUnitBytes, plus one
-//   [5] dtype of the head's W: 0 float32, 1 bfloat16, 2 float16 (modulo 3)
-//   records: a little-endian uint16 length, then that many bytes of a serialized ComputeRequest
+//   [0] Read index from which the client has cancelled (Read fails, IsCancelled is true); 255:
+//   never [1] Read index just before which the head is replaced by an upload (Head::Retire); 255:
+//   never [2] Write index from which writes fail, as when the client has gone away; 255: never [3]
+//   workspace budget in units of kBudgetUnitBytes, plus one [4] result message limit in units of
+//   kResultUnitBytes, plus one [5] dtype of the head's W: 0 float32, 1 bfloat16, 2 float16 (modulo
+//   3) records: a little-endian uint16 length, then that many bytes of a serialized ComputeRequest
 //   (the last record may be cut short). Records that do not parse are dropped, as gRPC never
 //   delivers them.
 //
@@ -60,7 +59,9 @@ void Require(bool holds, const char* contract) {
 }
 
 // An index of the script header, where kNeverByte means no index at all.
-int IndexOrNever(uint8_t byte) { return byte == kNeverByte ? std::numeric_limits<int>::max() : byte; }
+int IndexOrNever(uint8_t byte) {
+  return byte == kNeverByte ? std::numeric_limits<int>::max() : byte;
+}
 
 struct Script {
   int cancel_from_read = 0;
@@ -83,7 +84,8 @@ bool ParseScript(const uint8_t* data, size_t size, Script* script) {
   script->head_dtype = kHeadDTypes[data[5] % 3];
   size_t cursor = kScriptHeaderBytes;
   while (cursor + 2 <= size) {
-    const size_t length = std::min<size_t>(data[cursor] | (data[cursor + 1] << 8), size - cursor - 2);
+    const size_t length =
+        std::min<size_t>(data[cursor] | (data[cursor + 1] << 8), size - cursor - 2);
     cursor += 2;
     v1::ComputeRequest request;
     if (request.ParseFromArray(data + cursor, static_cast<int>(length))) {
@@ -146,14 +148,16 @@ void CheckSuccessfulResponses(const v1::ComputeStart& start,
     Require(start.outputs().accumulate_grad_weight(),
             "a call succeeds without its summary delivered only once its dL/dW is committed");
   } else {
-    Require(!responses.empty() && responses.back().has_summary(), "an OK call ends with its summary");
+    Require(!responses.empty() && responses.back().has_summary(),
+            "an OK call ends with its summary");
   }
   const size_t result_count = client_left ? responses.size() : responses.size() - 1;
   const v1::OutputSelection& want = start.outputs();
   const v1::DType grad_dtype = want.grad_hidden_dtype() == v1::DTYPE_UNSPECIFIED
                                    ? start.hidden_dtype()
                                    : want.grad_hidden_dtype();
-  const int64_t grad_row_bytes = want.grad_hidden() ? kHiddenSize * (grad_dtype == v1::DTYPE_FLOAT32 ? 4 : 2) : 0;
+  const int64_t grad_row_bytes =
+      want.grad_hidden() ? kHiddenSize * (grad_dtype == v1::DTYPE_FLOAT32 ? 4 : 2) : 0;
   int64_t next_row = 0;
   for (size_t i = 0; i < result_count; ++i) {
     Require(responses[i].has_result(), "only the last message is a summary");
@@ -164,7 +168,8 @@ void CheckSuccessfulResponses(const v1::ComputeStart& start,
     auto expect = [rows](bool wanted, int size, int64_t per_row, const char* contract) {
       Require(size == (wanted ? rows * per_row : 0), contract);
     };
-    expect(want.token_loss(), result.token_loss_size(), 1, "token_loss: one per row when asked for");
+    expect(want.token_loss(), result.token_loss_size(), 1,
+           "token_loss: one per row when asked for");
     expect(want.logprob(), result.logprob_size(), 1, "logprob: one per row when asked for");
     expect(want.lse(), result.lse_size(), 1, "lse: one per row when asked for");
     expect(want.entropy(), result.entropy_size(), 1, "entropy: one per row when asked for");
@@ -201,9 +206,9 @@ void RunOne(const Script& script) {
   Backend& backend = CpuBackend();
   // Fresh server state per input, so that every finding reproduces from its input alone.
   MemoryLedger ledger;
-  auto created = Head::Create(backend, ledger, MakeDemoHead(kHeadName, kVocabSize, kHiddenSize,
-                                                            script.head_dtype, /*seed=*/1),
-                              "fuzz");
+  auto created = Head::Create(
+      backend, ledger,
+      MakeDemoHead(kHeadName, kVocabSize, kHiddenSize, script.head_dtype, /*seed=*/1), "fuzz");
   Require(created.ok(), "the head is created");
   std::shared_ptr<Head> head = *created;
   // Before the heads, which give their staged dL/dW's room back to it as they go.
@@ -224,8 +229,8 @@ void RunOne(const Script& script) {
   MemoryLedger host_ledger;
   BufferCache host_buffers(host, host_ledger, /*capacity_bytes=*/0);
   static SharedMemoryMaps shared_memory_maps;  // never reached: the scripted peer is not local
-  const ComputeEnvironment env{&backend, &heads,   &scheduler,    /*metrics=*/nullptr,
-                               &ledger,  &buffers, &host_buffers, &shared_memory_maps,
+  const ComputeEnvironment env{&backend, &heads,        &scheduler,    /*metrics=*/nullptr,
+                               &ledger,  &buffers,      &host_buffers, &shared_memory_maps,
                                &pending, &staging_room, limits};
 
   const auto grad_before = head->ReadGradient(DType::kFloat32);
@@ -261,7 +266,8 @@ void RunOne(const Script& script) {
   }
   const v1::ComputeStart& start = script.requests.front().start();
   CheckSuccessfulResponses(start, stream.responses(), stream.client_left());
-  Require(after.accumulated_calls == before.accumulated_calls + (start.outputs().accumulate_grad_weight() ? 1 : 0),
+  Require(after.accumulated_calls ==
+              before.accumulated_calls + (start.outputs().accumulate_grad_weight() ? 1 : 0),
           "an OK call accumulates exactly when asked");
   const std::vector<uint8_t>& grad = grad_after->data;
   for (size_t i = 0; i < grad.size(); i += sizeof(float)) {

@@ -26,7 +26,9 @@ void Require(bool holds, const char* contract) {
 
 constexpr DType kAllDTypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
 
-bool Converts(const std::string& dtype) { return dtype == "F32" || dtype == "BF16" || dtype == "F16"; }
+bool Converts(const std::string& dtype) {
+  return dtype == "F32" || dtype == "BF16" || dtype == "F16";
+}
 
 void CheckTensor(const TensorRef& tensor) {
   const auto element_size = SafetensorsDTypeSize(tensor.dtype);
@@ -78,11 +80,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // Tiling: the non-empty tensors follow one another with no gap or overlap and end the file, so
   // each one's bytes are the input's bytes at its place in the data buffer.
   Require(data_bytes <= size, "the data buffer fits in the file");
-  std::sort(placed.begin(), placed.end(), [](const Placed& a, const Placed& b) { return a.begin < b.begin; });
+  std::sort(placed.begin(), placed.end(),
+            [](const Placed& a, const Placed& b) { return a.begin < b.begin; });
   const uint8_t* const data_start = data + (size - data_bytes);
   size_t offset = 0;
   for (const Placed& tensor : placed) {
-    if (offset > 0) Require(tensor.begin == placed.front().begin + offset, "tensors tile the data buffer");
+    if (offset > 0)
+      Require(tensor.begin == placed.front().begin + offset, "tensors tile the data buffer");
     Require(std::memcmp(tensor.begin, data_start + offset, tensor.bytes) == 0,
             "a tensor's bytes are the file's bytes at its offsets");
     offset += tensor.bytes;

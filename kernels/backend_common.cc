@@ -113,10 +113,9 @@ absl::Status ValidatePolicyOptions(const LossOptions& o) {
                         absl::StrCat(p.log_ratio_clamp));
   }
   if (p.log_ratio_clamp != 0.0 && !IsPolicyObjective(o.objective)) {
-    return InvalidField("policy.log_ratio_clamp",
-                        "0 unless the objective is importance_sampling, ppo or cispo",
-                        absl::StrCat(p.log_ratio_clamp, " with objective ",
-                                     ObjectiveName(o.objective)));
+    return InvalidField(
+        "policy.log_ratio_clamp", "0 unless the objective is importance_sampling, ppo or cispo",
+        absl::StrCat(p.log_ratio_clamp, " with objective ", ObjectiveName(o.objective)));
   }
   if (p.kl_estimator != KlEstimator::kNone && p.kl_estimator != KlEstimator::kK1 &&
       p.kl_estimator != KlEstimator::kK2 && p.kl_estimator != KlEstimator::kK3) {
@@ -234,8 +233,9 @@ absl::Status ValidateOptions(const LossOptions& o) {
   }
   if (o.objective != Objective::kCrossEntropy && o.objective != Objective::kDistill &&
       o.label_smoothing != 0.0) {
-    return InvalidField("label_smoothing", "0 unless the objective is cross_entropy or distill",
-                        absl::StrCat(o.label_smoothing, " with objective ", ObjectiveName(o.objective)));
+    return InvalidField(
+        "label_smoothing", "0 unless the objective is cross_entropy or distill",
+        absl::StrCat(o.label_smoothing, " with objective ", ObjectiveName(o.objective)));
   }
   RETURN_IF_ERROR(ValidatePolicyOptions(o));
   RETURN_IF_ERROR(ValidateDistillOptions(o));
@@ -397,8 +397,9 @@ absl::Status ValidateSparseTeacher(const TeacherInputs& t, int64_t count, int64_
   return absl::OkStatus();
 }
 
-absl::Status ValidateCall(const BatchInputs& in, const WeightView& weight, const LossOptions& options,
-                          const TokenOutputs& out, const DeviceBuffer* grad_weight) {
+absl::Status ValidateCall(const BatchInputs& in, const WeightView& weight,
+                          const LossOptions& options, const TokenOutputs& out,
+                          const DeviceBuffer* grad_weight) {
   RETURN_IF_ERROR(ValidateOptions(options));
   if (weight.data == nullptr || weight.vocab_size <= 0 || weight.hidden_size <= 0) {
     return absl::FailedPreconditionError("weight: expected a loaded [V, H] head");
@@ -412,7 +413,8 @@ absl::Status ValidateCall(const BatchInputs& in, const WeightView& weight, const
     return InvalidField("weight", absl::StrCat(weight_elements * DTypeSize(weight.dtype), " bytes"),
                         absl::StrCat(weight.data->bytes()));
   }
-  if (in.num_tokens < 0) return InvalidField("num_tokens", "a count >= 0", absl::StrCat(in.num_tokens));
+  if (in.num_tokens < 0)
+    return InvalidField("num_tokens", "a count >= 0", absl::StrCat(in.num_tokens));
   if (in.hidden_size != weight.hidden_size) {
     return InvalidField("hidden_size", absl::StrCat(weight.hidden_size, " (the head's H)"),
                         absl::StrCat(in.hidden_size));
@@ -426,20 +428,22 @@ absl::Status ValidateCall(const BatchInputs& in, const WeightView& weight, const
     return InvalidField("hidden", "a non-null buffer", "null");
   }
   if (in.num_tokens > 0 && in.labels == nullptr && !(distill && options.distill.alpha == 0.0)) {
-    return InvalidField("labels",
-                        "a non-null buffer (only distill with alpha 0 may go without labels)",
-                        "null");
+    return InvalidField(
+        "labels", "a non-null buffer (only distill with alpha 0 may go without labels)", "null");
   }
   if (in.labels != nullptr) {
     RETURN_IF_ERROR(
         ValidateLabels(in.labels, in.num_tokens, weight.vocab_size, options.ignore_index));
   }
   RETURN_IF_ERROR(ValidateTeacher(in, weight, options));
-  if (in.token_weights != nullptr) RETURN_IF_ERROR(ValidateTokenWeights(in.token_weights, in.num_tokens));
+  if (in.token_weights != nullptr)
+    RETURN_IF_ERROR(ValidateTokenWeights(in.token_weights, in.num_tokens));
   RETURN_IF_ERROR(ValidateObjectiveInputs(in, options));
   if (out.top_k < 0 || out.top_k > kMaxTopK || out.top_k > weight.vocab_size) {
-    return InvalidField("top_k", absl::StrCat("a value in [0, ", std::min<int64_t>(kMaxTopK, weight.vocab_size), "]"),
-                        absl::StrCat(out.top_k));
+    return InvalidField(
+        "top_k",
+        absl::StrCat("a value in [0, ", std::min<int64_t>(kMaxTopK, weight.vocab_size), "]"),
+        absl::StrCat(out.top_k));
   }
   if (out.top_k > 0 && (out.top_k_logprob == nullptr || out.top_k_token == nullptr)) {
     return InvalidField("top_k", "buffers for both log-probabilities and token ids", "null");
@@ -449,7 +453,8 @@ absl::Status ValidateCall(const BatchInputs& in, const WeightView& weight, const
                         absl::StrCat(static_cast<int>(out.grad_hidden_dtype)));
   }
   if (grad_weight != nullptr && grad_weight->bytes() < weight_elements * sizeof(float)) {
-    return InvalidField("grad_weight", absl::StrCat(weight_elements * sizeof(float), " bytes (fp32 [V, H])"),
+    return InvalidField("grad_weight",
+                        absl::StrCat(weight_elements * sizeof(float), " bytes (fp32 [V, H])"),
                         absl::StrCat(grad_weight->bytes()));
   }
   return absl::OkStatus();
@@ -460,10 +465,10 @@ absl::Status ValidateLabels(const int64_t* labels, int64_t count, int64_t vocab_
   for (int64_t i = 0; i < count; ++i) {
     const int64_t y = labels[i];
     if (y != ignore_index && (y < 0 || y >= vocab_size)) {
-      return InvalidField(absl::StrCat("labels[", first_index + i, "]"),
-                          absl::StrCat("a token id in [0, ", vocab_size, ") or ignore_index ",
-                                       ignore_index),
-                          absl::StrCat(y));
+      return InvalidField(
+          absl::StrCat("labels[", first_index + i, "]"),
+          absl::StrCat("a token id in [0, ", vocab_size, ") or ignore_index ", ignore_index),
+          absl::StrCat(y));
     }
   }
   return absl::OkStatus();
@@ -538,11 +543,11 @@ absl::Status ValidateObjectiveInputs(const BatchInputs& in, const LossOptions& o
   for (const Input& input : inputs) {
     if (!input.needed || in.num_tokens == 0) continue;
     if (input.values == nullptr) {
-      return InvalidField(input.field,
-                          absl::StrCat(in.num_tokens, " values (objective ",
-                                       ObjectiveName(options.objective), ", kl_estimator ",
-                                       KlEstimatorName(options.policy.kl_estimator), ")"),
-                          "none");
+      return InvalidField(
+          input.field,
+          absl::StrCat(in.num_tokens, " values (objective ", ObjectiveName(options.objective),
+                       ", kl_estimator ", KlEstimatorName(options.policy.kl_estimator), ")"),
+          "none");
     }
     RETURN_IF_ERROR(ValidateCountedFinite(input.field, input.values, in.labels, in.num_tokens,
                                           options.ignore_index, first_index));
@@ -572,17 +577,16 @@ absl::Status ValidateSequenceLengths(const int64_t* sequence_lengths, int64_t nu
   for (int64_t s = 0; s < num_sequences; ++s) {
     const int64_t length = sequence_lengths[s];
     if (length < 1 || length > num_tokens - total) {
-      return InvalidField(
-          absl::StrCat("sequence_lengths[", s, "]"),
-          absl::StrCat("a length in [1, ", std::max<int64_t>(1, num_tokens - total),
-                       "] (the lengths sum to num_tokens, ", num_tokens, ")"),
-          absl::StrCat(length));
+      return InvalidField(absl::StrCat("sequence_lengths[", s, "]"),
+                          absl::StrCat("a length in [1, ", std::max<int64_t>(1, num_tokens - total),
+                                       "] (the lengths sum to num_tokens, ", num_tokens, ")"),
+                          absl::StrCat(length));
     }
     total += length;
   }
   if (total != num_tokens) {
-    return InvalidField("sequence_lengths", absl::StrCat("lengths summing to ", num_tokens,
-                                                         " (num_tokens)"),
+    return InvalidField("sequence_lengths",
+                        absl::StrCat("lengths summing to ", num_tokens, " (num_tokens)"),
                         absl::StrCat("lengths summing to ", total));
   }
   return absl::OkStatus();
@@ -605,11 +609,11 @@ absl::StatusOr<std::vector<double>> SequenceReductionScales(const LossOptions& o
                                                             const int64_t* sequence_lengths,
                                                             int64_t num_sequences) {
   if (num_tokens > 0 && num_sequences == 0) {
-    return InvalidField("sequence_lengths",
-                        absl::StrCat("the lengths of the sequences in the batch (reduction ",
-                                     ReductionName(options.reduction), "), summing to ",
-                                     num_tokens),
-                        "none");
+    return InvalidField(
+        "sequence_lengths",
+        absl::StrCat("the lengths of the sequences in the batch (reduction ",
+                     ReductionName(options.reduction), "), summing to ", num_tokens),
+        "none");
   }
   RETURN_IF_ERROR(ValidateSequenceLengths(sequence_lengths, num_sequences, num_tokens));
   // Counted rows per sequence, and S: the sequences with at least one.
@@ -625,8 +629,9 @@ absl::StatusOr<std::vector<double>> SequenceReductionScales(const LossOptions& o
                                                         : static_cast<double>(sequences_counted);
   std::vector<double> scales(num_tokens, 0.0);
   for (int64_t s = 0, row = 0; s < num_sequences; ++s) {
-    const double per_sequence =
-        options.reduction == Reduction::kSequenceMeanTokenMean ? static_cast<double>(counted[s]) : 1.0;
+    const double per_sequence = options.reduction == Reduction::kSequenceMeanTokenMean
+                                    ? static_cast<double>(counted[s])
+                                    : 1.0;
     for (int64_t end = row + sequence_lengths[s]; row < end; ++row) {
       if ((labels == nullptr || labels[row] != options.ignore_index) && sequences > 0) {
         scales[row] = 1.0 / (sequences * per_sequence);
@@ -677,7 +682,10 @@ int64_t LargestFitting(int64_t lo, int64_t hi, Fits fits) {
   if (lo > hi || !fits(lo)) return lo - 1;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo + 1) / 2;
-    if (fits(mid)) lo = mid; else hi = mid - 1;
+    if (fits(mid))
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }
@@ -716,12 +724,12 @@ absl::StatusOr<ChunkPlan> ChooseChunkPlan(const ProblemShape& shape, size_t budg
   };
 
   const int64_t max_rows = std::min(n, limits.max_token_chunk);
-  const int64_t single_rows = LargestFitting(
-      1, max_rows, [&](int64_t rows) { return bytes_for(rows, v) <= budget_bytes; });
+  const int64_t single_rows =
+      LargestFitting(1, max_rows, [&](int64_t rows) { return bytes_for(rows, v) <= budget_bytes; });
   const bool long_forward = limits.forward_token_chunk > 0 && !WantsGradients(shape);
   if (long_forward && single_rows < std::min(max_rows, limits.forward_token_chunk)) {
-    const int64_t rows = AlignedTokenChunk(
-        n, std::min(max_rows, limits.forward_token_chunk), limits.token_chunk_multiple);
+    const int64_t rows = AlignedTokenChunk(n, std::min(max_rows, limits.forward_token_chunk),
+                                           limits.token_chunk_multiple);
     if (const int64_t cols = widest_tile(rows); cols > 0) return plan_of(rows, cols);
   }
 
@@ -735,10 +743,10 @@ absl::StatusOr<ChunkPlan> ChooseChunkPlan(const ProblemShape& shape, size_t budg
   for (int64_t rows = std::min(n, limits.two_pass_token_chunk); rows >= 1; rows /= 2) {
     if (const int64_t cols = widest_tile(rows); cols > 0) return plan_of(rows, cols);
   }
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "workspace budget: expected at least ", bytes_for(1, min_cols),
-      " bytes for the smallest tile (1 token x ", min_cols, " vocabulary columns), got ",
-      budget_bytes));
+  return absl::ResourceExhaustedError(
+      absl::StrCat("workspace budget: expected at least ", bytes_for(1, min_cols),
+                   " bytes for the smallest tile (1 token x ", min_cols,
+                   " vocabulary columns), got ", budget_bytes));
 }
 
 absl::StatusOr<CallPlan> PlanCall(const Backend& backend, const BatchInputs& inputs,
@@ -811,8 +819,8 @@ void RowFinisher::Emit(int64_t row, const RowResult& result, const RowStats& sta
   if (IsSequenceReduction(options_.reduction)) {
     summary.loss += inputs_.reduction_scales[row] * result.loss;
   }
-  summary.correct_tokens += inputs_.labels != nullptr && counted(row) &&
-                            stats.argmax == inputs_.labels[row];
+  summary.correct_tokens +=
+      inputs_.labels != nullptr && counted(row) && stats.argmax == inputs_.labels[row];
   if (counted(row)) {
     summary.clipped_tokens += result.clip != ClipState::kNone;
     summary.kl_sum += result.kl;
@@ -855,7 +863,8 @@ absl::StatusOr<DeviceBuffer> AllocateHostBuffer(BufferAllocator* owner, size_t b
   const size_t rounded = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
   void* data = std::aligned_alloc(256, rounded);
   if (data == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrCat("host memory: could not allocate ", bytes, " bytes"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("host memory: could not allocate ", bytes, " bytes"));
   }
   return DeviceBuffer(owner, data, bytes);
 }

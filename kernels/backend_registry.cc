@@ -45,7 +45,8 @@ std::vector<std::string> CudaModuleCandidates(absl::string_view explicit_path) {
   return candidates;
 }
 
-absl::StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(int ordinal, absl::string_view module_path) {
+absl::StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(int ordinal,
+                                                         absl::string_view module_path) {
   std::vector<std::string> failures;
   for (const std::string& path : CudaModuleCandidates(module_path)) {
     // The handle stays open for the life of the process: backends created from it may outlive
@@ -62,8 +63,8 @@ absl::StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(int ordinal, absl::stri
       return absl::FailedPreconditionError(absl::StrCat(path, ": not a lossd CUDA module"));
     }
     if (abi() != LOSSD_CUDA_MODULE_ABI) {
-      return absl::FailedPreconditionError(absl::StrCat(path, ": module ABI ", abi(),
-                                                        ", expected ", LOSSD_CUDA_MODULE_ABI));
+      return absl::FailedPreconditionError(
+          absl::StrCat(path, ": module ABI ", abi(), ", expected ", LOSSD_CUDA_MODULE_ABI));
     }
     char error[512] = {0};
     Backend* backend = create(ordinal, error, sizeof error);
@@ -73,8 +74,8 @@ absl::StatusOr<std::unique_ptr<Backend>> LoadCudaBackend(int ordinal, absl::stri
     opened_cuda_module.store(handle);
     return std::unique_ptr<Backend>(backend);
   }
-  return absl::UnavailableError(absl::StrCat("CUDA backend module not found (",
-                                             absl::StrJoin(failures, "; "), ")"));
+  return absl::UnavailableError(
+      absl::StrCat("CUDA backend module not found (", absl::StrJoin(failures, "; "), ")"));
 }
 
 }  // namespace

@@ -9,7 +9,7 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   prometheus-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev libopenblas-dev libopenblas0-openmp
-  nlohmann-json3-dev libssl-dev libgloo-dev
+  nlohmann-json3-dev libssl-dev libgloo-dev clang-format
   python3-grpcio python3-protobuf python3-numpy python3-pytest python3-torch python3-yaml
   python3-venv python3-pip python3-setuptools python3-wheel prometheus
 )

@@ -45,7 +45,9 @@ class BufferLease {
  private:
   friend class BufferCache;
   BufferLease(BufferCache* cache, DeviceBuffer buffer, MemoryCharge charge)
-      : cache_(cache), leased_bytes_(buffer.bytes()), buffer_(std::move(buffer)),
+      : cache_(cache),
+        leased_bytes_(buffer.bytes()),
+        buffer_(std::move(buffer)),
         charge_(std::move(charge)) {}
 
   BufferCache* cache_ = nullptr;

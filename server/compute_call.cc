@@ -19,9 +19,9 @@
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream.h"
+#include "lossd/common/status_macros.h"
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"
-#include "lossd/common/status_macros.h"
 #include "server/exception_status.h"
 #include "server/proto_convert.h"
 #include "server/row_reader.h"
@@ -38,7 +38,7 @@ struct CallSpec {
   std::optional<uint64_t> pinned_version;
   std::string pinned_sha256;  // empty: any W
   uint64_t version = 0;  // taken once the call is admitted, so time in the queue cannot stale it
-  LossOptions options;  // mean_denominator already resolved to the whole batch's D
+  LossOptions options;   // mean_denominator already resolved to the whole batch's D
   int64_t num_tokens = 0;
   int64_t hidden_size = 0;
   DType hidden_dtype = DType::kFloat32;
@@ -54,7 +54,7 @@ struct CallSpec {
   v1::OutputSelection outputs;
   DType grad_hidden_dtype = DType::kFloat32;
   std::optional<v1::SharedMemory> shared_memory;  // set: rows and dL/dh in the client's memfd
-  std::string call_id;  // set only on calls that accumulate dL/dW
+  std::string call_id;                            // set only on calls that accumulate dL/dW
   uint64_t start_fingerprint = 0;  // with a call_id: what a repeat of the call must send again
   bool stage_grad_weight = false;  // keep dL/dW under call_id for CommitGradWeight
   // A distill call's teacher: a head (its rows in ComputeChunk.teacher_hidden), or a sparse top-k.
@@ -65,10 +65,14 @@ struct CallSpec {
   DType teacher_hidden_dtype = DType::kFloat32;
   int teacher_top_k = 0;
 
-  int64_t hidden_row_bytes() const { return hidden_size * static_cast<int64_t>(DTypeSize(hidden_dtype)); }
+  int64_t hidden_row_bytes() const {
+    return hidden_size * static_cast<int64_t>(DTypeSize(hidden_dtype));
+  }
   const int64_t* labels_or_null() const { return has_labels ? labels.data() : nullptr; }
   bool counted(int64_t row) const { return !has_labels || labels[row] != options.ignore_index; }
-  int64_t grad_row_bytes() const { return hidden_size * static_cast<int64_t>(DTypeSize(grad_hidden_dtype)); }
+  int64_t grad_row_bytes() const {
+    return hidden_size * static_cast<int64_t>(DTypeSize(grad_hidden_dtype));
+  }
   // Host memory of the per-token values copied out of the start message.
   int64_t copied_bytes() const {
     const size_t floats = token_weights.size() + sampling_logprobs.size() + advantages.size() +
@@ -113,9 +117,9 @@ absl::Status CheckPinnedWeights(CallSpec& spec) {
   }
   if (spec.pinned_version.has_value() && *spec.pinned_version != spec.version) {
     return HeadMovedError(
-        "head_version", absl::StrCat("the call is pinned to version ", *spec.pinned_version,
-                                     " of head '", spec.head->name(), "', which is now at version ",
-                                     spec.version));
+        "head_version",
+        absl::StrCat("the call is pinned to version ", *spec.pinned_version, " of head '",
+                     spec.head->name(), "', which is now at version ", spec.version));
   }
   if (spec.teacher == nullptr) return absl::OkStatus();
   spec.teacher_version = spec.teacher->version();
@@ -237,10 +241,11 @@ absl::Status ParseObjectiveInputs(const v1::ComputeStart& start, CallSpec& spec)
   for (const Input& input : inputs) {
     const int64_t size = input.values.size();
     if (!input.read && size > 0) {
-      return InvalidField(input.field,
-                          absl::StrCat("no values with objective ", ObjectiveName(options.objective),
-                                       " (only ", input.read_by, " read them)"),
-                          absl::StrCat(size, " values"));
+      return InvalidField(
+          input.field,
+          absl::StrCat("no values with objective ", ObjectiveName(options.objective), " (only ",
+                       input.read_by, " read them)"),
+          absl::StrCat(size, " values"));
     }
     if (input.read && size != spec.num_tokens) {
       return InvalidField(input.field,
@@ -261,10 +266,10 @@ absl::Status ParseObjectiveInputs(const v1::ComputeStart& start, CallSpec& spec)
   view.reference_logprobs = or_null(spec.reference_logprobs);
   view.logprob_grads = or_null(spec.logprob_grads);
   if (IsSequenceReduction(options.reduction) || start.sequence_lengths_size() > 0) {
-    ASSIGN_OR_RETURN(std::vector<double> scales,
-                     SequenceReductionScales(options, spec.labels_or_null(), spec.num_tokens,
-                                             start.sequence_lengths().data(),
-                                             start.sequence_lengths_size()));
+    ASSIGN_OR_RETURN(
+        std::vector<double> scales,
+        SequenceReductionScales(options, spec.labels_or_null(), spec.num_tokens,
+                                start.sequence_lengths().data(), start.sequence_lengths_size()));
     if (IsSequenceReduction(options.reduction)) spec.reduction_scales = std::move(scales);
     view.reduction_scales = spec.reduction_scales.data();
   }
@@ -280,10 +285,9 @@ absl::Status ParseTeacher(const ComputeEnvironment& env, const v1::ComputeStart&
   if (!distill) {
     if (named || start.has_teacher_head_version() || start.teacher_hidden_size() != 0 ||
         start.teacher_hidden_dtype() != v1::DTYPE_UNSPECIFIED || start.teacher_top_k() != 0) {
-      return InvalidField("teacher_head/teacher_top_k",
-                          "none unless options.objective is OBJECTIVE_DISTILL",
-                          absl::StrCat("a teacher with objective ",
-                                       ObjectiveName(spec.options.objective)));
+      return InvalidField(
+          "teacher_head/teacher_top_k", "none unless options.objective is OBJECTIVE_DISTILL",
+          absl::StrCat("a teacher with objective ", ObjectiveName(spec.options.objective)));
     }
     return absl::OkStatus();
   }
@@ -330,11 +334,10 @@ absl::Status ParseTeacher(const ComputeEnvironment& env, const v1::ComputeStart&
     spec.options.distill.teacher_logit_softcap = t.logit_softcap();
   }
   if (t.vocab_size() != student.vocab_size()) {
-    return InvalidField(
-        "teacher_head",
-        absl::StrCat("a head with the vocabulary of head '", student.name(),
-                     "' (V = ", student.vocab_size(), ")"),
-        absl::StrCat("head '", t.name(), "' with V = ", t.vocab_size()));
+    return InvalidField("teacher_head",
+                        absl::StrCat("a head with the vocabulary of head '", student.name(),
+                                     "' (V = ", student.vocab_size(), ")"),
+                        absl::StrCat("head '", t.name(), "' with V = ", t.vocab_size()));
   }
   if (start.has_teacher_head_version()) spec.teacher_pinned_version = start.teacher_head_version();
   if (start.teacher_hidden_size() != t.hidden_size()) {
@@ -343,9 +346,8 @@ absl::Status ParseTeacher(const ComputeEnvironment& env, const v1::ComputeStart&
                         absl::StrCat(start.teacher_hidden_size()));
   }
   spec.teacher_hidden_size = t.hidden_size();
-  ASSIGN_OR_RETURN(spec.teacher_hidden_dtype,
-                   FromProto(start.teacher_hidden_dtype(), "teacher_hidden_dtype",
-                             spec.hidden_dtype));
+  ASSIGN_OR_RETURN(spec.teacher_hidden_dtype, FromProto(start.teacher_hidden_dtype(),
+                                                        "teacher_hidden_dtype", spec.hidden_dtype));
   return absl::OkStatus();
 }
 
@@ -358,21 +360,22 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   if (start.has_head_version()) spec.pinned_version = start.head_version();
   if (!start.weight_sha256().empty() && !IsWeightDigest(start.weight_sha256())) {
     const std::string& pin = start.weight_sha256();
-    return InvalidField("weight_sha256",
-                        "64 lowercase hex digits (a HeadInfo.weight_sha256) or empty",
-                        absl::StrCat("'", absl::CHexEscape(pin.substr(0, 80)), "'",
-                                     pin.size() > 80 ? "..." : ""));
+    return InvalidField(
+        "weight_sha256", "64 lowercase hex digits (a HeadInfo.weight_sha256) or empty",
+        absl::StrCat("'", absl::CHexEscape(pin.substr(0, 80)), "'", pin.size() > 80 ? "..." : ""));
   }
   spec.pinned_sha256 = start.weight_sha256();
   ASSIGN_OR_RETURN(spec.options, FromProto(start.options()));
   if (!start.options().has_logit_softcap()) spec.options.logit_softcap = head.logit_softcap();
   if (start.num_tokens() < 0 || start.num_tokens() > env.limits.max_tokens_per_call) {
-    return InvalidField("num_tokens", absl::StrCat("a count in [0, ", env.limits.max_tokens_per_call, "]"),
+    return InvalidField("num_tokens",
+                        absl::StrCat("a count in [0, ", env.limits.max_tokens_per_call, "]"),
                         absl::StrCat(start.num_tokens()));
   }
   spec.num_tokens = start.num_tokens();
   if (start.hidden_size() != head.hidden_size()) {
-    return InvalidField("hidden_size", absl::StrCat(head.hidden_size(), " (head '", head.name(), "')"),
+    return InvalidField("hidden_size",
+                        absl::StrCat(head.hidden_size(), " (head '", head.name(), "')"),
                         absl::StrCat(start.hidden_size()));
   }
   spec.hidden_size = start.hidden_size();
@@ -380,19 +383,20 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   RETURN_IF_ERROR(ParseTeacher(env, start, spec));
   RETURN_IF_ERROR(CheckPinnedWeights(spec));
   // Only distill with alpha 0 reads no label.
-  spec.has_labels = !(spec.options.objective == Objective::kDistill &&
-                      spec.options.distill.alpha == 0.0 && start.labels_size() == 0 &&
-                      spec.num_tokens > 0);
+  spec.has_labels =
+      !(spec.options.objective == Objective::kDistill && spec.options.distill.alpha == 0.0 &&
+        start.labels_size() == 0 && spec.num_tokens > 0);
   if (spec.has_labels && start.labels_size() != spec.num_tokens) {
-    return InvalidField("labels",
-                        absl::StrCat(spec.num_tokens, " entries (num_tokens)",
-                                     spec.options.objective == Objective::kDistill
-                                         ? ", or none with distill.alpha 0"
-                                         : ""),
-                        absl::StrCat(start.labels_size()));
+    return InvalidField(
+        "labels",
+        absl::StrCat(
+            spec.num_tokens, " entries (num_tokens)",
+            spec.options.objective == Objective::kDistill ? ", or none with distill.alpha 0" : ""),
+        absl::StrCat(start.labels_size()));
   }
   if (start.token_weights_size() != 0 && start.token_weights_size() != spec.num_tokens) {
-    return InvalidField("token_weights", absl::StrCat("0 or ", spec.num_tokens, " entries (num_tokens)"),
+    return InvalidField("token_weights",
+                        absl::StrCat("0 or ", spec.num_tokens, " entries (num_tokens)"),
                         absl::StrCat(start.token_weights_size()));
   }
   spec.labels.assign(start.labels().begin(), start.labels().end());
@@ -408,9 +412,8 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
     // Before the objective's inputs are read: a sequence reduction counts the shifted labels.
     RETURN_IF_ERROR(ValidateSequenceLengths(start.sequence_lengths().data(),
                                             start.sequence_lengths_size(), spec.num_tokens));
-    ShiftLabelsWithinSequences(spec.labels.data(), spec.num_tokens,
-                               start.sequence_lengths().data(), start.sequence_lengths_size(),
-                               spec.options.ignore_index);
+    ShiftLabelsWithinSequences(spec.labels.data(), spec.num_tokens, start.sequence_lengths().data(),
+                               start.sequence_lengths_size(), spec.options.ignore_index);
   }
   RETURN_IF_ERROR(ValidateTokenWeights(spec.token_weights.data(),
                                        static_cast<int64_t>(spec.token_weights.size())));
@@ -419,18 +422,18 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   spec.outputs = start.outputs();
   const int top_k = spec.outputs.top_k();
   if (top_k < 0 || top_k > kMaxTopK || top_k > head.vocab_size()) {
-    return InvalidField("outputs.top_k",
-                        absl::StrCat("a value in [0, ", std::min<int64_t>(kMaxTopK, head.vocab_size()), "]"),
-                        absl::StrCat(top_k));
+    return InvalidField(
+        "outputs.top_k",
+        absl::StrCat("a value in [0, ", std::min<int64_t>(kMaxTopK, head.vocab_size()), "]"),
+        absl::StrCat(top_k));
   }
-  ASSIGN_OR_RETURN(spec.grad_hidden_dtype, FromProto(spec.outputs.grad_hidden_dtype(),
-                                                     "outputs.grad_hidden_dtype", spec.hidden_dtype));
-  if (spec.options.objective != Objective::kDistill &&
-      (spec.outputs.kd() || spec.outputs.ce())) {
-    return InvalidField(spec.outputs.kd() ? "outputs.kd" : "outputs.ce",
-                        "false unless the objective is distill",
-                        absl::StrCat("true with objective ",
-                                     ObjectiveName(spec.options.objective)));
+  ASSIGN_OR_RETURN(
+      spec.grad_hidden_dtype,
+      FromProto(spec.outputs.grad_hidden_dtype(), "outputs.grad_hidden_dtype", spec.hidden_dtype));
+  if (spec.options.objective != Objective::kDistill && (spec.outputs.kd() || spec.outputs.ce())) {
+    return InvalidField(
+        spec.outputs.kd() ? "outputs.kd" : "outputs.ce", "false unless the objective is distill",
+        absl::StrCat("true with objective ", ObjectiveName(spec.options.objective)));
   }
   if (start.has_shared_memory()) spec.shared_memory = start.shared_memory();
   if (spec.shared_memory.has_value() && spec.options.objective == Objective::kDistill) {
@@ -496,8 +499,8 @@ std::vector<std::string> OverflowSuspects(const CallSpec& spec, int64_t first, i
       suspects.push_back(absl::StrCat("options.distill.temperature = ", o.distill.temperature));
     }
     if (spec.teacher != nullptr && o.distill.teacher_temperature < 1.0) {
-      suspects.push_back(absl::StrCat("options.distill.teacher_temperature = ",
-                                      o.distill.teacher_temperature));
+      suspects.push_back(
+          absl::StrCat("options.distill.teacher_temperature = ", o.distill.teacher_temperature));
     }
   }
   // A policy objective's ratio exp(logp - q) passes fp32's range (about e^88) where the sampling
@@ -512,8 +515,8 @@ std::vector<std::string> OverflowSuspects(const CallSpec& spec, int64_t first, i
     }
     if (smallest_at >= 0 && spec.sampling_logprobs[smallest_at] < -80.0f &&
         o.policy.log_ratio_clamp == 0.0) {
-      suspects.push_back(absl::StrCat("sampling_logprobs[", smallest_at, "] = ",
-                                      spec.sampling_logprobs[smallest_at],
+      suspects.push_back(absl::StrCat("sampling_logprobs[", smallest_at,
+                                      "] = ", spec.sampling_logprobs[smallest_at],
                                       " (the ratio exp(logp - sampling_logprobs) overflows)"));
     }
   }
@@ -541,8 +544,8 @@ std::vector<std::string> OverflowSuspects(const CallSpec& spec, int64_t first, i
                          : o.policy.kl_estimator == KlEstimator::kK2 ? 1e18
                                                                      : 1e37;
     if (at >= 0 && std::fabs(spec.reference_logprobs[at]) > limit) {
-      suspects.push_back(absl::StrCat("reference_logprobs[", at, "] = ",
-                                      spec.reference_logprobs[at], " (under ",
+      suspects.push_back(absl::StrCat("reference_logprobs[", at,
+                                      "] = ", spec.reference_logprobs[at], " (under ",
                                       KlEstimatorName(o.policy.kl_estimator), ")"));
     }
     if (o.policy.kl_coef > 1.0) {
@@ -679,7 +682,8 @@ class ComputeCall {
       if (computed_rows_ == 0) RETURN_IF_ERROR(env_.backend->Zero(staging_.buffer()));
       // The last point at which a cancelled call can still leave the accumulator untouched.
       if (stream_.IsCancelled()) {
-        return absl::CancelledError("call cancelled before its dL/dW was committed; nothing was accumulated");
+        return absl::CancelledError(
+            "call cancelled before its dL/dW was committed; nothing was accumulated");
       }
       ASSIGN_OR_RETURN(commit_, CommitGradient());
     }
@@ -703,9 +707,9 @@ class ComputeCall {
   absl::Status ReadStart() {
     v1::ComputeRequest request;
     if (!stream_.Read(&request)) {
-      return stream_.IsCancelled() ? absl::CancelledError("call cancelled before its start message")
-                                   : InvalidField("start", "a ComputeStart as the first message",
-                                                  "an empty stream");
+      return stream_.IsCancelled()
+                 ? absl::CancelledError("call cancelled before its start message")
+                 : InvalidField("start", "a ComputeStart as the first message", "an empty stream");
     }
     if (!request.has_start()) {
       return InvalidField("start", "a ComputeStart as the first message", "a chunk");
@@ -749,9 +753,9 @@ class ComputeCall {
   absl::Status OverBudget(const absl::Status& refused) const {
     const int64_t capacity = env_.scheduler->capacity_bytes();
     const Head& head = *spec_.head;
-    std::string message = absl::StrCat("the call needs ", admitted_bytes_,
-                                       " bytes of device memory (", plan_.workspace_bytes,
-                                       " of workspace");
+    std::string message =
+        absl::StrCat("the call needs ", admitted_bytes_, " bytes of device memory (",
+                     plan_.workspace_bytes, " of workspace");
     if (staging_bytes_ > 0) {
       absl::StrAppend(&message, " and ", staging_bytes_, " for the ", head.vocab_size(), " x ",
                       head.hidden_size(), " fp32 staging dL/dW of head '", head.name(), "'");
@@ -823,24 +827,26 @@ class ComputeCall {
         CheckSharedMemoryOffered(env_.limits.allow_shared_memory, stream_.PeerIsLocal()));
     if (stream_.IsCancelled()) return absl::CancelledError("call cancelled before it was admitted");
     const uint64_t rows = static_cast<uint64_t>(spec_.num_tokens);
-    const uint64_t grad_hidden_bytes = spec_.outputs.grad_hidden() ? rows * spec_.grad_row_bytes() : 0;
-    ASSIGN_OR_RETURN(shared_memory_, env_.shared_memory->Map(*spec_.shared_memory,
-                                                             rows * spec_.hidden_row_bytes(),
-                                                             grad_hidden_bytes));
+    const uint64_t grad_hidden_bytes =
+        spec_.outputs.grad_hidden() ? rows * spec_.grad_row_bytes() : 0;
+    ASSIGN_OR_RETURN(shared_memory_,
+                     env_.shared_memory->Map(*spec_.shared_memory, rows * spec_.hidden_row_bytes(),
+                                             grad_hidden_bytes));
     return absl::OkStatus();
   }
 
   absl::Status AllocateBuffers() {
-    ASSIGN_OR_RETURN(workspace_, env_.buffers->Acquire(plan_.workspace_bytes, MemoryPurpose::kWorkspace));
+    ASSIGN_OR_RETURN(workspace_,
+                     env_.buffers->Acquire(plan_.workspace_bytes, MemoryPurpose::kWorkspace));
     if (staging_bytes_ > 0) {
       // Not zeroed: the first engine chunk stores into it (LossOptions::overwrite_grad_weight).
       ASSIGN_OR_RETURN(staging_, env_.buffers->Acquire(staging_bytes_, MemoryPurpose::kGradients));
     }
     if (spec_.outputs.grad_hidden() && !spec_.shared_memory.has_value()) {
       const int64_t rows = std::min(plan_.token_chunk, spec_.num_tokens);
-      ASSIGN_OR_RETURN(message_grad_hidden_,
-                       env_.host_buffers->Acquire(static_cast<size_t>(rows * spec_.grad_row_bytes()),
-                                                  MemoryPurpose::kWorkspace));
+      ASSIGN_OR_RETURN(message_grad_hidden_, env_.host_buffers->Acquire(
+                                                 static_cast<size_t>(rows * spec_.grad_row_bytes()),
+                                                 MemoryPurpose::kWorkspace));
     }
     // The client may rewrite its memory while the call runs: unless the backend reads each row
     // once, every engine chunk is computed from a private copy of its rows, so that the finiteness
@@ -884,7 +890,9 @@ class ComputeCall {
   }
 
   // One engine chunk's dL/dh on its way into result messages.
-  uint8_t* MessageGradHidden() { return static_cast<uint8_t*>(message_grad_hidden_.buffer().data()); }
+  uint8_t* MessageGradHidden() {
+    return static_cast<uint8_t*>(message_grad_hidden_.buffer().data());
+  }
 
   // Computes each engine chunk as soon as its rows are in, while the reader takes the next; rows
   // in shared memory are computed where they lie, or from a copy (AllocateBuffers).
@@ -951,7 +959,8 @@ class ComputeCall {
                         ? shared_memory_.grad_hidden() + first * spec_.grad_row_bytes()
                         : MessageGradHidden();
     }
-    const TokenOutputs out = outputs_.Bind(spec_.outputs, rows, grad_hidden, spec_.grad_hidden_dtype);
+    const TokenOutputs out =
+        outputs_.Bind(spec_.outputs, rows, grad_hidden, spec_.grad_hidden_dtype);
 
     LossOptions options = spec_.options;
     options.overwrite_grad_weight = first == 0;
@@ -959,9 +968,10 @@ class ComputeCall {
     BatchSummary summary;
     RETURN_IF_ERROR(WithHeads([&](const WeightView& weight, const WeightView* teacher) {
       in.teacher.weight = teacher;
-      ASSIGN_OR_RETURN(summary, env_.backend->Compute(in, weight, options, out,
-                                                      staging_.held() ? &staging_.buffer() : nullptr,
-                                                      workspace_.buffer()));
+      ASSIGN_OR_RETURN(summary,
+                       env_.backend->Compute(in, weight, options, out,
+                                             staging_.held() ? &staging_.buffer() : nullptr,
+                                             workspace_.buffer()));
       return absl::OkStatus();
     }));
     const double seconds = SecondsSince(start);
@@ -989,8 +999,7 @@ class ComputeCall {
   // lock and at the version the call took. Two heads are locked in the order of their names, so
   // that calls with two heads in opposite roles cannot wait for each other behind a Step; a head
   // that is its own teacher is locked once.
-  absl::Status WithHeads(
-      absl::FunctionRef<absl::Status(const WeightView&, const WeightView*)> fn) {
+  absl::Status WithHeads(absl::FunctionRef<absl::Status(const WeightView&, const WeightView*)> fn) {
     Head& student = *spec_.head;
     if (spec_.teacher == nullptr) {
       return student.WithWeights(spec_.version,
@@ -999,8 +1008,8 @@ class ComputeCall {
     Head& teacher = *spec_.teacher;
     if (&teacher == &student) {
       if (spec_.teacher_version != spec_.version) {
-        return absl::AbortedError(absl::StrCat("head '", student.name(),
-                                               "' moved between its two reads of the call"));
+        return absl::AbortedError(
+            absl::StrCat("head '", student.name(), "' moved between its two reads of the call"));
       }
       return student.WithWeights(spec_.version, [&](const WeightView& w) { return fn(w, &w); });
     }
@@ -1010,9 +1019,8 @@ class ComputeCall {
     return outer.WithWeights(
         student_first ? spec_.version : spec_.teacher_version, [&](const WeightView& a) {
           return inner.WithWeights(
-              student_first ? spec_.teacher_version : spec_.version, [&](const WeightView& b) {
-                return student_first ? fn(a, &b) : fn(b, &a);
-              });
+              student_first ? spec_.teacher_version : spec_.version,
+              [&](const WeightView& b) { return student_first ? fn(a, &b) : fn(b, &a); });
         });
   }
 
@@ -1027,9 +1035,9 @@ class ComputeCall {
     absl::Status finite =
         ValidateFiniteMatrix("chunk.hidden", chunk.rows, spec_.hidden_dtype, rows, columns, first);
     if (finite.ok() && spec_.teacher != nullptr) {
-      finite = ValidateFiniteMatrix("chunk.teacher_hidden", chunk.side_rows[0],
-                                    spec_.teacher_hidden_dtype, rows, spec_.teacher_hidden_size,
-                                    first);
+      finite =
+          ValidateFiniteMatrix("chunk.teacher_hidden", chunk.side_rows[0],
+                               spec_.teacher_hidden_dtype, rows, spec_.teacher_hidden_size, first);
     }
     if (!finite.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -1058,16 +1066,19 @@ class ComputeCall {
           largest_of(chunk.side_rows[0], spec_.teacher_hidden_dtype, teacher_columns);
       if (teacher_largest > largest) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "chunk.teacher_hidden: ", which, " are finite, but the teacher's logits overflow fp32 "
-            "(the largest |h| of the teacher's rows is ", teacher_largest,
-            ", at chunk.teacher_hidden[", first + teacher_at / teacher_columns, ", ",
-            teacher_at % teacher_columns, "]); nothing was accumulated"));
+            "chunk.teacher_hidden: ", which,
+            " are finite, but the teacher's logits overflow fp32 "
+            "(the largest |h| of the teacher's rows is ",
+            teacher_largest, ", at chunk.teacher_hidden[", first + teacher_at / teacher_columns,
+            ", ", teacher_at % teacher_columns, "]); nothing was accumulated"));
       }
     }
-    return absl::InvalidArgumentError(absl::StrCat(
-        "chunk.hidden: ", which, " are finite, but their logits h W^T overflow fp32 (the largest "
-        "|h| is ", largest, ", at chunk.hidden[", first + largest_at / columns, ", ",
-        largest_at % columns, "]); nothing was accumulated"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk.hidden: ", which,
+                     " are finite, but their logits h W^T overflow fp32 (the largest "
+                     "|h| is ",
+                     largest, ", at chunk.hidden[", first + largest_at / columns, ", ",
+                     largest_at % columns, "]); nothing was accumulated"));
   }
 
   // Finite logits do not make dL/dW finite: under a soft cap an infinite hidden value gives capped
@@ -1115,18 +1126,17 @@ class ComputeCall {
   absl::Status ExplainNonFiniteGradient(absl::Status status) const {
     std::vector<std::string> causes = OverflowSuspects(spec_, 0, spec_.num_tokens, true);
     if (spec_.options.logit_softcap > 0.0) {
-      causes.push_back(absl::StrCat("an Inf in chunk.hidden under options.logit_softcap = ",
-                                    spec_.options.logit_softcap,
-                                    " (the cap keeps its logits finite, not its dL/dW)"));
+      causes.push_back(absl::StrCat(
+          "an Inf in chunk.hidden under options.logit_softcap = ", spec_.options.logit_softcap,
+          " (the cap keeps its logits finite, not its dL/dW)"));
     }
     if (causes.empty()) {
       causes.push_back("hidden values in chunk.hidden large enough to overflow it");
     }
-    return WithPayloadsOf(
-        absl::InvalidArgumentError(absl::StrCat("this call's dL/dW has non-finite values in fp32, from ",
-                                                absl::StrJoin(causes, ", or "),
-                                                "; nothing was accumulated")),
-        status);
+    return WithPayloadsOf(absl::InvalidArgumentError(absl::StrCat(
+                              "this call's dL/dW has non-finite values in fp32, from ",
+                              absl::StrJoin(causes, ", or "), "; nothing was accumulated")),
+                          status);
   }
 
   // Streams one chunk's results, split so that no message exceeds the result message limit.
@@ -1200,9 +1210,11 @@ class ComputeCall {
     const bool written = stream_.WriteOrStall(response, [this] { (void)PauseWhileWaiting(); });
     RETURN_IF_ERROR(ResumeIfPaused());
     if (!written) {
-      return absl::CancelledError("client went away while results were sent; nothing was accumulated");
+      return absl::CancelledError(
+          "client went away while results were sent; nothing was accumulated");
     }
-    if (env_.metrics != nullptr) env_.metrics->AddBytesSent(static_cast<int64_t>(response.ByteSizeLong()));
+    if (env_.metrics != nullptr)
+      env_.metrics->AddBytesSent(static_cast<int64_t>(response.ByteSizeLong()));
     return absl::OkStatus();
   }
 
@@ -1243,7 +1255,7 @@ class ComputeCall {
   int64_t correct_tokens_ = 0;
   double grad_weight_bound_ = 0.0;  // on |this call's dL/dW|, summed over engine chunks
   CommitOutcome commit_ = CommitOutcome::kCommitted;  // of a call that accumulates
-  bool accumulated_ = false;  // dL/dW was committed (or replayed)
+  bool accumulated_ = false;                          // dL/dW was committed (or replayed)
   int64_t peak_workspace_bytes_ = 0;
   double queue_seconds_ = 0.0;
   double compute_seconds_ = 0.0;

@@ -51,11 +51,11 @@ struct ComputeEnvironment {
   Scheduler* scheduler;
   Metrics* metrics;  // may be null
   MemoryLedger* ledger;
-  BufferCache* buffers;  // workspaces and staging gradients
-  BufferCache* host_buffers;  // rows from messages and dL/dh for them, in host memory
+  BufferCache* buffers;             // workspaces and staging gradients
+  BufferCache* host_buffers;        // rows from messages and dL/dh for them, in host memory
   SharedMemoryMaps* shared_memory;  // clients' memfds (ComputeStart.shared_memory)
-  PendingMemory* pending;  // host memory of calls not yet admitted
-  StagingRoom* staging_room;  // staged dL/dW of every head
+  PendingMemory* pending;           // host memory of calls not yet admitted
+  StagingRoom* staging_room;        // staged dL/dW of every head
   ComputeLimits limits;
 };
 

@@ -51,10 +51,10 @@ absl::Status CallThreads::Start(absl::AnyInvocable<void() &&> fn) {
   try {
     // Registered under mu_ before the thread can report itself finished.
     threads_.emplace(id, std::thread([this, id, fn = std::move(fn)]() mutable {
-      std::move(fn)();
-      absl::MutexLock lock(&mu_);
-      finished_.push_back(id);
-    }));
+                       std::move(fn)();
+                       absl::MutexLock lock(&mu_);
+                       finished_.push_back(id);
+                     }));
   } catch (const std::system_error& e) {
     return absl::ResourceExhaustedError(
         absl::StrCat("the server could not start a thread for the call: ", e.what()));
@@ -103,7 +103,8 @@ absl::Status StartWatch::Watch(ComputeReactor* reactor) {
   if (!refuse_all_.ok()) return refuse_all_;
   if (static_cast<int64_t>(deadline_of_.size()) >= max_streams_) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "Compute: ", deadline_of_.size(), " streams already wait for their start message, the "
+        "Compute: ", deadline_of_.size(),
+        " streams already wait for their start message, the "
         "most the server keeps; send the start message when opening a call, or retry later"));
   }
   const absl::Time deadline = absl::Now() + limit_;
@@ -233,7 +234,8 @@ bool ComputeReactor::Read(v1::ComputeRequest* request) {
   reading_ = true;
   // OnReadDone runs on a gRPC thread, never inside StartRead, so starting under mu_ is safe.
   StartRead(request);
-  mu_.Await(absl::Condition(+[](bool* reading) { return !*reading; }, &reading_));
+  mu_.Await(absl::Condition(
+      +[](bool* reading) { return !*reading; }, &reading_));
   if (!read_ok_) reads_over_ = true;
   return read_ok_;
 }
@@ -248,7 +250,8 @@ bool ComputeReactor::WriteOrStall(const v1::ComputeResponse& response,
   // what the call does meanwhile depends on it (whether it gives its slot back), never a result.
   constexpr absl::Duration kStallGrace = absl::Milliseconds(20);
   absl::MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(+[](bool* writing) { return !*writing; }, &writing_));
+  mu_.Await(absl::Condition(
+      +[](bool* writing) { return !*writing; }, &writing_));
   if (ended_ || writes_over_) return false;
   writing_ = true;
   StartWrite(&response);

@@ -119,8 +119,8 @@ class ComputeReactor final
   // nothing runs and the caller refuses the call.
   static absl::StatusOr<ComputeReactor*> Start(grpc::CallbackServerContext* context,
                                                absl::Duration write_stall_limit,
-                                               CallThreads& threads, StartWatch& watch,
-                                               Body body, Hooks hooks);
+                                               CallThreads& threads, StartWatch& watch, Body body,
+                                               Hooks hooks);
   // A reactor that ends the RPC at once with `status`, running nothing.
   static ComputeReactor* Refuse(const absl::Status& status);
 
@@ -168,10 +168,10 @@ class ComputeReactor final
   std::atomic<bool> cancelled_{false};
 
   mutable absl::Mutex mu_;
-  bool reading_ ABSL_GUARDED_BY(mu_) = false;  // a StartRead awaits OnReadDone
-  bool first_read_ ABSL_GUARDED_BY(mu_) = true;  // the pending read is of first_
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;      // a StartRead awaits OnReadDone
+  bool first_read_ ABSL_GUARDED_BY(mu_) = true;    // the pending read is of first_
   bool first_taken_ ABSL_GUARDED_BY(mu_) = false;  // Read has handed first_ to the call
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;  // a StartWrite awaits OnWriteDone
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;      // a StartWrite awaits OnWriteDone
   bool read_ok_ ABSL_GUARDED_BY(mu_) = false;
   bool write_ok_ ABSL_GUARDED_BY(mu_) = false;
   bool reads_over_ ABSL_GUARDED_BY(mu_) = false;   // a read failed: no later one can succeed

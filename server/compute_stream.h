@@ -43,9 +43,9 @@ class ComputeStream {
 // The status of a call ended because its client kept it waiting for `limit` (--stream_idle_seconds)
 // for `what` ("rows [0, 128)", "the end of the stream", "the client to read its results").
 inline absl::Status StreamIdleError(absl::string_view what, absl::Duration limit) {
-  return absl::DeadlineExceededError(absl::StrCat(
-      "stream idle: the call waited ", absl::FormatDuration(limit), " for ", what,
-      " (--stream_idle_seconds) and was ended"));
+  return absl::DeadlineExceededError(absl::StrCat("stream idle: the call waited ",
+                                                  absl::FormatDuration(limit), " for ", what,
+                                                  " (--stream_idle_seconds) and was ended"));
 }
 
 }  // namespace lossd::server

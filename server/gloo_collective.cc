@@ -43,7 +43,8 @@ absl::StatusOr<std::unique_ptr<GlooCollective>> GlooCollective::Connect(
   } catch (const std::exception& e) {
     return absl::UnavailableError(absl::StrCat("replica ", rank, " of ", size,
                                                ": connecting to the other replicas (Gloo, TCP "
-                                               "on ", local_host, ") failed: ", e.what()));
+                                               "on ",
+                                               local_host, ") failed: ", e.what()));
   }
   return collective;
 }
@@ -74,9 +75,9 @@ absl::Status GlooCollective::Run(absl::string_view what, Op&& op) {
   } catch (...) {
     failure = "an unknown exception";
   }
-  broken_ = absl::UnavailableError(absl::StrCat(
-      "replica group: ", what, " (operation ", tag, ") failed on replica ", rank_, " of ", size_,
-      ": ", failure));
+  broken_ = absl::UnavailableError(absl::StrCat("replica group: ", what, " (operation ", tag,
+                                                ") failed on replica ", rank_, " of ", size_, ": ",
+                                                failure));
   return broken_;
 }
 

@@ -65,7 +65,6 @@ class GlooCollective final : public Collective {
   mutable absl::Mutex mu_;
   uint32_t next_tag_ ABSL_GUARDED_BY(mu_) = 1;
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
-
 };
 
 }  // namespace lossd::server

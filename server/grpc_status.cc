@@ -12,7 +12,8 @@
 namespace lossd::server {
 namespace {
 
-// Compares every byte whatever the first difference, so the time taken says nothing about the token.
+// Compares every byte whatever the first difference, so the time taken says nothing about the
+// token.
 bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
   unsigned char difference = a.size() == b.size() ? 0 : 1;
   const size_t n = std::max(a.size(), b.size());
@@ -67,11 +68,13 @@ absl::Status CheckBearerToken(const grpc::ServerContextBase& context, absl::stri
   if (token.empty()) return absl::OkStatus();
   const auto& metadata = context.client_metadata();
   auto it = metadata.find("authorization");
-  const absl::string_view presented =
-      it == metadata.end() ? absl::string_view() : absl::string_view(it->second.data(), it->second.size());
+  const absl::string_view presented = it == metadata.end()
+                                          ? absl::string_view()
+                                          : absl::string_view(it->second.data(), it->second.size());
   if (!ConstantTimeEquals(presented, absl::StrCat("Bearer ", token))) {
     return absl::UnauthenticatedError(
-        "authorization: expected metadata \"authorization: Bearer <token>\" with the server's token");
+        "authorization: expected metadata \"authorization: Bearer <token>\" with the server's "
+        "token");
   }
   return absl::OkStatus();
 }

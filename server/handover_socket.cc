@@ -85,8 +85,7 @@ absl::StatusOr<std::string> Answer(SharedMemoryMaps& maps, const Connection& con
       }
       RETURN_IF_ERROR(maps.Release(request.release_handle().handle(), connection.id));
       return request.release_handle().handle();
-    default:
-      return InvalidField("request", "register_memfd or release_handle", "neither");
+    default: return InvalidField("request", "register_memfd or release_handle", "neither");
   }
 }
 
@@ -120,8 +119,8 @@ bool ServeMessage(SharedMemoryMaps& maps, const Connection& connection) {
   // The end of the stream (a SOCK_SEQPACKET peer that closes reads as an empty message).
   if (received == 0 && descriptors.empty() && (message.msg_flags & MSG_CTRUNC) == 0) return false;
   return SendReply(connection.socket.get(),
-                   Answer(maps, connection, data, static_cast<size_t>(received),
-                          message.msg_flags, std::move(descriptors)));
+                   Answer(maps, connection, data, static_cast<size_t>(received), message.msg_flags,
+                          std::move(descriptors)));
 }
 
 }  // namespace
@@ -223,11 +222,11 @@ void HandoverSocket::Serve() {
           std::count_if(connections.begin(), connections.end(),
                         [&](const Connection& open) { return open.user == peer.uid; });
       if (of_user >= limits_.max_connections_per_user) {
-        SendReply(accepted.get(), absl::ResourceExhaustedError(absl::StrCat(
-                                      "connection: expected at most ",
-                                      limits_.max_connections_per_user,
-                                      " open handover connections per local user (uid ", peer.uid,
-                                      "), got one more; try again later")));
+        SendReply(accepted.get(),
+                  absl::ResourceExhaustedError(absl::StrCat(
+                      "connection: expected at most ", limits_.max_connections_per_user,
+                      " open handover connections per local user (uid ", peer.uid,
+                      "), got one more; try again later")));
         continue;
       }
       connections.push_back({std::move(accepted), next_id++, static_cast<uint32_t>(peer.uid)});

@@ -10,11 +10,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "lossd/common/counter_random.h"
+#include "lossd/common/status_macros.h"
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/kernels/optimizer_math.h"
-#include "lossd/common/counter_random.h"
-#include "lossd/common/status_macros.h"
 
 namespace lossd::server {
 namespace {
@@ -23,7 +23,8 @@ std::vector<uint8_t> ConvertOnHost(std::vector<uint8_t> data, DType from, DType 
   if (from == to) return data;
   const int64_t count = static_cast<int64_t>(data.size() / DTypeSize(from));
   std::vector<uint8_t> out(count * DTypeSize(to));
-  for (int64_t i = 0; i < count; ++i) StoreFromFloat(out.data(), to, i, LoadAsFloat(data.data(), from, i));
+  for (int64_t i = 0; i < count; ++i)
+    StoreFromFloat(out.data(), to, i, LoadAsFloat(data.data(), from, i));
   return out;
 }
 
@@ -35,7 +36,8 @@ absl::StatusOr<DeviceBuffer> UploadBuffer(Backend& backend, const void* data, si
 
 absl::Status VersionMoved(const std::string& head, uint64_t expected, uint64_t now, bool retired) {
   if (retired) {
-    return absl::AbortedError(absl::StrCat("head '", head, "' was replaced by an upload during the "
+    return absl::AbortedError(absl::StrCat("head '", head,
+                                           "' was replaced by an upload during the "
                                            "call; nothing was accumulated, retry"));
   }
   return absl::AbortedError(absl::StrCat("head '", head, "' moved from version ", expected, " to ",
@@ -152,10 +154,10 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Create(Backend& backend, MemoryLedge
   const int64_t elements = state.vocab_size * state.hidden_size;
   if (state.vocab_size <= 0 || state.hidden_size <= 0 ||
       state.weight.size() != static_cast<size_t>(elements) * DTypeSize(state.weight_dtype)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "head '", state.head, "': expected ", elements * DTypeSize(state.weight_dtype),
-        " bytes of W [", state.vocab_size, ", ", state.hidden_size, "] in ",
-        DTypeName(state.weight_dtype), ", got ", state.weight.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("head '", state.head, "': expected ", elements * DTypeSize(state.weight_dtype),
+                     " bytes of W [", state.vocab_size, ", ", state.hidden_size, "] in ",
+                     DTypeName(state.weight_dtype), ", got ", state.weight.size()));
   }
   if (const absl::Status cap = ValidateSoftcap("logit_softcap", state.logit_softcap); !cap.ok()) {
     return absl::InvalidArgumentError(
@@ -184,10 +186,10 @@ absl::StatusOr<std::shared_ptr<Head>> Head::Create(Backend& backend, MemoryLedge
   if (!state.master_weight.empty()) {
     if (state.weight_dtype == DType::kFloat32 ||
         state.master_weight.size() != static_cast<size_t>(elements)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "head '", state.head, "' from ", head->source_, ": master_weight: expected ",
-          state.weight_dtype == DType::kFloat32 ? 0 : elements, " values for a ",
-          DTypeName(state.weight_dtype), " W, got ", state.master_weight.size()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("head '", state.head, "' from ", head->source_, ": master_weight: expected ",
+                       state.weight_dtype == DType::kFloat32 ? 0 : elements, " values for a ",
+                       DTypeName(state.weight_dtype), " W, got ", state.master_weight.size()));
     }
     RETURN_IF_ERROR(CheckFinite(state.head, head->source_, "master_weight",
                                 state.master_weight.data(), DType::kFloat32, state.vocab_size,
@@ -374,10 +376,9 @@ absl::StatusOr<CommitOutcome> Head::StageGradient(StagedGradient& call, DeviceBu
   bool reserved = room.TryReserve(bytes);
   int evicted = 0;
   while (!reserved && !staged_.empty()) {
-    const auto oldest =
-        std::min_element(staged_.begin(), staged_.end(), [](const auto& a, const auto& b) {
-          return a.second->deadline < b.second->deadline;
-        });
+    const auto oldest = std::min_element(
+        staged_.begin(), staged_.end(),
+        [](const auto& a, const auto& b) { return a.second->deadline < b.second->deadline; });
     RememberDrop(oldest->first, StagedDrop::kEvicted);
     staged_.erase(oldest);
     ++evicted;
@@ -405,21 +406,25 @@ absl::StatusOr<CommitOutcome> Head::CommitStaged(const std::string& call_id, dou
   absl::MutexLock grad_lock(&grad_mu_);
   const auto staged = staged_.find(call_id);
   if (staged == staged_.end()) {
-    if (const auto committed = committed_calls_.find(call_id); committed != committed_calls_.end()) {
+    if (const auto committed = committed_calls_.find(call_id);
+        committed != committed_calls_.end()) {
       if (absl::bit_cast<uint64_t>(committed->second.scale) == absl::bit_cast<uint64_t>(scale)) {
         return CommitOutcome::kReplayed;
       }
-      return absl::AlreadyExistsError(absl::StrCat(
-          "call_id: '", call_id, "' was already committed into head '", name_, "' with scale ",
-          committed->second.scale, "; a commit with scale ", scale,
-          " cannot take it back; nothing was added"));
+      return absl::AlreadyExistsError(
+          absl::StrCat("call_id: '", call_id, "' was already committed into head '", name_,
+                       "' with scale ", committed->second.scale, "; a commit with scale ", scale,
+                       " cannot take it back; nothing was added"));
     }
-    std::string why = "no call staged it, or it was committed before the head's gradient was last "
-                      "zeroed";
+    std::string why =
+        "no call staged it, or it was committed before the head's gradient was last "
+        "zeroed";
     if (const auto dropped = dropped_.find(call_id); dropped != dropped_.end()) {
       switch (dropped->second) {
         case StagedDrop::kDiscarded: why = "it was discarded"; break;
-        case StagedDrop::kExpired: why = "it expired (--staged_grad_seconds) before this commit"; break;
+        case StagedDrop::kExpired:
+          why = "it expired (--staged_grad_seconds) before this commit";
+          break;
         case StagedDrop::kEvicted:
           why = "newer staged gradients took its room (--staged_grad_mib); compute it again";
           break;
@@ -429,8 +434,8 @@ absl::StatusOr<CommitOutcome> Head::CommitStaged(const std::string& call_id, dou
       }
     }
     return absl::NotFoundError(absl::StrCat("call_id: head '", name_,
-                                            "' holds no gradient staged under '", call_id, "': ",
-                                            why, "; nothing was added"));
+                                            "' holds no gradient staged under '", call_id,
+                                            "': ", why, "; nothing was added"));
   }
   std::unique_ptr<StagedCall> entry = std::move(staged->second);
   staged_.erase(staged);
@@ -546,13 +551,11 @@ absl::StatusOr<GradNorm> Head::GradientNormLocked(std::optional<uint64_t> expect
   return norm;
 }
 
-void Head::DropReduced() {
-  reduced_valid_ = false;
-}
+void Head::DropReduced() { reduced_valid_ = false; }
 
 absl::Status Head::ReduceGradient(GradientExchange& exchange, const absl::Status& refusal) {
-  const bool kept = reduced_valid_ && reduced_generation_ == grad_generation_ &&
-                    reduced_version_ == version_;
+  const bool kept =
+      reduced_valid_ && reduced_generation_ == grad_generation_ && reduced_version_ == version_;
   std::optional<uint64_t> digest;
   {
     absl::MutexLock digest_lock(&digest_mu_);
@@ -570,7 +573,8 @@ absl::Status Head::ReduceGradient(GradientExchange& exchange, const absl::Status
   DropReduced();
   if (reduced_ == nullptr) {
     reduced_.reset(new float[count]);
-    reduced_charge_ = MemoryCharge(&ledger_, MemoryPurpose::kGradients, count * int64_t{sizeof(float)});
+    reduced_charge_ =
+        MemoryCharge(&ledger_, MemoryPurpose::kGradients, count * int64_t{sizeof(float)});
   }
   if (grad_.data() != nullptr) {
     RETURN_IF_ERROR(backend_.CopyToHost(grad_, 0, count * sizeof(float), reduced_.get()));
@@ -634,7 +638,8 @@ absl::Status Head::AddToAccumulator(DeviceBuffer& staged, double staged_bound) {
     // same call fails the same way, which is gRPC's rule for this code. Clients do not retry it.
     return NonFiniteGradient(absl::FailedPreconditionError(absl::StrCat(
         "head '", name_, "': adding this call's dL/dW to the accumulated gradient (",
-        accumulated_calls_, " calls since it was zeroed) would overflow float32, an entry "
+        accumulated_calls_,
+        " calls since it was zeroed) would overflow float32, an entry "
         "beyond +-3.4e38; nothing was accumulated and the accumulated gradient is unchanged. Step "
         "or zero the gradient (ZeroGradWeight) before more calls, or lower options.grad_scale")));
   }
@@ -653,7 +658,7 @@ absl::Status Head::CheckRepeat(const std::string& call_id, const CommittedCall& 
                                      "inputs); nothing was accumulated"));
   }
   if (first.epoch != epoch_ || first.version != version_) {
-    const char* since = first.epoch == epoch_    ? " (a step with keep_grad)"
+    const char* since = first.epoch == epoch_       ? " (a step with keep_grad)"
                         : first.version == version_ ? ", and its gradient was zeroed since"
                                                     : " (a step or an upload of W since)";
     return absl::AlreadyExistsError(absl::StrCat(
@@ -665,8 +670,8 @@ absl::Status Head::CheckRepeat(const std::string& call_id, const CommittedCall& 
   return absl::OkStatus();
 }
 
-void Head::RememberCallId(const std::string& call_id, uint64_t start_fingerprint,
-                          double loss_sum, double scale, int64_t max_call_ids) {
+void Head::RememberCallId(const std::string& call_id, uint64_t start_fingerprint, double loss_sum,
+                          double scale, int64_t max_call_ids) {
   committed_calls_[call_id] = CommittedCall{epoch_, version_, start_fingerprint, loss_sum, scale};
   call_id_order_.push_back(call_id);
   ++epoch_call_ids_;
@@ -709,9 +714,9 @@ absl::Status Head::ReadRows(uint64_t expected_version, absl::Span<const int64_t>
   std::vector<uint8_t> row(row_bytes);
   absl::ReaderMutexLock lock(&weight_mu_);
   if (retired_ || version_ != expected_version) {
-    return absl::AbortedError(
-        absl::StrCat("head '", name_, "' moved from version ", expected_version,
-                     " during the lookup; look the rows up again"));
+    return absl::AbortedError(absl::StrCat("head '", name_, "' moved from version ",
+                                           expected_version,
+                                           " during the lookup; look the rows up again"));
   }
   for (size_t r = 0; r < ids.size(); ++r) {
     uint8_t* target = out + r * hidden_size_ * DTypeSize(dtype);
@@ -739,9 +744,9 @@ absl::StatusOr<uint64_t> Head::AddGradientRows(std::optional<uint64_t> expected_
   }
   if (expected_version.has_value() && *expected_version != version_) {
     return HeadMovedError(
-        "head_version", absl::StrCat("the rows were looked up at version ", *expected_version,
-                                     " of head '", name_, "', which is now at version ", version_,
-                                     "; nothing was accumulated"));
+        "head_version",
+        absl::StrCat("the rows were looked up at version ", *expected_version, " of head '", name_,
+                     "', which is now at version ", version_, "; nothing was accumulated"));
   }
   absl::MutexLock grad_lock(&grad_mu_);
   RETURN_IF_ERROR(EnsureAccumulator());
@@ -852,16 +857,15 @@ absl::Status Head::EnsureMasterWeights() {
     RETURN_IF_ERROR(backend_.CopyToHost(weight_, first * DTypeSize(dtype_), n * DTypeSize(dtype_),
                                         stored.data()));
     for (int64_t i = 0; i < n; ++i) widened[i] = LoadAsFloat(stored.data(), dtype_, i);
-    RETURN_IF_ERROR(backend_.CopyToDevice(widened.data(), n * sizeof(float), master,
-                                          first * sizeof(float)));
+    RETURN_IF_ERROR(
+        backend_.CopyToDevice(widened.data(), n * sizeof(float), master, first * sizeof(float)));
   }
   master_ = std::move(master);
   master_charge_ = MemoryCharge(&ledger_, MemoryPurpose::kWeights, static_cast<int64_t>(bytes));
   return absl::OkStatus();
 }
 
-absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config,
-                                       const StepSettings& settings,
+absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config, const StepSettings& settings,
                                        GradientExchange* exchange) {
   absl::WriterMutexLock weight_lock(&weight_mu_);
   absl::Status refusal;
@@ -892,10 +896,10 @@ absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config,
   // The optimizer multiplies in float32: past FLT_MAX the norm's largest entries would overflow.
   if (!(outcome.grad_norm <= FLT_MAX)) {
     if (!settings.skip_nonfinite) {
-      return NonFiniteGradient(absl::FailedPreconditionError(absl::StrCat(
-          "gradient of head '", name_, "' has a non-finite norm (", outcome.grad_norm,
-          " after grad_multiplier ", settings.grad_multiplier,
-          "); step refused, nothing changed")));
+      return NonFiniteGradient(absl::FailedPreconditionError(
+          absl::StrCat("gradient of head '", name_, "' has a non-finite norm (", outcome.grad_norm,
+                       " after grad_multiplier ", settings.grad_multiplier,
+                       "); step refused, nothing changed")));
     }
     // As torch.amp.GradScaler after an overflow: this step's gradient is dropped, nothing moves.
     outcome.skipped = true;
@@ -963,8 +967,8 @@ absl::StatusOr<StepOutcome> Head::Step(const OptimizerConfig& config,
     state1_ = std::move(new_state1);  // of the fresh optimizer (maybe none), or a new buffer
     if (fresh_state) state2_ = std::move(new_state2);
     optimizer_ = kind;
-    state_charge_ = MemoryCharge(&ledger_, MemoryPurpose::kOptimizerState,
-                                 state1_.bytes() + state2_.bytes());
+    state_charge_ =
+        MemoryCharge(&ledger_, MemoryPurpose::kOptimizerState, state1_.bytes() + state2_.bytes());
   }
   if (fresh_state) steps_ = 0;
   if (master) RETURN_IF_ERROR(backend_.ConvertFloat32(master_, weight_, dtype_, count));
@@ -991,10 +995,12 @@ absl::Status Head::NonFiniteStep(const OptimizerConfig& config, const OptimizerT
   RETURN_IF_ERROR(backend_.CopyToHost(*tensors.weight, i * weight_bytes, weight_bytes, &weight));
   RETURN_IF_ERROR(backend_.CopyToHost(*tensors.grad, i * sizeof(float), sizeof(float), &grad));
   if (tensors.state1 != nullptr) {
-    RETURN_IF_ERROR(backend_.CopyToHost(*tensors.state1, i * sizeof(float), sizeof(float), &state1));
+    RETURN_IF_ERROR(
+        backend_.CopyToHost(*tensors.state1, i * sizeof(float), sizeof(float), &state1));
   }
   if (tensors.state2 != nullptr) {
-    RETURN_IF_ERROR(backend_.CopyToHost(*tensors.state2, i * sizeof(float), sizeof(float), &state2));
+    RETURN_IF_ERROR(
+        backend_.CopyToHost(*tensors.state2, i * sizeof(float), sizeof(float), &state2));
   }
   const bool adamw = config.kind == OptimizerConfig::Kind::kAdamW;
   const float old_weight = LoadAsFloat(&weight, tensors.weight_dtype, 0);
@@ -1012,19 +1018,19 @@ absl::Status Head::NonFiniteStep(const OptimizerConfig& config, const OptimizerT
   return absl::FailedPreconditionError(absl::StrCat(
       "head '", name_, "': the step would make ", field, "[", i / hidden_size_, ", ",
       i % hidden_size_, "] ", value, ", not a finite ",
-      result.non_finite == OptimizerStepResult::NonFinite::kWeight ? DTypeName(dtype_)
-                                                                   : "float32",
-      " value (learning_rate ", config.learning_rate, ", gradient entry ", grad,
-      ", gradient norm ", outcome.grad_norm, ", weight ", old_weight,
+      result.non_finite == OptimizerStepResult::NonFinite::kWeight ? DTypeName(dtype_) : "float32",
+      " value (learning_rate ", config.learning_rate, ", gradient entry ", grad, ", gradient norm ",
+      outcome.grad_norm, ", weight ", old_weight,
       "); step refused: W, the optimizer state and the version are unchanged. Lower the learning "
       "rate, or clip the gradient (max_grad_norm)"));
 }
 
-absl::Status Head::ReplaceWeight(const std::vector<uint8_t>& weight, DType dtype, std::string source) {
+absl::Status Head::ReplaceWeight(const std::vector<uint8_t>& weight, DType dtype,
+                                 std::string source) {
   std::vector<uint8_t> stored = ConvertOnHost(weight, dtype, dtype_);
   if (stored.size() != weight_.bytes()) {
-    return absl::InvalidArgumentError(absl::StrCat("weight: expected ", weight_.bytes(),
-                                                   " bytes, got ", stored.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight: expected ", weight_.bytes(), " bytes, got ", stored.size()));
   }
   // Checked as stored: a finite fp32 value past 65504 is Inf in a float16 head.
   RETURN_IF_ERROR(
@@ -1094,8 +1100,9 @@ absl::StatusOr<std::shared_ptr<Head>> HeadStore::Get(const std::string& name) co
   if (it != heads_.end()) return it->second;
   std::vector<std::string> names;
   for (const auto& [key, unused] : heads_) names.push_back(key);
-  return absl::NotFoundError(absl::StrCat("head: no head named '", name, "' (serving: ",
-                                          names.empty() ? "none" : absl::StrJoin(names, ", "), ")"));
+  return absl::NotFoundError(
+      absl::StrCat("head: no head named '", name,
+                   "' (serving: ", names.empty() ? "none" : absl::StrJoin(names, ", "), ")"));
 }
 
 std::vector<std::shared_ptr<Head>> HeadStore::List() const {
@@ -1117,8 +1124,8 @@ absl::Status HeadStore::Put(std::shared_ptr<Head> head, bool replace) {
   auto [it, inserted] = heads_.try_emplace(head->name(), head);
   if (!inserted) {
     if (!replace) {
-      return absl::AlreadyExistsError(absl::StrCat("head: '", head->name(),
-                                                   "' exists; set replace to overwrite it"));
+      return absl::AlreadyExistsError(
+          absl::StrCat("head: '", head->name(), "' exists; set replace to overwrite it"));
     }
     it->second->Retire();
     it->second = std::move(head);

@@ -61,7 +61,7 @@ struct HeadSummary {
   int64_t steps = 0;
   bool tied_embeddings = false;
   double logit_softcap = 0.0;
-  std::string weight_sha256;  // of W at `version`; empty where not computed yet
+  std::string weight_sha256;    // of W at `version`; empty where not computed yet
   bool master_weights = false;  // a 16-bit W stepped from fp32 master weights
   int64_t staged_gradients = 0;
 };
@@ -74,11 +74,11 @@ struct WeightDigest {
 
 // One optimizer step, beside its optimizer's configuration (StepRequest).
 struct StepSettings {
-  double max_grad_norm = 0.0;           // > 0: clip by the (multiplied) gradient's norm
-  bool keep_grad = false;               // else the accumulator is zeroed after the step
+  double max_grad_norm = 0.0;  // > 0: clip by the (multiplied) gradient's norm
+  bool keep_grad = false;      // else the accumulator is zeroed after the step
   std::optional<uint64_t> expected_version;
-  double grad_multiplier = 1.0;         // applied to the accumulated gradient first
-  bool skip_nonfinite = false;          // a non-finite gradient skips the step instead of failing
+  double grad_multiplier = 1.0;  // applied to the accumulated gradient first
+  bool skip_nonfinite = false;   // a non-finite gradient skips the step instead of failing
 };
 
 struct StepOutcome {
@@ -144,7 +144,7 @@ struct StagedGradient {
   // The engine's bound on |entries| before fp32 rounding (BatchSummary::grad_weight_bound, summed
   // over the call's engine chunks); +inf when the engine gives none, NaN counts as none.
   double bound = HUGE_VAL;
-  std::string call_id;             // empty: none
+  std::string call_id;  // empty: none
   // Of the call's start (labels, weights, loss options, shapes) and of its loss sum: a repeated
   // call_id must come with the same call.
   uint64_t start_fingerprint = 0;
@@ -214,7 +214,8 @@ class Head {
   absl::StatusOr<WeightDigest> Digest();
 
   // Runs fn with W under the shared lock if the head is still at `expected_version`.
-  absl::Status WithWeights(uint64_t expected_version, absl::FunctionRef<absl::Status(const WeightView&)> fn);
+  absl::Status WithWeights(uint64_t expected_version,
+                           absl::FunctionRef<absl::Status(const WeightView&)> fn);
 
   // Adds a call's staged dL/dW to the accumulator if the head is still at `call.version`, all or
   // nothing: whatever it refuses, the accumulator is left bitwise as it was.
@@ -404,7 +405,7 @@ class Head {
   mutable absl::Mutex digest_mu_;  // taken last, held only to read or set digest_
   WeightDigest digest_ ABSL_GUARDED_BY(digest_mu_);
 
-  mutable absl::Mutex grad_mu_;  // taken after weight_mu_ when both are needed
+  mutable absl::Mutex grad_mu_;                  // taken after weight_mu_ when both are needed
   DeviceBuffer grad_ ABSL_GUARDED_BY(grad_mu_);  // empty until the head first trains or steps
   MemoryCharge grad_charge_ ABSL_GUARDED_BY(grad_mu_);
   int64_t accumulated_tokens_ ABSL_GUARDED_BY(grad_mu_) = 0;
@@ -487,8 +488,8 @@ class HeadStore {
   std::function<void(StagedDrop, int)> drop_observer_ ABSL_GUARDED_BY(mu_);
 };
 
-// A seeded random head, so that the server runs out of the box: W uniform on [-1/sqrt(H), 1/sqrt(H))
-// as torch.nn.Linear initializes it, the same for the same seed on any machine.
+// A seeded random head, so that the server runs out of the box: W uniform on [-1/sqrt(H),
+// 1/sqrt(H)) as torch.nn.Linear initializes it, the same for the same seed on any machine.
 HeadState MakeDemoHead(const std::string& name, int64_t vocab_size, int64_t hidden_size,
                        DType dtype, uint64_t seed);
 

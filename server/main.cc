@@ -57,7 +57,8 @@ ABSL_FLAG(int64_t, staged_grad_mib, 0,
 ABSL_FLAG(double, step_wait_seconds, 300,
           "how long the ranks of a collective Step (or gradient norm) wait for the last of them; "
           "then the step fails on every rank and nothing is applied");
-ABSL_FLAG(int, max_queued_calls, 64, "Compute calls waiting for admission before new ones are refused");
+ABSL_FLAG(int, max_queued_calls, 64,
+          "Compute calls waiting for admission before new ones are refused");
 ABSL_FLAG(int64_t, pending_memory_mib, 2048,
           "host memory, in MiB, that Compute calls not yet admitted may hold together (start "
           "messages, per-token values, rows read ahead); calls beyond it are refused with "
@@ -78,14 +79,17 @@ ABSL_FLAG(std::string, tls_cert_file, "",
           "PEM certificate chain, the server's first; with --tls_key_file turns TLS on");
 ABSL_FLAG(std::string, tls_key_file, "",
           "unencrypted PEM private key of --tls_cert_file, checked against it at startup");
-ABSL_FLAG(std::string, checkpoint_dir, "", "directory to resume heads from and save checkpoints to");
+ABSL_FLAG(std::string, checkpoint_dir, "",
+          "directory to resume heads from and save checkpoints to");
 ABSL_FLAG(int, keep_checkpoints, 3, "checkpoints kept per head");
 ABSL_FLAG(std::vector<std::string>, heads, {},
           "comma-separated NAME=PATH[#TENSOR] heads from Hugging Face checkpoints: PATH a model "
           "directory, a model.safetensors.index.json or a safetensors file; with config.json "
           "beside it, lm_head.weight for untied models, the input embedding for tied ones");
-ABSL_FLAG(std::string, head_dtype, "float32", "storage dtype of heads: float32, bfloat16 or float16");
-ABSL_FLAG(int64_t, demo_vocab_size, 32000, "vocabulary of the demo head served when no head is given");
+ABSL_FLAG(std::string, head_dtype, "float32",
+          "storage dtype of heads: float32, bfloat16 or float16");
+ABSL_FLAG(int64_t, demo_vocab_size, 32000,
+          "vocabulary of the demo head served when no head is given");
 ABSL_FLAG(int64_t, demo_hidden_size, 512, "hidden size of the demo head");
 ABSL_FLAG(uint64_t, demo_seed, 0, "seed of the demo head's random init");
 ABSL_FLAG(int, replicas, 1,
@@ -102,7 +106,8 @@ ABSL_FLAG(double, replica_join_seconds, 600,
 ABSL_FLAG(double, replica_timeout_seconds, 60,
           "how long a collective operation (the all-reduce of a gradient) may take once every "
           "replica has reached it; past it the group ends");
-ABSL_FLAG(int, drain_seconds, 30, "on SIGTERM, how long in-flight calls may run before they are cancelled");
+ABSL_FLAG(int, drain_seconds, 30,
+          "on SIGTERM, how long in-flight calls may run before they are cancelled");
 
 // The exit status after a device fault (1: the server could not start, 2: a bad flag).
 constexpr int kExitDeviceFault = 3;
@@ -112,8 +117,9 @@ constexpr int kExitReplicaGroupEnded = 4;
 
 int main(int argc, char** argv) {
   // Abseil prints this after "lossd_server: ".
-  absl::SetProgramUsageMessage("linear cross-entropy as a service.\n"
-                               "  lossd_server --heads=main=/models/Llama-3.1-8B --device=cuda");
+  absl::SetProgramUsageMessage(
+      "linear cross-entropy as a service.\n"
+      "  lossd_server --heads=main=/models/Llama-3.1-8B --device=cuda");
   // Abseil lists under --help only flags defined in a file named after the program; ours live here.
   absl::FlagsUsageConfig usage;
   usage.contains_help_flags = [](absl::string_view file) { return file == "lossd_server"; };
@@ -178,7 +184,8 @@ int main(int argc, char** argv) {
   config.replica_timeout = absl::Seconds(absl::GetFlag(FLAGS_replica_timeout_seconds));
   auto dtype = lossd::server::ParseDType(absl::GetFlag(FLAGS_head_dtype));
   if (!dtype.ok()) {
-    std::fprintf(stderr, "lossd_server: --head_%s\n", std::string(dtype.status().message()).c_str());
+    std::fprintf(stderr, "lossd_server: --head_%s\n",
+                 std::string(dtype.status().message()).c_str());
     return 2;
   }
   config.head_dtype = *dtype;
@@ -207,8 +214,8 @@ int main(int argc, char** argv) {
   for (const std::string& line : (*server)->startup_log()) {
     std::fprintf(stderr, "lossd_server: %s\n", line.c_str());
   }
-  std::fprintf(stderr, "lossd_server: serving gRPC on %s (port %d)\n", config.listen_address.c_str(),
-               (*server)->port());
+  std::fprintf(stderr, "lossd_server: serving gRPC on %s (port %d)\n",
+               config.listen_address.c_str(), (*server)->port());
   if ((*server)->metrics_port() != 0) {
     std::fprintf(stderr, "lossd_server: metrics on http://%s/metrics (port %d)\n",
                  config.metrics_address.c_str(), (*server)->metrics_port());

@@ -10,10 +10,10 @@ namespace lossd::server {
 
 enum class MemoryPurpose : int {
   kWeights = 0,
-  kGradients = 1,        // heads' accumulators and the per-call staging gradients
+  kGradients = 1,  // heads' accumulators and the per-call staging gradients
   kOptimizerState = 2,
   kWorkspace = 3,
-  kCache = 4,            // idle call buffers kept for the next call
+  kCache = 4,  // idle call buffers kept for the next call
 };
 inline constexpr int kMemoryPurposeCount = 5;
 const char* MemoryPurposeName(MemoryPurpose purpose);

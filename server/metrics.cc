@@ -163,7 +163,9 @@ void Metrics::AddTokens(const std::string& kind, int64_t tokens) {
   tokens_.Add({{"kind", kind}}).Increment(static_cast<double>(tokens));
 }
 
-void Metrics::AddBytesReceived(int64_t bytes) { bytes_received_.Increment(static_cast<double>(bytes)); }
+void Metrics::AddBytesReceived(int64_t bytes) {
+  bytes_received_.Increment(static_cast<double>(bytes));
+}
 void Metrics::AddBytesSent(int64_t bytes) { bytes_sent_.Increment(static_cast<double>(bytes)); }
 void Metrics::AddLogitsBytesAvoided(int64_t bytes) {
   logits_bytes_avoided_.Increment(static_cast<double>(bytes));

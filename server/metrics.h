@@ -21,7 +21,7 @@ namespace lossd::server {
 
 // One gauge sample read at scrape time.
 struct GaugeSample {
-  std::string name;   // full metric name, lossd_ prefixed
+  std::string name;  // full metric name, lossd_ prefixed
   std::string help;
   std::vector<std::pair<std::string, std::string>> labels;
   double value;

@@ -3,8 +3,8 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
-#include "lossd/kernels/backend_common.h"
 #include "lossd/common/status_macros.h"
+#include "lossd/kernels/backend_common.h"
 
 namespace lossd::server {
 namespace {
@@ -22,11 +22,11 @@ absl::StatusOr<DType> FromProto(v1::DType dtype, absl::string_view field,
     case v1::DTYPE_UNSPECIFIED:
       if (fallback.has_value()) return *fallback;
       break;
-    default:
-      break;
+    default: break;
   }
-  return InvalidField(field, "DTYPE_FLOAT32, DTYPE_BFLOAT16 or DTYPE_FLOAT16",
-                      v1::DType_IsValid(dtype) ? v1::DType_Name(dtype) : absl::StrCat(static_cast<int>(dtype)));
+  return InvalidField(
+      field, "DTYPE_FLOAT32, DTYPE_BFLOAT16 or DTYPE_FLOAT16",
+      v1::DType_IsValid(dtype) ? v1::DType_Name(dtype) : absl::StrCat(static_cast<int>(dtype)));
 }
 
 v1::DType ToProto(DType dtype) {
@@ -44,7 +44,9 @@ absl::StatusOr<LossOptions> FromProto(const v1::LossOptions& p) {
     case v1::REDUCTION_MEAN: o.reduction = Reduction::kMean; break;
     case v1::REDUCTION_SUM: o.reduction = Reduction::kSum; break;
     case v1::REDUCTION_NONE: o.reduction = Reduction::kNone; break;
-    case v1::REDUCTION_SEQUENCE_MEAN_TOKEN_SUM: o.reduction = Reduction::kSequenceMeanTokenSum; break;
+    case v1::REDUCTION_SEQUENCE_MEAN_TOKEN_SUM:
+      o.reduction = Reduction::kSequenceMeanTokenSum;
+      break;
     case v1::REDUCTION_SEQUENCE_MEAN_TOKEN_MEAN:
       o.reduction = Reduction::kSequenceMeanTokenMean;
       break;
@@ -156,8 +158,7 @@ absl::StatusOr<OptimizerConfig> FromProto(const v1::StepRequest& request) {
       }
       break;
     }
-    default:
-      return InvalidField("optimizer", "sgd or adamw", "neither");
+    default: return InvalidField("optimizer", "sgd or adamw", "neither");
   }
   if (!IsFiniteAtLeast(c.learning_rate, 0.0)) {
     return InvalidField("learning_rate", "a finite value >= 0", absl::StrCat(c.learning_rate));

@@ -37,8 +37,7 @@ void RankRendezvous::Forget(absl::Time now) {
 
 absl::StatusOr<std::string> RankRendezvous::Join(
     const std::string& key, int world_size, int rank, uint64_t fingerprint,
-    absl::FunctionRef<bool()> cancelled,
-    absl::FunctionRef<absl::StatusOr<std::string>()> action) {
+    absl::FunctionRef<bool()> cancelled, absl::FunctionRef<absl::StatusOr<std::string>()> action) {
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(absl::StrCat("ranks.rank: expected 0 to ", world_size - 1,
                                                    " of ranks.world_size ", world_size, ", got ",
@@ -59,14 +58,14 @@ absl::StatusOr<std::string> RankRendezvous::Join(
   }
   std::shared_ptr<Meeting> meeting = slot;
   if (meeting->world_size != world_size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ranks.world_size: ", world_size, ", where the other ranks of this step (", key,
-        ") sent ", meeting->world_size));
+    return absl::InvalidArgumentError(absl::StrCat("ranks.world_size: ", world_size,
+                                                   ", where the other ranks of this step (", key,
+                                                   ") sent ", meeting->world_size));
   }
   if (meeting->fingerprint != fingerprint) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the request of rank ", rank, " differs from the other ranks' of this step (", key,
-        "): every rank must send the same optimizer, options and version"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the request of rank ", rank, " differs from the other ranks' of this step (",
+                     key, "): every rank must send the same optimizer, options and version"));
   }
   if (meeting->done) return meeting->result;  // a retry, or a late rank of a failed meeting
   if (!meeting->present[rank]) {

@@ -31,19 +31,19 @@
 namespace lossd::server {
 
 struct RendezvousOptions {
-  absl::Duration wait = absl::Seconds(300);   // for the last rank, from the first arrival
-  absl::Duration grace = absl::Seconds(10);   // for a rank whose call was cancelled to come back
+  absl::Duration wait = absl::Seconds(300);  // for the last rank, from the first arrival
+  absl::Duration grace = absl::Seconds(10);  // for a rank whose call was cancelled to come back
   absl::Duration poll = absl::Milliseconds(100);  // how often a waiting rank checks its call
-  int max_kept = 256;                         // completed meetings kept for retries
+  int max_kept = 256;                             // completed meetings kept for retries
 };
 
 class RankRendezvous {
  public:
   explicit RankRendezvous(RendezvousOptions options = {}) : options_(options) {}
 
-  // Joins the meeting `key` of `world_size` ranks (one or more) as `rank`. `fingerprint` stands for the
-  // request without its rank: ranks whose requests differ are refused (INVALID_ARGUMENT), as is a
-  // world size other than the meeting's. `cancelled` tells whether this rank's call went away.
+  // Joins the meeting `key` of `world_size` ranks (one or more) as `rank`. `fingerprint` stands for
+  // the request without its rank: ranks whose requests differ are refused (INVALID_ARGUMENT), as is
+  // a world size other than the meeting's. `cancelled` tells whether this rank's call went away.
   // The last rank to arrive runs `action`; every rank returns its result.
   absl::StatusOr<std::string> Join(const std::string& key, int world_size, int rank,
                                    uint64_t fingerprint, absl::FunctionRef<bool()> cancelled,
@@ -59,13 +59,13 @@ class RankRendezvous {
   struct Meeting {
     int world_size = 0;
     uint64_t fingerprint = 0;
-    std::vector<bool> present;        // by rank: arrived and not cancelled since
-    std::vector<bool> left;           // by rank: its call was cancelled while it waited
+    std::vector<bool> present;  // by rank: arrived and not cancelled since
+    std::vector<bool> left;     // by rank: its call was cancelled while it waited
     int present_count = 0;
     int left_count = 0;
     absl::Time first_arrival;
-    absl::Time deadline;              // the wait, or sooner after a cancellation
-    std::string missing_reason;       // why the deadline was brought forward
+    absl::Time deadline;         // the wait, or sooner after a cancellation
+    std::string missing_reason;  // why the deadline was brought forward
     bool done = false;
     absl::StatusOr<std::string> result = std::string();
     absl::Time done_at;

@@ -75,7 +75,8 @@ class WaitingGlooStore : public gloo::rendezvous::Store {
     return std::vector<char>(value.begin(), value.end());
   }
   void wait(const std::vector<std::string>& keys) override { Wait(keys, timeout_); }
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
     Wait(keys, FromChrono(timeout));
   }
 
@@ -133,8 +134,8 @@ class ReplicaGroup::RemoteStore final : public WaitingGlooStore {
   }
   static void Check(const grpc::Status& status) {
     if (!status.ok()) {
-      ThrowForGloo(absl::UnavailableError(
-          absl::StrCat("the store of replica 0: ", status.error_message())));
+      ThrowForGloo(
+          absl::UnavailableError(absl::StrCat("the store of replica 0: ", status.error_message())));
     }
   }
   std::vector<std::string> Wait(const std::vector<std::string>& keys,
@@ -167,9 +168,8 @@ class ReplicaGroup::Service final : public internal::v1::ReplicaGroup::Service {
   grpc::Status StoreGet(grpc::ServerContext* context, const internal::v1::StoreGetRequest* request,
                         internal::v1::StoreGetResponse* response) override {
     if (absl::Status token = group_.CheckToken(*context); !token.ok()) return ToGrpcStatus(token);
-    const absl::Duration timeout =
-        std::clamp(absl::Milliseconds(request->timeout_ms()), absl::ZeroDuration(),
-                   group_.options_.join_timeout);
+    const absl::Duration timeout = std::clamp(absl::Milliseconds(request->timeout_ms()),
+                                              absl::ZeroDuration(), group_.options_.join_timeout);
     absl::StatusOr<std::vector<std::string>> values =
         group_.store_.Get(std::vector<std::string>(request->keys().begin(), request->keys().end()),
                           absl::Now() + timeout, [context] { return context->IsCancelled(); });
@@ -190,9 +190,8 @@ class ReplicaGroup::Service final : public internal::v1::ReplicaGroup::Service {
       return ToGrpcStatus(InvalidField("rank", absl::StrCat("1 to ", group_.replicas() - 1),
                                        absl::StrCat(request->rank())));
     }
-    const absl::Duration timeout =
-        std::clamp(absl::Milliseconds(request->timeout_ms()), absl::ZeroDuration(),
-                   absl::Seconds(10));
+    const absl::Duration timeout = std::clamp(absl::Milliseconds(request->timeout_ms()),
+                                              absl::ZeroDuration(), absl::Seconds(10));
     return ToGrpcStatus(group_.Arrive(request->rank(), request->sequence(), absl::Now() + timeout,
                                       [context] { return context->IsCancelled(); }));
   }
@@ -206,10 +205,10 @@ absl::StatusOr<int> ReplicaRankFromHostname(const std::string& hostname) {
   int rank = -1;
   if (dash == std::string::npos || !absl::SimpleAtoi(hostname.substr(dash + 1), &rank) ||
       rank < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--replica_rank: -1 takes the rank from the ordinal that ends the hostname (a "
-        "StatefulSet's pod NAME-N), but the hostname \"", hostname,
-        "\" does not end with -N; give the rank, 0 to --replicas - 1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--replica_rank: -1 takes the rank from the ordinal that ends the hostname (a "
+                     "StatefulSet's pod NAME-N), but the hostname \"",
+                     hostname, "\" does not end with -N; give the rank, 0 to --replicas - 1"));
   }
   return rank;
 }
@@ -226,8 +225,8 @@ absl::StatusOr<std::string> LocalAddressTowards(const std::string& address) {
   addrinfo* found = nullptr;
   const int resolved = getaddrinfo(host.c_str(), port.c_str(), &hints, &found);
   if (resolved != 0) {
-    return absl::UnavailableError(absl::StrCat("--replica_store: cannot resolve ", host, ": ",
-                                               gai_strerror(resolved)));
+    return absl::UnavailableError(
+        absl::StrCat("--replica_store: cannot resolve ", host, ": ", gai_strerror(resolved)));
   }
   std::string local;
   int error = 0;
@@ -246,9 +245,10 @@ absl::StatusOr<std::string> LocalAddressTowards(const std::string& address) {
       continue;
     }
     char text[INET6_ADDRSTRLEN] = {};
-    const void* where = self.ss_family == AF_INET
-                            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&self)->sin_addr)
-                            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&self)->sin6_addr);
+    const void* where =
+        self.ss_family == AF_INET
+            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&self)->sin_addr)
+            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&self)->sin6_addr);
     if (inet_ntop(self.ss_family, where, text, sizeof(text)) != nullptr) local = text;
   }
   freeaddrinfo(found);
@@ -291,17 +291,18 @@ absl::StatusOr<std::vector<std::string>> RendezvousStore::Get(
 
 absl::StatusOr<std::unique_ptr<ReplicaGroup>> ReplicaGroup::Create(ReplicaGroupOptions options) {
   if (options.replicas < 2) {
-    return InvalidField("--replicas", "2 or more for a replica group", absl::StrCat(options.replicas));
+    return InvalidField("--replicas", "2 or more for a replica group",
+                        absl::StrCat(options.replicas));
   }
   if (options.rank < 0 || options.rank >= options.replicas) {
-    return InvalidField("--replica_rank", absl::StrCat("0 to ", options.replicas - 1,
-                                                       " (--replicas=", options.replicas, ")"),
-                        absl::StrCat(options.rank));
+    return InvalidField(
+        "--replica_rank",
+        absl::StrCat("0 to ", options.replicas - 1, " (--replicas=", options.replicas, ")"),
+        absl::StrCat(options.rank));
   }
   std::string host, port;
   if (!SplitAddress(options.store_address, &host, &port)) {
-    return InvalidField("--replica_store",
-                        "HOST:PORT, replica 0's gRPC address (--replicas > 1)",
+    return InvalidField("--replica_store", "HOST:PORT, replica 0's gRPC address (--replicas > 1)",
                         absl::StrCat("\"", options.store_address, "\""));
   }
   if (options.timeout <= absl::ZeroDuration() || options.join_timeout <= absl::ZeroDuration()) {
@@ -365,16 +366,16 @@ grpc::Status ReplicaGroup::ServeJoin(grpc::ServerContext& context, const JoinReq
   }
   const int rank = request.rank();
   if (rank < 1 || rank >= options_.replicas) {
-    return ToGrpcStatus(InvalidField("rank", absl::StrCat("1 to ", options_.replicas - 1),
-                                     absl::StrCat(rank)));
+    return ToGrpcStatus(
+        InvalidField("rank", absl::StrCat("1 to ", options_.replicas - 1), absl::StrCat(rank)));
   }
   {
     absl::MutexLock lock(&mu_);
     if (shutting_down_ || !failure_.ok()) {
-      return ToGrpcStatus(absl::UnavailableError(absl::StrCat(
-          "replica group: replica 0's group has ended (",
-          shutting_down_ ? "replica 0 is shutting down" : failure_.message(),
-          "); a new replica 0 forms the next")));
+      return ToGrpcStatus(absl::UnavailableError(
+          absl::StrCat("replica group: replica 0's group has ended (",
+                       shutting_down_ ? "replica 0 is shutting down" : failure_.message(),
+                       "); a new replica 0 forms the next")));
     }
   }
   bool taken = false;
@@ -389,31 +390,33 @@ grpc::Status ReplicaGroup::ServeJoin(grpc::ServerContext& context, const JoinReq
   if (!taken) {
     // Its first process is gone (restarted) or another runs with its rank: either way the group
     // as it was cannot go on.
-    const absl::Status why = absl::UnavailableError(absl::StrCat(
-        "replica group: replica ", rank, " joined again (it restarted, or two replicas run with "
-        "--replica_rank=", rank, "): the group restarts"));
+    const absl::Status why =
+        absl::UnavailableError(absl::StrCat("replica group: replica ", rank,
+                                            " joined again (it restarted, or two replicas run with "
+                                            "--replica_rank=",
+                                            rank, "): the group restarts"));
     Fail(why);
     return ToGrpcStatus(why);
   }
   JoinResponse welcome;
   welcome.set_session(session_);
   if (!writer.Write(welcome)) {
-    Fail(absl::UnavailableError(absl::StrCat("replica group: replica ", rank,
-                                             " went away while it joined")));
+    Fail(absl::UnavailableError(
+        absl::StrCat("replica group: replica ", rank, " went away while it joined")));
     return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the replica went away");
   }
   absl::MutexLock lock(&mu_);
-  auto ended = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return shutting_down_ || !failure_.ok();
-  };
+  auto ended = [this]()
+                   ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return shutting_down_ || !failure_.ok(); };
   while (!ended() && !context.IsCancelled()) {
     mu_.AwaitWithTimeout(absl::Condition(&ended), kPoll);
   }
   if (!ended()) {
     mu_.Unlock();
-    Fail(absl::UnavailableError(absl::StrCat(
-        "replica group: replica ", rank, " left the group (its stream to replica 0 ended: it "
-        "exited, was killed or restarted, or stopped answering)")));
+    Fail(absl::UnavailableError(
+        absl::StrCat("replica group: replica ", rank,
+                     " left the group (its stream to replica 0 ended: it "
+                     "exited, was killed or restarted, or stopped answering)")));
     mu_.Lock();
   }
   return grpc::Status(grpc::StatusCode::UNAVAILABLE,
@@ -447,10 +450,10 @@ absl::Status ReplicaGroup::JoinReplicaZero(absl::Time deadline) {
     // Replica 0 not up yet, or an old replica 0 whose group ended: dial again. Anything else
     // (a token, another --replicas) will not change.
     if (status.error_code() != grpc::StatusCode::UNAVAILABLE) {
-      return absl::Status(FromGrpcStatus(status).code(),
-                          absl::StrCat("replica group: replica 0 at ", options_.store_address,
-                                       " refused replica ", options_.rank, ": ",
-                                       status.error_message()));
+      return absl::Status(
+          FromGrpcStatus(status).code(),
+          absl::StrCat("replica group: replica 0 at ", options_.store_address, " refused replica ",
+                       options_.rank, ": ", status.error_message()));
     }
     last = status.error_message();
     if (absl::Now() + kRedial >= deadline) {
@@ -485,10 +488,10 @@ absl::Status ReplicaGroup::Form() {
       for (int r = 1; r < options_.replicas; ++r) {
         if (!joined_[r]) absl::StrAppend(&missing, missing.empty() ? "" : ", ", r);
       }
-      return absl::DeadlineExceededError(absl::StrCat(
-          "replica group: replica(s) ", missing, " of ", options_.replicas,
-          " did not join replica 0 within ", absl::FormatDuration(options_.join_timeout),
-          " (--replica_join_seconds)"));
+      return absl::DeadlineExceededError(
+          absl::StrCat("replica group: replica(s) ", missing, " of ", options_.replicas,
+                       " did not join replica 0 within ",
+                       absl::FormatDuration(options_.join_timeout), " (--replica_join_seconds)"));
     }
     if (!failure_.ok()) return failure_;
     if (shutting_down_) return absl::CancelledError("replica group: shut down while forming");
@@ -507,9 +510,9 @@ absl::Status ReplicaGroup::Form() {
     base = std::make_unique<RemoteStore>(*this, remaining);
   }
   gloo::rendezvous::PrefixStore store(absl::StrFormat("lossd-%016x", session_), *base);
-  ASSIGN_OR_RETURN(std::unique_ptr<lossd::server::Collective> collective,
-                   GlooCollective::Connect(store, options_.rank, options_.replicas, local_host,
-                                           remaining));
+  ASSIGN_OR_RETURN(
+      std::unique_ptr<lossd::server::Collective> collective,
+      GlooCollective::Connect(store, options_.rank, options_.replicas, local_host, remaining));
   // Every replica is connected to every other once each has passed this.
   RETURN_IF_ERROR(collective->Barrier(remaining));
   absl::MutexLock lock(&mu_);
@@ -581,9 +584,9 @@ absl::Status ReplicaGroup::AwaitReplicas(absl::Duration wait) {
           absl::StrCat("replica group: waiting for the other replicas: ", arrived.message()));
     }
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "replica group: ", arrived.message(), " within ", absl::FormatDuration(wait),
-          " (--step_wait_seconds)"));
+      return absl::DeadlineExceededError(absl::StrCat("replica group: ", arrived.message(),
+                                                      " within ", absl::FormatDuration(wait),
+                                                      " (--step_wait_seconds)"));
     }
   }
 }
@@ -623,9 +626,11 @@ void PutUint64(std::vector<double>& values, uint64_t x) {
 
 absl::Status ReplicaExchange::Failed(const absl::Status& status) {
   group_.Fail(status);
-  return absl::AbortedError(absl::StrCat(
-      what_, ": ", status.message(), "; nothing was applied on this replica. The replica group has "
-      "ended: every replica restarts from the last checkpoint, and the trainers resume from theirs"));
+  return absl::AbortedError(
+      absl::StrCat(what_, ": ", status.message(),
+                   "; nothing was applied on this replica. The replica group has "
+                   "ended: every replica restarts from the last checkpoint, and the trainers "
+                   "resume from theirs"));
 }
 
 absl::StatusOr<Collective*> ReplicaExchange::Connected() {
@@ -647,8 +652,7 @@ absl::Status ReplicaExchange::AwaitReplicas() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<bool> ReplicaExchange::Agree(uint64_t version,
-                                            std::optional<uint64_t> weight_digest,
+absl::StatusOr<bool> ReplicaExchange::Agree(uint64_t version, std::optional<uint64_t> weight_digest,
                                             const absl::Status& refusal, bool kept) {
   // Every value goes in as x and -x: one all-reduce of maxima gives each one's maximum and minimum.
   std::vector<double> mine;
@@ -660,7 +664,7 @@ absl::StatusOr<bool> ReplicaExchange::Agree(uint64_t version,
   mine.push_back(weight_digest.has_value() ? 0.0 : 1.0);  // any replica without the digest
   mine.push_back(refusal.ok() ? 0.0 : 1.0);               // any replica refusing
   mine.push_back(kept ? 0.0 : 1.0);                       // any replica without the kept sum
-  ASSIGN_OR_RETURN(lossd::server::Collective* collective, Connected());
+  ASSIGN_OR_RETURN(lossd::server::Collective * collective, Connected());
   const absl::Status reduced =
       collective->AllReduceMax(absl::MakeSpan(mine), group_.options().timeout);
   if (!reduced.ok()) return Failed(reduced);
@@ -670,23 +674,27 @@ absl::StatusOr<bool> ReplicaExchange::Agree(uint64_t version,
   const double* any = &mine[2 * compared];  // without the digest, refusing, without the sum
   if (any[1] > 0) {
     if (!refusal.ok()) return refusal;
-    return absl::AbortedError(absl::StrCat(
-        what_, ": another replica of the group refused it (its ranks heard why); nothing was "
-        "applied"));
+    return absl::AbortedError(
+        absl::StrCat(what_,
+                     ": another replica of the group refused it (its ranks heard why); nothing was "
+                     "applied"));
   }
   if (!same(0)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        what_, ": the replicas' heads are at different versions: they did not start from the "
-        "same checkpoint; restart every replica from one"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(what_,
+                     ": the replicas' heads are at different versions: they did not start from the "
+                     "same checkpoint; restart every replica from one"));
   }
   if (!same(2)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        what_, ": the ranks of the replicas sent different requests (optimizer, learning rate, "
+        what_,
+        ": the ranks of the replicas sent different requests (optimizer, learning rate, "
         "options or version); every rank of every replica must send the same"));
   }
   if (any[0] == 0 && !same(4)) {
     return absl::FailedPreconditionError(absl::StrCat(
-        what_, ": the replicas hold different W at this version (weight_sha256 differs): they "
+        what_,
+        ": the replicas hold different W at this version (weight_sha256 differs): they "
         "were loaded or uploaded from different weights; nothing was applied"));
   }
   agreed_ = true;
@@ -694,7 +702,7 @@ absl::StatusOr<bool> ReplicaExchange::Agree(uint64_t version,
 }
 
 absl::Status ReplicaExchange::Reduce(absl::Span<float> gradient, absl::Span<double> counts) {
-  ASSIGN_OR_RETURN(lossd::server::Collective* collective, Connected());
+  ASSIGN_OR_RETURN(lossd::server::Collective * collective, Connected());
   const absl::Time start = absl::Now();
   absl::Status status = collective->AllReduceSum(gradient, group_.options().timeout);
   if (status.ok()) status = collective->AllReduceSum(counts, group_.options().timeout);
@@ -710,7 +718,7 @@ absl::StatusOr<double> ReplicaExchange::SumSquares(absl::Span<const float> gradi
   // Replica r adds up the squares of its share in double, in order; the shares are then summed
   // in rank order on every replica, so that the norm has the same bits everywhere whatever the
   // replicas' thread counts.
-  ASSIGN_OR_RETURN(lossd::server::Collective* collective, Connected());
+  ASSIGN_OR_RETURN(lossd::server::Collective * collective, Connected());
   const int size = collective->size();
   const int rank = collective->rank();
   const size_t begin = gradient.size() * rank / size;

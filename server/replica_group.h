@@ -146,7 +146,7 @@ class ReplicaGroup {
   mutable absl::Mutex mu_;
   absl::Status failure_ ABSL_GUARDED_BY(mu_);
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<bool> joined_ ABSL_GUARDED_BY(mu_);  // replica 0: by rank
+  std::vector<bool> joined_ ABSL_GUARDED_BY(mu_);       // replica 0: by rank
   std::vector<uint64_t> arrived_ ABSL_GUARDED_BY(mu_);  // replica 0: the last operation, by rank
   int joined_count_ ABSL_GUARDED_BY(mu_) = 0;
   bool formed_ ABSL_GUARDED_BY(mu_) = false;
@@ -177,7 +177,9 @@ class ReplicaExchange final : public GradientExchange {
  public:
   ReplicaExchange(ReplicaGroup& group, std::string what, uint64_t request_fingerprint,
                   const ReplicaObserver* observer)
-      : group_(group), what_(std::move(what)), fingerprint_(request_fingerprint),
+      : group_(group),
+        what_(std::move(what)),
+        fingerprint_(request_fingerprint),
         observer_(observer) {}
 
   // Waits for every replica to reach this step (up to the group's step_wait), before W is

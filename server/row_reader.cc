@@ -61,12 +61,11 @@ int64_t RowReader::BufferBytes(const RowLayout& layout) {
   return BuffersFor(layout) * chunk_bytes;
 }
 
-absl::StatusOr<std::unique_ptr<RowReader>> RowReader::Start(ComputeStream& stream,
-                                                           Metrics* metrics,
-                                                           const RowLayout& layout,
-                                                           BufferCache& host_buffers,
-                                                           absl::Duration idle_limit,
-                                                           PendingAccount pending) {
+absl::StatusOr<std::unique_ptr<RowReader>> RowReader::Start(ComputeStream& stream, Metrics* metrics,
+                                                            const RowLayout& layout,
+                                                            BufferCache& host_buffers,
+                                                            absl::Duration idle_limit,
+                                                            PendingAccount pending) {
   if (layout.side.size() > static_cast<size_t>(kMaxSideStreams)) {
     return absl::InternalError(absl::StrCat("RowReader: at most ", kMaxSideStreams,
                                             " side streams, got ", layout.side.size()));
@@ -74,10 +73,10 @@ absl::StatusOr<std::unique_ptr<RowReader>> RowReader::Start(ComputeStream& strea
   std::array<ChunkBuffers, kBuffers> buffers;
   for (int b = 0; b < BuffersFor(layout); ++b) {
     for (size_t s = 0; s <= layout.side.size(); ++s) {
-      ASSIGN_OR_RETURN(buffers[b][s],
-                       host_buffers.Acquire(
-                           static_cast<size_t>(ChunkRows(layout) * StreamRowBytes(layout, s)),
-                           MemoryPurpose::kWorkspace));
+      ASSIGN_OR_RETURN(
+          buffers[b][s],
+          host_buffers.Acquire(static_cast<size_t>(ChunkRows(layout) * StreamRowBytes(layout, s)),
+                               MemoryPurpose::kWorkspace));
     }
   }
   return std::unique_ptr<RowReader>(
@@ -138,15 +137,16 @@ absl::Status RowReader::TakeMessage(const v1::ComputeRequest& request) {
   const std::string& hidden = request.chunk().hidden();
   const int64_t bytes = static_cast<int64_t>(hidden.size());
   if (bytes % row_bytes_ != 0) {
-    return InvalidField("chunk.hidden",
-                        absl::StrCat("whole rows of ", layout_.hidden_size, " ",
-                                     DTypeName(layout_.dtype), " values (", row_bytes_,
-                                     " bytes each)"),
-                        absl::StrCat(bytes, " bytes"));
+    return InvalidField(
+        "chunk.hidden",
+        absl::StrCat("whole rows of ", layout_.hidden_size, " ", DTypeName(layout_.dtype),
+                     " values (", row_bytes_, " bytes each)"),
+        absl::StrCat(bytes, " bytes"));
   }
   const int64_t rows = bytes / row_bytes_;
   if (received_rows_ + rows > layout_.num_tokens) {
-    return InvalidField("chunk.hidden", absl::StrCat(layout_.num_tokens, " rows in all (num_tokens)"),
+    return InvalidField("chunk.hidden",
+                        absl::StrCat(layout_.num_tokens, " rows in all (num_tokens)"),
                         absl::StrCat("at least ", received_rows_ + rows));
   }
   // The side streams: the same rows as `hidden`, and none the call does not take.
@@ -165,11 +165,11 @@ absl::Status RowReader::TakeMessage(const v1::ComputeRequest& request) {
       continue;
     }
     if (static_cast<int64_t>(side.size()) != rows * stream->row_bytes) {
-      return InvalidField(absl::StrCat("chunk.", SideFieldName(field)),
-                          absl::StrCat(rows, " rows of ", stream->row_description, " (",
-                                       stream->row_bytes,
-                                       " bytes each): as many rows as chunk.hidden carries"),
-                          absl::StrCat(side.size(), " bytes"));
+      return InvalidField(
+          absl::StrCat("chunk.", SideFieldName(field)),
+          absl::StrCat(rows, " rows of ", stream->row_description, " (", stream->row_bytes,
+                       " bytes each): as many rows as chunk.hidden carries"),
+          absl::StrCat(side.size(), " bytes"));
     }
     sources[1 + (stream - layout_.side.begin())] = &side;
     message_bytes += static_cast<int64_t>(side.size());
@@ -232,9 +232,8 @@ absl::Status RowReader::AwaitFirstChunk() {
     return filled_ > 0 || done_;
   };
   if (!mu_.AwaitWithTimeout(absl::Condition(&ready_or_done), idle_limit_)) {
-    return StreamIdleError(layout_.num_tokens == 0
-                               ? std::string("the end of the stream")
-                               : absl::StrCat("rows [0, ", RowsInChunk(0), ")"),
+    return StreamIdleError(layout_.num_tokens == 0 ? std::string("the end of the stream")
+                                                   : absl::StrCat("rows [0, ", RowsInChunk(0), ")"),
                            idle_limit_);
   }
   return status_;

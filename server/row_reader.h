@@ -51,7 +51,7 @@ struct RowLayout {
   int64_t num_tokens = 0;   // rows the call announced
   int64_t hidden_size = 0;  // values per row
   DType dtype = DType::kFloat32;
-  int64_t chunk_rows = 1;   // rows per buffer; the last chunk holds what is left
+  int64_t chunk_rows = 1;        // rows per buffer; the last chunk holds what is left
   std::vector<SideStream> side;  // at most kMaxSideStreams; a message without them is refused
 };
 
@@ -148,8 +148,8 @@ class RowReader {
   int64_t taken_ ABSL_GUARDED_BY(mu_) = 0;     // chunks returned by Next
   int64_t released_ ABSL_GUARDED_BY(mu_) = 0;  // chunks given back
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  bool done_ ABSL_GUARDED_BY(mu_) = false;     // the reader thread has finished
-  absl::Status status_ ABSL_GUARDED_BY(mu_);   // how it finished
+  bool done_ ABSL_GUARDED_BY(mu_) = false;    // the reader thread has finished
+  absl::Status status_ ABSL_GUARDED_BY(mu_);  // how it finished
   bool admitted_ ABSL_GUARDED_BY(mu_) = false;
   PendingCharge held_message_ ABSL_GUARDED_BY(mu_);  // while waiting for a buffer, unadmitted
 

@@ -80,11 +80,12 @@ Scheduler::Scheduler(int64_t capacity_bytes, int max_running, int max_queued)
     : max_running_(max_running), max_queued_(max_queued), capacity_bytes_(capacity_bytes) {}
 
 absl::Status Scheduler::OverBudget(int64_t bytes) const {
-  return WithAdmissionRefusal(
-      absl::ResourceExhaustedError(absl::StrCat(
-          "call needs ", bytes, " bytes of device memory (workspace and staging gradient); the "
-          "server's compute budget is ", capacity_bytes_, " bytes")),
-      AdmissionRefusal::kOverBudget);
+  return WithAdmissionRefusal(absl::ResourceExhaustedError(absl::StrCat(
+                                  "call needs ", bytes,
+                                  " bytes of device memory (workspace and staging gradient); the "
+                                  "server's compute budget is ",
+                                  capacity_bytes_, " bytes")),
+                              AdmissionRefusal::kOverBudget);
 }
 
 absl::StatusOr<Admission> Scheduler::Admit(int64_t bytes, const std::function<bool()>& cancelled,
@@ -103,8 +104,8 @@ absl::Status Scheduler::Wait(int64_t bytes, const std::function<bool()>& cancell
   if (!fits()) {
     if (queue_limited && queued_ >= max_queued_) {
       return WithAdmissionRefusal(
-          absl::ResourceExhaustedError(absl::StrCat(
-              "admission queue is full (", max_queued_, " calls waiting); retry later")),
+          absl::ResourceExhaustedError(absl::StrCat("admission queue is full (", max_queued_,
+                                                    " calls waiting); retry later")),
           AdmissionRefusal::kQueueFull);
     }
     ++queued_;
@@ -189,8 +190,7 @@ void PendingCharge::Release() {
   bytes_ = 0;
 }
 
-absl::StatusOr<PendingCharge> PendingMemory::Reserve(absl::string_view connection,
-                                                     int64_t bytes) {
+absl::StatusOr<PendingCharge> PendingMemory::Reserve(absl::string_view connection, int64_t bytes) {
   std::string key(connection);
   RETURN_IF_ERROR(Change(key, 0, bytes));
   return PendingCharge(this, std::move(key), bytes);
@@ -207,10 +207,11 @@ absl::Status PendingMemory::Change(const std::string& connection, int64_t from, 
       const std::string now =
           held_now > 0 ? absl::StrCat("; they hold ", held_now, " bytes now, retry later") : "";
       return WithAdmissionRefusal(
-          absl::ResourceExhaustedError(absl::StrCat(
-              "pending memory: the call needs ", to, " bytes of host memory until it is admitted "
-              "(start message, per-token values, rows read ahead); ", whose, " may hold ",
-              capacity, " bytes together (", flag, ")", now)),
+          absl::ResourceExhaustedError(
+              absl::StrCat("pending memory: the call needs ", to,
+                           " bytes of host memory until it is admitted "
+                           "(start message, per-token values, rows read ahead); ",
+                           whose, " may hold ", capacity, " bytes together (", flag, ")", now)),
           AdmissionRefusal::kPendingMemory);
     };
     if (others + to > capacity_bytes_) {

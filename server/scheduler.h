@@ -90,8 +90,8 @@ class Scheduler {
   void Release(int64_t bytes, bool running_slot);
   // Waits for `bytes` and a running slot as Admit does; `queue_limited`: refused when the queue
   // is full.
-  absl::Status Wait(int64_t bytes, const std::function<bool()>& cancelled,
-                    absl::Duration max_wait, bool queue_limited);
+  absl::Status Wait(int64_t bytes, const std::function<bool()>& cancelled, absl::Duration max_wait,
+                    bool queue_limited);
   absl::Status OverBudget(int64_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int max_running_;

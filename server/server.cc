@@ -5,8 +5,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <climits>
 #include <cerrno>
+#include <climits>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -55,9 +55,9 @@ absl::StatusOr<std::string> ReadBearerToken(const std::string& path) {
   const absl::string_view first_line =
       absl::StripAsciiWhitespace(absl::string_view(contents).substr(0, contents.find('\n')));
   if (first_line.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--token_file: expected the bearer token on the first line of ", path,
-        ", got an empty line"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--token_file: expected the bearer token on the first line of ", path,
+                     ", got an empty line"));
   }
   return std::string(first_line);
 }
@@ -84,9 +84,9 @@ int NoPassphrase(char*, int, int, void*) { return 0; }
 absl::StatusOr<grpc::SslServerCredentialsOptions::PemKeyCertPair> ReadTlsKeyPair(
     const ServerConfig& config) {
   if (config.tls_cert_file.empty() || config.tls_key_file.empty()) {
-    return absl::InvalidArgumentError(
-        config.tls_cert_file.empty() ? "--tls_cert_file: required with --tls_key_file"
-                                     : "--tls_key_file: required with --tls_cert_file");
+    return absl::InvalidArgumentError(config.tls_cert_file.empty()
+                                          ? "--tls_cert_file: required with --tls_key_file"
+                                          : "--tls_key_file: required with --tls_cert_file");
   }
   ASSIGN_OR_RETURN(std::string cert_pem, ReadFile(config.tls_cert_file, "--tls_cert_file"));
   ASSIGN_OR_RETURN(std::string key_pem, ReadFile(config.tls_key_file, "--tls_key_file"));
@@ -95,17 +95,17 @@ absl::StatusOr<grpc::SslServerCredentialsOptions::PemKeyCertPair> ReadTlsKeyPair
   const std::unique_ptr<X509, decltype(&X509_free)> cert(
       PEM_read_bio_X509(cert_bio.get(), nullptr, nullptr, nullptr), &X509_free);
   if (cert == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--tls_cert_file: expected a PEM certificate (BEGIN CERTIFICATE) in ", config.tls_cert_file,
-        ", got none that parses (", TakeOpenSslError(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls_cert_file: expected a PEM certificate (BEGIN CERTIFICATE) in ",
+                     config.tls_cert_file, ", got none that parses (", TakeOpenSslError(), ")"));
   }
   Bio key_bio(BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size())), &BIO_free);
   const std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(
       PEM_read_bio_PrivateKey(key_bio.get(), nullptr, &NoPassphrase, nullptr), &EVP_PKEY_free);
   if (key == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--tls_key_file: expected an unencrypted PEM private key in ", config.tls_key_file,
-        ", got none that parses (", TakeOpenSslError(), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls_key_file: expected an unencrypted PEM private key in ",
+                     config.tls_key_file, ", got none that parses (", TakeOpenSslError(), ")"));
   }
   if (X509_check_private_key(cert.get(), key.get()) != 1) {
     TakeOpenSslError();
@@ -177,15 +177,14 @@ absl::Status ListenFailure(absl::string_view flag, const std::string& address,
   }
   freeaddrinfo(found);
   switch (error) {
-    case 0:
-      return absl::UnavailableError(absl::StrCat(flag, ": ", unexplained));
+    case 0: return absl::UnavailableError(absl::StrCat(flag, ": ", unexplained));
     case EADDRINUSE:
       return absl::UnavailableError(
           absl::StrCat(flag, ": ", address, " is in use by another process"));
     case EACCES:
-      return absl::PermissionDeniedError(absl::StrCat(
-          flag, ": cannot bind ", address, ": permission denied",
-          port < 1024 ? " (ports below 1024 need root or CAP_NET_BIND_SERVICE)" : ""));
+      return absl::PermissionDeniedError(
+          absl::StrCat(flag, ": cannot bind ", address, ": permission denied",
+                       port < 1024 ? " (ports below 1024 need root or CAP_NET_BIND_SERVICE)" : ""));
     case EADDRNOTAVAIL:
       return absl::InvalidArgumentError(absl::StrCat(
           flag, ": cannot bind ", address, ": no interface of this host has that address"));
@@ -222,9 +221,9 @@ absl::StatusOr<std::vector<HeadSpec>> ParseHeadSpecs(const std::vector<std::stri
     ASSIGN_OR_RETURN(HeadSpec spec, ParseHeadSpec(texts[i]));
     for (size_t j = 0; j < specs.size(); ++j) {
       if (specs[j].name == spec.name) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "--heads: head name '", spec.name, "' is given twice, as \"", texts[j], "\" and \"",
-            texts[i], "\"; give each head a name of its own"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("--heads: head name '", spec.name, "' is given twice, as \"", texts[j],
+                         "\" and \"", texts[i], "\"; give each head a name of its own"));
       }
     }
     specs.push_back(std::move(spec));
@@ -251,11 +250,10 @@ std::string StorageNote(const HeadState& state, absl::string_view file_dtype) {
                                   HumanBytes(state.weight.size()));
   const absl::StatusOr<DType> in_file = storage::DTypeFromSafetensors(file_dtype);
   if (in_file.ok() && DTypeSize(*in_file) < DTypeSize(state.weight_dtype)) {
-    absl::StrAppend(&note, " (the file's ", file_dtype, " widened; --head_dtype=",
-                    DTypeName(*in_file), " keeps it as it is, in ",
-                    HumanBytes(state.weight.size() / DTypeSize(state.weight_dtype) *
-                              DTypeSize(*in_file)),
-                    ")");
+    absl::StrAppend(
+        &note, " (the file's ", file_dtype, " widened; --head_dtype=", DTypeName(*in_file),
+        " keeps it as it is, in ",
+        HumanBytes(state.weight.size() / DTypeSize(state.weight_dtype) * DTypeSize(*in_file)), ")");
   } else if (in_file.ok() && *in_file != state.weight_dtype) {
     absl::StrAppend(&note, " (rounded from the file's ", file_dtype, ")");
   }
@@ -342,8 +340,8 @@ absl::Status LossServer::LoadHeads(const ServerConfig& config) {
       if (source.vocab_size != head.vocab_size() || source.hidden_size != head.hidden_size()) {
         return absl::FailedPreconditionError(absl::StrCat(
             "--heads: head '", spec.name, "' is [", source.vocab_size, ", ", source.hidden_size,
-            "] in ", source.source, ", but its checkpoint in --checkpoint_dir (", head.Summary().source,
-            ") is [", head.vocab_size(), ", ", head.hidden_size(),
+            "] in ", source.source, ", but its checkpoint in --checkpoint_dir (",
+            head.Summary().source, ") is [", head.vocab_size(), ", ", head.hidden_size(),
             "]: a checkpoint of another model. Point --checkpoint_dir elsewhere, or move the "
             "head's checkpoint directory aside"));
       }
@@ -381,74 +379,100 @@ std::vector<GaugeSample> LossServer::ReadState() const {
     const std::string device = std::string(backend_->kind());
     samples.push_back({"lossd_device_memory_total_bytes",
                        "Memory of the compute device (host RAM for the CPU backend).",
-                       {{"device", device}}, static_cast<double>(memory->total_bytes)});
+                       {{"device", device}},
+                       static_cast<double>(memory->total_bytes)});
     samples.push_back({"lossd_device_memory_used_bytes",
                        host ? "Host RAM in use by all processes (CPU backend)."
                             : "Device memory in use by all processes, from the driver.",
-                       {{"device", device}}, static_cast<double>(memory->used_bytes)});
+                       {{"device", device}},
+                       static_cast<double>(memory->used_bytes)});
   }
   for (int p = 0; p < kMemoryPurposeCount; ++p) {
     const auto purpose = static_cast<MemoryPurpose>(p);
-    samples.push_back({"lossd_memory_bytes", "Memory the server holds now, by purpose.",
+    samples.push_back({"lossd_memory_bytes",
+                       "Memory the server holds now, by purpose.",
                        {{"purpose", MemoryPurposeName(purpose)}},
                        static_cast<double>(ledger_.current(purpose))});
   }
   for (int p = 0; p < kMemoryPurposeCount; ++p) {
     const auto purpose = static_cast<MemoryPurpose>(p);
-    samples.push_back({"lossd_memory_peak_bytes", "Most memory the server has held, by purpose.",
+    samples.push_back({"lossd_memory_peak_bytes",
+                       "Most memory the server has held, by purpose.",
                        {{"purpose", MemoryPurposeName(purpose)}},
                        static_cast<double>(ledger_.peak(purpose))});
   }
-  for (const auto& [state, purpose] : {std::pair{"in_use", MemoryPurpose::kWorkspace},
-                                       std::pair{"idle", MemoryPurpose::kCache}}) {
+  for (const auto& [state, purpose] :
+       {std::pair{"in_use", MemoryPurpose::kWorkspace}, std::pair{"idle", MemoryPurpose::kCache}}) {
     samples.push_back({"lossd_host_buffer_bytes",
                        "Host memory of calls' rows and dL/dh sent in messages: held by running "
                        "calls, or kept idle for the next.",
-                       {{"state", state}}, static_cast<double>(host_ledger_.current(purpose))});
+                       {{"state", state}},
+                       static_cast<double>(host_ledger_.current(purpose))});
   }
-  samples.push_back({"lossd_queue_depth", "Compute calls waiting for admission.", {},
+  samples.push_back({"lossd_queue_depth",
+                     "Compute calls waiting for admission.",
+                     {},
                      static_cast<double>(scheduler_->queued())});
-  samples.push_back({"lossd_running_calls", "Compute calls admitted to the device.", {},
+  samples.push_back({"lossd_running_calls",
+                     "Compute calls admitted to the device.",
+                     {},
                      static_cast<double>(scheduler_->running())});
-  samples.push_back({"lossd_compute_budget_bytes", "Device memory the scheduler admits calls against.",
-                     {}, static_cast<double>(scheduler_->capacity_bytes())});
+  samples.push_back({"lossd_compute_budget_bytes",
+                     "Device memory the scheduler admits calls against.",
+                     {},
+                     static_cast<double>(scheduler_->capacity_bytes())});
   samples.push_back({"lossd_pending_memory_bytes",
                      "Host memory held by Compute calls not yet admitted (start messages, "
                      "per-token values, rows read ahead).",
-                     {}, static_cast<double>(pending_->held_bytes())});
-  samples.push_back({"lossd_compute_admitted_bytes", "Device memory admitted calls hold now.", {},
+                     {},
+                     static_cast<double>(pending_->held_bytes())});
+  samples.push_back({"lossd_compute_admitted_bytes",
+                     "Device memory admitted calls hold now.",
+                     {},
                      static_cast<double>(scheduler_->admitted_bytes())});
   samples.push_back({"lossd_step_rendezvous_waiting",
-                     "Collective steps (and gradient norms) waiting for their last rank.", {},
+                     "Collective steps (and gradient norms) waiting for their last rank.",
+                     {},
                      static_cast<double>(service_->rendezvous().waiting_meetings())});
   const SharedMemoryMaps& maps = service_->shared_memory_maps();
   samples.push_back({"lossd_shared_memory_handles",
-                     "Clients' memfds handed over and not yet revoked.", {},
+                     "Clients' memfds handed over and not yet revoked.",
+                     {},
                      static_cast<double>(maps.handles())});
   samples.push_back({"lossd_shared_memory_mappings",
-                     "Ranges of clients' memfds mapped now (by running calls, or kept idle).", {},
+                     "Ranges of clients' memfds mapped now (by running calls, or kept idle).",
+                     {},
                      static_cast<double>(maps.mappings())});
-  samples.push_back({"lossd_shared_memory_mapped_bytes",
-                     "Bytes of clients' memfds mapped now; client memory, outside lossd_memory_bytes.",
-                     {}, static_cast<double>(maps.mapped_bytes())});
+  samples.push_back(
+      {"lossd_shared_memory_mapped_bytes",
+       "Bytes of clients' memfds mapped now; client memory, outside lossd_memory_bytes.",
+       {},
+       static_cast<double>(maps.mapped_bytes())});
   for (const auto& head : heads_.List()) {
     const HeadSummary s = head->Summary();
-    samples.push_back({"lossd_head_version", "Version of each head; grows with every step or upload.",
-                       {{"head", s.name}}, static_cast<double>(s.version)});
+    samples.push_back({"lossd_head_version",
+                       "Version of each head; grows with every step or upload.",
+                       {{"head", s.name}},
+                       static_cast<double>(s.version)});
     samples.push_back({"lossd_head_accumulated_tokens",
                        "Tokens in each head's gradient accumulator since it was last zeroed.",
-                       {{"head", s.name}}, static_cast<double>(s.accumulated_tokens)});
+                       {{"head", s.name}},
+                       static_cast<double>(s.accumulated_tokens)});
     samples.push_back({"lossd_head_staged_gradients",
                        "dL/dW of calls staged on each head, waiting for their commit.",
-                       {{"head", s.name}}, static_cast<double>(s.staged_gradients)});
+                       {{"head", s.name}},
+                       static_cast<double>(s.staged_gradients)});
   }
-  samples.push_back({"lossd_replica_info",
-                     "Constant 1, labelled with this server's rank in its replica group and the "
-                     "group's size (0 of 1 for a server alone).",
-                     {{"rank", absl::StrCat(replica_rank())}, {"replicas", absl::StrCat(replicas())}},
+  samples.push_back(
+      {"lossd_replica_info",
+       "Constant 1, labelled with this server's rank in its replica group and the "
+       "group's size (0 of 1 for a server alone).",
+       {{"rank", absl::StrCat(replica_rank())}, {"replicas", absl::StrCat(replicas())}},
+       1.0});
+  samples.push_back({"lossd_build_info",
+                     "Constant 1, labelled with the version and backend.",
+                     {{"version", kVersion}, {"backend", std::string(backend_->kind())}},
                      1.0});
-  samples.push_back({"lossd_build_info", "Constant 1, labelled with the version and backend.",
-                     {{"version", kVersion}, {"backend", std::string(backend_->kind())}}, 1.0});
   return samples;
 }
 
@@ -482,8 +506,10 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
                         absl::FormatDuration(config.staged_grad_ttl));
   }
   if (config.staged_grad_bytes < 0) {
-    return InvalidField("--staged_grad_mib", "a size in MiB >= 0 (0: room for 8 of the largest "
-                        "head's gradients)", absl::StrCat(config.staged_grad_bytes >> 20));
+    return InvalidField("--staged_grad_mib",
+                        "a size in MiB >= 0 (0: room for 8 of the largest "
+                        "head's gradients)",
+                        absl::StrCat(config.staged_grad_bytes >> 20));
   }
   if (config.step_wait <= absl::ZeroDuration()) {
     return InvalidField("--step_wait_seconds", "a positive duration",
@@ -521,7 +547,7 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
     group.step_wait = config.step_wait;
     ASSIGN_OR_RETURN(replicas, ReplicaGroup::Create(group));
   } else if (config.replica_rank != 0 && config.replica_rank != -1) {
-    return InvalidField("--replica_rank", "0 (or -1) without --replicas", 
+    return InvalidField("--replica_rank", "0 (or -1) without --replicas",
                         absl::StrCat(config.replica_rank));
   }
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
@@ -556,8 +582,8 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   RETURN_IF_ERROR(server->LoadHeads(config));
 
   const int64_t compute_memory = server->ComputeBudget(0);
-  server->scheduler_ =
-      std::make_unique<Scheduler>(compute_memory, config.max_running_calls, config.max_queued_calls);
+  server->scheduler_ = std::make_unique<Scheduler>(compute_memory, config.max_running_calls,
+                                                   config.max_queued_calls);
   server->pending_ = std::make_unique<PendingMemory>(
       config.pending_memory_bytes,
       config.pending_memory_per_connection_bytes == 0
@@ -565,12 +591,13 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
           : std::min(config.pending_memory_per_connection_bytes, config.pending_memory_bytes));
   server->buffers_ = std::make_unique<BufferCache>(*server->backend_, server->ledger_,
                                                    config.cache_call_buffers ? compute_memory : 0);
-  server->host_buffers_ = std::make_unique<BufferCache>(
-      server->backend_->HostBuffers(), server->host_ledger_,
-      config.cache_call_buffers ? config.host_cache_bytes : 0);
+  server->host_buffers_ =
+      std::make_unique<BufferCache>(server->backend_->HostBuffers(), server->host_ledger_,
+                                    config.cache_call_buffers ? config.host_cache_bytes : 0);
 
   ServiceOptions options;
-  options.compute.workspace_budget_bytes = static_cast<size_t>(server->config_.workspace_budget_bytes);
+  options.compute.workspace_budget_bytes =
+      static_cast<size_t>(server->config_.workspace_budget_bytes);
   options.compute.allow_shared_memory = config.shared_memory;
   options.compute.max_call_ids = config.max_call_ids;
   options.compute.stream_idle = config.stream_idle;
@@ -582,7 +609,8 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   options.resize_compute_budget = [raw_server](int64_t incoming_head_elements) {
     raw_server->ResizeComputeBudget(incoming_head_elements);
   };
-  options.compute.max_result_message_bytes = std::min<int64_t>(config.max_message_bytes / 2, 8 << 20);
+  options.compute.max_result_message_bytes =
+      std::min<int64_t>(config.max_message_bytes / 2, 8 << 20);
   options.max_fetch_chunk_bytes = config.max_message_bytes / 2;
   options.default_fetch_chunk_bytes = std::min<int64_t>(4 << 20, options.max_fetch_chunk_bytes);
   options.checkpoint_dir = config.checkpoint_dir;
@@ -594,12 +622,10 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
     if (raw->server_ != nullptr) raw->server_->GetHealthCheckService()->SetServingStatus(false);
   };
   options.replicas = server->replicas_.get();
-  server->service_ = std::make_unique<LossService>(*server->backend_, server->heads_,
-                                                   server->staging_room_,
-                                                   *server->scheduler_, *server->pending_,
-                                                   server->metrics_,
-                                                   server->ledger_, *server->buffers_,
-                                                   *server->host_buffers_, std::move(options));
+  server->service_ = std::make_unique<LossService>(
+      *server->backend_, server->heads_, server->staging_room_, *server->scheduler_,
+      *server->pending_, server->metrics_, server->ledger_, *server->buffers_,
+      *server->host_buffers_, std::move(options));
   server->heads_.SetStagedDropObserver([metrics = &server->metrics_](StagedDrop reason, int n) {
     metrics->CountStagedDropped(StagedDropName(reason), n);
   });
@@ -658,10 +684,10 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
     server->server_->GetHealthCheckService()->SetServingStatus(false);
     RETURN_IF_ERROR(server->replicas_->Form());
     ASSIGN_OR_RETURN(const std::string local, LocalAddressTowards(config.replica_store));
-    server->startup_log_.push_back(absl::StrCat(
-        "replica ", server->replicas_->rank(), " of ", server->replicas_->replicas(),
-        ": the group met at replica 0 (", config.replica_store,
-        "); gradients all-reduce over Gloo, TCP from ", local));
+    server->startup_log_.push_back(
+        absl::StrCat("replica ", server->replicas_->rank(), " of ", server->replicas_->replicas(),
+                     ": the group met at replica 0 (", config.replica_store,
+                     "); gradients all-reduce over Gloo, TCP from ", local));
     // Replica 0's heads are the group's.
     ASSIGN_OR_RETURN(Collective* const collective, server->replicas_->collective());
     RETURN_IF_ERROR(SyncHeadsFromReplicaZero(*collective, server->heads_, *server->backend_,
@@ -749,7 +775,8 @@ void LossServer::Shutdown(absl::Duration drain) {
   const absl::Time deadline = absl::Now() + drain;
   service_->StopAccepting();
   const bool drained = service_->WaitForCallsInFlight(deadline);
-  const absl::Time close_at = drained ? std::min(deadline, absl::Now() + kStatusGrace) : absl::Now();
+  const absl::Time close_at =
+      drained ? std::min(deadline, absl::Now() + kStatusGrace) : absl::Now();
   server_->Shutdown(absl::ToChronoTime(close_at));
   server_->Wait();
   // Compute calls run on threads of their own, which gRPC does not wait for: those cancelled

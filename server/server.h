@@ -19,8 +19,8 @@
 #include "server/head_store.h"
 #include "server/memory_ledger.h"
 #include "server/metrics.h"
-#include "server/scheduler.h"
 #include "server/replica_group.h"
+#include "server/scheduler.h"
 #include "server/service.h"
 
 namespace lossd::server {
@@ -51,11 +51,11 @@ struct ServerConfig {
   // Compute streams that may wait for their start message at once; more are refused with
   // RESOURCE_EXHAUSTED. Each costs a little memory and no thread.
   int64_t max_unstarted_streams = 1024;
-  bool cache_call_buffers = true;                  // keep call buffers between calls
+  bool cache_call_buffers = true;  // keep call buffers between calls
   // Host memory kept for the next call: rows from messages and the dL/dh going out in them.
   int64_t host_cache_bytes = int64_t{1} << 30;
-  bool shared_memory = true;                       // rows in memfds from clients on this host
-  int64_t max_call_ids = 65536;                    // per head and accumulator epoch
+  bool shared_memory = true;     // rows in memfds from clients on this host
+  int64_t max_call_ids = 65536;  // per head and accumulator epoch
   // ComputeStart.stage_grad_weight: how long a staged dL/dW waits for its commit, and the device
   // memory all staged dL/dW may hold together (0: room for 8 of the largest head's).
   absl::Duration staged_grad_ttl = absl::Seconds(300);
@@ -67,30 +67,30 @@ struct ServerConfig {
   // GOAWAY; calls in flight finish), so that clients balancing over replicas resolve the Service
   // again and spread onto replicas added since they connected.
   absl::Duration max_connection_age = absl::ZeroDuration();
-  std::string token_file;                          // bearer token, first line
+  std::string token_file;  // bearer token, first line
   std::string tls_cert_file;
   std::string tls_key_file;
-  std::string checkpoint_dir;                      // resume from and save to
+  std::string checkpoint_dir;  // resume from and save to
   int keep_checkpoints = 3;
   // "NAME=PATH" or "NAME=PATH#TENSOR": a head from a Hugging Face checkpoint, PATH a model
   // directory, a sharded checkpoint's index or a safetensors file (lossd/storage/hf_checkpoint.h
   // says which tensor is taken and what config.json decides).
   std::vector<std::string> heads;
-  DType head_dtype = DType::kFloat32;              // storage dtype of heads loaded from files
-  DemoHeadConfig demo;                             // served when no other head is configured
+  DType head_dtype = DType::kFloat32;  // storage dtype of heads loaded from files
+  DemoHeadConfig demo;                 // served when no other head is configured
   // A replica group (--replicas > 1) trains its heads together: see replica_group.h.
   int replicas = 1;
-  int replica_rank = 0;                            // -1: the ordinal that ends the hostname
-  std::string replica_store;                       // HOST:PORT of replica 0's gRPC port
-  absl::Duration replica_join = absl::Minutes(10);  // forming the group at startup
+  int replica_rank = 0;                                // -1: the ordinal that ends the hostname
+  std::string replica_store;                           // HOST:PORT of replica 0's gRPC port
+  absl::Duration replica_join = absl::Minutes(10);     // forming the group at startup
   absl::Duration replica_timeout = absl::Seconds(60);  // a collective once all replicas are in
 };
 
 class LossServer {
  public:
   // Loads heads, binds the ports and starts serving. `backend` overrides config.device.
-  static absl::StatusOr<std::unique_ptr<LossServer>> Start(const ServerConfig& config,
-                                                           std::unique_ptr<Backend> backend = nullptr);
+  static absl::StatusOr<std::unique_ptr<LossServer>> Start(
+      const ServerConfig& config, std::unique_ptr<Backend> backend = nullptr);
   ~LossServer();
 
   int port() const { return port_; }

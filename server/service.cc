@@ -13,15 +13,15 @@
 
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
+#include "lossd/common/status_macros.h"
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"
-#include "lossd/common/status_macros.h"
+#include "lossd/storage/checkpoint.h"
 #include "server/compute_reactor.h"
 #include "server/exception_status.h"
 #include "server/grpc_status.h"
 #include "server/proto_convert.h"
 #include "server/shared_memory.h"
-#include "lossd/storage/checkpoint.h"
 
 namespace lossd::server {
 namespace {
@@ -79,7 +79,8 @@ void LossService::StopAccepting() {
 
 bool LossService::WaitForCallsInFlight(absl::Time deadline) {
   absl::MutexLock lock(&calls_mu_);
-  auto none_left = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(calls_mu_) { return calls_in_flight_ == 0; };
+  auto none_left = [this]()
+                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(calls_mu_) { return calls_in_flight_ == 0; };
   return calls_mu_.AwaitWithDeadline(absl::Condition(&none_left), deadline);
 }
 
@@ -102,8 +103,8 @@ void LossService::RefuseAfterFault(FaultKind kind, const absl::Status& fault) {
     accepting_ = false;
   }
   // Ranks waiting for others at a step would wait for ranks that will not come.
-  rendezvous_.FailWaiting(absl::AbortedError(absl::StrCat(
-      fault.message(), "; nothing was applied. The server exits to be restarted")));
+  rendezvous_.FailWaiting(absl::AbortedError(
+      absl::StrCat(fault.message(), "; nothing was applied. The server exits to be restarted")));
   if (options_.on_fault) options_.on_fault(fault);
 }
 
@@ -220,8 +221,8 @@ grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>* LossService::C
 }
 
 absl::Status LossService::RunCompute(ComputeStream& stream) {
-  const ComputeEnvironment env{&backend_, &heads_,    &scheduler_,    &metrics_,
-                               &ledger_,  &buffers_,  &host_buffers_, &shared_memory_maps_,
+  const ComputeEnvironment env{&backend_, &heads_,        &scheduler_,     &metrics_,
+                               &ledger_,  &buffers_,      &host_buffers_,  &shared_memory_maps_,
                                &pending_, &staging_room_, options_.compute};
   return RunComputeCall(env, stream);
 }
@@ -265,10 +266,10 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
   // Checked by division: the product of absurd declared sizes overflows int64 (2^32 x 2^32 is 0).
   const int64_t max_elements = options_.max_head_bytes / 4;
   if (start.vocab_size() > max_elements / start.hidden_size()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "vocab_size x hidden_size: expected at most ", max_elements, " elements (",
-        options_.max_head_bytes, " bytes as float32), got ", start.vocab_size(), " x ",
-        start.hidden_size()));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("vocab_size x hidden_size: expected at most ", max_elements, " elements (",
+                     options_.max_head_bytes, " bytes as float32), got ", start.vocab_size(), " x ",
+                     start.hidden_size()));
   }
   auto existing = heads_.Get(start.head());
   if (existing.ok() && !start.replace()) {
@@ -279,11 +280,13 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
   std::vector<uint8_t> weight;
   RETURN_IF_ERROR(ReserveHostMemory(weight, expected_bytes, start, DTypeName(wire_dtype)));
   while (reader->Read(&request)) {
-    if (request.has_start()) return InvalidField("start", "exactly one UploadHeadStart, first", "a second one");
+    if (request.has_start())
+      return InvalidField("start", "exactly one UploadHeadStart, first", "a second one");
     const std::string& bytes = request.weight();
     if (weight.size() + bytes.size() > expected_bytes) {
-      return InvalidField("weight", absl::StrCat(expected_bytes, " bytes (vocab_size x hidden_size x ",
-                                                 DTypeSize(wire_dtype), ")"),
+      return InvalidField("weight",
+                          absl::StrCat(expected_bytes, " bytes (vocab_size x hidden_size x ",
+                                       DTypeSize(wire_dtype), ")"),
                           absl::StrCat("at least ", weight.size() + bytes.size()));
     }
     weight.insert(weight.end(), bytes.begin(), bytes.end());
@@ -319,7 +322,8 @@ absl::StatusOr<v1::HeadInfo> LossService::ReceiveUpload(
     RETURN_IF_ERROR(ReserveHostMemory(converted, converted_bytes, start, DTypeName(storage_dtype)));
     converted.resize(converted_bytes);  // within the reserved capacity
     for (int64_t i = 0; i < state.vocab_size * state.hidden_size; ++i) {
-      StoreFromFloat(converted.data(), storage_dtype, i, LoadAsFloat(state.weight.data(), wire_dtype, i));
+      StoreFromFloat(converted.data(), storage_dtype, i,
+                     LoadAsFloat(state.weight.data(), wire_dtype, i));
     }
     state.weight = std::move(converted);
   }
@@ -364,8 +368,9 @@ absl::Status LossService::StreamTensor(const v1::FetchTensorRequest& request, bo
   if (gradient && request.master()) {
     return InvalidField("master", "false for FetchGradWeight (the gradient is fp32)", "true");
   }
-  ASSIGN_OR_RETURN(const TensorSnapshot snapshot, gradient ? head->ReadGradient(dtype)
-                                                           : head->ReadWeight(dtype, request.master()));
+  ASSIGN_OR_RETURN(const TensorSnapshot snapshot, gradient
+                                                      ? head->ReadGradient(dtype)
+                                                      : head->ReadWeight(dtype, request.master()));
   for (int64_t r0 = 0; r0 < head->vocab_size(); r0 += rows_per_chunk) {
     const int64_t rows = std::min(rows_per_chunk, head->vocab_size() - r0);
     v1::TensorChunk chunk;
@@ -469,14 +474,14 @@ absl::Status LossService::Collectively(
   const std::string key = absl::StrCat(method, " of head '", head, "' at version ", *version);
   // With replicas, a step of one local rank meets too: its outcome is kept for a retry, which
   // must not make the group step twice.
-  ASSIGN_OR_RETURN(
-      const std::string serialized,
-      rendezvous_.Join(key, std::max(1, group.world_size()), group.rank(), fingerprint,
+  ASSIGN_OR_RETURN(const std::string serialized,
+                   rendezvous_.Join(
+                       key, std::max(1, group.world_size()), group.rank(), fingerprint,
                        [&] { return context.IsCancelled(); },
                        [&]() -> absl::StatusOr<std::string> {
                          const absl::Time start = absl::Now();
-                         absl::StatusOr<Response> outcome = ActOverReplicas<Response>(
-                             replicas, key, fingerprint, action);
+                         absl::StatusOr<Response> outcome =
+                             ActOverReplicas<Response>(replicas, key, fingerprint, action);
                          metrics_.ObserveStepSeconds(absl::ToDoubleSeconds(absl::Now() - start));
                          RETURN_IF_ERROR(outcome.status());
                          return outcome->SerializeAsString();
@@ -504,9 +509,10 @@ absl::StatusOr<Response> LossService::ActOverReplicas(
         key, ": replica ", replicas->rank(), " could not apply what the group agreed on (",
         outcome.status().message(), ")"));
     replicas->Fail(failure);
-    return absl::AbortedError(absl::StrCat(
-        failure.message(), "; the replica group has ended: every replica restarts from the last "
-        "checkpoint, and the trainers resume from theirs"));
+    return absl::AbortedError(
+        absl::StrCat(failure.message(),
+                     "; the replica group has ended: every replica restarts from the last "
+                     "checkpoint, and the trainers resume from theirs"));
   }
   return outcome;
 }
@@ -552,8 +558,7 @@ grpc::Status LossService::GradWeightNorm(grpc::ServerContext* context,
     return Collectively<v1::GradWeightNormResponse>(
         *context, "GradWeightNorm", head->name(), version, request->ranks(), *request,
         [&](GradientExchange* exchange) -> absl::StatusOr<v1::GradWeightNormResponse> {
-          ASSIGN_OR_RETURN(const GradNorm norm,
-                           head->GradientNorm(version, multiplier, exchange));
+          ASSIGN_OR_RETURN(const GradNorm norm, head->GradientNorm(version, multiplier, exchange));
           v1::GradWeightNormResponse r;
           r.set_head_version(norm.version);
           r.set_grad_norm(norm.norm);
@@ -602,9 +607,10 @@ absl::StatusOr<std::shared_ptr<Head>> LossService::TiedHead(
     const std::string& name, const google::protobuf::RepeatedField<int64_t>& ids) {
   ASSIGN_OR_RETURN(auto head, heads_.Get(name));
   if (!head->tied_embeddings()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "head: '", name, "' is not tied to the model's input embedding (HeadInfo.tied_embeddings "
-        "is false): its rows are the output projection's only"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("head: '", name,
+                     "' is not tied to the model's input embedding (HeadInfo.tied_embeddings "
+                     "is false): its rows are the output projection's only"));
   }
   const int64_t max_ids = options_.compute.max_tokens_per_call;
   if (ids.size() > max_ids) {
@@ -746,10 +752,11 @@ grpc::Status LossService::SaveCheckpoint(grpc::ServerContext* context,
   return Serve("SaveCheckpoint", context, [&]() -> absl::Status {
     if (options_.replicas != nullptr && options_.replicas->rank() != 0) {
       // The replicas hold the same heads; one writer keeps the directory they resume from whole.
-      return absl::FailedPreconditionError(absl::StrCat(
-          "SaveCheckpoint: this server is replica ", options_.replicas->rank(), " of ",
-          options_.replicas->replicas(), "; replica 0 (the server of trainer rank 0) saves the "
-          "group's checkpoints"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("SaveCheckpoint: this server is replica ", options_.replicas->rank(), " of ",
+                       options_.replicas->replicas(),
+                       "; replica 0 (the server of trainer rank 0) saves the "
+                       "group's checkpoints"));
     }
     if (options_.checkpoint_dir.empty()) {
       return absl::FailedPreconditionError(

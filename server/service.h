@@ -10,9 +10,9 @@
 #include "absl/time/time.h"
 
 #include "lossd/v1/lossd.grpc.pb.h"
+#include "server/buffer_cache.h"
 #include "server/compute_call.h"
 #include "server/compute_reactor.h"
-#include "server/buffer_cache.h"
 #include "server/handover_socket.h"
 #include "server/head_store.h"
 #include "server/memory_ledger.h"
@@ -25,11 +25,11 @@ namespace lossd::server {
 
 struct ServiceOptions {
   ComputeLimits compute;
-  int64_t max_head_bytes = int64_t{16} << 30;     // refuses uploads that declare more
+  int64_t max_head_bytes = int64_t{16} << 30;  // refuses uploads that declare more
   int64_t default_fetch_chunk_bytes = 4 << 20;
   int64_t max_fetch_chunk_bytes = 64 << 20;
-  std::string bearer_token;                       // empty: no authentication
-  std::string checkpoint_dir;                     // empty: SaveCheckpoint is refused
+  std::string bearer_token;    // empty: no authentication
+  std::string checkpoint_dir;  // empty: SaveCheckpoint is refused
   int keep_checkpoints = 3;
   // Called once, with the first device fault a call meets (IsDeviceFault) or the end of the
   // replica group, after which the service refuses every call.
@@ -67,7 +67,8 @@ class LossService final
                            grpc::ServerWriter<v1::TensorChunk>* writer) override;
   grpc::Status FetchGradWeight(grpc::ServerContext* context, const v1::FetchTensorRequest* request,
                                grpc::ServerWriter<v1::TensorChunk>* writer) override;
-  grpc::Status ZeroGradWeight(grpc::ServerContext* context, const v1::ZeroGradWeightRequest* request,
+  grpc::Status ZeroGradWeight(grpc::ServerContext* context,
+                              const v1::ZeroGradWeightRequest* request,
                               v1::ZeroGradWeightResponse* response) override;
   grpc::Status Step(grpc::ServerContext* context, const v1::StepRequest* request,
                     v1::StepResponse* response) override;
@@ -80,7 +81,8 @@ class LossService final
   grpc::Status DiscardGradWeight(grpc::ServerContext* context,
                                  const v1::DiscardGradWeightRequest* request,
                                  v1::DiscardGradWeightResponse* response) override;
-  grpc::Status SaveCheckpoint(grpc::ServerContext* context, const v1::SaveCheckpointRequest* request,
+  grpc::Status SaveCheckpoint(grpc::ServerContext* context,
+                              const v1::SaveCheckpointRequest* request,
                               v1::SaveCheckpointResponse* response) override;
   grpc::Status GetSharedMemorySocket(grpc::ServerContext* context,
                                      const v1::GetSharedMemorySocketRequest* request,
@@ -146,11 +148,11 @@ class LossService final
   // the action runs once the other replicas have reached the same step, with the exchange of
   // their gradients (null on a server alone).
   template <typename Response>
-  absl::Status Collectively(
-      grpc::ServerContext& context, absl::string_view method, const std::string& head,
-      const std::optional<uint64_t>& version, const v1::RankGroup& group,
-      const google::protobuf::Message& request,
-      absl::FunctionRef<absl::StatusOr<Response>(GradientExchange*)> action, Response* response);
+  absl::Status Collectively(grpc::ServerContext& context, absl::string_view method,
+                            const std::string& head, const std::optional<uint64_t>& version,
+                            const v1::RankGroup& group, const google::protobuf::Message& request,
+                            absl::FunctionRef<absl::StatusOr<Response>(GradientExchange*)> action,
+                            Response* response);
   // `action` over the replicas once all have reached it (see Collectively), or alone.
   template <typename Response>
   absl::StatusOr<Response> ActOverReplicas(
@@ -169,7 +171,7 @@ class LossService final
   SharedMemoryMaps shared_memory_maps_;
   StagingRoom& staging_room_;
   RankRendezvous rendezvous_;
-  ReplicaObserver replica_observer_;  // into metrics_
+  ReplicaObserver replica_observer_;                 // into metrics_
   std::unique_ptr<HandoverSocket> handover_socket_;  // registers into shared_memory_maps_
 
   mutable absl::Mutex calls_mu_;

@@ -51,20 +51,13 @@ std::string DescribeDescriptor(int fd) {
   struct statx info;
   if (statx(fd, "", AT_EMPTY_PATH | AT_STATX_DONT_SYNC, STATX_TYPE, &info) == 0) {
     switch (info.stx_mode & S_IFMT) {
-      case S_IFDIR:
-        return "a directory";
-      case S_IFIFO:
-        return "a pipe";
-      case S_IFSOCK:
-        return "a socket";
-      case S_IFCHR:
-        return "a character device";
-      case S_IFBLK:
-        return "a block device";
-      case S_IFREG:
-        return "a regular file that is not a memfd";
-      default:
-        break;
+      case S_IFDIR: return "a directory";
+      case S_IFIFO: return "a pipe";
+      case S_IFSOCK: return "a socket";
+      case S_IFCHR: return "a character device";
+      case S_IFBLK: return "a block device";
+      case S_IFREG: return "a regular file that is not a memfd";
+      default: break;
     }
   }
   const std::string target = DescriptorTarget(fd);
@@ -240,14 +233,16 @@ void SharedMemoryMaps::RevokeLocked(std::shared_ptr<const Memfd> memfd) {
 }
 
 absl::StatusOr<SharedCallMemory> SharedMemoryMaps::Map(const v1::SharedMemory& request,
-                                                       uint64_t hidden_bytes, uint64_t grad_hidden_bytes) {
+                                                       uint64_t hidden_bytes,
+                                                       uint64_t grad_hidden_bytes) {
   if (request.handle().size() != kHandleBytes) {
     return InvalidField(
         "shared_memory.handle",
         absl::StrCat("the ", kHandleBytes, "-byte handle the server's handover socket returned"),
         absl::StrCat(request.handle().size(), " bytes"));
   }
-  RETURN_IF_ERROR(CheckOffset("shared_memory.hidden_offset", request.hidden_offset(), hidden_bytes));
+  RETURN_IF_ERROR(
+      CheckOffset("shared_memory.hidden_offset", request.hidden_offset(), hidden_bytes));
   const uint64_t hidden_end = request.hidden_offset() + hidden_bytes;
   uint64_t end = hidden_end;
   const uint64_t grad_begin = request.grad_hidden_offset();

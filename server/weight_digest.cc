@@ -63,8 +63,7 @@ absl::StatusOr<std::string> WeightHasher::Finish() {
   if (EVP_DigestFinal_ex(context_->digest.get(), digest, &length) != 1) {
     return OpenSslFailure("EVP_DigestFinal_ex");
   }
-  return absl::BytesToHexString(
-      absl::string_view(reinterpret_cast<const char*>(digest), length));
+  return absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(digest), length));
 }
 
 absl::StatusOr<std::string> WeightSha256(DType dtype, int64_t vocab_size, int64_t hidden_size,

@@ -5,8 +5,8 @@
 
 #include <algorithm>
 #include <array>
-#include <cerrno>
 #include <bit>
+#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -106,8 +106,8 @@ absl::Status ValidateValues(const CheckpointState& state) {
   if (!state.state2.empty()) {
     RETURN_IF_ERROR(ValidateFiniteMatrix("optimizer.state2", state.state2.data(), DType::kFloat32,
                                          state.vocab_size, state.hidden_size));
-    const auto negative = std::find_if(state.state2.begin(), state.state2.end(),
-                                       [](float v) { return v < 0.0f; });
+    const auto negative =
+        std::find_if(state.state2.begin(), state.state2.end(), [](float v) { return v < 0.0f; });
     if (negative != state.state2.end()) {
       const int64_t i = negative - state.state2.begin();
       return InvalidField(absl::StrCat("optimizer.state2[", i / state.hidden_size, ", ",
@@ -119,7 +119,8 @@ absl::Status ValidateValues(const CheckpointState& state) {
 }
 
 std::optional<OptimizerKind> OptimizerFromName(absl::string_view name) {
-  for (const OptimizerKind kind : {OptimizerKind::kNone, OptimizerKind::kSgd, OptimizerKind::kAdamW}) {
+  for (const OptimizerKind kind :
+       {OptimizerKind::kNone, OptimizerKind::kSgd, OptimizerKind::kAdamW}) {
     if (name == OptimizerKindName(kind)) return kind;
   }
   return std::nullopt;
@@ -129,8 +130,8 @@ absl::Status ValidateState(const CheckpointState& state) {
   RETURN_IF_ERROR(ValidateCheckpointHeadName(state.head));
   const std::string where = absl::StrCat("checkpoint of head '", state.head, "'");
   if (state.vocab_size <= 0 || state.hidden_size <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": shape [", state.vocab_size, ", ", state.hidden_size, "] must be positive"));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": shape [", state.vocab_size, ", ",
+                                                   state.hidden_size, "] must be positive"));
   }
   if (state.steps < 0) {
     return absl::InvalidArgumentError(absl::StrCat(where, ": steps ", state.steps, " is negative"));
@@ -140,15 +141,16 @@ absl::Status ValidateState(const CheckpointState& state) {
   }
   RETURN_IF_ERROR(DTypeToSafetensors(state.weight_dtype).status());
   size_t weight_bytes = 0, state_bytes = 0;
-  if (!ProductFits(state.vocab_size, state.hidden_size, DTypeSize(state.weight_dtype), &weight_bytes) ||
+  if (!ProductFits(state.vocab_size, state.hidden_size, DTypeSize(state.weight_dtype),
+                   &weight_bytes) ||
       !ProductFits(state.vocab_size, state.hidden_size, sizeof(float), &state_bytes)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": shape [", state.vocab_size, ", ", state.hidden_size, "] is too large"));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": shape [", state.vocab_size, ", ",
+                                                   state.hidden_size, "] is too large"));
   }
   if (state.weight.size() != weight_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": weight has ", state.weight.size(), " bytes, expected ", weight_bytes, " for [",
-                     state.vocab_size, ", ", state.hidden_size, "] ", DTypeName(state.weight_dtype)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": weight has ", state.weight.size(), " bytes, expected ", weight_bytes, " for [",
+        state.vocab_size, ", ", state.hidden_size, "] ", DTypeName(state.weight_dtype)));
   }
   if (!OptimizerFromName(OptimizerKindName(state.optimizer))) {
     return absl::InvalidArgumentError(
@@ -156,12 +158,13 @@ absl::Status ValidateState(const CheckpointState& state) {
   }
   const auto [has_state1, has_state2] = StatesOf(state.optimizer);
   const size_t state_floats = state_bytes / sizeof(float);
-  const auto check = [&](const std::vector<float>& values, bool wanted, const char* name) -> absl::Status {
+  const auto check = [&](const std::vector<float>& values, bool wanted,
+                         const char* name) -> absl::Status {
     const size_t expected = wanted ? state_floats : 0;
     if (values.size() == expected) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat(where, ": ", name, " has ", values.size(),
-                                                   " values, expected ", expected, " for optimizer ",
-                                                   OptimizerKindName(state.optimizer)));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": ", name, " has ", values.size(), " values, expected ", expected,
+                     " for optimizer ", OptimizerKindName(state.optimizer)));
   };
   RETURN_IF_ERROR(check(state.state1,
                         has_state1 && !(State1IsOptional(state.optimizer) && state.state1.empty()),
@@ -207,7 +210,8 @@ std::optional<uint64_t> VersionFromFileName(absl::string_view head, absl::string
 // atomic write of one of the head's checkpoints creates (WriteSafetensorsAtomically).
 std::optional<pid_t> TemporaryFileWriter(absl::string_view head, absl::string_view file_name) {
   const size_t marker = file_name.rfind(".tmp-");
-  if (marker == absl::string_view::npos || !VersionFromFileName(head, file_name.substr(0, marker))) {
+  if (marker == absl::string_view::npos ||
+      !VersionFromFileName(head, file_name.substr(0, marker))) {
     return std::nullopt;
   }
   const std::vector<absl::string_view> parts =
@@ -240,7 +244,8 @@ struct HeadDirectoryListing {
   std::vector<std::string> others;
 };
 
-absl::StatusOr<HeadDirectoryListing> ListHeadDirectory(const fs::path& head_dir, absl::string_view head) {
+absl::StatusOr<HeadDirectoryListing> ListHeadDirectory(const fs::path& head_dir,
+                                                       absl::string_view head) {
   HeadDirectoryListing listing;
   std::error_code error;
   fs::directory_iterator it(head_dir, error);
@@ -260,8 +265,9 @@ absl::StatusOr<HeadDirectoryListing> ListHeadDirectory(const fs::path& head_dir,
   return listing;
 }
 
-absl::Status PruneOldCheckpoints(const fs::path& head_dir, absl::string_view head, uint64_t written_version,
-                                 const std::string& written, int keep_last) {
+absl::Status PruneOldCheckpoints(const fs::path& head_dir, absl::string_view head,
+                                 uint64_t written_version, const std::string& written,
+                                 int keep_last) {
   if (keep_last <= 0) return absl::OkStatus();
   ASSIGN_OR_RETURN(const HeadDirectoryListing listing, ListHeadDirectory(head_dir, head));
   bool removed_any = false;
@@ -291,17 +297,19 @@ absl::StatusOr<TensorRef> VerifiedTensor(const SafetensorsFile& file, const std:
         absl::StrCat(where, ": dtype ", tensor.dtype, ", expected ", expected_dtype));
   }
   if (tensor.shape != std::vector<int64_t>{vocab_size, hidden_size}) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(where, ": shape does not match the metadata's [", vocab_size, ", ", hidden_size, "]"));
+    return absl::InvalidArgumentError(absl::StrCat(where, ": shape does not match the metadata's [",
+                                                   vocab_size, ", ", hidden_size, "]"));
   }
   const auto stored = file.metadata().find(absl::StrCat(kChecksumPrefix, name));
   if (stored == file.metadata().end()) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": metadata has no ", kChecksumPrefix, name));
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": metadata has no ", kChecksumPrefix, name));
   }
   const std::string actual = ChecksumText(Crc32c(tensor.data, tensor.bytes));
   if (stored->second != actual) {
     return absl::DataLossError(absl::StrCat(where, ": CRC-32C of the data is ", actual,
-                                            ", the metadata says ", stored->second, " (corrupt file)"));
+                                            ", the metadata says ", stored->second,
+                                            " (corrupt file)"));
   }
   return tensor;
 }
@@ -332,8 +340,9 @@ uint32_t Crc32c(const void* data, size_t size, uint32_t crc) {
     std::memcpy(&word, bytes, 8);  // little endian: the first byte is the lowest
     const uint32_t low = static_cast<uint32_t>(word) ^ state;
     const uint32_t high = static_cast<uint32_t>(word >> 32);
-    state = t[7][low & 0xff] ^ t[6][(low >> 8) & 0xff] ^ t[5][(low >> 16) & 0xff] ^ t[4][low >> 24] ^
-            t[3][high & 0xff] ^ t[2][(high >> 8) & 0xff] ^ t[1][(high >> 16) & 0xff] ^ t[0][high >> 24];
+    state = t[7][low & 0xff] ^ t[6][(low >> 8) & 0xff] ^ t[5][(low >> 16) & 0xff] ^
+            t[4][low >> 24] ^ t[3][high & 0xff] ^ t[2][(high >> 8) & 0xff] ^
+            t[1][(high >> 16) & 0xff] ^ t[0][high >> 24];
   }
   for (; size > 0; ++bytes, --size) state = t[0][(state ^ *bytes) & 0xff] ^ (state >> 8);
   return ~state;
@@ -343,7 +352,8 @@ absl::Status ValidateCheckpointHeadName(absl::string_view head) {
   const bool safe_characters = std::all_of(head.begin(), head.end(), [](char c) {
     return absl::ascii_isalnum(c) || c == '.' || c == '_' || c == '-';
   });
-  if (head.empty() || head.size() > kMaxHeadNameLength || !safe_characters || head == "." || head == "..") {
+  if (head.empty() || head.size() > kMaxHeadNameLength || !safe_characters || head == "." ||
+      head == "..") {
     return absl::InvalidArgumentError(
         absl::StrCat("head: \"", absl::CHexEscape(head.substr(0, kMaxHeadNameLength)),
                      "\" cannot name a checkpoint directory: expected 1 to ", kMaxHeadNameLength,
@@ -365,9 +375,9 @@ absl::StatusOr<std::string> SaveCheckpoint(const std::string& dir, const Checkpo
   // A checkpoint that a resume would refuse is not written: it would only push a good one out.
   const absl::Status values = ValidateValues(state);
   if (!values.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "checkpoint of head '", state.head, "' at version ", state.version, ": ",
-        values.message(), "; nothing was saved"));
+    return absl::FailedPreconditionError(absl::StrCat("checkpoint of head '", state.head,
+                                                      "' at version ", state.version, ": ",
+                                                      values.message(), "; nothing was saved"));
   }
   const fs::path head_dir = fs::path(dir) / state.head;
   std::error_code error;
@@ -423,20 +433,23 @@ absl::StatusOr<CheckpointState> LoadCheckpoint(const std::string& path) {
     }
     return found->second;
   };
-  const auto bad_field = [&](absl::string_view key, absl::string_view value, absl::string_view expected) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": metadata: ", key, " is \"",
-                                                   absl::CHexEscape(value), "\", expected ", expected));
+  const auto bad_field = [&](absl::string_view key, absl::string_view value,
+                             absl::string_view expected) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": metadata: ", key, " is \"", absl::CHexEscape(value), "\", expected ", expected));
   };
 
   ASSIGN_OR_RETURN(const std::string format, field("format"));
-  if (format != kFormatTag) return bad_field("format", format, absl::StrCat("\"", kFormatTag, "\""));
+  if (format != kFormatTag)
+    return bad_field("format", format, absl::StrCat("\"", kFormatTag, "\""));
   CheckpointState state;
   ASSIGN_OR_RETURN(state.head, field("head"));
   if (!ValidateCheckpointHeadName(state.head).ok()) {
     return bad_field("head", state.head, "a name of [A-Za-z0-9._-] characters");
   }
   ASSIGN_OR_RETURN(const std::string version, field("version"));
-  if (!absl::SimpleAtoi(version, &state.version)) return bad_field("version", version, "an unsigned integer");
+  if (!absl::SimpleAtoi(version, &state.version))
+    return bad_field("version", version, "an unsigned integer");
   ASSIGN_OR_RETURN(const std::string steps, field("steps"));
   if (!absl::SimpleAtoi(steps, &state.steps) || state.steps < 0) {
     return bad_field("steps", steps, "a non-negative integer");
@@ -476,17 +489,19 @@ absl::StatusOr<CheckpointState> LoadCheckpoint(const std::string& path) {
   const std::vector<std::string> names = file.TensorNames();
   const std::set<std::string> present(names.begin(), names.end());
   // SGD without momentum saves no momentum buffer.
-  const bool without_state1 = State1IsOptional(state.optimizer) && present.count(kState1Tensor) == 0;
+  const bool without_state1 =
+      State1IsOptional(state.optimizer) && present.count(kState1Tensor) == 0;
   if (without_state1) expected_tensors.erase(kState1Tensor);
   // Optional: only 16-bit heads that trained have one.
   const bool has_master = present.count(kMasterWeightTensor) > 0;
   if (has_master) expected_tensors.insert(kMasterWeightTensor);
   if (present != expected_tensors) {
     std::vector<std::string> quoted;
-    for (const std::string& name : names) quoted.push_back(absl::StrCat("'", absl::CHexEscape(name), "'"));
-    return absl::InvalidArgumentError(absl::StrCat(path, ": tensors [", absl::StrJoin(quoted, ", "),
-                                                   "] do not match optimizer ", optimizer, ", which needs ",
-                                                   absl::StrJoin(expected_tensors, ", ")));
+    for (const std::string& name : names)
+      quoted.push_back(absl::StrCat("'", absl::CHexEscape(name), "'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": tensors [", absl::StrJoin(quoted, ", "), "] do not match optimizer ",
+                     optimizer, ", which needs ", absl::StrJoin(expected_tensors, ", ")));
   }
 
   ASSIGN_OR_RETURN(const TensorRef weight_entry, file.Tensor(kWeightTensor));
@@ -500,13 +515,13 @@ absl::StatusOr<CheckpointState> LoadCheckpoint(const std::string& path) {
                                                           state.vocab_size, state.hidden_size));
   state.weight.assign(weight.data, weight.data + weight.bytes);
   if (has_state1 && !without_state1) {
-    ASSIGN_OR_RETURN(const TensorRef state1,
-                     VerifiedTensor(file, kState1Tensor, "F32", state.vocab_size, state.hidden_size));
+    ASSIGN_OR_RETURN(const TensorRef state1, VerifiedTensor(file, kState1Tensor, "F32",
+                                                            state.vocab_size, state.hidden_size));
     state.state1 = CopyFloats(state1);
   }
   if (has_state2) {
-    ASSIGN_OR_RETURN(const TensorRef state2,
-                     VerifiedTensor(file, kState2Tensor, "F32", state.vocab_size, state.hidden_size));
+    ASSIGN_OR_RETURN(const TensorRef state2, VerifiedTensor(file, kState2Tensor, "F32",
+                                                            state.vocab_size, state.hidden_size));
     state.state2 = CopyFloats(state2);
   }
   if (has_master) {
@@ -534,18 +549,20 @@ absl::StatusOr<ResumeResult> ResumeFromDirectory(const std::string& dir) {
     // once something appears there.
     std::error_code link_error;
     if (fs::is_symlink(fs::symlink_status(dir, link_error))) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          dir, ": a symbolic link to ", fs::read_symlink(dir, link_error).string(),
-          ", which does not exist; expected a directory, or nothing there yet"));
+      return absl::FailedPreconditionError(
+          absl::StrCat(dir, ": a symbolic link to ", fs::read_symlink(dir, link_error).string(),
+                       ", which does not exist; expected a directory, or nothing there yet"));
     }
     return result;
   }
   if (error) return FilesystemError(error, absl::StrCat(dir, ": cannot stat"));
-  if (!fs::is_directory(status)) return absl::FailedPreconditionError(absl::StrCat(dir, ": not a directory"));
+  if (!fs::is_directory(status))
+    return absl::FailedPreconditionError(absl::StrCat(dir, ": not a directory"));
 
   std::vector<fs::path> entries;
   fs::directory_iterator it(dir, error);
-  for (; !error && it != fs::directory_iterator(); it.increment(error)) entries.push_back(it->path());
+  for (; !error && it != fs::directory_iterator(); it.increment(error))
+    entries.push_back(it->path());
   if (error) return FilesystemError(error, absl::StrCat(dir, ": cannot list"));
   std::sort(entries.begin(), entries.end());
 
@@ -562,18 +579,19 @@ absl::StatusOr<ResumeResult> ResumeFromDirectory(const std::string& dir) {
     }
     ASSIGN_OR_RETURN(const HeadDirectoryListing listing, ListHeadDirectory(entry, head));
     for (const std::string& other : listing.others) {
-      const std::optional<pid_t> writer = TemporaryFileWriter(head, fs::path(other).filename().string());
+      const std::optional<pid_t> writer =
+          TemporaryFileWriter(head, fs::path(other).filename().string());
       if (!writer) {
         result.skipped.push_back(absl::StrCat(other, ": not a checkpoint file name"));
       } else if (!WriterIsGone(*writer)) {
-        result.skipped.push_back(absl::StrCat(other, ": temporary file of a save by process ", *writer,
-                                              ", which is running; kept"));
+        result.skipped.push_back(absl::StrCat(other, ": temporary file of a save by process ",
+                                              *writer, ", which is running; kept"));
       } else {
         std::error_code remove_error;
         fs::remove(other, remove_error);
-        result.skipped.push_back(absl::StrCat(other, ": temporary file of an interrupted save, ",
-                                              remove_error ? "cannot remove it: " + remove_error.message()
-                                                           : std::string("removed")));
+        result.skipped.push_back(absl::StrCat(
+            other, ": temporary file of an interrupted save, ",
+            remove_error ? "cannot remove it: " + remove_error.message() : std::string("removed")));
       }
     }
     std::vector<std::string> reasons;

@@ -34,6 +34,7 @@ constexpr int64_t kMaxIndexFileBytes = 64 << 20;
 
 // Model types whose transformers config class sets tie_word_embeddings to false (transformers
 // 5.23, every causal-LM and image-text-to-text type).
+// clang-format off
 constexpr absl::string_view kUntiedByDefault[] = {
     "afmoe", "apertus", "arcee", "aria", "aria_text", "axk1", "axk2", "bailing_hybrid", "bamba",
     "beam", "bitnet", "blt", "chameleon", "codegen", "cohere_compass", "cosmos3_edge",
@@ -58,6 +59,7 @@ constexpr absl::string_view kUntiedByDefault[] = {
     "rembert", "rwkv", "seed_oss", "smolvlm", "solar_open", "stablelm", "step3p7", "unlimited_ocr",
     "video_llama_3", "video_llava", "vipllava", "xlstm",
 };
+// clang-format on
 
 // Names from files go into messages quoted and printable.
 std::string Quote(absl::string_view text) { return absl::StrCat("'", Printable(text, 120), "'"); }
@@ -414,9 +416,8 @@ absl::StatusOr<TensorRef> ModelCheckpoint::Tensor(absl::string_view tensor) {
 namespace {
 
 // LoadCheckpointHead, reading W only `with_weight`.
-absl::StatusOr<CheckpointHead> FindCheckpointHead(const std::string& path,
-                                                  absl::string_view tensor, DType dtype,
-                                                  bool with_weight) {
+absl::StatusOr<CheckpointHead> FindCheckpointHead(const std::string& path, absl::string_view tensor,
+                                                  DType dtype, bool with_weight) {
   ASSIGN_OR_RETURN(ModelCheckpoint checkpoint, ModelCheckpoint::Open(path));
   const std::optional<ModelConfig>& config = checkpoint.config();
   CheckpointHead head;
@@ -424,9 +425,9 @@ absl::StatusOr<CheckpointHead> FindCheckpointHead(const std::string& path,
   std::string chosen(tensor);
   if (!chosen.empty()) {
     head.tied_embeddings = config.has_value() && config->TiesEmbeddings();
-    head.explanation = absl::StrCat("tensor named in the head's spec; ",
-                                    config.has_value() ? TieText(*config, checkpoint.config_path())
-                                                       : "no config.json: untied");
+    head.explanation = absl::StrCat(
+        "tensor named in the head's spec; ",
+        config.has_value() ? TieText(*config, checkpoint.config_path()) : "no config.json: untied");
   } else if (!config.has_value()) {
     chosen = FirstPresent(checkpoint, kLmHeadTensorNames);
     if (chosen.empty()) {
@@ -441,10 +442,10 @@ absl::StatusOr<CheckpointHead> FindCheckpointHead(const std::string& path,
   } else if (config->TiesEmbeddings()) {
     const std::string embedding = FirstPresent(checkpoint, kEmbeddingTensorNames);
     if (embedding.empty()) {
-      return absl::NotFoundError(absl::StrCat(
-          checkpoint.Describe(), ": the model ties lm_head to its input embedding (",
-          TieText(*config, checkpoint.config_path()), "), but holds none of ",
-          NameList(kEmbeddingTensorNames), ShardHint(checkpoint)));
+      return absl::NotFoundError(
+          absl::StrCat(checkpoint.Describe(), ": the model ties lm_head to its input embedding (",
+                       TieText(*config, checkpoint.config_path()), "), but holds none of ",
+                       NameList(kEmbeddingTensorNames), ShardHint(checkpoint)));
     }
     chosen = embedding;
     head.tied_embeddings = true;
@@ -457,9 +458,9 @@ absl::StatusOr<CheckpointHead> FindCheckpointHead(const std::string& path,
       if (!SameTensorData(embedding_ref, lm_head_ref)) {
         chosen = lm_head;
         head.tied_embeddings = false;
-        head.explanation = absl::StrCat(
-            "untied: ", TieText(*config, checkpoint.config_path()), ", but the checkpoint's ",
-            lm_head, " differs from ", embedding, ", which transformers then loads untied");
+        head.explanation = absl::StrCat("untied: ", TieText(*config, checkpoint.config_path()),
+                                        ", but the checkpoint's ", lm_head, " differs from ",
+                                        embedding, ", which transformers then loads untied");
       }
     }
   } else {
@@ -484,9 +485,9 @@ absl::StatusOr<CheckpointHead> FindCheckpointHead(const std::string& path,
          {std::tuple{config->vocab_size, "vocab_size", ref.shape[0]},
           std::tuple{config->hidden_size, "hidden_size", ref.shape[1]}}) {
       if (size.has_value() && *size != dim) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            checkpoint.config_path(), ": ", name, " is ", *size, ", but ", file, "#", chosen,
-            " has shape ", ShapeText(ref.shape)));
+        return absl::InvalidArgumentError(absl::StrCat(checkpoint.config_path(), ": ", name, " is ",
+                                                       *size, ", but ", file, "#", chosen,
+                                                       " has shape ", ShapeText(ref.shape)));
       }
     }
   }

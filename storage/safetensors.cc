@@ -16,15 +16,16 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "lossd/kernels/half.h"
 #include "lossd/common/status_macros.h"
+#include "lossd/kernels/half.h"
 #include "nlohmann/json.hpp"
 
 namespace lossd::storage {
 namespace {
 
 // The format, and the raw copies below, are little endian.
-static_assert(std::endian::native == std::endian::little, "safetensors I/O assumes a little-endian host");
+static_assert(std::endian::native == std::endian::little,
+              "safetensors I/O assumes a little-endian host");
 
 constexpr char kMetadataKey[] = "__metadata__";
 // How many names a NOT_FOUND error lists.
@@ -35,8 +36,9 @@ struct SafetensorsDType {
   size_t size;
 };
 constexpr SafetensorsDType kSafetensorsDTypes[] = {
-    {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"I16", 2}, {"U16", 2}, {"F16", 2},
-    {"BF16", 2}, {"I32", 4}, {"U32", 4}, {"F32", 4},     {"I64", 8},     {"U64", 8}, {"F64", 8},
+    {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1},
+    {"I16", 2},  {"U16", 2}, {"F16", 2}, {"BF16", 2},    {"I32", 4},
+    {"U32", 4},  {"F32", 4}, {"I64", 8}, {"U64", 8},     {"F64", 8},
 };
 
 std::string Quote(absl::string_view text) { return absl::StrCat("'", Printable(text, 80), "'"); }
@@ -108,13 +110,14 @@ absl::StatusOr<PreparedFile> PrepareFile(const std::vector<TensorToWrite>& tenso
     }
     uint64_t expected_bytes = 0;
     if (!ByteCount(tensor.shape, *size_or, &expected_bytes)) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": shape ", ShapeText(tensor.shape),
-                                                     " has a negative dimension or too many elements"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": shape ", ShapeText(tensor.shape),
+                       " has a negative dimension or too many elements"));
     }
     if (expected_bytes != tensor.bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": ", tensor.bytes, " bytes given for shape ",
-                                                     ShapeText(tensor.shape), " of ", tensor.dtype, " (",
-                                                     expected_bytes, " bytes)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": ", tensor.bytes, " bytes given for shape ", ShapeText(tensor.shape), " of ",
+          tensor.dtype, " (", expected_bytes, " bytes)"));
     }
     if (tensor.bytes > 0 && tensor.data == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(where, ": data is null"));
@@ -141,8 +144,8 @@ absl::StatusOr<PreparedFile> PrepareFile(const std::vector<TensorToWrite>& tenso
     file.header = header.dump();  // nlohmann's objects are std::maps: keys come out sorted
   } catch (const nlohmann::json::exception& e) {
     // dump() throws on strings that are not valid UTF-8.
-    return absl::InvalidArgumentError(
-        absl::StrCat("header: a tensor name or metadata string is not valid UTF-8 (", e.what(), ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header: a tensor name or metadata string is not valid UTF-8 (", e.what(), ")"));
   }
   file.header.append((8 - file.header.size() % 8) % 8, ' ');
   return file;
@@ -192,7 +195,8 @@ absl::StatusOr<DType> DTypeFromSafetensors(absl::string_view dtype) {
   if (dtype == "F32") return DType::kFloat32;
   if (dtype == "BF16") return DType::kBFloat16;
   if (dtype == "F16") return DType::kFloat16;
-  return absl::InvalidArgumentError(absl::StrCat("dtype ", Quote(dtype), ": expected F32, BF16 or F16"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("dtype ", Quote(dtype), ": expected F32, BF16 or F16"));
 }
 
 SafetensorsFile::SafetensorsFile(SafetensorsFile&& other) noexcept
@@ -269,7 +273,8 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
   return file;
 }
 
-absl::StatusOr<SafetensorsFile> SafetensorsFile::FromBytes(std::string bytes, std::string source_name) {
+absl::StatusOr<SafetensorsFile> SafetensorsFile::FromBytes(std::string bytes,
+                                                           std::string source_name) {
   SafetensorsFile file;
   file.source_ = std::move(source_name);
   file.owned_bytes_ = std::move(bytes);
@@ -282,8 +287,9 @@ absl::Status SafetensorsFile::ParseHeader() {
   const size_t size = file_size();
   uint64_t header_length = 0;
   if (size < sizeof header_length) {
-    return absl::DataLossError(absl::StrCat(source_, ": file is ", size,
-                                            " bytes, too short for the 8-byte header length (truncated?)"));
+    return absl::DataLossError(
+        absl::StrCat(source_, ": file is ", size,
+                     " bytes, too short for the 8-byte header length (truncated?)"));
   }
   std::memcpy(&header_length, bytes, sizeof header_length);
   if (header_length > kMaxSafetensorsHeaderBytes) {
@@ -293,8 +299,9 @@ absl::Status SafetensorsFile::ParseHeader() {
   }
   const size_t after_length = size - sizeof header_length;
   if (header_length > after_length) {
-    return absl::DataLossError(absl::StrCat(source_, ": header length ", header_length, " bytes exceeds the ",
-                                            after_length, " bytes that follow it (truncated?)"));
+    return absl::DataLossError(absl::StrCat(source_, ": header length ", header_length,
+                                            " bytes exceeds the ", after_length,
+                                            " bytes that follow it (truncated?)"));
   }
   const absl::string_view header_text(reinterpret_cast<const char*>(bytes) + sizeof header_length,
                                       static_cast<size_t>(header_length));
@@ -323,8 +330,9 @@ absl::Status SafetensorsFile::ParseHeader() {
       }
       for (const auto& [key, value] : entry.items()) {
         if (!value.is_string()) {
-          return absl::InvalidArgumentError(absl::StrCat(source_, ": __metadata__: value of ", Quote(key),
-                                                         " is a ", value.type_name(), ", expected a string"));
+          return absl::InvalidArgumentError(absl::StrCat(source_, ": __metadata__: value of ",
+                                                         Quote(key), " is a ", value.type_name(),
+                                                         ", expected a string"));
         }
         metadata_[key] = value.get<std::string>();
       }
@@ -333,7 +341,8 @@ absl::Status SafetensorsFile::ParseHeader() {
 
     const std::string where = absl::StrCat(source_, ": tensor ", Quote(name));
     if (!entry.is_object()) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": expected an object, got ", entry.type_name()));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": expected an object, got ", entry.type_name()));
     }
     TensorEntry tensor;
 
@@ -356,36 +365,40 @@ absl::Status SafetensorsFile::ParseHeader() {
         // dump() recurses into arrays and objects, which a crafted header nests deep enough to
         // overflow the stack; they are named by type instead.
         const std::string shown = dim.is_structured() ? std::string(dim.type_name()) : dim.dump();
-        return absl::InvalidArgumentError(
-            absl::StrCat(where, ": shape: ", Printable(shown, 80), " is not a non-negative integer"));
+        return absl::InvalidArgumentError(absl::StrCat(where, ": shape: ", Printable(shown, 80),
+                                                       " is not a non-negative integer"));
       }
       tensor.shape.push_back(static_cast<int64_t>(value));
     }
     uint64_t expected_bytes = 0;
     if (!ByteCount(tensor.shape, *element_size, &expected_bytes)) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": shape ", ShapeText(tensor.shape), " of ",
-                                                     tensor.dtype, " overflows the addressable size"));
+      return absl::InvalidArgumentError(absl::StrCat(where, ": shape ", ShapeText(tensor.shape),
+                                                     " of ", tensor.dtype,
+                                                     " overflows the addressable size"));
     }
 
     const auto offsets = entry.find("data_offsets");
     if (offsets == entry.end() || !offsets->is_array() || offsets->size() != 2 ||
         !AsNonNegativeInt64((*offsets)[0], &tensor.begin) ||
         !AsNonNegativeInt64((*offsets)[1], &tensor.end)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(where, ": data_offsets: missing or not a list of two non-negative integers"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": data_offsets: missing or not a list of two non-negative integers"));
     }
-    const std::string offsets_text = absl::StrCat("data_offsets [", tensor.begin, ", ", tensor.end, ")");
+    const std::string offsets_text =
+        absl::StrCat("data_offsets [", tensor.begin, ", ", tensor.end, ")");
     if (tensor.begin > tensor.end) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": ", offsets_text, " end before they begin"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": ", offsets_text, " end before they begin"));
     }
     if (tensor.end > data_size) {
-      return absl::DataLossError(absl::StrCat(where, ": ", offsets_text, " exceed the data buffer of ",
-                                              data_size, " bytes (truncated?)"));
+      return absl::DataLossError(absl::StrCat(where, ": ", offsets_text,
+                                              " exceed the data buffer of ", data_size,
+                                              " bytes (truncated?)"));
     }
     if (tensor.end - tensor.begin != expected_bytes) {
-      return absl::InvalidArgumentError(absl::StrCat(where, ": ", offsets_text, " do not match shape ",
-                                                     ShapeText(tensor.shape), " of ", tensor.dtype, " (",
-                                                     expected_bytes, " bytes)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": ", offsets_text, " do not match shape ", ShapeText(tensor.shape),
+                       " of ", tensor.dtype, " (", expected_bytes, " bytes)"));
     }
     tensors_.emplace(name, std::move(tensor));
   }
@@ -407,9 +420,9 @@ absl::Status SafetensorsFile::ParseHeader() {
     covered = tensor->end;
   }
   if (covered != data_size) {
-    return absl::InvalidArgumentError(absl::StrCat(source_, ": data buffer: ", data_size - covered,
-                                                   " bytes after the last tensor's data_offsets end at ",
-                                                   covered, " belong to no tensor"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        source_, ": data buffer: ", data_size - covered,
+        " bytes after the last tensor's data_offsets end at ", covered, " belong to no tensor"));
   }
   return absl::OkStatus();
 }
@@ -450,9 +463,10 @@ absl::StatusOr<std::vector<uint8_t>> ReadAsDType(const TensorRef& tensor, DType 
                                                    DTypeName(target)));
   }
   uint64_t expected_bytes = 0;
-  if (!ByteCount(tensor.shape, DTypeSize(*source), &expected_bytes) || expected_bytes != tensor.bytes ||
-      (tensor.bytes > 0 && tensor.data == nullptr)) {
-    return absl::InvalidArgumentError(absl::StrCat(where, ": ", tensor.bytes, " bytes do not hold shape ",
+  if (!ByteCount(tensor.shape, DTypeSize(*source), &expected_bytes) ||
+      expected_bytes != tensor.bytes || (tensor.bytes > 0 && tensor.data == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": ", tensor.bytes,
+                                                   " bytes do not hold shape ",
                                                    ShapeText(tensor.shape), " of ", tensor.dtype));
   }
   const size_t count = tensor.bytes / DTypeSize(*source);
@@ -477,15 +491,16 @@ absl::StatusOr<std::vector<uint8_t>> ReadAsDType(const TensorRef& tensor, DType 
     if (target == DType::kFloat32) {
       std::memcpy(out.data() + 4 * i, &value, 4);
     } else {
-      const uint16_t bits = target == DType::kBFloat16 ? FloatToBFloat16(value) : FloatToFloat16(value);
+      const uint16_t bits =
+          target == DType::kBFloat16 ? FloatToBFloat16(value) : FloatToFloat16(value);
       std::memcpy(out.data() + 2 * i, &bits, 2);
     }
   }
   return out;
 }
 
-absl::StatusOr<std::string> SerializeSafetensors(const std::vector<TensorToWrite>& tensors,
-                                                 const std::map<std::string, std::string>& metadata) {
+absl::StatusOr<std::string> SerializeSafetensors(
+    const std::vector<TensorToWrite>& tensors, const std::map<std::string, std::string>& metadata) {
   ASSIGN_OR_RETURN(const PreparedFile file, PrepareFile(tensors, metadata));
   std::string out = LengthPrefix(file.header);
   out.reserve(out.size() + file.header.size() + file.data_bytes);
@@ -496,7 +511,8 @@ absl::StatusOr<std::string> SerializeSafetensors(const std::vector<TensorToWrite
   return out;
 }
 
-absl::Status WriteSafetensorsAtomically(const std::string& path, const std::vector<TensorToWrite>& tensors,
+absl::Status WriteSafetensorsAtomically(const std::string& path,
+                                        const std::vector<TensorToWrite>& tensors,
                                         const std::map<std::string, std::string>& metadata) {
   auto prepared = PrepareFile(tensors, metadata);
   if (!prepared.ok())
@@ -522,7 +538,8 @@ absl::Status WriteSafetensorsAtomically(const std::string& path, const std::vect
   if (::close(fd) != 0 && status.ok())
     status = absl::ErrnoToStatus(errno, absl::StrCat(temp_path, ": close failed"));
   if (status.ok() && ::rename(temp_path.c_str(), path.c_str()) != 0) {
-    status = absl::ErrnoToStatus(errno, absl::StrCat(path, ": cannot rename ", temp_path, " over it"));
+    status =
+        absl::ErrnoToStatus(errno, absl::StrCat(path, ": cannot rename ", temp_path, " over it"));
   }
   if (!status.ok()) {
     ::unlink(temp_path.c_str());
@@ -534,7 +551,8 @@ absl::Status WriteSafetensorsAtomically(const std::string& path, const std::vect
 
 absl::Status FsyncDirectory(const std::string& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat(dir, ": cannot open directory to fsync it"));
+  if (fd < 0)
+    return absl::ErrnoToStatus(errno, absl::StrCat(dir, ": cannot open directory to fsync it"));
   const int result = ::fsync(fd);
   const int fsync_errno = errno;
   ::close(fd);

@@ -107,8 +107,8 @@ struct OverflowCase {
 void PrintTo(const OverflowCase& c, std::ostream* os) { *os << c.name; }
 
 const OverflowCase kOverflowCases[] = {
-    {"second_call", "each call's dL/dW reaches -1.9e38 (finite), two of them -3.9e38", 1e38,
-     2.0f, 1},
+    {"second_call", "each call's dL/dW reaches -1.9e38 (finite), two of them -3.9e38", 1e38, 2.0f,
+     1},
     {"third_call",
      "-1.15e38 per call: the sum of two is not provably finite from the bounds, is formed, read "
      "back and taken; a third would reach -3.5e38",
@@ -188,8 +188,7 @@ TEST_P(OverflowTest, TheCallThatWouldOverflowIsRefusedAndChangesNothing) {
     // Both terms rounded to fp32 once each: half a unit of 2^-24 of the large one, the engine's
     // bound of the small one.
     const double want = before.values[j] + normal_ref.grad_weight[j];
-    ASSERT_LE(std::abs(sum.values[j] - want),
-              0x1p-24 * std::abs(want) + kGradBound * max_normal)
+    ASSERT_LE(std::abs(sum.values[j] - want), 0x1p-24 * std::abs(want) + kGradBound * max_normal)
         << "entry " << j;
   }
 
@@ -487,8 +486,7 @@ TEST_P(CallIdFingerprintTest, ARepeatWithAnotherStartIsRefused) {
   const ComputeOutcome repeat = CallCompute(*stub_, start, FloatBytes(batch_.hidden), 40);
   EXPECT_EQ(repeat.status.error_code(), StatusCode::INVALID_ARGUMENT)
       << repeat.status.error_message();
-  EXPECT_TRUE(Contains(repeat.status.error_message(), "call_id"))
-      << repeat.status.error_message();
+  EXPECT_TRUE(Contains(repeat.status.error_message(), "call_id")) << repeat.status.error_message();
   EXPECT_EQ(repeat.result_messages, 0);
   EXPECT_TRUE(BitwiseEqual(Fetch(*stub_, head_, true).values, once.values));
   EXPECT_EQ(GetHead(*stub_, head_).accumulated_calls(), 1);
@@ -505,10 +503,9 @@ INSTANTIATE_TEST_SUITE_P(
                     [](v1::ComputeStart& s) { s.mutable_options()->set_z_loss_scale(1e-4f); }},
         StartChange{"temperature", "other logits",
                     [](v1::ComputeStart& s) { s.mutable_options()->set_temperature(2.0f); }},
-        StartChange{"reduction_sum", "another normalizer",
-                    [](v1::ComputeStart& s) {
-                      s.mutable_options()->set_reduction(v1::REDUCTION_SUM);
-                    }},
+        StartChange{
+            "reduction_sum", "another normalizer",
+            [](v1::ComputeStart& s) { s.mutable_options()->set_reduction(v1::REDUCTION_SUM); }},
         StartChange{"one_label", "one token's target",
                     [](v1::ComputeStart& s) { s.set_labels(0, (s.labels(0) + 1) % kIdVocab); }},
         StartChange{"token_weights", "weights where there were none",

@@ -38,19 +38,18 @@ using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-
-
 std::set<std::string> FileNames(const std::string& dir) {
   std::set<std::string> names;
-  for (const auto& entry : fs::directory_iterator(dir)) names.insert(entry.path().filename().string());
+  for (const auto& entry : fs::directory_iterator(dir))
+    names.insert(entry.path().filename().string());
   return names;
 }
 
 // A head of random shape and values, finite as a checkpoint must hold them (random bits that are
 // not NaN or Inf); optimizer state includes values whose bits only a bitwise copy preserves
 // (negative zero, the smallest subnormal, the largest float). AdamW's second moment is >= 0.
-CheckpointState RandomState(std::mt19937& rng, const std::string& head, uint64_t version, DType dtype,
-                            OptimizerKind optimizer) {
+CheckpointState RandomState(std::mt19937& rng, const std::string& head, uint64_t version,
+                            DType dtype, OptimizerKind optimizer) {
   CheckpointState state;
   state.head = head;
   state.version = version;
@@ -133,11 +132,13 @@ TEST(Crc32cTest, ContinuesAcrossSplitsAtAnyOffset) {
   const uint32_t whole = Crc32c(bytes.data(), bytes.size());
   for (size_t split = 0; split <= bytes.size(); split += 1 + split / 16) {
     const uint32_t first = Crc32c(bytes.data(), split);
-    EXPECT_EQ(Crc32c(bytes.data() + split, bytes.size() - split, first), whole) << "split at " << split;
+    EXPECT_EQ(Crc32c(bytes.data() + split, bytes.size() - split, first), whole)
+        << "split at " << split;
   }
 }
 
-class CheckpointRoundTripTest : public ::testing::TestWithParam<std::tuple<DType, OptimizerKind>> {};
+class CheckpointRoundTripTest : public ::testing::TestWithParam<std::tuple<DType, OptimizerKind>> {
+};
 
 TEST_P(CheckpointRoundTripTest, LoadsBackBitForBit) {
   const uint32_t seed = FreshSeed();
@@ -177,10 +178,10 @@ TEST_P(CheckpointRoundTripTest, LoadsBackBitForBit) {
 
 INSTANTIATE_TEST_SUITE_P(DTypesAndOptimizers, CheckpointRoundTripTest,
                          ::testing::Values(std::tuple(DType::kFloat32, OptimizerKind::kNone),
-                                         std::tuple(DType::kBFloat16, OptimizerKind::kSgd),
-                                         std::tuple(DType::kFloat16, OptimizerKind::kAdamW),
-                                         std::tuple(DType::kFloat32, OptimizerKind::kAdamW),
-                                         std::tuple(DType::kBFloat16, OptimizerKind::kAdamW)),
+                                           std::tuple(DType::kBFloat16, OptimizerKind::kSgd),
+                                           std::tuple(DType::kFloat16, OptimizerKind::kAdamW),
+                                           std::tuple(DType::kFloat32, OptimizerKind::kAdamW),
+                                           std::tuple(DType::kBFloat16, OptimizerKind::kAdamW)),
                          [](const auto& param_info) {
                            return absl::StrCat(DTypeName(std::get<0>(param_info.param)), "_",
                                                OptimizerKindName(std::get<1>(param_info.param)));
@@ -192,7 +193,8 @@ TEST(CheckpointTest, SavingTheSameVersionAgainReplacesIt) {
   std::mt19937 rng(seed);
   ScratchDir dir;
   ASSERT_TRUE(
-      SaveCheckpoint(dir.path(), RandomState(rng, "h", 3, DType::kFloat32, OptimizerKind::kSgd)).ok());
+      SaveCheckpoint(dir.path(), RandomState(rng, "h", 3, DType::kFloat32, OptimizerKind::kSgd))
+          .ok());
   const CheckpointState second = RandomState(rng, "h", 3, DType::kBFloat16, OptimizerKind::kAdamW);
   absl::StatusOr<std::string> path = SaveCheckpoint(dir.path(), second);
   ASSERT_TRUE(path.ok()) << path.status();
@@ -210,28 +212,34 @@ TEST(CheckpointTest, KeepsOnlyTheNewestCheckpoints) {
   const auto name = [](uint64_t version) {
     return fs::path(CheckpointPath("", "h", version)).filename().string();
   };
-  ASSERT_TRUE(
-      SaveCheckpoint(dir.path(), RandomState(rng, "other", 1, DType::kFloat32, OptimizerKind::kNone)).ok());
+  ASSERT_TRUE(SaveCheckpoint(dir.path(),
+                             RandomState(rng, "other", 1, DType::kFloat32, OptimizerKind::kNone))
+                  .ok());
   for (uint64_t version = 1; version <= 6; ++version) {
     ASSERT_TRUE(
-        SaveCheckpoint(dir.path(), RandomState(rng, "h", version, DType::kFloat32, OptimizerKind::kNone), 3)
+        SaveCheckpoint(dir.path(),
+                       RandomState(rng, "h", version, DType::kFloat32, OptimizerKind::kNone), 3)
             .ok());
   }
   EXPECT_EQ(FileNames(dir.File("h")), (std::set<std::string>{name(4), name(5), name(6)}));
 
   // An older version saved later is beyond keep_last but is the file just written: it stays.
   ASSERT_TRUE(
-      SaveCheckpoint(dir.path(), RandomState(rng, "h", 2, DType::kFloat32, OptimizerKind::kNone), 3).ok());
+      SaveCheckpoint(dir.path(), RandomState(rng, "h", 2, DType::kFloat32, OptimizerKind::kNone), 3)
+          .ok());
   EXPECT_EQ(FileNames(dir.File("h")), (std::set<std::string>{name(2), name(4), name(5), name(6)}));
 
-  // Version order is numeric, not the order of saving; keep_last 1 keeps the newest and the new one.
-  ASSERT_TRUE(
-      SaveCheckpoint(dir.path(), RandomState(rng, "h", 10, DType::kFloat32, OptimizerKind::kNone), 1).ok());
+  // Version order is numeric, not the order of saving; keep_last 1 keeps the newest and the new
+  // one.
+  ASSERT_TRUE(SaveCheckpoint(dir.path(),
+                             RandomState(rng, "h", 10, DType::kFloat32, OptimizerKind::kNone), 1)
+                  .ok());
   EXPECT_EQ(FileNames(dir.File("h")), std::set<std::string>{name(10)});
 
   // keep_last <= 0 keeps everything.
-  ASSERT_TRUE(
-      SaveCheckpoint(dir.path(), RandomState(rng, "h", 11, DType::kFloat32, OptimizerKind::kNone), 0).ok());
+  ASSERT_TRUE(SaveCheckpoint(dir.path(),
+                             RandomState(rng, "h", 11, DType::kFloat32, OptimizerKind::kNone), 0)
+                  .ok());
   EXPECT_EQ(FileNames(dir.File("h")), (std::set<std::string>{name(10), name(11)}));
 
   // Other heads are never touched.
@@ -244,9 +252,10 @@ TEST(CheckpointTest, RejectsUnsafeHeadNames) {
   std::mt19937 rng(seed);
   ScratchDir dir;
   for (const std::string& head :
-       {std::string(""), std::string("."), std::string(".."), std::string("a/b"), std::string("../escape"),
-        std::string("/abs"), std::string("with space"), std::string("na\xc3\xafve"),
-        std::string("nul\0byte", 8), std::string("a\\b"), std::string(129, 'x')}) {
+       {std::string(""), std::string("."), std::string(".."), std::string("a/b"),
+        std::string("../escape"), std::string("/abs"), std::string("with space"),
+        std::string("na\xc3\xafve"), std::string("nul\0byte", 8), std::string("a\\b"),
+        std::string(129, 'x')}) {
     SCOPED_TRACE(::testing::Message() << "head \"" << head << "\"");
     EXPECT_EQ(ValidateCheckpointHeadName(head).code(), absl::StatusCode::kInvalidArgument);
     CheckpointState state = RandomState(rng, "ok", 1, DType::kFloat32, OptimizerKind::kNone);
@@ -257,8 +266,9 @@ TEST(CheckpointTest, RejectsUnsafeHeadNames) {
   }
   EXPECT_TRUE(FileNames(dir.path()).empty());
   EXPECT_FALSE(fs::exists(fs::path(dir.path()).parent_path() / "escape"));
-  for (const std::string& head : {std::string("lm_head"), std::string("Qwen2.5-7B"), std::string("a..b"),
-                                  std::string(".hidden"), std::string("x_1-2.3"), std::string(128, 'y')}) {
+  for (const std::string& head :
+       {std::string("lm_head"), std::string("Qwen2.5-7B"), std::string("a..b"),
+        std::string(".hidden"), std::string("x_1-2.3"), std::string(128, 'y')}) {
     EXPECT_TRUE(ValidateCheckpointHeadName(head).ok()) << head;
   }
 }
@@ -302,7 +312,8 @@ TEST(CheckpointTest, RejectsInconsistentStatesWithoutWriting) {
 }
 
 // Rewrites a saved checkpoint with its tensors and metadata altered by `damage`.
-using Damage = std::function<void(std::vector<TensorToWrite>&, std::map<std::string, std::string>&)>;
+using Damage =
+    std::function<void(std::vector<TensorToWrite>&, std::map<std::string, std::string>&)>;
 
 struct InvalidCheckpointCase {
   std::string id;
@@ -320,7 +331,8 @@ std::vector<InvalidCheckpointCase> InvalidCheckpointCases() {
   const auto erase = [](std::string key) -> Damage {
     return [=](auto&, auto& metadata) { metadata.erase(key); };
   };
-  const auto find = [](std::vector<TensorToWrite>& tensors, const std::string& name) -> TensorToWrite& {
+  const auto find = [](std::vector<TensorToWrite>& tensors,
+                       const std::string& name) -> TensorToWrite& {
     return *std::find_if(tensors.begin(), tensors.end(),
                          [&](const TensorToWrite& t) { return t.name == name; });
   };
@@ -404,7 +416,8 @@ TEST_P(InvalidCheckpointTest, IsRejectedWithTheReason) {
   EXPECT_THAT(std::string(status.message()), HasSubstr(c.fragment));
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, InvalidCheckpointTest, ::testing::ValuesIn(InvalidCheckpointCases()),
+INSTANTIATE_TEST_SUITE_P(Cases, InvalidCheckpointTest,
+                         ::testing::ValuesIn(InvalidCheckpointCases()),
                          [](const ::testing::TestParamInfo<InvalidCheckpointCase>& param_info) {
                            return param_info.param.id;
                          });
@@ -493,7 +506,8 @@ TEST(ResumeTest, MissingDirectoryIsEmpty) {
   EXPECT_TRUE(result->skipped.empty());
 
   WriteFile(dir.File("a-file"), "x");
-  EXPECT_EQ(ResumeFromDirectory(dir.File("a-file")).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ResumeFromDirectory(dir.File("a-file")).status().code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(ResumeTest, PicksTheNewestCheckpointThatLoads) {
@@ -585,10 +599,12 @@ TEST(CheckpointTest, ValuesAResumeWouldRefuseAreNeverSavedAndAreSkippedAtLoad) {
     std::function<void(CheckpointState&)> damage;
     std::string fragment;
   } cases[] = {
-      {"Inf in W", [&](CheckpointState& s) {
+      {"Inf in W",
+       [&](CheckpointState& s) {
          const float inf = INFINITY;
          std::memcpy(s.weight.data() + at * sizeof(float), &inf, sizeof(float));
-       }, "weight" + element + ": expected a finite float32 value, got inf"},
+       },
+       "weight" + element + ": expected a finite float32 value, got inf"},
       {"NaN in the first moment", [&](CheckpointState& s) { s.state1[at] = std::nanf(""); },
        "optimizer.state1" + element + ": expected a finite float32 value, got nan"},
       {"negative second moment", [&](CheckpointState& s) { s.state2[at] = -1e-3f; },
@@ -651,7 +667,8 @@ TEST(ResumeTest, ListsEntriesThatAreNotCheckpoints) {
   std::mt19937 rng(seed);
   ScratchDir dir;
   ASSERT_TRUE(
-      SaveCheckpoint(dir.path(), RandomState(rng, "h", 1, DType::kFloat32, OptimizerKind::kNone)).ok());
+      SaveCheckpoint(dir.path(), RandomState(rng, "h", 1, DType::kFloat32, OptimizerKind::kNone))
+          .ok());
   WriteFile(dir.File("README"), "notes");
   fs::create_directory(dir.File("bad name"));
   WriteFile(dir.File("h/h-v1.safetensors"), "short version field");
@@ -660,9 +677,10 @@ TEST(ResumeTest, ListsEntriesThatAreNotCheckpoints) {
   ASSERT_TRUE(result.ok()) << result.status();
   ASSERT_EQ(result->heads.size(), 1u);
   EXPECT_EQ(result->heads[0].head, "h");
-  EXPECT_THAT(result->skipped, ElementsAre(dir.File("README") + ": not a head directory",
-                                           dir.File("bad name") + ": not a valid head name",
-                                           dir.File("h/h-v1.safetensors") + ": not a checkpoint file name"));
+  EXPECT_THAT(result->skipped,
+              ElementsAre(dir.File("README") + ": not a head directory",
+                          dir.File("bad name") + ": not a valid head name",
+                          dir.File("h/h-v1.safetensors") + ": not a checkpoint file name"));
 }
 
 TEST(ResumeTest, RemovesTemporaryFilesOfGoneWritersOnly) {
@@ -687,15 +705,15 @@ TEST(ResumeTest, RemovesTemporaryFilesOfGoneWritersOnly) {
   ASSERT_EQ(result->heads.size(), 1u);
   EXPECT_EQ(result->heads[0].version, 4u);
   // In the order of the file names.
-  EXPECT_THAT(result->skipped,
-              ElementsAre(running + ": temporary file of a save by process 1, which is running; kept",
-                          gone + ": temporary file of an interrupted save, removed",
-                          foreign + ": not a checkpoint file name"));
+  EXPECT_THAT(
+      result->skipped,
+      ElementsAre(running + ": temporary file of a save by process 1, which is running; kept",
+                  gone + ": temporary file of an interrupted save, removed",
+                  foreign + ": not a checkpoint file name"));
   EXPECT_FALSE(fs::exists(gone));
   EXPECT_TRUE(fs::exists(running));
   EXPECT_TRUE(fs::exists(foreign));
 }
-
 
 }  // namespace
 }  // namespace lossd::storage

@@ -71,8 +71,10 @@ std::vector<int64_t> RandomLabels(int64_t count, int64_t vocab, double ignore_fr
   return labels;
 }
 
-ReferenceProblem MakeReferenceProblem(const std::vector<float>& hidden, const std::vector<float>& weight,
-                                      const std::vector<int64_t>& labels, int64_t hidden_size, int top_k) {
+ReferenceProblem MakeReferenceProblem(const std::vector<float>& hidden,
+                                      const std::vector<float>& weight,
+                                      const std::vector<int64_t>& labels, int64_t hidden_size,
+                                      int top_k) {
   ReferenceProblem problem;
   problem.num_tokens = static_cast<int64_t>(labels.size());
   problem.hidden_size = hidden_size;
@@ -92,7 +94,8 @@ std::vector<T> Values(const google::protobuf::RepeatedField<T>& field) {
 
 // Every per-token output and summary field the same, bit for bit (equal values serialize alike).
 void ExpectSameResults(const ComputeResult& a, const ComputeResult& b) {
-  EXPECT_EQ(a.per_token.SerializeAsString(), b.per_token.SerializeAsString()) << "per-token outputs differ";
+  EXPECT_EQ(a.per_token.SerializeAsString(), b.per_token.SerializeAsString())
+      << "per-token outputs differ";
   const double loss_a = a.summary.loss(), loss_b = b.summary.loss();
   EXPECT_EQ(std::memcmp(&loss_a, &loss_b, sizeof(double)), 0) << loss_a << " vs " << loss_b;
   EXPECT_EQ(a.summary.counted_tokens(), b.summary.counted_tokens());
@@ -145,7 +148,8 @@ class ClientTest : public ::testing::Test {
     return std::move(client).value();
   }
   // A fresh head of random W with this test's name, so tests do not share gradients or versions.
-  std::vector<float> UploadRandomHead(const Client& client, const std::string& head, int64_t vocab = kVocab) {
+  std::vector<float> UploadRandomHead(const Client& client, const std::string& head,
+                                      int64_t vocab = kVocab) {
     std::vector<float> weight =
         RandomNormal(vocab * kHidden, 1.0f / std::sqrt(static_cast<float>(kHidden)), rng_);
     absl::StatusOr<client::HeadInfo> info =
@@ -166,7 +170,8 @@ TEST_F(ClientTest, ComputeMatchesFloat64Reference) {
   const int64_t n = 300;
   const std::vector<float> hidden = RandomNormal(n * kHidden, 1.0f, rng_);
   const std::vector<int64_t> labels = RandomLabels(n, kVocab, 0.1, rng_);
-  const ReferenceResult ref = ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 5));
+  const ReferenceResult ref =
+      ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 5));
 
   ComputeRequest request = Fp32Request("reference", hidden, labels);
   request.shared_memory = false;  // rows in messages, whose chunking this test checks too
@@ -197,13 +202,13 @@ TEST_F(ClientTest, ComputeMatchesFloat64Reference) {
   for (int64_t i = 0; i < n; ++i) {
     if (per_token.argmax(i) == ref.argmax[i]) continue;
     const double gap = ref.top_k_logprob[i * 5] - ref.top_k_logprob[i * 5 + 1];
-    EXPECT_LE(gap, 1e-5 * (1 + ref.max_abs_logit)) << "row " << i << ": argmax "
-                                                    << per_token.argmax(i) << ", float64 "
-                                                    << ref.argmax[i];
+    EXPECT_LE(gap, 1e-5 * (1 + ref.max_abs_logit))
+        << "row " << i << ": argmax " << per_token.argmax(i) << ", float64 " << ref.argmax[i];
   }
   ASSERT_EQ(per_token.top_k_logprob_size(), n * 5);
   ASSERT_EQ(per_token.top_k_token_size(), n * 5);
-  EXPECT_LE(MaxAbsError(Values(per_token.top_k_logprob()), ref.top_k_logprob), 1e-5 * (1 + ref.max_abs_logit));
+  EXPECT_LE(MaxAbsError(Values(per_token.top_k_logprob()), ref.top_k_logprob),
+            1e-5 * (1 + ref.max_abs_logit));
   // Outputs not asked for stay empty.
   EXPECT_EQ(per_token.ratio_size() + per_token.kl_size() + per_token.kd_size(), 0);
   EXPECT_EQ(result->grad_hidden.rows, n);
@@ -280,8 +285,8 @@ TEST_F(ClientTest, BatchLargerThanTheMessageLimitStreamsBothWaysAtOnce) {
   EXPECT_GE(result->messages_received, 16);
   EXPECT_GE(result->bytes_sent, n * hidden_size * 4);
 
-  const ReferenceResult ref =
-      ComputeReference(MakeReferenceProblem(hidden, client::ToFloat32(*weight), labels, hidden_size, 0));
+  const ReferenceResult ref = ComputeReference(
+      MakeReferenceProblem(hidden, client::ToFloat32(*weight), labels, hidden_size, 0));
   EXPECT_LE(std::abs(result->summary.loss() - ref.loss) / ref.loss, kLossBound);
   EXPECT_LE(RelativeError(Values(result->per_token.token_loss()), ref.token_loss), kLossBound);
   EXPECT_LE(RelativeError(client::ToFloat32(result->grad_hidden), ref.grad_hidden), kGradBound);
@@ -293,7 +298,8 @@ TEST_F(ClientTest, BatchLargerThanTheMessageLimitStreamsBothWaysAtOnce) {
   request.hidden.data = poisoned.data();
   const absl::StatusOr<ComputeResult> failed = client.Compute(request);
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(failed.status().message().find("non-finite"), absl::string_view::npos) << failed.status();
+  EXPECT_NE(failed.status().message().find("non-finite"), absl::string_view::npos)
+      << failed.status();
 }
 
 TEST_F(ClientTest, ErrorsKeepTheServersCodeAndMessage) {
@@ -308,7 +314,8 @@ TEST_F(ClientTest, ErrorsKeepTheServersCodeAndMessage) {
   request.head = "no-such-head";
   result = client.Compute(request);
   EXPECT_EQ(result.status().code(), absl::StatusCode::kNotFound) << result.status();
-  EXPECT_NE(result.status().message().find("no-such-head"), absl::string_view::npos) << result.status();
+  EXPECT_NE(result.status().message().find("no-such-head"), absl::string_view::npos)
+      << result.status();
 
   const std::vector<float> rows = RandomNormal(4 * kHidden, 1.0f, rng_);
   request.head = kHead;
@@ -334,9 +341,10 @@ TEST_F(ClientTest, ErrorsKeepTheServersCodeAndMessage) {
   EXPECT_EQ(result.status().message(), "labels: expected 4 entries (hidden.rows), got 3");
 
   EXPECT_EQ(client.GetHead("missing").status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(
-      client.Step({.head = kHead, .optimizer = client::SgdOptions{.learning_rate = -1.0}}).status().code(),
-      absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client.Step({.head = kHead, .optimizer = client::SgdOptions{.learning_rate = -1.0}})
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(client.SaveCheckpoint().status().code(), absl::StatusCode::kFailedPrecondition);
 
   ChannelOptions unreachable = OptionsFor(1);  // nothing listens on port 1
@@ -345,8 +353,8 @@ TEST_F(ClientTest, ErrorsKeepTheServersCodeAndMessage) {
 }
 
 TEST_F(ClientTest, BearerTokenIsSentOnEveryCall) {
-  const std::filesystem::path token_file =
-      std::filesystem::temp_directory_path() / ("lossd-client-token-" + std::to_string(FreshSeed()));
+  const std::filesystem::path token_file = std::filesystem::temp_directory_path() /
+                                           ("lossd-client-token-" + std::to_string(FreshSeed()));
   std::ofstream(token_file) << "s3cret\n";
   server::ServerConfig config;
   config.demo = {"secured", 100, 16, 1};
@@ -363,8 +371,10 @@ TEST_F(ClientTest, BearerTokenIsSentOnEveryCall) {
   EXPECT_TRUE(client.ListHeads().ok());
   const std::vector<float> hidden(16, 0.5f);
   const std::vector<int64_t> labels = {7};
-  const absl::StatusOr<ComputeResult> result = client.Compute(
-      {.head = "secured", .hidden = {hidden.data(), client::DType::kFloat32, 1, 16}, .labels = labels});
+  const absl::StatusOr<ComputeResult> result =
+      client.Compute({.head = "secured",
+                      .hidden = {hidden.data(), client::DType::kFloat32, 1, 16},
+                      .labels = labels});
   EXPECT_TRUE(result.ok()) << result.status();
 }
 
@@ -384,14 +394,16 @@ TEST_F(ClientTest, UploadAndFetchRoundTrip) {
   EXPECT_EQ(client::ToFloat32(*fetched), weight);
 
   // The server rounds to bfloat16 exactly as the client's own conversion does.
-  const absl::StatusOr<client::Tensor> as_bf16 = client.FetchWeight("roundtrip", client::DType::kBFloat16);
+  const absl::StatusOr<client::Tensor> as_bf16 =
+      client.FetchWeight("roundtrip", client::DType::kBFloat16);
   ASSERT_TRUE(as_bf16.ok()) << as_bf16.status();
   EXPECT_EQ(as_bf16->bytes, client::EncodeFromFloat32(weight, client::DType::kBFloat16));
 
   // Replacing needs `replace`; the bfloat16 upload is stored as float32 exactly.
   const std::string bf16 = client::EncodeFromFloat32(weight, client::DType::kBFloat16);
   const client::TensorView bf16_view{bf16.data(), client::DType::kBFloat16, vocab, kHidden};
-  EXPECT_EQ(client.UploadHead("roundtrip", bf16_view).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(client.UploadHead("roundtrip", bf16_view).status().code(),
+            absl::StatusCode::kAlreadyExists);
   const absl::StatusOr<client::HeadInfo> replaced =
       client.UploadHead("roundtrip", bf16_view, client::DType::kFloat32, /*replace=*/true);
   ASSERT_TRUE(replaced.ok()) << replaced.status();
@@ -631,7 +643,8 @@ struct ObjectiveCase {
   bool no_labels = false;
   bool token_weights = false;
   bool shift_labels = false;
-  int64_t max_sequence_length = 0;  // > 0: the rows are sequences (the sequence reductions make some)
+  int64_t max_sequence_length =
+      0;  // > 0: the rows are sequences (the sequence reductions make some)
 };
 
 void PrintTo(const ObjectiveCase& c, std::ostream* os) { *os << c.name; }
@@ -657,7 +670,10 @@ bool IsPolicy(v1::Objective objective) {
 
 const ObjectiveCase kObjectiveCases[] = {
     {.name = "importance_sampling_weighted_mean",
-     .options = [](v1::LossOptions& o) { SetPolicy(o, v1::OBJECTIVE_IMPORTANCE_SAMPLING, v1::REDUCTION_MEAN); },
+     .options =
+         [](v1::LossOptions& o) {
+           SetPolicy(o, v1::OBJECTIVE_IMPORTANCE_SAMPLING, v1::REDUCTION_MEAN);
+         },
      .token_weights = true},
     // Ratios past 3 with negative advantages meet the dual-clip bound.
     {.name = "ppo_dual_clip_sum",
@@ -682,7 +698,10 @@ const ObjectiveCase kObjectiveCases[] = {
            o.mutable_policy()->set_clip_low(1.0);
          }},
     {.name = "logprob_gradient_sum",
-     .options = [](v1::LossOptions& o) { SetPolicy(o, v1::OBJECTIVE_LOGPROB_GRADIENT, v1::REDUCTION_SUM); }},
+     .options =
+         [](v1::LossOptions& o) {
+           SetPolicy(o, v1::OBJECTIVE_LOGPROB_GRADIENT, v1::REDUCTION_SUM);
+         }},
     // The KL and entropy terms on cross-entropy, with label smoothing.
     {.name = "cross_entropy_k2_entropy",
      .options =
@@ -755,12 +774,14 @@ const ObjectiveCase kObjectiveCases[] = {
      .teacher = Teacher::kSparse},
 };
 
-class ClientObjectiveTest : public ClientTest, public ::testing::WithParamInterface<ObjectiveCase> {};
+class ClientObjectiveTest : public ClientTest,
+                            public ::testing::WithParamInterface<ObjectiveCase> {};
 
 // Labels that the server's shift turns into `targets`: row i of each sequence is scored against
 // label i + 1, so label i + 1 is target i; the sequence's first label is never scored, and its last
 // target becomes ignore_index, as the server ignores that row.
-std::vector<int64_t> UnshiftedLabels(std::vector<int64_t>& targets, const std::vector<int64_t>& lengths) {
+std::vector<int64_t> UnshiftedLabels(std::vector<int64_t>& targets,
+                                     const std::vector<int64_t>& lengths) {
   std::vector<int64_t> labels(targets.size(), 0);
   for (int64_t first = 0; const int64_t length : lengths) {
     for (int64_t i = first; i + 1 < first + length; ++i) labels[i + 1] = targets[i];
@@ -797,7 +818,10 @@ TEST_P(ClientObjectiveTest, MatchesTheFloat64Reference) {
   const ReferenceResult ref = ComputeReference(r);
 
   const std::string head = absl::StrCat("objective-", c.name);
-  ASSERT_TRUE(client.UploadHead(head, {problem.weight_bytes.data(), client::DType::kFloat32, kVocab, kHidden}).ok());
+  ASSERT_TRUE(
+      client
+          .UploadHead(head, {problem.weight_bytes.data(), client::DType::kFloat32, kVocab, kHidden})
+          .ok());
   ComputeRequest request;
   request.head = head;
   request.options = options;
@@ -814,10 +838,11 @@ TEST_P(ClientObjectiveTest, MatchesTheFloat64Reference) {
   request.rows_per_message = 37;  // messages that do not line up with engine chunks
   if (c.teacher == Teacher::kDense) {
     request.teacher_head = head + "-teacher";
-    ASSERT_TRUE(client
-                    .UploadHead(request.teacher_head, {problem.teacher_weight_bytes.data(),
-                                                       client::DType::kFloat32, kVocab, kTeacherHidden})
-                    .ok());
+    ASSERT_TRUE(
+        client
+            .UploadHead(request.teacher_head, {problem.teacher_weight_bytes.data(),
+                                               client::DType::kFloat32, kVocab, kTeacherHidden})
+            .ok());
     request.teacher_hidden = {problem.teacher_hidden_bytes.data(), client::DType::kFloat32, c.rows,
                               kTeacherHidden};
   } else if (c.teacher == Teacher::kSparse) {
@@ -847,7 +872,8 @@ TEST_P(ClientObjectiveTest, MatchesTheFloat64Reference) {
   if (counted == 0) {
     EXPECT_EQ(s.loss(), 0.0);
   } else {
-    EXPECT_LE(LossError(s.loss(), ref), distill ? 1e-5 : kPolicyLossBound) << s.loss() << " vs " << ref.loss;
+    EXPECT_LE(LossError(s.loss(), ref), distill ? 1e-5 : kPolicyLossBound)
+        << s.loss() << " vs " << ref.loss;
   }
   EXPECT_LE(RelativeError(Values(t.token_loss()), ref.token_loss), kPolicyLossBound);
   const double logit_bound = 1e-5 * (1 + ref.max_abs_logit);
@@ -858,7 +884,8 @@ TEST_P(ClientObjectiveTest, MatchesTheFloat64Reference) {
     EXPECT_LE(RelativeError(Values(t.ratio()), ref.ratio), logit_bound);
     EXPECT_EQ(std::vector<int32_t>(t.clip().begin(), t.clip().end()), ref.clip);
     EXPECT_EQ(s.clipped_tokens(), ref.clipped_tokens);
-    EXPECT_DOUBLE_EQ(s.clip_fraction(), counted > 0 ? static_cast<double>(ref.clipped_tokens) / counted : 0.0);
+    EXPECT_DOUBLE_EQ(s.clip_fraction(),
+                     counted > 0 ? static_cast<double>(ref.clipped_tokens) / counted : 0.0);
   }
   ASSERT_EQ(t.kl_size(), kl ? c.rows : 0);
   if (kl) {
@@ -924,7 +951,9 @@ TEST_F(ClientTest, RequestSizesAreCheckedNamingTheField) {
        },
        "teacher_hidden.rows: expected 4 (hidden.rows), got 2"},
       {"teacher rows without a teacher head",
-       [&](ComputeRequest& r) { r.teacher_hidden = {teacher_rows.data(), client::DType::kFloat32, 4, 8}; },
+       [&](ComputeRequest& r) {
+         r.teacher_hidden = {teacher_rows.data(), client::DType::kFloat32, 4, 8};
+       },
        "teacher_hidden: expected no rows without a teacher_head, got 4 rows"},
       {"two teachers",
        [&](ComputeRequest& r) {
@@ -951,7 +980,8 @@ TEST_F(ClientTest, RequestSizesAreCheckedNamingTheField) {
          r.teacher_hidden = {teacher_rows.data(), client::DType::kFloat32, 4, 8};
          r.shared_memory = true;
        },
-       "shared_memory: expected false for a call with a teacher, whose rows travel in messages, got true"},
+       "shared_memory: expected false for a call with a teacher, whose rows travel in messages, "
+       "got true"},
       {"more top-k than the client sizes for", [&](ComputeRequest& r) { r.outputs.set_top_k(65); },
        "outputs.top_k: expected a value in [0, 64], got 65"},
       {"a dtype the contract does not have",
@@ -978,7 +1008,8 @@ TEST_F(ClientTest, AStagedGradientIsCommittedOnceTimesItsScale) {
   const int64_t n = 200;
   const std::vector<float> hidden = RandomNormal(n * kHidden, 1.0f, rng_);
   const std::vector<int64_t> labels = RandomLabels(n, kVocab, 0.1, rng_);
-  const ReferenceResult ref = ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 0));
+  const ReferenceResult ref =
+      ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 0));
   ComputeRequest request = Fp32Request("staged", hidden, labels);
   request.outputs.set_accumulate_grad_weight(true);
   request.stage_grad_weight = true;
@@ -991,7 +1022,8 @@ TEST_F(ClientTest, AStagedGradientIsCommittedOnceTimesItsScale) {
   EXPECT_EQ(info->accumulated_calls, 0);
 
   constexpr double kScale = 0.25;
-  absl::StatusOr<client::CommitResult> commit = client.CommitGradWeight("staged", staged->call_id, kScale);
+  absl::StatusOr<client::CommitResult> commit =
+      client.CommitGradWeight("staged", staged->call_id, kScale);
   ASSERT_TRUE(commit.ok()) << commit.status();
   EXPECT_FALSE(commit->replayed);
   EXPECT_EQ(commit->accumulated_tokens, ref.counted_tokens);
@@ -1011,8 +1043,10 @@ TEST_F(ClientTest, AStagedGradientIsCommittedOnceTimesItsScale) {
   const absl::StatusOr<int> discarded = client.DiscardGradWeight("staged", ids);
   ASSERT_TRUE(discarded.ok()) << discarded.status();
   EXPECT_EQ(*discarded, 1);
-  EXPECT_EQ(client.CommitGradWeight("staged", dropped->call_id).status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(client.CommitGradWeight("staged", "").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client.CommitGradWeight("staged", dropped->call_id).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(client.CommitGradWeight("staged", "").status().code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(client.GetHead("staged")->staged_gradients, 0);
 }
 
@@ -1023,7 +1057,8 @@ TEST_F(ClientTest, ACommitIsRetriedAfterALostAnswer) {
   const std::vector<float> weight = UploadRandomHead(direct, "lost_commit", 400);
   const std::vector<float> hidden = RandomNormal(30 * kHidden, 1.0f, rng_);
   const std::vector<int64_t> labels = RandomLabels(30, 400, 0.0, rng_);
-  const ReferenceResult ref = ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 0));
+  const ReferenceResult ref =
+      ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 0));
   ComputeRequest request = Fp32Request("lost_commit", hidden, labels);
   request.outputs.set_accumulate_grad_weight(true);
   request.stage_grad_weight = true;
@@ -1067,7 +1102,8 @@ TEST_F(ClientTest, RanksStepTogether) {
   const int64_t n = 240;
   const std::vector<float> hidden = RandomNormal(n * kHidden, 1.0f, rng_);
   const std::vector<int64_t> labels = RandomLabels(n, kVocab, 0.1, rng_);
-  const ReferenceResult ref = ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 0));
+  const ReferenceResult ref =
+      ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 0));
   constexpr double kMultiplier = 0.5, kLearningRate = 0.5;
 
   std::vector<absl::StatusOr<client::GradNormResult>> norms(2, absl::UnknownError("not run"));
@@ -1090,8 +1126,10 @@ TEST_F(ClientTest, RanksStepTogether) {
         return;
       }
       const client::RankGroup group{.world_size = 2, .rank = rank};
-      norms[rank] = own.GradWeightNorm(
-          {.head = "ranks", .head_version = version, .ranks = group, .grad_multiplier = kMultiplier});
+      norms[rank] = own.GradWeightNorm({.head = "ranks",
+                                        .head_version = version,
+                                        .ranks = group,
+                                        .grad_multiplier = kMultiplier});
       steps[rank] = own.Step({.head = "ranks",
                               .optimizer = client::SgdOptions{.learning_rate = kLearningRate},
                               .head_version = version,
@@ -1122,10 +1160,14 @@ TEST_F(ClientTest, RanksStepTogether) {
 
   // A rank outside the group is refused before it waits on the server; so is a collective call
   // that names no step.
-  EXPECT_EQ(client.Step({.head = "ranks", .ranks = {.world_size = 2, .rank = 2}}).status().message(),
-            "ranks.rank: expected a rank in [0, 2), got 2");
-  EXPECT_EQ(client.GradWeightNorm({.head = "ranks", .ranks = {.world_size = 2, .rank = 0}}).status().message(),
-            "head_version: expected the version the ranks trained on (ranks.world_size > 1), got none");
+  EXPECT_EQ(
+      client.Step({.head = "ranks", .ranks = {.world_size = 2, .rank = 2}}).status().message(),
+      "ranks.rank: expected a rank in [0, 2), got 2");
+  EXPECT_EQ(
+      client.GradWeightNorm({.head = "ranks", .ranks = {.world_size = 2, .rank = 0}})
+          .status()
+          .message(),
+      "head_version: expected the version the ranks trained on (ranks.world_size > 1), got none");
 }
 
 // A multiplier that takes the gradient past float32 skips the step instead of failing it; a
@@ -1133,8 +1175,10 @@ TEST_F(ClientTest, RanksStepTogether) {
 TEST_F(ClientTest, SkippedStepsAndMasterWeights) {
   const Client client = Connect(OptionsFor(server_->port()));
   const std::vector<float> weight = RandomNormal(300 * kHidden, 0.2f, rng_);
-  ASSERT_TRUE(client.UploadHead("master", {weight.data(), client::DType::kFloat32, 300, kHidden},
-                                client::DType::kBFloat16).ok());
+  ASSERT_TRUE(client
+                  .UploadHead("master", {weight.data(), client::DType::kFloat32, 300, kHidden},
+                              client::DType::kBFloat16)
+                  .ok());
   const std::vector<float> hidden = RandomNormal(50 * kHidden, 1.0f, rng_);
   const std::vector<int64_t> labels = RandomLabels(50, 300, 0.0, rng_);
   ComputeRequest request = Fp32Request("master", hidden, labels);
@@ -1161,11 +1205,14 @@ TEST_F(ClientTest, SkippedStepsAndMasterWeights) {
   EXPECT_FALSE(step->skipped);
   EXPECT_EQ(step->head_version, version + 1);
   EXPECT_TRUE(client.GetHead("master")->master_weights);
-  const absl::StatusOr<client::Tensor> master = client.FetchWeight("master", client::DType::kFloat32, true);
-  const absl::StatusOr<client::Tensor> rounded = client.FetchWeight("master", client::DType::kBFloat16);
+  const absl::StatusOr<client::Tensor> master =
+      client.FetchWeight("master", client::DType::kFloat32, true);
+  const absl::StatusOr<client::Tensor> rounded =
+      client.FetchWeight("master", client::DType::kBFloat16);
   ASSERT_TRUE(master.ok() && rounded.ok()) << master.status() << " / " << rounded.status();
   // W is the master weights rounded, and the master weights keep what rounding dropped.
-  EXPECT_EQ(client::EncodeFromFloat32(client::ToFloat32(*master), client::DType::kBFloat16), rounded->bytes);
+  EXPECT_EQ(client::EncodeFromFloat32(client::ToFloat32(*master), client::DType::kBFloat16),
+            rounded->bytes);
   EXPECT_NE(client::ToFloat32(*master), client::ToFloat32(*rounded));
 }
 
@@ -1178,33 +1225,48 @@ void AddValue(google::protobuf::Message& message, const google::protobuf::FieldD
   using google::protobuf::FieldDescriptor;
   const google::protobuf::Reflection& r = *message.GetReflection();
   switch (field->cpp_type()) {
-    case FieldDescriptor::CPPTYPE_INT32: r.AddInt32(&message, field, static_cast<int32_t>(value)); break;
+    case FieldDescriptor::CPPTYPE_INT32:
+      r.AddInt32(&message, field, static_cast<int32_t>(value));
+      break;
     case FieldDescriptor::CPPTYPE_INT64: r.AddInt64(&message, field, value); break;
-    case FieldDescriptor::CPPTYPE_UINT32: r.AddUInt32(&message, field, static_cast<uint32_t>(value)); break;
-    case FieldDescriptor::CPPTYPE_UINT64: r.AddUInt64(&message, field, static_cast<uint64_t>(value)); break;
-    case FieldDescriptor::CPPTYPE_FLOAT: r.AddFloat(&message, field, static_cast<float>(value)); break;
-    case FieldDescriptor::CPPTYPE_DOUBLE: r.AddDouble(&message, field, static_cast<double>(value)); break;
+    case FieldDescriptor::CPPTYPE_UINT32:
+      r.AddUInt32(&message, field, static_cast<uint32_t>(value));
+      break;
+    case FieldDescriptor::CPPTYPE_UINT64:
+      r.AddUInt64(&message, field, static_cast<uint64_t>(value));
+      break;
+    case FieldDescriptor::CPPTYPE_FLOAT:
+      r.AddFloat(&message, field, static_cast<float>(value));
+      break;
+    case FieldDescriptor::CPPTYPE_DOUBLE:
+      r.AddDouble(&message, field, static_cast<double>(value));
+      break;
     case FieldDescriptor::CPPTYPE_BOOL: r.AddBool(&message, field, value % 2 == 1); break;
-    case FieldDescriptor::CPPTYPE_ENUM: r.AddEnumValue(&message, field, static_cast<int>(value)); break;
+    case FieldDescriptor::CPPTYPE_ENUM:
+      r.AddEnumValue(&message, field, static_cast<int>(value));
+      break;
     case FieldDescriptor::CPPTYPE_STRING: r.AddString(&message, field, absl::StrCat(value)); break;
     case FieldDescriptor::CPPTYPE_MESSAGE: FAIL() << field->full_name() << " holds messages";
   }
 }
 
-double GetValue(const google::protobuf::Message& message, const google::protobuf::FieldDescriptor* field,
-                int index) {
+double GetValue(const google::protobuf::Message& message,
+                const google::protobuf::FieldDescriptor* field, int index) {
   using google::protobuf::FieldDescriptor;
   const google::protobuf::Reflection& r = *message.GetReflection();
   switch (field->cpp_type()) {
     case FieldDescriptor::CPPTYPE_INT32: return r.GetRepeatedInt32(message, field, index);
-    case FieldDescriptor::CPPTYPE_INT64: return static_cast<double>(r.GetRepeatedInt64(message, field, index));
+    case FieldDescriptor::CPPTYPE_INT64:
+      return static_cast<double>(r.GetRepeatedInt64(message, field, index));
     case FieldDescriptor::CPPTYPE_UINT32: return r.GetRepeatedUInt32(message, field, index);
-    case FieldDescriptor::CPPTYPE_UINT64: return static_cast<double>(r.GetRepeatedUInt64(message, field, index));
+    case FieldDescriptor::CPPTYPE_UINT64:
+      return static_cast<double>(r.GetRepeatedUInt64(message, field, index));
     case FieldDescriptor::CPPTYPE_FLOAT: return r.GetRepeatedFloat(message, field, index);
     case FieldDescriptor::CPPTYPE_DOUBLE: return r.GetRepeatedDouble(message, field, index);
     case FieldDescriptor::CPPTYPE_BOOL: return r.GetRepeatedBool(message, field, index) ? 1 : 0;
     case FieldDescriptor::CPPTYPE_ENUM: return r.GetRepeatedEnumValue(message, field, index);
-    case FieldDescriptor::CPPTYPE_STRING: return std::stod(r.GetRepeatedString(message, field, index));
+    case FieldDescriptor::CPPTYPE_STRING:
+      return std::stod(r.GetRepeatedString(message, field, index));
     case FieldDescriptor::CPPTYPE_MESSAGE: break;
   }
   return std::nan("");
@@ -1212,7 +1274,9 @@ double GetValue(const google::protobuf::Message& message, const google::protobuf
 
 // Field f's value j of row `row`: rows, fields and positions all tell apart (and small enough
 // for every type, floats included, to hold exactly).
-int64_t Encoded(int field_number, int64_t row, int64_t j) { return field_number * 100000 + row * 100 + j; }
+int64_t Encoded(int field_number, int64_t row, int64_t j) {
+  return field_number * 100000 + row * 100 + j;
+}
 
 // A result message for rows [offset, offset + count) that fills every field asked for.
 std::unique_ptr<google::protobuf::Message> Piece(const google::protobuf::Message& prototype,
@@ -1224,7 +1288,8 @@ std::unique_ptr<google::protobuf::Message> Piece(const google::protobuf::Message
   piece->GetReflection()->SetInt64(piece.get(), type.FindFieldByName("num_rows"), count);
   for (const client::PerTokenField& f : fields) {
     for (int64_t row = offset; row < offset + count; ++row) {
-      for (int64_t j = 0; j < f.values_per_row; ++j) AddValue(*piece, f.field, Encoded(f.field->number(), row, j));
+      for (int64_t j = 0; j < f.values_per_row; ++j)
+        AddValue(*piece, f.field, Encoded(f.field->number(), row, j));
     }
   }
   return piece;
@@ -1285,7 +1350,8 @@ TEST(ClientPerTokenAssemblerTest, PlacesEveryFieldInRowOrderFromMessagesInAnyOrd
       client::PerTokenAssembler::Create(everything, 10, &per_token);
   ASSERT_TRUE(assembler.ok()) << assembler.status();
   // Out of order, with an empty message: rows wait until the gap before them is filled.
-  for (const auto& [offset, count] : std::vector<std::pair<int64_t, int64_t>>{{7, 3}, {3, 4}, {5, 0}, {0, 3}}) {
+  for (const auto& [offset, count] :
+       std::vector<std::pair<int64_t, int64_t>>{{7, 3}, {3, 4}, {5, 0}, {0, 3}}) {
     std::unique_ptr<google::protobuf::Message> piece =
         Piece(v1::ComputeResult::default_instance(), assembler->fields(), offset, count);
     ASSERT_TRUE(assembler->Add(*piece).ok());
@@ -1299,8 +1365,8 @@ TEST(ClientPerTokenAssemblerTest, PlacesEveryFieldInRowOrderFromMessagesInAnyOrd
 using google::protobuf::DescriptorProto;
 using google::protobuf::FieldDescriptorProto;
 
-void AddField(DescriptorProto& message, const std::string& name, int number, FieldDescriptorProto::Type type,
-              FieldDescriptorProto::Label label) {
+void AddField(DescriptorProto& message, const std::string& name, int number,
+              FieldDescriptorProto::Type type, FieldDescriptorProto::Label label) {
   FieldDescriptorProto& field = *message.add_field();
   field.set_name(name);
   field.set_number(number);
@@ -1310,8 +1376,8 @@ void AddField(DescriptorProto& message, const std::string& name, int number, Fie
 
 // The contract's file, its messages changed by `grow` (given each message), built into a pool of
 // its own.
-const google::protobuf::FileDescriptor* GrownContract(google::protobuf::DescriptorPool& pool,
-                                                      const std::function<void(DescriptorProto&)>& grow) {
+const google::protobuf::FileDescriptor* GrownContract(
+    google::protobuf::DescriptorPool& pool, const std::function<void(DescriptorProto&)>& grow) {
   // The files the contract imports (google/protobuf/any.proto) first.
   const google::protobuf::FileDescriptor* contract = v1::ComputeResult::descriptor()->file();
   for (int i = 0; i < contract->dependency_count(); ++i) {
@@ -1332,10 +1398,12 @@ TEST(ClientPerTokenAssemblerTest, AssemblesAnOutputTheClientHasNeverHeardOf) {
   google::protobuf::DescriptorPool pool;
   const google::protobuf::FileDescriptor* grown = GrownContract(pool, [](DescriptorProto& message) {
     if (message.name() == "OutputSelection") {
-      AddField(message, "novel_score", 90, FieldDescriptorProto::TYPE_BOOL, FieldDescriptorProto::LABEL_OPTIONAL);
+      AddField(message, "novel_score", 90, FieldDescriptorProto::TYPE_BOOL,
+               FieldDescriptorProto::LABEL_OPTIONAL);
     }
     if (message.name() == "ComputeResult") {
-      AddField(message, "novel_score", 90, FieldDescriptorProto::TYPE_DOUBLE, FieldDescriptorProto::LABEL_REPEATED);
+      AddField(message, "novel_score", 90, FieldDescriptorProto::TYPE_DOUBLE,
+               FieldDescriptorProto::LABEL_REPEATED);
       AddField(message, "top_k_novel_rank", 91, FieldDescriptorProto::TYPE_INT64,
                FieldDescriptorProto::LABEL_REPEATED);
     }
@@ -1347,8 +1415,10 @@ TEST(ClientPerTokenAssemblerTest, AssemblesAnOutputTheClientHasNeverHeardOf) {
   std::unique_ptr<google::protobuf::Message> selection(
       factory.GetPrototype(grown->FindMessageTypeByName("OutputSelection"))->New());
   const google::protobuf::Descriptor& selection_type = *selection->GetDescriptor();
-  selection->GetReflection()->SetBool(selection.get(), selection_type.FindFieldByName("novel_score"), true);
-  selection->GetReflection()->SetBool(selection.get(), selection_type.FindFieldByName("logprob"), true);
+  selection->GetReflection()->SetBool(selection.get(),
+                                      selection_type.FindFieldByName("novel_score"), true);
+  selection->GetReflection()->SetBool(selection.get(), selection_type.FindFieldByName("logprob"),
+                                      true);
   selection->GetReflection()->SetInt32(selection.get(), selection_type.FindFieldByName("top_k"), 2);
 
   std::unique_ptr<google::protobuf::Message> per_token(result_type.New());
@@ -1357,10 +1427,11 @@ TEST(ClientPerTokenAssemblerTest, AssemblesAnOutputTheClientHasNeverHeardOf) {
   ASSERT_TRUE(assembler.ok()) << assembler.status();
   std::vector<std::string> wanted;
   for (const client::PerTokenField& f : assembler->fields()) {
-    if (f.values_per_row > 0) wanted.push_back(absl::StrCat(f.field->name(), " x", f.values_per_row));
+    if (f.values_per_row > 0)
+      wanted.push_back(absl::StrCat(f.field->name(), " x", f.values_per_row));
   }
   EXPECT_EQ(wanted, (std::vector<std::string>{"logprob x1", "top_k_logprob x2", "top_k_token x2",
-                                               "novel_score x1", "top_k_novel_rank x2"}));
+                                              "novel_score x1", "top_k_novel_rank x2"}));
   for (const auto& [offset, count] : std::vector<std::pair<int64_t, int64_t>>{{4, 2}, {0, 4}}) {
     ASSERT_TRUE(assembler->Add(*Piece(result_type, assembler->fields(), offset, count)).ok());
   }
@@ -1371,9 +1442,10 @@ TEST(ClientPerTokenAssemblerTest, AssemblesAnOutputTheClientHasNeverHeardOf) {
   std::unique_ptr<google::protobuf::Message> again(result_type.New());
   assembler = client::PerTokenAssembler::Create(*selection, 6, again.get());
   ASSERT_TRUE(assembler.ok());
-  std::unique_ptr<google::protobuf::Message> short_piece = Piece(result_type, assembler->fields(), 0, 6);
-  short_piece->GetReflection()->RemoveLast(short_piece.get(),
-                                           short_piece->GetDescriptor()->FindFieldByName("novel_score"));
+  std::unique_ptr<google::protobuf::Message> short_piece =
+      Piece(result_type, assembler->fields(), 0, 6);
+  short_piece->GetReflection()->RemoveLast(
+      short_piece.get(), short_piece->GetDescriptor()->FindFieldByName("novel_score"));
   const absl::Status refused = assembler->Add(*short_piece);
   EXPECT_EQ(refused.code(), absl::StatusCode::kInternal);
   EXPECT_EQ(refused.message(), "server sent 5 values of novel_score for 6 rows, expected 6");
@@ -1385,14 +1457,16 @@ TEST(ClientPerTokenAssemblerTest, RefusesAContractThatBreaksTheRule) {
   google::protobuf::DescriptorPool pool;
   const google::protobuf::FileDescriptor* grown = GrownContract(pool, [](DescriptorProto& message) {
     if (message.name() == "ComputeResult") {
-      AddField(message, "orphan", 92, FieldDescriptorProto::TYPE_FLOAT, FieldDescriptorProto::LABEL_REPEATED);
+      AddField(message, "orphan", 92, FieldDescriptorProto::TYPE_FLOAT,
+               FieldDescriptorProto::LABEL_REPEATED);
     }
   });
   ASSERT_NE(grown, nullptr);
   const absl::StatusOr<std::vector<client::PerTokenField>> fields =
       client::PerTokenFields(v1::OutputSelection(), *grown->FindMessageTypeByName("ComputeResult"));
   EXPECT_EQ(fields.status().code(), absl::StatusCode::kInternal);
-  EXPECT_TRUE(absl::StrContains(fields.status().message(), "lossd.v1.ComputeResult.orphan")) << fields.status();
+  EXPECT_TRUE(absl::StrContains(fields.status().message(), "lossd.v1.ComputeResult.orphan"))
+      << fields.status();
 }
 
 // What a server that breaks the contract sends is refused, never placed.
@@ -1429,7 +1503,8 @@ TEST(ClientPerTokenAssemblerTest, RefusesResultsThatBreakTheContract) {
   };
   for (const Case& c : cases) {
     v1::ComputeResult per_token;
-    absl::StatusOr<client::PerTokenAssembler> assembler = client::PerTokenAssembler::Create(selection, 5, &per_token);
+    absl::StatusOr<client::PerTokenAssembler> assembler =
+        client::PerTokenAssembler::Create(selection, 5, &per_token);
     ASSERT_TRUE(assembler.ok());
     std::unique_ptr<google::protobuf::Message> first =
         Piece(v1::ComputeResult::default_instance(), assembler->fields(), 0, 2);
@@ -1457,7 +1532,8 @@ struct SharedMemoryCase {
 
 void PrintTo(const SharedMemoryCase& c, std::ostream* os) { *os << c.name; }
 
-class SharedMemoryTest : public ClientTest, public ::testing::WithParamInterface<SharedMemoryCase> {};
+class SharedMemoryTest : public ClientTest,
+                         public ::testing::WithParamInterface<SharedMemoryCase> {};
 
 // The same call through messages and through shared memory, on two heads with the same W: every
 // output and the accumulated dL/dW agree bit for bit, and with the float64 reference.
@@ -1467,7 +1543,8 @@ TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
   const std::string by_messages = absl::StrCat("messages-", c.name);
   const std::string by_memory = absl::StrCat("memory-", c.name);
   const std::vector<float> weight = UploadRandomHead(client, by_messages);
-  ASSERT_TRUE(client.UploadHead(by_memory, {weight.data(), client::DType::kFloat32, kVocab, kHidden}).ok());
+  ASSERT_TRUE(
+      client.UploadHead(by_memory, {weight.data(), client::DType::kFloat32, kVocab, kHidden}).ok());
   const std::string hidden_bytes =
       client::EncodeFromFloat32(RandomNormal(c.rows * kHidden, 1.0f, rng_), c.hidden_dtype);
   const std::vector<int64_t> labels = RandomLabels(c.rows, kVocab, c.ignore_fraction, rng_);
@@ -1480,7 +1557,8 @@ TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
     SelectOutput(request.outputs, output);
   }
   request.outputs.set_top_k(3);
-  if (c.grad_dtype.has_value()) request.outputs.set_grad_hidden_dtype(client::ToProto(*c.grad_dtype));
+  if (c.grad_dtype.has_value())
+    request.outputs.set_grad_hidden_dtype(client::ToProto(*c.grad_dtype));
   request.head = by_messages;
   request.shared_memory = false;
   const absl::StatusOr<ComputeResult> sent = client.Compute(request);
@@ -1506,8 +1584,8 @@ TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
   EXPECT_TRUE(grad_shared->bytes == grad_sent->bytes) << "dL/dW differs";
 
   client::Tensor hidden_tensor{hidden_bytes, c.hidden_dtype, c.rows, kHidden};
-  const ReferenceResult ref =
-      ComputeReference(MakeReferenceProblem(client::ToFloat32(hidden_tensor), weight, labels, kHidden, 3));
+  const ReferenceResult ref = ComputeReference(
+      MakeReferenceProblem(client::ToFloat32(hidden_tensor), weight, labels, kHidden, 3));
   EXPECT_EQ(shared->summary.counted_tokens(), ref.counted_tokens);
   if (ref.counted_tokens > 0) {
     EXPECT_LE(std::abs(shared->summary.loss() - ref.loss) / ref.loss, kLossBound);
@@ -1524,13 +1602,16 @@ INSTANTIATE_TEST_SUITE_P(
         // About 80 rows per engine chunk: each chunk reads and writes its own slice of the memfd.
         SharedMemoryCase{"fp32_multi_chunk", 300, client::DType::kFloat32, std::nullopt, 0.1},
         // Rows and dL/dh of different sizes, so the two regions are laid out unequally.
-        SharedMemoryCase{"bf16_rows_fp32_grad", 300, client::DType::kBFloat16, client::DType::kFloat32, 0.1},
+        SharedMemoryCase{"bf16_rows_fp32_grad", 300, client::DType::kBFloat16,
+                         client::DType::kFloat32, 0.1},
         SharedMemoryCase{"one_row", 1, client::DType::kFloat32, std::nullopt, 0.0},
         // Nothing counts: dL/dh is all zeros, still written into the memfd.
         SharedMemoryCase{"all_ignored", 50, client::DType::kFloat32, std::nullopt, 1.0},
         // Nothing to map at all.
         SharedMemoryCase{"no_rows", 0, client::DType::kFloat32, std::nullopt, 0.0}),
-    [](const ::testing::TestParamInfo<SharedMemoryCase>& info) { return std::string(info.param.name); });
+    [](const ::testing::TestParamInfo<SharedMemoryCase>& info) {
+      return std::string(info.param.name);
+    });
 
 struct CopyCase {
   const char* name;
@@ -1551,14 +1632,14 @@ TEST_P(ParallelCopyTest, CopiesEveryByteAndNoMore) {
   std::vector<uint8_t> target(bytes + kGuard, 0xA5);
   client::CopyInParallel(target.data(), source.data(), bytes);
   EXPECT_TRUE(std::equal(source.begin(), source.end(), target.begin()));
-  EXPECT_TRUE(std::all_of(target.begin() + bytes, target.end(), [](uint8_t b) { return b == 0xA5; }));
+  EXPECT_TRUE(
+      std::all_of(target.begin() + bytes, target.end(), [](uint8_t b) { return b == 0xA5; }));
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Sizes, ParallelCopyTest,
     ::testing::Values(
-        CopyCase{"empty", 0},
-        CopyCase{"one_byte", 1},
+        CopyCase{"empty", 0}, CopyCase{"one_byte", 1},
         // Just under two threads' worth: one thread.
         CopyCase{"one_thread", (size_t{16} << 20) - 1},
         // Two threads, a length that is no multiple of the pieces' page alignment.
@@ -1686,13 +1767,12 @@ TEST_F(ClientTest, SharedMemoryIsChosenForALocalServer) {
   request.shared_memory.reset();
   const absl::StatusOr<ComputeResult> chosen = client.Compute(request);
   ASSERT_TRUE(chosen.ok()) << chosen.status();
-  EXPECT_GT(server_->shared_memory_maps().handles(), handles_before)
-      << "no memfd was handed over";
+  EXPECT_GT(server_->shared_memory_maps().handles(), handles_before) << "no memfd was handed over";
   EXPECT_TRUE(chosen->grad_hidden.bytes == by_messages->grad_hidden.bytes);
   EXPECT_EQ(chosen->summary.loss(), by_messages->summary.loss());
 
-  for (const char* address : {"10.1.2.3:50051", "dns:///lossd.example.com:50051",
-                              "ipv4:127.0.0.1:1,127.0.0.1:2"}) {
+  for (const char* address :
+       {"10.1.2.3:50051", "dns:///lossd.example.com:50051", "ipv4:127.0.0.1:1,127.0.0.1:2"}) {
     const absl::StatusOr<client::Target> target = client::ParseTarget(address);
     ASSERT_TRUE(target.ok()) << target.status();
     EXPECT_FALSE(target->local && target->listed_addresses == 1) << address;
@@ -1713,7 +1793,7 @@ TEST(SharedMemoryPeerTest, OnlyLoopbackAndUnixPeersAreLocal) {
   EXPECT_TRUE(server::IsLocalPeer("unix:/run/lossd.sock"));
   EXPECT_FALSE(server::IsLocalPeer("ipv4:10.0.0.7:50051"));
   EXPECT_FALSE(server::IsLocalPeer("ipv4:128.0.0.1:50051"));  // not 127/8
-  EXPECT_FALSE(server::IsLocalPeer("ipv6:[::12]:50051"));      // not ::1
+  EXPECT_FALSE(server::IsLocalPeer("ipv6:[::12]:50051"));     // not ::1
   EXPECT_FALSE(server::IsLocalPeer("ipv6:[fe80::1]:50051"));
   EXPECT_FALSE(server::IsLocalPeer(""));
 }
@@ -1747,7 +1827,8 @@ TEST(TensorTest, ConversionsMatchTheEngine) {
   std::string all_halves(2 * 65536, '\0');
   for (uint32_t bits = 0; bits < 65536; ++bits) std::memcpy(&all_halves[2 * bits], &bits, 2);
   const std::vector<float> from_fp16 = client::DecodeToFloat32(all_halves, client::DType::kFloat16);
-  const std::vector<float> from_bf16 = client::DecodeToFloat32(all_halves, client::DType::kBFloat16);
+  const std::vector<float> from_bf16 =
+      client::DecodeToFloat32(all_halves, client::DType::kBFloat16);
   for (uint32_t bits = 0; bits < 65536; ++bits) {
     const float fp16 = Float16ToFloat(static_cast<uint16_t>(bits));
     const float bf16 = BFloat16ToFloat(static_cast<uint16_t>(bits));
@@ -1792,15 +1873,18 @@ TEST(TensorTest, ConversionsMatchTheEngine) {
 // ---------------------------------------------------------------------------------------------
 // .npy files
 
-std::string NpyFile(absl::string_view version_and_length, absl::string_view header, absl::string_view data) {
+std::string NpyFile(absl::string_view version_and_length, absl::string_view header,
+                    absl::string_view data) {
   return absl::StrCat("\x93NUMPY", version_and_length, header, data);
 }
 
 // A version 1.0 file with this header text (padded with a newline) and data.
 std::string NpyV1(const std::string& header, absl::string_view data) {
   const std::string text = header + "\n";
-  const char length[2] = {static_cast<char>(text.size() & 0xff), static_cast<char>(text.size() >> 8)};
-  return NpyFile(absl::StrCat(absl::string_view("\x01\x00", 2), absl::string_view(length, 2)), text, data);
+  const char length[2] = {static_cast<char>(text.size() & 0xff),
+                          static_cast<char>(text.size() >> 8)};
+  return NpyFile(absl::StrCat(absl::string_view("\x01\x00", 2), absl::string_view(length, 2)), text,
+                 data);
 }
 
 TEST(NpyTest, RoundTripsEveryDTypeAndShape) {
@@ -1828,8 +1912,8 @@ TEST(NpyTest, RoundTripsEveryDTypeAndShape) {
     EXPECT_EQ(parsed->data, array.data);
   }
 
-  const std::filesystem::path path =
-      std::filesystem::temp_directory_path() / ("lossd-npy-" + std::to_string(FreshSeed()) + ".npy");
+  const std::filesystem::path path = std::filesystem::temp_directory_path() /
+                                     ("lossd-npy-" + std::to_string(FreshSeed()) + ".npy");
   client::NpyArray array{client::NpyDType::kFloat32, {2, 2}, std::string(16, '\x01')};
   ASSERT_TRUE(client::WriteNpyFile(path.string(), array.dtype, array.shape, array.data).ok());
   const absl::StatusOr<client::NpyArray> read = client::ReadNpyFile(path.string());
@@ -1838,22 +1922,27 @@ TEST(NpyTest, RoundTripsEveryDTypeAndShape) {
   EXPECT_EQ(read->data, array.data);
   EXPECT_EQ(client::ReadNpyFile(path.string()).status().code(), absl::StatusCode::kNotFound);
 
-  EXPECT_EQ(client::SerializeNpy(client::NpyDType::kInt64, {3}, std::string(16, '\0')).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      client::SerializeNpy(client::NpyDType::kInt64, {3}, std::string(16, '\0')).status().code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 TEST(NpyTest, ReadsHeadersAsNumPyWritesThem) {
-  // Version 2.0 (4-byte header length), double quotes, other key order, 1-tuples, no trailing comma.
+  // Version 2.0 (4-byte header length), double quotes, other key order, 1-tuples, no trailing
+  // comma.
   const std::string header = "{\"shape\": (2,), 'fortran_order': False, 'descr': '<i4'}\n";
   const char length[4] = {static_cast<char>(header.size()), 0, 0, 0};
-  const std::string v2 = NpyFile(absl::StrCat(absl::string_view("\x02\x00", 2), absl::string_view(length, 4)),
-                                 header, std::string(8, '\x02'));
+  const std::string v2 =
+      NpyFile(absl::StrCat(absl::string_view("\x02\x00", 2), absl::string_view(length, 4)), header,
+              std::string(8, '\x02'));
   const absl::StatusOr<client::NpyArray> parsed = client::ParseNpy(v2, "v2.npy");
   ASSERT_TRUE(parsed.ok()) << parsed.status();
   EXPECT_EQ(parsed->dtype, client::NpyDType::kInt32);
   EXPECT_EQ(parsed->shape, std::vector<int64_t>{2});
-  const std::string spaced = NpyV1("{'descr':'<f2','fortran_order':False,'shape':( 1 , 2 , ),}   ", "abcd");
-  EXPECT_TRUE(client::ParseNpy(spaced, "spaced.npy").ok()) << client::ParseNpy(spaced, "spaced.npy").status();
+  const std::string spaced =
+      NpyV1("{'descr':'<f2','fortran_order':False,'shape':( 1 , 2 , ),}   ", "abcd");
+  EXPECT_TRUE(client::ParseNpy(spaced, "spaced.npy").ok())
+      << client::ParseNpy(spaced, "spaced.npy").status();
 }
 
 TEST(NpyTest, RejectsMalformedFiles) {
@@ -1867,46 +1956,59 @@ TEST(NpyTest, RejectsMalformedFiles) {
   const std::vector<BadFile> bad_files = {
       {"empty file", "", absl::StatusCode::kDataLoss},
       {"not an npy file", "PK\x03\x04 zip data", absl::StatusCode::kInvalidArgument},
-      {"cut inside the preamble", std::string("\x93NUMPY\x01\x00\x10", 9), absl::StatusCode::kDataLoss},
+      {"cut inside the preamble", std::string("\x93NUMPY\x01\x00\x10", 9),
+       absl::StatusCode::kDataLoss},
       {"version 3.0", NpyFile(absl::string_view("\x03\x00\x00\x00\x00\x00", 6), "", ""),
        absl::StatusCode::kInvalidArgument},
       {"header length past the end", NpyFile(absl::string_view("\x01\x00\xff\x00", 4), "{}", ""),
        absl::StatusCode::kDataLoss},
-      {"header longer than the limit", NpyFile(absl::string_view("\x02\x00\x00\x00\x01\x00", 6), "", ""),
+      {"header longer than the limit",
+       NpyFile(absl::string_view("\x02\x00\x00\x00\x01\x00", 6), "", ""),
        absl::StatusCode::kInvalidArgument},
       {"header not a dictionary", NpyV1("['<f4', False, (2,)]", eight_bytes),
        absl::StatusCode::kInvalidArgument},
       {"missing shape", NpyV1("{'descr': '<f4', 'fortran_order': False}", eight_bytes),
        absl::StatusCode::kInvalidArgument},
-      {"unknown key", NpyV1("{'descr': '<f4', 'fortran_order': False, 'shape': (2,), 'x': 1}", eight_bytes),
+      {"unknown key",
+       NpyV1("{'descr': '<f4', 'fortran_order': False, 'shape': (2,), 'x': 1}", eight_bytes),
        absl::StatusCode::kInvalidArgument},
       {"duplicate key",
-       NpyV1("{'descr': '<f4', 'descr': '<f4', 'fortran_order': False, 'shape': (2,)}", eight_bytes),
+       NpyV1("{'descr': '<f4', 'descr': '<f4', 'fortran_order': False, 'shape': (2,)}",
+             eight_bytes),
        absl::StatusCode::kInvalidArgument},
-      {"big-endian data", NpyV1("{'descr': '>f4', 'fortran_order': False, 'shape': (2,)}", eight_bytes),
+      {"big-endian data",
+       NpyV1("{'descr': '>f4', 'fortran_order': False, 'shape': (2,)}", eight_bytes),
        absl::StatusCode::kInvalidArgument},
-      {"float64 data", NpyV1("{'descr': '<f8', 'fortran_order': False, 'shape': (1,)}", eight_bytes),
+      {"float64 data",
+       NpyV1("{'descr': '<f8', 'fortran_order': False, 'shape': (1,)}", eight_bytes),
        absl::StatusCode::kInvalidArgument},
-      {"Fortran order", NpyV1("{'descr': '<f4', 'fortran_order': True, 'shape': (2,)}", eight_bytes),
+      {"Fortran order",
+       NpyV1("{'descr': '<f4', 'fortran_order': True, 'shape': (2,)}", eight_bytes),
        absl::StatusCode::kInvalidArgument},
-      {"fortran_order not a bool", NpyV1("{'descr': '<f4', 'fortran_order': 0, 'shape': (2,)}", eight_bytes),
+      {"fortran_order not a bool",
+       NpyV1("{'descr': '<f4', 'fortran_order': 0, 'shape': (2,)}", eight_bytes),
        absl::StatusCode::kInvalidArgument},
-      {"negative dimension", NpyV1("{'descr': '<f4', 'fortran_order': False, 'shape': (-2,)}", eight_bytes),
+      {"negative dimension",
+       NpyV1("{'descr': '<f4', 'fortran_order': False, 'shape': (-2,)}", eight_bytes),
        absl::StatusCode::kInvalidArgument},
       {"shape (2) is not a tuple",
        NpyV1("{'descr': '<f4', 'fortran_order': False, 'shape': (2)}", eight_bytes),
        absl::StatusCode::kInvalidArgument},
       {"dimension overflows int64",
-       NpyV1("{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999999999999,)}", eight_bytes),
+       NpyV1("{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999999999999,)}",
+             eight_bytes),
        absl::StatusCode::kInvalidArgument},
       {"element count overflows",
-       NpyV1("{'descr': '<f4', 'fortran_order': False, 'shape': (4294967296, 4294967296)}", eight_bytes),
+       NpyV1("{'descr': '<f4', 'fortran_order': False, 'shape': (4294967296, 4294967296)}",
+             eight_bytes),
        absl::StatusCode::kInvalidArgument},
       {"bytes overflow",
        NpyV1("{'descr': '<i8', 'fortran_order': False, 'shape': (2305843009213693952,)}", ""),
        absl::StatusCode::kInvalidArgument},
-      {"unterminated string", NpyV1("{'descr: '<f4'}", eight_bytes), absl::StatusCode::kInvalidArgument},
-      {"text after the dictionary", NpyV1(f4 + " junk", eight_bytes), absl::StatusCode::kInvalidArgument},
+      {"unterminated string", NpyV1("{'descr: '<f4'}", eight_bytes),
+       absl::StatusCode::kInvalidArgument},
+      {"text after the dictionary", NpyV1(f4 + " junk", eight_bytes),
+       absl::StatusCode::kInvalidArgument},
       {"truncated data", NpyV1(f4, eight_bytes.substr(0, 7)), absl::StatusCode::kDataLoss},
       {"trailing bytes", NpyV1(f4, eight_bytes + "x"), absl::StatusCode::kInvalidArgument},
   };

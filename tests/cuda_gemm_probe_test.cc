@@ -163,12 +163,12 @@ TEST_P(GemmProbeTest, Bf16ProductErrorAgainstFloat64) {
   const double rounding = kUnitRoundoff * std::sqrt(static_cast<double>(k));
   const double truncation = kUnitRoundoff * static_cast<double>(k);
   const char* product_name = c.transpose_a ? "dA^T h" : (c.transpose_b ? "h W^T" : "dA W");
-  std::printf("bf16 GEMM %s%s on %s: K = %ld, %s: relative error %.2e (max element %.2e); "
-              "accumulation scale: rounding ~%.1e, truncating ~%.1e\n",
-              product_name, c.one_call ? " in one call" : " (blocks of 16k)", device_.c_str(),
-              static_cast<long>(k),
-              c.values == Values::kSigned ? "random signs" : "all terms positive", relative, worst,
-              rounding, truncation);
+  std::printf(
+      "bf16 GEMM %s%s on %s: K = %ld, %s: relative error %.2e (max element %.2e); "
+      "accumulation scale: rounding ~%.1e, truncating ~%.1e\n",
+      product_name, c.one_call ? " in one call" : " (blocks of 16k)", device_.c_str(),
+      static_cast<long>(k), c.values == Values::kSigned ? "random signs" : "all terms positive",
+      relative, worst, rounding, truncation);
   RecordProperty("relative_error", absl::StrFormat("%.3e", relative));
   RecordProperty("max_element_relative_error", absl::StrFormat("%.3e", worst));
   EXPECT_TRUE(std::isfinite(relative));
@@ -188,8 +188,8 @@ INSTANTIATE_TEST_SUITE_P(
         ProbeCase{"logits_k4096_positive", 4096, false, true, Values::kPositive},
         ProbeCase{"grad_hidden_k128256_signed", 128256, false, false, Values::kSigned},
         ProbeCase{"grad_hidden_k128256_positive", 128256, false, false, Values::kPositive},
-        ProbeCase{"grad_hidden_k128256_positive_one_call", 128256, false, false,
-                  Values::kPositive, /*one_call=*/true},
+        ProbeCase{"grad_hidden_k128256_positive_one_call", 128256, false, false, Values::kPositive,
+                  /*one_call=*/true},
         ProbeCase{"grad_weight_k8192_signed", 8192, true, false, Values::kSigned},
         ProbeCase{"grad_weight_k8192_positive", 8192, true, false, Values::kPositive}),
     [](const auto& info) { return std::string(info.param.name); });

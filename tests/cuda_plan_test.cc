@@ -208,8 +208,7 @@ TEST(CudaPlanTest, CarvedWorkspaceFitsTheBudgetAndItsPiecesAreDisjoint) {
         s.teacher.kind = TeacherKind::kSparse;
         s.teacher.top_k = static_cast<int>(pick(1, kMaxTeacherTopK));
         break;
-      default:
-        break;
+      default: break;
     }
     const size_t budget = static_cast<size_t>(pick(1, 8192)) * kMiB;
     SCOPED_TRACE(::testing::Message()

@@ -85,7 +85,8 @@ class DeviceFaultTest : public ::testing::TestWithParam<FaultCase> {
         CudaModuleSymbol("lossd_cuda_test_only_fault_device"));
     ASSERT_NE(fault_device, nullptr) << "the CUDA module has no lossd_cuda_test_only_fault_device";
     char error[128] = {};
-    ASSERT_EQ(fault_device(0, error, sizeof error), 1) << "no sticky error after the kernel: " << error;
+    ASSERT_EQ(fault_device(0, error, sizeof error), 1)
+        << "no sticky error after the kernel: " << error;
   }
 
   ComputeOutcome Train(int64_t rows) {

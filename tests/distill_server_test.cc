@@ -210,8 +210,8 @@ TEST_F(DistillServerTest, ResultsDoNotDependOnTheMessageSplit) {
     zero.set_head(kStudent);
     v1::ZeroGradWeightResponse zeroed;
     ASSERT_TRUE(stub_->ZeroGradWeight(&context, zero, &zeroed).ok());
-    outcomes.push_back(CallCompute(*stub_, start, FloatBytes(batch.hidden), rows_per_message, -1,
-                                   "", &teacher));
+    outcomes.push_back(
+        CallCompute(*stub_, start, FloatBytes(batch.hidden), rows_per_message, -1, "", &teacher));
     ASSERT_TRUE(outcomes.back().status.ok()) << outcomes.back().status.error_message();
     const FetchedTensor grad = Fetch(*stub_, kStudent, true);
     ASSERT_TRUE(grad.status.ok());
@@ -267,10 +267,10 @@ TEST_F(DistillServerTest, SparseTeacherMatchesTheReference) {
   p.teacher_top_k_tokens.assign(tokens.begin(), tokens.end());
   p.teacher_top_k_logprobs.assign(logprobs.begin(), logprobs.end());
   const ReferenceResult ref = ComputeReference(p);
-  TeacherRows teacher{"",
-                      std::string(reinterpret_cast<const char*>(tokens.data()),
-                                  tokens.size() * sizeof(int32_t)),
-                      FloatBytes(logprobs)};
+  TeacherRows teacher{
+      "",
+      std::string(reinterpret_cast<const char*>(tokens.data()), tokens.size() * sizeof(int32_t)),
+      FloatBytes(logprobs)};
   const ComputeOutcome outcome =
       CallCompute(*stub_, start, FloatBytes(batch.hidden), 50, -1, "", &teacher);
   ASSERT_TRUE(outcome.status.ok()) << outcome.status.error_message();
@@ -341,9 +341,8 @@ TEST_F(DistillServerTest, TeacherReplacedDuringTheCallAbortsIt) {
   // Rows enough for the first engine chunk (its plan holds fewer than 200 rows of two tiles).
   const auto send_rows = [&](int64_t first, int64_t rows) {
     v1::ComputeRequest chunk;
-    chunk.mutable_chunk()->set_hidden(
-        FloatBytes({batch.hidden.begin() + first * kHidden,
-                    batch.hidden.begin() + (first + rows) * kHidden}));
+    chunk.mutable_chunk()->set_hidden(FloatBytes(
+        {batch.hidden.begin() + first * kHidden, batch.hidden.begin() + (first + rows) * kHidden}));
     chunk.mutable_chunk()->set_teacher_hidden(
         FloatBytes({teacher_rows.begin() + first * kTeacherHidden,
                     teacher_rows.begin() + (first + rows) * kTeacherHidden}));

@@ -7,10 +7,10 @@
 #include <limits>
 #include <numeric>
 
+#include "lossd/common/status_macros.h"
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/half.h"
 #include "lossd/kernels/loss_math.h"
-#include "lossd/common/status_macros.h"
 
 namespace lossd::testing {
 
@@ -25,7 +25,8 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& name) {
 }
 
 uint64_t FreshSeed() {
-  if (const char* replay = std::getenv("LOSSD_TEST_SEED")) return std::strtoull(replay, nullptr, 10);
+  if (const char* replay = std::getenv("LOSSD_TEST_SEED"))
+    return std::strtoull(replay, nullptr, 10);
   std::random_device device;
   return (static_cast<uint64_t>(device()) << 32) ^ device();
 }
@@ -277,8 +278,7 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   if (IsSequenceReduction(s.options.reduction)) {
     const ReferenceProblem& r = problem.reference;
     ASSIGN_OR_RETURN(reduction_scales,
-                     SequenceReductionScales(s.options, in.labels, n,
-                                             r.sequence_lengths.data(),
+                     SequenceReductionScales(s.options, in.labels, n, r.sequence_lengths.data(),
                                              static_cast<int64_t>(r.sequence_lengths.size())));
     in.reduction_scales = reduction_scales.data();
   }
@@ -344,8 +344,8 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   }
   if (request.grad_weight) {
     run.grad_weight.resize(v * h);
-    RETURN_IF_ERROR(backend.CopyToHost(grad_weight_buffer, 0, v * h * sizeof(float),
-                                       run.grad_weight.data()));
+    RETURN_IF_ERROR(
+        backend.CopyToHost(grad_weight_buffer, 0, v * h * sizeof(float), run.grad_weight.data()));
   }
   return run;
 }

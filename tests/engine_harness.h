@@ -117,7 +117,8 @@ inline constexpr double kPolicyLossBound = 2e-5;
 
 // Ratios on both sides of 1 - eps_low = 0.8 and 1 + eps_high = 1.28, inside and far outside the
 // trust region, and past the dual-clip bound 3 (ProblemSpec::ratio_targets).
-inline const std::vector<double> kRatioTargets = {0.3, 0.79, 0.81, 1.0, 1.1, 1.27, 1.29, 2.5, 3.2, 0.95};
+inline const std::vector<double> kRatioTargets = {0.3,  0.79, 0.81, 1.0, 1.1,
+                                                  1.27, 1.29, 2.5,  3.2, 0.95};
 
 // Relative error of the reduced loss. It is a positive multiple of the sum of the per-token
 // losses, each carrying fp32 error relative to itself; negative token weights make the terms

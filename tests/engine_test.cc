@@ -3,11 +3,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
-#include <cstdio>
-#include <random>
 #include <ostream>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -126,7 +126,6 @@ LossOptions SliceOfBatch() {
   return o;
 }
 
-
 LossOptions Policy(Objective objective, Reduction reduction) {
   LossOptions o;
   o.objective = objective;
@@ -210,6 +209,8 @@ ProblemSpec Spec(int64_t n, int64_t h, int64_t v, Fn customize) {
   return s;
 }
 
+// The table keeps one case per entry, its lambda in place: clang-format would split them.
+// clang-format off
 const EngineCase kCases[] = {
     {"basic", "a small fp32 batch with every output", Spec(37, 64, 1000)},
     {"chunk_crossing", "several token chunks; N and V are multiples of no chunk size",
@@ -518,6 +519,7 @@ const EngineCase kCases[] = {
        s.token_weights = true;
      }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kDistillLossBound},
 };
+// clang-format on
 
 class EngineCaseTest : public ::testing::TestWithParam<std::tuple<std::string, EngineCase>> {};
 
@@ -559,8 +561,7 @@ TEST_P(EngineCaseTest, MatchesFloat64Reference) {
       EXPECT_LT(s.vocab_chunk, c.spec.vocab_size);
       EXPECT_NE(c.spec.vocab_size % s.vocab_chunk, 0);
       break;
-    case Tiling::kAny:
-      break;
+    case Tiling::kAny: break;
   }
   EXPECT_LE(static_cast<size_t>(s.workspace_bytes), c.budget);
   EXPECT_TRUE(s.all_finite);
@@ -621,13 +622,14 @@ TEST_P(EngineCaseTest, MatchesFloat64Reference) {
       ASSERT_GE(token, 0);
       ASSERT_LT(token, v);
       EXPECT_NEAR(run.top_k_logprob[i * k + j], ref.top_k_logprob[i * k + j], logit_bound);
-      EXPECT_NEAR(ref.logits[i * v + token] - ref.lse[i], ref.top_k_logprob[i * k + j], logit_bound);
+      EXPECT_NEAR(ref.logits[i * v + token] - ref.lse[i], ref.top_k_logprob[i * k + j],
+                  logit_bound);
     }
   }
 
-  const double grad_bound =
-      RoundsGradients(backend_name, c.spec) ? std::max(c.grad_bound, kRoundedGradBound)
-                                            : c.grad_bound;
+  const double grad_bound = RoundsGradients(backend_name, c.spec)
+                                ? std::max(c.grad_bound, kRoundedGradBound)
+                                : c.grad_bound;
   const auto expect_gradients = [&](const EngineRun& r) {
     if (!c.gradients) return;
     const double grad_hidden_bound =
@@ -714,9 +716,9 @@ TEST(ReferenceTest, GradientsMatchFiniteDifferences) {
   SCOPED_TRACE(::testing::Message() << "LOSSD_TEST_SEED=" << seed);
   std::mt19937_64 rng(seed);
   for (const LossOptions& options : cases) {
-    SCOPED_TRACE(::testing::Message() << ObjectiveName(options.objective) << ", "
-                                      << ReductionName(options.reduction) << ", KL "
-                                      << KlEstimatorName(options.policy.kl_estimator));
+    SCOPED_TRACE(::testing::Message()
+                 << ObjectiveName(options.objective) << ", " << ReductionName(options.reduction)
+                 << ", KL " << KlEstimatorName(options.policy.kl_estimator));
     ProblemSpec spec = Spec(20, 5, 23);
     spec.options = options;
     spec.ratio_targets = kRatioTargets;
@@ -789,8 +791,8 @@ TEST_P(EngineAtScaleTest, Llama3HeadInBf16MatchesFloat64) {
   for (const Setting setting : {Setting{256 * kMiB, false}, Setting{default_budget, false},
                                 Setting{default_budget, true}}) {
     const char* mode = setting.exact ? "exact" : "default";
-    SCOPED_TRACE(::testing::Message() << "budget " << setting.budget / kMiB << " MiB, " << mode
-                                      << " gradients");
+    SCOPED_TRACE(::testing::Message()
+                 << "budget " << setting.budget / kMiB << " MiB, " << mode << " gradients");
     problem.spec.options.exact_gradients = setting.exact;
     RunRequest request;
     request.budget_bytes = setting.budget;
@@ -803,14 +805,15 @@ TEST_P(EngineAtScaleTest, Llama3HeadInBf16MatchesFloat64) {
     const double logprob_error = MaxAbsError(run->logprob, ref.logprob);
     const double grad_hidden_error = RelativeError(run->grad_hidden, ref.grad_hidden);
     const double grad_weight_error = RelativeError(run->grad_weight, ref.grad_weight);
-    std::printf("N=%ld H=%ld V=%ld bf16, budget %zu MiB (chunk %ld x %ld), %s gradients: loss "
-                "%.2e, token loss %.2e, logprob max abs %.2e, dL/dh %.2e, dL/dW %.2e relative to "
-                "float64; device %.4f s\n",
-                static_cast<long>(spec.num_tokens), static_cast<long>(spec.hidden_size),
-                static_cast<long>(spec.vocab_size), setting.budget / kMiB,
-                static_cast<long>(run->summary.token_chunk),
-                static_cast<long>(run->summary.vocab_chunk), mode, loss_error, token_loss_error,
-                logprob_error, grad_hidden_error, grad_weight_error, run->summary.device_seconds);
+    std::printf(
+        "N=%ld H=%ld V=%ld bf16, budget %zu MiB (chunk %ld x %ld), %s gradients: loss "
+        "%.2e, token loss %.2e, logprob max abs %.2e, dL/dh %.2e, dL/dW %.2e relative to "
+        "float64; device %.4f s\n",
+        static_cast<long>(spec.num_tokens), static_cast<long>(spec.hidden_size),
+        static_cast<long>(spec.vocab_size), setting.budget / kMiB,
+        static_cast<long>(run->summary.token_chunk), static_cast<long>(run->summary.vocab_chunk),
+        mode, loss_error, token_loss_error, logprob_error, grad_hidden_error, grad_weight_error,
+        run->summary.device_seconds);
     const std::string suffix = absl::StrCat("_", setting.budget / kMiB, "mib_", mode);
     RecordProperty("loss_rel_error" + suffix, absl::StrFormat("%.3e", loss_error));
     RecordProperty("grad_hidden_rel_error" + suffix, absl::StrFormat("%.3e", grad_hidden_error));
@@ -842,12 +845,9 @@ TEST(ReferenceTest, DistillGradientsMatchFiniteDifferences) {
   LossOptions spread = Distill(1.0, 0.0, 1.4);
   spread.distill.sparse_mass = SparseTeacherMass::kSpread;
   const Case cases[] = {
-      {Distill(0.0, 0.3), 0, false},
-      {Distill(1.0, 0.0, 2.0), 0, false},
-      {DistillEverything(), 0, false},
-      {Distill(0.5, 0.0, 0.8), 0, true},
-      {Distill(0.0, 0.5), 6, false},
-      {spread, 6, false},
+      {Distill(0.0, 0.3), 0, false},   {Distill(1.0, 0.0, 2.0), 0, false},
+      {DistillEverything(), 0, false}, {Distill(0.5, 0.0, 0.8), 0, true},
+      {Distill(0.0, 0.5), 6, false},   {spread, 6, false},
       {Distill(0.6, 0.2), 4, false},
   };
   const uint64_t seed = FreshSeed();
@@ -883,8 +883,7 @@ class EngineBackendTest : public ::testing::TestWithParam<std::string> {
 
 void ExpectBitwiseEqual(const EngineRun& a, const EngineRun& b) {
   auto same = [](const auto& x, const auto& y) {
-    return x.size() == y.size() &&
-           std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
   };
   EXPECT_EQ(a.summary.loss, b.summary.loss);
   EXPECT_TRUE(same(a.loss, b.loss));
@@ -909,32 +908,30 @@ TEST_P(EngineBackendTest, IdenticalCallsGiveIdenticalBits) {
   std::mt19937_64 rng(FreshSeed());
   // One pass, then vocabulary tiles; cross-entropy with every option, ppo with every term, then
   // JSD distillation with every option.
-  for (const Objective objective :
-       {Objective::kCrossEntropy, Objective::kPpo, Objective::kDistill})
-  for (size_t budget : {64 * kMiB, objective == Objective::kDistill ? 1 * kMiB : 256 * kKiB}) {
-    ProblemSpec spec = Spec(333, 128, 7001);
-    switch (objective) {
-      case Objective::kPpo:
-        spec.options = PpoKlEntropy(KlEstimator::kK3, Reduction::kSequenceMeanTokenMean);
-        break;
-      case Objective::kDistill:
-        spec.options = DistillEverything();
-        spec.teacher_hidden_size = 96;
-        break;
-      default:
-        spec.options = EverythingOptions();
+  for (const Objective objective : {Objective::kCrossEntropy, Objective::kPpo, Objective::kDistill})
+    for (size_t budget : {64 * kMiB, objective == Objective::kDistill ? 1 * kMiB : 256 * kKiB}) {
+      ProblemSpec spec = Spec(333, 128, 7001);
+      switch (objective) {
+        case Objective::kPpo:
+          spec.options = PpoKlEntropy(KlEstimator::kK3, Reduction::kSequenceMeanTokenMean);
+          break;
+        case Objective::kDistill:
+          spec.options = DistillEverything();
+          spec.teacher_hidden_size = 96;
+          break;
+        default: spec.options = EverythingOptions();
+      }
+      spec.ratio_targets = kRatioTargets;
+      spec.token_weights = true;
+      const Problem problem = MakeProblem(spec, rng);
+      RunRequest request;
+      request.budget_bytes = budget;
+      auto first = RunEngine(*backend_, problem, request);
+      auto second = RunEngine(*backend_, problem, request);
+      ASSERT_TRUE(first.ok()) << first.status();
+      ASSERT_TRUE(second.ok()) << second.status();
+      ExpectBitwiseEqual(*first, *second);
     }
-    spec.ratio_targets = kRatioTargets;
-    spec.token_weights = true;
-    const Problem problem = MakeProblem(spec, rng);
-    RunRequest request;
-    request.budget_bytes = budget;
-    auto first = RunEngine(*backend_, problem, request);
-    auto second = RunEngine(*backend_, problem, request);
-    ASSERT_TRUE(first.ok()) << first.status();
-    ASSERT_TRUE(second.ok()) << second.status();
-    ExpectBitwiseEqual(*first, *second);
-  }
 }
 
 // Rows read from, and dL/dh written into, the backend's HostBuffers (page-locked on a GPU, copied
@@ -944,25 +941,25 @@ TEST_P(EngineBackendTest, IdenticalCallsGiveIdenticalBits) {
 TEST_P(EngineBackendTest, HostBuffersGiveTheSameBitsAsPlainMemory) {
   std::mt19937_64 rng(FreshSeed());
   for (const size_t budget : {8 * kMiB, 512 * kKiB})
-  for (const DType grad_hidden_dtype : {DType::kFloat32, DType::kBFloat16}) {
-    SCOPED_TRACE(::testing::Message() << "budget " << budget / kKiB << " KiB, dL/dh in "
-                                      << DTypeName(grad_hidden_dtype));
-    ProblemSpec spec = Spec(701, 96, 5003);
-    spec.hidden_dtype = DType::kBFloat16;
-    spec.weight_dtype = DType::kBFloat16;
-    spec.options = EverythingOptions();
-    const Problem problem = MakeProblem(spec, rng);
-    RunRequest request;
-    request.budget_bytes = budget;
-    request.grad_hidden_dtype = grad_hidden_dtype;
-    auto plain = RunEngine(*backend_, problem, request);
-    request.host_buffers = true;
-    auto page_locked = RunEngine(*backend_, problem, request);
-    ASSERT_TRUE(plain.ok()) << plain.status();
-    ASSERT_TRUE(page_locked.ok()) << page_locked.status();
-    EXPECT_LT(plain->summary.token_chunk, 701);
-    ExpectBitwiseEqual(*plain, *page_locked);
-  }
+    for (const DType grad_hidden_dtype : {DType::kFloat32, DType::kBFloat16}) {
+      SCOPED_TRACE(::testing::Message() << "budget " << budget / kKiB << " KiB, dL/dh in "
+                                        << DTypeName(grad_hidden_dtype));
+      ProblemSpec spec = Spec(701, 96, 5003);
+      spec.hidden_dtype = DType::kBFloat16;
+      spec.weight_dtype = DType::kBFloat16;
+      spec.options = EverythingOptions();
+      const Problem problem = MakeProblem(spec, rng);
+      RunRequest request;
+      request.budget_bytes = budget;
+      request.grad_hidden_dtype = grad_hidden_dtype;
+      auto plain = RunEngine(*backend_, problem, request);
+      request.host_buffers = true;
+      auto page_locked = RunEngine(*backend_, problem, request);
+      ASSERT_TRUE(plain.ok()) << plain.status();
+      ASSERT_TRUE(page_locked.ok()) << page_locked.status();
+      EXPECT_LT(plain->summary.token_chunk, 701);
+      ExpectBitwiseEqual(*plain, *page_locked);
+    }
 }
 
 // A teacher that is the student (the same head, rows and logit transform) gives KD = 0 and a zero
@@ -972,34 +969,34 @@ TEST_P(EngineBackendTest, HostBuffersGiveTheSameBitsAsPlainMemory) {
 TEST_P(EngineBackendTest, DistillFromItselfIsExactlyZero) {
   std::mt19937_64 rng(FreshSeed());
   for (const double beta : {0.0, 1.0, 0.35})
-  for (const double tau : {1.0, 2.5})
-  for (const size_t budget : {64 * kMiB, 256 * kKiB}) {
-    SCOPED_TRACE(::testing::Message() << "beta " << beta << ", tau " << tau << ", budget "
-                                      << budget);
-    ProblemSpec spec = Spec(70, 32, 3001);
-    spec.options = Distill(beta, 0.0, tau);
-    spec.options.logit_softcap = 20.0;
-    spec.options.temperature = 0.9;
-    spec.options.distill.teacher_logit_softcap = 20.0;
-    spec.options.distill.teacher_temperature = 0.9;
-    spec.logit_scale = 15.0;
-    spec.teacher_is_student = true;
-    spec.ignore_fraction = 0.1;
-    const Problem problem = MakeProblem(spec, rng);
-    RunRequest request;
-    request.budget_bytes = budget;
-    auto run = RunEngine(*backend_, problem, request);
-    ASSERT_TRUE(run.ok()) << run.status();
-    EXPECT_TRUE(run->summary.all_finite);
-    EXPECT_EQ(run->summary.loss, 0.0);
-    EXPECT_EQ(run->summary.kd_sum, 0.0);
-    for (int64_t i = 0; i < spec.num_tokens; ++i) EXPECT_EQ(run->kd[i], 0.0f) << "row " << i;
-    const auto all_zero = [](const std::vector<float>& values) {
-      return std::all_of(values.begin(), values.end(), [](float x) { return x == 0.0f; });
-    };
-    EXPECT_TRUE(all_zero(run->grad_hidden));
-    EXPECT_TRUE(all_zero(run->grad_weight));
-  }
+    for (const double tau : {1.0, 2.5})
+      for (const size_t budget : {64 * kMiB, 256 * kKiB}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "beta " << beta << ", tau " << tau << ", budget " << budget);
+        ProblemSpec spec = Spec(70, 32, 3001);
+        spec.options = Distill(beta, 0.0, tau);
+        spec.options.logit_softcap = 20.0;
+        spec.options.temperature = 0.9;
+        spec.options.distill.teacher_logit_softcap = 20.0;
+        spec.options.distill.teacher_temperature = 0.9;
+        spec.logit_scale = 15.0;
+        spec.teacher_is_student = true;
+        spec.ignore_fraction = 0.1;
+        const Problem problem = MakeProblem(spec, rng);
+        RunRequest request;
+        request.budget_bytes = budget;
+        auto run = RunEngine(*backend_, problem, request);
+        ASSERT_TRUE(run.ok()) << run.status();
+        EXPECT_TRUE(run->summary.all_finite);
+        EXPECT_EQ(run->summary.loss, 0.0);
+        EXPECT_EQ(run->summary.kd_sum, 0.0);
+        for (int64_t i = 0; i < spec.num_tokens; ++i) EXPECT_EQ(run->kd[i], 0.0f) << "row " << i;
+        const auto all_zero = [](const std::vector<float>& values) {
+          return std::all_of(values.begin(), values.end(), [](float x) { return x == 0.0f; });
+        };
+        EXPECT_TRUE(all_zero(run->grad_hidden));
+        EXPECT_TRUE(all_zero(run->grad_weight));
+      }
 }
 
 // Exact ties, which random normal logits never produce: argmax is the lowest of the tied ids and
@@ -1038,8 +1035,9 @@ TEST_P(EngineBackendTest, GradWeightAccumulatesAcrossCalls) {
   auto weight = backend_->Allocate(problem.weight_bytes.size());
   auto grad = backend_->Allocate(600 * 32 * sizeof(float));
   ASSERT_TRUE(weight.ok() && grad.ok());
-  ASSERT_TRUE(backend_->CopyToDevice(problem.weight_bytes.data(), problem.weight_bytes.size(),
-                                     *weight, 0).ok());
+  ASSERT_TRUE(
+      backend_->CopyToDevice(problem.weight_bytes.data(), problem.weight_bytes.size(), *weight, 0)
+          .ok());
   ASSERT_TRUE(backend_->Zero(*grad).ok());
   auto workspace = backend_->Allocate(8 * kMiB);
   ASSERT_TRUE(workspace.ok());
@@ -1050,11 +1048,13 @@ TEST_P(EngineBackendTest, GradWeightAccumulatesAcrossCalls) {
   in.labels = problem.reference.labels.data();
   const WeightView view{&*weight, DType::kFloat32, 600, 32};
   for (int call = 0; call < 3; ++call) {
-    auto summary = backend_->Compute(in, view, problem.spec.options, TokenOutputs{}, &*grad, *workspace);
+    auto summary =
+        backend_->Compute(in, view, problem.spec.options, TokenOutputs{}, &*grad, *workspace);
     ASSERT_TRUE(summary.ok()) << summary.status();
   }
   std::vector<float> accumulated(600 * 32);
-  ASSERT_TRUE(backend_->CopyToHost(*grad, 0, accumulated.size() * sizeof(float), accumulated.data()).ok());
+  ASSERT_TRUE(
+      backend_->CopyToHost(*grad, 0, accumulated.size() * sizeof(float), accumulated.data()).ok());
   std::vector<double> expected = ref.grad_weight;
   for (double& x : expected) x *= 3;
   EXPECT_LE(RelativeError(accumulated, expected), kGradBound);
@@ -1071,8 +1071,9 @@ TEST_P(EngineBackendTest, OverwriteStoresTheCallsGradWeight) {
   auto weight = backend_->Allocate(problem.weight_bytes.size());
   auto grad = backend_->Allocate(v * h * sizeof(float));
   ASSERT_TRUE(weight.ok() && grad.ok());
-  ASSERT_TRUE(backend_->CopyToDevice(problem.weight_bytes.data(), problem.weight_bytes.size(),
-                                     *weight, 0).ok());
+  ASSERT_TRUE(
+      backend_->CopyToDevice(problem.weight_bytes.data(), problem.weight_bytes.size(), *weight, 0)
+          .ok());
   const WeightView view{&*weight, DType::kFloat32, v, h};
   BatchInputs in;
   in.hidden = problem.hidden_bytes.data();
@@ -1084,7 +1085,8 @@ TEST_P(EngineBackendTest, OverwriteStoresTheCallsGradWeight) {
     auto workspace = backend_->Allocate(budget);
     ASSERT_TRUE(workspace.ok());
     const std::vector<float> poison(v * h, std::numeric_limits<float>::quiet_NaN());
-    ASSERT_TRUE(backend_->CopyToDevice(poison.data(), poison.size() * sizeof(float), *grad, 0).ok());
+    ASSERT_TRUE(
+        backend_->CopyToDevice(poison.data(), poison.size() * sizeof(float), *grad, 0).ok());
     LossOptions options = problem.spec.options;
     options.overwrite_grad_weight = true;
     auto stored = backend_->Compute(in, view, options, TokenOutputs{}, &*grad, *workspace);
@@ -1161,8 +1163,12 @@ TEST_P(EngineBackendTest, BufferArithmeticAndOptimizerStepsMatchFloat64) {
       config.step = step;
       const std::vector<float> g = random(1e-2f);
       const DeviceBuffer grad = upload(g);
-      OptimizerTensors tensors{&weight, DType::kFloat32, &grad, &state1,
-                               kind == OptimizerConfig::Kind::kAdamW ? &state2 : nullptr, kCount};
+      OptimizerTensors tensors{&weight,
+                               DType::kFloat32,
+                               &grad,
+                               &state1,
+                               kind == OptimizerConfig::Kind::kAdamW ? &state2 : nullptr,
+                               kCount};
       const absl::StatusOr<OptimizerStepResult> applied = backend_->OptimizerStep(config, tensors);
       ASSERT_TRUE(applied.ok()) << applied.status();
       ASSERT_TRUE(applied->applied());
@@ -1248,8 +1254,8 @@ TEST_P(EngineBackendTest, AnOptimizerStepThatWouldNotBeFiniteWritesNothing) {
     config.learning_rate = c.learning_rate;
     config.momentum = c.momentum;
     const bool has_state1 = adamw || c.momentum != 0.0;
-    OptimizerTensors tensors{&weight, c.dtype, &grad, has_state1 ? &state1 : nullptr,
-                             adamw ? &state2 : nullptr, kCount};
+    OptimizerTensors tensors{
+        &weight, c.dtype, &grad, has_state1 ? &state1 : nullptr, adamw ? &state2 : nullptr, kCount};
     const absl::StatusOr<OptimizerStepResult> result = backend_->OptimizerStep(config, tensors);
     ASSERT_TRUE(result.ok()) << result.status();
     EXPECT_FALSE(result->applied());
@@ -1349,34 +1355,34 @@ TEST_P(EngineBackendTest, PlansStayWithinTheBudget) {
   // Without a teacher, with a bf16 teacher head of another H (two logits tiles per chunk), and
   // with a sparse teacher.
   for (const TeacherKind teacher : {TeacherKind::kNone, TeacherKind::kDense, TeacherKind::kSparse})
-  for (int64_t v : {1000, 32000, 128256, 256000}) {
-    for (size_t budget : {64 * kKiB, 1 * kMiB, 16 * kMiB, 256 * kMiB}) {
-      ProblemShape shape;
-      shape.teacher.kind = teacher;
-      shape.teacher.hidden_size = 4096;
-      shape.teacher.hidden_dtype = DType::kBFloat16;
-      shape.teacher.weight_dtype = DType::kBFloat16;
-      shape.teacher.top_k = teacher == TeacherKind::kSparse ? 64 : 0;
-      shape.num_tokens = 16384;
-      shape.hidden_size = 2048;
-      shape.vocab_size = v;
-      shape.hidden_dtype = DType::kBFloat16;
-      shape.weight_dtype = DType::kBFloat16;
-      shape.grad_hidden = true;
-      shape.grad_weight = true;
-      shape.grad_hidden_dtype = DType::kBFloat16;
-      shape.top_k = 20;
-      auto plan = backend_->Plan(shape, budget);
-      if (!plan.ok()) {
-        EXPECT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted);
-        continue;
+    for (int64_t v : {1000, 32000, 128256, 256000}) {
+      for (size_t budget : {64 * kKiB, 1 * kMiB, 16 * kMiB, 256 * kMiB}) {
+        ProblemShape shape;
+        shape.teacher.kind = teacher;
+        shape.teacher.hidden_size = 4096;
+        shape.teacher.hidden_dtype = DType::kBFloat16;
+        shape.teacher.weight_dtype = DType::kBFloat16;
+        shape.teacher.top_k = teacher == TeacherKind::kSparse ? 64 : 0;
+        shape.num_tokens = 16384;
+        shape.hidden_size = 2048;
+        shape.vocab_size = v;
+        shape.hidden_dtype = DType::kBFloat16;
+        shape.weight_dtype = DType::kBFloat16;
+        shape.grad_hidden = true;
+        shape.grad_weight = true;
+        shape.grad_hidden_dtype = DType::kBFloat16;
+        shape.top_k = 20;
+        auto plan = backend_->Plan(shape, budget);
+        if (!plan.ok()) {
+          EXPECT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted);
+          continue;
+        }
+        EXPECT_LE(plan->workspace_bytes, budget) << "V=" << v << " budget=" << budget;
+        EXPECT_GE(plan->token_chunk, 1);
+        EXPECT_GE(plan->vocab_chunk, 1);
+        EXPECT_LE(plan->vocab_chunk, v);
       }
-      EXPECT_LE(plan->workspace_bytes, budget) << "V=" << v << " budget=" << budget;
-      EXPECT_GE(plan->token_chunk, 1);
-      EXPECT_GE(plan->vocab_chunk, 1);
-      EXPECT_LE(plan->vocab_chunk, v);
     }
-  }
   ProblemShape tiny;
   tiny.num_tokens = 10;
   tiny.hidden_size = 4096;
@@ -1392,10 +1398,11 @@ constexpr int64_t kModelVocab = 1000;
 
 absl::StatusOr<ChunkPlan> PlanOnModel(ProblemShape shape, int64_t rows_that_fit,
                                       int64_t forward_token_chunk) {
-  const TileLimits limits = {/*max_token_chunk=*/4096, /*min_single_pass_rows=*/16,
-                             /*two_pass_token_chunk=*/256, /*min_vocab_chunk=*/256,
-                             /*vocab_chunk_multiple=*/256, /*token_chunk_multiple=*/64,
-                             forward_token_chunk};
+  const TileLimits limits = {
+      /*max_token_chunk=*/4096,     /*min_single_pass_rows=*/16,
+      /*two_pass_token_chunk=*/256, /*min_vocab_chunk=*/256,
+      /*vocab_chunk_multiple=*/256, /*token_chunk_multiple=*/64,
+      forward_token_chunk};
   shape.hidden_size = 8;
   shape.vocab_size = kModelVocab;
   return ChooseChunkPlan(shape, rows_that_fit * kModelVocab * 4, limits,

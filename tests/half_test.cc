@@ -26,11 +26,11 @@ struct Format {
 
   int mantissa_bits() const { return 15 - exponent_bits; }
   int bias() const { return (1 << (exponent_bits - 1)) - 1; }
-  uint16_t infinity() const { return static_cast<uint16_t>(((1 << exponent_bits) - 1) << mantissa_bits()); }
-
-  bool IsNaN(uint16_t bits) const {
-    return (bits & 0x7fff) > infinity();
+  uint16_t infinity() const {
+    return static_cast<uint16_t>(((1 << exponent_bits) - 1) << mantissa_bits());
   }
+
+  bool IsNaN(uint16_t bits) const { return (bits & 0x7fff) > infinity(); }
 
   // |value| of a non-NaN pattern, from the definition; the infinity pattern stands for the next
   // power of two above the largest finite value, where rounding overflows to it.
@@ -85,8 +85,14 @@ TEST_P(HalfTest, EveryPatternWidensExactly) {
 
 TEST_P(HalfTest, NarrowsToNearestEven) {
   const Format& f = GetParam();
-  std::vector<float> values = {0.0f, -0.0f, INFINITY, -INFINITY, 1.0f, -1.0f,
-                               std::numeric_limits<float>::max(), std::numeric_limits<float>::min(),
+  std::vector<float> values = {0.0f,
+                               -0.0f,
+                               INFINITY,
+                               -INFINITY,
+                               1.0f,
+                               -1.0f,
+                               std::numeric_limits<float>::max(),
+                               std::numeric_limits<float>::min(),
                                std::numeric_limits<float>::denorm_min()};
   // Every finite pattern, and halfway between neighbours (a tie, exact in fp32 since both formats
   // have fewer mantissa bits) and a quarter of the way either side of it.
@@ -112,11 +118,12 @@ TEST_P(HalfTest, NarrowsToNearestEven) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Formats, HalfTest,
-    ::testing::Values(Format{"bfloat16", 8, BFloat16ToFloat, FloatToBFloat16},
-                      Format{"float16", 5, Float16ToFloat, FloatToFloat16}),
-    [](const ::testing::TestParamInfo<Format>& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Formats, HalfTest,
+                         ::testing::Values(Format{"bfloat16", 8, BFloat16ToFloat, FloatToBFloat16},
+                                           Format{"float16", 5, Float16ToFloat, FloatToFloat16}),
+                         [](const ::testing::TestParamInfo<Format>& info) {
+                           return info.param.name;
+                         });
 
 }  // namespace
 }  // namespace lossd

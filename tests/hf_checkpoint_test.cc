@@ -304,15 +304,15 @@ TEST_F(HfCheckpointTest, TiedConfigWithItsOwnLmHeadFollowsTransformers) {
   const Matrix other = Matrix::Random(rng_);
   WriteFile(dir_.File("config.json"), Config("qwen2", R"("tie_word_embeddings": true)"));
 
-  WriteTensors(dir_.File("model.safetensors"), {{"model.embed_tokens.weight", &embedding},
-                                                {"lm_head.weight", &embedding}});
+  WriteTensors(dir_.File("model.safetensors"),
+               {{"model.embed_tokens.weight", &embedding}, {"lm_head.weight", &embedding}});
   absl::StatusOr<CheckpointHead> same = LoadCheckpointHead(dir_.path(), "", DType::kFloat32);
   ASSERT_TRUE(same.ok()) << same.status();
   EXPECT_TRUE(same->tied_embeddings);
   EXPECT_EQ(AsFloats(same->weight), embedding.values);
 
-  WriteTensors(dir_.File("model.safetensors"), {{"model.embed_tokens.weight", &embedding},
-                                                {"lm_head.weight", &other}});
+  WriteTensors(dir_.File("model.safetensors"),
+               {{"model.embed_tokens.weight", &embedding}, {"lm_head.weight", &other}});
   absl::StatusOr<CheckpointHead> differs = LoadCheckpointHead(dir_.path(), "", DType::kFloat32);
   ASSERT_TRUE(differs.ok()) << differs.status();
   EXPECT_FALSE(differs->tied_embeddings);

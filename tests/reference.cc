@@ -79,8 +79,7 @@ Term KlOf(KlEstimator estimator, double logp, double reference) {
       t.value = std::exp(-log_ratio) + log_ratio - 1.0;
       t.derivative = 1.0 - std::exp(-log_ratio);
       break;
-    case KlEstimator::kNone:
-      break;
+    case KlEstimator::kNone: break;
   }
   return t;
 }
@@ -129,8 +128,8 @@ std::vector<double> TeacherLogits(const ReferenceProblem& p) {
   std::vector<double> zt(n * v);
   if (p.teacher_top_k == 0) {
     const int64_t ht = p.teacher_hidden_size;
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, v, ht, 1.0, p.teacher_hidden.data(),
-                ht, p.teacher_weight.data(), ht, 0.0, zt.data(), v);
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, v, ht, 1.0, p.teacher_hidden.data(), ht,
+                p.teacher_weight.data(), ht, 0.0, zt.data(), v);
     const double cap = d.teacher_logit_softcap;
     for (double& a : zt) a = (cap > 0 ? cap * std::tanh(a / cap) : a) / d.teacher_temperature;
     return zt;
@@ -315,8 +314,8 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
     } else if (cross_entropy) {
       loss += (1 - eps) * (lse - z[y]) + eps * (lse - sum_z / v);
     } else {
-      const Term term = ObjectiveOf(o, logp, input(p.sampling_logprobs, i),
-                                    input(p.advantages, i), input(p.logprob_grads, i));
+      const Term term = ObjectiveOf(o, logp, input(p.sampling_logprobs, i), input(p.advantages, i),
+                                    input(p.logprob_grads, i));
       loss += term.value;
       dloss_dlogp += term.derivative;
       r.ratio[i] = term.ratio;
@@ -362,8 +361,8 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
   // dL/dh = dA W and dL/dW = dA^T h, with dA = d loss / d a now in `raw`.
   cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, h, v, 1.0, raw.data(), v,
               p.weight.data(), h, 0.0, r.grad_hidden.data(), h);
-  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v, h, n, 1.0, raw.data(), v,
-              p.hidden.data(), h, 0.0, r.grad_weight.data(), h);
+  cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v, h, n, 1.0, raw.data(), v, p.hidden.data(),
+              h, 0.0, r.grad_weight.data(), h);
   if (o.reduction == Reduction::kSum || o.reduction == Reduction::kNone) r.loss = r.loss_sum;
   return r;
 }

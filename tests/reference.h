@@ -35,12 +35,12 @@ struct ReferenceProblem {
   std::vector<double> teacher_hidden;
   std::vector<double> teacher_weight;
   int teacher_top_k = 0;
-  std::vector<int64_t> teacher_top_k_tokens;    // [N, k]
-  std::vector<double> teacher_top_k_logprobs;   // [N, k]
+  std::vector<int64_t> teacher_top_k_tokens;   // [N, k]
+  std::vector<double> teacher_top_k_logprobs;  // [N, k]
 };
 
 struct ReferenceResult {
-  double loss = 0.0;                  // reduced
+  double loss = 0.0;  // reduced
   double loss_sum = 0.0;
   int64_t counted_tokens = 0;
   std::vector<double> token_loss;     // [N]
@@ -54,14 +54,14 @@ struct ReferenceResult {
   std::vector<double> grad_hidden;    // [N, H]
   std::vector<double> grad_weight;    // [V, H]
   double max_abs_logit = 0.0;
-  std::vector<double> ratio;          // [N] exp(logp - q); 0 for ignored rows and cross-entropy
-  std::vector<int32_t> clip;          // [N] ClipState
-  std::vector<double> kl;             // [N] the KL estimate; 0 for ignored rows
+  std::vector<double> ratio;  // [N] exp(logp - q); 0 for ignored rows and cross-entropy
+  std::vector<int32_t> clip;  // [N] ClipState
+  std::vector<double> kl;     // [N] the KL estimate; 0 for ignored rows
   int64_t clipped_tokens = 0;
   double kl_sum = 0.0;
-  std::vector<double> kd;             // [N] tau^2 D_beta; 0 for ignored rows
-  std::vector<double> ce;             // [N] the label's cross-entropy under distill
-  std::vector<double> teacher_logits; // [N, V] z_t after the teacher's transform (or completed)
+  std::vector<double> kd;              // [N] tau^2 D_beta; 0 for ignored rows
+  std::vector<double> ce;              // [N] the label's cross-entropy under distill
+  std::vector<double> teacher_logits;  // [N, V] z_t after the teacher's transform (or completed)
   double kd_sum = 0.0;
   double ce_sum = 0.0;
 };

@@ -147,8 +147,8 @@ std::vector<grpc::Status> StepOn(const std::vector<std::unique_ptr<LossServer>>&
   for (size_t i = 0; i < which.size(); ++i) {
     ranks.emplace_back([&, i] {
       grpc::ClientContext context;
-      statuses[i] = ConnectTo(replicas[which[i]]->port())
-                        ->Step(&context, request_of(which[i]), &answers[i]);
+      statuses[i] =
+          ConnectTo(replicas[which[i]]->port())->Step(&context, request_of(which[i]), &answers[i]);
     });
   }
   for (std::thread& t : ranks) t.join();
@@ -159,11 +159,12 @@ std::vector<grpc::Status> StepOn(const std::vector<std::unique_ptr<LossServer>>&
 std::vector<grpc::Status> NormEverywhere(const std::vector<std::unique_ptr<LossServer>>& replicas,
                                          const v1::GradWeightNormRequest& request,
                                          std::vector<v1::GradWeightNormResponse>& responses) {
-  return OnEveryReplica(replicas, request, responses,
-                        [](v1::LossService::Stub& stub, grpc::ClientContext* context,
-                           const v1::GradWeightNormRequest& r, v1::GradWeightNormResponse* response) {
-                          return stub.GradWeightNorm(context, r, response);
-                        });
+  return OnEveryReplica(
+      replicas, request, responses,
+      [](v1::LossService::Stub& stub, grpc::ClientContext* context,
+         const v1::GradWeightNormRequest& r, v1::GradWeightNormResponse* response) {
+        return stub.GradWeightNorm(context, r, response);
+      });
 }
 
 v1::StepRequest AdamWRequest(uint64_t version, double learning_rate, bool keep_grad = false) {
@@ -288,8 +289,8 @@ TEST(ReplicaGroupTest, AStepOverReplicasIsOneServersStepOnAllTheGradients) {
     // server.
     const v1::StepRequest step_request = AdamWRequest(version, 0.01, /*keep_grad=*/step == 0);
     std::vector<v1::StepResponse> steps;
-    for (const grpc::Status& status :
-         StepOn(replicas, {0, 1, 2}, [&](int) { return step_request; }, &steps)) {
+    for (const grpc::Status& status : StepOn(
+             replicas, {0, 1, 2}, [&](int) { return step_request; }, &steps)) {
       ASSERT_TRUE(status.ok()) << status.error_message();
     }
     EXPECT_EQ(AllReducedBytes(*replicas[0]), bytes_before) << "the step all-reduced again";
@@ -309,8 +310,8 @@ TEST(ReplicaGroupTest, AStepOverReplicasIsOneServersStepOnAllTheGradients) {
     }
     const FetchedTensor expected = Fetch(*single_stub, "head", false);
     const FetchedTensor first = Fetch(*ConnectTo(replicas[0]->port()), "head", false);
-    EXPECT_LE(RelativeError(first.values, std::vector<double>(expected.values.begin(),
-                                                              expected.values.end())),
+    EXPECT_LE(RelativeError(first.values,
+                            std::vector<double>(expected.values.begin(), expected.values.end())),
               1e-6);
     std::string digest;
     for (const auto& replica : replicas) {

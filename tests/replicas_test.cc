@@ -160,8 +160,8 @@ TEST_F(ReplicasTest, ReplicasOfOneHeadReportOneHashThatTheBytesGive) {
   ASSERT_TRUE(info.ok()) << info.status();
   const absl::StatusOr<client::Tensor> weight = one.FetchWeight(kHead);
   ASSERT_TRUE(weight.ok()) << weight.status();
-  EXPECT_EQ(info->weight_sha256, Sha256Of("float32", kVocab, kHidden, weight->bytes.data(),
-                                          weight->bytes.size()));
+  EXPECT_EQ(info->weight_sha256,
+            Sha256Of("float32", kVocab, kHidden, weight->bytes.data(), weight->bytes.size()));
   for (const auto& replica : replicas_) {
     EXPECT_EQ(Connect(Loopback(*replica)).GetHead(kHead)->weight_sha256, info->weight_sha256);
   }
@@ -292,7 +292,8 @@ TEST_F(ReplicasTest, APinnedClientIsRefusedByAReplicaWithAnotherW) {
   for (int call = 0; call < 4; ++call) {
     const absl::StatusOr<ComputeResult> result = mixed.Compute(request_);
     ASSERT_TRUE(result.ok()) << result.status();
-    if (result->per_token.SerializeAsString() != expected.per_token.SerializeAsString()) ++differing;
+    if (result->per_token.SerializeAsString() != expected.per_token.SerializeAsString())
+      ++differing;
   }
   EXPECT_GT(differing, 0);
 }
@@ -314,8 +315,9 @@ TEST_F(ReplicasTest, TrainingRefusesATargetThatListsSeveralServers) {
            .status()},
       {"zeroing the gradient", replicas.ZeroGrad(kHead).status()},
       {"the accumulated dL/dW", replicas.FetchGradWeight(kHead).status()},
-      {"an upload", replicas.UploadHead("uploaded", {weight.data(), client::DType::kFloat32, kVocab,
-                                                    kHidden}).status()},
+      {"an upload",
+       replicas.UploadHead("uploaded", {weight.data(), client::DType::kFloat32, kVocab, kHidden})
+           .status()},
       {"a checkpoint", replicas.SaveCheckpoint().status()},
       {"shared memory", replicas.Compute(shared).status()},
   };
@@ -398,8 +400,8 @@ TEST_F(ReplicasTest, AHeadHashesItsStoredDType) {
 TEST_F(ReplicasTest, AMalformedPinIsRefusedNamingTheField) {
   const Client one = Connect(Loopback(*replicas_[0]));
   const std::string valid = one.GetHead(kHead)->weight_sha256;
-  for (const std::string& bad : {valid.substr(1), std::string(64, 'A'), std::string(64, 'g'),
-                                 std::string(200, 'a')}) {
+  for (const std::string& bad :
+       {valid.substr(1), std::string(64, 'A'), std::string(64, 'g'), std::string(200, 'a')}) {
     ComputeRequest request = request_;
     request.weight_sha256 = bad;
     const absl::Status status = one.Compute(request).status();
@@ -483,8 +485,8 @@ INSTANTIATE_TEST_SUITE_P(
     Targets, ParseTargetTest,
     ::testing::Values(
         TargetCase{"HOST:PORT, gRPC's default DNS resolution", "lossd:50051", 1},
-        TargetCase{"a DNS name may resolve to several, but lists one",
-                   "dns:///lossd-scoring:50051", 1},
+        TargetCase{"a DNS name may resolve to several, but lists one", "dns:///lossd-scoring:50051",
+                   1},
         TargetCase{"DNS with an authority (the DNS server)", "dns://10.0.0.10:53/lossd:50051", 1},
         TargetCase{"three IPv4 replicas", "ipv4:127.0.0.1:5001,127.0.0.1:5002,127.0.0.1:5003", 3},
         TargetCase{"one IPv4 address", "ipv4:10.1.2.3:50051", 1},

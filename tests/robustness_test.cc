@@ -1306,10 +1306,10 @@ TEST(CancellationTest, AbandonedStreamsLeakNothingAndAccumulateNothing) {
   std::uniform_int_distribution<int> how(0, 2), messages(0, script_messages - 1), pause_ms(0, 30);
   std::vector<Trial> trials;
   for (int i = 0; i < kCancelTrials; ++i) {
-    trials.push_back({static_cast<Abandon>(how(rng)), messages(rng),
-                      absl::Milliseconds(pause_ms(rng)),
-                      TrainingScript(kCancelHead, RandomBatch(kCancelRows, kCancelVocab, kCancelHidden, rng),
-                                     kCancelHidden, kCancelRowsPerMessage)});
+    trials.push_back(
+        {static_cast<Abandon>(how(rng)), messages(rng), absl::Milliseconds(pause_ms(rng)),
+         TrainingScript(kCancelHead, RandomBatch(kCancelRows, kCancelVocab, kCancelHidden, rng),
+                        kCancelHidden, kCancelRowsPerMessage)});
   }
   const std::map<std::string, int64_t> calls_before = CallsByCode(*server, "Compute");
   const int64_t chunks_before = EngineChunksComputed(*server);
@@ -1357,9 +1357,8 @@ TEST(CancellationTest, AbandonedStreamsLeakNothingAndAccumulateNothing) {
   // disconnected before gRPC hands it to a handler is dropped by gRPC unseen (rare, more so under
   // sanitizers), so only the stalled calls, open for their whole deadline, must all be counted.
   const int64_t stalled = counts[AbandonName(Abandon::kStall)];
-  EXPECT_TRUE(Eventually([&] {
-    return Total(CallsByCode(*server, "Compute")) >= Total(calls_before) + stalled;
-  }));
+  EXPECT_TRUE(Eventually(
+      [&] { return Total(CallsByCode(*server, "Compute")) >= Total(calls_before) + stalled; }));
   std::map<std::string, int64_t> calls = CallsByCode(*server, "Compute");
   EXPECT_LE(Total(calls), Total(calls_before) + kCancelTrials);
   EXPECT_GE(Total(calls), Total(calls_before) + stalled);
@@ -1445,10 +1444,10 @@ void WatchBounds(server::LossServer& server, const std::atomic<bool>& done,
         s.gradient_bytes <= accumulator_bytes + server.scheduler().capacity_bytes() &&
         s.cache_bytes <= server.scheduler().capacity_bytes();
     if (!within && watch.violations++ == 0) {
-      watch.first_violation = absl::StrCat("admitted ", s.admitted_bytes, " B, running ", s.running,
-                                           ", queued ", s.queued, ", workspace ", s.workspace_bytes,
-                                           " B, gradients ", s.gradient_bytes, " B, idle buffers ",
-                                           s.cache_bytes, " B");
+      watch.first_violation =
+          absl::StrCat("admitted ", s.admitted_bytes, " B, running ", s.running, ", queued ",
+                       s.queued, ", workspace ", s.workspace_bytes, " B, gradients ",
+                       s.gradient_bytes, " B, idle buffers ", s.cache_bytes, " B");
     }
     absl::SleepFor(absl::Milliseconds(1));
   }
@@ -2048,8 +2047,9 @@ double EventMetric(server::LossServer& server, const std::string& name,
       for (const auto& label : metric.label) have[label.name] = label.value;
       bool match = true;
       for (const auto& [key, value] : labels) match = match && have[key] == value;
-      if (match) return family.type == prometheus::MetricType::Gauge ? metric.gauge.value
-                                                                     : metric.counter.value;
+      if (match)
+        return family.type == prometheus::MetricType::Gauge ? metric.gauge.value
+                                                            : metric.counter.value;
     }
   }
   return 0.0;
@@ -2114,12 +2114,12 @@ TEST(StallTest, StreamsWaitingForRowsHoldNoRunningSlot) {
 struct StallCase {
   const char* name;
   const char* why;
-  int64_t rows;               // announced in the start
-  int64_t rows_at_once;       // sent at once, in messages of kStallRowsPerMessage rows
-  absl::Duration trickle;     // then one row per message at this pace, up to `rows`
-  bool half_close;            // after the last row
+  int64_t rows;            // announced in the start
+  int64_t rows_at_once;    // sent at once, in messages of kStallRowsPerMessage rows
+  absl::Duration trickle;  // then one row per message at this pace, up to `rows`
+  bool half_close;         // after the last row
   bool reads_results;
-  const char* waited_for;     // in the status message
+  const char* waited_for;  // in the status message
 };
 
 void PrintTo(const StallCase& c, std::ostream* os) { *os << c.name; }
@@ -2135,9 +2135,11 @@ const StallCase kStallCases[] = {
      absl::Milliseconds(40), false, true, "rows [0, "},
     {"trickle_after_first_chunk", "admitted, then a row every 40 ms", kStallRows, 120,
      absl::Milliseconds(40), false, true, "rows ["},
-    {"never_reads_results", "every row, half-closed, and not one result read: 4 MB of dL/dh, more "
+    {"never_reads_results",
+     "every row, half-closed, and not one result read: 4 MB of dL/dh, more "
      "than gRPC buffers for a client that reads nothing (4000 rows fit), so flow control holds "
-     "the results back", 16000, 16000, absl::ZeroDuration(), true, false, "read its results"},
+     "the results back",
+     16000, 16000, absl::ZeroDuration(), true, false, "read its results"},
 };
 
 class StalledStreamTest : public ::testing::TestWithParam<StallCase> {};
@@ -2237,8 +2239,7 @@ TEST(StallTest, StreamsWithoutAStartCostNoThreadAndEndAtTheIdleLimit) {
   }
   // The server holds all of them (or has ended the first at their limit already).
   ASSERT_TRUE(Eventually([&] {
-    return EventMetric(*server, "lossd_inflight_calls") +
-               Total(CallsByCode(*server, "Compute")) >=
+    return EventMetric(*server, "lossd_inflight_calls") + Total(CallsByCode(*server, "Compute")) >=
            config.max_unstarted_streams;
   }));
   const int64_t threads_added = ThreadCount() - threads_before;
@@ -2290,8 +2291,9 @@ TEST(StallTest, StreamsWithoutAStartCostNoThreadAndEndAtTheIdleLimit) {
   // The server still serves.
   std::mt19937_64 rng(FreshSeed());
   const Batch batch = RandomBatch(8, kStallVocab, kStallHidden, rng);
-  EXPECT_TRUE(CallCompute(*ConnectTo(server->port()), StartFor(kStallHead, batch, kStallHidden, true),
-                          FloatBytes(batch.hidden), 8)
+  EXPECT_TRUE(CallCompute(*ConnectTo(server->port()),
+                          StartFor(kStallHead, batch, kStallHidden, true), FloatBytes(batch.hidden),
+                          8)
                   .status.ok());
 }
 
@@ -2361,8 +2363,8 @@ TEST(StallTest, ClientsThatReadNothingHoldNoRunningSlot) {
   const ComputeOutcome out = CallCompute(*stub, StartFor(kStallHead, batch, kStallHidden, true),
                                          FloatBytes(batch.hidden), 4);
   ASSERT_TRUE(out.status.ok()) << out.status.error_message();
-  EXPECT_TRUE(LossMatches(out.summary.loss(),
-                          Reference(weight.values, kStallVocab, kStallHidden, batch)));
+  EXPECT_TRUE(
+      LossMatches(out.summary.loss(), Reference(weight.values, kStallVocab, kStallHidden, batch)));
   // Neither unread call had ended when the third was served.
   EXPECT_EQ(CallsByCode(*server, "Compute"), (std::map<std::string, int64_t>{{"OK", 1}}));
   for (auto& call : unread) call->Cancel();
@@ -2515,11 +2517,10 @@ TEST(PendingMemoryTest, OneConnectionCannotTakeItAll) {
   grpc::Status refused;
   std::vector<std::unique_ptr<OpenStream>> greedy_calls = fill(greedy, &refused);
   EXPECT_GE(greedy_calls.size(), 1u);
-  EXPECT_LE(greedy_calls.size(), static_cast<size_t>(
-                                     config.pending_memory_per_connection_bytes / kLabelBytes));
+  EXPECT_LE(greedy_calls.size(),
+            static_cast<size_t>(config.pending_memory_per_connection_bytes / kLabelBytes));
   EXPECT_EQ(refused.error_code(), StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
-  EXPECT_NE(refused.error_message().find("--pending_memory_per_connection_mib"),
-            std::string::npos)
+  EXPECT_NE(refused.error_message().find("--pending_memory_per_connection_mib"), std::string::npos)
       << refused.error_message();
   const std::optional<v1::ErrorInfo> info = ErrorInfoIn(refused);
   ASSERT_TRUE(info.has_value()) << "no ErrorInfo in the refusal's details";
@@ -2576,7 +2577,8 @@ TEST(PendingMemoryTest, AnObjectivesPerTokenInputsCountWithTheLabels) {
   EXPECT_TRUE(Eventually([&] {
     held = server->pending_memory().held_bytes();
     return held >= kCopied && held < kCopied + (1 << 20);
-  })) << "pending memory held: " << held << " bytes";
+  })) << "pending memory held: "
+      << held << " bytes";
   call.Cancel();
   EXPECT_EQ(call.Finish().error_code(), StatusCode::CANCELLED);
   EXPECT_TRUE(Eventually([&] { return server->pending_memory().held_bytes() == 0; }));
@@ -2623,7 +2625,8 @@ TEST(PendingMemoryTest, AMessageHeldForAQueuedCallCounts) {
       EXPECT_TRUE(Eventually([&] {
         held = server->pending_memory().held_bytes();
         return server->scheduler().queued() == 1 && held >= kMessageBytes;
-      })) << "pending memory held: " << held << " bytes";
+      })) << "pending memory held: "
+          << held << " bytes";
       blocker.Cancel();
     }
     // Not fitting, it is refused while the blocker still holds the device (checked below): had
@@ -2641,9 +2644,9 @@ TEST(PendingMemoryTest, AMessageHeldForAQueuedCallCounts) {
           << out.status.error_message();
       EXPECT_GT(server->scheduler().admitted_bytes(), 0)
           << "the call was refused while the blocker held the device";
-      EXPECT_EQ(EventMetric(*server, "lossd_admission_rejected_total",
-                            {{"reason", "pending_memory"}}),
-                1.0);
+      EXPECT_EQ(
+          EventMetric(*server, "lossd_admission_rejected_total", {{"reason", "pending_memory"}}),
+          1.0);
       blocker.Cancel();
     }
     EXPECT_TRUE(Eventually([&] { return server->pending_memory().held_bytes() == 0; }));
@@ -2690,8 +2693,8 @@ TEST(HandlerFailureTest, ThrownAllocationsEndCallsAccountedAndShutdownIsPrompt) 
   const Batch batch = RandomBatch(kStallRows, kStallVocab, kStallHidden, rng);
 
   backend.failing = true;
-  const grpc::Status upload = Upload(*stub, "fresh", 64, kStallHidden,
-                                     RandomWeight(64, kStallHidden, rng), false);
+  const grpc::Status upload =
+      Upload(*stub, "fresh", 64, kStallHidden, RandomWeight(64, kStallHidden, rng), false);
   const ComputeOutcome compute = CallCompute(*stub, StartFor(kStallHead, batch, kStallHidden, true),
                                              FloatBytes(batch.hidden), kStallRowsPerMessage);
   grpc::Status step;
@@ -2705,9 +2708,9 @@ TEST(HandlerFailureTest, ThrownAllocationsEndCallsAccountedAndShutdownIsPrompt) 
   }
   backend.failing = false;
 
-  for (const auto& [method, status] : {std::pair{"UploadHead", upload},
-                                       std::pair{"Compute", compute.status},
-                                       std::pair{"Step", step}}) {
+  for (const auto& [method, status] :
+       {std::pair{"UploadHead", upload}, std::pair{"Compute", compute.status},
+        std::pair{"Step", step}}) {
     SCOPED_TRACE(method);
     EXPECT_EQ(status.error_code(), StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
     EXPECT_NE(status.error_message().find("alloc"), std::string::npos) << status.error_message();
@@ -2724,8 +2727,8 @@ TEST(HandlerFailureTest, ThrownAllocationsEndCallsAccountedAndShutdownIsPrompt) 
   const ComputeOutcome out = CallCompute(*stub, StartFor(kStallHead, batch, kStallHidden, true),
                                          FloatBytes(batch.hidden), kStallRowsPerMessage);
   ASSERT_TRUE(out.status.ok()) << out.status.error_message();
-  EXPECT_TRUE(LossMatches(out.summary.loss(),
-                          Reference(weight.values, kStallVocab, kStallHidden, batch)));
+  EXPECT_TRUE(
+      LossMatches(out.summary.loss(), Reference(weight.values, kStallVocab, kStallHidden, batch)));
 
   // No call is left in flight, so a shutdown returns long before its drain limit, which it would
   // wait out for a call still running.
@@ -2772,8 +2775,8 @@ TEST(ComputeBudgetTest, FollowsTheHeadsWhenNotSet) {
   EXPECT_LE(RelativeError(AsFloats(out.grad_hidden), ref.grad_hidden), kGradBound);
 
   // Replaced by a smaller head, it no longer sizes the budget.
-  ASSERT_TRUE(Upload(*stub, "large", 1000, kStallHidden, RandomWeight(1000, kStallHidden, rng),
-                     true).ok());
+  ASSERT_TRUE(
+      Upload(*stub, "large", 1000, kStallHidden, RandomWeight(1000, kStallHidden, rng), true).ok());
   EXPECT_EQ(server->scheduler().capacity_bytes(), budget_for(1000));
   // The trained head went with its accumulator; no call holds anything.
   EXPECT_TRUE(SettlesToIdle(*server, 0));
@@ -2794,18 +2797,33 @@ struct OverBudgetCase {
 void PrintTo(const OverBudgetCase& c, std::ostream* os) { *os << c.name; }
 
 const OverBudgetCase kOverBudgetCases[] = {
-    {"staging_over_budget", "a 20000 x 64 staging dL/dW (5 MB) over a 1 MiB budget", 1 << 20,
-     1 << 20, 20000, 16, true,
+    {"staging_over_budget",
+     "a 20000 x 64 staging dL/dW (5 MB) over a 1 MiB budget",
+     1 << 20,
+     1 << 20,
+     20000,
+     16,
+     true,
      {"--compute_memory_mib of at least 6", "Fewer tokens cannot make it fit",
       "staging dL/dW of head 'stalled'"},
      {"fewer tokens per call", "--workspace_budget_mib"}},
-    {"workspace_over_budget", "a 4 MiB workspace budget over a 3 MiB compute budget", 3 << 20,
-     4 << 20, 4000, 4000, true,
+    {"workspace_over_budget",
+     "a 4 MiB workspace budget over a 3 MiB compute budget",
+     3 << 20,
+     4 << 20,
+     4000,
+     4000,
+     true,
      {"--workspace_budget_mib of at most 2", "--compute_memory_mib of at least",
       "fewer tokens per call"},
      {"cannot"}},
-    {"scoring_workspace_over_budget", "a scoring call with no staging, same budgets", 3 << 20,
-     4 << 20, 4000, 4000, false,
+    {"scoring_workspace_over_budget",
+     "a scoring call with no staging, same budgets",
+     3 << 20,
+     4 << 20,
+     4000,
+     4000,
+     false,
      {"--workspace_budget_mib of at most 3", "fewer tokens per call"},
      {"staging", "cannot"}},
 };

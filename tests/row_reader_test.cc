@@ -72,7 +72,8 @@ class ScriptedStream final : public ComputeStream {
   // Waits until `count` messages were read, or `timeout` passed; the number read.
   size_t AwaitReads(size_t count, absl::Duration timeout) {
     absl::MutexLock lock(&mu_);
-    const auto reached = [this, count]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return next_ >= count; };
+    const auto reached = [this, count]()
+                             ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return next_ >= count; };
     mu_.AwaitWithTimeout(absl::Condition(&reached), timeout);
     return next_;
   }
@@ -99,8 +100,8 @@ std::vector<float> RandomRows(int64_t rows, uint32_t seed) {
 
 v1::ComputeRequest Message(const std::vector<float>& data, int64_t first_row, int64_t rows) {
   v1::ComputeRequest request;
-  request.mutable_chunk()->set_hidden(reinterpret_cast<const char*>(data.data() + first_row * kHidden),
-                                      rows * kRowBytes);
+  request.mutable_chunk()->set_hidden(
+      reinterpret_cast<const char*>(data.data() + first_row * kHidden), rows * kRowBytes);
   return request;
 }
 
@@ -173,7 +174,8 @@ TEST_P(RowReaderSplitTest, ChunksFollowThePlanNotTheMessages) {
     ASSERT_TRUE(chunk.ok()) << chunk.status();
     EXPECT_EQ(chunk->first_row, first);
     EXPECT_EQ(chunk->num_rows, std::min(c.chunk_rows, c.num_tokens - first));
-    EXPECT_EQ(std::memcmp(chunk->rows, data.data() + first * kHidden, chunk->num_rows * kRowBytes), 0);
+    EXPECT_EQ(std::memcmp(chunk->rows, data.data() + first * kHidden, chunk->num_rows * kRowBytes),
+              0);
     reader->Release();
   }
   EXPECT_TRUE(reader->Finish().ok());
@@ -265,7 +267,8 @@ TEST(RowReaderTest, NextCallReadsIntoTheBuffersTheLastOneLeft) {
     for (int64_t first = 0; first < 10; first += 4) {
       absl::StatusOr<RowChunk> chunk = reader->Next();
       ASSERT_TRUE(chunk.ok()) << chunk.status();
-      EXPECT_EQ(std::memcmp(chunk->rows, data.data() + first * kHidden, chunk->num_rows * kRowBytes), 0);
+      EXPECT_EQ(
+          std::memcmp(chunk->rows, data.data() + first * kHidden, chunk->num_rows * kRowBytes), 0);
       reader->Release();
     }
     EXPECT_TRUE(reader->Finish().ok());
@@ -389,19 +392,19 @@ TEST(RowReaderTest, StopOfAFinishedReaderLeavesTheStreamAlone) {
 // silent or sends a row at a time too slowly to fill a chunk; the error names the flag.
 struct IdleCase {
   const char* why;
-  int64_t rows_sent;          // of 8, in messages of one row
+  int64_t rows_sent;  // of 8, in messages of one row
   bool silent_at_end;
-  absl::Duration pause;       // before each message
-  int chunks_taken;           // Next calls that succeed before the one that waits
+  absl::Duration pause;  // before each message
+  int chunks_taken;      // Next calls that succeed before the one that waits
   enum { kFirstChunk, kNext, kFinish } waits_in;
-  const char* names;          // what it waited for, in the message
+  const char* names;  // what it waited for, in the message
 };
 
 const IdleCase kIdleCases[] = {
     {"a client that sends its start and nothing else", 0, true, absl::ZeroDuration(), 0,
      IdleCase::kFirstChunk, "rows [0, 4)"},
-    {"a client trickling a row every 60 ms into chunks of 4 rows, with a limit of 150 ms", 8,
-     false, absl::Milliseconds(60), 0, IdleCase::kFirstChunk, "rows [0, 4)"},
+    {"a client trickling a row every 60 ms into chunks of 4 rows, with a limit of 150 ms", 8, false,
+     absl::Milliseconds(60), 0, IdleCase::kFirstChunk, "rows [0, 4)"},
     {"a client silent after its first chunk", 4, true, absl::ZeroDuration(), 1, IdleCase::kNext,
      "rows [4, 8)"},
 };
@@ -463,9 +466,9 @@ TEST(RowReaderTest, AMessageHeldBeforeAdmissionIsPendingMemory) {
   {
     PendingMemory pending(/*capacity_bytes=*/1 << 20, /*per_connection_bytes=*/1 << 20);
     ScriptedStream stream(one_message);
-    absl::StatusOr<std::unique_ptr<RowReader>> reader = RowReader::Start(
-        stream, nullptr, Layout(12, 4), FreshHostBuffers(), kPatient,
-        PendingAccount{&pending, "ipv4:127.0.0.1:1"});
+    absl::StatusOr<std::unique_ptr<RowReader>> reader =
+        RowReader::Start(stream, nullptr, Layout(12, 4), FreshHostBuffers(), kPatient,
+                         PendingAccount{&pending, "ipv4:127.0.0.1:1"});
     ASSERT_TRUE(reader.ok()) << reader.status();
     ASSERT_TRUE((*reader)->AwaitFirstChunk().ok());
     const absl::Time deadline = absl::Now() + kPatient;
@@ -486,9 +489,9 @@ TEST(RowReaderTest, AMessageHeldBeforeAdmissionIsPendingMemory) {
     PendingMemory pending(/*capacity_bytes=*/message_bytes - 1,
                           /*per_connection_bytes=*/message_bytes - 1);
     ScriptedStream stream(one_message, /*silent_at_end=*/true);
-    absl::StatusOr<std::unique_ptr<RowReader>> reader = RowReader::Start(
-        stream, nullptr, Layout(12, 4), FreshHostBuffers(), kPatient,
-        PendingAccount{&pending, "ipv4:127.0.0.1:1"});
+    absl::StatusOr<std::unique_ptr<RowReader>> reader =
+        RowReader::Start(stream, nullptr, Layout(12, 4), FreshHostBuffers(), kPatient,
+                         PendingAccount{&pending, "ipv4:127.0.0.1:1"});
     ASSERT_TRUE(reader.ok()) << reader.status();
     const absl::Time deadline = absl::Now() + kPatient;
     while ((*reader)->Error().ok() && absl::Now() < deadline) {

@@ -34,7 +34,6 @@ namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-
 std::vector<float> RandomFloats(size_t count, std::mt19937& rng) {
   std::normal_distribution<float> normal(0.0f, 3.0f);
   std::vector<float> values(count);
@@ -93,12 +92,12 @@ TEST_P(SafetensorsRoundTripTest, WritesAndReadsBackRandomTensorsBitForBit) {
   ScratchDir dir;
   ASSERT_FALSE(dir.path().empty());
   const std::string path = dir.File("model.safetensors");
-  ASSERT_TRUE(
-      WriteSafetensorsAtomically(path,
-                                 {{"lm_head.weight", dtype_name, {rows, cols}, weight.data(), weight.size()},
-                                  {"lm_head.bias", dtype_name, {rows}, bias.data(), bias.size()}},
-                                 metadata)
-          .ok());
+  ASSERT_TRUE(WriteSafetensorsAtomically(
+                  path,
+                  {{"lm_head.weight", dtype_name, {rows, cols}, weight.data(), weight.size()},
+                   {"lm_head.bias", dtype_name, {rows}, bias.data(), bias.size()}},
+                  metadata)
+                  .ok());
   EXPECT_EQ(dir.Names(), std::set<std::string>{"model.safetensors"});
 
   absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(path);
@@ -167,7 +166,8 @@ TEST(SafetensorsTest, ReadAsDTypeRefusesOtherDTypes) {
   EXPECT_THAT(std::string(status.message()), HasSubstr("I64"));
 
   const TensorRef inconsistent{"w", "F32", {3}, bytes.data(), bytes.size()};
-  EXPECT_EQ(ReadAsDType(inconsistent, DType::kFloat32).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ReadAsDType(inconsistent, DType::kFloat32).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(SafetensorsTest, DTypeHelpers) {
@@ -180,8 +180,9 @@ TEST(SafetensorsTest, DTypeHelpers) {
   EXPECT_EQ(DTypeFromSafetensors("F64").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(DTypeFromSafetensors("f32").status().code(), absl::StatusCode::kInvalidArgument);
   const std::map<std::string, size_t> sizes = {
-      {"F64", 8}, {"F32", 4},  {"F16", 2},     {"BF16", 2},    {"I64", 8}, {"I32", 4}, {"I16", 2}, {"I8", 1},
-      {"U8", 1},  {"BOOL", 1}, {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"U16", 2}, {"U32", 4}, {"U64", 8}};
+      {"F64", 8},     {"F32", 4},     {"F16", 2}, {"BF16", 2}, {"I64", 8},
+      {"I32", 4},     {"I16", 2},     {"I8", 1},  {"U8", 1},   {"BOOL", 1},
+      {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"U16", 2}, {"U32", 4},  {"U64", 8}};
   for (const auto& [name, size] : sizes) EXPECT_EQ(*SafetensorsDTypeSize(name), size) << name;
   EXPECT_FALSE(SafetensorsDTypeSize("F128").ok());
 }
@@ -194,16 +195,19 @@ TEST(SafetensorsTest, ReadsHandBuiltHuggingFaceFile) {
       R"("model.embed_tokens.weight":{"dtype":"F32","shape":[2,3],"data_offsets":[12,36]}})";
   const uint16_t bf16_bits[6] = {0x3f80, 0xc000, 0x3f00, 0x4040, 0xbe80, 0x3fc0};
   const float bf16_values[6] = {1.0f, -2.0f, 0.5f, 3.0f, -0.25f, 1.5f};
-  const uint32_t f32_bits[6] = {0x3f800000, 0xbf800000, 0x3f000000, 0x40000000, 0x3e800000, 0xc0400000};
+  const uint32_t f32_bits[6] = {0x3f800000, 0xbf800000, 0x3f000000,
+                                0x40000000, 0x3e800000, 0xc0400000};
   const float f32_values[6] = {1.0f, -1.0f, 0.5f, 2.0f, 0.25f, -3.0f};
 
-  // Padded as the reference writer does, and unpadded as some others do (then the data is unaligned).
+  // Padded as the reference writer does, and unpadded as some others do (then the data is
+  // unaligned).
   for (const bool padded : {true, false}) {
     SCOPED_TRACE(padded ? "padded header" : "unpadded header");
     std::string header = json;
     if (padded) header.append((8 - header.size() % 8) % 8, ' ');
     std::string bytes;
-    for (int i = 0; i < 8; ++i) bytes.push_back(static_cast<char>((header.size() >> (8 * i)) & 0xff));
+    for (int i = 0; i < 8; ++i)
+      bytes.push_back(static_cast<char>((header.size() >> (8 * i)) & 0xff));
     bytes += header;
     for (const uint16_t bits : bf16_bits) {
       bytes.push_back(static_cast<char>(bits & 0xff));
@@ -218,7 +222,8 @@ TEST(SafetensorsTest, ReadsHandBuiltHuggingFaceFile) {
     WriteFile(path, bytes);
     absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(path);
     ASSERT_TRUE(file.ok()) << file.status();
-    EXPECT_EQ(file->TensorNames(), (std::vector<std::string>{"lm_head.weight", "model.embed_tokens.weight"}));
+    EXPECT_EQ(file->TensorNames(),
+              (std::vector<std::string>{"lm_head.weight", "model.embed_tokens.weight"}));
     EXPECT_EQ(file->metadata(), (std::map<std::string, std::string>{{"format", "pt"}}));
 
     absl::StatusOr<TensorRef> head = file->Tensor("lm_head.weight");
@@ -302,7 +307,8 @@ TEST(SafetensorsTest, MissingTensorListsSomeNames) {
   ASSERT_TRUE(file.ok()) << file.status();
   const absl::Status status = file->Tensor("lm_head.weight").status();
   EXPECT_EQ(status.code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(std::string(status.message()), StartsWith("x.safetensors: no tensor 'lm_head.weight'"));
+  EXPECT_THAT(std::string(status.message()),
+              StartsWith("x.safetensors: no tensor 'lm_head.weight'"));
   EXPECT_THAT(std::string(status.message()), HasSubstr("15 tensors"));
   EXPECT_THAT(std::string(status.message()), HasSubstr("'t00'"));
   EXPECT_THAT(std::string(status.message()), HasSubstr("'t09'"));
@@ -326,7 +332,8 @@ std::vector<MalformedCase> MalformedCases() {
   const auto w = [](const std::string& fields, size_t data_bytes) {
     return FileWithHeader(absl::StrCat(R"({"w":{)", fields, "}}"), data_bytes);
   };
-  const std::string a_then_b = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32",)";
+  const std::string a_then_b =
+      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32",)";
   const absl::StatusCode invalid = absl::StatusCode::kInvalidArgument;
   const absl::StatusCode data_loss = absl::StatusCode::kDataLoss;
   // clang-format off
@@ -444,22 +451,24 @@ INSTANTIATE_TEST_SUITE_P(Cases, MalformedHeaderTest, ::testing::ValuesIn(Malform
                          });
 
 TEST(SafetensorsTest, SizeMismatchMessageNamesEverything) {
-  const std::string bytes =
-      FileWithHeader(R"({"lm_head.weight":{"dtype":"BF16","shape":[10,4],"data_offsets":[0,100]}})", 100);
+  const std::string bytes = FileWithHeader(
+      R"({"lm_head.weight":{"dtype":"BF16","shape":[10,4],"data_offsets":[0,100]}})", 100);
   const absl::Status status = SafetensorsFile::FromBytes(bytes, "model.safetensors").status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(status.message(),
-            "model.safetensors: tensor 'lm_head.weight': data_offsets [0, 100) do not match shape [10, 4] of "
+            "model.safetensors: tensor 'lm_head.weight': data_offsets [0, 100) do not match shape "
+            "[10, 4] of "
             "BF16 (80 bytes)");
 }
 
 std::string ValidTestFile(std::mt19937& rng) {
   const std::vector<float> a = RandomFloats(24, rng), b = RandomFloats(7, rng);
   const std::vector<uint8_t> b_bf16 = Encode(b, DType::kBFloat16);
-  absl::StatusOr<std::string> bytes = SerializeSafetensors({{"a", "F32", {4, 6}, a.data(), a.size() * 4},
-                                                            {"b", "BF16", {7}, b_bf16.data(), b_bf16.size()},
-                                                            {"empty", "F16", {0, 3}, nullptr, 0}},
-                                                           {{"format", "pt"}});
+  absl::StatusOr<std::string> bytes =
+      SerializeSafetensors({{"a", "F32", {4, 6}, a.data(), a.size() * 4},
+                            {"b", "BF16", {7}, b_bf16.data(), b_bf16.size()},
+                            {"empty", "F16", {0, 3}, nullptr, 0}},
+                           {{"format", "pt"}});
   return bytes.ok() ? *bytes : "";
 }
 
@@ -514,7 +523,8 @@ TEST(SafetensorsTest, RandomlyDamagedFilesNeverCrash) {
       const std::vector<uint8_t> copy(tensor->data, tensor->data + tensor->bytes);
       EXPECT_EQ(copy.size(), tensor->bytes);
       const absl::StatusOr<std::vector<uint8_t>> converted = ReadAsDType(*tensor, DType::kFloat32);
-      EXPECT_TRUE(converted.ok() || converted.status().code() == absl::StatusCode::kInvalidArgument);
+      EXPECT_TRUE(converted.ok() ||
+                  converted.status().code() == absl::StatusCode::kInvalidArgument);
     }
   }
   // Damage to the data buffer leaves the structure valid, so some trials must still load.
@@ -531,12 +541,17 @@ class AtomicWriteTest : public ::testing::Test {
     old_values_ = RandomFloats(64, rng);
     new_values_ = RandomFloats(1 << 18, rng);  // 1 MiB
     path_ = dir_.File("head.safetensors");
-    ASSERT_TRUE(WriteSafetensorsAtomically(path_, {Tensor("w", old_values_)}, {{"version", "1"}}).ok());
+    ASSERT_TRUE(
+        WriteSafetensorsAtomically(path_, {Tensor("w", old_values_)}, {{"version", "1"}}).ok());
     old_bytes_ = ReadFile(path_);
   }
 
   static TensorToWrite Tensor(const std::string& name, const std::vector<float>& values) {
-    return {name, "F32", {static_cast<int64_t>(values.size())}, values.data(), values.size() * sizeof(float)};
+    return {name,
+            "F32",
+            {static_cast<int64_t>(values.size())},
+            values.data(),
+            values.size() * sizeof(float)};
   }
 
   // The old file is untouched and no temporary file remains.
@@ -553,7 +568,8 @@ class AtomicWriteTest : public ::testing::Test {
 };
 
 TEST_F(AtomicWriteTest, ReplacesTheFileAndLeavesNoTemporaryFile) {
-  ASSERT_TRUE(WriteSafetensorsAtomically(path_, {Tensor("w", new_values_)}, {{"version", "2"}}).ok());
+  ASSERT_TRUE(
+      WriteSafetensorsAtomically(path_, {Tensor("w", new_values_)}, {{"version", "2"}}).ok());
   EXPECT_EQ(dir_.Names(), std::set<std::string>{"head.safetensors"});
   EXPECT_EQ(ReadFile(path_), *SerializeSafetensors({Tensor("w", new_values_)}, {{"version", "2"}}));
 }

@@ -17,9 +17,9 @@ bool Never() { return false; }
 
 TEST(AdmissionRefusalTest, TravelsAsAPayloadNotAsText) {
   // A message that speaks of a queue says nothing about the reason.
-  const absl::Status over = WithAdmissionRefusal(
-      absl::ResourceExhaustedError("the queue is not what refused this call"),
-      AdmissionRefusal::kOverBudget);
+  const absl::Status over =
+      WithAdmissionRefusal(absl::ResourceExhaustedError("the queue is not what refused this call"),
+                           AdmissionRefusal::kOverBudget);
   EXPECT_EQ(AdmissionRefusalOf(over), AdmissionRefusal::kOverBudget);
   EXPECT_EQ(AdmissionRefusalOf(absl::ResourceExhaustedError("admission queue is full")),
             std::nullopt);

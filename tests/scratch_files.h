@@ -38,7 +38,8 @@ class ScratchDir {
   std::string File(const std::string& name) const { return (fs::path(path_) / name).string(); }
   std::set<std::string> Names() const {
     std::set<std::string> names;
-    for (const auto& entry : fs::directory_iterator(path_)) names.insert(entry.path().filename().string());
+    for (const auto& entry : fs::directory_iterator(path_))
+      names.insert(entry.path().filename().string());
     return names;
   }
 
@@ -68,8 +69,11 @@ inline std::string WriteUncheckedCheckpoint(const std::string& dir,
     return absl::StrCat(absl::Hex(storage::Crc32c(data, bytes), absl::kZeroPad8));
   };
   std::vector<storage::TensorToWrite> tensors = {
-      {"weight", storage::DTypeToSafetensors(state.weight_dtype).value(),
-       {state.vocab_size, state.hidden_size}, state.weight.data(), state.weight.size()}};
+      {"weight",
+       storage::DTypeToSafetensors(state.weight_dtype).value(),
+       {state.vocab_size, state.hidden_size},
+       state.weight.data(),
+       state.weight.size()}};
   std::map<std::string, std::string> metadata = {
       {"format", "lossd-checkpoint-v1"},
       {"head", state.head},

@@ -66,7 +66,8 @@ v1::ComputeStart TrainingStart(const std::string& head, const Batch& batch) {
   return start;
 }
 
-ReferenceResult Reference(const std::vector<float>& weight, const Batch& batch, int64_t vocab = kVocab) {
+ReferenceResult Reference(const std::vector<float>& weight, const Batch& batch,
+                          int64_t vocab = kVocab) {
   ReferenceProblem p;
   p.num_tokens = static_cast<int64_t>(batch.labels.size());
   p.hidden_size = kHidden;
@@ -128,7 +129,8 @@ TEST_F(ServerE2eTest, ComputeMatchesFloat64Reference) {
   const Batch batch = RandomBatch(300, rng_, 0.1);
   const ReferenceResult ref = Reference(weight, batch);
 
-  const ComputeOutcome out = CallCompute(*stub_, TrainingStart(head, batch), FloatBytes(batch.hidden), 37);
+  const ComputeOutcome out =
+      CallCompute(*stub_, TrainingStart(head, batch), FloatBytes(batch.hidden), 37);
   ASSERT_TRUE(out.status.ok()) << out.status.error_message();
   EXPECT_GT(out.result_messages, 1);
   EXPECT_TRUE(out.summary.grad_weight_accumulated());
@@ -155,7 +157,8 @@ TEST_F(ServerE2eTest, AccumulatorHoldsTheSumOfTheCallsSinceItsReset) {
   std::vector<double> both_ref(first_ref.size());
   for (size_t i = 0; i < both_ref.size(); ++i) both_ref[i] = first_ref[i] + second_ref[i];
   auto train = [&](const Batch& batch) {
-    const ComputeOutcome out = CallCompute(*stub_, TrainingStart(head, batch), FloatBytes(batch.hidden), 40);
+    const ComputeOutcome out =
+        CallCompute(*stub_, TrainingStart(head, batch), FloatBytes(batch.hidden), 40);
     ASSERT_TRUE(out.status.ok()) << out.status.error_message();
   };
   auto expect_grad = [&](const std::vector<double>& expected, const char* after) {
@@ -248,16 +251,25 @@ TEST_P(ShiftLabelsTest, MatchesTheReferenceOnShiftedLabels) {
 }
 
 // About 80 rows per engine chunk (MultiChunkDemoConfig): sequences cross chunk boundaries.
-INSTANTIATE_TEST_SUITE_P(Table, ShiftLabelsTest, ::testing::ValuesIn(std::vector<ShiftCase>{
-    {"one_sequence", "no lengths: the call is one sequence", 300, {}, v1::REDUCTION_MEAN},
-    {"uneven", "sequences of 1 (nothing to predict), 50, 7, 100 and 142 rows", 300,
-     {1, 50, 7, 100, 142}, v1::REDUCTION_MEAN},
-    {"batch_rows_sum", "a [4, 75] batch, each row its own sequence, summed", 300, {75, 75, 75, 75},
-     v1::REDUCTION_SUM},
-    {"single_rows", "every sequence one row long: all labels ignored", 12,
-     std::vector<int64_t>(12, 1), v1::REDUCTION_MEAN},
-    {"one_row", "N = 1", 1, {}, v1::REDUCTION_MEAN},
-}), [](const auto& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(
+    Table, ShiftLabelsTest,
+    ::testing::ValuesIn(std::vector<ShiftCase>{
+        {"one_sequence", "no lengths: the call is one sequence", 300, {}, v1::REDUCTION_MEAN},
+        {"uneven",
+         "sequences of 1 (nothing to predict), 50, 7, 100 and 142 rows",
+         300,
+         {1, 50, 7, 100, 142},
+         v1::REDUCTION_MEAN},
+        {"batch_rows_sum",
+         "a [4, 75] batch, each row its own sequence, summed",
+         300,
+         {75, 75, 75, 75},
+         v1::REDUCTION_SUM},
+        {"single_rows", "every sequence one row long: all labels ignored", 12,
+         std::vector<int64_t>(12, 1), v1::REDUCTION_MEAN},
+        {"one_row", "N = 1", 1, {}, v1::REDUCTION_MEAN},
+    }),
+    [](const auto& info) { return info.param.name; });
 
 // A head's soft cap (from config.json, or an upload) applies to every call that does not set its
 // own; a call's 0 turns it off, a call's value replaces it. A new cap makes a new head version.
@@ -294,9 +306,8 @@ TEST_F(ServerE2eTest, HeadSoftCapAppliesUnlessTheCallSaysOtherwise) {
   // The caps must change the loss for the test to tell them apart.
   ASSERT_GT(std::abs(reference_loss(2.0) - reference_loss(0.0)), 0.1);
   ASSERT_GT(std::abs(reference_loss(2.0) - reference_loss(5.0)), 0.1);
-  for (const auto& [asked, applied] : {std::pair<std::optional<double>, double>{std::nullopt, 2.0},
-                                       {0.0, 0.0},
-                                       {5.0, 5.0}}) {
+  for (const auto& [asked, applied] :
+       {std::pair<std::optional<double>, double>{std::nullopt, 2.0}, {0.0, 0.0}, {5.0, 5.0}}) {
     SCOPED_TRACE(asked.has_value() ? absl::StrCat("call cap ", *asked) : "call cap unset");
     EXPECT_LE(std::abs(call_loss(asked) - reference_loss(applied)) / reference_loss(applied),
               kLossBound);
@@ -351,9 +362,10 @@ TEST_F(ServerE2eTest, FailedOrCancelledCallsLeaveTheGradientUntouched) {
   for (int trial = 0; trial < 20; ++trial) {
     const Batch batch = RandomBatch(240, rng_);
     const int cancel_after = cancel_point(rng_);
-    const ComputeOutcome out =
-        CallCompute(*stub_, TrainingStart(kHead, batch), FloatBytes(batch.hidden), 20, cancel_after);
-    EXPECT_EQ(out.status.error_code(), grpc::StatusCode::CANCELLED) << "cancel after " << cancel_after;
+    const ComputeOutcome out = CallCompute(*stub_, TrainingStart(kHead, batch),
+                                           FloatBytes(batch.hidden), 20, cancel_after);
+    EXPECT_EQ(out.status.error_code(), grpc::StatusCode::CANCELLED)
+        << "cancel after " << cancel_after;
   }
   Batch poisoned = RandomBatch(240, rng_);
   poisoned.hidden[201 * kHidden + 5] = std::nanf("");
@@ -380,14 +392,15 @@ const BadStart kBadStarts[] = {
      [](v1::ComputeStart& s, std::string&) { s.set_head("missing"); }},
     {"hidden_size", "H differs from the head's", grpc::StatusCode::INVALID_ARGUMENT, "hidden_size",
      [](v1::ComputeStart& s, std::string&) { s.set_hidden_size(kHidden + 1); }},
-    {"dtype_unspecified", "the dtype must be said", grpc::StatusCode::INVALID_ARGUMENT, "hidden_dtype",
+    {"dtype_unspecified", "the dtype must be said", grpc::StatusCode::INVALID_ARGUMENT,
+     "hidden_dtype",
      [](v1::ComputeStart& s, std::string&) { s.set_hidden_dtype(v1::DTYPE_UNSPECIFIED); }},
     {"labels_count", "one label per row", grpc::StatusCode::INVALID_ARGUMENT, "labels",
      [](v1::ComputeStart& s, std::string&) { s.mutable_labels()->RemoveLast(); }},
     {"label_range", "a label past the vocabulary", grpc::StatusCode::INVALID_ARGUMENT, "labels[3]",
      [](v1::ComputeStart& s, std::string&) { s.set_labels(3, kVocab); }},
-    {"weights_count", "weights are all or nothing", grpc::StatusCode::INVALID_ARGUMENT, "token_weights",
-     [](v1::ComputeStart& s, std::string&) { s.add_token_weights(1.0f); }},
+    {"weights_count", "weights are all or nothing", grpc::StatusCode::INVALID_ARGUMENT,
+     "token_weights", [](v1::ComputeStart& s, std::string&) { s.add_token_weights(1.0f); }},
     {"top_k", "above the largest k offered", grpc::StatusCode::INVALID_ARGUMENT, "top_k",
      [](v1::ComputeStart& s, std::string&) { s.mutable_outputs()->set_top_k(65); }},
     {"temperature", "zero temperature", grpc::StatusCode::INVALID_ARGUMENT, "temperature",
@@ -396,8 +409,8 @@ const BadStart kBadStarts[] = {
      [](v1::ComputeStart& s, std::string&) { s.mutable_options()->set_label_smoothing(1.5); }},
     {"stale_version", "pinned to a version the head left", grpc::StatusCode::FAILED_PRECONDITION,
      "head_version", [](v1::ComputeStart& s, std::string&) { s.set_head_version(999999); }},
-    {"partial_row", "bytes that are not whole rows", grpc::StatusCode::INVALID_ARGUMENT, "chunk.hidden",
-     [](v1::ComputeStart&, std::string& h) { h.resize(h.size() - 3); }},
+    {"partial_row", "bytes that are not whole rows", grpc::StatusCode::INVALID_ARGUMENT,
+     "chunk.hidden", [](v1::ComputeStart&, std::string& h) { h.resize(h.size() - 3); }},
     {"missing_rows", "the stream ends early", grpc::StatusCode::INVALID_ARGUMENT, "chunk.hidden",
      [](v1::ComputeStart&, std::string& h) { h.resize(h.size() - kHidden * 4); }},
     {"extra_rows", "more rows than declared", grpc::StatusCode::INVALID_ARGUMENT, "chunk.hidden",
@@ -418,11 +431,14 @@ TEST_P(BadComputeTest, GetsItsCodeAndNamesTheField) {
   bad.spoil(start, hidden);
   const ComputeOutcome out = CallCompute(*stub_, start, hidden, 4);
   EXPECT_EQ(out.status.error_code(), bad.code) << out.status.error_message();
-  EXPECT_NE(out.status.error_message().find(bad.field), std::string::npos) << out.status.error_message();
+  EXPECT_NE(out.status.error_message().find(bad.field), std::string::npos)
+      << out.status.error_message();
   const FetchedTensor grad = Fetch(*stub_, kHead, true);
-  EXPECT_TRUE(std::all_of(grad.values.begin(), grad.values.end(), [](float x) { return x == 0.0f; }));
+  EXPECT_TRUE(
+      std::all_of(grad.values.begin(), grad.values.end(), [](float x) { return x == 0.0f; }));
   // The server still serves.
-  EXPECT_TRUE(CallCompute(*stub_, TrainingStart(kHead, batch), FloatBytes(batch.hidden), 10).status.ok());
+  EXPECT_TRUE(
+      CallCompute(*stub_, TrainingStart(kHead, batch), FloatBytes(batch.hidden), 10).status.ok());
 }
 
 INSTANTIATE_TEST_SUITE_P(Table, BadComputeTest, ::testing::ValuesIn(kBadStarts),
@@ -446,7 +462,8 @@ TEST_F(ServerE2eTest, EightConcurrentStreamsAreAllCorrect) {
   for (int i = 0; i < 8; ++i) {
     ASSERT_TRUE(outcomes[i].status.ok()) << outcomes[i].status.error_message();
     const ReferenceResult ref = Reference(weight, batches[i]);
-    EXPECT_LE(std::abs(outcomes[i].summary.loss() - ref.loss) / ref.loss, kLossBound) << "stream " << i;
+    EXPECT_LE(std::abs(outcomes[i].summary.loss() - ref.loss) / ref.loss, kLossBound)
+        << "stream " << i;
     EXPECT_LE(RelativeError(AsFloats(outcomes[i].grad_hidden), ref.grad_hidden), kGradBound);
   }
 }
@@ -522,7 +539,8 @@ TEST_F(ServerE2eTest, StepsMatchTorchOptimizerFormulas) {
       EXPECT_LE(std::sqrt(diff / norm), (step + 1) * 0x1p-24) << head << " step " << step;
       // The accumulator was zeroed by the step.
       const FetchedTensor zeroed = Fetch(*stub_, head, true);
-      EXPECT_TRUE(std::all_of(zeroed.values.begin(), zeroed.values.end(), [](float x) { return x == 0; }));
+      EXPECT_TRUE(
+          std::all_of(zeroed.values.begin(), zeroed.values.end(), [](float x) { return x == 0; }));
     }
   }
 }
@@ -832,7 +850,8 @@ TEST(ServerCheckpointTest, RestartResumesBitwiseIdenticalWeightsAndOptimizerStat
   config.checkpoint_dir = dir;
   config.demo = {"ckpt", 400, kHidden, 3};
   auto run_step = [&](v1::LossService::Stub& stub, const Batch& batch) {
-    ASSERT_TRUE(CallCompute(stub, TrainingStart("ckpt", batch), FloatBytes(batch.hidden), 50).status.ok());
+    ASSERT_TRUE(
+        CallCompute(stub, TrainingStart("ckpt", batch), FloatBytes(batch.hidden), 50).status.ok());
     grpc::ClientContext context;
     v1::StepRequest request;
     request.set_head("ckpt");
@@ -841,7 +860,8 @@ TEST(ServerCheckpointTest, RestartResumesBitwiseIdenticalWeightsAndOptimizerStat
     ASSERT_TRUE(stub.Step(&context, request, &response).ok());
   };
   Batch first = RandomBatch(50, rng), second = RandomBatch(50, rng);
-  for (Batch* b : {&first, &second}) for (int64_t& y : b->labels) y %= 400;
+  for (Batch* b : {&first, &second})
+    for (int64_t& y : b->labels) y %= 400;
 
   std::vector<float> continued;
   {
@@ -870,21 +890,23 @@ TEST(ServerCheckpointTest, RestartResumesBitwiseIdenticalWeightsAndOptimizerStat
 }
 
 TEST(ServerAuthTest, TokenIsRequiredWhenConfigured) {
-  const std::string token_file = ::testing::TempDir() + "/lossd-token-" + std::to_string(FreshSeed());
+  const std::string token_file =
+      ::testing::TempDir() + "/lossd-token-" + std::to_string(FreshSeed());
   { std::ofstream(token_file) << "s3cret-token\n"; }
   server::ServerConfig config;
   config.token_file = token_file;
   config.demo = {"auth", 100, kHidden, 1};
   auto server = StartTestServer(config);
   ASSERT_NE(server, nullptr);
-  for (const std::string& token : {std::string(), std::string("wrong"), std::string("s3cret-token")}) {
+  for (const std::string& token :
+       {std::string(), std::string("wrong"), std::string("s3cret-token")}) {
     auto stub = ConnectTo(server->port());
     grpc::ClientContext context;
     if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
     v1::ListHeadsResponse response;
     const grpc::Status status = stub->ListHeads(&context, v1::ListHeadsRequest(), &response);
-    EXPECT_EQ(status.error_code(), token == "s3cret-token" ? grpc::StatusCode::OK
-                                                           : grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_EQ(status.error_code(),
+              token == "s3cret-token" ? grpc::StatusCode::OK : grpc::StatusCode::UNAUTHENTICATED);
   }
   std::filesystem::remove(token_file);
 }
@@ -1015,9 +1037,8 @@ TEST(ServerStartupTest, AutoDeviceSaysWhyItServesOnTheCpu) {
   }
   ASSERT_EQ(explanations.size(), (*server)->backend().kind() == "cpu" ? 1u : 0u);
   if (explanations.empty() || std::getenv("LOSSD_CUDA_MODULE") != nullptr) return;
-  const bool module_built =
-      std::filesystem::exists(std::filesystem::read_symlink("/proc/self/exe").parent_path() /
-                              "liblossd_cuda.so");
+  const bool module_built = std::filesystem::exists(
+      std::filesystem::read_symlink("/proc/self/exe").parent_path() / "liblossd_cuda.so");
   if (!module_built) {
     EXPECT_EQ(explanations[0].rfind("CUDA backend module not found (", 0), 0u) << explanations[0];
   } else if (!std::filesystem::exists("/proc/driver/nvidia/version")) {

@@ -47,8 +47,8 @@ absl::Status ForwardingBackend::CopyToDevice(const void* host, size_t bytes, Dev
                                              size_t dst_offset) {
   return inner_->CopyToDevice(host, bytes, dst, dst_offset);
 }
-absl::Status ForwardingBackend::CopyToHost(const DeviceBuffer& src, size_t src_offset,
-                                           size_t bytes, void* host) {
+absl::Status ForwardingBackend::CopyToHost(const DeviceBuffer& src, size_t src_offset, size_t bytes,
+                                           void* host) {
   return inner_->CopyToHost(src, src_offset, bytes, host);
 }
 absl::Status ForwardingBackend::Zero(DeviceBuffer& buffer) { return inner_->Zero(buffer); }
@@ -82,12 +82,9 @@ absl::StatusOr<ChunkPlan> ForwardingBackend::Plan(const ProblemShape& shape,
 bool ForwardingBackend::ReadsRowsOnce(DType hidden_dtype) const {
   return inner_->ReadsRowsOnce(hidden_dtype);
 }
-absl::StatusOr<BatchSummary> ForwardingBackend::Compute(const BatchInputs& inputs,
-                                                        const WeightView& weight,
-                                                        const LossOptions& options,
-                                                        const TokenOutputs& outputs,
-                                                        DeviceBuffer* grad_weight,
-                                                        DeviceBuffer& workspace) {
+absl::StatusOr<BatchSummary> ForwardingBackend::Compute(
+    const BatchInputs& inputs, const WeightView& weight, const LossOptions& options,
+    const TokenOutputs& outputs, DeviceBuffer* grad_weight, DeviceBuffer& workspace) {
   return inner_->Compute(inputs, weight, options, outputs, grad_weight, workspace);
 }
 
@@ -200,7 +197,8 @@ FetchedTensor Fetch(v1::LossService::Stub& stub, const std::string& head, bool g
   v1::FetchTensorRequest request;
   request.set_head(head);
   request.set_max_chunk_bytes(1 << 16);  // many chunks, so reassembly is exercised
-  auto reader = gradient ? stub.FetchGradWeight(&context, request) : stub.FetchWeight(&context, request);
+  auto reader =
+      gradient ? stub.FetchGradWeight(&context, request) : stub.FetchWeight(&context, request);
   v1::TensorChunk chunk;
   while (reader->Read(&chunk)) {
     const size_t old_size = fetched.values.size();
@@ -343,8 +341,8 @@ bool Eventually(const std::function<bool()>& done) {
 }
 
 HealthReply CheckHealth(int port) {
-  auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
-                                     grpc::InsecureChannelCredentials());
+  auto channel =
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials());
   grpc::ClientContext context;
   // An empty HealthCheckRequest, and HealthCheckResponse{status = 1} read by hand: a varint
   // field 1 (tag 0x08). Through a completion queue, not the callback API: that one hands its tag

@@ -22,7 +22,8 @@ namespace lossd::testing {
 
 // Starts a CPU server on 127.0.0.1 with free ports; no metrics endpoint unless `metrics` (an
 // Exposer takes seconds to destroy, so test binaries share one).
-std::unique_ptr<server::LossServer> StartTestServer(server::ServerConfig config, bool metrics = false);
+std::unique_ptr<server::LossServer> StartTestServer(server::ServerConfig config,
+                                                    bool metrics = false);
 
 // A demo head [vocab, hidden] behind a 1 MiB workspace budget, so that batches of a few hundred
 // rows run as several engine chunks, and four calls at once.

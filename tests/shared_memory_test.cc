@@ -515,7 +515,11 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         // A length-delimited field that claims 5 bytes and has 2.
         HandoverCase{"garbage",
-                     [](RawHandover& raw, auto&) { raw.Send("\x0a\x05" "ab"); },
+                     [](RawHandover& raw, auto&) {
+                       raw.Send(
+                           "\x0a\x05"
+                           "ab");
+                     },
                      StatusCode::INVALID_ARGUMENT,
                      "request: expected a serialized lossd.v1.HandoverRequest, got 4 bytes"},
         // Well-formed, with a memfd, but a field no request has: the memfd is closed.
@@ -753,9 +757,9 @@ TEST(HandoverLimitsTest, HandlesAreBoundedPerConnectionAndPerUser) {
   }
   EXPECT_EQ(server->shared_memory_maps().handles(), 128u);
   connections.push_back(std::make_unique<RawHandover>(socket_name));
-  ExpectRegistrationRefused(*connections.back(), keep,
-                            absl::StrCat("expected at most 128 handles per local user (uid ",
-                                         geteuid(), " holds 128"));
+  ExpectRegistrationRefused(
+      *connections.back(), keep,
+      absl::StrCat("expected at most 128 handles per local user (uid ", geteuid(), " holds 128"));
 
   // A release makes room on both counts.
   ASSERT_TRUE(connections[0]->Send(ReleaseRequest(first_handles[0])));
@@ -812,10 +816,10 @@ TEST(HandoverLimitsTest, ConnectionsAreBoundedPerUser) {
   const std::optional<v1::HandoverReply> refused = extra.Reply();
   ASSERT_TRUE(refused.has_value());
   EXPECT_EQ(refused->code(), static_cast<int>(StatusCode::RESOURCE_EXHAUSTED));
-  EXPECT_NE(refused->message().find(absl::StrCat(
-                "expected at most 16 open handover connections per local user (uid ", geteuid(),
-                ")")),
-            std::string::npos)
+  EXPECT_NE(
+      refused->message().find(absl::StrCat(
+          "expected at most 16 open handover connections per local user (uid ", geteuid(), ")")),
+      std::string::npos)
       << refused->message();
   EXPECT_TRUE(extra.Ended());
 
@@ -828,8 +832,8 @@ TEST(HandoverLimitsTest, ConnectionsAreBoundedPerUser) {
 // The server-wide bound on connections comes first, whoever connects.
 TEST(HandoverLimitsTest, ConnectionsAreBoundedInAll) {
   server::SharedMemoryMaps maps;
-  absl::StatusOr<std::unique_ptr<server::HandoverSocket>> socket = server::HandoverSocket::Open(
-      maps, {.max_connections = 3, .max_connections_per_user = 16});
+  absl::StatusOr<std::unique_ptr<server::HandoverSocket>> socket =
+      server::HandoverSocket::Open(maps, {.max_connections = 3, .max_connections_per_user = 16});
   ASSERT_TRUE(socket.ok()) << socket.status();
   std::vector<std::unique_ptr<RawHandover>> connections;
   std::vector<UniqueFd> keep;

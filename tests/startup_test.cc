@@ -116,10 +116,13 @@ const Refusal kRefusals[] = {
        const Element bad = RandomElement(rng);
        bf16[bad.index()] = FloatToBFloat16(-INFINITY);
        const std::string path = dir + "/tied.safetensors";
-       EXPECT_TRUE(storage::WriteSafetensorsAtomically(
-                       path, {{"model.embed_tokens.weight", "BF16", {kVocab, kHidden}, bf16.data(),
-                               bf16.size() * sizeof(uint16_t)}},
-                       {})
+       EXPECT_TRUE(storage::WriteSafetensorsAtomically(path,
+                                                       {{"model.embed_tokens.weight",
+                                                         "BF16",
+                                                         {kVocab, kHidden},
+                                                         bf16.data(),
+                                                         bf16.size() * sizeof(uint16_t)}},
+                                                       {})
                        .ok());
        // The model's config says the embedding is the head.
        std::ofstream(dir + "/config.json")
@@ -142,8 +145,10 @@ const Refusal kRefusals[] = {
            path + "#lm_head.weight",
            bad.Named("weight") + ": expected a finite float16 value, got inf"};
      }},
-    {"checkpoint_inf_weight", "a step drove W to Inf before the checkpoint was saved, and no "
-     "older checkpoint is there to fall back to", absl::StatusCode::kDataLoss,
+    {"checkpoint_inf_weight",
+     "a step drove W to Inf before the checkpoint was saved, and no "
+     "older checkpoint is there to fall back to",
+     absl::StatusCode::kDataLoss,
      [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
        const Element bad = RandomElement(rng);
        const std::string path = WriteCheckpoint(
@@ -170,12 +175,14 @@ const Refusal kRefusals[] = {
            },
            bad.index());
        config.checkpoint_dir = dir + "/checkpoints";
-       return std::vector<std::string>{
-           "every checkpoint of head 'main'",
-           path + ": " + bad.Named("optimizer.state1") + ": expected a finite float32 value, got nan"};
+       return std::vector<std::string>{"every checkpoint of head 'main'",
+                                       path + ": " + bad.Named("optimizer.state1") +
+                                           ": expected a finite float32 value, got nan"};
      }},
-    {"checkpoint_of_another_shape", "a [41, 8] checkpoint must not silently replace the [40, 8] "
-     "head named by --heads", absl::StatusCode::kFailedPrecondition,
+    {"checkpoint_of_another_shape",
+     "a [41, 8] checkpoint must not silently replace the [40, 8] "
+     "head named by --heads",
+     absl::StatusCode::kFailedPrecondition,
      [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
        const std::string source =
            WriteF32Head(dir + "/model.safetensors", "lm_head.weight", RandomWeight(rng));
@@ -208,8 +215,8 @@ const Refusal kRefusals[] = {
        WriteText(dir + "/config.json",
                  R"({"text_config": {"final_logit_softcapping": 1e39}, "model_type": "x"})");
        config.heads = {"main=" + dir};
-       return std::vector<std::string>{
-           dir + "/config.json: text_config.final_logit_softcapping", "got 1e+39"};
+       return std::vector<std::string>{dir + "/config.json: text_config.final_logit_softcapping",
+                                       "got 1e+39"};
      }},
     // Files that are not what they claim, and what they say about themselves.
     {"config_not_utf8", "a parse error quotes the bytes it read: escaped, not raw", kInvalid,
@@ -222,8 +229,8 @@ const Refusal kRefusals[] = {
     {"config_nested_deep", "a config nested a million levels deep", kInvalid,
      [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
        WriteF32Head(dir + "/model.safetensors", "lm_head.weight", RandomWeight(rng));
-       WriteText(dir + "/config.json", "{\"a\": " + std::string(1 << 20, '[') +
-                                           std::string(1 << 20, ']') + "}");
+       WriteText(dir + "/config.json",
+                 "{\"a\": " + std::string(1 << 20, '[') + std::string(1 << 20, ']') + "}");
        config.heads = {"main=" + dir};
        return std::vector<std::string>{dir + "/config.json: nested deeper than 64 levels"};
      }},
@@ -238,14 +245,19 @@ const Refusal kRefusals[] = {
      [](const std::string& dir, std::mt19937_64&, server::ServerConfig& config) {
        const std::vector<int32_t> ids(kVocab * kHidden, 1);
        const std::string path = dir + "/ids.safetensors";
-       EXPECT_TRUE(storage::WriteSafetensorsAtomically(
-                       path, {{"lm_head.weight", "I32", {kVocab, kHidden}, ids.data(),
-                               ids.size() * sizeof(int32_t)}}, {})
+       EXPECT_TRUE(storage::WriteSafetensorsAtomically(path,
+                                                       {{"lm_head.weight",
+                                                         "I32",
+                                                         {kVocab, kHidden},
+                                                         ids.data(),
+                                                         ids.size() * sizeof(int32_t)}},
+                                                       {})
                        .ok());
        config.heads = {"main=" + path};
        return std::vector<std::string>{path + ": tensor 'lm_head.weight': has dtype 'I32'"};
      }},
-    {"checkpoint_dir_dangling_link", "saves would go nowhere", absl::StatusCode::kFailedPrecondition,
+    {"checkpoint_dir_dangling_link", "saves would go nowhere",
+     absl::StatusCode::kFailedPrecondition,
      [](const std::string& dir, std::mt19937_64&, server::ServerConfig& config) {
        std::filesystem::create_symlink(dir + "/gone", dir + "/checkpoints");
        config.checkpoint_dir = dir + "/checkpoints";
@@ -253,13 +265,12 @@ const Refusal kRefusals[] = {
                                        "symbolic link to " + dir + "/gone"};
      }},
     // The --heads list.
-    {"heads_duplicate_name", "the second entry was skipped as if a checkpoint were newer",
-     kInvalid,
+    {"heads_duplicate_name", "the second entry was skipped as if a checkpoint were newer", kInvalid,
      [](const std::string& dir, std::mt19937_64& rng, server::ServerConfig& config) {
-       const std::string first = WriteF32Head(dir + "/a.safetensors", "lm_head.weight",
-                                              RandomWeight(rng));
-       const std::string second = WriteF32Head(dir + "/b.safetensors", "lm_head.weight",
-                                               RandomWeight(rng));
+       const std::string first =
+           WriteF32Head(dir + "/a.safetensors", "lm_head.weight", RandomWeight(rng));
+       const std::string second =
+           WriteF32Head(dir + "/b.safetensors", "lm_head.weight", RandomWeight(rng));
        config.heads = {"main=" + first, "other=" + second, "main=" + second};
        return std::vector<std::string>{"--heads: head name 'main' is given twice, as \"main=" +
                                        first + "\" and \"main=" + second + "\""};
@@ -288,7 +299,8 @@ const Refusal kRefusals[] = {
        config.tls_key_file = other.key_file;
        return std::vector<std::string>{"--tls_key_file: the key in " + other.key_file +
                                        " is not the private key of the certificate in "
-                                       "--tls_cert_file " + mine.cert_file};
+                                       "--tls_cert_file " +
+                                       mine.cert_file};
      }},
     {"tls_cert_not_pem", "a certificate file that holds no certificate", kInvalid,
      [](const std::string& dir, std::mt19937_64&, server::ServerConfig& config) {
@@ -334,8 +346,7 @@ const Refusal kRefusals[] = {
        config.pending_memory_bytes = 0;
        return std::vector<std::string>{"--pending_memory_mib: expected a size > 0, got 0"};
      }},
-    {"pending_memory_per_connection_negative", "a negative share would refuse every call",
-     kInvalid,
+    {"pending_memory_per_connection_negative", "a negative share would refuse every call", kInvalid,
      [](const std::string&, std::mt19937_64&, server::ServerConfig& config) {
        config.pending_memory_per_connection_bytes = int64_t{-1} << 20;
        return std::vector<std::string>{
@@ -465,12 +476,13 @@ TEST(WorkspaceBudgetTest, ZeroTakesTheDevicesDefaultAndTheLogSaysWhich) {
     auto started = server::LossServer::Start(config, CreateBackend("cpu").value());
     ASSERT_TRUE(started.ok()) << started.status();
     const std::string wanted =
-        configured_mib == 0
-            ? absl::StrCat("workspace budget: ", expected_mib, " MiB per call (the device's default)")
-            : absl::StrCat("workspace budget: ", configured_mib, " MiB per call");
+        configured_mib == 0 ? absl::StrCat("workspace budget: ", expected_mib,
+                                           " MiB per call (the device's default)")
+                            : absl::StrCat("workspace budget: ", configured_mib, " MiB per call");
     const std::vector<std::string>& log = (*started)->startup_log();
     EXPECT_NE(std::find(log.begin(), log.end(), wanted), log.end())
-        << "no line '" << wanted << "' in:\n" << absl::StrJoin(log, "\n");
+        << "no line '" << wanted << "' in:\n"
+        << absl::StrJoin(log, "\n");
   }
 }
 
@@ -498,18 +510,22 @@ TEST_P(StorageLineTest, NamesTheDTypesAndTheBytes) {
   for (float& x : weight) x = normal(rng);
   std::vector<uint16_t> halves(weight.size());
   for (size_t i = 0; i < weight.size(); ++i) {
-    halves[i] = c.file_dtype == DType::kBFloat16 ? FloatToBFloat16(weight[i])
-                                                 : FloatToFloat16(weight[i]);
+    halves[i] =
+        c.file_dtype == DType::kBFloat16 ? FloatToBFloat16(weight[i]) : FloatToFloat16(weight[i]);
   }
   const bool wide = c.file_dtype == DType::kFloat32;
   const std::string path = dir.File("model.safetensors");
   const void* data = wide ? static_cast<const void*>(weight.data()) : halves.data();
   const size_t bytes = wide ? weight.size() * sizeof(float) : halves.size() * sizeof(uint16_t);
-  ASSERT_TRUE(storage::WriteSafetensorsAtomically(
-                  path, {{"lm_head.weight", storage::DTypeToSafetensors(c.file_dtype).value(),
-                          {kRows, kCols}, data, bytes}},
-                  {})
-                  .ok());
+  ASSERT_TRUE(
+      storage::WriteSafetensorsAtomically(path,
+                                          {{"lm_head.weight",
+                                            storage::DTypeToSafetensors(c.file_dtype).value(),
+                                            {kRows, kCols},
+                                            data,
+                                            bytes}},
+                                          {})
+          .ok());
   server::ServerConfig config;
   config.heads = {"main=" + path};
   config.head_dtype = c.head_dtype;

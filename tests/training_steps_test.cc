@@ -54,11 +54,12 @@ std::vector<Joined> JoinAll(RankRendezvous& rendezvous, const std::string& key, 
   std::vector<std::thread> threads;
   for (size_t i = 0; i < ranks.size(); ++i) {
     threads.emplace_back([&, i] {
-      joined[i].result = rendezvous.Join(key, world, ranks[i], 7, [] { return false; },
-                                         [&]() -> absl::StatusOr<std::string> {
-                                           ++actions;
-                                           return std::string("stepped");
-                                         });
+      joined[i].result = rendezvous.Join(
+          key, world, ranks[i], 7, [] { return false; },
+          [&]() -> absl::StatusOr<std::string> {
+            ++actions;
+            return std::string("stepped");
+          });
     });
   }
   for (std::thread& t : threads) t.join();
@@ -75,7 +76,8 @@ TEST(RankRendezvousTest, TheLastRankActsOnceAndEveryRankGetsItsOutcome) {
   EXPECT_EQ(actions, 1);
   // A rank that lost its answer and asks again gets the same outcome; nothing acts again.
   const absl::StatusOr<std::string> retry = rendezvous.Join(
-      "step v1", 4, 2, 7, [] { return false; }, [&]() -> absl::StatusOr<std::string> {
+      "step v1", 4, 2, 7, [] { return false; },
+      [&]() -> absl::StatusOr<std::string> {
         ++actions;
         return std::string("again");
       });
@@ -96,7 +98,8 @@ TEST(RankRendezvousTest, ARankThatNeverComesFailsTheMeetingForAllAndNothingActs)
   EXPECT_EQ(actions, 0);
   // The latecomer hears the same failure, and does not act alone.
   const absl::StatusOr<std::string> late = rendezvous.Join(
-      "step v2", 3, 1, 7, [] { return false; }, [&]() -> absl::StatusOr<std::string> {
+      "step v2", 3, 1, 7, [] { return false; },
+      [&]() -> absl::StatusOr<std::string> {
         ++actions;
         return std::string("stepped");
       });
@@ -105,13 +108,14 @@ TEST(RankRendezvousTest, ARankThatNeverComesFailsTheMeetingForAllAndNothingActs)
 }
 
 TEST(RankRendezvousTest, ACancelledRankFailsTheOthersAfterTheGrace) {
-  RankRendezvous rendezvous({.wait = kPatient, .grace = absl::Milliseconds(200),
-                             .poll = absl::Milliseconds(10)});
+  RankRendezvous rendezvous(
+      {.wait = kPatient, .grace = absl::Milliseconds(200), .poll = absl::Milliseconds(10)});
   std::atomic<bool> cancel = false;
   absl::StatusOr<std::string> rank1;
   std::thread leaver([&] {
-    rank1 = rendezvous.Join("step v3", 3, 1, 7, [&] { return cancel.load(); },
-                            []() -> absl::StatusOr<std::string> { return std::string("x"); });
+    rank1 = rendezvous.Join(
+        "step v3", 3, 1, 7, [&] { return cancel.load(); },
+        []() -> absl::StatusOr<std::string> { return std::string("x"); });
   });
   ASSERT_TRUE(Eventually([&] { return rendezvous.waiting_meetings() == 1; }));
   cancel = true;  // its process died while it waited
@@ -128,12 +132,13 @@ TEST(RankRendezvousTest, ACancelledRankFailsTheOthersAfterTheGrace) {
 }
 
 TEST(RankRendezvousTest, ARankThatComesBackAfterItsCallWasCancelledCompletesTheMeeting) {
-  RankRendezvous rendezvous({.wait = kPatient, .grace = absl::Seconds(60),
-                             .poll = absl::Milliseconds(10)});
+  RankRendezvous rendezvous(
+      {.wait = kPatient, .grace = absl::Seconds(60), .poll = absl::Milliseconds(10)});
   std::atomic<bool> cancel = false;
   std::thread first_attempt([&] {
-    (void)rendezvous.Join("step v4", 2, 1, 7, [&] { return cancel.load(); },
-                          []() -> absl::StatusOr<std::string> { return std::string("x"); });
+    (void)rendezvous.Join(
+        "step v4", 2, 1, 7, [&] { return cancel.load(); },
+        []() -> absl::StatusOr<std::string> { return std::string("x"); });
   });
   ASSERT_TRUE(Eventually([&] { return rendezvous.waiting_meetings() == 1; }));
   cancel = true;  // its client's deadline expired; the client retries
@@ -149,20 +154,21 @@ TEST(RankRendezvousTest, RanksThatDisagreeAreRefusedByName) {
   RankRendezvous rendezvous({.wait = absl::Milliseconds(300)});
   absl::StatusOr<std::string> first;
   std::thread waiting([&] {
-    first = rendezvous.Join("step v5", 2, 0, 7, [] { return false; },
-                            []() -> absl::StatusOr<std::string> { return std::string("x"); });
+    first = rendezvous.Join(
+        "step v5", 2, 0, 7, [] { return false; },
+        []() -> absl::StatusOr<std::string> { return std::string("x"); });
   });
   ASSERT_TRUE(Eventually([&] { return rendezvous.waiting_meetings() == 1; }));
   const auto act = []() -> absl::StatusOr<std::string> { return std::string("x"); };
-  const absl::StatusOr<std::string> other_request =
-      rendezvous.Join("step v5", 2, 1, 8, [] { return false; }, act);
+  const absl::StatusOr<std::string> other_request = rendezvous.Join(
+      "step v5", 2, 1, 8, [] { return false; }, act);
   EXPECT_EQ(other_request.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(Contains(std::string(other_request.status().message()), "differs"));
-  const absl::StatusOr<std::string> other_world =
-      rendezvous.Join("step v5", 3, 1, 7, [] { return false; }, act);
+  const absl::StatusOr<std::string> other_world = rendezvous.Join(
+      "step v5", 3, 1, 7, [] { return false; }, act);
   EXPECT_TRUE(Contains(std::string(other_world.status().message()), "ranks.world_size: 3"));
-  const absl::StatusOr<std::string> bad_rank =
-      rendezvous.Join("step v5", 2, 2, 7, [] { return false; }, act);
+  const absl::StatusOr<std::string> bad_rank = rendezvous.Join(
+      "step v5", 2, 2, 7, [] { return false; }, act);
   EXPECT_TRUE(Contains(std::string(bad_rank.status().message()), "ranks.rank: expected 0 to 1"));
   waiting.join();
   EXPECT_EQ(first.status().code(), absl::StatusCode::kAborted);
@@ -483,8 +489,9 @@ TEST(CollectiveStepTest, GradWeightNormAnswersEveryRankOnceAllHaveSentTheirPart)
   auto stub = ConnectTo(server->port());
   std::mt19937_64 rng(FreshSeed());
   const Batch batch = RandomBatch(kRows, kVocab, kHidden, rng);
-  ASSERT_TRUE(CallCompute(*stub, StartFor("head", batch, kHidden, true), FloatBytes(batch.hidden),
-                          64).status.ok());
+  ASSERT_TRUE(
+      CallCompute(*stub, StartFor("head", batch, kHidden, true), FloatBytes(batch.hidden), 64)
+          .status.ok());
   const FetchedTensor grad = Fetch(*stub, "head", true);
   double sum_squares = 0.0;
   for (float g : grad.values) sum_squares += static_cast<double>(g) * g;
@@ -523,8 +530,9 @@ TEST(StepOptionsTest, GradMultiplierScalesTheGradientAndSkipNonfiniteSkipsAnOver
   std::mt19937_64 rng(FreshSeed());
   const Batch batch = RandomBatch(kRows, kVocab, kHidden, rng);
   const auto accumulate = [&] {
-    ASSERT_TRUE(CallCompute(*stub, StartFor("head", batch, kHidden, true),
-                            FloatBytes(batch.hidden), 64).status.ok());
+    ASSERT_TRUE(
+        CallCompute(*stub, StartFor("head", batch, kHidden, true), FloatBytes(batch.hidden), 64)
+            .status.ok());
   };
   accumulate();
   const FetchedTensor before = Fetch(*stub, "head", false);
@@ -586,8 +594,9 @@ TEST(MasterWeightsTest, ABfloat16HeadKeepsUpdatesBelowItsRoundingAndCheckpointsT
   std::vector<double> master(weight.begin(), weight.end()), m(weight.size()), v(weight.size());
   constexpr double kLr = 1e-5, kBeta1 = 0.9, kBeta2 = 0.999, kEps = 1e-8, kDecay = 0.01;
   for (int step = 1; step <= 3; ++step) {
-    ASSERT_TRUE(CallCompute(*stub, StartFor("bf16", batch, kHidden, true),
-                            FloatBytes(batch.hidden), 64).status.ok());
+    ASSERT_TRUE(
+        CallCompute(*stub, StartFor("bf16", batch, kHidden, true), FloatBytes(batch.hidden), 64)
+            .status.ok());
     const FetchedTensor grad = Fetch(*stub, "bf16", true);
     v1::StepRequest request;
     request.set_head("bf16");

@@ -57,7 +57,8 @@ absl::StatusOr<DType> FromProto(v1::DType dtype, absl::string_view field) {
     case v1::DTYPE_FLOAT32: return DType::kFloat32;
     case v1::DTYPE_BFLOAT16: return DType::kBFloat16;
     case v1::DTYPE_FLOAT16: return DType::kFloat16;
-    default: return ServerViolation(absl::StrCat(field, " = ", static_cast<int>(dtype), ", not a dtype"));
+    default:
+      return ServerViolation(absl::StrCat(field, " = ", static_cast<int>(dtype), ", not a dtype"));
   }
 }
 
@@ -95,7 +96,8 @@ absl::StatusOr<DType> GradHiddenDType(const ComputeRequest& request) {
   if (wanted == v1::DTYPE_UNSPECIFIED) return request.hidden.dtype;
   absl::StatusOr<DType> dtype = FromProto(wanted, "outputs.grad_hidden_dtype");
   if (!dtype.ok()) {
-    return InvalidField("outputs.grad_hidden_dtype", "a lossd.v1.DType", absl::StrCat(static_cast<int>(wanted)));
+    return InvalidField("outputs.grad_hidden_dtype", "a lossd.v1.DType",
+                        absl::StrCat(static_cast<int>(wanted)));
   }
   return dtype;
 }
@@ -135,7 +137,8 @@ absl::Status ValidateTeacher(const ComputeRequest& request) {
     return InvalidField("teacher_hidden", "no rows without a teacher_head",
                         absl::StrCat(request.teacher_hidden.rows, " rows"));
   }
-  if (dense) RETURN_IF_ERROR(CheckMatrix(request.teacher_hidden, rows, "teacher_hidden", "hidden.rows"));
+  if (dense)
+    RETURN_IF_ERROR(CheckMatrix(request.teacher_hidden, rows, "teacher_hidden", "hidden.rows"));
   if (sparse) {
     if (request.teacher_top_k <= 0) {
       return InvalidField("teacher_top_k", "k >= 1 beside teacher_top_k_tokens/logprobs",
@@ -143,27 +146,30 @@ absl::Status ValidateTeacher(const ComputeRequest& request) {
     }
     const int64_t values = rows * request.teacher_top_k;
     for (const auto& [name, size] :
-         {std::pair<absl::string_view, size_t>{"teacher_top_k_tokens", request.teacher_top_k_tokens.size()},
+         {std::pair<absl::string_view, size_t>{"teacher_top_k_tokens",
+                                               request.teacher_top_k_tokens.size()},
           {"teacher_top_k_logprobs", request.teacher_top_k_logprobs.size()}}) {
       if (static_cast<int64_t>(size) != values) {
         return InvalidField(name,
-                            absl::StrCat(values, " entries (hidden.rows x teacher_top_k, ", rows, " x ",
-                                         request.teacher_top_k, ")"),
+                            absl::StrCat(values, " entries (hidden.rows x teacher_top_k, ", rows,
+                                         " x ", request.teacher_top_k, ")"),
                             absl::StrCat(size));
       }
     }
   }
   if ((dense || sparse) && request.shared_memory.value_or(false)) {
-    return InvalidField("shared_memory", "false for a call with a teacher, whose rows travel in messages",
-                        "true");
+    return InvalidField("shared_memory",
+                        "false for a call with a teacher, whose rows travel in messages", "true");
   }
   return absl::OkStatus();
 }
 
 absl::Status ValidateComputeRequest(const ComputeRequest& request) {
   const TensorView& hidden = request.hidden;
-  if (hidden.rows < 0) return InvalidField("hidden.rows", "a count >= 0", absl::StrCat(hidden.rows));
-  if (hidden.cols <= 0) return InvalidField("hidden.cols", "the head's hidden size", absl::StrCat(hidden.cols));
+  if (hidden.rows < 0)
+    return InvalidField("hidden.rows", "a count >= 0", absl::StrCat(hidden.rows));
+  if (hidden.cols <= 0)
+    return InvalidField("hidden.cols", "the head's hidden size", absl::StrCat(hidden.cols));
   if (hidden.rows > 0 && hidden.data == nullptr) {
     return InvalidField("hidden.data", "a pointer to the rows", "null");
   }
@@ -176,11 +182,12 @@ absl::Status ValidateComputeRequest(const ComputeRequest& request) {
                                      may_go_without_labels ? ", or none" : ""),
                         absl::StrCat(request.labels.size()));
   }
-  for (const auto& [name, size] : {std::pair<absl::string_view, size_t>{"token_weights", request.token_weights.size()},
-                                   {"sampling_logprobs", request.sampling_logprobs.size()},
-                                   {"advantages", request.advantages.size()},
-                                   {"reference_logprobs", request.reference_logprobs.size()},
-                                   {"logprob_grads", request.logprob_grads.size()}}) {
+  for (const auto& [name, size] :
+       {std::pair<absl::string_view, size_t>{"token_weights", request.token_weights.size()},
+        {"sampling_logprobs", request.sampling_logprobs.size()},
+        {"advantages", request.advantages.size()},
+        {"reference_logprobs", request.reference_logprobs.size()},
+        {"logprob_grads", request.logprob_grads.size()}}) {
     if (size != 0 && static_cast<int64_t>(size) != hidden.rows) {
       return InvalidField(name, absl::StrCat("0 or ", hidden.rows, " entries (hidden.rows)"),
                           absl::StrCat(size));
@@ -200,7 +207,8 @@ absl::Status ValidateComputeRequest(const ComputeRequest& request) {
   return absl::OkStatus();
 }
 
-// The bytes one row of a call takes in chunk messages: its hidden row and the teacher's data for it.
+// The bytes one row of a call takes in chunk messages: its hidden row and the teacher's data for
+// it.
 int64_t ChunkRowBytes(const ComputeRequest& request) {
   const auto row_bytes = [](const TensorView& view) {
     return view.cols * static_cast<int64_t>(DTypeSize(view.dtype));
@@ -211,15 +219,17 @@ int64_t ChunkRowBytes(const ComputeRequest& request) {
   return bytes;
 }
 
-absl::StatusOr<int64_t> RowsPerMessage(int64_t requested, int64_t row_bytes, int64_t max_message_bytes) {
+absl::StatusOr<int64_t> RowsPerMessage(int64_t requested, int64_t row_bytes,
+                                       int64_t max_message_bytes) {
   const int64_t payload_limit = max_message_bytes - kMessageOverheadBytes;
   if (row_bytes > payload_limit) {
-    return InvalidField(
-        "hidden",
-        absl::StrCat("rows of at most ", payload_limit, " bytes (max_message_bytes ", max_message_bytes, ")"),
-        absl::StrCat(row_bytes, " bytes per row"));
+    return InvalidField("hidden",
+                        absl::StrCat("rows of at most ", payload_limit,
+                                     " bytes (max_message_bytes ", max_message_bytes, ")"),
+                        absl::StrCat(row_bytes, " bytes per row"));
   }
-  if (requested == 0) return std::max<int64_t>(1, std::min(kTargetMessageBytes, payload_limit) / row_bytes);
+  if (requested == 0)
+    return std::max<int64_t>(1, std::min(kTargetMessageBytes, payload_limit) / row_bytes);
   if (requested > payload_limit / row_bytes) {
     return InvalidField("rows_per_message",
                         absl::StrCat("at most ", payload_limit / row_bytes, " rows of ", row_bytes,
@@ -243,7 +253,8 @@ v1::ComputeRequest StartMessage(const ComputeRequest& request) {
   start.set_hidden_size(hidden.cols);
   start.set_hidden_dtype(ToProto(hidden.dtype));
   start.mutable_labels()->Add(request.labels.begin(), request.labels.end());
-  const auto add = [](absl::Span<const float> values, google::protobuf::RepeatedField<float>* field) {
+  const auto add = [](absl::Span<const float> values,
+                      google::protobuf::RepeatedField<float>* field) {
     field->Add(values.begin(), values.end());
   };
   add(request.token_weights, start.mutable_token_weights());
@@ -306,7 +317,8 @@ class ResultAssembler {
       result_.summary.Swap(response.mutable_summary());
       return absl::OkStatus();
     }
-    if (!response.has_result()) return ServerViolation("a response with neither result nor summary");
+    if (!response.has_result())
+      return ServerViolation("a response with neither result nor summary");
     return Place(*response.mutable_result());
   }
 
@@ -323,14 +335,16 @@ class ResultAssembler {
     RETURN_IF_ERROR(per_token_.Add(piece));
     if (on_progress_) on_progress_(per_token_.covered(), rows_);
     const int64_t count = piece.num_rows();
-    const int64_t grad_bytes = grad_hidden_wanted_ && grad_hidden_in_messages_ ? count * grad_row_bytes_ : 0;
+    const int64_t grad_bytes =
+        grad_hidden_wanted_ && grad_hidden_in_messages_ ? count * grad_row_bytes_ : 0;
     if (static_cast<int64_t>(piece.grad_hidden().size()) != grad_bytes) {
-      return ServerViolation(absl::StrCat(piece.grad_hidden().size(), " bytes of grad_hidden for ", count,
-                                          " rows, expected ", grad_bytes));
+      return ServerViolation(absl::StrCat(piece.grad_hidden().size(), " bytes of grad_hidden for ",
+                                          count, " rows, expected ", grad_bytes));
     }
     if (grad_bytes > 0) {
       if (piece.grad_hidden_dtype() != ToProto(grad_dtype_)) {
-        return ServerViolation(absl::StrCat("grad_hidden_dtype ", static_cast<int>(piece.grad_hidden_dtype()),
+        return ServerViolation(absl::StrCat("grad_hidden_dtype ",
+                                            static_cast<int>(piece.grad_hidden_dtype()),
                                             ", expected ", DTypeName(grad_dtype_)));
       }
       std::memcpy(grad_hidden_ + piece.row_offset() * grad_row_bytes_, piece.grad_hidden().data(),
@@ -410,14 +424,16 @@ std::optional<v1::ErrorInfo> ErrorInfoOf(const absl::Status& status) {
 absl::Status ValidateChannelOptions(const ChannelOptions& options) {
   RETURN_IF_ERROR(ParseTarget(options.address).status());
   if (options.max_message_bytes < kMinMessageBytes || options.max_message_bytes > INT_MAX) {
-    return InvalidField("max_message_bytes", absl::StrCat("a size in [", kMinMessageBytes, ", ", INT_MAX, "]"),
+    return InvalidField("max_message_bytes",
+                        absl::StrCat("a size in [", kMinMessageBytes, ", ", INT_MAX, "]"),
                         absl::StrCat(options.max_message_bytes));
   }
   if (options.deadline <= absl::ZeroDuration()) {
     return InvalidField("deadline", "a positive duration (infinite: none)",
                         absl::FormatDuration(options.deadline));
   }
-  if (options.keepalive_time <= absl::ZeroDuration() || options.keepalive_timeout <= absl::ZeroDuration()) {
+  if (options.keepalive_time <= absl::ZeroDuration() ||
+      options.keepalive_timeout <= absl::ZeroDuration()) {
     return InvalidField("keepalive_time/keepalive_timeout", "positive durations",
                         absl::StrCat(absl::FormatDuration(options.keepalive_time), " / ",
                                      absl::FormatDuration(options.keepalive_timeout)));
@@ -463,8 +479,8 @@ std::string ServiceConfig(const RetryOptions& retry, Balancing balancing) {
     std::vector<std::string> names;
     for (const char* method :
          {"ListHeads", "GetHead", "FetchWeight", "FetchGradWeight", "GetSharedMemorySocket"}) {
-      names.push_back(absl::StrFormat(R"({"service": "lossd.v1.LossService", "method": "%s"})",
-                                      method));
+      names.push_back(
+          absl::StrFormat(R"({"service": "lossd.v1.LossService", "method": "%s"})", method));
     }
     parts.push_back(absl::StrFormat(
         R"("methodConfig": [{"name": [%s], "retryPolicy": {"maxAttempts": %d, )"
@@ -487,7 +503,8 @@ std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options, Balanc
   args.SetMaxSendMessageSize(ClampToInt(options.max_message_bytes));
   args.SetMaxReceiveMessageSize(ClampToInt(options.max_message_bytes));
   // An infinite keepalive time clamps to INT_MAX ms, which gRPC reads as "off".
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, ClampToInt(absl::ToInt64Milliseconds(options.keepalive_time)));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS,
+              ClampToInt(absl::ToInt64Milliseconds(options.keepalive_time)));
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
               ClampToInt(absl::ToInt64Milliseconds(options.keepalive_timeout)));
   std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
@@ -558,11 +575,11 @@ absl::StatusOr<std::string> Client::SharedMemorySocketName(absl::Duration deadli
   RETURN_IF_ERROR(RequireOneServer("shared memory"));
   grpc::ClientContext context;
   PrepareContext(context);
-  if (deadline < options_.deadline) context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  if (deadline < options_.deadline)
+    context.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
   v1::SharedMemorySocket response;
-  RETURN_IF_ERROR(FromGrpcStatus(
-      one_server_stub_->GetSharedMemorySocket(&context, v1::GetSharedMemorySocketRequest(),
-                                              &response)));
+  RETURN_IF_ERROR(FromGrpcStatus(one_server_stub_->GetSharedMemorySocket(
+      &context, v1::GetSharedMemorySocketRequest(), &response)));
   return response.abstract_name();
 }
 
@@ -629,7 +646,8 @@ absl::StatusOr<HeadInfo> Client::UploadHead(const std::string& head, const Tenso
   return FromProto(response);
 }
 
-absl::StatusOr<Tensor> Client::FetchWeight(const std::string& head, DType dtype, bool master) const {
+absl::StatusOr<Tensor> Client::FetchWeight(const std::string& head, DType dtype,
+                                           bool master) const {
   return FetchTensor(head, dtype, /*gradient=*/false, master);
 }
 
@@ -680,8 +698,8 @@ absl::StatusOr<Tensor> Client::FetchTensor(const std::string& head, DType dtype,
       RETURN_IF_ERROR(coverage->Mark(chunk.row_offset(), chunk.num_rows()));
       const int64_t row_bytes = tensor.cols * static_cast<int64_t>(DTypeSize(dtype));
       if (static_cast<int64_t>(chunk.data().size()) != chunk.num_rows() * row_bytes) {
-        return ServerViolation(absl::StrCat(chunk.data().size(), " bytes for ", chunk.num_rows(), " rows of ",
-                                            row_bytes, " bytes"));
+        return ServerViolation(absl::StrCat(chunk.data().size(), " bytes for ", chunk.num_rows(),
+                                            " rows of ", row_bytes, " bytes"));
       }
       std::memcpy(tensor.bytes.data() + chunk.row_offset() * row_bytes, chunk.data().data(),
                   chunk.data().size());
@@ -693,7 +711,8 @@ absl::StatusOr<Tensor> Client::FetchTensor(const std::string& head, DType dtype,
   RETURN_IF_ERROR(assembled);
   RETURN_IF_ERROR(FromGrpcStatus(status));
   if (!coverage.has_value() || !coverage->complete()) {
-    return ServerViolation(absl::StrCat("an incomplete tensor (", coverage ? coverage->covered() : 0,
+    return ServerViolation(absl::StrCat("an incomplete tensor (",
+                                        coverage ? coverage->covered() : 0,
                                         " rows) before ending the fetch"));
   }
   return tensor;
@@ -811,10 +830,12 @@ absl::StatusOr<GradNormResult> Client::GradWeightNorm(const GradNormOptions& opt
                         .accumulated_calls = response.accumulated_calls()};
 }
 
-absl::StatusOr<CommitResult> Client::CommitGradWeight(const std::string& head, const std::string& call_id,
+absl::StatusOr<CommitResult> Client::CommitGradWeight(const std::string& head,
+                                                      const std::string& call_id,
                                                       double scale) const {
   RETURN_IF_ERROR(RequireOneServer("committing a staged dL/dW"));
-  if (call_id.empty()) return InvalidField("call_id", "the id of a call that staged its dL/dW", "none");
+  if (call_id.empty())
+    return InvalidField("call_id", "the id of a call that staged its dL/dW", "none");
   v1::CommitGradWeightRequest request;
   request.set_head(head);
   request.set_call_id(call_id);
@@ -855,23 +876,25 @@ absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) con
   v1::ComputeRequest start_message = StartMessage(request);
   const int64_t start_bytes = static_cast<int64_t>(start_message.ByteSizeLong());
   if (start_bytes > options_.max_message_bytes) {
-    return InvalidField("labels",
-                        absl::StrCat("a start message within max_message_bytes (", options_.max_message_bytes,
-                                     " bytes); split the batch into several calls"),
-                        absl::StrCat(request.hidden.rows, " tokens in ", start_bytes, " bytes"));
+    return InvalidField(
+        "labels",
+        absl::StrCat("a start message within max_message_bytes (", options_.max_message_bytes,
+                     " bytes); split the batch into several calls"),
+        absl::StrCat(request.hidden.rows, " tokens in ", start_bytes, " bytes"));
   }
   const bool shared_memory = UsesSharedMemory(request);
-  return WithRetries<ComputeResult>(options_.compute_retry, [&](int attempt) -> absl::StatusOr<ComputeResult> {
-    ComputeResult result;
-    const absl::Time call_start = absl::Now();
-    // The shared-memory path names its memfd in the start message, anew for each attempt.
-    RETURN_IF_ERROR(shared_memory ? RunComputeShared(request, start_message, result)
-                                  : RunCompute(request, start_message, result));
-    result.wall_seconds = absl::ToDoubleSeconds(absl::Now() - call_start);
-    result.call_id = start_message.start().call_id();
-    result.attempts = attempt;
-    return result;
-  });
+  return WithRetries<ComputeResult>(
+      options_.compute_retry, [&](int attempt) -> absl::StatusOr<ComputeResult> {
+        ComputeResult result;
+        const absl::Time call_start = absl::Now();
+        // The shared-memory path names its memfd in the start message, anew for each attempt.
+        RETURN_IF_ERROR(shared_memory ? RunComputeShared(request, start_message, result)
+                                      : RunCompute(request, start_message, result));
+        result.wall_seconds = absl::ToDoubleSeconds(absl::Now() - call_start);
+        result.call_id = start_message.start().call_id();
+        result.attempts = attempt;
+        return result;
+      });
 }
 
 namespace {
@@ -880,8 +903,8 @@ using ComputeStream = grpc::ClientReaderWriter<v1::ComputeRequest, v1::ComputeRe
 
 // Reads the call's responses into the assembler until the server ends the stream; the status of
 // the whole call.
-absl::Status ReadResults(grpc::ClientContext& context, ComputeStream& stream, ResultAssembler& assembler,
-                         ComputeResult& result) {
+absl::Status ReadResults(grpc::ClientContext& context, ComputeStream& stream,
+                         ResultAssembler& assembler, ComputeResult& result) {
   absl::Status assembled = absl::OkStatus();
   v1::ComputeResponse response;
   while (stream.Read(&response)) {
@@ -898,7 +921,8 @@ absl::Status ReadResults(grpc::ClientContext& context, ComputeStream& stream, Re
   return assembled;
 }
 
-absl::Status FinishCall(ComputeStream& stream, const absl::Status& assembled, ResultAssembler& assembler) {
+absl::Status FinishCall(ComputeStream& stream, const absl::Status& assembled,
+                        ResultAssembler& assembler) {
   const grpc::Status status = stream.Finish();
   RETURN_IF_ERROR(assembled);
   RETURN_IF_ERROR(FromGrpcStatus(status));
@@ -939,9 +963,9 @@ std::vector<RowStream> RowStreams(const ComputeRequest& request) {
 absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeRequest& start_message,
                                 ComputeResult& result) const {
   const TensorView& hidden = request.hidden;
-  ASSIGN_OR_RETURN(const int64_t rows_per_message,
-                   RowsPerMessage(request.rows_per_message, ChunkRowBytes(request),
-                                  options_.max_message_bytes));
+  ASSIGN_OR_RETURN(
+      const int64_t rows_per_message,
+      RowsPerMessage(request.rows_per_message, ChunkRowBytes(request), options_.max_message_bytes));
   ASSIGN_OR_RETURN(const DType grad_dtype, GradHiddenDType(request));
   ASSIGN_OR_RETURN(PerTokenAssembler per_token,
                    PerTokenAssembler::Create(request.outputs, hidden.rows, &result.per_token));
@@ -997,7 +1021,8 @@ absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeReques
   return finished;
 }
 
-absl::Status Client::RunComputeShared(const ComputeRequest& request, v1::ComputeRequest& start_message,
+absl::Status Client::RunComputeShared(const ComputeRequest& request,
+                                      v1::ComputeRequest& start_message,
                                       ComputeResult& result) const {
   const TensorView& hidden = request.hidden;
   const uint64_t hidden_bytes =
@@ -1006,12 +1031,15 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request, v1::Compute
   ASSIGN_OR_RETURN(PerTokenAssembler per_token,
                    PerTokenAssembler::Create(request.outputs, hidden.rows, &result.per_token));
   const uint64_t grad_bytes =
-      request.outputs.grad_hidden() ? static_cast<uint64_t>(hidden.rows) * hidden.cols * DTypeSize(grad_dtype) : 0;
+      request.outputs.grad_hidden()
+          ? static_cast<uint64_t>(hidden.rows) * hidden.cols * DTypeSize(grad_dtype)
+          : 0;
   constexpr uint64_t kAlignment = 64;  // the server's rule for both offsets
   const uint64_t grad_offset = (hidden_bytes + kAlignment - 1) / kAlignment * kAlignment;
   ASSIGN_OR_RETURN(const std::shared_ptr<HandoverConnection> handover,
                    handover_->Get([this] { return SharedMemorySocketName(); }));
-  ASSIGN_OR_RETURN(std::unique_ptr<SharedBuffer> buffer, shared_buffers_->Acquire(grad_offset + grad_bytes));
+  ASSIGN_OR_RETURN(std::unique_ptr<SharedBuffer> buffer,
+                   shared_buffers_->Acquire(grad_offset + grad_bytes));
   ASSIGN_OR_RETURN(const std::string handle, buffer->HandleOn(handover));
   CopyInParallel(buffer->data(), hidden.data, hidden_bytes);
   v1::SharedMemory& shared = *start_message.mutable_start()->mutable_shared_memory();

@@ -39,13 +39,13 @@
 #include "absl/time/time.h"
 #include "client/cpp/npy.h"
 #include "client/cpp/result_assembler.h"
+#include "lossd/client/client.h"
 #include "lossd/common/counter_random.h"
 #include "lossd/common/status_macros.h"
 #include "lossd/common/version.h"
-#include "lossd/client/client.h"
-#include "nlohmann/json.hpp"
 #include "lossd/storage/hf_checkpoint.h"
 #include "lossd/storage/safetensors.h"
+#include "nlohmann/json.hpp"
 
 namespace lossd::client {
 namespace {
@@ -61,7 +61,9 @@ absl::Status UsageError(absl::string_view message) {
   return status;
 }
 
-bool IsUsageError(const absl::Status& status) { return status.GetPayload(kUsagePayload).has_value(); }
+bool IsUsageError(const absl::Status& status) {
+  return status.GetPayload(kUsagePayload).has_value();
+}
 
 // ---------------------------------------------------------------------------------------------
 // Flags: --name=value or --name value; booleans as --name, --name=true or --name=false.
@@ -89,9 +91,10 @@ class Flags {
         continue;
       }
       const size_t equals = arg.find('=');
-      const std::string name = arg.substr(2, equals == std::string::npos ? std::string::npos : equals - 2);
-      const auto spec =
-          std::find_if(specs.begin(), specs.end(), [&](const FlagSpec& s) { return s.name == name; });
+      const std::string name =
+          arg.substr(2, equals == std::string::npos ? std::string::npos : equals - 2);
+      const auto spec = std::find_if(specs.begin(), specs.end(),
+                                     [&](const FlagSpec& s) { return s.name == name; });
       if (spec == specs.end()) return UsageError(absl::StrCat("unknown flag --", name));
       std::string value;
       if (equals != std::string::npos) {
@@ -119,7 +122,8 @@ class Flags {
   absl::Status Set(const FlagSpec& spec, const std::string& value, bool from_command_line) {
     if (from_command_line) given_.insert(spec.name);
     auto bad = [&](absl::string_view expected) {
-      return UsageError(absl::StrCat("--", spec.name, ": expected ", expected, ", got \"", value, "\""));
+      return UsageError(
+          absl::StrCat("--", spec.name, ": expected ", expected, ", got \"", value, "\""));
     };
     switch (spec.kind) {
       case FlagKind::kBool: {
@@ -191,7 +195,8 @@ absl::StatusOr<Client> ConnectFromFlags(const Flags& flags) {
     return UsageError(address.message());
   }
   if (!flags.String("token_file").empty()) {
-    ASSIGN_OR_RETURN(const std::string text, ReadTextFile(flags.String("token_file"), "token_file"));
+    ASSIGN_OR_RETURN(const std::string text,
+                     ReadTextFile(flags.String("token_file"), "token_file"));
     const absl::string_view first_line = absl::string_view(text).substr(0, text.find('\n'));
     options.bearer_token = std::string(absl::StripAsciiWhitespace(first_line));
     if (options.bearer_token.empty()) {
@@ -200,7 +205,8 @@ absl::StatusOr<Client> ConnectFromFlags(const Flags& flags) {
     }
   }
   if (!flags.String("tls_ca_file").empty()) {
-    ASSIGN_OR_RETURN(options.tls_root_cert_pem, ReadTextFile(flags.String("tls_ca_file"), "tls_ca_file"));
+    ASSIGN_OR_RETURN(options.tls_root_cert_pem,
+                     ReadTextFile(flags.String("tls_ca_file"), "tls_ca_file"));
   }
   const int64_t max_message_mib = flags.Int("max_message_mib");
   if (max_message_mib < 1 || max_message_mib > 2047) {
@@ -250,7 +256,8 @@ absl::StatusOr<std::string> PinnedWeights(const Client& client, const Flags& fla
 // Input files: .npy, or .safetensors with an optional #TENSOR.
 
 // A file's array as a matrix: its rows are every dimension but the last, flattened.
-absl::StatusOr<Tensor> MatrixFromShape(std::string bytes, DType dtype, const std::vector<int64_t>& shape,
+absl::StatusOr<Tensor> MatrixFromShape(std::string bytes, DType dtype,
+                                       const std::vector<int64_t>& shape,
                                        absl::string_view source) {
   if (shape.size() < 2) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -273,8 +280,8 @@ absl::StatusOr<Tensor> ReadNpyMatrix(const std::string& path) {
     case NpyDType::kFloat16: dtype = DType::kFloat16; break;
     case NpyDType::kUInt16: dtype = DType::kBFloat16; break;  // bfloat16 bits, see npy.h
     default:
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ": expected <f4, <f2 or <u2 (bfloat16 bits), got ", NpyDescr(array.dtype)));
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": expected <f4, <f2 or <u2 (bfloat16 bits), got ", NpyDescr(array.dtype)));
   }
   return MatrixFromShape(std::move(array.data), dtype, array.shape, path);
 }
@@ -312,14 +319,15 @@ absl::StatusOr<Tensor> ReadSafetensorsMatrix(absl::string_view spec,
   } else if (tensor.dtype == "F16") {
     dtype = DType::kFloat16;
   } else {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, "#", tensor_name, ": expected dtype F32, BF16 or F16, got ", tensor.dtype));
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, "#", tensor_name, ": expected dtype F32, BF16 or F16, got ", tensor.dtype));
   }
-  return MatrixFromShape(std::string(reinterpret_cast<const char*>(tensor.data), tensor.bytes), dtype,
-                         tensor.shape, absl::StrCat(path, "#", tensor_name));
+  return MatrixFromShape(std::string(reinterpret_cast<const char*>(tensor.data), tensor.bytes),
+                         dtype, tensor.shape, absl::StrCat(path, "#", tensor_name));
 }
 
-absl::StatusOr<Tensor> ReadMatrix(const std::string& spec, const std::vector<std::string>& default_tensors) {
+absl::StatusOr<Tensor> ReadMatrix(const std::string& spec,
+                                  const std::vector<std::string>& default_tensors) {
   if (absl::StrContains(spec, ".safetensors")) return ReadSafetensorsMatrix(spec, default_tensors);
   return ReadNpyMatrix(spec);
 }
@@ -511,12 +519,12 @@ absl::Status RunHeads(const Flags& flags) {
   ASSIGN_OR_RETURN(const Client client, ConnectFromFlags(flags));
   ASSIGN_OR_RETURN(const HeadList list, client.ListHeads());
   absl::PrintF("backend: %s\n", list.backend);
-  absl::PrintF("%-24s %10s %8s %-9s %8s %6s %-9s %12s  %s\n", "HEAD", "VOCAB", "HIDDEN", "DTYPE", "VERSION",
-               "STEPS", "OPTIMIZER", "GRAD_TOKENS", "SOURCE");
+  absl::PrintF("%-24s %10s %8s %-9s %8s %6s %-9s %12s  %s\n", "HEAD", "VOCAB", "HIDDEN", "DTYPE",
+               "VERSION", "STEPS", "OPTIMIZER", "GRAD_TOKENS", "SOURCE");
   for (const HeadInfo& head : list.heads) {
-    absl::PrintF("%-24s %10d %8d %-9s %8d %6d %-9s %12d  %s\n", head.name, head.vocab_size, head.hidden_size,
-                 DTypeName(head.dtype), head.version, head.steps, OptimizerName(head.optimizer),
-                 head.accumulated_tokens, head.source);
+    absl::PrintF("%-24s %10d %8d %-9s %8d %6d %-9s %12d  %s\n", head.name, head.vocab_size,
+                 head.hidden_size, DTypeName(head.dtype), head.version, head.steps,
+                 OptimizerName(head.optimizer), head.accumulated_tokens, head.source);
   }
   return absl::OkStatus();
 }
@@ -549,10 +557,10 @@ absl::Status RunHead(const Flags& flags) {
 
 // verl's agg_loss names, accepted beside lossd's own.
 const std::map<std::string, std::string>& ReductionAliases() {
-  static const auto* aliases = new std::map<std::string, std::string>{
-      {"token-mean", "mean"},
-      {"seq-mean-token-sum", "sequence_mean_token_sum"},
-      {"seq-mean-token-mean", "sequence_mean_token_mean"}};
+  static const auto* aliases =
+      new std::map<std::string, std::string>{{"token-mean", "mean"},
+                                             {"seq-mean-token-sum", "sequence_mean_token_sum"},
+                                             {"seq-mean-token-mean", "sequence_mean_token_mean"}};
   return *aliases;
 }
 
@@ -576,8 +584,8 @@ absl::StatusOr<int> EnumFlag(const Flags& flags, const std::string& name,
                                : absl::StrCat(prefix, absl::AsciiStrToUpper(value));
   const google::protobuf::EnumValueDescriptor* found = type.FindValueByName(full);
   if (found == nullptr) {
-    return UsageError(absl::StrCat("--", name, ": expected one of ", EnumChoices(type, prefix), ", got \"",
-                                   flags.String(name), "\""));
+    return UsageError(absl::StrCat("--", name, ": expected one of ", EnumChoices(type, prefix),
+                                   ", got \"", flags.String(name), "\""));
   }
   return found->number();
 }
@@ -600,8 +608,8 @@ absl::Status SelectOutputs(const std::string& list, v1::OutputSelection& outputs
     const google::protobuf::FieldDescriptor* field =
         outputs.GetDescriptor()->FindFieldByName(std::string(name));
     if (field == nullptr || field->type() != google::protobuf::FieldDescriptor::TYPE_BOOL) {
-      return UsageError(absl::StrCat("--outputs: expected names among ", absl::StrJoin(OutputNames(), ", "),
-                                     "; got \"", name, "\""));
+      return UsageError(absl::StrCat("--outputs: expected names among ",
+                                     absl::StrJoin(OutputNames(), ", "), "; got \"", name, "\""));
     }
     outputs.GetReflection()->SetBool(&outputs, field, true);
   }
@@ -655,7 +663,8 @@ absl::Status WriteComputeJson(const std::string& path, const ComputeRequest& req
         continue;
       }
       nlohmann::json row = nlohmann::json::array();
-      for (int j = 0; j < f.values_per_row; ++j) row.push_back(FieldJson(result.per_token, f.field, i + j));
+      for (int j = 0; j < f.values_per_row; ++j)
+        row.push_back(FieldJson(result.per_token, f.field, i + j));
       values.push_back(std::move(row));
     }
     json[f.field->name()] = std::move(values);
@@ -669,7 +678,8 @@ absl::Status WriteComputeJson(const std::string& path, const ComputeRequest& req
 }
 
 // A flag that sets an optional double of the options only when given.
-void SetIfGiven(const Flags& flags, const std::string& name, const std::function<void(double)>& set) {
+void SetIfGiven(const Flags& flags, const std::string& name,
+                const std::function<void(double)>& set) {
   if (flags.given(name)) set(flags.Double(name));
 }
 
@@ -712,8 +722,9 @@ absl::Status LossOptionsFromFlags(const Flags& flags, v1::LossOptions& options) 
   SetIfGiven(flags, "distill_temperature", [&](double v) { distill.set_temperature(v); });
   SetIfGiven(flags, "teacher_softcap", [&](double v) { distill.set_teacher_logit_softcap(v); });
   SetIfGiven(flags, "teacher_temperature", [&](double v) { distill.set_teacher_temperature(v); });
-  ASSIGN_OR_RETURN(const int mass, EnumFlag(flags, "sparse_teacher_mass",
-                                            *v1::SparseTeacherMass_descriptor(), "SPARSE_TEACHER_"));
+  ASSIGN_OR_RETURN(const int mass,
+                   EnumFlag(flags, "sparse_teacher_mass", *v1::SparseTeacherMass_descriptor(),
+                            "SPARSE_TEACHER_"));
   distill.set_sparse_teacher_mass(static_cast<v1::SparseTeacherMass>(mass));
   return absl::OkStatus();
 }
@@ -723,7 +734,8 @@ struct ComputeInputs {
   Tensor hidden;
   std::vector<int64_t> labels;
   std::vector<int64_t> sequence_lengths;
-  std::vector<float> token_weights, sampling_logprobs, advantages, reference_logprobs, logprob_grads;
+  std::vector<float> token_weights, sampling_logprobs, advantages, reference_logprobs,
+      logprob_grads;
   Tensor teacher_hidden;
   std::vector<int32_t> teacher_top_k_tokens;
   std::vector<float> teacher_top_k_logprobs;
@@ -748,7 +760,8 @@ absl::Status ReadSparseTeacher(const Flags& flags, int64_t rows, ComputeInputs& 
   ASSIGN_OR_RETURN(const std::vector<int64_t> tokens, ReadIntegers(tokens_path, what, rows * k));
   for (const int64_t token : tokens) {
     if (token < 0 || token > INT32_MAX) {
-      return absl::InvalidArgumentError(absl::StrCat(tokens_path, ": token id ", token, " is not one"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(tokens_path, ": token id ", token, " is not one"));
     }
     inputs.teacher_top_k_tokens.push_back(static_cast<int32_t>(token));
   }
@@ -758,11 +771,13 @@ absl::Status ReadSparseTeacher(const Flags& flags, int64_t rows, ComputeInputs& 
 }
 
 absl::StatusOr<ComputeInputs> ReadComputeInputs(const Flags& flags, const HeadInfo& head,
-                                                const v1::LossOptions& options, DType synthetic_dtype) {
+                                                const v1::LossOptions& options,
+                                                DType synthetic_dtype) {
   ComputeInputs inputs;
   const uint64_t seed = static_cast<uint64_t>(flags.Int("seed"));
   if (flags.given("synthetic")) {
-    inputs.hidden = SyntheticHidden(flags.Int("synthetic"), head.hidden_size, synthetic_dtype, seed);
+    inputs.hidden =
+        SyntheticHidden(flags.Int("synthetic"), head.hidden_size, synthetic_dtype, seed);
   } else {
     ASSIGN_OR_RETURN(inputs.hidden, ReadMatrix(flags.String("hidden"), {}));
   }
@@ -780,13 +795,15 @@ absl::StatusOr<ComputeInputs> ReadComputeInputs(const Flags& flags, const HeadIn
     ASSIGN_OR_RETURN(inputs.sequence_lengths,
                      ReadIntegers(flags.String("sequence_lengths"), "sequence lengths", -1));
   }
-  for (const auto& [flag, values] : {std::pair<const char*, std::vector<float>*>{"weights", &inputs.token_weights},
-                                     {"sampling_logprobs", &inputs.sampling_logprobs},
-                                     {"advantages", &inputs.advantages},
-                                     {"reference_logprobs", &inputs.reference_logprobs},
-                                     {"logprob_grads", &inputs.logprob_grads}}) {
+  for (const auto& [flag, values] :
+       {std::pair<const char*, std::vector<float>*>{"weights", &inputs.token_weights},
+        {"sampling_logprobs", &inputs.sampling_logprobs},
+        {"advantages", &inputs.advantages},
+        {"reference_logprobs", &inputs.reference_logprobs},
+        {"logprob_grads", &inputs.logprob_grads}}) {
     if (flags.String(flag).empty()) continue;
-    ASSIGN_OR_RETURN(*values, ReadFloats(flags.String(flag), absl::StrCat(flag, " (one per hidden row)"), rows));
+    ASSIGN_OR_RETURN(
+        *values, ReadFloats(flags.String(flag), absl::StrCat(flag, " (one per hidden row)"), rows));
   }
   if (!flags.String("teacher_head").empty()) {
     RETURN_IF_ERROR(RequireFlag(flags, "teacher_hidden"));
@@ -823,10 +840,13 @@ absl::Status RunCompute(const Flags& flags) {
     return UsageError("compute: give exactly one of --hidden FILE and --synthetic N");
   }
   if (flags.given("synthetic") && flags.Int("synthetic") < 0) {
-    return UsageError(absl::StrCat("--synthetic: expected a token count >= 0, got ", flags.Int("synthetic")));
+    return UsageError(
+        absl::StrCat("--synthetic: expected a token count >= 0, got ", flags.Int("synthetic")));
   }
-  if (!flags.String("grad_out").empty() && !flags.Bool("grad")) return UsageError("--grad_out needs --grad");
-  if (flags.Bool("stage") && !flags.Bool("accumulate")) return UsageError("--stage needs --accumulate");
+  if (!flags.String("grad_out").empty() && !flags.Bool("grad"))
+    return UsageError("--grad_out needs --grad");
+  if (flags.Bool("stage") && !flags.Bool("accumulate"))
+    return UsageError("--stage needs --accumulate");
   ComputeRequest request;
   RETURN_IF_ERROR(LossOptionsFromFlags(flags, request.options));
   ASSIGN_OR_RETURN(const DType synthetic_dtype, DTypeFlag(flags, "dtype"));
@@ -837,7 +857,8 @@ absl::Status RunCompute(const Flags& flags) {
     RETURN_IF_ERROR(SelectOutputs(flags.String("outputs"), outputs));
   } else if (per_token) {
     // What --out always held before outputs could be named.
-    for (const char* name : {"token_loss", "logprob", "argmax"}) RETURN_IF_ERROR(SelectOutputs(name, outputs));
+    for (const char* name : {"token_loss", "logprob", "argmax"})
+      RETURN_IF_ERROR(SelectOutputs(name, outputs));
   }
   if (flags.Bool("entropy")) outputs.set_entropy(true);
   outputs.set_top_k(static_cast<int32_t>(flags.Int("top_k")));
@@ -893,8 +914,10 @@ absl::Status RunCompute(const Flags& flags) {
   const std::string reduction_name =
       request.options.reduction() == v1::REDUCTION_NONE
           ? "sum; reduction none"
-          : absl::AsciiStrToLower(absl::StripPrefix(v1::Reduction_Name(request.options.reduction()), "REDUCTION_"));
-  absl::PrintF("loss %.9g (%s), loss_sum %.9g\n", summary.loss(), reduction_name, summary.loss_sum());
+          : absl::AsciiStrToLower(
+                absl::StripPrefix(v1::Reduction_Name(request.options.reduction()), "REDUCTION_"));
+  absl::PrintF("loss %.9g (%s), loss_sum %.9g\n", summary.loss(), reduction_name,
+               summary.loss_sum());
   absl::PrintF("accuracy %.6f (%d of %d counted tokens)\n",
                summary.counted_tokens() > 0
                    ? static_cast<double>(summary.correct_tokens()) / summary.counted_tokens()
@@ -904,7 +927,8 @@ absl::Status RunCompute(const Flags& flags) {
   if (result.per_token.entropy_size() > 0) {
     double total = 0.0;
     for (float value : result.per_token.entropy()) total += value;
-    absl::PrintF("entropy mean %.6g nats\n", total / static_cast<double>(result.per_token.entropy_size()));
+    absl::PrintF("entropy mean %.6g nats\n",
+                 total / static_cast<double>(result.per_token.entropy_size()));
   }
   const int top_k = outputs.top_k();
   if (top_k > 0 && !per_token && hidden.rows > 0) {
@@ -922,13 +946,14 @@ absl::Status RunCompute(const Flags& flags) {
                  DTypeName(result.grad_hidden.dtype), L2Norm(result.grad_hidden));
     if (!flags.String("grad_out").empty()) {
       RETURN_IF_ERROR(WriteTensorNpy(flags.String("grad_out"), result.grad_hidden));
-      absl::PrintF("wrote dL/dh to %s%s\n", flags.String("grad_out"), DTypeNote(result.grad_hidden.dtype));
+      absl::PrintF("wrote dL/dh to %s%s\n", flags.String("grad_out"),
+                   DTypeNote(result.grad_hidden.dtype));
     }
   }
   if (outputs.accumulate_grad_weight()) {
     absl::PrintF("dL/dW %s the head's accumulator (call id %s)\n",
-                 summary.replayed()                  ? "was already in (replayed), not added again to"
-                 : summary.grad_weight_staged()      ? "is staged, waiting for commit-grad to add it to"
+                 summary.replayed()             ? "was already in (replayed), not added again to"
+                 : summary.grad_weight_staged() ? "is staged, waiting for commit-grad to add it to"
                  : summary.grad_weight_accumulated() ? "added to"
                                                      : "NOT added to",
                  result.call_id);
@@ -937,10 +962,12 @@ absl::Status RunCompute(const Flags& flags) {
     RETURN_IF_ERROR(WriteComputeJson(flags.String("out"), request, result));
     absl::PrintF("wrote per-token results to %s\n", flags.String("out"));
   }
-  absl::PrintF("time %.3f s wall, %.3f s queued, %.3f s computing; sent %s, received %s; peak workspace %s\n",
-               result.wall_seconds, summary.queue_seconds(), summary.compute_seconds(),
-               Mebibytes(result.bytes_sent), Mebibytes(result.bytes_received),
-               Mebibytes(summary.peak_workspace_bytes()));
+  absl::PrintF(
+      "time %.3f s wall, %.3f s queued, %.3f s computing; sent %s, received %s; peak workspace "
+      "%s\n",
+      result.wall_seconds, summary.queue_seconds(), summary.compute_seconds(),
+      Mebibytes(result.bytes_sent), Mebibytes(result.bytes_received),
+      Mebibytes(summary.peak_workspace_bytes()));
   return absl::OkStatus();
 }
 
@@ -949,12 +976,13 @@ absl::Status RunFetch(const Flags& flags, bool gradient) {
   ASSIGN_OR_RETURN(const DType dtype, DTypeFlag(flags, "dtype"));
   ASSIGN_OR_RETURN(const Client client, ConnectFromFlags(flags));
   ASSIGN_OR_RETURN(const HeadInfo head, ResolveHead(client, flags));
-  ASSIGN_OR_RETURN(const Tensor tensor, gradient ? client.FetchGradWeight(head.name, dtype)
-                                                 : client.FetchWeight(head.name, dtype, flags.Bool("master")));
+  ASSIGN_OR_RETURN(const Tensor tensor,
+                   gradient ? client.FetchGradWeight(head.name, dtype)
+                            : client.FetchWeight(head.name, dtype, flags.Bool("master")));
   RETURN_IF_ERROR(WriteTensorNpy(flags.String("out"), tensor));
   absl::PrintF("wrote %s of head %s (version %d) to %s: [%d, %d] %s%s, norm %.6g",
-               gradient ? "dL/dW" : (flags.Bool("master") ? "W's master weights" : "W"),
-               head.name, tensor.head_version, flags.String("out"), tensor.rows, tensor.cols,
+               gradient ? "dL/dW" : (flags.Bool("master") ? "W's master weights" : "W"), head.name,
+               tensor.head_version, flags.String("out"), tensor.rows, tensor.cols,
                DTypeName(tensor.dtype), DTypeNote(tensor.dtype), L2Norm(tensor));
   if (gradient) absl::PrintF(", %d accumulated tokens", tensor.accumulated_tokens);
   absl::PrintF("\n");
@@ -1007,7 +1035,8 @@ absl::Status RunStep(const Flags& flags) {
     if (flags.given("weight_decay")) sgd.weight_decay = flags.Double("weight_decay");
     options.optimizer = sgd;
   } else if (optimizer == "adamw") {
-    if (flags.given("momentum")) return UsageError("--momentum is an SGD setting; --optimizer is adamw");
+    if (flags.given("momentum"))
+      return UsageError("--momentum is an SGD setting; --optimizer is adamw");
     AdamWOptions adamw;
     if (flags.given("lr")) adamw.learning_rate = flags.Double("lr");
     if (flags.given("beta1")) adamw.beta1 = flags.Double("beta1");
@@ -1028,18 +1057,22 @@ absl::Status RunStep(const Flags& flags) {
   RETURN_IF_ERROR(RanksFromFlags(flags, head, options.ranks, options.head_version));
   ASSIGN_OR_RETURN(const StepResult result, client.Step(options));
   if (result.skipped) {
-    absl::PrintF("skipped the step of head %s: the gradient's norm %.6g is not finite; version %d, %d tokens%s\n",
-                 head.name, result.grad_norm, result.head_version, result.accumulated_tokens,
-                 options.keep_grad ? ", gradient kept" : ", gradient zeroed");
+    absl::PrintF(
+        "skipped the step of head %s: the gradient's norm %.6g is not finite; version %d, %d "
+        "tokens%s\n",
+        head.name, result.grad_norm, result.head_version, result.accumulated_tokens,
+        options.keep_grad ? ", gradient kept" : ", gradient zeroed");
     return absl::OkStatus();
   }
   absl::PrintF(
-      "stepped head %s with %s: version %d -> %d, grad norm %.6g (clip multiplier %.6g), %d tokens%s%s\n",
-      head.name, optimizer, head.version, result.head_version, result.grad_norm, result.clip_multiplier,
-      result.accumulated_tokens, options.keep_grad ? ", gradient kept" : ", gradient zeroed",
-      options.ranks.world_size > 1 ? absl::StrFormat(" (rank %d of %d)", options.ranks.rank,
-                                                     options.ranks.world_size)
-                                   : "");
+      "stepped head %s with %s: version %d -> %d, grad norm %.6g (clip multiplier %.6g), %d "
+      "tokens%s%s\n",
+      head.name, optimizer, head.version, result.head_version, result.grad_norm,
+      result.clip_multiplier, result.accumulated_tokens,
+      options.keep_grad ? ", gradient kept" : ", gradient zeroed",
+      options.ranks.world_size > 1
+          ? absl::StrFormat(" (rank %d of %d)", options.ranks.rank, options.ranks.world_size)
+          : "");
   return absl::OkStatus();
 }
 
@@ -1051,8 +1084,9 @@ absl::Status RunGradNorm(const Flags& flags) {
   options.head = head.name;
   RETURN_IF_ERROR(RanksFromFlags(flags, head, options.ranks, options.head_version));
   ASSIGN_OR_RETURN(const GradNormResult result, client.GradWeightNorm(options));
-  absl::PrintF("grad norm %.9g of head %s at version %d: %d tokens from %d calls\n", result.grad_norm,
-               head.name, result.head_version, result.accumulated_tokens, result.accumulated_calls);
+  absl::PrintF("grad norm %.9g of head %s at version %d: %d tokens from %d calls\n",
+               result.grad_norm, head.name, result.head_version, result.accumulated_tokens,
+               result.accumulated_calls);
   return absl::OkStatus();
 }
 
@@ -1060,28 +1094,34 @@ absl::Status RunCommitGrad(const Flags& flags) {
   RETURN_IF_ERROR(RequireFlag(flags, "call_id"));
   ASSIGN_OR_RETURN(const Client client, ConnectFromFlags(flags));
   ASSIGN_OR_RETURN(const HeadInfo head, ResolveHead(client, flags));
-  ASSIGN_OR_RETURN(const CommitResult result,
-                   client.CommitGradWeight(head.name, flags.String("call_id"), flags.Double("scale")));
-  absl::PrintF("%s the dL/dW staged by call %s times %.9g %s the accumulator of head %s: %d tokens (version %d)\n",
-               result.replayed ? "had already committed" : "committed", flags.String("call_id"),
-               flags.Double("scale"), result.replayed ? "to" : "into", head.name, result.accumulated_tokens,
-               result.head_version);
+  ASSIGN_OR_RETURN(
+      const CommitResult result,
+      client.CommitGradWeight(head.name, flags.String("call_id"), flags.Double("scale")));
+  absl::PrintF(
+      "%s the dL/dW staged by call %s times %.9g %s the accumulator of head %s: %d tokens (version "
+      "%d)\n",
+      result.replayed ? "had already committed" : "committed", flags.String("call_id"),
+      flags.Double("scale"), result.replayed ? "to" : "into", head.name, result.accumulated_tokens,
+      result.head_version);
   return absl::OkStatus();
 }
 
 absl::Status RunDiscardGrad(const Flags& flags) {
   RETURN_IF_ERROR(RequireFlag(flags, "call_id"));
-  const std::vector<std::string> ids = absl::StrSplit(flags.String("call_id"), ',', absl::SkipWhitespace());
+  const std::vector<std::string> ids =
+      absl::StrSplit(flags.String("call_id"), ',', absl::SkipWhitespace());
   ASSIGN_OR_RETURN(const Client client, ConnectFromFlags(flags));
   ASSIGN_OR_RETURN(const HeadInfo head, ResolveHead(client, flags));
   ASSIGN_OR_RETURN(const int discarded, client.DiscardGradWeight(head.name, ids));
-  absl::PrintF("discarded %d of %d staged gradients of head %s\n", discarded, ids.size(), head.name);
+  absl::PrintF("discarded %d of %d staged gradients of head %s\n", discarded, ids.size(),
+               head.name);
   return absl::OkStatus();
 }
 
 absl::Status RunSave(const Flags& flags) {
   ASSIGN_OR_RETURN(const Client client, ConnectFromFlags(flags));
-  ASSIGN_OR_RETURN(const std::vector<std::string> paths, client.SaveCheckpoint(flags.String("head")));
+  ASSIGN_OR_RETURN(const std::vector<std::string> paths,
+                   client.SaveCheckpoint(flags.String("head")));
   for (const std::string& path : paths) absl::PrintF("saved %s\n", path);
   return absl::OkStatus();
 }
@@ -1111,8 +1151,9 @@ absl::Status RunUpload(const Flags& flags) {
     model = {loaded.tied_embeddings, loaded.logit_softcap};
   }
   ASSIGN_OR_RETURN(const Client client, ConnectFromFlags(flags));
-  ASSIGN_OR_RETURN(const HeadInfo head, client.UploadHead(flags.String("head"), weight.view(), storage_dtype,
-                                                          flags.Bool("replace"), model));
+  ASSIGN_OR_RETURN(const HeadInfo head,
+                   client.UploadHead(flags.String("head"), weight.view(), storage_dtype,
+                                     flags.Bool("replace"), model));
   absl::PrintF("uploaded head %s: [%d, %d] %s, stored as %s, version %d%s\n", head.name,
                head.vocab_size, head.hidden_size, DTypeName(weight.dtype), DTypeName(head.dtype),
                head.version, head.tied_embeddings ? ", tied to the input embedding" : "");
@@ -1149,8 +1190,8 @@ absl::Status RunBench(const Flags& flags) {
     return UsageError("bench: --tokens, --calls and --streams must be >= 1, --warmup >= 0");
   }
   if (warmup_tokens_flag < 0 || warmup_tokens > tokens) {
-    return UsageError(absl::StrCat("bench: --warmup_tokens: expected 0 (all of --tokens) to ", tokens,
-                                   ", got ", warmup_tokens_flag));
+    return UsageError(absl::StrCat("bench: --warmup_tokens: expected 0 (all of --tokens) to ",
+                                   tokens, ", got ", warmup_tokens_flag));
   }
   ASSIGN_OR_RETURN(const DType dtype, DTypeFlag(flags, "dtype"));
   ASSIGN_OR_RETURN(const Client client, ConnectFromFlags(flags));
@@ -1233,9 +1274,9 @@ absl::Status RunBench(const Flags& flags) {
       if (quiet) continue;
       std::sort(sorted.begin(), sorted.end());
       const double elapsed = absl::ToDoubleSeconds(absl::Now() - start);
-      absl::FPrintF(stderr, "%s%d/%d calls, %.2f calls/s, %.0f tokens/s, p50 %.3f s%s", terminal ? "\r" : "",
-                    shown, calls, shown / elapsed, shown * tokens / elapsed, Percentile(sorted, 0.5),
-                    terminal ? "      " : "\n");
+      absl::FPrintF(stderr, "%s%d/%d calls, %.2f calls/s, %.0f tokens/s, p50 %.3f s%s",
+                    terminal ? "\r" : "", shown, calls, shown / elapsed, shown * tokens / elapsed,
+                    Percentile(sorted, 0.5), terminal ? "      " : "\n");
     }
     if (terminal && !quiet) absl::FPrintF(stderr, "\n");
   }
@@ -1250,16 +1291,17 @@ absl::Status RunBench(const Flags& flags) {
   if (flags.Bool("json")) {
     absl::PrintF(
         "{\"calls\": %d, \"tokens_per_call\": %d, \"streams\": %d, \"dtype\": \"%s\", "
-        "\"shared_memory\": %s, \"seconds\": %.6f, \"tokens_per_second\": %.1f, \"bytes_sent\": %d, "
+        "\"shared_memory\": %s, \"seconds\": %.6f, \"tokens_per_second\": %.1f, \"bytes_sent\": "
+        "%d, "
         "\"bytes_received\": %d, \"hidden_bytes\": %d, \"grad_hidden_bytes\": %d, "
         "\"latency_p50\": %.6f, \"latency_p90\": %.6f, "
         "\"latency_max\": %.6f, \"server_compute_seconds\": %.6f, "
         "\"server_queue_seconds\": %.6f}\n",
-        calls, tokens, streams, DTypeName(dtype), request.shared_memory.value_or(false) ? "true" : "false", elapsed,
-        calls * tokens / elapsed, totals.bytes_sent, totals.bytes_received, hidden_bytes, grad_hidden_bytes,
-        Percentile(totals.latencies, 0.5),
-        Percentile(totals.latencies, 0.9), totals.latencies.back(), totals.compute_seconds,
-        totals.queue_seconds);
+        calls, tokens, streams, DTypeName(dtype),
+        request.shared_memory.value_or(false) ? "true" : "false", elapsed, calls * tokens / elapsed,
+        totals.bytes_sent, totals.bytes_received, hidden_bytes, grad_hidden_bytes,
+        Percentile(totals.latencies, 0.5), Percentile(totals.latencies, 0.9),
+        totals.latencies.back(), totals.compute_seconds, totals.queue_seconds);
     return absl::OkStatus();
   }
   absl::PrintF("%d calls in %.3f s: %.2f calls/s, %.0f tokens/s\n", calls, elapsed, calls / elapsed,
@@ -1267,11 +1309,12 @@ absl::Status RunBench(const Flags& flags) {
   absl::PrintF("sent %.3f GB/s, received %.3f GB/s (gRPC message payloads)\n",
                totals.bytes_sent / elapsed / 1e9, totals.bytes_received / elapsed / 1e9);
   absl::PrintF("rows in %.3f GB/s, dL/dh out %.3f GB/s (%s)\n", hidden_bytes / elapsed / 1e9,
-               grad_hidden_bytes / elapsed / 1e9, request.shared_memory.value_or(false) ? "shared memory" : "messages");
+               grad_hidden_bytes / elapsed / 1e9,
+               request.shared_memory.value_or(false) ? "shared memory" : "messages");
   absl::PrintF("latency p50 %.4f s, p90 %.4f s, p99 %.4f s\n", Percentile(totals.latencies, 0.5),
                Percentile(totals.latencies, 0.9), Percentile(totals.latencies, 0.99));
-  absl::PrintF("server per call: %.4f s computing, %.4f s queued (means)\n", totals.compute_seconds / calls,
-               totals.queue_seconds / calls);
+  absl::PrintF("server per call: %.4f s computing, %.4f s queued (means)\n",
+               totals.compute_seconds / calls, totals.queue_seconds / calls);
   return absl::OkStatus();
 }
 
@@ -1292,13 +1335,17 @@ FlagSpec SharedMemoryFlag() {
           "on this host, any user)"};
 }
 
-FlagSpec HeadFlag() { return {"head", FlagKind::kString, "", "head name (default: the server's only head)"}; }
+FlagSpec HeadFlag() {
+  return {"head", FlagKind::kString, "", "head name (default: the server's only head)"};
+}
 
 FlagSpec WorldSizeFlag() {
   return {"world_size", FlagKind::kInt, "1",
           "ranks of a data-parallel job that call together: the server acts once all have"};
 }
-FlagSpec RankFlag() { return {"rank", FlagKind::kInt, "0", "this caller's rank in [0, world_size)"}; }
+FlagSpec RankFlag() {
+  return {"rank", FlagKind::kInt, "0", "this caller's rank in [0, world_size)"};
+}
 FlagSpec HeadVersionFlag() {
   return {"head_version", FlagKind::kInt, "",
           "the version the ranks trained on, which names a collective call (default with "
@@ -1322,8 +1369,10 @@ const std::vector<Subcommand>& Subcommands() {
         {"hidden", FlagKind::kString, "",
          "hidden states [..., H]: FILE.npy (<f4, <f2, or <u2 holding bfloat16 bits) or "
          "FILE.safetensors[#TENSOR] (F32, BF16, F16)"},
-        {"synthetic", FlagKind::kInt, "", "N random hidden rows (zero mean, unit variance) instead of --hidden"},
-        {"dtype", FlagKind::kString, "float32", "dtype of --synthetic rows: float32, bfloat16, float16"},
+        {"synthetic", FlagKind::kInt, "",
+         "N random hidden rows (zero mean, unit variance) instead of --hidden"},
+        {"dtype", FlagKind::kString, "float32",
+         "dtype of --synthetic rows: float32, bfloat16, float16"},
         {"seed", FlagKind::kInt, "0", "seed of --synthetic rows and of random labels"},
         {"labels", FlagKind::kString, "",
          "labels FILE.npy (<i8 or <i4, one per row); default: uniform random, or none for "
@@ -1354,7 +1403,8 @@ const std::vector<Subcommand>& Subcommands() {
          "FILE.npy (<f4, one per row): dL/dlogp_i of a loss computed elsewhere (logprob_gradient)"},
         {"clip_low", FlagKind::kDouble, "", "ppo and cispo: eps_low in [0, 1] (default 0.2)"},
         {"clip_high", FlagKind::kDouble, "", "ppo and cispo: eps_high >= 0 (default 0.2)"},
-        {"dual_clip", FlagKind::kDouble, "0", "ppo: the dual-clip bound c > 1 of negative advantages; 0: off"},
+        {"dual_clip", FlagKind::kDouble, "0",
+         "ppo: the dual-clip bound c > 1 of negative advantages; 0: off"},
         {"kl_estimator", FlagKind::kString, "none",
          absl::StrCat("KL to the reference policy per token: ",
                       EnumChoices(*v1::KlEstimator_descriptor(), "KL_ESTIMATOR_"),
@@ -1374,10 +1424,12 @@ const std::vector<Subcommand>& Subcommands() {
          "distill: 0 forward KL(p || q), 1 reverse KL(q || p), between: the generalized JSD"},
         {"distill_alpha", FlagKind::kDouble, "0",
          "distill: loss = alpha CE + (1 - alpha) KD; 0 without --labels sends no labels"},
-        {"distill_temperature", FlagKind::kDouble, "", "distill: tau of both distributions (default 1)"},
+        {"distill_temperature", FlagKind::kDouble, "",
+         "distill: tau of both distributions (default 1)"},
         {"teacher_softcap", FlagKind::kDouble, "",
          "distill: the teacher's logit soft cap (default the teacher head's; 0: off)"},
-        {"teacher_temperature", FlagKind::kDouble, "", "distill: the teacher's temperature (default 1)"},
+        {"teacher_temperature", FlagKind::kDouble, "",
+         "distill: the teacher's temperature (default 1)"},
         {"sparse_teacher_mass", FlagKind::kString, "renormalize",
          absl::StrCat("distill, a sparse teacher: what becomes of the mass outside its top-k: ",
                       EnumChoices(*v1::SparseTeacherMass_descriptor(), "SPARSE_TEACHER_"))},
@@ -1393,16 +1445,19 @@ const std::vector<Subcommand>& Subcommands() {
          "sequence reductions); 0: this call's own count"},
         {"allow_tf32", FlagKind::kBool, "false", "GPU: fp32 products on TF32 tensor cores"},
         {"outputs", FlagKind::kString, "",
-         absl::StrCat("per-token outputs to ask for, comma-separated, named as lossd.v1.OutputSelection's "
-                      "fields: ",
-                      absl::StrJoin(OutputNames(), ", "),
-                      " (default with --out: token_loss,logprob,argmax)")},
+         absl::StrCat(
+             "per-token outputs to ask for, comma-separated, named as lossd.v1.OutputSelection's "
+             "fields: ",
+             absl::StrJoin(OutputNames(), ", "),
+             " (default with --out: token_loss,logprob,argmax)")},
         {"top_k", FlagKind::kInt, "0", "top-k log-probabilities per token (0..64), in --out"},
         {"entropy", FlagKind::kBool, "false", "per-token entropy; prints its mean"},
         {"grad", FlagKind::kBool, "false", "ask for dL/dh; prints its norm"},
-        {"grad_dtype", FlagKind::kString, "", "dtype of dL/dh (default: that of the hidden states)"},
+        {"grad_dtype", FlagKind::kString, "",
+         "dtype of dL/dh (default: that of the hidden states)"},
         {"grad_out", FlagKind::kString, "", "save dL/dh to FILE.npy (needs --grad)"},
-        {"accumulate", FlagKind::kBool, "false", "add dL/dW to the head's accumulator on the server"},
+        {"accumulate", FlagKind::kBool, "false",
+         "add dL/dW to the head's accumulator on the server"},
         {"stage", FlagKind::kBool, "false",
          "with --accumulate: keep dL/dW staged on the server under the call id until commit-grad "
          "adds it (times a scale) or discard-grad drops it"},
@@ -1412,7 +1467,8 @@ const std::vector<Subcommand>& Subcommands() {
         {"out", FlagKind::kString, "",
          "write the summary and every per-token output asked for to FILE.json (top_k_* as "
          "[rows, k], enums such as clip as their numbers)"},
-        {"rows_per_message", FlagKind::kInt, "0", "hidden rows per chunk message; 0 sends about 4 MiB each"},
+        {"rows_per_message", FlagKind::kInt, "0",
+         "hidden rows per chunk message; 0 sends about 4 MiB each"},
         SharedMemoryFlag(),
         PinWeightsFlag()},
        RunCompute},
@@ -1421,14 +1477,16 @@ const std::vector<Subcommand>& Subcommands() {
        "save the head's accumulated dL/dW [V, H] to an .npy file",
        {HeadFlag(),
         {"out", FlagKind::kString, "", "output FILE.npy"},
-        {"dtype", FlagKind::kString, "float32", "float32, bfloat16 (stored as <u2 bits) or float16"}},
+        {"dtype", FlagKind::kString, "float32",
+         "float32, bfloat16 (stored as <u2 bits) or float16"}},
        [](const Flags& flags) { return RunFetch(flags, /*gradient=*/true); }},
       {"fetch-weight",
        "fetch-weight [--head H] --out FILE.npy [--dtype D]",
        "save the head's weight W [V, H] to an .npy file",
        {HeadFlag(),
         {"out", FlagKind::kString, "", "output FILE.npy"},
-        {"dtype", FlagKind::kString, "float32", "float32, bfloat16 (stored as <u2 bits) or float16"},
+        {"dtype", FlagKind::kString, "float32",
+         "float32, bfloat16 (stored as <u2 bits) or float16"},
         {"master", FlagKind::kBool, "false",
          "the fp32 master weights of a 16-bit head that trains from them (W without them)"}},
        [](const Flags& flags) { return RunFetch(flags, /*gradient=*/false); }},
@@ -1449,27 +1507,37 @@ const std::vector<Subcommand>& Subcommands() {
         {"eps", FlagKind::kDouble, "1e-8", "AdamW epsilon"},
         {"weight_decay", FlagKind::kDouble, "",
          "decoupled weight decay for AdamW (default 0.01) or L2 penalty for SGD (default 0)"},
-        {"max_grad_norm", FlagKind::kDouble, "0", "clip the gradient to this global norm first (0: off)"},
-        {"keep_grad", FlagKind::kBool, "false", "keep the accumulator after the step (default: zero it)"},
+        {"max_grad_norm", FlagKind::kDouble, "0",
+         "clip the gradient to this global norm first (0: off)"},
+        {"keep_grad", FlagKind::kBool, "false",
+         "keep the accumulator after the step (default: zero it)"},
         {"grad_multiplier", FlagKind::kDouble, "",
-         "multiplies the gradient before anything else (a clip multiplier, 1 / a loss scale; default 1)"},
+         "multiplies the gradient before anything else (a clip multiplier, 1 / a loss scale; "
+         "default 1)"},
         {"skip_nonfinite", FlagKind::kBool, "false",
          "skip the step, instead of failing, when the gradient's norm is not finite"},
-        WorldSizeFlag(), RankFlag(), HeadVersionFlag()},
+        WorldSizeFlag(),
+        RankFlag(),
+        HeadVersionFlag()},
        RunStep},
       {"grad-norm",
        "grad-norm [--head H] [--world_size N --rank R] [--grad_multiplier M]",
        "print the norm of the head's accumulated gradient (collective over ranks); changes nothing",
        {HeadFlag(),
-        {"grad_multiplier", FlagKind::kDouble, "", "the norm of the gradient times this (default 1)"},
-        WorldSizeFlag(), RankFlag(), HeadVersionFlag()},
+        {"grad_multiplier", FlagKind::kDouble, "",
+         "the norm of the gradient times this (default 1)"},
+        WorldSizeFlag(),
+        RankFlag(),
+        HeadVersionFlag()},
        RunGradNorm},
       {"commit-grad",
        "commit-grad [--head H] --call_id ID [--scale S]",
-       "add the dL/dW a `compute --accumulate --stage` call staged to the accumulator, times a scale",
+       "add the dL/dW a `compute --accumulate --stage` call staged to the accumulator, times a "
+       "scale",
        {HeadFlag(),
         {"call_id", FlagKind::kString, "", "the id of the call that staged its dL/dW"},
-        {"scale", FlagKind::kDouble, "1", "the upstream gradient the staged dL/dW is multiplied by"}},
+        {"scale", FlagKind::kDouble, "1",
+         "the upstream gradient the staged dL/dW is multiplied by"}},
        RunCommitGrad},
       {"discard-grad",
        "discard-grad [--head H] --call_id ID[,ID...]",
@@ -1489,12 +1557,14 @@ const std::vector<Subcommand>& Subcommands() {
          "W [V, H]: FILE.npy, or a model directory, model.safetensors.index.json or safetensors "
          "file, with #TENSOR to name the tensor; chosen as lossd_server --heads does, with the "
          "tie and soft cap of the model's config.json"},
-        {"storage_dtype", FlagKind::kString, "float32", "dtype the server keeps W in: float32 or bfloat16"},
+        {"storage_dtype", FlagKind::kString, "float32",
+         "dtype the server keeps W in: float32 or bfloat16"},
         {"replace", FlagKind::kBool, "false", "overwrite an existing head of that name"}},
        RunUpload},
       {"bench",
        "bench [--head H] [--tokens N] [--calls K] [--streams S] [options]",
-       "repeated synthetic Compute calls; prints calls/s, tokens/s, GB/s each way and latency percentiles",
+       "repeated synthetic Compute calls; prints calls/s, tokens/s, GB/s each way and latency "
+       "percentiles",
        {HeadFlag(),
         {"tokens", FlagKind::kInt, "4096", "tokens per call"},
         {"calls", FlagKind::kInt, "10", "timed calls in all"},
@@ -1504,7 +1574,8 @@ const std::vector<Subcommand>& Subcommands() {
         {"dtype", FlagKind::kString, "float32", "dtype of the hidden rows"},
         {"seed", FlagKind::kInt, "0", "seed of the synthetic batch"},
         {"grad", FlagKind::kBool, "false", "ask for dL/dh"},
-        {"accumulate", FlagKind::kBool, "false", "add dL/dW to the head's accumulator on every call"},
+        {"accumulate", FlagKind::kBool, "false",
+         "add dL/dW to the head's accumulator on every call"},
         {"rows_per_message", FlagKind::kInt, "0",
          "hidden rows per chunk message; 0 sends about 4 MiB each, --tokens sends the whole batch "
          "in one message, so that the server computes nothing before all of it has arrived"},
@@ -1530,10 +1601,12 @@ void PrintFlagHelp(std::FILE* out, const std::vector<FlagSpec>& flags) {
 
 // To stdout when asked for, to stderr after a usage error.
 void PrintMainHelp(std::FILE* out) {
-  absl::FPrintF(
-      out, "lossctl: the command line of lossd.\n\nUsage: lossctl [global flags] SUBCOMMAND [flags]\n\n");
+  absl::FPrintF(out,
+                "lossctl: the command line of lossd.\n\nUsage: lossctl [global flags] SUBCOMMAND "
+                "[flags]\n\n");
   absl::FPrintF(out, "Subcommands:\n");
-  for (const Subcommand& sub : Subcommands()) absl::FPrintF(out, "  %-14s %s\n", sub.name, sub.summary);
+  for (const Subcommand& sub : Subcommands())
+    absl::FPrintF(out, "  %-14s %s\n", sub.name, sub.summary);
   absl::FPrintF(out, "\nGlobal flags (before or after the subcommand):\n");
   PrintFlagHelp(out, GlobalFlags());
   absl::FPrintF(out,
@@ -1568,8 +1641,9 @@ int Main(int argc, char** argv) {
   while (index < args.size() && absl::StartsWith(args[index], "--") && !IsHelpFlag(args[index]) &&
          args[index] != "--version") {
     leading.push_back(args[index]);
-    const auto global = std::find_if(GlobalFlags().begin(), GlobalFlags().end(),
-                                     [&](const FlagSpec& spec) { return args[index] == "--" + spec.name; });
+    const auto global =
+        std::find_if(GlobalFlags().begin(), GlobalFlags().end(),
+                     [&](const FlagSpec& spec) { return args[index] == "--" + spec.name; });
     // "--server ADDR": the next word is the value, not the subcommand.
     if (global != GlobalFlags().end() && index + 1 < args.size()) leading.push_back(args[++index]);
     ++index;
@@ -1595,7 +1669,8 @@ int Main(int argc, char** argv) {
   const std::string& name = args[index];
   const Subcommand* sub = FindSubcommand(name);
   if (sub == nullptr) {
-    absl::FPrintF(stderr, "lossctl: unknown subcommand \"%s\"; `lossctl --help` lists them\n", name);
+    absl::FPrintF(stderr, "lossctl: unknown subcommand \"%s\"; `lossctl --help` lists them\n",
+                  name);
     return 2;
   }
   std::vector<std::string> rest = leading;

@@ -95,8 +95,8 @@ class HeaderParser {
   }
 
   void SkipSpace() {
-    while (pos_ < text_.size() &&
-           (text_[pos_] == ' ' || text_[pos_] == '\t' || text_[pos_] == '\n' || text_[pos_] == '\r')) {
+    while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\t' ||
+                                   text_[pos_] == '\n' || text_[pos_] == '\r')) {
       ++pos_;
     }
   }
@@ -122,7 +122,8 @@ class HeaderParser {
     const size_t end = text_.find(quote, pos_);
     if (end == absl::string_view::npos) return Error("an unterminated string");
     const absl::string_view value = text_.substr(pos_, end - pos_);
-    if (value.find('\\') != absl::string_view::npos || value.find('\n') != absl::string_view::npos) {
+    if (value.find('\\') != absl::string_view::npos ||
+        value.find('\n') != absl::string_view::npos) {
       return Error("a string with escapes or line breaks");
     }
     pos_ = end + 1;
@@ -143,10 +144,12 @@ class HeaderParser {
 
   absl::StatusOr<int64_t> ParseDimension() {
     const size_t begin = pos_;
-    while (pos_ < text_.size() && absl::ascii_isdigit(static_cast<unsigned char>(text_[pos_]))) ++pos_;
+    while (pos_ < text_.size() && absl::ascii_isdigit(static_cast<unsigned char>(text_[pos_])))
+      ++pos_;
     const absl::string_view digits = text_.substr(begin, pos_ - begin);
     if (digits.empty()) return Error("expected a non-negative integer in shape");
-    if (digits.size() > 1 && digits[0] == '0') return Error("an integer with a leading zero in shape");
+    if (digits.size() > 1 && digits[0] == '0')
+      return Error("an integer with a leading zero in shape");
     int64_t value = 0;
     for (char digit : digits) {
       if (value > (std::numeric_limits<int64_t>::max() - (digit - '0')) / 10) {
@@ -198,7 +201,8 @@ std::optional<int64_t> ElementCount(const std::vector<int64_t>& shape) {
   int64_t count = 1;
   for (int64_t dimension : shape) {
     if (dimension < 0) return std::nullopt;
-    if (dimension != 0 && count > std::numeric_limits<int64_t>::max() / dimension) return std::nullopt;
+    if (dimension != 0 && count > std::numeric_limits<int64_t>::max() / dimension)
+      return std::nullopt;
     count *= dimension;
   }
   return count;
@@ -227,19 +231,23 @@ absl::Status WithSource(absl::Status status, absl::string_view source) {
 absl::StatusOr<std::string> NpyPreamble(NpyDType dtype, const std::vector<int64_t>& shape,
                                         size_t data_bytes) {
   const std::optional<int64_t> elements = ElementCount(shape);
-  if (!elements.has_value() || static_cast<uint64_t>(*elements) * NpyItemSize(dtype) != data_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("npy: shape ", ShapeTuple(shape), " of ", NpyDescr(dtype),
-                                                   " does not match ", data_bytes, " data bytes"));
+  if (!elements.has_value() ||
+      static_cast<uint64_t>(*elements) * NpyItemSize(dtype) != data_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("npy: shape ", ShapeTuple(shape), " of ",
+                                                   NpyDescr(dtype), " does not match ", data_bytes,
+                                                   " data bytes"));
   }
-  std::string header = absl::StrCat("{'descr': '", NpyDescr(dtype),
-                                    "', 'fortran_order': False, 'shape': ", ShapeTuple(shape), ", }");
+  std::string header =
+      absl::StrCat("{'descr': '", NpyDescr(dtype),
+                   "', 'fortran_order': False, 'shape': ", ShapeTuple(shape), ", }");
   const size_t unpadded = kPreambleBytesV1 + header.size() + 1;  // + the closing newline
   header.append((kDataAlignment - unpadded % kDataAlignment) % kDataAlignment, ' ');
   header.push_back('\n');
   // Version 1.0 suffices: its 2-byte length field holds any header this reader accepts.
   if (static_cast<int64_t>(header.size()) > kMaxNpyHeaderBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("npy: shape ", ShapeTuple(shape), " makes a header of ",
-                                                   header.size(), " bytes, over ", kMaxNpyHeaderBytes));
+    return absl::InvalidArgumentError(absl::StrCat("npy: shape ", ShapeTuple(shape),
+                                                   " makes a header of ", header.size(),
+                                                   " bytes, over ", kMaxNpyHeaderBytes));
   }
   std::string preamble(kMagic, kMagicBytes);
   preamble.push_back('\x01');
@@ -264,25 +272,27 @@ absl::StatusOr<NpyLayout> ParseLayout(absl::string_view file) {
                ? absl::DataLossError("truncated inside the .npy magic")
                : absl::InvalidArgumentError("not an .npy file (no \\x93NUMPY magic)");
   }
-  if (file.size() < kMagicBytes + 2) return absl::DataLossError("truncated before the format version");
+  if (file.size() < kMagicBytes + 2)
+    return absl::DataLossError("truncated before the format version");
   const int major = static_cast<unsigned char>(file[kMagicBytes]);
   const int minor = static_cast<unsigned char>(file[kMagicBytes + 1]);
   if ((major != 1 && major != 2) || minor != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("format version ", major, ".", minor, " is not supported (expected 1.0 or 2.0)"));
+    return absl::InvalidArgumentError(absl::StrCat("format version ", major, ".", minor,
+                                                   " is not supported (expected 1.0 or 2.0)"));
   }
   const size_t preamble_bytes = major == 1 ? kPreambleBytesV1 : kPreambleBytesV2;
   if (file.size() < preamble_bytes)
     return absl::DataLossError("truncated before the end of the .npy preamble");
   const uint32_t header_bytes = ReadLittleEndian(file.data() + kMagicBytes + 2, major == 1 ? 2 : 4);
   if (header_bytes > kMaxNpyHeaderBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("header length ", header_bytes, " exceeds the limit of ", kMaxNpyHeaderBytes, " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "header length ", header_bytes, " exceeds the limit of ", kMaxNpyHeaderBytes, " bytes"));
   }
   if (file.size() - preamble_bytes < header_bytes) {
     return absl::DataLossError(absl::StrCat("truncated inside the ", header_bytes, "-byte header"));
   }
-  ASSIGN_OR_RETURN(const NpyHeader header, HeaderParser(file.substr(preamble_bytes, header_bytes)).Parse());
+  ASSIGN_OR_RETURN(const NpyHeader header,
+                   HeaderParser(file.substr(preamble_bytes, header_bytes)).Parse());
   if (header.fortran_order) {
     return absl::InvalidArgumentError(
         "header: fortran_order is True; only C order is supported (save np.ascontiguousarray(a))");
@@ -293,8 +303,8 @@ absl::StatusOr<NpyLayout> ParseLayout(absl::string_view file) {
   const std::optional<int64_t> elements = ElementCount(layout.shape);
   const int64_t item_bytes = static_cast<int64_t>(NpyItemSize(layout.dtype));
   if (!elements.has_value() || *elements > std::numeric_limits<int64_t>::max() / item_bytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("header: shape ", ShapeTuple(layout.shape), " has more bytes than a file can"));
+    return absl::InvalidArgumentError(absl::StrCat("header: shape ", ShapeTuple(layout.shape),
+                                                   " has more bytes than a file can"));
   }
   const uint64_t expected_bytes = static_cast<uint64_t>(*elements * item_bytes);
   const uint64_t data_bytes = file.size() - preamble_bytes - header_bytes;
@@ -349,7 +359,8 @@ absl::StatusOr<NpyArray> ReadNpyFile(const std::string& path) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
   }
   const uintmax_t size = std::filesystem::file_size(path, error);
-  if (error) return absl::ErrnoToStatus(error.value(), absl::StrCat(path, ": cannot read its size"));
+  if (error)
+    return absl::ErrnoToStatus(error.value(), absl::StrCat(path, ": cannot read its size"));
   std::ifstream file(path, std::ios::binary);
   if (!file) return absl::ErrnoToStatus(errno, absl::StrCat(path, ": cannot open"));
   std::string contents(static_cast<size_t>(size), '\0');
@@ -369,8 +380,8 @@ absl::StatusOr<std::string> SerializeNpy(NpyDType dtype, const std::vector<int64
   return file;
 }
 
-absl::Status WriteNpyFile(const std::string& path, NpyDType dtype, const std::vector<int64_t>& shape,
-                          absl::string_view data) {
+absl::Status WriteNpyFile(const std::string& path, NpyDType dtype,
+                          const std::vector<int64_t>& shape, absl::string_view data) {
   ASSIGN_OR_RETURN(const std::string preamble, NpyPreamble(dtype, shape, data.size()));
   std::ofstream file(path, std::ios::binary | std::ios::trunc);
   if (!file) return absl::ErrnoToStatus(errno, absl::StrCat(path, ": cannot create"));

@@ -48,8 +48,8 @@ absl::StatusOr<NpyArray> ReadNpyFile(const std::string& path);
 // writes it. `data` is product(shape) elements, else INVALID_ARGUMENT.
 absl::StatusOr<std::string> SerializeNpy(NpyDType dtype, const std::vector<int64_t>& shape,
                                          absl::string_view data);
-absl::Status WriteNpyFile(const std::string& path, NpyDType dtype, const std::vector<int64_t>& shape,
-                          absl::string_view data);
+absl::Status WriteNpyFile(const std::string& path, NpyDType dtype,
+                          const std::vector<int64_t>& shape, absl::string_view data);
 
 }  // namespace lossd::client
 

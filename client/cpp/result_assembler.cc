@@ -64,7 +64,8 @@ absl::StatusOr<std::vector<PerTokenField>> PerTokenFields(const Message& selecti
     int64_t values_per_row = 0;
     const bool matrix = absl::StartsWith(field->name(), kTopKPrefix);
     if (matrix) {
-      const FieldDescriptor* top_k = SelectionField(selection, "top_k", FieldDescriptor::TYPE_INT32);
+      const FieldDescriptor* top_k =
+          SelectionField(selection, "top_k", FieldDescriptor::TYPE_INT32);
       if (top_k == nullptr) {
         return absl::InternalError(absl::StrCat(selection.GetDescriptor()->full_name(),
                                                 ": expected an int32 top_k for ",
@@ -78,10 +79,10 @@ absl::StatusOr<std::vector<PerTokenField>> PerTokenFields(const Message& selecti
                    SelectionField(selection, field->name(), FieldDescriptor::TYPE_BOOL)) {
       values_per_row = reflection.GetBool(selection, wanted) ? 1 : 0;
     } else {
-      return absl::InternalError(absl::StrCat(
-          result_type.full_name(), ".", field->name(), ": no bool field of its name in ",
-          selection.GetDescriptor()->full_name(),
-          " says when it is filled (the rule of ComputeResult in lossd.proto)"));
+      return absl::InternalError(
+          absl::StrCat(result_type.full_name(), ".", field->name(),
+                       ": no bool field of its name in ", selection.GetDescriptor()->full_name(),
+                       " says when it is filled (the rule of ComputeResult in lossd.proto)"));
     }
     fields.push_back({field, values_per_row, matrix});
   }
@@ -151,7 +152,8 @@ void PerTokenAssembler::Append(const Message& values, int64_t count) {
 
 absl::Status PerTokenAssembler::Finish() {
   if (!coverage_.complete()) {
-    return ServerViolation(absl::StrCat("results for ", coverage_.covered(), " of ", rows_, " rows"));
+    return ServerViolation(
+        absl::StrCat("results for ", coverage_.covered(), " of ", rows_, " rows"));
   }
   // Every row came exactly once, so nothing can still wait behind a gap.
   const Reflection& reflection = *per_token_->GetReflection();

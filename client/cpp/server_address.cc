@@ -13,8 +13,8 @@ namespace lossd::client {
 namespace {
 
 // The name resolvers gRPC ships: a target that starts with one of these and a colon is a gRPC URI.
-constexpr absl::string_view kGrpcSchemes[] = {"dns", "unix", "unix-abstract", "ipv4", "ipv6",
-                                              "vsock", "xds", "google-c2p"};
+constexpr absl::string_view kGrpcSchemes[] = {"dns",  "unix",  "unix-abstract", "ipv4",
+                                              "ipv6", "vsock", "xds",           "google-c2p"};
 
 constexpr absl::string_view kExpected =
     "HOST:PORT or a gRPC target URI (dns:///HOST:PORT, ipv4:ADDR:PORT, unix:PATH)";
@@ -83,8 +83,8 @@ absl::Status CheckServerAddress(absl::string_view address, absl::string_view fie
                             kDefaultServerPort, "\""));
   }
   if (absl::StrContains(address.substr(address.find(':') + 1), ':')) {
-    return got(absl::StrCat(": an IPv6 address goes in brackets, as in \"[::1]:",
-                            kDefaultServerPort, "\""));
+    return got(absl::StrCat(
+        ": an IPv6 address goes in brackets, as in \"[::1]:", kDefaultServerPort, "\""));
   }
   return got(", which is not HOST:PORT with a port in [1, 65535]");
 }
@@ -132,9 +132,9 @@ absl::StatusOr<Target> ParseTarget(absl::string_view address) {
     target.listed_addresses = 0;
     for (const absl::string_view entry : absl::StrSplit(list, ',')) {
       if (entry.empty()) {
-        return InvalidField("address",
-                            absl::StrCat("ADDR:PORT entries separated by commas after ", scheme, ":"),
-                            absl::StrCat("\"", address, "\""));
+        return InvalidField(
+            "address", absl::StrCat("ADDR:PORT entries separated by commas after ", scheme, ":"),
+            absl::StrCat("\"", address, "\""));
       }
       ++target.listed_addresses;
     }

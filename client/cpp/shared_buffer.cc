@@ -146,7 +146,8 @@ absl::StatusOr<std::unique_ptr<SharedBuffer>> SharedBuffer::Create(uint64_t byte
   if (data == MAP_FAILED) {
     const int error_number = errno;
     close(fd);
-    return ErrnoError(absl::StrCat("shared memory: mapping a memfd of ", size, " bytes"), error_number);
+    return ErrnoError(absl::StrCat("shared memory: mapping a memfd of ", size, " bytes"),
+                      error_number);
   }
   return std::unique_ptr<SharedBuffer>(new SharedBuffer(fd, static_cast<uint8_t*>(data), size));
 }
@@ -177,7 +178,8 @@ absl::StatusOr<std::unique_ptr<SharedBuffer>> SharedBufferPool::Acquire(uint64_t
     // The smallest that fits, so that large buffers stay for large calls.
     auto best = idle_.end();
     for (auto it = idle_.begin(); it != idle_.end(); ++it) {
-      if ((*it)->size() >= bytes && (best == idle_.end() || (*it)->size() < (*best)->size())) best = it;
+      if ((*it)->size() >= bytes && (best == idle_.end() || (*it)->size() < (*best)->size()))
+        best = it;
     }
     if (best != idle_.end()) {
       std::unique_ptr<SharedBuffer> buffer = std::move(*best);
@@ -193,8 +195,9 @@ void SharedBufferPool::Release(std::unique_ptr<SharedBuffer> buffer) {
   idle_.push_back(std::move(buffer));
   if (idle_.size() > kMaxIdle) {
     // The smallest goes: the calls to come are likeliest to be as large as the largest seen.
-    auto smallest = std::min_element(idle_.begin(), idle_.end(),
-                                     [](const auto& a, const auto& b) { return a->size() < b->size(); });
+    auto smallest = std::min_element(idle_.begin(), idle_.end(), [](const auto& a, const auto& b) {
+      return a->size() < b->size();
+    });
     idle_.erase(smallest);
   }
 }

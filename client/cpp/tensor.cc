@@ -11,7 +11,8 @@ namespace lossd::client {
 namespace {
 
 // The wire carries little-endian bytes, and these conversions copy host words to and from them.
-static_assert(std::endian::native == std::endian::little, "lossd's client assumes a little-endian host");
+static_assert(std::endian::native == std::endian::little,
+              "lossd's client assumes a little-endian host");
 
 uint32_t BitsOf(float x) {
   uint32_t bits;
@@ -83,7 +84,8 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
   const std::string lower = absl::AsciiStrToLower(name);
   if (lower == "float32" || lower == "fp32" || lower == "f32") return DType::kFloat32;
   if (lower == "bfloat16" || lower == "bf16") return DType::kBFloat16;
-  if (lower == "float16" || lower == "fp16" || lower == "f16" || lower == "half") return DType::kFloat16;
+  if (lower == "float16" || lower == "fp16" || lower == "f16" || lower == "half")
+    return DType::kFloat16;
   return absl::InvalidArgumentError(
       absl::StrCat("dtype: expected float32, bfloat16 or float16, got \"", name, "\""));
 }
@@ -104,7 +106,9 @@ std::vector<float> DecodeToFloat32(absl::string_view data, DType dtype) {
   return values;
 }
 
-std::vector<float> ToFloat32(const Tensor& tensor) { return DecodeToFloat32(tensor.bytes, tensor.dtype); }
+std::vector<float> ToFloat32(const Tensor& tensor) {
+  return DecodeToFloat32(tensor.bytes, tensor.dtype);
+}
 
 std::string EncodeFromFloat32(absl::Span<const float> values, DType dtype) {
   std::string bytes(values.size() * DTypeSize(dtype), '\0');

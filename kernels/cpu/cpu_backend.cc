@@ -22,10 +22,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "lossd/common/status_macros.h"
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/kernels/optimizer_math.h"
-#include "lossd/common/status_macros.h"
 
 namespace lossd {
 namespace cpu {
@@ -44,8 +44,7 @@ void ConvertToFloat(const void* src, DType dtype, int64_t offset, int64_t count,
 #pragma omp parallel for simd schedule(static)
       for (int64_t i = 0; i < count; ++i) dst[i] = Float16ToFloat(bits[i]);
       return;
-    default:
-      std::memcpy(dst, static_cast<const float*>(src) + offset, count * sizeof(float));
+    default: std::memcpy(dst, static_cast<const float*>(src) + offset, count * sizeof(float));
   }
 }
 
@@ -60,8 +59,7 @@ void ConvertFromFloat(const float* src, int64_t count, DType dtype, void* dst, i
 #pragma omp parallel for schedule(static)
       for (int64_t i = 0; i < count; ++i) bits[i] = FloatToFloat16(src[i]);
       return;
-    default:
-      std::memcpy(static_cast<float*>(dst) + offset, src, count * sizeof(float));
+    default: std::memcpy(static_cast<float*>(dst) + offset, src, count * sizeof(float));
   }
 }
 
@@ -74,8 +72,8 @@ void ComputeLogits(const float* hidden32, int64_t rows, const WeightView& w, int
   const int64_t h = w.hidden_size;
   const float beta = onto_zero ? 1.0f : 0.0f;
   ForEachWeightSlab(w, v0, cols, weight32, [&](const float* slab, int64_t s0, int64_t slab_rows) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, slab_rows, h, 1.0f, hidden32, h, slab,
-                h, beta, z + (s0 - v0), ld);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, slab_rows, h, 1.0f, hidden32, h,
+                slab, h, beta, z + (s0 - v0), ld);
   });
   if (transform.identity()) return;
 #pragma omp parallel for schedule(static)
@@ -107,12 +105,11 @@ TileProducts::TileProducts(const TokenOutputs& out, const WeightView& weight, in
 
 void TileProducts::Add(const float* grad_logits, int64_t ld, int64_t v0, int64_t cols) {
   if (grad_hidden32_ != nullptr) {
-    ForEachWeightSlab(weight_, v0, cols, weight32_,
-                      [&](const float* slab, int64_t s0, int64_t slab_rows) {
-                        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows_, h_,
-                                    slab_rows, 1.0f, grad_logits + (s0 - v0), ld, slab, h_, 1.0f,
-                                    grad_hidden32_, h_);
-                      });
+    ForEachWeightSlab(
+        weight_, v0, cols, weight32_, [&](const float* slab, int64_t s0, int64_t slab_rows) {
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows_, h_, slab_rows, 1.0f,
+                      grad_logits + (s0 - v0), ld, slab, h_, 1.0f, grad_hidden32_, h_);
+        });
   }
   if (grad_weight32_ != nullptr) {
     const float beta = store_grad_weight_ ? 0.0f : 1.0f;
@@ -182,8 +179,9 @@ inline __attribute__((always_inline)) void UpdateTopK(const float* z, int64_t co
 // The sums over one block z[0:cols] against the running max m, added to the tile's; compiled once
 // per kind of work so that each loop vectorizes without branches.
 template <bool kExtraSums, bool kStoreExp>
-inline __attribute__((always_inline)) void BlockSums(float* z, int64_t cols, float m, double& sum_exp,
-                                                     double& sum_exp_shifted, double& sum_z) {
+inline __attribute__((always_inline)) void BlockSums(float* z, int64_t cols, float m,
+                                                     double& sum_exp, double& sum_exp_shifted,
+                                                     double& sum_z) {
   float block_z = 0.0f;
   float block_exp = 0.0f;
   float block_exp_shifted = 0.0f;
@@ -316,7 +314,6 @@ using cpu::TileStatsWork;
 using cpu::TopKList;
 using cpu::WeightSlabRows;
 
-
 constexpr TileLimits kCpuTileLimits = {
     /*max_token_chunk=*/4096,
     /*min_single_pass_rows=*/64,
@@ -329,17 +326,17 @@ constexpr TileLimits kCpuTileLimits = {
 
 // The workspace of one call, carved from the caller's buffer.
 struct CpuWorkspace {
-  float* logits;            // [Nc, Vc]: z, then dL/da in place
-  float* hidden32;          // [Nc, H] when the hidden states are not fp32
-  float* grad_hidden32;     // [Nc, H] when dL/dh is wanted in 16 bits
-  float* weight32;          // [slab, H] when W is not fp32
-  RowStats* stats;          // [Nc]
-  RowResult* results;       // [Nc]
-  RowGradient* row_grads;   // [Nc]
-  float* block_max;         // [Nc, ceil(Vc / kSumBlock)]: running maxima of the exponentials kept
-  float* hidden_max_abs;    // [Nc] when dL/dW is wanted: max_j |h_ij|, for its bound
-  float* top_values;        // [Nc, k], best first
-  int32_t* top_tokens;      // [Nc, k]
+  float* logits;           // [Nc, Vc]: z, then dL/da in place
+  float* hidden32;         // [Nc, H] when the hidden states are not fp32
+  float* grad_hidden32;    // [Nc, H] when dL/dh is wanted in 16 bits
+  float* weight32;         // [slab, H] when W is not fp32
+  RowStats* stats;         // [Nc]
+  RowResult* results;      // [Nc]
+  RowGradient* row_grads;  // [Nc]
+  float* block_max;        // [Nc, ceil(Vc / kSumBlock)]: running maxima of the exponentials kept
+  float* hidden_max_abs;   // [Nc] when dL/dW is wanted: max_j |h_ij|, for its bound
+  float* top_values;       // [Nc, k], best first
+  int32_t* top_tokens;     // [Nc, k]
 };
 
 CpuWorkspace CarveWorkspace(WorkspaceArena& arena, const ProblemShape& s, int64_t rows,
@@ -398,10 +395,12 @@ LOSSD_ROW_LOOP void RowLogitGradientsFromExp(float* e, int64_t cols, const float
     const float scale = block_scale(b0 / kSumBlock);
     float* block = e + b0;
 #pragma omp simd
-    for (int64_t c = 0; c < len; ++c) block[c] = LogitGradientFromExp(block[c], false, g, scale, transform);
+    for (int64_t c = 0; c < len; ++c)
+      block[c] = LogitGradientFromExp(block[c], false, g, scale, transform);
   }
   if (g.label >= 0) {
-    e[g.label] = LogitGradientFromExp(label_e, true, g, block_scale(g.label / kSumBlock), transform);
+    e[g.label] =
+        LogitGradientFromExp(label_e, true, g, block_scale(g.label / kSumBlock), transform);
   }
 }
 
@@ -432,7 +431,8 @@ class CpuBackend final : public Backend {
   // 1/16 of the host's memory, within [256 MiB, 1 GiB]. OpenBLAS packs W for every product, so
   // each token chunk costs a pass over the head: at N = 4096, H = 2048, V = 128256 a call of eight
   // 512-row chunks (256 MiB) ran 1.03 to 1.04x the GEMM floor, one of two 2048-row chunks (1 GiB)
-  // 0.99 to 1.00x, and 4096 rows (2 GiB) no faster (bench/RESULTS.md). Past 1 GiB only memory grows.
+  // 0.99 to 1.00x, and 4096 rows (2 GiB) no faster (bench/RESULTS.md). Past 1 GiB only memory
+  // grows.
   size_t DefaultWorkspaceBudget() const override {
     constexpr size_t kMostPaying = size_t{1} << 30;
     const absl::StatusOr<DeviceMemory> memory = QueryMemory();
@@ -447,14 +447,16 @@ class CpuBackend final : public Backend {
 
   absl::Status CopyToDevice(const void* host, size_t bytes, DeviceBuffer& dst,
                             size_t dst_offset) override {
-    if (dst_offset + bytes > dst.bytes()) return absl::OutOfRangeError("copy past the buffer's end");
+    if (dst_offset + bytes > dst.bytes())
+      return absl::OutOfRangeError("copy past the buffer's end");
     std::memcpy(static_cast<char*>(dst.data()) + dst_offset, host, bytes);
     return absl::OkStatus();
   }
 
   absl::Status CopyToHost(const DeviceBuffer& src, size_t src_offset, size_t bytes,
                           void* host) override {
-    if (src_offset + bytes > src.bytes()) return absl::OutOfRangeError("copy past the buffer's end");
+    if (src_offset + bytes > src.bytes())
+      return absl::OutOfRangeError("copy past the buffer's end");
     std::memcpy(host, static_cast<const char*>(src.data()) + src_offset, bytes);
     return absl::OkStatus();
   }
@@ -743,7 +745,7 @@ class CpuCall {
   const int64_t tile_cols_;
   const int k_;
   const bool gradients_;
-  const bool logits_resident_;  // one tile holds the whole vocabulary
+  const bool logits_resident_;       // one tile holds the whole vocabulary
   const float* hidden32_ = nullptr;  // the chunk's hidden rows as fp32
   int64_t zero_rows_ = 0;
   int64_t zero_cols_ = 0;
@@ -751,8 +753,7 @@ class CpuCall {
 
 absl::StatusOr<BatchSummary> CpuBackend::Compute(const BatchInputs& in, const WeightView& weight,
                                                  const LossOptions& options,
-                                                 const TokenOutputs& out,
-                                                 DeviceBuffer* grad_weight,
+                                                 const TokenOutputs& out, DeviceBuffer* grad_weight,
                                                  DeviceBuffer& workspace) {
   ASSIGN_OR_RETURN(const CallPlan call,
                    PlanCall(*this, in, weight, options, out, grad_weight, workspace));

@@ -146,15 +146,13 @@ LOSSD_ROW_LOOP DistillRowTerms TileDistillTerms(const float* z, const float* z_t
       return TileTermsOf<DivergenceKind::kForwardKl>(z, z_teacher, cols, c);
     case DivergenceKind::kReverseKl:
       return TileTermsOf<DivergenceKind::kReverseKl>(z, z_teacher, cols, c);
-    default:
-      return TileTermsOf<DivergenceKind::kJsd>(z, z_teacher, cols, c);
+    default: return TileTermsOf<DivergenceKind::kJsd>(z, z_teacher, cols, c);
   }
 }
 
 template <DivergenceKind kKind>
 inline __attribute__((always_inline)) void RowGradientsOf(float* z, const float* z_teacher,
-                                                          int64_t cols,
-                                                          const DistillRowGradient& g,
+                                                          int64_t cols, const DistillRowGradient& g,
                                                           const LogitTransform& transform) {
 #pragma omp simd
   for (int64_t c = 0; c < cols; ++c) {
@@ -163,8 +161,8 @@ inline __attribute__((always_inline)) void RowGradientsOf(float* z, const float*
 }
 
 // z[0:cols] <- dL/da in place, columns [v0, v0 + cols) (phase 3).
-LOSSD_ROW_LOOP void RowDistillGradients(float* z, const float* z_teacher, int64_t cols,
-                                        int64_t v0, const DistillRowGradient& g,
+LOSSD_ROW_LOOP void RowDistillGradients(float* z, const float* z_teacher, int64_t cols, int64_t v0,
+                                        const DistillRowGradient& g,
                                         const LogitTransform& transform) {
   const int64_t label = g.ce.label;
   const bool label_here = label >= v0 && label < v0 + cols;
@@ -176,8 +174,7 @@ LOSSD_ROW_LOOP void RowDistillGradients(float* z, const float* z_teacher, int64_
     case DivergenceKind::kReverseKl:
       RowGradientsOf<DivergenceKind::kReverseKl>(z, z_teacher, cols, g, transform);
       break;
-    default:
-      RowGradientsOf<DivergenceKind::kJsd>(z, z_teacher, cols, g, transform);
+    default: RowGradientsOf<DivergenceKind::kJsd>(z, z_teacher, cols, g, transform);
   }
   if (label_here) {
     z[label - v0] = DistillLogitGradientOf(label_z, z_teacher[label - v0], true, g, transform);
@@ -271,8 +268,8 @@ class CpuDistillCall {
                   tile_cols_, /*onto_zero=*/false);
     const TeacherInputs& t = teacher();
     if (t.dense()) {
-      ComputeLogits(teacher_hidden32_, rows, *t.weight, v0, cols, ws_.weight32,
-                    teacher_transform_, ws_.teacher_logits, tile_cols_, /*onto_zero=*/false);
+      ComputeLogits(teacher_hidden32_, rows, *t.weight, v0, cols, ws_.weight32, teacher_transform_,
+                    ws_.teacher_logits, tile_cols_, /*onto_zero=*/false);
       return;
     }
     const int k = t.top_k;
@@ -356,8 +353,7 @@ class CpuDistillCall {
                             ws_.top_tokens + r * k_, summary);
       if (grad_weight32_ != nullptr) {
         summary.grad_weight_bound +=
-            DistillLogitGradientBound(ws_.row_grads[r], ws_.results[r].gradient_bound,
-                                      transform_) *
+            DistillLogitGradientBound(ws_.row_grads[r], ws_.results[r].gradient_bound, transform_) *
             ws_.hidden_max_abs[r];
       }
     }
@@ -396,7 +392,7 @@ class CpuDistillCall {
   const int64_t tile_cols_;
   const int k_;
   const bool gradients_;
-  const bool logits_resident_;  // one tile holds the whole vocabulary
+  const bool logits_resident_;               // one tile holds the whole vocabulary
   const float* hidden32_ = nullptr;          // the chunk's student rows as fp32
   const float* teacher_hidden32_ = nullptr;  // a dense teacher's rows as fp32
 };

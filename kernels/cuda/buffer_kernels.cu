@@ -19,7 +19,7 @@ absl::Status LaunchConvertToFloat(const void* d_src, DType src_dtype, int64_t co
   DTypeSwitch(src_dtype, [&](auto dtype) {
     ConvertToFloatKernel<decltype(dtype)::value>
         <<<GridFor(count, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(d_src, count,
-                                                                                   d_dst);
+                                                                                  d_dst);
   });
   return CheckLaunch("ConvertToFloatKernel");
 }
@@ -37,7 +37,7 @@ absl::Status LaunchConvertFromFloat(const float* d_src, int64_t count, DType dst
   DTypeSwitch(dst_dtype, [&](auto dtype) {
     ConvertFromFloatKernel<decltype(dtype)::value>
         <<<GridFor(count, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(d_src, count,
-                                                                                   d_dst);
+                                                                                  d_dst);
   });
   return CheckLaunch("ConvertFromFloatKernel");
 }
@@ -108,9 +108,8 @@ struct MinCode {
 static __global__ void OptimizerCheckKernel(bool adamw, OptimizerScalars scalars,
                                             const void* d_weight, DType weight_dtype,
                                             DType served_dtype, const float* d_grad,
-                                            const float* d_state1,
-                                            const float* d_state2, int64_t count,
-                                            double* d_partials) {
+                                            const float* d_state1, const float* d_state2,
+                                            int64_t count, double* d_partials) {
   __shared__ double scratch[kWarpSize + 1];
   const int64_t begin = count * blockIdx.x / gridDim.x;
   const int64_t end = count * (blockIdx.x + 1) / gridDim.x;
@@ -129,12 +128,11 @@ static __global__ void OptimizerCheckKernel(bool adamw, OptimizerScalars scalars
 
 absl::Status LaunchOptimizerCheck(OptimizerConfig::Kind kind, const OptimizerScalars& scalars,
                                   const void* d_weight, DType weight_dtype, DType served_dtype,
-                                  const float* d_grad, const float* d_state1,
-                                  const float* d_state2, int64_t count, double* d_partials,
-                                  cudaStream_t stream) {
+                                  const float* d_grad, const float* d_state1, const float* d_state2,
+                                  int64_t count, double* d_partials, cudaStream_t stream) {
   OptimizerCheckKernel<<<kSumSquaresBlocks, kElementwiseThreads, 0, stream>>>(
-      kind == OptimizerConfig::Kind::kAdamW, scalars, d_weight, weight_dtype, served_dtype,
-      d_grad, d_state1, d_state2, count, d_partials);
+      kind == OptimizerConfig::Kind::kAdamW, scalars, d_weight, weight_dtype, served_dtype, d_grad,
+      d_state1, d_state2, count, d_partials);
   return CheckLaunch("OptimizerCheckKernel");
 }
 

@@ -21,9 +21,9 @@
 #include "kernels/cuda/cuda_module.h"
 #include "kernels/cuda/cuda_plan.h"
 #include "kernels/cuda/cuda_status.h"
+#include "lossd/common/status_macros.h"
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/optimizer_math.h"
-#include "lossd/common/status_macros.h"
 
 namespace lossd::cuda {
 namespace {
@@ -197,10 +197,10 @@ class CudaBackend final : public Backend {
     RETURN_IF_ERROR(RunOnStream([&](StreamContext& c) {
       RETURN_IF_ERROR(LaunchSumSquaresPartials(static_cast<const float*>(x.data()), count,
                                                c.d_sum_squares_partials, c.stream));
-      return CudaStatus(cudaMemcpyAsync(partials.data(), c.d_sum_squares_partials,
-                                        partials.size() * sizeof(double), cudaMemcpyDeviceToHost,
-                                        c.stream),
-                        "cudaMemcpyAsync");
+      return CudaStatus(
+          cudaMemcpyAsync(partials.data(), c.d_sum_squares_partials,
+                          partials.size() * sizeof(double), cudaMemcpyDeviceToHost, c.stream),
+          "cudaMemcpyAsync");
     }));
     double total = 0.0;
     for (double p : partials) total += p;
@@ -228,15 +228,14 @@ class CudaBackend final : public Backend {
     // written unless every updated value is finite as stored.
     std::vector<double> partials(kSumSquaresBlocks);
     RETURN_IF_ERROR(RunOnStream([&](StreamContext& c) {
-      RETURN_IF_ERROR(LaunchOptimizerCheck(config.kind, scalars, t.weight->data(), t.weight_dtype,
-                                           t.served_dtype.value_or(t.weight_dtype),
-                                           static_cast<const float*>(t.grad->data()),
-                                           state(t.state1), state(t.state2), t.count,
-                                           c.d_sum_squares_partials, c.stream));
-      return CudaStatus(cudaMemcpyAsync(partials.data(), c.d_sum_squares_partials,
-                                        partials.size() * sizeof(double), cudaMemcpyDeviceToHost,
-                                        c.stream),
-                        "cudaMemcpyAsync");
+      RETURN_IF_ERROR(LaunchOptimizerCheck(
+          config.kind, scalars, t.weight->data(), t.weight_dtype,
+          t.served_dtype.value_or(t.weight_dtype), static_cast<const float*>(t.grad->data()),
+          state(t.state1), state(t.state2), t.count, c.d_sum_squares_partials, c.stream));
+      return CudaStatus(
+          cudaMemcpyAsync(partials.data(), c.d_sum_squares_partials,
+                          partials.size() * sizeof(double), cudaMemcpyDeviceToHost, c.stream),
+          "cudaMemcpyAsync");
     }));
     double first = HUGE_VAL;
     for (double p : partials) first = std::min(first, p);
@@ -356,9 +355,10 @@ std::string NoDeviceReason(cudaError_t error) {
         CUDART_VERSION % 1000 / 10, raw);
   }
   if (error == cudaErrorNoDevice) {
-    return absl::StrCat("no GPU found (the NVIDIA driver sees none: check CUDA_VISIBLE_DEVICES "
-                        "and the container's access to the GPUs; ",
-                        raw, ")");
+    return absl::StrCat(
+        "no GPU found (the NVIDIA driver sees none: check CUDA_VISIBLE_DEVICES "
+        "and the container's access to the GPUs; ",
+        raw, ")");
   }
   return absl::StrCat("cannot count the GPUs (", raw, ")");
 }
@@ -386,10 +386,9 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int ordinal) {
         props.major, props.minor));
   } else if (!image.ok()) {
     // After a device fault CUDA refuses every call of the process, this one included.
-    return WithPayloadsOf(
-        absl::Status(image.code(), absl::StrCat("cuda:", ordinal, " ", props.name, ": ",
-                                                image.message())),
-        image);
+    return WithPayloadsOf(absl::Status(image.code(), absl::StrCat("cuda:", ordinal, " ", props.name,
+                                                                  ": ", image.message())),
+                          image);
   }
   int runtime_version = 0;
   int driver_version = 0;

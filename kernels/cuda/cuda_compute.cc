@@ -421,9 +421,8 @@ class ChunkedCompute::Impl {
       if (distill_) {  // both tiles transformed already
         RETURN_IF_ERROR(ComputeDistillTiles(d, rows, v0, cols));
         RETURN_IF_ERROR(LaunchDistillRowStats(Tile(rows, v0, cols), TeacherTile(rows, v0, cols),
-                                              d.labels, inv_tau, k_, ws_.d_stats,
-                                              ws_.d_top_values, ws_.d_top_tokens,
-                                              ws_.d_distill_stats, stream_));
+                                              d.labels, inv_tau, k_, ws_.d_stats, ws_.d_top_values,
+                                              ws_.d_top_tokens, ws_.d_distill_stats, stream_));
         continue;
       }
       RETURN_IF_ERROR(ComputeLogits(rows, v0, cols));

@@ -63,15 +63,9 @@ void BoolSwitch(bool value, Fn&& fn) {
 template <typename Fn>
 void DTypeSwitch(DType dtype, Fn&& fn) {
   switch (dtype) {
-    case DType::kBFloat16:
-      fn(std::integral_constant<DType, DType::kBFloat16>{});
-      break;
-    case DType::kFloat16:
-      fn(std::integral_constant<DType, DType::kFloat16>{});
-      break;
-    default:
-      fn(std::integral_constant<DType, DType::kFloat32>{});
-      break;
+    case DType::kBFloat16: fn(std::integral_constant<DType, DType::kBFloat16>{}); break;
+    case DType::kFloat16: fn(std::integral_constant<DType, DType::kFloat16>{}); break;
+    default: fn(std::integral_constant<DType, DType::kFloat32>{}); break;
   }
 }
 

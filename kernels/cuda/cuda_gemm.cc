@@ -62,8 +62,9 @@ absl::Status RowMajorGemmBlocked(cublasHandle_t cublas, bool transpose_a, bool t
                                  const Matrix& b, float beta, float* c, int64_t ldc,
                                  bool allow_tf32) {
   const float one = 1.0f;
-  return Blocked(cublas, transpose_a, transpose_b, m, n, k, &alpha, a, b,
-                 [&](bool first) { return first ? &beta : &one; }, c, ldc, allow_tf32);
+  return Blocked(
+      cublas, transpose_a, transpose_b, m, n, k, &alpha, a, b,
+      [&](bool first) { return first ? &beta : &one; }, c, ldc, allow_tf32);
 }
 
 absl::Status RowMajorGemmBlocked(cublasHandle_t cublas, bool transpose_a, bool transpose_b,
@@ -76,8 +77,8 @@ absl::Status RowMajorGemmBlocked(cublasHandle_t cublas, bool transpose_a, bool t
       cublas, transpose_a, transpose_b, m, n, k, scalars.d_alpha, a, b,
       [&](bool first) { return first && !accumulate ? scalars.d_zero : scalars.d_one; }, c, ldc,
       allow_tf32);
-  const absl::Status restored = CublasStatus(
-      cublasSetPointerMode(cublas, CUBLAS_POINTER_MODE_HOST), "cublasSetPointerMode");
+  const absl::Status restored =
+      CublasStatus(cublasSetPointerMode(cublas, CUBLAS_POINTER_MODE_HOST), "cublasSetPointerMode");
   return product.ok() ? restored : product;
 }
 

@@ -58,7 +58,9 @@ absl::Status RowMajorGemmBlocked(cublasHandle_t cublas, bool transpose_a, bool t
 // cuBLAS's recommended workspace for a device of compute capability `major`.x: 32 MiB on Hopper
 // and later, 4 MiB before. The backend gives each handle this much, so cuBLAS allocates nothing
 // during a call and picks its kernels with it.
-inline size_t CublasWorkspaceBytes(int major) { return (major >= 9 ? size_t{32} : size_t{4}) << 20; }
+inline size_t CublasWorkspaceBytes(int major) {
+  return (major >= 9 ? size_t{32} : size_t{4}) << 20;
+}
 
 }  // namespace lossd::cuda
 

@@ -69,9 +69,8 @@ absl::Status LaunchSumSquaresPartials(const float* d_x, int64_t count, double* d
 // writing anything.
 absl::Status LaunchOptimizerCheck(OptimizerConfig::Kind kind, const OptimizerScalars& scalars,
                                   const void* d_weight, DType weight_dtype, DType served_dtype,
-                                  const float* d_grad, const float* d_state1,
-                                  const float* d_state2, int64_t count, double* d_partials,
-                                  cudaStream_t stream);
+                                  const float* d_grad, const float* d_state1, const float* d_state2,
+                                  int64_t count, double* d_partials, cudaStream_t stream);
 // SgdUpdate or AdamWUpdate on every element; d_state1/d_state2 as in OptimizerTensors.
 absl::Status LaunchOptimizerStep(OptimizerConfig::Kind kind, const OptimizerScalars& scalars,
                                  void* d_weight, DType weight_dtype, const float* d_grad,
@@ -116,8 +115,8 @@ absl::Status LaunchFinishRows(int64_t rows, const RowInputArrays& d_arrays,
 
 // d_constants[r] = MakeDistillRowConstants(d_stats[r], options).
 absl::Status LaunchDistillConstants(int64_t rows, const DistillStats* d_stats,
-                                    const DistillOptions& options,
-                                    DistillRowConstants* d_constants, cudaStream_t stream);
+                                    const DistillOptions& options, DistillRowConstants* d_constants,
+                                    cudaStream_t stream);
 
 // The distill rows' FinishDistillRowAt, and with d_row_grads DistillRowGradientAt and
 // d_bounds[r] = DistillLogitGradientBound.
@@ -127,9 +126,8 @@ absl::Status LaunchFinishDistillRows(int64_t rows, const RowInputArrays& d_array
                                      const RowStats* d_stats, const DistillStats* d_distill_stats,
                                      const DistillRowTerms* d_terms,
                                      const DistillRowConstants* d_constants,
-                                     DistillRowResult* d_results,
-                                     DistillRowGradient* d_row_grads, double* d_bounds,
-                                     cudaStream_t stream);
+                                     DistillRowResult* d_results, DistillRowGradient* d_row_grads,
+                                     double* d_bounds, cudaStream_t stream);
 
 // One block: d_split_scale = {S, 1 / S, 0, 1} with S = GradientSplitScale(max_r d_bounds[r],
 // kSplitMaxExponent); the last two are the GEMMs' beta values when they read their scalars from
@@ -149,9 +147,9 @@ absl::Status LaunchLogitGradients(const LogitTile& tile, const RowGradient* d_ro
 // dL/da = DistillLogitGradient of the call's divergence for every logit of the student's tile,
 // both tiles holding transformed logits.
 absl::Status LaunchDistillLogitGradients(const LogitTile& student, const LogitTile& teacher,
-                                         const DistillRowGradient* d_row_grads,
-                                         DivergenceKind kind, const LogitTransform& transform,
-                                         const GradientOut& out, cudaStream_t stream);
+                                         const DistillRowGradient* d_row_grads, DivergenceKind kind,
+                                         const LogitTransform& transform, const GradientOut& out,
+                                         cudaStream_t stream);
 
 // ---- distill_kernels.cu: both logits tiles of a chunk, same rows and columns ----
 
@@ -171,8 +169,7 @@ absl::Status LaunchFillSparseTeacher(const LogitTile& tile, int k, const int32_t
 // One block per row: the tile's sums of D's and K's summands (DistillElementTerms of the call's
 // divergence), added to d_terms[row]; tiles are added in launch order.
 absl::Status LaunchAddTileDistillTerms(const LogitTile& student, const LogitTile& teacher,
-                                       DivergenceKind kind,
-                                       const DistillRowConstants* d_constants,
+                                       DivergenceKind kind, const DistillRowConstants* d_constants,
                                        DistillRowTerms* d_terms, cudaStream_t stream);
 
 }  // namespace lossd::cuda

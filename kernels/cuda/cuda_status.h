@@ -39,7 +39,8 @@ inline bool IsStickyError(cudaError_t error) {
 
 // A failed runtime call also leaves its error as the thread's "last error", which launchers read
 // after a kernel launch; it is cleared here so that a later launch is not blamed for it (a sticky
-// error stays whatever is cleared). Sticky errors become DeviceFaultError, which the server acts on.
+// error stays whatever is cleared). Sticky errors become DeviceFaultError, which the server acts
+// on.
 inline absl::Status CudaStatus(cudaError_t error, absl::string_view what) {
   if (error == cudaSuccess) return absl::OkStatus();
   cudaGetLastError();

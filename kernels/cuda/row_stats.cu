@@ -184,8 +184,8 @@ static __global__ void __launch_bounds__(kRowThreads)
     }
     if constexpr (kTopK) {
       for (int j = 0; j < 4; ++j) {
-        OfferCandidates(list, k, valid, z[j], static_cast<int32_t>(tile.v0 + 4 * q + j),
-                        kth_value, kth_token);
+        OfferCandidates(list, k, valid, z[j], static_cast<int32_t>(tile.v0 + 4 * q + j), kth_value,
+                        kth_token);
       }
     }
   }

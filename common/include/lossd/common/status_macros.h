@@ -6,8 +6,8 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "absl/strings/cord.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 
@@ -15,10 +15,10 @@
 #define LOSSD_CONCAT_(a, b) LOSSD_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function when `expr` (an absl::Status) is not OK.
-#define RETURN_IF_ERROR(expr)                         \
-  do {                                                \
-    ::absl::Status lossd_status_ = (expr);            \
-    if (!lossd_status_.ok()) return lossd_status_;    \
+#define RETURN_IF_ERROR(expr)                      \
+  do {                                             \
+    ::absl::Status lossd_status_ = (expr);         \
+    if (!lossd_status_.ok()) return lossd_status_; \
   } while (0)
 
 // `ASSIGN_OR_RETURN(auto x, MakeX());` unwraps an absl::StatusOr or returns its error.

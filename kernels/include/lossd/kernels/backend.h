@@ -76,10 +76,10 @@ enum class TeacherKind : int { kNone = 0, kDense = 1, kSparse = 2 };
 // A distill call's teacher, as far as it shapes the workspace (TeacherInputs).
 struct TeacherShape {
   TeacherKind kind = TeacherKind::kNone;
-  int64_t hidden_size = 0;                   // dense
-  DType hidden_dtype = DType::kFloat32;      // dense
-  DType weight_dtype = DType::kFloat32;      // dense
-  int top_k = 0;                             // sparse
+  int64_t hidden_size = 0;               // dense
+  DType hidden_dtype = DType::kFloat32;  // dense
+  DType weight_dtype = DType::kFloat32;  // dense
+  int top_k = 0;                         // sparse
 };
 
 // What a call will compute; enough to plan its chunking and size its workspace.
@@ -121,8 +121,8 @@ struct OptimizerConfig {
   double beta1 = 0.9;     // AdamW
   double beta2 = 0.999;
   double epsilon = 1e-8;
-  double weight_decay = 0.0;  // SGD: L2 added to the gradient; AdamW: decoupled
-  int64_t step = 1;           // 1-based count of this update, for AdamW's bias correction
+  double weight_decay = 0.0;     // SGD: L2 added to the gradient; AdamW: decoupled
+  int64_t step = 1;              // 1-based count of this update, for AdamW's bias correction
   double grad_multiplier = 1.0;  // applied to the gradient first (global-norm clipping)
 };
 
@@ -154,7 +154,7 @@ struct OptimizerStepResult {
 class Backend : public BufferAllocator {
  public:
   virtual absl::string_view kind() const = 0;  // "cpu" or "cuda"
-  virtual std::string Describe() const = 0;   // human-readable device and library versions
+  virtual std::string Describe() const = 0;    // human-readable device and library versions
   // Total and used memory of the device, as its driver (or the OS, for the CPU) reports them now.
   virtual absl::StatusOr<DeviceMemory> QueryMemory() const = 0;
 
@@ -226,8 +226,8 @@ class Backend : public BufferAllocator {
 absl::Status DeviceFaultError(absl::string_view message);
 bool IsDeviceFault(const absl::Status& status);
 
-// "cpu", "cuda", "cuda:N" or "auto" (CUDA when a device is present, else CPU). The CUDA backend is a
-// module loaded at run time; `cuda_module_path` overrides where it is looked for. When "auto"
+// "cpu", "cuda", "cuda:N" or "auto" (CUDA when a device is present, else CPU). The CUDA backend is
+// a module loaded at run time; `cuda_module_path` overrides where it is looked for. When "auto"
 // falls back to the CPU, `cuda_unavailable` (if given) receives why CUDA was not taken.
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view device,
                                                        absl::string_view cuda_module_path = {},

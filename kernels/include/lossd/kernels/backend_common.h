@@ -91,12 +91,12 @@ int64_t CountCountedRows(const int64_t* labels, int64_t num_tokens, int64_t igno
 
 // How a backend likes its tiles.
 struct TileLimits {
-  int64_t max_token_chunk;          // rows per chunk never exceed this
-  int64_t min_single_pass_rows;     // fewer full-vocabulary rows than this: tile the vocabulary
-  int64_t two_pass_token_chunk;     // rows per chunk once the vocabulary is tiled
-  int64_t min_vocab_chunk;          // the narrowest vocabulary tile worth a GEMM
-  int64_t vocab_chunk_multiple;     // vocabulary tiles are multiples of this (unless V itself)
-  int64_t token_chunk_multiple;     // partial-batch token chunks are multiples of this when larger
+  int64_t max_token_chunk;       // rows per chunk never exceed this
+  int64_t min_single_pass_rows;  // fewer full-vocabulary rows than this: tile the vocabulary
+  int64_t two_pass_token_chunk;  // rows per chunk once the vocabulary is tiled
+  int64_t min_vocab_chunk;       // the narrowest vocabulary tile worth a GEMM
+  int64_t vocab_chunk_multiple;  // vocabulary tiles are multiples of this (unless V itself)
+  int64_t token_chunk_multiple;  // partial-batch token chunks are multiples of this when larger
   // Rows per chunk for calls without gradients, the vocabulary tiled to fit, for a backend whose
   // cost per token chunk grows with W (widening a 16-bit W, the BLAS packing it); 0: such calls
   // are planned like the others.
@@ -161,8 +161,7 @@ class RowFinisher {
             const int32_t* top_tokens, BatchSummary& summary) const;
   // Emit of a distill row: also its KD and CE terms.
   void EmitDistill(int64_t row, const DistillRowResult& result, const RowStats& stats,
-                   const float* top_values, const int32_t* top_tokens,
-                   BatchSummary& summary) const;
+                   const float* top_values, const int32_t* top_tokens, BatchSummary& summary) const;
 
   // The summary's counts and reduced loss once every row was emitted.
   void Close(BatchSummary& summary) const;
@@ -187,7 +186,8 @@ class WorkspaceArena {
  public:
   static constexpr size_t kAlignment = 256;
 
-  WorkspaceArena(void* base, size_t capacity) : base_(static_cast<char*>(base)), capacity_(capacity) {}
+  WorkspaceArena(void* base, size_t capacity)
+      : base_(static_cast<char*>(base)), capacity_(capacity) {}
 
   template <typename T>
   T* Take(int64_t count) {

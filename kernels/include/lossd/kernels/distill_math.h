@@ -171,8 +171,8 @@ LOSSD_HD DistillSummands DistillElementTerms(float z, float z_teacher,
   } else {
     const MixtureLogRatios r = MixtureRatios(log_p, log_q, c);
     const float student = Exp(log_q) * r.student;
-    s.divergence = (teacher_mass ? c.beta * Exp(log_p) * r.teacher : 0.0f) +
-                   c.one_minus_beta * student;
+    s.divergence =
+        (teacher_mass ? c.beta * Exp(log_p) * r.teacher : 0.0f) + c.one_minus_beta * student;
     s.k = student;
   }
   return s;
@@ -186,8 +186,7 @@ LOSSD_HD DistillSummands DistillElementTermsOf(float z, float z_teacher,
       return DistillElementTerms<DivergenceKind::kForwardKl>(z, z_teacher, c);
     case DivergenceKind::kReverseKl:
       return DistillElementTerms<DivergenceKind::kReverseKl>(z, z_teacher, c);
-    default:
-      return DistillElementTerms<DivergenceKind::kJsd>(z, z_teacher, c);
+    default: return DistillElementTerms<DivergenceKind::kJsd>(z, z_teacher, c);
   }
 }
 
@@ -239,9 +238,7 @@ LOSSD_HD DistillRowResult FinishDistillRow(const RowStats& s, const DistillStats
   }
   constexpr double kInvE = 0.36787944117144233;
   switch (DivergenceOf(options.beta)) {
-    case DivergenceKind::kForwardKl:
-      r.gradient_bound = 1.0;
-      break;
+    case DivergenceKind::kForwardKl: r.gradient_bound = 1.0; break;
     case DivergenceKind::kReverseKl:
       r.gradient_bound = kInvE + 2.0 * (LseOf(ds.teacher) - static_cast<double>(ds.teacher.min));
       break;
@@ -281,8 +278,8 @@ LOSSD_HD DistillRowGradient MakeDistillRowGradient(const DistillRowResult& r,
   d.ce.lse = r.row.lse;
   d.ce.scale_p = static_cast<float>(g * (alpha + 2.0 * loss.z_loss_scale * lse));
   d.ce.entropy_scale = 0.0f;
-  d.ce.offset = static_cast<float>(g * alpha * loss.label_smoothing /
-                                   static_cast<double>(loss.vocab_size));
+  d.ce.offset =
+      static_cast<float>(g * alpha * loss.label_smoothing / static_cast<double>(loss.vocab_size));
   d.ce.label_term = static_cast<float>(g * alpha * (1.0 - loss.label_smoothing));
   d.ce.label = counted ? label : -1;
   d.c = c;
@@ -329,8 +326,8 @@ LOSSD_HD float DivergenceGradient(float z, float z_teacher, const DistillRowGrad
 template <DivergenceKind kKind>
 LOSSD_HD float DistillLogitGradient(float z, float z_teacher, bool is_label,
                                     const DistillRowGradient& g, const LogitTransform& t) {
-  const float ce = g.ce.scale_p * Exp(z - g.ce.lse) - g.ce.offset -
-                   (is_label ? g.ce.label_term : 0.0f);
+  const float ce =
+      g.ce.scale_p * Exp(z - g.ce.lse) - g.ce.offset - (is_label ? g.ce.label_term : 0.0f);
   const float dz = ce + g.kd_scale * DivergenceGradient<kKind>(z, z_teacher, g);
   return dz * TransformDerivative(z, t);
 }
@@ -342,17 +339,16 @@ LOSSD_HD float DistillLogitGradientOf(float z, float z_teacher, bool is_label,
       return DistillLogitGradient<DivergenceKind::kForwardKl>(z, z_teacher, is_label, g, t);
     case DivergenceKind::kReverseKl:
       return DistillLogitGradient<DivergenceKind::kReverseKl>(z, z_teacher, is_label, g, t);
-    default:
-      return DistillLogitGradient<DivergenceKind::kJsd>(z, z_teacher, is_label, g, t);
+    default: return DistillLogitGradient<DivergenceKind::kJsd>(z, z_teacher, is_label, g, t);
   }
 }
 
 // max_v |dL/da_v| <= (|scale_p| + |offset| + |label_term| + |kd_scale| max_v |dD/du_v|) / T.
 LOSSD_HD double DistillLogitGradientBound(const DistillRowGradient& g, double divergence_bound,
                                           const LogitTransform& t) {
-  return LogitGradientBound(g.ce, t) +
-         std::fabs(static_cast<double>(g.kd_scale)) * divergence_bound *
-             static_cast<double>(t.inv_temperature);
+  return LogitGradientBound(g.ce, t) + std::fabs(static_cast<double>(g.kd_scale)) *
+                                           divergence_bound *
+                                           static_cast<double>(t.inv_temperature);
 }
 
 // The logit a sparse teacher's completed distribution gives the tokens outside its top-k: -inf

@@ -61,9 +61,9 @@ LOSSD_HD uint16_t FloatToFloat16(float x) {
   const uint32_t u = FloatBits(x);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t magnitude = u & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return sign | 0x7e00u;              // NaN
-  if (magnitude >= 0x477ff000u) return sign | 0x7c00u;             // rounds to Inf
-  if (magnitude < 0x38800000u) {                                   // fp16 subnormal or zero
+  if (magnitude > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (magnitude >= 0x477ff000u) return sign | 0x7c00u;  // rounds to Inf
+  if (magnitude < 0x38800000u) {                        // fp16 subnormal or zero
     // x * 2^24 rounded to an integer is the subnormal mantissa; fp32 rounding is to nearest even.
     const float scaled = BitsToFloat(magnitude) * 16777216.0f;
     const uint32_t q = static_cast<uint32_t>(scaled);

@@ -7,7 +7,8 @@
 //   loss = w [ term + beta KL + s lse^2 - c_H H ]   (term and KL as in types.h),
 //   dL/dz_v = g [ p_v (1 + 2 s lse) - eps / V - (1 - eps) [v = y] ]   (cross-entropy)
 //           + g d ([v = y] - p_v)                  (d = dL/dlogp of the policy term and beta KL)
-//           + g c_H p_v (z_v - lse + H)            (the entropy bonus: dH/dz_v = -p_v (z_v - E_p z))
+//           + g c_H p_v (z_v - lse + H)            (the entropy bonus: dH/dz_v = -p_v (z_v - E_p
+//           z))
 //           + g 2 s lse p_v                        (z-loss, with any objective),
 //   g = w * reduction scale * grad_scale,
 //   dL/da_v = dL/dz_v * (1 / T) * (1 - (z_v T / c)^2)   (the last factor only with a soft cap).
@@ -153,12 +154,12 @@ LOSSD_HD float TransformDerivative(float z, const LogitTransform& t) {
 // over disjoint column sets merge exactly (up to rounding), so tiles, threads and shards combine in
 // any fixed order.
 struct RowStats {
-  float max;                // m = max_v z_v
-  float sum_exp;            // sum_v exp(z_v - m)
-  float sum_exp_shifted;    // sum_v exp(z_v - m) (z_v - m) <= 0, for the entropy
-  float sum_z;              // sum_v z_v, for label smoothing
-  float target;             // z_y, from the tile that holds the label (0 elsewhere)
-  int32_t argmax;           // lowest id among the maxima
+  float max;              // m = max_v z_v
+  float sum_exp;          // sum_v exp(z_v - m)
+  float sum_exp_shifted;  // sum_v exp(z_v - m) (z_v - m) <= 0, for the entropy
+  float sum_z;            // sum_v z_v, for label smoothing
+  float target;           // z_y, from the tile that holds the label (0 elsewhere)
+  int32_t argmax;         // lowest id among the maxima
 };
 
 LOSSD_HD RowStats EmptyRowStats() {
@@ -238,8 +239,8 @@ struct ObjectiveTerm {
 // importance sampling d = -r A; ppo d = -r A where the unclipped branch is taken and 0 where the
 // clipped one or the dual-clip bound is (both constant in logp); cispo d = -clip(r) A, its weight
 // held constant.
-LOSSD_HD ObjectiveTerm PolicyObjectiveTerm(Objective objective, double logprob,
-                                           const RowInputs& in, const PolicyOptions& p) {
+LOSSD_HD ObjectiveTerm PolicyObjectiveTerm(Objective objective, double logprob, const RowInputs& in,
+                                           const PolicyOptions& p) {
   ObjectiveTerm t;
   if (objective == Objective::kLogprobGradient) {
     t.value = in.logprob_grad * logprob;
@@ -288,8 +289,7 @@ LOSSD_HD ObjectiveTerm PolicyObjectiveTerm(Objective objective, double logprob,
       t.logprob_grad = -clipped * a;
       t.clip = r > high ? ClipState::kHigh : (r < low ? ClipState::kLow : ClipState::kNone);
       break;
-    default:
-      break;
+    default: break;
   }
   return t;
 }
@@ -318,8 +318,7 @@ LOSSD_HD KlTerm KlEstimate(KlEstimator estimator, double logprob, double referen
       k.logprob_grad = 1.0 - e;
       break;
     }
-    default:
-      break;
+    default: break;
   }
   return k;
 }
@@ -329,10 +328,10 @@ struct RowResult {
   float logprob;  // 0 for ignored rows
   float loss;     // weighted; 0 for ignored rows
   float entropy;
-  float ratio;    // of the policy objectives; 0 for ignored rows
-  float kl;       // with a KL estimator; 0 for ignored rows
+  float ratio;  // of the policy objectives; 0 for ignored rows
+  float kl;     // with a KL estimator; 0 for ignored rows
   ClipState clip;
-  bool finite;    // the row's logits, statistics and terms were all finite
+  bool finite;  // the row's logits, statistics and terms were all finite
   // d = dL/dlogp of the policy term and beta KL, before the weight; 0 for ignored rows.
   double logprob_grad;
 };
@@ -445,16 +444,18 @@ LOSSD_HD RowGradient MakeRowGradient(const RowResult& row, int64_t label, bool c
   r.lse = row.lse;
   r.scale_p = static_cast<float>(g * p_factor);
   r.entropy_scale = static_cast<float>(g * entropy_coef);
-  r.offset = cross_entropy ? static_cast<float>(g * terms.label_smoothing /
-                                                static_cast<double>(terms.vocab_size))
-                           : 0.0f;
+  r.offset =
+      cross_entropy
+          ? static_cast<float>(g * terms.label_smoothing / static_cast<double>(terms.vocab_size))
+          : 0.0f;
   r.label_term = static_cast<float>(g * label_factor);
   r.label = counted ? label : -1;
   return r;
 }
 
 // dL/da for one logit; the one-hot term is applied in fp32 whatever the input dtype.
-LOSSD_HD float LogitGradient(float z, bool is_label, const RowGradient& g, const LogitTransform& t) {
+LOSSD_HD float LogitGradient(float z, bool is_label, const RowGradient& g,
+                             const LogitTransform& t) {
   const float dz = g.scale_p * Exp(z - g.lse) - g.offset - (is_label ? g.label_term : 0.0f);
   return dz * TransformDerivative(z, t);
 }
@@ -474,8 +475,7 @@ LOSSD_HD double LogitGradientBound(const RowGradient& g, const LogitTransform& t
   constexpr double kMaxPLogP = 0.36787944117144233;  // max_p p |log p| = 1 / e
   return (std::fabs(static_cast<double>(g.scale_p)) +
           std::fabs(static_cast<double>(g.entropy_scale)) * kMaxPLogP +
-          std::fabs(static_cast<double>(g.offset)) +
-          std::fabs(static_cast<double>(g.label_term))) *
+          std::fabs(static_cast<double>(g.offset)) + std::fabs(static_cast<double>(g.label_term))) *
          static_cast<double>(t.inv_temperature);
 }
 

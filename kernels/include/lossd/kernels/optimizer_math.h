@@ -20,8 +20,8 @@ struct OptimizerScalars {
   float epsilon;
   float weight_decay;
   float grad_multiplier;
-  float step_size;           // AdamW: lr / (1 - beta1^t)
-  float inv_sqrt_bias2;      // AdamW: 1 / sqrt(1 - beta2^t)
+  float step_size;       // AdamW: lr / (1 - beta1^t)
+  float inv_sqrt_bias2;  // AdamW: 1 / sqrt(1 - beta2^t)
   // 1 - beta1, 1 - beta2 and 1 - lr wd, taken in double before rounding (as torch does): in fp32
   // from the rounded betas, 1 - 0.999f is off by 1.3e-5 relative, and v with it.
   float one_minus_beta1;

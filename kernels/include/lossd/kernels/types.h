@@ -24,8 +24,8 @@
 #ifndef LOSSD_KERNELS_TYPES_H_
 #define LOSSD_KERNELS_TYPES_H_
 
-#include <cstddef>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include "absl/strings/string_view.h"
 
@@ -79,9 +79,9 @@ enum class ClipState : int32_t { kNone = 0, kHigh = 1, kLow = 2, kDual = 3 };
 
 // The options of the policy objectives and the terms any objective may add.
 struct PolicyOptions {
-  double clip_low = 0.2;      // eps_low in [0, 1]: ratios below 1 - eps_low are clipped
-  double clip_high = 0.2;     // eps_high >= 0: ratios above 1 + eps_high are clipped
-  double dual_clip = 0.0;     // c > 1: ppo's loss of a negative advantage is at most -c A; 0 off
+  double clip_low = 0.2;   // eps_low in [0, 1]: ratios below 1 - eps_low are clipped
+  double clip_high = 0.2;  // eps_high >= 0: ratios above 1 + eps_high are clipped
+  double dual_clip = 0.0;  // c > 1: ppo's loss of a negative advantage is at most -c A; 0 off
   KlEstimator kl_estimator = KlEstimator::kNone;
   double kl_coef = 0.0;       // beta >= 0: adds beta KL_i; needs a KL estimator
   double entropy_coef = 0.0;  // c_H: subtracts c_H H_i (an entropy bonus for c_H > 0)
@@ -112,9 +112,9 @@ enum class SparseTeacherMass : int {
 // (label smoothing applies), and term_i = alpha CE_i + (1 - alpha) KD_i. The teacher gets no
 // gradient.
 struct DistillOptions {
-  double beta = 0.0;                 // in [0, 1]
-  double alpha = 0.0;                // in [0, 1]; > 0 needs labels
-  double temperature = 1.0;          // tau > 0
+  double beta = 0.0;                   // in [0, 1]
+  double alpha = 0.0;                  // in [0, 1]; > 0 needs labels
+  double temperature = 1.0;            // tau > 0
   double teacher_logit_softcap = 0.0;  // the teacher head's soft cap c_t (0: off)
   double teacher_temperature = 1.0;    // the teacher head's temperature T_t
   SparseTeacherMass sparse_mass = SparseTeacherMass::kRenormalize;
@@ -184,7 +184,7 @@ struct BatchInputs {
   // [num_tokens], in [0, V) or ignore_index; null only under distill with alpha = 0, where every
   // row counts.
   const int64_t* labels = nullptr;
-  const float* token_weights = nullptr;    // [num_tokens] or null for all ones
+  const float* token_weights = nullptr;  // [num_tokens] or null for all ones
   // Per-token inputs of the objectives, [num_tokens] each, read only where the objective or term
   // uses them and only on rows that are not ignored.
   const float* sampling_logprobs = nullptr;   // q_i: importance_sampling, ppo, cispo
@@ -200,34 +200,34 @@ struct BatchInputs {
 // Which per-token results to produce: a null pointer means "not wanted". Host memory, caller-owned.
 // Ignored rows get loss 0 and logprob 0; lse, entropy, argmax and top-k are filled for every row.
 struct TokenOutputs {
-  float* loss = nullptr;        // [N] loss_i as defined above (weighted, before the reduction)
-  float* logprob = nullptr;     // [N] log p(y_i) = z_y - lse
-  float* lse = nullptr;         // [N]
-  float* entropy = nullptr;     // [N] lse - sum_v p_v z_v
-  int32_t* argmax = nullptr;    // [N] the most likely token (lowest id on ties)
-  int top_k = 0;                // k in [0, kMaxTopK]
+  float* loss = nullptr;           // [N] loss_i as defined above (weighted, before the reduction)
+  float* logprob = nullptr;        // [N] log p(y_i) = z_y - lse
+  float* lse = nullptr;            // [N]
+  float* entropy = nullptr;        // [N] lse - sum_v p_v z_v
+  int32_t* argmax = nullptr;       // [N] the most likely token (lowest id on ties)
+  int top_k = 0;                   // k in [0, kMaxTopK]
   float* top_k_logprob = nullptr;  // [N, k], best first
   int32_t* top_k_token = nullptr;  // [N, k]
   void* grad_hidden = nullptr;     // [N, H] dL/dh in grad_hidden_dtype, overwritten
   DType grad_hidden_dtype = DType::kFloat32;
   // Of the policy objectives; 0 for ignored rows and where the objective has none.
-  float* ratio = nullptr;          // [N] r_i = exp(logp_i - q_i)
-  int32_t* clip = nullptr;         // [N] ClipState
-  float* kl = nullptr;             // [N] KL_i by the call's estimator
+  float* ratio = nullptr;   // [N] r_i = exp(logp_i - q_i)
+  int32_t* clip = nullptr;  // [N] ClipState
+  float* kl = nullptr;      // [N] KL_i by the call's estimator
   // Of distill; 0 for ignored rows.
-  float* kd = nullptr;             // [N] KD_i = tau^2 D_beta, before alpha and the weight
-  float* ce = nullptr;             // [N] CE_i, before alpha and the weight (0 without labels)
+  float* kd = nullptr;  // [N] KD_i = tau^2 D_beta, before alpha and the weight
+  float* ce = nullptr;  // [N] CE_i, before alpha and the weight (0 without labels)
 };
 
 struct BatchSummary {
-  double loss_sum = 0.0;        // sum_i loss_i over this call's rows, summed in double
-  double loss = 0.0;            // the reduced loss (sum and none report loss_sum)
-  int64_t counted_tokens = 0;   // rows whose label is not ignore_index
-  int64_t correct_tokens = 0;   // counted rows whose argmax equals the label
-  int64_t clipped_tokens = 0;   // counted rows whose ClipState is not kNone
-  double kl_sum = 0.0;          // sum of KL_i over counted rows (with a KL estimator)
-  double kd_sum = 0.0;          // sum of KD_i over counted rows (distill)
-  double ce_sum = 0.0;          // sum of CE_i over counted rows (distill)
+  double loss_sum = 0.0;       // sum_i loss_i over this call's rows, summed in double
+  double loss = 0.0;           // the reduced loss (sum and none report loss_sum)
+  int64_t counted_tokens = 0;  // rows whose label is not ignore_index
+  int64_t correct_tokens = 0;  // counted rows whose argmax equals the label
+  int64_t clipped_tokens = 0;  // counted rows whose ClipState is not kNone
+  double kl_sum = 0.0;         // sum of KL_i over counted rows (with a KL estimator)
+  double kd_sum = 0.0;         // sum of KD_i over counted rows (distill)
+  double ce_sum = 0.0;         // sum of CE_i over counted rows (distill)
   // False when any row's logits were not finite (NaN/Inf in h or W, or overflow); the caller then
   // must not trust, or commit, the gradients of this call.
   bool all_finite = true;

@@ -15,7 +15,8 @@
 // structure alone cannot (flipped bits in the data keep every offset valid).
 //
 // Each file is written to a temporary name, fsynced and renamed into place, so a crash leaves
-// either the previous checkpoints or the new one, never a half-written file under a checkpoint name.
+// either the previous checkpoints or the new one, never a half-written file under a checkpoint
+// name.
 #ifndef LOSSD_STORAGE_CHECKPOINT_H_
 #define LOSSD_STORAGE_CHECKPOINT_H_
 

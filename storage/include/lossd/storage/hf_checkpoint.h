@@ -53,19 +53,19 @@ inline constexpr const char* kLmHeadTensorNames[] = {"lm_head.weight",
                                                      "language_model.lm_head.weight"};
 // The input embedding, in the order looked for: decoder-only models, then the language model
 // inside multimodal ones (transformers 5, then 4).
-inline constexpr const char* kEmbeddingTensorNames[] = {
-    "model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
-    "language_model.model.embed_tokens.weight"};
+inline constexpr const char* kEmbeddingTensorNames[] = {"model.embed_tokens.weight",
+                                                        "model.language_model.embed_tokens.weight",
+                                                        "language_model.model.embed_tokens.weight"};
 
 // What lossd reads of a transformers config.json.
 struct ModelConfig {
-  std::string model_type;                    // empty when absent
+  std::string model_type;  // empty when absent
   std::optional<int64_t> vocab_size;
   std::optional<int64_t> hidden_size;
-  std::optional<bool> tie_word_embeddings;   // as written, top level first
-  std::string tie_word_embeddings_field;     // where it was written: "tie_word_embeddings",
-                                             // "text_config.tie_word_embeddings" or empty
-  double final_logit_softcapping = 0.0;      // 0: none
+  std::optional<bool> tie_word_embeddings;  // as written, top level first
+  std::string tie_word_embeddings_field;    // where it was written: "tie_word_embeddings",
+                                            // "text_config.tie_word_embeddings" or empty
+  double final_logit_softcapping = 0.0;     // 0: none
 
   // tie_word_embeddings, or transformers' default for model_type when the config has none.
   bool TiesEmbeddings() const;

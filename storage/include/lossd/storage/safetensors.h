@@ -57,7 +57,8 @@ class SafetensorsFile {
   static absl::StatusOr<SafetensorsFile> Open(const std::string& path);
   // Validates and takes ownership of a whole file's bytes; `source_name` stands for the path in
   // error messages.
-  static absl::StatusOr<SafetensorsFile> FromBytes(std::string bytes, std::string source_name = "<memory>");
+  static absl::StatusOr<SafetensorsFile> FromBytes(std::string bytes,
+                                                   std::string source_name = "<memory>");
 
   SafetensorsFile(SafetensorsFile&& other) noexcept;
   SafetensorsFile& operator=(SafetensorsFile&& other) noexcept;
@@ -118,15 +119,16 @@ struct TensorToWrite {
 // metadata, not on the order of `tensors`: the JSON keys are sorted, and the data is laid out by
 // element size (largest first) and then by name, so every tensor starts at a multiple of its
 // element size. The header is padded with spaces to a multiple of 8 bytes.
-absl::StatusOr<std::string> SerializeSafetensors(const std::vector<TensorToWrite>& tensors,
-                                                 const std::map<std::string, std::string>& metadata);
+absl::StatusOr<std::string> SerializeSafetensors(
+    const std::vector<TensorToWrite>& tensors, const std::map<std::string, std::string>& metadata);
 
 // Writes the same bytes as SerializeSafetensors to `path` without ever exposing a partial file
 // there: it writes `path`.tmp-<pid>-<random> in the same directory, fsyncs it, renames it over
 // `path` and fsyncs the directory. On failure the temporary file is removed and `path` is left as
 // it was (unless the failure is the final directory fsync, after which the new file is in place
 // but not known to be durable).
-absl::Status WriteSafetensorsAtomically(const std::string& path, const std::vector<TensorToWrite>& tensors,
+absl::Status WriteSafetensorsAtomically(const std::string& path,
+                                        const std::vector<TensorToWrite>& tensors,
                                         const std::map<std::string, std::string>& metadata);
 
 // fsyncs a directory, which makes the creation, rename or removal of its entries durable.

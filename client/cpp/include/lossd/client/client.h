@@ -196,7 +196,7 @@ struct ComputeRequest {
   std::string weight_sha256;
   v1::LossOptions options;
   v1::OutputSelection outputs;
-  TensorView hidden;                     // [num_tokens, hidden_size]
+  TensorView hidden;  // [num_tokens, hidden_size]
   // num_tokens token ids or ignore_index; empty only for OBJECTIVE_DISTILL with distill.alpha 0,
   // where every row then counts.
   absl::Span<const int64_t> labels;
@@ -265,9 +265,9 @@ struct ComputeResult {
   // with one value per row (per_token.logprob(i) is row i's), and the top_k_* fields with top_k
   // values per row ([num_tokens, top_k], best first). Outputs not asked for are empty.
   v1::ComputeResult per_token;
-  Tensor grad_hidden;                // [num_tokens, hidden_size] when asked for (see grad_hidden_out)
-  std::string call_id;               // the one sent, empty for none
-  int attempts = 0;                  // 1 unless retried
+  Tensor grad_hidden;   // [num_tokens, hidden_size] when asked for (see grad_hidden_out)
+  std::string call_id;  // the one sent, empty for none
+  int attempts = 0;     // 1 unless retried
   // Seen by the client: the whole call (of the last attempt), and the serialized message bytes
   // each way.
   double wall_seconds = 0.0;
@@ -321,7 +321,7 @@ struct StepResult {
   double grad_norm = 0.0;  // after grad_multiplier, before clipping
   double clip_multiplier = 1.0;
   int64_t accumulated_tokens = 0;
-  bool skipped = false;    // skip_nonfinite met a non-finite gradient: W did not move
+  bool skipped = false;  // skip_nonfinite met a non-finite gradient: W did not move
 };
 
 // GradWeightNorm: the norm of a head's accumulated gradient, once every rank has sent its part.
@@ -368,7 +368,8 @@ class Client {
   // calls read; W for a head without them.
   absl::StatusOr<Tensor> FetchWeight(const std::string& head, DType dtype = DType::kFloat32,
                                      bool master = false) const;
-  absl::StatusOr<Tensor> FetchGradWeight(const std::string& head, DType dtype = DType::kFloat32) const;
+  absl::StatusOr<Tensor> FetchGradWeight(const std::string& head,
+                                         DType dtype = DType::kFloat32) const;
   // Returns the head's version.
   absl::StatusOr<uint64_t> ZeroGrad(const std::string& head) const;
   absl::StatusOr<StepResult> Step(const StepOptions& options) const;
@@ -404,14 +405,15 @@ class Client {
                                      bool master) const;
   // One unary call to the one server.
   template <typename Request, typename Response>
-  absl::StatusOr<Response> CallOneServer(
-      grpc::Status (v1::LossService::Stub::*method)(grpc::ClientContext*, const Request&, Response*),
-      const Request& request) const;
+  absl::StatusOr<Response> CallOneServer(grpc::Status (v1::LossService::Stub::*method)(
+                                             grpc::ClientContext*, const Request&, Response*),
+                                         const Request& request) const;
   // CallOneServer, retried as options().compute_retry says where `repeatable`: the server
   // answers a repeat of the request as the first.
   template <typename Request, typename Response>
   absl::StatusOr<Response> CallOneServerRetried(
-      grpc::Status (v1::LossService::Stub::*method)(grpc::ClientContext*, const Request&, Response*),
+      grpc::Status (v1::LossService::Stub::*method)(grpc::ClientContext*, const Request&,
+                                                    Response*),
       const Request& request, bool repeatable) const;
   // The part of Compute that depends on how the rows travel.
   absl::Status RunCompute(const ComputeRequest& request, v1::ComputeRequest& start_message,

@@ -35,11 +35,11 @@ struct TensorView {
 
 // A [rows, cols] matrix that owns its bytes, such as one received from the server.
 struct Tensor {
-  std::string bytes;           // rows * cols * DTypeSize(dtype) bytes
+  std::string bytes;  // rows * cols * DTypeSize(dtype) bytes
   DType dtype = DType::kFloat32;
   int64_t rows = 0;
   int64_t cols = 0;
-  uint64_t head_version = 0;   // the head's version the values belong to
+  uint64_t head_version = 0;       // the head's version the values belong to
   int64_t accumulated_tokens = 0;  // fetched gradients: tokens in the accumulator; 0 otherwise
 
   TensorView view() const { return {bytes.data(), dtype, rows, cols}; }
