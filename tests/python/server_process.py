@@ -93,6 +93,12 @@ class ServerProcess:
         os.unlink(self.log.name)
 
 
+def demo_server(vocab, hidden, *flags, metrics=False, **kwargs):
+    """A CPU server whose embedded demo head is [vocab, hidden], with more `flags`."""
+    return ServerProcess("--device=cpu", f"--demo_vocab_size={vocab}",
+                         f"--demo_hidden_size={hidden}", *flags, metrics=metrics, **kwargs)
+
+
 def run_to_exit(*flags, timeout=600):
     """Runs lossd_server with `flags` where it is expected to refuse to start: (exit code, output).
     A server that starts instead is stopped and reported as exit code None."""

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from holding_relay import HoldingRelay
-from server_process import ServerProcess, ensure_python_client, free_port
+from server_process import ServerProcess, demo_server, ensure_python_client, free_port
 
 ensure_python_client()
 import lossd  # noqa: E402
@@ -36,24 +36,13 @@ GRAD_RTOL = 2e-5
 def server():
     # A 1 MiB workspace makes the engine compute a few hundred tokens in several chunks, so
     # results come back in several messages that the client puts together by row offset.
-    with ServerProcess("--device=cpu", f"--demo_vocab_size={VOCAB}",
-                       f"--demo_hidden_size={HIDDEN}", "--workspace_budget_mib=1",
-                       metrics=False) as s:
+    with demo_server(VOCAB, HIDDEN, "--workspace_budget_mib=1") as s:
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with lossd.Client(server.address, timeout=600) as c:
-        yield c
-
-
 @pytest.fixture
-def head(client):
-    """A fresh head with a random W, so that no test sees another's gradient or steps."""
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    weight = np.random.default_rng().standard_normal((VOCAB, HIDDEN), dtype=np.float32) * 0.3
-    return RemoteHead.upload(client, name, torch.from_numpy(weight))
+def head(new_head):
+    return new_head(VOCAB, HIDDEN)
 
 
 def relative_error(actual, expected):

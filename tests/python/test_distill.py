@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server_process import ServerProcess, ensure_python_client
+from server_process import demo_server, ensure_python_client
 
 ensure_python_client()
 import lossd  # noqa: E402
@@ -28,16 +28,8 @@ TERM_ATOL = 2e-4
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--device=cpu", f"--demo_vocab_size={VOCAB}",
-                       f"--demo_hidden_size={HIDDEN}", "--workspace_budget_mib=1",
-                       metrics=False) as s:
+    with demo_server(VOCAB, HIDDEN, "--workspace_budget_mib=1") as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with lossd.Client(server.address, timeout=600) as c:
-        yield c
 
 
 def upload(client, rows, columns, scale, name_prefix):

@@ -76,12 +76,6 @@ def server(checkpoints):
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with lossd.Client(server.address, timeout=600) as c:
-        yield c
-
-
 def load(checkpoints, model_type):
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoints / model_type,
                                                               attn_implementation="eager")

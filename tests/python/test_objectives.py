@@ -5,14 +5,13 @@ the reductions), on W fetched from a real lossd_server on loopback.
 The server's 1 MiB workspace splits each call into several engine chunks, so sequences cross
 chunk boundaries. Bounds: the engine's for the policy objectives (tests/engine_test.cc).
 """
-import uuid
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from server_process import ServerProcess, ensure_python_client
+from server_process import demo_server, ensure_python_client
 
 ensure_python_client()
 import lossd  # noqa: E402
@@ -30,23 +29,13 @@ CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--device=cpu", f"--demo_vocab_size={VOCAB}",
-                       f"--demo_hidden_size={HIDDEN}", "--workspace_budget_mib=1",
-                       metrics=False) as s:
+    with demo_server(VOCAB, HIDDEN, "--workspace_budget_mib=1") as s:
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with lossd.Client(server.address, timeout=600) as c:
-        yield c
-
-
 @pytest.fixture
-def head(client):
-    name = f"rl-{uuid.uuid4().hex[:12]}"
-    weight = np.random.default_rng().standard_normal((VOCAB, HIDDEN), dtype=np.float32) * 0.3
-    return RemoteHead.upload(client, name, torch.from_numpy(weight))
+def head(new_head):
+    return new_head(VOCAB, HIDDEN, prefix="rl")
 
 
 def relative_error(actual, expected):
