@@ -36,9 +36,9 @@
 #      bench/RESULTS.md, *.xml the JUnit results with the recorded errors against float64.
 #   4. The peers at every shape, in the same round when call 1 took at most 5 minutes and status
 #      still gives budget_left_s >= 420 after call 2 (else the next round): Llama 3 8B at N = 8192
-#      and 16384 and Gemma 2 2B at N = 8192, lossd at its default budget (8 GiB on an H100), 256
-#      and 1024 MiB with page-locked and pageable rows, beside the floor, torch naive, torch's
-#      F.linear_cross_entropy, Liger-Kernel and Cut Cross-Entropy:
+#      and 16384 and Gemma 2 2B at N = 8192, lossd (rows page-locked, as the server holds them) at
+#      its default budget (8 GiB on an H100), 256, 1024 and 2048 MiB, beside the floor, torch
+#      naive, torch's F.linear_cross_entropy, Liger-Kernel and Cut Cross-Entropy:
 #        command:   scripts/gpu_round.sh bench
 #        carry:     [".gpu"]
 #        timeout_s: 400
@@ -459,8 +459,8 @@ peers() {
     --peer-seconds=30)
   if [ "$call" = bench ]; then
     scope=(--shapes="8192,4096,128256;16384,4096,128256;8192,2304,256000"
-      --budgets-mib=default,256,1024 --methods=lossd,floor,torch_naive,torch_lce,liger,cce
-      --lossd-modes=default,pageable --peer-seconds=45)
+      --budgets-mib=default,256,1024,2048 --methods=lossd,floor,torch_naive,torch_lce,liger,cce
+      --lossd-modes=default --peer-seconds=45)
   fi
   # The peers stop starting 30 s before the check's end (the call's, when that comes first).
   local limit left
