@@ -34,10 +34,10 @@
 #include "absl/time/time.h"
 #include "lossd/kernels/backend.h"
 #include "lossd/v1/lossd.pb.h"
-#include "server/compute_call.h"
-#include "server/head_store.h"
-#include "server/memory_ledger.h"
-#include "server/scheduler.h"
+#include "server/call/compute_call.h"
+#include "server/heads/head_store.h"
+#include "server/memory/memory_ledger.h"
+#include "server/memory/scheduler.h"
 
 namespace lossd::server {
 namespace {

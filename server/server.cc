@@ -35,7 +35,7 @@
 #include "lossd/storage/checkpoint.h"
 #include "lossd/storage/hf_checkpoint.h"
 #include "lossd/storage/safetensors.h"
-#include "server/head_sync.h"
+#include "server/replicas/head_sync.h"
 
 namespace lossd::server {
 namespace {

@@ -15,12 +15,12 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "lossd/kernels/backend.h"
-#include "server/buffer_cache.h"
-#include "server/head_store.h"
-#include "server/memory_ledger.h"
+#include "server/heads/head_store.h"
+#include "server/memory/buffer_cache.h"
+#include "server/memory/memory_ledger.h"
+#include "server/memory/scheduler.h"
 #include "server/metrics.h"
-#include "server/replica_group.h"
-#include "server/scheduler.h"
+#include "server/replicas/replica_group.h"
 #include "server/service.h"
 
 namespace lossd::server {

@@ -17,11 +17,11 @@
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/storage/checkpoint.h"
-#include "server/compute_reactor.h"
-#include "server/exception_status.h"
-#include "server/grpc_status.h"
-#include "server/proto_convert.h"
-#include "server/shared_memory.h"
+#include "server/call/compute_reactor.h"
+#include "server/call/proto_convert.h"
+#include "server/shm/shared_memory.h"
+#include "server/status/exception_status.h"
+#include "server/status/grpc_status.h"
 
 namespace lossd::server {
 namespace {

@@ -10,16 +10,16 @@
 #include "absl/time/time.h"
 
 #include "lossd/v1/lossd.grpc.pb.h"
-#include "server/buffer_cache.h"
-#include "server/compute_call.h"
-#include "server/compute_reactor.h"
-#include "server/handover_socket.h"
-#include "server/head_store.h"
-#include "server/memory_ledger.h"
+#include "server/call/compute_call.h"
+#include "server/call/compute_reactor.h"
+#include "server/heads/head_store.h"
+#include "server/memory/buffer_cache.h"
+#include "server/memory/memory_ledger.h"
+#include "server/memory/scheduler.h"
 #include "server/metrics.h"
-#include "server/rank_rendezvous.h"
-#include "server/replica_group.h"
-#include "server/scheduler.h"
+#include "server/replicas/rank_rendezvous.h"
+#include "server/replicas/replica_group.h"
+#include "server/shm/handover_socket.h"
 
 namespace lossd::server {
 

@@ -1,6 +1,6 @@
 // The cache of call buffers: reuse by exact size, the ledger's view of idle and lent buffers, and
 // the capacity that lent plus idle buffers never exceed.
-#include "server/buffer_cache.h"
+#include "server/memory/buffer_cache.h"
 
 #include <gtest/gtest.h>
 

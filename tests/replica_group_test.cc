@@ -21,7 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
-#include "server/replica_group.h"
+#include "server/replicas/replica_group.h"
 #include "tests/engine_harness.h"
 #include "tests/reference.h"
 #include "tests/scratch_files.h"

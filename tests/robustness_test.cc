@@ -25,7 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "server/grpc_status.h"
+#include "server/status/grpc_status.h"
 #include "tests/engine_harness.h"
 #include "tests/reference.h"
 #include "tests/server_harness.h"

@@ -1,7 +1,7 @@
 // The Compute call's row reader: chunks cut by the engine's plan whatever the client's message
 // sizes, reading ahead by one chunk and no more, every malformed stream named, waits for the
 // client bounded by the idle limit, and a stop that ends the stream with the call's status.
-#include "server/row_reader.h"
+#include "server/call/row_reader.h"
 
 #include <gtest/gtest.h>
 

@@ -1,7 +1,7 @@
 // Admission of Compute calls: refusals carry their reason as a typed payload (what the
 // lossd_admission_rejected_total metric counts by), a budget that shrinks refuses waiting calls
 // that no longer fit, and the pending-memory bound holds exactly.
-#include "server/scheduler.h"
+#include "server/memory/scheduler.h"
 
 #include <gtest/gtest.h>
 

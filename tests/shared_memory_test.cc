@@ -37,8 +37,8 @@
 #include "client/cpp/shared_buffer.h"
 #include "lossd/common/unique_fd.h"
 #include "lossd/kernels/half.h"
-#include "server/handover_socket.h"
-#include "server/shared_memory.h"
+#include "server/shm/handover_socket.h"
+#include "server/shm/shared_memory.h"
 #include "tests/engine_harness.h"
 #include "tests/server_harness.h"
 

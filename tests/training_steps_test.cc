@@ -17,7 +17,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "lossd/kernels/half.h"
-#include "server/rank_rendezvous.h"
+#include "server/replicas/rank_rendezvous.h"
 #include "tests/engine_harness.h"
 #include "tests/reference.h"
 #include "tests/scratch_files.h"

@@ -1,0 +1,1270 @@
+#include "server/call/compute_call.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "absl/hash/hash.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/types/span.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream.h"
+#include "lossd/common/status_macros.h"
+#include "lossd/kernels/backend_common.h"
+#include "lossd/kernels/loss_math.h"
+#include "server/call/proto_convert.h"
+#include "server/call/row_reader.h"
+#include "server/shm/shared_memory.h"
+#include "server/status/exception_status.h"
+
+namespace lossd::server {
+namespace {
+
+double SecondsSince(absl::Time start) { return absl::ToDoubleSeconds(absl::Now() - start); }
+
+// The validated first message of a call.
+struct CallSpec {
+  std::shared_ptr<Head> head;
+  std::optional<uint64_t> pinned_version;
+  std::string pinned_sha256;  // empty: any W
+  uint64_t version = 0;  // taken once the call is admitted, so time in the queue cannot stale it
+  LossOptions options;   // mean_denominator already resolved to the whole batch's D
+  int64_t num_tokens = 0;
+  int64_t hidden_size = 0;
+  DType hidden_dtype = DType::kFloat32;
+  // Empty only for a distill call without labels (every row counts).
+  bool has_labels = true;
+  std::vector<int64_t> labels;
+  std::vector<float> token_weights;
+  // The objective's per-token inputs (empty when it reads none) and, with a sequence reduction,
+  // each row's factor in it.
+  std::vector<float> sampling_logprobs, advantages, reference_logprobs, logprob_grads;
+  std::vector<double> reduction_scales;
+  int64_t counted_tokens = 0;
+  v1::OutputSelection outputs;
+  DType grad_hidden_dtype = DType::kFloat32;
+  std::optional<v1::SharedMemory> shared_memory;  // set: rows and dL/dh in the client's memfd
+  std::string call_id;                            // set only on calls that accumulate dL/dW
+  uint64_t start_fingerprint = 0;  // with a call_id: what a repeat of the call must send again
+  bool stage_grad_weight = false;  // keep dL/dW under call_id for CommitGradWeight
+  // A distill call's teacher: a head (its rows in ComputeChunk.teacher_hidden), or a sparse top-k.
+  std::shared_ptr<Head> teacher;
+  std::optional<uint64_t> teacher_pinned_version;
+  uint64_t teacher_version = 0;  // taken with version
+  int64_t teacher_hidden_size = 0;
+  DType teacher_hidden_dtype = DType::kFloat32;
+  int teacher_top_k = 0;
+
+  int64_t hidden_row_bytes() const {
+    return hidden_size * static_cast<int64_t>(DTypeSize(hidden_dtype));
+  }
+  const int64_t* labels_or_null() const { return has_labels ? labels.data() : nullptr; }
+  bool counted(int64_t row) const { return !has_labels || labels[row] != options.ignore_index; }
+  int64_t grad_row_bytes() const {
+    return hidden_size * static_cast<int64_t>(DTypeSize(grad_hidden_dtype));
+  }
+  // Host memory of the per-token values copied out of the start message.
+  int64_t copied_bytes() const {
+    const size_t floats = token_weights.size() + sampling_logprobs.size() + advantages.size() +
+                          reference_logprobs.size() + logprob_grads.size();
+    return static_cast<int64_t>(labels.size() * sizeof(int64_t) + floats * sizeof(float) +
+                                reduction_scales.size() * sizeof(double));
+  }
+};
+
+// At least the host memory ParseStart's copies of `start` take (CallSpec::copied_bytes), before
+// it has run: given sequence lengths, it makes each row's factor in the reduction, kept or not,
+// so one is counted per announced row (at most max_tokens).
+int64_t StartCopiesBound(const v1::ComputeStart& start, int64_t max_tokens) {
+  const int64_t floats = start.token_weights_size() + start.sampling_logprobs_size() +
+                         start.advantages_size() + start.reference_logprobs_size() +
+                         start.logprob_grads_size();
+  const int64_t scales = start.sequence_lengths_size() > 0
+                             ? std::clamp<int64_t>(start.num_tokens(), 0, max_tokens)
+                             : 0;
+  return start.labels_size() * static_cast<int64_t>(sizeof(int64_t)) +
+         floats * static_cast<int64_t>(sizeof(float)) +
+         scales * static_cast<int64_t>(sizeof(double));
+}
+
+// Sets spec.version (and a teacher head's spec.teacher_version) to the head's current version,
+// which a pinned call must match; with a pinned hash, to the version whose W has it, so that a
+// step after the check fails the call (ABORTED) rather than letting it compute on another W.
+absl::Status CheckPinnedWeights(CallSpec& spec) {
+  if (spec.pinned_sha256.empty()) {
+    spec.version = spec.head->version();
+  } else {
+    ASSIGN_OR_RETURN(const WeightDigest digest, spec.head->Digest());
+    spec.version = digest.version;
+    if (digest.sha256 != spec.pinned_sha256) {
+      return HeadMovedError(
+          "weight_sha256",
+          absl::StrCat("the call is pinned to W with SHA-256 ", spec.pinned_sha256, ", but head '",
+                       spec.head->name(), "' on this server holds W with SHA-256 ", digest.sha256,
+                       " (version ", digest.version,
+                       "): this replica serves another W; nothing was computed"));
+    }
+  }
+  if (spec.pinned_version.has_value() && *spec.pinned_version != spec.version) {
+    return HeadMovedError(
+        "head_version",
+        absl::StrCat("the call is pinned to version ", *spec.pinned_version, " of head '",
+                     spec.head->name(), "', which is now at version ", spec.version));
+  }
+  if (spec.teacher == nullptr) return absl::OkStatus();
+  spec.teacher_version = spec.teacher->version();
+  if (spec.teacher_pinned_version.has_value() &&
+      *spec.teacher_pinned_version != spec.teacher_version) {
+    return HeadMovedError(
+        "teacher_head_version",
+        absl::StrCat("the call is pinned to version ", *spec.teacher_pinned_version,
+                     " of teacher head '", spec.teacher->name(), "', which is now at version ",
+                     spec.teacher_version));
+  }
+  return absl::OkStatus();
+}
+
+// A client's name for one call, so that a retry of it is recognized: printable ASCII, no spaces,
+// short enough that the ids a head keeps stay small (a UUID takes 32 or 36 characters).
+absl::Status ValidateCallId(const std::string& call_id) {
+  if (call_id.size() > kMaxCallIdBytes) {
+    return InvalidField("call_id", absl::StrCat("at most ", kMaxCallIdBytes, " characters"),
+                        absl::StrCat(call_id.size()));
+  }
+  for (size_t i = 0; i < call_id.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(call_id[i]);
+    if (c < 0x21 || c > 0x7e) {
+      return InvalidField("call_id", "printable ASCII without spaces",
+                          absl::StrCat("byte ", static_cast<int>(c), " at offset ", i));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// A protobuf output stream that hashes what is serialized into it instead of keeping it, so that
+// a start message of any size is fingerprinted in a fixed 64 KiB. Equal bytes are cut into equal
+// chunks, so equal messages hash equal.
+class HashingOutputStream final : public google::protobuf::io::ZeroCopyOutputStream {
+ public:
+  bool Next(void** data, int* size) override {
+    Absorb();
+    *data = buffer_.data();
+    *size = static_cast<int>(buffer_.size());
+    filled_ = buffer_.size();
+    return true;
+  }
+  void BackUp(int count) override { filled_ -= static_cast<size_t>(count); }
+  int64_t ByteCount() const override { return static_cast<int64_t>(absorbed_ + filled_); }
+
+  uint64_t Finish() {
+    Absorb();
+    return state_;
+  }
+
+ private:
+  void Absorb() {
+    if (filled_ == 0) return;
+    state_ = absl::HashOf(state_, absl::string_view(buffer_.data(), filled_));
+    absorbed_ += filled_;
+    filled_ = 0;
+  }
+
+  std::array<char, 64 << 10> buffer_;
+  size_t filled_ = 0;
+  size_t absorbed_ = 0;
+  uint64_t state_ = 0;
+};
+
+// What decides a call's dL/dW besides its rows and W: the start message's deterministic
+// serialization without the fields that only name the call (call_id), say how its rows travel
+// (shared_memory), pin what it may run against (head_version, teacher_head_version,
+// weight_sha256) or choose what comes back (outputs). Every other field, present or added later,
+// counts, so a retry must send it again. Equal for a retry of the call, different for another
+// call with the id (within a process: absl::Hash is seeded per process, and ids live no longer
+// than the process). The set-aside fields are put back before it returns.
+uint64_t StartFingerprint(v1::ComputeStart& start) {
+  const google::protobuf::Descriptor& descriptor = *v1::ComputeStart::descriptor();
+  std::vector<const google::protobuf::FieldDescriptor*> set_aside;
+  for (const int number :
+       {v1::ComputeStart::kCallIdFieldNumber, v1::ComputeStart::kSharedMemoryFieldNumber,
+        v1::ComputeStart::kHeadVersionFieldNumber, v1::ComputeStart::kTeacherHeadVersionFieldNumber,
+        v1::ComputeStart::kWeightSha256FieldNumber, v1::ComputeStart::kOutputsFieldNumber}) {
+    set_aside.push_back(descriptor.FindFieldByNumber(number));
+  }
+  v1::ComputeStart aside;
+  const google::protobuf::Reflection& reflection = *start.GetReflection();
+  reflection.SwapFields(&start, &aside, set_aside);
+  HashingOutputStream hashed;
+  {
+    google::protobuf::io::CodedOutputStream coded(&hashed);
+    coded.SetSerializationDeterministic(true);
+    start.ByteSizeLong();  // the sizes that serialization reads, of the message as it is now
+    start.SerializeWithCachedSizes(&coded);
+  }
+  reflection.SwapFields(&start, &aside, set_aside);
+  return hashed.Finish();
+}
+
+// The per-token inputs of the call's objective and terms, each num_tokens long and finite where
+// read; inputs the call does not read are refused rather than ignored. With a sequence reduction,
+// each row's factor from sequence_lengths.
+absl::Status ParseObjectiveInputs(const v1::ComputeStart& start, CallSpec& spec) {
+  const LossOptions& options = spec.options;
+  struct Input {
+    const char* field;
+    const google::protobuf::RepeatedField<float>& values;
+    bool read;
+    const char* read_by;
+    std::vector<float>* into;
+  };
+  const Input inputs[] = {
+      {"sampling_logprobs", start.sampling_logprobs(), IsPolicyObjective(options.objective),
+       "importance_sampling, ppo and cispo", &spec.sampling_logprobs},
+      {"advantages", start.advantages(), IsPolicyObjective(options.objective),
+       "importance_sampling, ppo and cispo", &spec.advantages},
+      {"reference_logprobs", start.reference_logprobs(),
+       options.policy.kl_estimator != KlEstimator::kNone, "a policy.kl_estimator",
+       &spec.reference_logprobs},
+      {"logprob_grads", start.logprob_grads(), options.objective == Objective::kLogprobGradient,
+       "logprob_gradient", &spec.logprob_grads},
+  };
+  for (const Input& input : inputs) {
+    const int64_t size = input.values.size();
+    if (!input.read && size > 0) {
+      return InvalidField(
+          input.field,
+          absl::StrCat("no values with objective ", ObjectiveName(options.objective), " (only ",
+                       input.read_by, " read them)"),
+          absl::StrCat(size, " values"));
+    }
+    if (input.read && size != spec.num_tokens) {
+      return InvalidField(input.field,
+                          absl::StrCat(spec.num_tokens, " entries (num_tokens) for objective ",
+                                       ObjectiveName(options.objective)),
+                          absl::StrCat(size));
+    }
+    input.into->assign(input.values.begin(), input.values.end());
+  }
+  BatchInputs view;
+  view.num_tokens = spec.num_tokens;
+  view.labels = spec.labels_or_null();
+  const auto or_null = [](const std::vector<float>& values) {
+    return values.empty() ? nullptr : values.data();
+  };
+  view.sampling_logprobs = or_null(spec.sampling_logprobs);
+  view.advantages = or_null(spec.advantages);
+  view.reference_logprobs = or_null(spec.reference_logprobs);
+  view.logprob_grads = or_null(spec.logprob_grads);
+  if (IsSequenceReduction(options.reduction) || start.sequence_lengths_size() > 0) {
+    ASSIGN_OR_RETURN(
+        std::vector<double> scales,
+        SequenceReductionScales(options, spec.labels_or_null(), spec.num_tokens,
+                                start.sequence_lengths().data(), start.sequence_lengths_size()));
+    if (IsSequenceReduction(options.reduction)) spec.reduction_scales = std::move(scales);
+    view.reduction_scales = spec.reduction_scales.data();
+  }
+  return ValidateObjectiveInputs(view, options);
+}
+
+// A distill call's teacher: a served head whose vocabulary is the student's, with the size and
+// dtype of its rows, or a sparse top-k; nothing of a teacher for another objective.
+absl::Status ParseTeacher(const ComputeEnvironment& env, const v1::ComputeStart& start,
+                          CallSpec& spec) {
+  const bool distill = spec.options.objective == Objective::kDistill;
+  const bool named = !start.teacher_head().empty();
+  if (!distill) {
+    if (named || start.has_teacher_head_version() || start.teacher_hidden_size() != 0 ||
+        start.teacher_hidden_dtype() != v1::DTYPE_UNSPECIFIED || start.teacher_top_k() != 0) {
+      return InvalidField(
+          "teacher_head/teacher_top_k", "none unless options.objective is OBJECTIVE_DISTILL",
+          absl::StrCat("a teacher with objective ", ObjectiveName(spec.options.objective)));
+    }
+    return absl::OkStatus();
+  }
+  const Head& student = *spec.head;
+  if (named == (start.teacher_top_k() != 0)) {
+    return InvalidField("teacher_head/teacher_top_k",
+                        "a teacher head or a sparse teacher_top_k > 0 (OBJECTIVE_DISTILL)",
+                        named ? "both" : "neither");
+  }
+  if (!named) {
+    const int64_t max_k = std::min<int64_t>(student.vocab_size(), kMaxTeacherTopK);
+    if (start.teacher_top_k() < 1 || start.teacher_top_k() > max_k) {
+      return InvalidField("teacher_top_k", absl::StrCat("a value in [1, ", max_k, "]"),
+                          absl::StrCat(start.teacher_top_k()));
+    }
+    if (start.has_teacher_head_version() || start.teacher_hidden_size() != 0 ||
+        start.teacher_hidden_dtype() != v1::DTYPE_UNSPECIFIED) {
+      return InvalidField("teacher_head_version/teacher_hidden_size/teacher_hidden_dtype",
+                          "none with a sparse teacher_top_k", "a value");
+    }
+    const DistillOptions& d = spec.options.distill;
+    if (d.teacher_logit_softcap != 0.0 || d.teacher_temperature != 1.0) {
+      return InvalidField("options.distill.teacher_logit_softcap/teacher_temperature",
+                          "0 and 1 with a sparse teacher (its log-probabilities are final)",
+                          absl::StrCat(d.teacher_logit_softcap, " and ", d.teacher_temperature));
+    }
+    if (d.beta == 1.0 && d.sparse_mass == SparseTeacherMass::kRenormalize) {
+      return InvalidField("options.distill.beta",
+                          "below 1 with SPARSE_TEACHER_RENORMALIZE (its zero probabilities make "
+                          "KL(q || p) infinite), or SPARSE_TEACHER_SPREAD",
+                          "1 (reverse KL)");
+    }
+    spec.teacher_top_k = start.teacher_top_k();
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::shared_ptr<Head>> teacher = env.heads->Get(start.teacher_head());
+  if (!teacher.ok()) {
+    return absl::Status(teacher.status().code(),
+                        absl::StrCat("teacher_head: ", teacher.status().message()));
+  }
+  spec.teacher = *std::move(teacher);
+  const Head& t = *spec.teacher;
+  if (!start.options().distill().has_teacher_logit_softcap()) {
+    spec.options.distill.teacher_logit_softcap = t.logit_softcap();
+  }
+  if (t.vocab_size() != student.vocab_size()) {
+    return InvalidField("teacher_head",
+                        absl::StrCat("a head with the vocabulary of head '", student.name(),
+                                     "' (V = ", student.vocab_size(), ")"),
+                        absl::StrCat("head '", t.name(), "' with V = ", t.vocab_size()));
+  }
+  if (start.has_teacher_head_version()) spec.teacher_pinned_version = start.teacher_head_version();
+  if (start.teacher_hidden_size() != t.hidden_size()) {
+    return InvalidField("teacher_hidden_size",
+                        absl::StrCat(t.hidden_size(), " (teacher head '", t.name(), "')"),
+                        absl::StrCat(start.teacher_hidden_size()));
+  }
+  spec.teacher_hidden_size = t.hidden_size();
+  ASSIGN_OR_RETURN(spec.teacher_hidden_dtype, FromProto(start.teacher_hidden_dtype(),
+                                                        "teacher_hidden_dtype", spec.hidden_dtype));
+  return absl::OkStatus();
+}
+
+// `start_fingerprint`: StartFingerprint(start) when it has a call_id.
+absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::ComputeStart& start,
+                                    uint64_t start_fingerprint) {
+  CallSpec spec;
+  ASSIGN_OR_RETURN(spec.head, env.heads->Get(start.head()));
+  const Head& head = *spec.head;
+  if (start.has_head_version()) spec.pinned_version = start.head_version();
+  if (!start.weight_sha256().empty() && !IsWeightDigest(start.weight_sha256())) {
+    const std::string& pin = start.weight_sha256();
+    return InvalidField(
+        "weight_sha256", "64 lowercase hex digits (a HeadInfo.weight_sha256) or empty",
+        absl::StrCat("'", absl::CHexEscape(pin.substr(0, 80)), "'", pin.size() > 80 ? "..." : ""));
+  }
+  spec.pinned_sha256 = start.weight_sha256();
+  ASSIGN_OR_RETURN(spec.options, FromProto(start.options()));
+  if (!start.options().has_logit_softcap()) spec.options.logit_softcap = head.logit_softcap();
+  if (start.num_tokens() < 0 || start.num_tokens() > env.limits.max_tokens_per_call) {
+    return InvalidField("num_tokens",
+                        absl::StrCat("a count in [0, ", env.limits.max_tokens_per_call, "]"),
+                        absl::StrCat(start.num_tokens()));
+  }
+  spec.num_tokens = start.num_tokens();
+  if (start.hidden_size() != head.hidden_size()) {
+    return InvalidField("hidden_size",
+                        absl::StrCat(head.hidden_size(), " (head '", head.name(), "')"),
+                        absl::StrCat(start.hidden_size()));
+  }
+  spec.hidden_size = start.hidden_size();
+  ASSIGN_OR_RETURN(spec.hidden_dtype, FromProto(start.hidden_dtype(), "hidden_dtype"));
+  RETURN_IF_ERROR(ParseTeacher(env, start, spec));
+  RETURN_IF_ERROR(CheckPinnedWeights(spec));
+  // Only distill with alpha 0 reads no label.
+  spec.has_labels =
+      !(spec.options.objective == Objective::kDistill && spec.options.distill.alpha == 0.0 &&
+        start.labels_size() == 0 && spec.num_tokens > 0);
+  if (spec.has_labels && start.labels_size() != spec.num_tokens) {
+    return InvalidField(
+        "labels",
+        absl::StrCat(
+            spec.num_tokens, " entries (num_tokens)",
+            spec.options.objective == Objective::kDistill ? ", or none with distill.alpha 0" : ""),
+        absl::StrCat(start.labels_size()));
+  }
+  if (start.token_weights_size() != 0 && start.token_weights_size() != spec.num_tokens) {
+    return InvalidField("token_weights",
+                        absl::StrCat("0 or ", spec.num_tokens, " entries (num_tokens)"),
+                        absl::StrCat(start.token_weights_size()));
+  }
+  spec.labels.assign(start.labels().begin(), start.labels().end());
+  spec.token_weights.assign(start.token_weights().begin(), start.token_weights().end());
+  if (spec.has_labels) {
+    RETURN_IF_ERROR(ValidateLabels(spec.labels.data(), spec.num_tokens, head.vocab_size(),
+                                   spec.options.ignore_index));
+  }
+  if (start.shift_labels()) {
+    if (!spec.has_labels) {
+      return InvalidField("shift_labels", "false in a call without labels", "true");
+    }
+    // Before the objective's inputs are read: a sequence reduction counts the shifted labels.
+    RETURN_IF_ERROR(ValidateSequenceLengths(start.sequence_lengths().data(),
+                                            start.sequence_lengths_size(), spec.num_tokens));
+    ShiftLabelsWithinSequences(spec.labels.data(), spec.num_tokens, start.sequence_lengths().data(),
+                               start.sequence_lengths_size(), spec.options.ignore_index);
+  }
+  RETURN_IF_ERROR(ValidateTokenWeights(spec.token_weights.data(),
+                                       static_cast<int64_t>(spec.token_weights.size())));
+  RETURN_IF_ERROR(ParseObjectiveInputs(start, spec));
+
+  spec.outputs = start.outputs();
+  const int top_k = spec.outputs.top_k();
+  if (top_k < 0 || top_k > kMaxTopK || top_k > head.vocab_size()) {
+    return InvalidField(
+        "outputs.top_k",
+        absl::StrCat("a value in [0, ", std::min<int64_t>(kMaxTopK, head.vocab_size()), "]"),
+        absl::StrCat(top_k));
+  }
+  ASSIGN_OR_RETURN(
+      spec.grad_hidden_dtype,
+      FromProto(spec.outputs.grad_hidden_dtype(), "outputs.grad_hidden_dtype", spec.hidden_dtype));
+  if (spec.options.objective != Objective::kDistill && (spec.outputs.kd() || spec.outputs.ce())) {
+    return InvalidField(
+        spec.outputs.kd() ? "outputs.kd" : "outputs.ce", "false unless the objective is distill",
+        absl::StrCat("true with objective ", ObjectiveName(spec.options.objective)));
+  }
+  if (start.has_shared_memory()) spec.shared_memory = start.shared_memory();
+  if (spec.shared_memory.has_value() && spec.options.objective == Objective::kDistill) {
+    return InvalidField("shared_memory",
+                        "none with a teacher (its rows travel in ComputeChunk messages only)",
+                        "a memfd");
+  }
+  spec.counted_tokens =
+      CountCountedRows(spec.labels_or_null(), spec.num_tokens, spec.options.ignore_index);
+  // Every engine chunk divides by the whole batch's D (a sequence reduction's per-row factors
+  // already hold the whole batch's S), so the chunks' gradients add up to the batch's.
+  if (spec.options.reduction == Reduction::kMean && spec.options.mean_denominator == 0) {
+    spec.options.mean_denominator = static_cast<double>(spec.counted_tokens);
+  }
+  RETURN_IF_ERROR(ValidateCallId(start.call_id()));
+  if (start.stage_grad_weight()) {
+    if (!spec.outputs.accumulate_grad_weight()) {
+      return InvalidField("stage_grad_weight", "outputs.accumulate_grad_weight with it",
+                          "a call that does not accumulate dL/dW");
+    }
+    if (start.call_id().empty()) {
+      return InvalidField("call_id", "an id to stage dL/dW under (stage_grad_weight)", "none");
+    }
+    spec.stage_grad_weight = true;
+  }
+  if (spec.outputs.accumulate_grad_weight() && !start.call_id().empty()) {
+    spec.call_id = start.call_id();
+    spec.start_fingerprint = start_fingerprint;
+    RETURN_IF_ERROR(
+        head.CheckCallId(spec.call_id, spec.start_fingerprint, env.limits.max_call_ids));
+  }
+  return spec;
+}
+
+// What in a call scales finite hidden states and a finite W past fp32's range, each named with
+// its value, for the token rows [first, first + rows): a temperature below 1 multiplies the
+// logits by 1 / T, a token weight its row's loss and gradient, the z-loss adds s lse^2; with
+// `gradients`, grad_scale / D multiplies every dL/dh and dL/dW entry.
+std::vector<std::string> OverflowSuspects(const CallSpec& spec, int64_t first, int64_t rows,
+                                          bool gradients) {
+  const LossOptions& o = spec.options;
+  std::vector<std::string> suspects;
+  if (o.temperature < 1.0) {
+    suspects.push_back(absl::StrCat("options.temperature = ", o.temperature,
+                                    " (the logits are multiplied by 1 / T = ", 1.0 / o.temperature,
+                                    ")"));
+  }
+  if (!spec.token_weights.empty() && rows > 0) {
+    const auto begin = spec.token_weights.begin() + first;
+    const auto largest = std::max_element(
+        begin, begin + rows, [](float a, float b) { return std::fabs(a) < std::fabs(b); });
+    if (std::fabs(*largest) > 1.0f) {
+      suspects.push_back(
+          absl::StrCat("token_weights[", largest - spec.token_weights.begin(), "] = ", *largest));
+    }
+  }
+  if (o.z_loss_scale > 1.0) {
+    suspects.push_back(absl::StrCat("options.z_loss_scale = ", o.z_loss_scale));
+  }
+  if (o.objective == Objective::kDistill) {
+    // The distillation temperature divides both heads' logits, the teacher's own its logits.
+    if (o.distill.temperature < 1.0) {
+      suspects.push_back(absl::StrCat("options.distill.temperature = ", o.distill.temperature));
+    }
+    if (spec.teacher != nullptr && o.distill.teacher_temperature < 1.0) {
+      suspects.push_back(
+          absl::StrCat("options.distill.teacher_temperature = ", o.distill.teacher_temperature));
+    }
+  }
+  // A policy objective's ratio exp(logp - q) passes fp32's range (about e^88) where the sampling
+  // log-probability q is far below any the head gives.
+  if (IsPolicyObjective(o.objective)) {
+    int64_t smallest_at = -1;
+    for (int64_t i = first; i < first + rows; ++i) {
+      if (!spec.counted(i)) continue;
+      if (smallest_at < 0 || spec.sampling_logprobs[i] < spec.sampling_logprobs[smallest_at]) {
+        smallest_at = i;
+      }
+    }
+    if (smallest_at >= 0 && spec.sampling_logprobs[smallest_at] < -80.0f &&
+        o.policy.log_ratio_clamp == 0.0) {
+      suspects.push_back(absl::StrCat("sampling_logprobs[", smallest_at,
+                                      "] = ", spec.sampling_logprobs[smallest_at],
+                                      " (the ratio exp(logp - sampling_logprobs) overflows)"));
+    }
+  }
+  // Per-token inputs that multiply a row's term or gradient (an advantage, dL/dlogp), or that
+  // enter an exponential (k3's e^(logp_ref - logp)): the largest on counted rows, when it can
+  // carry finite values past fp32.
+  const auto largest_counted = [&](const std::vector<float>& values) {
+    int64_t at = -1;
+    for (int64_t i = first; i < first + rows && !values.empty(); ++i) {
+      if (spec.counted(i) && (at < 0 || std::fabs(values[i]) > std::fabs(values[at]))) at = i;
+    }
+    return at;
+  };
+  for (const auto& [field, values] : {std::pair{"advantages", &spec.advantages},
+                                      std::pair{"logprob_grads", &spec.logprob_grads}}) {
+    const int64_t at = largest_counted(*values);
+    if (at >= 0 && std::fabs((*values)[at]) > 1.0f) {
+      suspects.push_back(absl::StrCat(field, "[", at, "] = ", (*values)[at]));
+    }
+  }
+  if (o.policy.kl_estimator != KlEstimator::kNone) {
+    const int64_t at = largest_counted(spec.reference_logprobs);
+    // k3 exponentiates logp_ref - logp (logp <= 0), k2 squares it, k1 is linear in it.
+    const double limit = o.policy.kl_estimator == KlEstimator::kK3   ? 80.0
+                         : o.policy.kl_estimator == KlEstimator::kK2 ? 1e18
+                                                                     : 1e37;
+    if (at >= 0 && std::fabs(spec.reference_logprobs[at]) > limit) {
+      suspects.push_back(absl::StrCat("reference_logprobs[", at,
+                                      "] = ", spec.reference_logprobs[at], " (under ",
+                                      KlEstimatorName(o.policy.kl_estimator), ")"));
+    }
+    if (o.policy.kl_coef > 1.0) {
+      suspects.push_back(absl::StrCat("options.policy.kl_coef = ", o.policy.kl_coef));
+    }
+  }
+  if (gradients && std::fabs(o.grad_scale) > 1.0) {
+    suspects.push_back(absl::StrCat("options.grad_scale = ", o.grad_scale));
+  }
+  if (gradients && o.reduction == Reduction::kMean && o.mean_denominator > 0.0 &&
+      o.mean_denominator < 1.0) {
+    suspects.push_back(absl::StrCat("options.mean_denominator = ", o.mean_denominator,
+                                    " (gradients are divided by it)"));
+  }
+  return suspects;
+}
+
+// The per-token outputs of one value a row, as the server handles them: the OutputSelection field
+// that asks for one, the engine's slot for it and the ComputeResult field it streams in. Binding
+// the engine's outputs and streaming the results both run over these tables, so a new output is
+// one row here besides its math and its fields in lossd.proto. (top_k, k values a row, and dL/dh,
+// bytes in the caller's dtype, are bound and streamed on their own.)
+template <typename T>
+struct PerTokenOutput {
+  bool (v1::OutputSelection::*wanted)() const;
+  T* TokenOutputs::*slot;
+  google::protobuf::RepeatedField<T>* (v1::ComputeResult::*field)();
+};
+
+constexpr PerTokenOutput<float> kFloatOutputs[] = {
+    {&v1::OutputSelection::token_loss, &TokenOutputs::loss, &v1::ComputeResult::mutable_token_loss},
+    {&v1::OutputSelection::logprob, &TokenOutputs::logprob, &v1::ComputeResult::mutable_logprob},
+    {&v1::OutputSelection::lse, &TokenOutputs::lse, &v1::ComputeResult::mutable_lse},
+    {&v1::OutputSelection::entropy, &TokenOutputs::entropy, &v1::ComputeResult::mutable_entropy},
+    {&v1::OutputSelection::ratio, &TokenOutputs::ratio, &v1::ComputeResult::mutable_ratio},
+    {&v1::OutputSelection::kl, &TokenOutputs::kl, &v1::ComputeResult::mutable_kl},
+    {&v1::OutputSelection::kd, &TokenOutputs::kd, &v1::ComputeResult::mutable_kd},
+    {&v1::OutputSelection::ce, &TokenOutputs::ce, &v1::ComputeResult::mutable_ce},
+};
+constexpr PerTokenOutput<int32_t> kIntOutputs[] = {
+    {&v1::OutputSelection::argmax, &TokenOutputs::argmax, &v1::ComputeResult::mutable_argmax},
+    {&v1::OutputSelection::clip, &TokenOutputs::clip, &v1::ComputeResult::mutable_clip},
+};
+// Values a row of the one-value outputs, all four bytes wide.
+constexpr int64_t kOneValueOutputs = std::size(kFloatOutputs) + std::size(kIntOutputs);
+
+// Per-row outputs of one engine chunk, in host memory: one buffer a table row, and top-k's.
+struct ChunkOutputs {
+  std::array<std::vector<float>, std::size(kFloatOutputs)> floats;
+  std::array<std::vector<int32_t>, std::size(kIntOutputs)> ints;
+  std::vector<float> top_k_logprob;
+  std::vector<int32_t> top_k_token;
+
+  // dL/dh, when wanted, goes to `grad_hidden` (shared memory, or the call's host buffer).
+  TokenOutputs Bind(const v1::OutputSelection& want, int64_t rows, void* grad_hidden,
+                    DType grad_dtype) {
+    TokenOutputs out;
+    auto bind = [rows](bool wanted, auto& buffer, int64_t per_row) {
+      buffer.resize(wanted ? rows * per_row : 0);
+      return wanted ? buffer.data() : nullptr;
+    };
+    for (size_t i = 0; i < floats.size(); ++i) {
+      out.*kFloatOutputs[i].slot = bind((want.*kFloatOutputs[i].wanted)(), floats[i], 1);
+    }
+    for (size_t i = 0; i < ints.size(); ++i) {
+      out.*kIntOutputs[i].slot = bind((want.*kIntOutputs[i].wanted)(), ints[i], 1);
+    }
+    out.top_k = want.top_k();
+    out.top_k_logprob = bind(want.top_k() > 0, top_k_logprob, want.top_k());
+    out.top_k_token = bind(want.top_k() > 0, top_k_token, want.top_k());
+    out.grad_hidden = grad_hidden;
+    out.grad_hidden_dtype = grad_dtype;
+    return out;
+  }
+};
+
+class ComputeCall {
+ public:
+  ComputeCall(const ComputeEnvironment& env, ComputeStream& stream) : env_(env), stream_(stream) {}
+
+  absl::Status Run() {
+    absl::Status status = CatchExceptions("Compute", [this] { return RunSteps(); });
+    const std::optional<AdmissionRefusal> refusal = AdmissionRefusalOf(status);
+    if (refusal.has_value() && env_.metrics != nullptr) {
+      env_.metrics->CountAdmissionRejected(AdmissionRefusalName(*refusal));
+    }
+    // A reader still waiting on the client ends the stream with the call's own status at once.
+    if (!status.ok() && reader_ != nullptr) reader_->Stop(status);
+    return status;
+  }
+
+ private:
+  absl::Status RunSteps() {
+    RETURN_IF_ERROR(ReadStart());
+    if (spec_.shared_memory.has_value()) RETURN_IF_ERROR(MapSharedMemory());
+    RETURN_IF_ERROR(Prepare());
+    if (!spec_.shared_memory.has_value()) {
+      // The reader's buffers are host memory, taken before admission (and counted as pending);
+      // the call queues for the device only once it has a chunk to compute or its stream ended,
+      // so a client that is slow to send, or sends nothing, holds no running slot.
+      const RowLayout layout = Layout();
+      RETURN_IF_ERROR(pending_.Resize(pending_.bytes() + RowReader::BufferBytes(layout)));
+      ASSIGN_OR_RETURN(reader_, RowReader::Start(stream_, env_.metrics, layout, *env_.host_buffers,
+                                                 env_.limits.stream_idle,
+                                                 PendingAccount{env_.pending, stream_.Peer()}));
+      RETURN_IF_ERROR(reader_->AwaitFirstChunk());
+    }
+
+    const absl::Time queue_start = absl::Now();
+    // A stream that fails while the call waits (a malformed message, rows read ahead that do not
+    // fit the pending memory) ends the wait, and its error is the call's.
+    const auto stream_failed = [this] {
+      return stream_.IsCancelled() || (reader_ != nullptr && !reader_->Error().ok());
+    };
+    absl::StatusOr<Admission> admission =
+        env_.scheduler->Admit(admitted_bytes_, stream_failed, env_.limits.max_admission_wait);
+    if (!admission.ok()) {
+      if (reader_ != nullptr) RETURN_IF_ERROR(reader_->Error());
+      return AdmissionRefusalOf(admission.status()) == AdmissionRefusal::kOverBudget
+                 ? OverBudget(admission.status())
+                 : admission.status();
+    }
+    admission_ = *std::move(admission);
+    pending_.Release();
+    if (reader_ != nullptr) reader_->Admitted();
+    queue_seconds_ = SecondsSince(queue_start);
+    RETURN_IF_ERROR(CheckPinnedWeights(spec_));
+    if (env_.metrics != nullptr) env_.metrics->ObserveQueueSeconds(queue_seconds_);
+    RETURN_IF_ERROR(AllocateBuffers());
+
+    RETURN_IF_ERROR(ReceiveAndCompute());
+    if (staging_.held()) {
+      // The first engine chunk stores its dL/dW; a call without rows has none to store.
+      if (computed_rows_ == 0) RETURN_IF_ERROR(env_.backend->Zero(staging_.buffer()));
+      // The last point at which a cancelled call can still leave the accumulator untouched.
+      if (stream_.IsCancelled()) {
+        return absl::CancelledError(
+            "call cancelled before its dL/dW was committed; nothing was accumulated");
+      }
+      ASSIGN_OR_RETURN(commit_, CommitGradient());
+    }
+    accumulated_ = staging_.held();
+    // The device is done with the call: its slot and buffers go back before the summary, which a
+    // client that reads nothing would otherwise keep them waiting for.
+    workspace_ = BufferLease();
+    staging_ = BufferLease();
+    admission_.Release();
+    const absl::Status sent = SendSummary();
+    // Once dL/dW is committed the call has taken effect: failing it now, because the client left
+    // before its summary, would report as failed (so: nothing accumulated) a gradient that was.
+    if (!sent.ok() && !accumulated_) return sent;
+    Account();
+    return absl::OkStatus();
+  }
+
+  // Reads and validates the start message. Its host memory counts as pending from the moment it
+  // is read; the message itself (its repeated fields can be hundreds of MB) is freed once its
+  // per-token values are copied out, leaving those copies charged.
+  absl::Status ReadStart() {
+    v1::ComputeRequest request;
+    if (!stream_.Read(&request)) {
+      return stream_.IsCancelled()
+                 ? absl::CancelledError("call cancelled before its start message")
+                 : InvalidField("start", "a ComputeStart as the first message", "an empty stream");
+    }
+    if (!request.has_start()) {
+      return InvalidField("start", "a ComputeStart as the first message", "a chunk");
+    }
+    const v1::ComputeStart& start = request.start();
+    const int64_t copies_bound = StartCopiesBound(start, env_.limits.max_tokens_per_call);
+    ASSIGN_OR_RETURN(pending_, env_.pending->Reserve(
+                                   stream_.Peer(),
+                                   static_cast<int64_t>(request.SpaceUsedLong()) + copies_bound));
+    // Only a call that accumulates under an id is matched against its retries.
+    const bool repeatable = !start.call_id().empty() && start.outputs().accumulate_grad_weight();
+    const uint64_t fingerprint = repeatable ? StartFingerprint(*request.mutable_start()) : 0;
+    ASSIGN_OR_RETURN(spec_, ParseStart(env_, start, fingerprint));
+    return pending_.Resize(spec_.copied_bytes());
+  }
+
+  RowLayout Layout() const {
+    RowLayout layout;
+    layout.num_tokens = spec_.num_tokens;
+    layout.hidden_size = spec_.hidden_size;
+    layout.dtype = spec_.hidden_dtype;
+    layout.chunk_rows = plan_.token_chunk;
+    if (spec_.teacher != nullptr) {
+      layout.side.push_back(
+          {SideField::kTeacherHidden,
+           spec_.teacher_hidden_size * static_cast<int64_t>(DTypeSize(spec_.teacher_hidden_dtype)),
+           absl::StrCat(spec_.teacher_hidden_size, " ", DTypeName(spec_.teacher_hidden_dtype),
+                        " values")});
+    } else if (spec_.teacher_top_k > 0) {
+      const int64_t k = spec_.teacher_top_k;
+      layout.side.push_back({SideField::kTeacherTopKTokens, k * 4, absl::StrCat(k, " int32 ids")});
+      layout.side.push_back(
+          {SideField::kTeacherTopKLogprobs, k * 4, absl::StrCat(k, " float32 values")});
+    }
+    return layout;
+  }
+
+  // The call alone needs more device memory than the compute budget: says how much, and what
+  // would make it fit. A training call's V x H fp32 staging dL/dW is fixed by the head, so fewer
+  // tokens help only when the workspace is what overflows.
+  absl::Status OverBudget(const absl::Status& refused) const {
+    const int64_t capacity = env_.scheduler->capacity_bytes();
+    const Head& head = *spec_.head;
+    std::string message =
+        absl::StrCat("the call needs ", admitted_bytes_, " bytes of device memory (",
+                     plan_.workspace_bytes, " of workspace");
+    if (staging_bytes_ > 0) {
+      absl::StrAppend(&message, " and ", staging_bytes_, " for the ", head.vocab_size(), " x ",
+                      head.hidden_size(), " fp32 staging dL/dW of head '", head.name(), "'");
+    }
+    absl::StrAppend(&message, "); the server's compute budget is ", capacity, " bytes");
+    constexpr int64_t kMiB = int64_t{1} << 20;
+    const int64_t needed_mib = (admitted_bytes_ + kMiB - 1) / kMiB;
+    ProblemShape one_token = shape_;
+    one_token.num_tokens = 1;
+    const absl::StatusOr<ChunkPlan> smallest =
+        env_.backend->Plan(one_token, env_.limits.workspace_budget_bytes);
+    const int64_t smallest_workspace =
+        smallest.ok() ? static_cast<int64_t>(smallest->workspace_bytes) : 0;
+    const int64_t staging = static_cast<int64_t>(staging_bytes_);
+    if (staging + smallest_workspace > capacity) {
+      absl::StrAppend(&message, ". Fewer tokens cannot make it fit",
+                      staging > 0 ? " (the staging dL/dW is fixed by the head)" : "",
+                      ": start the server with --compute_memory_mib of at least ", needed_mib,
+                      ", or 0 to size the budget to the heads it serves");
+    } else {
+      const int64_t workspace_room_mib = (capacity - staging) / kMiB;
+      absl::StrAppend(&message, ". The workspace is what overflows: ");
+      if (workspace_room_mib > 0 && workspace_room_mib * kMiB >= smallest_workspace) {
+        absl::StrAppend(&message, "start the server with --workspace_budget_mib of at most ",
+                        workspace_room_mib, " or ");
+      } else {
+        absl::StrAppend(&message, "start the server with ");
+      }
+      absl::StrAppend(&message, "--compute_memory_mib of at least ", needed_mib,
+                      ", or send fewer tokens per call");
+    }
+    return WithAdmissionRefusal(absl::ResourceExhaustedError(message),
+                                *AdmissionRefusalOf(refused));
+  }
+
+  absl::Status Prepare() {
+    const Head& head = *spec_.head;
+    ProblemShape& shape = shape_;
+    shape.num_tokens = std::max<int64_t>(spec_.num_tokens, 1);
+    shape.hidden_size = spec_.hidden_size;
+    shape.vocab_size = head.vocab_size();
+    shape.hidden_dtype = spec_.hidden_dtype;
+    shape.weight_dtype = head.dtype();
+    shape.grad_hidden = spec_.outputs.grad_hidden();
+    shape.grad_weight = spec_.outputs.accumulate_grad_weight();
+    shape.grad_hidden_dtype = spec_.grad_hidden_dtype;
+    shape.top_k = spec_.outputs.top_k();
+    shape.exact_gradients = spec_.options.exact_gradients;
+    if (spec_.teacher != nullptr) {
+      shape.teacher.kind = TeacherKind::kDense;
+      shape.teacher.hidden_size = spec_.teacher_hidden_size;
+      shape.teacher.hidden_dtype = spec_.teacher_hidden_dtype;
+      shape.teacher.weight_dtype = spec_.teacher->dtype();
+    } else if (spec_.teacher_top_k > 0) {
+      shape.teacher.kind = TeacherKind::kSparse;
+      shape.teacher.top_k = spec_.teacher_top_k;
+    }
+    ASSIGN_OR_RETURN(plan_, env_.backend->Plan(shape, env_.limits.workspace_budget_bytes));
+    staging_bytes_ = shape.grad_weight ? head.vocab_size() * head.hidden_size() * sizeof(float) : 0;
+    admitted_bytes_ = static_cast<int64_t>(plan_.workspace_bytes + staging_bytes_);
+    return absl::OkStatus();
+  }
+
+  // Before admission, so that a call that cannot use shared memory fails without waiting for, or
+  // holding, a place on the device. The rows are in the memfd, so the start message is the whole
+  // call: nothing after it is read, and the call does not wait for the client to half-close.
+  absl::Status MapSharedMemory() {
+    RETURN_IF_ERROR(
+        CheckSharedMemoryOffered(env_.limits.allow_shared_memory, stream_.PeerIsLocal()));
+    if (stream_.IsCancelled()) return absl::CancelledError("call cancelled before it was admitted");
+    const uint64_t rows = static_cast<uint64_t>(spec_.num_tokens);
+    const uint64_t grad_hidden_bytes =
+        spec_.outputs.grad_hidden() ? rows * spec_.grad_row_bytes() : 0;
+    ASSIGN_OR_RETURN(shared_memory_,
+                     env_.shared_memory->Map(*spec_.shared_memory, rows * spec_.hidden_row_bytes(),
+                                             grad_hidden_bytes));
+    return absl::OkStatus();
+  }
+
+  absl::Status AllocateBuffers() {
+    ASSIGN_OR_RETURN(workspace_,
+                     env_.buffers->Acquire(plan_.workspace_bytes, MemoryPurpose::kWorkspace));
+    if (staging_bytes_ > 0) {
+      // Not zeroed: the first engine chunk stores into it (LossOptions::overwrite_grad_weight).
+      ASSIGN_OR_RETURN(staging_, env_.buffers->Acquire(staging_bytes_, MemoryPurpose::kGradients));
+    }
+    if (spec_.outputs.grad_hidden() && !spec_.shared_memory.has_value()) {
+      const int64_t rows = std::min(plan_.token_chunk, spec_.num_tokens);
+      ASSIGN_OR_RETURN(message_grad_hidden_, env_.host_buffers->Acquire(
+                                                 static_cast<size_t>(rows * spec_.grad_row_bytes()),
+                                                 MemoryPurpose::kWorkspace));
+    }
+    // The client may rewrite its memory while the call runs: unless the backend reads each row
+    // once, every engine chunk is computed from a private copy of its rows, so that the finiteness
+    // check and dL/dW see the same values.
+    if (spec_.shared_memory.has_value() && spec_.num_tokens > 0 &&
+        !env_.backend->ReadsRowsOnce(spec_.hidden_dtype)) {
+      const int64_t rows = std::min(plan_.token_chunk, spec_.num_tokens);
+      ASSIGN_OR_RETURN(shared_rows_copy_, env_.host_buffers->Acquire(
+                                              static_cast<size_t>(rows * spec_.hidden_row_bytes()),
+                                              MemoryPurpose::kWorkspace));
+    }
+    return absl::OkStatus();
+  }
+
+  // While the call waits for its client (its next rows not yet in, a result not yet taken) it
+  // holds no running slot: the slot and the workspace go back to the scheduler, the staging dL/dW
+  // stays admitted (it holds the call's sum so far), and the call queues again once its client
+  // has caught up (ResumeIfPaused). Slots are for computing: a client that sends or reads slowly,
+  // or not at all, delays its own call only.
+  absl::Status PauseWhileWaiting() {
+    if (!admission_.held() || admission_.paused()) return absl::OkStatus();
+    workspace_ = BufferLease();
+    admission_.Pause(static_cast<int64_t>(staging_bytes_));
+    return absl::OkStatus();
+  }
+
+  absl::Status ResumeIfPaused() {
+    if (!admission_.paused()) return absl::OkStatus();
+    const auto stream_failed = [this] {
+      return stream_.IsCancelled() || (reader_ != nullptr && !reader_->Error().ok());
+    };
+    const absl::Status resumed = admission_.Resume(stream_failed, env_.limits.max_admission_wait);
+    if (!resumed.ok()) {
+      // A stream that failed meanwhile: its error is the call's.
+      if (reader_ != nullptr) RETURN_IF_ERROR(reader_->Error());
+      return resumed;
+    }
+    ASSIGN_OR_RETURN(workspace_,
+                     env_.buffers->Acquire(plan_.workspace_bytes, MemoryPurpose::kWorkspace));
+    return absl::OkStatus();
+  }
+
+  // One engine chunk's dL/dh on its way into result messages.
+  uint8_t* MessageGradHidden() {
+    return static_cast<uint8_t*>(message_grad_hidden_.buffer().data());
+  }
+
+  // Computes each engine chunk as soon as its rows are in, while the reader takes the next; rows
+  // in shared memory are computed where they lie, or from a copy (AllocateBuffers).
+  absl::Status ReceiveAndCompute() {
+    if (spec_.shared_memory.has_value()) {
+      for (int64_t first = 0; first < spec_.num_tokens; first += plan_.token_chunk) {
+        const int64_t rows = std::min(plan_.token_chunk, spec_.num_tokens - first);
+        const uint8_t* chunk_rows = shared_memory_.hidden() + first * spec_.hidden_row_bytes();
+        if (shared_rows_copy_.held()) {
+          void* copy = shared_rows_copy_.buffer().data();
+          std::memcpy(copy, chunk_rows, static_cast<size_t>(rows * spec_.hidden_row_bytes()));
+          chunk_rows = static_cast<const uint8_t*>(copy);
+        }
+        RETURN_IF_ERROR(ComputeChunk({chunk_rows, first, rows}));
+      }
+      return absl::OkStatus();
+    }
+    while (computed_rows_ < spec_.num_tokens) {
+      if (!reader_->ChunkReady()) RETURN_IF_ERROR(PauseWhileWaiting());
+      ASSIGN_OR_RETURN(const RowChunk chunk, reader_->Next());
+      RETURN_IF_ERROR(ResumeIfPaused());
+      RETURN_IF_ERROR(ComputeChunk(chunk));
+      reader_->Release();
+    }
+    return reader_->Finish();
+  }
+
+  absl::Status ComputeChunk(const RowChunk& chunk) {
+    const int64_t first = chunk.first_row;
+    const int64_t rows = chunk.num_rows;
+    BatchInputs in;
+    in.hidden = chunk.rows;
+    in.hidden_dtype = spec_.hidden_dtype;
+    in.num_tokens = rows;
+    in.hidden_size = spec_.hidden_size;
+    in.labels = spec_.has_labels ? spec_.labels.data() + first : nullptr;
+    in.token_weights = spec_.token_weights.empty() ? nullptr : spec_.token_weights.data() + first;
+    const auto rows_of = [first](const auto& values) {
+      return values.empty() ? nullptr : values.data() + first;
+    };
+    in.sampling_logprobs = rows_of(spec_.sampling_logprobs);
+    in.advantages = rows_of(spec_.advantages);
+    in.reference_logprobs = rows_of(spec_.reference_logprobs);
+    in.logprob_grads = rows_of(spec_.logprob_grads);
+    in.reduction_scales = rows_of(spec_.reduction_scales);
+    if (spec_.teacher != nullptr) {
+      in.teacher.hidden = chunk.side_rows[0];
+      in.teacher.hidden_dtype = spec_.teacher_hidden_dtype;
+      in.teacher.hidden_size = spec_.teacher_hidden_size;
+    } else if (spec_.teacher_top_k > 0) {
+      in.teacher.top_k = spec_.teacher_top_k;
+      in.teacher.top_k_tokens = static_cast<const int32_t*>(chunk.side_rows[0]);
+      in.teacher.top_k_logprobs = static_cast<const float*>(chunk.side_rows[1]);
+      // Named by the call's rows; the engine would name them by the chunk's.
+      const absl::Status valid = ValidateSparseTeacher(in.teacher, rows, spec_.head->vocab_size(),
+                                                       spec_.options, in.labels, first);
+      if (!valid.ok()) {
+        return absl::Status(valid.code(), absl::StrCat("chunk.", valid.message()));
+      }
+    }
+    uint8_t* grad_hidden = nullptr;
+    if (spec_.outputs.grad_hidden()) {
+      grad_hidden = spec_.shared_memory.has_value()
+                        ? shared_memory_.grad_hidden() + first * spec_.grad_row_bytes()
+                        : MessageGradHidden();
+    }
+    const TokenOutputs out =
+        outputs_.Bind(spec_.outputs, rows, grad_hidden, spec_.grad_hidden_dtype);
+
+    LossOptions options = spec_.options;
+    options.overwrite_grad_weight = first == 0;
+    const absl::Time start = absl::Now();
+    BatchSummary summary;
+    RETURN_IF_ERROR(WithHeads([&](const WeightView& weight, const WeightView* teacher) {
+      in.teacher.weight = teacher;
+      ASSIGN_OR_RETURN(summary,
+                       env_.backend->Compute(in, weight, options, out,
+                                             staging_.held() ? &staging_.buffer() : nullptr,
+                                             workspace_.buffer()));
+      return absl::OkStatus();
+    }));
+    const double seconds = SecondsSince(start);
+    compute_seconds_ += seconds;
+    if (env_.metrics != nullptr) env_.metrics->ObserveComputeSeconds(seconds);
+    if (!summary.all_finite) {
+      if (env_.metrics != nullptr) env_.metrics->CountNonFiniteCall();
+      return ExplainNonFiniteChunk(chunk);
+    }
+    loss_sum_ += summary.loss_sum;
+    sequence_loss_ += summary.loss;
+    kd_sum_ += summary.kd_sum;
+    ce_sum_ += summary.ce_sum;
+    clipped_tokens_ += summary.clipped_tokens;
+    kl_sum_ += summary.kl_sum;
+    correct_tokens_ += summary.correct_tokens;
+    grad_weight_bound_ += summary.grad_weight_bound;
+    peak_workspace_bytes_ = std::max(peak_workspace_bytes_, summary.workspace_bytes);
+    RETURN_IF_ERROR(SendResults(first, rows));
+    computed_rows_ += rows;
+    return absl::OkStatus();
+  }
+
+  // Runs fn with the student's W and a teacher head's (null without one), each under its shared
+  // lock and at the version the call took. Two heads are locked in the order of their names, so
+  // that calls with two heads in opposite roles cannot wait for each other behind a Step; a head
+  // that is its own teacher is locked once.
+  absl::Status WithHeads(absl::FunctionRef<absl::Status(const WeightView&, const WeightView*)> fn) {
+    Head& student = *spec_.head;
+    if (spec_.teacher == nullptr) {
+      return student.WithWeights(spec_.version,
+                                 [&](const WeightView& w) { return fn(w, nullptr); });
+    }
+    Head& teacher = *spec_.teacher;
+    if (&teacher == &student) {
+      if (spec_.teacher_version != spec_.version) {
+        return absl::AbortedError(
+            absl::StrCat("head '", student.name(), "' moved between its two reads of the call"));
+      }
+      return student.WithWeights(spec_.version, [&](const WeightView& w) { return fn(w, &w); });
+    }
+    const bool student_first = student.name() < teacher.name();
+    Head& outer = student_first ? student : teacher;
+    Head& inner = student_first ? teacher : student;
+    return outer.WithWeights(
+        student_first ? spec_.version : spec_.teacher_version, [&](const WeightView& a) {
+          return inner.WithWeights(
+              student_first ? spec_.teacher_version : spec_.version,
+              [&](const WeightView& b) { return student_first ? fn(a, &b) : fn(b, &a); });
+        });
+  }
+
+  // Runs only once a chunk's results were not finite, and says why: a NaN or Inf in its rows,
+  // else what in the call overflowed fp32, else the logits themselves (W enters the server
+  // finite, so only an optimizer step can have made it otherwise).
+  absl::Status ExplainNonFiniteChunk(const RowChunk& chunk) {
+    const int64_t first = chunk.first_row;
+    const int64_t rows = chunk.num_rows;
+    const int64_t columns = spec_.hidden_size;
+    const std::string which = absl::StrCat("rows [", first, ", ", first + rows, ")");
+    absl::Status finite =
+        ValidateFiniteMatrix("chunk.hidden", chunk.rows, spec_.hidden_dtype, rows, columns, first);
+    if (finite.ok() && spec_.teacher != nullptr) {
+      finite =
+          ValidateFiniteMatrix("chunk.teacher_hidden", chunk.side_rows[0],
+                               spec_.teacher_hidden_dtype, rows, spec_.teacher_hidden_size, first);
+    }
+    if (!finite.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          finite.message(), " (", which, " give non-finite results); nothing was accumulated"));
+    }
+    const std::vector<std::string> suspects = OverflowSuspects(spec_, first, rows, false);
+    if (!suspects.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(absl::StrJoin(suspects, ", "), ": ", which,
+                       " of chunk.hidden are finite, but their results overflow fp32 under this; "
+                       "nothing was accumulated"));
+    }
+    const auto largest_of = [rows](const void* data, DType dtype, int64_t columns) {
+      std::pair<float, int64_t> largest{0.0f, 0};
+      for (int64_t i = 0; i < rows * columns; ++i) {
+        const float magnitude = std::fabs(LoadAsFloat(data, dtype, i));
+        if (magnitude > largest.first) largest = {magnitude, i};
+      }
+      return largest;
+    };
+    const auto [largest, largest_at] = largest_of(chunk.rows, spec_.hidden_dtype, columns);
+    if (spec_.teacher != nullptr) {
+      // The teacher's logits overflow as the student's do: blame the larger rows.
+      const int64_t teacher_columns = spec_.teacher_hidden_size;
+      const auto [teacher_largest, teacher_at] =
+          largest_of(chunk.side_rows[0], spec_.teacher_hidden_dtype, teacher_columns);
+      if (teacher_largest > largest) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "chunk.teacher_hidden: ", which,
+            " are finite, but the teacher's logits overflow fp32 "
+            "(the largest |h| of the teacher's rows is ",
+            teacher_largest, ", at chunk.teacher_hidden[", first + teacher_at / teacher_columns,
+            ", ", teacher_at % teacher_columns, "]); nothing was accumulated"));
+      }
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("chunk.hidden: ", which,
+                     " are finite, but their logits h W^T overflow fp32 (the largest "
+                     "|h| is ",
+                     largest, ", at chunk.hidden[", first + largest_at / columns, ", ",
+                     largest_at % columns, "]); nothing was accumulated"));
+  }
+
+  // Finite logits do not make dL/dW finite: under a soft cap an infinite hidden value gives capped
+  // logits but 0 * Inf = NaN in dL/dW, and a huge grad_scale overflows it, alone or added to the
+  // accumulator. The head checks both, with the engine's bound sparing it the reading of V x H
+  // floats where that bound proves them finite.
+  absl::StatusOr<CommitOutcome> CommitGradient() {
+    StagedGradient staged;
+    staged.version = spec_.version;
+    staged.buffer = &staging_.buffer();
+    staged.tokens = spec_.counted_tokens;
+    staged.rows = spec_.num_tokens;
+    staged.bound = grad_weight_bound_;
+    staged.call_id = spec_.call_id;
+    staged.start_fingerprint = spec_.start_fingerprint;
+    staged.loss_sum = loss_sum_;
+    if (spec_.stage_grad_weight) {
+      ASSIGN_OR_RETURN(const CommitOutcome outcome,
+                       spec_.head->StageGradient(staged, staging_.buffer(), *env_.staging_room,
+                                                 absl::Now() + env_.limits.staged_grad_ttl,
+                                                 env_.limits.max_call_ids));
+      // No room: commit as a call that does not stage; the client's backward corrects for its
+      // upstream gradient, as the summary tells it.
+      if (outcome != CommitOutcome::kNoRoom) return outcome;
+    }
+    absl::StatusOr<CommitOutcome> outcome =
+        spec_.head->CommitGradient(staged, env_.limits.max_call_ids);
+    // INVALID_ARGUMENT: this call's own dL/dW is not finite, which its options and weights explain
+    // (FAILED_PRECONDITION: it would overflow the accumulator, which the head's message explains).
+    if (!outcome.ok() && IsNonFiniteGradient(outcome.status()) &&
+        outcome.status().code() == absl::StatusCode::kInvalidArgument) {
+      outcome = ExplainNonFiniteGradient(outcome.status());
+    }
+    if (env_.metrics != nullptr) {
+      if (!outcome.ok() && IsNonFiniteGradient(outcome.status())) {
+        env_.metrics->CountNonFiniteCall();
+      }
+      if (outcome.ok() && *outcome == CommitOutcome::kReplayed) env_.metrics->CountReplayedCall();
+    }
+    return outcome;
+  }
+
+  // Why this call's own dL/dW is not finite, from what is left once its rows are gone: its options
+  // and weights. Keeps the head's typed reason.
+  absl::Status ExplainNonFiniteGradient(absl::Status status) const {
+    std::vector<std::string> causes = OverflowSuspects(spec_, 0, spec_.num_tokens, true);
+    if (spec_.options.logit_softcap > 0.0) {
+      causes.push_back(absl::StrCat(
+          "an Inf in chunk.hidden under options.logit_softcap = ", spec_.options.logit_softcap,
+          " (the cap keeps its logits finite, not its dL/dW)"));
+    }
+    if (causes.empty()) {
+      causes.push_back("hidden values in chunk.hidden large enough to overflow it");
+    }
+    return WithPayloadsOf(absl::InvalidArgumentError(absl::StrCat(
+                              "this call's dL/dW has non-finite values in fp32, from ",
+                              absl::StrJoin(causes, ", or "), "; nothing was accumulated")),
+                          status);
+  }
+
+  // Streams one chunk's results, split so that no message exceeds the result message limit.
+  absl::Status SendResults(int64_t first, int64_t rows) {
+    const v1::OutputSelection& want = spec_.outputs;
+    const int k = want.top_k();
+    const bool grad_in_messages = want.grad_hidden() && !spec_.shared_memory.has_value();
+    const int64_t grad_row_bytes = grad_in_messages ? spec_.grad_row_bytes() : 0;
+    const int64_t row_bytes = grad_row_bytes + 4 * (kOneValueOutputs + 2 * k) + 16;
+    const int64_t rows_per_message =
+        std::max<int64_t>(1, env_.limits.max_result_message_bytes / row_bytes);
+    for (int64_t r0 = 0; r0 < rows; r0 += rows_per_message) {
+      const int64_t n = std::min(rows_per_message, rows - r0);
+      // One message kept for the whole call: Clear keeps its buffers, so the next message's
+      // payload needs no fresh allocation (whose pages would fault in as it is written).
+      v1::ComputeResult& result = *result_message_.mutable_result();
+      result.Clear();
+      result.set_row_offset(first + r0);
+      result.set_num_rows(n);
+      auto copy = [&](const auto& source, int64_t per_row, auto* target) {
+        if (!source.empty()) {
+          target->Add(source.begin() + r0 * per_row, source.begin() + (r0 + n) * per_row);
+        }
+      };
+      for (size_t i = 0; i < outputs_.floats.size(); ++i) {
+        copy(outputs_.floats[i], 1, (result.*kFloatOutputs[i].field)());
+      }
+      for (size_t i = 0; i < outputs_.ints.size(); ++i) {
+        copy(outputs_.ints[i], 1, (result.*kIntOutputs[i].field)());
+      }
+      copy(outputs_.top_k_logprob, k, result.mutable_top_k_logprob());
+      copy(outputs_.top_k_token, k, result.mutable_top_k_token());
+      if (grad_in_messages) {
+        result.set_grad_hidden(MessageGradHidden() + r0 * grad_row_bytes, n * grad_row_bytes);
+        result.set_grad_hidden_dtype(ToProto(spec_.grad_hidden_dtype));
+      }
+      RETURN_IF_ERROR(Send(result_message_));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status SendSummary() {
+    v1::ComputeResponse response;
+    v1::ComputeSummary& s = *response.mutable_summary();
+    s.set_loss(IsSequenceReduction(spec_.options.reduction)
+                   ? sequence_loss_
+                   : ReducedLoss(spec_.options, loss_sum_, spec_.counted_tokens));
+    s.set_loss_sum(loss_sum_);
+    s.set_counted_tokens(spec_.counted_tokens);
+    s.set_correct_tokens(correct_tokens_);
+    s.set_head_version(spec_.version);
+    const bool staged = commit_ == CommitOutcome::kStaged;
+    s.set_grad_weight_accumulated(accumulated_ && !staged);
+    s.set_grad_weight_staged(accumulated_ && staged);
+    s.set_replayed(accumulated_ && commit_ == CommitOutcome::kReplayed);
+    s.set_queue_seconds(queue_seconds_);
+    s.set_compute_seconds(compute_seconds_);
+    s.set_peak_workspace_bytes(peak_workspace_bytes_);
+    s.set_backend(std::string(env_.backend->kind()));
+    s.set_clipped_tokens(clipped_tokens_);
+    const double counted = static_cast<double>(spec_.counted_tokens);
+    s.set_clip_fraction(counted > 0 ? static_cast<double>(clipped_tokens_) / counted : 0.0);
+    s.set_mean_kl(counted > 0 ? kl_sum_ / counted : 0.0);
+    s.set_mean_kd(counted > 0 ? kd_sum_ / counted : 0.0);
+    s.set_mean_ce(counted > 0 ? ce_sum_ / counted : 0.0);
+    if (spec_.teacher != nullptr) s.set_teacher_head_version(spec_.teacher_version);
+    return Send(response);
+  }
+
+  absl::Status Send(const v1::ComputeResponse& response) {
+    const bool written = stream_.WriteOrStall(response, [this] { (void)PauseWhileWaiting(); });
+    RETURN_IF_ERROR(ResumeIfPaused());
+    if (!written) {
+      return absl::CancelledError(
+          "client went away while results were sent; nothing was accumulated");
+    }
+    if (env_.metrics != nullptr)
+      env_.metrics->AddBytesSent(static_cast<int64_t>(response.ByteSizeLong()));
+    return absl::OkStatus();
+  }
+
+  void Account() {
+    if (env_.metrics == nullptr) return;
+    const bool training = spec_.outputs.grad_hidden() || spec_.outputs.accumulate_grad_weight();
+    env_.metrics->AddTokens(training ? "train" : "score", spec_.num_tokens);
+    // A dense teacher's logits are avoided as well.
+    const int64_t heads = spec_.teacher != nullptr ? 2 : 1;
+    env_.metrics->AddLogitsBytesAvoided(heads * spec_.num_tokens * spec_.head->vocab_size() *
+                                        static_cast<int64_t>(sizeof(float)));
+  }
+
+  const ComputeEnvironment& env_;
+  ComputeStream& stream_;
+  CallSpec spec_;
+  PendingCharge pending_;  // host memory held until admission
+  ProblemShape shape_;
+  ChunkPlan plan_;
+  size_t staging_bytes_ = 0;
+  int64_t admitted_bytes_ = 0;
+  Admission admission_;
+  BufferLease workspace_;
+  BufferLease staging_;
+  BufferLease message_grad_hidden_;  // host memory
+  BufferLease shared_rows_copy_;     // host memory: one engine chunk of rows out of shared memory
+  ChunkOutputs outputs_;
+  SharedCallMemory shared_memory_;
+  std::unique_ptr<RowReader> reader_;  // rows from messages
+  v1::ComputeResponse result_message_;
+  int64_t computed_rows_ = 0;
+  double loss_sum_ = 0.0;
+  double sequence_loss_ = 0.0;  // with a sequence reduction: the reduced loss, chunk by chunk
+  int64_t clipped_tokens_ = 0;
+  double kl_sum_ = 0.0;
+  double kd_sum_ = 0.0;
+  double ce_sum_ = 0.0;
+  int64_t correct_tokens_ = 0;
+  double grad_weight_bound_ = 0.0;  // on |this call's dL/dW|, summed over engine chunks
+  CommitOutcome commit_ = CommitOutcome::kCommitted;  // of a call that accumulates
+  bool accumulated_ = false;                          // dL/dW was committed (or replayed)
+  int64_t peak_workspace_bytes_ = 0;
+  double queue_seconds_ = 0.0;
+  double compute_seconds_ = 0.0;
+};
+
+}  // namespace
+
+absl::Status RunComputeCall(const ComputeEnvironment& env, ComputeStream& stream) {
+  return ComputeCall(env, stream).Run();
+}
+
+}  // namespace lossd::server

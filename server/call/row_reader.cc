@@ -1,0 +1,299 @@
+#include "server/call/row_reader.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "lossd/common/status_macros.h"
+
+namespace lossd::server {
+namespace {
+
+const std::string& SideBytes(const v1::ComputeChunk& chunk, SideField field) {
+  switch (field) {
+    case SideField::kTeacherHidden: return chunk.teacher_hidden();
+    case SideField::kTeacherTopKTokens: return chunk.teacher_top_k_tokens();
+    case SideField::kTeacherTopKLogprobs: return chunk.teacher_top_k_logprobs();
+  }
+  return chunk.teacher_hidden();
+}
+
+constexpr SideField kSideFields[] = {SideField::kTeacherHidden, SideField::kTeacherTopKTokens,
+                                     SideField::kTeacherTopKLogprobs};
+
+}  // namespace
+
+absl::string_view SideFieldName(SideField field) {
+  switch (field) {
+    case SideField::kTeacherHidden: return "teacher_hidden";
+    case SideField::kTeacherTopKTokens: return "teacher_top_k_tokens";
+    case SideField::kTeacherTopKLogprobs: return "teacher_top_k_logprobs";
+  }
+  return "unknown";
+}
+
+namespace {
+
+int64_t RowBytes(const RowLayout& layout) {
+  return layout.hidden_size * static_cast<int64_t>(DTypeSize(layout.dtype));
+}
+
+// Row bytes of stream 0 (hidden) and the side streams.
+int64_t StreamRowBytes(const RowLayout& layout, size_t stream) {
+  return stream == 0 ? RowBytes(layout) : layout.side[stream - 1].row_bytes;
+}
+
+// One buffer is enough when a single chunk holds the call.
+int BuffersFor(const RowLayout& layout) { return layout.num_tokens > layout.chunk_rows ? 2 : 1; }
+
+int64_t ChunkRows(const RowLayout& layout) {
+  return std::min(layout.chunk_rows, layout.num_tokens);
+}
+
+}  // namespace
+
+int64_t RowReader::BufferBytes(const RowLayout& layout) {
+  int64_t chunk_bytes = 0;
+  for (size_t s = 0; s <= layout.side.size(); ++s) {
+    chunk_bytes += ChunkRows(layout) * StreamRowBytes(layout, s);
+  }
+  return BuffersFor(layout) * chunk_bytes;
+}
+
+absl::StatusOr<std::unique_ptr<RowReader>> RowReader::Start(ComputeStream& stream, Metrics* metrics,
+                                                            const RowLayout& layout,
+                                                            BufferCache& host_buffers,
+                                                            absl::Duration idle_limit,
+                                                            PendingAccount pending) {
+  if (layout.side.size() > static_cast<size_t>(kMaxSideStreams)) {
+    return absl::InternalError(absl::StrCat("RowReader: at most ", kMaxSideStreams,
+                                            " side streams, got ", layout.side.size()));
+  }
+  std::array<ChunkBuffers, kBuffers> buffers;
+  for (int b = 0; b < BuffersFor(layout); ++b) {
+    for (size_t s = 0; s <= layout.side.size(); ++s) {
+      ASSIGN_OR_RETURN(
+          buffers[b][s],
+          host_buffers.Acquire(static_cast<size_t>(ChunkRows(layout) * StreamRowBytes(layout, s)),
+                               MemoryPurpose::kWorkspace));
+    }
+  }
+  return std::unique_ptr<RowReader>(
+      new RowReader(stream, metrics, layout, idle_limit, std::move(pending), std::move(buffers)));
+}
+
+RowReader::RowReader(ComputeStream& stream, Metrics* metrics, const RowLayout& layout,
+                     absl::Duration idle_limit, PendingAccount pending,
+                     std::array<ChunkBuffers, kBuffers> buffers)
+    : stream_(stream),
+      metrics_(metrics),
+      layout_(layout),
+      row_bytes_(RowBytes(layout)),
+      idle_limit_(idle_limit),
+      pending_(std::move(pending)),
+      buffers_(std::move(buffers)) {
+  thread_ = std::thread([this] { ReadAll(); });
+}
+
+RowReader::~RowReader() {
+  Stop(absl::CancelledError("the call ended before its rows were all read"));
+}
+
+int64_t RowReader::RowsInChunk(int64_t chunk) const {
+  return std::min(layout_.chunk_rows, layout_.num_tokens - chunk * layout_.chunk_rows);
+}
+
+void RowReader::ReadAll() {
+  absl::Status status = ReadRows();
+  absl::MutexLock lock(&mu_);
+  status_ = std::move(status);
+  done_ = true;
+}
+
+absl::Status RowReader::ReadRows() {
+  v1::ComputeRequest request;
+  // Once the last row is in, the call has everything it needs: what the client sends after it,
+  // and whether it half-closes, no longer matters to it.
+  while (received_rows_ < layout_.num_tokens && stream_.Read(&request)) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stop_) return absl::CancelledError("the call ended before its rows were all read");
+    }
+    RETURN_IF_ERROR(TakeMessage(request));
+  }
+  if (received_rows_ == layout_.num_tokens) return absl::OkStatus();
+  if (stream_.IsCancelled()) {
+    return absl::CancelledError("call cancelled mid-stream; nothing was accumulated");
+  }
+  return InvalidField("chunk.hidden", absl::StrCat(layout_.num_tokens, " rows (num_tokens)"),
+                      absl::StrCat(received_rows_, " before the stream ended"));
+}
+
+absl::Status RowReader::TakeMessage(const v1::ComputeRequest& request) {
+  if (request.has_start()) {
+    return InvalidField("start", "exactly one ComputeStart, first", "a second one");
+  }
+  const std::string& hidden = request.chunk().hidden();
+  const int64_t bytes = static_cast<int64_t>(hidden.size());
+  if (bytes % row_bytes_ != 0) {
+    return InvalidField(
+        "chunk.hidden",
+        absl::StrCat("whole rows of ", layout_.hidden_size, " ", DTypeName(layout_.dtype),
+                     " values (", row_bytes_, " bytes each)"),
+        absl::StrCat(bytes, " bytes"));
+  }
+  const int64_t rows = bytes / row_bytes_;
+  if (received_rows_ + rows > layout_.num_tokens) {
+    return InvalidField("chunk.hidden",
+                        absl::StrCat(layout_.num_tokens, " rows in all (num_tokens)"),
+                        absl::StrCat("at least ", received_rows_ + rows));
+  }
+  // The side streams: the same rows as `hidden`, and none the call does not take.
+  std::array<const std::string*, 1 + kMaxSideStreams> sources{&hidden};
+  int64_t message_bytes = bytes;
+  for (const SideField field : kSideFields) {
+    const std::string& side = SideBytes(request.chunk(), field);
+    const auto stream = std::find_if(layout_.side.begin(), layout_.side.end(),
+                                     [field](const SideStream& s) { return s.field == field; });
+    if (stream == layout_.side.end()) {
+      if (!side.empty()) {
+        return InvalidField(absl::StrCat("chunk.", SideFieldName(field)),
+                            "none (only a call with a teacher that takes it sends it)",
+                            absl::StrCat(side.size(), " bytes"));
+      }
+      continue;
+    }
+    if (static_cast<int64_t>(side.size()) != rows * stream->row_bytes) {
+      return InvalidField(
+          absl::StrCat("chunk.", SideFieldName(field)),
+          absl::StrCat(rows, " rows of ", stream->row_description, " (", stream->row_bytes,
+                       " bytes each): as many rows as chunk.hidden carries"),
+          absl::StrCat(side.size(), " bytes"));
+    }
+    sources[1 + (stream - layout_.side.begin())] = &side;
+    message_bytes += static_cast<int64_t>(side.size());
+  }
+  if (metrics_ != nullptr) metrics_->AddBytesReceived(message_bytes);
+  for (int64_t taken = 0; taken < rows;) {
+    if (rows_in_filling_ == 0) RETURN_IF_ERROR(WaitForFreeBuffer(request));
+    const int64_t take = std::min(rows - taken, RowsInChunk(filling_chunk_) - rows_in_filling_);
+    for (size_t s = 0; s <= layout_.side.size(); ++s) {
+      const int64_t stream_row_bytes = StreamRowBytes(layout_, s);
+      uint8_t* into = BufferOf(filling_chunk_, static_cast<int>(s));
+      std::memcpy(into + rows_in_filling_ * stream_row_bytes,
+                  sources[s]->data() + taken * stream_row_bytes, take * stream_row_bytes);
+    }
+    rows_in_filling_ += take;
+    taken += take;
+    if (rows_in_filling_ == RowsInChunk(filling_chunk_)) {
+      ++filling_chunk_;
+      rows_in_filling_ = 0;
+      absl::MutexLock lock(&mu_);
+      filled_ = filling_chunk_;
+    }
+  }
+  received_rows_ += rows;
+  return absl::OkStatus();
+}
+
+absl::Status RowReader::WaitForFreeBuffer(const v1::ComputeRequest& request) {
+  const int64_t chunk = filling_chunk_;
+  absl::MutexLock lock(&mu_);
+  // Chunk c fills the buffer that chunk c - kBuffers used.
+  const auto free_or_stopped = [this, chunk]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stop_ || released_ + kBuffers > chunk;
+  };
+  // Only the engine frees a buffer, so an unadmitted call holds the message until admission.
+  if (!free_or_stopped() && !admitted_ && pending_.memory != nullptr) {
+    ASSIGN_OR_RETURN(held_message_,
+                     pending_.Reserve(static_cast<int64_t>(request.SpaceUsedLong())));
+  }
+  mu_.Await(absl::Condition(&free_or_stopped));
+  held_message_.Release();
+  if (stop_) return absl::CancelledError("the call ended before its rows were all read");
+  return absl::OkStatus();
+}
+
+absl::Status RowReader::Error() {
+  absl::MutexLock lock(&mu_);
+  return done_ ? status_ : absl::OkStatus();
+}
+
+void RowReader::Admitted() {
+  absl::MutexLock lock(&mu_);
+  admitted_ = true;
+  held_message_.Release();
+}
+
+absl::Status RowReader::AwaitFirstChunk() {
+  absl::MutexLock lock(&mu_);
+  const auto ready_or_done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return filled_ > 0 || done_;
+  };
+  if (!mu_.AwaitWithTimeout(absl::Condition(&ready_or_done), idle_limit_)) {
+    return StreamIdleError(layout_.num_tokens == 0 ? std::string("the end of the stream")
+                                                   : absl::StrCat("rows [0, ", RowsInChunk(0), ")"),
+                           idle_limit_);
+  }
+  return status_;
+}
+
+bool RowReader::ChunkReady() {
+  absl::MutexLock lock(&mu_);
+  return filled_ > taken_ || done_;
+}
+
+absl::StatusOr<RowChunk> RowReader::Next() {
+  absl::MutexLock lock(&mu_);
+  const auto ready_or_done = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return filled_ > taken_ || done_;
+  };
+  if (!mu_.AwaitWithTimeout(absl::Condition(&ready_or_done), idle_limit_)) {
+    const int64_t first = taken_ * layout_.chunk_rows;
+    return StreamIdleError(absl::StrCat("rows [", first, ", ", first + RowsInChunk(taken_), ")"),
+                           idle_limit_);
+  }
+  // A failed read ends the call even when rows before it are waiting.
+  if (done_ && !status_.ok()) return status_;
+  if (filled_ == taken_) {
+    return absl::InternalError("RowReader::Next called after the call's last chunk");
+  }
+  const int64_t chunk = taken_++;
+  RowChunk rows{BufferOf(chunk), chunk * layout_.chunk_rows, RowsInChunk(chunk), {}};
+  for (size_t s = 0; s < layout_.side.size(); ++s) {
+    rows.side_rows[s] = BufferOf(chunk, static_cast<int>(s) + 1);
+  }
+  return rows;
+}
+
+void RowReader::Release() {
+  absl::MutexLock lock(&mu_);
+  released_ = taken_;
+}
+
+absl::Status RowReader::Finish() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!mu_.AwaitWithTimeout(absl::Condition(&done_), idle_limit_)) {
+      return StreamIdleError("the end of the stream after its last row", idle_limit_);
+    }
+  }
+  thread_.join();
+  absl::MutexLock lock(&mu_);
+  return status_;
+}
+
+void RowReader::Stop(const absl::Status& reason) {
+  if (!thread_.joinable()) return;
+  bool done;
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+    done = done_;
+  }
+  if (!done) stream_.End(reason);
+  thread_.join();
+}
+
+}  // namespace lossd::server
