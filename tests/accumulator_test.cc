@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "server/call/call_spec.h"
 #include "tests/engine_harness.h"
 #include "tests/reference.h"
 #include "tests/server_harness.h"
@@ -492,33 +493,35 @@ TEST_P(CallIdFingerprintTest, ARepeatWithAnotherStartIsRefused) {
   EXPECT_EQ(GetHead(*stub_, head_).accumulated_calls(), 1);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Table, CallIdFingerprintTest,
-    ::testing::Values(
-        StartChange{"grad_scale", "scales dL/dW",
-                    [](v1::ComputeStart& s) { s.mutable_options()->set_grad_scale(2.0); }},
-        StartChange{"label_smoothing", "another loss",
-                    [](v1::ComputeStart& s) { s.mutable_options()->set_label_smoothing(0.1f); }},
-        StartChange{"z_loss_scale", "another term",
-                    [](v1::ComputeStart& s) { s.mutable_options()->set_z_loss_scale(1e-4f); }},
-        StartChange{"temperature", "other logits",
-                    [](v1::ComputeStart& s) { s.mutable_options()->set_temperature(2.0f); }},
-        StartChange{
-            "reduction_sum", "another normalizer",
-            [](v1::ComputeStart& s) { s.mutable_options()->set_reduction(v1::REDUCTION_SUM); }},
-        StartChange{"one_label", "one token's target",
-                    [](v1::ComputeStart& s) { s.set_labels(0, (s.labels(0) + 1) % kIdVocab); }},
-        StartChange{"token_weights", "weights where there were none",
-                    [](v1::ComputeStart& s) {
-                      for (int64_t i = 0; i < s.num_tokens(); ++i) s.add_token_weights(0.5f);
-                    }},
-        StartChange{"shift_labels", "every token's target moves by one",
-                    [](v1::ComputeStart& s) { s.set_shift_labels(true); }},
-        StartChange{"unknown_field", "a field this server does not know is still the call's",
-                    [](v1::ComputeStart& s) {
-                      s.GetReflection()->MutableUnknownFields(&s)->AddVarint(1000, 1);
-                    }}),
-    [](const ::testing::TestParamInfo<StartChange>& info) { return info.param.name; });
+const StartChange kStartChanges[] = {
+    StartChange{"grad_scale", "scales dL/dW",
+                [](v1::ComputeStart& s) { s.mutable_options()->set_grad_scale(2.0); }},
+    StartChange{"label_smoothing", "another loss",
+                [](v1::ComputeStart& s) { s.mutable_options()->set_label_smoothing(0.1f); }},
+    StartChange{"z_loss_scale", "another term",
+                [](v1::ComputeStart& s) { s.mutable_options()->set_z_loss_scale(1e-4f); }},
+    StartChange{"temperature", "other logits",
+                [](v1::ComputeStart& s) { s.mutable_options()->set_temperature(2.0f); }},
+    StartChange{"reduction_sum", "another normalizer",
+                [](v1::ComputeStart& s) { s.mutable_options()->set_reduction(v1::REDUCTION_SUM); }},
+    StartChange{"one_label", "one token's target",
+                [](v1::ComputeStart& s) { s.set_labels(0, (s.labels(0) + 1) % kIdVocab); }},
+    StartChange{"token_weights", "weights where there were none",
+                [](v1::ComputeStart& s) {
+                  for (int64_t i = 0; i < s.num_tokens(); ++i) s.add_token_weights(0.5f);
+                }},
+    StartChange{"shift_labels", "every token's target moves by one",
+                [](v1::ComputeStart& s) { s.set_shift_labels(true); }},
+    StartChange{"unknown_field", "a field this server does not know is still the call's",
+                [](v1::ComputeStart& s) {
+                  s.GetReflection()->MutableUnknownFields(&s)->AddVarint(1000, 1);
+                }},
+};
+
+INSTANTIATE_TEST_SUITE_P(Table, CallIdFingerprintTest, ::testing::ValuesIn(kStartChanges),
+                         [](const ::testing::TestParamInfo<StartChange>& info) {
+                           return info.param.name;
+                         });
 
 // What does not decide dL/dW may differ on a repeat, which is then recognised as the same call.
 TEST_F(CallIdTest, ARepeatMayDifferInOutputsAndPins) {
@@ -533,6 +536,33 @@ TEST_F(CallIdTest, ARepeatMayDifferInOutputsAndPins) {
   EXPECT_TRUE(repeat.summary.replayed());
   EXPECT_TRUE(BitwiseEqual(Fetch(*stub_, head_, true).values, once.values));
   EXPECT_EQ(GetHead(*stub_, head_).accumulated_calls(), 1);
+}
+
+// StartFingerprint on messages alone: what a repeat may change (its id, pins, outputs, how its
+// rows travel) leaves the fingerprint as it is, every change of the table above moves it, and the
+// start comes back from hashing as it went in.
+TEST(StartFingerprintTest, IgnoresOnlyWhatARepeatMayChangeAndRestoresTheStart) {
+  std::mt19937_64 rng(FreshSeed());
+  const Batch batch = RandomBatch(6, kIdVocab, kIdHidden, rng);
+  v1::ComputeStart start = TrainingStart("fingerprinted", batch, kIdHidden, "an id");
+  const std::string serialized = start.SerializeAsString();
+  const uint64_t fingerprint = server::StartFingerprint(start);
+  EXPECT_EQ(start.SerializeAsString(), serialized);
+
+  v1::ComputeStart repeat = start;
+  repeat.set_call_id("another id");
+  repeat.set_head_version(7);
+  repeat.set_teacher_head_version(3);
+  repeat.set_weight_sha256(std::string(64, 'a'));
+  repeat.mutable_outputs()->set_token_loss(!start.outputs().token_loss());
+  repeat.mutable_shared_memory()->set_handle(std::string(16, 'h'));
+  EXPECT_EQ(server::StartFingerprint(repeat), fingerprint);
+
+  for (const StartChange& change : kStartChanges) {
+    v1::ComputeStart changed = start;
+    change.change(changed);
+    EXPECT_NE(server::StartFingerprint(changed), fingerprint) << change.name << ": " << change.why;
+  }
 }
 
 // The ids a head keeps are bounded. Within an epoch a new id past the bound is refused rather
