@@ -1,4 +1,5 @@
 #include "lossd/kernels/backend_common.h"
+#include "kernels/backend_impl.h"
 
 #include <algorithm>
 #include <cfloat>

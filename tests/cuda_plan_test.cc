@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/backend_impl.h"
 #include "lossd/kernels/loss_math.h"
 #include "lossd/kernels/online_stats.h"
 

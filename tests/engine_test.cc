@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "kernels/backend_impl.h"
 #include "lossd/kernels/backend.h"
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/backend_impl.h"
 #include "lossd/common/status_macros.h"
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"

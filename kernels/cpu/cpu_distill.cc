@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/backend_impl.h"
 #include "kernels/cpu/cpu_rows.h"
 #include "lossd/kernels/distill_math.h"
 #include "lossd/kernels/loss_math.h"

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/backend_impl.h"
 #include "lossd/kernels/backend.h"
 #include "lossd/kernels/backend_common.h"
 

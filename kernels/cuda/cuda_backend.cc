@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kernels/backend_impl.h"
 #include "kernels/cuda/cuda_compute.h"
 #include "kernels/cuda/cuda_gemm.h"
 #include "kernels/cuda/cuda_kernels.cuh"

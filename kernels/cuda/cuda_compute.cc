@@ -4,6 +4,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/backend_impl.h"
 #include "kernels/cuda/cuda_gemm.h"
 #include "kernels/cuda/cuda_kernels.cuh"
 #include "kernels/cuda/cuda_status.h"

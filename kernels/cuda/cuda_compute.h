@@ -20,6 +20,7 @@
 #include <memory>
 
 #include "absl/status/status.h"
+#include "kernels/backend_impl.h"
 #include "kernels/cuda/cuda_plan.h"
 #include "lossd/kernels/backend.h"
 #include "lossd/kernels/backend_common.h"

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
+#include "kernels/backend_impl.h"
 #include "lossd/kernels/backend.h"
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/distill_math.h"
