@@ -1000,6 +1000,48 @@ TEST_P(EngineBackendTest, DistillFromItselfIsExactlyZero) {
       }
 }
 
+// The summary's correct_tokens (the token accuracy that fused cross-entropy users read) counts the
+// counted rows whose argmax is their label. Random logits almost never make a label the argmax, so
+// half the rows get their float64 argmax as the label where it leads the runner-up by more than
+// twice the logits' error, the other kept rows their row's smallest logit, and every fifth row is
+// ignored: the count is then known exactly on any backend.
+TEST_P(EngineBackendTest, CorrectTokensCountTheRowsWhoseArgmaxIsTheLabel) {
+  std::mt19937_64 rng(FreshSeed());
+  Problem problem = MakeProblem(Spec(90, 48, 700), rng);
+  const ReferenceResult first = ComputeReference(problem.reference);
+  const int64_t n = problem.spec.num_tokens;
+  const int64_t v = problem.spec.vocab_size;
+  const double bound = LogitBound(first.max_abs_logit);
+  std::vector<int64_t>& labels = problem.reference.labels;
+  int64_t expected = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double* z = &first.logits[i * v];
+    const int64_t best = first.argmax[i];
+    double runner_up = -std::numeric_limits<double>::infinity();
+    for (int64_t t = 0; t < v; ++t) {
+      if (t != best) runner_up = std::max(runner_up, z[t]);
+    }
+    if (i % 5 == 4) {
+      labels[i] = problem.spec.options.ignore_index;
+    } else if (i % 2 == 0 && z[best] - runner_up > 2 * bound) {
+      labels[i] = best;
+      ++expected;
+    } else {
+      labels[i] = std::min_element(z, z + v) - z;
+    }
+  }
+  ASSERT_GT(expected, n / 5);
+  auto run = RunEngine(*backend_, problem, RunRequest{});
+  ASSERT_TRUE(run.ok()) << run.status();
+  EXPECT_EQ(run->summary.counted_tokens, n - n / 5);
+  EXPECT_EQ(run->summary.correct_tokens, expected);
+  RunRequest lean;
+  lean.loss_only = true;  // no argmax output asked for: the count must not depend on it
+  auto lean_run = RunEngine(*backend_, problem, lean);
+  ASSERT_TRUE(lean_run.ok()) << lean_run.status();
+  EXPECT_EQ(lean_run->summary.correct_tokens, expected);
+}
+
 // Exact ties, which random normal logits never produce: argmax is the lowest of the tied ids and
 // top-k ranks equal values by the lower token, within a tile and across tiles, exactly as the
 // reference's stable sort does.

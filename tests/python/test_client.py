@@ -140,6 +140,27 @@ def test_loss_and_gradients_match_torch(client, head, case, shared_memory):
     assert relative_error(head.fetch_grad_weight(), expected_grad_weight) < GRAD_RTOL
 
 
+def test_token_accuracy_is_the_share_of_labels_that_are_the_argmax(client, head):
+    """LossResult.accuracy and RemoteHead.last_result.accuracy against float64 logits: half the
+    rows labelled with their argmax where it clearly leads, the others with their smallest logit,
+    every fifth row ignored (random labels would almost never be the argmax)."""
+    rows = torch.arange(120)
+    hidden, _ = random_batch(120)
+    logits = hidden.double() @ head.fetch_weight().double().T
+    best = logits.topk(2, dim=1)
+    chosen = (rows % 2 == 0) & (best.values[:, 0] - best.values[:, 1] > 1e-3)
+    labels = torch.where(chosen, best.indices[:, 0], logits.argmin(dim=1))
+    labels[rows % 5 == 4] = -100
+    correct = int((chosen & (rows % 5 != 4)).sum())
+    counted = int((rows % 5 != 4).sum())
+    assert correct > 0
+    result = client.compute(head.head, hidden.numpy(), labels.numpy())
+    assert (result.correct_tokens, result.counted_tokens) == (correct, counted)
+    assert result.accuracy == pytest.approx(correct / counted)
+    head(hidden, labels)
+    assert head.last_result.accuracy == pytest.approx(correct / counted)
+
+
 def test_leading_dimensions_are_flattened(head):
     hidden, labels = random_batch(4 * 75)
     hidden, labels = hidden.view(4, 75, HIDDEN), labels.view(4, 75)
