@@ -629,14 +629,17 @@ def test_retries_ride_out_a_server_restart():
              f"--listen=127.0.0.1:{port}")
     with ServerProcess(*flags, metrics=False):
         pass  # stopped: the call below starts while no server listens
-    policy = lossd.RetryPolicy(max_attempts=10**6, max_elapsed=600, max_backoff=0.2)
+    # The server starts only once an attempt has failed, however slowly the caller's thread runs.
+    failed_once = threading.Event()
+    policy = lossd.RetryPolicy(max_attempts=10**6, max_elapsed=600, max_backoff=0.2,
+                               on_retry=lambda error, attempt, wait: failed_once.set())
     outcome = {}
     with lossd.Client(f"127.0.0.1:{port}", timeout=600, retry=policy) as client:
         hidden, labels = np.ones((3, 8), np.float32), np.array([1, 2, 3])
         caller = threading.Thread(target=lambda: outcome.update(
             result=client.compute("demo", hidden, labels)))
         caller.start()
-        time.sleep(0.5)
+        assert failed_once.wait(timeout=600)
         with ServerProcess(*flags, metrics=False):
             caller.join(timeout=600)
     assert outcome["result"].attempts > 1
