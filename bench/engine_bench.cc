@@ -405,7 +405,7 @@ absl::Status RunEngine(Backend& backend, Problem& p, Pass pass, const LossOption
   in.hidden_size = p.shape.h;
   in.labels = p.labels.data();
   TokenOutputs out;
-  out.loss = p.loss.data();
+  out.token_loss = p.loss.data();
   out.logprob = p.logprob.data();
   if (WantsGradHidden(pass)) out.grad_hidden = EngineGradHidden(p);
   const WeightView weight{&p.weight, p.dtype, p.shape.v, p.shape.h};

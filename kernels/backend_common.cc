@@ -811,46 +811,60 @@ DistillRowGradient RowFinisher::DistillGradient(int64_t row, const DistillRowRes
   return DistillRowGradientAt(arrays_, constants_, options_.distill, row, result, constants);
 }
 
+TokenValues RowFinisher::ValuesOf(int64_t row, const RowResult& result,
+                                  const RowStats& stats) const {
+  TokenValues v;
+  v.token_loss = result.loss;
+  v.logprob = result.logprob;
+  v.lse = result.lse;
+  v.entropy = result.entropy;
+  v.argmax = stats.argmax;
+  v.correct = inputs_.labels != nullptr && counted(row) && stats.argmax == inputs_.labels[row];
+  v.ratio = result.ratio;
+  v.clip = static_cast<int32_t>(result.clip);
+  v.kl = result.kl;
+  return v;
+}
+
 void RowFinisher::Emit(int64_t row, const RowResult& result, const RowStats& stats,
                        const float* top_values, const int32_t* top_tokens,
                        BatchSummary& summary) const {
-  const TokenOutputs& out = outputs_;
-  summary.all_finite = summary.all_finite && result.finite;
-  summary.loss_sum += result.loss;
-  if (IsSequenceReduction(options_.reduction)) {
-    summary.loss += inputs_.reduction_scales[row] * result.loss;
-  }
-  summary.correct_tokens +=
-      inputs_.labels != nullptr && counted(row) && stats.argmax == inputs_.labels[row];
-  if (counted(row)) {
-    summary.clipped_tokens += result.clip != ClipState::kNone;
-    summary.kl_sum += result.kl;
-  }
-  if (out.ratio != nullptr) out.ratio[row] = result.ratio;
-  if (out.clip != nullptr) out.clip[row] = static_cast<int32_t>(result.clip);
-  if (out.kl != nullptr) out.kl[row] = result.kl;
-  if (out.loss != nullptr) out.loss[row] = result.loss;
-  if (out.logprob != nullptr) out.logprob[row] = result.logprob;
-  if (out.lse != nullptr) out.lse[row] = result.lse;
-  if (out.entropy != nullptr) out.entropy[row] = result.entropy;
-  if (out.argmax != nullptr) out.argmax[row] = stats.argmax;
-  const int k = out.top_k;
-  for (int j = 0; j < k; ++j) {
-    out.top_k_logprob[row * k + j] = top_values[j] - result.lse;
-    out.top_k_token[row * k + j] = top_tokens[j];
-  }
+  Write(row, ValuesOf(row, result, stats), result.finite, top_values, top_tokens, summary);
 }
 
 void RowFinisher::EmitDistill(int64_t row, const DistillRowResult& result, const RowStats& stats,
                               const float* top_values, const int32_t* top_tokens,
                               BatchSummary& summary) const {
-  Emit(row, result.row, stats, top_values, top_tokens, summary);
-  if (counted(row)) {
-    summary.kd_sum += result.kd;
-    summary.ce_sum += result.ce;
+  TokenValues values = ValuesOf(row, result.row, stats);
+  values.kd = result.kd;
+  values.ce = result.ce;
+  Write(row, values, result.row.finite, top_values, top_tokens, summary);
+}
+
+void RowFinisher::Write(int64_t row, const TokenValues& values, bool finite,
+                        const float* top_values, const int32_t* top_tokens,
+                        BatchSummary& summary) const {
+  summary.all_finite = summary.all_finite && finite;
+  summary.loss_sum += values.token_loss;
+  if (IsSequenceReduction(options_.reduction)) {
+    summary.loss += inputs_.reduction_scales[row] * values.token_loss;
   }
-  if (outputs_.kd != nullptr) outputs_.kd[row] = result.kd;
-  if (outputs_.ce != nullptr) outputs_.ce[row] = result.ce;
+  summary.correct_tokens += values.correct;
+  if (counted(row)) {
+    summary.clipped_tokens += values.clip != static_cast<int32_t>(ClipState::kNone);
+    summary.kl_sum += values.kl;
+    summary.kd_sum += values.kd;
+    summary.ce_sum += values.ce;
+  }
+#define LOSSD_WRITE_TOKEN_OUTPUT(type, name) \
+  if (outputs_.name != nullptr) outputs_.name[row] = values.name;
+  LOSSD_TOKEN_OUTPUTS(LOSSD_WRITE_TOKEN_OUTPUT)
+#undef LOSSD_WRITE_TOKEN_OUTPUT
+  const int k = outputs_.top_k;
+  for (int j = 0; j < k; ++j) {
+    outputs_.top_k_logprob[row * k + j] = top_values[j] - values.lse;
+    outputs_.top_k_token[row * k + j] = top_tokens[j];
+  }
 }
 
 void RowFinisher::Close(BatchSummary& summary) const {

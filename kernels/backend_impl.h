@@ -104,11 +104,17 @@ class RowFinisher {
   void EmitDistill(int64_t row, const DistillRowResult& result, const RowStats& stats,
                    const float* top_values, const int32_t* top_tokens, BatchSummary& summary) const;
 
+  // The row's one-value outputs (LOSSD_TOKEN_OUTPUTS) from its results; kd and ce are a distill
+  // row's, 0 here.
+  TokenValues ValuesOf(int64_t row, const RowResult& result, const RowStats& stats) const;
+
   // The summary's counts and reduced loss once every row was emitted.
   void Close(BatchSummary& summary) const;
 
  private:
   bool counted(int64_t row) const { return RowCounted(arrays_, constants_, row); }
+  void Write(int64_t row, const TokenValues& values, bool finite, const float* top_values,
+             const int32_t* top_tokens, BatchSummary& summary) const;
 
   const BatchInputs& inputs_;
   const LossOptions& options_;

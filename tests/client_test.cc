@@ -169,15 +169,20 @@ TEST_F(ClientTest, ComputeMatchesFloat64Reference) {
   const std::vector<float> weight = UploadRandomHead(client, "reference");
   const int64_t n = 300;
   const std::vector<float> hidden = RandomNormal(n * kHidden, 1.0f, rng_);
-  const std::vector<int64_t> labels = RandomLabels(n, kVocab, 0.1, rng_);
+  std::vector<int64_t> labels = RandomLabels(n, kVocab, 0.1, rng_);
+  // Every third row labelled with its float64 argmax, so that `correct` has ones to report (the
+  // argmax does not depend on the labels).
+  const ReferenceResult unlabelled =
+      ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 5));
+  for (int64_t i = 0; i < n; i += 3) labels[i] = unlabelled.argmax[i];
   const ReferenceResult ref =
       ComputeReference(MakeReferenceProblem(hidden, weight, labels, kHidden, 5));
 
   ComputeRequest request = Fp32Request("reference", hidden, labels);
   request.shared_memory = false;  // rows in messages, whose chunking this test checks too
   request.rows_per_message = 37;  // many chunk messages that do not line up with engine chunks
-  for (const char* output : {"token_loss", "logprob", "lse", "entropy", "argmax", "grad_hidden",
-                             "accumulate_grad_weight"}) {
+  for (const char* output : {"token_loss", "logprob", "lse", "entropy", "argmax", "correct",
+                             "grad_hidden", "accumulate_grad_weight"}) {
     SelectOutput(request.outputs, output);
   }
   request.outputs.set_top_k(5);
@@ -198,13 +203,21 @@ TEST_F(ClientTest, ComputeMatchesFloat64Reference) {
   EXPECT_LE(MaxAbsError(Values(per_token.entropy()), ref.entropy), 1e-4);
   // The float64 argmax, except where the two best logits are closer than fp32 can tell apart
   // (random inputs make such a near tie now and then).
+  // A row is correct where it counts and that argmax is its label.
   ASSERT_EQ(per_token.argmax_size(), n);
+  ASSERT_EQ(per_token.correct_size(), n);
+  int64_t correct_rows = 0;
   for (int64_t i = 0; i < n; ++i) {
+    EXPECT_EQ(per_token.correct(i), labels[i] != -100 && per_token.argmax(i) == labels[i] ? 1 : 0)
+        << "row " << i;
+    correct_rows += per_token.correct(i);
     if (per_token.argmax(i) == ref.argmax[i]) continue;
     const double gap = ref.top_k_logprob[i * 5] - ref.top_k_logprob[i * 5 + 1];
     EXPECT_LE(gap, 1e-5 * (1 + ref.max_abs_logit))
         << "row " << i << ": argmax " << per_token.argmax(i) << ", float64 " << ref.argmax[i];
   }
+  EXPECT_EQ(correct_rows, result->summary.correct_tokens());
+  EXPECT_GE(correct_rows, n / 4);  // the labelled third but for near ties and ignored rows
   ASSERT_EQ(per_token.top_k_logprob_size(), n * 5);
   ASSERT_EQ(per_token.top_k_token_size(), n * 5);
   EXPECT_LE(MaxAbsError(Values(per_token.top_k_logprob()), ref.top_k_logprob),
@@ -1340,6 +1353,27 @@ TEST(ClientPerTokenRuleTest, CoversEveryRepeatedFieldOfTheContract) {
       client::PerTokenFields(v1::OutputSelection(), result);
   ASSERT_TRUE(none.ok());
   for (const client::PerTokenField& f : *none) EXPECT_EQ(f.values_per_row, 0) << f.field->name();
+}
+
+// The server's side of the same rule: the engine produces exactly the one-value outputs the
+// contract names (LOSSD_TOKEN_OUTPUTS against ComputeResult's repeated fields that are not top_k_*),
+// so that no output can be asked for that nothing fills.
+TEST(ClientPerTokenRuleTest, TheEngineProducesEveryOneValueOutputOfTheContract) {
+  std::vector<std::string> engine;
+#define LOSSD_OUTPUT_NAME(type, name) engine.push_back(#name);
+  LOSSD_TOKEN_OUTPUTS(LOSSD_OUTPUT_NAME)
+#undef LOSSD_OUTPUT_NAME
+  std::vector<std::string> contract;
+  const google::protobuf::Descriptor& result = *v1::ComputeResult::descriptor();
+  for (int i = 0; i < result.field_count(); ++i) {
+    const google::protobuf::FieldDescriptor& field = *result.field(i);
+    if (field.is_repeated() && !absl::StartsWith(field.name(), "top_k_")) {
+      contract.push_back(field.name());
+    }
+  }
+  std::sort(engine.begin(), engine.end());
+  std::sort(contract.begin(), contract.end());
+  EXPECT_EQ(engine, contract);
 }
 
 TEST(ClientPerTokenAssemblerTest, PlacesEveryFieldInRowOrderFromMessagesInAnyOrder) {

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 
 #include "lossd/common/status_macros.h"
 #include "lossd/kernels/backend_common.h"
@@ -32,6 +33,17 @@ uint64_t FreshSeed() {
 }
 
 namespace {
+
+// What an output buffer holds before the engine writes it, so that a value it never wrote shows:
+// NaN where a float, -7 (no token, no ClipState, no count) where an int.
+template <typename T>
+T PoisonValue() {
+  if constexpr (std::is_floating_point_v<T>) {
+    return std::numeric_limits<T>::quiet_NaN();
+  } else {
+    return T{-7};
+  }
+}
 
 // Rounds `values` to `dtype`, writing the typed bytes and replacing values by what they became.
 std::vector<uint8_t> RoundToDType(std::vector<double>& values, DType dtype) {
@@ -234,18 +246,11 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   RETURN_IF_ERROR(backend.CopyToDevice(poison.data(), poison.size(), workspace, 0));
 
   EngineRun run;
-  run.loss.assign(n, nan);
-  run.logprob.assign(n, nan);
-  run.lse.assign(n, nan);
-  run.entropy.assign(n, nan);
-  run.argmax.assign(n, -7);
+#define LOSSD_POISON_OUTPUT(type, name) run.name.assign(n, PoisonValue<type>());
+  LOSSD_TOKEN_OUTPUTS(LOSSD_POISON_OUTPUT)
+#undef LOSSD_POISON_OUTPUT
   run.top_k_logprob.assign(n * k, nan);
   run.top_k_token.assign(n * k, -7);
-  run.ratio.assign(n, nan);
-  run.kl.assign(n, nan);
-  run.clip.assign(n, -7);
-  run.kd.assign(n, nan);
-  run.ce.assign(n, nan);
   std::vector<uint8_t> grad_hidden_bytes(n * h * DTypeSize(request.grad_hidden_dtype), 0xff);
   void* grad_hidden_target = grad_hidden_bytes.data();
   const void* hidden_source = problem.hidden_bytes.data();
@@ -313,17 +318,12 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   }
 
   TokenOutputs out;
-  out.loss = run.loss.data();
-  if (!request.loss_only) {
-    out.logprob = run.logprob.data();
-    out.lse = run.lse.data();
-    out.entropy = run.entropy.data();
-    out.argmax = run.argmax.data();
-    out.ratio = run.ratio.data();
-    out.kl = run.kl.data();
-    out.clip = run.clip.data();
-    out.kd = run.kd.data();
-    out.ce = run.ce.data();
+  if (request.loss_only) {
+    out.token_loss = run.token_loss.data();
+  } else {
+#define LOSSD_BIND_OUTPUT(type, name) out.name = run.name.data();
+    LOSSD_TOKEN_OUTPUTS(LOSSD_BIND_OUTPUT)
+#undef LOSSD_BIND_OUTPUT
   }
   out.top_k = k;
   out.top_k_logprob = k > 0 ? run.top_k_logprob.data() : nullptr;

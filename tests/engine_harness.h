@@ -79,15 +79,14 @@ Problem MakeProblem(const ProblemSpec& spec, std::mt19937_64& rng);
 
 struct EngineRun {
   BatchSummary summary;
-  std::vector<float> loss, logprob, lse, entropy;
-  std::vector<int32_t> argmax;
+  // One vector per output of LOSSD_TOKEN_OUTPUTS, named as it is.
+#define LOSSD_RUN_OUTPUT(type, name) std::vector<type> name;
+  LOSSD_TOKEN_OUTPUTS(LOSSD_RUN_OUTPUT)
+#undef LOSSD_RUN_OUTPUT
   std::vector<float> top_k_logprob;
   std::vector<int32_t> top_k_token;
   std::vector<float> grad_hidden;  // converted to fp32 from grad_hidden_dtype
   std::vector<float> grad_weight;
-  std::vector<float> ratio, kl;
-  std::vector<int32_t> clip;
-  std::vector<float> kd, ce;
 };
 
 struct RunRequest {

@@ -573,7 +573,7 @@ TEST_P(EngineCaseTest, MatchesFloat64Reference) {
   } else {
     EXPECT_LE(LossError(s.loss, ref), loss_bound) << "loss " << s.loss << " vs " << ref.loss;
   }
-  EXPECT_LE(RelativeError(run.loss, ref.token_loss), loss_bound);
+  EXPECT_LE(RelativeError(run.token_loss, ref.token_loss), loss_bound);
 
   const double logit_bound = LogitBound(ref.max_abs_logit);
   EXPECT_LE(MaxAbsError(run.logprob, ref.logprob), logit_bound);
@@ -611,13 +611,21 @@ TEST_P(EngineCaseTest, MatchesFloat64Reference) {
     EXPECT_NEAR(s.ce_sum, ref.ce_sum, logit_bound * static_cast<double>(n));
   }
 
-  // argmax and top-k may differ from the reference only between logits closer than the bound.
+  // argmax and top-k may differ from the reference only between logits closer than the bound;
+  // a row is correct exactly where it counts and the argmax the engine reports is its label.
   const int64_t v = c.spec.vocab_size;
+  const std::vector<int64_t>& labels = problem.reference.labels;
+  int64_t correct_rows = 0;
   for (int64_t i = 0; i < n; ++i) {
     ASSERT_GE(run.argmax[i], 0);
     ASSERT_LT(run.argmax[i], v);
     EXPECT_GE(ref.logits[i * v + run.argmax[i]], ref.logits[i * v + ref.argmax[i]] - logit_bound)
         << "row " << i;
+    const bool counted = labels.empty() || labels[i] != c.spec.options.ignore_index;
+    EXPECT_EQ(run.correct[i],
+              static_cast<int32_t>(counted && !labels.empty() && run.argmax[i] == labels[i]))
+        << "row " << i;
+    correct_rows += run.correct[i];
     for (int j = 0; j < k; ++j) {
       const int32_t token = run.top_k_token[i * k + j];
       ASSERT_GE(token, 0);
@@ -627,6 +635,8 @@ TEST_P(EngineCaseTest, MatchesFloat64Reference) {
                   logit_bound);
     }
   }
+
+  EXPECT_EQ(correct_rows, s.correct_tokens);
 
   const double grad_bound = RoundsGradients(backend_name, c.spec)
                                 ? std::max(c.grad_bound, kRoundedGradBound)
@@ -657,7 +667,7 @@ TEST_P(EngineCaseTest, MatchesFloat64Reference) {
   ASSERT_TRUE(lean_or.ok()) << lean_or.status();
   const EngineRun& lean = *lean_or;
   EXPECT_TRUE(lean.summary.all_finite);
-  EXPECT_LE(RelativeError(lean.loss, ref.token_loss), loss_bound);
+  EXPECT_LE(RelativeError(lean.token_loss, ref.token_loss), loss_bound);
   if (ref.counted_tokens > 0) {
     EXPECT_LE(LossError(lean.summary.loss, ref), loss_bound);
   }
@@ -802,7 +812,7 @@ TEST_P(EngineAtScaleTest, Llama3HeadInBf16MatchesFloat64) {
     stage_done("engine run");
 
     const double loss_error = LossError(run->summary.loss, ref);
-    const double token_loss_error = RelativeError(run->loss, ref.token_loss);
+    const double token_loss_error = RelativeError(run->token_loss, ref.token_loss);
     const double logprob_error = MaxAbsError(run->logprob, ref.logprob);
     const double grad_hidden_error = RelativeError(run->grad_hidden, ref.grad_hidden);
     const double grad_weight_error = RelativeError(run->grad_weight, ref.grad_weight);
@@ -887,20 +897,13 @@ void ExpectBitwiseEqual(const EngineRun& a, const EngineRun& b) {
     return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
   };
   EXPECT_EQ(a.summary.loss, b.summary.loss);
-  EXPECT_TRUE(same(a.loss, b.loss));
-  EXPECT_TRUE(same(a.logprob, b.logprob));
-  EXPECT_TRUE(same(a.lse, b.lse));
-  EXPECT_TRUE(same(a.entropy, b.entropy));
-  EXPECT_TRUE(same(a.argmax, b.argmax));
+#define LOSSD_EXPECT_SAME_OUTPUT(type, name) EXPECT_TRUE(same(a.name, b.name)) << #name;
+  LOSSD_TOKEN_OUTPUTS(LOSSD_EXPECT_SAME_OUTPUT)
+#undef LOSSD_EXPECT_SAME_OUTPUT
   EXPECT_TRUE(same(a.top_k_logprob, b.top_k_logprob));
   EXPECT_TRUE(same(a.top_k_token, b.top_k_token));
   EXPECT_TRUE(same(a.grad_hidden, b.grad_hidden));
   EXPECT_TRUE(same(a.grad_weight, b.grad_weight));
-  EXPECT_TRUE(same(a.ratio, b.ratio));
-  EXPECT_TRUE(same(a.kl, b.kl));
-  EXPECT_TRUE(same(a.clip, b.clip));
-  EXPECT_TRUE(same(a.kd, b.kd));
-  EXPECT_TRUE(same(a.ce, b.ce));
   EXPECT_EQ(a.summary.kl_sum, b.summary.kl_sum);
   EXPECT_EQ(a.summary.kd_sum, b.summary.kd_sum);
 }
@@ -1004,7 +1007,7 @@ TEST_P(EngineBackendTest, DistillFromItselfIsExactlyZero) {
 // counted rows whose argmax is their label. Random logits almost never make a label the argmax, so
 // half the rows get their float64 argmax as the label where it leads the runner-up by more than
 // twice the logits' error, the other kept rows their row's smallest logit, and every fifth row is
-// ignored: the count is then known exactly on any backend.
+// ignored: the count and each row's `correct` output are then known exactly on any backend.
 TEST_P(EngineBackendTest, CorrectTokensCountTheRowsWhoseArgmaxIsTheLabel) {
   std::mt19937_64 rng(FreshSeed());
   Problem problem = MakeProblem(Spec(90, 48, 700), rng);
@@ -1014,6 +1017,7 @@ TEST_P(EngineBackendTest, CorrectTokensCountTheRowsWhoseArgmaxIsTheLabel) {
   const double bound = LogitBound(first.max_abs_logit);
   std::vector<int64_t>& labels = problem.reference.labels;
   int64_t expected = 0;
+  std::vector<int32_t> expected_correct(n, 0);
   for (int64_t i = 0; i < n; ++i) {
     const double* z = &first.logits[i * v];
     const int64_t best = first.argmax[i];
@@ -1026,6 +1030,7 @@ TEST_P(EngineBackendTest, CorrectTokensCountTheRowsWhoseArgmaxIsTheLabel) {
     } else if (i % 2 == 0 && z[best] - runner_up > 2 * bound) {
       labels[i] = best;
       ++expected;
+      expected_correct[i] = 1;
     } else {
       labels[i] = std::min_element(z, z + v) - z;
     }
@@ -1035,6 +1040,7 @@ TEST_P(EngineBackendTest, CorrectTokensCountTheRowsWhoseArgmaxIsTheLabel) {
   ASSERT_TRUE(run.ok()) << run.status();
   EXPECT_EQ(run->summary.counted_tokens, n - n / 5);
   EXPECT_EQ(run->summary.correct_tokens, expected);
+  EXPECT_EQ(run->correct, expected_correct);
   RunRequest lean;
   lean.loss_only = true;  // no argmax output asked for: the count must not depend on it
   auto lean_run = RunEngine(*backend_, problem, lean);

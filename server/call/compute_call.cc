@@ -1,13 +1,13 @@
 #include "server/call/compute_call.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
-#include <iterator>
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "absl/functional/function_ref.h"
@@ -28,39 +28,23 @@ namespace {
 
 double SecondsSince(absl::Time start) { return absl::ToDoubleSeconds(absl::Now() - start); }
 
-// The per-token outputs of one value a row, as the server handles them: the OutputSelection field
-// that asks for one, the engine's slot for it and the ComputeResult field it streams in. Binding
-// the engine's outputs and streaming the results both run over these tables, so a new output is
-// one row here besides its math and its fields in lossd.proto. (top_k, k values a row, and dL/dh,
-// bytes in the caller's dtype, are bound and streamed on their own.)
-template <typename T>
-struct PerTokenOutput {
-  bool (v1::OutputSelection::*wanted)() const;
-  T* TokenOutputs::*slot;
-  google::protobuf::RepeatedField<T>* (v1::ComputeResult::*field)();
-};
+// Values a row of the one-value outputs (LOSSD_TOKEN_OUTPUTS), all four bytes wide.
+#define LOSSD_COUNT_TOKEN_OUTPUT(type, name) +1
+constexpr int64_t kOneValueOutputs = 0 LOSSD_TOKEN_OUTPUTS(LOSSD_COUNT_TOKEN_OUTPUT);
+#undef LOSSD_COUNT_TOKEN_OUTPUT
 
-constexpr PerTokenOutput<float> kFloatOutputs[] = {
-    {&v1::OutputSelection::token_loss, &TokenOutputs::loss, &v1::ComputeResult::mutable_token_loss},
-    {&v1::OutputSelection::logprob, &TokenOutputs::logprob, &v1::ComputeResult::mutable_logprob},
-    {&v1::OutputSelection::lse, &TokenOutputs::lse, &v1::ComputeResult::mutable_lse},
-    {&v1::OutputSelection::entropy, &TokenOutputs::entropy, &v1::ComputeResult::mutable_entropy},
-    {&v1::OutputSelection::ratio, &TokenOutputs::ratio, &v1::ComputeResult::mutable_ratio},
-    {&v1::OutputSelection::kl, &TokenOutputs::kl, &v1::ComputeResult::mutable_kl},
-    {&v1::OutputSelection::kd, &TokenOutputs::kd, &v1::ComputeResult::mutable_kd},
-    {&v1::OutputSelection::ce, &TokenOutputs::ce, &v1::ComputeResult::mutable_ce},
-};
-constexpr PerTokenOutput<int32_t> kIntOutputs[] = {
-    {&v1::OutputSelection::argmax, &TokenOutputs::argmax, &v1::ComputeResult::mutable_argmax},
-    {&v1::OutputSelection::clip, &TokenOutputs::clip, &v1::ComputeResult::mutable_clip},
-};
-// Values a row of the one-value outputs, all four bytes wide.
-constexpr int64_t kOneValueOutputs = std::size(kFloatOutputs) + std::size(kIntOutputs);
-
-// Per-row outputs of one engine chunk, in host memory: one buffer a table row, and top-k's.
+// Per-row outputs of one engine chunk, in host memory: a buffer per output of LOSSD_TOKEN_OUTPUTS,
+// whose name is also its OutputSelection and ComputeResult fields', and top-k's. (top_k, k values
+// a row, and dL/dh, bytes in the caller's dtype, are bound and streamed on their own.)
 struct ChunkOutputs {
-  std::array<std::vector<float>, std::size(kFloatOutputs)> floats;
-  std::array<std::vector<int32_t>, std::size(kIntOutputs)> ints;
+// The engine's type is the wire's (an enum's repeated field holds ints).
+#define LOSSD_TOKEN_BUFFER(type, name)                                                             \
+  static_assert(std::is_same_v<std::remove_pointer_t<decltype(std::declval<v1::ComputeResult>()    \
+                                                                  .mutable_##name())>::value_type, \
+                               type>);                                                             \
+  std::vector<type> name;
+  LOSSD_TOKEN_OUTPUTS(LOSSD_TOKEN_BUFFER)
+#undef LOSSD_TOKEN_BUFFER
   std::vector<float> top_k_logprob;
   std::vector<int32_t> top_k_token;
 
@@ -72,12 +56,9 @@ struct ChunkOutputs {
       buffer.resize(wanted ? rows * per_row : 0);
       return wanted ? buffer.data() : nullptr;
     };
-    for (size_t i = 0; i < floats.size(); ++i) {
-      out.*kFloatOutputs[i].slot = bind((want.*kFloatOutputs[i].wanted)(), floats[i], 1);
-    }
-    for (size_t i = 0; i < ints.size(); ++i) {
-      out.*kIntOutputs[i].slot = bind((want.*kIntOutputs[i].wanted)(), ints[i], 1);
-    }
+#define LOSSD_BIND_TOKEN_OUTPUT(type, name) out.name = bind(want.name(), name, 1);
+    LOSSD_TOKEN_OUTPUTS(LOSSD_BIND_TOKEN_OUTPUT)
+#undef LOSSD_BIND_TOKEN_OUTPUT
     out.top_k = want.top_k();
     out.top_k_logprob = bind(want.top_k() > 0, top_k_logprob, want.top_k());
     out.top_k_token = bind(want.top_k() > 0, top_k_token, want.top_k());
@@ -626,12 +607,9 @@ class ComputeCall {
           target->Add(source.begin() + r0 * per_row, source.begin() + (r0 + n) * per_row);
         }
       };
-      for (size_t i = 0; i < outputs_.floats.size(); ++i) {
-        copy(outputs_.floats[i], 1, (result.*kFloatOutputs[i].field)());
-      }
-      for (size_t i = 0; i < outputs_.ints.size(); ++i) {
-        copy(outputs_.ints[i], 1, (result.*kIntOutputs[i].field)());
-      }
+#define LOSSD_COPY_TOKEN_OUTPUT(type, name) copy(outputs_.name, 1, result.mutable_##name());
+      LOSSD_TOKEN_OUTPUTS(LOSSD_COPY_TOKEN_OUTPUT)
+#undef LOSSD_COPY_TOKEN_OUTPUT
       copy(outputs_.top_k_logprob, k, result.mutable_top_k_logprob());
       copy(outputs_.top_k_token, k, result.mutable_top_k_token());
       if (grad_in_messages) {

@@ -141,9 +141,10 @@ def test_loss_and_gradients_match_torch(client, head, case, shared_memory):
 
 
 def test_token_accuracy_is_the_share_of_labels_that_are_the_argmax(client, head):
-    """LossResult.accuracy and RemoteHead.last_result.accuracy against float64 logits: half the
-    rows labelled with their argmax where it clearly leads, the others with their smallest logit,
-    every fifth row ignored (random labels would almost never be the argmax)."""
+    """LossResult.accuracy, its per-token `correct` and RemoteHead.last_result.accuracy against
+    float64 logits: half the rows labelled with their argmax where it clearly leads, the others
+    with their smallest logit, every fifth row ignored (random labels would almost never be the
+    argmax)."""
     rows = torch.arange(120)
     hidden, _ = random_batch(120)
     logits = hidden.double() @ head.fetch_weight().double().T
@@ -154,9 +155,11 @@ def test_token_accuracy_is_the_share_of_labels_that_are_the_argmax(client, head)
     correct = int((chosen & (rows % 5 != 4)).sum())
     counted = int((rows % 5 != 4).sum())
     assert correct > 0
-    result = client.compute(head.head, hidden.numpy(), labels.numpy())
+    result = client.compute(head.head, hidden.numpy(), labels.numpy(), outputs=["correct"])
     assert (result.correct_tokens, result.counted_tokens) == (correct, counted)
     assert result.accuracy == pytest.approx(correct / counted)
+    assert result.correct.dtype == np.int32
+    np.testing.assert_array_equal(result.correct, (chosen & (rows % 5 != 4)).numpy())
     head(hidden, labels)
     assert head.last_result.accuracy == pytest.approx(correct / counted)
 

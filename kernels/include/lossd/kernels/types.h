@@ -197,26 +197,57 @@ struct BatchInputs {
   TeacherInputs teacher;  // distill only
 };
 
+// The per-token outputs of one value a row, listed once: X(type, name). Everything that handles
+// them one by one is derived from this list: TokenOutputs' slots and TokenValues' members below,
+// the row finisher's writes and sums (RowFinisher::Emit), the server's binding and streaming, and
+// the test harness's buffers. `name` is also the output's pair of fields in lossd.proto
+// (OutputSelection's bool and ComputeResult's repeated field of the same 4-byte type), from which
+// the clients derive theirs. A new output is one line here, its two proto fields and its value in
+// RowFinisher::ValuesOf (backend_impl.h).
+//   token_loss  loss_i as defined above (weighted, before the reduction)
+//   logprob     log p(y_i) = z_y - lse
+//   lse         log sum_v exp z_v
+//   entropy     lse - sum_v p_v z_v
+//   argmax      the most likely token (lowest id on ties)
+//   correct     1 where the row counts and its argmax is its label, else 0 (token accuracy)
+//   ratio       r_i = exp(logp_i - q_i) of the policy objectives
+//   clip        the row's ClipState
+//   kl          KL_i by the call's estimator
+//   kd          KD_i = tau^2 D_beta of distill, before alpha and the weight
+//   ce          CE_i of distill, before alpha and the weight (0 without labels)
+// Ignored rows get 0 in every output but lse, entropy and argmax, which every row gets; an output
+// an objective does not define (ratio outside the policy objectives, kd outside distill) is 0.
+#define LOSSD_TOKEN_OUTPUTS(X) \
+  X(float, token_loss)         \
+  X(float, logprob)            \
+  X(float, lse)                \
+  X(float, entropy)            \
+  X(int32_t, argmax)           \
+  X(int32_t, correct)          \
+  X(float, ratio)              \
+  X(int32_t, clip)             \
+  X(float, kl)                 \
+  X(float, kd)                 \
+  X(float, ce)
+
+// One row's values of the outputs above.
+struct TokenValues {
+#define LOSSD_TOKEN_VALUE(type, name) type name = 0;
+  LOSSD_TOKEN_OUTPUTS(LOSSD_TOKEN_VALUE)
+#undef LOSSD_TOKEN_VALUE
+};
+
 // Which per-token results to produce: a null pointer means "not wanted". Host memory, caller-owned.
-// Ignored rows get loss 0 and logprob 0; lse, entropy, argmax and top-k are filled for every row.
 struct TokenOutputs {
-  float* loss = nullptr;           // [N] loss_i as defined above (weighted, before the reduction)
-  float* logprob = nullptr;        // [N] log p(y_i) = z_y - lse
-  float* lse = nullptr;            // [N]
-  float* entropy = nullptr;        // [N] lse - sum_v p_v z_v
-  int32_t* argmax = nullptr;       // [N] the most likely token (lowest id on ties)
-  int top_k = 0;                   // k in [0, kMaxTopK]
+  // [N] each, as LOSSD_TOKEN_OUTPUTS describes them.
+#define LOSSD_TOKEN_SLOT(type, name) type* name = nullptr;
+  LOSSD_TOKEN_OUTPUTS(LOSSD_TOKEN_SLOT)
+#undef LOSSD_TOKEN_SLOT
+  int top_k = 0;                   // k in [0, kMaxTopK]; filled for every row
   float* top_k_logprob = nullptr;  // [N, k], best first
   int32_t* top_k_token = nullptr;  // [N, k]
   void* grad_hidden = nullptr;     // [N, H] dL/dh in grad_hidden_dtype, overwritten
   DType grad_hidden_dtype = DType::kFloat32;
-  // Of the policy objectives; 0 for ignored rows and where the objective has none.
-  float* ratio = nullptr;   // [N] r_i = exp(logp_i - q_i)
-  int32_t* clip = nullptr;  // [N] ClipState
-  float* kl = nullptr;      // [N] KL_i by the call's estimator
-  // Of distill; 0 for ignored rows.
-  float* kd = nullptr;  // [N] KD_i = tau^2 D_beta, before alpha and the weight
-  float* ce = nullptr;  // [N] CE_i, before alpha and the weight (0 without labels)
 };
 
 struct BatchSummary {
