@@ -293,6 +293,29 @@ LOSSD_ROW_LOOP RowStats TileRowStatsClones(float* z, int64_t cols, int64_t v0, i
 
 float MaxAbs(const float* x, int64_t count) { return MaxAbsClones(x, count); }
 
+int64_t WeightSlabFloats(DType dtype, int64_t cols, int64_t h) {
+  return dtype == DType::kFloat32 ? 0 : std::min(cols, WeightSlabRows(h)) * h;
+}
+
+ChunkBuffers CarveChunkBuffers(WorkspaceArena& arena, const ProblemShape& s, int64_t rows,
+                               int64_t cols, int64_t weight_slab_floats) {
+  ChunkBuffers b{};
+  const int64_t h = s.hidden_size;
+  b.logits = arena.Take<float>(rows * cols);
+  if (s.hidden_dtype != DType::kFloat32) b.hidden32 = arena.Take<float>(rows * h);
+  if (s.grad_hidden && s.grad_hidden_dtype != DType::kFloat32) {
+    b.grad_hidden32 = arena.Take<float>(rows * h);
+  }
+  if (weight_slab_floats > 0) b.weight32 = arena.Take<float>(weight_slab_floats);
+  b.stats = arena.Take<RowStats>(rows);
+  if (s.grad_weight) b.hidden_max_abs = arena.Take<float>(rows);
+  if (s.top_k > 0) {
+    b.top_values = arena.Take<float>(rows * s.top_k);
+    b.top_tokens = arena.Take<int32_t>(rows * s.top_k);
+  }
+  return b;
+}
+
 RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t label, TileStatsWork work,
                       const TopKList& top, float* block_max) {
   return TileRowStatsClones(z, cols, v0, label, work, top, block_max);
@@ -303,16 +326,18 @@ RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t label, TileSta
 namespace {
 
 using cpu::BlocksPerRow;
+using cpu::CarveChunkBuffers;
+using cpu::ChunkBuffers;
 using cpu::ComputeLogits;
 using cpu::ConvertFromFloat;
 using cpu::ConvertToFloat;
+using cpu::CpuChunkCall;
 using cpu::ForEachWeightSlab;
 using cpu::kSumBlock;
 using cpu::MaxAbs;
-using cpu::TileProducts;
 using cpu::TileRowStats;
 using cpu::TileStatsWork;
-using cpu::TopKList;
+using cpu::WeightSlabFloats;
 using cpu::WeightSlabRows;
 
 constexpr TileLimits kCpuTileLimits = {
@@ -327,41 +352,21 @@ constexpr TileLimits kCpuTileLimits = {
 
 // The workspace of one call, carved from the caller's buffer.
 struct CpuWorkspace {
-  float* logits;           // [Nc, Vc]: z, then dL/da in place
-  float* hidden32;         // [Nc, H] when the hidden states are not fp32
-  float* grad_hidden32;    // [Nc, H] when dL/dh is wanted in 16 bits
-  float* weight32;         // [slab, H] when W is not fp32
-  RowStats* stats;         // [Nc]
+  ChunkBuffers chunk;
   RowResult* results;      // [Nc]
   RowGradient* row_grads;  // [Nc]
   float* block_max;        // [Nc, ceil(Vc / kSumBlock)]: running maxima of the exponentials kept
-  float* hidden_max_abs;   // [Nc] when dL/dW is wanted: max_j |h_ij|, for its bound
-  float* top_values;       // [Nc, k], best first
-  int32_t* top_tokens;     // [Nc, k]
 };
 
 CpuWorkspace CarveWorkspace(WorkspaceArena& arena, const ProblemShape& s, int64_t rows,
                             int64_t cols) {
   CpuWorkspace w{};
-  const int64_t h = s.hidden_size;
-  w.logits = arena.Take<float>(rows * cols);
-  if (s.hidden_dtype != DType::kFloat32) w.hidden32 = arena.Take<float>(rows * h);
-  if (s.grad_hidden && s.grad_hidden_dtype != DType::kFloat32) {
-    w.grad_hidden32 = arena.Take<float>(rows * h);
-  }
-  if (s.weight_dtype != DType::kFloat32) {
-    w.weight32 = arena.Take<float>(std::min(cols, WeightSlabRows(h)) * h);
-  }
-  w.stats = arena.Take<RowStats>(rows);
+  w.chunk = CarveChunkBuffers(arena, s, rows, cols,
+                              WeightSlabFloats(s.weight_dtype, cols, s.hidden_size));
   w.results = arena.Take<RowResult>(rows);
   if (WantsGradients(s)) {
     w.row_grads = arena.Take<RowGradient>(rows);
     w.block_max = arena.Take<float>(rows * BlocksPerRow(cols));
-  }
-  if (s.grad_weight) w.hidden_max_abs = arena.Take<float>(rows);
-  if (s.top_k > 0) {
-    w.top_values = arena.Take<float>(rows * s.top_k);
-    w.top_tokens = arena.Take<int32_t>(rows * s.top_k);
   }
   return w;
 }
@@ -583,52 +588,25 @@ class CpuBackend final : public Backend {
 };
 
 // One Compute call on the CPU, in the same phases as the CUDA backend's: per token chunk,
-// LoadChunk, RowStatistics (pass 1 over the vocabulary tiles), FinishRows and, with gradients,
-// Gradients (pass 2). Where one tile holds the whole vocabulary, pass 1 also finishes each row and
-// turns its logits into dL/da while the row is in cache, so FinishRows only writes outputs.
-class CpuCall {
+// RowStatistics (pass 1 over the vocabulary tiles), FinishRows and, with gradients, Gradients
+// (pass 2). Where one tile holds the whole vocabulary, pass 1 also finishes each row and turns its
+// logits into dL/da while the row is in cache, so FinishRows only writes outputs.
+class CpuCall : CpuChunkCall {
  public:
   CpuCall(const BatchInputs& in, const WeightView& weight, const LossOptions& options,
           const TokenOutputs& out, DeviceBuffer* grad_weight, const CallPlan& call,
           const CpuWorkspace& ws)
-      : in_(in),
-        weight_(weight),
-        options_(options),
-        out_(out),
-        shape_(call.shape),
-        ws_(ws),
-        finisher_(in, weight.vocab_size, options, out),
-        grad_weight32_(grad_weight != nullptr ? static_cast<float*>(grad_weight->data()) : nullptr),
-        h_(weight.hidden_size),
-        v_(weight.vocab_size),
-        chunk_rows_(call.plan.token_chunk),
-        tile_cols_(call.plan.vocab_chunk),
-        k_(out.top_k),
-        gradients_(WantsGradients(call.shape)),
-        logits_resident_(call.plan.vocab_chunk >= weight.vocab_size) {}
+      : CpuChunkCall(in, weight, options, out, grad_weight, call, ws.chunk), ws_(ws) {}
 
   void Run(BatchSummary& summary) {
-    summary.grad_weight_bound = 0.0;
-    for (int64_t r0 = 0; r0 < in_.num_tokens; r0 += chunk_rows_) {
-      const int64_t rows = std::min(chunk_rows_, in_.num_tokens - r0);
-      LoadChunk(r0, rows);
+    RunChunks(summary, [&](int64_t r0, int64_t rows) {
       RowStatistics(r0, rows);
       FinishRows(r0, rows, summary);
       if (gradients_) Gradients(r0, rows);
-    }
-    finisher_.Close(summary);
+    });
   }
 
  private:
-  // The chunk's hidden rows as fp32: the caller's rows themselves, or converted into the workspace.
-  void LoadChunk(int64_t r0, int64_t rows) {
-    hidden32_ = static_cast<const float*>(in_.hidden) + r0 * h_;
-    if (in_.hidden_dtype != DType::kFloat32) {
-      ConvertToFloat(in_.hidden, in_.hidden_dtype, r0 * h_, rows * h_, ws_.hidden32);
-      hidden32_ = ws_.hidden32;
-    }
-  }
-
   // The rows x columns at the start of the logits tile known to hold zeros: a tile that nothing
   // reads after its statistics is cleared by that pass while in L1, and the next product adds onto
   // it. Nothing is assumed of the workspace a call is given.
@@ -638,9 +616,9 @@ class CpuCall {
 
   // FinishRow and the gradient constants of chunk row r (call row r0 + r).
   void FinishChunkRow(int64_t r0, int64_t r) {
-    ws_.results[r] = finisher_.Finish(r0 + r, ws_.stats[r]);
+    ws_.results[r] = finisher_.Finish(r0 + r, buffers_.stats[r]);
     if (gradients_) ws_.row_grads[r] = finisher_.Gradient(r0 + r, ws_.results[r]);
-    if (grad_weight32_ != nullptr) ws_.hidden_max_abs[r] = MaxAbs(hidden32_ + r * h_, h_);
+    NoteHiddenMaxAbs(r);
   }
 
   // Pass 1: row statistics over every vocabulary tile. When one tile holds the whole vocabulary,
@@ -649,17 +627,13 @@ class CpuCall {
   void RowStatistics(int64_t r0, int64_t rows) {
     const LogitTransform& transform = finisher_.transform();
     const int64_t* labels = in_.labels + r0;
-    std::fill(ws_.stats, ws_.stats + rows, EmptyRowStats());
-    if (k_ > 0) {
-      std::fill(ws_.top_values, ws_.top_values + rows * k_, -INFINITY);
-      std::fill(ws_.top_tokens, ws_.top_tokens + rows * k_, 0);
-    }
+    ClearRowStats(rows);
     const bool rows_finished_in_tile = logits_resident_ && gradients_;  // dL/da stays in the tile
     for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
       const int64_t cols = std::min(tile_cols_, v_ - v0);
       const bool onto_zero = ProductOntoZero(rows, cols);
-      ComputeLogits(hidden32_, rows, weight_, v0, cols, ws_.weight32, transform, ws_.logits,
-                    tile_cols_, onto_zero);
+      ComputeLogits(hidden32_, rows, weight_, v0, cols, buffers_.weight32, transform,
+                    buffers_.logits, tile_cols_, onto_zero);
       const bool another_product = gradients_ || r0 + rows < in_.num_tokens || v0 + cols < v_;
       // The entropy bonus needs each row's entropy, and its gradient reads z (not e^(z - m)).
       const bool entropy_bonus = options_.policy.entropy_coef != 0.0;
@@ -676,16 +650,16 @@ class CpuCall {
       }
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < rows; ++r) {
-        float* z = ws_.logits + r * tile_cols_;
-        const TopKList top{k_, k_ > 0 ? ws_.top_values + r * k_ : nullptr,
-                           k_ > 0 ? ws_.top_tokens + r * k_ : nullptr};
+        float* z = LogitsRow(r);
         float* block_max = work.store_exp ? ws_.block_max + r * BlocksPerRow(tile_cols_) : nullptr;
-        MergeRowStats(ws_.stats[r], TileRowStats(z, cols, v0, labels[r], work, top, block_max));
+        MergeRowStats(buffers_.stats[r],
+                      TileRowStats(z, cols, v0, labels[r], work, TopKOf(r), block_max));
         if (!logits_resident_) continue;
         FinishChunkRow(r0, r);
         if (!gradients_) continue;
         if (work.store_exp) {
-          RowLogitGradientsFromExp(z, cols, block_max, ws_.stats[r], ws_.row_grads[r], transform);
+          RowLogitGradientsFromExp(z, cols, block_max, buffers_.stats[r], ws_.row_grads[r],
+                                   transform);
         } else {
           RowLogitGradients(z, cols, v0, ws_.row_grads[r], transform);
         }
@@ -700,54 +674,31 @@ class CpuCall {
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < rows; ++r) FinishChunkRow(r0, r);
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      finisher_.Emit(r0 + r, ws_.results[r], ws_.stats[r], ws_.top_values + r * k_,
-                     ws_.top_tokens + r * k_, summary);
-      if (grad_weight32_ != nullptr) {
-        summary.grad_weight_bound +=
-            LogitGradientBound(ws_.row_grads[r], finisher_.transform()) * ws_.hidden_max_abs[r];
-      }
-    }
+    EmitRows(rows, summary, [&](int64_t r) {
+      finisher_.Emit(r0 + r, ws_.results[r], buffers_.stats[r], buffers_.top_values + r * k_,
+                     buffers_.top_tokens + r * k_, summary);
+      return grad_weight32_ != nullptr ? LogitGradientBound(ws_.row_grads[r], finisher_.transform())
+                                       : 0.0;
+    });
   }
 
   // Pass 2: dL/da tile by tile where the vocabulary is tiled (recomputing the logits), then
   // dh += dA W and dW += dA^T h.
   void Gradients(int64_t r0, int64_t rows) {
     const LogitTransform& transform = finisher_.transform();
-    TileProducts products(out_, weight_, r0, rows, hidden32_, ws_.grad_hidden32, ws_.weight32,
-                          grad_weight32_, options_.overwrite_grad_weight && r0 == 0);
-    for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
-      const int64_t cols = std::min(tile_cols_, v_ - v0);
-      if (!logits_resident_) {
-        ComputeLogits(hidden32_, rows, weight_, v0, cols, ws_.weight32, transform, ws_.logits,
-                      tile_cols_, ProductOntoZero(rows, cols));
-        zero_rows_ = zero_cols_ = 0;
+    GradientProducts(r0, rows, [&](int64_t v0, int64_t cols) {
+      if (logits_resident_) return;  // pass 1 left dL/da in the tile
+      ComputeLogits(hidden32_, rows, weight_, v0, cols, buffers_.weight32, transform,
+                    buffers_.logits, tile_cols_, ProductOntoZero(rows, cols));
+      zero_rows_ = zero_cols_ = 0;
 #pragma omp parallel for schedule(static)
-        for (int64_t r = 0; r < rows; ++r) {
-          RowLogitGradients(ws_.logits + r * tile_cols_, cols, v0, ws_.row_grads[r], transform);
-        }
+      for (int64_t r = 0; r < rows; ++r) {
+        RowLogitGradients(LogitsRow(r), cols, v0, ws_.row_grads[r], transform);
       }
-      products.Add(ws_.logits, tile_cols_, v0, cols);
-    }
-    products.Finish();
+    });
   }
 
-  const BatchInputs& in_;
-  const WeightView& weight_;
-  const LossOptions& options_;
-  const TokenOutputs& out_;
-  const ProblemShape& shape_;
   const CpuWorkspace& ws_;
-  const RowFinisher finisher_;
-  float* const grad_weight32_;
-  const int64_t h_;
-  const int64_t v_;
-  const int64_t chunk_rows_;
-  const int64_t tile_cols_;
-  const int k_;
-  const bool gradients_;
-  const bool logits_resident_;       // one tile holds the whole vocabulary
-  const float* hidden32_ = nullptr;  // the chunk's hidden rows as fp32
   int64_t zero_rows_ = 0;
   int64_t zero_cols_ = 0;
 };

@@ -21,59 +21,35 @@ namespace {
 
 // The workspace of one distill call, carved from the caller's buffer.
 struct DistillWorkspace {
-  float* logits;                   // [Nc, Vc]: the student's z, then dL/da in place
+  ChunkBuffers chunk;              // the student's; the weight slab fits either head
   float* teacher_logits;           // [Nc, Vc]: the teacher's z_t
-  float* hidden32;                 // [Nc, H] when the student's rows are not fp32
   float* teacher_hidden32;         // [Nc, H_t] when a dense teacher's rows are not fp32
-  float* grad_hidden32;            // [Nc, H] when dL/dh is wanted in 16 bits
-  float* weight32;                 // one slab of either head as fp32, when it is 16-bit
-  RowStats* stats;                 // [Nc] the student's, at its own temperature
   DistillStats* distill;           // [Nc]
   DistillRowConstants* constants;  // [Nc]
   DistillRowTerms* terms;          // [Nc]
   DistillRowResult* results;       // [Nc]
   DistillRowGradient* row_grads;   // [Nc] with gradients
-  float* hidden_max_abs;           // [Nc] with dL/dW: max_j |h_ij|, for its bound
   float* rest_logits;              // [Nc] a sparse teacher's logit outside its top-k
-  float* top_values;               // [Nc, k], best first
-  int32_t* top_tokens;             // [Nc, k]
 };
-
-// Rows of the slab buffer for a 16-bit head of hidden size h, tiles of `cols` columns.
-int64_t SlabFloats(DType dtype, int64_t cols, int64_t h) {
-  return dtype == DType::kFloat32 ? 0 : std::min(cols, WeightSlabRows(h)) * h;
-}
 
 DistillWorkspace CarveDistillWorkspace(WorkspaceArena& arena, const ProblemShape& s, int64_t rows,
                                        int64_t cols) {
   DistillWorkspace w{};
   const TeacherShape& t = s.teacher;
   const bool dense = t.kind == TeacherKind::kDense;
-  const int64_t h = s.hidden_size;
-  w.logits = arena.Take<float>(rows * cols);
+  const int64_t slab = std::max(WeightSlabFloats(s.weight_dtype, cols, s.hidden_size),
+                                dense ? WeightSlabFloats(t.weight_dtype, cols, t.hidden_size) : 0);
+  w.chunk = CarveChunkBuffers(arena, s, rows, cols, slab);
   w.teacher_logits = arena.Take<float>(rows * cols);
-  if (s.hidden_dtype != DType::kFloat32) w.hidden32 = arena.Take<float>(rows * h);
   if (dense && t.hidden_dtype != DType::kFloat32) {
     w.teacher_hidden32 = arena.Take<float>(rows * t.hidden_size);
   }
-  if (s.grad_hidden && s.grad_hidden_dtype != DType::kFloat32) {
-    w.grad_hidden32 = arena.Take<float>(rows * h);
-  }
-  const int64_t slab = std::max(SlabFloats(s.weight_dtype, cols, h),
-                                dense ? SlabFloats(t.weight_dtype, cols, t.hidden_size) : 0);
-  if (slab > 0) w.weight32 = arena.Take<float>(slab);
-  w.stats = arena.Take<RowStats>(rows);
   w.distill = arena.Take<DistillStats>(rows);
   w.constants = arena.Take<DistillRowConstants>(rows);
   w.terms = arena.Take<DistillRowTerms>(rows);
   w.results = arena.Take<DistillRowResult>(rows);
   if (WantsGradients(s)) w.row_grads = arena.Take<DistillRowGradient>(rows);
-  if (s.grad_weight) w.hidden_max_abs = arena.Take<float>(rows);
   if (t.kind == TeacherKind::kSparse) w.rest_logits = arena.Take<float>(rows);
-  if (s.top_k > 0) {
-    w.top_values = arena.Take<float>(rows * s.top_k);
-    w.top_tokens = arena.Take<int32_t>(rows * s.top_k);
-  }
   return w;
 }
 
@@ -195,57 +171,36 @@ constexpr TileLimits kDistillTileLimits = {
     /*forward_token_chunk=*/0,
 };
 
-// One distill call: per token chunk, LoadChunk, RowStatistics (phase 1), RowTerms (phase 2),
+// One distill call: per token chunk, LoadTeacher, RowStatistics (phase 1), RowTerms (phase 2),
 // FinishRows and, with gradients, Gradients (phase 3). Where one tile holds the whole vocabulary,
 // both logits tiles stay in the workspace from phase 1 on; else every phase recomputes them.
-class CpuDistillCall {
+class CpuDistillCall : CpuChunkCall {
  public:
   CpuDistillCall(const BatchInputs& in, const WeightView& weight, const LossOptions& options,
                  const TokenOutputs& out, DeviceBuffer* grad_weight, const CallPlan& call,
                  const DistillWorkspace& ws)
-      : in_(in),
-        weight_(weight),
-        options_(options),
-        out_(out),
-        shape_(call.shape),
+      : CpuChunkCall(in, weight, options, out, grad_weight, call, ws.chunk),
         ws_(ws),
-        finisher_(in, weight.vocab_size, options, out),
         transform_(finisher_.transform()),
         teacher_transform_(MakeTeacherTransform(options)),
-        inv_tau_(static_cast<float>(1.0 / options.distill.temperature)),
-        grad_weight32_(grad_weight != nullptr ? static_cast<float*>(grad_weight->data()) : nullptr),
-        h_(weight.hidden_size),
-        v_(weight.vocab_size),
-        chunk_rows_(call.plan.token_chunk),
-        tile_cols_(call.plan.vocab_chunk),
-        k_(out.top_k),
-        gradients_(WantsGradients(call.shape)),
-        logits_resident_(call.plan.vocab_chunk >= weight.vocab_size) {}
+        inv_tau_(static_cast<float>(1.0 / options.distill.temperature)) {}
 
   void Run(BatchSummary& summary) {
-    summary.grad_weight_bound = 0.0;
-    for (int64_t r0 = 0; r0 < in_.num_tokens; r0 += chunk_rows_) {
-      const int64_t rows = std::min(chunk_rows_, in_.num_tokens - r0);
-      LoadChunk(r0, rows);
+    RunChunks(summary, [&](int64_t r0, int64_t rows) {
+      LoadTeacher(r0, rows);
       RowStatistics(r0, rows);
       RowTerms(r0, rows);
       FinishRows(r0, rows, summary);
       if (gradients_) Gradients(r0, rows);
-    }
-    finisher_.Close(summary);
+    });
   }
 
  private:
   const TeacherInputs& teacher() const { return in_.teacher; }
 
-  // The chunk's rows as fp32 (the caller's, or converted into the workspace); a sparse teacher's
-  // logit for the tokens outside each row's top-k.
-  void LoadChunk(int64_t r0, int64_t rows) {
-    hidden32_ = static_cast<const float*>(in_.hidden) + r0 * h_;
-    if (in_.hidden_dtype != DType::kFloat32) {
-      ConvertToFloat(in_.hidden, in_.hidden_dtype, r0 * h_, rows * h_, ws_.hidden32);
-      hidden32_ = ws_.hidden32;
-    }
+  // A dense teacher's rows as fp32 (the caller's, or converted into the workspace); a sparse
+  // teacher's logit for the tokens outside each row's top-k.
+  void LoadTeacher(int64_t r0, int64_t rows) {
     const TeacherInputs& t = teacher();
     if (t.dense()) {
       const int64_t ht = t.hidden_size;
@@ -265,12 +220,12 @@ class CpuDistillCall {
   // Both logits tiles of columns [v0, v0 + cols): the student's z, and the teacher's z_t from its
   // head, or a sparse teacher's log-probabilities with its rest logit around them.
   void ComputeTiles(int64_t r0, int64_t rows, int64_t v0, int64_t cols) {
-    ComputeLogits(hidden32_, rows, weight_, v0, cols, ws_.weight32, transform_, ws_.logits,
-                  tile_cols_, /*onto_zero=*/false);
+    ComputeLogits(hidden32_, rows, weight_, v0, cols, buffers_.weight32, transform_,
+                  buffers_.logits, tile_cols_, /*onto_zero=*/false);
     const TeacherInputs& t = teacher();
     if (t.dense()) {
-      ComputeLogits(teacher_hidden32_, rows, *t.weight, v0, cols, ws_.weight32, teacher_transform_,
-                    ws_.teacher_logits, tile_cols_, /*onto_zero=*/false);
+      ComputeLogits(teacher_hidden32_, rows, *t.weight, v0, cols, buffers_.weight32,
+                    teacher_transform_, ws_.teacher_logits, tile_cols_, /*onto_zero=*/false);
       return;
     }
     const int k = t.top_k;
@@ -286,18 +241,13 @@ class CpuDistillCall {
     }
   }
 
-  float* StudentRow(int64_t r) const { return ws_.logits + r * tile_cols_; }
   const float* TeacherRow(int64_t r) const { return ws_.teacher_logits + r * tile_cols_; }
 
   // Phase 1: the student's RowStats (and top-k) at its own temperature, and both distributions'
   // LseStats at tau, over every tile; then each row's constants for phases 2 and 3.
   void RowStatistics(int64_t r0, int64_t rows) {
-    std::fill(ws_.stats, ws_.stats + rows, EmptyRowStats());
+    ClearRowStats(rows);
     std::fill(ws_.distill, ws_.distill + rows, EmptyDistillStats());
-    if (k_ > 0) {
-      std::fill(ws_.top_values, ws_.top_values + rows * k_, -INFINITY);
-      std::fill(ws_.top_tokens, ws_.top_tokens + rows * k_, 0);
-    }
     const TileStatsWork work{
         /*extra_sums=*/out_.entropy != nullptr || options_.label_smoothing != 0.0,
         /*store_exp=*/false, /*zero_after=*/false};
@@ -306,13 +256,11 @@ class CpuDistillCall {
       ComputeTiles(r0, rows, v0, cols);
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < rows; ++r) {
-        const TopKList top{k_, k_ > 0 ? ws_.top_values + r * k_ : nullptr,
-                           k_ > 0 ? ws_.top_tokens + r * k_ : nullptr};
         const int64_t label = in_.labels != nullptr ? in_.labels[r0 + r] : -1;
-        MergeRowStats(ws_.stats[r], TileRowStats(StudentRow(r), cols, v0, label, work, top,
-                                                 /*block_max=*/nullptr));
+        MergeRowStats(buffers_.stats[r], TileRowStats(LogitsRow(r), cols, v0, label, work,
+                                                      TopKOf(r), /*block_max=*/nullptr));
         DistillStats tile;
-        tile.student = TileLseStats(StudentRow(r), cols, inv_tau_);
+        tile.student = TileLseStats(LogitsRow(r), cols, inv_tau_);
         tile.teacher = TileLseStats(TeacherRow(r), cols, inv_tau_);
         MergeDistillStats(ws_.distill[r], tile);
       }
@@ -331,7 +279,7 @@ class CpuDistillCall {
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < rows; ++r) {
         const DistillRowTerms tile =
-            TileDistillTerms(StudentRow(r), TeacherRow(r), cols, ws_.constants[r]);
+            TileDistillTerms(LogitsRow(r), TeacherRow(r), cols, ws_.constants[r]);
         ws_.terms[r].divergence += tile.divergence;
         ws_.terms[r].k += tile.k;
       }
@@ -343,58 +291,38 @@ class CpuDistillCall {
   void FinishRows(int64_t r0, int64_t rows, BatchSummary& summary) {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      ws_.results[r] = finisher_.FinishDistill(r0 + r, ws_.stats[r], ws_.distill[r], ws_.terms[r]);
+      ws_.results[r] =
+          finisher_.FinishDistill(r0 + r, buffers_.stats[r], ws_.distill[r], ws_.terms[r]);
       if (gradients_) {
         ws_.row_grads[r] = finisher_.DistillGradient(r0 + r, ws_.results[r], ws_.constants[r]);
       }
-      if (grad_weight32_ != nullptr) ws_.hidden_max_abs[r] = MaxAbs(hidden32_ + r * h_, h_);
+      NoteHiddenMaxAbs(r);
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      finisher_.EmitDistill(r0 + r, ws_.results[r], ws_.stats[r], ws_.top_values + r * k_,
-                            ws_.top_tokens + r * k_, summary);
-      if (grad_weight32_ != nullptr) {
-        summary.grad_weight_bound +=
-            DistillLogitGradientBound(ws_.row_grads[r], ws_.results[r].gradient_bound, transform_) *
-            ws_.hidden_max_abs[r];
-      }
-    }
+    EmitRows(rows, summary, [&](int64_t r) {
+      finisher_.EmitDistill(r0 + r, ws_.results[r], buffers_.stats[r], buffers_.top_values + r * k_,
+                            buffers_.top_tokens + r * k_, summary);
+      return grad_weight32_ != nullptr
+                 ? DistillLogitGradientBound(ws_.row_grads[r], ws_.results[r].gradient_bound,
+                                             transform_)
+                 : 0.0;
+    });
   }
 
   // Phase 3: dL/da tile by tile, then dh += dA W and dW += dA^T h. The teacher gets none.
   void Gradients(int64_t r0, int64_t rows) {
-    TileProducts products(out_, weight_, r0, rows, hidden32_, ws_.grad_hidden32, ws_.weight32,
-                          grad_weight32_, options_.overwrite_grad_weight && r0 == 0);
-    for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
-      const int64_t cols = std::min(tile_cols_, v_ - v0);
+    GradientProducts(r0, rows, [&](int64_t v0, int64_t cols) {
       if (!logits_resident_) ComputeTiles(r0, rows, v0, cols);
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < rows; ++r) {
-        RowDistillGradients(StudentRow(r), TeacherRow(r), cols, v0, ws_.row_grads[r], transform_);
+        RowDistillGradients(LogitsRow(r), TeacherRow(r), cols, v0, ws_.row_grads[r], transform_);
       }
-      products.Add(ws_.logits, tile_cols_, v0, cols);
-    }
-    products.Finish();
+    });
   }
 
-  const BatchInputs& in_;
-  const WeightView& weight_;
-  const LossOptions& options_;
-  const TokenOutputs& out_;
-  const ProblemShape& shape_;
   const DistillWorkspace& ws_;
-  const RowFinisher finisher_;
   const LogitTransform transform_;
   const LogitTransform teacher_transform_;
   const float inv_tau_;
-  float* const grad_weight32_;
-  const int64_t h_;
-  const int64_t v_;
-  const int64_t chunk_rows_;
-  const int64_t tile_cols_;
-  const int k_;
-  const bool gradients_;
-  const bool logits_resident_;               // one tile holds the whole vocabulary
-  const float* hidden32_ = nullptr;          // the chunk's student rows as fp32
   const float* teacher_hidden32_ = nullptr;  // a dense teacher's rows as fp32
 };
 

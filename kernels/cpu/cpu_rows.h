@@ -1,12 +1,16 @@
 // Pieces of the CPU backend that its two calls share, the cross-entropy and policy call
 // (cpu_backend.cc) and the distill call (cpu_distill.cc): conversions, the products of hidden rows
-// with W, and the statistics of a row over a tile. Internal to the CPU backend.
+// with W, the statistics of a row over a tile, and the skeleton of a call (CpuChunkCall): its
+// buffers per token chunk, the loop over the chunks and the steps each chunk takes the same way.
+// Internal to the CPU backend.
 #ifndef LOSSD_KERNELS_CPU_CPU_ROWS_H_
 #define LOSSD_KERNELS_CPU_CPU_ROWS_H_
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
+#include "kernels/backend_impl.h"
 #include "lossd/kernels/backend.h"
 #include "lossd/kernels/loss_math.h"
 
@@ -126,6 +130,131 @@ float MaxAbs(const float* x, int64_t count);
 // once; see cpu_backend.cc.
 RowStats TileRowStats(float* z, int64_t cols, int64_t v0, int64_t label, TileStatsWork work,
                       const TopKList& top, float* block_max);
+
+// What a call of either kind keeps per token chunk of Nc rows and vocabulary tile of Vc columns,
+// besides its own per-row results.
+struct ChunkBuffers {
+  float* logits;          // [Nc, Vc]: the student's z, then dL/da in place
+  float* hidden32;        // [Nc, H] when the hidden states are not fp32
+  float* grad_hidden32;   // [Nc, H] when dL/dh is wanted in 16 bits
+  float* weight32;        // a slab of W (or of a teacher's head) as fp32, when 16-bit
+  RowStats* stats;        // [Nc] the student's
+  float* hidden_max_abs;  // [Nc] with dL/dW: max_j |h_ij|, for its bound
+  float* top_values;      // [Nc, k], best first
+  int32_t* top_tokens;    // [Nc, k]
+};
+
+// Rows of the slab buffer for a 16-bit head of hidden size h, tiles of `cols` columns; 0 for fp32.
+int64_t WeightSlabFloats(DType dtype, int64_t cols, int64_t h);
+
+// The ChunkBuffers of a call of `shape`, with room for `weight_slab_floats` of slab.
+ChunkBuffers CarveChunkBuffers(WorkspaceArena& arena, const ProblemShape& shape, int64_t rows,
+                               int64_t cols, int64_t weight_slab_floats);
+
+// The skeleton both calls are built on: per token chunk, its rows loaded as fp32, then the
+// call's own phases (statistics, finishing, gradients), which use the steps below; the summary
+// closed once every row was emitted.
+class CpuChunkCall {
+ protected:
+  CpuChunkCall(const BatchInputs& in, const WeightView& weight, const LossOptions& options,
+               const TokenOutputs& out, DeviceBuffer* grad_weight, const CallPlan& call,
+               const ChunkBuffers& buffers)
+      : in_(in),
+        weight_(weight),
+        options_(options),
+        out_(out),
+        buffers_(buffers),
+        finisher_(in, weight.vocab_size, options, out),
+        grad_weight32_(grad_weight != nullptr ? static_cast<float*>(grad_weight->data()) : nullptr),
+        h_(weight.hidden_size),
+        v_(weight.vocab_size),
+        chunk_rows_(call.plan.token_chunk),
+        tile_cols_(call.plan.vocab_chunk),
+        k_(out.top_k),
+        gradients_(WantsGradients(call.shape)),
+        logits_resident_(call.plan.vocab_chunk >= weight.vocab_size) {}
+
+  // phases(r0, rows) for each token chunk in order, its rows loaded as fp32 first.
+  template <typename PhasesFn>
+  void RunChunks(BatchSummary& summary, PhasesFn phases) {
+    summary.grad_weight_bound = 0.0;
+    for (int64_t r0 = 0; r0 < in_.num_tokens; r0 += chunk_rows_) {
+      const int64_t rows = std::min(chunk_rows_, in_.num_tokens - r0);
+      hidden32_ = static_cast<const float*>(in_.hidden) + r0 * h_;
+      if (in_.hidden_dtype != DType::kFloat32) {
+        ConvertToFloat(in_.hidden, in_.hidden_dtype, r0 * h_, rows * h_, buffers_.hidden32);
+        hidden32_ = buffers_.hidden32;
+      }
+      phases(r0, rows);
+    }
+    finisher_.Close(summary);
+  }
+
+  // The chunk's student statistics and top-k lists emptied before the first tile.
+  void ClearRowStats(int64_t rows) const {
+    std::fill(buffers_.stats, buffers_.stats + rows, EmptyRowStats());
+    if (k_ > 0) {
+      std::fill(buffers_.top_values, buffers_.top_values + rows * k_, -INFINITY);
+      std::fill(buffers_.top_tokens, buffers_.top_tokens + rows * k_, 0);
+    }
+  }
+
+  TopKList TopKOf(int64_t r) const {
+    return TopKList{k_, k_ > 0 ? buffers_.top_values + r * k_ : nullptr,
+                    k_ > 0 ? buffers_.top_tokens + r * k_ : nullptr};
+  }
+
+  float* LogitsRow(int64_t r) const { return buffers_.logits + r * tile_cols_; }
+
+  // What dL/dW's bound needs of chunk row r once its hidden row is loaded.
+  void NoteHiddenMaxAbs(int64_t r) const {
+    if (grad_weight32_ != nullptr) buffers_.hidden_max_abs[r] = MaxAbs(hidden32_ + r * h_, h_);
+  }
+
+  // Emits the chunk's rows in row order (emit(r) writes chunk row r's outputs into `summary` and
+  // returns the bound on |dL/da| of its row, read only with dL/dW), and adds each row's share of
+  // dL/dW's bound.
+  template <typename EmitFn>
+  void EmitRows(int64_t rows, BatchSummary& summary, EmitFn emit) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      const double logit_gradient_bound = emit(r);
+      if (grad_weight32_ != nullptr) {
+        summary.grad_weight_bound += logit_gradient_bound * buffers_.hidden_max_abs[r];
+      }
+    }
+  }
+
+  // dh += dA W and dW += dA^T h over every vocabulary tile, where tile(v0, cols) leaves the tile's
+  // dA in the logits buffer.
+  template <typename TileFn>
+  void GradientProducts(int64_t r0, int64_t rows, TileFn tile) const {
+    TileProducts products(out_, weight_, r0, rows, hidden32_, buffers_.grad_hidden32,
+                          buffers_.weight32, grad_weight32_,
+                          options_.overwrite_grad_weight && r0 == 0);
+    for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
+      const int64_t cols = std::min(tile_cols_, v_ - v0);
+      tile(v0, cols);
+      products.Add(buffers_.logits, tile_cols_, v0, cols);
+    }
+    products.Finish();
+  }
+
+  const BatchInputs& in_;
+  const WeightView& weight_;
+  const LossOptions& options_;
+  const TokenOutputs& out_;
+  const ChunkBuffers buffers_;
+  const RowFinisher finisher_;
+  float* const grad_weight32_;
+  const int64_t h_;
+  const int64_t v_;
+  const int64_t chunk_rows_;
+  const int64_t tile_cols_;
+  const int k_;
+  const bool gradients_;
+  const bool logits_resident_;       // one tile holds the whole vocabulary
+  const float* hidden32_ = nullptr;  // the chunk's hidden rows as fp32
+};
 
 }  // namespace lossd::cpu
 
