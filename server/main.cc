@@ -189,6 +189,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   config.head_dtype = *dtype;
+  if (absl::GetFlag(FLAGS_drain_seconds) < 0) {
+    std::fprintf(stderr, "lossd_server: --drain_seconds: expected seconds >= 0, got %d\n",
+                 absl::GetFlag(FLAGS_drain_seconds));
+    return 2;
+  }
 
   // Loading heads can take minutes (or wait on a slow disk): a stop signal meanwhile ends the
   // process at once, as it would one that serves nothing yet. Started after the signals are

@@ -1,5 +1,6 @@
 #include "server/metrics.h"
 
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -10,6 +11,61 @@ namespace {
 // Seconds from 1 ms to 2 minutes: a scoring call of a few tokens up to a long training batch.
 const prometheus::Histogram::BucketBoundaries kSecondsBuckets = {
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120};
+
+// Name and help of each StateGauge, in the enum's order.
+struct StateGaugeInfo {
+  StateGauge gauge;
+  const char* name;
+  const char* help;
+};
+constexpr StateGaugeInfo kStateGauges[] = {
+    {StateGauge::kDeviceMemoryTotal, "lossd_device_memory_total_bytes",
+     "Memory of the compute device (host RAM for the CPU backend)."},
+    {StateGauge::kDeviceMemoryUsed, "lossd_device_memory_used_bytes",
+     "Memory in use by all processes: host RAM for the CPU backend, else device memory from the "
+     "driver."},
+    {StateGauge::kMemory, "lossd_memory_bytes", "Memory the server holds now, by purpose."},
+    {StateGauge::kMemoryPeak, "lossd_memory_peak_bytes",
+     "Most memory the server has held, by purpose."},
+    {StateGauge::kHostBuffer, "lossd_host_buffer_bytes",
+     "Host memory of calls' rows and dL/dh sent in messages: held by running calls, or kept idle "
+     "for the next."},
+    {StateGauge::kQueueDepth, "lossd_queue_depth", "Compute calls waiting for admission."},
+    {StateGauge::kRunningCalls, "lossd_running_calls", "Compute calls admitted to the device."},
+    {StateGauge::kComputeBudget, "lossd_compute_budget_bytes",
+     "Device memory the scheduler admits calls against."},
+    {StateGauge::kPendingMemory, "lossd_pending_memory_bytes",
+     "Host memory held by Compute calls not yet admitted (start messages, per-token values, rows "
+     "read ahead)."},
+    {StateGauge::kComputeAdmitted, "lossd_compute_admitted_bytes",
+     "Device memory admitted calls hold now."},
+    {StateGauge::kStepRendezvousWaiting, "lossd_step_rendezvous_waiting",
+     "Collective steps (and gradient norms) waiting for their last rank."},
+    {StateGauge::kSharedMemoryHandles, "lossd_shared_memory_handles",
+     "Clients' memfds handed over and not yet revoked."},
+    {StateGauge::kSharedMemoryMappings, "lossd_shared_memory_mappings",
+     "Ranges of clients' memfds mapped now (by running calls, or kept idle)."},
+    {StateGauge::kSharedMemoryMappedBytes, "lossd_shared_memory_mapped_bytes",
+     "Bytes of clients' memfds mapped now; client memory, outside lossd_memory_bytes."},
+    {StateGauge::kHeadVersion, "lossd_head_version",
+     "Version of each head; grows with every step or upload."},
+    {StateGauge::kHeadAccumulatedTokens, "lossd_head_accumulated_tokens",
+     "Tokens in each head's gradient accumulator since it was last zeroed."},
+    {StateGauge::kHeadStagedGradients, "lossd_head_staged_gradients",
+     "dL/dW of calls staged on each head, waiting for their commit."},
+    {StateGauge::kReplicaInfo, "lossd_replica_info",
+     "Constant 1, labelled with this server's rank in its replica group and the group's size (0 of "
+     "1 for a server alone)."},
+    {StateGauge::kBuildInfo, "lossd_build_info",
+     "Constant 1, labelled with the version and backend."},
+};
+constexpr bool InEnumOrder() {
+  for (size_t i = 0; i < std::size(kStateGauges); ++i) {
+    if (static_cast<size_t>(kStateGauges[i].gauge) != i) return false;
+  }
+  return std::size(kStateGauges) == static_cast<size_t>(StateGauge::kBuildInfo) + 1;
+}
+static_assert(InEnumOrder());
 
 class StateCollector : public prometheus::Collectable {
  public:
@@ -28,11 +84,12 @@ class StateCollector : public prometheus::Collectable {
     std::vector<prometheus::MetricFamily> families;
     std::map<std::string, size_t> index;
     for (GaugeSample& s : samples) {
-      auto [it, inserted] = index.emplace(s.name, families.size());
+      const StateGaugeInfo& info = kStateGauges[static_cast<int>(s.gauge)];
+      auto [it, inserted] = index.emplace(info.name, families.size());
       if (inserted) {
         prometheus::MetricFamily family;
-        family.name = s.name;
-        family.help = s.help;
+        family.name = info.name;
+        family.help = info.help;
         family.type = prometheus::MetricType::Gauge;
         families.push_back(std::move(family));
       }

@@ -19,10 +19,33 @@
 
 namespace lossd::server {
 
+// The state gauges, read at scrape time; each one's name and help are written once, in
+// metrics.cc, beside the event metrics'.
+enum class StateGauge : int {
+  kDeviceMemoryTotal,
+  kDeviceMemoryUsed,
+  kMemory,
+  kMemoryPeak,
+  kHostBuffer,
+  kQueueDepth,
+  kRunningCalls,
+  kComputeBudget,
+  kPendingMemory,
+  kComputeAdmitted,
+  kStepRendezvousWaiting,
+  kSharedMemoryHandles,
+  kSharedMemoryMappings,
+  kSharedMemoryMappedBytes,
+  kHeadVersion,
+  kHeadAccumulatedTokens,
+  kHeadStagedGradients,
+  kReplicaInfo,
+  kBuildInfo,
+};
+
 // One gauge sample read at scrape time.
 struct GaugeSample {
-  std::string name;  // full metric name, lossd_ prefixed
-  std::string help;
+  StateGauge gauge;
   std::vector<std::pair<std::string, std::string>> labels;
   double value;
 };

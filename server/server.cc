@@ -374,160 +374,170 @@ absl::Status LossServer::LoadHeads(const ServerConfig& config) {
 
 std::vector<GaugeSample> LossServer::ReadState() const {
   std::vector<GaugeSample> samples;
-  const bool host = backend_->kind() == "cpu";
   if (auto memory = backend_->QueryMemory(); memory.ok()) {
     const std::string device = std::string(backend_->kind());
-    samples.push_back({"lossd_device_memory_total_bytes",
-                       "Memory of the compute device (host RAM for the CPU backend).",
+    samples.push_back({StateGauge::kDeviceMemoryTotal,
                        {{"device", device}},
                        static_cast<double>(memory->total_bytes)});
-    samples.push_back({"lossd_device_memory_used_bytes",
-                       host ? "Host RAM in use by all processes (CPU backend)."
-                            : "Device memory in use by all processes, from the driver.",
+    samples.push_back({StateGauge::kDeviceMemoryUsed,
                        {{"device", device}},
                        static_cast<double>(memory->used_bytes)});
   }
   for (int p = 0; p < kMemoryPurposeCount; ++p) {
     const auto purpose = static_cast<MemoryPurpose>(p);
-    samples.push_back({"lossd_memory_bytes",
-                       "Memory the server holds now, by purpose.",
+    samples.push_back({StateGauge::kMemory,
                        {{"purpose", MemoryPurposeName(purpose)}},
                        static_cast<double>(ledger_.current(purpose))});
   }
   for (int p = 0; p < kMemoryPurposeCount; ++p) {
     const auto purpose = static_cast<MemoryPurpose>(p);
-    samples.push_back({"lossd_memory_peak_bytes",
-                       "Most memory the server has held, by purpose.",
+    samples.push_back({StateGauge::kMemoryPeak,
                        {{"purpose", MemoryPurposeName(purpose)}},
                        static_cast<double>(ledger_.peak(purpose))});
   }
   for (const auto& [state, purpose] :
        {std::pair{"in_use", MemoryPurpose::kWorkspace}, std::pair{"idle", MemoryPurpose::kCache}}) {
-    samples.push_back({"lossd_host_buffer_bytes",
-                       "Host memory of calls' rows and dL/dh sent in messages: held by running "
-                       "calls, or kept idle for the next.",
+    samples.push_back({StateGauge::kHostBuffer,
                        {{"state", state}},
                        static_cast<double>(host_ledger_.current(purpose))});
   }
-  samples.push_back({"lossd_queue_depth",
-                     "Compute calls waiting for admission.",
-                     {},
-                     static_cast<double>(scheduler_->queued())});
-  samples.push_back({"lossd_running_calls",
-                     "Compute calls admitted to the device.",
-                     {},
-                     static_cast<double>(scheduler_->running())});
-  samples.push_back({"lossd_compute_budget_bytes",
-                     "Device memory the scheduler admits calls against.",
-                     {},
-                     static_cast<double>(scheduler_->capacity_bytes())});
-  samples.push_back({"lossd_pending_memory_bytes",
-                     "Host memory held by Compute calls not yet admitted (start messages, "
-                     "per-token values, rows read ahead).",
-                     {},
-                     static_cast<double>(pending_->held_bytes())});
-  samples.push_back({"lossd_compute_admitted_bytes",
-                     "Device memory admitted calls hold now.",
-                     {},
-                     static_cast<double>(scheduler_->admitted_bytes())});
-  samples.push_back({"lossd_step_rendezvous_waiting",
-                     "Collective steps (and gradient norms) waiting for their last rank.",
+  samples.push_back({StateGauge::kQueueDepth, {}, static_cast<double>(scheduler_->queued())});
+  samples.push_back({StateGauge::kRunningCalls, {}, static_cast<double>(scheduler_->running())});
+  samples.push_back(
+      {StateGauge::kComputeBudget, {}, static_cast<double>(scheduler_->capacity_bytes())});
+  samples.push_back({StateGauge::kPendingMemory, {}, static_cast<double>(pending_->held_bytes())});
+  samples.push_back(
+      {StateGauge::kComputeAdmitted, {}, static_cast<double>(scheduler_->admitted_bytes())});
+  samples.push_back({StateGauge::kStepRendezvousWaiting,
                      {},
                      static_cast<double>(service_->rendezvous().waiting_meetings())});
   const SharedMemoryMaps& maps = service_->shared_memory_maps();
-  samples.push_back({"lossd_shared_memory_handles",
-                     "Clients' memfds handed over and not yet revoked.",
-                     {},
-                     static_cast<double>(maps.handles())});
-  samples.push_back({"lossd_shared_memory_mappings",
-                     "Ranges of clients' memfds mapped now (by running calls, or kept idle).",
-                     {},
-                     static_cast<double>(maps.mappings())});
+  samples.push_back({StateGauge::kSharedMemoryHandles, {}, static_cast<double>(maps.handles())});
+  samples.push_back({StateGauge::kSharedMemoryMappings, {}, static_cast<double>(maps.mappings())});
   samples.push_back(
-      {"lossd_shared_memory_mapped_bytes",
-       "Bytes of clients' memfds mapped now; client memory, outside lossd_memory_bytes.",
-       {},
-       static_cast<double>(maps.mapped_bytes())});
+      {StateGauge::kSharedMemoryMappedBytes, {}, static_cast<double>(maps.mapped_bytes())});
   for (const auto& head : heads_.List()) {
     const HeadSummary s = head->Summary();
-    samples.push_back({"lossd_head_version",
-                       "Version of each head; grows with every step or upload.",
-                       {{"head", s.name}},
-                       static_cast<double>(s.version)});
-    samples.push_back({"lossd_head_accumulated_tokens",
-                       "Tokens in each head's gradient accumulator since it was last zeroed.",
+    samples.push_back(
+        {StateGauge::kHeadVersion, {{"head", s.name}}, static_cast<double>(s.version)});
+    samples.push_back({StateGauge::kHeadAccumulatedTokens,
                        {{"head", s.name}},
                        static_cast<double>(s.accumulated_tokens)});
-    samples.push_back({"lossd_head_staged_gradients",
-                       "dL/dW of calls staged on each head, waiting for their commit.",
+    samples.push_back({StateGauge::kHeadStagedGradients,
                        {{"head", s.name}},
                        static_cast<double>(s.staged_gradients)});
   }
   samples.push_back(
-      {"lossd_replica_info",
-       "Constant 1, labelled with this server's rank in its replica group and the "
-       "group's size (0 of 1 for a server alone).",
+      {StateGauge::kReplicaInfo,
        {{"rank", absl::StrCat(replica_rank())}, {"replicas", absl::StrCat(replicas())}},
        1.0});
-  samples.push_back({"lossd_build_info",
-                     "Constant 1, labelled with the version and backend.",
+  samples.push_back({StateGauge::kBuildInfo,
                      {{"version", kVersion}, {"backend", std::string(backend_->kind())}},
                      1.0});
   return samples;
 }
 
-absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig& config,
-                                                              std::unique_ptr<Backend> backend) {
-  // What a misconfigured server fails on is checked before heads that may take minutes to load.
-  RETURN_IF_ERROR(CheckListenAddress("--listen", config.listen_address));
-  if (!config.metrics_address.empty()) {
-    RETURN_IF_ERROR(CheckListenAddress("--metrics_listen", config.metrics_address));
+absl::Status ServerConfig::Validate() const {
+  RETURN_IF_ERROR(CheckListenAddress("--listen", listen_address));
+  if (!metrics_address.empty()) {
+    RETURN_IF_ERROR(CheckListenAddress("--metrics_listen", metrics_address));
   }
   // 0 would refuse every Compute call, or end it before its client could send a row.
-  if (config.pending_memory_bytes <= 0) {
+  if (pending_memory_bytes <= 0) {
     return InvalidField("--pending_memory_mib", "a size > 0",
-                        absl::StrCat(config.pending_memory_bytes >> 20));
+                        absl::StrCat(pending_memory_bytes >> 20));
   }
-  if (config.pending_memory_per_connection_bytes < 0) {
+  if (pending_memory_per_connection_bytes < 0) {
     return InvalidField("--pending_memory_per_connection_mib",
                         "a size in MiB >= 0 (0: half of --pending_memory_mib)",
-                        absl::StrCat(config.pending_memory_per_connection_bytes >> 20));
+                        absl::StrCat(pending_memory_per_connection_bytes >> 20));
   }
-  if (config.workspace_budget_bytes < 0) {
+  if (workspace_budget_bytes < 0) {
     return InvalidField("--workspace_budget_mib", "a size in MiB >= 0 (0: the device's default)",
-                        absl::StrCat(config.workspace_budget_bytes >> 20));
+                        absl::StrCat(workspace_budget_bytes >> 20));
   }
-  if (config.stream_idle <= absl::ZeroDuration()) {
+  if (stream_idle <= absl::ZeroDuration()) {
     return InvalidField("--stream_idle_seconds", "a positive duration",
-                        absl::FormatDuration(config.stream_idle));
+                        absl::FormatDuration(stream_idle));
   }
-  if (config.staged_grad_ttl <= absl::ZeroDuration()) {
+  if (staged_grad_ttl <= absl::ZeroDuration()) {
     return InvalidField("--staged_grad_seconds", "a positive duration",
-                        absl::FormatDuration(config.staged_grad_ttl));
+                        absl::FormatDuration(staged_grad_ttl));
   }
-  if (config.staged_grad_bytes < 0) {
+  if (staged_grad_bytes < 0) {
     return InvalidField("--staged_grad_mib",
                         "a size in MiB >= 0 (0: room for 8 of the largest "
                         "head's gradients)",
-                        absl::StrCat(config.staged_grad_bytes >> 20));
+                        absl::StrCat(staged_grad_bytes >> 20));
   }
-  if (config.step_wait <= absl::ZeroDuration()) {
+  if (step_wait <= absl::ZeroDuration()) {
     return InvalidField("--step_wait_seconds", "a positive duration",
-                        absl::FormatDuration(config.step_wait));
+                        absl::FormatDuration(step_wait));
   }
-  if (config.max_call_ids <= 0) {
-    return InvalidField("--max_call_ids", "a count > 0", absl::StrCat(config.max_call_ids));
+  if (max_call_ids <= 0) {
+    return InvalidField("--max_call_ids", "a count > 0", absl::StrCat(max_call_ids));
   }
-  if (config.max_connection_age < absl::ZeroDuration()) {
+  if (max_connection_age < absl::ZeroDuration()) {
     return InvalidField("--max_connection_age_seconds", "0 (unlimited) or a positive duration",
-                        absl::FormatDuration(config.max_connection_age));
+                        absl::FormatDuration(max_connection_age));
   }
+  if (compute_memory_bytes < 0) {
+    return InvalidField("--compute_memory_mib", "a size in MiB >= 0 (0: follow the heads served)",
+                        absl::StrCat(compute_memory_bytes >> 20));
+  }
+  // 0 running calls would queue every Compute call for ever.
+  if (max_running_calls < 1) {
+    return InvalidField("--max_running_calls", "a count > 0", absl::StrCat(max_running_calls));
+  }
+  if (max_queued_calls < 0) {
+    return InvalidField("--max_queued_calls", "a count >= 0", absl::StrCat(max_queued_calls));
+  }
+  if (host_cache_bytes < 0) {
+    return InvalidField("--host_cache_mib", "a size in MiB >= 0 (0: keep none)",
+                        absl::StrCat(host_cache_bytes >> 20));
+  }
+  if (max_message_bytes < (int64_t{1} << 20) || max_message_bytes > (int64_t{2047} << 20)) {
+    return InvalidField("--max_message_mib", "a size in [1, 2047] MiB (gRPC's limit is an int)",
+                        absl::StrCat(max_message_bytes >> 20));
+  }
+  if (keep_checkpoints < 1) {
+    return InvalidField("--keep_checkpoints", "a count > 0", absl::StrCat(keep_checkpoints));
+  }
+  if (heads.empty() && (demo.vocab_size < 1 || demo.hidden_size < 1)) {
+    return InvalidField(demo.vocab_size < 1 ? "--demo_vocab_size" : "--demo_hidden_size",
+                        "a size > 0",
+                        absl::StrCat(demo.vocab_size < 1 ? demo.vocab_size : demo.hidden_size));
+  }
+  RETURN_IF_ERROR(ParseHeadSpecs(heads).status());
+  if (tls_cert_file.empty() != tls_key_file.empty()) {
+    return absl::InvalidArgumentError(tls_cert_file.empty()
+                                          ? "--tls_cert_file: required with --tls_key_file"
+                                          : "--tls_key_file: required with --tls_cert_file");
+  }
+  if (replicas < 1) {
+    return InvalidField("--replicas", "1 (a server alone) or more", absl::StrCat(replicas));
+  }
+  if (replicas == 1 && replica_rank != 0 && replica_rank != -1) {
+    return InvalidField("--replica_rank", "0 (or -1) without --replicas",
+                        absl::StrCat(replica_rank));
+  }
+  if (replicas > 1 &&
+      (replica_timeout <= absl::ZeroDuration() || replica_join <= absl::ZeroDuration())) {
+    return InvalidField(replica_timeout <= absl::ZeroDuration() ? "--replica_timeout_seconds"
+                                                                : "--replica_join_seconds",
+                        "a positive duration",
+                        absl::FormatDuration(std::min(replica_timeout, replica_join)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig& config,
+                                                              std::unique_ptr<Backend> backend) {
+  // What a misconfigured server fails on is checked before heads that may take minutes to load.
+  RETURN_IF_ERROR(config.Validate());
   std::string bearer_token;
   if (!config.token_file.empty()) {
     ASSIGN_OR_RETURN(bearer_token, ReadBearerToken(config.token_file));
-  }
-  if (config.replicas < 1) {
-    return InvalidField("--replicas", "1 (a server alone) or more", absl::StrCat(config.replicas));
   }
   std::unique_ptr<ReplicaGroup> replicas;
   if (config.replicas > 1) {
@@ -546,9 +556,6 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
     group.timeout = config.replica_timeout;
     group.step_wait = config.step_wait;
     ASSIGN_OR_RETURN(replicas, ReplicaGroup::Create(group));
-  } else if (config.replica_rank != 0 && config.replica_rank != -1) {
-    return InvalidField("--replica_rank", "0 (or -1) without --replicas",
-                        absl::StrCat(config.replica_rank));
   }
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
   if (!config.tls_cert_file.empty() || !config.tls_key_file.empty()) {

@@ -84,6 +84,11 @@ struct ServerConfig {
   std::string replica_store;                           // HOST:PORT of replica 0's gRPC port
   absl::Duration replica_join = absl::Minutes(10);     // forming the group at startup
   absl::Duration replica_timeout = absl::Seconds(60);  // a collective once all replicas are in
+
+  // Every setting checked against what it may be, naming its flag, before anything is opened or
+  // loaded: addresses, sizes, counts, durations, the --heads specs, the demo head's shape and the
+  // flags that go together. Files (token, certificate, heads) are read, and checked, by Start.
+  absl::Status Validate() const;
 };
 
 class LossServer {

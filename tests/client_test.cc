@@ -1356,8 +1356,8 @@ TEST(ClientPerTokenRuleTest, CoversEveryRepeatedFieldOfTheContract) {
 }
 
 // The server's side of the same rule: the engine produces exactly the one-value outputs the
-// contract names (LOSSD_TOKEN_OUTPUTS against ComputeResult's repeated fields that are not top_k_*),
-// so that no output can be asked for that nothing fills.
+// contract names (LOSSD_TOKEN_OUTPUTS against ComputeResult's repeated fields that are not
+// top_k_*), so that no output can be asked for that nothing fills.
 TEST(ClientPerTokenRuleTest, TheEngineProducesEveryOneValueOutputOfTheContract) {
   std::vector<std::string> engine;
 #define LOSSD_OUTPUT_NAME(type, name) engine.push_back(#name);

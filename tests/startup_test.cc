@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "lossd/kernels/half.h"
@@ -410,6 +411,82 @@ TEST_P(StartupRefusalTest, NamesWhatIsWrong) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Table, StartupRefusalTest, ::testing::ValuesIn(kRefusals),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// Settings ServerConfig::Validate refuses before anything is opened, each naming its flag; a
+// head that cannot load is configured too, so that it is not what the refusal names.
+struct BadSetting {
+  const char* name;
+  const char* why;
+  void (*set)(server::ServerConfig& config);
+  const char* message;
+};
+
+void PrintTo(const BadSetting& bad, std::ostream* os) { *os << bad.name; }
+
+// clang-format off
+const BadSetting kBadSettings[] = {
+    {"no_running_calls", "every call would wait in the queue for ever",
+     [](server::ServerConfig& c) { c.max_running_calls = 0; },
+     "--max_running_calls: expected a count > 0, got 0"},
+    {"negative_queue", "a queue cannot hold -1 calls",
+     [](server::ServerConfig& c) { c.max_queued_calls = -1; },
+     "--max_queued_calls: expected a count >= 0, got -1"},
+    {"negative_compute_memory", "-5 MiB is no budget",
+     [](server::ServerConfig& c) { c.compute_memory_bytes = int64_t{-5} << 20; },
+     "--compute_memory_mib: expected a size in MiB >= 0"},
+    {"negative_host_cache", "-1 MiB of idle buffers",
+     [](server::ServerConfig& c) { c.host_cache_bytes = int64_t{-1} << 20; },
+     "--host_cache_mib: expected a size in MiB >= 0"},
+    {"zero_message_size", "no message would fit",
+     [](server::ServerConfig& c) { c.max_message_bytes = 0; },
+     "--max_message_mib: expected a size in [1, 2047] MiB"},
+    {"message_size_past_int", "gRPC takes the limit as an int",
+     [](server::ServerConfig& c) { c.max_message_bytes = int64_t{4096} << 20; },
+     "--max_message_mib: expected a size in [1, 2047] MiB (gRPC's limit is an int), got 4096"},
+    {"keep_no_checkpoint", "a save would delete the checkpoint it wrote",
+     [](server::ServerConfig& c) { c.keep_checkpoints = 0; },
+     "--keep_checkpoints: expected a count > 0, got 0"},
+    {"empty_demo_head", "a [0, H] head serves nothing",
+     [](server::ServerConfig& c) { c.heads.clear(); c.demo.vocab_size = 0; },
+     "--demo_vocab_size: expected a size > 0, got 0"},
+    {"head_spec_without_path", "NAME= names no file",
+     [](server::ServerConfig& c) { c.heads = {"main="}; },
+     "--heads: expected NAME=PATH or NAME=PATH#TENSOR, got \"main=\""},
+    {"key_without_certificate", "TLS needs both",
+     [](server::ServerConfig& c) { c.tls_key_file = "/nonexistent/key.pem"; },
+     "--tls_cert_file: required with --tls_key_file"},
+    {"rank_without_group", "a rank only means something in a replica group",
+     [](server::ServerConfig& c) { c.replica_rank = 3; },
+     "--replica_rank: expected 0 (or -1) without --replicas, got 3"},
+    {"group_without_timeout", "a collective that may never end",
+     [](server::ServerConfig& c) { c.replicas = 2; c.replica_timeout = absl::ZeroDuration(); },
+     "--replica_timeout_seconds: expected a positive duration, got 0"},
+};
+// clang-format on
+
+class BadSettingTest : public ::testing::TestWithParam<BadSetting> {};
+
+TEST_P(BadSettingTest, IsRefusedByValidateAndStartNamingTheFlag) {
+  const BadSetting& bad = GetParam();
+  SCOPED_TRACE(bad.why);
+  ScratchDir dir("lossd_settings");
+  server::ServerConfig config;
+  config.listen_address = "127.0.0.1:0";
+  config.metrics_address = "";
+  config.demo = {"demo", kVocab, kHidden, 1};
+  config.heads = {"main=" + dir.path() + "/missing.safetensors"};
+  ASSERT_TRUE(config.Validate().ok()) << config.Validate();
+  bad.set(config);
+  const absl::Status validated = config.Validate();
+  EXPECT_EQ(validated.code(), kInvalid) << validated;
+  EXPECT_TRUE(absl::StrContains(validated.message(), bad.message)) << validated;
+  auto started = server::LossServer::Start(config, CreateBackend("cpu").value());
+  ASSERT_FALSE(started.ok()) << "the server started";
+  EXPECT_EQ(started.status(), validated);
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, BadSettingTest, ::testing::ValuesIn(kBadSettings),
                          [](const auto& info) { return std::string(info.param.name); });
 
 // A newest checkpoint the server would refuse (a step drove W to Inf before it was saved) is
