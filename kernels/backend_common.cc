@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <tuple>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
@@ -64,6 +65,8 @@ absl::string_view ObjectiveName(Objective objective) {
     case Objective::kCispo: return "cispo";
     case Objective::kLogprobGradient: return "logprob_gradient";
     case Objective::kDistill: return "distill";
+    case Objective::kDro: return "dro";
+    case Objective::kSapo: return "sapo";
   }
   return "unknown";
 }
@@ -113,10 +116,32 @@ absl::Status ValidatePolicyOptions(const LossOptions& o) {
                         "0 (none) or a bound in (0, 80] on |log r| (e^80 is finite in fp32)",
                         absl::StrCat(p.log_ratio_clamp));
   }
-  if (p.log_ratio_clamp != 0.0 && !IsPolicyObjective(o.objective)) {
+  if (p.log_ratio_clamp != 0.0 && !UsesRatio(o.objective)) {
     return InvalidField(
-        "policy.log_ratio_clamp", "0 unless the objective is importance_sampling, ppo or cispo",
+        "policy.log_ratio_clamp",
+        "0 unless the objective is importance_sampling, ppo, cispo or sapo",
         absl::StrCat(p.log_ratio_clamp, " with objective ", ObjectiveName(o.objective)));
+  }
+  if (!(p.dro_beta >= 0.0 && p.dro_beta <= FLT_MAX)) {
+    return InvalidField("policy.dro_beta", absl::StrCat("a value in [0, ", fp32_max, "] (fp32)"),
+                        absl::StrCat(p.dro_beta));
+  }
+  if (p.dro_beta != 0.0 && o.objective != Objective::kDro) {
+    return InvalidField("policy.dro_beta", "0 unless the objective is dro",
+                        absl::StrCat(p.dro_beta, " with objective ", ObjectiveName(o.objective)));
+  }
+  const PolicyOptions defaults;
+  for (const auto& [field, tau, default_tau] :
+       {std::tuple{"policy.sapo_tau_positive", p.sapo_tau_positive, defaults.sapo_tau_positive},
+        std::tuple{"policy.sapo_tau_negative", p.sapo_tau_negative, defaults.sapo_tau_negative}}) {
+    // 4 / tau and tau (r - 1) stay finite in fp32 for tau in [1e-6, 1e6] and r within fp32.
+    if (!(tau >= 1e-6 && tau <= 1e6)) {
+      return InvalidField(field, "a temperature in [1e-06, 1e+06]", absl::StrCat(tau));
+    }
+    if (tau != default_tau && o.objective != Objective::kSapo) {
+      return InvalidField(field, "its default unless the objective is sapo",
+                          absl::StrCat(tau, " with objective ", ObjectiveName(o.objective)));
+    }
   }
   if (p.kl_estimator != KlEstimator::kNone && p.kl_estimator != KlEstimator::kK1 &&
       p.kl_estimator != KlEstimator::kK2 && p.kl_estimator != KlEstimator::kK3) {
@@ -228,9 +253,10 @@ absl::Status ValidateOptions(const LossOptions& o) {
   }
   if (o.objective != Objective::kCrossEntropy && !IsPolicyObjective(o.objective) &&
       o.objective != Objective::kLogprobGradient && o.objective != Objective::kDistill) {
-    return InvalidField(
-        "objective", "cross_entropy, importance_sampling, ppo, cispo, logprob_gradient or distill",
-        absl::StrCat(static_cast<int>(o.objective)));
+    return InvalidField("objective",
+                        "cross_entropy, importance_sampling, ppo, cispo, dro, sapo, "
+                        "logprob_gradient or distill",
+                        absl::StrCat(static_cast<int>(o.objective)));
   }
   if (o.objective != Objective::kCrossEntropy && o.objective != Objective::kDistill &&
       o.label_smoothing != 0.0) {

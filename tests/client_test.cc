@@ -715,6 +715,21 @@ const ObjectiveCase kObjectiveCases[] = {
          [](v1::LossOptions& o) {
            SetPolicy(o, v1::OBJECTIVE_LOGPROB_GRADIENT, v1::REDUCTION_SUM);
          }},
+    // Tinker's DRO as Tinker reduces it: summed.
+    {.name = "dro_sum",
+     .options =
+         [](v1::LossOptions& o) {
+           SetPolicy(o, v1::OBJECTIVE_DRO, v1::REDUCTION_SUM);
+           o.mutable_policy()->set_dro_beta(0.3);
+         },
+     .token_weights = true},
+    {.name = "sapo_sequence_mean_token_mean",
+     .options =
+         [](v1::LossOptions& o) {
+           SetPolicy(o, v1::OBJECTIVE_SAPO, v1::REDUCTION_SEQUENCE_MEAN_TOKEN_MEAN);
+           o.mutable_policy()->set_sapo_tau_positive(0.7);
+           o.mutable_policy()->set_sapo_tau_negative(1.3);
+         }},
     // The KL and entropy terms on cross-entropy, with label smoothing.
     {.name = "cross_entropy_k2_entropy",
      .options =

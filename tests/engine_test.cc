@@ -156,6 +156,19 @@ LossOptions CispoOptions() {
   return o;
 }
 
+LossOptions DroOptions(Reduction reduction) {
+  LossOptions o = Policy(Objective::kDro, reduction);
+  o.policy.dro_beta = 0.7;
+  return o;
+}
+
+LossOptions SapoOptions(Reduction reduction) {
+  LossOptions o = Policy(Objective::kSapo, reduction);
+  o.policy.sapo_tau_positive = 0.8;
+  o.policy.sapo_tau_negative = 1.6;
+  return o;
+}
+
 LossOptions CrossEntropyWithKlAndEntropy() {
   LossOptions o;
   o.policy.kl_estimator = KlEstimator::kK2;
@@ -343,6 +356,35 @@ const EngineCase kCases[] = {
        s.ratio_targets = kRatioTargets;
        s.ignore_fraction = 0.1;
      }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"dro_sequence_token_sum", "Tinker's DRO: no ratio, the penalty's pull toward q both ways",
+     Spec(211, 48, 1700, [](ProblemSpec& s) {
+       s.options = DroOptions(Reduction::kSequenceMeanTokenSum);
+       s.ratio_targets = {0.05, 0.7, 1.0, 1.3, 20.0};
+       s.max_sequence_length = 40;
+       s.ignore_fraction = 0.1;
+     }), 1 * kMiB, Tiling::kTokenChunks, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"dro_bf16_tiled_kl", "dro on a bf16 head over vocabulary tiles, with a k2 KL penalty",
+     Spec(97, 64, 4099, [](ProblemSpec& s) {
+       s.hidden_dtype = DType::kBFloat16;
+       s.weight_dtype = DType::kBFloat16;
+       s.options = DroOptions(Reduction::kMean);
+       s.options.policy.kl_estimator = KlEstimator::kK2;
+       s.options.policy.kl_coef = 0.1;
+       s.ratio_targets = kRatioTargets;
+     }), 256 * kKiB, Tiling::kVocabTiles, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"sapo_gates_both_signs", "SAPO's soft gate, its own temperature on each side of A = 0",
+     Spec(150, 48, 1500, [](ProblemSpec& s) {
+       s.options = SapoOptions(Reduction::kSum);
+       s.ratio_targets = {0.3, 0.9, 1.0, 1.2, 4.0};
+       s.ignore_fraction = 0.1;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"sapo_clamped_sequence_token_mean", "the log-ratio clamp holds r at e^c with no gradient",
+     Spec(260, 48, 2100, [](ProblemSpec& s) {
+       s.options = SapoOptions(Reduction::kSequenceMeanTokenMean);
+       s.options.policy.log_ratio_clamp = 1.0;
+       s.ratio_targets = {0.1, 0.5, 1.0, 2.0, 9.0};
+       s.max_sequence_length = 60;
+     }), 1 * kMiB, Tiling::kTokenChunks, true, DType::kFloat32, kGradBound, kPolicyLossBound},
     {"ppo_k3_entropy_sequence_token_mean",
      "k3 KL and entropy bonus, seq-mean-token-mean, sequences across token chunks",
      Spec(701, 96, 5003, [](ProblemSpec& s) {

@@ -28,15 +28,31 @@ Term ObjectiveOf(const LossOptions& o, double logp, double q, double advantage, 
     t.derivative = given;
     return t;
   }
-  const double r = std::exp(logp - q);
+  if (o.objective == Objective::kDro) {
+    // Tinker's DRO (tinker-docs.thinkingmachines.ai/tinker/losses/dro):
+    //   dro_objective = target_logprobs * advantages - 0.5 * beta * (target_logprobs - q)^2,
+    //   loss = -dro_objective; no ratio.
+    const double gap = logp - q;
+    t.value = -(logp * advantage - 0.5 * p.dro_beta * gap * gap);
+    t.derivative = -advantage + p.dro_beta * gap;
+    return t;
+  }
+  // verl's log-ratio clamp: log r = clamp(logp - q, -c, c), whose derivative is 0 where it holds.
+  double log_ratio = logp - q;
+  double dr = 1.0;  // d r / dlogp = dr * r
+  if (p.log_ratio_clamp > 0 && std::abs(log_ratio) > p.log_ratio_clamp) {
+    log_ratio = std::copysign(p.log_ratio_clamp, log_ratio);
+    dr = 0.0;
+  }
+  const double r = std::exp(log_ratio);
   const double low = 1 - p.clip_low;
   const double high = 1 + p.clip_high;
   const double clipped = std::min(std::max(r, low), high);
-  const double dclipped = (r > low && r < high) ? r : 0.0;  // d clip(r) / dlogp
+  const double dclipped = (r > low && r < high) ? dr * r : 0.0;  // d clip(r) / dlogp
   t.ratio = r;
   if (o.objective == Objective::kImportanceSampling) {
     t.value = -r * advantage;
-    t.derivative = -r * advantage;
+    t.derivative = -dr * r * advantage;
   } else if (o.objective == Objective::kPpo) {
     const double unclipped_branch = r * advantage;
     const double clipped_branch = clipped * advantage;
@@ -46,13 +62,21 @@ Term ObjectiveOf(const LossOptions& o, double logp, double q, double advantage, 
       t.clip = static_cast<int32_t>(r > high ? ClipState::kHigh : ClipState::kLow);
     } else {
       t.value = -unclipped_branch;
-      t.derivative = -r * advantage;
+      t.derivative = -dr * r * advantage;
     }
     if (p.dual_clip > 0 && advantage < 0 && -p.dual_clip * advantage < t.value) {
       t.value = -p.dual_clip * advantage;
       t.derivative = 0.0;
       t.clip = static_cast<int32_t>(ClipState::kDual);
     }
+  } else if (o.objective == Objective::kSapo) {
+    // SAPO (Gao et al. 2025, arXiv 2511.20347, eq. of the soft gate; verl's policy loss "sapo"):
+    //   tau = tau_pos if A > 0 else tau_neg, gate = sigmoid(tau (r - 1)) * 4 / tau,
+    //   loss = -gate * A; d gate / dlogp = 4 sigmoid' r = 4 s (1 - s) r.
+    const double tau = advantage > 0 ? p.sapo_tau_positive : p.sapo_tau_negative;
+    const double s = 1.0 / (1.0 + std::exp(-tau * (r - 1.0)));
+    t.value = -s * 4.0 / tau * advantage;
+    t.derivative = -4.0 * s * (1.0 - s) * dr * r * advantage;
   } else if (o.objective == Objective::kCispo) {
     t.value = -clipped * advantage * logp;
     t.derivative = -clipped * advantage;

@@ -710,6 +710,10 @@ absl::Status LossOptionsFromFlags(const Flags& flags, v1::LossOptions& options) 
   SetIfGiven(flags, "clip_low", [&](double v) { policy.set_clip_low(v); });
   SetIfGiven(flags, "clip_high", [&](double v) { policy.set_clip_high(v); });
   policy.set_dual_clip(flags.Double("dual_clip"));
+  policy.set_log_ratio_clamp(flags.Double("log_ratio_clamp"));
+  policy.set_dro_beta(flags.Double("dro_beta"));
+  SetIfGiven(flags, "sapo_tau_positive", [&](double v) { policy.set_sapo_tau_positive(v); });
+  SetIfGiven(flags, "sapo_tau_negative", [&](double v) { policy.set_sapo_tau_negative(v); });
   ASSIGN_OR_RETURN(const int estimator,
                    EnumFlag(flags, "kl_estimator", *v1::KlEstimator_descriptor(), "KL_ESTIMATOR_"));
   policy.set_kl_estimator(static_cast<v1::KlEstimator>(estimator));
@@ -1394,9 +1398,10 @@ const std::vector<Subcommand>& Subcommands() {
                       EnumChoices(*v1::Objective_descriptor(), "OBJECTIVE_"))},
         {"sampling_logprobs", FlagKind::kString, "",
          "FILE.npy (<f4, one per row): the sampler's log-probabilities q_i (importance_sampling, "
-         "ppo, cispo)"},
+         "ppo, cispo, dro, sapo)"},
         {"advantages", FlagKind::kString, "",
-         "FILE.npy (<f4, one per row): the advantages A_i (importance_sampling, ppo, cispo)"},
+         "FILE.npy (<f4, one per row): the advantages A_i (importance_sampling, ppo, cispo, dro, "
+         "sapo)"},
         {"reference_logprobs", FlagKind::kString, "",
          "FILE.npy (<f4, one per row): the reference policy's log-probabilities (--kl_estimator)"},
         {"logprob_grads", FlagKind::kString, "",
@@ -1404,7 +1409,14 @@ const std::vector<Subcommand>& Subcommands() {
         {"clip_low", FlagKind::kDouble, "", "ppo and cispo: eps_low in [0, 1] (default 0.2)"},
         {"clip_high", FlagKind::kDouble, "", "ppo and cispo: eps_high >= 0 (default 0.2)"},
         {"dual_clip", FlagKind::kDouble, "0",
-         "ppo: the dual-clip bound c > 1 of negative advantages; 0: off"},
+         "ppo: the dual-clip bound c > 1 of negative advantages (INTELLECT-2's delta); 0: off"},
+        {"log_ratio_clamp", FlagKind::kDouble, "0",
+         "importance_sampling, ppo, cispo, sapo: clamps log r_i to [-c, c] (verl's 20); 0: off"},
+        {"dro_beta", FlagKind::kDouble, "0", "dro: the quadratic penalty's beta >= 0"},
+        {"sapo_tau_positive", FlagKind::kDouble, "",
+         "sapo: the gate's temperature where A_i > 0 (default 1)"},
+        {"sapo_tau_negative", FlagKind::kDouble, "",
+         "sapo: the gate's temperature where A_i <= 0 (default 1.05)"},
         {"kl_estimator", FlagKind::kString, "none",
          absl::StrCat("KL to the reference policy per token: ",
                       EnumChoices(*v1::KlEstimator_descriptor(), "KL_ESTIMATOR_"),

@@ -85,9 +85,9 @@ absl::Status ParseObjectiveInputs(const v1::ComputeStart& start, CallSpec& spec)
   };
   const Input inputs[] = {
       {"sampling_logprobs", start.sampling_logprobs(), IsPolicyObjective(options.objective),
-       "importance_sampling, ppo and cispo", &spec.sampling_logprobs},
+       kPolicyObjectiveNames, &spec.sampling_logprobs},
       {"advantages", start.advantages(), IsPolicyObjective(options.objective),
-       "importance_sampling, ppo and cispo", &spec.advantages},
+       kPolicyObjectiveNames, &spec.advantages},
       {"reference_logprobs", start.reference_logprobs(),
        options.policy.kl_estimator != KlEstimator::kNone, "a policy.kl_estimator",
        &spec.reference_logprobs},

@@ -63,10 +63,13 @@ absl::StatusOr<LossOptions> FromProto(const v1::LossOptions& p) {
     case v1::OBJECTIVE_CISPO: o.objective = Objective::kCispo; break;
     case v1::OBJECTIVE_LOGPROB_GRADIENT: o.objective = Objective::kLogprobGradient; break;
     case v1::OBJECTIVE_DISTILL: o.objective = Objective::kDistill; break;
+    case v1::OBJECTIVE_DRO: o.objective = Objective::kDro; break;
+    case v1::OBJECTIVE_SAPO: o.objective = Objective::kSapo; break;
     default:
       return InvalidField("options.objective",
                           "OBJECTIVE_CROSS_ENTROPY, OBJECTIVE_IMPORTANCE_SAMPLING, OBJECTIVE_PPO, "
-                          "OBJECTIVE_CISPO, OBJECTIVE_LOGPROB_GRADIENT or OBJECTIVE_DISTILL",
+                          "OBJECTIVE_CISPO, OBJECTIVE_LOGPROB_GRADIENT, OBJECTIVE_DISTILL, "
+                          "OBJECTIVE_DRO or OBJECTIVE_SAPO",
                           absl::StrCat(static_cast<int>(p.objective())));
   }
   const v1::DistillOptions& distill = p.distill();
@@ -102,6 +105,9 @@ absl::StatusOr<LossOptions> FromProto(const v1::LossOptions& p) {
   if (policy.has_clip_high()) o.policy.clip_high = policy.clip_high();
   o.policy.dual_clip = policy.dual_clip();
   o.policy.log_ratio_clamp = policy.log_ratio_clamp();
+  o.policy.dro_beta = policy.dro_beta();
+  if (policy.has_sapo_tau_positive()) o.policy.sapo_tau_positive = policy.sapo_tau_positive();
+  if (policy.has_sapo_tau_negative()) o.policy.sapo_tau_negative = policy.sapo_tau_negative();
   o.policy.kl_coef = policy.kl_coef();
   o.policy.entropy_coef = policy.entropy_coef();
   if (p.has_ignore_index()) o.ignore_index = p.ignore_index();

@@ -100,9 +100,19 @@ def torch_policy_loss(hidden, weight, labels, inputs, spec, lengths):
             dual = (a < 0) & (term > bound)
             term = torch.where(a < 0, torch.minimum(term, bound), term)
             clipped = clipped | dual
-    else:  # cispo: the clipped ratio is a constant weight
+    elif objective == "cispo":  # the clipped ratio is a constant weight
         term = -clipped_ratio.detach() * a * logp
         clipped = (ratio > 1 + CLIP_HIGH) | (ratio < 1 - CLIP_LOW)
+    elif objective == "dro":
+        # Tinker's DRO (tinker-docs.thinkingmachines.ai/tinker/losses/dro), per token:
+        #   quadratic_term = (target_logprobs - sampling_logprobs) ** 2
+        #   dro_objective = target_logprobs * advantages - 0.5 * beta * quadratic_term
+        #   loss = -dro_objective; it reports no ratio.
+        term = -(logp * a - 0.5 * spec["dro_beta"] * (logp - q) ** 2)
+        ratio = torch.zeros_like(ratio)
+    else:  # sapo (arXiv 2511.20347; verl's "sapo"): a soft gate, its temperature by A's sign
+        tau = torch.where(a > 0, spec["sapo_tau_positive"], spec["sapo_tau_negative"])
+        term = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a
     kl = torch.zeros_like(logp)
     if spec.get("kl_estimator"):
         delta = torch.as_tensor(inputs["reference_logprobs"]).double() - logp
@@ -137,7 +147,12 @@ CASES = {
         reduction="seq-mean-token-sum"),
     "ppo_none_random_upstream": dict(objective="ppo", kl_estimator="k3", kl_coef=0.05,
                                      reduction="none", upstream="random"),
+    "dro_seq_token_sum": dict(objective="dro", dro_beta=0.5, reduction="seq-mean-token-sum"),
+    "sapo_k3_token_mean": dict(objective="sapo", sapo_tau_positive=0.9, sapo_tau_negative=1.2,
+                               kl_estimator="k3", kl_coef=0.05, reduction="token-mean"),
 }
+# The objectives whose terms clip (ppo's branches, cispo's weight); the others never do.
+CLIPPING = ("ppo", "cispo")
 
 
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["messages", "shared_memory"])
@@ -195,9 +210,12 @@ def test_policy_objectives_match_torch(client, head, case, shared_memory):
     counted = labels != -100
     assert result.counted_tokens == counted.sum().item()
     assert result.clip_fraction == pytest.approx(stats["clip_fraction"], abs=1e-12)
-    assert (result.clip_fraction > 0) == (spec["objective"] != "importance_sampling")
+    assert (result.clip_fraction > 0) == (spec["objective"] in CLIPPING)
     assert np.array_equal(result.clip != lossd.CLIP_NONE, stats["clipped"].numpy())
-    assert relative_error(result.ratio, stats["ratio"]) < 1e-5
+    if spec["objective"] == "dro":
+        assert not result.ratio.any()
+    else:
+        assert relative_error(result.ratio, stats["ratio"]) < 1e-5
     if spec.get("kl_estimator"):
         assert result.mean_kl == pytest.approx(stats["mean_kl"], rel=1e-4, abs=1e-6)
 
@@ -295,3 +313,88 @@ def test_objective_inputs_are_checked(client, head):
     with pytest.raises(ValueError, match="advantages"):
         client.compute(head.head, hidden, labels, objective="ppo", advantages=np.ones(9),
                        sampling_logprobs=np.zeros(10))
+
+
+def tinker_reference(loss_fn, config, logp, inputs):
+    """Tinker's losses as its documentation writes them (tinker-docs.thinkingmachines.ai/tinker/
+    losses and its pages per loss), per token, summed; the weights applied as a mask."""
+    q = torch.as_tensor(inputs.get("logprobs", np.zeros(len(logp)))).double()
+    a = torch.as_tensor(inputs.get("advantages", np.zeros(len(logp)))).double()
+    weights = torch.as_tensor(inputs.get("weights", np.ones(len(logp)))).double()
+    prob_ratio = torch.exp(logp - q)
+    low = config.get("clip_low_threshold", 0.8)
+    high = config.get("clip_high_threshold", 1.2)
+    if loss_fn == "cross_entropy":
+        per_token = -logp
+    elif loss_fn == "importance_sampling":
+        per_token = -(prob_ratio * a)
+    elif loss_fn == "ppo":
+        clipped_ratio = torch.clamp(prob_ratio, low, high)
+        per_token = -torch.min(prob_ratio * a, clipped_ratio * a)
+    elif loss_fn == "cispo":
+        clipped_ratio = torch.clamp(prob_ratio, low, high)
+        per_token = -(clipped_ratio.detach() * logp * a)
+    else:  # dro
+        per_token = -(logp * a - 0.5 * config["beta"] * (logp - q) ** 2)
+    return (per_token * weights).sum()
+
+
+TINKER_CASES = {
+    "cross_entropy_weights": ("cross_entropy", {}),
+    "importance_sampling": ("importance_sampling", {}),
+    "ppo_thresholds": ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.28}),
+    "cispo_default_thresholds": ("cispo", {}),
+    "dro_beta": ("dro", {"beta": 0.4}),
+}
+
+
+@pytest.mark.parametrize("case", TINKER_CASES)
+def test_tinker_losses_by_name_match_tinkers_definitions(client, head, case):
+    """lossd.tinker's options and inputs give Tinker's summed losses, as its documentation defines
+    them, with their gradients: a Tinker loss configuration works unchanged."""
+    loss_fn, config = TINKER_CASES[case]
+    rng = np.random.default_rng()
+    hidden = torch.randn(NUM_TOKENS, HIDDEN)
+    target_tokens = torch.randint(0, VOCAB, (NUM_TOKENS,))
+    weight = head.fetch_weight()
+    exact_logp = F.log_softmax(torch_logits(hidden.double(), weight.double()), -1).gather(
+        1, target_tokens[:, None])[:, 0].numpy()
+    inputs = {"weights": (rng.random(NUM_TOKENS) < 0.8).astype(np.float32)}
+    if loss_fn != "cross_entropy":
+        inputs["logprobs"] = (exact_logp - np.log(RATIO_TARGETS[np.arange(NUM_TOKENS) % 10])
+                              ).astype(np.float32)
+        inputs["advantages"] = rng.uniform(-2, 2, NUM_TOKENS).astype(np.float32)
+    head.zero_grad()
+    result = client.compute(head.head, hidden.numpy(), target_tokens.numpy(),
+                            options=lossd.tinker.loss_options(loss_fn, config),
+                            **lossd.tinker.loss_inputs(loss_fn, inputs),
+                            outputs=["logprob", "grad_hidden"], accumulate_grad_weight=True)
+
+    h = hidden.double().requires_grad_()
+    w = weight.double().requires_grad_()
+    logp = F.log_softmax(torch_logits(h, w), -1).gather(1, target_tokens[:, None])[:, 0]
+    expected = tinker_reference(loss_fn, config, logp, inputs)
+    expected.backward()
+    scale = (logp.detach().abs() * (1 + torch.as_tensor(inputs.get("advantages", 0)).abs())
+             ).sum().item()
+    assert abs(result.loss - expected.item()) <= LOSS_RTOL * scale
+    assert relative_error(result.grad_hidden, h.grad) < GRAD_RTOL
+    assert relative_error(head.fetch_grad_weight(), w.grad) < GRAD_RTOL
+    # Tinker's output tensor "logprobs": every token's, masked or not.
+    assert np.abs(result.logprob - exact_logp).max() < 1e-4
+
+
+@pytest.mark.parametrize("loss_fn, config, inputs, message", [
+    ("grpo", {}, {}, "loss_fn: expected one of cross_entropy"),
+    ("ppo", {"clip_ratio": 0.2}, {}, "loss_fn_config['clip_ratio']: ppo takes clip_low_threshold"),
+    ("cross_entropy", {"beta": 0.1}, {}, "loss_fn_config['beta']: cross_entropy takes no keys"),
+    ("dro", {}, {}, "loss_fn_config['beta']: dro needs"),
+    ("ppo", {"clip_low_threshold": 1.5}, {}, "clip_low_threshold']: expected a ratio in [0, 1]"),
+    ("ppo", {}, {"logprobs": [0.0]}, "loss_fn_inputs['advantages']: ppo needs it"),
+    ("cross_entropy", {}, {"advantages": [0.0]}, "loss_fn_inputs['advantages']: cross_entropy reads"),
+])
+def test_tinker_names_refuse_what_tinker_would_not_take(loss_fn, config, inputs, message):
+    with pytest.raises(ValueError) as error:
+        lossd.tinker.loss_options(loss_fn, config)
+        lossd.tinker.loss_inputs(loss_fn, inputs)
+    assert message in str(error.value)

@@ -445,6 +445,53 @@ const BadRow kBadRows[] = {
        StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_CISPO);
        PolicyOf(s).set_dual_clip(3.0);
      }},
+    {"dro_beta_negative", "a penalty that pushes logp away from q", Rpc::kCompute, kInvalid,
+     "options.policy.dro_beta",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_DRO);
+       PolicyOf(s).set_dro_beta(-0.5);
+     }},
+    {"dro_beta_under_ppo", "beta is dro's alone", Rpc::kCompute, kInvalid,
+     "options.policy.dro_beta",
+     [](Script& s) {
+       MakePpo(s);
+       PolicyOf(s).set_dro_beta(0.5);
+     }},
+    {"log_ratio_clamp_under_dro", "dro has no ratio to clamp", Rpc::kCompute, kInvalid,
+     "options.policy.log_ratio_clamp",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_DRO);
+       PolicyOf(s).set_log_ratio_clamp(20.0);
+     }},
+    {"dro_without_advantages", "dro reads A", Rpc::kCompute, kInvalid, "advantages",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_DRO);
+       StartOf(s).clear_advantages();
+     }},
+    {"sapo_tau_zero", "4 / tau would be Inf", Rpc::kCompute, kInvalid,
+     "options.policy.sapo_tau_positive",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_SAPO);
+       PolicyOf(s).set_sapo_tau_positive(0.0);
+     }},
+    {"sapo_tau_nan", "a NaN temperature", Rpc::kCompute, kInvalid,
+     "options.policy.sapo_tau_negative",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_SAPO);
+       PolicyOf(s).set_sapo_tau_negative(kNaN);
+     }},
+    {"sapo_tau_under_cispo", "the gate's temperatures are sapo's alone", Rpc::kCompute, kInvalid,
+     "options.policy.sapo_tau_negative",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_CISPO);
+       PolicyOf(s).set_sapo_tau_negative(2.0);
+     }},
     {"entropy_coef_inf", "an infinite entropy bonus", Rpc::kCompute, kInvalid,
      "options.policy.entropy_coef",
      [](Script& s) { PolicyOf(s).set_entropy_coef(kInf); }},

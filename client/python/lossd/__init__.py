@@ -4,7 +4,8 @@ lossd.Client is the numpy-level client (one method per RPC); lossd.torch.RemoteH
 torch.nn.Module whose forward returns the loss and whose backward gives dL/dh, with W, its
 gradient and its optimizer state living on the server; lossd.hf.offload_head makes a transformers
 causal LM compute its loss that way in one call. lossd.torch and lossd.hf are imported on demand
-so that scoring clients need neither torch nor transformers.
+so that scoring clients need neither torch nor transformers. lossd.tinker names Tinker's losses
+and their configuration.
 """
 from lossd._version import __version__
 from lossd.client import (CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE, OBJECTIVES, OUTPUT_NAMES,
@@ -13,10 +14,11 @@ from lossd.client import (CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE, OBJECTIVES,
 from lossd._address import Target, parse_target, replica_address
 from lossd.options import DistillOptions, LossOptions, PolicyOptions
 from lossd._tensors import bfloat16_bits_to_float32, float32_to_bfloat16_bits
+from lossd import tinker
 
 __all__ = ["__version__", "CLIP_DUAL", "CLIP_HIGH", "CLIP_LOW", "CLIP_NONE", "Client",
            "DistillOptions", "EmbeddingRows", "GradNormInfo", "HeadInfo", "LossOptions",
            "PolicyOptions", "LossdError", "LossResult", "OBJECTIVES", "OUTPUT_NAMES",
            "RetryPolicy", "SPARSE_TEACHER_MASSES", "StepInfo", "Target",
            "bfloat16_bits_to_float32", "float32_to_bfloat16_bits", "parse_target",
-           "replica_address"]
+           "replica_address", "tinker"]

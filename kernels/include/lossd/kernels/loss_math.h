@@ -238,13 +238,19 @@ struct ObjectiveTerm {
 // The term of a non-cross-entropy objective (types.h). With r = e^(logp - q), dr/dlogp = r:
 // importance sampling d = -r A; ppo d = -r A where the unclipped branch is taken and 0 where the
 // clipped one or the dual-clip bound is (both constant in logp); cispo d = -clip(r) A, its weight
-// held constant.
+// held constant; dro d = -(A - beta (logp - q)); sapo d = -4 s (1 - s) r A.
 LOSSD_HD ObjectiveTerm PolicyObjectiveTerm(Objective objective, double logprob, const RowInputs& in,
                                            const PolicyOptions& p) {
   ObjectiveTerm t;
   if (objective == Objective::kLogprobGradient) {
     t.value = in.logprob_grad * logprob;
     t.logprob_grad = in.logprob_grad;
+    return t;
+  }
+  if (objective == Objective::kDro) {
+    const double gap = logprob - in.sampling_logprob;
+    t.value = -(in.advantage * logprob - 0.5 * p.dro_beta * gap * gap);
+    t.logprob_grad = -(in.advantage - p.dro_beta * gap);
     return t;
   }
   const double a = in.advantage;
@@ -289,6 +295,14 @@ LOSSD_HD ObjectiveTerm PolicyObjectiveTerm(Objective objective, double logprob, 
       t.logprob_grad = -clipped * a;
       t.clip = r > high ? ClipState::kHigh : (r < low ? ClipState::kLow : ClipState::kNone);
       break;
+    case Objective::kSapo: {
+      // f(r) = (4 / tau) s, s = sigmoid(tau (r - 1)); df/dlogp = 4 s (1 - s) r.
+      const double tau = a > 0.0 ? p.sapo_tau_positive : p.sapo_tau_negative;
+      const double s = 1.0 / (1.0 + std::exp(-tau * (r - 1.0)));
+      t.value = -(4.0 / tau) * s * a;
+      t.logprob_grad = -4.0 * s * (1.0 - s) * r * a * r_slope;
+      break;
+    }
     default: break;
   }
   return t;

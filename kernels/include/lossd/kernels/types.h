@@ -8,6 +8,9 @@
 //                ppo:                 -min(r_i A_i, clip(r_i, 1 - eps_low, 1 + eps_high) A_i), and
 //                                     with dual clip c, for A_i < 0: min(that, -c A_i)
 //                cispo:               -sg(clip(r_i, 1 - eps_low, 1 + eps_high)) A_i logp_i
+//                dro:                 -(A_i logp_i - beta_dro / 2 (logp_i - q_i)^2)  (Tinker's DRO)
+//                sapo:                -(4 / tau) sigmoid(tau (r_i - 1)) A_i, tau = tau_+ where
+//                                     A_i > 0 and tau_- elsewhere (SAPO's soft gate)
 //                logprob_gradient:    g_i logp_i, so that dL/dlogp_i = g_i (a caller's own loss)
 //                distill:             alpha CE_i + (1 - alpha) KD_i against a teacher (see
 //                                     DistillOptions), without the KL and entropy terms
@@ -57,13 +60,23 @@ enum class Objective : int {
   kCispo = 3,
   kLogprobGradient = 4,
   kDistill = 5,
+  kDro = 6,
+  kSapo = 7,
 };
 absl::string_view ObjectiveName(Objective objective);
 // Whether the objective reads sampling log-probabilities and advantages.
 constexpr bool IsPolicyObjective(Objective objective) {
   return objective == Objective::kImportanceSampling || objective == Objective::kPpo ||
-         objective == Objective::kCispo;
+         objective == Objective::kCispo || objective == Objective::kDro ||
+         objective == Objective::kSapo;
 }
+// Whether the objective's term goes through the ratio r_i (dro's does not: it reads logp_i - q_i
+// in its quadratic penalty, and reports no ratio).
+constexpr bool UsesRatio(Objective objective) {
+  return IsPolicyObjective(objective) && objective != Objective::kDro;
+}
+// The policy objectives by name, for messages.
+inline constexpr char kPolicyObjectiveNames[] = "importance_sampling, ppo, cispo, dro or sapo";
 
 // Estimators of KL(policy || reference) at the sampled token from delta = logp_ref - logp
 // (Schulman's k1, k2, k3; verl's "kl", "mse", "low_var_kl" without its clamp):
@@ -88,6 +101,9 @@ struct PolicyOptions {
   // c > 0: log r = logp - q is clamped to [-c, c] before exp (verl's 20), and r is constant in
   // logp where the clamp holds; 0: none (a non-finite r fails the row).
   double log_ratio_clamp = 0.0;
+  double dro_beta = 0.0;            // dro: the quadratic penalty's beta >= 0 (Tinker's "beta")
+  double sapo_tau_positive = 1.0;   // sapo: the gate's temperature where A > 0 (verl's 1.0)
+  double sapo_tau_negative = 1.05;  // sapo: where A <= 0 (verl's 1.05)
 };
 
 // What a sparse teacher's distribution does with the mass outside its top-k (DistillOptions).
@@ -187,8 +203,8 @@ struct BatchInputs {
   const float* token_weights = nullptr;  // [num_tokens] or null for all ones
   // Per-token inputs of the objectives, [num_tokens] each, read only where the objective or term
   // uses them and only on rows that are not ignored.
-  const float* sampling_logprobs = nullptr;   // q_i: importance_sampling, ppo, cispo
-  const float* advantages = nullptr;          // A_i: importance_sampling, ppo, cispo
+  const float* sampling_logprobs = nullptr;   // q_i: the policy objectives
+  const float* advantages = nullptr;          // A_i: the policy objectives
   const float* reference_logprobs = nullptr;  // logp_ref_i: with a KL estimator
   const float* logprob_grads = nullptr;       // g_i: logprob_gradient
   // [num_tokens] with a sequence reduction: each row's factor in the reduced loss, 1 / S or
