@@ -267,6 +267,85 @@ TEST_F(ClientTest, ShiftedLabelsAndTheHeadsSoftCapReachTheServer) {
   EXPECT_EQ(client::ToFloat32(a->grad_hidden), client::ToFloat32(b->grad_hidden));
 }
 
+// A rollout correction reaches the server through the C++ client, with verl's weights (computed
+// here from their definition): a call with the engine's log-probabilities gives exactly the bits
+// of the same call whose advantages the test multiplied by rho_i = min(exp(q_i - mu_i), C), summed
+// or averaged over each sequence for the sequence levels.
+TEST_F(ClientTest, RolloutCorrectionWeightsEachTokensPolicyTermByTheTruncatedRatio) {
+  const Client client = Connect(OptionsFor(server_->port()));
+  UploadRandomHead(client, "rollout");
+  const int64_t n = 150;
+  const std::vector<int64_t> lengths = {40, 1, 70, 39};
+  const std::vector<float> hidden = RandomNormal(n * kHidden, 1.0f, rng_);
+  const std::vector<int64_t> labels = RandomLabels(n, kVocab, 0.1, rng_);
+  const std::vector<float> q = RandomNormal(n, 1.0f, rng_);
+  std::vector<float> sampling(n), mu(n), advantages = RandomNormal(n, 1.0f, rng_);
+  const std::vector<float> noise = RandomNormal(n, 0.3f, rng_);
+  for (int64_t i = 0; i < n; ++i) {
+    sampling[i] = q[i] - 6.0f;
+    // The first sequence's engine far below the old policy: its weights meet the cap at every
+    // level; the others' stay near 1.
+    mu[i] = sampling[i] + noise[i] - (i < lengths[0] ? 0.5f : 0.0f);
+  }
+  const double cap = 1.3;
+  for (const auto correction : {v1::ROLLOUT_CORRECTION_TOKEN, v1::ROLLOUT_CORRECTION_SEQUENCE,
+                                v1::ROLLOUT_CORRECTION_GEOMETRIC}) {
+    SCOPED_TRACE(v1::RolloutCorrection_Name(correction));
+    std::vector<double> log_rho(n, 0.0);
+    for (int64_t i = 0; i < n; ++i) {
+      if (labels[i] != -100) log_rho[i] = static_cast<double>(sampling[i]) - mu[i];
+    }
+    if (correction != v1::ROLLOUT_CORRECTION_TOKEN) {
+      for (int64_t first = 0; const int64_t length : lengths) {
+        double sum = 0.0;
+        int64_t kept = 0;
+        for (int64_t i = first; i < first + length; ++i) {
+          sum += log_rho[i];
+          kept += labels[i] != -100;
+        }
+        const double geometric = sum / std::max<int64_t>(kept, 1);
+        for (int64_t i = first; i < first + length; ++i) {
+          log_rho[i] = correction == v1::ROLLOUT_CORRECTION_SEQUENCE ? sum : geometric;
+        }
+        first += length;
+      }
+    }
+    std::vector<float> weighted(n);
+    double rho_sum = 0.0;
+    int64_t counted = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const double rho = std::min(std::exp(log_rho[i]), cap);
+      weighted[i] = labels[i] != -100 ? static_cast<float>(rho * advantages[i]) : advantages[i];
+      if (labels[i] != -100) {
+        rho_sum += rho;
+        ++counted;
+      }
+    }
+    ComputeRequest corrected = Fp32Request("rollout", hidden, labels);
+    corrected.options.set_objective(v1::OBJECTIVE_PPO);
+    corrected.options.set_reduction(v1::REDUCTION_SEQUENCE_MEAN_TOKEN_MEAN);
+    corrected.sequence_lengths = lengths;
+    corrected.sampling_logprobs = sampling;
+    corrected.advantages = advantages;
+    corrected.outputs.set_token_loss(true);
+    corrected.outputs.set_grad_hidden(true);
+    ComputeRequest by_hand = corrected;
+    corrected.rollout_logprobs = mu;
+    corrected.options.mutable_policy()->set_rollout_correction(correction);
+    corrected.options.mutable_policy()->set_rollout_is_cap(cap);
+    by_hand.advantages = weighted;
+    const absl::StatusOr<ComputeResult> a = client.Compute(corrected);
+    const absl::StatusOr<ComputeResult> b = client.Compute(by_hand);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    ExpectSameResults(*a, *b);
+    EXPECT_EQ(client::ToFloat32(a->grad_hidden), client::ToFloat32(b->grad_hidden));
+    EXPECT_NEAR(a->summary.mean_rollout_is_weight(), rho_sum / counted, 1e-12);
+    EXPECT_GT(a->summary.rollout_is_truncated_fraction(), 0.0);
+    EXPECT_LT(a->summary.rollout_is_truncated_fraction(), 1.0);
+  }
+}
+
 TEST_F(ClientTest, BatchLargerThanTheMessageLimitStreamsBothWaysAtOnce) {
   // Both ends limited to 1 MiB messages; 16 MiB of hidden rows go out and 16 MiB of dL/dh come
   // back. Results stream back while rows are still being sent; a client that sent everything before

@@ -187,7 +187,8 @@ absl::Status ValidateComputeRequest(const ComputeRequest& request) {
         {"sampling_logprobs", request.sampling_logprobs.size()},
         {"advantages", request.advantages.size()},
         {"reference_logprobs", request.reference_logprobs.size()},
-        {"logprob_grads", request.logprob_grads.size()}}) {
+        {"logprob_grads", request.logprob_grads.size()},
+        {"rollout_logprobs", request.rollout_logprobs.size()}}) {
     if (size != 0 && static_cast<int64_t>(size) != hidden.rows) {
       return InvalidField(name, absl::StrCat("0 or ", hidden.rows, " entries (hidden.rows)"),
                           absl::StrCat(size));
@@ -262,6 +263,7 @@ v1::ComputeRequest StartMessage(const ComputeRequest& request) {
   add(request.advantages, start.mutable_advantages());
   add(request.reference_logprobs, start.mutable_reference_logprobs());
   add(request.logprob_grads, start.mutable_logprob_grads());
+  add(request.rollout_logprobs, start.mutable_rollout_logprobs());
   start.set_call_id(!request.call_id.empty()                   ? request.call_id
                     : request.outputs.accumulate_grad_weight() ? NewCallId()
                                                                : std::string());

@@ -714,6 +714,11 @@ absl::Status LossOptionsFromFlags(const Flags& flags, v1::LossOptions& options) 
   policy.set_dro_beta(flags.Double("dro_beta"));
   SetIfGiven(flags, "sapo_tau_positive", [&](double v) { policy.set_sapo_tau_positive(v); });
   SetIfGiven(flags, "sapo_tau_negative", [&](double v) { policy.set_sapo_tau_negative(v); });
+  ASSIGN_OR_RETURN(const int correction,
+                   EnumFlag(flags, "rollout_correction", *v1::RolloutCorrection_descriptor(),
+                            "ROLLOUT_CORRECTION_"));
+  policy.set_rollout_correction(static_cast<v1::RolloutCorrection>(correction));
+  SetIfGiven(flags, "rollout_is_cap", [&](double v) { policy.set_rollout_is_cap(v); });
   ASSIGN_OR_RETURN(const int estimator,
                    EnumFlag(flags, "kl_estimator", *v1::KlEstimator_descriptor(), "KL_ESTIMATOR_"));
   policy.set_kl_estimator(static_cast<v1::KlEstimator>(estimator));
@@ -739,7 +744,7 @@ struct ComputeInputs {
   std::vector<int64_t> labels;
   std::vector<int64_t> sequence_lengths;
   std::vector<float> token_weights, sampling_logprobs, advantages, reference_logprobs,
-      logprob_grads;
+      logprob_grads, rollout_logprobs;
   Tensor teacher_hidden;
   std::vector<int32_t> teacher_top_k_tokens;
   std::vector<float> teacher_top_k_logprobs;
@@ -804,7 +809,8 @@ absl::StatusOr<ComputeInputs> ReadComputeInputs(const Flags& flags, const HeadIn
         {"sampling_logprobs", &inputs.sampling_logprobs},
         {"advantages", &inputs.advantages},
         {"reference_logprobs", &inputs.reference_logprobs},
-        {"logprob_grads", &inputs.logprob_grads}}) {
+        {"logprob_grads", &inputs.logprob_grads},
+        {"rollout_logprobs", &inputs.rollout_logprobs}}) {
     if (flags.String(flag).empty()) continue;
     ASSIGN_OR_RETURN(
         *values, ReadFloats(flags.String(flag), absl::StrCat(flag, " (one per hidden row)"), rows));
@@ -819,12 +825,16 @@ absl::StatusOr<ComputeInputs> ReadComputeInputs(const Flags& flags, const HeadIn
   return inputs;
 }
 
-// The statistics a call has by its options: the clip fraction of ppo and cispo, the mean KL of a
-// KL estimator, the means of distillation's terms.
+// The statistics a call has by its options: the clip fraction of ppo and cispo, the rollout
+// correction's weights, the mean KL of a KL estimator, the means of distillation's terms.
 void PrintObjectiveStatistics(const v1::LossOptions& options, const v1::ComputeSummary& summary) {
   if (options.objective() == v1::OBJECTIVE_PPO || options.objective() == v1::OBJECTIVE_CISPO) {
     absl::PrintF("clip fraction %.6f (%d of %d counted tokens clipped)\n", summary.clip_fraction(),
                  summary.clipped_tokens(), summary.counted_tokens());
+  }
+  if (options.policy().rollout_correction() != v1::ROLLOUT_CORRECTION_NONE) {
+    absl::PrintF("mean rollout IS weight %.9g (%.6f of counted tokens truncated)\n",
+                 summary.mean_rollout_is_weight(), summary.rollout_is_truncated_fraction());
   }
   if (options.policy().kl_estimator() != v1::KL_ESTIMATOR_NONE) {
     absl::PrintF("mean KL %.9g (%s)\n", summary.mean_kl(),
@@ -883,6 +893,7 @@ absl::Status RunCompute(const Flags& flags) {
   request.advantages = inputs.advantages;
   request.reference_logprobs = inputs.reference_logprobs;
   request.logprob_grads = inputs.logprob_grads;
+  request.rollout_logprobs = inputs.rollout_logprobs;
   request.shift_labels = flags.Bool("shift_labels");
   request.sequence_lengths = inputs.sequence_lengths;
   request.teacher_head = flags.String("teacher_head");
@@ -1404,6 +1415,14 @@ const std::vector<Subcommand>& Subcommands() {
          "sapo)"},
         {"reference_logprobs", FlagKind::kString, "",
          "FILE.npy (<f4, one per row): the reference policy's log-probabilities (--kl_estimator)"},
+        {"rollout_logprobs", FlagKind::kString, "",
+         "FILE.npy (<f4, one per row): the inference engine's log-probabilities of the sampled "
+         "tokens (--rollout_correction)"},
+        {"rollout_correction", FlagKind::kString, "none",
+         absl::StrCat("weights each token's policy term by the truncated ratio of the old policy "
+                      "to the inference engine (verl's rollout_is): ",
+                      EnumChoices(*v1::RolloutCorrection_descriptor(), "ROLLOUT_CORRECTION_"))},
+        {"rollout_is_cap", FlagKind::kDouble, "", "--rollout_correction's cap C >= 1 (default 2)"},
         {"logprob_grads", FlagKind::kString, "",
          "FILE.npy (<f4, one per row): dL/dlogp_i of a loss computed elsewhere (logprob_gradient)"},
         {"clip_low", FlagKind::kDouble, "", "ppo and cispo: eps_low in [0, 1] (default 0.2)"},

@@ -1,6 +1,7 @@
 #include "server/call/call_spec.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -71,6 +72,96 @@ absl::Status ValidateCallId(const std::string& call_id) {
   return absl::OkStatus();
 }
 
+// verl's rollout correction (truncated importance sampling between the engine that sampled and the
+// old policy): rho_i = min(exp(l_i), C) with l_i = q_i - mu_i per token, or the sum or the mean of
+// q - mu over the counted rows of row i's sequence. For the objectives it applies to, rho_i > 0
+// multiplies the whole policy term, so it multiplies A_i: -r (rho A), -min(r rho A, clip(r) rho A),
+// -clip(r) rho A logp and SAPO's gate (whose temperature follows A's sign, which rho keeps) are the
+// weighted terms exactly, with rho constant in the gradient, and the KL and entropy terms are left
+// as they are.
+absl::Status ApplyRolloutCorrection(const v1::ComputeStart& start, CallSpec& spec) {
+  const v1::PolicyOptions& policy = start.options().policy();
+  const v1::RolloutCorrection correction = policy.rollout_correction();
+  if (correction == v1::ROLLOUT_CORRECTION_NONE) {
+    if (start.rollout_logprobs_size() > 0) {
+      return InvalidField("rollout_logprobs", "no values without options.policy.rollout_correction",
+                          absl::StrCat(start.rollout_logprobs_size(), " values"));
+    }
+    if (policy.has_rollout_is_cap()) {
+      return InvalidField("options.policy.rollout_is_cap", "unset without a rollout_correction",
+                          absl::StrCat(policy.rollout_is_cap()));
+    }
+    return absl::OkStatus();
+  }
+  if (!v1::RolloutCorrection_IsValid(correction)) {
+    return InvalidField("options.policy.rollout_correction",
+                        "ROLLOUT_CORRECTION_NONE, _TOKEN, _SEQUENCE or _GEOMETRIC",
+                        absl::StrCat(static_cast<int>(correction)));
+  }
+  if (!UsesRatio(spec.options.objective)) {
+    return InvalidField("options.policy.rollout_correction",
+                        "ROLLOUT_CORRECTION_NONE unless the objective is importance_sampling, ppo, "
+                        "cispo or sapo",
+                        absl::StrCat(v1::RolloutCorrection_Name(correction), " with objective ",
+                                     ObjectiveName(spec.options.objective)));
+  }
+  const double cap = policy.has_rollout_is_cap() ? policy.rollout_is_cap() : 2.0;
+  if (!(cap >= 1.0 && cap <= FLT_MAX)) {
+    return InvalidField("options.policy.rollout_is_cap",
+                        absl::StrCat("a value in [1, ", FLT_MAX, "]"), absl::StrCat(cap));
+  }
+  const int64_t n = spec.num_tokens;
+  if (start.rollout_logprobs_size() != n) {
+    return InvalidField("rollout_logprobs",
+                        absl::StrCat(n, " entries (num_tokens) with a rollout_correction"),
+                        absl::StrCat(start.rollout_logprobs_size()));
+  }
+  std::vector<double> log_weight(n, 0.0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (!spec.counted(i)) continue;
+    const float mu = start.rollout_logprobs(i);
+    if (!std::isfinite(mu)) {
+      return InvalidField(absl::StrCat("rollout_logprobs[", i, "]"), "a finite value",
+                          absl::StrCat(mu));
+    }
+    log_weight[i] = static_cast<double>(spec.sampling_logprobs[i]) - mu;
+  }
+  if (correction != v1::ROLLOUT_CORRECTION_TOKEN) {
+    // Sequences as the sequence reductions take them (already checked); none: one sequence.
+    std::vector<int64_t> lengths(start.sequence_lengths().begin(), start.sequence_lengths().end());
+    if (lengths.empty()) lengths.push_back(n);
+    for (int64_t first = 0; const int64_t length : lengths) {
+      double sum = 0.0;
+      int64_t kept = 0;
+      for (int64_t i = first; i < first + length; ++i) {
+        sum += log_weight[i];
+        kept += spec.counted(i);
+      }
+      const double sequence_log_weight =
+          correction == v1::ROLLOUT_CORRECTION_SEQUENCE ? sum : sum / std::max<int64_t>(kept, 1);
+      std::fill(log_weight.begin() + first, log_weight.begin() + first + length,
+                sequence_log_weight);
+      first += length;
+    }
+  }
+  const double log_cap = std::log(cap);
+  double weight_sum = 0.0;
+  int64_t truncated = 0;
+  int64_t counted = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!spec.counted(i)) continue;
+    const bool capped = log_weight[i] > log_cap;
+    const double rho = capped ? cap : std::exp(log_weight[i]);
+    spec.advantages[i] = static_cast<float>(rho * spec.advantages[i]);
+    weight_sum += rho;
+    truncated += capped;
+    ++counted;
+  }
+  spec.mean_rollout_is_weight = counted > 0 ? weight_sum / counted : 0.0;
+  spec.rollout_is_truncated_fraction = counted > 0 ? static_cast<double>(truncated) / counted : 0.0;
+  return absl::OkStatus();
+}
+
 // The per-token inputs of the call's objective and terms, each num_tokens long and finite where
 // read; inputs the call does not read are refused rather than ignored. With a sequence reduction,
 // each row's factor from sequence_lengths.
@@ -129,7 +220,8 @@ absl::Status ParseObjectiveInputs(const v1::ComputeStart& start, CallSpec& spec)
     if (IsSequenceReduction(options.reduction)) spec.reduction_scales = std::move(scales);
     view.reduction_scales = spec.reduction_scales.data();
   }
-  return ValidateObjectiveInputs(view, options);
+  RETURN_IF_ERROR(ValidateObjectiveInputs(view, options));
+  return ApplyRolloutCorrection(start, spec);
 }
 
 // A distill call's teacher: a served head whose vocabulary is the student's, with the size and

@@ -39,6 +39,10 @@ struct CallSpec {
   // each row's factor in it.
   std::vector<float> sampling_logprobs, advantages, reference_logprobs, logprob_grads;
   std::vector<double> reduction_scales;
+  // With a rollout correction (its weights already multiply `advantages`): rho_i's mean over the
+  // counted rows and the share of them the cap truncated.
+  double mean_rollout_is_weight = 0.0;
+  double rollout_is_truncated_fraction = 0.0;
   int64_t counted_tokens = 0;
   v1::OutputSelection outputs;
   DType grad_hidden_dtype = DType::kFloat32;

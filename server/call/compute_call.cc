@@ -645,6 +645,8 @@ class ComputeCall {
     s.set_mean_kl(counted > 0 ? kl_sum_ / counted : 0.0);
     s.set_mean_kd(counted > 0 ? kd_sum_ / counted : 0.0);
     s.set_mean_ce(counted > 0 ? ce_sum_ / counted : 0.0);
+    s.set_mean_rollout_is_weight(spec_.mean_rollout_is_weight);
+    s.set_rollout_is_truncated_fraction(spec_.rollout_is_truncated_fraction);
     if (spec_.teacher != nullptr) s.set_teacher_head_version(spec_.teacher_version);
     return Send(response);
   }

@@ -113,6 +113,21 @@ def torch_policy_loss(hidden, weight, labels, inputs, spec, lengths):
     else:  # sapo (arXiv 2511.20347; verl's "sapo"): a soft gate, its temperature by A's sign
         tau = torch.where(a > 0, spec["sapo_tau_positive"], spec["sapo_tau_negative"])
         term = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a
+    rho = torch.ones_like(logp)
+    if spec.get("rollout_correction"):
+        # verl's rollout_is (trainer/ppo/mismatch_helper.py, truncated importance sampling):
+        # log_ratio = old_log_prob - rollout_log_prob; per token, or its masked sum ("sequence")
+        # or mean ("geometric") over each sequence; weights = exp(.) clamped at the threshold,
+        # detached, multiplying pg_losses.
+        log_ratio = (q - torch.as_tensor(inputs["rollout_logprobs"]).double()) * mask
+        if spec["rollout_correction"] != "token":
+            sums = [x.sum() for x in torch.split(log_ratio, lengths)]
+            counts = [m.sum().clamp(min=1) for m in torch.split(mask, lengths)]
+            per_sequence = [t / c if spec["rollout_correction"] == "geometric" else t
+                            for t, c in zip(sums, counts)]
+            log_ratio = torch.cat([v.expand(n) for v, n in zip(per_sequence, lengths)])
+        rho = torch.exp(log_ratio).clamp(max=spec.get("rollout_is_cap", 2.0)).detach()
+        term = term * rho
     kl = torch.zeros_like(logp)
     if spec.get("kl_estimator"):
         delta = torch.as_tensor(inputs["reference_logprobs"]).double() - logp
@@ -129,6 +144,9 @@ def torch_policy_loss(hidden, weight, labels, inputs, spec, lengths):
     stats = dict(clip_fraction=(clipped & counted).double().sum().item() / counted.sum().item(),
                  mean_kl=(kl * mask).sum().item() / counted.sum().item(),
                  ratio=(ratio * mask).detach(), clipped=(clipped & counted),
+                 mean_rho=(rho * mask).sum().item() / counted.sum().item(),
+                 truncated=((rho >= spec.get("rollout_is_cap", 2.0)) & counted).double().sum()
+                 .item() / counted.sum().item(),
                  # The reduction of |loss_i|: the scale a reduced loss's rounding error follows
                  # when advantages of both signs make its terms cancel.
                  loss_scale=agg_loss(per_token.detach().abs(), mask, spec["reduction"], lengths))
@@ -148,6 +166,13 @@ CASES = {
     "ppo_none_random_upstream": dict(objective="ppo", kl_estimator="k3", kl_coef=0.05,
                                      reduction="none", upstream="random"),
     "dro_seq_token_sum": dict(objective="dro", dro_beta=0.5, reduction="seq-mean-token-sum"),
+    "ppo_rollout_token_k3": dict(objective="ppo", rollout_correction="token", rollout_is_cap=1.5,
+                                 kl_estimator="k3", kl_coef=0.05, reduction="token-mean"),
+    "cispo_rollout_sequence": dict(objective="cispo", rollout_correction="sequence",
+                                   rollout_is_cap=3.0, reduction="seq-mean-token-mean"),
+    "sapo_rollout_geometric": dict(objective="sapo", sapo_tau_positive=1.0,
+                                   sapo_tau_negative=1.05, rollout_correction="geometric",
+                                   rollout_is_cap=1.02, reduction="seq-mean-token-sum"),
     "sapo_k3_token_mean": dict(objective="sapo", sapo_tau_positive=0.9, sapo_tau_negative=1.2,
                                kl_estimator="k3", kl_coef=0.05, reduction="token-mean"),
 }
@@ -174,6 +199,10 @@ def test_policy_objectives_match_torch(client, head, case, shared_memory):
         advantages=np.where(np.arange(NUM_TOKENS) % 5 == 4, 0.0,
                             rng.uniform(-2, 2, NUM_TOKENS)).astype(np.float32),
         reference_logprobs=(exact_logp + rng.normal(0, 0.5, NUM_TOKENS)).astype(np.float32))
+    # The inference engine's log-probabilities: near the old policy's, so that some weights stay
+    # under the cap and some are truncated.
+    inputs["rollout_logprobs"] = (inputs["sampling_logprobs"] + rng.normal(0, 0.3, NUM_TOKENS)
+                                  ).astype(np.float32)
     if spec.get("upstream") == "random":
         spec["upstream"] = torch.randn(NUM_TOKENS).numpy()
     # The reference sees the float32 values that travel.
@@ -188,6 +217,8 @@ def test_policy_objectives_match_torch(client, head, case, shared_memory):
                        advantages=inputs["advantages"],
                        reference_logprobs=(inputs["reference_logprobs"]
                                            if spec.get("kl_estimator") else None),
+                       rollout_logprobs=(inputs["rollout_logprobs"]
+                                         if spec.get("rollout_correction") else None),
                        sequence_lengths=lengths, clip_low=CLIP_LOW, clip_high=CLIP_HIGH,
                        **kwargs)
     result = remote_head.last_result
@@ -218,6 +249,12 @@ def test_policy_objectives_match_torch(client, head, case, shared_memory):
         assert relative_error(result.ratio, stats["ratio"]) < 1e-5
     if spec.get("kl_estimator"):
         assert result.mean_kl == pytest.approx(stats["mean_kl"], rel=1e-4, abs=1e-6)
+    if spec.get("rollout_correction"):
+        assert result.mean_rollout_is_weight == pytest.approx(stats["mean_rho"], rel=1e-6)
+        assert result.rollout_is_truncated_fraction == pytest.approx(stats["truncated"],
+                                                                     abs=1e-12)
+        if spec["rollout_correction"] == "token":  # 9% of the tokens past 1.5, on average
+            assert 0 < stats["truncated"] < 1
 
 
 def test_log_ratio_clamp_follows_verl(client, head):

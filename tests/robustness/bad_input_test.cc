@@ -56,6 +56,13 @@ void MakePpo(Script& s, v1::KlEstimator kl = v1::KL_ESTIMATOR_NONE) {
 
 v1::PolicyOptions& PolicyOf(Script& s) { return *StartOf(s).mutable_options()->mutable_policy(); }
 
+// PPO with a token-level rollout correction and the engine's log-probabilities.
+void MakeRolloutCorrected(Script& s) {
+  MakePpo(s);
+  PolicyOf(s).set_rollout_correction(v1::ROLLOUT_CORRECTION_TOKEN);
+  for (int i = 0; i < kRows; ++i) StartOf(s).add_rollout_logprobs(-3.2f);
+}
+
 v1::DistillOptions& DistillOf(Script& s) {
   return *StartOf(s).mutable_options()->mutable_distill();
 }
@@ -491,6 +498,47 @@ const BadRow kBadRows[] = {
        MakePpo(s);
        StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_CISPO);
        PolicyOf(s).set_sapo_tau_negative(2.0);
+     }},
+    {"rollout_logprobs_without_correction", "nothing reads them", Rpc::kCompute, kInvalid,
+     "rollout_logprobs",
+     [](Script& s) {
+       MakeRolloutCorrected(s);
+       PolicyOf(s).clear_rollout_correction();
+     }},
+    {"rollout_cap_without_correction", "a cap of nothing", Rpc::kCompute, kInvalid,
+     "options.policy.rollout_is_cap",
+     [](Script& s) {
+       MakePpo(s);
+       PolicyOf(s).set_rollout_is_cap(3.0);
+     }},
+    {"rollout_correction_under_dro", "dro's penalty is no ratio term to weight", Rpc::kCompute,
+     kInvalid, "options.policy.rollout_correction",
+     [](Script& s) {
+       MakeRolloutCorrected(s);
+       StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_DRO);
+     }},
+    {"rollout_correction_9", "an enum value the contract does not define", Rpc::kCompute,
+     kInvalid, "options.policy.rollout_correction",
+     [](Script& s) {
+       MakeRolloutCorrected(s);
+       PolicyOf(s).set_rollout_correction(static_cast<v1::RolloutCorrection>(9));
+     }},
+    {"rollout_cap_below_one", "a cap below 1 would shrink on-policy tokens", Rpc::kCompute,
+     kInvalid, "options.policy.rollout_is_cap",
+     [](Script& s) {
+       MakeRolloutCorrected(s);
+       PolicyOf(s).set_rollout_is_cap(0.5);
+     }},
+    {"rollout_logprobs_short", "one value per token", Rpc::kCompute, kInvalid, "rollout_logprobs",
+     [](Script& s) {
+       MakeRolloutCorrected(s);
+       StartOf(s).mutable_rollout_logprobs()->RemoveLast();
+     }},
+    {"rollout_logprob_nan", "a NaN on a counted row", Rpc::kCompute, kInvalid,
+     "rollout_logprobs[5]",
+     [](Script& s) {
+       MakeRolloutCorrected(s);
+       StartOf(s).set_rollout_logprobs(5, std::nanf(""));
      }},
     {"entropy_coef_inf", "an infinite entropy bonus", Rpc::kCompute, kInvalid,
      "options.policy.entropy_coef",

@@ -32,7 +32,8 @@ _MESSAGE_OVERHEAD_BYTES = 64 * 1024
 _TARGET_MESSAGE_BYTES = 4 * _MIB
 
 # The per-token inputs of the objectives (ComputeStart), float32 on the wire.
-TOKEN_INPUT_NAMES = ("sampling_logprobs", "advantages", "reference_logprobs", "logprob_grads")
+TOKEN_INPUT_NAMES = ("sampling_logprobs", "advantages", "reference_logprobs", "logprob_grads",
+                     "rollout_logprobs")
 _OPTIMIZER_NAMES = {
     pb.OptimizerState.KIND_NONE: "none",
     pb.OptimizerState.KIND_SGD: "sgd",
@@ -628,7 +629,8 @@ class Client:
                 top_k=0, weights=None, grad_hidden_dtype=None, accumulate_grad_weight=False,
                 stage_grad_weight=False, head_version=None, weight_sha256=None, call_id=None,
                 shift_labels=False, sequence_lengths=None, sampling_logprobs=None,
-                advantages=None, reference_logprobs=None, logprob_grads=None, teacher_head=None,
+                advantages=None, reference_logprobs=None, logprob_grads=None,
+                rollout_logprobs=None, teacher_head=None,
                 teacher_hidden=None, teacher_head_version=None, teacher_top_k_tokens=None,
                 teacher_top_k_logprobs=None, rows_per_message=None, shared_memory=None,
                 grad_hidden_out=None, **option_keywords) -> LossResult:
@@ -758,7 +760,7 @@ class Client:
         per_token = _per_token_inputs(
             num_tokens, weights=weights, sampling_logprobs=sampling_logprobs,
             advantages=advantages, reference_logprobs=reference_logprobs,
-            logprob_grads=logprob_grads)
+            logprob_grads=logprob_grads, rollout_logprobs=rollout_logprobs)
         selection = pb.OutputSelection(
             top_k=top_k, grad_hidden_dtype=_tensors.wire_enum(grad_dtype),
             accumulate_grad_weight=accumulate_grad_weight,

@@ -230,7 +230,9 @@ def _sequence_lengths(lengths, shift_labels, row_length, num_tokens):
 
 
 # The objectives' per-token inputs, tensors of the operators after the sequence lengths.
-_TOKEN_INPUT_NAMES = ("sampling_logprobs", "advantages", "reference_logprobs")
+_TOKEN_INPUT_NAMES = ("sampling_logprobs", "advantages", "reference_logprobs", "rollout_logprobs")
+# The cross-entropy operator's tensor arguments, in order.
+_OPERATOR_TENSORS = ("hidden", "labels", "weights", "sequence_lengths", *_TOKEN_INPUT_NAMES)
 
 
 def _pack_options(options):
@@ -408,12 +410,14 @@ def _loss_tensor(result, reduction, hidden):
 
 
 def _cross_entropy_forward(hidden, labels, weights, sequence_lengths, sampling_logprobs,
-                           advantages, reference_logprobs, head_id, *options_and_train):
+                           advantages, reference_logprobs, rollout_logprobs, head_id,
+                           *options_and_train):
     """The server call of a forward: (loss, dL/dh in the wire's dtype (empty unless training),
     state [call id, head version]). The head keeps the LossResult as last_result."""
     *options, train = options_and_train
     call = _operator_call(labels, weights, sequence_lengths,
-                          (sampling_logprobs, advantages, reference_logprobs), head_id, *options)
+                          (sampling_logprobs, advantages, reference_logprobs, rollout_logprobs),
+                          head_id, *options)
     module = _module(head_id)
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     outputs = _result_outputs(call)
@@ -443,12 +447,13 @@ def _cross_entropy_forward(hidden, labels, weights, sequence_lengths, sampling_l
 
 
 def _cross_entropy_backward(upstream, grad_hidden, hidden, labels, weights, sequence_lengths,
-                            sampling_logprobs, advantages, reference_logprobs, state, head_id,
-                            *options):
+                            sampling_logprobs, advantages, reference_logprobs, rollout_logprobs,
+                            state, head_id, *options):
     """upstream * dL/dh, after bringing the server's dL/dW to upstream times this call's (one
     correction call that accumulates only dL/dW, pinned to the forward's head version)."""
     call = _operator_call(labels, weights, sequence_lengths,
-                          (sampling_logprobs, advantages, reference_logprobs), head_id, *options)
+                          (sampling_logprobs, advantages, reference_logprobs, rollout_logprobs),
+                          head_id, *options)
     call_id, head_version = (int(x) for x in state.tolist())
     # The first backward through the graph commits the forward's dL/dW; later ones add in full.
     forward = _AWAITING_BACKWARD.pop(call_id, None)
@@ -501,15 +506,18 @@ if _CUSTOM_OPS:
             hidden: torch.Tensor, labels: torch.Tensor, weights: Optional[torch.Tensor],
             sequence_lengths: Optional[torch.Tensor], sampling_logprobs: Optional[torch.Tensor],
             advantages: Optional[torch.Tensor], reference_logprobs: Optional[torch.Tensor],
-            head_id: int, options: str, shift_labels: bool, row_length: int,
+            rollout_logprobs: Optional[torch.Tensor], head_id: int, options: str,
+            shift_labels: bool, row_length: int,
             train: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _cross_entropy_forward(
             hidden, labels, weights, sequence_lengths, sampling_logprobs, advantages,
-            reference_logprobs, head_id, options, shift_labels, row_length, train)
+            reference_logprobs, rollout_logprobs, head_id, options, shift_labels, row_length,
+            train)
 
     @_cross_entropy_op.register_fake
     def _(hidden, labels, weights, sequence_lengths, sampling_logprobs, advantages,
-          reference_logprobs, head_id, options, shift_labels, row_length, train):
+          reference_logprobs, rollout_logprobs, head_id, options, shift_labels, row_length,
+          train):
         loss_shape = labels.shape if _reduction(_unpack_options(options)) == "none" else ()
         loss = hidden.new_empty(loss_shape, dtype=_loss_dtype(hidden.dtype))
         grad_dtype = _TORCH_DTYPE_OF_WIRE_NAME[_grad_hidden_wire_dtype(hidden.dtype)]
@@ -522,11 +530,12 @@ if _CUSTOM_OPS:
             labels: torch.Tensor, weights: Optional[torch.Tensor],
             sequence_lengths: Optional[torch.Tensor], sampling_logprobs: Optional[torch.Tensor],
             advantages: Optional[torch.Tensor], reference_logprobs: Optional[torch.Tensor],
-            state: torch.Tensor, head_id: int, options: str, shift_labels: bool,
-            row_length: int) -> torch.Tensor:
+            rollout_logprobs: Optional[torch.Tensor], state: torch.Tensor, head_id: int,
+            options: str, shift_labels: bool, row_length: int) -> torch.Tensor:
         return _cross_entropy_backward(
             upstream, grad_hidden, hidden, labels, weights, sequence_lengths, sampling_logprobs,
-            advantages, reference_logprobs, state, head_id, options, shift_labels, row_length)
+            advantages, reference_logprobs, rollout_logprobs, state, head_id, options,
+            shift_labels, row_length)
 
     @_cross_entropy_backward_op.register_fake
     def _(upstream, grad_hidden, hidden, *args):
@@ -534,9 +543,10 @@ if _CUSTOM_OPS:
 
     def _cross_entropy_setup_context(ctx, inputs, output):
         _, grad_hidden, state = output
-        ctx.save_for_backward(grad_hidden, *inputs[:7], state)  # hidden .. reference_logprobs
-        ctx.options = inputs[7:-1]  # head_id .. row_length; train is always True here
-        ctx.module = _module(inputs[7])  # the registry's reference is weak: held for backward
+        tensors = len(_OPERATOR_TENSORS)
+        ctx.save_for_backward(grad_hidden, *inputs[:tensors], state)
+        ctx.options = inputs[tensors:-1]  # head_id .. row_length; train is always True here
+        ctx.module = _module(inputs[tensors])  # the registry's reference is weak: held for backward
 
     def _cross_entropy_op_backward(ctx, upstream, _grad_of_grad_hidden, _grad_of_state):
         grad_hidden, *tensors, state = ctx.saved_tensors
@@ -604,7 +614,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        tensors, options = inputs[:7], inputs[7:]
+        tensors, options = inputs[:len(_OPERATOR_TENSORS)], inputs[len(_OPERATOR_TENSORS):]
         loss, grad_hidden, state = _cross_entropy_forward(*tensors, *options, True)
         ctx.save_for_backward(grad_hidden, *tensors, state)
         ctx.options = options
@@ -946,7 +956,7 @@ class RemoteHead(torch.nn.Module):
 
     def forward(self, hidden, labels, *, options=None, weights=None, shift_labels=False,
                 sequence_lengths=None, sampling_logprobs=None, advantages=None,
-                reference_logprobs=None, **option_keywords):
+                reference_logprobs=None, rollout_logprobs=None, **option_keywords):
         """The loss of hidden [..., H] with labels [...]: a scalar for "mean", "sum" and the
         sequence reductions, labels' shape for "none". options (a lossd.LossOptions) and
         keywords that name its fields (reduction, ignore_index, label_smoothing, z_loss_scale,
@@ -967,7 +977,10 @@ class RemoteHead(torch.nn.Module):
         objective is "cross_entropy" (torch's F.cross_entropy), or an RL objective of the
         log-probabilities of labels (the sampled tokens; ignore_index masks prompt and padding):
         "importance_sampling", "ppo" or "cispo" with sampling_logprobs [...] and advantages
-        [...]; kl_estimator ("k1", "k2", "k3") with reference_logprobs [...] and kl_coef;
+        [...] (also "dro" and "sapo"); rollout_correction ("token", "sequence", "geometric") with
+        rollout_logprobs [...], the inference engine's, weights each token's policy term by the
+        truncated ratio min(exp(sampling_logprobs - rollout_logprobs), rollout_is_cap) (verl's
+        rollout_is); kl_estimator ("k1", "k2", "k3") with reference_logprobs [...] and kl_coef;
         entropy_coef; reductions "seq-mean-token-sum" and "seq-mean-token-mean" with
         sequence_lengths. After the call, self.last_result holds its LossResult
         (clip_fraction, mean_kl, per-token ratio, clip and kl for the RL objectives)."""
@@ -979,7 +992,8 @@ class RemoteHead(torch.nn.Module):
             raise ValueError(f"labels: expected {count} entries (the rows of hidden "
                              f"{tuple(hidden.shape)}), got shape {tuple(labels.shape)}")
         per_token = {"weights": weights, "sampling_logprobs": sampling_logprobs,
-                     "advantages": advantages, "reference_logprobs": reference_logprobs}
+                     "advantages": advantages, "reference_logprobs": reference_logprobs,
+                     "rollout_logprobs": rollout_logprobs}
         for name, values in per_token.items():
             if values is not None:
                 values = per_token[name] = torch.as_tensor(values)
@@ -989,8 +1003,7 @@ class RemoteHead(torch.nn.Module):
         if sequence_lengths is not None:
             sequence_lengths = torch.as_tensor(sequence_lengths, dtype=torch.int64)
         tensors = (hidden, labels, per_token["weights"], sequence_lengths,
-                   per_token["sampling_logprobs"], per_token["advantages"],
-                   per_token["reference_logprobs"])
+                   *(per_token[name] for name in _TOKEN_INPUT_NAMES))
         operator_options = (self._id, packed_options, bool(shift_labels),
                             labels.shape[-1] if labels.dim() > 0 else 1)
         return _cross_entropy(tensors, operator_options,

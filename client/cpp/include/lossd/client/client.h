@@ -207,6 +207,7 @@ struct ComputeRequest {
   absl::Span<const float> advantages;          // A_i: importance sampling, ppo, cispo
   absl::Span<const float> reference_logprobs;  // with options.policy.kl_estimator
   absl::Span<const float> logprob_grads;       // g_i = dL/dlogp_i: OBJECTIVE_LOGPROB_GRADIENT
+  absl::Span<const float> rollout_logprobs;    // the inference engine's: a rollout_correction
   // Next-token prediction: row i is scored against labels[i + 1] of its sequence, the last row of
   // each sequence is ignored (ComputeStart.shift_labels). sequence_lengths: the consecutive
   // sequences the rows make up (the sequence reductions need them); empty: one sequence.
