@@ -155,6 +155,14 @@ absl::Status ValidatePolicyOptions(const LossOptions& o) {
   if (p.kl_coef != 0.0 && p.kl_estimator == KlEstimator::kNone) {
     return InvalidField("policy.kl_estimator", "k1, k2 or k3 with a kl_coef", "none");
   }
+  if (p.kl_ratio_weighted && (p.kl_estimator == KlEstimator::kNone || !UsesRatio(o.objective))) {
+    return InvalidField(
+        "policy.kl_ratio_weighted",
+        "false unless a kl_estimator is set and the objective is importance_sampling, ppo, cispo "
+        "or sapo",
+        absl::StrCat("true with estimator ", KlEstimatorName(p.kl_estimator), " and objective ",
+                     ObjectiveName(o.objective)));
+  }
   if (!(std::fabs(p.entropy_coef) <= FLT_MAX)) {
     return InvalidField("policy.entropy_coef",
                         absl::StrCat("a value in [", -FLT_MAX, ", ", fp32_max, "] (fp32)"),

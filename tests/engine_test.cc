@@ -372,6 +372,13 @@ const EngineCase kCases[] = {
        s.options.policy.kl_coef = 0.1;
        s.ratio_targets = kRatioTargets;
      }), 256 * kKiB, Tiling::kVocabTiles, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"ppo_ratio_weighted_k3", "DeepSeek-V3.2's unbiased KL: r k3, differentiated through r too",
+     Spec(120, 48, 1500, [](ProblemSpec& s) {
+       s.options = PpoKlEntropy(KlEstimator::kK3, Reduction::kMean);
+       s.options.policy.kl_ratio_weighted = true;
+       s.ratio_targets = kRatioTargets;
+       s.ignore_fraction = 0.1;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kPolicyLossBound},
     {"sapo_gates_both_signs", "SAPO's soft gate, its own temperature on each side of A = 0",
      Spec(150, 48, 1500, [](ProblemSpec& s) {
        s.options = SapoOptions(Reduction::kSum);

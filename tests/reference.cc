@@ -346,7 +346,14 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
       r.clip[i] = term.clip;
     }
     if (o.policy.kl_estimator != KlEstimator::kNone) {
-      const Term kl = KlOf(o.policy.kl_estimator, logp, input(p.reference_logprobs, i));
+      Term kl = KlOf(o.policy.kl_estimator, logp, input(p.reference_logprobs, i));
+      if (o.policy.kl_ratio_weighted) {
+        // DeepSeek-V3.2 (arXiv 2512.02556), the unbiased KL estimate: pi / pi_old times the
+        // estimate, differentiated through both (without a log-ratio clamp here).
+        const double ratio = std::exp(logp - input(p.sampling_logprobs, i));
+        kl.derivative = ratio * (kl.value + kl.derivative);
+        kl.value *= ratio;
+      }
       r.kl[i] = kl.value;
       loss += o.policy.kl_coef * kl.value;
       dloss_dlogp += o.policy.kl_coef * kl.derivative;

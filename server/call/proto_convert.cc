@@ -106,6 +106,7 @@ absl::StatusOr<LossOptions> FromProto(const v1::LossOptions& p) {
   o.policy.dual_clip = policy.dual_clip();
   o.policy.log_ratio_clamp = policy.log_ratio_clamp();
   o.policy.dro_beta = policy.dro_beta();
+  o.policy.kl_ratio_weighted = policy.kl_ratio_weighted();
   if (policy.has_sapo_tau_positive()) o.policy.sapo_tau_positive = policy.sapo_tau_positive();
   if (policy.has_sapo_tau_negative()) o.policy.sapo_tau_negative = policy.sapo_tau_negative();
   o.policy.kl_coef = policy.kl_coef();

@@ -133,6 +133,9 @@ def torch_policy_loss(hidden, weight, labels, inputs, spec, lengths):
         delta = torch.as_tensor(inputs["reference_logprobs"]).double() - logp
         kl = {"k1": -delta, "k2": 0.5 * delta ** 2,
               "k3": torch.exp(delta) - delta - 1}[spec["kl_estimator"]]
+        if spec.get("kl_ratio_weighted"):
+            # DeepSeek-V3.2's unbiased KL estimate: pi_theta / pi_old times k3, through both.
+            kl = torch.exp(logp - q) * kl
     per_token = term + spec.get("kl_coef", 0.0) * kl - spec.get("entropy_coef", 0.0) * entropy
     loss = agg_loss(per_token, mask, spec["reduction"], lengths)
     upstream = spec.get("upstream", 1.0)
@@ -166,6 +169,8 @@ CASES = {
     "ppo_none_random_upstream": dict(objective="ppo", kl_estimator="k3", kl_coef=0.05,
                                      reduction="none", upstream="random"),
     "dro_seq_token_sum": dict(objective="dro", dro_beta=0.5, reduction="seq-mean-token-sum"),
+    "ppo_ratio_weighted_k3": dict(objective="ppo", kl_estimator="k3", kl_coef=0.1,
+                                  kl_ratio_weighted=True, reduction="token-mean"),
     "ppo_rollout_token_k3": dict(objective="ppo", rollout_correction="token", rollout_is_cap=1.5,
                                  kl_estimator="k3", kl_coef=0.05, reduction="token-mean"),
     "cispo_rollout_sequence": dict(objective="cispo", rollout_correction="sequence",

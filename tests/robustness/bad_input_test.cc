@@ -499,6 +499,21 @@ const BadRow kBadRows[] = {
        StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_CISPO);
        PolicyOf(s).set_sapo_tau_negative(2.0);
      }},
+    {"kl_ratio_weighted_without_estimator", "no KL to weight", Rpc::kCompute, kInvalid,
+     "options.policy.kl_ratio_weighted",
+     [](Script& s) {
+       MakePpo(s);
+       PolicyOf(s).set_kl_ratio_weighted(true);
+     }},
+    {"kl_ratio_weighted_under_cross_entropy", "cross-entropy has no ratio", Rpc::kCompute,
+     kInvalid, "options.policy.kl_ratio_weighted",
+     [](Script& s) {
+       MakePpo(s, v1::KL_ESTIMATOR_K3);
+       StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_CROSS_ENTROPY);
+       StartOf(s).clear_sampling_logprobs();
+       StartOf(s).clear_advantages();
+       PolicyOf(s).set_kl_ratio_weighted(true);
+     }},
     {"rollout_logprobs_without_correction", "nothing reads them", Rpc::kCompute, kInvalid,
      "rollout_logprobs",
      [](Script& s) {

@@ -232,6 +232,7 @@ struct ObjectiveTerm {
   double value = 0.0;
   double logprob_grad = 0.0;
   double ratio = 0.0;
+  double ratio_slope = 0.0;  // dr/dlogp / r: 1, or 0 where the log-ratio clamp holds r
   ClipState clip = ClipState::kNone;
 };
 
@@ -267,6 +268,7 @@ LOSSD_HD ObjectiveTerm PolicyObjectiveTerm(Objective objective, double logprob, 
   const double high = 1.0 + p.clip_high;
   const double clipped = r < low ? low : (r > high ? high : r);
   t.ratio = r;
+  t.ratio_slope = r_slope;
   switch (objective) {
     case Objective::kImportanceSampling:
       t.value = -r * a;
@@ -401,17 +403,23 @@ LOSSD_HD RowResult FinishRow(const RowStats& s, bool counted, float weight, cons
   if (counted) {
     const double logprob = summary.logprob;
     double loss;
+    ObjectiveTerm term;
     if (terms.objective == Objective::kCrossEntropy) {
       loss = RowCrossEntropy(summary, terms.label_smoothing) + terms.z_loss_scale * lse * lse;
     } else {
-      const ObjectiveTerm term = PolicyObjectiveTerm(terms.objective, logprob, in, terms.policy);
+      term = PolicyObjectiveTerm(terms.objective, logprob, in, terms.policy);
       loss = term.value + terms.z_loss_scale * lse * lse;
       r.logprob_grad = term.logprob_grad;
       r.ratio = static_cast<float>(term.ratio);
       r.clip = term.clip;
     }
     if (terms.policy.kl_estimator != KlEstimator::kNone) {
-      const KlTerm kl = KlEstimate(terms.policy.kl_estimator, logprob, in.reference_logprob);
+      KlTerm kl = KlEstimate(terms.policy.kl_estimator, logprob, in.reference_logprob);
+      if (terms.policy.kl_ratio_weighted) {
+        // r KL_i, r = e^(logp - q): d(r k)/dlogp = r (dk/dlogp + slope k).
+        kl.logprob_grad = term.ratio * (kl.logprob_grad + term.ratio_slope * kl.value);
+        kl.value *= term.ratio;
+      }
       r.kl = static_cast<float>(kl.value);
       if (terms.policy.kl_coef != 0.0) {
         loss += terms.policy.kl_coef * kl.value;

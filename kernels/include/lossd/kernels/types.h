@@ -96,7 +96,11 @@ struct PolicyOptions {
   double clip_high = 0.2;  // eps_high >= 0: ratios above 1 + eps_high are clipped
   double dual_clip = 0.0;  // c > 1: ppo's loss of a negative advantage is at most -c A; 0 off
   KlEstimator kl_estimator = KlEstimator::kNone;
-  double kl_coef = 0.0;       // beta >= 0: adds beta KL_i; needs a KL estimator
+  double kl_coef = 0.0;  // beta >= 0: adds beta KL_i; needs a KL estimator
+  // KL_i is the estimate times r_i = exp(logp_i - q_i), its gradient taken through both (the
+  // unbiased KL estimate of DeepSeek-V3.2, whose samples come from the old policy q); the
+  // objectives with a ratio only.
+  bool kl_ratio_weighted = false;
   double entropy_coef = 0.0;  // c_H: subtracts c_H H_i (an entropy bonus for c_H > 0)
   // c > 0: log r = logp - q is clamped to [-c, c] before exp (verl's 20), and r is constant in
   // logp where the clamp holds; 0: none (a non-finite r fails the row).
