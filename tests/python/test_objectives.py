@@ -440,3 +440,70 @@ def test_tinker_names_refuse_what_tinker_would_not_take(loss_fn, config, inputs,
         lossd.tinker.loss_options(loss_fn, config)
         lossd.tinker.loss_inputs(loss_fn, inputs)
     assert message in str(error.value)
+
+
+def liger_grpo_aggregate(per_token_loss, attention_mask, loss_type, max_completion_length):
+    """Liger-Kernel's LigerFusedLinearGRPOLoss aggregation of a [B, T] batch (chunked_loss/
+    grpo_loss.py, by loss_type), and verl's seq-mean-token-sum-norm (core_algos.agg_loss)."""
+    masked = per_token_loss * attention_mask
+    if loss_type == "grpo":
+        return (masked.sum(-1) / attention_mask.sum(-1).clamp(min=1.0)).sum() / masked.shape[0]
+    if loss_type in ("bnpo", "dapo"):  # dapo: over the global batch, here this one
+        return masked.sum() / attention_mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return masked.sum() / (masked.shape[0] * max_completion_length)
+    return masked.sum() / max_completion_length  # seq-mean-token-sum-norm
+
+
+@pytest.mark.parametrize("loss_type", lossd.options.GRPO_LOSS_TYPES)
+def test_grpo_loss_types_aggregate_as_liger_and_verl_do(client, head, loss_type):
+    """A [B, T] batch of completions with padding and one completion fully masked, ppo's token
+    loss aggregated by each GRPO variant's name, against Liger's formula in float64."""
+    batch, length = 6, 50
+    rng = np.random.default_rng()
+    hidden = torch.randn(batch * length, HIDDEN)
+    labels = torch.randint(0, VOCAB, (batch, length))
+    for b in range(batch):
+        labels[b, int(rng.integers(10, length)):] = -100  # padding after each completion
+    labels[2] = -100  # a completion with nothing to learn from
+    labels = labels.reshape(-1)
+    weight = head.fetch_weight()
+    exact_logp = F.log_softmax(torch_logits(hidden.double(), weight.double()), -1).gather(
+        1, labels.clamp(min=0)[:, None])[:, 0].numpy()
+    q = (exact_logp - np.log(RATIO_TARGETS[np.arange(batch * length) % 10])).astype(np.float32)
+    a = rng.uniform(-2, 2, batch * length).astype(np.float32)
+    max_completion_length = 64
+    keywords = lossd.grpo_loss_type(loss_type, num_sequences=batch,
+                                    max_completion_length=max_completion_length)
+    remote_hidden = hidden.clone().requires_grad_()
+    head.zero_grad()
+    loss = RemoteHead(client, head.head)(
+        remote_hidden, labels, objective="ppo", sampling_logprobs=q, advantages=a,
+        sequence_lengths=[length] * batch, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, **keywords)
+    loss.backward()
+
+    h = hidden.double().requires_grad_()
+    w = weight.double().requires_grad_()
+    logp = F.log_softmax(torch_logits(h, w), -1).gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    ratio = torch.exp(logp - torch.as_tensor(q).double())
+    advantages = torch.as_tensor(a).double()
+    per_token = -torch.min(ratio * advantages,
+                           torch.clamp(ratio, 1 - CLIP_LOW, 1 + CLIP_HIGH) * advantages)
+    mask = (labels != -100).double()
+    expected = liger_grpo_aggregate(per_token.view(batch, length), mask.view(batch, length),
+                                    loss_type, max_completion_length)
+    expected.backward()
+    scale = liger_grpo_aggregate(per_token.detach().abs().view(batch, length),
+                                 mask.view(batch, length), loss_type, max_completion_length)
+    assert abs(loss.item() - expected.item()) <= LOSS_RTOL * (scale.item() + 1e-3)
+    assert relative_error(remote_hidden.grad, h.grad) < GRAD_RTOL
+    assert relative_error(head.fetch_grad_weight(), w.grad) < GRAD_RTOL
+
+
+def test_grpo_loss_types_name_what_they_need():
+    with pytest.raises(ValueError, match="max_completion_length: loss_type 'dr_grpo' needs"):
+        lossd.grpo_loss_type("dr_grpo", num_sequences=4)
+    with pytest.raises(ValueError, match="num_sequences: loss_type 'grpo' needs a count > 0"):
+        lossd.grpo_loss_type("grpo", num_sequences=0)
+    with pytest.raises(ValueError, match="loss_type: expected one of grpo, bnpo"):
+        lossd.grpo_loss_type("gspo")

@@ -12,7 +12,7 @@ from lossd.client import (CLIP_DUAL, CLIP_HIGH, CLIP_LOW, CLIP_NONE, OBJECTIVES,
                           SPARSE_TEACHER_MASSES, Client, EmbeddingRows, GradNormInfo, HeadInfo,
                           LossdError, LossResult, RetryPolicy, StepInfo)
 from lossd._address import Target, parse_target, replica_address
-from lossd.options import DistillOptions, LossOptions, PolicyOptions
+from lossd.options import DistillOptions, LossOptions, PolicyOptions, grpo_loss_type
 from lossd._tensors import bfloat16_bits_to_float32, float32_to_bfloat16_bits
 from lossd import tinker
 
@@ -21,4 +21,4 @@ __all__ = ["__version__", "CLIP_DUAL", "CLIP_HIGH", "CLIP_LOW", "CLIP_NONE", "Cl
            "PolicyOptions", "LossdError", "LossResult", "OBJECTIVES", "OUTPUT_NAMES",
            "RetryPolicy", "SPARSE_TEACHER_MASSES", "StepInfo", "Target",
            "bfloat16_bits_to_float32", "float32_to_bfloat16_bits", "parse_target",
-           "replica_address", "tinker"]
+           "grpo_loss_type", "replica_address", "tinker"]

@@ -197,6 +197,50 @@ def options_from_keywords(options=None, **keywords):
     return options.replace(**top) if top else options
 
 
+# The loss aggregations of GRPO's variants by the names Liger-Kernel's LigerFusedLinearGRPOLoss
+# (chunked_loss/grpo_loss.py, loss_type) and TRL's GRPOTrainer give them, and verl's constant
+# normalizer, each as a reduction and the mean's denominator over a [B, T] batch of B sequences.
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "seq-mean-token-sum-norm")
+
+
+def grpo_loss_type(loss_type, *, num_sequences=None, max_completion_length=None,
+                   global_tokens=None):
+    """The option keywords (reduction, mean_denominator) of a GRPO variant's aggregation:
+
+      grpo      each sequence's mean token loss, summed over the batch's num_sequences sequences
+                and divided by that count (a sequence with no kept token counts too)
+      bnpo      the kept tokens' mean (lossd's "mean")
+      dr_grpo   the kept tokens' sum / (num_sequences * max_completion_length), Dr. GRPO's
+                constant normalizer
+      dapo      the kept tokens' sum / global_tokens, the kept tokens of the whole global batch
+                (over every process); without it, of this call
+      seq-mean-token-sum-norm   verl's: the kept tokens' sum / max_completion_length
+
+    Give the sequences to the call as sequence_lengths (a [B, T] batch: [T] * B)."""
+    def needs(value, name):
+        if value is None or not value > 0:
+            raise ValueError(f"{name}: loss_type {loss_type!r} needs a count > 0, got {value!r}")
+        return float(value)
+
+    if loss_type == "grpo":
+        return dict(reduction="sequence_mean_token_mean",
+                    mean_denominator=needs(num_sequences, "num_sequences"))
+    if loss_type == "bnpo":
+        return dict(reduction="mean")
+    if loss_type == "dr_grpo":
+        return dict(reduction="mean",
+                    mean_denominator=needs(num_sequences, "num_sequences") *
+                    needs(max_completion_length, "max_completion_length"))
+    if loss_type == "dapo":
+        if global_tokens is None:
+            return dict(reduction="mean")
+        return dict(reduction="mean", mean_denominator=needs(global_tokens, "global_tokens"))
+    if loss_type == "seq-mean-token-sum-norm":
+        return dict(reduction="mean",
+                    mean_denominator=needs(max_completion_length, "max_completion_length"))
+    raise ValueError(f"loss_type: expected one of {', '.join(GRPO_LOSS_TYPES)}, got {loss_type!r}")
+
+
 def option_keyword_names():
     """Every keyword options_from_keywords takes."""
     return (_field_names(LossOptions) - {"policy", "distill"}) | _field_names(PolicyOptions) | \
