@@ -16,8 +16,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv="${LOSSD_VENV:-.venv}"
-# matplotlib: bench/peers.sh's plots, which run here too; ruff: the Python linter CI runs.
-packages=(torch transformers accelerate safetensors grpcio protobuf numpy pytest matplotlib ruff)
+# matplotlib: bench/peers.sh's plots, which run here too; ruff: the Python linter CI runs;
+# liger-kernel: bench/rl_peers.py's peer.
+packages=(torch transformers accelerate safetensors grpcio protobuf numpy pytest matplotlib ruff
+          liger-kernel)
 # What the environment was made with; a change of the list (or --upgrade) makes it anew.
 stamp="$venv/lossd-packages"
 
