@@ -118,8 +118,7 @@ absl::Status ValidatePolicyOptions(const LossOptions& o) {
   }
   if (p.log_ratio_clamp != 0.0 && !UsesRatio(o.objective)) {
     return InvalidField(
-        "policy.log_ratio_clamp",
-        "0 unless the objective is importance_sampling, ppo, cispo or sapo",
+        "policy.log_ratio_clamp", absl::StrCat("0 unless the objective is ", kRatioObjectiveNames),
         absl::StrCat(p.log_ratio_clamp, " with objective ", ObjectiveName(o.objective)));
   }
   if (!(p.dro_beta >= 0.0 && p.dro_beta <= FLT_MAX)) {
@@ -156,12 +155,11 @@ absl::Status ValidatePolicyOptions(const LossOptions& o) {
     return InvalidField("policy.kl_estimator", "k1, k2 or k3 with a kl_coef", "none");
   }
   if (p.kl_ratio_weighted && (p.kl_estimator == KlEstimator::kNone || !UsesRatio(o.objective))) {
-    return InvalidField(
-        "policy.kl_ratio_weighted",
-        "false unless a kl_estimator is set and the objective is importance_sampling, ppo, cispo "
-        "or sapo",
-        absl::StrCat("true with estimator ", KlEstimatorName(p.kl_estimator), " and objective ",
-                     ObjectiveName(o.objective)));
+    return InvalidField("policy.kl_ratio_weighted",
+                        absl::StrCat("false unless a kl_estimator is set and the objective is ",
+                                     kRatioObjectiveNames),
+                        absl::StrCat("true with estimator ", KlEstimatorName(p.kl_estimator),
+                                     " and objective ", ObjectiveName(o.objective)));
   }
   if (!(std::fabs(p.entropy_coef) <= FLT_MAX)) {
     return InvalidField("policy.entropy_coef",

@@ -80,14 +80,10 @@ std::string TakeOpenSslError() {
 int NoPassphrase(char*, int, int, void*) { return 0; }
 
 // gRPC reports a certificate or key it cannot use only as a failure to bind the port, so both
-// are parsed here first, and the key is checked to be the certificate's.
+// are parsed here first, and the key is checked to be the certificate's. Both files are named
+// (ServerConfig::Validate).
 absl::StatusOr<grpc::SslServerCredentialsOptions::PemKeyCertPair> ReadTlsKeyPair(
     const ServerConfig& config) {
-  if (config.tls_cert_file.empty() || config.tls_key_file.empty()) {
-    return absl::InvalidArgumentError(config.tls_cert_file.empty()
-                                          ? "--tls_cert_file: required with --tls_key_file"
-                                          : "--tls_key_file: required with --tls_cert_file");
-  }
   ASSIGN_OR_RETURN(std::string cert_pem, ReadFile(config.tls_cert_file, "--tls_cert_file"));
   ASSIGN_OR_RETURN(std::string key_pem, ReadFile(config.tls_key_file, "--tls_key_file"));
   using Bio = std::unique_ptr<BIO, decltype(&BIO_free)>;

@@ -99,11 +99,11 @@ absl::Status ApplyRolloutCorrection(const v1::ComputeStart& start, CallSpec& spe
                         absl::StrCat(static_cast<int>(correction)));
   }
   if (!UsesRatio(spec.options.objective)) {
-    return InvalidField("options.policy.rollout_correction",
-                        "ROLLOUT_CORRECTION_NONE unless the objective is importance_sampling, ppo, "
-                        "cispo or sapo",
-                        absl::StrCat(v1::RolloutCorrection_Name(correction), " with objective ",
-                                     ObjectiveName(spec.options.objective)));
+    return InvalidField(
+        "options.policy.rollout_correction",
+        absl::StrCat("ROLLOUT_CORRECTION_NONE unless the objective is ", kRatioObjectiveNames),
+        absl::StrCat(v1::RolloutCorrection_Name(correction), " with objective ",
+                     ObjectiveName(spec.options.objective)));
   }
   const double cap = policy.has_rollout_is_cap() ? policy.rollout_is_cap() : 2.0;
   if (!(cap >= 1.0 && cap <= FLT_MAX)) {

@@ -27,7 +27,7 @@ from lossd.options import LossOptions, PolicyOptions
 # Each Tinker loss: the configuration keys it takes, and the loss_fn_inputs it reads besides
 # target_tokens (with their names in Client.compute).
 _LOSSES = {
-    "cross_entropy": ((), {"weights": "weights"}),
+    "cross_entropy": ((), {}),
     "importance_sampling": ((), {"logprobs": "sampling_logprobs", "advantages": "advantages"}),
     "ppo": (("clip_low_threshold", "clip_high_threshold"),
             {"logprobs": "sampling_logprobs", "advantages": "advantages"}),
@@ -83,7 +83,7 @@ def loss_inputs(loss_fn, loss_fn_inputs):
     if unknown:
         raise ValueError(f"loss_fn_inputs[{unknown[0]!r}]: {loss_fn} reads "
                          f"{', '.join(['target_tokens', *takes])}")
-    missing = [name for name in reads if name not in loss_fn_inputs and name != "weights"]
+    missing = [name for name in reads if name not in loss_fn_inputs]
     if missing:
         raise ValueError(f"loss_fn_inputs[{missing[0]!r}]: {loss_fn} needs it")
     return {takes[name]: np.asarray(values, np.float32) for name, values in loss_fn_inputs.items()

@@ -75,8 +75,9 @@ constexpr bool IsPolicyObjective(Objective objective) {
 constexpr bool UsesRatio(Objective objective) {
   return IsPolicyObjective(objective) && objective != Objective::kDro;
 }
-// The policy objectives by name, for messages.
+// The policy objectives, and those with a ratio, by name, for messages.
 inline constexpr char kPolicyObjectiveNames[] = "importance_sampling, ppo, cispo, dro or sapo";
+inline constexpr char kRatioObjectiveNames[] = "importance_sampling, ppo, cispo or sapo";
 
 // Estimators of KL(policy || reference) at the sampled token from delta = logp_ref - logp
 // (Schulman's k1, k2, k3; verl's "kl", "mse", "low_var_kl" without its clamp):
