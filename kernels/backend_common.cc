@@ -75,6 +75,7 @@ absl::string_view SparseTeacherMassName(SparseTeacherMass mass) {
   switch (mass) {
     case SparseTeacherMass::kRenormalize: return "renormalize";
     case SparseTeacherMass::kSpread: return "spread";
+    case SparseTeacherMass::kTailBucket: return "tail_bucket";
   }
   return "unknown";
 }
@@ -215,8 +216,9 @@ absl::Status ValidateDistillOptions(const LossOptions& o) {
   RETURN_IF_ERROR(ValidateSoftcap("distill.teacher_logit_softcap", d.teacher_logit_softcap));
   RETURN_IF_ERROR(ValidateTemperature("distill.teacher_temperature", d.teacher_temperature));
   if (d.sparse_mass != SparseTeacherMass::kRenormalize &&
-      d.sparse_mass != SparseTeacherMass::kSpread) {
-    return InvalidField("distill.sparse_teacher_mass", "renormalize or spread",
+      d.sparse_mass != SparseTeacherMass::kSpread &&
+      d.sparse_mass != SparseTeacherMass::kTailBucket) {
+    return InvalidField("distill.sparse_teacher_mass", "renormalize, spread or tail_bucket",
                         absl::StrCat(static_cast<int>(d.sparse_mass)));
   }
   // The policy terms read the label's log-probability against a reference; under distillation
@@ -324,19 +326,7 @@ absl::Status ValidateTeacher(const BatchInputs& in, const WeightView& weight,
       return InvalidField("teacher.top_k", absl::StrCat("a value in [1, ", max_k, "]"),
                           absl::StrCat(t.top_k));
     }
-    const DistillOptions& d = options.distill;
-    if (d.teacher_logit_softcap != 0.0 || d.teacher_temperature != 1.0) {
-      return InvalidField("distill.teacher_logit_softcap/teacher_temperature",
-                          "0 and 1 with a sparse teacher (its log-probabilities are final)",
-                          absl::StrCat(d.teacher_logit_softcap, " and ", d.teacher_temperature));
-    }
-    if (DivergenceOf(d.beta) == DivergenceKind::kReverseKl &&
-        d.sparse_mass == SparseTeacherMass::kRenormalize) {
-      return InvalidField("distill.beta",
-                          "below 1 with a renormalized sparse teacher (its zero probabilities "
-                          "make KL(q || p) infinite), or sparse_teacher_mass spread",
-                          "1 (reverse KL)");
-    }
+    RETURN_IF_ERROR(ValidateSparseTeacherOptions(options.distill, "distill."));
     if (in.num_tokens > 0 && (t.top_k_tokens == nullptr || t.top_k_logprobs == nullptr)) {
       return InvalidField("teacher.top_k_tokens/top_k_logprobs", "non-null buffers", "null");
     }
@@ -376,6 +366,28 @@ absl::Status ValidateTeacher(const BatchInputs& in, const WeightView& weight,
 
 }  // namespace
 
+absl::Status ValidateSparseTeacherOptions(const DistillOptions& d, absl::string_view prefix) {
+  if (d.teacher_logit_softcap != 0.0 || d.teacher_temperature != 1.0) {
+    return InvalidField(absl::StrCat(prefix, "teacher_logit_softcap/teacher_temperature"),
+                        "0 and 1 with a sparse teacher (its log-probabilities are final)",
+                        absl::StrCat(d.teacher_logit_softcap, " and ", d.teacher_temperature));
+  }
+  if (DivergenceOf(d.beta) == DivergenceKind::kReverseKl &&
+      d.sparse_mass == SparseTeacherMass::kRenormalize) {
+    return InvalidField(absl::StrCat(prefix, "beta"),
+                        "below 1 with a renormalized sparse teacher (its zero probabilities make "
+                        "KL(q || p) infinite), or sparse_teacher_mass spread or tail_bucket",
+                        "1 (reverse KL)");
+  }
+  if (d.sparse_mass == SparseTeacherMass::kTailBucket && d.temperature != 1.0) {
+    return InvalidField(absl::StrCat(prefix, "temperature"),
+                        "1 with sparse_teacher_mass tail_bucket (the teacher's top-k and tail "
+                        "probabilities are final; the tail has no logits to soften)",
+                        absl::StrCat(d.temperature));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateSparseTeacher(const TeacherInputs& t, int64_t count, int64_t vocab_size,
                                    const LossOptions& options, const int64_t* labels,
                                    int64_t first_index) {
@@ -383,7 +395,7 @@ absl::Status ValidateSparseTeacher(const TeacherInputs& t, int64_t count, int64_
   // little past 1.
   constexpr double kMassTolerance = 1e-3;
   const int k = t.top_k;
-  const bool needs_rest = options.distill.sparse_mass == SparseTeacherMass::kSpread &&
+  const bool needs_rest = options.distill.sparse_mass != SparseTeacherMass::kRenormalize &&
                           DivergenceOf(options.distill.beta) == DivergenceKind::kReverseKl &&
                           k < vocab_size;
   std::vector<int32_t> sorted(k);
@@ -414,8 +426,8 @@ absl::Status ValidateSparseTeacher(const TeacherInputs& t, int64_t count, int64_
     if (needs_rest && counted && !(1.0 - mass > 0.0)) {
       return InvalidField(
           absl::StrCat("teacher_top_k_logprobs[", first_index + r, "]"),
-          "probabilities summing below 1 (the reverse KL needs a spread teacher with mass on "
-          "every token)",
+          "probabilities summing below 1 (the reverse KL needs a teacher with mass outside its "
+          "top-k, spread or in a tail bucket)",
           absl::StrCat("a sum of ", mass));
     }
     std::copy(tokens, tokens + k, sorted.begin());
@@ -833,9 +845,10 @@ RowGradient RowFinisher::Gradient(int64_t row, const RowResult& result) const {
 
 DistillRowResult RowFinisher::FinishDistill(int64_t row, const RowStats& stats,
                                             const DistillStats& distill,
+                                            const DistillRowConstants& constants,
                                             const DistillRowTerms& terms) const {
   return FinishDistillRowAt(arrays_, constants_, options_.distill, inputs_.teacher.dense(), row,
-                            stats, distill, terms);
+                            stats, distill, constants, terms);
 }
 
 DistillRowGradient RowFinisher::DistillGradient(int64_t row, const DistillRowResult& result,

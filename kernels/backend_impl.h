@@ -90,8 +90,9 @@ class RowFinisher {
   RowGradient Gradient(int64_t row, const RowResult& result) const;
 
   // The distill objective's Finish and Gradient, from the student's RowStats, both distributions'
-  // statistics and the row's phase-2 terms.
+  // statistics, the row's constants and its phase-2 terms.
   DistillRowResult FinishDistill(int64_t row, const RowStats& stats, const DistillStats& distill,
+                                 const DistillRowConstants& constants,
                                  const DistillRowTerms& terms) const;
   DistillRowGradient DistillGradient(int64_t row, const DistillRowResult& result,
                                      const DistillRowConstants& constants) const;

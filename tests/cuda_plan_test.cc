@@ -152,7 +152,7 @@ std::vector<std::pair<size_t, size_t>> Pieces(const CudaWorkspace& w, const Prob
     }
     add(in.teacher_tokens, rows * s.teacher.top_k * 4);
     add(in.teacher_logprobs, rows * s.teacher.top_k * 4);
-    add(in.rest_logits, rows * 4);
+    add(in.sparse_rows, rows * static_cast<int64_t>(sizeof(SparseTeacherRow)));
   }
   add(w.d_hidden32, rows * h * 4);
   add(w.d_logits, rows * ld * 4);

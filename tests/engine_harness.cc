@@ -59,7 +59,7 @@ std::vector<uint8_t> RoundToDType(std::vector<double>& values, DType dtype) {
 // log-probabilities at temperature 1, or the student's own.
 void MakeTeacher(const ProblemSpec& spec, std::mt19937_64& rng, Problem& p) {
   ReferenceProblem& r = p.reference;
-  if (spec.teacher_is_student) {
+  if (spec.teacher_is_student && spec.teacher_top_k == 0) {
     r.teacher_hidden_size = r.hidden_size;
     r.teacher_hidden = r.hidden;
     r.teacher_weight = r.weight;
@@ -67,13 +67,21 @@ void MakeTeacher(const ProblemSpec& spec, std::mt19937_64& rng, Problem& p) {
   }
   const int64_t n = spec.num_tokens;
   const int64_t v = spec.vocab_size;
-  const int64_t ht = spec.teacher_hidden_size > 0 ? spec.teacher_hidden_size : spec.hidden_size;
-  std::normal_distribution<double> normal(0.0, 1.0);
-  std::vector<double> hidden(n * ht);
-  for (double& x : hidden) x = normal(rng);
-  std::vector<double> weight(v * ht);
-  const double scale = spec.teacher_logit_scale / std::sqrt(static_cast<double>(ht));
-  for (double& x : weight) x = normal(rng) * scale;
+  int64_t ht = spec.teacher_hidden_size > 0 ? spec.teacher_hidden_size : spec.hidden_size;
+  std::vector<double> hidden;
+  std::vector<double> weight;
+  if (spec.teacher_is_student) {  // the top-k of the student's own distribution
+    ht = r.hidden_size;
+    hidden = r.hidden;
+    weight = r.weight;
+  } else {
+    std::normal_distribution<double> normal(0.0, 1.0);
+    hidden.resize(n * ht);
+    for (double& x : hidden) x = normal(rng);
+    weight.resize(v * ht);
+    const double scale = spec.teacher_logit_scale / std::sqrt(static_cast<double>(ht));
+    for (double& x : weight) x = normal(rng) * scale;
+  }
   if (spec.teacher_top_k == 0) {
     p.teacher_hidden_bytes = RoundToDType(hidden, spec.teacher_hidden_dtype);
     p.teacher_weight_bytes = RoundToDType(weight, spec.teacher_weight_dtype);
@@ -99,8 +107,14 @@ void MakeTeacher(const ProblemSpec& spec, std::mt19937_64& rng, Problem& p) {
     std::iota(order.begin(), order.end(), 0);
     std::partial_sort(order.begin(), order.begin() + k, order.end(),
                       [&](int64_t a, int64_t b) { return logits[a] > logits[b]; });
+    double shift = -lse;
+    if (spec.teacher_top_k_mass > 0) {  // the top-k's own log-sum-exp, then the mass asked for
+      double top = 0.0;
+      for (int j = 0; j < k; ++j) top += std::exp(logits[order[j]] - m);
+      shift = -(m + std::log(top)) + std::log(spec.teacher_top_k_mass);
+    }
     for (int j = 0; j < k; ++j) {
-      const float logprob = static_cast<float>(logits[order[j]] - lse);
+      const float logprob = static_cast<float>(logits[order[j]] + shift);
       p.teacher_top_k_tokens.push_back(static_cast<int32_t>(order[j]));
       p.teacher_top_k_logprobs.push_back(logprob);
       r.teacher_top_k_tokens.push_back(order[j]);
@@ -294,14 +308,14 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   WeightView teacher_view;
   if (s.options.objective == Objective::kDistill) {
     TeacherInputs& t = in.teacher;
-    if (s.teacher_is_student) {
-      t.hidden = problem.hidden_bytes.data();
-      t.hidden_dtype = s.hidden_dtype;
-      t.hidden_size = h;
-    } else if (s.teacher_top_k > 0) {
+    if (s.teacher_top_k > 0) {
       t.top_k = s.teacher_top_k;
       t.top_k_tokens = problem.teacher_top_k_tokens.data();
       t.top_k_logprobs = problem.teacher_top_k_logprobs.data();
+    } else if (s.teacher_is_student) {
+      t.hidden = problem.hidden_bytes.data();
+      t.hidden_dtype = s.hidden_dtype;
+      t.hidden_size = h;
     } else {
       const int64_t ht = problem.reference.teacher_hidden_size;
       ASSIGN_OR_RETURN(teacher_weight_buffer,
@@ -332,7 +346,7 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
   out.grad_hidden_dtype = request.grad_hidden_dtype;
 
   const WeightView weight{&weight_buffer, s.weight_dtype, v, h};
-  if (s.teacher_is_student) in.teacher.weight = &weight;
+  if (s.teacher_is_student && s.teacher_top_k == 0) in.teacher.weight = &weight;
   ASSIGN_OR_RETURN(run.summary,
                    backend.Compute(in, weight, s.options, out,
                                    request.grad_weight ? &grad_weight_buffer : nullptr, workspace));

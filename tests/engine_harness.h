@@ -49,12 +49,15 @@ struct ProblemSpec {
   // The teacher of a distill call (options.objective kDistill): a head of its own, with hidden
   // rows of teacher_hidden_size (0: the student's) in these dtypes and logits of standard deviation
   // teacher_logit_scale; with teacher_top_k > 0, the top-k of such a head's log-probabilities, a
-  // sparse teacher; with teacher_is_student, the student's own head and rows.
+  // sparse teacher; with teacher_is_student, the student's own head and rows (or the top-k of its
+  // own log-probabilities).
   int64_t teacher_hidden_size = 0;
   DType teacher_hidden_dtype = DType::kFloat32;
   DType teacher_weight_dtype = DType::kFloat32;
   double teacher_logit_scale = 3.0;
   int teacher_top_k = 0;
+  // > 0: the sparse teacher's top-k probabilities are rescaled to sum to this, leaving the rest.
+  double teacher_top_k_mass = 0.0;
   bool teacher_is_student = false;
   bool no_labels = false;  // a distill call without labels
 };

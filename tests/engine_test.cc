@@ -554,6 +554,40 @@ const EngineCase kCases[] = {
        s.options = Distill(0.4, 0.2);
        s.teacher_top_k = 8;
      }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_tail_bucket_forward", "top-20 + tail bucket, forward KL, ignored labels",
+     Spec(64, 48, 1500, [](ProblemSpec& s) {
+       s.options = Distill(0.0, 0.3);
+       s.options.distill.sparse_mass = SparseTeacherMass::kTailBucket;
+       s.teacher_top_k = 20;
+       s.ignore_fraction = 0.1;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_tail_bucket_reverse_tiled",
+     "top-32 + tail bucket, reverse KL: the tail's statistics merge across vocabulary tiles",
+     Spec(150, 64, 3333, [](ProblemSpec& s) {
+       s.options = Distill(1.0);
+       s.options.distill.sparse_mass = SparseTeacherMass::kTailBucket;
+       s.teacher_top_k = 32;
+     }), 256 * kKiB, Tiling::kVocabTiles, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_tail_bucket_extreme_logits",
+     "the student's own top-4 given mass 0.8 at logit scale 300: q_tail ~ e^-180 (far below "
+     "fp32's range) against p_tail = 0.2",
+     Spec(40, 32, 2000, [](ProblemSpec& s) {
+       s.options = Distill(0.0);
+       s.options.distill.sparse_mass = SparseTeacherMass::kTailBucket;
+       s.logit_scale = 300.0;
+       s.teacher_is_student = true;
+       s.teacher_top_k = 4;
+       s.teacher_top_k_mass = 0.8;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kExtremeLogitGradBound,
+     kExtremeLogitDistillLossBound},
+    {"distill_tail_bucket_jsd_bf16", "top-8 + tail bucket under JSD, a bf16 student",
+     Spec(70, 64, 2100, [](ProblemSpec& s) {
+       s.options = Distill(0.3, 0.1);
+       s.options.distill.sparse_mass = SparseTeacherMass::kTailBucket;
+       s.teacher_top_k = 8;
+       s.hidden_dtype = DType::kBFloat16;
+       s.weight_dtype = DType::kBFloat16;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kDistillLossBound},
     {"distill_scoring_no_labels", "monitoring: reverse KL per token, no labels, no gradients",
      Spec(90, 64, 6000, [](ProblemSpec& s) {
        s.options = Distill(1.0);
@@ -904,11 +938,17 @@ TEST(ReferenceTest, DistillGradientsMatchFiniteDifferences) {
   };
   LossOptions spread = Distill(1.0, 0.0, 1.4);
   spread.distill.sparse_mass = SparseTeacherMass::kSpread;
+  const auto tail_bucket = [](double beta, double alpha) {
+    LossOptions o = Distill(beta, alpha);
+    o.distill.sparse_mass = SparseTeacherMass::kTailBucket;
+    return o;
+  };
   const Case cases[] = {
-      {Distill(0.0, 0.3), 0, false},   {Distill(1.0, 0.0, 2.0), 0, false},
-      {DistillEverything(), 0, false}, {Distill(0.5, 0.0, 0.8), 0, true},
-      {Distill(0.0, 0.5), 6, false},   {spread, 6, false},
-      {Distill(0.6, 0.2), 4, false},
+      {Distill(0.0, 0.3), 0, false},     {Distill(1.0, 0.0, 2.0), 0, false},
+      {DistillEverything(), 0, false},   {Distill(0.5, 0.0, 0.8), 0, true},
+      {Distill(0.0, 0.5), 6, false},     {spread, 6, false},
+      {Distill(0.6, 0.2), 4, false},     {tail_bucket(0.0, 0.2), 5, false},
+      {tail_bucket(1.0, 0.0), 5, false}, {tail_bucket(0.35, 0.0), 3, true},
   };
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(::testing::Message() << "LOSSD_TEST_SEED=" << seed);

@@ -143,8 +143,8 @@ std::vector<double> ReductionFactors(const ReferenceProblem& p, int64_t counted_
 
 // The teacher's logits over the whole batch, [N, V]: its head's a = h_t W_t^T (one dgemm) after
 // its own soft cap and temperature, or a sparse teacher's log-probabilities completed over the
-// vocabulary: -inf outside its top-k (renormalize), or the mass the top-k leaves spread evenly
-// there (spread).
+// vocabulary: -inf outside its top-k (renormalize; a tail bucket, whose mass TailBucketDistillation
+// takes from the top-k's), or the mass the top-k leaves spread evenly there (spread).
 std::vector<double> TeacherLogits(const ReferenceProblem& p) {
   const int64_t n = p.num_tokens;
   const int64_t v = p.vocab_size;
@@ -224,6 +224,92 @@ KdRow Distillation(const double* z, const double* zt, int64_t v, const DistillOp
   row.dkd_dz.resize(v);
   for (int64_t t = 0; t < v; ++t) {
     row.dkd_dz[t] = tau * tau * (s[t] - std::exp(log_q[t]) * s_sum) / tau;
+  }
+  return row;
+}
+
+// KD = tau^2 D of one row against a tail-bucket teacher (SparseTeacherMass::kTailBucket), from
+// the definition of top-k + tail distillation: both distributions over k + 1 buckets, the
+// teacher's top-k S (its finite logits, which are log-probabilities) and the tail,
+//   P_b = p_b / Z,  P_tail = max(0, 1 - sum_S p) / Z,  Z = sum_S p + max(0, 1 - sum_S p)
+//   Q_b = q_b,      Q_tail = sum_{v not in S} q_v,      q = softmax(z / tau)
+// and D_beta of P and Q as for a dense teacher. The gradient goes through the buckets: with
+// G_b = dD/dQ_b and dQ_b/du_w = [w in b] q_w - Q_b q_w, dD/du_w = q_w G_b(w) - q_w sum_b G_b Q_b,
+// q_w G_b(w) taken as -P_b exp(log q_w - log Q_b) under the forward KL (G_b = -P_b / Q_b alone
+// overflows where Q_b underflows).
+KdRow TailBucketDistillation(const double* z, const double* zt, int64_t v,
+                             const DistillOptions& d) {
+  const double tau = d.temperature;
+  const double beta = d.beta;
+  const std::vector<double> log_q = LogSoftmax(z, v, tau);
+  // Buckets: 0 .. k-1 the top-k columns in column order, k the tail.
+  std::vector<int64_t> bucket_of(v);
+  std::vector<double> top_mass;
+  double log_q_tail = -INFINITY;
+  std::vector<double> log_q_bucket;
+  for (int64_t t = 0; t < v; ++t) {
+    if (zt[t] > -INFINITY) {
+      bucket_of[t] = static_cast<int64_t>(top_mass.size());
+      top_mass.push_back(std::exp(zt[t]));
+      log_q_bucket.push_back(log_q[t]);
+    } else {
+      bucket_of[t] = -1;
+      const double m = std::max(log_q_tail, log_q[t]);
+      if (m > -INFINITY)
+        log_q_tail = m + std::log(std::exp(log_q_tail - m) + std::exp(log_q[t] - m));
+    }
+  }
+  const int64_t k = static_cast<int64_t>(top_mass.size());
+  double sum_top = 0.0;
+  for (double mass : top_mass) sum_top += mass;
+  // No column outside the top-k (k = V): no tail on either side.
+  const double tail = k < v ? std::max(0.0, 1.0 - sum_top) : 0.0;
+  const double z_norm = sum_top + tail;
+  std::vector<double> big_p(k + 1);
+  for (int64_t b = 0; b < k; ++b) big_p[b] = top_mass[b] / z_norm;
+  big_p[k] = tail / z_norm;
+  log_q_bucket.push_back(log_q_tail);
+  for (int64_t t = 0; t < v; ++t) {
+    if (bucket_of[t] < 0) bucket_of[t] = k;
+  }
+
+  double divergence = 0.0;
+  std::vector<double> g(k + 1, 0.0);  // G_b, but under the forward KL
+  double g_dot_q = 0.0;
+  for (int64_t b = 0; b <= k; ++b) {
+    const double big_q = std::exp(log_q_bucket[b]);
+    const double log_p = std::log(big_p[b]);
+    if (beta == 0.0) {
+      if (big_p[b] > 0) {
+        divergence += big_p[b] * (log_p - log_q_bucket[b]);
+        g_dot_q -= big_p[b];  // G_b Q_b
+      }
+      continue;
+    } else if (beta == 1.0) {
+      if (big_q > 0) {
+        divergence += big_q * (log_q_bucket[b] - log_p);
+        g[b] = log_q_bucket[b] - log_p + 1.0;
+      }
+    } else {
+      const double log_m = std::log(beta * big_p[b] + (1.0 - beta) * big_q);
+      if (big_p[b] > 0) divergence += beta * big_p[b] * (log_p - log_m);
+      if (big_q > 0) {
+        divergence += (1.0 - beta) * big_q * (log_q_bucket[b] - log_m);
+        g[b] = (1.0 - beta) * (log_q_bucket[b] - log_m);
+      }
+    }
+    if (big_q > 0) g_dot_q += g[b] * big_q;
+  }
+  KdRow row;
+  row.kd = tau * tau * divergence;
+  row.dkd_dz.resize(v);
+  for (int64_t t = 0; t < v; ++t) {
+    const int64_t b = bucket_of[t];
+    const double q = std::exp(log_q[t]);
+    const double q_g = beta == 0.0
+                           ? (big_p[b] > 0 ? -big_p[b] * std::exp(log_q[t] - log_q_bucket[b]) : 0.0)
+                           : q * g[b];
+    row.dkd_dz[t] = tau * tau * (q_g - q * g_dot_q) / tau;
   }
   return row;
 }
@@ -327,7 +413,9 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
     std::vector<double> dkd_dz;
     if (distill) {
       const DistillOptions& d = o.distill;
-      const KdRow kd = Distillation(z, &r.teacher_logits[i * v], v, d);
+      const KdRow kd = d.sparse_mass == SparseTeacherMass::kTailBucket && p.teacher_top_k > 0
+                           ? TailBucketDistillation(z, &r.teacher_logits[i * v], v, d)
+                           : Distillation(z, &r.teacher_logits[i * v], v, d);
       const double ce = has_labels ? (1 - eps) * (lse - z[y]) + eps * (lse - sum_z / v) : 0.0;
       r.kd[i] = kd.kd;
       r.ce[i] = ce;

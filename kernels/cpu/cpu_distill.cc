@@ -29,7 +29,7 @@ struct DistillWorkspace {
   DistillRowTerms* terms;          // [Nc]
   DistillRowResult* results;       // [Nc]
   DistillRowGradient* row_grads;   // [Nc] with gradients
-  float* rest_logits;              // [Nc] a sparse teacher's logit outside its top-k
+  SparseTeacherRow* sparse_rows;   // [Nc] what a sparse teacher gives outside its top-k
 };
 
 DistillWorkspace CarveDistillWorkspace(WorkspaceArena& arena, const ProblemShape& s, int64_t rows,
@@ -49,27 +49,27 @@ DistillWorkspace CarveDistillWorkspace(WorkspaceArena& arena, const ProblemShape
   w.terms = arena.Take<DistillRowTerms>(rows);
   w.results = arena.Take<DistillRowResult>(rows);
   if (WantsGradients(s)) w.row_grads = arena.Take<DistillRowGradient>(rows);
-  if (t.kind == TeacherKind::kSparse) w.rest_logits = arena.Take<float>(rows);
+  if (t.kind == TeacherKind::kSparse) w.sparse_rows = arena.Take<SparseTeacherRow>(rows);
   return w;
 }
 
-// max, sum_v exp(x_v - max) and min of x_v = y_v * scale over y[0:cols]: blocks of kSumBlock
+// max, sum_v exp(x_v - max) and min of x_v = value(v) over v in [0, cols): blocks of kSumBlock
 // columns summed in fp32 against a running max, the blocks in double, as in TileRowStats. The
 // student's u and the teacher's t both come through here, so that equal logits give equal bits.
-LOSSD_ROW_LOOP LseStats TileLseStats(const float* y, int64_t cols, float scale) {
+template <typename Value>
+inline __attribute__((always_inline)) LseStats TileLseStatsOf(int64_t cols, Value value) {
   float m = -INFINITY;
   float low = INFINITY;
   bool saw_nan = false;
   double sum_exp = 0.0;
   for (int64_t b0 = 0; b0 < cols; b0 += kSumBlock) {
     const int64_t len = std::min(kSumBlock, cols - b0);
-    const float* block = y + b0;
     float block_max = -INFINITY;
     float block_min = INFINITY;
     int nan = 0;
 #pragma omp simd reduction(max : block_max) reduction(min : block_min) reduction(| : nan)
-    for (int64_t c = 0; c < len; ++c) {
-      const float x = block[c] * scale;
+    for (int64_t c = b0; c < b0 + len; ++c) {
+      const float x = value(c);
       block_max = MaxStep(block_max, x);
       block_min = MinStep(block_min, x);
       nan |= x != x;
@@ -83,7 +83,7 @@ LOSSD_ROW_LOOP LseStats TileLseStats(const float* y, int64_t cols, float scale) 
     if (m == -INFINITY) continue;  // -inf columns (and NaN ones, flagged) add nothing yet
     float block_sum = 0.0f;
 #pragma omp simd reduction(+ : block_sum)
-    for (int64_t c = 0; c < len; ++c) block_sum += Exp(block[c] * scale - m);
+    for (int64_t c = b0; c < b0 + len; ++c) block_sum += Exp(value(c) - m);
     sum_exp += block_sum;
   }
   LseStats s;
@@ -91,6 +91,19 @@ LOSSD_ROW_LOOP LseStats TileLseStats(const float* y, int64_t cols, float scale) 
   s.sum_exp = saw_nan ? NAN : static_cast<float>(sum_exp);
   s.min = low;
   return s;
+}
+
+// Of y_v * scale.
+LOSSD_ROW_LOOP LseStats TileLseStats(const float* y, int64_t cols, float scale) {
+  return TileLseStatsOf(cols, [=](int64_t c) { return y[c] * scale; });
+}
+
+// Of u_v = z_v * scale over the columns where the teacher's logit z_t is -inf: a tail-bucket
+// teacher's tail, where the student's statistics are its q_tail's.
+LOSSD_ROW_LOOP LseStats TileTailLseStats(const float* z, const float* z_teacher, int64_t cols,
+                                         float scale) {
+  return TileLseStatsOf(
+      cols, [=](int64_t c) { return z_teacher[c] == -INFINITY ? z[c] * scale : -INFINITY; });
 }
 
 template <DivergenceKind kKind>
@@ -198,8 +211,8 @@ class CpuDistillCall : CpuChunkCall {
  private:
   const TeacherInputs& teacher() const { return in_.teacher; }
 
-  // A dense teacher's rows as fp32 (the caller's, or converted into the workspace); a sparse
-  // teacher's logit for the tokens outside each row's top-k.
+  // A dense teacher's rows as fp32 (the caller's, or converted into the workspace); what a sparse
+  // teacher gives the tokens outside each row's top-k.
   void LoadTeacher(int64_t r0, int64_t rows) {
     const TeacherInputs& t = teacher();
     if (t.dense()) {
@@ -212,8 +225,8 @@ class CpuDistillCall : CpuChunkCall {
       return;
     }
     for (int64_t r = 0; r < rows; ++r) {
-      ws_.rest_logits[r] = SparseTeacherRestLogit(t.top_k_logprobs + (r0 + r) * t.top_k, t.top_k,
-                                                  v_, options_.distill.sparse_mass);
+      ws_.sparse_rows[r] = SparseTeacherRowOf(t.top_k_logprobs + (r0 + r) * t.top_k, t.top_k, v_,
+                                              options_.distill.sparse_mass);
     }
   }
 
@@ -232,7 +245,7 @@ class CpuDistillCall : CpuChunkCall {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
       float* zt = ws_.teacher_logits + r * tile_cols_;
-      std::fill(zt, zt + cols, ws_.rest_logits[r]);
+      std::fill(zt, zt + cols, ws_.sparse_rows[r].rest_logit);
       const int32_t* tokens = t.top_k_tokens + (r0 + r) * k;
       const float* logprobs = t.top_k_logprobs + (r0 + r) * k;
       for (int j = 0; j < k; ++j) {
@@ -247,7 +260,11 @@ class CpuDistillCall : CpuChunkCall {
   // LseStats at tau, over every tile; then each row's constants for phases 2 and 3.
   void RowStatistics(int64_t r0, int64_t rows) {
     ClearRowStats(rows);
-    std::fill(ws_.distill, ws_.distill + rows, EmptyDistillStats());
+    for (int64_t r = 0; r < rows; ++r) {
+      ws_.distill[r] =
+          teacher().sparse() ? StartDistillStats(ws_.sparse_rows[r]) : EmptyDistillStats();
+    }
+    const bool tail_bucket = options_.distill.sparse_mass == SparseTeacherMass::kTailBucket;
     const TileStatsWork work{
         /*extra_sums=*/out_.entropy != nullptr || options_.label_smoothing != 0.0,
         /*store_exp=*/false, /*zero_after=*/false};
@@ -259,9 +276,11 @@ class CpuDistillCall : CpuChunkCall {
         const int64_t label = in_.labels != nullptr ? in_.labels[r0 + r] : -1;
         MergeRowStats(buffers_.stats[r], TileRowStats(LogitsRow(r), cols, v0, label, work,
                                                       TopKOf(r), /*block_max=*/nullptr));
-        DistillStats tile;
+        DistillStats tile = EmptyDistillStats();
         tile.student = TileLseStats(LogitsRow(r), cols, inv_tau_);
         tile.teacher = TileLseStats(TeacherRow(r), cols, inv_tau_);
+        if (tail_bucket)
+          tile.student_tail = TileTailLseStats(LogitsRow(r), TeacherRow(r), cols, inv_tau_);
         MergeDistillStats(ws_.distill[r], tile);
       }
     }
@@ -291,8 +310,8 @@ class CpuDistillCall : CpuChunkCall {
   void FinishRows(int64_t r0, int64_t rows, BatchSummary& summary) {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      ws_.results[r] =
-          finisher_.FinishDistill(r0 + r, buffers_.stats[r], ws_.distill[r], ws_.terms[r]);
+      ws_.results[r] = finisher_.FinishDistill(r0 + r, buffers_.stats[r], ws_.distill[r],
+                                               ws_.constants[r], ws_.terms[r]);
       if (gradients_) {
         ws_.row_grads[r] = finisher_.DistillGradient(r0 + r, ws_.results[r], ws_.constants[r]);
       }

@@ -249,8 +249,8 @@ class ChunkedCompute::Impl {
       std::memcpy(h.teacher_tokens, t.top_k_tokens + r0 * t.top_k, top_entries * sizeof(int32_t));
       std::memcpy(h.teacher_logprobs, t.top_k_logprobs + r0 * t.top_k, top_entries * sizeof(float));
       for (int64_t r = 0; r < rows; ++r) {
-        h.rest_logits[r] = SparseTeacherRestLogit(t.top_k_logprobs + (r0 + r) * t.top_k, t.top_k,
-                                                  v_, options_.distill.sparse_mass);
+        h.sparse_rows[r] = SparseTeacherRowOf(t.top_k_logprobs + (r0 + r) * t.top_k, t.top_k, v_,
+                                              options_.distill.sparse_mass);
       }
     }
 
@@ -271,7 +271,7 @@ class ChunkedCompute::Impl {
       RETURN_IF_ERROR(ToDevice(d.teacher_tokens, h.teacher_tokens, top_entries * sizeof(int32_t)));
       RETURN_IF_ERROR(
           ToDevice(d.teacher_logprobs, h.teacher_logprobs, top_entries * sizeof(float)));
-      RETURN_IF_ERROR(ToDevice(d.rest_logits, h.rest_logits, rows * sizeof(float)));
+      RETURN_IF_ERROR(ToDevice(d.sparse_rows, h.sparse_rows, rows * sizeof(SparseTeacherRow)));
     }
     return Cuda(cudaEventRecord(context_.inputs_copied[slot], input_), "cudaEventRecord");
   }
@@ -363,7 +363,7 @@ class ChunkedCompute::Impl {
     const TeacherInputs& t = in_.teacher;
     if (t.sparse()) {
       return LaunchFillSparseTeacher(TeacherTile(rows, v0, cols), t.top_k, d.teacher_tokens,
-                                     d.teacher_logprobs, d.rest_logits, stream_);
+                                     d.teacher_logprobs, d.sparse_rows, stream_);
     }
     RETURN_IF_ERROR(ComputeLogits(teacher_hidden_, *t.weight, teacher_product_dtype_, rows, v0,
                                   cols, ws_.d_teacher_logits));
@@ -415,15 +415,19 @@ class ChunkedCompute::Impl {
   absl::Status RowStatistics(const ChunkBuffers& d, int64_t rows) {
     RETURN_IF_ERROR(
         LaunchResetRows(rows, k_, ws_.d_stats, ws_.d_top_values, ws_.d_top_tokens, stream_));
-    if (distill_) RETURN_IF_ERROR(LaunchResetDistillStats(rows, ws_.d_distill_stats, stream_));
+    if (distill_) {
+      RETURN_IF_ERROR(LaunchResetDistillStats(rows, in_.teacher.sparse() ? d.sparse_rows : nullptr,
+                                              ws_.d_distill_stats, stream_));
+    }
+    const bool tail_bucket = options_.distill.sparse_mass == SparseTeacherMass::kTailBucket;
     const float inv_tau = static_cast<float>(1.0 / options_.distill.temperature);
     for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
       const int64_t cols = std::min(tile_cols_, v_ - v0);
       if (distill_) {  // both tiles transformed already
         RETURN_IF_ERROR(ComputeDistillTiles(d, rows, v0, cols));
-        RETURN_IF_ERROR(LaunchDistillRowStats(Tile(rows, v0, cols), TeacherTile(rows, v0, cols),
-                                              d.labels, inv_tau, k_, ws_.d_stats, ws_.d_top_values,
-                                              ws_.d_top_tokens, ws_.d_distill_stats, stream_));
+        RETURN_IF_ERROR(LaunchDistillRowStats(
+            Tile(rows, v0, cols), TeacherTile(rows, v0, cols), d.labels, inv_tau, tail_bucket, k_,
+            ws_.d_stats, ws_.d_top_values, ws_.d_top_tokens, ws_.d_distill_stats, stream_));
         continue;
       }
       RETURN_IF_ERROR(ComputeLogits(rows, v0, cols));

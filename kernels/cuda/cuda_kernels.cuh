@@ -97,11 +97,13 @@ absl::Status LaunchRowStats(const LogitTile& tile, const int64_t* d_labels,
 
 // LaunchRowStats of a distill call's student tile (transformed already), and from the same loads
 // both distributions' LseStats at tau (u = z * inv_tau, t = z_t * inv_tau, the teacher's tile
-// transformed as well) merged into d_distill_stats[row].
+// transformed as well), with tail_bucket also u's over the columns where z_t is -inf, merged into
+// d_distill_stats[row].
 absl::Status LaunchDistillRowStats(const LogitTile& student, const LogitTile& teacher,
-                                   const int64_t* d_labels, float inv_tau, int top_k,
-                                   RowStats* d_stats, float* d_top_values, int32_t* d_top_tokens,
-                                   DistillStats* d_distill_stats, cudaStream_t stream);
+                                   const int64_t* d_labels, float inv_tau, bool tail_bucket,
+                                   int top_k, RowStats* d_stats, float* d_top_values,
+                                   int32_t* d_top_tokens, DistillStats* d_distill_stats,
+                                   cudaStream_t stream);
 
 // ---- row_finish.cu: rows finished on the device with loss_math.h's and distill_math.h's
 // FinishRowAt / RowGradientAt, as the CPU backend finishes them on the host ----
@@ -153,17 +155,19 @@ absl::Status LaunchDistillLogitGradients(const LogitTile& student, const LogitTi
 
 // ---- distill_kernels.cu: both logits tiles of a chunk, same rows and columns ----
 
-// EmptyDistillStats() for `rows` rows.
-absl::Status LaunchResetDistillStats(int64_t rows, DistillStats* d_stats, cudaStream_t stream);
+// Each row's statistics before its first tile: StartDistillStats of a sparse teacher's
+// d_sparse_rows, else EmptyDistillStats.
+absl::Status LaunchResetDistillStats(int64_t rows, const SparseTeacherRow* d_sparse_rows,
+                                     DistillStats* d_stats, cudaStream_t stream);
 
 // z = TransformLogit(a) in place over the tile.
 absl::Status LaunchTransformLogits(const LogitTile& tile, const LogitTransform& transform,
                                    cudaStream_t stream);
 
-// One block per row: a sparse teacher's logits tile, d_rest_logits[row] everywhere but at its top-k
-// tokens (d_tokens, d_logprobs [rows, k]) that fall in the tile's columns.
+// One block per row: a sparse teacher's logits tile, d_sparse_rows[row].rest_logit everywhere but
+// at its top-k tokens (d_tokens, d_logprobs [rows, k]) that fall in the tile's columns.
 absl::Status LaunchFillSparseTeacher(const LogitTile& tile, int k, const int32_t* d_tokens,
-                                     const float* d_logprobs, const float* d_rest_logits,
+                                     const float* d_logprobs, const SparseTeacherRow* d_sparse_rows,
                                      cudaStream_t stream);
 
 // One block per row: the tile's sums of D's and K's summands (DistillElementTerms of the call's

@@ -53,7 +53,7 @@ ChunkBuffers CarveChunkBuffers(WorkspaceArena& arena, const ProblemShape& s, int
   } else if (t.kind == TeacherKind::kSparse) {
     b.teacher_tokens = arena.Take<int32_t>(rows * t.top_k);
     b.teacher_logprobs = arena.Take<float>(rows * t.top_k);
-    b.rest_logits = arena.Take<float>(rows);
+    b.sparse_rows = arena.Take<SparseTeacherRow>(rows);
   }
   return b;
 }

@@ -89,10 +89,10 @@ struct ChunkBuffers {
   float* reference_logprobs;
   float* logprob_grads;
   double* reduction_scales;
-  void* teacher_hidden;     // dense teacher: [Nc, H_t] in its dtype
-  int32_t* teacher_tokens;  // sparse teacher: [Nc, k_t]
-  float* teacher_logprobs;  // [Nc, k_t]
-  float* rest_logits;       // [Nc] the sparse teacher's logit outside its top-k
+  void* teacher_hidden;           // dense teacher: [Nc, H_t] in its dtype
+  int32_t* teacher_tokens;        // sparse teacher: [Nc, k_t]
+  float* teacher_logprobs;        // [Nc, k_t]
+  SparseTeacherRow* sparse_rows;  // [Nc] what the sparse teacher gives outside its top-k
 };
 ChunkBuffers CarveChunkBuffers(WorkspaceArena& arena, const ProblemShape& shape, int64_t rows);
 

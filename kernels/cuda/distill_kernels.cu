@@ -7,14 +7,19 @@
 
 namespace lossd::cuda {
 
-static __global__ void ResetDistillStatsKernel(int64_t rows, DistillStats* d_stats) {
-  for (int64_t i = GlobalThread(); i < rows; i += GridStride()) d_stats[i] = EmptyDistillStats();
+static __global__ void ResetDistillStatsKernel(int64_t rows, const SparseTeacherRow* d_sparse_rows,
+                                               DistillStats* d_stats) {
+  for (int64_t i = GlobalThread(); i < rows; i += GridStride()) {
+    d_stats[i] =
+        d_sparse_rows != nullptr ? StartDistillStats(d_sparse_rows[i]) : EmptyDistillStats();
+  }
 }
 
-absl::Status LaunchResetDistillStats(int64_t rows, DistillStats* d_stats, cudaStream_t stream) {
+absl::Status LaunchResetDistillStats(int64_t rows, const SparseTeacherRow* d_sparse_rows,
+                                     DistillStats* d_stats, cudaStream_t stream) {
   if (rows == 0) return absl::OkStatus();
   ResetDistillStatsKernel<<<GridFor(rows, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
-      rows, d_stats);
+      rows, d_sparse_rows, d_stats);
   return CheckLaunch("ResetDistillStatsKernel");
 }
 
@@ -38,10 +43,10 @@ absl::Status LaunchTransformLogits(const LogitTile& tile, const LogitTransform& 
 // The fill, then the top-k: a block's threads write the fill before any of them scatters.
 static __global__ void FillSparseTeacherKernel(LogitTile tile, int k, const int32_t* d_tokens,
                                                const float* d_logprobs,
-                                               const float* d_rest_logits) {
+                                               const SparseTeacherRow* d_sparse_rows) {
   const int64_t row = blockIdx.x;
   float* d_z = tile.d_logits + row * tile.ld;
-  const float rest = d_rest_logits[row];
+  const float rest = d_sparse_rows[row].rest_logit;
   for (int64_t c = threadIdx.x; c < tile.cols; c += blockDim.x) d_z[c] = rest;
   __syncthreads();
   for (int j = threadIdx.x; j < k; j += blockDim.x) {
@@ -53,11 +58,11 @@ static __global__ void FillSparseTeacherKernel(LogitTile tile, int k, const int3
 }
 
 absl::Status LaunchFillSparseTeacher(const LogitTile& tile, int k, const int32_t* d_tokens,
-                                     const float* d_logprobs, const float* d_rest_logits,
+                                     const float* d_logprobs, const SparseTeacherRow* d_sparse_rows,
                                      cudaStream_t stream) {
   if (tile.rows == 0) return absl::OkStatus();
   FillSparseTeacherKernel<<<static_cast<unsigned>(tile.rows), kRowThreads, 0, stream>>>(
-      tile, k, d_tokens, d_logprobs, d_rest_logits);
+      tile, k, d_tokens, d_logprobs, d_sparse_rows);
   return CheckLaunch("FillSparseTeacherKernel");
 }
 

@@ -64,7 +64,7 @@ static __global__ void FinishDistillRowsKernel(
   for (int64_t row = GlobalThread(); row < rows; row += GridStride()) {
     const DistillRowResult result =
         FinishDistillRowAt(arrays, constants, options, dense_teacher, row, d_stats[row],
-                           d_distill_stats[row], d_terms[row]);
+                           d_distill_stats[row], d_constants[row], d_terms[row]);
     d_results[row] = result;
     if constexpr (kGradients) {
       const DistillRowGradient gradient =

@@ -130,6 +130,7 @@ struct CombineLse {
 struct DistillTiles {
   LogitTile teacher;
   float inv_tau;
+  bool tail_bucket;  // also u's statistics over the columns where z_t is -inf
   DistillStats* d_stats;
 };
 
@@ -156,6 +157,7 @@ static __global__ void __launch_bounds__(kRowThreads)
   PartialRowStats partial = EmptyPartialRowStats();
   PartialLse student = EmptyPartialLse();
   PartialLse teacher = EmptyPartialLse();
+  PartialLse student_tail = EmptyPartialLse();
   const float* d_zt = kDistill ? distill.teacher.d_logits + row * distill.teacher.ld : nullptr;
   WarpTopK list{-INFINITY, -INFINITY, 0, 0};
   float kth_value = -INFINITY;
@@ -168,6 +170,9 @@ static __global__ void __launch_bounds__(kRowThreads)
     if constexpr (kDistill) {
       AddValue(student, z * distill.inv_tau);
       AddValue(teacher, zt * distill.inv_tau);
+      if (distill.tail_bucket) {
+        AddValue(student_tail, zt == -INFINITY ? z * distill.inv_tau : -INFINITY);
+      }
     }
   };
   const int64_t quads = tile.cols / 4;
@@ -204,9 +209,12 @@ static __global__ void __launch_bounds__(kRowThreads)
   }
   partial = BlockReduce(partial, CombinePartialStats{}, stats_scratch);
   if constexpr (kDistill) {
-    DistillStats tile_stats;
+    DistillStats tile_stats = EmptyDistillStats();
     tile_stats.student = LseStatsOf(BlockReduce(student, CombineLse{}, lse_scratch));
     tile_stats.teacher = LseStatsOf(BlockReduce(teacher, CombineLse{}, lse_scratch));
+    if (distill.tail_bucket) {  // uniform over the block
+      tile_stats.student_tail = LseStatsOf(BlockReduce(student_tail, CombineLse{}, lse_scratch));
+    }
     if (threadIdx.x == 0) MergeDistillStats(distill.d_stats[row], tile_stats);
   }
 
@@ -290,10 +298,11 @@ absl::Status LaunchRowStats(const LogitTile& tile, const int64_t* d_labels,
 }
 
 absl::Status LaunchDistillRowStats(const LogitTile& student, const LogitTile& teacher,
-                                   const int64_t* d_labels, float inv_tau, int top_k,
-                                   RowStats* d_stats, float* d_top_values, int32_t* d_top_tokens,
-                                   DistillStats* d_distill_stats, cudaStream_t stream) {
-  const DistillTiles distill{teacher, inv_tau, d_distill_stats};
+                                   const int64_t* d_labels, float inv_tau, bool tail_bucket,
+                                   int top_k, RowStats* d_stats, float* d_top_values,
+                                   int32_t* d_top_tokens, DistillStats* d_distill_stats,
+                                   cudaStream_t stream) {
+  const DistillTiles distill{teacher, inv_tau, tail_bucket, d_distill_stats};
   return LaunchRowStatsKernel(student, d_labels, LogitTransform{}, false, top_k, d_stats,
                               d_top_values, d_top_tokens, &distill, stream);
 }

@@ -256,18 +256,7 @@ absl::Status ParseTeacher(const ComputeEnvironment& env, const v1::ComputeStart&
       return InvalidField("teacher_head_version/teacher_hidden_size/teacher_hidden_dtype",
                           "none with a sparse teacher_top_k", "a value");
     }
-    const DistillOptions& d = spec.options.distill;
-    if (d.teacher_logit_softcap != 0.0 || d.teacher_temperature != 1.0) {
-      return InvalidField("options.distill.teacher_logit_softcap/teacher_temperature",
-                          "0 and 1 with a sparse teacher (its log-probabilities are final)",
-                          absl::StrCat(d.teacher_logit_softcap, " and ", d.teacher_temperature));
-    }
-    if (d.beta == 1.0 && d.sparse_mass == SparseTeacherMass::kRenormalize) {
-      return InvalidField("options.distill.beta",
-                          "below 1 with SPARSE_TEACHER_RENORMALIZE (its zero probabilities make "
-                          "KL(q || p) infinite), or SPARSE_TEACHER_SPREAD",
-                          "1 (reverse KL)");
-    }
+    RETURN_IF_ERROR(ValidateSparseTeacherOptions(spec.options.distill, "options.distill."));
     spec.teacher_top_k = start.teacher_top_k();
     return absl::OkStatus();
   }

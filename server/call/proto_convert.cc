@@ -78,9 +78,13 @@ absl::StatusOr<LossOptions> FromProto(const v1::LossOptions& p) {
       o.distill.sparse_mass = SparseTeacherMass::kRenormalize;
       break;
     case v1::SPARSE_TEACHER_SPREAD: o.distill.sparse_mass = SparseTeacherMass::kSpread; break;
+    case v1::SPARSE_TEACHER_TAIL_BUCKET:
+      o.distill.sparse_mass = SparseTeacherMass::kTailBucket;
+      break;
     default:
       return InvalidField("options.distill.sparse_teacher_mass",
-                          "SPARSE_TEACHER_RENORMALIZE or SPARSE_TEACHER_SPREAD",
+                          "SPARSE_TEACHER_RENORMALIZE, SPARSE_TEACHER_SPREAD or "
+                          "SPARSE_TEACHER_TAIL_BUCKET",
                           absl::StrCat(static_cast<int>(distill.sparse_teacher_mass())));
   }
   o.distill.beta = distill.beta();

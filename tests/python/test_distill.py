@@ -91,13 +91,35 @@ def sparse_log_probs(tokens, logprobs, mass, tau):
     return F.log_softmax(completed / tau, dim=-1)
 
 
-def torch_distill(h, w, teacher_log_probs, labels, spec):
-    """Loss, dL/dh, dL/dW and per-token (kd, ce) of the naive formula in float64 autograd."""
+def tail_bucket_divergence(student_logits, tokens, logprobs, beta):
+    """Top-k + tail distillation per token, from its definition: both distributions over the
+    teacher's k tokens and one bucket for the rest of the vocabulary. The teacher's bucket holds
+    1 - sum p (at least 0; the k + 1 values renormalized, as the server does when a rounded top-k
+    sums past 1), the student's its mass outside the same k tokens (a masked logsumexp); then
+    generalized_jsd over the k + 1 buckets."""
+    log_q = F.log_softmax(student_logits, dim=-1)
+    tokens = torch.as_tensor(tokens).long()
+    outside = torch.ones_like(log_q, dtype=torch.bool).scatter_(1, tokens, False)
+    log_q_tail = torch.logsumexp(log_q.masked_fill(~outside, -math.inf), dim=-1, keepdim=True)
+    student_buckets = torch.cat([log_q.gather(1, tokens), log_q_tail], dim=-1)
+    logprobs = torch.as_tensor(logprobs).double()
+    tail = (1 - logprobs.exp().sum(-1, keepdim=True)).clamp(min=0)
+    teacher_buckets = torch.cat([logprobs, tail.log()], dim=-1)
+    teacher_buckets = teacher_buckets - torch.logsumexp(teacher_buckets, dim=-1, keepdim=True)
+    # The student's buckets are log-probabilities already: generalized_jsd's log_softmax keeps them.
+    return generalized_jsd(student_buckets, teacher_buckets, beta, 1.0)
+
+
+def torch_distill(h, w, teacher_log_probs, labels, spec, divergence=None):
+    """Loss, dL/dh, dL/dW and per-token (kd, ce) of the naive formula in float64 autograd;
+    divergence(z), when given, is D per token in place of generalized_jsd against
+    teacher_log_probs."""
     h = h.detach().double().requires_grad_()
     w = w.detach().double().requires_grad_()
     tau, beta, alpha = spec.get("temperature", 1.0), spec.get("beta", 0.0), spec.get("alpha", 0.0)
     z = head_logits(h, w, spec.get("student_temperature", 1.0), spec.get("logit_softcap", 0.0))
-    kd = tau ** 2 * generalized_jsd(z, teacher_log_probs, beta, tau)
+    kd = tau ** 2 * (divergence(z) if divergence is not None
+                     else generalized_jsd(z, teacher_log_probs, beta, tau))
     if labels is None:
         ce = torch.zeros_like(kd)
         mask = torch.ones_like(kd)
@@ -196,6 +218,49 @@ def test_sparse_teacher_matches_torch(client, heads, mass, beta):
     assert np.abs(distill.last_result.kd - kd_ref.numpy()).max() < TERM_ATOL
     assert relative_error(torch.from_numpy(client.fetch_grad_weight(student)), grad_w_ref) < \
         GRAD_RTOL
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_tail_bucket_teacher_matches_torch_autograd(client, heads, beta):
+    """Top-k + tail: the teacher's top-16 and the rest of its mass as one bucket, against the
+    student's mass outside the same tokens; dL/dh and dL/dW from torch's autograd of the bucket
+    definition."""
+    student, w, teacher, wt = heads
+    h, ht, labels = make_batch()
+    spec = dict(beta=beta, alpha=0.25)
+    teacher_log_probs = F.log_softmax(head_logits(ht.double(), wt.double()), dim=-1)
+    top = teacher_log_probs.topk(16, dim=-1)
+    tokens, logprobs = top.indices.int(), top.values.float()
+    loss_ref, grad_h_ref, grad_w_ref, kd_ref, _ = torch_distill(
+        h, w, None, labels, spec,
+        divergence=lambda z: tail_bucket_divergence(z, tokens, logprobs, beta))
+    distill = RemoteDistill(client, student=student, beta=beta, alpha=spec["alpha"],
+                            sparse_teacher_mass="tail_bucket")
+    hidden = h.clone().requires_grad_()
+    loss = distill(hidden, None, labels, teacher_top_k_tokens=tokens,
+                   teacher_top_k_logprobs=logprobs)
+    loss.backward()
+    assert relative_error(loss.detach(), loss_ref) < LOSS_RTOL
+    assert relative_error(hidden.grad, grad_h_ref) < GRAD_RTOL
+    assert np.abs(distill.last_result.kd - kd_ref.numpy()).max() < TERM_ATOL
+    assert relative_error(torch.from_numpy(client.fetch_grad_weight(student)), grad_w_ref) < \
+        GRAD_RTOL
+
+
+def test_tail_bucket_with_a_temperature_is_refused_by_name(client, heads):
+    """The tail has no logits to soften: a tail bucket needs distill temperature 1."""
+    student, _, _, _ = heads
+    h, _, labels = make_batch()
+    tokens = torch.arange(4, dtype=torch.int32).expand(NUM_TOKENS, 4).contiguous()
+    logprobs = torch.full((NUM_TOKENS, 4), math.log(0.1))
+    distill = RemoteDistill(client, student=student, temperature=2.0,
+                            sparse_teacher_mass="tail_bucket")
+    with pytest.raises(lossd.LossdError) as error:
+        distill(h.requires_grad_(), None, labels, teacher_top_k_tokens=tokens,
+                teacher_top_k_logprobs=logprobs)
+    assert error.value.code == "INVALID_ARGUMENT"
+    assert "options.distill.temperature" in error.value.message
+    assert "tail_bucket" in error.value.message
 
 
 def test_bfloat16_rows_against_their_float64_values(client, heads):

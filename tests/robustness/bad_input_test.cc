@@ -863,6 +863,23 @@ const BadRow kBadRows[] = {
        MakeSparse(s);
        DistillOf(s).set_beta(1.0);
      }},
+    {"sparse_tail_bucket_tempered", "the tail has no logits for a temperature to soften",
+     Rpc::kCompute, kInvalid, "options.distill.temperature",
+     [](Script& s) {
+       MakeSparse(s);
+       DistillOf(s).set_sparse_teacher_mass(v1::SPARSE_TEACHER_TAIL_BUCKET);
+       DistillOf(s).set_temperature(2.0);
+     }},
+    {"sparse_tail_bucket_empty_reverse_kl",
+     "row 6's top-k holds all its mass (0.4005 + 3 x 0.2): KL(q || p) of its empty bucket is "
+     "infinite",
+     Rpc::kCompute, kInvalid, "chunk.teacher_top_k_logprobs[6]",
+     [](Script& s) {
+       MakeSparse(s);
+       DistillOf(s).set_sparse_teacher_mass(v1::SPARSE_TEACHER_TAIL_BUCKET);
+       DistillOf(s).set_beta(1.0);
+       SetSparse<float>(s, false, 6, 0, std::log(0.4005f));
+     }},
     {"sparse_with_teacher_temperature", "a sparse teacher's log-probabilities are final",
      Rpc::kCompute, kInvalid, "options.distill.teacher_logit_softcap/teacher_temperature",
      [](Script& s) {

@@ -674,8 +674,8 @@ class Client:
         against a teacher over the same vocabulary (lossd.v1.DistillOptions): the teacher head
         teacher_head (served; another hidden size allowed) with its rows teacher_hidden [N, H_t]
         for the same positions, or a sparse teacher, teacher_top_k_tokens [N, k] int32 and
-        teacher_top_k_logprobs [N, k] (cached outputs; sparse_teacher_mass "renormalize" drops
-        the mass outside the top-k, "spread" spreads it over the other tokens). With
+        teacher_top_k_logprobs [N, k] (cached outputs; sparse_teacher_mass says what becomes of
+        the mass outside the top-k: lossd.v1.SparseTeacherMass by its lower-case name). With
         q = softmax(z / tau), p = softmax(z_t / tau), tau = distill_temperature: distill_beta 0
         is KL(p || q), 1 is KL(q || p), between them the generalized JSD (TRL's convention);
         KD = tau^2 D, and the loss per token is distill_alpha * CE + (1 - distill_alpha) * KD.

@@ -1179,7 +1179,8 @@ class RemoteDistill(torch.nn.Module):
     alpha * CE(labels) + (1 - alpha) * KD, reduced as RemoteHead's loss is. labels may be None
     when alpha is 0 (every token counts). teacher=None takes a sparse teacher instead, the top-k
     of cached teacher log-probabilities per token (teacher_top_k_tokens, teacher_top_k_logprobs
-    in forward; sparse_teacher_mass "renormalize" or "spread" says what becomes of the rest).
+    in forward; sparse_teacher_mass, lossd.v1.SparseTeacherMass by its lower-case name, says what
+    becomes of the rest: renormalized away, spread, or kept as a tail bucket).
 
     Backward gives the student's hidden states dL/dh and accumulates the student head's dL/dW on
     the server exactly as RemoteHead does (the same upstream-gradient correction, call ids and

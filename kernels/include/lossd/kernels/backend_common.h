@@ -45,10 +45,16 @@ absl::Status ValidateFiniteMatrix(absl::string_view field, const void* data, DTy
 absl::Status ValidateObjectiveInputs(const BatchInputs& inputs, const LossOptions& options,
                                      int64_t first_index = 0);
 
+// The distill options a sparse teacher allows: no teacher soft cap or temperature (its
+// log-probabilities are final), no reverse KL against a renormalized top-k, temperature 1 with a
+// tail bucket. Fields are named with `prefix` ("distill.", "options.distill.").
+absl::Status ValidateSparseTeacherOptions(const DistillOptions& options, absl::string_view prefix);
+
 // A sparse teacher's rows [0, count) (TeacherInputs): token ids in [0, vocab_size), distinct within
 // a row, finite log-probabilities <= 0 whose probabilities sum to at most 1 + 1e-3 (rounding in
-// the cached values), on every row, ignored or not; with the spread mass and the reverse KL, some
-// mass left to spread on every counted row. Named as "<field>[first_index + r, j]".
+// the cached values), on every row, ignored or not; with the spread mass or a tail bucket and the
+// reverse KL, some mass left outside the top-k on every counted row. Named as
+// "<field>[first_index + r, j]".
 absl::Status ValidateSparseTeacher(const TeacherInputs& teacher, int64_t count, int64_t vocab_size,
                                    const LossOptions& options, const int64_t* labels,
                                    int64_t first_index = 0);

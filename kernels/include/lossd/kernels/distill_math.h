@@ -19,6 +19,21 @@
 // is larger, with log(m / A) = log(a + b e^-|log p - log q|) (MixtureLogRatios): no exp underflows
 // to a log of 0, and where p_v = q_v it is exactly log q_v, so that a teacher identical to the
 // student gives D = 0 and a zero gradient exactly.
+//
+// A sparse teacher with a tail bucket (SparseTeacherMass::kTailBucket) gives its top-k S their
+// probabilities and the rest one bucket, p_tail = 1 - sum_S p_v; the student's bucket is
+// q_tail = sum_{v not in S} q_v, and D is taken over the k + 1 buckets. That is the dense D against
+// a teacher p'_v = p_tail q_v / q_tail outside S (whose log-ratio to q, to m, is constant there),
+// and since sum_{v not in S} p'_v = p_tail is fixed, the dense gradient with p' held fixed is
+// D's: for v outside S, dD/du_v = q_v s_tail - exp(log q_v + l_tail) with the row constants
+//   s_tail = 1, l_tail = log p_tail - log q_tail         forward KL (q_v - p'_v)
+//   s_tail = log q_tail - log p_tail - K                 reverse KL, l_tail = -inf
+//   s_tail = (1 - beta) (log q_tail - log m_tail - K)    JSD, m_tail = beta p_tail + (1 - beta)
+//   q_tail
+// (p'_v as exp(log q_v + l_tail) <= p_tail: p_tail / q_tail alone overflows where q_tail is tiny).
+// and the columns outside S add nothing in phase 2: the bucket's terms are added once per row from
+// log q_tail, whose statistics (of u over the columns outside S) phase 1 keeps beside the others,
+// so that a q_tail far below 2^-126 still has its logarithm.
 #ifndef LOSSD_KERNELS_DISTILL_MATH_H_
 #define LOSSD_KERNELS_DISTILL_MATH_H_
 
@@ -76,20 +91,77 @@ LOSSD_HD double LseOf(const LseStats& s) {
 // The distill statistics of a row beside the student's RowStats (which hold z at the student's
 // own temperature, for the cross-entropy and the outputs): u's and t's.
 struct DistillStats {
-  LseStats student;  // of u = z / tau
-  LseStats teacher;  // of t = z_t / tau
+  LseStats student;       // of u = z / tau
+  LseStats teacher;       // of t = z_t / tau, a tail bucket's log p_tail among them
+  LseStats student_tail;  // of u over the columns outside a tail-bucket teacher's top-k
+  float teacher_tail;     // log p_tail of a tail-bucket teacher; -inf without one
+  // The least of a tail-bucket teacher's top-k log-probabilities and log p_tail: teacher.min
+  // counts the -inf of the columns that are the bucket's.
+  float teacher_floor;
 };
 
 LOSSD_HD DistillStats EmptyDistillStats() {
   DistillStats s;
   s.student = EmptyLseStats();
   s.teacher = EmptyLseStats();
+  s.student_tail = EmptyLseStats();
+  s.teacher_tail = -INFINITY;
+  s.teacher_floor = -INFINITY;
   return s;
 }
 
+// What a sparse teacher's row gives the tokens outside its top-k, from its log-probabilities:
+// rest_logit fills them in the teacher's logits tile, tail_logit is log p_tail for a tail bucket.
+struct SparseTeacherRow {
+  // log((1 - sum_j p_j) / (V - k)) (spread); -inf otherwise, or when nothing is left.
+  float rest_logit;
+  // log(1 - sum_j p_j) (tail bucket); -inf otherwise, when nothing is left, or when no token is
+  // outside the top-k (k = V: the bucket is empty on both sides).
+  float tail_logit;
+  float floor_logit;  // the least of the top-k log-probabilities and tail_logit
+};
+
+// In double.
+LOSSD_HD SparseTeacherRow SparseTeacherRowOf(const float* logprobs, int k, int64_t vocab_size,
+                                             SparseTeacherMass mass) {
+  SparseTeacherRow row;
+  row.rest_logit = -INFINITY;
+  row.tail_logit = -INFINITY;
+  row.floor_logit = INFINITY;
+  double top_mass = 0.0;
+  for (int j = 0; j < k; ++j) {
+    top_mass += std::exp(static_cast<double>(logprobs[j]));
+    row.floor_logit = MinStep(row.floor_logit, logprobs[j]);
+  }
+  const double rest = 1.0 - top_mass;
+  if (mass == SparseTeacherMass::kRenormalize || vocab_size <= k || !(rest > 0.0)) return row;
+  if (mass == SparseTeacherMass::kSpread) {
+    row.rest_logit = static_cast<float>(std::log(rest / static_cast<double>(vocab_size - k)));
+  } else {
+    row.tail_logit = static_cast<float>(std::log(rest));
+    row.floor_logit = MinStep(row.floor_logit, row.tail_logit);
+  }
+  return row;
+}
+
+// A sparse teacher's row's statistics before its first tile: a tail bucket is one of its values.
+LOSSD_HD DistillStats StartDistillStats(const SparseTeacherRow& row) {
+  DistillStats s = EmptyDistillStats();
+  s.teacher_tail = row.tail_logit;
+  s.teacher_floor = row.floor_logit;
+  if (row.tail_logit > -INFINITY) {
+    s.teacher.max = row.tail_logit;
+    s.teacher.sum_exp = 1.0f;
+    s.teacher.min = row.tail_logit;
+  }
+  return s;
+}
+
+// Tiles of the same row; teacher_tail is the row's and stays.
 LOSSD_HD void MergeDistillStats(DistillStats& into, const DistillStats& other) {
   MergeLseStats(into.student, other.student);
   MergeLseStats(into.teacher, other.teacher);
+  MergeLseStats(into.student_tail, other.student_tail);
 }
 
 // What phases 2 and 3 read of a row's columns once its statistics are complete.
@@ -100,6 +172,10 @@ struct DistillRowConstants {
   float beta;            // p's weight in m
   float one_minus_beta;  // q's weight in m, rounded from 1 - beta in double
   DivergenceKind kind;
+  // A tail-bucket teacher: columns outside its top-k (teacher logit -inf) are the bucket's.
+  bool tail_bucket;
+  float log_teacher_tail;  // log p_tail
+  float log_student_tail;  // log q_tail
 };
 
 // The teacher head's soft cap and temperature (DistillOptions) as a LogitTransform.
@@ -119,6 +195,9 @@ LOSSD_HD DistillRowConstants MakeDistillRowConstants(const DistillStats& s,
   c.beta = static_cast<float>(options.beta);
   c.one_minus_beta = static_cast<float>(1.0 - options.beta);
   c.kind = DivergenceOf(options.beta);
+  c.tail_bucket = options.sparse_mass == SparseTeacherMass::kTailBucket;
+  c.log_teacher_tail = static_cast<float>(static_cast<double>(s.teacher_tail) - LseOf(s.teacher));
+  c.log_student_tail = static_cast<float>(LseOf(s.student_tail) - LseOf(s.student));
   return c;
 }
 
@@ -162,6 +241,11 @@ LOSSD_HD DistillSummands DistillElementTerms(float z, float z_teacher,
   const float log_p = z_teacher * c.inv_tau - c.teacher_lse;
   const bool teacher_mass = log_p > -INFINITY;
   DistillSummands s;
+  if (c.tail_bucket && !teacher_mass) {  // the bucket's, added per row (FinishDistillRow)
+    s.divergence = 0.0f;
+    s.k = 0.0f;
+    return s;
+  }
   if constexpr (kKind == DivergenceKind::kForwardKl) {
     s.divergence = teacher_mass ? Exp(log_p) * (log_p - log_q) : 0.0f;
     s.k = 0.0f;
@@ -199,22 +283,81 @@ struct DistillRowTerms {
 // A distill row's results (RowResult's loss is the whole weighted loss).
 struct DistillRowResult {
   RowResult row;
-  float kd;  // tau^2 D; 0 for ignored rows
-  float ce;  // the label's cross-entropy; 0 for ignored rows and without labels
-  float k;   // K, for the gradient
+  float kd;          // tau^2 D; 0 for ignored rows
+  float ce;          // the label's cross-entropy; 0 for ignored rows and without labels
+  float k;           // K, for the gradient
+  float tail_scale;  // s_tail and l_tail of a tail bucket (the header's)
+  float tail_shift;
   // max_v |dD/du_v| over the row: 1 (forward), 1/e + 2 (lse(t) - min t) (reverse: q |log q| <=
   // 1/e, q |log p| and K at most lse(t) - min t), (1 - beta)(max(1/e, L) + L) with
   // L = -log(1 - beta) (JSD: |log q - log m| <= L above and q log(q / m) >= q log q >= -1/e).
   double gradient_bound;
 };
 
-// The row's results from its complete statistics and terms. `has_label` is false for rows of a
-// call without labels (they count, without a cross-entropy); `dense_teacher` flags a -inf teacher
-// logit (an overflow) as non-finite, as the student's are.
+// log(e^a + e^b) in double; -inf when both are.
+LOSSD_HD double LogAddExp(double a, double b) {
+  const double m = a > b ? a : b;
+  if (m == -INFINITY) return -INFINITY;
+  return m + std::log(std::exp(a - m) + std::exp(b - m));
+}
+
+// A tail bucket's part of a row: its summands of D and K, and s_tail (the header's), from
+// log p_tail and log q_tail; K is the row's whole K, the bucket's included.
+struct TailBucketTerms {
+  double divergence;
+  double k;
+};
+
+LOSSD_HD TailBucketTerms TailBucketTermsOf(const DistillRowConstants& c) {
+  const double log_p = c.log_teacher_tail;
+  const double log_q = c.log_student_tail;
+  const double p = std::exp(log_p);
+  const double q = std::exp(log_q);
+  TailBucketTerms t{0.0, 0.0};
+  switch (c.kind) {
+    case DivergenceKind::kForwardKl:
+      if (p > 0.0) t.divergence = p * (log_p - log_q);
+      break;
+    case DivergenceKind::kReverseKl:
+      if (q > 0.0) t.divergence = q * (log_q - log_p);
+      t.k = t.divergence;
+      break;
+    default: {
+      const double beta = c.beta;
+      const double log_m = LogAddExp(std::log(beta) + log_p, std::log1p(-beta) + log_q);
+      if (p > 0.0) t.divergence += beta * p * (log_p - log_m);
+      if (q > 0.0) {
+        t.k = q * (log_q - log_m);
+        t.divergence += (1.0 - beta) * t.k;
+      }
+    }
+  }
+  return t;
+}
+
+LOSSD_HD double TailBucketScale(const DistillRowConstants& c, double k) {
+  const double log_p = c.log_teacher_tail;
+  const double log_q = c.log_student_tail;
+  if (!(log_q > -INFINITY)) return 0.0;  // no column is the bucket's
+  switch (c.kind) {
+    case DivergenceKind::kForwardKl: return 1.0;
+    case DivergenceKind::kReverseKl: return log_q - log_p - k;
+    default: {
+      const double beta = c.beta;
+      const double log_m = LogAddExp(std::log(beta) + log_p, std::log1p(-beta) + log_q);
+      return (1.0 - beta) * (log_q - log_m - k);
+    }
+  }
+}
+
+// The row's results from its complete statistics, constants and terms. `has_label` is false for
+// rows of a call without labels (they count, without a cross-entropy); `dense_teacher` flags a -inf
+// teacher logit (an overflow) as non-finite, as the student's are.
 LOSSD_HD DistillRowResult FinishDistillRow(const RowStats& s, const DistillStats& ds,
-                                           const DistillRowTerms& terms, bool counted,
-                                           bool has_label, float weight, const LossTerms& loss,
-                                           const DistillOptions& options, bool dense_teacher) {
+                                           const DistillRowConstants& c, DistillRowTerms terms,
+                                           bool counted, bool has_label, float weight,
+                                           const LossTerms& loss, const DistillOptions& options,
+                                           bool dense_teacher) {
   const RowSummary summary = SummarizeRow(s, loss.vocab_size);
   const double tau = options.temperature;
   DistillRowResult r;
@@ -222,6 +365,17 @@ LOSSD_HD DistillRowResult FinishDistillRow(const RowStats& s, const DistillStats
   RowResult& row = r.row;
   r.kd = 0.0f;
   r.ce = 0.0f;
+  r.tail_scale = 0.0f;
+  r.tail_shift = -INFINITY;
+  if (c.tail_bucket) {
+    const TailBucketTerms tail = TailBucketTermsOf(c);
+    terms.divergence += tail.divergence;
+    terms.k += tail.k;
+    r.tail_scale = static_cast<float>(TailBucketScale(c, terms.k));
+    if (c.kind == DivergenceKind::kForwardKl && c.log_student_tail > -INFINITY) {
+      r.tail_shift = c.log_teacher_tail - c.log_student_tail;
+    }
+  }
   r.k = static_cast<float>(terms.k);
   const double kd = tau * tau * terms.divergence;
   if (counted) {
@@ -239,9 +393,11 @@ LOSSD_HD DistillRowResult FinishDistillRow(const RowStats& s, const DistillStats
   constexpr double kInvE = 0.36787944117144233;
   switch (DivergenceOf(options.beta)) {
     case DivergenceKind::kForwardKl: r.gradient_bound = 1.0; break;
-    case DivergenceKind::kReverseKl:
-      r.gradient_bound = kInvE + 2.0 * (LseOf(ds.teacher) - static_cast<double>(ds.teacher.min));
+    case DivergenceKind::kReverseKl: {
+      const float lowest = c.tail_bucket ? ds.teacher_floor : ds.teacher.min;
+      r.gradient_bound = kInvE + 2.0 * (LseOf(ds.teacher) - static_cast<double>(lowest));
       break;
+    }
     default: {
       const double l = -std::log1p(-options.beta);
       r.gradient_bound = (1.0 - options.beta) * ((l > kInvE ? l : kInvE) + l);
@@ -263,6 +419,8 @@ struct DistillRowGradient {
   DistillRowConstants c;
   float kd_scale;  // g (1 - alpha) tau
   float k;
+  float tail_scale;  // DistillRowResult's
+  float tail_shift;
 };
 
 // g = weight * multiplier (the reduction's scale and grad_scale), as for MakeRowGradient.
@@ -285,6 +443,8 @@ LOSSD_HD DistillRowGradient MakeDistillRowGradient(const DistillRowResult& r,
   d.c = c;
   d.kd_scale = static_cast<float>(g * (1.0 - alpha) * options.temperature);
   d.k = r.k;
+  d.tail_scale = r.tail_scale;
+  d.tail_shift = r.tail_shift;
   return d;
 }
 
@@ -294,9 +454,10 @@ LOSSD_HD DistillRowResult FinishDistillRowAt(const RowInputArrays& a, const RowF
                                              const DistillOptions& options, bool dense_teacher,
                                              int64_t row, const RowStats& stats,
                                              const DistillStats& distill,
+                                             const DistillRowConstants& constants,
                                              const DistillRowTerms& terms) {
-  return FinishDistillRow(stats, distill, terms, RowCounted(a, c, row), a.labels != nullptr,
-                          RowWeight(a, row), c.terms, options, dense_teacher);
+  return FinishDistillRow(stats, distill, constants, terms, RowCounted(a, c, row),
+                          a.labels != nullptr, RowWeight(a, row), c.terms, options, dense_teacher);
 }
 LOSSD_HD DistillRowGradient DistillRowGradientAt(const RowInputArrays& a,
                                                  const RowFinishConstants& c,
@@ -313,6 +474,9 @@ LOSSD_HD float DivergenceGradient(float z, float z_teacher, const DistillRowGrad
   const DistillRowConstants& c = g.c;
   const float log_q = z * c.inv_tau - c.student_lse;
   const float log_p = z_teacher * c.inv_tau - c.teacher_lse;
+  if (c.tail_bucket && !(log_p > -INFINITY)) {
+    return Exp(log_q) * g.tail_scale - Exp(log_q + g.tail_shift);
+  }
   if constexpr (kKind == DivergenceKind::kForwardKl) {
     return Exp(log_q) - Exp(log_p);
   } else if constexpr (kKind == DivergenceKind::kReverseKl) {
@@ -349,18 +513,6 @@ LOSSD_HD double DistillLogitGradientBound(const DistillRowGradient& g, double di
   return LogitGradientBound(g.ce, t) + std::fabs(static_cast<double>(g.kd_scale)) *
                                            divergence_bound *
                                            static_cast<double>(t.inv_temperature);
-}
-
-// The logit a sparse teacher's completed distribution gives the tokens outside its top-k: -inf
-// (renormalize), or log((1 - sum_j p_j) / (V - k)) (spread; -inf when nothing is left). In double.
-LOSSD_HD float SparseTeacherRestLogit(const float* logprobs, int k, int64_t vocab_size,
-                                      SparseTeacherMass mass) {
-  if (mass != SparseTeacherMass::kSpread || vocab_size <= k) return -INFINITY;
-  double top_mass = 0.0;
-  for (int j = 0; j < k; ++j) top_mass += std::exp(static_cast<double>(logprobs[j]));
-  const double rest = 1.0 - top_mass;
-  return rest > 0.0 ? static_cast<float>(std::log(rest / static_cast<double>(vocab_size - k)))
-                    : -INFINITY;
 }
 
 }  // namespace lossd

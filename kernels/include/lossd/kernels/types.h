@@ -118,6 +118,9 @@ enum class SparseTeacherMass : int {
   kRenormalize = 0,
   // The mass 1 - sum_j p_j left by the top-k is spread evenly over the other V - k tokens.
   kSpread = 1,
+  // The mass left by the top-k stays one bucket, p_tail, compared with the student's q_tail, its
+  // mass outside the same k tokens: D over the k + 1 buckets (distill_math.h).
+  kTailBucket = 2,
 };
 
 // Knowledge distillation against a teacher's distribution over the same vocabulary. With z the
