@@ -439,6 +439,15 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
   RETURN_IF_ERROR(ValidateTokenWeights(spec.token_weights.data(),
                                        static_cast<int64_t>(spec.token_weights.size())));
   RETURN_IF_ERROR(ParseObjectiveInputs(start, spec));
+  if (start.options().objective() == v1::OBJECTIVE_GSPO) {
+    if (start.sequence_lengths_size() == 0) {
+      return InvalidField("sequence_lengths",
+                          "the call's sequences with OBJECTIVE_GSPO (a sequence's ratio is the "
+                          "geometric mean of its tokens')",
+                          "none");
+    }
+    spec.ratio_sequences.assign(start.sequence_lengths().begin(), start.sequence_lengths().end());
+  }
 
   spec.outputs = start.outputs();
   const int top_k = spec.outputs.top_k();

@@ -43,6 +43,9 @@ struct CallSpec {
   // counted rows and the share of them the cap truncated.
   double mean_rollout_is_weight = 0.0;
   double rollout_is_truncated_fraction = 0.0;
+  // OBJECTIVE_GSPO: the sequences, by length, whose ratios a first pass measures before the call
+  // is computed as ppo's (compute_call.cc); empty for every other call.
+  std::vector<int64_t> ratio_sequences;
   int64_t counted_tokens = 0;
   v1::OutputSelection outputs;
   DType grad_hidden_dtype = DType::kFloat32;
@@ -70,8 +73,8 @@ struct CallSpec {
   int64_t copied_bytes() const {
     const size_t floats = token_weights.size() + sampling_logprobs.size() + advantages.size() +
                           reference_logprobs.size() + logprob_grads.size();
-    return static_cast<int64_t>(labels.size() * sizeof(int64_t) + floats * sizeof(float) +
-                                reduction_scales.size() * sizeof(double));
+    return static_cast<int64_t>((labels.size() + ratio_sequences.size()) * sizeof(int64_t) +
+                                floats * sizeof(float) + reduction_scales.size() * sizeof(double));
   }
 };
 

@@ -343,6 +343,7 @@ class ComputeCall {
   // Computes each engine chunk as soon as its rows are in, while the reader takes the next; rows
   // in shared memory are computed where they lie, or from a copy (AllocateBuffers).
   absl::Status ReceiveAndCompute() {
+    if (!spec_.ratio_sequences.empty()) return MeasureRatiosThenCompute();
     if (spec_.shared_memory.has_value()) {
       for (int64_t first = 0; first < spec_.num_tokens; first += plan_.token_chunk) {
         const int64_t rows = std::min(plan_.token_chunk, spec_.num_tokens - first);
@@ -364,6 +365,103 @@ class ComputeCall {
       reader_->Release();
     }
     return reader_->Finish();
+  }
+
+  // OBJECTIVE_GSPO. A first pass, forward only, takes each row's logp_t as the rows arrive and
+  // keeps the rows; each sequence's log s_i, the mean over its counted rows of logp_t - q_t, then
+  // makes the call ppo's against q'_t = logp_t - log s_i, whose ratio on every token of the
+  // sequence is s_i with d r / d logp_t = r (GSPO-token's stop-gradient form); the second pass
+  // computes that from the kept rows. Both passes read the same kept bytes, so the ratios and the
+  // gradients see the same rows even where the client rewrites its shared memory meanwhile.
+  absl::Status MeasureRatiosThenCompute() {
+    const int64_t n = spec_.num_tokens;
+    const int64_t row_bytes = spec_.hidden_row_bytes();
+    ASSIGN_OR_RETURN(BufferLease kept, env_.host_buffers->Acquire(
+                                           static_cast<size_t>(std::max<int64_t>(n, 1) * row_bytes),
+                                           MemoryPurpose::kWorkspace));
+    uint8_t* kept_rows = static_cast<uint8_t*>(kept.buffer().data());
+    std::vector<float> logprobs(static_cast<size_t>(n));
+    const auto measure = [&](const RowChunk& chunk) {
+      uint8_t* rows = kept_rows + chunk.first_row * row_bytes;
+      std::memcpy(rows, chunk.rows, static_cast<size_t>(chunk.num_rows * row_bytes));
+      return MeasureLogprobs({rows, chunk.first_row, chunk.num_rows},
+                             logprobs.data() + chunk.first_row);
+    };
+    if (spec_.shared_memory.has_value()) {
+      for (int64_t first = 0; first < n; first += plan_.token_chunk) {
+        const int64_t rows = std::min(plan_.token_chunk, n - first);
+        RETURN_IF_ERROR(measure({shared_memory_.hidden() + first * row_bytes, first, rows}));
+      }
+    } else {
+      int64_t measured = 0;
+      while (measured < n) {
+        if (!reader_->ChunkReady()) RETURN_IF_ERROR(PauseWhileWaiting());
+        ASSIGN_OR_RETURN(const RowChunk chunk, reader_->Next());
+        RETURN_IF_ERROR(ResumeIfPaused());
+        RETURN_IF_ERROR(measure(chunk));
+        measured += chunk.num_rows;
+        reader_->Release();
+      }
+      RETURN_IF_ERROR(reader_->Finish());
+    }
+    ApplySequenceRatios(logprobs);
+    for (int64_t first = 0; first < n; first += plan_.token_chunk) {
+      const int64_t rows = std::min(plan_.token_chunk, n - first);
+      RETURN_IF_ERROR(ComputeChunk({kept_rows + first * row_bytes, first, rows}));
+    }
+    return absl::OkStatus();
+  }
+
+  // logp of rows [first, first + rows) under the call's transform, into `logprobs`; no gradients.
+  absl::Status MeasureLogprobs(const RowChunk& chunk, float* logprobs) {
+    BatchInputs in;
+    in.hidden = chunk.rows;
+    in.hidden_dtype = spec_.hidden_dtype;
+    in.num_tokens = chunk.num_rows;
+    in.hidden_size = spec_.hidden_size;
+    in.labels = spec_.labels.data() + chunk.first_row;
+    LossOptions options;  // the call's head transform and ignored rows; nothing else applies
+    options.ignore_index = spec_.options.ignore_index;
+    options.logit_softcap = spec_.options.logit_softcap;
+    options.temperature = spec_.options.temperature;
+    options.allow_tf32 = spec_.options.allow_tf32;
+    options.reduction = Reduction::kSum;
+    TokenOutputs out;
+    out.logprob = logprobs;
+    const absl::Time start = absl::Now();
+    BatchSummary summary;
+    RETURN_IF_ERROR(WithHeads([&](const WeightView& weight, const WeightView*) {
+      ASSIGN_OR_RETURN(
+          summary, env_.backend->Compute(in, weight, options, out, nullptr, workspace_.buffer()));
+      return absl::OkStatus();
+    }));
+    compute_seconds_ += SecondsSince(start);
+    if (!summary.all_finite) {
+      if (env_.metrics != nullptr) env_.metrics->CountNonFiniteCall();
+      return ExplainNonFiniteChunk(chunk);
+    }
+    return absl::OkStatus();
+  }
+
+  // sampling_logprobs[t] <- logp_t - log s_i on the counted rows of each sequence i.
+  void ApplySequenceRatios(const std::vector<float>& logprobs) {
+    int64_t first = 0;
+    for (const int64_t length : spec_.ratio_sequences) {
+      double log_ratio_sum = 0.0;
+      int64_t counted = 0;
+      for (int64_t t = first; t < first + length; ++t) {
+        if (!spec_.counted(t)) continue;
+        log_ratio_sum += static_cast<double>(logprobs[t]) - spec_.sampling_logprobs[t];
+        ++counted;
+      }
+      const double log_ratio = counted > 0 ? log_ratio_sum / static_cast<double>(counted) : 0.0;
+      for (int64_t t = first; t < first + length; ++t) {
+        if (spec_.counted(t)) {
+          spec_.sampling_logprobs[t] = static_cast<float>(logprobs[t] - log_ratio);
+        }
+      }
+      first += length;
+    }
   }
 
   absl::Status ComputeChunk(const RowChunk& chunk) {

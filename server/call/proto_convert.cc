@@ -65,11 +65,14 @@ absl::StatusOr<LossOptions> FromProto(const v1::LossOptions& p) {
     case v1::OBJECTIVE_DISTILL: o.objective = Objective::kDistill; break;
     case v1::OBJECTIVE_DRO: o.objective = Objective::kDro; break;
     case v1::OBJECTIVE_SAPO: o.objective = Objective::kSapo; break;
+    // ppo's, against sampling log-probabilities the server rewrites once it has measured each
+    // sequence's ratio (CallSpec::ratio_sequences).
+    case v1::OBJECTIVE_GSPO: o.objective = Objective::kPpo; break;
     default:
       return InvalidField("options.objective",
                           "OBJECTIVE_CROSS_ENTROPY, OBJECTIVE_IMPORTANCE_SAMPLING, OBJECTIVE_PPO, "
                           "OBJECTIVE_CISPO, OBJECTIVE_LOGPROB_GRADIENT, OBJECTIVE_DISTILL, "
-                          "OBJECTIVE_DRO or OBJECTIVE_SAPO",
+                          "OBJECTIVE_DRO, OBJECTIVE_SAPO or OBJECTIVE_GSPO",
                           absl::StrCat(static_cast<int>(p.objective())));
   }
   const v1::DistillOptions& distill = p.distill();

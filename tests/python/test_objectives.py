@@ -262,6 +262,90 @@ def test_policy_objectives_match_torch(client, head, case, shared_memory):
             assert 0 < stats["truncated"] < 1
 
 
+def verl_gspo_loss(hidden, weight, labels, q, a, lengths):
+    """verl's policy loss "gspo" (verl/trainer/ppo/core_algos.py, compute_policy_loss_gspo) on a
+    packed batch in float64 autograd: the sequence's mean log-ratio over its response tokens,
+    carried on every token by log s_it = logp - sg(logp) + sg(mean), clamped at 10, clipped as
+    ppo is, aggregated seq-mean-token-mean. Returns the loss, dL/dh, dL/dW, the ratios and which
+    tokens the clipped branch held."""
+    h = hidden.detach().double().requires_grad_()
+    w = weight.detach().double().requires_grad_()
+    logp = F.log_softmax(torch_logits(h, w), dim=-1).gather(1, labels.clamp(min=0)[:, None])[:, 0]
+    mask = (labels != -100).double()
+    negative_approx_kl = logp - torch.as_tensor(q).double()
+    sums = [x.sum() for x in torch.split(negative_approx_kl * mask, lengths)]
+    counts = [m.sum().clamp(min=1) for m in torch.split(mask, lengths)]
+    sequence_mean = torch.cat([(t / c).expand(n) for t, c, n in zip(sums, counts, lengths)])
+    log_ratio = torch.clamp(logp - logp.detach() + sequence_mean.detach(), max=10.0)
+    ratio = torch.exp(log_ratio)
+    advantages = torch.as_tensor(a).double()
+    losses1 = -advantages * ratio
+    losses2 = -advantages * torch.clamp(ratio, 1 - CLIP_LOW, 1 + CLIP_HIGH)
+    loss = agg_loss(torch.maximum(losses1, losses2), mask, "seq-mean-token-mean", lengths)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad, ratio.detach(), (losses2 > losses1) & mask.bool()
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["messages", "shared_memory"])
+def test_gspo_matches_verl(client, head, shared_memory):
+    """GSPO-token: each sequence's ratio the geometric mean of its tokens', set per sequence on
+    both sides of the clip bounds; advantages vary within sequences (GSPO-token's generality);
+    sequences cross the server's engine chunks."""
+    rng = np.random.default_rng()
+    hidden = torch.randn(NUM_TOKENS, HIDDEN)
+    labels = torch.randint(0, VOCAB, (NUM_TOKENS,))
+    labels[torch.randperm(NUM_TOKENS)[:40]] = -100
+    lengths = sequences(NUM_TOKENS, rng)
+    labels[lengths[0]:lengths[0] + lengths[1]] = -100  # a sequence with nothing to learn from
+    weight = head.fetch_weight()
+    exact_logp = F.log_softmax(torch_logits(hidden.double(), weight.double()), -1).gather(
+        1, labels.clamp(min=0)[:, None])[:, 0].numpy()
+    # Token log-ratios that scatter around their sequence's target, centred on it over the
+    # sequence's counted tokens, so that s_i is the target itself.
+    counted = (labels != -100).numpy()
+    q = np.empty(NUM_TOKENS)
+    first = 0
+    for i, length in enumerate(lengths):
+        span = slice(first, first + length)
+        noise = rng.normal(0, 0.3, length)
+        if counted[span].any():
+            noise -= noise[counted[span]].mean()
+        q[span] = exact_logp[span] - np.log(RATIO_TARGETS[i % 10]) - noise
+        first += length
+    q = q.astype(np.float32)
+    a = np.where(np.arange(NUM_TOKENS) % 5 == 4, 0.0,
+                 rng.uniform(-2, 2, NUM_TOKENS)).astype(np.float32)
+
+    remote_hidden = hidden.clone().requires_grad_()
+    remote_head = RemoteHead(client, head.head, shared_memory=shared_memory)
+    loss = remote_head(remote_hidden, labels, reduction="seq-mean-token-mean", objective="gspo",
+                       sampling_logprobs=q, advantages=a, sequence_lengths=lengths,
+                       clip_low=CLIP_LOW, clip_high=CLIP_HIGH)
+    loss.backward()
+    result = remote_head.last_result
+    expected_loss, expected_grad_hidden, expected_grad_weight, ratio, clipped = verl_gspo_loss(
+        hidden, weight, labels, q, a, lengths)
+    assert abs(loss.item() - expected_loss.item()) <= LOSS_RTOL * (abs(expected_loss.item()) + 1e-3)
+    assert relative_error(remote_hidden.grad, expected_grad_hidden) < GRAD_RTOL
+    assert relative_error(head.fetch_grad_weight(), expected_grad_weight) < GRAD_RTOL
+    mask = torch.as_tensor(counted)
+    assert relative_error(result.ratio[counted], ratio[mask]) < 1e-5
+    assert np.array_equal(result.clip != lossd.CLIP_NONE, clipped.numpy())
+    assert 0 < result.clip_fraction < 1
+
+
+def test_gspo_needs_its_sequences(client, head):
+    hidden = torch.randn(8, HIDDEN)
+    labels = torch.randint(0, VOCAB, (8,))
+    with pytest.raises(lossd.LossdError) as error:
+        client.compute(head.head, hidden.numpy(), labels.numpy(), objective="gspo",
+                       sampling_logprobs=np.zeros(8, np.float32),
+                       advantages=np.ones(8, np.float32))
+    assert error.value.code == "INVALID_ARGUMENT"
+    assert "sequence_lengths" in error.value.message
+    assert "OBJECTIVE_GSPO" in error.value.message
+
+
 def test_log_ratio_clamp_follows_verl(client, head):
     """log_ratio_clamp=20 clamps log r = logp - q to [-20, 20] before the exponential, as verl's
     ppo loss does, with no gradient through r where the clamp holds; tokens whose exact ratio is

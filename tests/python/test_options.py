@@ -69,7 +69,7 @@ def test_enum_fields_take_their_lower_case_names_and_verls_reductions():
     assert options.REDUCTIONS["seq-mean-token-mean"] == pb.REDUCTION_SEQUENCE_MEAN_TOKEN_MEAN
     assert options.OBJECTIVES == {"cross_entropy": 0, "importance_sampling": 1, "ppo": 2,
                                   "cispo": 3, "logprob_gradient": 4, "distill": 5, "dro": 6,
-                                  "sapo": 7}
+                                  "sapo": 7, "gspo": 8}
     assert lossd.LossOptions(reduction="token-mean").to_proto().reduction == pb.REDUCTION_MEAN
     with pytest.raises(ValueError, match="objective: expected one of cross_entropy"):
         lossd.LossOptions(objective="dpo").to_proto()
