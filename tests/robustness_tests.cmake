@@ -58,6 +58,7 @@ function(add_server_pytest name file timeout)
 endfunction()
 
 add_server_pytest(checkpoint_crash_safety test_crash_safety.py 1200)
+set_tests_properties(checkpoint_crash_safety PROPERTIES COST 36)  # seconds (python_client.cmake)
 add_server_pytest(listen_ports test_listen_ports.py 600)
 add_server_pytest(handler_failures test_handler_failures.py 600)
 add_server_pytest(server_startup test_startup.py 1800)

@@ -60,6 +60,11 @@ set_tests_properties(python_client python_options python_replicas python_objecti
 # Two trainings of a small transformer: about 30 s on a quiet 2-core machine, several times that
 # when the machine is shared.
 set_tests_properties(python_training_example PROPERTIES TIMEOUT 2400)
+# COST: seconds on a quiet 2-core machine. ctest starts the costliest tests first, and without the
+# history of an earlier run (a fresh clone) it has only these: the long suites would otherwise
+# start last, in the order they are registered, and run alone while the other core idles.
+set_tests_properties(python_training_example PROPERTIES COST 70)
+set_tests_properties(python_packaging PROPERTIES COST 40)
 
 # The GPU round's service step (bench/gpu_service.py) on the CPU: the server, lossctl and the
 # Python client over messages and shared memory beside the engine in-process.
@@ -123,6 +128,11 @@ if(LOSSD_PYTHON_ENV)
   set_tests_properties(python_trainer PROPERTIES TIMEOUT 2400)
   set_tests_properties(python_training_replicas PROPERTIES TIMEOUT 2400)
   set_tests_properties(python_training_example_current_torch PROPERTIES TIMEOUT 2400)
+  set_tests_properties(python_trainer PROPERTIES COST 320)
+  set_tests_properties(python_training_example_current_torch PROPERTIES COST 160)
+  set_tests_properties(python_training_replicas PROPERTIES COST 120)
+  set_tests_properties(python_torch_compile PROPERTIES COST 70)
+  set_tests_properties(python_hf python_replicas_current_torch PROPERTIES COST 30)
 else()
   message(STATUS "lossd: LOSSD_PYTHON_ENV not set: the Python suites under current PyPI torch and "
                  "transformers are not registered (scripts/python_env.sh makes the environment)")
