@@ -2,13 +2,11 @@
 add_executable(client_test
   ${CMAKE_CURRENT_LIST_DIR}/client_test.cc
   ${CMAKE_CURRENT_LIST_DIR}/holding_relay.cc
-  ${CMAKE_CURRENT_LIST_DIR}/server_harness.cc
 )
 target_link_libraries(client_test PRIVATE
+  lossd_test_server_harness
   lossd_client
   lossd_npy
-  lossd_server_lib
-  lossd_test_reference
   GTest::gtest_main
 )
 gtest_discover_tests(client_test DISCOVERY_TIMEOUT 300)
@@ -16,12 +14,10 @@ gtest_discover_tests(client_test DISCOVERY_TIMEOUT 300)
 # Scoring over replicas of one head: several real servers in one process, one target.
 add_executable(replicas_test
   ${CMAKE_CURRENT_LIST_DIR}/replicas_test.cc
-  ${CMAKE_CURRENT_LIST_DIR}/server_harness.cc
 )
 target_link_libraries(replicas_test PRIVATE
+  lossd_test_server_harness
   lossd_client
-  lossd_server_lib
-  lossd_test_reference
   OpenSSL::Crypto
   GTest::gtest_main
 )

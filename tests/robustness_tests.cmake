@@ -17,32 +17,27 @@ add_executable(robustness_test
   ${CMAKE_CURRENT_LIST_DIR}/robustness/pending_memory_test.cc
   ${CMAKE_CURRENT_LIST_DIR}/robustness/handler_failure_test.cc
   ${CMAKE_CURRENT_LIST_DIR}/robustness/compute_budget_test.cc
-  ${CMAKE_CURRENT_LIST_DIR}/server_harness.cc
 )
-target_link_libraries(robustness_test PRIVATE lossd_server_lib lossd_test_reference GTest::gtest_main)
+target_link_libraries(robustness_test PRIVATE lossd_test_server_harness GTest::gtest_main)
 # Compiled as one translation unit, as the suites were one file before: the build compiles every
 # test three times (plain, ASan, TSan), and each suite file alone would parse the same gRPC,
 # protobuf and GoogleTest headers again. The suites' names stay unique across the folder for it.
 set_target_properties(robustness_test PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 0)
-set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/server_harness.cc
-  TARGET_DIRECTORY robustness_test PROPERTIES SKIP_UNITY_BUILD_INCLUSION ON)
 gtest_discover_tests(robustness_test
   DISCOVERY_TIMEOUT 300
   PROPERTIES TIMEOUT 600 ENVIRONMENT "OMP_NUM_THREADS=2")
 
 add_executable(startup_test
   ${CMAKE_CURRENT_LIST_DIR}/startup_test.cc
-  ${CMAKE_CURRENT_LIST_DIR}/server_harness.cc
 )
-target_link_libraries(startup_test PRIVATE lossd_server_lib lossd_test_reference GTest::gtest_main)
+target_link_libraries(startup_test PRIVATE lossd_test_server_harness GTest::gtest_main)
 gtest_discover_tests(startup_test DISCOVERY_TIMEOUT 300 PROPERTIES TIMEOUT 300)
 
 # The gradient accumulator: calls that would overflow it, and call ids against double counting.
 add_executable(accumulator_test
   ${CMAKE_CURRENT_LIST_DIR}/accumulator_test.cc
-  ${CMAKE_CURRENT_LIST_DIR}/server_harness.cc
 )
-target_link_libraries(accumulator_test PRIVATE lossd_server_lib lossd_test_reference GTest::gtest_main)
+target_link_libraries(accumulator_test PRIVATE lossd_test_server_harness GTest::gtest_main)
 gtest_discover_tests(accumulator_test
   DISCOVERY_TIMEOUT 300
   PROPERTIES TIMEOUT 600 ENVIRONMENT "OMP_NUM_THREADS=2")
@@ -68,10 +63,10 @@ add_server_pytest(server_startup test_startup.py 1800)
 # two other users than the server's (python/test_shared_memory_users.py, the real binary).
 add_executable(shared_memory_test
   ${CMAKE_CURRENT_LIST_DIR}/shared_memory_test.cc
-  ${CMAKE_CURRENT_LIST_DIR}/server_harness.cc
 )
 target_link_libraries(shared_memory_test PRIVATE
-  lossd_client lossd_server_lib lossd_test_reference GTest::gtest_main)
+  lossd_test_server_harness
+  lossd_client GTest::gtest_main)
 gtest_discover_tests(shared_memory_test
   DISCOVERY_TIMEOUT 300
   PROPERTIES TIMEOUT 600 ENVIRONMENT "OMP_NUM_THREADS=2")
