@@ -106,7 +106,7 @@ LOSSD_ROW_LOOP LseStats TileTailLseStats(const float* z, const float* z_teacher,
       cols, [=](int64_t c) { return z_teacher[c] == -INFINITY ? z[c] * scale : -INFINITY; });
 }
 
-template <DivergenceKind kKind>
+template <DivergenceKind kKind, bool kTailBucket>
 inline __attribute__((always_inline)) DistillRowTerms TileTermsOf(const float* z,
                                                                   const float* z_teacher,
                                                                   int64_t cols,
@@ -118,7 +118,7 @@ inline __attribute__((always_inline)) DistillRowTerms TileTermsOf(const float* z
     float k = 0.0f;
 #pragma omp simd reduction(+ : divergence, k)
     for (int64_t i = b0; i < b0 + len; ++i) {
-      const DistillSummands s = DistillElementTerms<kKind>(z[i], z_teacher[i], c);
+      const DistillSummands s = DistillElementTerms<kKind, kTailBucket>(z[i], z_teacher[i], c);
       divergence += s.divergence;
       k += s.k;
     }
@@ -128,25 +128,48 @@ inline __attribute__((always_inline)) DistillRowTerms TileTermsOf(const float* z
   return terms;
 }
 
-// A row's sums of D's and K's summands over one tile (phase 2).
-LOSSD_ROW_LOOP DistillRowTerms TileDistillTerms(const float* z, const float* z_teacher,
-                                                int64_t cols, const DistillRowConstants& c) {
+template <bool kTailBucket>
+inline __attribute__((always_inline)) DistillRowTerms TileTermsOfKind(
+    const float* z, const float* z_teacher, int64_t cols, const DistillRowConstants& c) {
   switch (c.kind) {
     case DivergenceKind::kForwardKl:
-      return TileTermsOf<DivergenceKind::kForwardKl>(z, z_teacher, cols, c);
+      return TileTermsOf<DivergenceKind::kForwardKl, kTailBucket>(z, z_teacher, cols, c);
     case DivergenceKind::kReverseKl:
-      return TileTermsOf<DivergenceKind::kReverseKl>(z, z_teacher, cols, c);
-    default: return TileTermsOf<DivergenceKind::kJsd>(z, z_teacher, cols, c);
+      return TileTermsOf<DivergenceKind::kReverseKl, kTailBucket>(z, z_teacher, cols, c);
+    default: return TileTermsOf<DivergenceKind::kJsd, kTailBucket>(z, z_teacher, cols, c);
   }
 }
 
-template <DivergenceKind kKind>
+// A row's sums of D's and K's summands over one tile (phase 2).
+LOSSD_ROW_LOOP DistillRowTerms TileDistillTerms(const float* z, const float* z_teacher,
+                                                int64_t cols, const DistillRowConstants& c) {
+  return c.tail_bucket ? TileTermsOfKind<true>(z, z_teacher, cols, c)
+                       : TileTermsOfKind<false>(z, z_teacher, cols, c);
+}
+
+template <DivergenceKind kKind, bool kTailBucket>
 inline __attribute__((always_inline)) void RowGradientsOf(float* z, const float* z_teacher,
                                                           int64_t cols, const DistillRowGradient& g,
                                                           const LogitTransform& transform) {
 #pragma omp simd
   for (int64_t c = 0; c < cols; ++c) {
-    z[c] = DistillLogitGradient<kKind>(z[c], z_teacher[c], false, g, transform);
+    z[c] = DistillLogitGradient<kKind, kTailBucket>(z[c], z_teacher[c], false, g, transform);
+  }
+}
+
+template <bool kTailBucket>
+inline __attribute__((always_inline)) void RowGradientsOfKind(float* z, const float* z_teacher,
+                                                              int64_t cols,
+                                                              const DistillRowGradient& g,
+                                                              const LogitTransform& transform) {
+  switch (g.c.kind) {
+    case DivergenceKind::kForwardKl:
+      RowGradientsOf<DivergenceKind::kForwardKl, kTailBucket>(z, z_teacher, cols, g, transform);
+      break;
+    case DivergenceKind::kReverseKl:
+      RowGradientsOf<DivergenceKind::kReverseKl, kTailBucket>(z, z_teacher, cols, g, transform);
+      break;
+    default: RowGradientsOf<DivergenceKind::kJsd, kTailBucket>(z, z_teacher, cols, g, transform);
   }
 }
 
@@ -157,14 +180,10 @@ LOSSD_ROW_LOOP void RowDistillGradients(float* z, const float* z_teacher, int64_
   const int64_t label = g.ce.label;
   const bool label_here = label >= v0 && label < v0 + cols;
   const float label_z = label_here ? z[label - v0] : 0.0f;
-  switch (g.c.kind) {
-    case DivergenceKind::kForwardKl:
-      RowGradientsOf<DivergenceKind::kForwardKl>(z, z_teacher, cols, g, transform);
-      break;
-    case DivergenceKind::kReverseKl:
-      RowGradientsOf<DivergenceKind::kReverseKl>(z, z_teacher, cols, g, transform);
-      break;
-    default: RowGradientsOf<DivergenceKind::kJsd>(z, z_teacher, cols, g, transform);
+  if (g.c.tail_bucket) {
+    RowGradientsOfKind<true>(z, z_teacher, cols, g, transform);
+  } else {
+    RowGradientsOfKind<false>(z, z_teacher, cols, g, transform);
   }
   if (label_here) {
     z[label - v0] = DistillLogitGradientOf(label_z, z_teacher[label - v0], true, g, transform);

@@ -147,6 +147,7 @@ class ChunkedCompute::Impl {
         distill_(options.objective == Objective::kDistill),
         entropy_(options.policy.entropy_coef != 0.0),
         divergence_(DivergenceOf(options.distill.beta)),
+        tail_bucket_(options.distill.sparse_mass == SparseTeacherMass::kTailBucket),
         finisher_(in, weight.vocab_size, options, out),
         transform_(finisher_.transform()),
         teacher_transform_(MakeTeacherTransform(options)),
@@ -419,14 +420,13 @@ class ChunkedCompute::Impl {
       RETURN_IF_ERROR(LaunchResetDistillStats(rows, in_.teacher.sparse() ? d.sparse_rows : nullptr,
                                               ws_.d_distill_stats, stream_));
     }
-    const bool tail_bucket = options_.distill.sparse_mass == SparseTeacherMass::kTailBucket;
     const float inv_tau = static_cast<float>(1.0 / options_.distill.temperature);
     for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
       const int64_t cols = std::min(tile_cols_, v_ - v0);
       if (distill_) {  // both tiles transformed already
         RETURN_IF_ERROR(ComputeDistillTiles(d, rows, v0, cols));
         RETURN_IF_ERROR(LaunchDistillRowStats(
-            Tile(rows, v0, cols), TeacherTile(rows, v0, cols), d.labels, inv_tau, tail_bucket, k_,
+            Tile(rows, v0, cols), TeacherTile(rows, v0, cols), d.labels, inv_tau, tail_bucket_, k_,
             ws_.d_stats, ws_.d_top_values, ws_.d_top_tokens, ws_.d_distill_stats, stream_));
         continue;
       }
@@ -446,8 +446,8 @@ class ChunkedCompute::Impl {
       const int64_t cols = std::min(tile_cols_, v_ - v0);
       if (!resident) RETURN_IF_ERROR(ComputeDistillTiles(d, rows, v0, cols));
       RETURN_IF_ERROR(LaunchAddTileDistillTerms(Tile(rows, v0, cols), TeacherTile(rows, v0, cols),
-                                                divergence_, ws_.d_constants, ws_.d_terms,
-                                                stream_));
+                                                divergence_, tail_bucket_, ws_.d_constants,
+                                                ws_.d_terms, stream_));
     }
     return absl::OkStatus();
   }
@@ -480,8 +480,8 @@ class ChunkedCompute::Impl {
     if (distill_) {
       if (!resident) RETURN_IF_ERROR(ComputeDistillTiles(d, rows, v0, cols));
       return LaunchDistillLogitGradients(Tile(rows, v0, cols), TeacherTile(rows, v0, cols),
-                                         ws_.d_distill_grads, divergence_, transform_, out,
-                                         stream_);
+                                         ws_.d_distill_grads, divergence_, tail_bucket_, transform_,
+                                         out, stream_);
     }
     if (!resident) RETURN_IF_ERROR(ComputeLogits(rows, v0, cols));
     return LaunchLogitGradients(Tile(rows, v0, cols), ws_.d_row_grads, transform_, !resident,
@@ -585,6 +585,7 @@ class ChunkedCompute::Impl {
   const bool distill_;
   const bool entropy_;
   const DivergenceKind divergence_;
+  const bool tail_bucket_;  // a sparse teacher's tail bucket (distill_math.h)
   const RowFinisher finisher_;
   const LogitTransform transform_;
   const LogitTransform teacher_transform_;

@@ -150,8 +150,8 @@ absl::Status LaunchLogitGradients(const LogitTile& tile, const RowGradient* d_ro
 // both tiles holding transformed logits.
 absl::Status LaunchDistillLogitGradients(const LogitTile& student, const LogitTile& teacher,
                                          const DistillRowGradient* d_row_grads, DivergenceKind kind,
-                                         const LogitTransform& transform, const GradientOut& out,
-                                         cudaStream_t stream);
+                                         bool tail_bucket, const LogitTransform& transform,
+                                         const GradientOut& out, cudaStream_t stream);
 
 // ---- distill_kernels.cu: both logits tiles of a chunk, same rows and columns ----
 
@@ -173,7 +173,8 @@ absl::Status LaunchFillSparseTeacher(const LogitTile& tile, int k, const int32_t
 // One block per row: the tile's sums of D's and K's summands (DistillElementTerms of the call's
 // divergence), added to d_terms[row]; tiles are added in launch order.
 absl::Status LaunchAddTileDistillTerms(const LogitTile& student, const LogitTile& teacher,
-                                       DivergenceKind kind, const DistillRowConstants* d_constants,
+                                       DivergenceKind kind, bool tail_bucket,
+                                       const DistillRowConstants* d_constants,
                                        DistillRowTerms* d_terms, cudaStream_t stream);
 
 }  // namespace lossd::cuda

@@ -68,7 +68,7 @@ absl::Status LaunchFillSparseTeacher(const LogitTile& tile, int k, const int32_t
 
 // ---- Phase 2: the sums of D's and K's summands ----
 
-template <DivergenceKind kKind>
+template <DivergenceKind kKind, bool kTailBucket>
 static __global__ void __launch_bounds__(kRowThreads)
     AddTileDistillTermsKernel(LogitTile student, LogitTile teacher,
                               const DistillRowConstants* d_constants, DistillRowTerms* d_terms) {
@@ -80,7 +80,7 @@ static __global__ void __launch_bounds__(kRowThreads)
   double divergence = 0.0;
   double k = 0.0;
   for (int64_t col = threadIdx.x; col < student.cols; col += blockDim.x) {
-    const DistillSummands s = DistillElementTerms<kKind>(d_z[col], d_zt[col], c);
+    const DistillSummands s = DistillElementTerms<kKind, kTailBucket>(d_z[col], d_zt[col], c);
     divergence += s.divergence;
     k += s.k;
   }
@@ -93,24 +93,28 @@ static __global__ void __launch_bounds__(kRowThreads)
 }
 
 absl::Status LaunchAddTileDistillTerms(const LogitTile& student, const LogitTile& teacher,
-                                       DivergenceKind kind, const DistillRowConstants* d_constants,
+                                       DivergenceKind kind, bool tail_bucket,
+                                       const DistillRowConstants* d_constants,
                                        DistillRowTerms* d_terms, cudaStream_t stream) {
   if (student.rows == 0) return absl::OkStatus();
   const unsigned grid = static_cast<unsigned>(student.rows);
-  switch (kind) {
-    case DivergenceKind::kForwardKl:
-      AddTileDistillTermsKernel<DivergenceKind::kForwardKl>
-          <<<grid, kRowThreads, 0, stream>>>(student, teacher, d_constants, d_terms);
-      break;
-    case DivergenceKind::kReverseKl:
-      AddTileDistillTermsKernel<DivergenceKind::kReverseKl>
-          <<<grid, kRowThreads, 0, stream>>>(student, teacher, d_constants, d_terms);
-      break;
-    default:
-      AddTileDistillTermsKernel<DivergenceKind::kJsd>
-          <<<grid, kRowThreads, 0, stream>>>(student, teacher, d_constants, d_terms);
-      break;
-  }
+  BoolSwitch(tail_bucket, [&](auto tail) {
+    constexpr bool kTail = decltype(tail)::value;
+    switch (kind) {
+      case DivergenceKind::kForwardKl:
+        AddTileDistillTermsKernel<DivergenceKind::kForwardKl, kTail>
+            <<<grid, kRowThreads, 0, stream>>>(student, teacher, d_constants, d_terms);
+        break;
+      case DivergenceKind::kReverseKl:
+        AddTileDistillTermsKernel<DivergenceKind::kReverseKl, kTail>
+            <<<grid, kRowThreads, 0, stream>>>(student, teacher, d_constants, d_terms);
+        break;
+      default:
+        AddTileDistillTermsKernel<DivergenceKind::kJsd, kTail>
+            <<<grid, kRowThreads, 0, stream>>>(student, teacher, d_constants, d_terms);
+        break;
+    }
+  });
   return CheckLaunch("AddTileDistillTermsKernel");
 }
 

@@ -137,7 +137,7 @@ absl::Status LaunchLogitGradients(const LogitTile& tile, const RowGradient* d_ro
 
 // ---- Distillation ----
 
-template <GradientStore kStore, DType kDType, DivergenceKind kKind>
+template <GradientStore kStore, DType kDType, DivergenceKind kKind, bool kTailBucket>
 static __global__ void DistillLogitGradientsKernel(LogitTile student, LogitTile teacher,
                                                    const DistillRowGradient* d_row_grads,
                                                    LogitTransform transform, GradientOut out) {
@@ -156,44 +156,48 @@ static __global__ void DistillLogitGradientsKernel(LogitTile student, LogitTile 
     Load4(d_zt, q, zt);
     float grad[4];
     for (int j = 0; j < 4; ++j) {
-      grad[j] = DistillLogitGradient<kKind>(z[j], zt[j], 4 * q + j == label_column, g, transform);
+      grad[j] = DistillLogitGradient<kKind, kTailBucket>(z[j], zt[j], 4 * q + j == label_column, g,
+                                                         transform);
     }
     StoreGradients<kStore, kDType, 4>(grad, offset + 4 * q, student.d_logits, out, scale);
   }
   for (int64_t c = 4 * quads + GlobalThread(); c < student.cols; c += GridStride()) {
     const float grad[1] = {
-        DistillLogitGradient<kKind>(d_z[c], d_zt[c], c == label_column, g, transform)};
+        DistillLogitGradient<kKind, kTailBucket>(d_z[c], d_zt[c], c == label_column, g, transform)};
     StoreGradients<kStore, kDType, 1>(grad, offset + c, student.d_logits, out, scale);
   }
 }
 
 absl::Status LaunchDistillLogitGradients(const LogitTile& student, const LogitTile& teacher,
                                          const DistillRowGradient* d_row_grads, DivergenceKind kind,
-                                         const LogitTransform& transform, const GradientOut& out,
-                                         cudaStream_t stream) {
+                                         bool tail_bucket, const LogitTransform& transform,
+                                         const GradientOut& out, cudaStream_t stream) {
   if (student.rows == 0) return absl::OkStatus();
   dim3 grid;
   RETURN_IF_ERROR(RowGrid("DistillLogitGradients", student.rows, student.cols, grid));
   StoreSwitch(out, [&](auto store, auto dtype) {
     constexpr GradientStore kStore = decltype(store)::value;
     constexpr DType kDType = decltype(dtype)::value;
-    switch (kind) {
-      case DivergenceKind::kForwardKl:
-        DistillLogitGradientsKernel<kStore, kDType, DivergenceKind::kForwardKl>
-            <<<grid, kElementwiseThreads, 0, stream>>>(student, teacher, d_row_grads, transform,
-                                                       out);
-        break;
-      case DivergenceKind::kReverseKl:
-        DistillLogitGradientsKernel<kStore, kDType, DivergenceKind::kReverseKl>
-            <<<grid, kElementwiseThreads, 0, stream>>>(student, teacher, d_row_grads, transform,
-                                                       out);
-        break;
-      default:
-        DistillLogitGradientsKernel<kStore, kDType, DivergenceKind::kJsd>
-            <<<grid, kElementwiseThreads, 0, stream>>>(student, teacher, d_row_grads, transform,
-                                                       out);
-        break;
-    }
+    BoolSwitch(tail_bucket, [&](auto tail) {
+      constexpr bool kTail = decltype(tail)::value;
+      switch (kind) {
+        case DivergenceKind::kForwardKl:
+          DistillLogitGradientsKernel<kStore, kDType, DivergenceKind::kForwardKl, kTail>
+              <<<grid, kElementwiseThreads, 0, stream>>>(student, teacher, d_row_grads, transform,
+                                                         out);
+          break;
+        case DivergenceKind::kReverseKl:
+          DistillLogitGradientsKernel<kStore, kDType, DivergenceKind::kReverseKl, kTail>
+              <<<grid, kElementwiseThreads, 0, stream>>>(student, teacher, d_row_grads, transform,
+                                                         out);
+          break;
+        default:
+          DistillLogitGradientsKernel<kStore, kDType, DivergenceKind::kJsd, kTail>
+              <<<grid, kElementwiseThreads, 0, stream>>>(student, teacher, d_row_grads, transform,
+                                                         out);
+          break;
+      }
+    });
   });
   return CheckLaunch("DistillLogitGradientsKernel");
 }

@@ -234,17 +234,21 @@ struct DistillSummands {
   float k;
 };
 
-template <DivergenceKind kKind>
+// kTailBucket: c.tail_bucket, a template argument so that the other calls' loops carry no test
+// of it per element.
+template <DivergenceKind kKind, bool kTailBucket = false>
 LOSSD_HD DistillSummands DistillElementTerms(float z, float z_teacher,
                                              const DistillRowConstants& c) {
   const float log_q = z * c.inv_tau - c.student_lse;
   const float log_p = z_teacher * c.inv_tau - c.teacher_lse;
   const bool teacher_mass = log_p > -INFINITY;
   DistillSummands s;
-  if (c.tail_bucket && !teacher_mass) {  // the bucket's, added per row (FinishDistillRow)
-    s.divergence = 0.0f;
-    s.k = 0.0f;
-    return s;
+  if constexpr (kTailBucket) {
+    if (!teacher_mass) {  // the bucket's, added per row (FinishDistillRow)
+      s.divergence = 0.0f;
+      s.k = 0.0f;
+      return s;
+    }
   }
   if constexpr (kKind == DivergenceKind::kForwardKl) {
     s.divergence = teacher_mass ? Exp(log_p) * (log_p - log_q) : 0.0f;
@@ -260,18 +264,6 @@ LOSSD_HD DistillSummands DistillElementTerms(float z, float z_teacher,
     s.k = student;
   }
   return s;
-}
-
-// The run-time kind's DistillElementTerms, for device code where the kind is uniform per launch.
-LOSSD_HD DistillSummands DistillElementTermsOf(float z, float z_teacher,
-                                               const DistillRowConstants& c) {
-  switch (c.kind) {
-    case DivergenceKind::kForwardKl:
-      return DistillElementTerms<DivergenceKind::kForwardKl>(z, z_teacher, c);
-    case DivergenceKind::kReverseKl:
-      return DistillElementTerms<DivergenceKind::kReverseKl>(z, z_teacher, c);
-    default: return DistillElementTerms<DivergenceKind::kJsd>(z, z_teacher, c);
-  }
 }
 
 // A row's sums of phase 2, in double.
@@ -468,14 +460,14 @@ LOSSD_HD DistillRowGradient DistillRowGradientAt(const RowInputArrays& a,
                                 RowWeight(a, row), RowMultiplier(a, c, row), c.terms, options);
 }
 
-// dD/du_v of one column (phase 3).
-template <DivergenceKind kKind>
+// dD/du_v of one column (phase 3); kTailBucket as for DistillElementTerms.
+template <DivergenceKind kKind, bool kTailBucket = false>
 LOSSD_HD float DivergenceGradient(float z, float z_teacher, const DistillRowGradient& g) {
   const DistillRowConstants& c = g.c;
   const float log_q = z * c.inv_tau - c.student_lse;
   const float log_p = z_teacher * c.inv_tau - c.teacher_lse;
-  if (c.tail_bucket && !(log_p > -INFINITY)) {
-    return Exp(log_q) * g.tail_scale - Exp(log_q + g.tail_shift);
+  if constexpr (kTailBucket) {
+    if (!(log_p > -INFINITY)) return Exp(log_q) * g.tail_scale - Exp(log_q + g.tail_shift);
   }
   if constexpr (kKind == DivergenceKind::kForwardKl) {
     return Exp(log_q) - Exp(log_p);
@@ -487,24 +479,35 @@ LOSSD_HD float DivergenceGradient(float z, float z_teacher, const DistillRowGrad
 }
 
 // dL/da_v of one student logit; the one-hot term in fp32 as for cross-entropy.
-template <DivergenceKind kKind>
+template <DivergenceKind kKind, bool kTailBucket = false>
 LOSSD_HD float DistillLogitGradient(float z, float z_teacher, bool is_label,
                                     const DistillRowGradient& g, const LogitTransform& t) {
   const float ce =
       g.ce.scale_p * Exp(z - g.ce.lse) - g.ce.offset - (is_label ? g.ce.label_term : 0.0f);
-  const float dz = ce + g.kd_scale * DivergenceGradient<kKind>(z, z_teacher, g);
+  const float dz = ce + g.kd_scale * DivergenceGradient<kKind, kTailBucket>(z, z_teacher, g);
   return dz * TransformDerivative(z, t);
 }
 
-LOSSD_HD float DistillLogitGradientOf(float z, float z_teacher, bool is_label,
-                                      const DistillRowGradient& g, const LogitTransform& t) {
+template <bool kTailBucket>
+LOSSD_HD float DistillLogitGradientOfKind(float z, float z_teacher, bool is_label,
+                                          const DistillRowGradient& g, const LogitTransform& t) {
   switch (g.c.kind) {
     case DivergenceKind::kForwardKl:
-      return DistillLogitGradient<DivergenceKind::kForwardKl>(z, z_teacher, is_label, g, t);
+      return DistillLogitGradient<DivergenceKind::kForwardKl, kTailBucket>(z, z_teacher, is_label,
+                                                                           g, t);
     case DivergenceKind::kReverseKl:
-      return DistillLogitGradient<DivergenceKind::kReverseKl>(z, z_teacher, is_label, g, t);
-    default: return DistillLogitGradient<DivergenceKind::kJsd>(z, z_teacher, is_label, g, t);
+      return DistillLogitGradient<DivergenceKind::kReverseKl, kTailBucket>(z, z_teacher, is_label,
+                                                                           g, t);
+    default:
+      return DistillLogitGradient<DivergenceKind::kJsd, kTailBucket>(z, z_teacher, is_label, g, t);
   }
+}
+
+// The row's divergence and tail bucket resolved at run time, for single elements.
+LOSSD_HD float DistillLogitGradientOf(float z, float z_teacher, bool is_label,
+                                      const DistillRowGradient& g, const LogitTransform& t) {
+  return g.c.tail_bucket ? DistillLogitGradientOfKind<true>(z, z_teacher, is_label, g, t)
+                         : DistillLogitGradientOfKind<false>(z, z_teacher, is_label, g, t);
 }
 
 // max_v |dL/da_v| <= (|scale_p| + |offset| + |label_term| + |kd_scale| max_v |dD/du_v|) / T.
