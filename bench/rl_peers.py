@@ -5,17 +5,19 @@ Every method does a forward and backward pass of the GRPO/DAPO loss of a head W 
 batch of B completions of T tokens (hidden [B T, H], fp32): PPO's clipped term (eps 0.2 both
 ways) against the old policy's log-probabilities, plus beta = 0.04 times the k3 KL to a reference
 policy's, the sum over kept tokens divided by their count (DAPO's token mean); loss, dL/dh and
-dL/dW.
+dL/dW. With --loss gspo the ratio is each completion's (GSPO: the exponential of the mean of
+logp - q over its kept tokens, with GSPO-token's stop-gradient form), the rest unchanged.
   torch_floor  the three products alone (h W^T, dz W, dz^T h) on torch's BLAS: 6NHV flops, the
                rate the others' useful work is measured against.
   torch_naive  the logits [B T, V] materialized, log_softmax, the log-probabilities gathered, and
                verl's ppo loss with its k3 penalty (core_algos.compute_policy_loss_vanilla and
                kl_penalty "low_var_kl" without its clamp) on them, then backward: how verl and
-               TRL compute it.
-  liger        Liger-Kernel's LigerFusedLinearGRPOLoss (loss_type "dapo"), chunked over the
+               TRL compute it; with --loss gspo verl's compute_policy_loss_gspo.
+  liger        Liger-Kernel's LigerFusedLinearGRPOLoss (loss_type "dapo"; importance_sampling_level
+               "sequence" with --loss gspo), chunked over the
                completions (chunk_size 1, its default), uncompiled: the peer that never
                materializes the whole [B T, V] logits.
-  lossd        a Compute call of objective ppo with a k3 KL term to lossd_server on loopback from
+  lossd        a Compute call of objective ppo (gspo) with a k3 KL term to lossd_server on loopback from
                the Python client (lossd.Client.compute), rows in shared memory, dL/dh returned
                and dL/dW accumulated on the server: the path a trainer takes, transport included.
 Each method runs in a process of its own, on the same seeded inputs; its extra memory is its
@@ -62,12 +64,19 @@ def problem(b, t, h, v, seed=0):
                 advantages=advantages, b=b, t=t)
 
 
-def naive_loss(p, hidden, weight):
-    """verl's ppo term and k3 penalty on materialized logits, DAPO's token mean."""
+def naive_loss(p, hidden, weight, loss):
+    """verl's ppo (or gspo) term and k3 penalty on materialized logits, DAPO's token mean."""
     import torch
     logp = torch.log_softmax(hidden @ weight.T, -1).gather(1, p["tokens"][:, None])[:, 0]
     a = p["advantages"].repeat_interleave(p["t"])
-    ratio = torch.exp(logp - p["old"])
+    if loss == "gspo":  # core_algos.compute_policy_loss_gspo's ratio, its clamp at e^10 included
+        mask = p["mask"]
+        log_ratio = (logp - p["old"]).view(p["b"], p["t"])
+        sequence = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        log_ratio = logp - logp.detach() + sequence.detach().repeat_interleave(p["t"])
+        ratio = torch.exp(torch.clamp(log_ratio, max=10.0))
+    else:
+        ratio = torch.exp(logp - p["old"])
     pg = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - EPS, 1 + EPS))
     delta = p["ref"] - logp
     kl = torch.exp(delta) - delta - 1
@@ -91,13 +100,15 @@ def worker(args):
         def call():
             hidden = p["hidden"].clone().requires_grad_()
             weight = p["weight"].clone().requires_grad_()
-            loss = naive_loss(p, hidden, weight)
+            loss = naive_loss(p, hidden, weight, args.loss)
             loss.backward()
             return loss.item()
     elif args.method == "liger":
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
         module = LigerFusedLinearGRPOLoss(beta=BETA, compiled=False, use_ref_model=True,
-                                          epsilon_low=EPS, epsilon_high=EPS, loss_type="dapo")
+                                          epsilon_low=EPS, epsilon_high=EPS, loss_type="dapo",
+                                          importance_sampling_level=(
+                                              "sequence" if args.loss == "gspo" else "token"))
 
         def call():
             hidden = p["hidden"].view(args.b, args.t, args.h).clone().requires_grad_()
@@ -120,7 +131,8 @@ def worker(args):
 
         def call():
             result = client.compute(
-                "rl", hidden, labels, objective="ppo", clip_low=EPS, clip_high=EPS,
+                "rl", hidden, labels, objective=args.loss, clip_low=EPS, clip_high=EPS,
+                sequence_lengths=[args.t] * args.b,
                 kl_estimator="k3", kl_coef=BETA, sampling_logprobs=p["old"].numpy(),
                 advantages=a, reference_logprobs=p["ref"].numpy(), outputs=["grad_hidden"],
                 accumulate_grad_weight=True)
@@ -138,7 +150,8 @@ def worker(args):
         call()
         seconds.append(time.perf_counter() - start)
     extra = [max(peak_resident_bytes(pid) - base, 0) for pid, base in zip(pids, baselines)]
-    print(json.dumps(dict(method=args.method, b=args.b, t=args.t, h=args.h, v=args.v, n=n,
+    print(json.dumps(dict(method=args.method, loss_name=args.loss, b=args.b, t=args.t, h=args.h,
+                          v=args.v, n=n,
                           seconds=statistics.median(seconds), loss=loss, extra_bytes=extra[0],
                           **({"server_extra_bytes": extra[1]} if len(extra) > 1 else {}))))
 
@@ -201,6 +214,7 @@ def main():
     parser.add_argument("--shapes", default="8,256,1024,32000;4,256,1024,128256",
                         help="B,T,H,V quadruples separated by ';'")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--loss", choices=("ppo", "gspo"), default="ppo")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--budget-mib", type=int, default=1024)
     parser.add_argument("--out", default="")
@@ -223,6 +237,7 @@ def main():
             for method in args.methods.split(","):
                 argv = [sys.executable, os.path.abspath(__file__), "--worker", method,
                         f"--b={b}", f"--t={t}", f"--h={h}", f"--v={v}", f"--reps={args.reps}",
+                        f"--loss={args.loss}",
                         f"--address={server.address if server else ''}",
                         f"--server-pid={server.process.pid if method == 'lossd' else 0}"]
                 done = subprocess.run(argv, capture_output=True, text=True, env=env)

@@ -185,11 +185,9 @@ CASES = {
 CLIPPING = ("ppo", "cispo")
 
 
-@pytest.mark.parametrize("shared_memory", [False, True], ids=["messages", "shared_memory"])
-@pytest.mark.parametrize("case", CASES)
-def test_policy_objectives_match_torch(client, head, case, shared_memory):
-    spec = dict(CASES[case])
-    rng = np.random.default_rng()
+def policy_batch(head, rng):
+    """Rows, labels (40 ignored, and the whole second sequence), packed sequence lengths, the
+    head's W and every token's exact log-probability under it."""
     hidden = torch.randn(NUM_TOKENS, HIDDEN)
     labels = torch.randint(0, VOCAB, (NUM_TOKENS,))
     labels[torch.randperm(NUM_TOKENS)[:40]] = -100
@@ -198,6 +196,15 @@ def test_policy_objectives_match_torch(client, head, case, shared_memory):
     weight = head.fetch_weight()
     exact_logp = F.log_softmax(torch_logits(hidden.double(), weight.double()), -1).gather(
         1, labels.clamp(min=0)[:, None])[:, 0].numpy()
+    return hidden, labels, lengths, weight, exact_logp
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["messages", "shared_memory"])
+@pytest.mark.parametrize("case", CASES)
+def test_policy_objectives_match_torch(client, head, case, shared_memory):
+    spec = dict(CASES[case])
+    rng = np.random.default_rng()
+    hidden, labels, lengths, weight, exact_logp = policy_batch(head, rng)
     inputs = dict(
         sampling_logprobs=(exact_logp - np.log(RATIO_TARGETS[np.arange(NUM_TOKENS) % 10]))
         .astype(np.float32),
@@ -292,14 +299,7 @@ def test_gspo_matches_verl(client, head, shared_memory):
     both sides of the clip bounds; advantages vary within sequences (GSPO-token's generality);
     sequences cross the server's engine chunks."""
     rng = np.random.default_rng()
-    hidden = torch.randn(NUM_TOKENS, HIDDEN)
-    labels = torch.randint(0, VOCAB, (NUM_TOKENS,))
-    labels[torch.randperm(NUM_TOKENS)[:40]] = -100
-    lengths = sequences(NUM_TOKENS, rng)
-    labels[lengths[0]:lengths[0] + lengths[1]] = -100  # a sequence with nothing to learn from
-    weight = head.fetch_weight()
-    exact_logp = F.log_softmax(torch_logits(hidden.double(), weight.double()), -1).gather(
-        1, labels.clamp(min=0)[:, None])[:, 0].numpy()
+    hidden, labels, lengths, weight, exact_logp = policy_batch(head, rng)
     # Token log-ratios that scatter around their sequence's target, centred on it over the
     # sequence's counted tokens, so that s_i is the target itself.
     counted = (labels != -100).numpy()
