@@ -10,6 +10,11 @@ set(LOSSD_PYTHON_TEST_ENVIRONMENT
   "LOSSCTL_BIN=$<TARGET_FILE:lossctl>"
   "PYTHONPATH=${LOSSD_PYTHON_DIR}"
   "OMP_NUM_THREADS=2")
+set(LOSSD_PYTHON_ENV "" CACHE FILEPATH
+    "python of a venv with current PyPI torch and transformers (scripts/python_env.sh)")
+# COST (below): seconds on a quiet 2-core machine. ctest starts the costliest tests first, and
+# without the history of an earlier run (a fresh clone) it has only these: the long suites would
+# otherwise start last, in the order they are registered, and run alone while the other core idles.
 
 # Loss, dL/dh and dL/dW against torch's float64 F.cross_entropy; scoring, errors, upload, steps.
 add_test(NAME python_client
@@ -18,11 +23,23 @@ add_test(NAME python_client
 add_test(NAME python_options
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
           ${CMAKE_CURRENT_LIST_DIR}/test_options.py)
-# Scoring over three lossd_server replicas of one head: spread, failover, pinned W; training
-# refuses a target that lists several servers.
-add_test(NAME python_replicas
-  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
-          ${CMAKE_CURRENT_LIST_DIR}/test_replicas.py)
+# These two suites run once: under current PyPI torch where its environment is given (below), else
+# under Debian's. They exercise servers and a training loop, not the torch version, and are slow.
+if(NOT LOSSD_PYTHON_ENV)
+  # Scoring over three lossd_server replicas of one head: spread, failover, pinned W; training
+  # refuses a target that lists several servers.
+  add_test(NAME python_replicas
+    COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
+            ${CMAKE_CURRENT_LIST_DIR}/test_replicas.py)
+  # A tiny transformer LM trained with a local head and with a RemoteHead: the loss curves agree.
+  add_test(NAME python_training_example
+    COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
+            ${CMAKE_CURRENT_LIST_DIR}/test_training_example.py)
+  set_tests_properties(python_replicas python_training_example PROPERTIES
+    ENVIRONMENT "${LOSSD_PYTHON_TEST_ENVIRONMENT}"
+    TIMEOUT 2400)
+  set_tests_properties(python_training_example PROPERTIES COST 70)
+endif()
 # The RL objectives and RemoteLogprobs against torch's float64 autograd of the same formulas.
 add_test(NAME python_objectives
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_objectives.py)
@@ -35,10 +52,6 @@ add_test(NAME python_distill
 # distilled on-policy from a teacher head: its reverse KL falls (about 25 s).
 add_test(NAME python_rl_example
   COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_rl_example.py)
-# A tiny transformer LM trained with a local head and with a RemoteHead: the loss curves agree.
-add_test(NAME python_training_example
-  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
-          ${CMAKE_CURRENT_LIST_DIR}/test_training_example.py)
 # Shared memory between users: clients of two users created for the test (as root; skipped
 # otherwise) against a server run as root.
 add_test(NAME shared_memory_users
@@ -52,18 +65,10 @@ add_test(NAME python_packaging
 set_tests_properties(python_packaging PROPERTIES
   ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;OMP_NUM_THREADS=2"
   TIMEOUT 2400)
-set_tests_properties(python_client python_options python_replicas python_objectives python_distill
-  python_rl_example
-  python_training_example shared_memory_users PROPERTIES
+set_tests_properties(python_client python_options python_objectives python_distill
+  python_rl_example shared_memory_users PROPERTIES
   ENVIRONMENT "${LOSSD_PYTHON_TEST_ENVIRONMENT}"
   TIMEOUT 1200)
-# Two trainings of a small transformer: about 30 s on a quiet 2-core machine, several times that
-# when the machine is shared.
-set_tests_properties(python_training_example PROPERTIES TIMEOUT 2400)
-# COST: seconds on a quiet 2-core machine. ctest starts the costliest tests first, and without the
-# history of an earlier run (a fresh clone) it has only these: the long suites would otherwise
-# start last, in the order they are registered, and run alone while the other core idles.
-set_tests_properties(python_training_example PROPERTIES COST 70)
 set_tests_properties(python_packaging PROPERTIES COST 40)
 
 # The GPU round's service step (bench/gpu_service.py) on the CPU: the server, lossctl and the
@@ -84,12 +89,11 @@ set_tests_properties(replicas_bench_runs PROPERTIES
   PASS_REGULAR_EXPRESSION "\\| 2 \\| 300 x 16 \\| 0 \\|"
   TIMEOUT 120)
 
-# The same client suites and examples again, and lossd.hf and torch.compile, under the current
+# The client suites and examples again (the slowest two only here), and lossd.hf and torch.compile,
+# under the current
 # torch, transformers and protobuf from PyPI: the environment scripts/python_env.sh makes in .venv/
 # (scripts/test.sh builds it and passes its python here). Without LOSSD_PYTHON_ENV none of these
 # is registered.
-set(LOSSD_PYTHON_ENV "" CACHE FILEPATH
-    "python of a venv with current PyPI torch and transformers (scripts/python_env.sh)")
 if(LOSSD_PYTHON_ENV)
   set(current_tests)
   foreach(suite client options replicas objectives distill rl_example training_example)
@@ -108,7 +112,7 @@ if(LOSSD_PYTHON_ENV)
             ${CMAKE_CURRENT_LIST_DIR}/test_torch_compile.py)
   # transformers.Trainer on 2 and 4 processes (torch.distributed, gloo) with a local head and
   # with lossd.hf.Trainer and a server killed halfway: the same parameters at the end; and the
-  # wrong-W cases refused (about 5 minutes on two cores, most of it starting processes).
+  # wrong-W cases refused (about 4 minutes on two cores, most of it starting processes).
   add_test(NAME python_trainer
     COMMAND "${LOSSD_PYTHON_ENV}" -m pytest -q -p no:cacheprovider
             ${CMAKE_CURRENT_LIST_DIR}/test_trainer.py)
@@ -128,7 +132,7 @@ if(LOSSD_PYTHON_ENV)
   set_tests_properties(python_trainer PROPERTIES TIMEOUT 2400)
   set_tests_properties(python_training_replicas PROPERTIES TIMEOUT 2400)
   set_tests_properties(python_training_example_current_torch PROPERTIES TIMEOUT 2400)
-  set_tests_properties(python_trainer PROPERTIES COST 320)
+  set_tests_properties(python_trainer PROPERTIES COST 180)
   set_tests_properties(python_training_example_current_torch PROPERTIES COST 160)
   set_tests_properties(python_training_replicas PROPERTIES COST 120)
   set_tests_properties(python_torch_compile PROPERTIES COST 70)

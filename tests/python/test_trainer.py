@@ -75,8 +75,8 @@ def relative_distance(a, b):
 
 @pytest.mark.parametrize("model, world_size, bf16", [
     ("llama", 2, 0),   # float32 throughout: equal to float32 rounding
-    ("llama", 4, 1),   # four ranks under bf16 autocast
-    ("qwen2", 2, 1),   # tied: W's gradient comes from the embedding and the head, averaged
+    ("qwen2", 2, 1),   # tied, under bf16 autocast: W's gradient comes from the embedding and
+                       # the head, averaged
     ("qwen2", 4, 0),   # tied, four ranks, float32
 ])
 def test_trainer_on_ranks_with_a_restart_matches_a_local_head(tmp_path, model, world_size, bf16):
