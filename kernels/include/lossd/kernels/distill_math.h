@@ -23,17 +23,17 @@
 // A sparse teacher with a tail bucket (SparseTeacherMass::kTailBucket) gives its top-k S their
 // probabilities and the rest one bucket, p_tail = 1 - sum_S p_v; the student's bucket is
 // q_tail = sum_{v not in S} q_v, and D is taken over the k + 1 buckets. That is the dense D against
-// a teacher p'_v = p_tail q_v / q_tail outside S (whose log-ratio to q, to m, is constant there),
-// and since sum_{v not in S} p'_v = p_tail is fixed, the dense gradient with p' held fixed is
-// D's: for v outside S, dD/du_v = q_v s_tail - exp(log q_v + l_tail) with the row constants
-//   s_tail = 1, l_tail = log p_tail - log q_tail         forward KL (q_v - p'_v)
-//   s_tail = log q_tail - log p_tail - K                 reverse KL, l_tail = -inf
-//   s_tail = (1 - beta) (log q_tail - log m_tail - K)    JSD, m_tail = beta p_tail + (1 - beta)
-//   q_tail
-// (p'_v as exp(log q_v + l_tail) <= p_tail: p_tail / q_tail alone overflows where q_tail is tiny).
-// and the columns outside S add nothing in phase 2: the bucket's terms are added once per row from
-// log q_tail, whose statistics (of u over the columns outside S) phase 1 keeps beside the others,
-// so that a q_tail far below 2^-126 still has its logarithm.
+// a teacher p'_v = p_tail q_v / q_tail outside S (whose log-ratio to q, and to m, is constant
+// there), and since sum_{v not in S} p'_v = p_tail is fixed, the dense gradient with p' held fixed
+// is D's. So the columns outside S add nothing in phase 2: the bucket's terms are added once per
+// row from log q_tail, whose statistics (of u over the columns outside S) phase 1 keeps beside the
+// others, so that a q_tail far below 2^-126 still has its logarithm. In phase 3 a column v outside
+// S has dD/du_v = q_v s_tail - exp(log q_v + l_tail), with the row constants
+//   forward KL  s_tail = 1, l_tail = log p_tail - log q_tail: q_v - p'_v, with p'_v taken as
+//               exp(log q_v + l_tail) <= p_tail where p_tail / q_tail alone would overflow
+//   reverse KL  s_tail = log q_tail - log p_tail - K, l_tail = -inf
+//   JSD         s_tail = (1 - beta) (log q_tail - log m_tail - K), l_tail = -inf,
+//               m_tail = beta p_tail + (1 - beta) q_tail
 #ifndef LOSSD_KERNELS_DISTILL_MATH_H_
 #define LOSSD_KERNELS_DISTILL_MATH_H_
 
