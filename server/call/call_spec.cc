@@ -7,9 +7,11 @@
 #include <vector>
 
 #include "absl/hash/hash.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream.h"
@@ -54,6 +56,14 @@ class HashingOutputStream final : public google::protobuf::io::ZeroCopyOutputStr
   size_t absorbed_ = 0;
   uint64_t state_ = 0;
 };
+
+// The call's objective by the name its client gave it, lossd.v1.Objective's in lower case without
+// its prefix: gspo runs as ppo, and is gspo to the client.
+std::string ObjectiveNameOf(const v1::ComputeStart& start) {
+  absl::string_view name = v1::Objective_Name(start.options().objective());
+  absl::ConsumePrefix(&name, "OBJECTIVE_");
+  return absl::AsciiStrToLower(name);
+}
 
 // A client's name for one call, so that a retry of it is recognized: printable ASCII, no spaces,
 // short enough that the ids a head keeps stay small (a UUID takes 32 or 36 characters).
@@ -103,7 +113,7 @@ absl::Status ApplyRolloutCorrection(const v1::ComputeStart& start, CallSpec& spe
         "options.policy.rollout_correction",
         absl::StrCat("ROLLOUT_CORRECTION_NONE unless the objective is ", kRatioObjectiveNames),
         absl::StrCat(v1::RolloutCorrection_Name(correction), " with objective ",
-                     ObjectiveName(spec.options.objective)));
+                     ObjectiveNameOf(start)));
   }
   const double cap = policy.has_rollout_is_cap() ? policy.rollout_is_cap() : 2.0;
   if (!(cap >= 1.0 && cap <= FLT_MAX)) {
@@ -188,16 +198,15 @@ absl::Status ParseObjectiveInputs(const v1::ComputeStart& start, CallSpec& spec)
   for (const Input& input : inputs) {
     const int64_t size = input.values.size();
     if (!input.read && size > 0) {
-      return InvalidField(
-          input.field,
-          absl::StrCat("no values with objective ", ObjectiveName(options.objective), " (only ",
-                       input.read_by, " read them)"),
-          absl::StrCat(size, " values"));
+      return InvalidField(input.field,
+                          absl::StrCat("no values with objective ", ObjectiveNameOf(start),
+                                       " (only ", input.read_by, " read them)"),
+                          absl::StrCat(size, " values"));
     }
     if (input.read && size != spec.num_tokens) {
       return InvalidField(input.field,
                           absl::StrCat(spec.num_tokens, " entries (num_tokens) for objective ",
-                                       ObjectiveName(options.objective)),
+                                       ObjectiveNameOf(start)),
                           absl::StrCat(size));
     }
     input.into->assign(input.values.begin(), input.values.end());
@@ -233,9 +242,9 @@ absl::Status ParseTeacher(const ComputeEnvironment& env, const v1::ComputeStart&
   if (!distill) {
     if (named || start.has_teacher_head_version() || start.teacher_hidden_size() != 0 ||
         start.teacher_hidden_dtype() != v1::DTYPE_UNSPECIFIED || start.teacher_top_k() != 0) {
-      return InvalidField(
-          "teacher_head/teacher_top_k", "none unless options.objective is OBJECTIVE_DISTILL",
-          absl::StrCat("a teacher with objective ", ObjectiveName(spec.options.objective)));
+      return InvalidField("teacher_head/teacher_top_k",
+                          "none unless options.objective is OBJECTIVE_DISTILL",
+                          absl::StrCat("a teacher with objective ", ObjectiveNameOf(start)));
     }
     return absl::OkStatus();
   }
@@ -461,9 +470,9 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
       spec.grad_hidden_dtype,
       FromProto(spec.outputs.grad_hidden_dtype(), "outputs.grad_hidden_dtype", spec.hidden_dtype));
   if (spec.options.objective != Objective::kDistill && (spec.outputs.kd() || spec.outputs.ce())) {
-    return InvalidField(
-        spec.outputs.kd() ? "outputs.kd" : "outputs.ce", "false unless the objective is distill",
-        absl::StrCat("true with objective ", ObjectiveName(spec.options.objective)));
+    return InvalidField(spec.outputs.kd() ? "outputs.kd" : "outputs.ce",
+                        "false unless the objective is distill",
+                        absl::StrCat("true with objective ", ObjectiveNameOf(start)));
   }
   if (start.has_shared_memory()) spec.shared_memory = start.shared_memory();
   if (spec.shared_memory.has_value() && spec.options.objective == Objective::kDistill) {

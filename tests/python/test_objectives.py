@@ -344,6 +344,14 @@ def test_gspo_needs_its_sequences(client, head):
     assert error.value.code == "INVALID_ARGUMENT"
     assert "sequence_lengths" in error.value.message
     assert "OBJECTIVE_GSPO" in error.value.message
+    # It runs as ppo on the server; its errors still name it as the client did.
+    with pytest.raises(lossd.LossdError) as error:
+        client.compute(head.head, hidden.numpy(), labels.numpy(), objective="gspo",
+                       sampling_logprobs=np.zeros(8, np.float32),
+                       advantages=np.ones(8, np.float32), sequence_lengths=[3, 5],
+                       outputs=["kd"])
+    assert "outputs.kd" in error.value.message
+    assert "objective gspo" in error.value.message
 
 
 def test_log_ratio_clamp_follows_verl(client, head):
