@@ -757,7 +757,7 @@ void SetDistill(v1::LossOptions& o, double beta, double alpha, double tau) {
 
 bool IsPolicy(v1::Objective objective) {
   return objective == v1::OBJECTIVE_IMPORTANCE_SAMPLING || objective == v1::OBJECTIVE_PPO ||
-         objective == v1::OBJECTIVE_CISPO;
+         objective == v1::OBJECTIVE_CISPO || objective == v1::OBJECTIVE_GSPO;
 }
 
 const ObjectiveCase kObjectiveCases[] = {
@@ -788,6 +788,13 @@ const ObjectiveCase kObjectiveCases[] = {
          [](v1::LossOptions& o) {
            SetPolicy(o, v1::OBJECTIVE_CISPO, v1::REDUCTION_SEQUENCE_MEAN_TOKEN_SUM);
            o.mutable_policy()->set_clip_low(1.0);
+         }},
+    // Each sequence's ratio measured in a first pass, then ppo's; sequences cross the engine's
+    // chunks and the messages.
+    {.name = "gspo_sequence_mean_token_mean",
+     .options =
+         [](v1::LossOptions& o) {
+           SetPolicy(o, v1::OBJECTIVE_GSPO, v1::REDUCTION_SEQUENCE_MEAN_TOKEN_MEAN);
          }},
     {.name = "logprob_gradient_sum",
      .options =
@@ -920,6 +927,7 @@ TEST_P(ClientObjectiveTest, MatchesTheFloat64Reference) {
   spec.no_labels = c.no_labels;
   Problem problem = MakeProblem(spec, rng_);
   ReferenceProblem& r = problem.reference;
+  r.sequence_ratio = options.objective() == v1::OBJECTIVE_GSPO;
   std::vector<int64_t> labels = r.labels;
   if (c.shift_labels) labels = UnshiftedLabels(r.labels, r.sequence_lengths);
   const ReferenceResult ref = ComputeReference(r);

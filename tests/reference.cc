@@ -360,6 +360,35 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
   const auto input = [](const std::vector<double>& values, int64_t i) {
     return values.empty() ? 0.0 : values[i];
   };
+  // Under sequence_ratio, ppo against q'_i = logp_i - log s_j is GSPO-token: its ratio is s_j on
+  // every token of sequence j, with d r / d logp_i = r.
+  std::vector<double> sampling = p.sampling_logprobs;
+  if (p.sequence_ratio) {
+    std::vector<double> logp(n, 0.0);
+    for (int64_t i = 0; i < n; ++i) {
+      if (!has_labels || p.labels[i] == o.ignore_index) continue;
+      const double* a = &raw[i * v];
+      std::vector<double> z(v);
+      for (int64_t t = 0; t < v; ++t)
+        z[t] = (cap > 0 ? cap * std::tanh(a[t] / cap) : a[t]) / temperature;
+      const double m = *std::max_element(z.begin(), z.end());
+      double sum_exp = 0.0;
+      for (const double x : z) sum_exp += std::exp(x - m);
+      logp[i] = z[p.labels[i]] - m - std::log(sum_exp);
+    }
+    for (int64_t first = 0; const int64_t length : p.sequence_lengths) {
+      double sum = 0.0;
+      int64_t counted = 0;
+      for (int64_t i = first; i < first + length; ++i) {
+        if (p.labels[i] == o.ignore_index) continue;
+        sum += logp[i] - p.sampling_logprobs[i];
+        ++counted;
+      }
+      const double log_ratio = counted > 0 ? sum / counted : 0.0;
+      for (int64_t i = first; i < first + length; ++i) sampling[i] = logp[i] - log_ratio;
+      first += length;
+    }
+  }
 
   // Per row: z, its statistics and top-k, its loss, then d loss_i / d a in place of a.
 #pragma omp parallel for schedule(dynamic, 16)
@@ -426,7 +455,7 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
     } else if (cross_entropy) {
       loss += (1 - eps) * (lse - z[y]) + eps * (lse - sum_z / v);
     } else {
-      const Term term = ObjectiveOf(o, logp, input(p.sampling_logprobs, i), input(p.advantages, i),
+      const Term term = ObjectiveOf(o, logp, input(sampling, i), input(p.advantages, i),
                                     input(p.logprob_grads, i));
       loss += term.value;
       dloss_dlogp += term.derivative;

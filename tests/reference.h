@@ -28,6 +28,9 @@ struct ReferenceProblem {
   std::vector<double> logprob_grads;
   std::vector<int64_t> sequence_lengths;
   LossOptions options;
+  // OBJECTIVE_GSPO, which the server runs as options' ppo: every token's ratio is its sequence's,
+  // exp of the mean of logp - q over the sequence's counted tokens, with d r / d logp = r.
+  bool sequence_ratio = false;
   int top_k = 0;
   // A distill call's teacher: a head [V, H_t] with its hidden rows [N, H_t] (dense), or the top-k
   // of its log-probabilities per row (sparse). Empty labels: a distill call without labels.

@@ -455,6 +455,12 @@ absl::StatusOr<CallSpec> ParseStart(const ComputeEnvironment& env, const v1::Com
                           "geometric mean of its tokens')",
                           "none");
     }
+    if (spec.options.policy.kl_ratio_weighted) {
+      return InvalidField("options.policy.kl_ratio_weighted",
+                          "false with OBJECTIVE_GSPO (the unbiased KL weights by the token's own "
+                          "ratio; gspo's is the sequence's)",
+                          "true");
+    }
     spec.ratio_sequences.assign(start.sequence_lengths().begin(), start.sequence_lengths().end());
   }
 

@@ -352,6 +352,14 @@ def test_gspo_needs_its_sequences(client, head):
                        outputs=["kd"])
     assert "outputs.kd" in error.value.message
     assert "objective gspo" in error.value.message
+    # The unbiased KL weights by the token's own ratio, which gspo's sequence ratio replaces.
+    with pytest.raises(lossd.LossdError) as error:
+        client.compute(head.head, hidden.numpy(), labels.numpy(), objective="gspo",
+                       sampling_logprobs=np.zeros(8, np.float32),
+                       advantages=np.ones(8, np.float32), sequence_lengths=[3, 5],
+                       kl_estimator="k3", kl_coef=0.1, kl_ratio_weighted=True,
+                       reference_logprobs=np.zeros(8, np.float32))
+    assert "options.policy.kl_ratio_weighted" in error.value.message
 
 
 def test_log_ratio_clamp_follows_verl(client, head):
