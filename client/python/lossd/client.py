@@ -657,11 +657,12 @@ class Client:
         the label, r = exp(logp - sampling_logprobs), clip(r) within [1 - clip_low, 1 + clip_high]):
         "importance_sampling" -r A, "ppo" -min(r A, clip(r) A) (dual_clip c > 1 bounds a negative
         advantage's term by -c A), "cispo" -sg(clip(r)) A logp, all three with advantages A [N]
-        and sampling_logprobs [N]; log_ratio_clamp c > 0 clamps log r to [-c, c] before the
-        exponential (verl's 20: r at most e^20, no gradient through r where clamped), 0 (the
-        default) keeps r exact and refuses a call whose r overflows, naming sampling_logprobs[i];
-        "logprob_gradient" g logp with logprob_grads g [N], the
-        gradient of a loss of the log-probabilities computed elsewhere (use reduction "sum").
+        and sampling_logprobs [N] ("gspo": ppo with each sequence's ratio, the exponential of the
+        mean of logp - q over the sequence, which needs sequence_lengths); log_ratio_clamp c > 0
+        clamps log r to [-c, c] before the exponential (verl's 20: r at most e^20, no gradient
+        through r where clamped), 0 (the default) keeps r exact and refuses a call whose r
+        overflows, naming sampling_logprobs[i]; "logprob_gradient" g logp with logprob_grads g
+        [N], the gradient of a loss of the log-probabilities computed elsewhere (use reduction "sum").
         kl_estimator ("k1", "k2", "k3") with reference_logprobs [N] adds kl_coef * KL per token
         and returns the estimate ("kl" output, mean_kl); entropy_coef subtracts entropy_coef * H.
         Labels at ignore_index mask tokens out (prompt and padding). Reductions besides "mean"

@@ -977,7 +977,8 @@ class RemoteHead(torch.nn.Module):
         objective is "cross_entropy" (torch's F.cross_entropy), or an RL objective of the
         log-probabilities of labels (the sampled tokens; ignore_index masks prompt and padding):
         "importance_sampling", "ppo" or "cispo" with sampling_logprobs [...] and advantages
-        [...] (also "dro" and "sapo"); rollout_correction ("token", "sequence", "geometric") with
+        [...] (also "dro", "sapo", and "gspo" with sequence_lengths: ppo with each sequence's
+        ratio); rollout_correction ("token", "sequence", "geometric") with
         rollout_logprobs [...], the inference engine's, weights each token's policy term by the
         truncated ratio min(exp(sampling_logprobs - rollout_logprobs), rollout_is_cap) (verl's
         rollout_is); kl_estimator ("k1", "k2", "k3") with reference_logprobs [...] and kl_coef;
