@@ -206,6 +206,10 @@ class ComputeCall {
       absl::StrAppend(&message, " and ", staging_bytes_, " for the ", head.vocab_size(), " x ",
                       head.hidden_size(), " fp32 staging dL/dW of head '", head.name(), "'");
     }
+    if (!spec_.ratio_sequences.empty()) {
+      absl::StrAppend(&message, " and ", spec_.num_tokens * spec_.hidden_row_bytes(),
+                      " for the rows a gspo call keeps between its two passes");
+    }
     absl::StrAppend(&message, "); the server's compute budget is ", capacity, " bytes");
     constexpr int64_t kMiB = int64_t{1} << 20;
     const int64_t needed_mib = (admitted_bytes_ + kMiB - 1) / kMiB;
@@ -262,6 +266,11 @@ class ComputeCall {
     ASSIGN_OR_RETURN(plan_, env_.backend->Plan(shape, env_.limits.workspace_budget_bytes));
     staging_bytes_ = shape.grad_weight ? head.vocab_size() * head.hidden_size() * sizeof(float) : 0;
     admitted_bytes_ = static_cast<int64_t>(plan_.workspace_bytes + staging_bytes_);
+    // A gspo call keeps its rows between its two passes (MeasureRatiosThenCompute): they count
+    // against the server's budget like its workspace, so that a call of millions of rows is
+    // refused as over budget instead of exhausting the host's memory.
+    if (!spec_.ratio_sequences.empty())
+      admitted_bytes_ += spec_.num_tokens * spec_.hidden_row_bytes();
     return absl::OkStatus();
   }
 

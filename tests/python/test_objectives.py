@@ -362,6 +362,24 @@ def test_gspo_needs_its_sequences(client, head):
     assert "options.policy.kl_ratio_weighted" in error.value.message
 
 
+def test_gspo_counts_the_rows_it_keeps_against_the_budget():
+    """A gspo call keeps its rows between its passes: 16384 rows of 64 fp32 values (4 MiB) do not
+    fit a 3 MiB compute budget, which the same rows as a ppo call fit (1 MiB of workspace)."""
+    rows = 16384
+    hidden = np.random.default_rng().standard_normal((rows, 64)).astype(np.float32)
+    labels = np.arange(rows) % 100
+    inputs = dict(sampling_logprobs=np.full(rows, -5.0, np.float32),
+                  advantages=np.ones(rows, np.float32), sequence_lengths=[256] * (rows // 256))
+    with demo_server(100, 64, "--workspace_budget_mib=1", "--compute_memory_mib=3") as server:
+        with lossd.Client(server.address, timeout=600) as small:
+            assert small.compute("demo", hidden, labels, objective="ppo", **inputs).counted_tokens \
+                == rows
+            with pytest.raises(lossd.LossdError) as error:
+                small.compute("demo", hidden, labels, objective="gspo", **inputs)
+    assert error.value.code == "RESOURCE_EXHAUSTED"
+    assert f"{rows * 64 * 4} for the rows a gspo call keeps" in error.value.message
+
+
 def test_log_ratio_clamp_follows_verl(client, head):
     """log_ratio_clamp=20 clamps log r = logp - q to [-20, 20] before the exponential, as verl's
     ppo loss does, with no gradient through r where the clamp holds; tokens whose exact ratio is
