@@ -863,6 +863,21 @@ const BadRow kBadRows[] = {
        MakeSparse(s);
        DistillOf(s).set_beta(1.0);
      }},
+    {"gspo_without_sequences", "a sequence's ratio needs the call's sequences", Rpc::kCompute,
+     kInvalid, "sequence_lengths",
+     [](Script& s) {
+       MakePpo(s);
+       StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_GSPO);
+     }},
+    {"gspo_with_the_unbiased_kl", "the unbiased KL weights by the token's own ratio",
+     Rpc::kCompute, kInvalid, "options.policy.kl_ratio_weighted",
+     [](Script& s) {
+       MakePpo(s, v1::KL_ESTIMATOR_K3);
+       StartOf(s).mutable_options()->set_objective(v1::OBJECTIVE_GSPO);
+       StartOf(s).add_sequence_lengths(kRows);
+       PolicyOf(s).set_kl_coef(0.1);
+       PolicyOf(s).set_kl_ratio_weighted(true);
+     }},
     {"sparse_tail_bucket_tempered", "the tail has no logits for a temperature to soften",
      Rpc::kCompute, kInvalid, "options.distill.temperature",
      [](Script& s) {
