@@ -141,6 +141,13 @@ std::vector<double> ReductionFactors(const ReferenceProblem& p, int64_t counted_
   return factors;
 }
 
+// z = softcap(a) / temperature for `count` raw logits a (no cap where cap is 0); in place allowed.
+void TransformLogits(const double* a, int64_t count, double cap, double temperature, double* z) {
+  for (int64_t t = 0; t < count; ++t) {
+    z[t] = (cap > 0 ? cap * std::tanh(a[t] / cap) : a[t]) / temperature;
+  }
+}
+
 // The teacher's logits over the whole batch, [N, V]: its head's a = h_t W_t^T (one dgemm) after
 // its own soft cap and temperature, or a sparse teacher's log-probabilities completed over the
 // vocabulary: -inf outside its top-k (renormalize; a tail bucket, whose mass TailBucketDistillation
@@ -154,8 +161,7 @@ std::vector<double> TeacherLogits(const ReferenceProblem& p) {
     const int64_t ht = p.teacher_hidden_size;
     cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, v, ht, 1.0, p.teacher_hidden.data(), ht,
                 p.teacher_weight.data(), ht, 0.0, zt.data(), v);
-    const double cap = d.teacher_logit_softcap;
-    for (double& a : zt) a = (cap > 0 ? cap * std::tanh(a / cap) : a) / d.teacher_temperature;
+    TransformLogits(zt.data(), n * v, d.teacher_logit_softcap, d.teacher_temperature, zt.data());
     return zt;
   }
   const int k = p.teacher_top_k;
@@ -367,10 +373,8 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
     std::vector<double> logp(n, 0.0);
     for (int64_t i = 0; i < n; ++i) {
       if (!has_labels || p.labels[i] == o.ignore_index) continue;
-      const double* a = &raw[i * v];
       std::vector<double> z(v);
-      for (int64_t t = 0; t < v; ++t)
-        z[t] = (cap > 0 ? cap * std::tanh(a[t] / cap) : a[t]) / temperature;
+      TransformLogits(&raw[i * v], v, cap, temperature, z.data());
       const double m = *std::max_element(z.begin(), z.end());
       double sum_exp = 0.0;
       for (const double x : z) sum_exp += std::exp(x - m);
@@ -395,12 +399,9 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
   for (int64_t i = 0; i < n; ++i) {
     double* a = &raw[i * v];
     double* z = &r.logits[i * v];
+    TransformLogits(a, v, cap, temperature, z);
     double max_abs = 0.0;
-    for (int64_t t = 0; t < v; ++t) {
-      const double capped = cap > 0 ? cap * std::tanh(a[t] / cap) : a[t];
-      z[t] = capped / temperature;
-      max_abs = std::max(max_abs, std::abs(z[t]));
-    }
+    for (int64_t t = 0; t < v; ++t) max_abs = std::max(max_abs, std::abs(z[t]));
     row_max_abs[i] = max_abs;
     const double m = *std::max_element(z, z + v);
     double sum_exp = 0.0;

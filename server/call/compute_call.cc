@@ -306,7 +306,8 @@ class ComputeCall {
     // The client may rewrite its memory while the call runs: unless the backend reads each row
     // once, every engine chunk is computed from a private copy of its rows, so that the finiteness
     // check and dL/dW see the same values.
-    if (spec_.shared_memory.has_value() && spec_.num_tokens > 0 &&
+    // A gspo call keeps a copy of all its rows (MeasureRatiosThenCompute).
+    if (spec_.shared_memory.has_value() && spec_.num_tokens > 0 && spec_.ratio_sequences.empty() &&
         !env_.backend->ReadsRowsOnce(spec_.hidden_dtype)) {
       const int64_t rows = std::min(plan_.token_chunk, spec_.num_tokens);
       ASSIGN_OR_RETURN(shared_rows_copy_, env_.host_buffers->Acquire(
@@ -421,14 +422,8 @@ class ComputeCall {
     return absl::OkStatus();
   }
 
-  // logp of rows [first, first + rows) under the call's transform, into `logprobs`; no gradients.
+  // logp of the chunk's rows under the call's transform, into `logprobs`; no gradients.
   absl::Status MeasureLogprobs(const RowChunk& chunk, float* logprobs) {
-    BatchInputs in;
-    in.hidden = chunk.rows;
-    in.hidden_dtype = spec_.hidden_dtype;
-    in.num_tokens = chunk.num_rows;
-    in.hidden_size = spec_.hidden_size;
-    in.labels = spec_.labels.data() + chunk.first_row;
     LossOptions options;  // the call's head transform and ignored rows; nothing else applies
     options.ignore_index = spec_.options.ignore_index;
     options.logit_softcap = spec_.options.logit_softcap;
@@ -437,19 +432,41 @@ class ComputeCall {
     options.reduction = Reduction::kSum;
     TokenOutputs out;
     out.logprob = logprobs;
+    return RunEngine(chunk, ChunkInputs(chunk), options, out, nullptr).status();
+  }
+
+  // The chunk's rows and labels as the engine takes them.
+  BatchInputs ChunkInputs(const RowChunk& chunk) const {
+    BatchInputs in;
+    in.hidden = chunk.rows;
+    in.hidden_dtype = spec_.hidden_dtype;
+    in.num_tokens = chunk.num_rows;
+    in.hidden_size = spec_.hidden_size;
+    in.labels = spec_.has_labels ? spec_.labels.data() + chunk.first_row : nullptr;
+    return in;
+  }
+
+  // One engine call on the call's heads and workspace, timed; a chunk whose values were not all
+  // finite is explained as the call's error.
+  absl::StatusOr<BatchSummary> RunEngine(const RowChunk& chunk, BatchInputs in,
+                                         const LossOptions& options, const TokenOutputs& out,
+                                         DeviceBuffer* grad_weight) {
     const absl::Time start = absl::Now();
     BatchSummary summary;
-    RETURN_IF_ERROR(WithHeads([&](const WeightView& weight, const WeightView*) {
-      ASSIGN_OR_RETURN(
-          summary, env_.backend->Compute(in, weight, options, out, nullptr, workspace_.buffer()));
+    RETURN_IF_ERROR(WithHeads([&](const WeightView& weight, const WeightView* teacher) {
+      in.teacher.weight = teacher;
+      ASSIGN_OR_RETURN(summary, env_.backend->Compute(in, weight, options, out, grad_weight,
+                                                      workspace_.buffer()));
       return absl::OkStatus();
     }));
-    compute_seconds_ += SecondsSince(start);
+    const double seconds = SecondsSince(start);
+    compute_seconds_ += seconds;
+    if (env_.metrics != nullptr) env_.metrics->ObserveComputeSeconds(seconds);
     if (!summary.all_finite) {
       if (env_.metrics != nullptr) env_.metrics->CountNonFiniteCall();
       return ExplainNonFiniteChunk(chunk);
     }
-    return absl::OkStatus();
+    return summary;
   }
 
   // sampling_logprobs[t] <- logp_t - log s_i on the counted rows of each sequence i.
@@ -476,12 +493,7 @@ class ComputeCall {
   absl::Status ComputeChunk(const RowChunk& chunk) {
     const int64_t first = chunk.first_row;
     const int64_t rows = chunk.num_rows;
-    BatchInputs in;
-    in.hidden = chunk.rows;
-    in.hidden_dtype = spec_.hidden_dtype;
-    in.num_tokens = rows;
-    in.hidden_size = spec_.hidden_size;
-    in.labels = spec_.has_labels ? spec_.labels.data() + first : nullptr;
+    BatchInputs in = ChunkInputs(chunk);
     in.token_weights = spec_.token_weights.empty() ? nullptr : spec_.token_weights.data() + first;
     const auto rows_of = [first](const auto& values) {
       return values.empty() ? nullptr : values.data() + first;
@@ -517,23 +529,9 @@ class ComputeCall {
 
     LossOptions options = spec_.options;
     options.overwrite_grad_weight = first == 0;
-    const absl::Time start = absl::Now();
-    BatchSummary summary;
-    RETURN_IF_ERROR(WithHeads([&](const WeightView& weight, const WeightView* teacher) {
-      in.teacher.weight = teacher;
-      ASSIGN_OR_RETURN(summary,
-                       env_.backend->Compute(in, weight, options, out,
-                                             staging_.held() ? &staging_.buffer() : nullptr,
-                                             workspace_.buffer()));
-      return absl::OkStatus();
-    }));
-    const double seconds = SecondsSince(start);
-    compute_seconds_ += seconds;
-    if (env_.metrics != nullptr) env_.metrics->ObserveComputeSeconds(seconds);
-    if (!summary.all_finite) {
-      if (env_.metrics != nullptr) env_.metrics->CountNonFiniteCall();
-      return ExplainNonFiniteChunk(chunk);
-    }
+    ASSIGN_OR_RETURN(
+        const BatchSummary summary,
+        RunEngine(chunk, in, options, out, staging_.held() ? &staging_.buffer() : nullptr));
     loss_sum_ += summary.loss_sum;
     sequence_loss_ += summary.loss;
     kd_sum_ += summary.kd_sum;

@@ -334,32 +334,23 @@ def test_gspo_matches_verl(client, head, shared_memory):
     assert 0 < result.clip_fraction < 1
 
 
-def test_gspo_needs_its_sequences(client, head):
-    hidden = torch.randn(8, HIDDEN)
-    labels = torch.randint(0, VOCAB, (8,))
-    with pytest.raises(lossd.LossdError) as error:
-        client.compute(head.head, hidden.numpy(), labels.numpy(), objective="gspo",
-                       sampling_logprobs=np.zeros(8, np.float32),
-                       advantages=np.ones(8, np.float32))
-    assert error.value.code == "INVALID_ARGUMENT"
-    assert "sequence_lengths" in error.value.message
-    assert "OBJECTIVE_GSPO" in error.value.message
+@pytest.mark.parametrize("extra, named", [
+    # A sequence's ratio needs the call's sequences.
+    ({}, "sequence_lengths: expected the call's sequences with OBJECTIVE_GSPO"),
     # It runs as ppo on the server; its errors still name it as the client did.
-    with pytest.raises(lossd.LossdError) as error:
-        client.compute(head.head, hidden.numpy(), labels.numpy(), objective="gspo",
-                       sampling_logprobs=np.zeros(8, np.float32),
-                       advantages=np.ones(8, np.float32), sequence_lengths=[3, 5],
-                       outputs=["kd"])
-    assert "outputs.kd" in error.value.message
-    assert "objective gspo" in error.value.message
+    (dict(sequence_lengths=[3, 5], outputs=["kd"]), "objective gspo"),
     # The unbiased KL weights by the token's own ratio, which gspo's sequence ratio replaces.
+    (dict(sequence_lengths=[3, 5], kl_estimator="k3", kl_coef=0.1, kl_ratio_weighted=True,
+          reference_logprobs=np.zeros(8, np.float32)), "options.policy.kl_ratio_weighted"),
+], ids=["no_sequences", "kd_output", "unbiased_kl"])
+def test_gspo_refuses_what_it_cannot_compute_by_name(client, head, extra, named):
     with pytest.raises(lossd.LossdError) as error:
-        client.compute(head.head, hidden.numpy(), labels.numpy(), objective="gspo",
+        client.compute(head.head, torch.randn(8, HIDDEN).numpy(),
+                       torch.randint(0, VOCAB, (8,)).numpy(), objective="gspo",
                        sampling_logprobs=np.zeros(8, np.float32),
-                       advantages=np.ones(8, np.float32), sequence_lengths=[3, 5],
-                       kl_estimator="k3", kl_coef=0.1, kl_ratio_weighted=True,
-                       reference_logprobs=np.zeros(8, np.float32))
-    assert "options.policy.kl_ratio_weighted" in error.value.message
+                       advantages=np.ones(8, np.float32), **extra)
+    assert error.value.code == "INVALID_ARGUMENT"
+    assert named in error.value.message
 
 
 def test_gspo_counts_the_rows_it_keeps_against_the_budget():

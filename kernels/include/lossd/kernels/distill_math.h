@@ -118,7 +118,9 @@ struct SparseTeacherRow {
   // log(1 - sum_j p_j) (tail bucket); -inf otherwise, when nothing is left, or when no token is
   // outside the top-k (k = V: the bucket is empty on both sides).
   float tail_logit;
-  float floor_logit;  // the least of the top-k log-probabilities and tail_logit
+  // The least of the top-k log-probabilities and tail_logit (spread and tail bucket; +inf for a
+  // renormalized teacher, which no bound reads: its reverse KL is refused).
+  float floor_logit;
 };
 
 // In double.
@@ -128,13 +130,14 @@ LOSSD_HD SparseTeacherRow SparseTeacherRowOf(const float* logprobs, int k, int64
   row.rest_logit = -INFINITY;
   row.tail_logit = -INFINITY;
   row.floor_logit = INFINITY;
+  if (mass == SparseTeacherMass::kRenormalize) return row;
   double top_mass = 0.0;
   for (int j = 0; j < k; ++j) {
     top_mass += std::exp(static_cast<double>(logprobs[j]));
     row.floor_logit = MinStep(row.floor_logit, logprobs[j]);
   }
   const double rest = 1.0 - top_mass;
-  if (mass == SparseTeacherMass::kRenormalize || vocab_size <= k || !(rest > 0.0)) return row;
+  if (vocab_size <= k || !(rest > 0.0)) return row;
   if (mass == SparseTeacherMass::kSpread) {
     row.rest_logit = static_cast<float>(std::log(rest / static_cast<double>(vocab_size - k)));
   } else {
