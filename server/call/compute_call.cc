@@ -304,10 +304,12 @@ class ComputeCall {
                                                  MemoryPurpose::kWorkspace));
     }
     // The client may rewrite its memory while the call runs: unless the backend reads each row
-    // once, every engine chunk is computed from a private copy of its rows, so that the finiteness
-    // check and dL/dW see the same values.
+    // once, every engine chunk that adds to dL/dW is computed from a private copy of its rows, so
+    // that the finiteness check and dL/dW see the same values. A call without dL/dW writes only
+    // into its own results, which a client racing its own rows can spoil for itself alone.
     // A gspo call keeps a copy of all its rows (MeasureRatiosThenCompute).
     if (spec_.shared_memory.has_value() && spec_.num_tokens > 0 && spec_.ratio_sequences.empty() &&
+        spec_.outputs.accumulate_grad_weight() &&
         !env_.backend->ReadsRowsOnce(spec_.hidden_dtype)) {
       const int64_t rows = std::min(plan_.token_chunk, spec_.num_tokens);
       ASSIGN_OR_RETURN(shared_rows_copy_, env_.host_buffers->Acquire(
