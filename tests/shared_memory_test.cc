@@ -190,6 +190,7 @@ constexpr uint64_t kRowBytes = kRows * kHidden * sizeof(float);
 
 struct Layout {
   UniqueFd memfd;
+  UniqueFd grad_memfd;  // when dL/dh has a memfd of its own
   std::string handle;
   std::shared_ptr<client::HandoverConnection> connection;
 };
@@ -216,6 +217,14 @@ void UseMemfd(Layout& layout, v1::ComputeStart& start, UniqueFd memfd) {
   start.mutable_shared_memory()->set_handle(*handle);
 }
 
+// Takes dL/dh into `memfd`, registered on the same connection; the layout keeps it.
+void UseGradMemfd(Layout& layout, v1::ComputeStart& start, UniqueFd memfd) {
+  absl::StatusOr<std::string> handle = layout.connection->Register(memfd.get());
+  ASSERT_TRUE(handle.ok()) << handle.status();
+  layout.grad_memfd = std::move(memfd);
+  start.mutable_shared_memory()->set_grad_hidden_handle(*handle);
+}
+
 TEST_P(LayoutErrorTest, IsRefusedByFieldAndTouchesNothing) {
   const LayoutErrorCase& c = GetParam();
   const std::string head = absl::StrCat("refused-", c.name);
@@ -233,6 +242,12 @@ TEST_P(LayoutErrorTest, IsRefusedByFieldAndTouchesNothing) {
   ASSERT_EQ(fstat(layout.memfd.get(), &info), 0);
   const std::string sentinel(static_cast<size_t>(info.st_size), '\x5a');
   const bool filled = Fill(layout.memfd, sentinel);
+  std::string grad_sentinel;
+  if (layout.grad_memfd.valid()) {
+    ASSERT_EQ(fstat(layout.grad_memfd.get(), &info), 0);
+    grad_sentinel.assign(static_cast<size_t>(info.st_size), '\x5b');
+    ASSERT_TRUE(Fill(layout.grad_memfd, grad_sentinel));
+  }
 
   const std::string rows = c.send_rows_in_messages ? std::string(kRowBytes, '\0') : std::string();
   const ComputeOutcome outcome = CallCompute(*stub_, start, rows, kRows);
@@ -242,6 +257,10 @@ TEST_P(LayoutErrorTest, IsRefusedByFieldAndTouchesNothing) {
   EXPECT_EQ(outcome.result_messages, 0) << "results of memory the call was refused";
   if (filled) {
     EXPECT_TRUE(ReadAll(layout.memfd) == sentinel) << "a refused call wrote into the memfd";
+  }
+  if (layout.grad_memfd.valid()) {
+    EXPECT_TRUE(ReadAll(layout.grad_memfd) == grad_sentinel)
+        << "a refused call wrote into dL/dh's memfd";
   }
   EXPECT_EQ(AccumulatedTokens(head), 0);
 
@@ -349,6 +368,43 @@ INSTANTIATE_TEST_SUITE_P(
                               layout.connection->Release(start.shared_memory().handle()).ok());
                         },
                         false, StatusCode::NOT_FOUND, "got an unknown or revoked handle"},
+        // dL/dh in a memfd of its own: each handle answers for its own range and rights.
+        LayoutErrorCase{"grad_memfd_too_small",
+                        [](v1::ComputeStart& start, Layout& layout, v1::LossService::Stub&) {
+                          UseGradMemfd(layout, start, MakeMemfd(kRowBytes / 2, F_SEAL_SHRINK));
+                          start.mutable_shared_memory()->set_grad_hidden_offset(0);
+                        },
+                        false, StatusCode::INVALID_ARGUMENT,
+                        "shared_memory.grad_hidden_handle: expected a memfd of at least 768 bytes"},
+        LayoutErrorCase{"grad_memfd_read_only",
+                        [](v1::ComputeStart& start, Layout& layout, v1::LossService::Stub&) {
+                          const UniqueFd grad = MakeMemfd(kRowBytes, F_SEAL_SHRINK);
+                          const std::string path = absl::StrCat("/proc/self/fd/", grad.get());
+                          UseGradMemfd(layout, start,
+                                       UniqueFd(open(path.c_str(), O_RDONLY | O_CLOEXEC)));
+                          start.mutable_shared_memory()->set_grad_hidden_offset(0);
+                        },
+                        false, StatusCode::INVALID_ARGUMENT,
+                        "shared_memory.grad_hidden_handle: expected a memfd the server may write "
+                        "dL/dh into, got one handed over open for reading only"},
+        LayoutErrorCase{"grad_handle_unknown",
+                        [](v1::ComputeStart& start, Layout&, v1::LossService::Stub&) {
+                          start.mutable_shared_memory()->set_grad_hidden_handle(
+                              std::string(16, '\x01'));
+                        },
+                        false, StatusCode::NOT_FOUND,
+                        "shared_memory.grad_hidden_handle: expected a handle registered"},
+        // The rows' memfd handed over a second time is still the rows' memory.
+        LayoutErrorCase{"grad_handle_of_the_rows_memfd_overlapping",
+                        [](v1::ComputeStart& start, Layout& layout, v1::LossService::Stub&) {
+                          absl::StatusOr<std::string> again =
+                              layout.connection->Register(layout.memfd.get());
+                          ASSERT_TRUE(again.ok()) << again.status();
+                          start.mutable_shared_memory()->set_grad_hidden_handle(*again);
+                          start.mutable_shared_memory()->set_grad_hidden_offset(kRowBytes / 2);
+                        },
+                        false, StatusCode::INVALID_ARGUMENT,
+                        "shared_memory.grad_hidden_offset: expected a region clear of the rows"},
         // (Messages after a start with shared memory are not read: the start is the whole call.)
         LayoutErrorCase{"handle_of_zeros",
                         [](v1::ComputeStart& start, Layout&, v1::LossService::Stub&) {
@@ -358,6 +414,50 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<LayoutErrorCase>& info) {
       return std::string(info.param.name);
     });
+
+// Rows in one memfd (handed over read-only: the server only reads them), dL/dh in another: the
+// layout of a caller whose rows already lie in shared memory and who takes dL/dh elsewhere. The
+// same results, bit for bit, as the rows and dL/dh in messages.
+TEST_F(SharedMemoryTest, RowsAndGradHiddenMayLieInTwoMemfds) {
+  const std::string head = "two-memfds";
+  UploadHead(head);
+  constexpr int64_t kCallRows = 233;  // about three engine chunks, the last one short
+  const uint64_t rows_bytes = kCallRows * kHidden * sizeof(float);
+  const std::string hidden = FloatBytes(RandomNormal(kCallRows * kHidden, 1.0f, rng_));
+  const std::vector<int64_t> labels = RandomLabels(kCallRows, rng_);
+
+  UniqueFd rows_memfd = MakeMemfd(rows_bytes, F_SEAL_SHRINK);
+  ASSERT_TRUE(Fill(rows_memfd, hidden));
+  const std::string path = absl::StrCat("/proc/self/fd/", rows_memfd.get());
+  const UniqueFd rows_read_only(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  constexpr uint64_t kGradOffset = 4096;  // not at the start of its memfd
+  UniqueFd grad_memfd = MakeMemfd(kGradOffset + rows_bytes, F_SEAL_SHRINK);
+  std::shared_ptr<client::HandoverConnection> connection = OpenHandover(*stub_);
+  ASSERT_NE(connection, nullptr);
+  const absl::StatusOr<std::string> rows_handle = connection->Register(rows_read_only.get());
+  ASSERT_TRUE(rows_handle.ok()) << rows_handle.status();
+  const absl::StatusOr<std::string> grad_handle = connection->Register(grad_memfd.get());
+  ASSERT_TRUE(grad_handle.ok()) << grad_handle.status();
+
+  v1::ComputeStart in_memory = TrainingStart(head, labels, *rows_handle);
+  in_memory.mutable_outputs()->set_accumulate_grad_weight(false);
+  in_memory.mutable_shared_memory()->set_grad_hidden_handle(*grad_handle);
+  in_memory.mutable_shared_memory()->set_grad_hidden_offset(kGradOffset);
+  v1::ComputeStart by_messages = in_memory;
+  by_messages.clear_shared_memory();
+
+  const ComputeOutcome shared = CallCompute(*stub_, in_memory, "", 1);
+  ASSERT_TRUE(shared.status.ok()) << shared.status.error_message();
+  const ComputeOutcome messages = CallCompute(*stub_, by_messages, hidden, 50);
+  ASSERT_TRUE(messages.status.ok()) << messages.status.error_message();
+  EXPECT_EQ(shared.token_loss, messages.token_loss);
+  const std::string grad_bytes = ReadAll(grad_memfd);
+  ASSERT_EQ(grad_bytes.size(), kGradOffset + rows_bytes);
+  EXPECT_TRUE(grad_bytes.substr(kGradOffset) == messages.grad_hidden) << "dL/dh differs";
+  EXPECT_EQ(grad_bytes.substr(0, kGradOffset), std::string(kGradOffset, '\0'))
+      << "dL/dh landed outside its range";
+  EXPECT_TRUE(ReadAll(rows_memfd) == hidden) << "the rows changed";
+}
 
 // ---------------------------------------------------------------------------------------------
 // The handover socket against peers that send what they should not.

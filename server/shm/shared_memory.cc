@@ -232,73 +232,94 @@ void SharedMemoryMaps::RevokeLocked(std::shared_ptr<const Memfd> memfd) {
                  entries_.end());
 }
 
-absl::StatusOr<SharedCallMemory> SharedMemoryMaps::Map(const v1::SharedMemory& request,
-                                                       uint64_t hidden_bytes,
-                                                       uint64_t grad_hidden_bytes) {
-  if (request.handle().size() != kHandleBytes) {
+absl::StatusOr<std::shared_ptr<const SharedMemoryMaps::Memfd>> SharedMemoryMaps::Find(
+    absl::string_view field, absl::string_view handle, uint64_t end, bool for_writing,
+    struct stat& info) const {
+  if (handle.size() != kHandleBytes) {
     return InvalidField(
-        "shared_memory.handle",
+        field,
         absl::StrCat("the ", kHandleBytes, "-byte handle the server's handover socket returned"),
-        absl::StrCat(request.handle().size(), " bytes"));
+        absl::StrCat(handle.size(), " bytes"));
   }
-  RETURN_IF_ERROR(
-      CheckOffset("shared_memory.hidden_offset", request.hidden_offset(), hidden_bytes));
-  const uint64_t hidden_end = request.hidden_offset() + hidden_bytes;
-  uint64_t end = hidden_end;
-  const uint64_t grad_begin = request.grad_hidden_offset();
-  const uint64_t grad_end = grad_begin + grad_hidden_bytes;
-  if (grad_hidden_bytes > 0) {
-    RETURN_IF_ERROR(CheckOffset("shared_memory.grad_hidden_offset", grad_begin, grad_hidden_bytes));
-    if (hidden_bytes > 0 && request.hidden_offset() < grad_end && grad_begin < hidden_end) {
-      return InvalidField("shared_memory.grad_hidden_offset",
-                          absl::StrCat("a region clear of the rows at [", request.hidden_offset(),
-                                       ", ", hidden_end, ")"),
-                          absl::StrCat("[", grad_begin, ", ", grad_end, ")"));
-    }
-    end = std::max(end, grad_end);
-  }
-
   std::shared_ptr<const Memfd> memfd;
   {
     absl::MutexLock lock(&mu_);
-    auto it = handles_.find(request.handle());
+    auto it = handles_.find(std::string(handle));
     if (it != handles_.end()) memfd = it->second;
   }
   if (memfd == nullptr) {
-    return absl::NotFoundError(
-        "shared_memory.handle: expected a handle registered on this server's handover socket and "
-        "not revoked (its connection still open), got an unknown or revoked handle");
+    return absl::NotFoundError(absl::StrCat(
+        field,
+        ": expected a handle registered on this server's handover socket and not revoked (its "
+        "connection still open), got an unknown or revoked handle"));
   }
   // No page can go away (F_SEAL_SHRINK), but the memfd may have grown since it was registered.
-  struct stat info;
   if (fstat(memfd->fd.get(), &info) != 0) {
-    return ErrnoError("shared_memory: fstat of the memfd", errno);
+    return ErrnoError(absl::StrCat(field, ": fstat of the memfd"), errno);
   }
   if (static_cast<uint64_t>(info.st_size) < end) {
-    return InvalidField("shared_memory.handle",
-                        absl::StrCat("a memfd of at least ", end, " bytes (the layout's end)"),
+    return InvalidField(field, absl::StrCat("a memfd of at least ", end, " bytes (the layout's end)"),
                         absl::StrCat("one of ", info.st_size, " bytes"));
   }
-  if (grad_hidden_bytes > 0) {
+  if (for_writing) {
     if (!memfd->open_for_writing) {
-      return InvalidField("shared_memory.handle", "a memfd the server may write dL/dh into",
+      return InvalidField(field, "a memfd the server may write dL/dh into",
                           "one handed over open for reading only");
     }
     const int seals = fcntl(memfd->fd.get(), F_GET_SEALS);
     if (seals < 0 || (seals & WriteSeals()) != 0) {
-      return InvalidField("shared_memory.handle", "a memfd the server may write dL/dh into",
+      return InvalidField(field, "a memfd the server may write dL/dh into",
                           "a memfd sealed against writes");
     }
   }
+  return memfd;
+}
+
+absl::StatusOr<SharedCallMemory> SharedMemoryMaps::Map(const v1::SharedMemory& request,
+                                                       uint64_t hidden_bytes,
+                                                       uint64_t grad_hidden_bytes) {
+  const bool separate = !request.grad_hidden_handle().empty();
+  const uint64_t hidden_begin = request.hidden_offset();
+  const uint64_t grad_begin = request.grad_hidden_offset();
+  RETURN_IF_ERROR(CheckOffset("shared_memory.hidden_offset", hidden_begin, hidden_bytes));
+  if (grad_hidden_bytes > 0) {
+    RETURN_IF_ERROR(CheckOffset("shared_memory.grad_hidden_offset", grad_begin, grad_hidden_bytes));
+  }
+  const uint64_t hidden_end = hidden_begin + hidden_bytes;
+  const uint64_t grad_end = grad_begin + grad_hidden_bytes;
+  const bool with_grad = grad_hidden_bytes > 0;
+
+  struct stat rows_info {};
+  ASSIGN_OR_RETURN(
+      std::shared_ptr<const Memfd> rows_memfd,
+      Find("shared_memory.handle", request.handle(),
+           separate || !with_grad ? hidden_end : std::max(hidden_end, grad_end),
+           with_grad && !separate, rows_info));
+  std::shared_ptr<const Memfd> grad_memfd = rows_memfd;
+  bool same_file = true;
+  if (separate && with_grad) {
+    struct stat grad_info {};
+    ASSIGN_OR_RETURN(grad_memfd, Find("shared_memory.grad_hidden_handle",
+                                      request.grad_hidden_handle(), grad_end, true, grad_info));
+    // Two handles may name one memfd (it was handed over twice).
+    same_file = rows_info.st_dev == grad_info.st_dev && rows_info.st_ino == grad_info.st_ino;
+  }
+  if (with_grad && hidden_bytes > 0 && same_file && hidden_begin < grad_end &&
+      grad_begin < hidden_end) {
+    return InvalidField("shared_memory.grad_hidden_offset",
+                        absl::StrCat("a region clear of the rows at [", hidden_begin, ", ",
+                                     hidden_end, ")"),
+                        absl::StrCat("[", grad_begin, ", ", grad_end, ")"));
+  }
 
   SharedCallMemory memory;
-  memory.hidden_offset_ = request.hidden_offset();
+  memory.hidden_offset_ = hidden_begin;
   memory.grad_hidden_offset_ = grad_begin;
   if (hidden_bytes > 0) {
-    ASSIGN_OR_RETURN(memory.hidden_, MapRange(memfd, request.hidden_offset(), hidden_end, false));
+    ASSIGN_OR_RETURN(memory.hidden_, MapRange(rows_memfd, hidden_begin, hidden_end, false));
   }
-  if (grad_hidden_bytes > 0) {
-    ASSIGN_OR_RETURN(memory.grad_hidden_, MapRange(memfd, grad_begin, grad_end, true));
+  if (with_grad) {
+    ASSIGN_OR_RETURN(memory.grad_hidden_, MapRange(grad_memfd, grad_begin, grad_end, true));
   }
   return memory;
 }

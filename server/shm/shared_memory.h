@@ -3,6 +3,8 @@
 #ifndef LOSSD_SERVER_SHM_SHARED_MEMORY_H_
 #define LOSSD_SERVER_SHM_SHARED_MEMORY_H_
 
+#include <sys/stat.h>
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -121,8 +123,8 @@ class SharedMemoryMaps {
   void RevokeConnection(uint64_t connection);
 
   // Checks the layout of `request` for `hidden_bytes` of rows and `grad_hidden_bytes` of dL/dh
-  // (0: none asked for) against the memfd its handle names, and maps the two ranges: the rows
-  // read-only, dL/dh read-write. The memfd must hold the whole layout.
+  // (0: none asked for) against the memfds its handles name (dL/dh's own, or the rows'), and maps
+  // the two ranges: the rows read-only, dL/dh read-write. Each memfd must hold its range.
   absl::StatusOr<SharedCallMemory> Map(const v1::SharedMemory& request, uint64_t hidden_bytes,
                                        uint64_t grad_hidden_bytes);
 
@@ -140,6 +142,11 @@ class SharedMemoryMaps {
     bool idle() const { return mapping.use_count() == 1; }
   };
 
+  // The memfd `handle` names, holding at least `end` bytes and, `for_writing`, writable by the
+  // server; `info` its fstat. Errors name `field`.
+  absl::StatusOr<std::shared_ptr<const Memfd>> Find(absl::string_view field,
+                                                    absl::string_view handle, uint64_t end,
+                                                    bool for_writing, struct stat& info) const;
   // A mapping of the memfd covering [begin, end), kept or new.
   absl::StatusOr<std::shared_ptr<const SharedMapping>> MapRange(
       const std::shared_ptr<const Memfd>& memfd, uint64_t begin, uint64_t end, bool writable);
