@@ -956,45 +956,141 @@ def test_shared_memory_layout_errors_name_the_field(client, head):
                           shared_memory=True).counted_tokens == 4
 
 
-# The pool: a memfd serves call after call under the handle it got once, results never alias it, a
-# failed call drops its memfd (a server finishing a cancelled call may still write into it), and
-# close() closes the rest.
-def test_shared_buffer_pool_reuses_buffers_and_drops_failed_ones(server, head):
+def lent_buffer(array):
+    """The pooled buffer an array returned by compute() was lent from, or None for a copy."""
+    base = array.base
+    return base.buffer if isinstance(base, _shared_memory._Lease) else None
+
+
+# The pool: a memfd serves call after call under the handle it got once; a call's dL/dh is lent
+# where the server wrote it and its memfd serves no other call until the caller lets go (the
+# values it holds never change under it); beyond the lending limit dL/dh is copied out; a failed
+# call drops its memfd (a server finishing a cancelled call may still write into it), and close()
+# closes the rest.
+def test_shared_buffer_pool_lends_dl_dh_and_drops_failed_buffers(server, head):
     with lossd.Client(server.address, timeout=600) as client:
         pool = client._shared_buffers
         first_hidden, labels = random_batch(100)
         first = client.compute(head.head, first_hidden.numpy(), labels.numpy(),
                                outputs=["grad_hidden"], shared_memory=True)
-        assert len(pool._idle) == 1
-        buffer = pool._idle[0]
-        handle = buffer._handle
-        assert len(handle) == 16 and buffer._registered_on is client._handover
+        assert pool._idle == [] and pool._lent == 1, "dL/dh lent, its memfd out of the pool"
+        first_buffer = lent_buffer(first.grad_hidden)
+        handle = first_buffer._handle
+        assert len(handle) == 16 and first_buffer._registered_on is client._handover
         first_grad_hidden = first.grad_hidden.copy()
+        first_tensor = torch.from_numpy(first.grad_hidden)
+        assert first_tensor.data_ptr() == first.grad_hidden.ctypes.data
         second_hidden, _ = random_batch(100)
-        client.compute(head.head, second_hidden.numpy(), labels.numpy(), outputs=["grad_hidden"],
-                       shared_memory=True)
-        # Handed over once: the second call names the same handle.
-        assert pool._idle == [buffer] and not buffer.closed and buffer._handle == handle
-        assert np.array_equal(first.grad_hidden, first_grad_hidden)  # a copy, not the memfd
+        second = client.compute(head.head, second_hidden.numpy(), labels.numpy(),
+                                outputs=["grad_hidden"], shared_memory=True)
+        # The second call could not use the lent memfd: it wrote elsewhere.
+        assert lent_buffer(second.grad_hidden) is not first_buffer
+        assert np.array_equal(first.grad_hidden, first_grad_hidden)
+        assert not np.array_equal(second.grad_hidden, first_grad_hidden)
 
-        # A smaller call takes the same memfd; a larger one needs one more.
-        client.compute(head.head, first_hidden[:10].numpy(), labels[:10].numpy(),
-                       shared_memory=True)
-        assert pool._idle == [buffer]
-        larger_hidden, larger_labels = random_batch(200)
-        client.compute(head.head, larger_hidden.numpy(), larger_labels.numpy(),
-                       outputs=["grad_hidden"], shared_memory=True)
-        assert len(pool._idle) == 2 and buffer in pool._idle
+        # A tensor made from the array keeps it lent; once everything is gone, the memfd is back
+        # and serves the next call under the same handle.
+        first = second = None
+        gc.collect()
+        assert pool._lent == 2, "the torch tensor still holds the first dL/dh"
+        del first_tensor
+        gc.collect()
+        third = client.compute(head.head, first_hidden[:10].numpy(), labels[:10].numpy(),
+                               outputs=["grad_hidden"], shared_memory=True)
+        assert pool._lent == 1 and len(pool._idle) == 1
+        assert first_buffer in pool._idle or \
+            lent_buffer(third.grad_hidden) is first_buffer
+        assert first_buffer._handle == handle and not first_buffer.closed
+        third = None
+        gc.collect()
+
+        # Beyond the lending limit, dL/dh is an ordinary copy and the memfd goes back at once.
+        kept = [client.compute(head.head, first_hidden.numpy(), labels.numpy(),
+                               outputs=["grad_hidden"], shared_memory=True)
+                for _ in range(pool._MAX_LENT + 1)]
+        assert pool._lent == pool._MAX_LENT
+        assert lent_buffer(kept[-1].grad_hidden) is None
+        assert all(np.array_equal(result.grad_hidden, kept[0].grad_hidden) for result in kept)
+        kept = None
+        gc.collect()
 
         # Fails after the server has mapped the memfd: pinned to a version W is not at.
+        client.compute(head.head, first_hidden.numpy(), labels.numpy(), shared_memory=True)
+        idle = list(pool._idle)
         with pytest.raises(lossd.LossdError) as error:
             client.compute(head.head, first_hidden.numpy(), labels.numpy(),
                            outputs=["grad_hidden"], shared_memory=True,
                            head_version=head.info().version + 1)
         assert error.value.code == "FAILED_PRECONDITION"
-        assert buffer not in pool._idle and buffer.closed and len(pool._idle) == 1
-        remaining = pool._idle[0]
-    assert remaining.closed and pool._idle == []
+        dropped = [buffer for buffer in idle if buffer not in pool._idle]
+        assert len(dropped) == 1 and dropped[0].closed
+        remaining = list(pool._idle)
+    assert remaining and all(buffer.closed for buffer in remaining) and pool._idle == []
+
+
+# A shared array's rows are read where they lie: the call names its memfd and copies nothing into
+# a pooled one; dL/dh comes back in a memfd of its own. Results match the same rows sent as
+# messages bit for bit, for the whole array, an aligned slice of rows, and bfloat16; a slice off
+# the alignment is copied and still right; the memfd closes once the array is gone.
+def test_shared_array_rows_are_read_where_they_lie(server, head):
+    with lossd.Client(server.address, timeout=600) as client:
+        pool = client._shared_buffers
+        hidden, labels = random_batch(96, ignored=7)
+        shared = client.shared_array(hidden.shape)
+        assert shared.dtype == np.float32 and shared.shape == (96, HIDDEN) and not shared.any()
+        shared[:] = hidden.numpy()
+        expected = client.compute(head.head, hidden.numpy(), labels.numpy(),
+                                  outputs=["token_loss", "grad_hidden"], shared_memory=False,
+                                  reduction="sum")
+        copies = []
+        original_array = _shared_memory._SharedBuffer.array
+
+        def counting_array(buffer, offset, dtype, shape):
+            copies.append(shape)
+            return original_array(buffer, offset, dtype, shape)
+
+        _shared_memory._SharedBuffer.array = counting_array
+        try:
+            in_place = client.compute(head.head, shared, labels.numpy(),
+                                      outputs=["token_loss", "grad_hidden"], shared_memory=True,
+                                      reduction="sum")
+            # Rows 32.. start at 32 * HIDDEN * 4 bytes, a multiple of 64.
+            tail = client.compute(head.head, torch.from_numpy(shared)[32:], labels[32:].numpy(),
+                                  outputs=["token_loss", "grad_hidden"], shared_memory=True,
+                                      reduction="sum")
+            assert copies == [], "rows in a shared array were copied"
+            # Row 1 starts HIDDEN * 4 bytes in: off the alignment unless HIDDEN is a multiple of 16.
+            off = client.compute(head.head, shared[1:], labels[1:].numpy(),
+                                 outputs=["token_loss", "grad_hidden"], shared_memory=True,
+                                 reduction="sum")
+        finally:
+            _shared_memory._SharedBuffer.array = original_array
+        assert np.array_equal(in_place.token_loss, expected.token_loss)
+        assert np.array_equal(in_place.grad_hidden, expected.grad_hidden)
+        # The engine's blocking follows the call's row count: slices against the same slice.
+        for result, first in ((tail, 32), (off, 1)):
+            sent = client.compute(head.head, hidden[first:].numpy(), labels[first:].numpy(),
+                                  outputs=["token_loss", "grad_hidden"], shared_memory=False,
+                                  reduction="sum")
+            assert np.array_equal(result.token_loss, sent.token_loss)
+            assert np.array_equal(result.grad_hidden, sent.grad_hidden)
+        assert (HIDDEN * 4) % 64 == 0 or copies, "the unaligned slice was not copied"
+        assert np.array_equal(shared, hidden.numpy()), "the server changed the rows"
+
+        bf16 = client.shared_array(hidden.shape, "bfloat16")
+        bf16[:] = lossd.float32_to_bfloat16_bits(hidden.numpy())
+        by_messages = client.compute(head.head, bf16.copy(), labels.numpy(),
+                                     outputs=["grad_hidden"], shared_memory=False)
+        in_memory = client.compute(head.head, bf16, labels.numpy(), outputs=["grad_hidden"],
+                                   shared_memory=True)
+        assert np.array_equal(in_memory.grad_hidden, by_messages.grad_hidden)
+
+        buffers = [buffer for _, buffer in pool._shared_arrays]
+        assert len(buffers) == 2 and not any(buffer.closed for buffer in buffers)
+        shared = bf16 = None
+        gc.collect()
+        client.compute(head.head, hidden.numpy(), labels.numpy(), shared_memory=True)
+        assert all(buffer.closed for buffer in buffers) and pool._shared_arrays == []
 
 
 # A server that restarts has closed the handover connection and forgotten every handle: the

@@ -2,9 +2,11 @@
 lossd.proto): memfds handed over on the server's handover socket for handles, kept in a pool
 between calls, and the layout of a call's rows and dL/dh in one.
 """
+import collections
 import mmap
 import os
 import threading
+import weakref
 
 import numpy as np
 
@@ -87,15 +89,17 @@ class _SharedBuffer:
     mapping would kill the server, and mapped read-write here. It is handed over once per handover
     connection, and its handle kept for the calls after."""
 
-    def __init__(self, size):
+    def __init__(self, size, name="lossd-rows"):
         if not hasattr(os, "memfd_create"):
             raise OSError("shared_memory: needs memfd_create (Linux)")
         import fcntl  # Unix only: imported here so that the client still imports elsewhere
         # A zero-length mapping is not allowed; a call without rows still names a memfd.
         self.size = max(size, 1)
-        self.fd = os.memfd_create("lossd-rows", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        # The name is what /proc/<pid>/maps and fd links show ("memfd:<name>").
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         self._registered_on = None
         self._handle = None
+        self._handle_lock = threading.Lock()  # a shared array's buffer serves concurrent calls
         try:
             os.ftruncate(self.fd, self.size)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
@@ -105,14 +109,14 @@ class _SharedBuffer:
             raise
 
     def handle_on(self, connection):
-        """Its handle on `connection`, registering it there first unless it is already. A buffer
-        serves one call at a time."""
-        if self._registered_on is not connection:
-            # A handle on an earlier connection died with it.
-            self._registered_on = None
-            self._handle = connection.register(self.fd)
-            self._registered_on = connection
-        return self._handle
+        """Its handle on `connection`, registering it there first unless it is already."""
+        with self._handle_lock:
+            if self._registered_on is not connection:
+                # A handle on an earlier connection died with it.
+                self._registered_on = None
+                self._handle = connection.register(self.fd)
+                self._registered_on = connection
+            return self._handle
 
     def array(self, offset, dtype, shape):
         """A numpy view of the mapping at offset: valid only until the buffer goes back to its
@@ -124,9 +128,9 @@ class _SharedBuffer:
     def closed(self):
         return self._mapping.closed
 
-    def close(self):
+    def close(self, release_handle=True):
         # Without it the server would keep the memfd alive until the connection closes.
-        if self._registered_on is not None and self._registered_on.is_open():
+        if release_handle and self._registered_on is not None and self._registered_on.is_open():
             try:
                 self._registered_on.release(self._handle)
             except LossdError:
@@ -139,20 +143,57 @@ class _SharedBuffer:
         os.close(self.fd)
 
 
+class _Lease:
+    """The owner of an array that lives in a _SharedBuffer. numpy keeps it as the array's base,
+    and every view and torch tensor made from the array keeps the array, so the lease ends when
+    the last of them goes: then the buffer can serve another call."""
+
+    def __init__(self, buffer, offset, dtype, shape):
+        dtype = np.dtype(dtype)
+        self.buffer = buffer
+        # An export of the mapping, so that it cannot be unmapped while the lease lives.
+        self._bytes = np.frombuffer(buffer._mapping, dtype=np.uint8,
+                                    count=int(np.prod(shape)) * dtype.itemsize, offset=offset)
+        self.__array_interface__ = {"shape": tuple(shape), "typestr": dtype.str, "version": 3,
+                                    "data": (self._bytes.ctypes.data, False)}
+
+    @property
+    def address(self):
+        return self._bytes.ctypes.data
+
+    @property
+    def end(self):
+        return self.address + self._bytes.nbytes
+
+
 class _SharedBufferPool:
     """Buffers between calls: a call takes one at least as large as it needs (or a new one) and
     gives it back, so that the pages of a batch's size are allocated once, not on every call.
+
+    A buffer may also be lent out as an array: a call's dL/dh, returned where the server wrote
+    it instead of copied out, comes back to the pool once the caller lets go of the array; a
+    shared array (Client.shared_array) is a buffer of its own, closed once its array goes.
     Shared by the threads that use one Client."""
 
     # As many as calls a client typically runs at once; more are closed on release.
     _MAX_IDLE = 4
+    # dL/dh arrays lent out at once: beyond them, dL/dh is copied out, so that a caller keeping
+    # many results does not hold a memfd (and a server handle) for each.
+    _MAX_LENT = 4
 
     def __init__(self):
         self._lock = threading.Lock()
         self._idle = []
         self._closed = False
+        self._lent = 0
+        # Buffers whose lease ended, for the next call to take back: a lease ends during garbage
+        # collection, which may run on any thread at any point, holding any lock, so its
+        # callback only appends (deque.append is atomic) and never waits.
+        self._returned = collections.deque()
+        self._shared_arrays = []  # (weak reference to the lease, buffer) of each shared array
 
     def acquire(self, size):
+        self._take_back_returned()
         with self._lock:
             # The smallest that fits, so that large buffers stay for large calls.
             fitting = [buffer for buffer in self._idle if buffer.size >= size]
@@ -177,9 +218,75 @@ class _SharedBufferPool:
         if surplus is not None:
             surplus.close()
 
+    def lend(self, buffer, offset, dtype, shape):
+        """The array [shape] of dtype at `offset` of `buffer`, which comes back to the pool once
+        the array and everything made from it are gone; None when _MAX_LENT are out already
+        (the caller copies instead, and releases the buffer)."""
+        self._take_back_returned()
+        with self._lock:
+            if self._closed or self._lent >= self._MAX_LENT:
+                return None
+            self._lent += 1
+        return self._lease(buffer, offset, dtype, shape, keep=True)
+
+    def shared_array(self, size, dtype, shape):
+        """A new array in a buffer of its own, registered so that find() knows it."""
+        self._take_back_returned()
+        buffer = _SharedBuffer(size, "lossd-region")
+        array = self._lease(buffer, 0, dtype, shape, keep=False)
+        with self._lock:
+            self._shared_arrays.append((weakref.ref(array.base), buffer))
+        return array
+
+    def find(self, array):
+        """(buffer, offset) of the shared array holding all of C-contiguous `array`, or None."""
+        begin = array.__array_interface__["data"][0]
+        end = begin + array.nbytes
+        with self._lock:
+            for lease_ref, buffer in self._shared_arrays:
+                lease = lease_ref()
+                if lease is not None and lease.address <= begin and end <= lease.end:
+                    return buffer, begin - lease.address
+        return None
+
+    def _lease(self, buffer, offset, dtype, shape, keep):
+        lease = _Lease(buffer, offset, dtype, shape)
+        ended = weakref.finalize(lease, self._lease_ended, buffer, keep)
+        ended.atexit = False  # at exit the memfds go with the process
+        return np.asarray(lease)
+
+    def _lease_ended(self, buffer, keep):
+        # During garbage collection: no lock, no waiting (see _returned).
+        if self._closed:
+            # The handover connection is closed already: nothing to release on it.
+            buffer.close(release_handle=False)
+        else:
+            self._returned.append((buffer, keep))
+
+    def _take_back_returned(self):
+        while True:
+            try:
+                buffer, keep = self._returned.popleft()
+            except IndexError:
+                return
+            if keep:
+                with self._lock:
+                    self._lent -= 1
+                self.release(buffer)
+            else:
+                with self._lock:
+                    self._shared_arrays = [(ref, kept) for ref, kept in self._shared_arrays
+                                           if kept is not buffer]
+                buffer.close()
+
     def close(self):
+        self._take_back_returned()
         with self._lock:
             idle, self._idle = self._idle, []
             self._closed = True
         for buffer in idle:
+            buffer.close()
+        # Any that came back meanwhile.
+        while self._returned:
+            buffer, _ = self._returned.popleft()
             buffer.close()

@@ -704,11 +704,14 @@ class Client:
         namespace), hands the rows over and takes dL/dh back in a memfd instead of messages (None,
         the default, takes the Client's: "auto" does so for a server on this host that offers
         it, and sends messages otherwise): the
-        rows are copied once into the memfd, the server computes on them there and writes dL/dh
-        there, and no tensor bytes cross the socket (rows_per_message is then unused). Each memfd
-        is handed over once, on the server's handover socket, for a handle the calls name; the
-        memfds are kept between calls (a few per Client) and closed by close(). A server that does
-        not offer it (--shared_memory=false), or a client that is not on its host, gets
+        rows are copied once into the memfd (not at all when hidden lies in a shared_array), the
+        server computes on them there and writes dL/dh there, and no tensor bytes cross the socket
+        (rows_per_message is then unused). grad_hidden is then an array in that memory, which
+        goes back to the client's pool once it and everything made from it (torch tensors too)
+        are gone; with a few such arrays alive, further ones are copied out. Each memfd is handed
+        over once, on the server's handover socket, for a handle the calls name; the memfds are
+        kept between calls (a few per Client) and closed by close(). A server that does not offer
+        it (--shared_memory=false), or a client that is not on its host, gets
         FAILED_PRECONDITION. Results are the same either way, bit for bit.
 
         grad_hidden_out, a writable C-contiguous [N, H] array of grad_hidden's dtype (uint16 for
@@ -859,44 +862,83 @@ class Client:
         return result
 
     def _compute_shared(self, start, hidden, wanted, top_k, grad_dtype, grad_hidden_out):
-        """compute() with the rows and dL/dh in a pooled memfd: the start message is the whole
-        request; dL/dh is read from the memfd once the summary has arrived."""
+        """compute() with the rows and dL/dh in memfds: the start message is the whole request.
+        Rows that lie in a shared array are read where they are; others are copied into a pooled
+        memfd first. dL/dh goes to a pooled memfd (after the copied rows, or one of its own) and
+        is returned there, lent (see _SharedBufferPool.lend), or copied out."""
         num_tokens, hidden_size = hidden.shape
         grad_numpy_dtype = _tensors.numpy_dtype(grad_dtype)
-        hidden_bytes = hidden.nbytes
         grad_bytes = num_tokens * hidden_size * grad_numpy_dtype.itemsize
         grad_wanted = "grad_hidden" in wanted
-        grad_offset = -(-hidden_bytes // _SHARED_MEMORY_ALIGNMENT) * _SHARED_MEMORY_ALIGNMENT
         handover = self._handover_connection()
-        buffer = self._shared_buffers.acquire(grad_offset + (grad_bytes if grad_wanted else 0))
+        shared_rows = self._shared_buffers.find(hidden)
+        if shared_rows is not None and shared_rows[1] % _SHARED_MEMORY_ALIGNMENT != 0:
+            shared_rows = None  # a slice that starts off the server's alignment: copied
+        if shared_rows is None:
+            grad_offset = _aligned(hidden.nbytes)
+            pooled = self._shared_buffers.acquire(grad_offset + (grad_bytes if grad_wanted else 0))
+        else:
+            grad_offset = 0
+            pooled = self._shared_buffers.acquire(grad_bytes) if grad_wanted else None
         call = None
         try:
-            handle = buffer.handle_on(handover)
-            np.copyto(buffer.array(0, hidden.dtype, hidden.shape), hidden)
-            start.shared_memory.CopyFrom(pb.SharedMemory(
-                handle=handle, hidden_offset=0, grad_hidden_offset=grad_offset))
+            if shared_rows is None:
+                np.copyto(pooled.array(0, hidden.dtype, hidden.shape), hidden)
+                shared = pb.SharedMemory(handle=pooled.handle_on(handover), hidden_offset=0,
+                                         grad_hidden_offset=grad_offset)
+            else:
+                rows_buffer, rows_offset = shared_rows
+                shared = pb.SharedMemory(handle=rows_buffer.handle_on(handover),
+                                         hidden_offset=rows_offset)
+                if pooled is not None:
+                    shared.grad_hidden_handle = pooled.handle_on(handover)
+            start.shared_memory.CopyFrom(shared)
             # One message, then the end of the stream: the server reads nothing more.
             call = self._call("Compute", iter((_wire.encode_start(start),)),
                               "shared memory")
             result = _assemble(self._responses("Compute", call), wanted, top_k, num_tokens,
                                hidden_size, grad_dtype, grad_hidden_in_messages=False)
             if grad_wanted:
-                # Copied out: the buffer serves the next call once it is back in the pool.
-                shared = buffer.array(grad_offset, grad_numpy_dtype, (num_tokens, hidden_size))
-                if grad_hidden_out is None:
-                    result.grad_hidden = shared.copy()
+                shape = (num_tokens, hidden_size)
+                lent = None if grad_hidden_out is not None else self._shared_buffers.lend(
+                    pooled, grad_offset, grad_numpy_dtype, shape)
+                if lent is not None:
+                    result.grad_hidden = lent
+                    pooled = None  # back in the pool once the caller lets go of it
+                elif grad_hidden_out is None:
+                    result.grad_hidden = pooled.array(grad_offset, grad_numpy_dtype, shape).copy()
                 else:
-                    np.copyto(grad_hidden_out, shared)
+                    np.copyto(grad_hidden_out,
+                              pooled.array(grad_offset, grad_numpy_dtype, shape))
                     result.grad_hidden = grad_hidden_out
         except BaseException:
-            # A failed call drops its buffer instead of keeping it: a server still running a
-            # cancelled call may yet write dL/dh into it, which must not land in the next call's.
+            # A failed call drops its pooled buffer instead of keeping it: a server still running
+            # a cancelled call may yet write dL/dh into it, which must not land in the next call's.
             if call is not None:
                 call.cancel()  # tells the server to stop; nothing once the call has ended
-            buffer.close()
+            if pooled is not None:
+                pooled.close()
             raise
-        self._shared_buffers.release(buffer)
+        if pooled is not None:
+            self._shared_buffers.release(pooled)
         return result
+
+    def shared_array(self, shape, dtype="float32"):
+        """A new C-contiguous array of `shape` (zeros) in memory this client can share with a
+        server on its host: compute() reads hidden rows that lie in one (the whole array, or a
+        slice of whole rows starting at a multiple of 64 bytes) where they are, instead of
+        copying them into shared memory first. dtype: "float32", "bfloat16" (uint16 bit
+        patterns) or "float16"; torch.from_numpy(array) shares it (for bfloat16,
+        torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)). The memory is handed
+        over to the server once, at the first call that uses it, and freed once the array and
+        everything made from it are gone. With messages (a server elsewhere) it is an ordinary
+        array. Linux only (memfd_create)."""
+        numpy_dtype = _tensors.numpy_dtype(dtype)
+        shape = tuple(int(extent) for extent in np.atleast_1d(shape))
+        if any(extent < 0 for extent in shape):
+            raise ValueError(f"shape: expected extents >= 0, got {shape}")
+        size = int(np.prod(shape)) * numpy_dtype.itemsize
+        return self._shared_buffers.shared_array(size, numpy_dtype, shape)
 
     def score_kl(self, head, hidden, teacher_head, teacher_hidden, *, beta=1.0, temperature=1.0,
                  labels=None, ignore_index=-100, logit_softcap=None, teacher_logit_softcap=None,
@@ -997,6 +1039,11 @@ def _teacher_rows(teacher_head, teacher_hidden, tokens, logprobs, num_tokens, hi
                          f"{logprobs.shape}")
     return ({"teacher_top_k_tokens": tokens, "teacher_top_k_logprobs": logprobs},
             dict(teacher_top_k=tokens.shape[1]))
+
+
+def _aligned(offset):
+    """The first offset at or after `offset` that the server takes (SharedMemory in the proto)."""
+    return -(-offset // _SHARED_MEMORY_ALIGNMENT) * _SHARED_MEMORY_ALIGNMENT
 
 
 def _check_grad_hidden_out(out, grad_wanted, num_tokens, hidden_size, dtype):
