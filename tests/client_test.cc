@@ -1664,7 +1664,21 @@ struct SharedMemoryCase {
   client::DType hidden_dtype;
   std::optional<client::DType> grad_dtype;
   double ignore_fraction;
+  bool rows_in_region = false;  // the rows lie in a SharedRegion, 64 bytes from its start
 };
+
+// Whether this process (the test server's side included) maps a memfd named `name` read-only.
+bool MapsMemfdReadOnly(const std::string& name) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    if (absl::StrContains(line, absl::StrCat("/memfd:", name, " ")) &&
+        absl::StrContains(line, " r--s ")) {
+      return true;
+    }
+  }
+  return false;
+}
 
 void PrintTo(const SharedMemoryCase& c, std::ostream* os) { *os << c.name; }
 
@@ -1687,6 +1701,17 @@ TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
 
   ComputeRequest request;
   request.hidden = {hidden_bytes.data(), c.hidden_dtype, c.rows, kHidden};
+  std::optional<client::SharedRegion> region;
+  if (c.rows_in_region) {
+    constexpr uint64_t kRowsOffset = 64;
+    absl::StatusOr<client::SharedRegion> created =
+        client.NewSharedRegion(kRowsOffset + hidden_bytes.size());
+    ASSERT_TRUE(created.ok()) << created.status();
+    region = *std::move(created);
+    std::memcpy(region->data() + kRowsOffset, hidden_bytes.data(), hidden_bytes.size());
+    request.hidden.data = region->data() + kRowsOffset;
+    request.lend_grad_hidden = true;  // and dL/dh left in shared memory: nothing copied
+  }
   request.labels = labels;
   for (const char* output : {"token_loss", "logprob", "lse", "entropy", "argmax", "grad_hidden",
                              "accumulate_grad_weight"}) {
@@ -1703,12 +1728,26 @@ TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
   request.shared_memory = true;
   const absl::StatusOr<ComputeResult> shared = client.Compute(request);
   ASSERT_TRUE(shared.ok()) << shared.status();
+  if (c.rows_in_region) {
+    // The server read the rows in the region itself: no copy went through a pooled memfd.
+    EXPECT_TRUE(MapsMemfdReadOnly("lossd-region"));
+    EXPECT_TRUE(std::memcmp(region->data() + 64, hidden_bytes.data(), hidden_bytes.size()) == 0)
+        << "the rows changed";
+  }
 
   ExpectSameResults(*shared, *sent);
   EXPECT_EQ(shared->per_token.top_k_token_size(), c.rows * 3);
   EXPECT_EQ(shared->grad_hidden.dtype, sent->grad_hidden.dtype);
   EXPECT_EQ(shared->grad_hidden.rows, c.rows);
-  EXPECT_TRUE(shared->grad_hidden.bytes == sent->grad_hidden.bytes) << "dL/dh differs";
+  client::Tensor shared_grad_hidden = shared->grad_hidden;
+  if (c.rows_in_region && c.rows > 0) {
+    ASSERT_NE(shared->grad_hidden_shared, nullptr) << "dL/dh was not lent";
+    EXPECT_TRUE(shared->grad_hidden.bytes.empty());
+    shared_grad_hidden.bytes.assign(
+        reinterpret_cast<const char*>(shared->grad_hidden_shared.get()),
+        sent->grad_hidden.bytes.size());
+  }
+  EXPECT_TRUE(shared_grad_hidden.bytes == sent->grad_hidden.bytes) << "dL/dh differs";
   // Only the start message goes out; dL/dh does not come back in messages.
   EXPECT_EQ(shared->messages_sent, 1);
   if (c.rows > 0) {
@@ -1727,7 +1766,7 @@ TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
     EXPECT_LE(std::abs(shared->summary.loss() - ref.loss) / ref.loss, kLossBound);
     EXPECT_LE(RelativeError(client::ToFloat32(*grad_shared), ref.grad_weight), kGradBound);
     if (shared->grad_hidden.dtype == client::DType::kFloat32) {
-      EXPECT_LE(RelativeError(client::ToFloat32(shared->grad_hidden), ref.grad_hidden), kGradBound);
+      EXPECT_LE(RelativeError(client::ToFloat32(shared_grad_hidden), ref.grad_hidden), kGradBound);
     }
   }
 }
@@ -1744,10 +1783,69 @@ INSTANTIATE_TEST_SUITE_P(
         // Nothing counts: dL/dh is all zeros, still written into the memfd.
         SharedMemoryCase{"all_ignored", 50, client::DType::kFloat32, std::nullopt, 1.0},
         // Nothing to map at all.
-        SharedMemoryCase{"no_rows", 0, client::DType::kFloat32, std::nullopt, 0.0}),
+        SharedMemoryCase{"no_rows", 0, client::DType::kFloat32, std::nullopt, 0.0},
+        // Rows read where they lie, dL/dh in a memfd of its own (grad_hidden_handle).
+        SharedMemoryCase{"fp32_rows_in_a_region", 300, client::DType::kFloat32, std::nullopt, 0.1,
+                         true},
+        SharedMemoryCase{"bf16_rows_in_a_region_fp32_grad", 300, client::DType::kBFloat16,
+                         client::DType::kFloat32, 0.1, true}),
     [](const ::testing::TestParamInfo<SharedMemoryCase>& info) {
       return std::string(info.param.name);
     });
+
+// A lent dL/dh stays as the call left it while the caller holds it: the next calls write into
+// other memfds. Dropped, its memfd serves calls again; with kMaxLent (4) out, dL/dh is copied.
+TEST_F(ClientTest, LentGradHiddenIsTheCallersUntilDropped) {
+  const Client client = Connect(OptionsFor(server_->port()));
+  const std::string head = "lent-grad-hidden";
+  UploadRandomHead(client, head);
+  constexpr int64_t kRows = 120;
+  const std::string first_rows = client::EncodeFromFloat32(
+      RandomNormal(kRows * kHidden, 1.0f, rng_), client::DType::kFloat32);
+  const std::string other_rows = client::EncodeFromFloat32(
+      RandomNormal(kRows * kHidden, 1.0f, rng_), client::DType::kFloat32);
+  const std::vector<int64_t> labels = RandomLabels(kRows, kVocab, 0.0, rng_);
+  ComputeRequest request;
+  request.head = head;
+  request.labels = labels;
+  request.outputs.set_grad_hidden(true);
+  request.shared_memory = true;
+  request.lend_grad_hidden = true;
+  auto call = [&](const std::string& rows) {
+    request.hidden = {rows.data(), client::DType::kFloat32, kRows, kHidden};
+    absl::StatusOr<ComputeResult> result = client.Compute(request);
+    EXPECT_TRUE(result.ok()) << result.status();
+    return result.ok() ? *std::move(result) : ComputeResult();
+  };
+  const size_t grad_bytes = kRows * kHidden * sizeof(float);
+
+  ComputeResult first = call(first_rows);
+  ASSERT_NE(first.grad_hidden_shared, nullptr);
+  const std::string first_grad(reinterpret_cast<const char*>(first.grad_hidden_shared.get()),
+                               grad_bytes);
+  ComputeResult second = call(other_rows);
+  ASSERT_NE(second.grad_hidden_shared, nullptr);
+  EXPECT_NE(second.grad_hidden_shared.get(), first.grad_hidden_shared.get());
+  EXPECT_TRUE(std::memcmp(first.grad_hidden_shared.get(), first_grad.data(), grad_bytes) == 0)
+      << "a later call wrote into a lent dL/dh";
+  const uint8_t* first_memory = first.grad_hidden_shared.get();
+  const uint8_t* second_memory = second.grad_hidden_shared.get();
+  first.grad_hidden_shared.reset();
+  second.grad_hidden_shared.reset();
+  // Back in the pool: the next call takes one of the two memfds again.
+  ComputeResult third = call(first_rows);
+  ASSERT_NE(third.grad_hidden_shared, nullptr);
+  EXPECT_TRUE(third.grad_hidden_shared.get() == first_memory ||
+              third.grad_hidden_shared.get() == second_memory);
+  EXPECT_TRUE(std::memcmp(third.grad_hidden_shared.get(), first_grad.data(), grad_bytes) == 0);
+
+  std::vector<ComputeResult> kept;
+  for (int i = 0; i < 4; ++i) kept.push_back(call(first_rows));
+  // `third` and the first three of these are lent; the fourth is copied.
+  EXPECT_NE(kept[2].grad_hidden_shared, nullptr);
+  EXPECT_EQ(kept[3].grad_hidden_shared, nullptr);
+  EXPECT_TRUE(kept[3].grad_hidden.bytes == first_grad);
+}
 
 struct CopyCase {
   const char* name;

@@ -1037,16 +1037,35 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request,
           ? static_cast<uint64_t>(hidden.rows) * hidden.cols * DTypeSize(grad_dtype)
           : 0;
   constexpr uint64_t kAlignment = 64;  // the server's rule for both offsets
-  const uint64_t grad_offset = (hidden_bytes + kAlignment - 1) / kAlignment * kAlignment;
   ASSIGN_OR_RETURN(const std::shared_ptr<HandoverConnection> handover,
                    handover_->Get([this] { return SharedMemorySocketName(); }));
-  ASSIGN_OR_RETURN(std::unique_ptr<SharedBuffer> buffer,
-                   shared_buffers_->Acquire(grad_offset + grad_bytes));
-  ASSIGN_OR_RETURN(const std::string handle, buffer->HandleOn(handover));
-  CopyInParallel(buffer->data(), hidden.data, hidden_bytes);
   v1::SharedMemory& shared = *start_message.mutable_start()->mutable_shared_memory();
-  shared.set_handle(handle);
-  shared.set_hidden_offset(0);
+  // Rows in a shared region are read where they lie; others are copied into a pooled memfd,
+  // which dL/dh shares. Held for the call, even if the caller's region goes meanwhile.
+  uint64_t rows_offset = 0;
+  std::shared_ptr<SharedBuffer> rows_region =
+      shared_buffers_->FindRegion(hidden.data, hidden_bytes, rows_offset);
+  if (rows_region != nullptr && rows_offset % kAlignment != 0) rows_region = nullptr;
+  const uint64_t grad_offset =
+      rows_region != nullptr ? 0 : (hidden_bytes + kAlignment - 1) / kAlignment * kAlignment;
+  std::unique_ptr<SharedBuffer> buffer;  // pooled: the copied rows, dL/dh, or both
+  if (rows_region == nullptr || grad_bytes > 0) {
+    ASSIGN_OR_RETURN(buffer, shared_buffers_->Acquire(grad_offset + grad_bytes));
+  }
+  if (rows_region != nullptr) {
+    ASSIGN_OR_RETURN(const std::string rows_handle, rows_region->HandleOn(handover));
+    shared.set_handle(rows_handle);
+    shared.set_hidden_offset(rows_offset);
+    if (buffer != nullptr) {
+      ASSIGN_OR_RETURN(const std::string grad_handle, buffer->HandleOn(handover));
+      shared.set_grad_hidden_handle(grad_handle);
+    }
+  } else {
+    ASSIGN_OR_RETURN(const std::string handle, buffer->HandleOn(handover));
+    CopyInParallel(buffer->data(), hidden.data, hidden_bytes);
+    shared.set_handle(handle);
+    shared.set_hidden_offset(0);
+  }
   shared.set_grad_hidden_offset(grad_offset);
 
   ResultAssembler assembler(request, grad_dtype, std::move(per_token), result,
@@ -1065,7 +1084,10 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request,
   // A failed call drops the buffer instead of keeping it: a server still running a cancelled call
   // may yet write dL/dh into it, which must not land in the next call's.
   RETURN_IF_ERROR(FinishCall(*stream, assembled, assembler));
-  if (grad_bytes > 0) {
+  if (grad_bytes > 0 && request.lend_grad_hidden && request.grad_hidden_out == nullptr) {
+    result.grad_hidden_shared = shared_buffers_->Lend(buffer, grad_offset);
+  }
+  if (grad_bytes > 0 && result.grad_hidden_shared == nullptr) {
     void* target = request.grad_hidden_out;
     if (target == nullptr) {
       result.grad_hidden.bytes.resize(grad_bytes);
@@ -1073,8 +1095,20 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request,
     }
     CopyInParallel(target, buffer->data() + grad_offset, grad_bytes);
   }
-  shared_buffers_->Release(std::move(buffer));
+  if (buffer != nullptr) shared_buffers_->Release(std::move(buffer));
   return absl::OkStatus();
+}
+
+SharedRegion::SharedRegion(std::shared_ptr<SharedBuffer> buffer) : buffer_(std::move(buffer)) {}
+uint8_t* SharedRegion::data() const { return buffer_->data(); }
+uint64_t SharedRegion::size() const { return buffer_->size(); }
+
+absl::StatusOr<SharedRegion> Client::NewSharedRegion(uint64_t bytes) const {
+  ASSIGN_OR_RETURN(std::unique_ptr<SharedBuffer> created,
+                   SharedBuffer::Create(bytes, "lossd-region"));
+  std::shared_ptr<SharedBuffer> buffer = std::move(created);
+  shared_buffers_->AddRegion(buffer);
+  return SharedRegion(std::move(buffer));
 }
 
 }  // namespace lossd::client

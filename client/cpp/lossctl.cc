@@ -1223,6 +1223,15 @@ absl::Status RunBench(const Flags& flags) {
   request.outputs.set_accumulate_grad_weight(flags.Bool("accumulate"));
   request.rows_per_message = flags.Int("rows_per_message");
   request.shared_memory = flags.Bool("shared_memory");
+  std::optional<SharedRegion> shared_rows;
+  const bool in_place = flags.Bool("in_place");
+  if (in_place) {
+    if (!flags.Bool("shared_memory")) return UsageError("bench: --in_place needs --shared_memory");
+    ASSIGN_OR_RETURN(shared_rows, client.NewSharedRegion(hidden.bytes.size()));
+    std::memcpy(shared_rows->data(), hidden.bytes.data(), hidden.bytes.size());
+    request.hidden.data = shared_rows->data();
+    request.lend_grad_hidden = true;
+  }
   ASSIGN_OR_RETURN(request.weight_sha256, PinnedWeights(client, flags, head));
 
   const bool quiet = flags.Bool("quiet");
@@ -1246,7 +1255,7 @@ absl::Status RunBench(const Flags& flags) {
   // Each stream writes dL/dh into a buffer of its own, reused from call to call as a training
   // loop would, allocated (and its pages faulted in) before the clock starts.
   const size_t grad_hidden_bytes_per_call = request.outputs.grad_hidden() ? hidden.bytes.size() : 0;
-  std::vector<std::string> grad_hidden_outs(streams, std::string(grad_hidden_bytes_per_call, '\0'));
+  std::vector<std::string> grad_hidden_outs(streams, std::string(in_place ? 0 : grad_hidden_bytes_per_call, '\0'));
 
   std::mutex mutex;
   std::condition_variable progressed;
@@ -1258,7 +1267,9 @@ absl::Status RunBench(const Flags& flags) {
   for (int64_t s = 0; s < streams; ++s) {
     workers.emplace_back([&, s] {
       ComputeRequest own = request;
-      if (grad_hidden_bytes_per_call > 0) own.grad_hidden_out = grad_hidden_outs[s].data();
+      if (grad_hidden_bytes_per_call > 0 && !in_place) {
+        own.grad_hidden_out = grad_hidden_outs[s].data();
+      }
       while (!failed.load() && next_call.fetch_add(1) < calls) {
         absl::StatusOr<ComputeResult> result = client.Compute(own);
         std::lock_guard<std::mutex> lock(mutex);
@@ -1306,14 +1317,15 @@ absl::Status RunBench(const Flags& flags) {
   if (flags.Bool("json")) {
     absl::PrintF(
         "{\"calls\": %d, \"tokens_per_call\": %d, \"streams\": %d, \"dtype\": \"%s\", "
-        "\"shared_memory\": %s, \"seconds\": %.6f, \"tokens_per_second\": %.1f, \"bytes_sent\": "
-        "%d, "
+        "\"shared_memory\": %s, \"in_place\": %s, \"seconds\": %.6f, \"tokens_per_second\": "
+        "%.1f, \"bytes_sent\": %d, "
         "\"bytes_received\": %d, \"hidden_bytes\": %d, \"grad_hidden_bytes\": %d, "
         "\"latency_p50\": %.6f, \"latency_p90\": %.6f, "
         "\"latency_max\": %.6f, \"server_compute_seconds\": %.6f, "
         "\"server_queue_seconds\": %.6f}\n",
         calls, tokens, streams, DTypeName(dtype),
-        request.shared_memory.value_or(false) ? "true" : "false", elapsed, calls * tokens / elapsed,
+        request.shared_memory.value_or(false) ? "true" : "false",
+        in_place ? "true" : "false", elapsed, calls * tokens / elapsed,
         totals.bytes_sent, totals.bytes_received, hidden_bytes, grad_hidden_bytes,
         Percentile(totals.latencies, 0.5), Percentile(totals.latencies, 0.9),
         totals.latencies.back(), totals.compute_seconds, totals.queue_seconds);
@@ -1611,6 +1623,9 @@ const std::vector<Subcommand>& Subcommands() {
          "hidden rows per chunk message; 0 sends about 4 MiB each, --tokens sends the whole batch "
          "in one message, so that the server computes nothing before all of it has arrived"},
         SharedMemoryFlag(),
+        {"in_place", FlagKind::kBool, "false",
+         "with --shared_memory: the batch lies in a SharedRegion, read where it is, and dL/dh is "
+         "lent where the server wrote it (ComputeRequest::lend_grad_hidden): nothing is copied"},
         PinWeightsFlag(),
         {"json", FlagKind::kBool, "false",
          "print the totals as one JSON object (seconds, tokens/s, bytes each way, latencies, "

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <system_error>
 #include <thread>
@@ -131,10 +132,11 @@ bool Handover::Offered(absl::FunctionRef<absl::StatusOr<std::string>()> socket_n
   return *offered_;
 }
 
-absl::StatusOr<std::unique_ptr<SharedBuffer>> SharedBuffer::Create(uint64_t bytes) {
+absl::StatusOr<std::unique_ptr<SharedBuffer>> SharedBuffer::Create(uint64_t bytes,
+                                                                   const char* name) {
   // A zero-length mapping is not allowed; a call without rows still names a memfd.
   const uint64_t size = std::max<uint64_t>(bytes, 1);
-  const int fd = memfd_create("lossd-rows", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  const int fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return ErrnoError("shared memory: memfd_create", errno);
   if (ftruncate(fd, static_cast<off_t>(size)) != 0 || fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
     const int error_number = errno;
@@ -153,6 +155,7 @@ absl::StatusOr<std::unique_ptr<SharedBuffer>> SharedBuffer::Create(uint64_t byte
 }
 
 SharedBuffer::~SharedBuffer() {
+  absl::MutexLock lock(&mu_);
   // Without it the server would keep the memfd alive until the connection closes.
   if (registered_on_ != nullptr && registered_on_->IsOpen()) {
     registered_on_->Release(handle_).IgnoreError();
@@ -163,6 +166,7 @@ SharedBuffer::~SharedBuffer() {
 
 absl::StatusOr<std::string> SharedBuffer::HandleOn(
     const std::shared_ptr<HandoverConnection>& connection) {
+  absl::MutexLock lock(&mu_);
   if (registered_on_ != connection) {
     // A handle on an earlier connection died with it.
     registered_on_ = nullptr;
@@ -200,6 +204,53 @@ void SharedBufferPool::Release(std::unique_ptr<SharedBuffer> buffer) {
     });
     idle_.erase(smallest);
   }
+}
+
+std::shared_ptr<const uint8_t> SharedBufferPool::Lend(std::unique_ptr<SharedBuffer>& buffer,
+                                                      uint64_t offset) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (lent_ >= kMaxLent) return nullptr;
+    ++lent_;
+  }
+  std::weak_ptr<SharedBufferPool> pool = weak_from_this();
+  std::shared_ptr<SharedBuffer> lent(buffer.release(), [pool](SharedBuffer* returned) {
+    std::unique_ptr<SharedBuffer> owned(returned);
+    if (std::shared_ptr<SharedBufferPool> alive = pool.lock()) {
+      {
+        absl::MutexLock lock(&alive->mu_);
+        --alive->lent_;
+      }
+      alive->Release(std::move(owned));
+    }
+  });
+  uint8_t* data = lent->data() + offset;
+  return std::shared_ptr<const uint8_t>(std::move(lent), data);
+}
+
+void SharedBufferPool::AddRegion(const std::shared_ptr<SharedBuffer>& region) {
+  absl::MutexLock lock(&mu_);
+  regions_.erase(std::remove_if(regions_.begin(), regions_.end(),
+                                [](const auto& kept) { return kept.expired(); }),
+                 regions_.end());
+  regions_.push_back(region);
+}
+
+std::shared_ptr<SharedBuffer> SharedBufferPool::FindRegion(const void* data, uint64_t bytes,
+                                                           uint64_t& offset) {
+  const auto begin = reinterpret_cast<uintptr_t>(data);
+  absl::MutexLock lock(&mu_);
+  for (const std::weak_ptr<SharedBuffer>& kept : regions_) {
+    std::shared_ptr<SharedBuffer> region = kept.lock();
+    if (region == nullptr) continue;
+    const auto region_begin = reinterpret_cast<uintptr_t>(region->data());
+    if (region_begin <= begin && begin - region_begin <= region->size() &&
+        bytes <= region->size() - (begin - region_begin)) {
+      offset = begin - region_begin;
+      return region;
+    }
+  }
+  return nullptr;
 }
 
 void CopyInParallel(void* dst, const void* src, size_t bytes) {

@@ -48,7 +48,9 @@ class HandoverConnection {
 // mapped read-write here.
 class SharedBuffer {
  public:
-  static absl::StatusOr<std::unique_ptr<SharedBuffer>> Create(uint64_t bytes);
+  // `name` is what /proc/<pid>/maps and fd links show ("memfd:<name>").
+  static absl::StatusOr<std::unique_ptr<SharedBuffer>> Create(uint64_t bytes,
+                                                             const char* name = "lossd-rows");
   SharedBuffer(const SharedBuffer&) = delete;
   SharedBuffer& operator=(const SharedBuffer&) = delete;
   // Releases its handle, if any, before the memfd is closed.
@@ -58,8 +60,8 @@ class SharedBuffer {
   uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
 
-  // Its handle on `connection`, registering it there first unless it is already. A buffer is
-  // used by one call at a time.
+  // Its handle on `connection`, registering it there first unless it is already. A shared
+  // region's buffer may serve several calls at once.
   absl::StatusOr<std::string> HandleOn(const std::shared_ptr<HandoverConnection>& connection);
 
  private:
@@ -68,8 +70,9 @@ class SharedBuffer {
   const int fd_;
   uint8_t* const data_;
   const uint64_t size_;
-  std::shared_ptr<HandoverConnection> registered_on_;
-  std::string handle_;
+  absl::Mutex mu_;
+  std::shared_ptr<HandoverConnection> registered_on_ ABSL_GUARDED_BY(mu_);
+  std::string handle_ ABSL_GUARDED_BY(mu_);
 };
 
 // A client's handover connection, opened on first use and again once the server has closed it.
@@ -93,17 +96,34 @@ class Handover {
 // Buffers between calls: a call takes one at least as large as it needs (or a new one) and gives
 // it back, so that the pages of a batch's size are allocated once, not on every call. Calls
 // through messages stage in them the dL/dh bound for the caller's buffer.
-class SharedBufferPool {
+//
+// It also knows the client's shared regions (Client::NewSharedRegion), so that a call finds the
+// one its rows lie in.
+class SharedBufferPool : public std::enable_shared_from_this<SharedBufferPool> {
  public:
   absl::StatusOr<std::unique_ptr<SharedBuffer>> Acquire(uint64_t bytes);
   void Release(std::unique_ptr<SharedBuffer> buffer);
 
+  // `buffer`'s bytes from `offset` on, lent: it comes back to the pool when the last copy of the
+  // pointer goes (or is freed, the pool gone). Null, `buffer` untouched, when kMaxLent are out.
+  std::shared_ptr<const uint8_t> Lend(std::unique_ptr<SharedBuffer>& buffer, uint64_t offset);
+
+  void AddRegion(const std::shared_ptr<SharedBuffer>& region);
+  // The live region holding all of [data, data + bytes), and the offset of `data` in it; null
+  // when none does.
+  std::shared_ptr<SharedBuffer> FindRegion(const void* data, uint64_t bytes, uint64_t& offset);
+
  private:
   // As many as calls a client typically runs at once; more are freed on release.
   static constexpr size_t kMaxIdle = 4;
+  // Lent out at once: beyond them dL/dh is copied, so that a caller keeping many results does not
+  // hold a memfd (and a server handle) for each.
+  static constexpr int kMaxLent = 4;
 
   absl::Mutex mu_;
+  int lent_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::unique_ptr<SharedBuffer>> idle_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::weak_ptr<SharedBuffer>> regions_ ABSL_GUARDED_BY(mu_);
 };
 
 // memcpy split over up to four threads when it is large. A call's rows go into its memfd and its

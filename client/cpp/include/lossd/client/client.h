@@ -253,6 +253,11 @@ struct ComputeRequest {
   // (result.grad_hidden then has no bytes). A buffer reused across calls saves allocating and
   // faulting in a fresh one per call.
   void* grad_hidden_out = nullptr;
+  // With shared memory and no grad_hidden_out: dL/dh is left where the server wrote it and lent
+  // as result.grad_hidden_shared (result.grad_hidden then has no bytes), which saves copying it
+  // out; its memfd serves no other call until the last copy of that pointer is dropped. With a
+  // few lent out already, or with messages, dL/dh fills result.grad_hidden as usual.
+  bool lend_grad_hidden = false;
 };
 
 struct ComputeResult {
@@ -267,6 +272,9 @@ struct ComputeResult {
   // values per row ([num_tokens, top_k], best first). Outputs not asked for are empty.
   v1::ComputeResult per_token;
   Tensor grad_hidden;   // [num_tokens, hidden_size] when asked for (see grad_hidden_out)
+  // grad_hidden's bytes where the server wrote them, when lent (ComputeRequest::lend_grad_hidden);
+  // null otherwise.
+  std::shared_ptr<const uint8_t> grad_hidden_shared;
   std::string call_id;  // the one sent, empty for none
   int attempts = 0;     // 1 unless retried
   // Seen by the client: the whole call (of the last attempt), and the serialized message bytes
@@ -347,7 +355,23 @@ struct CommitResult {
 };
 
 class Handover;
+class SharedBuffer;
 class SharedBufferPool;
+
+// Memory the client can share with a server on its host (a memfd, handed over at the first call
+// that uses it; zero-filled at first). A Compute whose rows (ComputeRequest::hidden) lie in one,
+// starting a multiple of 64 bytes from data(), hands them over where they are instead of copying
+// them into shared memory first; dL/dh still comes back as asked. With messages (a server
+// elsewhere) it is ordinary memory. Freed with the last SharedRegion or call that holds it.
+class SharedRegion {
+ public:
+  explicit SharedRegion(std::shared_ptr<SharedBuffer> buffer);
+  uint8_t* data() const;
+  uint64_t size() const;
+
+ private:
+  std::shared_ptr<SharedBuffer> buffer_;
+};
 
 class Client {
  public:
@@ -391,6 +415,9 @@ class Client {
   // so results arrive while rows are still being sent and neither side blocks the other. Retries
   // as options().compute_retry says.
   absl::StatusOr<ComputeResult> Compute(const ComputeRequest& request) const;
+  // `bytes` of memory for rows that calls hand over without copying (see SharedRegion). Linux
+  // only (memfd_create).
+  absl::StatusOr<SharedRegion> NewSharedRegion(uint64_t bytes) const;
 
   const ChannelOptions& options() const { return options_; }
   const Target& target() const { return target_; }
