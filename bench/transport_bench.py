@@ -9,7 +9,10 @@ each way is the transport's. Measured beside each other:
   grpc_echo      gRPC's own echo of the same bytes, C++ (bench/grpc_echo_bench)
   cpp_messages   lossd Compute from the C++ client (lossctl bench), rows and dL/dh in messages
   cpp_shm        the same through a memfd shared with the server
+  cpp_shm_in_place  the rows in a SharedRegion and dL/dh lent where the server wrote it (lossctl
+                 bench --in_place): no copy on either side
   python_messages, python_shm   the same from the Python client (lossd.Client.compute)
+  python_shm_shared_array       the Python client with its rows in a Client.shared_array
 each for float32 and bfloat16 rows, from 1 and several concurrent callers; then GB/s against the
 message size (rows per message) for both clients' messages, the plot gbps_vs_message_size.png;
 and remote time over in-process engine time for the same call, where compute is small (the
@@ -102,9 +105,10 @@ def tcp_gbps(directions):
 # --- the Python client ------------------------------------------------------------------------------
 
 def python_compute(address, tokens, dtype, callers, shared_memory, rows_per_message=None,
-                   calls=3):
+                   calls=3, shared_array=False):
     """Seconds of the fastest of `calls` rounds, each `callers` concurrent compute() calls of
-    tokens / callers rows with dL/dh, and the tensor bytes each way of a round."""
+    tokens / callers rows with dL/dh, and the tensor bytes each way of a round. shared_array:
+    each caller's rows lie in a Client.shared_array, read by the server where they are."""
     import numpy as np
 
     import lossd
@@ -116,9 +120,15 @@ def python_compute(address, tokens, dtype, callers, shared_memory, rows_per_mess
         hidden = lossd.float32_to_bfloat16_bits(hidden)
     labels = rng.integers(0, peers.TRANSPORT_VOCAB, rows)
     clients = [lossd.Client(address, timeout=600) for _ in range(callers)]
+    rows_of = {}
+    for client in clients:
+        rows_of[client] = hidden
+        if shared_array:
+            rows_of[client] = client.shared_array(hidden.shape, dtype)
+            rows_of[client][:] = hidden
 
     def one(client):
-        client.compute("wire", hidden, labels, outputs=["grad_hidden"],
+        client.compute("wire", rows_of[client], labels, outputs=["grad_hidden"],
                        shared_memory=shared_memory, rows_per_message=rows_per_message)
 
     def round_seconds():
@@ -132,6 +142,7 @@ def python_compute(address, tokens, dtype, callers, shared_memory, rows_per_mess
 
     round_seconds()  # warm: connections, handover, the server's call buffers
     best = min(round_seconds() for _ in range(calls))
+    rows_of.clear()
     for client in clients:
         client.close()
     return best, rows * callers * HIDDEN * DTYPES[dtype]
@@ -161,20 +172,25 @@ def measure(args, record):
                 if "error" not in echo:
                     record(entry("grpc_echo", dtype, callers, echo["seconds"],
                                  echo["in_gbps"] * echo["seconds"] * 1e9))
-                for path, shared in (("cpp_messages", False), ("cpp_shm", True)):
+                for path, shared, in_place in (("cpp_messages", False, False),
+                                               ("cpp_shm", True, False),
+                                               ("cpp_shm_in_place", True, True)):
                     result, _ = runner.lossctl_bench(server.address, "wire", tokens,
                                                      streams=callers, dtype=dtype,
                                                      accumulate=False, warmup=1,
-                                                     warmup_tokens=0, shared_memory=shared)
+                                                     warmup_tokens=0, shared_memory=shared,
+                                                     in_place=in_place)
                     if "error" in result:
                         record(dict(path=path, dtype=dtype, callers=callers,
                                     error=result["error"]))
                         continue
                     record(entry(path, dtype, callers, result["seconds"],
                                  result["hidden_bytes"]))
-                for path, shared in (("python_messages", False), ("python_shm", True)):
+                for path, shared, in_array in (("python_messages", False, False),
+                                               ("python_shm", True, False),
+                                               ("python_shm_shared_array", True, True)):
                     seconds, moved = python_compute(server.address, tokens, dtype, callers,
-                                                    shared)
+                                                    shared, shared_array=in_array)
                     record(entry(path, dtype, callers, seconds, moved))
         for mib in MESSAGE_MIB:
             rows = max(1, int(mib * MIB) // (HIDDEN * 4))
@@ -246,15 +262,12 @@ def report(out_dir, rows, machine, command):
         lines.append(f"| {mib} | {cpp or 0:.2f} | {python or 0:.2f} |")
     seconds = {row["path"]: row["seconds"] for row in rows if "shape" in row}
     lines.append("")
-    for remote, local, what in (("cpp_messages", "engine_in_process", "transport-bound"),):
+    for remote in ("cpp_messages", "python_messages", "cpp_shm", "cpp_shm_in_place",
+                   "python_shm", "python_shm_shared_array"):
         row = by.get((remote, "float32", 1, None))
-        if row and local in seconds:
-            lines.append(f"Remote over in-process ({what}, C++ client, messages): "
-                         f"{row['seconds'] / seconds[local]:.2f}")
-    row = by.get(("python_messages", "float32", 1, None))
-    if row and "engine_in_process" in seconds:
-        lines.append(f"Remote over in-process (transport-bound, Python client, messages): "
-                     f"{row['seconds'] / seconds['engine_in_process']:.2f}")
+        if row and "engine_in_process" in seconds:
+            lines.append(f"Remote over in-process (transport-bound, float32, one caller), "
+                         f"{remote}: {row['seconds'] / seconds['engine_in_process']:.2f}")
     for remote in ("cpp_training_call", "python_training_call"):
         if remote in seconds and "engine_training_call" in seconds:
             lines.append(f"Remote over in-process at V, H, N = {TRAINING_SHAPE} "
