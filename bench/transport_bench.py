@@ -250,7 +250,7 @@ def report(out_dir, rows, machine, command):
                 lines.append(f"| {row['path']} | {row['dtype']} | {row['callers']} | "
                              f"{row['error']} | | |")
             continue
-        base = floor.get("memcpy" if row["path"].endswith("_shm") else "tcp_both_ways")
+        base = floor.get("memcpy" if "_shm" in row["path"] else "tcp_both_ways")
         share = f"{row['gbps'] / base:.2f}" if base else ""
         lines.append(f"| {row['path']} | {row['dtype']} | {row['callers']} | "
                      f"{row['seconds']:.3f} | {row['gbps']:.2f} | {share} |")
