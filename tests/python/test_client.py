@@ -956,6 +956,20 @@ def test_shared_memory_layout_errors_name_the_field(client, head):
                           shared_memory=True).counted_tokens == 4
 
 
+# The split copy into and out of shared memory is exact however the rows divide among threads.
+@pytest.mark.parametrize("rows,cols", [
+    (3, 5),  # small: one thread
+    (1, 10 << 20),  # large but one row: nothing to split
+    (5, 4 << 20),  # rows that do not divide evenly among the threads
+    (4097, 4096),  # many rows, an odd count
+])
+def test_copy_rows_is_exact(rows, cols):
+    source = np.random.default_rng().standard_normal((rows, cols), dtype=np.float32)
+    target = np.zeros_like(source)
+    _shared_memory.copy_rows(target, source)
+    assert np.array_equal(target, source)
+
+
 def lent_buffer(array):
     """The pooled buffer an array returned by compute() was lent from, or None for a copy."""
     base = array.base

@@ -17,6 +17,36 @@ from lossd.v1 import lossd_pb2 as pb
 _SHARED_MEMORY_ALIGNMENT = 64
 
 
+# Below this a thread's hand-off costs more than it saves; above it two threads copied 128 MiB in
+# 10 ms where one took 14 on a 2-core host (numpy releases the GIL while it copies).
+_PARALLEL_COPY_MIN_BYTES = 16 << 20
+_MAX_COPY_THREADS = 4
+_copy_pool = None
+_copy_pool_lock = threading.Lock()
+
+
+def copy_rows(target, source):
+    """np.copyto(target, source) for C-contiguous arrays of one shape, split by rows over a few
+    threads when it is large: a shared-memory call's rows go in and its dL/dh comes out while the
+    server waits."""
+    global _copy_pool
+    threads = min(_MAX_COPY_THREADS, os.cpu_count() or 1,
+                  max(1, source.nbytes // _PARALLEL_COPY_MIN_BYTES))
+    if threads < 2 or source.ndim == 0 or source.shape[0] < threads:
+        np.copyto(target, source)
+        return
+    with _copy_pool_lock:
+        if _copy_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            _copy_pool = ThreadPoolExecutor(_MAX_COPY_THREADS, thread_name_prefix="lossd-copy")
+    step = -(-source.shape[0] // threads)
+    pieces = [_copy_pool.submit(np.copyto, target[r0:r0 + step], source[r0:r0 + step])
+              for r0 in range(step, source.shape[0], step)]
+    np.copyto(target[:step], source[:step])  # this thread copies the first piece
+    for piece in pieces:
+        piece.result()
+
+
 class _HandoverConnection:
     """One connection to the server's handover socket (HandoverRequest in lossd.proto), where
     memfds are handed over with SCM_RIGHTS for handles. The handles it registers live as long as

@@ -18,7 +18,7 @@ import numpy as np
 from lossd import _address, _tensors, _wire
 from lossd._errors import LossdError  # noqa: F401  (public here too)
 from lossd._shared_memory import (_SHARED_MEMORY_ALIGNMENT, _HandoverConnection,
-                                  _SharedBufferPool)
+                                  _SharedBufferPool, copy_rows)
 from lossd import options as _options
 from lossd.v1 import lossd_pb2 as pb
 from lossd.v1 import lossd_pb2_grpc as pb_grpc
@@ -883,7 +883,7 @@ class Client:
         call = None
         try:
             if shared_rows is None:
-                np.copyto(pooled.array(0, hidden.dtype, hidden.shape), hidden)
+                copy_rows(pooled.array(0, hidden.dtype, hidden.shape), hidden)
                 shared = pb.SharedMemory(handle=pooled.handle_on(handover), hidden_offset=0,
                                          grad_hidden_offset=grad_offset)
             else:
@@ -905,12 +905,12 @@ class Client:
                 if lent is not None:
                     result.grad_hidden = lent
                     pooled = None  # back in the pool once the caller lets go of it
-                elif grad_hidden_out is None:
-                    result.grad_hidden = pooled.array(grad_offset, grad_numpy_dtype, shape).copy()
                 else:
-                    np.copyto(grad_hidden_out,
-                              pooled.array(grad_offset, grad_numpy_dtype, shape))
-                    result.grad_hidden = grad_hidden_out
+                    target = grad_hidden_out
+                    if target is None:
+                        target = np.empty(shape, grad_numpy_dtype)
+                    copy_rows(target, pooled.array(grad_offset, grad_numpy_dtype, shape))
+                    result.grad_hidden = target
         except BaseException:
             # A failed call drops its pooled buffer instead of keeping it: a server still running
             # a cancelled call may yet write dL/dh into it, which must not land in the next call's.
