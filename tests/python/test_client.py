@@ -1042,6 +1042,30 @@ def test_shared_buffer_pool_lends_dl_dh_and_drops_failed_buffers(server, head):
     assert remaining and all(buffer.closed for buffer in remaining) and pool._idle == []
 
 
+# A lent dL/dh outlives its client: still readable after close(), and its memfd is closed once
+# the array goes.
+def test_lent_dl_dh_outlives_its_client(server, head):
+    hidden, labels = random_batch(50)
+    client = lossd.Client(server.address, timeout=600)
+    result = client.compute(head.head, hidden.numpy(), labels.numpy(), outputs=["grad_hidden"],
+                            shared_memory=True)
+    expected = client.compute(head.head, hidden.numpy(), labels.numpy(), outputs=["grad_hidden"],
+                              shared_memory=False).grad_hidden
+    buffer = lent_buffer(result.grad_hidden)
+    assert buffer is not None
+    client.close()
+    assert np.array_equal(result.grad_hidden, expected)
+    fd = buffer.fd
+    inode = os.fstat(fd).st_ino  # still open while the array lives
+    result = buffer = None
+    gc.collect()
+    try:
+        reused = os.fstat(fd).st_ino  # the number may have gone to another descriptor since
+    except OSError:
+        reused = None
+    assert reused != inode, "the memfd is still open"
+
+
 # A shared array's rows are read where they lie: the call names its memfd and copies nothing into
 # a pooled one; dL/dh comes back in a memfd of its own. Results match the same rows sent as
 # messages bit for bit, for the whole array, an aligned slice of rows, and bfloat16; a slice off
