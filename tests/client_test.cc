@@ -1743,9 +1743,8 @@ TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
   if (c.rows_in_region && c.rows > 0) {
     ASSERT_NE(shared->grad_hidden_shared, nullptr) << "dL/dh was not lent";
     EXPECT_TRUE(shared->grad_hidden.bytes.empty());
-    shared_grad_hidden.bytes.assign(
-        reinterpret_cast<const char*>(shared->grad_hidden_shared.get()),
-        sent->grad_hidden.bytes.size());
+    shared_grad_hidden.bytes.assign(reinterpret_cast<const char*>(shared->grad_hidden_shared.get()),
+                                    sent->grad_hidden.bytes.size());
   }
   EXPECT_TRUE(shared_grad_hidden.bytes == sent->grad_hidden.bytes) << "dL/dh differs";
   // Only the start message goes out; dL/dh does not come back in messages.
@@ -1800,10 +1799,10 @@ TEST_F(ClientTest, LentGradHiddenIsTheCallersUntilDropped) {
   const std::string head = "lent-grad-hidden";
   UploadRandomHead(client, head);
   constexpr int64_t kRows = 120;
-  const std::string first_rows = client::EncodeFromFloat32(
-      RandomNormal(kRows * kHidden, 1.0f, rng_), client::DType::kFloat32);
-  const std::string other_rows = client::EncodeFromFloat32(
-      RandomNormal(kRows * kHidden, 1.0f, rng_), client::DType::kFloat32);
+  const std::string first_rows =
+      client::EncodeFromFloat32(RandomNormal(kRows * kHidden, 1.0f, rng_), client::DType::kFloat32);
+  const std::string other_rows =
+      client::EncodeFromFloat32(RandomNormal(kRows * kHidden, 1.0f, rng_), client::DType::kFloat32);
   const std::vector<int64_t> labels = RandomLabels(kRows, kVocab, 0.0, rng_);
   ComputeRequest request;
   request.head = head;

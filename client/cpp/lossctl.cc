@@ -1255,7 +1255,8 @@ absl::Status RunBench(const Flags& flags) {
   // Each stream writes dL/dh into a buffer of its own, reused from call to call as a training
   // loop would, allocated (and its pages faulted in) before the clock starts.
   const size_t grad_hidden_bytes_per_call = request.outputs.grad_hidden() ? hidden.bytes.size() : 0;
-  std::vector<std::string> grad_hidden_outs(streams, std::string(in_place ? 0 : grad_hidden_bytes_per_call, '\0'));
+  std::vector<std::string> grad_hidden_outs(
+      streams, std::string(in_place ? 0 : grad_hidden_bytes_per_call, '\0'));
 
   std::mutex mutex;
   std::condition_variable progressed;
@@ -1324,10 +1325,9 @@ absl::Status RunBench(const Flags& flags) {
         "\"latency_max\": %.6f, \"server_compute_seconds\": %.6f, "
         "\"server_queue_seconds\": %.6f}\n",
         calls, tokens, streams, DTypeName(dtype),
-        request.shared_memory.value_or(false) ? "true" : "false",
-        in_place ? "true" : "false", elapsed, calls * tokens / elapsed,
-        totals.bytes_sent, totals.bytes_received, hidden_bytes, grad_hidden_bytes,
-        Percentile(totals.latencies, 0.5), Percentile(totals.latencies, 0.9),
+        request.shared_memory.value_or(false) ? "true" : "false", in_place ? "true" : "false",
+        elapsed, calls * tokens / elapsed, totals.bytes_sent, totals.bytes_received, hidden_bytes,
+        grad_hidden_bytes, Percentile(totals.latencies, 0.5), Percentile(totals.latencies, 0.9),
         totals.latencies.back(), totals.compute_seconds, totals.queue_seconds);
     return absl::OkStatus();
   }

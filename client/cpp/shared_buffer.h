@@ -50,7 +50,7 @@ class SharedBuffer {
  public:
   // `name` is what /proc/<pid>/maps and fd links show ("memfd:<name>").
   static absl::StatusOr<std::unique_ptr<SharedBuffer>> Create(uint64_t bytes,
-                                                             const char* name = "lossd-rows");
+                                                              const char* name = "lossd-rows");
   SharedBuffer(const SharedBuffer&) = delete;
   SharedBuffer& operator=(const SharedBuffer&) = delete;
   // Releases its handle, if any, before the memfd is closed.

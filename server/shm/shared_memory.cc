@@ -258,7 +258,8 @@ absl::StatusOr<std::shared_ptr<const SharedMemoryMaps::Memfd>> SharedMemoryMaps:
     return ErrnoError(absl::StrCat(field, ": fstat of the memfd"), errno);
   }
   if (static_cast<uint64_t>(info.st_size) < end) {
-    return InvalidField(field, absl::StrCat("a memfd of at least ", end, " bytes (the layout's end)"),
+    return InvalidField(field,
+                        absl::StrCat("a memfd of at least ", end, " bytes (the layout's end)"),
                         absl::StrCat("one of ", info.st_size, " bytes"));
   }
   if (for_writing) {
@@ -290,11 +291,10 @@ absl::StatusOr<SharedCallMemory> SharedMemoryMaps::Map(const v1::SharedMemory& r
   const bool with_grad = grad_hidden_bytes > 0;
 
   struct stat rows_info {};
-  ASSIGN_OR_RETURN(
-      std::shared_ptr<const Memfd> rows_memfd,
-      Find("shared_memory.handle", request.handle(),
-           separate || !with_grad ? hidden_end : std::max(hidden_end, grad_end),
-           with_grad && !separate, rows_info));
+  ASSIGN_OR_RETURN(std::shared_ptr<const Memfd> rows_memfd,
+                   Find("shared_memory.handle", request.handle(),
+                        separate || !with_grad ? hidden_end : std::max(hidden_end, grad_end),
+                        with_grad && !separate, rows_info));
   std::shared_ptr<const Memfd> grad_memfd = rows_memfd;
   bool same_file = true;
   if (separate && with_grad) {
@@ -306,10 +306,10 @@ absl::StatusOr<SharedCallMemory> SharedMemoryMaps::Map(const v1::SharedMemory& r
   }
   if (with_grad && hidden_bytes > 0 && same_file && hidden_begin < grad_end &&
       grad_begin < hidden_end) {
-    return InvalidField("shared_memory.grad_hidden_offset",
-                        absl::StrCat("a region clear of the rows at [", hidden_begin, ", ",
-                                     hidden_end, ")"),
-                        absl::StrCat("[", grad_begin, ", ", grad_end, ")"));
+    return InvalidField(
+        "shared_memory.grad_hidden_offset",
+        absl::StrCat("a region clear of the rows at [", hidden_begin, ", ", hidden_end, ")"),
+        absl::StrCat("[", grad_begin, ", ", grad_end, ")"));
   }
 
   SharedCallMemory memory;

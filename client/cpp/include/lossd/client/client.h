@@ -271,7 +271,7 @@ struct ComputeResult {
   // with one value per row (per_token.logprob(i) is row i's), and the top_k_* fields with top_k
   // values per row ([num_tokens, top_k], best first). Outputs not asked for are empty.
   v1::ComputeResult per_token;
-  Tensor grad_hidden;   // [num_tokens, hidden_size] when asked for (see grad_hidden_out)
+  Tensor grad_hidden;  // [num_tokens, hidden_size] when asked for (see grad_hidden_out)
   // grad_hidden's bytes where the server wrote them, when lent (ComputeRequest::lend_grad_hidden);
   // null otherwise.
   std::shared_ptr<const uint8_t> grad_hidden_shared;
