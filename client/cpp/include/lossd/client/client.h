@@ -358,18 +358,21 @@ class Handover;
 class SharedBuffer;
 class SharedBufferPool;
 
-// Memory the client can share with a server on its host (a memfd, handed over at the first call
-// that uses it; zero-filled at first). A Compute whose rows (ComputeRequest::hidden) lie in one,
-// starting a multiple of 64 bytes from data(), hands them over where they are instead of copying
-// them into shared memory first; dL/dh still comes back as asked. With messages (a server
-// elsewhere) it is ordinary memory. Freed with the last SharedRegion or call that holds it.
+// Memory a Client can share with a server on its host (Client::NewSharedRegion: a memfd, handed
+// over at the first call that uses it; zero-filled at first). A Compute of that Client whose rows
+// (ComputeRequest::hidden) lie in one, starting a multiple of 64 bytes from data(), hands them
+// over where they are instead of copying them into shared memory first; dL/dh still comes back as
+// asked. With messages (a server elsewhere) it is ordinary memory. Copies share the memory, which
+// is freed with the last copy or call that holds it.
 class SharedRegion {
  public:
-  explicit SharedRegion(std::shared_ptr<SharedBuffer> buffer);
   uint8_t* data() const;
   uint64_t size() const;
 
  private:
+  friend class Client;
+  explicit SharedRegion(std::shared_ptr<SharedBuffer> buffer);
+
   std::shared_ptr<SharedBuffer> buffer_;
 };
 
