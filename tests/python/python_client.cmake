@@ -12,56 +12,46 @@ set(LOSSD_PYTHON_TEST_ENVIRONMENT
   "OMP_NUM_THREADS=2")
 set(LOSSD_PYTHON_ENV "" CACHE FILEPATH
     "python of a venv with current PyPI torch and transformers (scripts/python_env.sh)")
+# A pytest suite, `file` relative to this folder, run by `python`: Debian's or LOSSD_PYTHON_ENV.
+function(lossd_add_pytest name python file)
+  add_test(NAME ${name}
+    COMMAND "${python}" -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_FUNCTION_LIST_DIR}/${file})
+endfunction()
 # COST (below): seconds on a quiet 2-core machine. ctest starts the costliest tests first, and
 # without the history of an earlier run (a fresh clone) it has only these: the long suites would
 # otherwise start last, in the order they are registered, and run alone while the other core idles.
 
 # Loss, dL/dh and dL/dW against torch's float64 F.cross_entropy; scoring, errors, upload, steps.
-add_test(NAME python_client
-  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_client.py)
+lossd_add_pytest(python_client /usr/bin/python3 test_client.py)
 # The call's options and outputs as Python objects derived from lossd.proto's descriptors.
-add_test(NAME python_options
-  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
-          ${CMAKE_CURRENT_LIST_DIR}/test_options.py)
+lossd_add_pytest(python_options /usr/bin/python3 test_options.py)
 # These two suites run once: under current PyPI torch where its environment is given (below), else
 # under Debian's. They exercise servers and a training loop, not the torch version, and are slow.
 if(NOT LOSSD_PYTHON_ENV)
   # Scoring over three lossd_server replicas of one head: spread, failover, pinned W; training
   # refuses a target that lists several servers.
-  add_test(NAME python_replicas
-    COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
-            ${CMAKE_CURRENT_LIST_DIR}/test_replicas.py)
+  lossd_add_pytest(python_replicas /usr/bin/python3 test_replicas.py)
   # A tiny transformer LM trained with a local head and with a RemoteHead: the loss curves agree.
-  add_test(NAME python_training_example
-    COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
-            ${CMAKE_CURRENT_LIST_DIR}/test_training_example.py)
+  lossd_add_pytest(python_training_example /usr/bin/python3 test_training_example.py)
   set_tests_properties(python_replicas python_training_example PROPERTIES
     ENVIRONMENT "${LOSSD_PYTHON_TEST_ENVIRONMENT}"
     TIMEOUT 2400)
   set_tests_properties(python_training_example PROPERTIES COST 70)
 endif()
 # The RL objectives and RemoteLogprobs against torch's float64 autograd of the same formulas.
-add_test(NAME python_objectives
-  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_objectives.py)
+lossd_add_pytest(python_objectives /usr/bin/python3 test_objectives.py)
 # Distillation (RemoteDistill, score_kl) against torch's float64 autograd of the naive
 # two-logits formula, dense and sparse teachers.
-add_test(NAME python_distill
-  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
-          ${CMAKE_CURRENT_LIST_DIR}/test_distill.py)
+lossd_add_pytest(python_distill /usr/bin/python3 test_distill.py)
 # A toy policy trained with PPO against a frozen reference head: its reward rises; a toy student
 # distilled on-policy from a teacher head: its reverse KL falls (about 25 s).
-add_test(NAME python_rl_example
-  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/test_rl_example.py)
+lossd_add_pytest(python_rl_example /usr/bin/python3 test_rl_example.py)
 # Shared memory between users: clients of two users created for the test (as root; skipped
 # otherwise) against a server run as root.
-add_test(NAME shared_memory_users
-  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
-          ${CMAKE_CURRENT_LIST_DIR}/test_shared_memory_users.py)
+lossd_add_pytest(shared_memory_users /usr/bin/python3 test_shared_memory_users.py)
 # The package built as an sdist and a wheel from it, installed into a fresh venv (PyPI's `build`
 # and the wheel's dependencies when PyPI can be reached).
-add_test(NAME python_packaging
-  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider
-          ${CMAKE_CURRENT_LIST_DIR}/test_packaging.py)
+lossd_add_pytest(python_packaging /usr/bin/python3 test_packaging.py)
 set_tests_properties(python_packaging PROPERTIES
   ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;OMP_NUM_THREADS=2"
   TIMEOUT 2400)
@@ -73,8 +63,7 @@ set_tests_properties(python_packaging PROPERTIES COST 40)
 
 # The GPU round's service step (bench/gpu_service.py) on the CPU: the server, lossctl and the
 # Python client over messages and shared memory beside the engine in-process.
-add_test(NAME gpu_service_cpu
-  COMMAND /usr/bin/python3 -m pytest -q -p no:cacheprovider ${CMAKE_CURRENT_LIST_DIR}/../gpu_service_test.py)
+lossd_add_pytest(gpu_service_cpu /usr/bin/python3 ../gpu_service_test.py)
 set_tests_properties(gpu_service_cpu PROPERTIES
   ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;LOSSCTL_BIN=$<TARGET_FILE:lossctl>;ENGINE_BENCH_BIN=$<TARGET_FILE:engine_bench>;LOSSD_PYTHON_DIR=${LOSSD_PYTHON_DIR};OMP_NUM_THREADS=2"
   TIMEOUT 600)
@@ -97,31 +86,21 @@ set_tests_properties(replicas_bench_runs PROPERTIES
 if(LOSSD_PYTHON_ENV)
   set(current_tests)
   foreach(suite client options replicas objectives distill rl_example training_example)
-    add_test(NAME python_${suite}_current_torch
-      COMMAND "${LOSSD_PYTHON_ENV}" -m pytest -q -p no:cacheprovider
-              ${CMAKE_CURRENT_LIST_DIR}/test_${suite}.py)
+    lossd_add_pytest(python_${suite}_current_torch "${LOSSD_PYTHON_ENV}" test_${suite}.py)
     list(APPEND current_tests python_${suite}_current_torch)
   endforeach()
   # Tiny Llama, Mistral, Qwen2, Qwen3, Gemma and Gemma 2 models, saved in shards by transformers
   # and served from their directories: lossd.hf against the unpatched models.
-  add_test(NAME python_hf
-    COMMAND "${LOSSD_PYTHON_ENV}" -m pytest -q -p no:cacheprovider
-            ${CMAKE_CURRENT_LIST_DIR}/test_hf.py)
-  add_test(NAME python_torch_compile
-    COMMAND "${LOSSD_PYTHON_ENV}" -m pytest -q -p no:cacheprovider
-            ${CMAKE_CURRENT_LIST_DIR}/test_torch_compile.py)
+  lossd_add_pytest(python_hf "${LOSSD_PYTHON_ENV}" test_hf.py)
+  lossd_add_pytest(python_torch_compile "${LOSSD_PYTHON_ENV}" test_torch_compile.py)
   # transformers.Trainer on 2 and 4 processes (torch.distributed, gloo) with a local head and
   # with lossd.hf.Trainer and a server killed halfway: the same parameters at the end; and the
   # wrong-W cases refused (about 4 minutes on two cores, most of it starting processes).
-  add_test(NAME python_trainer
-    COMMAND "${LOSSD_PYTHON_ENV}" -m pytest -q -p no:cacheprovider
-            ${CMAKE_CURRENT_LIST_DIR}/test_trainer.py)
+  lossd_add_pytest(python_trainer "${LOSSD_PYTHON_ENV}" test_trainer.py)
   # Three servers training one head as a replica group for six Trainer ranks, one replica killed
   # mid-step and the group restarted from its checkpoint: the parameters of one server's run and
   # one W on every replica after every step (about 4 minutes on two cores).
-  add_test(NAME python_training_replicas
-    COMMAND "${LOSSD_PYTHON_ENV}" -m pytest -q -p no:cacheprovider
-            ${CMAKE_CURRENT_LIST_DIR}/test_training_replicas.py)
+  lossd_add_pytest(python_training_replicas "${LOSSD_PYTHON_ENV}" test_training_replicas.py)
   # Every Python file of the tree against ruff.toml (pyflakes, pycodestyle, bugbear).
   add_test(NAME python_lint
     COMMAND "${LOSSD_PYTHON_ENV}" -m ruff check --no-cache ${PROJECT_SOURCE_DIR})
