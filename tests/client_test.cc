@@ -281,11 +281,15 @@ TEST_F(ClientTest, RolloutCorrectionWeightsEachTokensPolicyTermByTheTruncatedRat
   const std::vector<float> q = RandomNormal(n, 1.0f, rng_);
   std::vector<float> sampling(n), mu(n), advantages = RandomNormal(n, 1.0f, rng_);
   const std::vector<float> noise = RandomNormal(n, 0.3f, rng_);
+  const int64_t last_sequence = n - lengths.back();
   for (int64_t i = 0; i < n; ++i) {
     sampling[i] = q[i] - 6.0f;
     // The first sequence's engine far below the old policy: its weights meet the cap at every
-    // level; the others' stay near 1.
-    mu[i] = sampling[i] + noise[i] - (i < lengths[0] ? 0.5f : 0.0f);
+    // level; the last's far above: they stay under it at every level, so that some weights are
+    // truncated and some not whatever the noise (a sequence's sum of log-ratios spreads with its
+    // length); the middle two's near 1.
+    mu[i] = sampling[i] + noise[i] - (i < lengths[0] ? 0.5f : 0.0f) +
+            (i >= last_sequence ? 0.5f : 0.0f);
   }
   const double cap = 1.3;
   for (const auto correction : {v1::ROLLOUT_CORRECTION_TOKEN, v1::ROLLOUT_CORRECTION_SEQUENCE,
