@@ -162,6 +162,15 @@ absl::Status ValidatePolicyOptions(const LossOptions& o) {
                         absl::StrCat("true with estimator ", KlEstimatorName(p.kl_estimator),
                                      " and objective ", ObjectiveName(o.objective)));
   }
+  if (p.sequence_ratio && o.objective != Objective::kPpo) {
+    return InvalidField("policy.sequence_ratio", "false unless the objective is ppo",
+                        absl::StrCat("true with objective ", ObjectiveName(o.objective)));
+  }
+  if (p.sequence_ratio && p.kl_ratio_weighted) {
+    return InvalidField("policy.kl_ratio_weighted",
+                        "false with policy.sequence_ratio (it weights by the token's own ratio)",
+                        "true");
+  }
   if (!(std::fabs(p.entropy_coef) <= FLT_MAX)) {
     return InvalidField("policy.entropy_coef",
                         absl::StrCat("a value in [", -FLT_MAX, ", ", fp32_max, "] (fp32)"),
@@ -597,6 +606,14 @@ absl::Status ValidateObjectiveInputs(const BatchInputs& in, const LossOptions& o
     RETURN_IF_ERROR(ValidateCountedFinite(input.field, input.values, in.labels, in.num_tokens,
                                           options.ignore_index, first_index));
   }
+  if (options.policy.sequence_ratio && in.num_tokens > 0) {
+    if (in.num_ratio_sequences == 0) {
+      return InvalidField("ratio_sequence_lengths",
+                          "the batch's sequences with policy.sequence_ratio", "none");
+    }
+    RETURN_IF_ERROR(ValidateSequenceLengths(in.ratio_sequence_lengths, in.num_ratio_sequences,
+                                            in.num_tokens, "ratio_sequence_lengths"));
+  }
   if (IsSequenceReduction(options.reduction) && in.num_tokens > 0) {
     if (in.reduction_scales == nullptr) {
       return InvalidField("reduction_scales",
@@ -616,13 +633,13 @@ absl::Status ValidateObjectiveInputs(const BatchInputs& in, const LossOptions& o
 }
 
 absl::Status ValidateSequenceLengths(const int64_t* sequence_lengths, int64_t num_sequences,
-                                     int64_t num_tokens) {
+                                     int64_t num_tokens, absl::string_view field) {
   if (num_sequences == 0) return absl::OkStatus();
   int64_t total = 0;
   for (int64_t s = 0; s < num_sequences; ++s) {
     const int64_t length = sequence_lengths[s];
     if (length < 1 || length > num_tokens - total) {
-      return InvalidField(absl::StrCat("sequence_lengths[", s, "]"),
+      return InvalidField(absl::StrCat(field, "[", s, "]"),
                           absl::StrCat("a length in [1, ", std::max<int64_t>(1, num_tokens - total),
                                        "] (the lengths sum to num_tokens, ", num_tokens, ")"),
                           absl::StrCat(length));
@@ -630,11 +647,37 @@ absl::Status ValidateSequenceLengths(const int64_t* sequence_lengths, int64_t nu
     total += length;
   }
   if (total != num_tokens) {
-    return InvalidField("sequence_lengths",
-                        absl::StrCat("lengths summing to ", num_tokens, " (num_tokens)"),
+    return InvalidField(field, absl::StrCat("lengths summing to ", num_tokens, " (num_tokens)"),
                         absl::StrCat("lengths summing to ", total));
   }
   return absl::OkStatus();
+}
+
+std::vector<int64_t> TokenChunkEnds(int64_t num_tokens, int64_t chunk_rows,
+                                    const int64_t* sequence_lengths, int64_t num_sequences) {
+  std::vector<int64_t> ends;
+  if (num_sequences == 0) {
+    for (int64_t end = chunk_rows; end < num_tokens; end += chunk_rows) ends.push_back(end);
+    if (num_tokens > 0) ends.push_back(num_tokens);
+    return ends;
+  }
+  int64_t chunk_start = 0;
+  int64_t row = 0;
+  for (int64_t s = 0; s < num_sequences; ++s) {
+    if (row > chunk_start && row + sequence_lengths[s] - chunk_start > chunk_rows) {
+      ends.push_back(row);
+      chunk_start = row;
+    }
+    row += sequence_lengths[s];
+  }
+  ends.push_back(row);
+  return ends;
+}
+
+int64_t LongestSequence(const int64_t* sequence_lengths, int64_t num_sequences) {
+  int64_t longest = 0;
+  for (int64_t s = 0; s < num_sequences; ++s) longest = std::max(longest, sequence_lengths[s]);
+  return longest;
 }
 
 void ShiftLabelsWithinSequences(int64_t* labels, int64_t num_tokens,
@@ -802,7 +845,20 @@ absl::StatusOr<CallPlan> PlanCall(const Backend& backend, const BatchInputs& inp
   CallPlan call;
   call.shape = ShapeOfCall(inputs, weight, outputs, grad_weight != nullptr);
   call.shape.exact_gradients = options.exact_gradients;
+  call.shape.sequence_ratio = options.policy.sequence_ratio;
   ASSIGN_OR_RETURN(call.plan, backend.Plan(call.shape, workspace.bytes()));
+  if (call.shape.sequence_ratio) {
+    const int64_t* lengths = inputs.ratio_sequence_lengths;
+    for (int64_t s = 0; s < inputs.num_ratio_sequences; ++s) {
+      if (lengths[s] > call.plan.token_chunk) {
+        return InvalidField(
+            absl::StrCat("ratio_sequence_lengths[", s, "]"),
+            absl::StrCat("at most the call's token chunk of ", call.plan.token_chunk,
+                         " rows (a sequence's ratio completes within one chunk)"),
+            absl::StrCat(lengths[s]));
+      }
+    }
+  }
   return call;
 }
 
@@ -827,13 +883,17 @@ RowInputArrays RowInputArraysOf(const BatchInputs& inputs) {
 }
 
 RowFinisher::RowFinisher(const BatchInputs& inputs, int64_t vocab_size, const LossOptions& options,
-                         const TokenOutputs& outputs)
+                         const TokenOutputs& outputs, const float* sequence_log_ratios)
     : inputs_(inputs),
       options_(options),
       outputs_(outputs),
       counted_rows_(CountCountedRows(inputs.labels, inputs.num_tokens, options.ignore_index)),
       constants_(MakeRowFinishConstants(options, vocab_size, counted_rows_)),
-      arrays_(RowInputArraysOf(inputs)) {}
+      arrays_([&] {
+        RowInputArrays arrays = RowInputArraysOf(inputs);
+        arrays.sequence_log_ratios = sequence_log_ratios;
+        return arrays;
+      }()) {}
 
 RowResult RowFinisher::Finish(int64_t row, const RowStats& stats) const {
   return FinishRowAt(arrays_, constants_, row, stats);

@@ -76,8 +76,10 @@ BatchSummary PlannedSummary(const ChunkPlan& plan, size_t workspace_bytes);
 // Emit runs on one, in row order, so that the sums in the summary do not depend on threads.
 class RowFinisher {
  public:
+  // Under sequence_ratio, `sequence_log_ratios` [num_tokens] holds log s of each row's sequence,
+  // written by the backend (SequenceLogRatio) before the row is finished.
   RowFinisher(const BatchInputs& inputs, int64_t vocab_size, const LossOptions& options,
-              const TokenOutputs& outputs);
+              const TokenOutputs& outputs, const float* sequence_log_ratios = nullptr);
 
   const LogitTransform& transform() const { return constants_.transform; }
   int64_t counted_rows() const { return counted_rows_; }

@@ -158,7 +158,9 @@ Problem MakeProblem(const ProblemSpec& spec, std::mt19937_64& rng) {
       r.token_weights.push_back(p.token_weights.back());
     }
   }
-  if (spec.max_sequence_length > 0 || IsSequenceReduction(spec.options.reduction)) {
+  r.sequence_ratio = spec.options.policy.sequence_ratio;
+  if (spec.max_sequence_length > 0 || IsSequenceReduction(spec.options.reduction) ||
+      r.sequence_ratio) {
     std::uniform_int_distribution<int64_t> length(
         1, spec.max_sequence_length > 0 ? spec.max_sequence_length : 8);
     int64_t first = 0;
@@ -179,6 +181,7 @@ Problem MakeProblem(const ProblemSpec& spec, std::mt19937_64& rng) {
     // The exact log-probabilities, from the reference's logits under plain cross-entropy.
     ReferenceProblem plain = r;
     plain.options = LossOptions();
+    plain.sequence_ratio = false;
     plain.options.logit_softcap = o.logit_softcap;
     plain.options.temperature = o.temperature;
     plain.options.ignore_index = o.ignore_index;
@@ -187,12 +190,34 @@ Problem MakeProblem(const ProblemSpec& spec, std::mt19937_64& rng) {
     const int64_t v = spec.vocab_size;
     std::normal_distribution<double> reference_noise(0.0, 0.5);
     std::uniform_real_distribution<double> advantage(-2.0, 2.0);
+    // log t_i: the targets in turn, or under a sequence ratio target j for sequence j, its
+    // counted tokens' log-ratios spread by +-0.5 in pairs around it (0 for an odd one out), so that
+    // the sequence's ratio (the geometric mean of its tokens') is target j, as far from a clip
+    // bound as the targets are, while its tokens' ratios are not.
+    std::vector<double> log_target(spec.num_tokens);
+    for (int64_t i = 0; i < spec.num_tokens; ++i) {
+      log_target[i] = std::log(spec.ratio_targets[i % spec.ratio_targets.size()]);
+    }
+    if (o.policy.sequence_ratio) {
+      for (size_t j = 0, first = 0; j < r.sequence_lengths.size();
+           first += r.sequence_lengths[j++]) {
+        const double center = std::log(spec.ratio_targets[j % spec.ratio_targets.size()]);
+        std::vector<int64_t> counted;
+        for (size_t i = first; i < first + r.sequence_lengths[j]; ++i) {
+          log_target[i] = center;
+          if (r.labels[i] != o.ignore_index) counted.push_back(static_cast<int64_t>(i));
+        }
+        for (size_t k = 0; k + 1 < counted.size(); k += 2) {
+          log_target[counted[k]] += 0.5;
+          log_target[counted[k + 1]] -= 0.5;
+        }
+      }
+    }
     for (int64_t i = 0; i < spec.num_tokens; ++i) {
       const int64_t y = r.labels[i] == o.ignore_index ? 0 : r.labels[i];
       const double logp = exact.logits[i * v + y] - exact.lse[i];
       if (policy) {
-        const double target = spec.ratio_targets[i % spec.ratio_targets.size()];
-        p.sampling_logprobs.push_back(static_cast<float>(logp - std::log(target)));
+        p.sampling_logprobs.push_back(static_cast<float>(logp - log_target[i]));
         p.advantages.push_back(i % 5 == 4 ? 0.0f : static_cast<float>(advantage(rng)));
       }
       if (kl) p.reference_logprobs.push_back(static_cast<float>(logp + reference_noise(rng)));
@@ -300,6 +325,10 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
                      SequenceReductionScales(s.options, in.labels, n, r.sequence_lengths.data(),
                                              static_cast<int64_t>(r.sequence_lengths.size())));
     in.reduction_scales = reduction_scales.data();
+  }
+  if (s.options.policy.sequence_ratio) {
+    in.ratio_sequence_lengths = problem.reference.sequence_lengths.data();
+    in.num_ratio_sequences = static_cast<int64_t>(problem.reference.sequence_lengths.size());
   }
 
   // A distill call's teacher: a head of its own (uploaded as the student's is), the student's, or a

@@ -43,7 +43,7 @@ struct ProblemSpec {
   // it that float rounding cannot move them across); advantages uniform in [-2, 2] with every
   // fifth exactly 0; reference log-probabilities logp_i + N(0, 0.5); logprob_grads N(0, 1).
   std::vector<double> ratio_targets = {1.0};
-  // > 0, or a sequence reduction: the batch is sequences of random lengths in
+  // > 0, a sequence reduction or a sequence ratio: the batch is sequences of random lengths in
   // [1, max_sequence_length] (8 when 0), the second of them entirely ignored.
   int64_t max_sequence_length = 0;
   // The teacher of a distill call (options.objective kDistill): a head of its own, with hidden

@@ -150,6 +150,12 @@ LossOptions PpoKlEntropy(KlEstimator estimator, Reduction reduction) {
   return o;
 }
 
+LossOptions GspoOptions(Reduction reduction) {
+  LossOptions o = Policy(Objective::kPpo, reduction);
+  o.policy.sequence_ratio = true;
+  return o;
+}
+
 LossOptions CispoOptions() {
   LossOptions o = Policy(Objective::kCispo, Reduction::kSequenceMeanTokenSum);
   o.policy.clip_low = 1.0;  // MiniMax-M1's setting: the weight is clipped from above only
@@ -400,6 +406,40 @@ const EngineCase kCases[] = {
        s.max_sequence_length = 150;
        s.ignore_fraction = 0.1;
      }), 8 * kMiB, Tiling::kTokenChunks, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    // GSPO-token: each sequence's ratio from its rows' statistics, then its rows finished, in the
+    // chunk's one pass; every chunk ends at a sequence's end.
+    {"gspo_sequences_across_chunks", "chunks cut at sequence ends, rows finished in the tile",
+     Spec(333, 64, 2100, [](ProblemSpec& s) {
+       s.options = GspoOptions(Reduction::kSequenceMeanTokenMean);
+       s.ratio_targets = kRatioTargets;
+       s.max_sequence_length = 60;
+       s.ignore_fraction = 0.1;
+     }), 1 * kMiB, Tiling::kTokenChunks, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"gspo_tiled_k3_entropy", "vocabulary tiles: ratios measured before the rows' second pass",
+     Spec(150, 64, 3333, [](ProblemSpec& s) {
+       s.options = GspoOptions(Reduction::kSequenceMeanTokenSum);
+       s.options.policy.kl_estimator = KlEstimator::kK3;
+       s.options.policy.kl_coef = 0.05;
+       s.options.policy.entropy_coef = 0.01;
+       s.ratio_targets = kRatioTargets;
+       s.max_sequence_length = 12;
+       s.ignore_fraction = 0.1;
+     }), 256 * kKiB, Tiling::kVocabTiles, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"gspo_bf16_softcap_clamp", "bf16, z read back after the pass (soft cap), the clamp on log s",
+     Spec(129, 128, 4099, [](ProblemSpec& s) {
+       s.hidden_dtype = DType::kBFloat16;
+       s.weight_dtype = DType::kBFloat16;
+       s.options = GspoOptions(Reduction::kMean);
+       s.options.logit_softcap = 30.0;
+       s.options.policy.log_ratio_clamp = 1.0;
+       s.ratio_targets = {0.1, 0.79, 1.0, 1.29, 9.0};
+       s.max_sequence_length = 30;
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+    {"gspo_single_token", "N = 1: one sequence of one row",
+     Spec(1, 64, 3001, [](ProblemSpec& s) {
+       s.options = GspoOptions(Reduction::kMean);
+       s.ratio_targets = {1.29};
+     }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kPolicyLossBound},
     {"importance_sampling_k1_tiled", "k1 KL over vocabulary tiles (two passes)",
      Spec(301, 96, 5003, [](ProblemSpec& s) {
        s.options = Policy(Objective::kImportanceSampling, Reduction::kMean);
@@ -1456,6 +1496,49 @@ TEST_P(EngineBackendTest, RejectsBadCallsNamingTheField) {
   EXPECT_NE(status.message().find("top_k"), std::string::npos) << status;
 }
 
+// A sequence ratio needs every row of a sequence in one chunk, its sequences, and ppo.
+TEST_P(EngineBackendTest, RefusesSequenceRatiosItCannotComputeNamingTheField) {
+  std::mt19937_64 rng(FreshSeed());
+  const ProblemSpec gspo = Spec(300, 16, 2000, [](ProblemSpec& s) {
+    s.options = GspoOptions(Reduction::kSum);
+    s.max_sequence_length = 20;
+  });
+  const auto refusal = [&](auto change, size_t budget_bytes = 64 * kMiB) {
+    Problem problem = MakeProblem(gspo, rng);
+    change(problem);
+    RunRequest request;
+    request.budget_bytes = budget_bytes;
+    return RunEngine(*backend_, problem, request).status();
+  };
+  // 256 KiB holds far fewer than 300 rows of 2000 fp32 logits.
+  absl::Status status =
+      refusal([](Problem& p) { p.reference.sequence_lengths = {300}; }, 256 * kKiB);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("ratio_sequence_lengths[0]"), std::string::npos) << status;
+  EXPECT_NE(status.message().find("token chunk"), std::string::npos) << status;
+
+  status = refusal([](Problem& p) { p.reference.sequence_lengths = {100, 100}; });
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("ratio_sequence_lengths: expected lengths summing to 300"),
+            std::string::npos)
+      << status;
+
+  status = refusal([](Problem& p) { p.reference.sequence_lengths.clear(); });
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("ratio_sequence_lengths"), std::string::npos) << status;
+
+  status = refusal([](Problem& p) { p.spec.options.objective = Objective::kCispo; });
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("policy.sequence_ratio"), std::string::npos) << status;
+
+  status = refusal([](Problem& p) {
+    p.spec.options.policy.kl_estimator = KlEstimator::kK3;
+    p.spec.options.policy.kl_ratio_weighted = true;
+  });
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("policy.kl_ratio_weighted"), std::string::npos) << status;
+}
+
 TEST_P(EngineBackendTest, NonFiniteHiddenStatesAreReported) {
   std::mt19937_64 rng(FreshSeed());
   Problem problem = MakeProblem(Spec(8, 16, 300), rng);
@@ -1583,6 +1666,40 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Calls without gradients, planned on the same model for a backend that pays for W once per token
 // chunk (forward_token_chunk = 1024).
+struct ChunkEndsCase {
+  const char* name;
+  int64_t num_tokens;
+  int64_t chunk_rows;
+  std::vector<int64_t> sequence_lengths;
+  std::vector<int64_t> expected_ends;
+};
+
+class TokenChunkEndsTest : public ::testing::TestWithParam<ChunkEndsCase> {};
+
+TEST_P(TokenChunkEndsTest, CutsChunksWhereItShould) {
+  const ChunkEndsCase& c = GetParam();
+  EXPECT_EQ(TokenChunkEnds(c.num_tokens, c.chunk_rows, c.sequence_lengths.data(),
+                           static_cast<int64_t>(c.sequence_lengths.size())),
+            c.expected_ends);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Ends, TokenChunkEndsTest,
+    ::testing::Values(
+        // Without sequences: every chunk_rows rows, the last chunk the rest.
+        ChunkEndsCase{"fixed", 10, 4, {}, {4, 8, 10}},
+        // An empty batch has no chunks.
+        ChunkEndsCase{"empty", 0, 4, {}, {}},
+        // As many whole sequences as fit: 3 + 1, then 2 + 2, then 4.
+        ChunkEndsCase{"whole_sequences", 12, 4, {3, 1, 2, 2, 4}, {4, 8, 12}},
+        // A sequence that would cross the chunk's end starts the next chunk.
+        ChunkEndsCase{"no_sequence_split", 10, 4, {3, 2, 3, 2}, {3, 5, 8, 10}},
+        // A sequence longer than a chunk is a chunk of its own (the engine refuses it later).
+        ChunkEndsCase{"oversized_alone", 9, 4, {1, 6, 2}, {1, 7, 9}},
+        // One sequence, the whole batch.
+        ChunkEndsCase{"one_sequence", 4, 4, {4}, {4}}),
+    [](const auto& info) { return std::string(info.param.name); });
+
 struct ForwardPlanCase {
   const char* name;
   bool gradients;

@@ -181,6 +181,28 @@ TEST_P(RowReaderSplitTest, ChunksFollowThePlanNotTheMessages) {
   EXPECT_TRUE(reader->Finish().ok());
 }
 
+// Chunks cut at sequence ends (RowLayout::chunk_ends) are of any size up to chunk_rows, whatever
+// the messages' split: 3 + 2 rows, then 4, then 1, from messages of 3 rows.
+TEST(RowReaderTest, ChunksOfUnequalSizeFollowTheirEnds) {
+  const std::vector<int64_t> ends = {5, 9, 10};
+  const std::vector<float> data = RandomRows(10, 8);
+  ScriptedStream stream(Split(data, 3));
+  RowLayout layout = Layout(10, 5);
+  layout.chunk_ends = ends;
+  const auto reader = StartReader(stream, layout);
+  for (int64_t first = 0; const int64_t end : ends) {
+    absl::StatusOr<RowChunk> chunk = reader->Next();
+    ASSERT_TRUE(chunk.ok()) << chunk.status();
+    EXPECT_EQ(chunk->first_row, first);
+    EXPECT_EQ(chunk->num_rows, end - first);
+    EXPECT_EQ(std::memcmp(chunk->rows, data.data() + first * kHidden, chunk->num_rows * kRowBytes),
+              0);
+    reader->Release();
+    first = end;
+  }
+  EXPECT_TRUE(reader->Finish().ok());
+}
+
 // A distill call's teacher data rides in the same messages as the hidden rows: each chunk's side
 // streams hold the chunk's rows, whatever the split.
 TEST_P(RowReaderSplitTest, SideStreamsFollowTheHiddenRows) {

@@ -631,25 +631,28 @@ class CpuCall : CpuChunkCall {
 
   // Pass 1: row statistics over every vocabulary tile. When one tile holds the whole vocabulary,
   // each row is finished while it is still in cache: statistics, results, and for training dL/da
-  // in place, from the exponentials the statistics pass leaves when there is no soft cap.
+  // in place, from the exponentials the statistics pass leaves when there is no soft cap. Under
+  // sequence_ratio a row is finished only once every row of its sequence has its statistics: after
+  // the pass, from the tile as it left it.
   void RowStatistics(int64_t r0, int64_t rows) {
     const LogitTransform& transform = finisher_.transform();
     const int64_t* labels = in_.labels + r0;
     ClearRowStats(rows);
     const bool rows_finished_in_tile = logits_resident_ && gradients_;  // dL/da stays in the tile
+    const bool finish_in_pass = logits_resident_ && !sequence_ratio();
+    // The entropy bonus needs each row's entropy, and its gradient reads z (not e^(z - m)).
+    const bool entropy_bonus = options_.policy.entropy_coef != 0.0;
+    const bool store_exp = rows_finished_in_tile && transform.softcap == 0.0f && !entropy_bonus;
     for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
       const int64_t cols = std::min(tile_cols_, v_ - v0);
       const bool onto_zero = ProductOntoZero(rows, cols);
       ComputeLogits(hidden32_, rows, weight_, v0, cols, buffers_.weight32, transform,
                     buffers_.logits, tile_cols_, onto_zero);
       const bool another_product = gradients_ || r0 + rows < in_.num_tokens || v0 + cols < v_;
-      // The entropy bonus needs each row's entropy, and its gradient reads z (not e^(z - m)).
-      const bool entropy_bonus = options_.policy.entropy_coef != 0.0;
-      const TileStatsWork work{
-          /*extra_sums=*/out_.entropy != nullptr || options_.label_smoothing != 0.0 ||
-              entropy_bonus,
-          /*store_exp=*/rows_finished_in_tile && transform.softcap == 0.0f && !entropy_bonus,
-          /*zero_after=*/!rows_finished_in_tile && another_product};
+      const TileStatsWork work{/*extra_sums=*/out_.entropy != nullptr ||
+                                   options_.label_smoothing != 0.0 || entropy_bonus,
+                               store_exp,
+                               /*zero_after=*/!rows_finished_in_tile && another_product};
       if (!work.zero_after) {
         zero_rows_ = zero_cols_ = 0;
       } else if (!onto_zero) {
@@ -658,20 +661,33 @@ class CpuCall : CpuChunkCall {
       }
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < rows; ++r) {
-        float* z = LogitsRow(r);
-        float* block_max = work.store_exp ? ws_.block_max + r * BlocksPerRow(tile_cols_) : nullptr;
-        MergeRowStats(buffers_.stats[r],
-                      TileRowStats(z, cols, v0, labels[r], work, TopKOf(r), block_max));
-        if (!logits_resident_) continue;
-        FinishChunkRow(r0, r);
-        if (!gradients_) continue;
-        if (work.store_exp) {
-          RowLogitGradientsFromExp(z, cols, block_max, buffers_.stats[r], ws_.row_grads[r],
-                                   transform);
-        } else {
-          RowLogitGradients(z, cols, v0, ws_.row_grads[r], transform);
-        }
+        MergeRowStats(buffers_.stats[r], TileRowStats(LogitsRow(r), cols, v0, labels[r], work,
+                                                      TopKOf(r), BlockMaxOf(r, store_exp)));
+        if (finish_in_pass) FinishResidentRow(r0, r, store_exp);
       }
+    }
+    if (logits_resident_ && !finish_in_pass) {
+      MeasureSequenceRatios(r0, rows);
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) FinishResidentRow(r0, r, store_exp);
+    }
+  }
+
+  float* BlockMaxOf(int64_t r, bool store_exp) const {
+    return store_exp ? ws_.block_max + r * BlocksPerRow(tile_cols_) : nullptr;
+  }
+
+  // Chunk row r finished from its statistics, and with gradients its logits, which the only tile
+  // holds, turned into dL/da in place.
+  void FinishResidentRow(int64_t r0, int64_t r, bool store_exp) {
+    FinishChunkRow(r0, r);
+    if (!gradients_) return;
+    float* z = LogitsRow(r);
+    if (store_exp) {
+      RowLogitGradientsFromExp(z, v_, BlockMaxOf(r, store_exp), buffers_.stats[r], ws_.row_grads[r],
+                               finisher_.transform());
+    } else {
+      RowLogitGradients(z, v_, 0, ws_.row_grads[r], finisher_.transform());
     }
   }
 
@@ -679,6 +695,7 @@ class CpuCall : CpuChunkCall {
   // in double.
   void FinishRows(int64_t r0, int64_t rows, BatchSummary& summary) {
     if (!logits_resident_) {
+      MeasureSequenceRatios(r0, rows);
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < rows; ++r) FinishChunkRow(r0, r);
     }

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "kernels/backend_impl.h"
 #include "lossd/kernels/backend.h"
@@ -164,7 +165,9 @@ class CpuChunkCall {
         options_(options),
         out_(out),
         buffers_(buffers),
-        finisher_(in, weight.vocab_size, options, out),
+        sequence_log_ratios_(options.policy.sequence_ratio ? in.num_tokens : 0),
+        finisher_(in, weight.vocab_size, options, out,
+                  sequence_log_ratios_.empty() ? nullptr : sequence_log_ratios_.data()),
         grad_weight32_(grad_weight != nullptr ? static_cast<float*>(grad_weight->data()) : nullptr),
         h_(weight.hidden_size),
         v_(weight.vocab_size),
@@ -174,20 +177,46 @@ class CpuChunkCall {
         gradients_(WantsGradients(call.shape)),
         logits_resident_(call.plan.vocab_chunk >= weight.vocab_size) {}
 
-  // phases(r0, rows) for each token chunk in order, its rows loaded as fp32 first.
+  // phases(r0, rows) for each token chunk in order (under sequence_ratio, whole sequences), its
+  // rows loaded as fp32 first.
   template <typename PhasesFn>
   void RunChunks(BatchSummary& summary, PhasesFn phases) {
     summary.grad_weight_bound = 0.0;
-    for (int64_t r0 = 0; r0 < in_.num_tokens; r0 += chunk_rows_) {
-      const int64_t rows = std::min(chunk_rows_, in_.num_tokens - r0);
+    const bool by_sequence = sequence_ratio();
+    int64_t r0 = 0;
+    for (const int64_t end : TokenChunkEnds(in_.num_tokens, chunk_rows_,
+                                            by_sequence ? in_.ratio_sequence_lengths : nullptr,
+                                            by_sequence ? in_.num_ratio_sequences : 0)) {
+      const int64_t rows = end - r0;
       hidden32_ = static_cast<const float*>(in_.hidden) + r0 * h_;
       if (in_.hidden_dtype != DType::kFloat32) {
         ConvertToFloat(in_.hidden, in_.hidden_dtype, r0 * h_, rows * h_, buffers_.hidden32);
         hidden32_ = buffers_.hidden32;
       }
       phases(r0, rows);
+      r0 = end;
     }
     finisher_.Close(summary);
+  }
+
+  // Under sequence_ratio, log s of each sequence of the chunk's rows [r0, r0 + rows), which holds
+  // whole sequences, from the rows' complete statistics, into every row of the sequence.
+  void MeasureSequenceRatios(int64_t r0, int64_t rows) {
+    if (!sequence_ratio()) return;
+    const RowInputArrays& a = finisher_.arrays();
+    while (next_sequence_row_ < r0 + rows) {
+      const int64_t first = next_sequence_row_;
+      const int64_t end = first + in_.ratio_sequence_lengths[next_sequence_++];
+      SequenceLogRatio ratio;
+      for (int64_t row = first; row < end; ++row) {
+        if (RowCounted(a, finisher_.constants(), row)) {
+          ratio.Add(buffers_.stats[row - r0], a.sampling_logprobs[row]);
+        }
+      }
+      std::fill(sequence_log_ratios_.begin() + first, sequence_log_ratios_.begin() + end,
+                ratio.Value());
+      next_sequence_row_ = end;
+    }
   }
 
   // The chunk's student statistics and top-k lists emptied before the first tile.
@@ -205,6 +234,8 @@ class CpuChunkCall {
   }
 
   float* LogitsRow(int64_t r) const { return buffers_.logits + r * tile_cols_; }
+
+  bool sequence_ratio() const { return !sequence_log_ratios_.empty(); }
 
   // What dL/dW's bound needs of chunk row r once its hidden row is loaded.
   void NoteHiddenMaxAbs(int64_t r) const {
@@ -244,6 +275,7 @@ class CpuChunkCall {
   const LossOptions& options_;
   const TokenOutputs& out_;
   const ChunkBuffers buffers_;
+  std::vector<float> sequence_log_ratios_;  // [num_tokens] under sequence_ratio, else empty
   const RowFinisher finisher_;
   float* const grad_weight32_;
   const int64_t h_;
@@ -254,6 +286,8 @@ class CpuChunkCall {
   const bool gradients_;
   const bool logits_resident_;       // one tile holds the whole vocabulary
   const float* hidden32_ = nullptr;  // the chunk's hidden rows as fp32
+  int64_t next_sequence_ = 0;        // MeasureSequenceRatios' place in ratio_sequence_lengths
+  int64_t next_sequence_row_ = 0;
 };
 
 }  // namespace lossd::cpu

@@ -162,8 +162,12 @@ class ChunkedCompute::Impl {
     int64_t previous_rows = 0;
     int previous_slot = 0;
     int64_t chunk = 0;
-    for (int64_t r0 = 0; r0 < in_.num_tokens; r0 += chunk_rows_, ++chunk) {
-      const int64_t rows = std::min(chunk_rows_, in_.num_tokens - r0);
+    int64_t r0 = 0;
+    const bool by_sequence = options_.policy.sequence_ratio;
+    for (const int64_t end : TokenChunkEnds(in_.num_tokens, chunk_rows_,
+                                            by_sequence ? in_.ratio_sequence_lengths : nullptr,
+                                            by_sequence ? in_.num_ratio_sequences : 0)) {
+      const int64_t rows = end - r0;
       const int slot = static_cast<int>(chunk % 2);
       RETURN_IF_ERROR(SendInputs(slot, r0, rows));
       RETURN_IF_ERROR(ComputeChunk(slot, r0, rows));
@@ -173,6 +177,8 @@ class ChunkedCompute::Impl {
       previous_r0 = r0;
       previous_rows = rows;
       previous_slot = slot;
+      r0 = end;
+      ++chunk;
     }
     if (previous_r0 >= 0)
       RETURN_IF_ERROR(ReceiveGradHidden(previous_slot, previous_r0, previous_rows));
@@ -240,6 +246,12 @@ class ChunkedCompute::Impl {
     if (in_.reduction_scales != nullptr) {
       std::memcpy(h.reduction_scales, in_.reduction_scales + r0, rows * sizeof(double));
     }
+    // The chunk holds whole sequences (TokenChunkEnds): their ends, relative to its first row.
+    slot_sequences_[slot] = 0;
+    while (options_.policy.sequence_ratio && next_sequence_row_ < r0 + rows) {
+      next_sequence_row_ += in_.ratio_sequence_lengths[next_sequence_++];
+      h.sequence_ends[slot_sequences_[slot]++] = static_cast<int32_t>(next_sequence_row_ - r0);
+    }
     const TeacherInputs& t = in_.teacher;
     const size_t teacher_row_bytes = DTypeSize(t.hidden_dtype) * static_cast<size_t>(t.hidden_size);
     const size_t top_entries = static_cast<size_t>(rows) * t.top_k;
@@ -266,6 +278,8 @@ class ChunkedCompute::Impl {
     if (in_.reduction_scales != nullptr) {
       RETURN_IF_ERROR(ToDevice(d.reduction_scales, h.reduction_scales, rows * sizeof(double)));
     }
+    RETURN_IF_ERROR(
+        ToDevice(d.sequence_ends, h.sequence_ends, slot_sequences_[slot] * sizeof(int32_t)));
     if (t.dense()) {
       RETURN_IF_ERROR(ToDevice(d.teacher_hidden, h.teacher_hidden, rows * teacher_row_bytes));
     } else if (t.sparse()) {
@@ -405,7 +419,7 @@ class ChunkedCompute::Impl {
                                              ws_.d_constants, stream_));
       RETURN_IF_ERROR(RowTerms(d, rows));
     }
-    RETURN_IF_ERROR(FinishRows(d, rows));
+    RETURN_IF_ERROR(FinishRows(d, slot, rows));
     if (gradients_) RETURN_IF_ERROR(Gradients(d, slot, r0, rows));
     RETURN_IF_ERROR(
         Cuda(cudaEventRecord(context_.inputs_consumed[slot], stream_), "cudaEventRecord"));
@@ -454,7 +468,7 @@ class ChunkedCompute::Impl {
 
   // The rows' results, gradient constants and gradient bounds, on the device, from the chunk's
   // own copies of the per-row inputs (those the call has).
-  absl::Status FinishRows(const ChunkBuffers& d, int64_t rows) {
+  absl::Status FinishRows(const ChunkBuffers& d, int slot, int64_t rows) {
     RowInputArrays arrays;
     arrays.labels = in_.labels != nullptr ? d.labels : nullptr;
     arrays.token_weights = in_.token_weights != nullptr ? d.token_weights : nullptr;
@@ -463,6 +477,12 @@ class ChunkedCompute::Impl {
     arrays.reference_logprobs = in_.reference_logprobs != nullptr ? d.reference_logprobs : nullptr;
     arrays.logprob_grads = in_.logprob_grads != nullptr ? d.logprob_grads : nullptr;
     arrays.reduction_scales = in_.reduction_scales != nullptr ? d.reduction_scales : nullptr;
+    if (options_.policy.sequence_ratio) {
+      RETURN_IF_ERROR(LaunchSequenceLogRatios(slot_sequences_[slot], d.sequence_ends, arrays,
+                                              finisher_.constants(), ws_.d_stats,
+                                              ws_.d_sequence_log_ratios, stream_));
+      arrays.sequence_log_ratios = ws_.d_sequence_log_ratios;
+    }
     if (distill_) {
       return LaunchFinishDistillRows(
           rows, arrays, finisher_.constants(), options_.distill, in_.teacher.dense(), ws_.d_stats,
@@ -592,6 +612,11 @@ class ChunkedCompute::Impl {
   // The caller's rows, or its dL/dh, in page-locked memory: copied directly, not staged.
   const bool rows_page_locked_;
   const bool grad_hidden_page_locked_;
+  // Under sequence_ratio: SendInputs' place in ratio_sequence_lengths, and each slot's count of
+  // sequences.
+  int64_t next_sequence_ = 0;
+  int64_t next_sequence_row_ = 0;
+  int64_t slot_sequences_[2] = {};
   Matrix hidden_{};          // the chunk's hidden rows in the product dtype
   Matrix teacher_hidden_{};  // a dense teacher's, in its product dtype
 };

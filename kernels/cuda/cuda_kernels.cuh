@@ -115,6 +115,14 @@ absl::Status LaunchFinishRows(int64_t rows, const RowInputArrays& d_arrays,
                               RowResult* d_results, RowGradient* d_row_grads, double* d_bounds,
                               cudaStream_t stream);
 
+// Under sequence_ratio, for each sequence s of a chunk (rows [d_sequence_ends[s - 1],
+// d_sequence_ends[s]), the first from 0) log s of its counted rows (SequenceLogRatio, in row order
+// as on the CPU) into d_log_ratios of every row of it.
+absl::Status LaunchSequenceLogRatios(int64_t num_sequences, const int32_t* d_sequence_ends,
+                                     const RowInputArrays& d_arrays,
+                                     const RowFinishConstants& constants, const RowStats* d_stats,
+                                     float* d_log_ratios, cudaStream_t stream);
+
 // d_constants[r] = MakeDistillRowConstants(d_stats[r], options).
 absl::Status LaunchDistillConstants(int64_t rows, const DistillStats* d_stats,
                                     const DistillOptions& options, DistillRowConstants* d_constants,

@@ -55,6 +55,7 @@ ChunkBuffers CarveChunkBuffers(WorkspaceArena& arena, const ProblemShape& s, int
     b.teacher_logprobs = arena.Take<float>(rows * t.top_k);
     b.sparse_rows = arena.Take<SparseTeacherRow>(rows);
   }
+  if (s.sequence_ratio) b.sequence_ends = arena.Take<int32_t>(rows);
   return b;
 }
 
@@ -91,6 +92,7 @@ CudaWorkspace CarveCudaWorkspace(WorkspaceArena& arena, const ProblemShape& s, i
     }
   }
   w.d_stats = arena.Take<RowStats>(rows);
+  if (s.sequence_ratio) w.d_sequence_log_ratios = arena.Take<float>(rows);
   if (s.top_k > 0) {
     w.d_top_values = arena.Take<float>(rows * s.top_k);
     w.d_top_tokens = arena.Take<int32_t>(rows * s.top_k);

@@ -93,6 +93,7 @@ struct ChunkBuffers {
   int32_t* teacher_tokens;        // sparse teacher: [Nc, k_t]
   float* teacher_logprobs;        // [Nc, k_t]
   SparseTeacherRow* sparse_rows;  // [Nc] what the sparse teacher gives outside its top-k
+  int32_t* sequence_ends;  // sequence_ratio: [Nc] the end row of each of the chunk's sequences
 };
 ChunkBuffers CarveChunkBuffers(WorkspaceArena& arena, const ProblemShape& shape, int64_t rows);
 
@@ -111,6 +112,7 @@ struct CudaWorkspace {
   float* d_grad_hidden32;               // [Nc, H] dL/dh wanted in 16 bits
   void* d_grad_hidden_out[2];           // [Nc, H] in grad_hidden_dtype
   RowStats* d_stats;                    // [Nc]
+  float* d_sequence_log_ratios;         // [Nc] sequence_ratio: log s of each row's sequence
   float* d_top_values;                  // [Nc, k], best first
   int32_t* d_top_tokens;                // [Nc, k]
   RowResult* d_results;                 // [Nc]

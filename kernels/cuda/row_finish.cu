@@ -38,6 +38,36 @@ absl::Status LaunchFinishRows(int64_t rows, const RowInputArrays& d_arrays,
   return CheckLaunch("FinishRowsKernel");
 }
 
+// One thread per sequence: a sequence's log-ratio sums its rows in order, as the CPU's does, and
+// sequences are short next to the chunk's GEMMs.
+static __global__ void SequenceLogRatiosKernel(int64_t num_sequences,
+                                               const int32_t* d_sequence_ends,
+                                               RowInputArrays arrays, RowFinishConstants constants,
+                                               const RowStats* d_stats, float* d_log_ratios) {
+  for (int64_t s = GlobalThread(); s < num_sequences; s += GridStride()) {
+    const int64_t first = s == 0 ? 0 : d_sequence_ends[s - 1];
+    const int64_t end = d_sequence_ends[s];
+    SequenceLogRatio ratio;
+    for (int64_t row = first; row < end; ++row) {
+      if (RowCounted(arrays, constants, row)) {
+        ratio.Add(d_stats[row], arrays.sampling_logprobs[row]);
+      }
+    }
+    const float value = ratio.Value();
+    for (int64_t row = first; row < end; ++row) d_log_ratios[row] = value;
+  }
+}
+
+absl::Status LaunchSequenceLogRatios(int64_t num_sequences, const int32_t* d_sequence_ends,
+                                     const RowInputArrays& d_arrays,
+                                     const RowFinishConstants& constants, const RowStats* d_stats,
+                                     float* d_log_ratios, cudaStream_t stream) {
+  if (num_sequences == 0) return absl::OkStatus();
+  SequenceLogRatiosKernel<<<GridFor(num_sequences, kFinishThreads), kFinishThreads, 0, stream>>>(
+      num_sequences, d_sequence_ends, d_arrays, constants, d_stats, d_log_ratios);
+  return CheckLaunch("SequenceLogRatiosKernel");
+}
+
 static __global__ void DistillConstantsKernel(int64_t rows, const DistillStats* d_stats,
                                               DistillOptions options,
                                               DistillRowConstants* d_constants) {

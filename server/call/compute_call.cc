@@ -178,6 +178,7 @@ class ComputeCall {
     layout.hidden_size = spec_.hidden_size;
     layout.dtype = spec_.hidden_dtype;
     layout.chunk_rows = plan_.token_chunk;
+    layout.chunk_ends = chunk_ends_;
     if (spec_.teacher != nullptr) {
       layout.side.push_back(
           {SideField::kTeacherHidden,
@@ -206,7 +207,7 @@ class ComputeCall {
       absl::StrAppend(&message, " and ", staging_bytes_, " for the ", head.vocab_size(), " x ",
                       head.hidden_size(), " fp32 staging dL/dW of head '", head.name(), "'");
     }
-    if (!spec_.ratio_sequences.empty()) {
+    if (measure_ratios_first_) {
       absl::StrAppend(&message, " and ", spec_.num_tokens * spec_.hidden_row_bytes(),
                       " for the rows a gspo call keeps between its two passes");
     }
@@ -263,14 +264,26 @@ class ComputeCall {
       shape.teacher.kind = TeacherKind::kSparse;
       shape.teacher.top_k = spec_.teacher_top_k;
     }
+    shape.sequence_ratio = !spec_.ratio_sequences.empty();
     ASSIGN_OR_RETURN(plan_, env_.backend->Plan(shape, env_.limits.workspace_budget_bytes));
+    // gspo: where every sequence fits in an engine chunk, the engine measures each sequence's
+    // ratio and finishes its rows in the chunk's one pass (chunks cut at sequence ends); a longer
+    // sequence needs the two passes of MeasureRatiosThenCompute.
+    const int64_t* sequences = spec_.ratio_sequences.data();
+    const int64_t num_sequences = static_cast<int64_t>(spec_.ratio_sequences.size());
+    measure_ratios_first_ =
+        shape.sequence_ratio && LongestSequence(sequences, num_sequences) > plan_.token_chunk;
+    spec_.options.policy.sequence_ratio = shape.sequence_ratio && !measure_ratios_first_;
+    chunk_ends_ =
+        spec_.options.policy.sequence_ratio
+            ? TokenChunkEnds(spec_.num_tokens, plan_.token_chunk, sequences, num_sequences)
+            : TokenChunkEnds(spec_.num_tokens, plan_.token_chunk);
     staging_bytes_ = shape.grad_weight ? head.vocab_size() * head.hidden_size() * sizeof(float) : 0;
     admitted_bytes_ = static_cast<int64_t>(plan_.workspace_bytes + staging_bytes_);
-    // A gspo call keeps its rows between its two passes (MeasureRatiosThenCompute): they count
-    // against the server's budget like its workspace, so that a call of millions of rows is
-    // refused as over budget instead of exhausting the host's memory.
-    if (!spec_.ratio_sequences.empty())
-      admitted_bytes_ += spec_.num_tokens * spec_.hidden_row_bytes();
+    // A gspo call in two passes keeps its rows between them: they count against the server's
+    // budget like its workspace, so that a call of millions of rows is refused as over budget
+    // instead of exhausting the host's memory.
+    if (measure_ratios_first_) admitted_bytes_ += spec_.num_tokens * spec_.hidden_row_bytes();
     return absl::OkStatus();
   }
 
@@ -307,8 +320,8 @@ class ComputeCall {
     // once, every engine chunk that adds to dL/dW is computed from a private copy of its rows, so
     // that the finiteness check and dL/dW see the same values. A call without dL/dW writes only
     // into its own results, which a client racing its own rows can spoil for itself alone.
-    // A gspo call keeps a copy of all its rows (MeasureRatiosThenCompute).
-    if (spec_.shared_memory.has_value() && spec_.num_tokens > 0 && spec_.ratio_sequences.empty() &&
+    // A gspo call in two passes keeps a copy of all its rows (MeasureRatiosThenCompute).
+    if (spec_.shared_memory.has_value() && spec_.num_tokens > 0 && !measure_ratios_first_ &&
         spec_.outputs.accumulate_grad_weight() &&
         !env_.backend->ReadsRowsOnce(spec_.hidden_dtype)) {
       const int64_t rows = std::min(plan_.token_chunk, spec_.num_tokens);
@@ -355,10 +368,10 @@ class ComputeCall {
   // Computes each engine chunk as soon as its rows are in, while the reader takes the next; rows
   // in shared memory are computed where they lie, or from a copy (AllocateBuffers).
   absl::Status ReceiveAndCompute() {
-    if (!spec_.ratio_sequences.empty()) return MeasureRatiosThenCompute();
+    if (measure_ratios_first_) return MeasureRatiosThenCompute();
     if (spec_.shared_memory.has_value()) {
-      for (int64_t first = 0; first < spec_.num_tokens; first += plan_.token_chunk) {
-        const int64_t rows = std::min(plan_.token_chunk, spec_.num_tokens - first);
+      for (int64_t first = 0; const int64_t end : chunk_ends_) {
+        const int64_t rows = end - first;
         const uint8_t* chunk_rows = shared_memory_.hidden() + first * spec_.hidden_row_bytes();
         if (shared_rows_copy_.held()) {
           void* copy = shared_rows_copy_.buffer().data();
@@ -366,6 +379,7 @@ class ComputeCall {
           chunk_rows = static_cast<const uint8_t*>(copy);
         }
         RETURN_IF_ERROR(ComputeChunk({chunk_rows, first, rows}));
+        first = end;
       }
       return absl::OkStatus();
     }
@@ -379,12 +393,14 @@ class ComputeCall {
     return reader_->Finish();
   }
 
-  // OBJECTIVE_GSPO. A first pass, forward only, takes each row's logp_t as the rows arrive and
-  // keeps the rows; each sequence's log s_i, the mean over its counted rows of logp_t - q_t, then
-  // makes the call ppo's against q'_t = logp_t - log s_i, whose ratio on every token of the
-  // sequence is s_i with d r / d logp_t = r (GSPO-token's stop-gradient form); the second pass
-  // computes that from the kept rows. Both passes read the same kept bytes, so the ratios and the
-  // gradients see the same rows even where the client rewrites its shared memory meanwhile.
+  // OBJECTIVE_GSPO with a sequence longer than an engine chunk (shorter ones take the engine's
+  // single pass, PolicyOptions::sequence_ratio). A first pass, forward only, takes each row's
+  // logp_t as the rows arrive and keeps the rows; each sequence's log s_i, the mean over its
+  // counted rows of logp_t - q_t, then makes the call ppo's against q'_t = logp_t - log s_i, whose
+  // ratio on every token of the sequence is s_i with d r / d logp_t = r (GSPO-token's stop-gradient
+  // form); the second pass computes that from the kept rows. Both passes read the same kept bytes,
+  // so the ratios and the gradients see the same rows even where the client rewrites its shared
+  // memory meanwhile.
   absl::Status MeasureRatiosThenCompute() {
     const int64_t n = spec_.num_tokens;
     const int64_t row_bytes = spec_.hidden_row_bytes();
@@ -505,6 +521,12 @@ class ComputeCall {
     in.reference_logprobs = rows_of(spec_.reference_logprobs);
     in.logprob_grads = rows_of(spec_.logprob_grads);
     in.reduction_scales = rows_of(spec_.reduction_scales);
+    if (spec_.options.policy.sequence_ratio) {  // the chunk holds whole sequences (chunk_ends_)
+      in.ratio_sequence_lengths = spec_.ratio_sequences.data() + next_ratio_sequence_;
+      for (int64_t covered = 0; covered < rows; ++in.num_ratio_sequences) {
+        covered += spec_.ratio_sequences[next_ratio_sequence_++];
+      }
+    }
     if (spec_.teacher != nullptr) {
       in.teacher.hidden = chunk.side_rows[0];
       in.teacher.hidden_dtype = spec_.teacher_hidden_dtype;
@@ -786,6 +808,11 @@ class ComputeCall {
   PendingCharge pending_;  // host memory held until admission
   ProblemShape shape_;
   ChunkPlan plan_;
+  // The engine chunks' end rows: every plan_.token_chunk rows, or for a gspo call in one pass,
+  // cut at sequence ends.
+  std::vector<int64_t> chunk_ends_;
+  bool measure_ratios_first_ = false;  // gspo in two passes: a sequence outgrows an engine chunk
+  int64_t next_ratio_sequence_ = 0;    // the first sequence of the next chunk, in one pass
   size_t staging_bytes_ = 0;
   int64_t admitted_bytes_ = 0;
   Admission admission_;

@@ -100,8 +100,18 @@ RowReader::~RowReader() {
   Stop(absl::CancelledError("the call ended before its rows were all read"));
 }
 
+int64_t RowReader::ChunkFirstRow(int64_t chunk) const {
+  if (layout_.chunk_ends.empty()) return chunk * layout_.chunk_rows;
+  return chunk == 0 ? 0
+                    : layout_.chunk_ends[std::min<size_t>(chunk, layout_.chunk_ends.size()) - 1];
+}
+
 int64_t RowReader::RowsInChunk(int64_t chunk) const {
-  return std::min(layout_.chunk_rows, layout_.num_tokens - chunk * layout_.chunk_rows);
+  if (layout_.chunk_ends.empty()) {
+    return std::min(layout_.chunk_rows, layout_.num_tokens - chunk * layout_.chunk_rows);
+  }
+  if (chunk >= static_cast<int64_t>(layout_.chunk_ends.size())) return 0;
+  return layout_.chunk_ends[chunk] - ChunkFirstRow(chunk);
 }
 
 void RowReader::ReadAll() {
@@ -250,7 +260,7 @@ absl::StatusOr<RowChunk> RowReader::Next() {
     return filled_ > taken_ || done_;
   };
   if (!mu_.AwaitWithTimeout(absl::Condition(&ready_or_done), idle_limit_)) {
-    const int64_t first = taken_ * layout_.chunk_rows;
+    const int64_t first = ChunkFirstRow(taken_);
     return StreamIdleError(absl::StrCat("rows [", first, ", ", first + RowsInChunk(taken_), ")"),
                            idle_limit_);
   }
@@ -260,7 +270,7 @@ absl::StatusOr<RowChunk> RowReader::Next() {
     return absl::InternalError("RowReader::Next called after the call's last chunk");
   }
   const int64_t chunk = taken_++;
-  RowChunk rows{BufferOf(chunk), chunk * layout_.chunk_rows, RowsInChunk(chunk), {}};
+  RowChunk rows{BufferOf(chunk), ChunkFirstRow(chunk), RowsInChunk(chunk), {}};
   for (size_t s = 0; s < layout_.side.size(); ++s) {
     rows.side_rows[s] = BufferOf(chunk, static_cast<int>(s) + 1);
   }

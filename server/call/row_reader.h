@@ -51,7 +51,10 @@ struct RowLayout {
   int64_t num_tokens = 0;   // rows the call announced
   int64_t hidden_size = 0;  // values per row
   DType dtype = DType::kFloat32;
-  int64_t chunk_rows = 1;        // rows per buffer; the last chunk holds what is left
+  int64_t chunk_rows = 1;  // rows per buffer; the last chunk holds what is left
+  // The chunks' end rows when they differ in size (each at most chunk_rows; the last num_tokens),
+  // as TokenChunkEnds gives them for chunks that keep sequences whole; empty: every chunk_rows.
+  std::vector<int64_t> chunk_ends;
   std::vector<SideStream> side;  // at most kMaxSideStreams; a message without them is refused
 };
 
@@ -128,6 +131,7 @@ class RowReader {
   // Waits until the buffer for chunk filling_chunk_ is free again, holding `request` meanwhile
   // (counted as pending memory before admission); CANCELLED if told to stop.
   absl::Status WaitForFreeBuffer(const v1::ComputeRequest& request);
+  int64_t ChunkFirstRow(int64_t chunk) const;
   int64_t RowsInChunk(int64_t chunk) const;
 
   ComputeStream& stream_;

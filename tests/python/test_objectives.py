@@ -293,13 +293,18 @@ def verl_gspo_loss(hidden, weight, labels, q, a, lengths):
     return loss.detach(), h.grad, w.grad, ratio.detach(), (losses2 > losses1) & mask.bool()
 
 
+@pytest.mark.parametrize("long_sequence", [False, True], ids=["one_pass", "two_passes"])
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["messages", "shared_memory"])
-def test_gspo_matches_verl(client, head, shared_memory):
+def test_gspo_matches_verl(client, head, shared_memory, long_sequence):
     """GSPO-token: each sequence's ratio the geometric mean of its tokens', set per sequence on
-    both sides of the clip bounds; advantages vary within sequences (GSPO-token's generality);
-    sequences cross the server's engine chunks."""
+    both sides of the clip bounds; advantages vary within sequences (GSPO-token's generality).
+    Sequences of at most 60 rows fit the server's engine chunks of 64 rows (1 MiB of workspace
+    at this head), which then end at sequence ends and finish each sequence in one pass; a
+    sequence of 150 rows makes the call measure every ratio in a pass of its own first."""
     rng = np.random.default_rng()
     hidden, labels, lengths, weight, exact_logp = policy_batch(head, rng)
+    if long_sequence:
+        lengths = sequences(NUM_TOKENS - 150, rng) + [150]
     # Token log-ratios that scatter around their sequence's target, centred on it over the
     # sequence's counted tokens, so that s_i is the target itself.
     counted = (labels != -100).numpy()
@@ -353,20 +358,25 @@ def test_gspo_refuses_what_it_cannot_compute_by_name(client, head, extra, named)
     assert named in error.value.message
 
 
-def test_gspo_counts_the_rows_it_keeps_against_the_budget():
-    """A gspo call keeps its rows between its passes: 16384 rows of 64 fp32 values (4 MiB) do not
-    fit a 3 MiB compute budget, which the same rows as a ppo call fit (1 MiB of workspace)."""
+def test_gspo_keeps_rows_only_for_sequences_longer_than_a_chunk():
+    """Sequences that fit an engine chunk take gspo's single pass and need no more memory than
+    ppo: 16384 rows of 64 fp32 values in sequences of 256 fit a 3 MiB compute budget (1 MiB of
+    workspace). One sequence of all 16384 rows outgrows every chunk (at most 4096 rows on the
+    CPU): the call then keeps its rows (4 MiB) between two passes, counted against the budget."""
     rows = 16384
     hidden = np.random.default_rng().standard_normal((rows, 64)).astype(np.float32)
     labels = np.arange(rows) % 100
     inputs = dict(sampling_logprobs=np.full(rows, -5.0, np.float32),
-                  advantages=np.ones(rows, np.float32), sequence_lengths=[256] * (rows // 256))
+                  advantages=np.ones(rows, np.float32))
     with demo_server(100, 64, "--workspace_budget_mib=1", "--compute_memory_mib=3") as server:
         with lossd.Client(server.address, timeout=600) as small:
-            assert small.compute("demo", hidden, labels, objective="ppo", **inputs).counted_tokens \
-                == rows
+            for objective in ("ppo", "gspo"):
+                result = small.compute("demo", hidden, labels, objective=objective,
+                                       sequence_lengths=[256] * (rows // 256), **inputs)
+                assert result.counted_tokens == rows
             with pytest.raises(lossd.LossdError) as error:
-                small.compute("demo", hidden, labels, objective="gspo", **inputs)
+                small.compute("demo", hidden, labels, objective="gspo", sequence_lengths=[rows],
+                              **inputs)
     assert error.value.code == "RESOURCE_EXHAUSTED"
     assert f"{rows * 64 * 4} for the rows a gspo call keeps" in error.value.message
 

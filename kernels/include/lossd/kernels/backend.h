@@ -95,6 +95,9 @@ struct ProblemShape {
   int top_k = 0;
   // LossOptions::exact_gradients: a GPU backend's 16-bit products then hold dL/da in two halves.
   bool exact_gradients = false;
+  // PolicyOptions::sequence_ratio: chunks end at sequence ends, and each keeps its rows'
+  // log-ratios.
+  bool sequence_ratio = false;
   // With a teacher every chunk holds two logits tiles, the student's and the teacher's, and the
   // workspace both of them.
   TeacherShape teacher;

@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "lossd/kernels/backend.h"
 #include "lossd/kernels/distill_math.h"
 #include "lossd/kernels/loss_math.h"
@@ -62,7 +63,19 @@ absl::Status ValidateSparseTeacher(const TeacherInputs& teacher, int64_t count, 
 // OK when sequence_lengths[0 .. num_sequences) are each >= 1 and sum to num_tokens (no lengths:
 // OK, whatever num_tokens). INVALID_ARGUMENT names the first length at fault.
 absl::Status ValidateSequenceLengths(const int64_t* sequence_lengths, int64_t num_sequences,
-                                     int64_t num_tokens);
+                                     int64_t num_tokens,
+                                     absl::string_view field = "sequence_lengths");
+
+// The end rows of a batch's token chunks of at most chunk_rows rows each, in order, the last one
+// num_tokens: every chunk_rows rows, or given the batch's sequences (valid lengths), as many whole
+// sequences as fit in each chunk, so that no sequence is split (what a chunk that finishes a
+// sequence's rows together needs: PolicyOptions::sequence_ratio). A sequence longer than
+// chunk_rows is a chunk of its own; the caller checks with LongestSequence first.
+std::vector<int64_t> TokenChunkEnds(int64_t num_tokens, int64_t chunk_rows,
+                                    const int64_t* sequence_lengths = nullptr,
+                                    int64_t num_sequences = 0);
+// The longest of the lengths (0 when there are none).
+int64_t LongestSequence(const int64_t* sequence_lengths, int64_t num_sequences);
 
 // Next-token labels, as a causal LM's loss takes them: within each sequence (valid lengths; none:
 // all rows are one) labels[i] <- labels[i + 1], and the last row of each gets ignore_index.

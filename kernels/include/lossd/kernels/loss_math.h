@@ -221,10 +221,11 @@ inline LossTerms MakeLossTerms(const LossOptions& options, int64_t vocab_size) {
 
 // A row's per-token inputs of the objectives (0 where the call has none).
 struct RowInputs {
-  double sampling_logprob = 0.0;   // q
-  double advantage = 0.0;          // A
-  double reference_logprob = 0.0;  // logp_ref
-  double logprob_grad = 0.0;       // g of logprob_gradient
+  double sampling_logprob = 0.0;    // q
+  double advantage = 0.0;           // A
+  double reference_logprob = 0.0;   // logp_ref
+  double logprob_grad = 0.0;        // g of logprob_gradient
+  double sequence_log_ratio = 0.0;  // log s of the row's sequence, under sequence_ratio
 };
 
 // An objective's term at logp, and its derivative d = dterm/dlogp.
@@ -236,7 +237,8 @@ struct ObjectiveTerm {
   ClipState clip = ClipState::kNone;
 };
 
-// The term of a non-cross-entropy objective (types.h). With r = e^(logp - q), dr/dlogp = r:
+// The term of a non-cross-entropy objective (types.h). With r = e^(logp - q), dr/dlogp = r (and
+// under sequence_ratio r = s, its sequence's, with the same dr/dlogp = r):
 // importance sampling d = -r A; ppo d = -r A where the unclipped branch is taken and 0 where the
 // clipped one or the dual-clip bound is (both constant in logp); cispo d = -clip(r) A, its weight
 // held constant; dro d = -(A - beta (logp - q)); sapo d = -4 s (1 - s) r A.
@@ -255,7 +257,7 @@ LOSSD_HD ObjectiveTerm PolicyObjectiveTerm(Objective objective, double logprob, 
     return t;
   }
   const double a = in.advantage;
-  double log_ratio = logprob - in.sampling_logprob;
+  double log_ratio = p.sequence_ratio ? in.sequence_log_ratio : logprob - in.sampling_logprob;
   // dr/dlogp = r, or 0 where the clamp holds r at e^(+-c) (torch.clamp's gradient).
   double r_slope = 1.0;
   if (p.log_ratio_clamp > 0.0 &&
@@ -376,6 +378,26 @@ LOSSD_HD RowSummary SummarizeRow(const RowStats& s, int64_t vocab_size) {
   r.logprob = (static_cast<double>(s.target) - s.max) - r.log_sum;
   return r;
 }
+
+// z_y - lse of a row, as SummarizeRow computes it.
+LOSSD_HD double RowLogprob(const RowStats& s) {
+  return (static_cast<double>(s.target) - s.max) - std::log(static_cast<double>(s.sum_exp));
+}
+
+// GSPO's log s = (1 / |C|) sum_{t in C} (logp_t - q_t) over a sequence's counted rows C (0 when
+// none count): a sequence's rows add their terms in row order, then Value divides. The same
+// sums on every backend, in double.
+struct SequenceLogRatio {
+  double sum = 0.0;
+  int64_t counted = 0;
+  LOSSD_HD void Add(const RowStats& stats, double sampling_logprob) {
+    sum += RowLogprob(stats) - sampling_logprob;
+    ++counted;
+  }
+  LOSSD_HD float Value() const {
+    return counted > 0 ? static_cast<float>(sum / static_cast<double>(counted)) : 0.0f;
+  }
+};
 
 // A row's results before its terms: its lse and entropy, the rest 0.
 LOSSD_HD RowResult StartRowResult(const RowSummary& summary) {
@@ -536,7 +558,8 @@ struct RowInputArrays {
   const float* advantages = nullptr;
   const float* reference_logprobs = nullptr;
   const float* logprob_grads = nullptr;
-  const double* reduction_scales = nullptr;  // a sequence reduction's per-row factors
+  const double* reduction_scales = nullptr;    // a sequence reduction's per-row factors
+  const float* sequence_log_ratios = nullptr;  // sequence_ratio: log s of each row's sequence
 };
 
 // What finishing any row of a call needs beside its own inputs, resolved once from its options.
@@ -568,6 +591,7 @@ LOSSD_HD RowInputs RowInputsAt(const RowInputArrays& a, int64_t row) {
   in.advantage = a.advantages != nullptr ? a.advantages[row] : 0.0;
   in.reference_logprob = a.reference_logprobs != nullptr ? a.reference_logprobs[row] : 0.0;
   in.logprob_grad = a.logprob_grads != nullptr ? a.logprob_grads[row] : 0.0;
+  in.sequence_log_ratio = a.sequence_log_ratios != nullptr ? a.sequence_log_ratios[row] : 0.0;
   return in;
 }
 

@@ -109,6 +109,12 @@ struct PolicyOptions {
   double dro_beta = 0.0;            // dro: the quadratic penalty's beta >= 0 (Tinker's "beta")
   double sapo_tau_positive = 1.0;   // sapo: the gate's temperature where A > 0 (verl's 1.0)
   double sapo_tau_negative = 1.05;  // sapo: where A <= 0 (verl's 1.05)
+  // GSPO-token (ppo only): every counted row's ratio is its sequence's, s = exp of the mean of
+  // logp_t - q_t over the sequence's counted rows, with dr/dlogp_t = r (the stop-gradient form, so
+  // that each token's advantage weighs its own gradient); BatchInputs::ratio_sequence_lengths says
+  // which rows make a sequence. A sequence's ratio needs all its rows' statistics before any of
+  // their gradients, so no sequence may be longer than the call's token chunk.
+  bool sequence_ratio = false;
 };
 
 // What a sparse teacher's distribution does with the mass outside its top-k (DistillOptions).
@@ -218,6 +224,10 @@ struct BatchInputs {
   // [num_tokens] with a sequence reduction: each row's factor in the reduced loss, 1 / S or
   // 1 / (S L_s), as SequenceReductionScales computes them for the whole batch.
   const double* reduction_scales = nullptr;
+  // With PolicyOptions::sequence_ratio: the batch's rows as consecutive sequences, by length
+  // (each >= 1, summing to num_tokens).
+  const int64_t* ratio_sequence_lengths = nullptr;
+  int64_t num_ratio_sequences = 0;
   TeacherInputs teacher;  // distill only
 };
 
