@@ -298,7 +298,7 @@ class Runner:
 
     def lossctl_bench(self, address, head, tokens, streams=1, dtype="float32", accumulate=True,
                       warmup=1, warmup_tokens=WARM_UP_TOKENS, rows_per_message=0,
-                      shared_memory=False, in_place=False):
+                      shared_memory=False, in_place=False, shared_rows_per_piece=0):
         """One batch of `tokens` rows, split over `streams` concurrent calls, after `warmup` calls
         of `warmup_tokens` rows (0: the whole batch)."""
         argv = [os.path.join(self.bin, "lossctl"), f"--server={address}", "bench",
@@ -312,6 +312,8 @@ class Runner:
             argv.append("--shared_memory")
         if in_place:
             argv.append("--in_place")
+        if shared_rows_per_piece:
+            argv.append(f"--shared_rows_per_piece={shared_rows_per_piece}")
         code, out, err, rss = self.launch(argv)
         if code != 0:
             return {"error": failure(err, code)}, rss

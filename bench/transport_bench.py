@@ -8,10 +8,14 @@ each way is the transport's. Measured beside each other:
   memcpy         single-thread copy bandwidth (numpy), the floor of shared memory
   grpc_echo      gRPC's own echo of the same bytes, C++ (bench/grpc_echo_bench)
   cpp_messages   lossd Compute from the C++ client (lossctl bench), rows and dL/dh in messages
-  cpp_shm        the same through a memfd shared with the server
+  cpp_shm        the same through a memfd shared with the server, the rows copied into it as the
+                 server says (before the start where it computes on the host's cores)
+  cpp_shm_rows_follow  the same with the rows copied after the start, 32 MiB at a time, each piece
+                 announced once in place (SharedMemory.rows_follow), whatever the server says
   cpp_shm_in_place  the rows in a SharedRegion and dL/dh lent where the server wrote it (lossctl
                  bench --in_place): no copy on either side
-  python_messages, python_shm   the same from the Python client (lossd.Client.compute)
+  python_messages, python_shm, python_shm_rows_follow   the same from the Python client
+                 (lossd.Client.compute)
   python_shm_shared_array       the Python client with its rows in a Client.shared_array
 each for float32 and bfloat16 rows, from 1 and several concurrent callers; then GB/s against the
 message size (rows per message) for both clients' messages, the plot gbps_vs_message_size.png;
@@ -46,6 +50,7 @@ MESSAGE_MIB = (0.25, 1, 4, 16, 64)
 TCP_BYTES = 1 << 30
 TCP_BUFFER = 4 * MIB
 TRAINING_SHAPE = (32000, 2048, 2048)  # V, H, N of the CPU benchmark's first shape
+FOLLOWING_PIECE_BYTES = 32 * MIB  # the clients' pieces where the server says rows_follow pays
 
 
 # --- raw TCP ---------------------------------------------------------------------------------------
@@ -105,10 +110,11 @@ def tcp_gbps(directions):
 # --- the Python client ------------------------------------------------------------------------------
 
 def python_compute(address, tokens, dtype, callers, shared_memory, rows_per_message=None,
-                   calls=3, shared_array=False):
+                   calls=3, shared_array=False, rows_per_piece=None):
     """Seconds of the fastest of `calls` rounds, each `callers` concurrent compute() calls of
     tokens / callers rows with dL/dh, and the tensor bytes each way of a round. shared_array:
-    each caller's rows lie in a Client.shared_array, read by the server where they are."""
+    each caller's rows lie in a Client.shared_array, read by the server where they are.
+    rows_per_piece: rows copied into shared memory after the start, this many at a time."""
     import numpy as np
 
     import lossd
@@ -129,7 +135,8 @@ def python_compute(address, tokens, dtype, callers, shared_memory, rows_per_mess
 
     def one(client):
         client.compute("wire", rows_of[client], labels, outputs=["grad_hidden"],
-                       shared_memory=shared_memory, rows_per_message=rows_per_message)
+                       shared_memory=shared_memory, rows_per_message=rows_per_message,
+                       shared_rows_per_piece=rows_per_piece)
 
     def round_seconds():
         threads = [threading.Thread(target=one, args=(client,)) for client in clients]
@@ -172,25 +179,31 @@ def measure(args, record):
                 if "error" not in echo:
                     record(entry("grpc_echo", dtype, callers, echo["seconds"],
                                  echo["in_gbps"] * echo["seconds"] * 1e9))
-                for path, shared, in_place in (("cpp_messages", False, False),
-                                               ("cpp_shm", True, False),
-                                               ("cpp_shm_in_place", True, True)):
+                follow = FOLLOWING_PIECE_BYTES // (HIDDEN * DTYPES[dtype])
+                for path, shared, in_place, piece in (("cpp_messages", False, False, 0),
+                                                      ("cpp_shm", True, False, 0),
+                                                      ("cpp_shm_rows_follow", True, False, follow),
+                                                      ("cpp_shm_in_place", True, True, 0)):
                     result, _ = runner.lossctl_bench(server.address, "wire", tokens,
                                                      streams=callers, dtype=dtype,
                                                      accumulate=False, warmup=1,
                                                      warmup_tokens=0, shared_memory=shared,
-                                                     in_place=in_place)
+                                                     in_place=in_place,
+                                                     shared_rows_per_piece=piece)
                     if "error" in result:
                         record(dict(path=path, dtype=dtype, callers=callers,
                                     error=result["error"]))
                         continue
                     record(entry(path, dtype, callers, result["seconds"],
                                  result["hidden_bytes"]))
-                for path, shared, in_array in (("python_messages", False, False),
-                                               ("python_shm", True, False),
-                                               ("python_shm_shared_array", True, True)):
+                for path, shared, in_array, piece in (
+                        ("python_messages", False, False, None),
+                        ("python_shm", True, False, None),
+                        ("python_shm_rows_follow", True, False, follow),
+                        ("python_shm_shared_array", True, True, None)):
                     seconds, moved = python_compute(server.address, tokens, dtype, callers,
-                                                    shared, shared_array=in_array)
+                                                    shared, shared_array=in_array,
+                                                    rows_per_piece=piece)
                     record(entry(path, dtype, callers, seconds, moved))
         for mib in MESSAGE_MIB:
             rows = max(1, int(mib * MIB) // (HIDDEN * 4))
@@ -262,8 +275,9 @@ def report(out_dir, rows, machine, command):
         lines.append(f"| {mib} | {cpp or 0:.2f} | {python or 0:.2f} |")
     seconds = {row["path"]: row["seconds"] for row in rows if "shape" in row}
     lines.append("")
-    for remote in ("cpp_messages", "python_messages", "cpp_shm", "cpp_shm_in_place",
-                   "python_shm", "python_shm_shared_array"):
+    for remote in ("cpp_messages", "python_messages", "cpp_shm", "cpp_shm_rows_follow",
+                   "cpp_shm_in_place", "python_shm", "python_shm_rows_follow",
+                   "python_shm_shared_array"):
         row = by.get((remote, "float32", 1, None))
         if row and "engine_in_process" in seconds:
             lines.append(f"Remote over in-process (transport-bound, float32, one caller), "

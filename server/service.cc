@@ -794,6 +794,7 @@ grpc::Status LossService::GetSharedMemorySocket(grpc::ServerContext* context,
         options_.compute.allow_shared_memory && handover_socket_ != nullptr,
         IsLocalPeer(context->peer())));
     response->set_abstract_name(handover_socket_->abstract_name());
+    response->set_rows_follow_pays(!backend_.ComputesOnHostCores());
     return absl::OkStatus();
   });
 }

@@ -1669,6 +1669,7 @@ struct SharedMemoryCase {
   std::optional<client::DType> grad_dtype;
   double ignore_fraction;
   bool rows_in_region = false;  // the rows lie in a SharedRegion, 64 bytes from its start
+  int64_t rows_per_piece = 0;   // > 0: copied after the start, announced piece by piece
 };
 
 // Whether this process (the test server's side included) maps a memfd named `name` read-only.
@@ -1730,6 +1731,7 @@ TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
   ASSERT_TRUE(sent.ok()) << sent.status();
   request.head = by_memory;
   request.shared_memory = true;
+  request.shared_rows_per_piece = c.rows_per_piece;
   const absl::StatusOr<ComputeResult> shared = client.Compute(request);
   ASSERT_TRUE(shared.ok()) << shared.status();
   if (c.rows_in_region) {
@@ -1751,8 +1753,12 @@ TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
                                     sent->grad_hidden.bytes.size());
   }
   EXPECT_TRUE(shared_grad_hidden.bytes == sent->grad_hidden.bytes) << "dL/dh differs";
-  // Only the start message goes out; dL/dh does not come back in messages.
-  EXPECT_EQ(shared->messages_sent, 1);
+  // Only the start message goes out (and with rows that follow it, one announcement a piece); dL/dh
+  // does not come back in messages.
+  const int64_t pieces = c.rows_per_piece > 0 && c.rows_per_piece < c.rows
+                             ? (c.rows + c.rows_per_piece - 1) / c.rows_per_piece
+                             : 0;
+  EXPECT_EQ(shared->messages_sent, 1 + pieces);
   if (c.rows > 0) {
     EXPECT_LT(shared->bytes_received, sent->bytes_received);
   }
@@ -1791,7 +1797,13 @@ INSTANTIATE_TEST_SUITE_P(
         SharedMemoryCase{"fp32_rows_in_a_region", 300, client::DType::kFloat32, std::nullopt, 0.1,
                          true},
         SharedMemoryCase{"bf16_rows_in_a_region_fp32_grad", 300, client::DType::kBFloat16,
-                         client::DType::kFloat32, 0.1, true}),
+                         client::DType::kFloat32, 0.1, true},
+        // Rows copied after the start in pieces of 37 and 128 rows (SharedMemory.rows_follow),
+        // ending inside and across engine chunks.
+        SharedMemoryCase{"fp32_rows_follow", 300, client::DType::kFloat32, std::nullopt, 0.1, false,
+                         37},
+        SharedMemoryCase{"bf16_rows_follow", 300, client::DType::kBFloat16, client::DType::kFloat32,
+                         0.1, false, 128}),
     [](const ::testing::TestParamInfo<SharedMemoryCase>& info) {
       return std::string(info.param.name);
     });

@@ -82,6 +82,7 @@ absl::StatusOr<ChunkPlan> ForwardingBackend::Plan(const ProblemShape& shape,
 bool ForwardingBackend::ReadsRowsOnce(DType hidden_dtype) const {
   return inner_->ReadsRowsOnce(hidden_dtype);
 }
+bool ForwardingBackend::ComputesOnHostCores() const { return inner_->ComputesOnHostCores(); }
 absl::StatusOr<BatchSummary> ForwardingBackend::Compute(
     const BatchInputs& inputs, const WeightView& weight, const LossOptions& options,
     const TokenOutputs& outputs, DeviceBuffer* grad_weight, DeviceBuffer& workspace) {
@@ -125,6 +126,31 @@ void AddToken(grpc::ClientContext& context, const std::string& token) {
   if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
 }
 
+// Reads a Compute call's responses into `outcome` until the stream ends, then its status.
+void ReadOutcome(grpc::ClientReaderWriter<v1::ComputeRequest, v1::ComputeResponse>& stream,
+                 ComputeOutcome& outcome) {
+  v1::ComputeResponse response;
+  while (stream.Read(&response)) {
+    if (response.has_summary()) {
+      outcome.summary = response.summary();
+      continue;
+    }
+    const v1::ComputeResult& r = response.result();
+    ++outcome.result_messages;
+    Append(outcome.token_loss, r.token_loss());
+    Append(outcome.logprob, r.logprob());
+    Append(outcome.lse, r.lse());
+    Append(outcome.entropy, r.entropy());
+    Append(outcome.argmax, r.argmax());
+    Append(outcome.top_k_logprob, r.top_k_logprob());
+    Append(outcome.top_k_token, r.top_k_token());
+    Append(outcome.kd, r.kd());
+    Append(outcome.ce, r.ce());
+    outcome.grad_hidden += r.grad_hidden();
+  }
+  outcome.status = stream.Finish();
+}
+
 }  // namespace
 
 ComputeOutcome CallCompute(v1::LossService::Stub& stub, const v1::ComputeStart& start,
@@ -166,26 +192,25 @@ ComputeOutcome CallCompute(v1::LossService::Stub& stub, const v1::ComputeStart& 
   } else {
     stream->WritesDone();
   }
-  v1::ComputeResponse response;
-  while (stream->Read(&response)) {
-    if (response.has_summary()) {
-      outcome.summary = response.summary();
-      continue;
-    }
-    const v1::ComputeResult& r = response.result();
-    ++outcome.result_messages;
-    Append(outcome.token_loss, r.token_loss());
-    Append(outcome.logprob, r.logprob());
-    Append(outcome.lse, r.lse());
-    Append(outcome.entropy, r.entropy());
-    Append(outcome.argmax, r.argmax());
-    Append(outcome.top_k_logprob, r.top_k_logprob());
-    Append(outcome.top_k_token, r.top_k_token());
-    Append(outcome.kd, r.kd());
-    Append(outcome.ce, r.ce());
-    outcome.grad_hidden += r.grad_hidden();
+  ReadOutcome(*stream, outcome);
+  return outcome;
+}
+
+ComputeOutcome CallComputeWithMessages(v1::LossService::Stub& stub, const v1::ComputeStart& start,
+                                       const std::vector<v1::ComputeRequest>& messages,
+                                       const std::function<void(size_t)>& before_each) {
+  ComputeOutcome outcome;
+  grpc::ClientContext context;
+  auto stream = stub.Compute(&context);
+  v1::ComputeRequest request;
+  *request.mutable_start() = start;
+  bool open = stream->Write(request);
+  for (size_t i = 0; open && i < messages.size(); ++i) {
+    before_each(i);
+    open = stream->Write(messages[i]);
   }
-  outcome.status = stream->Finish();
+  stream->WritesDone();
+  ReadOutcome(*stream, outcome);
   return outcome;
 }
 

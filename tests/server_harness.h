@@ -59,6 +59,7 @@ class ForwardingBackend : public Backend {
   size_t DefaultWorkspaceBudget() const override;
   absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const override;
   bool ReadsRowsOnce(DType hidden_dtype) const override;
+  bool ComputesOnHostCores() const override;
   absl::StatusOr<BatchSummary> Compute(const BatchInputs& inputs, const WeightView& weight,
                                        const LossOptions& options, const TokenOutputs& outputs,
                                        DeviceBuffer* grad_weight, DeviceBuffer& workspace) override;
@@ -96,6 +97,13 @@ ComputeOutcome CallCompute(v1::LossService::Stub& stub, const v1::ComputeStart& 
                            const std::string& hidden, int64_t rows_per_message,
                            int cancel_after = -1, const std::string& token = "",
                            const TeacherRows* teacher = nullptr);
+
+// A Compute call of `start` and then `messages` as given, with before_each(i) run before message i
+// is sent (writing rows into shared memory, say); the results read as CallCompute reads them.
+ComputeOutcome CallComputeWithMessages(
+    v1::LossService::Stub& stub, const v1::ComputeStart& start,
+    const std::vector<v1::ComputeRequest>& messages,
+    const std::function<void(size_t)>& before_each = [](size_t) {});
 
 // The head's W or accumulated gradient as float32, and its version.
 struct FetchedTensor {

@@ -78,10 +78,10 @@ UniqueFd MakeMemfd(uint64_t bytes, int seals, const char* name = "lossd-test") {
 
 // Writes `bytes` at the start of the memfd, through a descriptor of its own that may write; false
 // where the memfd is sealed against writes.
-bool Fill(const UniqueFd& memfd, const std::string& bytes) {
+bool Fill(const UniqueFd& memfd, const std::string& bytes, off_t offset = 0) {
   const UniqueFd writable(
       open(absl::StrCat("/proc/self/fd/", memfd.get()).c_str(), O_RDWR | O_CLOEXEC));
-  return writable.valid() && pwrite(writable.get(), bytes.data(), bytes.size(), 0) ==
+  return writable.valid() && pwrite(writable.get(), bytes.data(), bytes.size(), offset) ==
                                  static_cast<ssize_t>(bytes.size());
 }
 
@@ -458,6 +458,139 @@ TEST_F(SharedMemoryTest, RowsAndGradHiddenMayLieInTwoMemfds) {
       << "dL/dh landed outside its range";
   EXPECT_TRUE(ReadAll(rows_memfd) == hidden) << "the rows changed";
 }
+
+// ---------------------------------------------------------------------------------------------
+// Rows that follow the start (SharedMemory.rows_follow): written and announced piece by piece.
+
+v1::ComputeRequest Announcement(int64_t rows) {
+  v1::ComputeRequest request;
+  request.mutable_chunk()->set_shared_rows(rows);
+  return request;
+}
+
+// Pieces that end inside engine chunks (about 80 rows each), each written only just before its
+// announcement, and after a pause past the first: a server that read rows before they were
+// announced would compute on zeros meanwhile.
+TEST_F(SharedMemoryTest, RowsThatFollowTheStartGiveTheBitsOfRowsInPlace) {
+  const std::string head = "rows-follow";
+  UploadHead(head);
+  constexpr int64_t kCallRows = 233;
+  const int64_t row_bytes = kHidden * sizeof(float);
+  const std::string hidden = FloatBytes(RandomNormal(kCallRows * kHidden, 1.0f, rng_));
+  const std::vector<int64_t> labels = RandomLabels(kCallRows, rng_);
+  UniqueFd memfd = MakeMemfd(2 * kCallRows * row_bytes + 64, F_SEAL_SHRINK);
+  std::shared_ptr<client::HandoverConnection> connection = OpenHandover(*stub_);
+  ASSERT_NE(connection, nullptr);
+  const absl::StatusOr<std::string> handle = connection->Register(memfd.get());
+  ASSERT_TRUE(handle.ok()) << handle.status();
+
+  v1::ComputeStart following = TrainingStart(head, labels, *handle);
+  following.mutable_outputs()->set_accumulate_grad_weight(false);
+  following.mutable_shared_memory()->set_rows_follow(true);
+  v1::ComputeStart by_messages = following;
+  by_messages.clear_shared_memory();
+
+  const std::vector<int64_t> ends = {50, 120, 121, kCallRows};
+  std::vector<v1::ComputeRequest> announcements;
+  for (const int64_t end : ends) announcements.push_back(Announcement(end));
+  const ComputeOutcome shared =
+      CallComputeWithMessages(*stub_, following, announcements, [&](size_t i) {
+        const int64_t first = i == 0 ? 0 : ends[i - 1];
+        if (i > 0) absl::SleepFor(absl::Milliseconds(100));
+        ASSERT_TRUE(Fill(memfd, hidden.substr(first * row_bytes, (ends[i] - first) * row_bytes),
+                         first * row_bytes));
+      });
+  ASSERT_TRUE(shared.status.ok()) << shared.status.error_message();
+  const ComputeOutcome messages = CallCompute(*stub_, by_messages, hidden, 50);
+  ASSERT_TRUE(messages.status.ok()) << messages.status.error_message();
+  EXPECT_EQ(shared.token_loss, messages.token_loss);
+  const uint64_t grad_offset = following.shared_memory().grad_hidden_offset();
+  EXPECT_TRUE(ReadAll(memfd).substr(grad_offset, kCallRows * row_bytes) == messages.grad_hidden)
+      << "dL/dh differs";
+}
+
+// The CPU backend computes on the host's cores, which a client copying its next rows would share.
+TEST_F(SharedMemoryTest, ACpuServerSaysRowsThatFollowDoNotPay) {
+  grpc::ClientContext context;
+  v1::SharedMemorySocket socket;
+  ASSERT_TRUE(
+      stub_->GetSharedMemorySocket(&context, v1::GetSharedMemorySocketRequest(), &socket).ok());
+  EXPECT_FALSE(socket.abstract_name().empty());
+  EXPECT_FALSE(socket.rows_follow_pays());
+}
+
+struct FollowErrorCase {
+  const char* name;
+  bool rows_follow;  // else the rows travel in one message after the messages below
+  std::vector<v1::ComputeRequest> messages;
+  const char* expected_in_message;
+};
+
+void PrintTo(const FollowErrorCase& c, std::ostream* os) { *os << c.name; }
+
+class FollowErrorTest : public SharedMemoryTest,
+                        public ::testing::WithParamInterface<FollowErrorCase> {};
+
+v1::ComputeRequest RowBytesMessage() {
+  v1::ComputeRequest request;
+  request.mutable_chunk()->set_hidden(std::string(kHidden * sizeof(float), '\0'));
+  return request;
+}
+
+TEST_P(FollowErrorTest, IsRefusedByFieldAndAccumulatesNothing) {
+  const FollowErrorCase& c = GetParam();
+  const std::string head = absl::StrCat("follow-", c.name);
+  UploadHead(head);
+  constexpr int64_t kCallRows = 233;
+  const std::string hidden = FloatBytes(RandomNormal(kCallRows * kHidden, 1.0f, rng_));
+  const std::vector<int64_t> labels = RandomLabels(kCallRows, rng_);
+  UniqueFd memfd = MakeMemfd(2 * hidden.size() + 64, F_SEAL_SHRINK);
+  ASSERT_TRUE(Fill(memfd, hidden));
+  std::shared_ptr<client::HandoverConnection> connection = OpenHandover(*stub_);
+  ASSERT_NE(connection, nullptr);
+  const absl::StatusOr<std::string> handle = connection->Register(memfd.get());
+  ASSERT_TRUE(handle.ok()) << handle.status();
+  v1::ComputeStart start = TrainingStart(head, labels, *handle);
+  std::vector<v1::ComputeRequest> messages = c.messages;
+  if (c.rows_follow) {
+    start.mutable_shared_memory()->set_rows_follow(true);
+  } else {
+    start.clear_shared_memory();
+    v1::ComputeRequest rows;
+    rows.mutable_chunk()->set_hidden(hidden);
+    messages.push_back(rows);
+  }
+  const ComputeOutcome outcome = CallComputeWithMessages(*stub_, start, messages);
+  EXPECT_EQ(outcome.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+      << outcome.status.error_message();
+  EXPECT_NE(outcome.status.error_message().find(c.expected_in_message), std::string::npos)
+      << outcome.status.error_message();
+  EXPECT_EQ(AccumulatedTokens(head), 0);
+  EXPECT_EQ(Gradient(head), std::vector<float>(kVocab * kHidden, 0.0f));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Announcements, FollowErrorTest,
+    ::testing::Values(
+        // A count only grows: the rows before it are in place.
+        FollowErrorCase{"shrinking",
+                        true,
+                        {Announcement(100), Announcement(50)},
+                        "chunk.shared_rows: expected a count of rows in place in (100, 233]"},
+        // More rows than the call has.
+        FollowErrorCase{"beyond_the_call", true, {Announcement(300)}, "chunk.shared_rows"},
+        // Rows that follow in shared memory are not also sent.
+        FollowErrorCase{
+            "row_bytes_as_well", true, {RowBytesMessage()}, "chunk: expected only shared_rows"},
+        // The stream ends before the last row is announced.
+        FollowErrorCase{"short",
+                        true,
+                        {Announcement(100)},
+                        "chunk.shared_rows: expected 233 rows (num_tokens), got 100"},
+        // A call whose rows travel in messages announces none.
+        FollowErrorCase{
+            "without_rows_follow", false, {Announcement(5)}, "chunk.shared_rows: expected 0"}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 // ---------------------------------------------------------------------------------------------
 // The handover socket against peers that send what they should not.

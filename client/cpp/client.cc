@@ -30,6 +30,10 @@ constexpr int64_t kTargetMessageBytes = int64_t{4} << 20;
 // Below this a start message with labels of any useful batch would not fit.
 constexpr int64_t kMinMessageBytes = int64_t{64} << 10;
 constexpr int kMaxTopK = 64;
+// Rows copied into shared memory after a call's start (SharedMemory.rows_follow) go in pieces of
+// about this size unless the request says (ComputeRequest::shared_rows_per_piece): the Python
+// client's size, whose reasons its _FOLLOWING_PIECE_BYTES gives.
+constexpr uint64_t kFollowingPieceBytes = uint64_t{32} << 20;
 
 int ClampToInt(int64_t value) { return static_cast<int>(std::min<int64_t>(value, INT_MAX)); }
 
@@ -204,6 +208,10 @@ absl::Status ValidateComputeRequest(const ComputeRequest& request) {
   if (request.rows_per_message < 0) {
     return InvalidField("rows_per_message", "0 (automatic) or a positive count",
                         absl::StrCat(request.rows_per_message));
+  }
+  if (request.shared_rows_per_piece < 0) {
+    return InvalidField("shared_rows_per_piece", "0 (automatic) or a positive count",
+                        absl::StrCat(request.shared_rows_per_piece));
   }
   return absl::OkStatus();
 }
@@ -573,7 +581,17 @@ absl::StatusOr<HeadList> Client::ListHeads() const {
   return list;
 }
 
-absl::StatusOr<std::string> Client::SharedMemorySocketName(absl::Duration deadline) const {
+namespace {
+
+// The server's answer as the shared-memory plumbing takes it.
+absl::StatusOr<HandoverSocket> AsHandoverSocket(absl::StatusOr<v1::SharedMemorySocket> socket) {
+  if (!socket.ok()) return socket.status();
+  return HandoverSocket{socket->abstract_name(), socket->rows_follow_pays()};
+}
+
+}  // namespace
+
+absl::StatusOr<v1::SharedMemorySocket> Client::SharedMemorySocket(absl::Duration deadline) const {
   RETURN_IF_ERROR(RequireOneServer("shared memory"));
   grpc::ClientContext context;
   PrepareContext(context);
@@ -582,7 +600,7 @@ absl::StatusOr<std::string> Client::SharedMemorySocketName(absl::Duration deadli
   v1::SharedMemorySocket response;
   RETURN_IF_ERROR(FromGrpcStatus(one_server_stub_->GetSharedMemorySocket(
       &context, v1::GetSharedMemorySocketRequest(), &response)));
-  return response.abstract_name();
+  return response;
 }
 
 bool Client::UsesSharedMemory(const ComputeRequest& request) const {
@@ -593,8 +611,9 @@ bool Client::UsesSharedMemory(const ComputeRequest& request) const {
   // A teacher's rows travel in messages only.
   const bool teacher = DenseTeacher(request) || SparseTeacher(request);
   return target_.local && target_.listed_addresses == 1 && !teacher &&
-         handover_->Offered(
-             [this, probe_deadline] { return SharedMemorySocketName(probe_deadline); });
+         handover_->Offered([this, probe_deadline] {
+           return AsHandoverSocket(SharedMemorySocket(probe_deadline));
+         });
 }
 
 absl::StatusOr<HeadInfo> Client::GetHead(const std::string& head) const {
@@ -1038,7 +1057,7 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request,
           : 0;
   constexpr uint64_t kAlignment = 64;  // the server's rule for both offsets
   ASSIGN_OR_RETURN(const std::shared_ptr<HandoverConnection> handover,
-                   handover_->Get([this] { return SharedMemorySocketName(); }));
+                   handover_->Get([this] { return AsHandoverSocket(SharedMemorySocket()); }));
   v1::SharedMemory& shared = *start_message.mutable_start()->mutable_shared_memory();
   // Rows in a shared region are read where they lie; others are copied into a pooled memfd,
   // which dL/dh shares. Held for the call, even if the caller's region goes meanwhile.
@@ -1046,6 +1065,15 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request,
   std::shared_ptr<SharedBuffer> rows_region =
       shared_buffers_->FindRegion(hidden.data, hidden_bytes, rows_offset);
   if (rows_region != nullptr && rows_offset % kAlignment != 0) rows_region = nullptr;
+  const uint64_t row_bytes = static_cast<uint64_t>(hidden.cols) * DTypeSize(hidden.dtype);
+  // Rows that follow the start only where the server says the overlap pays, unless the call says.
+  int64_t piece_rows = request.shared_rows_per_piece;
+  if (piece_rows == 0) {
+    piece_rows = handover->rows_follow_pays()
+                     ? std::max<int64_t>(1, static_cast<int64_t>(kFollowingPieceBytes /
+                                                                 std::max<uint64_t>(row_bytes, 1)))
+                     : hidden.rows;
+  }
   const uint64_t grad_offset =
       rows_region != nullptr ? 0 : (hidden_bytes + kAlignment - 1) / kAlignment * kAlignment;
   std::unique_ptr<SharedBuffer> buffer;  // pooled: the copied rows, dL/dh, or both
@@ -1062,9 +1090,12 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request,
     }
   } else {
     ASSIGN_OR_RETURN(const std::string handle, buffer->HandleOn(handover));
-    CopyInParallel(buffer->data(), hidden.data, hidden_bytes);
     shared.set_handle(handle);
     shared.set_hidden_offset(0);
+    // Rows of more than one piece are copied after the start, each piece announced once in
+    // place, so that the server computes while the rest are copied.
+    shared.set_rows_follow(piece_rows < hidden.rows);
+    if (!shared.rows_follow()) CopyInParallel(buffer->data(), hidden.data, hidden_bytes);
   }
   shared.set_grad_hidden_offset(grad_offset);
 
@@ -1074,13 +1105,30 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request,
   PrepareContext(context);
   // On the server the memfd was handed over to.
   std::unique_ptr<ComputeStream> stream = one_server_stub_->Compute(&context);
-  // The start message is the whole request, so one thread can send it and then read.
-  if (stream->Write(start_message)) {
+  // The start message, then with rows_follow each piece of rows copied and announced; on a thread
+  // of its own, so that results are read meanwhile. A failed call cancels the stream, which ends
+  // the writer at its next Write, and is joined before the buffer is dropped.
+  std::thread writer([&] {
+    if (!stream->Write(start_message)) return;
     result.bytes_sent += static_cast<int64_t>(start_message.ByteSizeLong());
     ++result.messages_sent;
+    if (shared.rows_follow()) {
+      v1::ComputeRequest announcement;
+      for (int64_t first = 0; first < hidden.rows; first += piece_rows) {
+        const int64_t end = std::min(hidden.rows, first + piece_rows);
+        CopyInParallel(buffer->data() + first * row_bytes,
+                       static_cast<const uint8_t*>(hidden.data) + first * row_bytes,
+                       (end - first) * row_bytes);
+        announcement.mutable_chunk()->set_shared_rows(end);
+        if (!stream->Write(announcement)) return;
+        result.bytes_sent += static_cast<int64_t>(announcement.ByteSizeLong());
+        ++result.messages_sent;
+      }
+    }
     stream->WritesDone();
-  }
+  });
   const absl::Status assembled = ReadResults(context, *stream, assembler, result);
+  writer.join();
   // A failed call drops the buffer instead of keeping it: a server still running a cancelled call
   // may yet write dL/dh into it, which must not land in the next call's.
   RETURN_IF_ERROR(FinishCall(*stream, assembled, assembler));

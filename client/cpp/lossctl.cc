@@ -904,6 +904,7 @@ absl::Status RunCompute(const Flags& flags) {
   request.stage_grad_weight = flags.Bool("stage");
   request.rows_per_message = flags.Int("rows_per_message");
   request.shared_memory = flags.Bool("shared_memory");
+  request.shared_rows_per_piece = flags.Int("shared_rows_per_piece");
   request.call_id = flags.String("call_id");
   ASSIGN_OR_RETURN(request.weight_sha256, PinnedWeights(client, flags, head));
 
@@ -1223,6 +1224,7 @@ absl::Status RunBench(const Flags& flags) {
   request.outputs.set_accumulate_grad_weight(flags.Bool("accumulate"));
   request.rows_per_message = flags.Int("rows_per_message");
   request.shared_memory = flags.Bool("shared_memory");
+  request.shared_rows_per_piece = flags.Int("shared_rows_per_piece");
   std::optional<SharedRegion> shared_rows;
   const bool in_place = flags.Bool("in_place");
   if (in_place) {
@@ -1360,6 +1362,14 @@ FlagSpec SharedMemoryFlag() {
   return {"shared_memory", FlagKind::kBool, "false",
           "rows and dL/dh through a memfd handed over to the server instead of messages (a server "
           "on this host, any user)"};
+}
+
+FlagSpec SharedRowsPerPieceFlag() {
+  return {"shared_rows_per_piece", FlagKind::kInt, "0",
+          "with --shared_memory: rows copied into the memfd after the call's start and announced "
+          "this many at a time, so that the server computes while the rest are copied; 0 does so "
+          "in pieces of about 32 MiB where the server says it pays (a GPU), --tokens copies every "
+          "row before the start"};
 }
 
 FlagSpec HeadFlag() {
@@ -1513,6 +1523,7 @@ const std::vector<Subcommand>& Subcommands() {
         {"rows_per_message", FlagKind::kInt, "0",
          "hidden rows per chunk message; 0 sends about 4 MiB each"},
         SharedMemoryFlag(),
+        SharedRowsPerPieceFlag(),
         PinWeightsFlag()},
        RunCompute},
       {"fetch-grad",
@@ -1623,6 +1634,7 @@ const std::vector<Subcommand>& Subcommands() {
          "hidden rows per chunk message; 0 sends about 4 MiB each, --tokens sends the whole batch "
          "in one message, so that the server computes nothing before all of it has arrived"},
         SharedMemoryFlag(),
+        SharedRowsPerPieceFlag(),
         {"in_place", FlagKind::kBool, "false",
          "with --shared_memory: the batch lies in a SharedRegion, read where it is, and dL/dh is "
          "lent where the server wrote it (ComputeRequest::lend_grad_hidden): nothing is copied"},

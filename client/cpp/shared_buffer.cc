@@ -31,7 +31,7 @@ constexpr size_t kMaxReplyBytes = 4096;
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<HandoverConnection>> HandoverConnection::Connect(
-    absl::string_view abstract_name) {
+    absl::string_view abstract_name, bool rows_follow_pays) {
   sockaddr_un address{};
   address.sun_family = AF_UNIX;
   if (abstract_name.empty() || abstract_name.size() + 1 > sizeof address.sun_path) {
@@ -53,7 +53,8 @@ absl::StatusOr<std::shared_ptr<HandoverConnection>> HandoverConnection::Connect(
                      " (client and server must share a network namespace)"),
         errno);
   }
-  return std::shared_ptr<HandoverConnection>(new HandoverConnection(std::move(socket_fd)));
+  return std::shared_ptr<HandoverConnection>(
+      new HandoverConnection(std::move(socket_fd), rows_follow_pays));
 }
 
 absl::StatusOr<std::string> HandoverConnection::Exchange(const std::string& request, int fd) {
@@ -116,19 +117,20 @@ bool HandoverConnection::IsOpen() const {
 }
 
 absl::StatusOr<std::shared_ptr<HandoverConnection>> Handover::Get(
-    absl::FunctionRef<absl::StatusOr<std::string>()> socket_name) {
+    absl::FunctionRef<absl::StatusOr<HandoverSocket>()> socket) {
   absl::MutexLock lock(&mu_);
   if (connection_ == nullptr || !connection_->IsOpen()) {
     connection_ = nullptr;
-    ASSIGN_OR_RETURN(const std::string name, socket_name());
-    ASSIGN_OR_RETURN(connection_, HandoverConnection::Connect(name));
+    ASSIGN_OR_RETURN(const HandoverSocket named, socket());
+    ASSIGN_OR_RETURN(connection_,
+                     HandoverConnection::Connect(named.abstract_name, named.rows_follow_pays));
   }
   return connection_;
 }
 
-bool Handover::Offered(absl::FunctionRef<absl::StatusOr<std::string>()> socket_name) {
+bool Handover::Offered(absl::FunctionRef<absl::StatusOr<HandoverSocket>()> socket) {
   absl::MutexLock lock(&offered_mu_);
-  if (!offered_.has_value()) offered_ = Get(socket_name).ok();
+  if (!offered_.has_value()) offered_ = Get(socket).ok();
   return *offered_;
 }
 

@@ -19,13 +19,20 @@
 
 namespace lossd::client {
 
+// What GetSharedMemorySocket says of a server's handover socket (SharedMemorySocket).
+struct HandoverSocket {
+  std::string abstract_name;
+  bool rows_follow_pays = false;
+};
+
 // One connection to a server's handover socket (HandoverRequest in lossd.proto). The handles it
 // registers live as long as it does: the server revokes them when it closes.
 class HandoverConnection {
  public:
-  // Connects to the abstract socket SharedMemorySocket.abstract_name names.
+  // Connects to the abstract socket SharedMemorySocket.abstract_name names; rows_follow_pays is
+  // what the server said of copying rows while it computes (SharedMemorySocket.rows_follow_pays).
   static absl::StatusOr<std::shared_ptr<HandoverConnection>> Connect(
-      absl::string_view abstract_name);
+      absl::string_view abstract_name, bool rows_follow_pays = false);
 
   // Hands the memfd `fd` over and returns its handle; the server's code and message otherwise.
   absl::StatusOr<std::string> Register(int fd);
@@ -34,13 +41,16 @@ class HandoverConnection {
   // False once the server has closed the connection (it shut down or restarted): the handles
   // registered on it are gone.
   bool IsOpen() const;
+  bool rows_follow_pays() const { return rows_follow_pays_; }
 
  private:
-  explicit HandoverConnection(UniqueFd socket) : socket_(std::move(socket)) {}
+  HandoverConnection(UniqueFd socket, bool rows_follow_pays)
+      : socket_(std::move(socket)), rows_follow_pays_(rows_follow_pays) {}
   // Sends `request` (with descriptor `fd`, unless -1) and returns the reply's handle.
   absl::StatusOr<std::string> Exchange(const std::string& request, int fd);
 
   const UniqueFd socket_;
+  const bool rows_follow_pays_;
   absl::Mutex mu_;  // one request and its reply at a time
 };
 
@@ -78,13 +88,13 @@ class SharedBuffer {
 // A client's handover connection, opened on first use and again once the server has closed it.
 class Handover {
  public:
-  // The open connection. `socket_name` asks the server for its socket (GetSharedMemorySocket);
-  // it is called only when a connection must be opened.
+  // The open connection. `socket` asks the server for its socket (GetSharedMemorySocket); it is
+  // called only when a connection must be opened.
   absl::StatusOr<std::shared_ptr<HandoverConnection>> Get(
-      absl::FunctionRef<absl::StatusOr<std::string>()> socket_name);
+      absl::FunctionRef<absl::StatusOr<HandoverSocket>()> socket);
   // Whether a connection could be opened, tried on the first ask only: the client's default
   // for calls that do not say how their rows travel.
-  bool Offered(absl::FunctionRef<absl::StatusOr<std::string>()> socket_name);
+  bool Offered(absl::FunctionRef<absl::StatusOr<HandoverSocket>()> socket);
 
  private:
   absl::Mutex mu_;

@@ -565,6 +565,7 @@ class CpuBackend final : public Backend {
   // 16-bit rows are widened into the workspace once per chunk and read only there; fp32 rows are
   // read in place, by the logits' product and again by dL/dW's.
   bool ReadsRowsOnce(DType hidden_dtype) const override { return hidden_dtype != DType::kFloat32; }
+  bool ComputesOnHostCores() const override { return true; }
 
   absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const override {
     if (shape.teacher.kind != TeacherKind::kNone) {

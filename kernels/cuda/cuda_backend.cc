@@ -252,6 +252,7 @@ class CudaBackend final : public Backend {
 
   // Each chunk's rows are copied to the device once (LoadChunk) and read only there.
   bool ReadsRowsOnce(DType) const override { return true; }
+  bool ComputesOnHostCores() const override { return false; }
 
   absl::StatusOr<ChunkPlan> Plan(const ProblemShape& shape, size_t budget_bytes) const override {
     return PlanCudaCall(shape, budget_bytes);

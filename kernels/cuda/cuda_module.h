@@ -11,7 +11,7 @@
 // Bumped whenever Backend's layout, the types it takes and gives (BatchInputs, TokenOutputs,
 // BatchSummary), the statuses it returns (DeviceFaultError) or these signatures change; the loader
 // refuses a mismatch.
-#define LOSSD_CUDA_MODULE_ABI 11
+#define LOSSD_CUDA_MODULE_ABI 12
 
 extern "C" {
 int lossd_cuda_module_abi(void);

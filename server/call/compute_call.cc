@@ -88,10 +88,11 @@ class ComputeCall {
     RETURN_IF_ERROR(ReadStart());
     if (spec_.shared_memory.has_value()) RETURN_IF_ERROR(MapSharedMemory());
     RETURN_IF_ERROR(Prepare());
-    if (!spec_.shared_memory.has_value()) {
+    if (!spec_.shared_memory.has_value() || spec_.shared_memory->rows_follow()) {
       // The reader's buffers are host memory, taken before admission (and counted as pending);
       // the call queues for the device only once it has a chunk to compute or its stream ended,
-      // so a client that is slow to send, or sends nothing, holds no running slot.
+      // so a client that is slow to send, or sends nothing, holds no running slot. Rows that
+      // follow in shared memory need no buffers: the reader takes their announcements.
       const RowLayout layout = Layout();
       RETURN_IF_ERROR(pending_.Resize(pending_.bytes() + RowReader::BufferBytes(layout)));
       ASSIGN_OR_RETURN(reader_, RowReader::Start(stream_, env_.metrics, layout, *env_.host_buffers,
@@ -179,6 +180,7 @@ class ComputeCall {
     layout.dtype = spec_.hidden_dtype;
     layout.chunk_rows = plan_.token_chunk;
     layout.chunk_ends = chunk_ends_;
+    if (spec_.shared_memory.has_value()) layout.shared_rows = shared_memory_.hidden();
     if (spec_.teacher != nullptr) {
       layout.side.push_back(
           {SideField::kTeacherHidden,
@@ -288,8 +290,9 @@ class ComputeCall {
   }
 
   // Before admission, so that a call that cannot use shared memory fails without waiting for, or
-  // holding, a place on the device. The rows are in the memfd, so the start message is the whole
-  // call: nothing after it is read, and the call does not wait for the client to half-close.
+  // holding, a place on the device. Unless they follow (rows_follow), the rows are in the memfd, so
+  // the start message is the whole call: nothing after it is read, and the call does not wait for
+  // the client to half-close.
   absl::Status MapSharedMemory() {
     RETURN_IF_ERROR(
         CheckSharedMemoryOffered(env_.limits.allow_shared_memory, stream_.PeerIsLocal()));
@@ -369,16 +372,10 @@ class ComputeCall {
   // in shared memory are computed where they lie, or from a copy (AllocateBuffers).
   absl::Status ReceiveAndCompute() {
     if (measure_ratios_first_) return MeasureRatiosThenCompute();
-    if (spec_.shared_memory.has_value()) {
+    if (reader_ == nullptr) {  // every row in shared memory already
       for (int64_t first = 0; const int64_t end : chunk_ends_) {
-        const int64_t rows = end - first;
-        const uint8_t* chunk_rows = shared_memory_.hidden() + first * spec_.hidden_row_bytes();
-        if (shared_rows_copy_.held()) {
-          void* copy = shared_rows_copy_.buffer().data();
-          std::memcpy(copy, chunk_rows, static_cast<size_t>(rows * spec_.hidden_row_bytes()));
-          chunk_rows = static_cast<const uint8_t*>(copy);
-        }
-        RETURN_IF_ERROR(ComputeChunk({chunk_rows, first, rows}));
+        const uint8_t* rows = shared_memory_.hidden() + first * spec_.hidden_row_bytes();
+        RETURN_IF_ERROR(ComputeChunk(PrivateRows({rows, first, end - first})));
         first = end;
       }
       return absl::OkStatus();
@@ -387,10 +384,20 @@ class ComputeCall {
       if (!reader_->ChunkReady()) RETURN_IF_ERROR(PauseWhileWaiting());
       ASSIGN_OR_RETURN(const RowChunk chunk, reader_->Next());
       RETURN_IF_ERROR(ResumeIfPaused());
-      RETURN_IF_ERROR(ComputeChunk(chunk));
+      RETURN_IF_ERROR(ComputeChunk(PrivateRows(chunk)));
       reader_->Release();
     }
     return reader_->Finish();
+  }
+
+  // The chunk, or where the rows lie in the client's shared memory and the call takes a private
+  // copy of them (AllocateBuffers), the chunk read from that copy.
+  RowChunk PrivateRows(RowChunk chunk) {
+    if (!shared_rows_copy_.held()) return chunk;
+    void* copy = shared_rows_copy_.buffer().data();
+    std::memcpy(copy, chunk.rows, static_cast<size_t>(chunk.num_rows * spec_.hidden_row_bytes()));
+    chunk.rows = copy;
+    return chunk;
   }
 
   // OBJECTIVE_GSPO with a sequence longer than an engine chunk (shorter ones take the engine's
@@ -415,7 +422,7 @@ class ComputeCall {
       return MeasureLogprobs({rows, chunk.first_row, chunk.num_rows},
                              logprobs.data() + chunk.first_row);
     };
-    if (spec_.shared_memory.has_value()) {
+    if (reader_ == nullptr) {
       for (int64_t first = 0; first < n; first += plan_.token_chunk) {
         const int64_t rows = std::min(plan_.token_chunk, n - first);
         RETURN_IF_ERROR(measure({shared_memory_.hidden() + first * row_bytes, first, rows}));

@@ -54,6 +54,7 @@ int64_t ChunkRows(const RowLayout& layout) {
 }  // namespace
 
 int64_t RowReader::BufferBytes(const RowLayout& layout) {
+  if (layout.shared_rows != nullptr) return 0;
   int64_t chunk_bytes = 0;
   for (size_t s = 0; s <= layout.side.size(); ++s) {
     chunk_bytes += ChunkRows(layout) * StreamRowBytes(layout, s);
@@ -70,8 +71,11 @@ absl::StatusOr<std::unique_ptr<RowReader>> RowReader::Start(ComputeStream& strea
     return absl::InternalError(absl::StrCat("RowReader: at most ", kMaxSideStreams,
                                             " side streams, got ", layout.side.size()));
   }
+  if (layout.shared_rows != nullptr && !layout.side.empty()) {
+    return absl::InternalError("RowReader: rows in shared memory take no side streams");
+  }
   std::array<ChunkBuffers, kBuffers> buffers;
-  for (int b = 0; b < BuffersFor(layout); ++b) {
+  for (int b = 0; layout.shared_rows == nullptr && b < BuffersFor(layout); ++b) {
     for (size_t s = 0; s <= layout.side.size(); ++s) {
       ASSIGN_OR_RETURN(
           buffers[b][s],
@@ -136,13 +140,20 @@ absl::Status RowReader::ReadRows() {
   if (stream_.IsCancelled()) {
     return absl::CancelledError("call cancelled mid-stream; nothing was accumulated");
   }
-  return InvalidField("chunk.hidden", absl::StrCat(layout_.num_tokens, " rows (num_tokens)"),
+  return InvalidField(layout_.shared_rows != nullptr ? "chunk.shared_rows" : "chunk.hidden",
+                      absl::StrCat(layout_.num_tokens, " rows (num_tokens)"),
                       absl::StrCat(received_rows_, " before the stream ended"));
 }
 
 absl::Status RowReader::TakeMessage(const v1::ComputeRequest& request) {
   if (request.has_start()) {
     return InvalidField("start", "exactly one ComputeStart, first", "a second one");
+  }
+  if (layout_.shared_rows != nullptr) return TakeAnnouncement(request);
+  if (request.chunk().shared_rows() != 0) {
+    return InvalidField("chunk.shared_rows",
+                        "0 (a call announces rows only with shared_memory.rows_follow)",
+                        absl::StrCat(request.chunk().shared_rows()));
   }
   const std::string& hidden = request.chunk().hidden();
   const int64_t bytes = static_cast<int64_t>(hidden.size());
@@ -204,6 +215,35 @@ absl::Status RowReader::TakeMessage(const v1::ComputeRequest& request) {
     }
   }
   received_rows_ += rows;
+  return absl::OkStatus();
+}
+
+// The rows lie in shared memory: a message says how many leading rows are in place, a count that
+// only grows, and carries nothing else.
+absl::Status RowReader::TakeAnnouncement(const v1::ComputeRequest& request) {
+  const v1::ComputeChunk& chunk = request.chunk();
+  if (!chunk.hidden().empty() || !chunk.teacher_hidden().empty() ||
+      !chunk.teacher_top_k_tokens().empty() || !chunk.teacher_top_k_logprobs().empty()) {
+    return InvalidField(
+        "chunk", "only shared_rows (the rows are in shared memory: shared_memory.rows_follow)",
+        "row bytes");
+  }
+  const int64_t rows = chunk.shared_rows();
+  if (rows <= received_rows_ || rows > layout_.num_tokens) {
+    return InvalidField(
+        "chunk.shared_rows",
+        absl::StrCat("a count of rows in place in (", received_rows_, ", ", layout_.num_tokens,
+                     "]: more than the last one announced, at "
+                     "most num_tokens"),
+        absl::StrCat(rows));
+  }
+  received_rows_ = rows;
+  while (RowsInChunk(filling_chunk_) > 0 &&
+         ChunkFirstRow(filling_chunk_) + RowsInChunk(filling_chunk_) <= received_rows_) {
+    ++filling_chunk_;
+  }
+  absl::MutexLock lock(&mu_);
+  filled_ = filling_chunk_;
   return absl::OkStatus();
 }
 
@@ -270,7 +310,10 @@ absl::StatusOr<RowChunk> RowReader::Next() {
     return absl::InternalError("RowReader::Next called after the call's last chunk");
   }
   const int64_t chunk = taken_++;
-  RowChunk rows{BufferOf(chunk), ChunkFirstRow(chunk), RowsInChunk(chunk), {}};
+  const void* chunk_rows = layout_.shared_rows != nullptr
+                               ? layout_.shared_rows + ChunkFirstRow(chunk) * row_bytes_
+                               : BufferOf(chunk);
+  RowChunk rows{chunk_rows, ChunkFirstRow(chunk), RowsInChunk(chunk), {}};
   for (size_t s = 0; s < layout_.side.size(); ++s) {
     rows.side_rows[s] = BufferOf(chunk, static_cast<int>(s) + 1);
   }

@@ -56,6 +56,11 @@ struct RowLayout {
   // as TokenChunkEnds gives them for chunks that keep sequences whole; empty: every chunk_rows.
   std::vector<int64_t> chunk_ends;
   std::vector<SideStream> side;  // at most kMaxSideStreams; a message without them is refused
+  // Where the rows lie already when the client writes them into shared memory as the call runs
+  // (SharedMemory.rows_follow): its messages then announce them (ComputeChunk.shared_rows, the
+  // count of leading rows in place) instead of carrying them, and chunks are read where they lie.
+  // No side streams then.
+  const uint8_t* shared_rows = nullptr;
 };
 
 // Rows [first_row, first_row + num_rows) of the call, contiguous, and the same rows of each side
@@ -128,6 +133,7 @@ class RowReader {
   void ReadAll();
   absl::Status ReadRows();
   absl::Status TakeMessage(const v1::ComputeRequest& request);
+  absl::Status TakeAnnouncement(const v1::ComputeRequest& request);
   // Waits until the buffer for chunk filling_chunk_ is free again, holding `request` meanwhile
   // (counted as pending memory before admission); CANCELLED if told to stop.
   absl::Status WaitForFreeBuffer(const v1::ComputeRequest& request);

@@ -803,6 +803,65 @@ def test_shared_memory_gives_the_same_bits_as_messages(client, head, hidden_dtyp
     assert by_shared_memory.grad_weight.any()
 
 
+# Rows copied into shared memory after the start, piece by piece, each announced once in place
+# (SharedMemory.rows_follow), give the bits of messages: pieces of 7 rows make 301 rows into
+# many, most ending inside the server's engine chunks (about 80 rows).
+@pytest.mark.parametrize("hidden_dtype", ["float32", "bfloat16"])
+def test_rows_that_follow_the_start_give_the_same_bits(client, head, hidden_dtype, monkeypatch):
+    sent = []
+    original_messages = _shared_memory._FollowingRows.messages
+
+    def recorded_messages(self, start_message):
+        for message in original_messages(self, start_message):
+            sent.append(pb.ComputeRequest.FromString(message))
+            yield message
+
+    monkeypatch.setattr(_shared_memory._FollowingRows, "messages", recorded_messages)
+    hidden, labels = random_batch(301, ignored=20)
+    by_messages, by_shared_memory = compute_both_ways(
+        client, head, hidden_as(hidden, hidden_dtype), labels.numpy(), outputs=ALL_OUTPUTS,
+        shared_rows_per_piece=7)
+    assert_bitwise_equal(by_messages, by_shared_memory, ALL_OUTPUTS + ["grad_weight"])
+    assert sent[0].start.shared_memory.rows_follow
+    assert [message.chunk.shared_rows for message in sent[1:]] == list(range(7, 301, 7)) + [301]
+
+
+# The CPU server computes on the host's cores, which a client's copy would share: it says rows
+# that follow the start do not pay there, and calls copy every row first unless they say.
+def test_a_cpu_server_has_rows_copied_before_the_start(client, head, monkeypatch):
+    assert not client._handover_connection().rows_follow_pays
+    monkeypatch.setattr(_shared_memory, "_FOLLOWING_PIECE_BYTES", 1000)
+    started = []
+    original_messages = _shared_memory._FollowingRows.messages
+
+    def recorded_messages(self, start_message):
+        started.append(True)
+        yield from original_messages(self, start_message)
+
+    monkeypatch.setattr(_shared_memory._FollowingRows, "messages", recorded_messages)
+    hidden, labels = random_batch(301)
+    client.compute(head.head, hidden.numpy(), labels.numpy(), shared_memory=True)
+    assert started == []
+    with pytest.raises(ValueError, match="shared_rows_per_piece: expected a positive count"):
+        client.compute(head.head, hidden.numpy(), labels.numpy(), shared_memory=True,
+                       shared_rows_per_piece=0)
+
+
+# A call whose rows follow its start and that fails once the server has taken some (pinned to a
+# version W is not at, checked once its first chunk is in) stops copying and drops its memfd.
+def test_a_failed_call_whose_rows_follow_drops_its_memfd(client, head):
+    hidden, labels = random_batch(301)
+    client.compute(head.head, hidden.numpy(), labels.numpy(), shared_memory=True)
+    pool = client._shared_buffers
+    idle = list(pool._idle)
+    with pytest.raises(lossd.LossdError) as error:
+        client.compute(head.head, hidden.numpy(), labels.numpy(), shared_memory=True,
+                       head_version=head.info().version + 1, shared_rows_per_piece=3)
+    assert error.value.code == "FAILED_PRECONDITION"
+    dropped = [buffer for buffer in idle if buffer not in pool._idle]
+    assert len(dropped) == 1 and dropped[0].closed
+
+
 # The smallest layouts: no rows (nothing for the server to map) and a single row.
 @pytest.mark.parametrize("num_tokens", [0, 1])
 def test_shared_memory_with_no_rows_or_one_row(client, head, num_tokens):

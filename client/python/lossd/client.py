@@ -17,7 +17,7 @@ import numpy as np
 
 from lossd import _address, _tensors, _wire
 from lossd._errors import LossdError  # noqa: F401  (public here too)
-from lossd._shared_memory import (_SHARED_MEMORY_ALIGNMENT, _HandoverConnection,
+from lossd._shared_memory import (_SHARED_MEMORY_ALIGNMENT, _FollowingRows, _HandoverConnection,
                                   _SharedBufferPool, copy_rows)
 from lossd import options as _options
 from lossd.v1 import lossd_pb2 as pb
@@ -346,10 +346,9 @@ class Client:
         closed it (a restart)."""
         with self._handover_lock:
             if self._handover is None or not self._handover.is_open():
-                socket_name = self._unary("GetSharedMemorySocket",
-                                          pb.GetSharedMemorySocketRequest(),
-                                          timeout=timeout).abstract_name
-                self._handover = _HandoverConnection(socket_name)
+                socket = self._unary("GetSharedMemorySocket", pb.GetSharedMemorySocketRequest(),
+                                     timeout=timeout)
+                self._handover = _HandoverConnection(socket.abstract_name, socket.rows_follow_pays)
             return self._handover
 
     def __enter__(self):
@@ -633,7 +632,8 @@ class Client:
                 rollout_logprobs=None, teacher_head=None,
                 teacher_hidden=None, teacher_head_version=None, teacher_top_k_tokens=None,
                 teacher_top_k_logprobs=None, rows_per_message=None, shared_memory=None,
-                grad_hidden_out=None, **option_keywords) -> LossResult:
+                shared_rows_per_piece=None, grad_hidden_out=None,
+                **option_keywords) -> LossResult:
         """The loss of hidden [N, H] with labels [N] under head `head`: cross-entropy by default.
 
         options: a lossd.LossOptions (lossd.v1.LossOptions: reduction, ignore_index,
@@ -712,7 +712,11 @@ class Client:
         over once, on the server's handover socket, for a handle the calls name; the memfds are
         kept between calls (a few per Client) and closed by close(). A server that does not offer
         it (--shared_memory=false), or a client that is not on its host, gets
-        FAILED_PRECONDITION. Results are the same either way, bit for bit.
+        FAILED_PRECONDITION. Results are the same either way, bit for bit. Rows copied into the
+        memfd go after the call's start where the server says that pays (its engine computes on a
+        GPU, not the host's cores), a piece of about 32 MiB at a time, each announced once in
+        place (SharedMemory.rows_follow), so that the server computes while the rest are copied;
+        shared_rows_per_piece=n > 0 copies and announces n rows at a time whatever the server.
 
         grad_hidden_out, a writable C-contiguous [N, H] array of grad_hidden's dtype (uint16 for
         bfloat16), receives dL/dh instead of a fresh array, and is the result's grad_hidden: a
@@ -791,10 +795,14 @@ class Client:
         if grad_hidden_out is not None:
             _check_grad_hidden_out(grad_hidden_out, "grad_hidden" in wanted, num_tokens,
                                    hidden_size, _tensors.numpy_dtype(grad_dtype))
+        if shared_rows_per_piece is not None and (
+                not isinstance(shared_rows_per_piece, (int, np.integer)) or shared_rows_per_piece < 1):
+            raise ValueError(f"shared_rows_per_piece: expected a positive count of rows or None, "
+                             f"got {shared_rows_per_piece!r}")
         if shared_memory:
             def attempt():
                 return self._compute_shared(start, hidden, wanted, top_k, grad_dtype,
-                                            grad_hidden_out)
+                                            grad_hidden_out, shared_rows_per_piece)
         else:
             row_bytes = hidden_size * hidden.itemsize + sum(
                 array.shape[1] * array.itemsize for array in side.values())
@@ -861,10 +869,13 @@ class Client:
             result.grad_hidden = grad_hidden_out
         return result
 
-    def _compute_shared(self, start, hidden, wanted, top_k, grad_dtype, grad_hidden_out):
-        """compute() with the rows and dL/dh in memfds: the start message is the whole request.
-        Rows that lie in a shared array are read where they are; others are copied into a pooled
-        memfd first. dL/dh goes to a pooled memfd (after the copied rows, or one of its own) and
+    def _compute_shared(self, start, hidden, wanted, top_k, grad_dtype, grad_hidden_out,
+                        rows_per_piece=None):
+        """compute() with the rows and dL/dh in memfds. Rows that lie in a shared array are read
+        where they are, and the start message is the whole request; others are copied into a
+        pooled memfd, piece by piece after the start when they are large, each piece announced
+        once in place (SharedMemory.rows_follow), so that the server computes while the rest are
+        copied. dL/dh goes to a pooled memfd (after the copied rows, or one of its own) and
         is returned there, lent (see _SharedBufferPool.lend), or copied out."""
         num_tokens, hidden_size = hidden.shape
         grad_numpy_dtype = _tensors.numpy_dtype(grad_dtype)
@@ -881,11 +892,17 @@ class Client:
             grad_offset = 0
             pooled = self._shared_buffers.acquire(grad_bytes) if grad_wanted else None
         call = None
+        following = None
         try:
             if shared_rows is None:
-                copy_rows(pooled.array(0, hidden.dtype, hidden.shape), hidden)
                 shared = pb.SharedMemory(handle=pooled.handle_on(handover), hidden_offset=0,
                                          grad_hidden_offset=grad_offset)
+                piece_rows = _FollowingRows.piece_rows(hidden, handover, rows_per_piece)
+                if piece_rows < num_tokens:
+                    following = _FollowingRows(pooled, hidden, piece_rows)
+                    shared.rows_follow = True
+                else:
+                    copy_rows(pooled.array(0, hidden.dtype, hidden.shape), hidden)
             else:
                 rows_buffer, rows_offset = shared_rows
                 shared = pb.SharedMemory(handle=rows_buffer.handle_on(handover),
@@ -893,9 +910,12 @@ class Client:
                 if pooled is not None:
                     shared.grad_hidden_handle = pooled.handle_on(handover)
             start.shared_memory.CopyFrom(shared)
-            # One message, then the end of the stream: the server reads nothing more.
-            call = self._call("Compute", iter((_wire.encode_start(start),)),
-                              "shared memory")
+            start_message = _wire.encode_start(start)
+            # One message, then the end of the stream (the server reads nothing more), or the
+            # start, then the rows' announcements as they are copied.
+            messages = (iter((start_message,)) if following is None
+                        else following.messages(start_message))
+            call = self._call("Compute", messages, "shared memory")
             result = _assemble(self._responses("Compute", call), wanted, top_k, num_tokens,
                                hidden_size, grad_dtype, grad_hidden_in_messages=False)
             if grad_wanted:
@@ -916,6 +936,8 @@ class Client:
             # a cancelled call may yet write dL/dh into it, which must not land in the next call's.
             if call is not None:
                 call.cancel()  # tells the server to stop; nothing once the call has ended
+            if following is not None:
+                following.stop()
             if pooled is not None:
                 pooled.close()
             raise

@@ -207,6 +207,10 @@ class Backend : public BufferAllocator {
   // logits, could commit a gradient of values that check never saw.
   virtual bool ReadsRowsOnce(DType hidden_dtype) const = 0;
 
+  // Whether Compute runs on the host's own cores, which a client on the same host that copies its
+  // next rows while the engine computes would share (SharedMemorySocket.rows_follow_pays).
+  virtual bool ComputesOnHostCores() const = 0;
+
   // Computes one batch. The workspace's size is the budget: Compute plans against it exactly as
   // Plan(shape, workspace.bytes()) does and uses no other scratch memory on the device.
   // dL/dW is accumulated (+=) into grad_weight ([V, H] fp32) when it is not null, or stored there

@@ -240,6 +240,12 @@ struct ComputeRequest {
   // this host, the call has no teacher and the server offers it (the client asks once, for at most
   // 10 s, and keeps to messages if it does not); true or false: as said.
   std::optional<bool> shared_memory;
+  // Rows that shared memory takes by copy (not in a SharedRegion) go into it after the call's
+  // start, this many rows at a time, each piece announced once in place (SharedMemory.rows_follow),
+  // so that the server computes while the rest are copied. 0: in pieces of about 32 MiB where the
+  // server says that pays (SharedMemorySocket.rows_follow_pays: its engine computes on a GPU, not
+  // the host's cores), else every row copied before the start.
+  int64_t shared_rows_per_piece = 0;
   // The call's name on the server, so that a retry cannot add its dL/dW twice (see RetryOptions
   // and ComputeStart.call_id in lossd.proto). Empty: a call that accumulates dL/dW gets a fresh
   // random id (32 hex digits). Set one to repeat a call across processes; at most 64 characters
@@ -453,7 +459,7 @@ class Client {
                                 ComputeResult& result) const;
 
   // Where the server takes memfds (GetSharedMemorySocket), asked within `deadline` at most.
-  absl::StatusOr<std::string> SharedMemorySocketName(
+  absl::StatusOr<v1::SharedMemorySocket> SharedMemorySocket(
       absl::Duration deadline = absl::InfiniteDuration()) const;
   // Whether `request`'s rows travel in shared memory (ComputeRequest.shared_memory).
   bool UsesSharedMemory(const ComputeRequest& request) const;
