@@ -116,6 +116,22 @@ def test_compute_from_files_matches_numpy(server, tmp_path):
     assert [int(entry.split(":")[0]) for entry in shown.groups()] == best.tolist()
 
 
+# Over shared memory, with the rows copied after the start 7 at a time (--shared_rows_per_piece),
+# every per-token output is the same as through messages, bit for bit.
+def test_compute_with_rows_that_follow_matches_messages(server, tmp_path):
+    rng = np.random.default_rng(6)
+    np.save(tmp_path / "h.npy", rng.standard_normal((50, HIDDEN)).astype(np.float32))
+    np.save(tmp_path / "y.npy", rng.integers(0, VOCAB, 50))
+    results = []
+    for how in (["--shared_memory=false"], ["--shared_memory", "--shared_rows_per_piece=7"]):
+        lossctl("compute", "--head=demo", "--hidden", tmp_path / "h.npy", "--labels",
+                tmp_path / "y.npy", "--top_k=2", *how, "--out", tmp_path / "o.json", server=server)
+        timed = json.load(open(tmp_path / "o.json"))
+        results.append({key: value for key, value in timed.items() if "seconds" not in key})
+    assert results[0] == results[1]
+    assert len(results[0]["logprob"]) == 50 and len(results[0]["top_k_token"]) == 50
+
+
 def test_accumulate_fetch_grad_and_step(server, tmp_path):
     lossctl("zero-grad", "--head=demo", server=server)
     out = lossctl("compute", "--head=demo", "--synthetic=256", "--seed=3", "--accumulate", "--grad",
