@@ -173,6 +173,9 @@ absl::StatusOr<ComputeReactor*> ComputeReactor::Start(grpc::CallbackServerContex
     delete reactor;
     return watched;
   }
+  // Again now that the fields above are set: every reaction (OnDone among them, which reads
+  // watch_) sees them, as gRPC's own hand-over guarantees.
+  HandOverToGrpc(reactor);
   absl::MutexLock lock(&reactor->mu_);
   reactor->reading_ = true;
   // Held by gRPC until the reactor is bound to the call; its completion starts the call.
