@@ -166,6 +166,7 @@ class CpuChunkCall {
         out_(out),
         buffers_(buffers),
         sequence_log_ratios_(options.policy.sequence_ratio ? in.num_tokens : 0),
+        sequences_(in.ratio_sequence_lengths),
         finisher_(in, weight.vocab_size, options, out,
                   sequence_log_ratios_.empty() ? nullptr : sequence_log_ratios_.data()),
         grad_weight32_(grad_weight != nullptr ? static_cast<float*>(grad_weight->data()) : nullptr),
@@ -204,18 +205,16 @@ class CpuChunkCall {
   void MeasureSequenceRatios(int64_t r0, int64_t rows) {
     if (!sequence_ratio()) return;
     const RowInputArrays& a = finisher_.arrays();
-    while (next_sequence_row_ < r0 + rows) {
-      const int64_t first = next_sequence_row_;
-      const int64_t end = first + in_.ratio_sequence_lengths[next_sequence_++];
+    int64_t first = r0;
+    for (const int64_t length : sequences_.Take(rows)) {
       SequenceLogRatio ratio;
-      for (int64_t row = first; row < end; ++row) {
+      for (int64_t row = first; row < first + length; ++row) {
         if (RowCounted(a, finisher_.constants(), row)) {
           ratio.Add(buffers_.stats[row - r0], a.sampling_logprobs[row]);
         }
       }
-      std::fill(sequence_log_ratios_.begin() + first, sequence_log_ratios_.begin() + end,
-                ratio.Value());
-      next_sequence_row_ = end;
+      std::fill_n(sequence_log_ratios_.begin() + first, length, ratio.Value());
+      first += length;
     }
   }
 
@@ -276,6 +275,7 @@ class CpuChunkCall {
   const TokenOutputs& out_;
   const ChunkBuffers buffers_;
   std::vector<float> sequence_log_ratios_;  // [num_tokens] under sequence_ratio, else empty
+  SequenceCursor sequences_;                // MeasureSequenceRatios' place in the sequences
   const RowFinisher finisher_;
   float* const grad_weight32_;
   const int64_t h_;
@@ -286,8 +286,6 @@ class CpuChunkCall {
   const bool gradients_;
   const bool logits_resident_;       // one tile holds the whole vocabulary
   const float* hidden32_ = nullptr;  // the chunk's hidden rows as fp32
-  int64_t next_sequence_ = 0;        // MeasureSequenceRatios' place in ratio_sequence_lengths
-  int64_t next_sequence_row_ = 0;
 };
 
 }  // namespace lossd::cpu

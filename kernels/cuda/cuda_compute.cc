@@ -248,9 +248,12 @@ class ChunkedCompute::Impl {
     }
     // The chunk holds whole sequences (TokenChunkEnds): their ends, relative to its first row.
     slot_sequences_[slot] = 0;
-    while (options_.policy.sequence_ratio && next_sequence_row_ < r0 + rows) {
-      next_sequence_row_ += in_.ratio_sequence_lengths[next_sequence_++];
-      h.sequence_ends[slot_sequences_[slot]++] = static_cast<int32_t>(next_sequence_row_ - r0);
+    if (options_.policy.sequence_ratio) {
+      int32_t end = 0;
+      for (const int64_t length : sequences_.Take(rows)) {
+        end += static_cast<int32_t>(length);
+        h.sequence_ends[slot_sequences_[slot]++] = end;
+      }
     }
     const TeacherInputs& t = in_.teacher;
     const size_t teacher_row_bytes = DTypeSize(t.hidden_dtype) * static_cast<size_t>(t.hidden_size);
@@ -612,10 +615,8 @@ class ChunkedCompute::Impl {
   // The caller's rows, or its dL/dh, in page-locked memory: copied directly, not staged.
   const bool rows_page_locked_;
   const bool grad_hidden_page_locked_;
-  // Under sequence_ratio: SendInputs' place in ratio_sequence_lengths, and each slot's count of
-  // sequences.
-  int64_t next_sequence_ = 0;
-  int64_t next_sequence_row_ = 0;
+  // Under sequence_ratio: SendInputs' place in the sequences, and each slot's count of them.
+  SequenceCursor sequences_{in_.ratio_sequence_lengths};
   int64_t slot_sequences_[2] = {};
   Matrix hidden_{};          // the chunk's hidden rows in the product dtype
   Matrix teacher_hidden_{};  // a dense teacher's, in its product dtype

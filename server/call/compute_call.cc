@@ -276,6 +276,7 @@ class ComputeCall {
     measure_ratios_first_ =
         shape.sequence_ratio && LongestSequence(sequences, num_sequences) > plan_.token_chunk;
     spec_.options.policy.sequence_ratio = shape.sequence_ratio && !measure_ratios_first_;
+    ratio_sequences_ = SequenceCursor(sequences);
     chunk_ends_ =
         spec_.options.policy.sequence_ratio
             ? TokenChunkEnds(spec_.num_tokens, plan_.token_chunk, sequences, num_sequences)
@@ -529,10 +530,9 @@ class ComputeCall {
     in.logprob_grads = rows_of(spec_.logprob_grads);
     in.reduction_scales = rows_of(spec_.reduction_scales);
     if (spec_.options.policy.sequence_ratio) {  // the chunk holds whole sequences (chunk_ends_)
-      in.ratio_sequence_lengths = spec_.ratio_sequences.data() + next_ratio_sequence_;
-      for (int64_t covered = 0; covered < rows; ++in.num_ratio_sequences) {
-        covered += spec_.ratio_sequences[next_ratio_sequence_++];
-      }
+      const absl::Span<const int64_t> sequences = ratio_sequences_.Take(rows);
+      in.ratio_sequence_lengths = sequences.data();
+      in.num_ratio_sequences = static_cast<int64_t>(sequences.size());
     }
     if (spec_.teacher != nullptr) {
       in.teacher.hidden = chunk.side_rows[0];
@@ -819,7 +819,7 @@ class ComputeCall {
   // cut at sequence ends.
   std::vector<int64_t> chunk_ends_;
   bool measure_ratios_first_ = false;  // gspo in two passes: a sequence outgrows an engine chunk
-  int64_t next_ratio_sequence_ = 0;    // the first sequence of the next chunk, in one pass
+  SequenceCursor ratio_sequences_;     // the sequences of the next chunk, in one pass
   size_t staging_bytes_ = 0;
   int64_t admitted_bytes_ = 0;
   Admission admission_;

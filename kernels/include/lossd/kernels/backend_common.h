@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "lossd/kernels/backend.h"
 #include "lossd/kernels/distill_math.h"
 #include "lossd/kernels/loss_math.h"
@@ -76,6 +77,23 @@ std::vector<int64_t> TokenChunkEnds(int64_t num_tokens, int64_t chunk_rows,
                                     int64_t num_sequences = 0);
 // The longest of the lengths (0 when there are none).
 int64_t LongestSequence(const int64_t* sequence_lengths, int64_t num_sequences);
+
+// A batch's sequences taken chunk by chunk, in order, where each chunk holds whole sequences
+// (TokenChunkEnds with the sequences): Take(rows) gives the lengths of those that make up the next
+// `rows` rows.
+class SequenceCursor {
+ public:
+  explicit SequenceCursor(const int64_t* sequence_lengths = nullptr) : lengths_(sequence_lengths) {}
+  absl::Span<const int64_t> Take(int64_t rows) {
+    const size_t first = next_;
+    for (int64_t covered = 0; covered < rows;) covered += lengths_[next_++];
+    return absl::Span<const int64_t>(lengths_ + first, next_ - first);
+  }
+
+ private:
+  const int64_t* lengths_;
+  size_t next_ = 0;
+};
 
 // Next-token labels, as a causal LM's loss takes them: within each sequence (valid lengths; none:
 // all rows are one) labels[i] <- labels[i + 1], and the last row of each gets ignore_index.

@@ -369,19 +369,19 @@ LOSSD_HD double RowCrossEntropy(const RowSummary& r, double label_smoothing) {
   return (1.0 - label_smoothing) * (-r.logprob) + label_smoothing * (r.lse - r.mean_z);
 }
 
+// z_y - lse of a row.
+LOSSD_HD double RowLogprob(const RowStats& s) {
+  return (static_cast<double>(s.target) - s.max) - std::log(static_cast<double>(s.sum_exp));
+}
+
 LOSSD_HD RowSummary SummarizeRow(const RowStats& s, int64_t vocab_size) {
   RowSummary r;
   r.log_sum = std::log(static_cast<double>(s.sum_exp));
   r.lse = static_cast<double>(s.max) + r.log_sum;
   r.entropy = r.log_sum - static_cast<double>(s.sum_exp_shifted) / s.sum_exp;
   r.mean_z = static_cast<double>(s.sum_z) / static_cast<double>(vocab_size);
-  r.logprob = (static_cast<double>(s.target) - s.max) - r.log_sum;
+  r.logprob = RowLogprob(s);
   return r;
-}
-
-// z_y - lse of a row, as SummarizeRow computes it.
-LOSSD_HD double RowLogprob(const RowStats& s) {
-  return (static_cast<double>(s.target) - s.max) - std::log(static_cast<double>(s.sum_exp));
 }
 
 // GSPO's log s = (1 / |C|) sum_{t in C} (logp_t - q_t) over a sequence's counted rows C (0 when
