@@ -31,9 +31,13 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
+
 #include "absl/time/time.h"
 #include "lossd/kernels/backend.h"
 #include "lossd/v1/lossd.pb.h"
+#include "proto/wire/compute_frames.h"
 #include "server/call/compute_call.h"
 #include "server/heads/head_store.h"
 #include "server/memory/memory_ledger.h"
@@ -70,8 +74,27 @@ struct Script {
   size_t workspace_budget_bytes = 0;
   int64_t result_message_bytes = 0;
   DType head_dtype = DType::kFloat32;
-  std::vector<v1::ComputeRequest> requests;
+  std::vector<wire::ComputeRequestFrame> requests;
 };
+
+// The message as the server's stream decodes it (wire::ComputeRequestFrame), which must accept
+// only what protobuf parses and find the rows protobuf finds.
+bool DecodeLikeProtobuf(const uint8_t* data, size_t length, wire::ComputeRequestFrame* frame) {
+  grpc::Slice slice(data, length);
+  const bool decoded = frame->Decode(grpc::ByteBuffer(&slice, 1)).ok();
+  v1::ComputeRequest parsed;
+  const bool protobuf_parses = parsed.ParseFromArray(data, static_cast<int>(length));
+  if (!decoded) return false;
+  Require(protobuf_parses, "the wire decoder accepts only what protobuf parses");
+  const v1::ComputeChunk& chunk = parsed.chunk();
+  Require(
+      frame->rows[wire::kHiddenRows].ToString() == chunk.hidden() &&
+          frame->rows[wire::kTeacherHiddenRows].ToString() == chunk.teacher_hidden() &&
+          frame->rows[wire::kTeacherTopKTokenRows].ToString() == chunk.teacher_top_k_tokens() &&
+          frame->rows[wire::kTeacherTopKLogprobRows].ToString() == chunk.teacher_top_k_logprobs(),
+      "the wire decoder finds the rows protobuf finds");
+  return true;
+}
 
 bool ParseScript(const uint8_t* data, size_t size, Script* script) {
   if (size < kScriptHeaderBytes) return false;
@@ -87,8 +110,8 @@ bool ParseScript(const uint8_t* data, size_t size, Script* script) {
     const size_t length =
         std::min<size_t>(data[cursor] | (data[cursor + 1] << 8), size - cursor - 2);
     cursor += 2;
-    v1::ComputeRequest request;
-    if (request.ParseFromArray(data + cursor, static_cast<int>(length))) {
+    wire::ComputeRequestFrame request;
+    if (DecodeLikeProtobuf(data + cursor, length, &request)) {
       script->requests.push_back(std::move(request));
     }
     cursor += length;
@@ -101,7 +124,7 @@ class ScriptedStream : public ComputeStream {
  public:
   ScriptedStream(const Script& script, Head& head) : script_(script), head_(head) {}
 
-  bool Read(v1::ComputeRequest* request) override {
+  bool Read(wire::ComputeRequestFrame* request) override {
     const int index = reads_++;
     if (index == script_.retire_before_read) head_.Retire();
     if (index >= script_.cancel_from_read) cancelled_ = true;
@@ -110,13 +133,15 @@ class ScriptedStream : public ComputeStream {
     return true;
   }
 
-  bool Write(const v1::ComputeResponse& response) override {
+  bool Write(const v1::ComputeResponse& response, const wire::BulkBytes& grad_hidden) override {
     if (writes_++ >= script_.fail_from_write) {
       client_left_ = true;
       cancelled_ = true;  // a client that went away has also cancelled the call
       return false;
     }
     responses_.push_back(response);
+    if (!grad_hidden.empty())
+      responses_.back().mutable_result()->set_grad_hidden(grad_hidden.ToString());
     return true;
   }
 
@@ -264,7 +289,7 @@ void RunOne(const Script& script) {
             "a failed call leaves the accumulated counts");
     return;
   }
-  const v1::ComputeStart& start = script.requests.front().start();
+  const v1::ComputeStart& start = script.requests.front().message.start();
   CheckSuccessfulResponses(start, stream.responses(), stream.client_left());
   Require(after.accumulated_calls ==
               before.accumulated_calls + (start.outputs().accumulate_grad_weight() ? 1 : 0),

@@ -195,7 +195,7 @@ grpc::Status LossService::Serve(const char* method, grpc::ServerContext* context
   return ToGrpcStatus(call.status());
 }
 
-grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>* LossService::Compute(
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* LossService::Compute(
     grpc::CallbackServerContext* context) {
   // Shared with the call's thread: whichever lets go last ends the call's scope.
   auto call = std::make_shared<CallScope>(*this, "Compute");

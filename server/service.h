@@ -43,10 +43,10 @@ struct ServiceOptions {
   ReplicaGroup* replicas = nullptr;
 };
 
-// Compute runs on gRPC's callback API (see compute_reactor.h), the other methods on the
-// synchronous one.
+// Compute runs on gRPC's callback API (see compute_reactor.h) with its messages' bytes as they
+// arrive (proto/wire/compute_frames.h), the other methods on the synchronous one.
 class LossService final
-    : public v1::LossService::WithCallbackMethod_Compute<v1::LossService::Service> {
+    : public v1::LossService::WithRawCallbackMethod_Compute<v1::LossService::Service> {
  public:
   // `staging_room` (staged dL/dW of every head) must outlive `heads`, whose staged gradients
   // give their room back to it when they go.
@@ -54,7 +54,7 @@ class LossService final
               PendingMemory& pending, Metrics& metrics, MemoryLedger& ledger, BufferCache& buffers,
               BufferCache& host_buffers, ServiceOptions options);
 
-  grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>* Compute(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Compute(
       grpc::CallbackServerContext* context) override;
   grpc::Status ListHeads(grpc::ServerContext* context, const v1::ListHeadsRequest* request,
                          v1::ListHeadsResponse* response) override;

@@ -28,7 +28,7 @@ class ScriptedStream final : public ComputeStream {
                           absl::Duration pause = absl::ZeroDuration())
       : requests_(std::move(requests)), silent_at_end_(silent_at_end), pause_(pause) {}
 
-  bool Read(v1::ComputeRequest* request) override {
+  bool Read(wire::ComputeRequestFrame* request) override {
     absl::MutexLock lock(&mu_);
     const auto over = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return cancelled_ || ended_; };
     if (next_ == requests_.size() && silent_at_end_) {
@@ -38,10 +38,10 @@ class ScriptedStream final : public ComputeStream {
       mu_.AwaitWithTimeout(absl::Condition(&over), pause_);
     }
     if (over() || next_ == requests_.size()) return false;
-    *request = requests_[next_++];
+    *request = wire::ComputeRequestFrame::FromMessage(requests_[next_++]);
     return true;
   }
-  bool Write(const v1::ComputeResponse&) override { return true; }
+  bool Write(const v1::ComputeResponse&, const wire::BulkBytes&) override { return true; }
   bool IsCancelled() const override {
     absl::MutexLock lock(&mu_);
     return cancelled_;
@@ -484,7 +484,9 @@ TEST(RowReaderTest, FirstChunkIsThereOnceItsRowsAreInOrTheStreamEnded) {
 TEST(RowReaderTest, AMessageHeldBeforeAdmissionIsPendingMemory) {
   const std::vector<float> data = RandomRows(12, 23);
   const std::vector<v1::ComputeRequest> one_message = Split(data, 12);  // 3 chunks of 4 rows
-  const int64_t message_bytes = static_cast<int64_t>(one_message.front().SpaceUsedLong());
+  // The message as the reader holds it: its rows where they arrived, beside the rest.
+  const int64_t message_bytes =
+      wire::ComputeRequestFrame::FromMessage(one_message.front()).SpaceUsed();
   {
     PendingMemory pending(/*capacity_bytes=*/1 << 20, /*per_connection_bytes=*/1 << 20);
     ScriptedStream stream(one_message);

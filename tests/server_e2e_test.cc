@@ -444,6 +444,31 @@ TEST_P(BadComputeTest, GetsItsCodeAndNamesTheField) {
 INSTANTIATE_TEST_SUITE_P(Table, BadComputeTest, ::testing::ValuesIn(kBadStarts),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// The server reads a chunk's rows where gRPC received them rather than through protobuf's parser
+// (proto/wire): a chunk whose rows field is not bytes, which protobuf would have kept as an unknown
+// field and the call then found no rows in, is refused by name, and changes nothing.
+TEST_F(ServerE2eTest, ARowsFieldThatIsNotBytesIsRefusedByName) {
+  ASSERT_TRUE(ZeroGrad(kHead).ok());
+  const Batch batch = RandomBatch(4, rng_);
+  v1::ComputeRequest chunk;
+  chunk.mutable_chunk()
+      ->GetReflection()
+      ->MutableUnknownFields(chunk.mutable_chunk())
+      ->AddVarint(v1::ComputeChunk::kHiddenFieldNumber, 7);
+  const ComputeOutcome out = CallComputeWithMessages(*stub_, TrainingStart(kHead, batch), {chunk});
+  EXPECT_EQ(out.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+      << out.status.error_message();
+  EXPECT_NE(out.status.error_message().find("lossd.v1.ComputeRequest"), std::string::npos)
+      << out.status.error_message();
+  EXPECT_NE(out.status.error_message().find("field 2.1 is not bytes"), std::string::npos)
+      << out.status.error_message();
+  const FetchedTensor grad = Fetch(*stub_, kHead, true);
+  EXPECT_TRUE(
+      std::all_of(grad.values.begin(), grad.values.end(), [](float x) { return x == 0.0f; }));
+  EXPECT_TRUE(
+      CallCompute(*stub_, TrainingStart(kHead, batch), FloatBytes(batch.hidden), 2).status.ok());
+}
+
 TEST_F(ServerE2eTest, EightConcurrentStreamsAreAllCorrect) {
   const std::vector<float> weight = Fetch(*stub_, kHead, false).values;
   std::vector<Batch> batches;

@@ -18,6 +18,7 @@
 #include "client/cpp/result_assembler.h"
 #include "client/cpp/shared_buffer.h"
 #include "lossd/common/status_macros.h"
+#include "proto/wire/compute_frames.h"
 
 namespace lossd::client {
 namespace {
@@ -319,8 +320,9 @@ class ResultAssembler {
     }
   }
 
-  // Takes what it keeps out of `response`, which the stream reads into again.
-  absl::Status Add(v1::ComputeResponse& response) {
+  // Takes what it keeps out of `response` (its result's dL/dh in `grad_hidden`), which the stream
+  // reads into again.
+  absl::Status Add(v1::ComputeResponse& response, const wire::BulkBytes& grad_hidden) {
     if (summary_received_) return ServerViolation("a message after the summary");
     if (response.has_summary()) {
       summary_received_ = true;
@@ -329,7 +331,7 @@ class ResultAssembler {
     }
     if (!response.has_result())
       return ServerViolation("a response with neither result nor summary");
-    return Place(*response.mutable_result());
+    return Place(*response.mutable_result(), grad_hidden);
   }
 
   absl::Status Finish() {
@@ -340,16 +342,16 @@ class ResultAssembler {
   }
 
  private:
-  absl::Status Place(v1::ComputeResult& piece) {
+  absl::Status Place(v1::ComputeResult& piece, const wire::BulkBytes& grad_hidden) {
     // Checks the rows' place and every per-token field's count before dL/dh is copied by them.
     RETURN_IF_ERROR(per_token_.Add(piece));
     if (on_progress_) on_progress_(per_token_.covered(), rows_);
     const int64_t count = piece.num_rows();
     const int64_t grad_bytes =
         grad_hidden_wanted_ && grad_hidden_in_messages_ ? count * grad_row_bytes_ : 0;
-    if (static_cast<int64_t>(piece.grad_hidden().size()) != grad_bytes) {
-      return ServerViolation(absl::StrCat(piece.grad_hidden().size(), " bytes of grad_hidden for ",
-                                          count, " rows, expected ", grad_bytes));
+    if (grad_hidden.size() != grad_bytes) {
+      return ServerViolation(absl::StrCat(grad_hidden.size(), " bytes of grad_hidden for ", count,
+                                          " rows, expected ", grad_bytes));
     }
     if (grad_bytes > 0) {
       if (piece.grad_hidden_dtype() != ToProto(grad_dtype_)) {
@@ -357,8 +359,7 @@ class ResultAssembler {
                                             static_cast<int>(piece.grad_hidden_dtype()),
                                             ", expected ", DTypeName(grad_dtype_)));
       }
-      std::memcpy(grad_hidden_ + piece.row_offset() * grad_row_bytes_, piece.grad_hidden().data(),
-                  grad_bytes);
+      grad_hidden.CopyTo(0, grad_bytes, grad_hidden_ + piece.row_offset() * grad_row_bytes_);
     }
     return absl::OkStatus();
   }
@@ -536,10 +537,13 @@ absl::StatusOr<Client> Client::Connect(ChannelOptions options) {
 Client::Client(ChannelOptions options, Target target)
     : options_(std::move(options)),
       target_(std::move(target)),
-      balanced_stub_(v1::LossService::NewStub(MakeChannel(options_, Balancing::kRoundRobin))),
-      one_server_stub_(v1::LossService::NewStub(MakeChannel(options_, Balancing::kOneServer))),
+      balanced_channel_(MakeChannel(options_, Balancing::kRoundRobin)),
+      balanced_stub_(v1::LossService::NewStub(balanced_channel_)),
+      one_server_channel_(MakeChannel(options_, Balancing::kOneServer)),
+      one_server_stub_(v1::LossService::NewStub(one_server_channel_)),
       handover_(std::make_shared<Handover>()),
-      shared_buffers_(std::make_shared<SharedBufferPool>()) {}
+      shared_buffers_(std::make_shared<SharedBufferPool>()),
+      send_buffers_(wire::SendBuffers::Create()) {}
 
 absl::Status Client::RequireOneServer(absl::string_view what) const {
   if (target_.listed_addresses <= 1) return absl::OkStatus();
@@ -920,18 +924,44 @@ absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) con
 
 namespace {
 
-using ComputeStream = grpc::ClientReaderWriter<v1::ComputeRequest, v1::ComputeResponse>;
+// Compute with its messages' bytes as they travel (proto/wire/compute_frames.h): rows are sent
+// from one copy of the caller's, dL/dh read from where gRPC received it into its final place.
+using ComputeStream = grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>;
+
+std::unique_ptr<ComputeStream> OpenCompute(grpc::Channel& channel, grpc::ClientContext& context) {
+  static const std::string* const method =
+      new std::string(absl::StrCat("/", v1::LossService::service_full_name(), "/Compute"));
+  // What the generated stub does for its typed stream, with gRPC's raw bytes as the messages.
+  return std::unique_ptr<ComputeStream>(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+          &channel,
+          grpc::internal::RpcMethod(method->c_str(), grpc::internal::RpcMethod::BIDI_STREAMING),
+          &context));
+}
+
+// Sends one request; false once the call has ended (Finish says why).
+bool WriteFrame(ComputeStream& stream, const wire::ComputeRequestFrame& frame,
+                ComputeResult& result) {
+  grpc::ByteBuffer message = frame.Encode();
+  const int64_t bytes = static_cast<int64_t>(message.Length());
+  if (!stream.Write(message)) return false;
+  result.bytes_sent += bytes;
+  ++result.messages_sent;
+  return true;
+}
 
 // Reads the call's responses into the assembler until the server ends the stream; the status of
 // the whole call.
 absl::Status ReadResults(grpc::ClientContext& context, ComputeStream& stream,
                          ResultAssembler& assembler, ComputeResult& result) {
   absl::Status assembled = absl::OkStatus();
-  v1::ComputeResponse response;
-  while (stream.Read(&response)) {
-    result.bytes_received += static_cast<int64_t>(response.ByteSizeLong());
+  grpc::ByteBuffer message;
+  wire::ComputeResponseFrame response;
+  while (stream.Read(&message)) {
+    result.bytes_received += static_cast<int64_t>(message.Length());
     ++result.messages_received;
-    assembled = assembler.Add(response);
+    assembled = response.Decode(message);
+    if (assembled.ok()) assembled = assembler.Add(response.message, response.grad_hidden);
     if (!assembled.ok()) {
       // Tells the server to stop, and unblocks a writer still sending: the results can no longer
       // be used.
@@ -952,27 +982,27 @@ absl::Status FinishCall(ComputeStream& stream, const absl::Status& assembled,
 
 // One field of the chunk messages that carries rows: each message's bytes for its rows.
 struct RowStream {
-  std::string* (v1::ComputeChunk::*field)();
+  wire::ChunkRowField field;
   const char* data;
   int64_t row_bytes;
 };
 
 // The hidden rows, and beside them the teacher's data for the same rows.
 std::vector<RowStream> RowStreams(const ComputeRequest& request) {
-  const auto matrix = [](std::string* (v1::ComputeChunk::*field)(), const TensorView& view) {
+  const auto matrix = [](wire::ChunkRowField field, const TensorView& view) {
     return RowStream{field, static_cast<const char*>(view.data),
                      view.cols * static_cast<int64_t>(DTypeSize(view.dtype))};
   };
-  std::vector<RowStream> streams = {matrix(&v1::ComputeChunk::mutable_hidden, request.hidden)};
+  std::vector<RowStream> streams = {matrix(wire::kHiddenRows, request.hidden)};
   if (!request.teacher_head.empty()) {
-    streams.push_back(matrix(&v1::ComputeChunk::mutable_teacher_hidden, request.teacher_hidden));
+    streams.push_back(matrix(wire::kTeacherHiddenRows, request.teacher_hidden));
   }
   if (request.teacher_top_k > 0) {
     const int64_t k = request.teacher_top_k;
-    streams.push_back({&v1::ComputeChunk::mutable_teacher_top_k_tokens,
+    streams.push_back({wire::kTeacherTopKTokenRows,
                        reinterpret_cast<const char*>(request.teacher_top_k_tokens.data()),
                        k * static_cast<int64_t>(sizeof(int32_t))});
-    streams.push_back({&v1::ComputeChunk::mutable_teacher_top_k_logprobs,
+    streams.push_back({wire::kTeacherTopKLogprobRows,
                        reinterpret_cast<const char*>(request.teacher_top_k_logprobs.data()),
                        k * static_cast<int64_t>(sizeof(float))});
   }
@@ -1005,30 +1035,30 @@ absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeReques
   grpc::ClientContext context;
   PrepareContext(context);
   // A scoring call takes the next server in the rotation; a training call, the one server.
-  v1::LossService::Stub& stub =
-      request.outputs.accumulate_grad_weight() ? *one_server_stub_ : *balanced_stub_;
-  std::unique_ptr<ComputeStream> stream = stub.Compute(&context);
+  std::unique_ptr<ComputeStream> stream = OpenCompute(
+      request.outputs.accumulate_grad_weight() ? *one_server_channel_ : *balanced_channel_,
+      context);
 
   // The writer thread owns the sending half of the stream: Write blocks under flow control, and the
   // server stops reading rows while its own results wait to be read, so sending and reading from
   // one thread could wait on each other forever for a large batch.
   std::thread writer([&] {
-    if (!stream->Write(start_message)) return;
-    result.bytes_sent += static_cast<int64_t>(start_message.ByteSizeLong());
-    ++result.messages_sent;
+    wire::ComputeRequestFrame start;
+    start.message = start_message;
+    if (!WriteFrame(*stream, start, result)) return;
     const std::vector<RowStream> streams = RowStreams(request);
-    v1::ComputeRequest chunk;  // reused: setting its rows again keeps the strings' buffers
+    wire::ComputeRequestFrame chunk;
+    chunk.message.mutable_chunk();
     for (int64_t first = 0; first < hidden.rows; first += rows_per_message) {
       const int64_t count = std::min(rows_per_message, hidden.rows - first);
       for (const RowStream& part : streams) {
-        (chunk.mutable_chunk()->*part.field)()->assign(part.data + first * part.row_bytes,
-                                                       count * part.row_bytes);
+        // The rows' one copy on this side: gRPC sends the slice as it is, and frees it once sent.
+        chunk.rows[part.field] = send_buffers_->Copy(absl::string_view(
+            part.data + first * part.row_bytes, static_cast<size_t>(count * part.row_bytes)));
       }
       // A failed Write means the call has ended (the server returned an error, or it was
       // cancelled); the reader learns why from Finish.
-      if (!stream->Write(chunk)) return;
-      result.bytes_sent += static_cast<int64_t>(chunk.ByteSizeLong());
-      ++result.messages_sent;
+      if (!WriteFrame(*stream, chunk, result)) return;
     }
     stream->WritesDone();
   });
@@ -1104,25 +1134,23 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request,
   grpc::ClientContext context;
   PrepareContext(context);
   // On the server the memfd was handed over to.
-  std::unique_ptr<ComputeStream> stream = one_server_stub_->Compute(&context);
+  std::unique_ptr<ComputeStream> stream = OpenCompute(*one_server_channel_, context);
   // The start message, then with rows_follow each piece of rows copied and announced; on a thread
   // of its own, so that results are read meanwhile. A failed call cancels the stream, which ends
   // the writer at its next Write, and is joined before the buffer is dropped.
   std::thread writer([&] {
-    if (!stream->Write(start_message)) return;
-    result.bytes_sent += static_cast<int64_t>(start_message.ByteSizeLong());
-    ++result.messages_sent;
+    wire::ComputeRequestFrame start;
+    start.message = start_message;
+    if (!WriteFrame(*stream, start, result)) return;
     if (shared.rows_follow()) {
-      v1::ComputeRequest announcement;
+      wire::ComputeRequestFrame announcement;
       for (int64_t first = 0; first < hidden.rows; first += piece_rows) {
         const int64_t end = std::min(hidden.rows, first + piece_rows);
         CopyInParallel(buffer->data() + first * row_bytes,
                        static_cast<const uint8_t*>(hidden.data) + first * row_bytes,
                        (end - first) * row_bytes);
-        announcement.mutable_chunk()->set_shared_rows(end);
-        if (!stream->Write(announcement)) return;
-        result.bytes_sent += static_cast<int64_t>(announcement.ByteSizeLong());
-        ++result.messages_sent;
+        announcement.message.mutable_chunk()->set_shared_rows(end);
+        if (!WriteFrame(*stream, announcement, result)) return;
       }
     }
     stream->WritesDone();

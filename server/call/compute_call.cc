@@ -152,12 +152,13 @@ class ComputeCall {
   // is read; the message itself (its repeated fields can be hundreds of MB) is freed once its
   // per-token values are copied out, leaving those copies charged.
   absl::Status ReadStart() {
-    v1::ComputeRequest request;
-    if (!stream_.Read(&request)) {
+    wire::ComputeRequestFrame frame;
+    if (!stream_.Read(&frame)) {
       return stream_.IsCancelled()
                  ? absl::CancelledError("call cancelled before its start message")
                  : InvalidField("start", "a ComputeStart as the first message", "an empty stream");
     }
+    v1::ComputeRequest& request = frame.message;
     if (!request.has_start()) {
       return InvalidField("start", "a ComputeStart as the first message", "a chunk");
     }
@@ -748,11 +749,15 @@ class ComputeCall {
 #undef LOSSD_COPY_TOKEN_OUTPUT
       copy(outputs_.top_k_logprob, k, result.mutable_top_k_logprob());
       copy(outputs_.top_k_token, k, result.mutable_top_k_token());
+      wire::BulkBytes grad_hidden;
       if (grad_in_messages) {
-        result.set_grad_hidden(MessageGradHidden() + r0 * grad_row_bytes, n * grad_row_bytes);
+        // The one copy dL/dh takes on its way out: gRPC sends this slice as it is.
+        grad_hidden = send_buffers_->Copy(absl::string_view(
+            reinterpret_cast<const char*>(MessageGradHidden() + r0 * grad_row_bytes),
+            static_cast<size_t>(n * grad_row_bytes)));
         result.set_grad_hidden_dtype(ToProto(spec_.grad_hidden_dtype));
       }
-      RETURN_IF_ERROR(Send(result_message_));
+      RETURN_IF_ERROR(Send(result_message_, grad_hidden));
     }
     return absl::OkStatus();
   }
@@ -787,15 +792,18 @@ class ComputeCall {
     return Send(response);
   }
 
-  absl::Status Send(const v1::ComputeResponse& response) {
-    const bool written = stream_.WriteOrStall(response, [this] { (void)PauseWhileWaiting(); });
+  absl::Status Send(const v1::ComputeResponse& response,
+                    const wire::BulkBytes& grad_hidden = wire::BulkBytes()) {
+    const bool written =
+        stream_.WriteOrStall(response, grad_hidden, [this] { (void)PauseWhileWaiting(); });
     RETURN_IF_ERROR(ResumeIfPaused());
     if (!written) {
       return absl::CancelledError(
           "client went away while results were sent; nothing was accumulated");
     }
     if (env_.metrics != nullptr)
-      env_.metrics->AddBytesSent(static_cast<int64_t>(response.ByteSizeLong()));
+      env_.metrics->AddBytesSent(static_cast<int64_t>(response.ByteSizeLong()) +
+                                 grad_hidden.size());
     return absl::OkStatus();
   }
 
@@ -831,6 +839,8 @@ class ComputeCall {
   SharedCallMemory shared_memory_;
   std::unique_ptr<RowReader> reader_;  // rows from messages
   v1::ComputeResponse result_message_;
+  // The memory dL/dh is copied into to be sent, reused from message to message.
+  const std::shared_ptr<wire::SendBuffers> send_buffers_ = wire::SendBuffers::Create();
   int64_t computed_rows_ = 0;
   double loss_sum_ = 0.0;
   double sequence_loss_ = 0.0;  // with a sequence reduction: the reduced loss, chunk by chunk

@@ -4,35 +4,12 @@
 #include <thread>
 #include <utility>
 
-#include "absl/base/config.h"
 #include "absl/strings/str_cat.h"
+#include "lossd/common/grpc_handover.h"
 #include "server/shm/shared_memory.h"
 #include "server/status/grpc_status.h"
 
-#ifdef ABSL_HAVE_THREAD_SANITIZER
-#include <sanitizer/tsan_interface.h>
-#endif
-
 namespace lossd::server {
-namespace {
-
-// gRPC hands a reactor from the thread that made it to the threads that run its reactions through
-// libgrpc's queues, which ThreadSanitizer cannot see into (Debian's libgrpc is not instrumented):
-// it would take each reaction's first touch of the reactor (its lock) for a race with the
-// construction. These two tell it of that hand-over; in other builds they are nothing.
-void HandOverToGrpc([[maybe_unused]] void* reactor) {
-#ifdef ABSL_HAVE_THREAD_SANITIZER
-  __tsan_release(reactor);
-#endif
-}
-
-void TakeOverFromGrpc([[maybe_unused]] void* reactor) {
-#ifdef ABSL_HAVE_THREAD_SANITIZER
-  __tsan_acquire(reactor);
-#endif
-}
-
-}  // namespace
 
 ComputeReactor::ComputeReactor(grpc::CallbackServerContext* context,
                                absl::Duration write_stall_limit, int owners)
@@ -218,46 +195,65 @@ void ComputeReactor::RunCall(Body body) {
   Unref();
 }
 
-bool ComputeReactor::Read(v1::ComputeRequest* request) {
-  absl::MutexLock lock(&mu_);
-  // One read at a time: gRPC allows no second StartRead before OnReadDone.
-  mu_.Await(absl::Condition(
-      +[](bool* reading) { return !*reading; }, &reading_));
-  if (!first_taken_) {
-    // The first read was the reactor's own, done before the call's thread started.
-    first_taken_ = true;
-    if (!read_ok_) {
-      reads_over_ = true;
-      return false;
+bool ComputeReactor::Read(wire::ComputeRequestFrame* request) {
+  grpc::ByteBuffer message;
+  {
+    absl::MutexLock lock(&mu_);
+    // One read at a time: gRPC allows no second StartRead before OnReadDone.
+    mu_.Await(absl::Condition(
+        +[](bool* reading) { return !*reading; }, &reading_));
+    if (!first_taken_) {
+      // The first read was the reactor's own, done before the call's thread started.
+      first_taken_ = true;
+      if (!read_ok_) {
+        reads_over_ = true;
+        return false;
+      }
+      message.Swap(&first_);
+      if (ended_) return false;
+    } else {
+      if (ended_ || reads_over_) return false;
+      reading_ = true;
+      // OnReadDone runs on a gRPC thread, never inside StartRead, so starting under mu_ is safe.
+      StartRead(&received_);
+      mu_.Await(absl::Condition(
+          +[](bool* reading) { return !*reading; }, &reading_));
+      if (!read_ok_) {
+        reads_over_ = true;
+        return false;
+      }
+      message.Swap(&received_);
     }
-    request->Swap(&first_);
-    return !ended_;
   }
-  if (ended_ || reads_over_) return false;
-  reading_ = true;
-  // OnReadDone runs on a gRPC thread, never inside StartRead, so starting under mu_ is safe.
-  StartRead(request);
-  mu_.Await(absl::Condition(
-      +[](bool* reading) { return !*reading; }, &reading_));
-  if (!read_ok_) reads_over_ = true;
-  return read_ok_;
+  const absl::Status decoded = request->Decode(message);
+  if (decoded.ok()) return true;
+  {
+    absl::MutexLock lock(&mu_);
+    reads_over_ = true;
+  }
+  End(decoded);
+  return false;
 }
 
-bool ComputeReactor::Write(const v1::ComputeResponse& response) {
-  return WriteOrStall(response, [] {});
+bool ComputeReactor::Write(const v1::ComputeResponse& response,
+                           const wire::BulkBytes& grad_hidden) {
+  return WriteOrStall(response, grad_hidden, [] {});
 }
 
 bool ComputeReactor::WriteOrStall(const v1::ComputeResponse& response,
+                                  const wire::BulkBytes& grad_hidden,
                                   absl::FunctionRef<void()> on_stall) {
   // How long a message may take to leave before its call counts as stalled on the client. Only
   // what the call does meanwhile depends on it (whether it gives its slot back), never a result.
   constexpr absl::Duration kStallGrace = absl::Milliseconds(20);
+  grpc::ByteBuffer message = wire::EncodeComputeResponse(response, grad_hidden);
   absl::MutexLock lock(&mu_);
   mu_.Await(absl::Condition(
       +[](bool* writing) { return !*writing; }, &writing_));
   if (ended_ || writes_over_) return false;
   writing_ = true;
-  StartWrite(&response);
+  sending_.Swap(&message);
+  StartWrite(&sending_);
   const auto written = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !writing_; };
   const absl::Time started = absl::Now();
   if (!mu_.AwaitWithTimeout(absl::Condition(&written), kStallGrace)) {

@@ -98,9 +98,8 @@ class StartWatch {
   std::thread thread_;  // last
 };
 
-class ComputeReactor final
-    : public grpc::ServerBidiReactor<v1::ComputeRequest, v1::ComputeResponse>,
-      public ComputeStream {
+class ComputeReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
+                             public ComputeStream {
  public:
   // The call: runs on the reactor's thread with the reactor as its stream.
   using Body = absl::AnyInvocable<absl::Status(ComputeStream&) &&>;
@@ -128,9 +127,10 @@ class ComputeReactor final
   ComputeReactor& operator=(const ComputeReactor&) = delete;
 
   // ComputeStream, for the call's threads.
-  bool Read(v1::ComputeRequest* request) override;
-  bool Write(const v1::ComputeResponse& response) override;
-  bool WriteOrStall(const v1::ComputeResponse& response,
+  // A message that is not a ComputeRequest ends the call (INVALID_ARGUMENT, saying why).
+  bool Read(wire::ComputeRequestFrame* request) override;
+  bool Write(const v1::ComputeResponse& response, const wire::BulkBytes& grad_hidden) override;
+  bool WriteOrStall(const v1::ComputeResponse& response, const wire::BulkBytes& grad_hidden,
                     absl::FunctionRef<void()> on_stall) override;
   bool IsCancelled() const override;
   void End(const absl::Status& status) override;
@@ -163,7 +163,9 @@ class ComputeReactor final
   Body body_;
   CallThreads* threads_ = nullptr;
   StartWatch* watch_ = nullptr;
-  v1::ComputeRequest first_;  // the first message, read by the reactor itself
+  grpc::ByteBuffer first_;     // the first message, read by the reactor itself
+  grpc::ByteBuffer received_;  // each later message, until the call's Read takes it
+  grpc::ByteBuffer sending_;   // the message being written, until OnWriteDone
   std::atomic<int> owners_;
   std::atomic<bool> cancelled_{false};
 

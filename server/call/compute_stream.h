@@ -1,5 +1,6 @@
 // A Compute call's stream as the server sees it: a gRPC callback reactor in the service, a script
-// in tests. One thread may Read while another Writes, as gRPC allows.
+// in tests. One thread may Read while another Writes, as gRPC allows. Rows arrive, and dL/dh
+// leaves, apart from the rest of their messages (proto/wire/compute_frames.h).
 #ifndef LOSSD_SERVER_CALL_COMPUTE_STREAM_H_
 #define LOSSD_SERVER_CALL_COMPUTE_STREAM_H_
 
@@ -11,21 +12,23 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "lossd/v1/lossd.pb.h"
+#include "proto/wire/compute_frames.h"
 
 namespace lossd::server {
 
 class ComputeStream {
  public:
   virtual ~ComputeStream() = default;
-  virtual bool Read(v1::ComputeRequest* request) = 0;
-  virtual bool Write(const v1::ComputeResponse& response) = 0;
+  virtual bool Read(wire::ComputeRequestFrame* request) = 0;
+  // `response`, with `grad_hidden` as its result's dL/dh.
+  virtual bool Write(const v1::ComputeResponse& response, const wire::BulkBytes& grad_hidden) = 0;
   // Write, calling `on_stall` once, on this thread and before waiting on, if the client has not
   // taken the message soon after it was sent (flow control holds it back): a call gives its
   // running slot back while its client is slow to read. A stream that never waits on its client
   // just writes.
-  virtual bool WriteOrStall(const v1::ComputeResponse& response,
+  virtual bool WriteOrStall(const v1::ComputeResponse& response, const wire::BulkBytes& grad_hidden,
                             absl::FunctionRef<void()> /*on_stall*/) {
-    return Write(response);
+    return Write(response, grad_hidden);
   }
   virtual bool IsCancelled() const = 0;
   // Ends the RPC now with `status`, unless it has ended already (the first status given is the

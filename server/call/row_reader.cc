@@ -10,13 +10,13 @@
 namespace lossd::server {
 namespace {
 
-const std::string& SideBytes(const v1::ComputeChunk& chunk, SideField field) {
+const wire::BulkBytes& SideBytes(const wire::ComputeRequestFrame& request, SideField field) {
   switch (field) {
-    case SideField::kTeacherHidden: return chunk.teacher_hidden();
-    case SideField::kTeacherTopKTokens: return chunk.teacher_top_k_tokens();
-    case SideField::kTeacherTopKLogprobs: return chunk.teacher_top_k_logprobs();
+    case SideField::kTeacherHidden: return request.rows[wire::kTeacherHiddenRows];
+    case SideField::kTeacherTopKTokens: return request.rows[wire::kTeacherTopKTokenRows];
+    case SideField::kTeacherTopKLogprobs: return request.rows[wire::kTeacherTopKLogprobRows];
   }
-  return chunk.teacher_hidden();
+  return request.rows[wire::kTeacherHiddenRows];
 }
 
 constexpr SideField kSideFields[] = {SideField::kTeacherHidden, SideField::kTeacherTopKTokens,
@@ -126,7 +126,7 @@ void RowReader::ReadAll() {
 }
 
 absl::Status RowReader::ReadRows() {
-  v1::ComputeRequest request;
+  wire::ComputeRequestFrame request;
   // Once the last row is in, the call has everything it needs: what the client sends after it,
   // and whether it half-closes, no longer matters to it.
   while (received_rows_ < layout_.num_tokens && stream_.Read(&request)) {
@@ -145,18 +145,18 @@ absl::Status RowReader::ReadRows() {
                       absl::StrCat(received_rows_, " before the stream ended"));
 }
 
-absl::Status RowReader::TakeMessage(const v1::ComputeRequest& request) {
-  if (request.has_start()) {
+absl::Status RowReader::TakeMessage(const wire::ComputeRequestFrame& request) {
+  if (request.message.has_start()) {
     return InvalidField("start", "exactly one ComputeStart, first", "a second one");
   }
   if (layout_.shared_rows != nullptr) return TakeAnnouncement(request);
-  if (request.chunk().shared_rows() != 0) {
+  if (request.message.chunk().shared_rows() != 0) {
     return InvalidField("chunk.shared_rows",
                         "0 (a call announces rows only with shared_memory.rows_follow)",
-                        absl::StrCat(request.chunk().shared_rows()));
+                        absl::StrCat(request.message.chunk().shared_rows()));
   }
-  const std::string& hidden = request.chunk().hidden();
-  const int64_t bytes = static_cast<int64_t>(hidden.size());
+  const wire::BulkBytes& hidden = request.rows[wire::kHiddenRows];
+  const int64_t bytes = hidden.size();
   if (bytes % row_bytes_ != 0) {
     return InvalidField(
         "chunk.hidden",
@@ -171,10 +171,10 @@ absl::Status RowReader::TakeMessage(const v1::ComputeRequest& request) {
                         absl::StrCat("at least ", received_rows_ + rows));
   }
   // The side streams: the same rows as `hidden`, and none the call does not take.
-  std::array<const std::string*, 1 + kMaxSideStreams> sources{&hidden};
+  std::array<const wire::BulkBytes*, 1 + kMaxSideStreams> sources{&hidden};
   int64_t message_bytes = bytes;
   for (const SideField field : kSideFields) {
-    const std::string& side = SideBytes(request.chunk(), field);
+    const wire::BulkBytes& side = SideBytes(request, field);
     const auto stream = std::find_if(layout_.side.begin(), layout_.side.end(),
                                      [field](const SideStream& s) { return s.field == field; });
     if (stream == layout_.side.end()) {
@@ -185,7 +185,7 @@ absl::Status RowReader::TakeMessage(const v1::ComputeRequest& request) {
       }
       continue;
     }
-    if (static_cast<int64_t>(side.size()) != rows * stream->row_bytes) {
+    if (side.size() != rows * stream->row_bytes) {
       return InvalidField(
           absl::StrCat("chunk.", SideFieldName(field)),
           absl::StrCat(rows, " rows of ", stream->row_description, " (", stream->row_bytes,
@@ -193,7 +193,7 @@ absl::Status RowReader::TakeMessage(const v1::ComputeRequest& request) {
           absl::StrCat(side.size(), " bytes"));
     }
     sources[1 + (stream - layout_.side.begin())] = &side;
-    message_bytes += static_cast<int64_t>(side.size());
+    message_bytes += side.size();
   }
   if (metrics_ != nullptr) metrics_->AddBytesReceived(message_bytes);
   for (int64_t taken = 0; taken < rows;) {
@@ -202,8 +202,8 @@ absl::Status RowReader::TakeMessage(const v1::ComputeRequest& request) {
     for (size_t s = 0; s <= layout_.side.size(); ++s) {
       const int64_t stream_row_bytes = StreamRowBytes(layout_, s);
       uint8_t* into = BufferOf(filling_chunk_, static_cast<int>(s));
-      std::memcpy(into + rows_in_filling_ * stream_row_bytes,
-                  sources[s]->data() + taken * stream_row_bytes, take * stream_row_bytes);
+      sources[s]->CopyTo(taken * stream_row_bytes, take * stream_row_bytes,
+                         into + rows_in_filling_ * stream_row_bytes);
     }
     rows_in_filling_ += take;
     taken += take;
@@ -220,10 +220,10 @@ absl::Status RowReader::TakeMessage(const v1::ComputeRequest& request) {
 
 // The rows lie in shared memory: a message says how many leading rows are in place, a count that
 // only grows, and carries nothing else.
-absl::Status RowReader::TakeAnnouncement(const v1::ComputeRequest& request) {
-  const v1::ComputeChunk& chunk = request.chunk();
-  if (!chunk.hidden().empty() || !chunk.teacher_hidden().empty() ||
-      !chunk.teacher_top_k_tokens().empty() || !chunk.teacher_top_k_logprobs().empty()) {
+absl::Status RowReader::TakeAnnouncement(const wire::ComputeRequestFrame& request) {
+  const v1::ComputeChunk& chunk = request.message.chunk();
+  if (std::any_of(request.rows.begin(), request.rows.end(),
+                  [](const wire::BulkBytes& field) { return !field.empty(); })) {
     return InvalidField(
         "chunk", "only shared_rows (the rows are in shared memory: shared_memory.rows_follow)",
         "row bytes");
@@ -247,7 +247,7 @@ absl::Status RowReader::TakeAnnouncement(const v1::ComputeRequest& request) {
   return absl::OkStatus();
 }
 
-absl::Status RowReader::WaitForFreeBuffer(const v1::ComputeRequest& request) {
+absl::Status RowReader::WaitForFreeBuffer(const wire::ComputeRequestFrame& request) {
   const int64_t chunk = filling_chunk_;
   absl::MutexLock lock(&mu_);
   // Chunk c fills the buffer that chunk c - kBuffers used.
@@ -256,8 +256,7 @@ absl::Status RowReader::WaitForFreeBuffer(const v1::ComputeRequest& request) {
   };
   // Only the engine frees a buffer, so an unadmitted call holds the message until admission.
   if (!free_or_stopped() && !admitted_ && pending_.memory != nullptr) {
-    ASSIGN_OR_RETURN(held_message_,
-                     pending_.Reserve(static_cast<int64_t>(request.SpaceUsedLong())));
+    ASSIGN_OR_RETURN(held_message_, pending_.Reserve(request.SpaceUsed()));
   }
   mu_.Await(absl::Condition(&free_or_stopped));
   held_message_.Release();

@@ -132,11 +132,11 @@ class RowReader {
   }
   void ReadAll();
   absl::Status ReadRows();
-  absl::Status TakeMessage(const v1::ComputeRequest& request);
-  absl::Status TakeAnnouncement(const v1::ComputeRequest& request);
+  absl::Status TakeMessage(const wire::ComputeRequestFrame& request);
+  absl::Status TakeAnnouncement(const wire::ComputeRequestFrame& request);
   // Waits until the buffer for chunk filling_chunk_ is free again, holding `request` meanwhile
   // (counted as pending memory before admission); CANCELLED if told to stop.
-  absl::Status WaitForFreeBuffer(const v1::ComputeRequest& request);
+  absl::Status WaitForFreeBuffer(const wire::ComputeRequestFrame& request);
   int64_t ChunkFirstRow(int64_t chunk) const;
   int64_t RowsInChunk(int64_t chunk) const;
 

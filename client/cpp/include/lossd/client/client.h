@@ -38,6 +38,10 @@
 #include "lossd/client/tensor.h"
 #include "lossd/v1/lossd.grpc.pb.h"
 
+namespace lossd::wire {
+class SendBuffers;
+}  // namespace lossd::wire
+
 namespace lossd::client {
 
 // The port lossd_server listens on unless its --listen names another.
@@ -467,13 +471,17 @@ class Client {
   ChannelOptions options_;
   Target target_;
   // Scoring and reads, over every address (Balancing::kRoundRobin).
+  std::shared_ptr<grpc::Channel> balanced_channel_;
   std::unique_ptr<v1::LossService::Stub> balanced_stub_;
   // What belongs to one server (Balancing::kOneServer): training calls, steps, the gradient,
   // uploads, checkpoints, shared memory.
+  std::shared_ptr<grpc::Channel> one_server_channel_;
   std::unique_ptr<v1::LossService::Stub> one_server_stub_;
   // The connection that shared-memory calls' memfds are registered on.
   std::shared_ptr<Handover> handover_;
   std::shared_ptr<SharedBufferPool> shared_buffers_;  // memfds kept between shared-memory calls
+  // Memory that rows are copied into to be sent, kept for the next message and call.
+  std::shared_ptr<wire::SendBuffers> send_buffers_;
 };
 
 }  // namespace lossd::client

@@ -1,0 +1,281 @@
+#include "proto/wire/bulk_fields.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <google/protobuf/wire_format_lite.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+
+#include "absl/strings/str_cat.h"
+#include "lossd/common/grpc_handover.h"
+
+namespace lossd::wire {
+namespace {
+
+using google::protobuf::internal::WireFormatLite;
+using google::protobuf::io::CodedInputStream;
+using google::protobuf::io::CodedOutputStream;
+using google::protobuf::io::StringOutputStream;
+
+constexpr WireFormatLite::WireType kLengthDelimited = WireFormatLite::WIRETYPE_LENGTH_DELIMITED;
+
+uint32_t LengthDelimitedTag(int field) { return WireFormatLite::MakeTag(field, kLengthDelimited); }
+
+// Bytes [offset, offset + count) of the buffer whose slices are `slices`, as references.
+std::vector<grpc::Slice> SliceRange(const std::vector<grpc::Slice>& slices, int64_t offset,
+                                    int64_t count) {
+  std::vector<grpc::Slice> range;
+  int64_t start = 0;
+  for (const grpc::Slice& slice : slices) {
+    const int64_t size = static_cast<int64_t>(slice.size());
+    const int64_t from = std::max(offset, start);
+    const int64_t to = std::min(offset + count, start + size);
+    if (from < to) {
+      range.push_back(
+          from == start && to == start + size
+              ? slice
+              : slice.sub(static_cast<size_t>(from - start), static_cast<size_t>(to - start)));
+    }
+    start += size;
+    if (start >= offset + count) break;
+  }
+  return range;
+}
+
+absl::Status Malformed(const google::protobuf::MessageLite& outer, absl::string_view what) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("a ", outer.GetTypeName(), " message that protobuf cannot parse: ", what));
+}
+
+}  // namespace
+
+BulkBytes BulkBytes::Copy(absl::string_view bytes) {
+  BulkBytes copy;
+  if (!bytes.empty()) copy.slices_.emplace_back(bytes.data(), bytes.size());
+  copy.size_ = static_cast<int64_t>(bytes.size());
+  return copy;
+}
+
+BulkBytes BulkBytes::Of(std::vector<grpc::Slice> slices) {
+  BulkBytes bytes;
+  for (const grpc::Slice& slice : slices) bytes.size_ += static_cast<int64_t>(slice.size());
+  bytes.slices_ = std::move(slices);
+  return bytes;
+}
+
+void BulkBytes::CopyTo(int64_t offset, int64_t count, void* out) const {
+  uint8_t* next = static_cast<uint8_t*>(out);
+  int64_t start = 0;
+  for (const grpc::Slice& slice : slices_) {
+    const int64_t size = static_cast<int64_t>(slice.size());
+    const int64_t from = std::max(offset, start);
+    const int64_t to = std::min(offset + count, start + size);
+    if (from < to) {
+      std::memcpy(next, slice.begin() + (from - start), static_cast<size_t>(to - from));
+      next += to - from;
+    }
+    start += size;
+    if (start >= offset + count) break;
+  }
+}
+
+std::string BulkBytes::ToString() const {
+  std::string bytes(static_cast<size_t>(size_), '\0');
+  CopyTo(0, size_, bytes.data());
+  return bytes;
+}
+
+namespace {
+
+// The member's encoded length: its own fields (whose sizes protobuf caches here) and the bulk ones.
+size_t MemberLength(const BulkFieldSpec& spec, const google::protobuf::MessageLite& member,
+                    absl::Span<const BulkBytes> bulk) {
+  size_t length = member.ByteSizeLong();
+  for (size_t i = 0; i < bulk.size(); ++i) {
+    if (bulk[i].empty()) continue;
+    length += CodedOutputStream::VarintSize32(LengthDelimitedTag(spec.bulk_fields[i])) +
+              CodedOutputStream::VarintSize64(static_cast<uint64_t>(bulk[i].size())) +
+              static_cast<size_t>(bulk[i].size());
+  }
+  return length;
+}
+
+}  // namespace
+
+int64_t EncodedSizeWithBulk(const BulkFieldSpec& spec, const google::protobuf::MessageLite& member,
+                            absl::Span<const BulkBytes> bulk) {
+  const size_t length = MemberLength(spec, member, bulk);
+  return static_cast<int64_t>(
+      CodedOutputStream::VarintSize32(LengthDelimitedTag(spec.member_field)) +
+      CodedOutputStream::VarintSize64(length) + length);
+}
+
+// What a pooled slice's destroy callback needs: the pool (kept alive by it) and the memory.
+struct SendBuffers::Return {
+  std::shared_ptr<SendBuffers> pool;
+  char* memory;
+  size_t size;
+};
+
+SendBuffers::~SendBuffers() {
+  for (const auto& [size, memory] : idle_) delete[] memory;
+}
+
+BulkBytes SendBuffers::Copy(absl::string_view bytes) {
+  BulkBytes copy;
+  if (bytes.empty()) return copy;
+  char* memory = nullptr;
+  std::vector<std::pair<size_t, char*>> unfit;
+  {
+    absl::MutexLock lock(&mu_);
+    // A message's rows are mostly the size of the one before: a buffer that size is reused; when
+    // none is idle, the idle ones of other sizes are freed rather than kept for sizes that may not
+    // come again.
+    const auto same = std::find_if(idle_.begin(), idle_.end(),
+                                   [&](const auto& idle) { return idle.first == bytes.size(); });
+    if (same != idle_.end()) {
+      memory = same->second;
+      idle_.erase(same);
+    } else {
+      unfit.swap(idle_);
+    }
+  }
+  for (const auto& [size, idle] : unfit) delete[] idle;
+  if (memory == nullptr) memory = new char[bytes.size()];
+  std::memcpy(memory, bytes.data(), bytes.size());
+  auto* back = new Return{shared_from_this(), memory, bytes.size()};
+  HandOverToGrpc(back);  // with the bytes just copied: GiveBack may run on any of gRPC's threads
+  copy.slices_.emplace_back(memory, bytes.size(), &SendBuffers::GiveBack, back);
+  copy.size_ = static_cast<int64_t>(bytes.size());
+  return copy;
+}
+
+void SendBuffers::GiveBack(void* what) {
+  TakeOverFromGrpc(what);
+  std::unique_ptr<Return> back(static_cast<Return*>(what));
+  SendBuffers& pool = *back->pool;
+  // Kept: as many buffers as were in flight at once, which bounds the pool.
+  absl::MutexLock lock(&pool.mu_);
+  pool.idle_.emplace_back(back->size, back->memory);
+}
+
+int64_t SendBuffers::idle_buffers() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(idle_.size());
+}
+
+grpc::ByteBuffer EncodeWithBulk(const BulkFieldSpec& spec,
+                                const google::protobuf::MessageLite& member,
+                                absl::Span<const BulkBytes> bulk) {
+  const size_t member_length = MemberLength(spec, member, bulk);
+  // The small pieces (tags, lengths, the member's other fields) gather in `head` until a bulk
+  // field's bytes follow them.
+  std::vector<grpc::Slice> slices;
+  std::string head;
+  {
+    StringOutputStream stream(&head);
+    CodedOutputStream out(&stream);
+    out.WriteTag(LengthDelimitedTag(spec.member_field));
+    out.WriteVarint64(member_length);
+    member.SerializeWithCachedSizes(&out);
+  }
+  for (size_t i = 0; i < bulk.size(); ++i) {
+    if (bulk[i].empty()) continue;
+    {
+      StringOutputStream stream(&head);
+      CodedOutputStream out(&stream);
+      out.WriteTag(LengthDelimitedTag(spec.bulk_fields[i]));
+      out.WriteVarint64(static_cast<uint64_t>(bulk[i].size()));
+    }
+    slices.emplace_back(head);
+    head.clear();
+    slices.insert(slices.end(), bulk[i].slices().begin(), bulk[i].slices().end());
+  }
+  if (!head.empty()) slices.emplace_back(head);
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+absl::Status DecodeWithBulk(const grpc::ByteBuffer& buffer, const BulkFieldSpec& spec,
+                            google::protobuf::MessageLite& outer, absl::Span<BulkBytes> bulk) {
+  std::vector<grpc::Slice> slices;
+  if (!buffer.Dump(&slices).ok()) return Malformed(outer, "its buffer could not be read");
+  int64_t total = 0;
+  for (const grpc::Slice& slice : slices) total += static_cast<int64_t>(slice.size());
+  for (BulkBytes& bytes : bulk) bytes.Clear();
+
+  grpc::ByteBuffer readable(buffer);  // the reader takes a mutable buffer; this shares its slices
+  grpc::ProtoBufferReader reader(&readable);
+  CodedInputStream in(&reader);
+  std::string outer_rest;   // the outer message's fields other than the member
+  std::string member_rest;  // the member's fields other than its bulk ones, over all its copies
+  bool member_seen = false;
+  {
+    StringOutputStream outer_stream(&outer_rest);
+    CodedOutputStream outer_out(&outer_stream);
+    StringOutputStream member_stream(&member_rest);
+    CodedOutputStream member_out(&member_stream);
+    while (const uint32_t tag = in.ReadTag()) {
+      if (tag != LengthDelimitedTag(spec.member_field)) {
+        if (!WireFormatLite::SkipField(&in, tag, &outer_out)) {
+          return Malformed(outer, absl::StrCat("field ", WireFormatLite::GetTagFieldNumber(tag),
+                                               " is cut short or badly encoded"));
+        }
+        continue;
+      }
+      member_seen = true;
+      uint32_t member_length = 0;
+      if (!in.ReadVarint32(&member_length) ||
+          static_cast<int64_t>(member_length) > total - in.CurrentPosition()) {
+        return Malformed(outer, absl::StrCat("field ", spec.member_field, " is cut short"));
+      }
+      const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(member_length));
+      while (const uint32_t member_tag = in.ReadTag()) {
+        const int field = WireFormatLite::GetTagFieldNumber(member_tag);
+        const auto bulk_field = std::find(spec.bulk_fields.begin(), spec.bulk_fields.end(), field);
+        if (bulk_field == spec.bulk_fields.end()) {
+          if (!WireFormatLite::SkipField(&in, member_tag, &member_out)) {
+            return Malformed(outer, absl::StrCat("field ", spec.member_field, ".", field,
+                                                 " is cut short or badly encoded"));
+          }
+          continue;
+        }
+        uint32_t length = 0;
+        if (WireFormatLite::GetTagWireType(member_tag) != kLengthDelimited ||
+            !in.ReadVarint32(&length) || static_cast<int>(length) < 0) {
+          return Malformed(outer,
+                           absl::StrCat("field ", spec.member_field, ".", field, " is not bytes"));
+        }
+        const int64_t offset = in.CurrentPosition();
+        if (static_cast<int64_t>(length) > in.BytesUntilLimit() ||
+            !in.Skip(static_cast<int>(length))) {
+          return Malformed(outer,
+                           absl::StrCat("field ", spec.member_field, ".", field, " is cut short"));
+        }
+        bulk[bulk_field - spec.bulk_fields.begin()] =
+            BulkBytes::Of(SliceRange(slices, offset, length));
+      }
+      if (in.BytesUntilLimit() != 0) {
+        return Malformed(outer, absl::StrCat("field ", spec.member_field, " is badly encoded"));
+      }
+      in.PopLimit(limit);
+    }
+    if (in.CurrentPosition() != total) return Malformed(outer, "a field tag is badly encoded");
+  }
+  // The streams are gone, so everything they took is in the strings now.
+  if (member_seen) {
+    {
+      StringOutputStream outer_stream(&outer_rest);
+      CodedOutputStream outer_out(&outer_stream);
+      outer_out.WriteTag(LengthDelimitedTag(spec.member_field));
+      outer_out.WriteVarint64(member_rest.size());
+    }
+    outer_rest += member_rest;
+  }
+  if (!outer.ParseFromString(outer_rest)) return Malformed(outer, "a field's value is not valid");
+  return absl::OkStatus();
+}
+
+}  // namespace lossd::wire

@@ -1,0 +1,283 @@
+// Compute messages with their row bytes apart (proto/wire): what is encoded is protobuf's own
+// encoding of the whole message, what is decoded is what protobuf would parse, whatever slices the
+// bytes arrive in, and bytes that are not such a message are refused by name without a crash.
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <google/protobuf/util/message_differencer.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "lossd/v1/lossd.pb.h"
+#include "proto/wire/bulk_fields.h"
+#include "proto/wire/compute_frames.h"
+
+namespace lossd::wire {
+namespace {
+
+using google::protobuf::util::MessageDifferencer;
+
+std::string RandomBytes(size_t size, std::mt19937& rng) {
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::string bytes(size, '\0');
+  for (char& c : bytes) c = static_cast<char>(byte(rng));
+  return bytes;
+}
+
+// `bytes` as a buffer of slices cut at random places (gRPC hands a message over in the pieces it
+// read it in).
+grpc::ByteBuffer InRandomSlices(const std::string& bytes, int cuts, std::mt19937& rng) {
+  std::vector<size_t> ends;
+  std::uniform_int_distribution<size_t> place(0, bytes.size());
+  for (int i = 0; i < cuts; ++i) ends.push_back(place(rng));
+  ends.push_back(bytes.size());
+  std::sort(ends.begin(), ends.end());
+  std::vector<grpc::Slice> slices;
+  size_t start = 0;
+  for (const size_t end : ends) {
+    if (end > start) slices.emplace_back(bytes.data() + start, end - start);
+    start = end;
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+std::string Flatten(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  EXPECT_TRUE(buffer.Dump(&slices).ok());
+  std::string bytes;
+  for (const grpc::Slice& slice : slices) bytes.append(slice.begin(), slice.end());
+  return bytes;
+}
+
+struct ChunkCase {
+  const char* name;
+  size_t hidden_bytes;
+  size_t teacher_bytes;
+  size_t top_k_bytes;
+  int64_t shared_rows;
+  int cuts;  // slices the received bytes come in
+};
+
+class ChunkFrameTest : public testing::TestWithParam<ChunkCase> {};
+
+TEST_P(ChunkFrameTest, EncodesProtobufsBytesAndDecodesWhatProtobufParses) {
+  const ChunkCase& c = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(c.hidden_bytes * 7 + c.cuts));
+  v1::ComputeRequest whole;
+  v1::ComputeChunk& chunk = *whole.mutable_chunk();
+  chunk.set_hidden(RandomBytes(c.hidden_bytes, rng));
+  chunk.set_teacher_hidden(RandomBytes(c.teacher_bytes, rng));
+  chunk.set_teacher_top_k_tokens(RandomBytes(c.top_k_bytes, rng));
+  chunk.set_teacher_top_k_logprobs(RandomBytes(c.top_k_bytes, rng));
+  chunk.set_shared_rows(c.shared_rows);
+
+  const ComputeRequestFrame sent = ComputeRequestFrame::FromMessage(whole);
+  const grpc::ByteBuffer encoded = sent.Encode();
+  EXPECT_EQ(static_cast<int64_t>(encoded.Length()), sent.ByteSize());
+  // A peer that parses with protobuf sees the whole message.
+  v1::ComputeRequest parsed;
+  ASSERT_TRUE(parsed.ParseFromString(Flatten(encoded)));
+  EXPECT_TRUE(MessageDifferencer::Equals(parsed, whole));
+
+  // Protobuf's own bytes of the message, received in pieces, decode to the same rows.
+  ComputeRequestFrame received;
+  ASSERT_TRUE(received.Decode(InRandomSlices(whole.SerializeAsString(), c.cuts, rng)).ok());
+  EXPECT_EQ(received.rows[kHiddenRows].ToString(), chunk.hidden());
+  EXPECT_EQ(received.rows[kTeacherHiddenRows].ToString(), chunk.teacher_hidden());
+  EXPECT_EQ(received.rows[kTeacherTopKTokenRows].ToString(), chunk.teacher_top_k_tokens());
+  EXPECT_EQ(received.rows[kTeacherTopKLogprobRows].ToString(), chunk.teacher_top_k_logprobs());
+  ASSERT_TRUE(received.message.has_chunk());
+  EXPECT_TRUE(received.message.chunk().hidden().empty());
+  EXPECT_EQ(received.message.chunk().shared_rows(), c.shared_rows);
+  EXPECT_EQ(received.ByteSize(), static_cast<int64_t>(whole.ByteSizeLong()));
+
+  // A piece from the middle of the rows, across slices.
+  const BulkBytes& hidden = received.rows[kHiddenRows];
+  if (hidden.size() >= 3) {
+    const int64_t offset = hidden.size() / 3;
+    const int64_t count = hidden.size() - 2 * offset;
+    std::string piece(static_cast<size_t>(count), '\0');
+    hidden.CopyTo(offset, count, piece.data());
+    EXPECT_EQ(piece,
+              chunk.hidden().substr(static_cast<size_t>(offset), static_cast<size_t>(count)));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, ChunkFrameTest,
+                         testing::Values(
+                             // Rows in one slice, as a sender's copy is.
+                             ChunkCase{"one_slice", 4096, 0, 0, 0, 0},
+                             // Rows cut at many places, including inside the tags and lengths.
+                             ChunkCase{"many_slices", 100'003, 0, 0, 0, 40},
+                             // A distill chunk: four bulk fields in one member.
+                             ChunkCase{"teacher_fields", 9'000, 5'000, 640, 0, 25},
+                             // A length that takes three varint bytes next to one that takes one.
+                             ChunkCase{"short_and_long", 3'000'001, 0, 7, 0, 12},
+                             // An announcement: no rows at all, only shared_rows.
+                             ChunkCase{"announcement", 0, 0, 0, 1234, 3},
+                             // One byte of rows: shorter than gRPC's inlined slices.
+                             ChunkCase{"one_byte", 1, 0, 0, 0, 1}),
+                         [](const testing::TestParamInfo<ChunkCase>& info) {
+                           return info.param.name;
+                         });
+
+TEST(ComputeFrameTest, AStartTravelsWhole) {
+  v1::ComputeRequest whole;
+  whole.mutable_start()->set_head("main");
+  whole.mutable_start()->add_labels(7);
+  ComputeRequestFrame frame;
+  frame.message = whole;
+  v1::ComputeRequest parsed;
+  ASSERT_TRUE(parsed.ParseFromString(Flatten(frame.Encode())));
+  EXPECT_TRUE(MessageDifferencer::Equals(parsed, whole));
+  ComputeRequestFrame received;
+  ASSERT_TRUE(received.Decode(frame.Encode()).ok());
+  EXPECT_TRUE(MessageDifferencer::Equals(received.message, whole));
+}
+
+TEST(ComputeFrameTest, AResultsDLdhTravelsApartAndASummaryWhole) {
+  std::mt19937 rng(5);
+  v1::ComputeResponse result;
+  result.mutable_result()->set_row_offset(64);
+  result.mutable_result()->set_num_rows(2);
+  result.mutable_result()->add_token_loss(1.5f);
+  result.mutable_result()->set_grad_hidden_dtype(v1::DTYPE_BFLOAT16);
+  const std::string grad = RandomBytes(70'000, rng);
+  const grpc::ByteBuffer encoded = EncodeComputeResponse(result, BulkBytes::Copy(grad));
+  v1::ComputeResponse whole = result;
+  whole.mutable_result()->set_grad_hidden(grad);
+  v1::ComputeResponse parsed;
+  ASSERT_TRUE(parsed.ParseFromString(Flatten(encoded)));
+  EXPECT_TRUE(MessageDifferencer::Equals(parsed, whole));
+
+  ComputeResponseFrame received;
+  ASSERT_TRUE(received.Decode(InRandomSlices(whole.SerializeAsString(), 9, rng)).ok());
+  EXPECT_EQ(received.grad_hidden.ToString(), grad);
+  EXPECT_TRUE(MessageDifferencer::Equals(received.message, result));
+
+  v1::ComputeResponse summary;
+  summary.mutable_summary()->set_loss(2.25);
+  ASSERT_TRUE(received.Decode(EncodeComputeResponse(summary, BulkBytes())).ok());
+  EXPECT_TRUE(received.grad_hidden.empty());
+  EXPECT_TRUE(MessageDifferencer::Equals(received.message, summary));
+}
+
+// Protobuf merges a repeated submessage and keeps the last value of a repeated bytes field; the
+// decoder does the same.
+TEST(ComputeFrameTest, RepeatedMembersMergeAsProtobufMergesThem) {
+  v1::ComputeRequest first;
+  first.mutable_chunk()->set_hidden("first rows");
+  first.mutable_chunk()->set_shared_rows(3);
+  v1::ComputeRequest second;
+  second.mutable_chunk()->set_hidden("second rows");
+  const std::string bytes = first.SerializeAsString() + second.SerializeAsString();
+  v1::ComputeRequest parsed;
+  ASSERT_TRUE(parsed.ParseFromString(bytes));
+  std::mt19937 rng(11);
+  ComputeRequestFrame received;
+  ASSERT_TRUE(received.Decode(InRandomSlices(bytes, 6, rng)).ok());
+  EXPECT_EQ(received.rows[kHiddenRows].ToString(), parsed.chunk().hidden());
+  EXPECT_EQ(received.message.chunk().shared_rows(), parsed.chunk().shared_rows());
+}
+
+struct MalformedCase {
+  const char* name;
+  std::string bytes;
+  const char* says;  // in the error
+};
+
+class MalformedFrameTest : public testing::TestWithParam<MalformedCase> {};
+
+TEST_P(MalformedFrameTest, IsRefusedByName) {
+  const MalformedCase& c = GetParam();
+  std::mt19937 rng(3);
+  ComputeRequestFrame received;
+  const absl::Status status = received.Decode(InRandomSlices(c.bytes, 2, rng));
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("lossd.v1.ComputeRequest"), std::string::npos) << status;
+  EXPECT_NE(status.message().find(c.says), std::string::npos) << status;
+}
+
+// A chunk member (field 2) holding `inner`, with its length as written.
+std::string Chunk(const std::string& inner) {
+  return absl::StrCat("\x12", std::string(1, static_cast<char>(inner.size())), inner);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Table, MalformedFrameTest,
+    testing::Values(
+        // hidden (field 1) says 10 bytes, 4 follow.
+        MalformedCase{"rows_cut_short",
+                      Chunk(std::string("\x0a\x0a"
+                                        "abcd",
+                                        6)),
+                      "2.1 is cut short"},
+        // hidden sent as a varint: not bytes.
+        MalformedCase{"rows_not_bytes", Chunk(std::string("\x08\x05", 2)), "2.1 is not bytes"},
+        // The member says 20 bytes, 2 follow.
+        MalformedCase{"member_cut_short", std::string("\x12\x14\x28\x01", 4),
+                      "field 2 is cut short"},
+        // A tag of field 0, which protobuf never writes.
+        MalformedCase{"field_zero", std::string("\x00\x01", 2), "badly encoded"},
+        // shared_rows (field 5) as a varint that never ends.
+        MalformedCase{"endless_varint", Chunk(std::string("\x28\xff\xff", 3)), "2.5 is cut short"},
+        // A top-level field cut short.
+        MalformedCase{"outer_cut_short", std::string("\x0a\x09\x01", 3), "field 1 is cut short"}),
+    [](const testing::TestParamInfo<MalformedCase>& info) { return info.param.name; });
+
+// Every prefix of a valid message either decodes (where it ends between fields) or is refused:
+// never a crash, never rows past the bytes received.
+TEST(ComputeFrameTest, EveryPrefixDecodesOrIsRefused) {
+  std::mt19937 rng(17);
+  v1::ComputeRequest whole;
+  whole.mutable_chunk()->set_hidden(RandomBytes(300, rng));
+  whole.mutable_chunk()->set_teacher_top_k_tokens(RandomBytes(40, rng));
+  whole.mutable_chunk()->set_shared_rows(99);
+  const std::string bytes = whole.SerializeAsString();
+  for (size_t end = 0; end < bytes.size(); ++end) {
+    ComputeRequestFrame received;
+    const absl::Status status = received.Decode(InRandomSlices(bytes.substr(0, end), 3, rng));
+    if (status.ok()) {
+      for (const BulkBytes& field : received.rows)
+        EXPECT_LE(field.size(), static_cast<int64_t>(end));
+    } else {
+      EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    }
+  }
+}
+
+TEST(SendBuffersTest, ReusesABufferOnceGrpcLetsGoOfIt) {
+  std::shared_ptr<SendBuffers> pool = SendBuffers::Create();
+  const std::string rows(1 << 20, 'r');
+  const uint8_t* first_memory = nullptr;
+  {
+    const BulkBytes first = pool->Copy(rows);
+    ASSERT_EQ(first.slices().size(), 1u);
+    first_memory = first.slices()[0].begin();
+    EXPECT_EQ(first.ToString(), rows);
+    EXPECT_EQ(pool->idle_buffers(), 0);
+  }
+  EXPECT_EQ(pool->idle_buffers(), 1);
+  {
+    const std::string other(1 << 20, 'o');
+    const BulkBytes second = pool->Copy(other);
+    EXPECT_EQ(second.slices()[0].begin(), first_memory);
+    EXPECT_EQ(second.ToString(), other);
+  }
+  // A slice outlives the pool's owner: it keeps the pool until gRPC lets go of it.
+  BulkBytes kept = pool->Copy(rows);
+  const std::weak_ptr<SendBuffers> weak = pool;
+  pool.reset();
+  EXPECT_FALSE(weak.expired());
+  EXPECT_EQ(kept.ToString(), rows);
+  kept.Clear();
+  EXPECT_TRUE(weak.expired());
+}
+
+}  // namespace
+}  // namespace lossd::wire
