@@ -1975,6 +1975,32 @@ TEST_F(ClientTest, GradHiddenOutIsWrittenOnlyWhenTheCallSucceeds) {
   }
 }
 
+// dL/dh of more than 16 MiB into the caller's buffer over messages: the results kept as received
+// are copied out by two threads once the call is done, every row in its place.
+TEST_F(ClientTest, LargeGradHiddenOutIsWhole) {
+  const Client client = Connect(OptionsFor(server_->port()));
+  constexpr int64_t kWide = 1024;
+  constexpr int64_t kFewTokens = 8;
+  const std::vector<float> weight = RandomNormal(kFewTokens * kWide, 0.03f, rng_);
+  ASSERT_TRUE(
+      client.UploadHead("wide", {weight.data(), client::DType::kFloat32, kFewTokens, kWide}).ok());
+  const int64_t n = 4200;  // 17.2 MB of float32 dL/dh, in five messages
+  const std::vector<float> hidden = RandomNormal(n * kWide, 1.0f, rng_);
+  const std::vector<int64_t> labels = RandomLabels(n, kFewTokens, 0.1, rng_);
+  ComputeRequest request = Fp32Request("wide", hidden, labels);
+  request.outputs.set_grad_hidden(true);
+  request.shared_memory = false;
+  const absl::StatusOr<ComputeResult> reference = client.Compute(request);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  ASSERT_EQ(reference->grad_hidden.bytes.size(), static_cast<size_t>(n * kWide * 4));
+  std::string out(reference->grad_hidden.bytes.size(), '\x5a');
+  request.grad_hidden_out = out.data();
+  const absl::StatusOr<ComputeResult> written = client.Compute(request);
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_GE(written->messages_received, 5);
+  EXPECT_TRUE(out == reference->grad_hidden.bytes) << "dL/dh differs";
+}
+
 // A server started without shared memory says so, and the same client goes on with messages.
 TEST_F(ClientTest, SharedMemoryCanBeTurnedOff) {
   server::ServerConfig config;

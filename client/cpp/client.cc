@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -293,24 +294,25 @@ v1::ComputeRequest StartMessage(const ComputeRequest& request) {
 }
 
 // Puts one Compute call's results together as they arrive: the per-token outputs by the
-// contract's rule (PerTokenAssembler), dL/dh from the result messages into `grad_hidden_target`
-// if given, else into the result, or (shared memory) not at all, and the summary.
+// contract's rule (PerTokenAssembler), dL/dh from the result messages into the result, or kept as
+// received until the call has succeeded (`keep_grad_hidden`: the caller's buffer is written only
+// then, by CopyKeptGradHidden), or (shared memory) not at all, and the summary.
 class ResultAssembler {
  public:
   ResultAssembler(const ComputeRequest& request, DType grad_dtype, PerTokenAssembler per_token,
                   ComputeResult& result, bool grad_hidden_in_messages,
-                  uint8_t* grad_hidden_target = nullptr)
+                  bool keep_grad_hidden = false)
       : on_progress_(request.on_progress),
         grad_hidden_wanted_(request.outputs.grad_hidden()),
         grad_hidden_in_messages_(grad_hidden_in_messages),
         rows_(request.hidden.rows),
         grad_dtype_(grad_dtype),
         grad_row_bytes_(request.hidden.cols * static_cast<int64_t>(DTypeSize(grad_dtype_))),
+        keep_grad_hidden_(keep_grad_hidden),
         result_(result),
         per_token_(std::move(per_token)) {
     if (grad_hidden_wanted_) {
-      grad_hidden_ = grad_hidden_target;
-      if (grad_hidden_in_messages_ && grad_hidden_ == nullptr) {
+      if (grad_hidden_in_messages_ && !keep_grad_hidden_) {
         result_.grad_hidden.bytes.resize(rows_ * grad_row_bytes_);
         grad_hidden_ = reinterpret_cast<uint8_t*>(result_.grad_hidden.bytes.data());
       }
@@ -332,6 +334,32 @@ class ResultAssembler {
     if (!response.has_result())
       return ServerViolation("a response with neither result nor summary");
     return Place(*response.mutable_result(), grad_hidden);
+  }
+
+  // dL/dh of a call that kept it: into `out`, the results shared out over two threads for a large
+  // call (the copy is the last thing the call does).
+  void CopyKeptGradHidden(uint8_t* out) const {
+    constexpr int64_t kMinBytesForTwoThreads = int64_t{16} << 20;
+    const auto copy_range = [this, out](size_t begin, size_t end) {
+      for (size_t i = begin; i < end; ++i) {
+        const auto& [offset, bytes] = kept_grad_hidden_[i];
+        bytes.CopyTo(0, bytes.size(), out + offset);
+      }
+    };
+    const size_t pieces = kept_grad_hidden_.size();
+    if (rows_ * grad_row_bytes_ < kMinBytesForTwoThreads || pieces < 2 ||
+        std::thread::hardware_concurrency() < 2) {
+      copy_range(0, pieces);
+      return;
+    }
+    std::thread helper;
+    try {
+      helper = std::thread(copy_range, pieces / 2, pieces);
+    } catch (const std::system_error&) {  // no thread to be had: this one copies it all
+      copy_range(pieces / 2, pieces);
+    }
+    copy_range(0, pieces / 2);
+    if (helper.joinable()) helper.join();
   }
 
   absl::Status Finish() {
@@ -359,7 +387,11 @@ class ResultAssembler {
                                             static_cast<int>(piece.grad_hidden_dtype()),
                                             ", expected ", DTypeName(grad_dtype_)));
       }
-      grad_hidden.CopyTo(0, grad_bytes, grad_hidden_ + piece.row_offset() * grad_row_bytes_);
+      if (keep_grad_hidden_) {
+        kept_grad_hidden_.push_back({piece.row_offset() * grad_row_bytes_, grad_hidden});
+      } else {
+        grad_hidden.CopyTo(0, grad_bytes, grad_hidden_ + piece.row_offset() * grad_row_bytes_);
+      }
     }
     return absl::OkStatus();
   }
@@ -370,7 +402,10 @@ class ResultAssembler {
   const int64_t rows_;
   const DType grad_dtype_;
   const int64_t grad_row_bytes_;
-  uint8_t* grad_hidden_ = nullptr;  // where dL/dh from messages goes
+  const bool keep_grad_hidden_;
+  // With keep_grad_hidden: each result's dL/dh where gRPC received it, by its byte offset.
+  std::vector<std::pair<int64_t, wire::BulkBytes>> kept_grad_hidden_;
+  uint8_t* grad_hidden_ = nullptr;  // where dL/dh from messages goes, unless kept
   ComputeResult& result_;
   PerTokenAssembler per_token_;
   bool summary_received_ = false;
@@ -1020,18 +1055,11 @@ absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeReques
   ASSIGN_OR_RETURN(const DType grad_dtype, GradHiddenDType(request));
   ASSIGN_OR_RETURN(PerTokenAssembler per_token,
                    PerTokenAssembler::Create(request.outputs, hidden.rows, &result.per_token));
-  // dL/dh bound for the caller's buffer is assembled apart, so that a failed call leaves that
-  // buffer as it was, in memory kept between calls: fresh pages would fault in as they are written.
-  std::unique_ptr<SharedBuffer> staging;
-  const uint64_t staged_bytes =
-      request.grad_hidden_out != nullptr && request.outputs.grad_hidden()
-          ? static_cast<uint64_t>(hidden.rows) * hidden.cols * DTypeSize(grad_dtype)
-          : 0;
-  if (staged_bytes > 0) {
-    ASSIGN_OR_RETURN(staging, shared_buffers_->Acquire(staged_bytes));
-  }
+  // dL/dh bound for the caller's buffer stays where gRPC received it until the call has succeeded,
+  // so that a failed call leaves that buffer as it was.
+  const bool into_caller = request.grad_hidden_out != nullptr && request.outputs.grad_hidden();
   ResultAssembler assembler(request, grad_dtype, std::move(per_token), result,
-                            /*grad_hidden_in_messages=*/true, staging ? staging->data() : nullptr);
+                            /*grad_hidden_in_messages=*/true, /*keep_grad_hidden=*/into_caller);
   grpc::ClientContext context;
   PrepareContext(context);
   // A scoring call takes the next server in the rotation; a training call, the one server.
@@ -1065,9 +1093,8 @@ absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeReques
   const absl::Status assembled = ReadResults(context, *stream, assembler, result);
   writer.join();
   const absl::Status finished = FinishCall(*stream, assembled, assembler);
-  if (staging != nullptr) {
-    if (finished.ok()) CopyInParallel(request.grad_hidden_out, staging->data(), staged_bytes);
-    shared_buffers_->Release(std::move(staging));
+  if (finished.ok() && into_caller) {
+    assembler.CopyKeptGradHidden(static_cast<uint8_t*>(request.grad_hidden_out));
   }
   return finished;
 }
