@@ -8,6 +8,11 @@
 // and lossctl: the program forks before any gRPC call (gRPC's threads do not survive a fork), the
 // child serves on 127.0.0.1 and reports its port over a socket pair, the parent is the client.
 //
+// --copies=protobuf sends Blob messages through protobuf on both ends (each message's bytes copied
+// by serializing and by parsing, on each side); --copies=one moves raw bytes as lossd's Compute
+// does (proto/wire): a sender copies its bytes once into pooled memory that gRPC sends as it is, a
+// receiver copies them once out of the slices gRPC received them in.
+//
 // One untimed round (connection, buffers), then --reps timed rounds; prints the median round's
 // seconds and the serialized message bytes each way (what lossctl bench counts), as a sentence or,
 // with --json, as one JSON object.
@@ -23,6 +28,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -40,6 +47,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpc_echo.grpc.pb.h"
+#include "proto/wire/bulk_fields.h"
 
 ABSL_FLAG(int64_t, bytes, int64_t{128} << 20, "payload bytes each way per round, over all streams");
 ABSL_FLAG(int64_t, message_bytes, int64_t{4} << 20,
@@ -47,6 +55,10 @@ ABSL_FLAG(int64_t, message_bytes, int64_t{4} << 20,
 ABSL_FLAG(int64_t, streams, 1, "concurrent calls, each carrying an equal share of --bytes");
 ABSL_FLAG(int, reps, 3, "timed rounds after one untimed warm-up; the median is reported");
 ABSL_FLAG(bool, json, false, "print one JSON object instead of a sentence");
+ABSL_FLAG(
+    std::string, copies, "protobuf",
+    "protobuf (Blob messages, protobuf's copies) or one (raw bytes, one copy each way on each "
+    "side, as lossd's Compute)");
 
 namespace lossd::bench {
 namespace {
@@ -68,6 +80,80 @@ class EchoService final : public Echo::Service {
         return grpc::Status(grpc::StatusCode::UNAVAILABLE, "the client went away");
     }
     return grpc::Status::OK;
+  }
+};
+
+// The raw echo of one call: each message copied out of gRPC's slices into a buffer of its own (as
+// lossd's row reader copies rows) and sent back from one pooled copy (as lossd sends dL/dh). One
+// read and one write in flight at a time; what is read while a write is out waits in a queue.
+class OneCopyEchoReactor final
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  OneCopyEchoReactor() { StartRead(&received_); }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      absl::MutexLock lock(&mu_);
+      reads_over_ = true;
+      FinishIfDone();
+      return;
+    }
+    std::vector<grpc::Slice> slices;
+    (void)received_.Dump(&slices);
+    landing_.clear();
+    for (const grpc::Slice& slice : slices) landing_.append(slice.begin(), slice.end());
+    const lossd::wire::BulkBytes echo = pool_->Copy(landing_);
+    {
+      absl::MutexLock lock(&mu_);
+      queue_.emplace_back(echo.slices().data(), echo.slices().size());
+      if (!writing_) WriteNext();
+    }
+    StartRead(&received_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    queue_.pop_front();
+    if (!ok) {
+      queue_.clear();
+      reads_over_ = true;
+    }
+    if (!queue_.empty()) {
+      WriteNext();
+    } else {
+      FinishIfDone();
+    }
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void WriteNext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    writing_ = true;
+    StartWrite(&queue_.front());
+  }
+  void FinishIfDone() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (reads_over_ && !writing_ && queue_.empty() && !finished_) {
+      finished_ = true;
+      Finish(grpc::Status::OK);
+    }
+  }
+
+  grpc::ByteBuffer received_;
+  std::string landing_;
+  const std::shared_ptr<lossd::wire::SendBuffers> pool_ = lossd::wire::SendBuffers::Create();
+  absl::Mutex mu_;
+  std::deque<grpc::ByteBuffer> queue_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool reads_over_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+class OneCopyEchoService final : public Echo::WithRawCallbackMethod_Stream<Echo::Service> {
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Stream(
+      grpc::CallbackServerContext* /*context*/) override {
+    return new OneCopyEchoReactor();
   }
 };
 
@@ -97,7 +183,7 @@ bool ReadAll(int fd, void* data, size_t size) {
 }
 
 // The child: serves until the parent closes its end of `control_fd`, then exits.
-int RunServer(int control_fd, pid_t parent, int message_limit) {
+int RunServer(int control_fd, pid_t parent, int message_limit, bool one_copy) {
   // The server must never outlive the client, even one killed by SIGKILL; the getppid check covers
   // a parent that died before the prctl.
   if (prctl(PR_SET_PDEATHSIG, SIGTERM) != 0 || getppid() != parent) {
@@ -105,11 +191,16 @@ int RunServer(int control_fd, pid_t parent, int message_limit) {
                   "grpc_echo_bench: the echo server could not tie its life to the client's\n");
     return 1;
   }
-  EchoService service;
+  EchoService protobuf_service;
+  OneCopyEchoService one_copy_service;
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
+  if (one_copy) {
+    builder.RegisterService(&one_copy_service);
+  } else {
+    builder.RegisterService(&protobuf_service);
+  }
   builder.SetMaxReceiveMessageSize(message_limit);
   builder.SetMaxSendMessageSize(message_limit);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -174,19 +265,77 @@ absl::StatusOr<Traffic> EchoCall(Echo::Stub& stub, int64_t payload_bytes, int64_
   return traffic;
 }
 
+// The same call as raw bytes, as the C++ client moves a Compute call's rows and dL/dh: each
+// message sent from one pooled copy of `payload`, each echo copied once into `landing` (the
+// caller's buffer, as large as the call's bytes).
+absl::StatusOr<Traffic> OneCopyEchoCall(grpc::Channel& channel, int64_t payload_bytes,
+                                        int64_t message_bytes, const std::string& payload,
+                                        uint8_t* landing) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + kCallDeadline));
+  using RawStream = grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>;
+  const std::unique_ptr<RawStream> stream(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+          &channel,
+          grpc::internal::RpcMethod("/lossd.bench.Echo/Stream",
+                                    grpc::internal::RpcMethod::BIDI_STREAMING),
+          &context));
+  const std::shared_ptr<lossd::wire::SendBuffers> pool = lossd::wire::SendBuffers::Create();
+  Traffic traffic;
+  bool all_written = true;
+  std::thread writer([&] {
+    for (int64_t left = payload_bytes; left > 0; left -= message_bytes) {
+      const lossd::wire::BulkBytes bytes = pool->Copy(
+          absl::string_view(payload.data(), static_cast<size_t>(std::min(left, message_bytes))));
+      grpc::ByteBuffer message(bytes.slices().data(), bytes.slices().size());
+      if (!stream->Write(message)) {
+        all_written = false;
+        return;
+      }
+      traffic.bytes_sent += bytes.size();
+    }
+    stream->WritesDone();
+  });
+  grpc::ByteBuffer echo;
+  std::vector<grpc::Slice> slices;
+  while (stream->Read(&echo)) {
+    slices.clear();
+    (void)echo.Dump(&slices);
+    for (const grpc::Slice& slice : slices) {
+      const int64_t room = payload_bytes - traffic.bytes_received;
+      const int64_t size = std::min(static_cast<int64_t>(slice.size()), std::max<int64_t>(room, 0));
+      std::memcpy(landing + traffic.bytes_received, slice.begin(), static_cast<size_t>(size));
+      traffic.bytes_received += static_cast<int64_t>(slice.size());
+    }
+  }
+  writer.join();
+  const grpc::Status status = stream->Finish();
+  if (!status.ok()) {
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                        absl::StrCat("echo call failed: ", status.error_message()));
+  }
+  if (!all_written)
+    return absl::UnavailableError("echo call ended before all its messages were sent");
+  if (traffic.bytes_received != traffic.bytes_sent) {
+    return absl::DataLossError(absl::StrFormat("echo call sent %d bytes but received %d",
+                                               traffic.bytes_sent, traffic.bytes_received));
+  }
+  return traffic;
+}
+
 struct Round {
   double seconds = 0.0;
   Traffic traffic;
 };
 
 // All calls at once, each on a thread of its own, as lossctl bench runs --streams calls in flight.
-absl::StatusOr<Round> RunRound(Echo::Stub& stub, const std::vector<int64_t>& call_bytes,
-                               int64_t message_bytes) {
-  std::vector<absl::StatusOr<Traffic>> results(call_bytes.size(), absl::UnknownError("not run"));
+absl::StatusOr<Round> RunRound(const std::function<absl::StatusOr<Traffic>(size_t)>& call,
+                               size_t calls) {
+  std::vector<absl::StatusOr<Traffic>> results(calls, absl::UnknownError("not run"));
   std::vector<std::thread> callers;
   const absl::Time start = absl::Now();
-  for (size_t i = 0; i < call_bytes.size(); ++i) {
-    callers.emplace_back([&, i] { results[i] = EchoCall(stub, call_bytes[i], message_bytes); });
+  for (size_t i = 0; i < calls; ++i) {
+    callers.emplace_back([&, i] { results[i] = call(i); });
   }
   for (std::thread& caller : callers) caller.join();
   Round round;
@@ -218,6 +367,7 @@ struct Options {
   int64_t streams;
   int reps;
   bool json;
+  bool one_copy;  // --copies=one
 };
 
 absl::Status RunClient(int port, const Options& options, int message_limit) {
@@ -232,13 +382,25 @@ absl::Status RunClient(int port, const Options& options, int message_limit) {
   }
   const std::unique_ptr<Echo::Stub> stub = Echo::NewStub(channel);
   const std::vector<int64_t> call_bytes = SplitBytes(options.bytes, options.streams);
+  // For --copies=one: the bytes each message is copied from, and each call's landing place,
+  // touched by the warm-up round before any timed one.
+  const std::string payload(
+      options.one_copy ? static_cast<size_t>(std::min(options.bytes, options.message_bytes)) : 0,
+      '\x5a');
+  std::vector<std::vector<uint8_t>> landings(options.one_copy ? call_bytes.size() : 0);
+  for (size_t i = 0; i < landings.size(); ++i) landings[i].resize(call_bytes[i]);
+  const auto call = [&](size_t i) {
+    return options.one_copy ? OneCopyEchoCall(*channel, call_bytes[i], options.message_bytes,
+                                              payload, landings[i].data())
+                            : EchoCall(*stub, call_bytes[i], options.message_bytes);
+  };
 
-  absl::StatusOr<Round> warm_up = RunRound(*stub, call_bytes, options.message_bytes);
+  absl::StatusOr<Round> warm_up = RunRound(call, call_bytes.size());
   if (!warm_up.ok()) return warm_up.status();
   std::vector<double> seconds;
   Traffic traffic;  // The same in every round.
   for (int rep = 0; rep < options.reps; ++rep) {
-    absl::StatusOr<Round> round = RunRound(*stub, call_bytes, options.message_bytes);
+    absl::StatusOr<Round> round = RunRound(call, call_bytes.size());
     if (!round.ok()) return round.status();
     seconds.push_back(round->seconds);
     traffic = round->traffic;
@@ -247,9 +409,9 @@ absl::Status RunClient(int port, const Options& options, int message_limit) {
   if (options.json) {
     absl::PrintF(
         "{\"seconds\": %.6f, \"bytes_sent\": %d, \"bytes_received\": %d, \"streams\": %d, "
-        "\"message_bytes\": %d, \"reps\": %d}\n",
+        "\"message_bytes\": %d, \"reps\": %d, \"copies\": \"%s\"}\n",
         median, traffic.bytes_sent, traffic.bytes_received, options.streams, options.message_bytes,
-        options.reps);
+        options.reps, options.one_copy ? "one" : "protobuf");
   } else {
     absl::PrintF(
         "%d bytes each way in %d-byte messages over %d stream%s: %.4f s (median of %d), "
@@ -271,9 +433,14 @@ int Main(int argc, char** argv) {
       "grpc_echo_bench: gRPC's own bidirectional echo over loopback, the ceiling of a Compute "
       "call's wire throughput.\n  grpc_echo_bench --bytes=134217728 --streams=4 --json");
   absl::ParseCommandLine(argc, argv);
-  const Options options{absl::GetFlag(FLAGS_bytes), absl::GetFlag(FLAGS_message_bytes),
+  const Options options{absl::GetFlag(FLAGS_bytes),   absl::GetFlag(FLAGS_message_bytes),
                         absl::GetFlag(FLAGS_streams), absl::GetFlag(FLAGS_reps),
-                        absl::GetFlag(FLAGS_json)};
+                        absl::GetFlag(FLAGS_json),    absl::GetFlag(FLAGS_copies) == "one"};
+  if (absl::GetFlag(FLAGS_copies) != "one" && absl::GetFlag(FLAGS_copies) != "protobuf") {
+    absl::FPrintF(stderr, "grpc_echo_bench: --copies must be protobuf or one, not '%s'\n",
+                  absl::GetFlag(FLAGS_copies));
+    return 2;
+  }
   if (options.message_bytes < 1 || options.message_bytes > INT_MAX - kFramingBytes) {
     absl::FPrintF(stderr, "grpc_echo_bench: --message_bytes must be in [1, %d]\n",
                   INT_MAX - kFramingBytes);
@@ -298,7 +465,7 @@ int Main(int argc, char** argv) {
   if (child < 0) return Fail(absl::StrCat("fork failed: ", std::strerror(errno)));
   if (child == 0) {
     close(control[0]);
-    return RunServer(control[1], parent, message_limit);
+    return RunServer(control[1], parent, message_limit, options.one_copy);
   }
   close(control[1]);
 

@@ -6,7 +6,9 @@ each way is the transport's. Measured beside each other:
   tcp_one_way    raw TCP over loopback: one process sends 4 MiB buffers, another receives them
   tcp_both_ways  the same both ways at once (two connections), each direction's GB/s
   memcpy         single-thread copy bandwidth (numpy), the floor of shared memory
-  grpc_echo      gRPC's own echo of the same bytes, C++ (bench/grpc_echo_bench)
+  grpc_echo      gRPC's own echo of the same bytes, C++ (bench/grpc_echo_bench), through protobuf
+  grpc_echo_one_copy  the same as raw bytes copied once each way on each side, as lossd's Compute
+                 moves them between the C++ client and the server (proto/wire)
   cpp_messages   lossd Compute from the C++ client (lossctl bench), rows and dL/dh in messages
   cpp_shm        the same through a memfd shared with the server, the rows copied into it as the
                  server says (before the start where it computes on the host's cores)
@@ -175,10 +177,11 @@ def measure(args, record):
     try:
         for dtype in DTYPES:
             for callers in CALLERS:
-                echo = peers.bench_echo(runner, tokens, dtype, callers)
-                if "error" not in echo:
-                    record(entry("grpc_echo", dtype, callers, echo["seconds"],
-                                 echo["in_gbps"] * echo["seconds"] * 1e9))
+                for copies in ("protobuf", "one"):
+                    echo = peers.bench_echo(runner, tokens, dtype, callers, copies)
+                    if "error" not in echo:
+                        record(entry(echo["method"], dtype, callers, echo["seconds"],
+                                     echo["in_gbps"] * echo["seconds"] * 1e9))
                 follow = FOLLOWING_PIECE_BYTES // (HIDDEN * DTYPES[dtype])
                 for path, shared, in_place, piece in (("cpp_messages", False, False, 0),
                                                       ("cpp_shm", True, False, 0),
