@@ -89,7 +89,8 @@ def script(requests, cancel_from_read=NEVER, retire_before_read=NEVER, fail_from
            budget_units=63, result_units=255, head_dtype=0):
     out = bytes([cancel_from_read, retire_before_read, fail_from_write, budget_units, result_units, head_dtype])
     for request in requests:
-        raw = request.SerializeToString()
+        # Bytes as given: a message protobuf itself would not write.
+        raw = request if isinstance(request, bytes) else request.SerializeToString()
         out += struct.pack("<H", len(raw)) + raw
     return out
 
@@ -156,6 +157,10 @@ def compute_stream_seeds(pb):
         "bad_missing_rows": script([start(3)] + chunks(rows(2), 2)),
         "bad_pinned_version": script([start(1, head_version=7)] + chunks(rows(1), 1)),
         "bad_label": script([start(2, labels=[3, VOCAB])] + chunks(rows(2), 2)),
+        # A tag of field 0 at a message's end, and rows sent as a varint (chunk.hidden = 5): the
+        # server's decoder must refuse what protobuf refuses, and may refuse more.
+        "bad_zero_tag": script([start(2), b"\x00"] + chunks(rows(2), 2)),
+        "bad_rows_not_bytes": script([start(2), b"\x12\x02\x08\x05"] + chunks(rows(2), 2)),
     }
 
 

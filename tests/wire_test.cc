@@ -224,8 +224,20 @@ INSTANTIATE_TEST_SUITE_P(
                       "field 2 is cut short"},
         // A tag of field 0, which protobuf never writes.
         MalformedCase{"field_zero", std::string("\x00\x01", 2), "badly encoded"},
+        // The same as the message's last byte, where the end of input could hide it.
+        MalformedCase{"lone_zero_tag", std::string("\x00", 1), "badly encoded"},
+        // ... and as the member's last byte.
+        MalformedCase{"zero_tag_in_member", Chunk(std::string("\x28\x01\x00", 3)), "badly encoded"},
         // shared_rows (field 5) as a varint that never ends.
         MalformedCase{"endless_varint", Chunk(std::string("\x28\xff\xff", 3)), "2.5 is cut short"},
+        // A tag in six bytes: CodedInputStream would keep its low 32 bits, protobuf refuses it.
+        MalformedCase{"six_byte_tag", std::string("\xd0\xfe\xcf\xf7\xff\x7a\x3c", 7),
+                      "tag is badly encoded"},
+        // The member's length in six bytes (zero, padded), which protobuf refuses likewise.
+        MalformedCase{"six_byte_length", std::string("\x12\x80\x80\x80\x80\x80\x00", 7),
+                      "field 2 is cut short"},
+        // A group, which proto3 never writes.
+        MalformedCase{"group", std::string("\x0b\x0c", 2), "field 1 is cut short or badly encoded"},
         // A top-level field cut short.
         MalformedCase{"outer_cut_short", std::string("\x0a\x09\x01", 3), "field 1 is cut short"}),
     [](const testing::TestParamInfo<MalformedCase>& info) { return info.param.name; });
@@ -249,6 +261,53 @@ TEST(ComputeFrameTest, EveryPrefixDecodesOrIsRefused) {
       EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
     }
   }
+}
+
+// What the decoder accepts, protobuf parses, with the same rows: random changes to valid messages,
+// as the fuzz target checks at length.
+TEST(ComputeFrameTest, AcceptsOnlyWhatProtobufParses) {
+  std::mt19937 rng(23);
+  v1::ComputeRequest chunk;
+  chunk.mutable_chunk()->set_hidden(RandomBytes(40, rng));
+  chunk.mutable_chunk()->set_teacher_top_k_tokens(RandomBytes(12, rng));
+  chunk.mutable_chunk()->set_shared_rows(5);
+  v1::ComputeRequest start;
+  start.mutable_start()->set_head("main");
+  start.mutable_start()->add_labels(3);
+  const std::string seeds[] = {chunk.SerializeAsString(), start.SerializeAsString()};
+  std::uniform_int_distribution<int> byte(0, 255);
+  int accepted = 0;
+  int refused = 0;
+  for (int trial = 0; trial < 20000; ++trial) {
+    std::string bytes = seeds[trial % 2];
+    const int changes = 1 + trial % 3;
+    for (int c = 0; c < changes; ++c) {
+      std::uniform_int_distribution<size_t> place(0, bytes.size());
+      const size_t at = place(rng);
+      switch (byte(rng) % 3) {
+        case 0:
+          if (at < bytes.size()) bytes[at] = static_cast<char>(byte(rng));
+          break;
+        case 1: bytes.insert(at, 1, static_cast<char>(byte(rng))); break;
+        default: bytes.resize(at); break;
+      }
+    }
+    ComputeRequestFrame received;
+    if (!received.Decode(InRandomSlices(bytes, 2, rng)).ok()) {
+      ++refused;
+      continue;
+    }
+    ++accepted;
+    v1::ComputeRequest parsed;
+    ASSERT_TRUE(parsed.ParseFromString(bytes)) << "accepted what protobuf refuses, trial " << trial;
+    ASSERT_EQ(received.rows[kHiddenRows].ToString(), parsed.chunk().hidden()) << trial;
+    ASSERT_EQ(received.rows[kTeacherTopKTokenRows].ToString(),
+              parsed.chunk().teacher_top_k_tokens())
+        << trial;
+  }
+  // Both outcomes were reached often enough for the check to mean something.
+  EXPECT_GT(accepted, 1000);
+  EXPECT_GT(refused, 1000);
 }
 
 TEST(SendBuffersTest, ReusesABufferOnceGrpcLetsGoOfIt) {

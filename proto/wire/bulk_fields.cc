@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <utility>
 
 #include <google/protobuf/io/coded_stream.h>
@@ -43,6 +45,49 @@ std::vector<grpc::Slice> SliceRange(const std::vector<grpc::Slice>& slices, int6
     if (start >= offset + count) break;
   }
   return range;
+}
+
+// protobuf's parser takes a tag or a length of at most 5 bytes (a 32-bit varint), where
+// CodedInputStream reads up to 10 and keeps the low bits: read here as the parser reads them, so
+// that nothing it refuses gets through re-encoded.
+constexpr int64_t kMaxTagOrLengthBytes = 5;
+
+// The next tag; 0 at the end of the input or of the current limit; nullopt for a tag protobuf
+// refuses (too long, or of field 0).
+std::optional<uint32_t> ReadTag(CodedInputStream& in) {
+  const int64_t before = in.CurrentPosition();
+  const uint32_t tag = in.ReadTag();
+  if (in.CurrentPosition() - before > kMaxTagOrLengthBytes) return std::nullopt;
+  if (tag == 0 && !in.ConsumedEntireMessage()) return std::nullopt;
+  return tag;
+}
+
+bool ReadLength(CodedInputStream& in, uint32_t* length) {
+  const int64_t before = in.CurrentPosition();
+  return in.ReadVarint32(length) && in.CurrentPosition() - before <= kMaxTagOrLengthBytes &&
+         *length <= static_cast<uint32_t>(std::numeric_limits<int>::max());
+}
+
+// Copies the field that `tag` starts into `out`; false for one protobuf's parser refuses, and for
+// a group (which proto3 never writes).
+bool CopyField(CodedInputStream& in, uint32_t tag, CodedOutputStream& out) {
+  switch (WireFormatLite::GetTagWireType(tag)) {
+    case WireFormatLite::WIRETYPE_LENGTH_DELIMITED: {
+      uint32_t length = 0;
+      std::string value;
+      if (!ReadLength(in, &length) || !in.ReadString(&value, static_cast<int>(length))) {
+        return false;
+      }
+      out.WriteTag(tag);
+      out.WriteVarint32(length);
+      out.WriteString(value);
+      return true;
+    }
+    case WireFormatLite::WIRETYPE_VARINT:
+    case WireFormatLite::WIRETYPE_FIXED64:
+    case WireFormatLite::WIRETYPE_FIXED32: return WireFormatLite::SkipField(&in, tag, &out);
+    default: return false;
+  }
 }
 
 absl::Status Malformed(const google::protobuf::MessageLite& outer, absl::string_view what) {
@@ -217,9 +262,13 @@ absl::Status DecodeWithBulk(const grpc::ByteBuffer& buffer, const BulkFieldSpec&
     CodedOutputStream outer_out(&outer_stream);
     StringOutputStream member_stream(&member_rest);
     CodedOutputStream member_out(&member_stream);
-    while (const uint32_t tag = in.ReadTag()) {
+    while (true) {
+      const std::optional<uint32_t> read = ReadTag(in);
+      if (!read.has_value()) return Malformed(outer, "a field tag is badly encoded");
+      const uint32_t tag = *read;
+      if (tag == 0) break;
       if (tag != LengthDelimitedTag(spec.member_field)) {
-        if (!WireFormatLite::SkipField(&in, tag, &outer_out)) {
+        if (!CopyField(in, tag, outer_out)) {
           return Malformed(outer, absl::StrCat("field ", WireFormatLite::GetTagFieldNumber(tag),
                                                " is cut short or badly encoded"));
         }
@@ -227,16 +276,22 @@ absl::Status DecodeWithBulk(const grpc::ByteBuffer& buffer, const BulkFieldSpec&
       }
       member_seen = true;
       uint32_t member_length = 0;
-      if (!in.ReadVarint32(&member_length) ||
+      if (!ReadLength(in, &member_length) ||
           static_cast<int64_t>(member_length) > total - in.CurrentPosition()) {
         return Malformed(outer, absl::StrCat("field ", spec.member_field, " is cut short"));
       }
       const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(member_length));
-      while (const uint32_t member_tag = in.ReadTag()) {
+      while (true) {
+        const std::optional<uint32_t> member_read = ReadTag(in);
+        if (!member_read.has_value()) {
+          return Malformed(outer, absl::StrCat("field ", spec.member_field, " is badly encoded"));
+        }
+        const uint32_t member_tag = *member_read;
+        if (member_tag == 0) break;
         const int field = WireFormatLite::GetTagFieldNumber(member_tag);
         const auto bulk_field = std::find(spec.bulk_fields.begin(), spec.bulk_fields.end(), field);
         if (bulk_field == spec.bulk_fields.end()) {
-          if (!WireFormatLite::SkipField(&in, member_tag, &member_out)) {
+          if (!CopyField(in, member_tag, member_out)) {
             return Malformed(outer, absl::StrCat("field ", spec.member_field, ".", field,
                                                  " is cut short or badly encoded"));
           }
@@ -244,7 +299,7 @@ absl::Status DecodeWithBulk(const grpc::ByteBuffer& buffer, const BulkFieldSpec&
         }
         uint32_t length = 0;
         if (WireFormatLite::GetTagWireType(member_tag) != kLengthDelimited ||
-            !in.ReadVarint32(&length) || static_cast<int>(length) < 0) {
+            !ReadLength(in, &length)) {
           return Malformed(outer,
                            absl::StrCat("field ", spec.member_field, ".", field, " is not bytes"));
         }
@@ -262,7 +317,9 @@ absl::Status DecodeWithBulk(const grpc::ByteBuffer& buffer, const BulkFieldSpec&
       }
       in.PopLimit(limit);
     }
-    if (in.CurrentPosition() != total) return Malformed(outer, "a field tag is badly encoded");
+    if (in.CurrentPosition() != total) {
+      return Malformed(outer, "a field tag is badly encoded");
+    }
   }
   // The streams are gone, so everything they took is in the strings now.
   if (member_seen) {
