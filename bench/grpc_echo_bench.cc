@@ -33,6 +33,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
@@ -42,8 +43,10 @@
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpc_echo.grpc.pb.h"
@@ -55,6 +58,9 @@ ABSL_FLAG(int64_t, message_bytes, int64_t{4} << 20,
 ABSL_FLAG(int64_t, streams, 1, "concurrent calls, each carrying an equal share of --bytes");
 ABSL_FLAG(int, reps, 3, "timed rounds after one untimed warm-up; the median is reported");
 ABSL_FLAG(bool, json, false, "print one JSON object instead of a sentence");
+ABSL_FLAG(std::string, channel_args, "",
+          "integer gRPC channel arguments for both ends, NAME=VALUE,... (tuning experiments: "
+          "grpc.http2.max_frame_size, grpc.experimental.tcp_max_read_chunk_size, ...)");
 ABSL_FLAG(
     std::string, copies, "protobuf",
     "protobuf (Blob messages, protobuf's copies) or one (raw bytes, one copy each way on each "
@@ -157,6 +163,22 @@ class OneCopyEchoService final : public Echo::WithRawCallbackMethod_Stream<Echo:
   }
 };
 
+// --channel_args as names and values; a malformed item is left out with a word on stderr.
+std::vector<std::pair<std::string, int>> ChannelArgs() {
+  std::vector<std::pair<std::string, int>> args;
+  for (const absl::string_view item :
+       absl::StrSplit(absl::GetFlag(FLAGS_channel_args), ',', absl::SkipEmpty())) {
+    const std::pair<absl::string_view, absl::string_view> parts = absl::StrSplit(item, '=');
+    int value = 0;
+    if (parts.first.empty() || !absl::SimpleAtoi(parts.second, &value)) {
+      absl::FPrintF(stderr, "grpc_echo_bench: --channel_args: '%s' is not NAME=INTEGER\n", item);
+      continue;
+    }
+    args.emplace_back(std::string(parts.first), value);
+  }
+  return args;
+}
+
 bool WriteAll(int fd, const void* data, size_t size) {
   const char* next = static_cast<const char*>(data);
   while (size > 0) {
@@ -201,6 +223,7 @@ int RunServer(int control_fd, pid_t parent, int message_limit, bool one_copy) {
   } else {
     builder.RegisterService(&protobuf_service);
   }
+  for (const auto& [name, value] : ChannelArgs()) builder.AddChannelArgument(name, value);
   builder.SetMaxReceiveMessageSize(message_limit);
   builder.SetMaxSendMessageSize(message_limit);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -373,6 +396,7 @@ struct Options {
 absl::Status RunClient(int port, const Options& options, int message_limit) {
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(message_limit);
+  for (const auto& [name, value] : ChannelArgs()) args.SetInt(name, value);
   args.SetMaxReceiveMessageSize(message_limit);
   const std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
       absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials(), args);
