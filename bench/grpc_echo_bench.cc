@@ -248,6 +248,23 @@ struct Traffic {
   int64_t bytes_received = 0;
 };
 
+// A finished echo call's traffic, or why it failed: its status, a writer cut off, bytes lost.
+absl::StatusOr<Traffic> EchoOutcome(const grpc::Status& status, bool all_written,
+                                    const Traffic& traffic) {
+  if (!status.ok()) {
+    // gRPC and absl share the canonical code numbering.
+    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                        absl::StrCat("echo call failed: ", status.error_message()));
+  }
+  if (!all_written)
+    return absl::UnavailableError("echo call ended before all its messages were sent");
+  if (traffic.bytes_received != traffic.bytes_sent) {
+    return absl::DataLossError(absl::StrFormat("echo call sent %d bytes but received %d",
+                                               traffic.bytes_sent, traffic.bytes_received));
+  }
+  return traffic;
+}
+
 // One call: a writer thread sends `payload_bytes` in messages of at most `message_bytes` and then
 // half-closes, while this thread reads the echoes.
 absl::StatusOr<Traffic> EchoCall(Echo::Stub& stub, int64_t payload_bytes, int64_t message_bytes) {
@@ -273,19 +290,7 @@ absl::StatusOr<Traffic> EchoCall(Echo::Stub& stub, int64_t payload_bytes, int64_
   Blob echo;
   while (stream->Read(&echo)) traffic.bytes_received += static_cast<int64_t>(echo.ByteSizeLong());
   writer.join();
-  const grpc::Status status = stream->Finish();
-  if (!status.ok()) {
-    // gRPC and absl share the canonical code numbering.
-    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                        absl::StrCat("echo call failed: ", status.error_message()));
-  }
-  if (!all_written)
-    return absl::UnavailableError("echo call ended before all its messages were sent");
-  if (traffic.bytes_received != traffic.bytes_sent) {
-    return absl::DataLossError(absl::StrFormat("echo call sent %d bytes but received %d",
-                                               traffic.bytes_sent, traffic.bytes_received));
-  }
-  return traffic;
+  return EchoOutcome(stream->Finish(), all_written, traffic);
 }
 
 // The same call as raw bytes, as the C++ client moves a Compute call's rows and dL/dh: each
@@ -332,18 +337,7 @@ absl::StatusOr<Traffic> OneCopyEchoCall(grpc::Channel& channel, int64_t payload_
     }
   }
   writer.join();
-  const grpc::Status status = stream->Finish();
-  if (!status.ok()) {
-    return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
-                        absl::StrCat("echo call failed: ", status.error_message()));
-  }
-  if (!all_written)
-    return absl::UnavailableError("echo call ended before all its messages were sent");
-  if (traffic.bytes_received != traffic.bytes_sent) {
-    return absl::DataLossError(absl::StrFormat("echo call sent %d bytes but received %d",
-                                               traffic.bytes_sent, traffic.bytes_received));
-  }
-  return traffic;
+  return EchoOutcome(stream->Finish(), all_written, traffic);
 }
 
 struct Round {

@@ -26,24 +26,29 @@ constexpr WireFormatLite::WireType kLengthDelimited = WireFormatLite::WIRETYPE_L
 
 uint32_t LengthDelimitedTag(int field) { return WireFormatLite::MakeTag(field, kLengthDelimited); }
 
-// Bytes [offset, offset + count) of the buffer whose slices are `slices`, as references.
-std::vector<grpc::Slice> SliceRange(const std::vector<grpc::Slice>& slices, int64_t offset,
-                                    int64_t count) {
-  std::vector<grpc::Slice> range;
+// Calls visit(slice, begin, end) for the part [begin, end) of each of `slices` that bytes
+// [offset, offset + count) of their concatenation cover, in order.
+template <typename Visit>
+void ForEachPart(const std::vector<grpc::Slice>& slices, int64_t offset, int64_t count,
+                 Visit visit) {
   int64_t start = 0;
   for (const grpc::Slice& slice : slices) {
     const int64_t size = static_cast<int64_t>(slice.size());
     const int64_t from = std::max(offset, start);
     const int64_t to = std::min(offset + count, start + size);
-    if (from < to) {
-      range.push_back(
-          from == start && to == start + size
-              ? slice
-              : slice.sub(static_cast<size_t>(from - start), static_cast<size_t>(to - start)));
-    }
+    if (from < to) visit(slice, static_cast<size_t>(from - start), static_cast<size_t>(to - start));
     start += size;
     if (start >= offset + count) break;
   }
+}
+
+// Bytes [offset, offset + count) of the buffer whose slices are `slices`, as references.
+std::vector<grpc::Slice> SliceRange(const std::vector<grpc::Slice>& slices, int64_t offset,
+                                    int64_t count) {
+  std::vector<grpc::Slice> range;
+  ForEachPart(slices, offset, count, [&](const grpc::Slice& slice, size_t begin, size_t end) {
+    range.push_back(begin == 0 && end == slice.size() ? slice : slice.sub(begin, end));
+  });
   return range;
 }
 
@@ -113,18 +118,10 @@ BulkBytes BulkBytes::Of(std::vector<grpc::Slice> slices) {
 
 void BulkBytes::CopyTo(int64_t offset, int64_t count, void* out) const {
   uint8_t* next = static_cast<uint8_t*>(out);
-  int64_t start = 0;
-  for (const grpc::Slice& slice : slices_) {
-    const int64_t size = static_cast<int64_t>(slice.size());
-    const int64_t from = std::max(offset, start);
-    const int64_t to = std::min(offset + count, start + size);
-    if (from < to) {
-      std::memcpy(next, slice.begin() + (from - start), static_cast<size_t>(to - from));
-      next += to - from;
-    }
-    start += size;
-    if (start >= offset + count) break;
-  }
+  ForEachPart(slices_, offset, count, [&](const grpc::Slice& slice, size_t begin, size_t end) {
+    std::memcpy(next, slice.begin() + begin, end - begin);
+    next += end - begin;
+  });
 }
 
 std::string BulkBytes::ToString() const {
