@@ -164,6 +164,19 @@ def entry(path, dtype, callers, seconds, bytes_each_way, **extra):
                 gbps=bytes_each_way / seconds / 1e9, **extra)
 
 
+def fastest_lossctl(runner, reps, *args, **kwargs):
+    """lossctl bench's result of the fastest of `reps` runs (each after its own warm-up call), as
+    the Python paths take the fastest of their rounds; an error as soon as one run fails."""
+    best = None
+    for _ in range(reps):
+        result, _ = runner.lossctl_bench(*args, **kwargs)
+        if "error" in result:
+            return result
+        if best is None or result["seconds"] < best["seconds"]:
+            best = result
+    return best
+
+
 def measure(args, record):
     runner = peers.Runner(args)
     record(dict(path="memcpy", gbps=peers.memcpy_gbps()))
@@ -187,12 +200,10 @@ def measure(args, record):
                                                       ("cpp_shm", True, False, 0),
                                                       ("cpp_shm_rows_follow", True, False, follow),
                                                       ("cpp_shm_in_place", True, True, 0)):
-                    result, _ = runner.lossctl_bench(server.address, "wire", tokens,
-                                                     streams=callers, dtype=dtype,
-                                                     accumulate=False, warmup=1,
-                                                     warmup_tokens=0, shared_memory=shared,
-                                                     in_place=in_place,
-                                                     shared_rows_per_piece=piece)
+                    result = fastest_lossctl(runner, args.reps, server.address, "wire", tokens,
+                                             streams=callers, dtype=dtype, accumulate=False,
+                                             warmup=1, warmup_tokens=0, shared_memory=shared,
+                                             in_place=in_place, shared_rows_per_piece=piece)
                     if "error" in result:
                         record(dict(path=path, dtype=dtype, callers=callers,
                                     error=result["error"]))
@@ -205,14 +216,14 @@ def measure(args, record):
                         ("python_shm_rows_follow", True, False, follow),
                         ("python_shm_shared_array", True, True, None)):
                     seconds, moved = python_compute(server.address, tokens, dtype, callers,
-                                                    shared, shared_array=in_array,
-                                                    rows_per_piece=piece)
+                                                    shared, calls=args.reps,
+                                                    shared_array=in_array, rows_per_piece=piece)
                     record(entry(path, dtype, callers, seconds, moved))
         for mib in MESSAGE_MIB:
             rows = max(1, int(mib * MIB) // (HIDDEN * 4))
-            result, _ = runner.lossctl_bench(server.address, "wire", tokens, dtype="float32",
-                                             accumulate=False, warmup=1, warmup_tokens=0,
-                                             rows_per_message=rows)
+            result = fastest_lossctl(runner, args.reps, server.address, "wire", tokens,
+                                     dtype="float32", accumulate=False, warmup=1, warmup_tokens=0,
+                                     rows_per_message=rows)
             if "error" not in result:
                 record(entry("cpp_messages", "float32", 1, result["seconds"],
                              result["hidden_bytes"], message_mib=mib))
