@@ -2,11 +2,12 @@
 // call.
 //
 // A bidirectional stream echoes --bytes each way in messages of --message_bytes (about 4 MiB, what
-// the lossd client sends), split over --streams concurrent calls on one channel, as `lossctl bench
-// --calls=S --streams=S` splits its tokens; the server sends back every message it reads and does
-// nothing else. Server and client are two processes talking over loopback TCP, like lossd_server
-// and lossctl: the program forks before any gRPC call (gRPC's threads do not survive a fork), the
-// child serves on 127.0.0.1 and reports its port over a socket pair, the parent is the client.
+// the lossd client sends), split over --streams concurrent calls on one connection (or spread over
+// --connections), as `lossctl bench --calls=S --streams=S` splits its tokens; the server sends back
+// every message it reads and does nothing else. Server and client are two processes talking over
+// loopback TCP, like lossd_server and lossctl: the program forks before any gRPC call (gRPC's
+// threads do not survive a fork), the child serves on 127.0.0.1 and reports its port over a socket
+// pair, the parent is the client.
 //
 // --copies=protobuf sends Blob messages through protobuf on both ends (each message's bytes copied
 // by serializing and by parsing, on each side); --copies=one moves raw bytes as lossd's Compute
@@ -56,6 +57,9 @@ ABSL_FLAG(int64_t, bytes, int64_t{128} << 20, "payload bytes each way per round,
 ABSL_FLAG(int64_t, message_bytes, int64_t{4} << 20,
           "payload bytes per message (the last of a call may be shorter)");
 ABSL_FLAG(int64_t, streams, 1, "concurrent calls, each carrying an equal share of --bytes");
+ABSL_FLAG(int64_t, connections, 1,
+          "TCP connections the calls are spread over, in turn (at most --streams): whether one "
+          "large transfer gains from several connections where one cannot fill the link");
 ABSL_FLAG(int, reps, 3, "timed rounds after one untimed warm-up; the median is reported");
 ABSL_FLAG(bool, json, false, "print one JSON object instead of a sentence");
 ABSL_FLAG(std::string, channel_args, "",
@@ -382,6 +386,7 @@ struct Options {
   int64_t bytes;
   int64_t message_bytes;
   int64_t streams;
+  int64_t connections;
   int reps;
   bool json;
   bool one_copy;  // --copies=one
@@ -392,13 +397,19 @@ absl::Status RunClient(int port, const Options& options, int message_limit) {
   args.SetMaxSendMessageSize(message_limit);
   for (const auto& [name, value] : ChannelArgs()) args.SetInt(name, value);
   args.SetMaxReceiveMessageSize(message_limit);
-  const std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
-      absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials(), args);
-  if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + kConnectDeadline))) {
-    return absl::UnavailableError(
-        absl::StrCat("could not connect to the echo server on port ", port));
+  // Channels share one connection to the same address unless each keeps its own subchannels.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  std::vector<std::unique_ptr<Echo::Stub>> stubs;
+  for (int64_t c = 0; c < options.connections; ++c) {
+    channels.push_back(grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", port),
+                                                 grpc::InsecureChannelCredentials(), args));
+    if (!channels.back()->WaitForConnected(absl::ToChronoTime(absl::Now() + kConnectDeadline))) {
+      return absl::UnavailableError(
+          absl::StrCat("could not connect to the echo server on port ", port));
+    }
+    stubs.push_back(Echo::NewStub(channels.back()));
   }
-  const std::unique_ptr<Echo::Stub> stub = Echo::NewStub(channel);
   const std::vector<int64_t> call_bytes = SplitBytes(options.bytes, options.streams);
   // For --copies=one: the bytes each message is copied from, and each call's landing place,
   // touched by the warm-up round before any timed one.
@@ -408,9 +419,10 @@ absl::Status RunClient(int port, const Options& options, int message_limit) {
   std::vector<std::vector<uint8_t>> landings(options.one_copy ? call_bytes.size() : 0);
   for (size_t i = 0; i < landings.size(); ++i) landings[i].resize(call_bytes[i]);
   const auto call = [&](size_t i) {
-    return options.one_copy ? OneCopyEchoCall(*channel, call_bytes[i], options.message_bytes,
+    const size_t c = i % channels.size();
+    return options.one_copy ? OneCopyEchoCall(*channels[c], call_bytes[i], options.message_bytes,
                                               payload, landings[i].data())
-                            : EchoCall(*stub, call_bytes[i], options.message_bytes);
+                            : EchoCall(*stubs[c], call_bytes[i], options.message_bytes);
   };
 
   absl::StatusOr<Round> warm_up = RunRound(call, call_bytes.size());
@@ -427,9 +439,9 @@ absl::Status RunClient(int port, const Options& options, int message_limit) {
   if (options.json) {
     absl::PrintF(
         "{\"seconds\": %.6f, \"bytes_sent\": %d, \"bytes_received\": %d, \"streams\": %d, "
-        "\"message_bytes\": %d, \"reps\": %d, \"copies\": \"%s\"}\n",
-        median, traffic.bytes_sent, traffic.bytes_received, options.streams, options.message_bytes,
-        options.reps, options.one_copy ? "one" : "protobuf");
+        "\"connections\": %d, \"message_bytes\": %d, \"reps\": %d, \"copies\": \"%s\"}\n",
+        median, traffic.bytes_sent, traffic.bytes_received, options.streams, options.connections,
+        options.message_bytes, options.reps, options.one_copy ? "one" : "protobuf");
   } else {
     absl::PrintF(
         "%d bytes each way in %d-byte messages over %d stream%s: %.4f s (median of %d), "
@@ -451,9 +463,10 @@ int Main(int argc, char** argv) {
       "grpc_echo_bench: gRPC's own bidirectional echo over loopback, the ceiling of a Compute "
       "call's wire throughput.\n  grpc_echo_bench --bytes=134217728 --streams=4 --json");
   absl::ParseCommandLine(argc, argv);
-  const Options options{absl::GetFlag(FLAGS_bytes),   absl::GetFlag(FLAGS_message_bytes),
-                        absl::GetFlag(FLAGS_streams), absl::GetFlag(FLAGS_reps),
-                        absl::GetFlag(FLAGS_json),    absl::GetFlag(FLAGS_copies) == "one"};
+  const Options options{absl::GetFlag(FLAGS_bytes),          absl::GetFlag(FLAGS_message_bytes),
+                        absl::GetFlag(FLAGS_streams),        absl::GetFlag(FLAGS_connections),
+                        absl::GetFlag(FLAGS_reps),           absl::GetFlag(FLAGS_json),
+                        absl::GetFlag(FLAGS_copies) == "one"};
   if (absl::GetFlag(FLAGS_copies) != "one" && absl::GetFlag(FLAGS_copies) != "protobuf") {
     absl::FPrintF(stderr, "grpc_echo_bench: --copies must be protobuf or one, not '%s'\n",
                   absl::GetFlag(FLAGS_copies));
@@ -464,9 +477,11 @@ int Main(int argc, char** argv) {
                   INT_MAX - kFramingBytes);
     return 2;
   }
-  if (options.streams < 1 || options.bytes < options.streams || options.reps < 1) {
+  if (options.streams < 1 || options.bytes < options.streams || options.reps < 1 ||
+      options.connections < 1 || options.connections > options.streams) {
     absl::FPrintF(stderr,
-                  "grpc_echo_bench: --streams and --reps must be >= 1, --bytes >= --streams\n");
+                  "grpc_echo_bench: --streams and --reps must be >= 1, --bytes >= --streams, "
+                  "--connections in [1, --streams]\n");
     return 2;
   }
   const int message_limit = static_cast<int>(options.message_bytes + kFramingBytes);

@@ -319,15 +319,16 @@ class Runner:
             return {"error": failure(err, code)}, rss
         return json.loads(out.strip().splitlines()[-1]), rss
 
-    def grpc_echo_bench(self, bytes_each_way, streams, copies="protobuf"):
+    def grpc_echo_bench(self, bytes_each_way, streams, copies="protobuf", connections=1):
         """gRPC's own echo of `bytes_each_way` over `streams` concurrent calls (median of 3), its
         messages through protobuf or (copies="one") as raw bytes copied once each way on each side,
-        as lossd's Compute moves them."""
+        as lossd's Compute moves them; the calls on one connection or spread over `connections`."""
         binary = os.path.join(self.bin, "grpc_echo_bench")
         if not os.path.exists(binary):
             return {"error": f"{binary} not built"}, None
         argv = [binary, f"--bytes={bytes_each_way}", f"--streams={streams}",
-                f"--message_bytes={TRANSPORT_MESSAGE_BYTES}", f"--copies={copies}", "--json"]
+                f"--message_bytes={TRANSPORT_MESSAGE_BYTES}", f"--copies={copies}",
+                f"--connections={connections}", "--json"]
         code, out, err, rss = self.launch(argv)
         if code != 0:
             return {"error": failure(err, code)}, rss
@@ -551,14 +552,16 @@ def transport_entry(method, dtype, streams, tokens, result):
     return entry
 
 
-def bench_echo(runner, tokens, dtype, streams, copies="protobuf"):
+def bench_echo(runner, tokens, dtype, streams, copies="protobuf", connections=1):
     """gRPC's ceiling for one transport measurement: the payload bytes lossctl bench sends (its
     `tokens // streams` rows per call, on `streams` calls), echoed each way."""
     rows = tokens // streams * streams
     result, _ = runner.grpc_echo_bench(rows * TRANSPORT_HIDDEN * DTYPE_BYTES[dtype], streams,
-                                       copies)
-    return transport_entry("grpc_echo" if copies == "protobuf" else f"grpc_echo_{copies}_copy",
-                           dtype, streams, tokens, result)
+                                       copies, connections)
+    method = "grpc_echo" if copies == "protobuf" else f"grpc_echo_{copies}_copy"
+    if connections > 1:
+        method += f"_{connections}_connections"
+    return transport_entry(method, dtype, streams, tokens, result)
 
 
 def bench_transport(runner, tokens, record):

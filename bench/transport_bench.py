@@ -9,6 +9,8 @@ each way is the transport's. Measured beside each other:
   grpc_echo      gRPC's own echo of the same bytes, C++ (bench/grpc_echo_bench), through protobuf
   grpc_echo_one_copy  the same as raw bytes copied once each way on each side, as lossd's Compute
                  moves them between the C++ client and the server (proto/wire)
+  grpc_echo_one_copy_N_connections  with several callers: their calls spread over N connections
+                 instead of sharing one, whether one large call would gain from several
   cpp_messages   lossd Compute from the C++ client (lossctl bench), rows and dL/dh in messages
   cpp_shm        the same through a memfd shared with the server, the rows copied into it as the
                  server says (before the start where it computes on the host's cores)
@@ -190,8 +192,9 @@ def measure(args, record):
     try:
         for dtype in DTYPES:
             for callers in CALLERS:
-                for copies in ("protobuf", "one"):
-                    echo = peers.bench_echo(runner, tokens, dtype, callers, copies)
+                echoes = [("protobuf", 1), ("one", 1)] + ([("one", callers)] if callers > 1 else [])
+                for copies, connections in echoes:
+                    echo = peers.bench_echo(runner, tokens, dtype, callers, copies, connections)
                     if "error" not in echo:
                         record(entry(echo["method"], dtype, callers, echo["seconds"],
                                      echo["in_gbps"] * echo["seconds"] * 1e9))
