@@ -167,8 +167,7 @@ SendBuffers::~SendBuffers() {
 }
 
 BulkBytes SendBuffers::Copy(absl::string_view bytes) {
-  BulkBytes copy;
-  if (bytes.empty()) return copy;
+  if (bytes.empty()) return BulkBytes();
   char* memory = nullptr;
   std::vector<std::pair<size_t, char*>> unfit;
   {
@@ -190,9 +189,9 @@ BulkBytes SendBuffers::Copy(absl::string_view bytes) {
   std::memcpy(memory, bytes.data(), bytes.size());
   auto* back = new Return{shared_from_this(), memory, bytes.size()};
   HandOverToGrpc(back);  // with the bytes just copied: GiveBack may run on any of gRPC's threads
-  copy.slices_.emplace_back(memory, bytes.size(), &SendBuffers::GiveBack, back);
-  copy.size_ = static_cast<int64_t>(bytes.size());
-  return copy;
+  std::vector<grpc::Slice> slice;
+  slice.emplace_back(memory, bytes.size(), &SendBuffers::GiveBack, back);
+  return BulkBytes::Of(std::move(slice));
 }
 
 void SendBuffers::GiveBack(void* what) {

@@ -32,7 +32,6 @@ namespace lossd::wire {
 // The bytes of one bulk field: pieces held by reference (gRPC's slices, counted), in order.
 class BulkBytes {
  public:
-  friend class SendBuffers;
   BulkBytes() = default;
   // A copy of `bytes`, in one slice gRPC can send without copying again.
   static BulkBytes Copy(absl::string_view bytes);
