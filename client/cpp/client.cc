@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstring>
 #include <random>
-#include <system_error>
 #include <thread>
 #include <utility>
 
@@ -336,30 +335,18 @@ class ResultAssembler {
     return Place(*response.mutable_result(), grad_hidden);
   }
 
-  // dL/dh of a call that kept it: into `out`, the results shared out over two threads for a large
-  // call (the copy is the last thing the call does).
+  // dL/dh of a call that kept it: into `out`, the results shared out over as many threads as a
+  // copy of their size takes (CopyThreads; the copy is the last thing the call does).
   void CopyKeptGradHidden(uint8_t* out) const {
-    constexpr int64_t kMinBytesForTwoThreads = int64_t{16} << 20;
-    const auto copy_range = [this, out](size_t begin, size_t end) {
-      for (size_t i = begin; i < end; ++i) {
+    const size_t pieces = kept_grad_hidden_.size();
+    const size_t threads = std::min(CopyThreads(static_cast<size_t>(rows_ * grad_row_bytes_)),
+                                    std::max<size_t>(pieces, 1));
+    RunShares(threads, [&](size_t t) {
+      for (size_t i = t * pieces / threads; i < (t + 1) * pieces / threads; ++i) {
         const auto& [offset, bytes] = kept_grad_hidden_[i];
         bytes.CopyTo(0, bytes.size(), out + offset);
       }
-    };
-    const size_t pieces = kept_grad_hidden_.size();
-    if (rows_ * grad_row_bytes_ < kMinBytesForTwoThreads || pieces < 2 ||
-        std::thread::hardware_concurrency() < 2) {
-      copy_range(0, pieces);
-      return;
-    }
-    std::thread helper;
-    try {
-      helper = std::thread(copy_range, pieces / 2, pieces);
-    } catch (const std::system_error&) {  // no thread to be had: this one copies it all
-      copy_range(pieces / 2, pieces);
-    }
-    copy_range(0, pieces / 2);
-    if (helper.joinable()) helper.join();
+    });
   }
 
   absl::Status Finish() {

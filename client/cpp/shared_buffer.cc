@@ -255,36 +255,39 @@ std::shared_ptr<SharedBuffer> SharedBufferPool::FindRegion(const void* data, uin
   return nullptr;
 }
 
-void CopyInParallel(void* dst, const void* src, size_t bytes) {
+size_t CopyThreads(size_t bytes) {
   // Below a few MiB a thread's start costs more than it saves.
   constexpr size_t kMinBytesPerThread = size_t{8} << 20;
   constexpr size_t kMaxThreads = 4;
-  constexpr size_t kPieceAlignment = 4096;  // each piece starts a whole number of pages in
-  const size_t threads = std::clamp<size_t>(
+  return std::clamp<size_t>(
       std::min<size_t>(bytes / kMinBytesPerThread, std::thread::hardware_concurrency()), 1,
       kMaxThreads);
-  if (threads == 1) {
-    if (bytes > 0) std::memcpy(dst, src, bytes);
-    return;
+}
+
+void RunShares(size_t shares, absl::FunctionRef<void(size_t)> share) {
+  std::vector<std::thread> helpers;
+  for (size_t s = 1; s < shares; ++s) {
+    try {
+      helpers.emplace_back([share, s] { share(s); });
+    } catch (const std::system_error&) {  // no thread to be had: this one runs the share
+      share(s);
+    }
   }
+  if (shares > 0) share(0);
+  for (std::thread& helper : helpers) helper.join();
+}
+
+void CopyInParallel(void* dst, const void* src, size_t bytes) {
+  constexpr size_t kPieceAlignment = 4096;  // each piece starts a whole number of pages in
+  const size_t threads = CopyThreads(bytes);
   const size_t piece = (bytes / threads + kPieceAlignment - 1) / kPieceAlignment * kPieceAlignment;
   auto* out = static_cast<uint8_t*>(dst);
   const auto* in = static_cast<const uint8_t*>(src);
-  std::vector<std::thread> helpers;
-  for (size_t t = 1; t < threads; ++t) {
+  RunShares(threads, [&](size_t t) {
     const size_t begin = std::min(bytes, t * piece);
     const size_t end = std::min(bytes, begin + piece);
-    const auto copy_piece = [out, in, begin, end] {
-      std::memcpy(out + begin, in + begin, end - begin);
-    };
-    try {
-      helpers.emplace_back(copy_piece);
-    } catch (const std::system_error&) {  // no thread to be had: this one copies the piece
-      copy_piece();
-    }
-  }
-  std::memcpy(out, in, std::min(bytes, piece));
-  for (std::thread& helper : helpers) helper.join();
+    if (end > begin) std::memcpy(out + begin, in + begin, end - begin);
+  });
 }
 
 }  // namespace lossd::client
