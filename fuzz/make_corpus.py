@@ -161,6 +161,13 @@ def compute_stream_seeds(pb):
         # server's decoder must refuse what protobuf refuses, and may refuse more.
         "bad_zero_tag": script([start(2), b"\x00"] + chunks(rows(2), 2)),
         "bad_rows_not_bytes": script([start(2), b"\x12\x02\x08\x05"] + chunks(rows(2), 2)),
+        # A chunk and then a start in one message: protobuf keeps the start alone.
+        "bad_chunk_then_start": script(
+            [start(2), chunks(rows(2), 2)[0].SerializeToString() + start(2).SerializeToString()]
+            + chunks(rows(2), 2)),
+        # A field 0 inside a chunk that a start after it clears: protobuf refuses the message.
+        "bad_field_zero_in_cleared_chunk": script(
+            [start(2), b"\x12\x02\x02\x00" + start(2).SerializeToString()] + chunks(rows(2), 2)),
     }
 
 

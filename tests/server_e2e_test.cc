@@ -460,7 +460,7 @@ TEST_F(ServerE2eTest, ARowsFieldThatIsNotBytesIsRefusedByName) {
       << out.status.error_message();
   EXPECT_NE(out.status.error_message().find("lossd.v1.ComputeRequest"), std::string::npos)
       << out.status.error_message();
-  EXPECT_NE(out.status.error_message().find("field 2.1 is not bytes"), std::string::npos)
+  EXPECT_NE(out.status.error_message().find("chunk.hidden is not bytes"), std::string::npos)
       << out.status.error_message();
   const FetchedTensor grad = Fetch(*stub_, kHead, true);
   EXPECT_TRUE(

@@ -186,6 +186,27 @@ TEST(ComputeFrameTest, RepeatedMembersMergeAsProtobufMergesThem) {
   EXPECT_EQ(received.message.chunk().shared_rows(), parsed.chunk().shared_rows());
 }
 
+// The oneof's last member set wins, as in protobuf: a start after a chunk clears the chunk and
+// its rows, a chunk after a start is the message.
+TEST(ComputeFrameTest, TheLastOneofMemberWinsAsInProtobuf) {
+  v1::ComputeRequest chunk;
+  chunk.mutable_chunk()->set_hidden("rows");
+  v1::ComputeRequest start;
+  start.mutable_start()->set_head("main");
+  for (const bool chunk_last : {false, true}) {
+    const std::string bytes = chunk_last ? start.SerializeAsString() + chunk.SerializeAsString()
+                                         : chunk.SerializeAsString() + start.SerializeAsString();
+    v1::ComputeRequest parsed;
+    ASSERT_TRUE(parsed.ParseFromString(bytes));
+    std::mt19937 rng(29);
+    ComputeRequestFrame received;
+    ASSERT_TRUE(received.Decode(InRandomSlices(bytes, 3, rng)).ok());
+    EXPECT_EQ(received.message.has_chunk(), parsed.has_chunk());
+    EXPECT_EQ(received.message.has_start(), parsed.has_start());
+    EXPECT_EQ(received.rows[kHiddenRows].ToString(), parsed.chunk().hidden());
+  }
+}
+
 struct MalformedCase {
   const char* name;
   std::string bytes;
@@ -217,30 +238,46 @@ INSTANTIATE_TEST_SUITE_P(
                       Chunk(std::string("\x0a\x0a"
                                         "abcd",
                                         6)),
-                      "2.1 is cut short"},
+                      "chunk.hidden is cut short"},
         // hidden sent as a varint: not bytes.
-        MalformedCase{"rows_not_bytes", Chunk(std::string("\x08\x05", 2)), "2.1 is not bytes"},
+        MalformedCase{"rows_not_bytes", Chunk(std::string("\x08\x05", 2)),
+                      "chunk.hidden is not bytes"},
         // The member says 20 bytes, 2 follow.
-        MalformedCase{"member_cut_short", std::string("\x12\x14\x28\x01", 4),
-                      "field 2 is cut short"},
-        // A tag of field 0, which protobuf never writes.
-        MalformedCase{"field_zero", std::string("\x00\x01", 2), "badly encoded"},
+        MalformedCase{"member_cut_short", std::string("\x12\x14\x28\x01", 4), "chunk is cut short"},
+        // After a chunk, a tag of field 0, which protobuf never writes.
+        MalformedCase{"field_zero", Chunk(std::string("\x28\x01", 2)) + std::string("\x00\x01", 2),
+                      "a field tag is badly encoded"},
         // The same as the message's last byte, where the end of input could hide it.
-        MalformedCase{"lone_zero_tag", std::string("\x00", 1), "badly encoded"},
+        MalformedCase{"lone_zero_tag", Chunk(std::string("\x28\x01", 2)) + std::string(1, '\0'),
+                      "a field tag is badly encoded"},
         // ... and as the member's last byte.
         MalformedCase{"zero_tag_in_member", Chunk(std::string("\x28\x01\x00", 3)), "badly encoded"},
+        // A field 0 in a chunk that the start after it clears: protobuf refuses it all the same.
+        MalformedCase{"field_zero_in_cleared_member",
+                      Chunk(std::string("\x02\x00", 2)) + std::string("\x0a\x00", 2),
+                      "chunk is badly encoded"},
         // shared_rows (field 5) as a varint that never ends.
-        MalformedCase{"endless_varint", Chunk(std::string("\x28\xff\xff", 3)), "2.5 is cut short"},
-        // A tag in six bytes: CodedInputStream would keep its low 32 bits, protobuf refuses it.
-        MalformedCase{"six_byte_tag", std::string("\xd0\xfe\xcf\xf7\xff\x7a\x3c", 7),
-                      "tag is badly encoded"},
+        MalformedCase{"endless_varint", Chunk(std::string("\x28\xff\xff", 3)),
+                      "chunk.shared_rows is cut short"},
+        // After a chunk, a tag in six bytes: CodedInputStream would keep its low 32 bits, protobuf
+        // refuses it.
+        MalformedCase{
+            "six_byte_tag",
+            Chunk(std::string("\x28\x01", 2)) + std::string("\xd0\xfe\xcf\xf7\xff\x7a\x3c", 7),
+            "a field tag is badly encoded"},
         // The member's length in six bytes (zero, padded), which protobuf refuses likewise.
         MalformedCase{"six_byte_length", std::string("\x12\x80\x80\x80\x80\x80\x00", 7),
-                      "field 2 is cut short"},
-        // A group, which proto3 never writes.
-        MalformedCase{"group", std::string("\x0b\x0c", 2), "field 1 is cut short or badly encoded"},
-        // A top-level field cut short.
-        MalformedCase{"outer_cut_short", std::string("\x0a\x09\x01", 3), "field 1 is cut short"}),
+                      "chunk is cut short"},
+        // After a chunk, a group, which proto3 never writes.
+        MalformedCase{"group", Chunk(std::string("\x28\x01", 2)) + std::string("\x0b\x0c", 2),
+                      "start is cut short or badly encoded"},
+        // After a chunk, a start cut short.
+        MalformedCase{"outer_cut_short",
+                      Chunk(std::string("\x28\x01", 2)) + std::string("\x0a\x09\x01", 3),
+                      "start is cut short or badly encoded"},
+        // A start cut short and no chunk: protobuf's own parser reads it, and refuses it.
+        MalformedCase{"start_cut_short", std::string("\x0a\x09\x01", 3),
+                      "protobuf cannot parse it"}),
     [](const testing::TestParamInfo<MalformedCase>& info) { return info.param.name; });
 
 // Every prefix of a valid message either decodes (where it ends between fields) or is refused:
@@ -275,14 +312,16 @@ TEST(ComputeFrameTest, AcceptsOnlyWhatProtobufParses) {
   v1::ComputeRequest start;
   start.mutable_start()->set_head("main");
   start.mutable_start()->add_labels(3);
-  const std::string seeds[] = {chunk.SerializeAsString(), start.SerializeAsString()};
+  const std::string seeds[] = {chunk.SerializeAsString(), start.SerializeAsString(),
+                               chunk.SerializeAsString() + start.SerializeAsString(),
+                               start.SerializeAsString() + chunk.SerializeAsString()};
   std::uniform_int_distribution<int> byte(0, 255);
   // protobuf logs every string it refuses as invalid UTF-8; the refusals are what is tested.
   const google::protobuf::LogSilencer quiet;
   int accepted = 0;
   int refused = 0;
   for (int trial = 0; trial < 20000; ++trial) {
-    std::string bytes = seeds[trial % 2];
+    std::string bytes = seeds[trial % 4];
     const int changes = 1 + trial % 3;
     for (int c = 0; c < changes; ++c) {
       std::uniform_int_distribution<size_t> place(0, bytes.size());
@@ -307,6 +346,7 @@ TEST(ComputeFrameTest, AcceptsOnlyWhatProtobufParses) {
     ASSERT_EQ(received.rows[kTeacherTopKTokenRows].ToString(),
               parsed.chunk().teacher_top_k_tokens())
         << trial;
+    ASSERT_EQ(received.message.has_chunk(), parsed.has_chunk()) << trial;
   }
   // Both outcomes were reached often enough for the check to mean something.
   EXPECT_GT(accepted, 1000);

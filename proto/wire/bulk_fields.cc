@@ -6,13 +6,16 @@
 #include <optional>
 #include <utility>
 
+#include <google/protobuf/descriptor.h>
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <google/protobuf/message.h>
 #include <google/protobuf/wire_format_lite.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
 #include "absl/strings/str_cat.h"
 #include "lossd/common/grpc_handover.h"
+#include "lossd/common/status_macros.h"
 
 namespace lossd::wire {
 namespace {
@@ -64,6 +67,7 @@ std::optional<uint32_t> ReadTag(CodedInputStream& in) {
   const uint32_t tag = in.ReadTag();
   if (in.CurrentPosition() - before > kMaxTagOrLengthBytes) return std::nullopt;
   if (tag == 0 && !in.ConsumedEntireMessage()) return std::nullopt;
+  if (tag != 0 && WireFormatLite::GetTagFieldNumber(tag) == 0) return std::nullopt;
   return tag;
 }
 
@@ -96,8 +100,39 @@ bool CopyField(CodedInputStream& in, uint32_t tag, CodedOutputStream& out) {
 }
 
 absl::Status Malformed(const google::protobuf::MessageLite& outer, absl::string_view what) {
-  return absl::InvalidArgumentError(
-      absl::StrCat("a ", outer.GetTypeName(), " message that protobuf cannot parse: ", what));
+  return absl::InvalidArgumentError(absl::StrCat("a malformed ", outer.GetTypeName(), ": ", what));
+}
+
+// The name of the outer message's field `field` ("chunk"), or with `member_field` of the member's
+// (`chunk.hidden`), as the descriptors of full messages say; "field 2.1" where they cannot.
+std::string FieldName(const google::protobuf::MessageLite& outer, int field, int member_field = 0) {
+  const std::string numbers = member_field == 0 ? absl::StrCat("field ", field)
+                                                : absl::StrCat("field ", member_field, ".", field);
+  const auto* full = dynamic_cast<const google::protobuf::Message*>(&outer);
+  if (full == nullptr) return numbers;
+  const google::protobuf::Descriptor* type = full->GetDescriptor();
+  if (member_field != 0) {
+    const google::protobuf::FieldDescriptor* member = type->FindFieldByNumber(member_field);
+    if (member == nullptr || member->message_type() == nullptr) return numbers;
+    const google::protobuf::FieldDescriptor* inner =
+        member->message_type()->FindFieldByNumber(field);
+    return inner == nullptr ? numbers : absl::StrCat(member->name(), ".", inner->name());
+  }
+  const google::protobuf::FieldDescriptor* named = type->FindFieldByNumber(field);
+  return named == nullptr ? numbers : named->name();
+}
+
+// Whether the member occurs at the top of the message, read without copying anything; false as
+// well for bytes that cannot be read that far (protobuf's own parser then says what is wrong).
+bool HasMember(const grpc::ByteBuffer& buffer, const BulkFieldSpec& spec) {
+  grpc::ByteBuffer readable(buffer);
+  grpc::ProtoBufferReader reader(&readable);
+  CodedInputStream in(&reader);
+  while (const uint32_t tag = in.ReadTag()) {
+    if (tag == LengthDelimitedTag(spec.member_field)) return true;
+    if (!WireFormatLite::SkipField(&in, tag)) return false;
+  }
+  return false;
 }
 
 }  // namespace
@@ -239,6 +274,86 @@ grpc::ByteBuffer EncodeWithBulk(const BulkFieldSpec& spec,
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
+namespace {
+
+// Whether `tag` sets another field of the oneof the member belongs to, which protobuf's parser
+// takes as clearing the member read before it (full messages only: lite ones carry no oneofs'
+// descriptors, and their members are read as if alone).
+bool SetsAnotherOneofField(const google::protobuf::MessageLite& outer, int member_field,
+                           uint32_t tag) {
+  const auto* full = dynamic_cast<const google::protobuf::Message*>(&outer);
+  if (full == nullptr) return false;
+  const google::protobuf::Descriptor* type = full->GetDescriptor();
+  const google::protobuf::FieldDescriptor* member = type->FindFieldByNumber(member_field);
+  const google::protobuf::FieldDescriptor* other =
+      type->FindFieldByNumber(WireFormatLite::GetTagFieldNumber(tag));
+  if (member == nullptr || other == nullptr || other == member ||
+      member->containing_oneof() == nullptr ||
+      other->containing_oneof() != member->containing_oneof()) {
+    return false;
+  }
+  // With another wire type than its own, protobuf keeps the field as unknown instead.
+  return WireFormatLite::GetTagWireType(tag) ==
+         WireFormatLite::WireTypeForFieldType(
+             static_cast<WireFormatLite::FieldType>(other->type()));
+}
+
+// One occurrence of the member, after its tag: its fields other than the bulk ones into `out` as
+// one occurrence of the member, the bulk ones into `bulk` as references to `slices`.
+absl::Status ReadMember(CodedInputStream& in, const std::vector<grpc::Slice>& slices, int64_t total,
+                        const BulkFieldSpec& spec, const google::protobuf::MessageLite& outer,
+                        CodedOutputStream& out, absl::Span<BulkBytes> bulk) {
+  uint32_t member_length = 0;
+  if (!ReadLength(in, &member_length) ||
+      static_cast<int64_t>(member_length) > total - in.CurrentPosition()) {
+    return Malformed(outer, absl::StrCat(FieldName(outer, spec.member_field), " is cut short"));
+  }
+  const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(member_length));
+  std::string member;
+  StringOutputStream member_stream(&member);
+  CodedOutputStream member_out(&member_stream);
+  while (true) {
+    const std::optional<uint32_t> read = ReadTag(in);
+    if (!read.has_value()) {
+      return Malformed(outer,
+                       absl::StrCat(FieldName(outer, spec.member_field), " is badly encoded"));
+    }
+    const uint32_t tag = *read;
+    if (tag == 0) break;
+    const int field = WireFormatLite::GetTagFieldNumber(tag);
+    const auto bulk_field = std::find(spec.bulk_fields.begin(), spec.bulk_fields.end(), field);
+    if (bulk_field == spec.bulk_fields.end()) {
+      if (!CopyField(in, tag, member_out)) {
+        return Malformed(outer, absl::StrCat(FieldName(outer, field, spec.member_field),
+                                             " is cut short or badly encoded"));
+      }
+      continue;
+    }
+    uint32_t length = 0;
+    if (WireFormatLite::GetTagWireType(tag) != kLengthDelimited || !ReadLength(in, &length)) {
+      return Malformed(outer,
+                       absl::StrCat(FieldName(outer, field, spec.member_field), " is not bytes"));
+    }
+    const int64_t offset = in.CurrentPosition();
+    if (static_cast<int64_t>(length) > in.BytesUntilLimit() || !in.Skip(static_cast<int>(length))) {
+      return Malformed(outer,
+                       absl::StrCat(FieldName(outer, field, spec.member_field), " is cut short"));
+    }
+    bulk[bulk_field - spec.bulk_fields.begin()] = BulkBytes::Of(SliceRange(slices, offset, length));
+  }
+  if (in.BytesUntilLimit() != 0) {
+    return Malformed(outer, absl::StrCat(FieldName(outer, spec.member_field), " is badly encoded"));
+  }
+  in.PopLimit(limit);
+  member_out.Trim();
+  out.WriteTag(LengthDelimitedTag(spec.member_field));
+  out.WriteVarint64(static_cast<uint64_t>(member_out.ByteCount()));
+  out.WriteRaw(member.data(), static_cast<int>(member_out.ByteCount()));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status DecodeWithBulk(const grpc::ByteBuffer& buffer, const BulkFieldSpec& spec,
                             google::protobuf::MessageLite& outer, absl::Span<BulkBytes> bulk) {
   std::vector<grpc::Slice> slices;
@@ -249,85 +364,43 @@ absl::Status DecodeWithBulk(const grpc::ByteBuffer& buffer, const BulkFieldSpec&
 
   grpc::ByteBuffer readable(buffer);  // the reader takes a mutable buffer; this shares its slices
   grpc::ProtoBufferReader reader(&readable);
+  // A message without the member (a start, a summary, whose repeated fields may be large) goes
+  // to protobuf's parser as it is: rewriting it field by field would only copy it twice more.
+  if (!HasMember(buffer, spec)) {
+    if (!outer.ParseFromZeroCopyStream(&reader)) {
+      return Malformed(outer, "protobuf cannot parse it");
+    }
+    return absl::OkStatus();
+  }
   CodedInputStream in(&reader);
-  std::string outer_rest;   // the outer message's fields other than the member
-  std::string member_rest;  // the member's fields other than its bulk ones, over all its copies
-  bool member_seen = false;
+  // The message without the bulk fields, each field where it was: protobuf's parser then merges
+  // the member's occurrences and keeps the oneof's last member as it would have.
+  std::string rest;
   {
-    StringOutputStream outer_stream(&outer_rest);
+    StringOutputStream outer_stream(&rest);
     CodedOutputStream outer_out(&outer_stream);
-    StringOutputStream member_stream(&member_rest);
-    CodedOutputStream member_out(&member_stream);
     while (true) {
       const std::optional<uint32_t> read = ReadTag(in);
       if (!read.has_value()) return Malformed(outer, "a field tag is badly encoded");
       const uint32_t tag = *read;
       if (tag == 0) break;
-      if (tag != LengthDelimitedTag(spec.member_field)) {
-        if (!CopyField(in, tag, outer_out)) {
-          return Malformed(outer, absl::StrCat("field ", WireFormatLite::GetTagFieldNumber(tag),
-                                               " is cut short or badly encoded"));
-        }
+      if (tag == LengthDelimitedTag(spec.member_field)) {
+        RETURN_IF_ERROR(ReadMember(in, slices, total, spec, outer, outer_out, bulk));
         continue;
       }
-      member_seen = true;
-      uint32_t member_length = 0;
-      if (!ReadLength(in, &member_length) ||
-          static_cast<int64_t>(member_length) > total - in.CurrentPosition()) {
-        return Malformed(outer, absl::StrCat("field ", spec.member_field, " is cut short"));
+      if (!CopyField(in, tag, outer_out)) {
+        return Malformed(outer,
+                         absl::StrCat(FieldName(outer, WireFormatLite::GetTagFieldNumber(tag)),
+                                      " is cut short or badly encoded"));
       }
-      const CodedInputStream::Limit limit = in.PushLimit(static_cast<int>(member_length));
-      while (true) {
-        const std::optional<uint32_t> member_read = ReadTag(in);
-        if (!member_read.has_value()) {
-          return Malformed(outer, absl::StrCat("field ", spec.member_field, " is badly encoded"));
-        }
-        const uint32_t member_tag = *member_read;
-        if (member_tag == 0) break;
-        const int field = WireFormatLite::GetTagFieldNumber(member_tag);
-        const auto bulk_field = std::find(spec.bulk_fields.begin(), spec.bulk_fields.end(), field);
-        if (bulk_field == spec.bulk_fields.end()) {
-          if (!CopyField(in, member_tag, member_out)) {
-            return Malformed(outer, absl::StrCat("field ", spec.member_field, ".", field,
-                                                 " is cut short or badly encoded"));
-          }
-          continue;
-        }
-        uint32_t length = 0;
-        if (WireFormatLite::GetTagWireType(member_tag) != kLengthDelimited ||
-            !ReadLength(in, &length)) {
-          return Malformed(outer,
-                           absl::StrCat("field ", spec.member_field, ".", field, " is not bytes"));
-        }
-        const int64_t offset = in.CurrentPosition();
-        if (static_cast<int64_t>(length) > in.BytesUntilLimit() ||
-            !in.Skip(static_cast<int>(length))) {
-          return Malformed(outer,
-                           absl::StrCat("field ", spec.member_field, ".", field, " is cut short"));
-        }
-        bulk[bulk_field - spec.bulk_fields.begin()] =
-            BulkBytes::Of(SliceRange(slices, offset, length));
+      // The parser clears the member here, its bulk fields with it.
+      if (SetsAnotherOneofField(outer, spec.member_field, tag)) {
+        for (BulkBytes& bytes : bulk) bytes.Clear();
       }
-      if (in.BytesUntilLimit() != 0) {
-        return Malformed(outer, absl::StrCat("field ", spec.member_field, " is badly encoded"));
-      }
-      in.PopLimit(limit);
     }
-    if (in.CurrentPosition() != total) {
-      return Malformed(outer, "a field tag is badly encoded");
-    }
+    if (in.CurrentPosition() != total) return Malformed(outer, "a field tag is badly encoded");
   }
-  // The streams are gone, so everything they took is in the strings now.
-  if (member_seen) {
-    {
-      StringOutputStream outer_stream(&outer_rest);
-      CodedOutputStream outer_out(&outer_stream);
-      outer_out.WriteTag(LengthDelimitedTag(spec.member_field));
-      outer_out.WriteVarint64(member_rest.size());
-    }
-    outer_rest += member_rest;
-  }
-  if (!outer.ParseFromString(outer_rest)) return Malformed(outer, "a field's value is not valid");
+  if (!outer.ParseFromString(rest)) return Malformed(outer, "a field's value is not valid");
   return absl::OkStatus();
 }
 
