@@ -95,15 +95,16 @@ inline __attribute__((always_inline)) LseStats TileLseStatsOf(int64_t cols, Valu
 
 // Of y_v * scale.
 LOSSD_ROW_LOOP LseStats TileLseStats(const float* y, int64_t cols, float scale) {
-  return TileLseStatsOf(cols, [=](int64_t c) { return y[c] * scale; });
+  return TileLseStatsOf(cols, [=](int64_t c) { return RoundedProduct(y[c], scale); });
 }
 
 // Of u_v = z_v * scale over the columns where the teacher's logit z_t is -inf: a tail-bucket
 // teacher's tail, where the student's statistics are its q_tail's.
 LOSSD_ROW_LOOP LseStats TileTailLseStats(const float* z, const float* z_teacher, int64_t cols,
                                          float scale) {
-  return TileLseStatsOf(
-      cols, [=](int64_t c) { return z_teacher[c] == -INFINITY ? z[c] * scale : -INFINITY; });
+  return TileLseStatsOf(cols, [=](int64_t c) {
+    return z_teacher[c] == -INFINITY ? RoundedProduct(z[c], scale) : -INFINITY;
+  });
 }
 
 template <DivergenceKind kKind, bool kTailBucket>

@@ -168,10 +168,10 @@ static __global__ void __launch_bounds__(kRowThreads)
     if constexpr (kTransform) z = TransformLogit(z, transform);
     AddColumn(partial, z, static_cast<int32_t>(c));
     if constexpr (kDistill) {
-      AddValue(student, z * distill.inv_tau);
-      AddValue(teacher, zt * distill.inv_tau);
+      AddValue(student, RoundedProduct(z, distill.inv_tau));
+      AddValue(teacher, RoundedProduct(zt, distill.inv_tau));
       if (distill.tail_bucket) {
-        AddValue(student_tail, zt == -INFINITY ? z * distill.inv_tau : -INFINITY);
+        AddValue(student_tail, zt == -INFINITY ? RoundedProduct(z, distill.inv_tau) : -INFINITY);
       }
     }
   };

@@ -242,8 +242,8 @@ struct DistillSummands {
 template <DivergenceKind kKind, bool kTailBucket = false>
 LOSSD_HD DistillSummands DistillElementTerms(float z, float z_teacher,
                                              const DistillRowConstants& c) {
-  const float log_q = z * c.inv_tau - c.student_lse;
-  const float log_p = z_teacher * c.inv_tau - c.teacher_lse;
+  const float log_q = RoundedProduct(z, c.inv_tau) - c.student_lse;
+  const float log_p = RoundedProduct(z_teacher, c.inv_tau) - c.teacher_lse;
   const bool teacher_mass = log_p > -INFINITY;
   DistillSummands s;
   if constexpr (kTailBucket) {
@@ -467,8 +467,8 @@ LOSSD_HD DistillRowGradient DistillRowGradientAt(const RowInputArrays& a,
 template <DivergenceKind kKind, bool kTailBucket = false>
 LOSSD_HD float DivergenceGradient(float z, float z_teacher, const DistillRowGradient& g) {
   const DistillRowConstants& c = g.c;
-  const float log_q = z * c.inv_tau - c.student_lse;
-  const float log_p = z_teacher * c.inv_tau - c.teacher_lse;
+  const float log_q = RoundedProduct(z, c.inv_tau) - c.student_lse;
+  const float log_p = RoundedProduct(z_teacher, c.inv_tau) - c.teacher_lse;
   if constexpr (kTailBucket) {
     if (!(log_p > -INFINITY)) return Exp(log_q) * g.tail_scale - Exp(log_q + g.tail_shift);
   }

@@ -98,6 +98,18 @@ LOSSD_HD float MaxStep(float m, float x) { return x > m ? x : m; }
 // min(m, x) likewise, for `omp simd reduction(min : m)`.
 LOSSD_HD float MinStep(float m, float x) { return x < m ? x : m; }
 
+// a * b rounded to float before any use. The device compiler otherwise fuses a product with the
+// add that follows it into one FMA where it sees fit, so two equal inputs scaled in two places
+// (a student's and its own teacher's logits at tau) could differ in their last bit; computed
+// this way they cannot, and a teacher that is the student gives log p == log q exactly.
+LOSSD_HD float RoundedProduct(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
 // tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|): no overflow, vectorizable on the host.
 LOSSD_HD float Tanh(float x) {
 #if defined(__CUDA_ARCH__)
