@@ -392,7 +392,7 @@ const EngineCase kCases[] = {
        s.ignore_fraction = 0.1;
      }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kPolicyLossBound},
     {"sapo_clamped_sequence_token_mean", "the log-ratio clamp holds r at e^c with no gradient",
-     Spec(260, 48, 2100, [](ProblemSpec& s) {
+     Spec(259, 48, 1700, [](ProblemSpec& s) {
        s.options = SapoOptions(Reduction::kSequenceMeanTokenMean);
        s.options.policy.log_ratio_clamp = 1.0;
        s.ratio_targets = {0.1, 0.5, 1.0, 2.0, 9.0};
