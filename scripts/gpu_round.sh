@@ -53,6 +53,8 @@
 # call 1, 215 for call 2, 375 for bench), LOSSD_GPU_PEERS_ARGS and LOSSD_GPU_SERVICE_ARGS (more flags for
 # bench/gpu_peers.py and bench/gpu_service.py, which override the call's own),
 # LOSSD_GPU_SANITIZER_CASES (the gtest filter of the compute-sanitizer checks),
+# LOSSD_GPU_SANITIZER_KERNELS (the kernel-name substring racecheck and synccheck watch; lossd's
+# kernels by default: one kernel family's name narrows a fault down to it),
 # LOSSD_GPU_LIBRARY_DIRS (folders searched for cuBLAS before the toolkit's and the wheels').
 #
 # Only lossd's own programs load the libraries packed from Debian: each runs through a wrapper
@@ -600,8 +602,9 @@ call2() {
     "$run/device_fault_test" --gtest_filter='*ACallInFlight*/cuda_illegal_address'
   # Shared memory and barriers: lossd's kernels only (--kernel-name kns=lossd), since cuBLAS's
   # Hopper kernels can report hazards that are not lossd's.
-  sanitize racecheck "$sanitizer_cases" --kernel-name kns=lossd
-  sanitize synccheck "$sanitizer_cases" --kernel-name kns=lossd
+  local watched="kns=${LOSSD_GPU_SANITIZER_KERNELS:-lossd}"
+  sanitize racecheck "$sanitizer_cases" --kernel-name "$watched"
+  sanitize synccheck "$sanitizer_cases" --kernel-name "$watched"
   # Unfiltered, so that every kernel's writes count as initializing (a filtered-out cuBLAS GEMM's
   # logits would read as uninitialized in lossd's kernels).
   sanitize initcheck "$sanitizer_cases"
