@@ -553,6 +553,10 @@ class ChunkedCompute::Impl {
               }
               return absl::OkStatus();
             }));
+        // dL/dh is whole after the last tile's product: it leaves for the host while the tile's
+        // dL/dW product runs (at the Llama 3 8B head, 128 MiB of fp32 dL/dh for 8192 rows take
+        // about 5 ms to copy, under the 11 ms of that product).
+        if (v0 + cols == v_) RETURN_IF_ERROR(SendGradHidden(slot, r0, rows, d_grad_hidden));
       }
       if (d_grad_weight_ != nullptr) {
         // The first product into dL/dW stores when the caller asked for dL/dW alone.
@@ -564,8 +568,13 @@ class ChunkedCompute::Impl {
         }
       }
     }
-    if (!shape_.grad_hidden) return absl::OkStatus();
-    if (!fp32_out) {
+    return absl::OkStatus();
+  }
+
+  // The chunk's finished dL/dh (fp32 in d_grad_hidden) in the caller's dtype, copied on the output
+  // stream to the caller's page-locked rows or the slot's pinned staging.
+  absl::Status SendGradHidden(int slot, int64_t r0, int64_t rows, const float* d_grad_hidden) {
+    if (out_.grad_hidden_dtype != DType::kFloat32) {
       RETURN_IF_ERROR(LaunchConvertFromFloat(d_grad_hidden, rows * h_, out_.grad_hidden_dtype,
                                              ws_.d_grad_hidden_out[slot], stream_));
     }
