@@ -55,6 +55,7 @@
 # LOSSD_GPU_SANITIZER_CASES (the gtest filter of the compute-sanitizer checks),
 # LOSSD_GPU_SANITIZER_KERNELS (the kernel-name substring racecheck and synccheck watch; lossd's
 # kernels by default: one kernel family's name narrows a fault down to it),
+# LOSSD_GPU_SANITIZER_ARGS (more compute-sanitizer options, for every sanitizer check),
 # LOSSD_GPU_LIBRARY_DIRS (folders searched for cuBLAS before the toolkit's and the wheels').
 #
 # Only lossd's own programs load the libraries packed from Debian: each runs through a wrapper
@@ -327,8 +328,10 @@ sanitize() {
   : >"$log"
   while :; do
     local left=$(($(limit "$tool") - (SECONDS - started)))
+    # shellcheck disable=SC2086  # more options, split on whitespace
     timed "$tool.$round" "$left" "$sanitizer" --tool "$tool" --error-exitcode 3 \
-      --target-processes all "$@" "$run/engine_test" --gtest_filter="$filter"
+      --target-processes all "$@" ${LOSSD_GPU_SANITIZER_ARGS:-} "$run/engine_test" \
+      --gtest_filter="$filter"
     { echo "---- round $round: $filter"; cat "$logs/$tool.$round.log"; } >>"$log"
     rm -f "$logs/$tool.$round.log"
     [ "$status" -ne 0 ] && [ "$worst" -eq 0 ] && worst=$status
