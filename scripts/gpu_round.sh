@@ -19,9 +19,10 @@
 #      modes, bench/gpu_peers.py at the Llama 3 8B shape (lossd first, in the default and exact
 #      modes and with pageable rows, then the floor and the peers while time lasts), compute-sanitizer memcheck, and each kernel's
 #      device time in one forward + backward at that shape (Nsight Compute). Files come back as
-#      $OUT/call1/summary.txt and $OUT/call1/call1.tar.gz. On an H100 (2026-11-26) the checks took
-#      8, 6, 1, 147, 60, 6 and 6 s, the Llama check almost all in its float64 reference on a CPU
-#      that OpenBLAS then took for a Prescott; call 2's took 30 s in all.
+#      $OUT/call1/summary.txt and $OUT/call1/call1.tar.gz. On an H100 (2026-11-27) the checks took
+#      7, 8, 1, 78, 57, 5 and 6 s (165 s with the unpacking), the Llama check almost all in its
+#      float64 reference; call 2's took 55 s in all, and bench's 100 s; the machine's start
+#      about 30 s before each call.
 #   2. Call 2, only if the device tool's `status` still gives budget_left_s >= 255 (else skip it,
 #      or give it timeout_s = budget_left_s - 15 and LOSSD_GPU_CALL_SECONDS = timeout_s - 25 in
 #      front of the command: its checks run in this order until its time is spent):
