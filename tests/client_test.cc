@@ -684,6 +684,61 @@ TEST_F(ClientTest, ARetryAfterALostAnswerAccumulatesOnce) {
   expect_one_copy("the client's retry");
 }
 
+// A lone caller keeps to the client's one connection; calls in flight at once each take another,
+// up to compute_connections, and each gets its own rows' results.
+TEST_F(ClientTest, ConcurrentCallsTakeConnectionsOfTheirOwn) {
+  const Client direct = Connect(OptionsFor(server_->port()));
+  const std::vector<float> weight = UploadRandomHead(direct, "spread", 300);
+  struct Batch {
+    std::vector<float> hidden;
+    std::vector<int64_t> labels;
+    ReferenceResult ref;
+  };
+  std::vector<Batch> batches(4);
+  for (size_t i = 0; i < batches.size(); ++i) {
+    const int64_t n = 20 + 7 * static_cast<int64_t>(i);
+    batches[i].hidden = RandomNormal(n * kHidden, 1.0f, rng_);
+    batches[i].labels = RandomLabels(n, 300, 0.0, rng_);
+    batches[i].ref = ComputeReference(
+        MakeReferenceProblem(batches[i].hidden, weight, batches[i].labels, kHidden, 0));
+  }
+  const auto request_for = [](const Batch& batch) {
+    ComputeRequest request = Fp32Request("spread", batch.hidden, batch.labels);
+    request.shared_memory = false;  // the rows in messages, over the connections counted
+    SelectOutput(request.outputs, "grad_hidden");
+    return request;
+  };
+
+  const std::unique_ptr<HoldingRelay> relay = HoldingRelay::Start(server_->port());
+  ASSERT_NE(relay, nullptr);
+  ChannelOptions options = OptionsFor(relay->port());
+  options.deadline = absl::Minutes(10);  // a hang guard
+  options.compute_connections = 3;
+  const Client client = Connect(options);
+  ASSERT_TRUE(client.GetHead("spread").ok());
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(client.Compute(request_for(batches[0])).ok());
+  EXPECT_EQ(relay->connections(), 1) << "one caller at a time needs no connection more";
+
+  relay->Hold();  // no call ends until the release: each new one finds the others in flight
+  std::vector<absl::StatusOr<ComputeResult>> results(batches.size(),
+                                                     absl::UnknownError("not called"));
+  std::vector<std::thread> callers;
+  for (size_t i = 0; i < batches.size(); ++i) {
+    callers.emplace_back([&, i] { results[i] = client.Compute(request_for(batches[i])); });
+  }
+  Eventually([&] { return relay->connections() >= 3; });
+  relay->Release();
+  for (std::thread& caller : callers) caller.join();
+  EXPECT_EQ(relay->connections(), 3) << "four calls, three connections at most";
+  for (size_t i = 0; i < batches.size(); ++i) {
+    ASSERT_TRUE(results[i].ok()) << results[i].status();
+    EXPECT_LE(std::abs(results[i]->summary.loss() - batches[i].ref.loss) / batches[i].ref.loss,
+              kLossBound);
+    EXPECT_LE(RelativeError(client::ToFloat32(results[i]->grad_hidden), batches[i].ref.grad_hidden),
+              kGradBound);
+  }
+}
+
 // A server that is not there yet is UNAVAILABLE; the client retries until it answers.
 TEST_F(ClientTest, UnavailableIsRetriedWithBackoff) {
   const Client direct = Connect(OptionsFor(server_->port()));
@@ -2095,6 +2150,11 @@ TEST(ChannelOptionsTest, RejectsUnusableSettings) {
   options = ChannelOptions();
   options.compute_retry.backoff_multiplier = 0.5;
   EXPECT_EQ(Client::Connect(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options = ChannelOptions();
+  options.compute_connections = 0;  // at least the client's own
+  const absl::Status no_connections = Client::Connect(options).status();
+  EXPECT_EQ(no_connections.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(no_connections.message(), "compute_connections")) << no_connections;
 }
 
 // The client's conversions, independent code, agree with the engine's half.h bit for bit.

@@ -135,4 +135,9 @@ void HoldingRelay::Pump(int from, int to, bool from_server) {
   shutdown(to, SHUT_WR);
 }
 
+int HoldingRelay::connections() {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(sockets_.size() / 2);
+}
+
 }  // namespace lossd::testing

@@ -31,6 +31,8 @@ class HoldingRelay {
   // Hold, a test that waits for the server to commit before it drops loses the answer for sure,
   // however long the call takes, where a client deadline would race the call.
   void Drop();
+  // How many connections clients have opened through the relay so far.
+  int connections();
 
  private:
   HoldingRelay(int listen_fd, int port, int server_port);

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "client/cpp/result_assembler.h"
 #include "client/cpp/shared_buffer.h"
 #include "lossd/common/status_macros.h"
@@ -465,6 +466,10 @@ absl::Status ValidateChannelOptions(const ChannelOptions& options) {
     return InvalidField("deadline", "a positive duration (infinite: none)",
                         absl::FormatDuration(options.deadline));
   }
+  if (options.compute_connections < 1) {
+    return InvalidField("compute_connections", "at least 1",
+                        absl::StrCat(options.compute_connections));
+  }
   if (options.keepalive_time <= absl::ZeroDuration() ||
       options.keepalive_timeout <= absl::ZeroDuration()) {
     return InvalidField("keepalive_time/keepalive_timeout", "positive durations",
@@ -527,8 +532,10 @@ std::string ServiceConfig(const RetryOptions& retry, Balancing balancing) {
 
 }  // namespace
 
-std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options, Balancing balancing) {
+std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options, Balancing balancing,
+                                           bool own_connection) {
   grpc::ChannelArguments args;
+  if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   args.SetServiceConfigJSON(ServiceConfig(options.compute_retry, balancing));
   // The balancing is the client's choice: a DNS TXT record cannot replace it.
   args.SetInt(GRPC_ARG_SERVICE_CONFIG_DISABLE_RESOLUTION, 1);
@@ -550,6 +557,59 @@ std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options, Balanc
   return grpc::CreateCustomChannel(target.ok() ? target->uri : options.address, credentials, args);
 }
 
+// Compute's channels on one route: the client's own and compute_connections - 1 more, each its
+// own connection, made when first needed. A call takes the channel with the fewest calls in flight
+// (the first of those), counted until its lease is dropped.
+class ComputeConnections {
+ public:
+  ComputeConnections(const ChannelOptions& options, Balancing balancing,
+                     std::shared_ptr<grpc::Channel> own)
+      : options_(options), balancing_(balancing), slots_(std::max(1, options.compute_connections)) {
+    slots_[0].channel = std::move(own);
+  }
+
+  // Holds a call's place on its channel; the channel outlives it.
+  class Lease {
+   public:
+    Lease(ComputeConnections* owner, size_t index, std::shared_ptr<grpc::Channel> channel)
+        : owner_(owner), index_(index), channel_(std::move(channel)) {}
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    ~Lease() {
+      absl::MutexLock lock(&owner_->mutex_);
+      --owner_->slots_[index_].in_flight;
+    }
+    grpc::Channel& channel() const { return *channel_; }
+
+   private:
+    ComputeConnections* owner_;
+    size_t index_;
+    std::shared_ptr<grpc::Channel> channel_;
+  };
+
+  std::unique_ptr<Lease> Acquire() {
+    absl::MutexLock lock(&mutex_);
+    size_t best = 0;
+    for (size_t i = 1; i < slots_.size(); ++i) {
+      if (slots_[i].in_flight < slots_[best].in_flight) best = i;
+    }
+    Slot& slot = slots_[best];
+    if (slot.channel == nullptr) slot.channel = MakeChannel(options_, balancing_, true);
+    ++slot.in_flight;
+    return std::make_unique<Lease>(this, best, slot.channel);
+  }
+
+ private:
+  struct Slot {
+    std::shared_ptr<grpc::Channel> channel;
+    int in_flight = 0;
+  };
+  const ChannelOptions options_;
+  const Balancing balancing_;
+  absl::Mutex mutex_;
+  std::vector<Slot> slots_ ABSL_GUARDED_BY(mutex_);
+};
+
 absl::StatusOr<Client> Client::Connect(ChannelOptions options) {
   RETURN_IF_ERROR(ValidateChannelOptions(options));
   ASSIGN_OR_RETURN(Target target, ParseTarget(options.address));
@@ -563,6 +623,10 @@ Client::Client(ChannelOptions options, Target target)
       balanced_stub_(v1::LossService::NewStub(balanced_channel_)),
       one_server_channel_(MakeChannel(options_, Balancing::kOneServer)),
       one_server_stub_(v1::LossService::NewStub(one_server_channel_)),
+      balanced_compute_(std::make_shared<ComputeConnections>(options_, Balancing::kRoundRobin,
+                                                             balanced_channel_)),
+      one_server_compute_(std::make_shared<ComputeConnections>(options_, Balancing::kOneServer,
+                                                               one_server_channel_)),
       handover_(std::make_shared<Handover>()),
       shared_buffers_(std::make_shared<SharedBufferPool>()),
       send_buffers_(wire::SendBuffers::Create()) {}
@@ -1050,9 +1114,10 @@ absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeReques
   grpc::ClientContext context;
   PrepareContext(context);
   // A scoring call takes the next server in the rotation; a training call, the one server.
-  std::unique_ptr<ComputeStream> stream = OpenCompute(
-      request.outputs.accumulate_grad_weight() ? *one_server_channel_ : *balanced_channel_,
-      context);
+  const std::unique_ptr<ComputeConnections::Lease> lease =
+      (request.outputs.accumulate_grad_weight() ? one_server_compute_ : balanced_compute_)
+          ->Acquire();
+  std::unique_ptr<ComputeStream> stream = OpenCompute(lease->channel(), context);
 
   // The writer thread owns the sending half of the stream: Write blocks under flow control, and the
   // server stops reading rows while its own results wait to be read, so sending and reading from
@@ -1147,7 +1212,8 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request,
                             /*grad_hidden_in_messages=*/false);
   grpc::ClientContext context;
   PrepareContext(context);
-  // On the server the memfd was handed over to.
+  // On the server the memfd was handed over to; the rows do not travel in messages, so the call
+  // keeps to the client's own connection.
   std::unique_ptr<ComputeStream> stream = OpenCompute(*one_server_channel_, context);
   // The start message, then with rows_follow each piece of rows copied and announced; on a thread
   // of its own, so that results are read meanwhile. A failed call cancels the stream, which ends

@@ -167,6 +167,8 @@ const std::vector<FlagSpec>& GlobalFlags() {
       {"token_file", FlagKind::kString, "", "file whose first line is the server's bearer token"},
       {"tls_ca_file", FlagKind::kString, "", "PEM root certificates; turns TLS on"},
       {"max_message_mib", FlagKind::kInt, "256", "largest gRPC message sent or received, in MiB"},
+      {"compute_connections", FlagKind::kInt, "4",
+       "connections concurrent compute calls spread over"},
       {"deadline_seconds", FlagKind::kDouble, "0", "deadline of each call in seconds; 0 sets none"},
       {"max_attempts", FlagKind::kInt, "4",
        "attempts per compute call: UNAVAILABLE and DEADLINE_EXCEEDED are retried with backoff, "
@@ -213,6 +215,12 @@ absl::StatusOr<Client> ConnectFromFlags(const Flags& flags) {
     return UsageError(absl::StrCat("--max_message_mib: expected 1 to 2047, got ", max_message_mib));
   }
   options.max_message_bytes = max_message_mib << 20;
+  const int64_t compute_connections = flags.Int("compute_connections");
+  if (compute_connections < 1 || compute_connections > 64) {
+    return UsageError(
+        absl::StrCat("--compute_connections: expected 1 to 64, got ", compute_connections));
+  }
+  options.compute_connections = static_cast<int>(compute_connections);
   const double deadline_seconds = flags.Double("deadline_seconds");
   if (deadline_seconds < 0) {
     return UsageError(absl::StrCat("--deadline_seconds: expected >= 0, got ", deadline_seconds));
