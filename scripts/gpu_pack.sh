@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Packs the GPU round (scripts/gpu_round.sh, whose header is the runbook) into .gpu/, on a Debian 12
 # machine with the CUDA toolkit: builds the engine tests, the GEMM probe, the device-fault test, the
-# engine benchmark, the server, lossctl and the Python client with the CUDA backend for Hopper
-# (sm_90), and a second CUDA module for sm_100 only, which Hopper must refuse; then
+# engine benchmark, gRPC's echo benchmark, the server, lossctl and the Python client with the CUDA
+# backend for Hopper (sm_90), and a second CUDA module for sm_100 only, which Hopper must refuse;
+# then
 #   .gpu/lossd-gpu.tar.xz  bin/ (the programs and liblossd_cuda.so), lib/ (every shared library
 #                          they load that the GPU machine lacks: all but the C library's, the C++
 #                          runtime's and CUDA's), lib-fallback/ (this machine's libstdc++ and
@@ -25,7 +26,7 @@ limit_mib="${LOSSD_GPU_PACK_LIMIT_MIB:-40}"
 nvcc=/usr/local/cuda/bin/nvcc
 [ -x "$nvcc" ] || { echo "gpu_pack: $nvcc not found: the CUDA toolkit is needed" >&2; exit 1; }
 programs=(engine_test cuda_gemm_probe_test device_fault_test engine_bench distill_bench lossd_server
-  lossctl)
+  lossctl grpc_echo_bench)
 
 cmake -S . -B "$build" -G Ninja -DCMAKE_CUDA_COMPILER="$nvcc" -DLOSSD_CUDA_ARCHITECTURES=90 \
   >/dev/null

@@ -23,15 +23,18 @@
 #      7, 8, 1, 78, 57, 5 and 6 s (165 s with the unpacking), the Llama check almost all in its
 #      float64 reference; call 2's took 55 s in all, and bench's 100 s; the machine's start
 #      about 30 s before each call.
-#   2. Call 2, only if the device tool's `status` still gives budget_left_s >= 255 (else skip it,
+#   2. Call 2, only if the device tool's `status` still gives budget_left_s >= 315 (else skip it,
 #      or give it timeout_s = budget_left_s - 15 and LOSSD_GPU_CALL_SECONDS = timeout_s - 25 in
 #      front of the command: its checks run in this order until its time is spent):
 #        command:   scripts/gpu_round.sh call2
 #        carry:     [".gpu"]
-#        timeout_s: 240
+#        timeout_s: 300
 #      a provoked device fault (UNAVAILABLE, NOT_SERVING, the server drains), compute-sanitizer
-#      racecheck, synccheck and initcheck, and a short service check (lossd_server called by
-#      lossctl and the Python client). Files: $OUT/call2/summary.txt and $OUT/call2/call2.tar.gz.
+#      racecheck, synccheck and initcheck, a short service check (lossd_server called by lossctl
+#      and the Python client), and the transport benchmark on the machine's cores
+#      (bench/transport_bench.py --quick: both clients' messages and shared memory beside gRPC's
+#      echo and the TCP and memcpy floors). Files: $OUT/call2/summary.txt and
+#      $OUT/call2/call2.tar.gz.
 #      Then give the machine back (`give_back`).
 #   3. Here: unpack the archives; peers/results.md and service/results.md hold tables for
 #      bench/RESULTS.md, *.xml the JUnit results with the recorded errors against float64.
@@ -51,7 +54,7 @@
 # their time limits) first and its summary last.
 #
 # Environment: OUT (default .gpu/out), LOSSD_GPU_CALL_SECONDS (the call's time; default 515 for
-# call 1, 215 for call 2, 375 for bench), LOSSD_GPU_PEERS_ARGS and LOSSD_GPU_SERVICE_ARGS (more flags for
+# call 1, 275 for call 2, 375 for bench), LOSSD_GPU_PEERS_ARGS and LOSSD_GPU_SERVICE_ARGS (more flags for
 # bench/gpu_peers.py and bench/gpu_service.py, which override the call's own),
 # LOSSD_GPU_SANITIZER_CASES (the gtest filter of the compute-sanitizer checks),
 # LOSSD_GPU_SANITIZER_KERNELS (the kernel-name substring racecheck and synccheck watch; lossd's
@@ -74,7 +77,7 @@ call="$1"
 shift
 case "$call" in
   call1) default_seconds=515 ;;
-  call2) default_seconds=215 ;;
+  call2) default_seconds=275 ;;
   bench) default_seconds=375 ;;
   *) usage ;;
 esac
@@ -168,7 +171,8 @@ finish() {
 
 case "$call" in
   call1) plan=(table:45 probe:25 foreign:15 scale:200 peers:110 memcheck:50 profile:40) ;;
-  call2) plan=(fault:20 fault_drain:20 racecheck:45 synccheck:25 initcheck:35 service:40) ;;
+  call2) plan=(fault:20 fault_drain:20 racecheck:45 synccheck:25 initcheck:35 service:40
+    transport:60) ;;
   bench) plan=(peers:340) ;;
 esac
 # limit NAME: the planned seconds of a check.
@@ -539,10 +543,12 @@ EOF_PY
 
 # ---- The server on the GPU ----------------------------------------------------------------------
 
-service() {
-  wanted service || return
-  # The Python client with the machine's grpcio and protobuf, else with the packed wheels.
-  local python_path="$pkg/python"
+# python_client: sets python_path, where the Python client imports from: the packed lossd with the
+# machine's grpcio and protobuf, else with the packed wheels (once per call).
+python_path=""
+python_client() {
+  [ -n "$python_path" ] && return
+  python_path="$pkg/python"
   if ! PYTHONPATH="$python_path" python3 -c 'import lossd' >"$logs/python-client.log" 2>&1; then
     local grpc_site="$work/grpc-site"
     if unpack_wheels "$grpc_site" .gpu/wheels/grpc/*.whl &&
@@ -558,6 +564,11 @@ service() {
     versions="$(python3 -c 'import grpc, google.protobuf as p; print(grpc.__version__, p.__version__)')"
     say "Python client: the machine's grpcio and protobuf ($versions)"
   fi
+}
+
+service() {
+  wanted service || return
+  python_client
   read -ra extra <<<"${LOSSD_GPU_SERVICE_ARGS:-}"
   timed service "$(limit service)" env PYTHONUNBUFFERED=1 python3 bench/gpu_service.py \
     --device=cuda --shape=4096,2048,32000 --calls=2 --warmup=1 --server "$run/lossd_server" \
@@ -572,6 +583,22 @@ service() {
   fi
   record service "$result" "bench/gpu_service.py: $failed failed (service/results.md in the archive); ${took} s"
   [ -f "$logs/service/results.md" ] && tee -a "$summary" <"$logs/service/results.md"
+}
+
+# The transport benchmark (CPU engine, a tiny vocabulary: the transport's own speed) on this
+# machine's cores, through the packed programs: a build folder of their wrappers and the client.
+transport() {
+  wanted transport || return
+  python_client
+  local build="$work/transport-build"
+  mkdir -p "$build"
+  ln -sfn "$run" "$build/bin"
+  ln -sfn "$pkg/python" "$build/python"
+  timed transport "$(limit transport)" env PYTHONPATH="$python_path" PYTHONUNBUFFERED=1 \
+    python3 bench/transport_bench.py --quick --build-dir "$build" --out "$logs/transport"
+  record transport "$(verdict)" "bench/transport_bench.py --quick (transport/results.md in the archive); ${took} s"
+  [ -f "$logs/transport/results.md" ] && grep '^|\|^memcpy' "$logs/transport/results.md" |
+    head -n 25 | tee -a "$summary"
 }
 
 # ---- The calls ----------------------------------------------------------------------------------
@@ -613,6 +640,7 @@ call2() {
   # logits would read as uninitialized in lossd's kernels).
   sanitize initcheck "$sanitizer_cases"
   service
+  transport
 }
 
 "$call"
