@@ -684,9 +684,10 @@ TEST_F(ClientTest, ARetryAfterALostAnswerAccumulatesOnce) {
   expect_one_copy("the client's retry");
 }
 
-// A lone caller keeps to the client's one connection; calls in flight at once each take another,
-// up to compute_connections, and each gets its own rows' results.
-TEST_F(ClientTest, ConcurrentCallsTakeConnectionsOfTheirOwn) {
+// A lone caller keeps to the client's one connection; scoring calls in flight at once each take
+// another, up to compute_connections, and each gets its own rows' results. Training calls in
+// flight at once share one connection, which reaches one server.
+TEST_F(ClientTest, ConcurrentScoringCallsTakeConnectionsOfTheirOwn) {
   const Client direct = Connect(OptionsFor(server_->port()));
   const std::vector<float> weight = UploadRandomHead(direct, "spread", 300);
   struct Batch {
@@ -737,6 +738,26 @@ TEST_F(ClientTest, ConcurrentCallsTakeConnectionsOfTheirOwn) {
     EXPECT_LE(RelativeError(client::ToFloat32(results[i]->grad_hidden), batches[i].ref.grad_hidden),
               kGradBound);
   }
+
+  // Three training calls at once from a fresh client: the server commits all three (their answers
+  // held) over the one connection of its training channel (which gRPC may share with the first).
+  const Client trainer = Connect(options);
+  ASSERT_TRUE(trainer.GetHead("spread").ok());
+  const int connections_before = relay->connections();
+  relay->Hold();
+  callers.clear();
+  for (size_t i = 0; i < 3; ++i) {
+    callers.emplace_back([&, i] {
+      ComputeRequest request = request_for(batches[i]);
+      request.outputs.set_accumulate_grad_weight(true);
+      results[i] = trainer.Compute(request);
+    });
+  }
+  EXPECT_TRUE(Eventually([&] { return direct.GetHead("spread")->accumulated_calls == 3; }));
+  EXPECT_LE(relay->connections(), connections_before + 1) << "one connection for training";
+  relay->Release();
+  for (std::thread& caller : callers) caller.join();
+  for (size_t i = 0; i < 3; ++i) ASSERT_TRUE(results[i].ok()) << results[i].status();
 }
 
 // A server that is not there yet is UNAVAILABLE; the client retries until it answers.

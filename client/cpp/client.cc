@@ -557,14 +557,15 @@ std::shared_ptr<grpc::Channel> MakeChannel(const ChannelOptions& options, Balanc
   return grpc::CreateCustomChannel(target.ok() ? target->uri : options.address, credentials, args);
 }
 
-// Compute's channels on one route: the client's own and compute_connections - 1 more, each its
-// own connection, made when first needed. A call takes the channel with the fewest calls in flight
-// (the first of those), counted until its lease is dropped.
+// Scoring Compute calls' channels: the client's own round-robin channel and compute_connections - 1
+// more, each its own connection, made when first needed. A call takes the channel with the fewest
+// calls in flight (the first of those), counted until its lease is dropped. Calls that belong to
+// one server keep to one connection: a second one to the same name or virtual IP may reach another
+// replica.
 class ComputeConnections {
  public:
-  ComputeConnections(const ChannelOptions& options, Balancing balancing,
-                     std::shared_ptr<grpc::Channel> own)
-      : options_(options), balancing_(balancing), slots_(std::max(1, options.compute_connections)) {
+  ComputeConnections(const ChannelOptions& options, std::shared_ptr<grpc::Channel> own)
+      : options_(options), slots_(std::max(1, options.compute_connections)) {
     slots_[0].channel = std::move(own);
   }
 
@@ -594,7 +595,9 @@ class ComputeConnections {
       if (slots_[i].in_flight < slots_[best].in_flight) best = i;
     }
     Slot& slot = slots_[best];
-    if (slot.channel == nullptr) slot.channel = MakeChannel(options_, balancing_, true);
+    if (slot.channel == nullptr) {
+      slot.channel = MakeChannel(options_, Balancing::kRoundRobin, /*own_connection=*/true);
+    }
     ++slot.in_flight;
     return std::make_unique<Lease>(this, best, slot.channel);
   }
@@ -605,7 +608,6 @@ class ComputeConnections {
     int in_flight = 0;
   };
   const ChannelOptions options_;
-  const Balancing balancing_;
   absl::Mutex mutex_;
   std::vector<Slot> slots_ ABSL_GUARDED_BY(mutex_);
 };
@@ -623,10 +625,7 @@ Client::Client(ChannelOptions options, Target target)
       balanced_stub_(v1::LossService::NewStub(balanced_channel_)),
       one_server_channel_(MakeChannel(options_, Balancing::kOneServer)),
       one_server_stub_(v1::LossService::NewStub(one_server_channel_)),
-      balanced_compute_(std::make_shared<ComputeConnections>(options_, Balancing::kRoundRobin,
-                                                             balanced_channel_)),
-      one_server_compute_(std::make_shared<ComputeConnections>(options_, Balancing::kOneServer,
-                                                               one_server_channel_)),
+      scoring_connections_(std::make_shared<ComputeConnections>(options_, balanced_channel_)),
       handover_(std::make_shared<Handover>()),
       shared_buffers_(std::make_shared<SharedBufferPool>()),
       send_buffers_(wire::SendBuffers::Create()) {}
@@ -1113,11 +1112,12 @@ absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeReques
                             /*grad_hidden_in_messages=*/true, /*keep_grad_hidden=*/into_caller);
   grpc::ClientContext context;
   PrepareContext(context);
-  // A scoring call takes the next server in the rotation; a training call, the one server.
+  // A scoring call takes the next server in the rotation, on a connection of its own when others
+  // are in flight; a training call, the one server.
   const std::unique_ptr<ComputeConnections::Lease> lease =
-      (request.outputs.accumulate_grad_weight() ? one_server_compute_ : balanced_compute_)
-          ->Acquire();
-  std::unique_ptr<ComputeStream> stream = OpenCompute(lease->channel(), context);
+      request.outputs.accumulate_grad_weight() ? nullptr : scoring_connections_->Acquire();
+  std::unique_ptr<ComputeStream> stream =
+      OpenCompute(lease != nullptr ? lease->channel() : *one_server_channel_, context);
 
   // The writer thread owns the sending half of the stream: Write blocks under flow control, and the
   // server stops reading rows while its own results wait to be read, so sending and reading from

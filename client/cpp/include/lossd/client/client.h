@@ -100,9 +100,10 @@ struct ChannelOptions {
   // pings more frequent than every 5 minutes with GOAWAY, so the default stays at that.
   absl::Duration keepalive_time = absl::Minutes(5);
   absl::Duration keepalive_timeout = absl::Seconds(20);
-  // How many connections concurrent Compute calls spread over, each call on the one with the
-  // fewest calls in flight (the client's own first, so one caller keeps to it): calls that share
-  // one HTTP/2 connection lose about a quarter of their throughput to it.
+  // How many connections concurrent scoring Compute calls (those that accumulate no dL/dW) spread
+  // over, each call on the one with the fewest calls in flight (the client's own first, so one
+  // caller keeps to it): calls that share one HTTP/2 connection lose throughput to it. Training
+  // calls keep to one connection, which reaches one server.
   int compute_connections = 4;
 };
 
@@ -485,9 +486,8 @@ class Client {
   // uploads, checkpoints, shared memory.
   std::shared_ptr<grpc::Channel> one_server_channel_;
   std::unique_ptr<v1::LossService::Stub> one_server_stub_;
-  // Compute's channels on each of the two routes (ChannelOptions::compute_connections).
-  std::shared_ptr<ComputeConnections> balanced_compute_;
-  std::shared_ptr<ComputeConnections> one_server_compute_;
+  // Scoring Compute calls' connections (ChannelOptions::compute_connections).
+  std::shared_ptr<ComputeConnections> scoring_connections_;
   // The connection that shared-memory calls' memfds are registered on.
   std::shared_ptr<Handover> handover_;
   std::shared_ptr<SharedBufferPool> shared_buffers_;  // memfds kept between shared-memory calls
