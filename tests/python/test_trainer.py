@@ -32,10 +32,14 @@ import trainer_rank  # noqa: E402
 
 STEPS, HALF = 8, 4
 # float32: the runs differ by the rounding of two float32 heads (products summed in another
-# order), carried through eight AdamW steps. A key projection's bias has no gradient in exact
-# arithmetic (softmax ignores a shift of every score), so AdamW turns the rounding noise it
-# gets into steps of about the learning rate: the absolute bound covers those.
+# order), carried through eight AdamW steps.
 FP32_RTOL, FP32_ATOL = 1e-5, 1e-6
+# A key projection's bias has no gradient in exact arithmetic, whatever the head (softmax ignores
+# a shift of every score), so what AdamW does with the rounding noise it gets instead is all that
+# moves it, and says nothing of the head: measured 6e-7 to 8e-7 apart on 2 cores, and past 1e-6
+# once under a loaded machine's other order of four ranks' gradient sums. A wrong head moves every
+# other parameter by steps of the learning rate (3e-3), far outside FP32_ATOL.
+NOISE_ONLY_SUFFIX, NOISE_ONLY_ATOL = "self_attn.k_proj.bias", 1e-5
 # bf16 autocast rounds the body's activations and gradients to 8 bits, which turns the float32
 # rounding differences of the head into differences 1000 times larger. Their size is measured
 # in each run: a local head whose products are computed in float64 (another float32 rounding)
@@ -101,8 +105,9 @@ def test_trainer_on_ranks_with_a_restart_matches_a_local_head(tmp_path, model, w
     assert len(lossd_run["grad_norm"]) == len(local["grad_norm"]) == STEPS
     if not bf16:
         for name, expected in local["params"].items():
+            atol = NOISE_ONLY_ATOL if name.endswith(NOISE_ONLY_SUFFIX) else FP32_ATOL
             torch.testing.assert_close(lossd_run["params"][name], expected, rtol=FP32_RTOL,
-                                       atol=FP32_ATOL, msg=name)
+                                       atol=atol, msg=lambda m, name=name: f"{name}: {m}")
         # The logged grad_norm includes W's gradient, clipped with the rest: a W gradient of
         # another scale (not averaged over the ranks) shows here even where AdamW hides it.
         torch.testing.assert_close(torch.tensor(lossd_run["grad_norm"]),
