@@ -83,11 +83,13 @@ fi
 echo "serving gRPC on 127.0.0.1:1 (port 1)"
 """
 
-# compute-sanitizer: runs the program, reports no error and exits as the program did.
+# compute-sanitizer: runs the program (its kernel filter in SANITIZER_KERNEL_NAME), reports no
+# error and exits as the program did.
 FAKE_SANITIZER = """#!/bin/sh
 while [ $# -gt 0 ]; do
   case "$1" in
-    --tool|--error-exitcode|--target-processes|--kernel-name) shift 2 ;;
+    --kernel-name) export SANITIZER_KERNEL_NAME="$2"; shift 2 ;;
+    --tool|--error-exitcode|--target-processes) shift 2 ;;
     *) break ;;
   esac
 done
@@ -300,13 +302,16 @@ def replace_program(checkout, name, text):
 
 # engine_test as a device fault leaves it: the first test faults (the sanitizer failing to handle
 # the exception), every later CUDA test of the process skips; run without the faulting test, the
-# others pass.
+# others pass. WATCHED, when set, is the only kernel filter under which the test faults.
 FAULTING_GTEST = """#!/bin/sh
 filter=""
 for arg in "$@"; do
   case "$arg" in --gtest_filter=*) filter="${arg#--gtest_filter=}" ;; esac
 done
 echo "filter $filter"
+if [ -n "${WATCHED:-}" ] && [ "${SANITIZER_KERNEL_NAME:-}" != "$WATCHED" ]; then
+  filter="${filter#*faults_first}"
+fi
 case "$filter" in
   *faults_first*)
     echo "[ RUN      ] Cases/T.faults_first"
@@ -328,19 +333,38 @@ echo "[  PASSED  ] 2 tests."
 """
 
 
-def test_a_device_fault_under_a_sanitizer_reruns_the_tests_it_skipped(dry_run):
+def run_faulting_racecheck(dry_run, watched=""):
     checkout, env, out = dry_run
     replace_program(checkout, "engine_test", FAULTING_GTEST)
-    env = dict(env, LOSSD_GPU_SANITIZER_CASES="*faults_first:*later_a:*later_b")
+    env = dict(env, LOSSD_GPU_SANITIZER_CASES="*faults_first:*later_a:*later_b", WATCHED=watched)
     done = subprocess.run(["scripts/gpu_round.sh", "call2", "racecheck"], capture_output=True,
                           text=True, timeout=60, cwd=checkout, env=env)
-    assert done.returncode != 0
     summary = (out / "call2" / "summary.txt").read_text()
-    line = next(x for x in summary.splitlines() if x.startswith("FAIL racecheck"))
+    line = next(x for x in summary.splitlines() if " racecheck " in x)
+    with tarfile.open(out / "call2" / "call2.tar.gz") as archive:
+        log = archive.extractfile("call2/racecheck.log").read().decode()
+    return done, line, log
+
+
+def test_a_device_fault_under_a_sanitizer_reruns_the_tests_it_skipped(dry_run):
+    """The tests a fault skipped run again in a process of their own; a fault the sanitizer meets
+    also when it watches no kernel is its own, and passes, said so."""
+    done, line, log = run_faulting_racecheck(dry_run)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert line.startswith("PASS racecheck")
     assert "2 round(s)" in line
     assert ("device fault in: Cases/T.faults_first (the sanitizer failed to handle a hardware "
             "exception)") in line
-    with tarfile.open(out / "call2" / "call2.tar.gz") as archive:
-        log = archive.extractfile("call2/racecheck.log").read().decode()
+    assert "the sanitizer's own fault: it fails in the same tests watching no kernel" in line
     assert "---- round 2: Cases/T.later_a:Cases/T.later_b" in log
     assert "filter Cases/T.later_a:Cases/T.later_b" in log
+    assert "---- watching no kernel: Cases/T.faults_first" in log
+
+
+def test_a_fault_only_while_lossd_kernels_are_watched_fails_the_check(dry_run):
+    """A fault that goes away when racecheck watches no kernel may be lossd's: the check fails."""
+    done, line, log = run_faulting_racecheck(dry_run, watched="kns=lossd")
+    assert done.returncode != 0
+    assert line.startswith("FAIL racecheck")
+    assert "watching no kernel it failed in 0 of those tests" in line
+    assert "---- watching no kernel: Cases/T.faults_first" in log
