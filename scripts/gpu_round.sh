@@ -17,8 +17,9 @@
 #      of the chunk, every objective), the cuBLAS GEMM probe at the engine's real K, a module built
 #      for another GPU refused, the Llama 3 8B head at N = 4096 against float64 in both gradient
 #      modes, bench/gpu_peers.py at the Llama 3 8B shape (lossd first, in the default and exact
-#      modes and with pageable rows, then the floor and the peers while time lasts), compute-sanitizer memcheck, and each kernel's
-#      device time in one forward + backward at that shape (Nsight Compute). Files come back as
+#      modes and with pageable rows, then the floor and the peers while time lasts),
+#      compute-sanitizer memcheck, and each kernel's device time in one forward + backward at that
+#      shape and in one forward at N = 8192 (Nsight Compute). Files come back as
 #      $OUT/call1/summary.txt and $OUT/call1/call1.tar.gz. On an H100 (2026-11-27) the checks took
 #      7, 8, 1, 78, 57, 5 and 6 s (165 s with the unpacking), the Llama check almost all in its
 #      float64 reference; call 2's took 55 s in all, and bench's 100 s; the machine's start
@@ -170,7 +171,8 @@ finish() {
 # ---- The plan: each check's time limit, in the order they run ----------------------------------
 
 case "$call" in
-  call1) plan=(table:45 probe:25 foreign:15 scale:200 peers:110 memcheck:50 profile:40) ;;
+  call1) plan=(table:45 probe:25 foreign:15 scale:170 peers:110 memcheck:50 profile:40
+    profile_fwd:30) ;;
   call2) plan=(fault:20 fault_drain:20 racecheck:45 synccheck:25 initcheck:35 service:40
     transport:60) ;;
   bench) plan=(peers:340) ;;
@@ -537,24 +539,26 @@ peers() {
   [ -f "$logs/peers/results.md" ] && grep '^|' "$logs/peers/results.md" | cut -c1-150 | tee -a "$summary"
 }
 
-# Where lossd's device time goes at the Llama 3 8B shape: one forward + backward under Nsight
-# Compute with a single metric (each kernel's duration), the kernels summed by name. Their sum
-# against the run's device time (peers) is the time the GPU waits for the host.
+# profile NAME SHAPE PASS: where lossd's device time goes: one call of the engine (PASS: fwd_bwd
+# or fwd) at SHAPE (N,H,V) in bf16 under Nsight Compute with a single metric (each kernel's
+# duration), the kernels summed by name, warm-up included. Their sum against the same call's
+# device time in the peers' table is the time the GPU waits (copies, the host).
 profile() {
-  wanted profile || return
+  local name="$1" shape="$2" pass="$3"
+  wanted "$name" || return
   local ncu
   ncu="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
   if [ ! -x "$ncu" ]; then
     record profile FAIL "Nsight Compute is neither on PATH nor $ncu"
     return
   fi
-  timed profile "$(limit profile)" "$ncu" --clock-control none --target-processes all \
-    --metrics gpu__time_duration.sum --csv --page raw --log-file "$logs/profile.csv" \
-    "$run/engine_bench" --device=cuda --dtype=bf16 --shapes=16384,4096,128256 --methods=engine \
-    --passes=fwd_bwd --reps=1 --warmup-tokens=64
+  timed "$name" "$(limit "$name")" "$ncu" --clock-control none --target-processes all \
+    --metrics gpu__time_duration.sum --csv --page raw --log-file "$logs/$name.csv" \
+    "$run/engine_bench" --device=cuda --dtype=bf16 --shapes="$shape" --methods=engine \
+    --passes="$pass" --reps=1 --warmup-tokens=64
   local result
   result="$(verdict)"
-  python3 - "$logs/profile.csv" >"$logs/profile.txt" 2>&1 <<'EOF_PY'
+  python3 - "$logs/$name.csv" >"$logs/$name.txt" 2>&1 <<'EOF_PY'
 import collections, csv, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if r]
 header = next((r for r in rows if "Kernel Name" in r), None)
@@ -581,9 +585,9 @@ print(f"kernels: {sum(count.values())}, sum {sum(total.values()) * scale:.1f} ms
 for name, value in total.most_common(14):
     print(f"{value * scale:9.2f} ms {count[name]:5d}x  {name}")
 EOF_PY
-  [ -s "$logs/profile.txt" ] || result=FAIL
-  record profile "$result" "Nsight Compute, kernel durations of one forward + backward at 16384,4096,128256 bf16; ${took} s"
-  sed 's/^/       /' "$logs/profile.txt" | tee -a "$summary"
+  [ -s "$logs/$name.txt" ] || result=FAIL
+  record "$name" "$result" "Nsight Compute, kernel durations of one $pass call at $shape bf16; ${took} s"
+  sed 's/^/       /' "$logs/$name.txt" | tee -a "$summary"
 }
 
 # ---- The server on the GPU ----------------------------------------------------------------------
@@ -661,7 +665,8 @@ call1() {
   grep -h '^N=4096' "$logs/scale.log" 2>/dev/null | sed 's/^/       /' | tee -a "$summary"
   peers
   sanitize memcheck "$sanitizer_cases"
-  profile
+  profile profile 16384,4096,128256 fwd_bwd
+  profile profile_fwd 8192,4096,128256 fwd
 }
 
 bench() {

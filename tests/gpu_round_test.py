@@ -205,7 +205,8 @@ def checks_of(summary):
 
 
 @pytest.mark.parametrize("call, checks", [
-    ("call1", ["table", "probe", "foreign", "scale", "peers", "memcheck", "profile"]),
+    ("call1", ["table", "probe", "foreign", "scale", "peers", "memcheck", "profile",
+               "profile_fwd"]),
     ("call2", ["fault", "fault_drain", "racecheck", "synccheck", "initcheck", "service",
                "transport"]),
     ("bench", ["peers"]),
