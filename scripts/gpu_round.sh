@@ -49,7 +49,8 @@
 #        timeout_s: 400
 #      (LOSSD_GPU_CALL_SECONDS = timeout_s - 25 in front of the command when it must be shorter.)
 #      Calls 2 and 4 can share one run, which saves a machine start: command
-#      `scripts/gpu_round.sh call2; scripts/gpu_round.sh bench`, timeout_s 600.
+#      `scripts/gpu_round.sh call2; LOSSD_GPU_CALL_SECONDS=300 scripts/gpu_round.sh bench`,
+#      timeout_s 600 (on an H100 the two took 55 s and 100 s before call 2's transport check).
 # `scripts/gpu_round.sh call1 table scale` runs only the named checks of a call (those a call ran
 # out of time for, say); the names are in its summary. Each call prints its plan (its checks and
 # their time limits) first and its summary last.
