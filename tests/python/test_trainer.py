@@ -37,8 +37,8 @@ FP32_RTOL, FP32_ATOL = 1e-5, 1e-6
 # A key projection's bias has no gradient in exact arithmetic, whatever the head (softmax ignores
 # a shift of every score), so what AdamW does with the rounding noise it gets instead is all that
 # moves it, and says nothing of the head: measured 6e-7 to 8e-7 apart on 2 cores, and past 1e-6
-# once under a loaded machine's other order of four ranks' gradient sums. A wrong head moves every
-# other parameter by steps of the learning rate (3e-3), far outside FP32_ATOL.
+# once in CI on a loaded machine (four ranks, qwen2). A wrong head moves every other parameter by
+# steps of the learning rate (3e-3), far outside FP32_ATOL.
 NOISE_ONLY_SUFFIX, NOISE_ONLY_ATOL = "self_attn.k_proj.bias", 1e-5
 # bf16 autocast rounds the body's activations and gradients to 8 bits, which turns the float32
 # rounding differences of the head into differences 1000 times larger. Their size is measured
