@@ -44,6 +44,14 @@ ABSL_FLAG(int64_t, host_cache_mib, 1024,
           "idle ones are kept for the next call only while those in use and idle fit it");
 ABSL_FLAG(bool, shared_memory, true,
           "let clients on this host hand rows and dL/dh over in a memfd instead of messages");
+ABSL_FLAG(std::string, compute_socket_listen, "",
+          "HOST:PORT where Compute calls are also taken over plain TCP connections of their own, "
+          "around gRPC's HTTP/2 transport, at up to three times its speed (port 0: any free one; "
+          "empty: none); clients that reach the server over an insecure channel use it. Not with "
+          "TLS: it carries rows and the token in the clear");
+ABSL_FLAG(double, compute_socket_idle_seconds, 300,
+          "how long a Compute socket connection may wait for its client's next call before the "
+          "server closes it");
 ABSL_FLAG(int64_t, max_call_ids, 65536,
           "calls with a call_id whose ids each head keeps per accumulator epoch (until its "
           "gradient is zeroed), so that a retried call is never accumulated twice; a new id past "
@@ -157,6 +165,8 @@ int main(int argc, char** argv) {
   config.cache_call_buffers = absl::GetFlag(FLAGS_cache_call_buffers);
   config.host_cache_bytes = absl::GetFlag(FLAGS_host_cache_mib) << 20;
   config.shared_memory = absl::GetFlag(FLAGS_shared_memory);
+  config.compute_socket_listen = absl::GetFlag(FLAGS_compute_socket_listen);
+  config.compute_socket_idle = absl::Seconds(absl::GetFlag(FLAGS_compute_socket_idle_seconds));
   config.max_call_ids = absl::GetFlag(FLAGS_max_call_ids);
   config.staged_grad_ttl = absl::Seconds(absl::GetFlag(FLAGS_staged_grad_seconds));
   config.staged_grad_bytes = absl::GetFlag(FLAGS_staged_grad_mib) << 20;

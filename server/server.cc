@@ -505,6 +505,25 @@ absl::Status ServerConfig::Validate() const {
                         absl::StrCat(demo.vocab_size < 1 ? demo.vocab_size : demo.hidden_size));
   }
   RETURN_IF_ERROR(ParseHeadSpecs(heads).status());
+  if (!compute_socket_listen.empty()) {
+    std::string host;
+    int port = 0;
+    if (!SplitHostPort(compute_socket_listen, &host, &port)) {
+      return InvalidField("--compute_socket_listen",
+                          "HOST:PORT with a port in [0, 65535] (a TCP address)",
+                          absl::StrCat("\"", compute_socket_listen, "\""));
+    }
+    if (!tls_cert_file.empty()) {
+      return InvalidField("--compute_socket_listen",
+                          "none with TLS on (--tls_cert_file): the Compute socket carries rows "
+                          "and its token in the clear",
+                          absl::StrCat("\"", compute_socket_listen, "\""));
+    }
+  }
+  if (compute_socket_idle <= absl::ZeroDuration()) {
+    return InvalidField("--compute_socket_idle_seconds", "a duration > 0",
+                        absl::FormatDuration(compute_socket_idle));
+  }
   if (tls_cert_file.empty() != tls_key_file.empty()) {
     return absl::InvalidArgumentError(tls_cert_file.empty()
                                           ? "--tls_cert_file: required with --tls_key_file"
@@ -619,6 +638,7 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   options.checkpoint_dir = config.checkpoint_dir;
   options.keep_checkpoints = config.keep_checkpoints;
   options.bearer_token = std::move(bearer_token);
+  options.max_message_bytes = config.max_message_bytes;
   // Load balancers and orchestrators read health; a faulted device serves nothing again, nor
   // does a replica whose group ended.
   options.on_fault = [raw = server.get()](const absl::Status&) {
@@ -640,6 +660,14 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
                           absl::StrCat("--shared_memory: ", opened.message(),
                                        " (--shared_memory=false serves without it)"));
     }
+  }
+
+  if (!config.compute_socket_listen.empty()) {
+    RETURN_IF_ERROR(server->service_->OpenComputeSocket(config.compute_socket_listen,
+                                                        config.compute_socket_idle));
+    server->startup_log_.push_back(
+        absl::StrCat("Compute socket on port ", server->service_->compute_socket_port(),
+                     " (--compute_socket_listen=", config.compute_socket_listen, ")"));
   }
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -778,6 +806,9 @@ void LossServer::Shutdown(absl::Duration drain) {
   const absl::Time deadline = absl::Now() + drain;
   service_->StopAccepting();
   const bool drained = service_->WaitForCallsInFlight(deadline);
+  // Its calls still running after the drain end at their next read or write, as gRPC's are
+  // cancelled below; its idle connections close.
+  service_->StopComputeSocket();
   const absl::Time close_at =
       drained ? std::min(deadline, absl::Now() + kStatusGrace) : absl::Now();
   server_->Shutdown(absl::ToChronoTime(close_at));
@@ -786,6 +817,7 @@ void LossServer::Shutdown(absl::Duration drain) {
   // above end promptly (their reads and writes fail, admission notices). The service joins the
   // threads when it goes away.
   service_->WaitForCallsInFlight(absl::InfiniteFuture());
+  service_->CloseComputeSocket();
   service_->CloseSharedMemorySocket();
   if (staged_sweeper_ != nullptr) {
     stop_sweeping_.Notify();

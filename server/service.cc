@@ -220,6 +220,19 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* LossService::Comput
   return ComputeReactor::Refuse(status);
 }
 
+void LossService::RunSocketCompute(SocketComputeStream& stream) {
+  auto call = std::make_shared<CallScope>(*this, "Compute");
+  if (!call->entered()) {
+    stream.End(call->status());
+    return;
+  }
+  stream.SetHooks({.ending = [call](const absl::Status& status) { call->Ending(status); },
+                   .finishing = [call](const absl::Status& heard) { call->Finishing(heard); }});
+  const absl::Status status = CatchExceptions("Compute", [&] { return RunCompute(stream); });
+  stream.End(status);
+  stream.SetHooks({});
+}
+
 absl::Status LossService::RunCompute(ComputeStream& stream) {
   const ComputeEnvironment env{&backend_, &heads_,        &scheduler_,     &metrics_,
                                &ledger_,  &buffers_,      &host_buffers_,  &shared_memory_maps_,
@@ -785,6 +798,41 @@ absl::Status LossService::OpenSharedMemorySocket() {
 }
 
 void LossService::CloseSharedMemorySocket() { handover_socket_.reset(); }
+
+absl::Status LossService::OpenComputeSocket(const std::string& address,
+                                            absl::Duration connection_idle) {
+  ComputeSocketServer::Options socket_options{
+      .bearer_token = options_.bearer_token,
+      .max_message_bytes = options_.max_message_bytes,
+      .stream_idle = options_.compute.stream_idle,
+      .connection_idle = connection_idle,
+  };
+  ASSIGN_OR_RETURN(compute_socket_, ComputeSocketServer::Start(address, std::move(socket_options),
+                                                               [this](SocketComputeStream& stream) {
+                                                                 RunSocketCompute(stream);
+                                                               }));
+  return absl::OkStatus();
+}
+
+void LossService::StopComputeSocket() {
+  if (compute_socket_ != nullptr) compute_socket_->Stop();
+}
+
+void LossService::CloseComputeSocket() { compute_socket_.reset(); }
+
+grpc::Status LossService::GetComputeSocket(grpc::ServerContext* context,
+                                           const v1::GetComputeSocketRequest*,
+                                           v1::ComputeSocket* response) {
+  return Serve("GetComputeSocket", context, [&]() -> absl::Status {
+    if (compute_socket_ == nullptr) {
+      return absl::FailedPreconditionError(
+          "compute_socket: this server offers none (lossd_server --compute_socket_listen); send "
+          "Compute calls over gRPC");
+    }
+    response->set_port(compute_socket_->port());
+    return absl::OkStatus();
+  });
+}
 
 grpc::Status LossService::GetSharedMemorySocket(grpc::ServerContext* context,
                                                 const v1::GetSharedMemorySocketRequest*,

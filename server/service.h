@@ -20,6 +20,7 @@
 #include "server/replicas/rank_rendezvous.h"
 #include "server/replicas/replica_group.h"
 #include "server/shm/handover_socket.h"
+#include "server/socket/compute_socket.h"
 
 namespace lossd::server {
 
@@ -28,8 +29,9 @@ struct ServiceOptions {
   int64_t max_head_bytes = int64_t{16} << 30;  // refuses uploads that declare more
   int64_t default_fetch_chunk_bytes = 4 << 20;
   int64_t max_fetch_chunk_bytes = 64 << 20;
-  std::string bearer_token;    // empty: no authentication
-  std::string checkpoint_dir;  // empty: SaveCheckpoint is refused
+  std::string bearer_token;               // empty: no authentication
+  int64_t max_message_bytes = 256 << 20;  // gRPC's limit, which the Compute socket keeps too
+  std::string checkpoint_dir;             // empty: SaveCheckpoint is refused
   int keep_checkpoints = 3;
   // Called once, with the first device fault a call meets (IsDeviceFault) or the end of the
   // replica group, after which the service refuses every call.
@@ -92,6 +94,16 @@ class LossService final
   // allowed), closed once no call runs any more, revoking every handle.
   absl::Status OpenSharedMemorySocket();
   void CloseSharedMemorySocket();
+  grpc::Status GetComputeSocket(grpc::ServerContext* context,
+                                const v1::GetComputeSocketRequest* request,
+                                v1::ComputeSocket* response) override;
+  // The Compute socket (ComputeSocket in lossd.proto): opened on `address` before the service
+  // serves, when the server offers one; stopped once the calls have drained (its calls in flight
+  // then end with UNAVAILABLE), and closed, its threads joined.
+  absl::Status OpenComputeSocket(const std::string& address, absl::Duration connection_idle);
+  void StopComputeSocket();
+  void CloseComputeSocket();
+  int compute_socket_port() const { return compute_socket_ ? compute_socket_->port() : 0; }
   grpc::Status LookupEmbedding(grpc::ServerContext* context,
                                const v1::LookupEmbeddingRequest* request,
                                grpc::ServerWriter<v1::EmbeddingRows>* writer) override;
@@ -126,6 +138,9 @@ class LossService final
   absl::Status Authenticate(const grpc::ServerContextBase& context) const;
   // The Compute call on its own thread, once authenticated.
   absl::Status RunCompute(ComputeStream& stream);
+  // A call from the Compute socket, whose connection was authenticated by its HELLO: counted,
+  // run and recorded as a gRPC Compute call, on this thread.
+  void RunSocketCompute(SocketComputeStream& stream);
   // Rows of row_bytes each per message of a streamed tensor: as many as max_chunk_bytes holds (0:
   // the server's default), at least one; INVALID_ARGUMENT past options.max_fetch_chunk_bytes.
   absl::StatusOr<int64_t> RowsPerChunk(int64_t max_chunk_bytes, int64_t row_bytes) const;
@@ -181,6 +196,8 @@ class LossService final
   int calls_in_flight_ ABSL_GUARDED_BY(calls_mu_) = 0;
   // Compute streams that have not sent their start message yet (no thread runs them).
   StartWatch start_watch_;
+  // Its connections' threads run calls: joined before anything they use goes away.
+  std::unique_ptr<ComputeSocketServer> compute_socket_;
   // Last: joined first, while what the calls' threads use is still there.
   CallThreads call_threads_;
 };

@@ -456,6 +456,20 @@ const BadSetting kBadSettings[] = {
     {"key_without_certificate", "TLS needs both",
      [](server::ServerConfig& c) { c.tls_key_file = "/nonexistent/key.pem"; },
      "--tls_cert_file: required with --tls_key_file"},
+    {"compute_socket_port_70000", "a TCP port is at most 65535",
+     [](server::ServerConfig& c) { c.compute_socket_listen = "127.0.0.1:70000"; },
+     "--compute_socket_listen: expected HOST:PORT with a port in [0, 65535] (a TCP address), "
+     "got \"127.0.0.1:70000\""},
+    {"compute_socket_with_tls", "the socket would carry rows and the token in the clear",
+     [](server::ServerConfig& c) {
+       c.compute_socket_listen = "127.0.0.1:0";
+       c.tls_cert_file = "/nonexistent/cert.pem";
+       c.tls_key_file = "/nonexistent/key.pem";
+     },
+     "--compute_socket_listen: expected none with TLS on (--tls_cert_file)"},
+    {"compute_socket_idle_zero", "every kept connection would close at once",
+     [](server::ServerConfig& c) { c.compute_socket_idle = absl::ZeroDuration(); },
+     "--compute_socket_idle_seconds: expected a duration > 0, got 0"},
     {"rank_without_group", "a rank only means something in a replica group",
      [](server::ServerConfig& c) { c.replica_rank = 3; },
      "--replica_rank: expected 0 (or -1) without --replicas, got 3"},

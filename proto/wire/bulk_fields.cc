@@ -144,6 +144,15 @@ BulkBytes BulkBytes::Copy(absl::string_view bytes) {
   return copy;
 }
 
+BulkBytes BulkBytes::Borrow(absl::string_view bytes) {
+  BulkBytes borrowed;
+  if (!bytes.empty()) {
+    borrowed.slices_.emplace_back(bytes.data(), bytes.size(), grpc::Slice::STATIC_SLICE);
+  }
+  borrowed.size_ = static_cast<int64_t>(bytes.size());
+  return borrowed;
+}
+
 BulkBytes BulkBytes::Of(std::vector<grpc::Slice> slices) {
   BulkBytes bytes;
   for (const grpc::Slice& slice : slices) bytes.size_ += static_cast<int64_t>(slice.size());
@@ -203,6 +212,14 @@ SendBuffers::~SendBuffers() {
 
 BulkBytes SendBuffers::Copy(absl::string_view bytes) {
   if (bytes.empty()) return BulkBytes();
+  grpc::Slice slice = Allocate(bytes.size());
+  std::memcpy(const_cast<uint8_t*>(slice.begin()), bytes.data(), bytes.size());
+  std::vector<grpc::Slice> slices;
+  slices.push_back(std::move(slice));
+  return BulkBytes::Of(std::move(slices));
+}
+
+grpc::Slice SendBuffers::Allocate(size_t bytes) {
   char* memory = nullptr;
   std::vector<std::pair<size_t, char*>> unfit;
   {
@@ -211,7 +228,7 @@ BulkBytes SendBuffers::Copy(absl::string_view bytes) {
     // none is idle, the idle ones of other sizes are freed rather than kept for sizes that may not
     // come again.
     const auto same = std::find_if(idle_.begin(), idle_.end(),
-                                   [&](const auto& idle) { return idle.first == bytes.size(); });
+                                   [&](const auto& idle) { return idle.first == bytes; });
     if (same != idle_.end()) {
       memory = same->second;
       idle_.erase(same);
@@ -220,13 +237,12 @@ BulkBytes SendBuffers::Copy(absl::string_view bytes) {
     }
   }
   for (const auto& [size, idle] : unfit) delete[] idle;
-  if (memory == nullptr) memory = new char[bytes.size()];
-  std::memcpy(memory, bytes.data(), bytes.size());
-  auto* back = new Return{shared_from_this(), memory, bytes.size()};
-  HandOverToGrpc(back);  // with the bytes just copied: GiveBack may run on any of gRPC's threads
-  std::vector<grpc::Slice> slice;
-  slice.emplace_back(memory, bytes.size(), &SendBuffers::GiveBack, back);
-  return BulkBytes::Of(std::move(slice));
+  if (memory == nullptr) memory = new char[std::max<size_t>(bytes, 1)];
+  auto* back = new Return{shared_from_this(), memory, bytes};
+  // The caller writes the bytes before anyone else sees the slice; GiveBack may run on any of
+  // gRPC's threads.
+  HandOverToGrpc(back);
+  return grpc::Slice(memory, bytes, &SendBuffers::GiveBack, back);
 }
 
 void SendBuffers::GiveBack(void* what) {

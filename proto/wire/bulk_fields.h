@@ -35,6 +35,9 @@ class BulkBytes {
   BulkBytes() = default;
   // A copy of `bytes`, in one slice gRPC can send without copying again.
   static BulkBytes Copy(absl::string_view bytes);
+  // `bytes` where they lie, neither copied nor owned: only for a writer that is done with them
+  // when its write returns (ComputeStream::WriteIsDoneOnReturn), while they stay put.
+  static BulkBytes Borrow(absl::string_view bytes);
   // The slices as they are, holding a reference to each.
   static BulkBytes Of(std::vector<grpc::Slice> slices);
 
@@ -54,8 +57,9 @@ class BulkBytes {
   int64_t size_ = 0;
 };
 
-// Memory that bulk bytes are copied into before they are sent, reused from message to message: a
-// fresh allocation of megabytes for each would fault its pages in every time. A buffer goes back to
+// Memory that bulk bytes are copied into before they are sent (or read into from a socket), reused
+// from message to message: a fresh allocation of megabytes for each would fault its pages in
+// every time. A buffer goes back to
 // the pool when gRPC lets go of its slice, which may be after the pool's owner is gone (the slices
 // share the pool). Thread-safe.
 class SendBuffers : public std::enable_shared_from_this<SendBuffers> {
@@ -66,6 +70,8 @@ class SendBuffers : public std::enable_shared_from_this<SendBuffers> {
   ~SendBuffers();
   // A copy of `bytes` in one slice of pooled memory.
   BulkBytes Copy(absl::string_view bytes);
+  // A slice of `bytes` bytes of pooled memory, not yet written: for bytes read from a socket.
+  grpc::Slice Allocate(size_t bytes);
   // Buffers held now for reuse (tests).
   int64_t idle_buffers() const;
 

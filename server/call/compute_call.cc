@@ -751,10 +751,13 @@ class ComputeCall {
       copy(outputs_.top_k_token, k, result.mutable_top_k_token());
       wire::BulkBytes grad_hidden;
       if (grad_in_messages) {
-        // The one copy dL/dh takes on its way out: gRPC sends this slice as it is.
-        grad_hidden = send_buffers_->Copy(absl::string_view(
+        const absl::string_view bytes(
             reinterpret_cast<const char*>(MessageGradHidden() + r0 * grad_row_bytes),
-            static_cast<size_t>(n * grad_row_bytes)));
+            static_cast<size_t>(n * grad_row_bytes));
+        // The one copy dL/dh takes on its way out, where the stream holds it past the write
+        // (gRPC sends this slice as it is); none where the write is done when it returns.
+        grad_hidden = stream_.WriteIsDoneOnReturn() ? wire::BulkBytes::Borrow(bytes)
+                                                    : send_buffers_->Copy(bytes);
         result.set_grad_hidden_dtype(ToProto(spec_.grad_hidden_dtype));
       }
       RETURN_IF_ERROR(Send(result_message_, grad_hidden));

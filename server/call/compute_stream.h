@@ -30,6 +30,10 @@ class ComputeStream {
                             absl::FunctionRef<void()> /*on_stall*/) {
     return Write(response, grad_hidden);
   }
+  // Whether Write is done with grad_hidden's bytes when it returns (they are in the kernel's
+  // socket buffer, or the write failed), so that a call may lend it bytes it still holds
+  // (wire::BulkBytes::Borrow) instead of copying them; gRPC keeps them until it has sent them.
+  virtual bool WriteIsDoneOnReturn() const { return false; }
   virtual bool IsCancelled() const = 0;
   // Ends the RPC now with `status`, unless it has ended already (the first status given is the
   // one the client sees): a Read or Write waiting on a client that sends or reads nothing returns

@@ -41,27 +41,37 @@ v1::ErrorInfo::Reason ErrorReasonOf(const absl::Status& status) {
   return v1::ErrorInfo::REASON_UNSPECIFIED;
 }
 
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
+v1::RpcStatus ToRpcStatus(const absl::Status& status) {
+  v1::RpcStatus rpc_status;
+  if (status.ok()) return rpc_status;
   // absl::StatusCode and grpc::StatusCode share the canonical numbering (0..16).
-  const auto code = static_cast<grpc::StatusCode>(status.code());
-  std::string message(status.message());
+  rpc_status.set_code(static_cast<int32_t>(status.code()));
+  rpc_status.set_message(std::string(status.message()));
   v1::ErrorInfo info;
   info.set_reason(ErrorReasonOf(status));
   info.set_field(FieldOf(status));
-  if (info.reason() == v1::ErrorInfo::REASON_UNSPECIFIED && info.field().empty()) {
-    return grpc::Status(code, std::move(message));
+  if (info.reason() != v1::ErrorInfo::REASON_UNSPECIFIED || !info.field().empty()) {
+    rpc_status.add_details()->PackFrom(info);
   }
-  v1::RpcStatus details;
-  details.set_code(static_cast<int32_t>(code));
-  details.set_message(message);
-  details.add_details()->PackFrom(info);
+  return rpc_status;
+}
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  v1::RpcStatus details = ToRpcStatus(status);
+  const auto code = static_cast<grpc::StatusCode>(details.code());
+  std::string message = details.message();
+  if (details.details().empty()) return grpc::Status(code, std::move(message));
   return grpc::Status(code, std::move(message), details.SerializeAsString());
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+bool TokenMatches(absl::string_view presented, absl::string_view token) {
+  return ConstantTimeEquals(presented, token);
 }
 
 absl::Status CheckBearerToken(const grpc::ServerContextBase& context, absl::string_view token) {

@@ -14,6 +14,9 @@ namespace lossd::server {
 // Code and message as they are, and, when the status has a reason (ErrorReasonOf) or names a
 // field (FieldOf), a v1::ErrorInfo in its details (an RpcStatus).
 grpc::Status ToGrpcStatus(const absl::Status& status);
+// The same as an RpcStatus (google.rpc.Status's wire format: code, message, the ErrorInfo if
+// any), as the Compute socket's FRAME_STATUS carries it; empty for OK.
+v1::RpcStatus ToRpcStatus(const absl::Status& status);
 // The typed reason of a status, for ErrorInfo.reason.
 v1::ErrorInfo::Reason ErrorReasonOf(const absl::Status& status);
 // What a call this server made to another one (a replica) ended with.
@@ -22,6 +25,8 @@ absl::Status FromGrpcStatus(const grpc::Status& status);
 // OK when `token` is empty or the call carries "authorization: Bearer <token>" (compared in
 // constant time); UNAUTHENTICATED otherwise.
 absl::Status CheckBearerToken(const grpc::ServerContextBase& context, absl::string_view token);
+// Whether `presented` is `token`, compared in constant time.
+bool TokenMatches(absl::string_view presented, absl::string_view token);
 
 // The canonical code name ("OK", "INVALID_ARGUMENT", ...) used as a metrics label.
 const char* GrpcCodeName(grpc::StatusCode code);

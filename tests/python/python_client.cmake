@@ -25,6 +25,8 @@ endfunction()
 lossd_add_pytest(python_client /usr/bin/python3 test_client.py)
 # The call's options and outputs as Python objects derived from lossd.proto's descriptors.
 lossd_add_pytest(python_options /usr/bin/python3 test_options.py)
+# Compute over the Compute socket: the same bits and errors as over gRPC; hostile and silent peers.
+lossd_add_pytest(python_compute_socket /usr/bin/python3 test_compute_socket.py)
 # These two suites run once: under current PyPI torch where its environment is given (below), else
 # under Debian's. They exercise servers and a training loop, not the torch version, and are slow.
 if(NOT LOSSD_PYTHON_ENV)
@@ -55,8 +57,8 @@ lossd_add_pytest(python_packaging /usr/bin/python3 test_packaging.py)
 set_tests_properties(python_packaging PROPERTIES
   ENVIRONMENT "LOSSD_SERVER_BIN=$<TARGET_FILE:lossd_server>;OMP_NUM_THREADS=2"
   TIMEOUT 2400)
-set_tests_properties(python_client python_options python_objectives python_distill
-  python_rl_example shared_memory_users PROPERTIES
+set_tests_properties(python_client python_options python_compute_socket python_objectives
+  python_distill python_rl_example shared_memory_users PROPERTIES
   ENVIRONMENT "${LOSSD_PYTHON_TEST_ENVIRONMENT}"
   TIMEOUT 1200)
 set_tests_properties(python_packaging PROPERTIES COST 40)

@@ -88,6 +88,27 @@ def parse_target(address):
     return Target(address, len(entries), len(entries) == 1 and _is_local(entries[0]))
 
 
+def tcp_host(target):
+    """The host of a Target that names one TCP server (HOST:PORT, dns:, or a one-entry ipv4: or
+    ipv6: list), as a socket connects to it, without brackets; None for anything else (a Unix
+    socket, several addresses, another resolver)."""
+    if target.listed_addresses != 1:
+        return None
+    address = target.uri
+    scheme, colon, rest = address.partition(":")
+    scheme = scheme.lower()
+    if colon and scheme in _GRPC_SCHEMES:
+        if scheme not in ("dns", "ipv4", "ipv6"):
+            return None
+        address = rest.lstrip("/")
+        if scheme == "dns" and rest.startswith("//") and "/" in address:  # dns://AUTHORITY/HOST
+            address = address.split("/", 1)[1]
+    if address.startswith("["):
+        return address[1:address.find("]")] or None
+    host = address.rpartition(":")[0]
+    return host or None
+
+
 def _is_local(address):
     """Whether one address names this host: a Unix socket, or a loopback host."""
     scheme, colon, rest = address.partition(":")

@@ -51,13 +51,26 @@ def _error_info(error):
             status = pb.RpcStatus.FromString(value)
         except Exception:  # not ours: a proxy's, say
             return None, None
-        for detail in status.details:
-            info = pb.ErrorInfo()
-            if detail.Unpack(info):
-                reason = pb.ErrorInfo.Reason.Name(info.reason)
-                return (None if info.reason == pb.ErrorInfo.REASON_UNSPECIFIED else reason,
-                        info.field or None)
+        return _status_info(status)
     return None, None
+
+
+def _status_info(status):
+    """(reason, field) of the ErrorInfo in an RpcStatus's details, each None when absent."""
+    for detail in status.details:
+        info = pb.ErrorInfo()
+        if detail.Unpack(info):
+            reason = pb.ErrorInfo.Reason.Name(info.reason)
+            return (None if info.reason == pb.ErrorInfo.REASON_UNSPECIFIED else reason,
+                    info.field or None)
+    return None, None
+
+
+def from_rpc_status(method, status):
+    """The error of a call that ended with `status` (an RpcStatus with a code other than 0), as
+    the Compute socket's FRAME_STATUS carries it: the same as the call over gRPC would raise."""
+    reason, field = _status_info(status)
+    return LossdError(method, _code_name(status.code), status.message, reason=reason, field=field)
 
 
 def _code_name(code):

@@ -46,6 +46,12 @@ def encode_chunk(arrays):
     """The ComputeRequest carrying one ComputeChunk of `arrays` ({ComputeChunk field name:
     C-contiguous array of its rows}), serialized: the arrays' bytes are copied once, into the
     message itself."""
+    return b"".join(encode_chunk_parts(arrays))
+
+
+def encode_chunk_parts(arrays):
+    """encode_chunk's message as the pieces that make it up, in order: the keys and lengths as
+    bytes, the arrays as views of their own memory (no copy), for a writer that sends pieces."""
     parts = []
     inner = 0
     for name, array in arrays.items():
@@ -54,7 +60,7 @@ def encode_chunk(arrays):
         header = _key(CHUNK_FIELDS[name], _LENGTH_DELIMITED) + _varint(view.nbytes)
         parts += [header, view]
         inner += len(header) + view.nbytes
-    return b"".join([_key(_REQUEST_CHUNK, _LENGTH_DELIMITED) + _varint(inner), *parts])
+    return [_key(_REQUEST_CHUNK, _LENGTH_DELIMITED) + _varint(inner), *parts]
 
 
 def _read_varint(data, offset):

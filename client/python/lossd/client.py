@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import random
+import socket
 import threading
 import time
 import uuid
@@ -15,7 +16,7 @@ from typing import Callable, Iterable, List, Optional
 import grpc
 import numpy as np
 
-from lossd import _address, _tensors, _wire
+from lossd import _address, _compute_socket, _tensors, _wire
 from lossd._errors import LossdError  # noqa: F401  (public here too)
 from lossd._shared_memory import (_SHARED_MEMORY_ALIGNMENT, _FollowingRows, _HandoverConnection,
                                   _SharedBufferPool, copy_rows)
@@ -256,15 +257,30 @@ class Client:
     hands rows and dL/dh over in memory shared with the server by default (its shared_memory
     argument): "auto" (the default) does for a server on this host (a loopback address or a
     Unix socket) that offers it, and sends messages otherwise or when the handover fails.
+    compute_socket: whether compute() calls that send their rows in messages send them over the
+    server's Compute socket (lossd_server --compute_socket_listen: the same messages on a plain
+    TCP connection of their own, around gRPC's HTTP/2 transport, at up to three times its
+    speed) by default (its compute_socket argument): "auto" (the default) does for a server that
+    offers one, reached without TLS at an address that names one server (HOST:PORT whose host
+    resolves to one address, or a one-entry ipv4:/ipv6: target), and keeps to gRPC otherwise.
     """
 
     def __init__(self, address, token=None, tls_root_cert=None, max_message_bytes=256 * _MIB,
-                 timeout=None, retry=RetryPolicy(), shared_memory="auto"):
+                 timeout=None, retry=RetryPolicy(), shared_memory="auto", compute_socket="auto"):
         self.target = _address.parse_target(address)
         if shared_memory not in ("auto", True, False):
             raise ValueError(f"shared_memory: expected 'auto', True or False, got "
                              f"{shared_memory!r}")
+        if compute_socket not in ("auto", True, False):
+            raise ValueError(f"compute_socket: expected 'auto', True or False, got "
+                             f"{compute_socket!r}")
+        if compute_socket is True and tls_root_cert is not None:
+            raise ValueError("compute_socket: not with tls_root_cert (the Compute socket carries "
+                             "rows and the token in the clear; servers with TLS offer none)")
         self._shared_memory = shared_memory
+        self._compute_socket_choice = compute_socket
+        self._tls = tls_root_cert is not None
+        self._token = token
         if not isinstance(retry, RetryPolicy):
             raise TypeError(f"retry: expected a lossd.RetryPolicy, got {type(retry).__name__}")
         if isinstance(tls_root_cert, str):
@@ -307,6 +323,8 @@ class Client:
         self._shared_memory_works = None  # "auto": decided at the first call that could use it
         self._handover = None  # the _HandoverConnection the pool's memfds are registered on
         self._handover_lock = threading.Lock()
+        self._compute_socket = None  # a _compute_socket.ComputeSocket, found on first use
+        self._compute_socket_lock = threading.Lock()
         self.address = address
 
     def close(self):
@@ -315,6 +333,9 @@ class Client:
                 # Revokes every handle at once: the buffers need not release theirs one by one.
                 self._handover.close()
         self._shared_buffers.close()
+        with self._compute_socket_lock:
+            if self._compute_socket:
+                self._compute_socket.close()
         self._channel.close()
         self._one_server_channel.close()
 
@@ -346,10 +367,59 @@ class Client:
         closed it (a restart)."""
         with self._handover_lock:
             if self._handover is None or not self._handover.is_open():
-                socket = self._unary("GetSharedMemorySocket", pb.GetSharedMemorySocketRequest(),
-                                     timeout=timeout)
-                self._handover = _HandoverConnection(socket.abstract_name, socket.rows_follow_pays)
+                named = self._unary("GetSharedMemorySocket", pb.GetSharedMemorySocketRequest(),
+                                    timeout=timeout)
+                self._handover = _HandoverConnection(named.abstract_name, named.rows_follow_pays)
             return self._handover
+
+    def _use_compute_socket(self, asked):
+        """The ComputeSocket a call that asked for `asked` (True, False, "auto", or None: the
+        client's default) sends its messages over, or None for gRPC. The server is asked once
+        where its socket is; "auto" keeps to gRPC when it offers none, the channel has TLS, or the
+        address may reach several servers (the call could land on another one than the client's
+        other calls)."""
+        asked = self._compute_socket_choice if asked is None else asked
+        if asked is False or (asked == "auto" and self._tls):
+            return None
+        with self._compute_socket_lock:
+            # False: "auto" found none; asked for explicitly, the search says why.
+            if self._compute_socket is None or (self._compute_socket is False and asked is True):
+                self._compute_socket = self._find_compute_socket(required=asked is True)
+            return self._compute_socket or None
+
+    def _find_compute_socket(self, required):
+        """A ComputeSocket; False where there is none to use, None where the server could not be
+        asked (the next call asks again); LossdError instead of either when `required`."""
+        def none(code, message):
+            if required:
+                raise LossdError("Compute", code, f"compute_socket: {message}")
+            _log.debug("no Compute socket, sending over gRPC: %s", message)
+            return False
+
+        host = _address.tcp_host(self.target)
+        if host is None:
+            return none("FAILED_PRECONDITION",
+                        f"expected an address that names one TCP server, got {self.address!r}")
+        try:
+            answer = self._unary("GetComputeSocket", pb.GetComputeSocketRequest(),
+                                 timeout=self._PROBE_SECONDS)
+        except LossdError as error:
+            if required:
+                raise
+            if error.code not in ("FAILED_PRECONDITION", "UNIMPLEMENTED"):
+                return None  # the call goes over gRPC, which reports what is wrong
+            return none(error.code, error.message)
+        try:
+            addresses = {info[4][0] for info in socket.getaddrinfo(
+                host, answer.port, type=socket.SOCK_STREAM)}
+        except OSError as error:
+            return none("UNAVAILABLE", f"cannot resolve {host!r}: {error}")
+        if len(addresses) != 1 and not required:
+            return none("FAILED_PRECONDITION",
+                        f"{host!r} resolves to {len(addresses)} addresses, which may be "
+                        f"several servers")
+        return _compute_socket.ComputeSocket(host, answer.port, self._token, self._timeout,
+                                             self._max_message_bytes)
 
     def __enter__(self):
         return self
@@ -632,7 +702,7 @@ class Client:
                 rollout_logprobs=None, teacher_head=None,
                 teacher_hidden=None, teacher_head_version=None, teacher_top_k_tokens=None,
                 teacher_top_k_logprobs=None, rows_per_message=None, shared_memory=None,
-                shared_rows_per_piece=None, grad_hidden_out=None,
+                shared_rows_per_piece=None, grad_hidden_out=None, compute_socket=None,
                 **option_keywords) -> LossResult:
         """The loss of hidden [N, H] with labels [N] under head `head`: cross-entropy by default.
 
@@ -698,7 +768,10 @@ class Client:
 
         The rows stream to the server in messages of rows_per_message rows (default: a few MiB,
         within max_message_bytes); results stream back per computed chunk while later rows are
-        still in flight and are put back together by row offset.
+        still in flight and are put back together by row offset. compute_socket (None: the
+        Client's, "auto" by default) sends those messages over the server's Compute socket
+        instead of gRPC (see Client); True fails with FAILED_PRECONDITION where there is none.
+        Results are the same either way, bit for bit, and so are errors.
 
         shared_memory=True, for a client on the server's host (any user, the server's network
         namespace), hands the rows over and takes dL/dh back in a memfd instead of messages (None,
@@ -807,10 +880,11 @@ class Client:
             row_bytes = hidden_size * hidden.itemsize + sum(
                 array.shape[1] * array.itemsize for array in side.values())
             rows = rows_per_message or self._rows_per_message(row_bytes)
+            over_socket = self._use_compute_socket(compute_socket)
 
             def attempt():
                 return self._compute_messages(start, hidden, rows, wanted, top_k, grad_dtype,
-                                              grad_hidden_out, one_server_for, side)
+                                              grad_hidden_out, one_server_for, side, over_socket)
         result = self._with_retries(attempt, start.call_id)
         result.call_id = start.call_id
         return result
@@ -845,24 +919,28 @@ class Client:
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _compute_messages(self, start, hidden, rows, wanted, top_k, grad_dtype, grad_hidden_out,
-                          one_server_for, side=None):
+                          one_server_for, side=None, over_socket=None):
         """compute() with the rows sent in chunk messages of `rows` rows (each with the same rows
         of every `side` array, a teacher's, under its ComputeChunk field name), and dL/dh back in
-        the result messages; to one server when one_server_for names why, else to the next
-        replica."""
+        the result messages; over the Compute socket `over_socket` when given, else over gRPC:
+        to one server when one_server_for names why, else to the next replica."""
         num_tokens, hidden_size = hidden.shape
         side = side or {}
 
-        def requests():
-            yield _wire.encode_start(start)
+        def message_parts():
+            yield [_wire.encode_start(start)]
             for r0 in range(0, num_tokens, rows):
-                yield _wire.encode_chunk({"hidden": hidden[r0:r0 + rows],
-                                          **{name: array[r0:r0 + rows]
-                                             for name, array in side.items()}})
+                yield _wire.encode_chunk_parts({"hidden": hidden[r0:r0 + rows],
+                                                **{name: array[r0:r0 + rows]
+                                                   for name, array in side.items()}})
 
-        call = self._call("Compute", requests(), one_server_for)
-        result = _assemble(self._responses("Compute", call), wanted, top_k, num_tokens,
-                           hidden_size, grad_dtype)
+        if over_socket is not None:
+            responses = over_socket.responses(message_parts)
+        else:
+            requests = (b"".join(parts) for parts in message_parts())
+            responses = self._responses("Compute",
+                                        self._call("Compute", requests, one_server_for))
+        result = _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype)
         if grad_hidden_out is not None:
             # Assembled apart as the messages came, so that a failed call left it as it was.
             np.copyto(grad_hidden_out, result.grad_hidden)

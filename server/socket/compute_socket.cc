@@ -1,0 +1,568 @@
+#include "server/socket/compute_socket.h"
+
+#include <arpa/inet.h>
+#include <endian.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <utility>
+
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "lossd/common/status_macros.h"
+#include "server/shm/shared_memory.h"
+#include "server/status/grpc_status.h"
+
+namespace lossd::server {
+namespace {
+
+static_assert(__BYTE_ORDER == __LITTLE_ENDIAN, "the Compute socket's headers are little-endian");
+
+// How long a connection that ends after a failed call keeps reading what its client still sends,
+// so that the kernel does not reset the connection (and drop the status the client has yet to
+// read) over unread bytes; a client closes its end once it has read the status.
+constexpr absl::Duration kLingerAfterFailure = absl::Seconds(2);
+// How long a status may take to leave: a few hundred bytes, which a client that reads at all
+// takes at once.
+constexpr absl::Duration kStatusSendLimit = absl::Seconds(2);
+
+struct FrameHeader {
+  uint32_t magic = kComputeSocketMagic;
+  uint32_t kind = 0;
+  uint64_t length = 0;
+};
+static_assert(sizeof(FrameHeader) == kComputeSocketHeaderBytes);
+
+std::string FrameKindName(uint32_t kind) {
+  return v1::ComputeSocketFrame_IsValid(static_cast<int>(kind))
+             ? v1::ComputeSocketFrame_Name(static_cast<v1::ComputeSocketFrame>(kind))
+             : absl::StrCat(kind);
+}
+
+int PollTimeoutMs(absl::Time deadline) {
+  if (deadline == absl::InfiniteFuture()) return -1;
+  const absl::Duration left = deadline - absl::Now();
+  if (left <= absl::ZeroDuration()) return 0;
+  return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, INT_MAX));
+}
+
+bool Readable(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  return poll(&p, 1, 0) == 1 && (p.revents & POLLIN) != 0;
+}
+
+void Signal(int event_fd) {
+  const uint64_t one = 1;
+  // An eventfd's counter cannot overflow from a handful of writes; the result needs no check.
+  [[maybe_unused]] const ssize_t written = write(event_fd, &one, sizeof(one));
+}
+
+absl::StatusOr<UniqueFd> NewEventFd() {
+  UniqueFd fd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!fd.valid()) return ErrnoError("eventfd", errno);
+  return fd;
+}
+
+// The peer as gRPC's ServerContext::peer() would name it ("ipv4:127.0.0.1:5000",
+// "ipv6:[::1]:5000"), so that what keys on peers (pending memory's shares, IsLocalPeer) treats
+// both transports alike.
+std::string PeerName(const sockaddr_storage& address) {
+  char text[INET6_ADDRSTRLEN] = {};
+  if (address.ss_family == AF_INET) {
+    const auto& v4 = reinterpret_cast<const sockaddr_in&>(address);
+    inet_ntop(AF_INET, &v4.sin_addr, text, sizeof(text));
+    return absl::StrCat("ipv4:", text, ":", ntohs(v4.sin_port));
+  }
+  const auto& v6 = reinterpret_cast<const sockaddr_in6&>(address);
+  inet_ntop(AF_INET6, &v6.sin6_addr, text, sizeof(text));
+  return absl::StrCat("ipv6:[", text, "]:", ntohs(v6.sin6_port));
+}
+
+// Frame errors name the frame's part as a field: the client learns what it sent wrong.
+absl::Status CheckHeader(const FrameHeader& header, uint64_t max_length) {
+  if (header.magic != kComputeSocketMagic) {
+    return InvalidField("frame.magic", absl::StrFormat("0x%08x", kComputeSocketMagic),
+                        absl::StrFormat("0x%08x (not a Compute socket frame)", header.magic));
+  }
+  if (header.length > max_length) {
+    return WithField(absl::ResourceExhaustedError(absl::StrCat(
+                         "frame.length: expected at most ", max_length, " bytes for a ",
+                         FrameKindName(header.kind),
+                         " frame (the server's --max_message_bytes), got ", header.length)),
+                     "frame.length");
+  }
+  return absl::OkStatus();
+}
+
+std::vector<iovec> StatusFrame(const absl::Status& status, std::string& payload,
+                               FrameHeader& header) {
+  payload = ToRpcStatus(status).SerializeAsString();
+  header.kind = v1::FRAME_STATUS;
+  header.length = payload.size();
+  return {iovec{&header, sizeof(header)}, iovec{payload.data(), payload.size()}};
+}
+
+// Sends `status` as a FRAME_STATUS on a connection no stream writes on.
+bool SendStatus(SocketConnection& connection, const absl::Status& status) {
+  std::string payload;
+  FrameHeader header;
+  return connection.WriteAll(StatusFrame(status, payload, header),
+                             absl::Now() + kStatusSendLimit) == SocketIo::kDone;
+}
+
+// Closes a connection whose client may still be sending: our end first, then what comes is read
+// and dropped until the client closes or the linger ends.
+void CloseAfterFailure(SocketConnection& connection) {
+  shutdown(connection.fd(), SHUT_WR);
+  const absl::Time deadline = absl::Now() + kLingerAfterFailure;
+  std::array<char, 1 << 16> scratch;
+  while (connection.WaitReadable(deadline) == SocketIo::kDone) {
+    const ssize_t n = recv(connection.fd(), scratch.data(), scratch.size(), 0);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) return;
+  }
+}
+
+}  // namespace
+
+SocketConnection::SocketConnection(UniqueFd fd, std::vector<int> wake_fds)
+    : fd_(std::move(fd)), wake_fds_(std::move(wake_fds)) {}
+
+SocketIo SocketConnection::Wait(short events, absl::Time deadline,
+                                const std::vector<int>& extra_wake) {
+  std::vector<pollfd> fds;
+  fds.push_back({fd_.get(), events, 0});
+  for (int fd : wake_fds_) fds.push_back({fd, POLLIN, 0});
+  for (int fd : extra_wake) fds.push_back({fd, POLLIN, 0});
+  while (true) {
+    const int ready = poll(fds.data(), fds.size(), PollTimeoutMs(deadline));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready < 0) return SocketIo::kPeerClosed;
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (fds[i].revents != 0) return i <= wake_fds_.size() ? SocketIo::kStopped : SocketIo::kEnded;
+    }
+    if (fds[0].revents != 0) return SocketIo::kDone;
+    if (ready == 0 && absl::Now() >= deadline) return SocketIo::kTimedOut;
+  }
+}
+
+SocketIo SocketConnection::WaitReadable(absl::Time deadline, const std::vector<int>& extra_wake) {
+  return Wait(POLLIN, deadline, extra_wake);
+}
+
+SocketIo SocketConnection::ReadExact(void* out, size_t bytes, absl::Time deadline,
+                                     const std::vector<int>& extra_wake) {
+  auto* at = static_cast<uint8_t*>(out);
+  size_t got = 0;
+  while (got < bytes) {
+    const ssize_t n = recv(fd_.get(), at + got, bytes - got, 0);
+    if (n > 0) {
+      got += static_cast<size_t>(n);
+      continue;
+    }
+    if (n == 0) return SocketIo::kPeerClosed;
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return SocketIo::kPeerClosed;
+    const SocketIo waited = Wait(POLLIN, deadline, extra_wake);
+    if (waited != SocketIo::kDone) return waited;
+  }
+  return SocketIo::kDone;
+}
+
+SocketIo SocketConnection::WriteAll(std::vector<iovec> parts, absl::Time deadline,
+                                    const std::vector<int>& extra_wake, absl::Duration slow_after,
+                                    absl::FunctionRef<void()> on_slow, int64_t* sent) {
+  size_t first = 0;
+  int64_t total = 0;
+  bool slow_reported = slow_after <= absl::ZeroDuration();
+  const absl::Time slow_at = absl::Now() + slow_after;
+  while (first < parts.size()) {
+    if (parts[first].iov_len == 0) {
+      ++first;
+      continue;
+    }
+    msghdr message{};
+    message.msg_iov = parts.data() + first;
+    message.msg_iovlen = std::min<size_t>(parts.size() - first, IOV_MAX);
+    const ssize_t n = sendmsg(fd_.get(), &message, MSG_NOSIGNAL);
+    if (n >= 0) {
+      total += n;
+      for (size_t left = static_cast<size_t>(n); left > 0;) {
+        const size_t take = std::min(left, parts[first].iov_len);
+        parts[first].iov_base = static_cast<uint8_t*>(parts[first].iov_base) + take;
+        parts[first].iov_len -= take;
+        left -= take;
+        if (parts[first].iov_len == 0) ++first;
+      }
+      continue;
+    }
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      if (sent != nullptr) *sent = total;
+      return SocketIo::kPeerClosed;
+    }
+    SocketIo waited =
+        Wait(POLLOUT, slow_reported ? deadline : std::min(deadline, slow_at), extra_wake);
+    if (waited == SocketIo::kTimedOut && !slow_reported && absl::Now() < deadline) {
+      slow_reported = true;
+      on_slow();
+      continue;
+    }
+    if (waited != SocketIo::kDone) {
+      if (sent != nullptr) *sent = total;
+      return waited;
+    }
+  }
+  if (sent != nullptr) *sent = total;
+  return SocketIo::kDone;
+}
+
+bool SocketConnection::PeerGone() const {
+  pollfd p{fd_.get(), POLLRDHUP, 0};
+  return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
+
+SocketComputeStream::SocketComputeStream(SocketConnection& connection, std::string peer,
+                                         bool peer_is_local, Limits limits,
+                                         std::shared_ptr<wire::SendBuffers> receive_buffers)
+    : connection_(connection),
+      peer_(std::move(peer)),
+      peer_is_local_(peer_is_local),
+      limits_(limits),
+      receive_buffers_(std::move(receive_buffers)),
+      ended_fd_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
+
+SocketComputeStream::Opening SocketComputeStream::ReadOpening(absl::Duration limit) {
+  absl::MutexLock lock(&read_mu_);
+  if (ReadFrame(&first_, absl::Now() + limit, {ended_fd_.get()}) || half_closed_) {
+    return Opening::kCall;
+  }
+  first_taken_ = true;
+  if (last_io_ == SocketIo::kTimedOut) End(StreamIdleError("the call's first message", limit));
+  absl::MutexLock write_lock(&write_mu_);
+  return ended_ ? Opening::kRefused : Opening::kGone;
+}
+
+bool SocketComputeStream::Read(wire::ComputeRequestFrame* request) {
+  absl::MutexLock lock(&read_mu_);
+  if (!first_taken_) {
+    first_taken_ = true;
+    if (half_closed_) return false;  // an empty call: the half-close came first
+    *request = std::move(first_);
+    return true;
+  }
+  if (reads_over_ || half_closed_ || Readable(ended_fd_.get())) return false;
+  return ReadFrame(request, absl::InfiniteFuture(), {ended_fd_.get()});
+}
+
+bool SocketComputeStream::ReadFrame(wire::ComputeRequestFrame* request, absl::Time deadline,
+                                    const std::vector<int>& wake) {
+  FrameHeader header;
+  SocketIo io = connection_.ReadExact(&header, sizeof(header), deadline, wake);
+  last_io_ = io;
+  absl::Status broken;
+  if (io == SocketIo::kDone) {
+    broken = CheckHeader(header, static_cast<uint64_t>(limits_.max_message_bytes));
+    if (broken.ok() && header.kind == v1::FRAME_HALF_CLOSE) {
+      if (header.length == 0) {
+        half_closed_ = true;
+        return false;
+      }
+      broken = InvalidField("frame.length", "0 for FRAME_HALF_CLOSE", absl::StrCat(header.length));
+    } else if (broken.ok() && header.kind != v1::FRAME_MESSAGE) {
+      broken = InvalidField("frame.kind", "FRAME_MESSAGE or FRAME_HALF_CLOSE during a call",
+                            FrameKindName(header.kind));
+    }
+    if (broken.ok()) {
+      // Rows come in messages of megabytes, mostly of one size: pooled, their pages stay mapped
+      // from call to call instead of being faulted in again for every message.
+      constexpr uint64_t kPooledMessageBytes = 256 << 10;
+      grpc::Slice slice = header.length >= kPooledMessageBytes
+                              ? receive_buffers_->Allocate(static_cast<size_t>(header.length))
+                              : grpc::Slice(static_cast<size_t>(header.length));
+      io = connection_.ReadExact(const_cast<uint8_t*>(slice.begin()), slice.size(), deadline, wake);
+      last_io_ = io;
+      if (io == SocketIo::kDone) {
+        const grpc::ByteBuffer buffer(&slice, 1);
+        broken = request->Decode(buffer);
+        if (broken.ok()) return true;
+      }
+    }
+  }
+  reads_over_ = true;
+  switch (io) {
+    case SocketIo::kDone: break;  // `broken` says why
+    case SocketIo::kPeerClosed: peer_closed_.store(true, std::memory_order_release); return false;
+    case SocketIo::kStopped:
+      broken = absl::UnavailableError("the server is shutting down; the call was ended");
+      break;
+    case SocketIo::kTimedOut:
+    case SocketIo::kEnded: return false;
+  }
+  End(broken);
+  return false;
+}
+
+bool SocketComputeStream::Write(const v1::ComputeResponse& response,
+                                const wire::BulkBytes& grad_hidden) {
+  return WriteOrStall(response, grad_hidden, [] {});
+}
+
+bool SocketComputeStream::WriteOrStall(const v1::ComputeResponse& response,
+                                       const wire::BulkBytes& grad_hidden,
+                                       absl::FunctionRef<void()> on_stall) {
+  // As gRPC's writes: a message that has not left after this long counts as stalled.
+  constexpr absl::Duration kStallGrace = absl::Milliseconds(20);
+  const grpc::ByteBuffer message = wire::EncodeComputeResponse(response, grad_hidden);
+  std::vector<grpc::Slice> slices;
+  if (!message.Dump(&slices).ok()) return false;
+  FrameHeader header;
+  header.kind = v1::FRAME_MESSAGE;
+  header.length = message.Length();
+  std::vector<iovec> parts{{&header, sizeof(header)}};
+  for (const grpc::Slice& slice : slices) {
+    parts.push_back({const_cast<uint8_t*>(slice.begin()), slice.size()});
+  }
+  {
+    absl::MutexLock lock(&write_mu_);
+    write_mu_.Await(absl::Condition(
+        +[](bool* writing) { return !*writing; }, &writing_));
+    if (ended_ || writes_broken_) return false;
+    writing_ = true;
+  }
+  int64_t sent = 0;
+  const SocketIo io = connection_.WriteAll(std::move(parts), absl::Now() + limits_.write_stall,
+                                           {ended_fd_.get()}, kStallGrace, on_stall, &sent);
+  {
+    absl::MutexLock lock(&write_mu_);
+    writing_ = false;
+    if (io == SocketIo::kDone) return true;
+    // A frame cut short leaves the client mid-frame: nothing more can follow it.
+    if (sent > 0) writes_broken_ = true;
+  }
+  if (io == SocketIo::kTimedOut) {
+    End(StreamIdleError("the client to read its results", limits_.write_stall));
+  } else if (io == SocketIo::kStopped) {
+    End(absl::UnavailableError("the server is shutting down; the call was ended"));
+  }
+  return false;
+}
+
+bool SocketComputeStream::IsCancelled() const {
+  return peer_closed_.load(std::memory_order_acquire) || connection_.PeerGone();
+}
+
+void SocketComputeStream::End(const absl::Status& status) {
+  if (hooks_.ending) hooks_.ending(status);
+  Signal(ended_fd_.get());
+  absl::MutexLock lock(&write_mu_);
+  write_mu_.Await(absl::Condition(
+      +[](bool* writing) { return !*writing; }, &writing_));
+  if (ended_) return;
+  ended_ = true;
+  status_ = status;
+  if (hooks_.finishing) hooks_.finishing(status);
+  if (writes_broken_) return;
+  status_sent_ = SendStatus(connection_, status);
+}
+
+bool SocketComputeStream::ReusableAfterCall(absl::Duration wait) {
+  {
+    absl::MutexLock lock(&write_mu_);
+    if (!ended_ || !status_.ok() || !status_sent_ || writes_broken_) return false;
+  }
+  absl::MutexLock lock(&read_mu_);
+  if (half_closed_) return true;
+  if (reads_over_) return false;
+  wire::ComputeRequestFrame extra;
+  // The stream has ended, so its ended_fd_ no longer bounds this read: only the wait does.
+  if (ReadFrame(&extra, absl::Now() + wait, {})) return false;  // more than the call's rows
+  return half_closed_;
+}
+
+absl::StatusOr<std::unique_ptr<ComputeSocketServer>> ComputeSocketServer::Start(
+    const std::string& address, Options options, RunCall run_call) {
+  std::string host;
+  std::string port_text = address;
+  if (const size_t colon = address.rfind(':'); colon != std::string::npos) {
+    host = address.substr(0, colon);
+    port_text = address.substr(colon + 1);
+    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+      host = host.substr(1, host.size() - 2);
+    }
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (const int resolved =
+          getaddrinfo(host.empty() ? nullptr : host.c_str(), port_text.c_str(), &hints, &found);
+      resolved != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--compute_socket_listen: cannot resolve ",
+                                                   address, ": ", gai_strerror(resolved)));
+  }
+  UniqueFd listener;
+  int error = 0;
+  // Prefer the IPv6 wildcard, which takes IPv4 too, when the host is left out.
+  for (const addrinfo* a = found; a != nullptr && !listener.valid(); a = a->ai_next) {
+    UniqueFd fd(
+        socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol));
+    if (!fd.valid()) {
+      error = errno;
+      continue;
+    }
+    const int on = 1;
+    setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
+    if (bind(fd.get(), a->ai_addr, a->ai_addrlen) != 0 || listen(fd.get(), SOMAXCONN) != 0) {
+      error = errno;
+      continue;
+    }
+    listener = std::move(fd);
+  }
+  freeaddrinfo(found);
+  if (!listener.valid()) {
+    return absl::UnavailableError(absl::StrCat("--compute_socket_listen: cannot listen on ",
+                                               address, ": ", std::strerror(error)));
+  }
+  sockaddr_storage bound{};
+  socklen_t bound_size = sizeof(bound);
+  if (getsockname(listener.get(), reinterpret_cast<sockaddr*>(&bound), &bound_size) != 0) {
+    return ErrnoError("--compute_socket_listen: getsockname", errno);
+  }
+  const int port =
+      ntohs(bound.ss_family == AF_INET ? reinterpret_cast<const sockaddr_in&>(bound).sin_port
+                                       : reinterpret_cast<const sockaddr_in6&>(bound).sin6_port);
+  ASSIGN_OR_RETURN(UniqueFd stop, NewEventFd());
+  std::unique_ptr<ComputeSocketServer> server(new ComputeSocketServer(
+      std::move(options), std::move(run_call), std::move(listener), std::move(stop), port));
+  server->acceptor_ = std::make_unique<std::thread>([raw = server.get()] { raw->Accept(); });
+  return server;
+}
+
+ComputeSocketServer::ComputeSocketServer(Options options, RunCall run_call, UniqueFd listener,
+                                         UniqueFd stop, int port)
+    : options_(std::move(options)),
+      run_call_(std::move(run_call)),
+      listener_(std::move(listener)),
+      stop_(std::move(stop)),
+      port_(port) {}
+
+ComputeSocketServer::~ComputeSocketServer() {
+  Stop();
+  if (acceptor_ != nullptr) acceptor_->join();
+  threads_.JoinAll();
+}
+
+void ComputeSocketServer::Stop() { Signal(stop_.get()); }
+
+int64_t ComputeSocketServer::connections() const {
+  absl::MutexLock lock(&mu_);
+  return connections_;
+}
+
+void ComputeSocketServer::Accept() {
+  std::array<pollfd, 2> fds{pollfd{listener_.get(), POLLIN, 0}, pollfd{stop_.get(), POLLIN, 0}};
+  while (true) {
+    if (poll(fds.data(), fds.size(), -1) < 0 && errno != EINTR) return;
+    if (fds[1].revents != 0) return;
+    if (fds[0].revents == 0) continue;
+    sockaddr_storage address{};
+    socklen_t size = sizeof(address);
+    UniqueFd fd(accept4(listener_.get(), reinterpret_cast<sockaddr*>(&address), &size,
+                        SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (!fd.valid()) continue;  // the peer left already, or descriptors ran out for now
+    const int on = 1;
+    setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
+    bool room;
+    {
+      absl::MutexLock lock(&mu_);
+      room = connections_ < options_.max_connections;
+      if (room) ++connections_;
+    }
+    if (!room) {
+      SocketConnection refused(std::move(fd), {stop_.get()});
+      SendStatus(refused, absl::ResourceExhaustedError(absl::StrCat(
+                              "the Compute socket holds its limit of ", options_.max_connections,
+                              " connections; retry, or send the call over gRPC")));
+      continue;
+    }
+    std::string peer = PeerName(address);
+    const absl::Status started =
+        threads_.Start([this, fd = std::move(fd), peer = std::move(peer)]() mutable {
+          Serve(std::move(fd), std::move(peer));
+          absl::MutexLock lock(&mu_);
+          --connections_;
+        });
+    if (!started.ok()) {
+      absl::MutexLock lock(&mu_);
+      --connections_;
+    }
+  }
+}
+
+void ComputeSocketServer::Serve(UniqueFd fd, std::string peer) {
+  SocketConnection connection(std::move(fd), {stop_.get()});
+  const bool peer_is_local = IsLocalPeer(peer);
+
+  // The HELLO: within the stream idle limit, small, and with the token if the server has one.
+  FrameHeader header;
+  const absl::Time hello_deadline = absl::Now() + options_.stream_idle;
+  if (connection.ReadExact(&header, sizeof(header), hello_deadline) != SocketIo::kDone) return;
+  absl::Status hello = CheckHeader(header, kComputeSocketMaxHelloBytes);
+  if (hello.ok() && header.kind != v1::FRAME_HELLO) {
+    hello =
+        InvalidField("frame.kind", "FRAME_HELLO first on a connection", FrameKindName(header.kind));
+  }
+  if (hello.ok()) {
+    std::string body(header.length, '\0');
+    if (connection.ReadExact(body.data(), body.size(), hello_deadline) != SocketIo::kDone) return;
+    v1::ComputeSocketHello message;
+    if (!message.ParseFromString(body)) {
+      hello = InvalidField("hello", "a ComputeSocketHello", "bytes that do not parse as one");
+    } else if (!options_.bearer_token.empty() &&
+               !TokenMatches(message.token(), options_.bearer_token)) {
+      hello = absl::UnauthenticatedError(
+          "hello.token: expected the server's bearer token (lossd_server --token_file)");
+    }
+  }
+  if (!SendStatus(connection, hello) || !hello.ok()) {
+    CloseAfterFailure(connection);
+    return;
+  }
+
+  const SocketComputeStream::Limits limits{.max_message_bytes = options_.max_message_bytes,
+                                           .write_stall = options_.stream_idle};
+  while (true) {
+    // Between calls: the connection waits for its client's next one, or closes.
+    if (connection.WaitReadable(absl::Now() + options_.connection_idle) != SocketIo::kDone) return;
+    if (connection.PeerGone() && !Readable(connection.fd())) return;
+    // A call's first message is read here, within the stream idle limit, before it costs a call.
+    SocketComputeStream stream(connection, peer, peer_is_local, limits, receive_buffers_);
+    switch (stream.ReadOpening(options_.stream_idle)) {
+      case SocketComputeStream::Opening::kCall: break;
+      case SocketComputeStream::Opening::kGone: return;
+      case SocketComputeStream::Opening::kRefused: CloseAfterFailure(connection); return;
+    }
+    run_call_(stream);
+    if (!stream.ReusableAfterCall(options_.stream_idle)) {
+      CloseAfterFailure(connection);
+      return;
+    }
+  }
+}
+
+}  // namespace lossd::server

@@ -1,0 +1,204 @@
+// The Compute socket (ComputeSocket in lossd.proto): Compute calls over plain TCP connections of
+// their own, framed as lossd.proto says, beside gRPC's port. A call's messages are Compute's own,
+// so the call runs exactly as over gRPC (the same ComputeStream, admission, limits and metrics);
+// only HTTP/2 is left out, which on loopback moved a call's rows at about a third of what the
+// same TCP connection carries.
+//
+// Each connection has a thread of its own, which also runs its calls, one after another. Every
+// wait on a peer is bounded: the HELLO and a call's first message by the stream idle limit, the
+// wait between calls by the connection idle limit, a call's rows and results by the call's own
+// limits (RowReader, the write stall limit). Nothing a peer sends is trusted: frames are checked
+// (magic, kind, length within the message limit) before anything is allocated for them, and a
+// connection that breaks the framing gets a FRAME_STATUS naming what was wrong and is closed.
+#ifndef LOSSD_SERVER_SOCKET_COMPUTE_SOCKET_H_
+#define LOSSD_SERVER_SOCKET_COMPUTE_SOCKET_H_
+
+#include <sys/uio.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "lossd/common/unique_fd.h"
+#include "lossd/v1/lossd.pb.h"
+#include "server/call/compute_reactor.h"
+#include "server/call/compute_stream.h"
+
+namespace lossd::server {
+
+inline constexpr uint32_t kComputeSocketMagic = 0x3153434c;  // "LCS1" in little-endian order
+inline constexpr int64_t kComputeSocketHeaderBytes = 16;
+inline constexpr int64_t kComputeSocketMaxHelloBytes = 4096;
+
+// How one blocking step on a connection ended.
+enum class SocketIo {
+  kDone,
+  kPeerClosed,  // the peer closed or reset the connection
+  kTimedOut,
+  kStopped,  // the server stops
+  kEnded,    // the call was ended (one of the wait's own wake descriptors)
+};
+
+// A connection's descriptor with the waits the socket needs: each reads or writes until done, the
+// deadline, the peer's end, or a wake descriptor becomes readable (`wake_fds`: the server's stop;
+// a wait's `extra_wake`: its call's end), polling a non-blocking socket.
+class SocketConnection {
+ public:
+  SocketConnection(UniqueFd fd, std::vector<int> wake_fds);
+  int fd() const { return fd_.get(); }
+  SocketIo ReadExact(void* out, size_t bytes, absl::Time deadline,
+                     const std::vector<int>& extra_wake = {});
+  // Sends every byte of `parts`; `on_slow`, if given, runs once when the peer has not taken
+  // them within `slow_after`. `sent` (if given) says how many bytes left.
+  SocketIo WriteAll(
+      std::vector<iovec> parts, absl::Time deadline, const std::vector<int>& extra_wake = {},
+      absl::Duration slow_after = {}, absl::FunctionRef<void()> on_slow = [] {},
+      int64_t* sent = nullptr);
+  // Waits until the socket has bytes to read (or the peer's end: kDone then too).
+  SocketIo WaitReadable(absl::Time deadline, const std::vector<int>& extra_wake = {});
+  // Whether the peer has closed its end (or the connection broke).
+  bool PeerGone() const;
+
+ private:
+  SocketIo Wait(short events, absl::Time deadline, const std::vector<int>& extra_wake);
+
+  UniqueFd fd_;
+  const std::vector<int> wake_fds_;
+};
+
+// One Compute call on a connection, as the call sees its stream. Read takes the client's frames
+// (the first one read by ReadOpening already); Write sends FRAME_MESSAGEs; End records the call's
+// status, which goes to the client as one FRAME_STATUS as soon as no message is half sent (else
+// the connection is closed: a peer that does not read cannot take a status either).
+class SocketComputeStream final : public ComputeStream {
+ public:
+  struct Limits {
+    int64_t max_message_bytes = 0;
+    absl::Duration write_stall;  // --stream_idle_seconds, as for gRPC's writes
+  };
+
+  // `receive_buffers` holds the messages read (pooled: megabytes each, reused call after call).
+  SocketComputeStream(SocketConnection& connection, std::string peer, bool peer_is_local,
+                      Limits limits, std::shared_ptr<wire::SendBuffers> receive_buffers);
+  SocketComputeStream(const SocketComputeStream&) = delete;
+  SocketComputeStream& operator=(const SocketComputeStream&) = delete;
+
+  enum class Opening {
+    kCall,     // the first frame is in: run the call, whose first Read takes it
+    kGone,     // the client closed the connection (or the server stops) before sending one
+    kRefused,  // the frame was malformed or late: the stream has ended, saying why
+  };
+  // Reads the call's first frame, which must be whole within `limit` (the stream idle limit),
+  // before the call costs anything.
+  Opening ReadOpening(absl::Duration limit);
+
+  // Set before the call runs (ComputeReactor::Hooks says what each is for).
+  void SetHooks(ComputeReactor::Hooks hooks) { hooks_ = std::move(hooks); }
+
+  bool Read(wire::ComputeRequestFrame* request) override;
+  bool Write(const v1::ComputeResponse& response, const wire::BulkBytes& grad_hidden) override;
+  bool WriteOrStall(const v1::ComputeResponse& response, const wire::BulkBytes& grad_hidden,
+                    absl::FunctionRef<void()> on_stall) override;
+  bool WriteIsDoneOnReturn() const override { return true; }
+  bool IsCancelled() const override;
+  void End(const absl::Status& status) override;
+  bool PeerIsLocal() const override { return peer_is_local_; }
+  std::string Peer() const override { return peer_; }
+
+  // After the call: whether the connection can take the client's next call (the call ended OK,
+  // its status went out whole and the client's FRAME_HALF_CLOSE came). Reads the half-close if
+  // it has not been read yet, waiting up to `wait` for it.
+  bool ReusableAfterCall(absl::Duration wait);
+
+ private:
+  // Reads one frame until `deadline` or one of `wake` is readable: true for a well-formed
+  // FRAME_MESSAGE. False for a FRAME_HALF_CLOSE (half_closed_ then), the client's end
+  // (peer_closed_), and anything else, which ends the call saying why (last_io_ says how the
+  // read ended).
+  bool ReadFrame(wire::ComputeRequestFrame* request, absl::Time deadline,
+                 const std::vector<int>& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(read_mu_);
+
+  SocketConnection& connection_;
+  const std::string peer_;
+  const bool peer_is_local_;
+  const Limits limits_;
+  const std::shared_ptr<wire::SendBuffers> receive_buffers_;
+  ComputeReactor::Hooks hooks_;
+  UniqueFd ended_fd_;  // an eventfd made readable by End: every wait of the call returns
+
+  // The call's thread and its reader take turns reading (the reader reads all but the first).
+  absl::Mutex read_mu_;
+  wire::ComputeRequestFrame first_ ABSL_GUARDED_BY(read_mu_);
+  bool first_taken_ ABSL_GUARDED_BY(read_mu_) = false;
+  bool half_closed_ ABSL_GUARDED_BY(read_mu_) = false;
+  bool reads_over_ ABSL_GUARDED_BY(read_mu_) = false;
+  std::atomic<bool> peer_closed_{false};  // read without the lock: IsCancelled never waits
+  SocketIo last_io_ ABSL_GUARDED_BY(read_mu_) = SocketIo::kDone;
+
+  absl::Mutex write_mu_;  // one frame at a time; End waits for a write in progress
+  bool writing_ ABSL_GUARDED_BY(write_mu_) = false;        // a frame is being sent, unlocked
+  bool writes_broken_ ABSL_GUARDED_BY(write_mu_) = false;  // a frame went out in part
+  bool ended_ ABSL_GUARDED_BY(write_mu_) = false;
+  bool status_sent_ ABSL_GUARDED_BY(write_mu_) = false;
+  absl::Status status_ ABSL_GUARDED_BY(write_mu_);
+};
+
+// The listening socket and its connections.
+class ComputeSocketServer {
+ public:
+  struct Options {
+    std::string bearer_token;  // empty: none asked for
+    int64_t max_message_bytes = 256 << 20;
+    absl::Duration stream_idle = absl::Seconds(60);
+    // How long a connection may wait for its next call before the server closes it.
+    absl::Duration connection_idle = absl::Minutes(5);
+    int max_connections = 256;  // each holds a thread
+  };
+  // Runs one call: refuses it (stream.End) or sets its hooks and runs it, on this thread.
+  using RunCall = std::function<void(SocketComputeStream& stream)>;
+
+  // Listens on `address` (HOST:PORT, port 0 for any free one) and starts accepting.
+  static absl::StatusOr<std::unique_ptr<ComputeSocketServer>> Start(const std::string& address,
+                                                                    Options options,
+                                                                    RunCall run_call);
+  ComputeSocketServer(const ComputeSocketServer&) = delete;
+  ComputeSocketServer& operator=(const ComputeSocketServer&) = delete;
+  // Stop(), then joins every thread.
+  ~ComputeSocketServer();
+
+  int port() const { return port_; }
+  // Stops accepting and ends every connection: idle ones close, calls in flight end with
+  // UNAVAILABLE at their next read or write. The service drains its calls before this.
+  void Stop();
+  int64_t connections() const;
+
+ private:
+  ComputeSocketServer(Options options, RunCall run_call, UniqueFd listener, UniqueFd stop,
+                      int port);
+  void Accept();
+  void Serve(UniqueFd fd, std::string peer);
+
+  const Options options_;
+  const RunCall run_call_;
+  const UniqueFd listener_;
+  const UniqueFd stop_;  // an eventfd: readable once the server stops
+  const int port_;
+  const std::shared_ptr<wire::SendBuffers> receive_buffers_ = wire::SendBuffers::Create();
+  CallThreads threads_;
+  mutable absl::Mutex mu_;
+  int64_t connections_ ABSL_GUARDED_BY(mu_) = 0;
+  std::unique_ptr<std::thread> acceptor_;  // last
+};
+
+}  // namespace lossd::server
+
+#endif  // LOSSD_SERVER_SOCKET_COMPUTE_SOCKET_H_

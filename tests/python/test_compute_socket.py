@@ -1,0 +1,455 @@
+"""Compute calls over the Compute socket (lossd_server --compute_socket_listen) against the real
+server on loopback: the same results as over gRPC, bit for bit, and float64 references; the same
+errors; and a server that a hostile or vanishing peer can neither stall, crash nor leave with a
+partial gradient.
+
+The raw-socket tests speak the framing of lossd.proto (ComputeSocket) themselves.
+"""
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from server_process import demo_server, ensure_python_client
+from test_client import CASES, GRAD_RTOL, LOSS_RTOL, random_batch, random_weighted_sum, \
+    relative_error, torch_reference
+
+ensure_python_client()
+import lossd  # noqa: E402
+from lossd import _wire  # noqa: E402
+from lossd.torch import RemoteHead  # noqa: E402
+from lossd.v1 import lossd_pb2 as pb  # noqa: E402
+
+VOCAB, HIDDEN = 3001, 64
+MAGIC = 0x3153434C
+HEADER = struct.Struct("<IIQ")
+IDLE_SECONDS = 3
+
+
+@pytest.fixture(scope="module")
+def server():
+    # A 1 MiB workspace computes a few hundred rows in several engine chunks, so results come
+    # back in several messages; a short idle limit lets the tests see silent peers ended.
+    with demo_server(VOCAB, HIDDEN, "--workspace_budget_mib=1", "--compute_socket_listen=127.0.0.1:0",
+                     f"--stream_idle_seconds={IDLE_SECONDS}", "--compute_socket_idle_seconds=2",
+                     "--shared_memory=false", metrics=True) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def over_grpc(server):
+    with lossd.Client(server.address, timeout=600, compute_socket=False) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def over_socket(server):
+    with lossd.Client(server.address, timeout=600, compute_socket=True) as c:
+        yield c
+
+
+@pytest.fixture
+def head(over_grpc):
+    weight = np.random.default_rng().standard_normal((VOCAB, HIDDEN), dtype=np.float32) * 0.3
+    return RemoteHead.upload(over_grpc, f"socket-{np.random.default_rng().integers(1 << 40):x}",
+                             torch.from_numpy(weight))
+
+
+def socket_port(client):
+    return client._unary("GetComputeSocket", pb.GetComputeSocketRequest()).port
+
+
+# --- raw frames ------------------------------------------------------------------------------------
+
+def frame(kind, payload=b"", magic=MAGIC, length=None):
+    return HEADER.pack(magic, kind, len(payload) if length is None else length) + payload
+
+
+def read_exact(sock, n):
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(data)} of {n} bytes")
+        data += chunk
+    return data
+
+
+def read_frame(sock):
+    magic, kind, length = HEADER.unpack(read_exact(sock, HEADER.size))
+    assert magic == MAGIC
+    return kind, read_exact(sock, length)
+
+
+def read_status(sock):
+    kind, body = read_frame(sock)
+    assert kind == pb.FRAME_STATUS
+    return pb.RpcStatus.FromString(body)
+
+
+def field_of(status):
+    for detail in status.details:
+        info = pb.ErrorInfo()
+        if detail.Unpack(info):
+            return info.field
+    return ""
+
+
+def closed_by_server(sock, within=30):
+    """Whether the server closes the connection (reads end) within `within` seconds."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+
+
+def wait_for_no_call_in_flight(server, within=120):
+    deadline = time.monotonic() + within
+    while server.metric("lossd_inflight_calls") > 0:
+        assert time.monotonic() < deadline, "a call stayed in flight"
+        time.sleep(0.05)
+
+
+def frames_until_closed(sock, within=120):
+    """The frames the server sends until it closes the connection: (kinds of the whole frames,
+    whether the connection ended inside a frame)."""
+    sock.settimeout(within)
+    data = b""
+    try:
+        while True:
+            chunk = sock.recv(1 << 20)
+            if not chunk:
+                break
+            data += chunk
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    kinds = []
+    while len(data) >= HEADER.size:
+        _, kind, length = HEADER.unpack(data[:HEADER.size])
+        if len(data) < HEADER.size + length:
+            break
+        kinds.append((kind, data[HEADER.size:HEADER.size + length]))
+        data = data[HEADER.size + length:]
+    return kinds, len(data) > 0
+
+
+def raw_connection(server, client, token=""):
+    sock = socket.create_connection(("127.0.0.1", socket_port(client)), timeout=60)
+    sock.sendall(frame(pb.FRAME_HELLO, pb.ComputeSocketHello(token=token).SerializeToString()))
+    return sock
+
+
+# --- results -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", CASES)
+def test_loss_and_gradients_match_torch_over_the_socket(over_socket, head, case):
+    spec = CASES[case]
+    num_tokens = 300
+    hidden, labels = random_batch(num_tokens, spec.get("ignored", 0))
+    weights = None
+    if spec.get("weighted"):
+        weights = torch.rand(num_tokens) * 2 - 0.5
+    upstream = random_weighted_sum(num_tokens) if spec["upstream"] == "random" else spec["upstream"]
+    smoothing = spec.get("label_smoothing", 0.0)
+    remote_hidden = hidden.clone().requires_grad_()
+    loss = RemoteHead(over_socket, head.head)(remote_hidden, labels, weights=weights,
+                                              reduction=spec["reduction"],
+                                              label_smoothing=smoothing)
+    upstream(loss).backward()
+    expected_loss, expected_grad_hidden, expected_grad_weight = torch_reference(
+        hidden, head.fetch_weight(), labels, spec["reduction"], upstream, weights, smoothing)
+    assert relative_error(loss.detach(), expected_loss) < LOSS_RTOL
+    assert relative_error(remote_hidden.grad, expected_grad_hidden) < GRAD_RTOL
+    assert relative_error(head.fetch_grad_weight(), expected_grad_weight) < GRAD_RTOL
+
+
+SHAPES = {
+    "one_row": dict(tokens=1),  # the smallest call: one message each way
+    "chunk_boundaries": dict(tokens=777, rows_per_message=100),  # messages and chunks misalign
+    "all_ignored": dict(tokens=64, ignored=64),  # no token counts: loss 0, dL/dh zero
+    "extreme_logits": dict(tokens=50, scale=300.0),  # softmax saturates
+    "bfloat16_rows": dict(tokens=300, dtype="bfloat16"),  # dL/dh back in bfloat16
+    "top_k_and_entropy": dict(tokens=200, top_k=5),  # per-token outputs beside dL/dh
+    "no_rows": dict(tokens=0),  # a call that is only its start
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_socket_gives_the_same_bits_as_grpc(over_grpc, over_socket, head, shape):
+    spec = SHAPES[shape]
+    rng = np.random.default_rng()
+    n = spec["tokens"]
+    hidden = rng.standard_normal((n, HIDDEN), dtype=np.float32) * spec.get("scale", 1.0)
+    if spec.get("dtype") == "bfloat16":
+        hidden = lossd.float32_to_bfloat16_bits(hidden)
+    labels = rng.integers(0, VOCAB, n)
+    labels[:spec.get("ignored", 0)] = -100
+    outputs = ["grad_hidden", "token_loss", "logprob", "lse"]
+    if spec.get("top_k"):
+        outputs += ["entropy", "argmax"]
+    results = [client.compute(head.head, hidden, labels, outputs=outputs,
+                              top_k=spec.get("top_k", 0),
+                              rows_per_message=spec.get("rows_per_message"))
+               for client in (over_grpc, over_socket)]
+    grpc_result, socket_result = results
+    assert np.isfinite(grpc_result.loss)
+    assert grpc_result.loss == socket_result.loss
+    assert grpc_result.counted_tokens == socket_result.counted_tokens
+    names = outputs + (["top_k_token", "top_k_logprob"] if spec.get("top_k") else [])
+    for name in names:
+        expected, got = getattr(grpc_result, name), getattr(socket_result, name)
+        assert got is not None and np.array_equal(expected, got), name
+
+
+def test_a_teacher_travels_in_the_socket_messages_too(over_grpc, over_socket):
+    rng = np.random.default_rng()
+    student = over_grpc.upload_head(f"student-{rng.integers(1 << 40):x}",
+                                    rng.standard_normal((500, 32), dtype=np.float32) * 0.3)
+    teacher = over_grpc.upload_head(f"teacher-{rng.integers(1 << 40):x}",
+                                    rng.standard_normal((500, 48), dtype=np.float32) * 0.3)
+    hidden = rng.standard_normal((130, 32), dtype=np.float32)
+    teacher_hidden = rng.standard_normal((130, 48), dtype=np.float32)
+    labels = rng.integers(0, 500, 130)
+    results = [client.compute(student.name, hidden, labels, objective="distill",
+                              distill_alpha=0.5, teacher_head=teacher.name,
+                              teacher_hidden=teacher_hidden, outputs=["grad_hidden", "kd"],
+                              rows_per_message=40)
+               for client in (over_grpc, over_socket)]
+    assert results[0].loss == results[1].loss and results[0].mean_kd > 0
+    assert np.array_equal(results[0].grad_hidden, results[1].grad_hidden)
+    assert np.array_equal(results[0].kd, results[1].kd)
+
+
+def test_calls_reuse_one_connection_and_concurrent_calls_take_their_own(over_socket, head):
+    hidden, labels = random_batch(100)
+    for _ in range(3):
+        over_socket.compute(head.head, hidden.numpy(), labels.numpy())
+    assert len(over_socket._compute_socket._idle) == 1
+    errors = []
+
+    def call():
+        try:
+            over_socket.compute(head.head, hidden.numpy(), labels.numpy(), outputs=["grad_hidden"])
+        except Exception as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert 1 <= len(over_socket._compute_socket._idle) <= 3
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced(over_socket, head):
+    hidden, labels = random_batch(50)
+    over_socket.compute(head.head, hidden.numpy(), labels.numpy())
+    time.sleep(4)  # past --compute_socket_idle_seconds=2: the server has closed the kept one
+    result = over_socket.compute(head.head, hidden.numpy(), labels.numpy())
+    assert result.attempts == 1
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mistake,code,field", [
+    ("label_out_of_range", "INVALID_ARGUMENT", "labels[3]"),  # a field-level error from the call
+    ("unknown_head", "NOT_FOUND", None),  # refused before any row is read
+    ("stale_version", "FAILED_PRECONDITION", "head_version"),  # a typed reason: HEAD_MOVED
+])
+def test_errors_are_the_same_as_over_grpc(over_grpc, over_socket, head, mistake, code, field):
+    hidden, labels = random_batch(40)
+    labels = labels.numpy()
+    name, kwargs = head.head, {}
+    if mistake == "label_out_of_range":
+        labels[3] = VOCAB + 7
+    elif mistake == "unknown_head":
+        name = "no-such-head"
+    else:
+        kwargs["head_version"] = 12345
+    errors = []
+    for client in (over_grpc, over_socket):
+        with pytest.raises(lossd.LossdError) as error:
+            client.compute(name, hidden.numpy(), labels, **kwargs)
+        errors.append(error.value)
+    assert errors[0].code == errors[1].code == code
+    assert errors[0].message == errors[1].message
+    assert errors[0].reason == errors[1].reason
+    assert errors[1].field == field
+    # The connection of a failed call is closed, and the next call gets a fresh one.
+    assert over_socket.compute(head.head, hidden.numpy(), random_batch(40)[1].numpy()).loss > 0
+
+
+def test_a_server_without_the_socket_keeps_auto_on_grpc_and_refuses_true():
+    with demo_server(64, 16) as plain:
+        with lossd.Client(plain.address, timeout=600) as auto:
+            rng = np.random.default_rng()
+            assert auto.compute("demo", rng.standard_normal((8, 16), dtype=np.float32),
+                                rng.integers(0, 64, 8), shared_memory=False).loss > 0
+            with pytest.raises(lossd.LossdError) as error:
+                auto.compute("demo", rng.standard_normal((8, 16), dtype=np.float32),
+                             rng.integers(0, 64, 8), shared_memory=False, compute_socket=True)
+            assert error.value.code == "FAILED_PRECONDITION"
+            assert "--compute_socket_listen" in error.value.message
+
+
+def test_tls_and_an_explicit_socket_are_refused_together():
+    with pytest.raises(ValueError, match="compute_socket: not with tls_root_cert"):
+        lossd.Client("127.0.0.1:1", tls_root_cert=b"pem", compute_socket=True)
+
+
+def test_the_token_is_asked_for_on_the_socket(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    with demo_server(64, 16, "--compute_socket_listen=127.0.0.1:0",
+                     f"--token_file={token_file}") as guarded:
+        with lossd.Client(guarded.address, token="s3cret", timeout=600,
+                          compute_socket=True) as good:
+            rng = np.random.default_rng()
+            assert good.compute("demo", rng.standard_normal((8, 16), dtype=np.float32),
+                                rng.integers(0, 64, 8), shared_memory=False).loss > 0
+            for presented in ("", "wrong", "s3cret\n"):
+                with raw_connection(guarded, good, token=presented) as sock:
+                    status = read_status(sock)
+                    assert status.code == 16  # UNAUTHENTICATED
+                    assert "hello.token" in status.message
+                    assert closed_by_server(sock)
+            with raw_connection(guarded, good, token="s3cret") as sock:
+                assert read_status(sock).code == 0
+
+
+# --- hostile peers ------------------------------------------------------------------------------
+
+HOSTILE = {
+    # what the peer sends first -> (code, field of the status it gets)
+    "bad_magic": (frame(pb.FRAME_HELLO, magic=0x20544547), 3, "frame.magic"),  # "GET " as HTTP
+    "message_before_hello": (frame(pb.FRAME_MESSAGE, b"x"), 3, "frame.kind"),
+    "hello_too_long": (frame(pb.FRAME_HELLO, length=1 << 40), 8, "frame.length"),  # never sent
+    "hello_that_does_not_parse": (frame(pb.FRAME_HELLO, b"\xff\xff\xff"), 3, "hello"),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_a_bad_first_frame_is_answered_and_closed(server, over_grpc, over_socket, head, case):
+    sent, code, field = HOSTILE[case]
+    with socket.create_connection(("127.0.0.1", socket_port(over_grpc)), timeout=60) as sock:
+        sock.sendall(sent)
+        status = read_status(sock)
+        assert (status.code, field_of(status)) == (code, field), status
+        assert closed_by_server(sock)
+    hidden, labels = random_batch(20)
+    assert over_socket.compute(head.head, hidden.numpy(), labels.numpy()).loss > 0
+
+
+CALL_MISTAKES = {
+    # what follows a good HELLO -> (code, field)
+    "oversized_message": (frame(pb.FRAME_MESSAGE, length=1 << 40), 8, "frame.length"),
+    "unknown_kind": (frame(77), 3, "frame.kind"),
+    "message_that_does_not_parse": (frame(pb.FRAME_MESSAGE, b"\x0a\xff\xff\xff\xff\x0f"), 3,
+                                    None),
+    "half_close_with_bytes": (frame(pb.FRAME_HALF_CLOSE, b"abc"), 3, "frame.length"),
+}
+
+
+@pytest.mark.parametrize("case", CALL_MISTAKES)
+def test_a_bad_frame_in_a_call_is_answered_and_closed(server, over_grpc, over_socket, head, case):
+    sent, code, field = CALL_MISTAKES[case]
+    with raw_connection(server, over_grpc) as sock:
+        assert read_status(sock).code == 0
+        sock.sendall(sent)
+        status = read_status(sock)
+        assert status.code == code, status
+        if field is not None:
+            assert field_of(status) == field
+        assert closed_by_server(sock)
+    hidden, labels = random_batch(20)
+    assert over_socket.compute(head.head, hidden.numpy(), labels.numpy()).loss > 0
+
+
+def start_frame(head_name, num_tokens, accumulate):
+    start = pb.ComputeStart(head=head_name, num_tokens=num_tokens, hidden_size=HIDDEN,
+                            hidden_dtype=pb.DTYPE_FLOAT32,
+                            labels=np.random.default_rng().integers(0, VOCAB, num_tokens).tolist(),
+                            outputs=pb.OutputSelection(grad_hidden=True,
+                                                       accumulate_grad_weight=accumulate),
+                            call_id="raw-" + str(time.monotonic_ns()) if accumulate else "")
+    return frame(pb.FRAME_MESSAGE, _wire.encode_start(start))
+
+
+def chunk_frame(rows):
+    return frame(pb.FRAME_MESSAGE, _wire.encode_chunk({"hidden": rows}))
+
+
+def test_a_peer_that_vanishes_mid_call_leaves_no_gradient(server, over_grpc, over_socket, head):
+    rows = np.random.default_rng().standard_normal((400, HIDDEN), dtype=np.float32)
+    with raw_connection(server, over_grpc) as sock:
+        assert read_status(sock).code == 0
+        sock.sendall(start_frame(head.head, 400, accumulate=True) + chunk_frame(rows[:250]))
+        time.sleep(0.5)  # the server computes what it has
+    wait_for_no_call_in_flight(server)
+    assert not head.fetch_grad_weight().any()
+    hidden, labels = random_batch(20)
+    assert over_socket.compute(head.head, hidden.numpy(), labels.numpy()).loss > 0
+
+
+def test_a_silent_peer_is_ended_by_the_idle_limit(server, over_grpc, over_socket, head):
+    started = time.monotonic()
+    with raw_connection(server, over_grpc) as sock:
+        assert read_status(sock).code == 0
+        sock.sendall(start_frame(head.head, 300, accumulate=False) + chunk_frame(
+            np.zeros((10, HIDDEN), np.float32)))
+        status = read_status(sock)  # no more rows: the call waits IDLE_SECONDS for them
+        assert status.code == 4 and "stream idle" in status.message  # DEADLINE_EXCEEDED
+        assert closed_by_server(sock)
+    assert time.monotonic() - started >= IDLE_SECONDS * 0.9
+    # A connection that never sends its HELLO is closed after the same limit.
+    with socket.create_connection(("127.0.0.1", socket_port(over_grpc)), timeout=60) as sock:
+        assert closed_by_server(sock, within=IDLE_SECONDS * 20)
+    hidden, labels = random_batch(20)
+    assert over_socket.compute(head.head, hidden.numpy(), labels.numpy()).loss > 0
+
+
+def test_a_peer_that_reads_nothing_cannot_hold_the_server(server, over_grpc, over_socket, head):
+    """A call whose client sends its rows but never reads its results ends once a result has
+    waited past the idle limit (the connection is closed: the status cannot pass the message
+    stuck before it); meanwhile other calls run."""
+    rows = np.random.default_rng().standard_normal((40000, HIDDEN), dtype=np.float32)
+    sock = socket.socket()
+    # Before connecting, so that the kernel buffers little of what the server sends.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(120)
+    sock.connect(("127.0.0.1", socket_port(over_grpc)))
+    with sock:
+        sock.sendall(frame(pb.FRAME_HELLO, pb.ComputeSocketHello().SerializeToString()))
+        assert read_status(sock).code == 0
+
+        def send_rows():
+            try:
+                sock.sendall(start_frame(head.head, 40000, accumulate=False))
+                for r0 in range(0, 40000, 2000):
+                    sock.sendall(chunk_frame(rows[r0:r0 + 2000]))
+            except OSError:
+                pass  # the server gave up on the call and closed
+
+        sender = threading.Thread(target=send_rows, daemon=True)
+        sender.start()
+        hidden, labels = random_batch(20)
+        assert over_socket.compute(head.head, hidden.numpy(), labels.numpy()).loss > 0
+        time.sleep(IDLE_SECONDS + 1)
+        wait_for_no_call_in_flight(server)
+        frames, cut_short = frames_until_closed(sock)
+        assert cut_short or any(kind == pb.FRAME_STATUS and pb.RpcStatus.FromString(body).code != 0
+                                for kind, body in frames)
+        assert not any(kind == pb.FRAME_STATUS and pb.RpcStatus.FromString(body).code == 0
+                       for kind, body in frames)
+        sender.join(120)
+    assert over_socket.compute(head.head, hidden.numpy(), labels.numpy()).loss > 0
