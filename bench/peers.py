@@ -298,10 +298,13 @@ class Runner:
 
     def lossctl_bench(self, address, head, tokens, streams=1, dtype="float32", accumulate=True,
                       warmup=1, warmup_tokens=WARM_UP_TOKENS, rows_per_message=0,
-                      shared_memory=False, in_place=False, shared_rows_per_piece=0):
+                      shared_memory=False, in_place=False, shared_rows_per_piece=0,
+                      compute_socket=False):
         """One batch of `tokens` rows, split over `streams` concurrent calls, after `warmup` calls
-        of `warmup_tokens` rows (0: the whole batch)."""
-        argv = [os.path.join(self.bin, "lossctl"), f"--server={address}", "bench",
+        of `warmup_tokens` rows (0: the whole batch); over the server's Compute socket when
+        compute_socket, else over gRPC."""
+        argv = [os.path.join(self.bin, "lossctl"), f"--server={address}",
+                f"--compute_socket={'true' if compute_socket else 'false'}", "bench",
                 f"--head={head}", f"--tokens={tokens // streams}", f"--calls={streams}",
                 f"--streams={streams}", f"--warmup={warmup}",
                 f"--warmup_tokens={min(warmup_tokens, tokens // streams)}", f"--dtype={dtype}", "--grad",
@@ -369,7 +372,7 @@ class Server:
     One serves every N of a vocabulary's sweep: drawing a [128256, 2048] head takes it about 10 s
     to start."""
 
-    def __init__(self, runner, v, h):
+    def __init__(self, runner, v, h, compute_socket=False):
         self.runner = runner
         self.hidden_size = h
         self.warm_rows = None
@@ -378,6 +381,8 @@ class Server:
         argv = [os.path.join(runner.bin, "lossd_server"), f"--listen={self.address}",
                 "--metrics_listen=", "--device=cpu", f"--demo_vocab_size={v}",
                 f"--demo_hidden_size={h}", f"--workspace_budget_mib={runner.args.budget_mib}"]
+        if compute_socket:
+            argv.append("--compute_socket_listen=127.0.0.1:0")
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
                                         env=runner.env, preexec_fn=runner.limit_memory)
         import numpy as np

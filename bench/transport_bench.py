@@ -12,14 +12,15 @@ each way is the transport's. Measured beside each other:
   grpc_echo_one_copy_N_connections  with several callers: their calls spread over N connections
                  instead of sharing one, whether one large call would gain from several
   cpp_messages   lossd Compute from the C++ client (lossctl bench), rows and dL/dh in messages
+  cpp_socket     the same messages over the server's Compute socket (plain TCP beside gRPC)
   cpp_shm        the same through a memfd shared with the server, the rows copied into it as the
                  server says (before the start where it computes on the host's cores)
   cpp_shm_rows_follow  the same with the rows copied after the start, 32 MiB at a time, each piece
                  announced once in place (SharedMemory.rows_follow), whatever the server says
   cpp_shm_in_place  the rows in a SharedRegion and dL/dh lent where the server wrote it (lossctl
                  bench --in_place): no copy on either side
-  python_messages, python_shm, python_shm_rows_follow   the same from the Python client
-                 (lossd.Client.compute)
+  python_messages, python_socket, python_shm, python_shm_rows_follow   the same from the
+                 Python client (lossd.Client.compute)
   python_shm_shared_array       the Python client with its rows in a Client.shared_array
 each for float32 and bfloat16 rows, from 1 and several concurrent callers; then GB/s against the
 message size (rows per message) for both clients' messages, the plot gbps_vs_message_size.png;
@@ -114,7 +115,7 @@ def tcp_gbps(directions):
 # --- the Python client ------------------------------------------------------------------------------
 
 def python_compute(address, tokens, dtype, callers, shared_memory, rows_per_message=None,
-                   calls=3, shared_array=False, rows_per_piece=None):
+                   calls=3, shared_array=False, rows_per_piece=None, compute_socket=False):
     """Seconds of the fastest of `calls` rounds, each `callers` concurrent compute() calls of
     tokens / callers rows with dL/dh, and the tensor bytes each way of a round. shared_array:
     each caller's rows lie in a Client.shared_array, read by the server where they are.
@@ -140,7 +141,7 @@ def python_compute(address, tokens, dtype, callers, shared_memory, rows_per_mess
     def one(client):
         client.compute("wire", rows_of[client], labels, outputs=["grad_hidden"],
                        shared_memory=shared_memory, rows_per_message=rows_per_message,
-                       shared_rows_per_piece=rows_per_piece)
+                       shared_rows_per_piece=rows_per_piece, compute_socket=compute_socket)
 
     def round_seconds():
         threads = [threading.Thread(target=one, args=(client,)) for client in clients]
@@ -188,7 +189,7 @@ def measure(args, record):
     record(dict(path="tcp_both_ways", gbps=min(both), gbps_each=both))
 
     tokens = args.tokens
-    server = peers.Server(runner, peers.TRANSPORT_VOCAB, HIDDEN)
+    server = peers.Server(runner, peers.TRANSPORT_VOCAB, HIDDEN, compute_socket=True)
     try:
         for dtype in DTYPES:
             for callers in CALLERS:
@@ -200,13 +201,15 @@ def measure(args, record):
                                      echo["in_gbps"] * echo["seconds"] * 1e9))
                 follow = FOLLOWING_PIECE_BYTES // (HIDDEN * DTYPES[dtype])
                 for path, shared, in_place, piece in (("cpp_messages", False, False, 0),
+                                                      ("cpp_socket", False, False, 0),
                                                       ("cpp_shm", True, False, 0),
                                                       ("cpp_shm_rows_follow", True, False, follow),
                                                       ("cpp_shm_in_place", True, True, 0)):
                     result = fastest_lossctl(runner, args.reps, server.address, "wire", tokens,
                                              streams=callers, dtype=dtype, accumulate=False,
                                              warmup=1, warmup_tokens=0, shared_memory=shared,
-                                             in_place=in_place, shared_rows_per_piece=piece)
+                                             in_place=in_place, shared_rows_per_piece=piece,
+                                             compute_socket=path == "cpp_socket")
                     if "error" in result:
                         record(dict(path=path, dtype=dtype, callers=callers,
                                     error=result["error"]))
@@ -215,24 +218,29 @@ def measure(args, record):
                                  result["hidden_bytes"]))
                 for path, shared, in_array, piece in (
                         ("python_messages", False, False, None),
+                        ("python_socket", False, False, None),
                         ("python_shm", True, False, None),
                         ("python_shm_rows_follow", True, False, follow),
                         ("python_shm_shared_array", True, True, None)):
                     seconds, moved = python_compute(server.address, tokens, dtype, callers,
                                                     shared, calls=args.reps,
-                                                    shared_array=in_array, rows_per_piece=piece)
+                                                    shared_array=in_array, rows_per_piece=piece,
+                                                    compute_socket=path == "python_socket")
                     record(entry(path, dtype, callers, seconds, moved))
         for mib in MESSAGE_MIB:
             rows = max(1, int(mib * MIB) // (HIDDEN * 4))
-            result = fastest_lossctl(runner, args.reps, server.address, "wire", tokens,
-                                     dtype="float32", accumulate=False, warmup=1, warmup_tokens=0,
-                                     rows_per_message=rows)
-            if "error" not in result:
-                record(entry("cpp_messages", "float32", 1, result["seconds"],
-                             result["hidden_bytes"], message_mib=mib))
-            seconds, moved = python_compute(server.address, tokens, "float32", 1, False,
-                                            rows_per_message=rows)
-            record(entry("python_messages", "float32", 1, seconds, moved, message_mib=mib))
+            for socket_too in (False, True):
+                suffix = "_socket" if socket_too else "_messages"
+                result = fastest_lossctl(runner, args.reps, server.address, "wire", tokens,
+                                         dtype="float32", accumulate=False, warmup=1,
+                                         warmup_tokens=0, rows_per_message=rows,
+                                         compute_socket=socket_too)
+                if "error" not in result:
+                    record(entry("cpp" + suffix, "float32", 1, result["seconds"],
+                                 result["hidden_bytes"], message_mib=mib))
+                seconds, moved = python_compute(server.address, tokens, "float32", 1, False,
+                                                rows_per_message=rows, compute_socket=socket_too)
+                record(entry("python" + suffix, "float32", 1, seconds, moved, message_mib=mib))
     finally:
         server.stop()
     # The same call in-process: dL/dh, no dL/dW, as the transport calls ask.
@@ -285,14 +293,16 @@ def report(out_dir, rows, machine, command):
         lines.append(f"| {row['path']} | {row['dtype']} | {row['callers']} | "
                      f"{row['seconds']:.3f} | {row['gbps']:.2f} | {share} |")
     lines += ["", "GB/s each way against the size of the chunk messages (float32, one caller):",
-              "", "| MiB per message | C++ client | Python client |", "| ---: | ---: | ---: |"]
+              "", "| MiB per message | C++, gRPC | C++, Compute socket | Python, gRPC | "
+              "Python, Compute socket |", "| ---: | ---: | ---: | ---: | ---: |"]
     for mib in MESSAGE_MIB:
-        cpp = by.get(("cpp_messages", "float32", 1, mib), {}).get("gbps")
-        python = by.get(("python_messages", "float32", 1, mib), {}).get("gbps")
-        lines.append(f"| {mib} | {cpp or 0:.2f} | {python or 0:.2f} |")
+        cells = [by.get((path, "float32", 1, mib), {}).get("gbps") or 0
+                 for path in ("cpp_messages", "cpp_socket", "python_messages", "python_socket")]
+        lines.append(f"| {mib} | " + " | ".join(f"{cell:.2f}" for cell in cells) + " |")
     seconds = {row["path"]: row["seconds"] for row in rows if "shape" in row}
     lines.append("")
-    for remote in ("cpp_messages", "python_messages", "cpp_shm", "cpp_shm_rows_follow",
+    for remote in ("cpp_messages", "cpp_socket", "python_messages", "python_socket", "cpp_shm",
+                   "cpp_shm_rows_follow",
                    "cpp_shm_in_place", "python_shm", "python_shm_rows_follow",
                    "python_shm_shared_array"):
         row = by.get((remote, "float32", 1, None))
@@ -313,7 +323,9 @@ def report(out_dir, rows, machine, command):
     except ImportError:
         return
     figure, axes = plt.subplots(figsize=(6, 4))
-    for path, label in (("cpp_messages", "C++ client"), ("python_messages", "Python client")):
+    for path, label in (("cpp_messages", "C++, gRPC"), ("cpp_socket", "C++, Compute socket"),
+                        ("python_messages", "Python, gRPC"),
+                        ("python_socket", "Python, Compute socket")):
         points = [(mib, by[(path, "float32", 1, mib)]["gbps"]) for mib in MESSAGE_MIB
                   if (path, "float32", 1, mib) in by]
         if points:

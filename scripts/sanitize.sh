@@ -113,7 +113,7 @@ build_tsan_abseil build-tsan/abseil-tsan
   # Shared memory: the handover socket's thread registering and revoking handles against calls
   # mapping and releasing ranges; a writer thread racing the engine over a client's rows; calls
   # on several threads sharing the client's scoring connections.
-  run_test env "$preload" build-tsan/bin/client_test --gtest_filter='*SharedMemory*:*GradHiddenOut*:*LostAnswer*:*ConcurrentScoring*'
+  run_test env "$preload" build-tsan/bin/client_test --gtest_filter='*SharedMemory*:*GradHiddenOut*:*LostAnswer*:*ConcurrentScoring*:*ComputeSocket*'
   run_test env "$preload" build-tsan/bin/shared_memory_test
   run_test env "$preload" build-tsan/bin/accumulator_test --gtest_filter='CallIdTest.*'
   # Compute calls failing over between replicas killed mid-call; a device fault met on a call's

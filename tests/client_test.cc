@@ -1884,6 +1884,188 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(info.param.name);
     });
 
+// The Compute socket (ComputeSocket in lossd.proto): a server that offers it, the same calls over
+// it and over gRPC.
+class ComputeSocketTest : public ClientTest {
+ protected:
+  // Beside the suite's server, which offers no socket.
+  static void SetUpTestSuite() {
+    ClientTest::SetUpTestSuite();
+    server::ServerConfig config = MultiChunkDemoConfig(kHead, kVocab, kHidden, 11);
+    config.compute_socket_listen = "127.0.0.1:0";
+    config.compute_socket_idle = absl::Seconds(1);
+    config.shared_memory = false;
+    socket_server_ = StartTestServer(config).release();
+    ASSERT_NE(socket_server_, nullptr);
+  }
+  static void TearDownTestSuite() {
+    delete socket_server_;
+    socket_server_ = nullptr;
+    ClientTest::TearDownTestSuite();
+  }
+  static ChannelOptions SocketOptions(std::optional<bool> use) {
+    ChannelOptions options = OptionsFor(socket_server_->port());
+    options.compute_socket = use;
+    return options;
+  }
+  static server::LossServer* socket_server_;
+};
+
+server::LossServer* ComputeSocketTest::socket_server_ = nullptr;
+
+struct SocketCase {
+  const char* name;
+  int64_t rows;
+  client::DType hidden_dtype;
+  double ignore_fraction;
+  int64_t rows_per_message = 0;  // 0: the client's default
+  Teacher teacher = Teacher::kNone;
+};
+
+void PrintTo(const SocketCase& c, std::ostream* os) { *os << c.name; }
+
+class ComputeSocketCaseTest : public ComputeSocketTest,
+                              public ::testing::WithParamInterface<SocketCase> {};
+
+// The same call over gRPC and over the socket, on two heads with the same W: every output and the
+// accumulated dL/dW agree bit for bit, and with the float64 reference.
+TEST_P(ComputeSocketCaseTest, MatchesGrpcBitwiseAndTheReference) {
+  const SocketCase& c = GetParam();
+  const Client over_grpc = Connect(SocketOptions(false));
+  const Client over_socket = Connect(SocketOptions(true));
+  const std::string by_grpc = absl::StrCat("grpc-", c.name);
+  const std::string by_socket = absl::StrCat("socket-", c.name);
+  const std::vector<float> weight = UploadRandomHead(over_grpc, by_grpc);
+  ASSERT_TRUE(
+      over_grpc.UploadHead(by_socket, {weight.data(), client::DType::kFloat32, kVocab, kHidden})
+          .ok());
+  const std::string hidden_bytes =
+      client::EncodeFromFloat32(RandomNormal(c.rows * kHidden, 1.0f, rng_), c.hidden_dtype);
+  const std::vector<int64_t> labels = RandomLabels(c.rows, kVocab, c.ignore_fraction, rng_);
+  ComputeRequest request;
+  request.hidden = {hidden_bytes.data(), c.hidden_dtype, c.rows, kHidden};
+  request.labels = labels;
+  request.rows_per_message = c.rows_per_message;
+  for (const char* output : {"token_loss", "logprob", "lse", "entropy", "argmax", "grad_hidden",
+                             "accumulate_grad_weight"}) {
+    SelectOutput(request.outputs, output);
+  }
+  request.outputs.set_top_k(3);
+  std::string teacher_hidden;
+  if (c.teacher == Teacher::kDense) {
+    // The teacher's rows travel beside the student's in every chunk message.
+    teacher_hidden =
+        client::EncodeFromFloat32(RandomNormal(c.rows * kHidden, 1.0f, rng_), c.hidden_dtype);
+    request.teacher_head = kHead;
+    request.teacher_hidden = {teacher_hidden.data(), c.hidden_dtype, c.rows, kHidden};
+    request.options.set_objective(v1::OBJECTIVE_DISTILL);
+    request.options.mutable_distill()->set_alpha(0.5);
+  }
+  request.head = by_grpc;
+  const absl::StatusOr<ComputeResult> sent = over_grpc.Compute(request);
+  ASSERT_TRUE(sent.ok()) << sent.status();
+  request.head = by_socket;
+  const absl::StatusOr<ComputeResult> socketed = over_socket.Compute(request);
+  ASSERT_TRUE(socketed.ok()) << socketed.status();
+
+  EXPECT_EQ(socketed->transport, ComputeResult::Transport::kComputeSocket);
+  EXPECT_EQ(sent->transport, ComputeResult::Transport::kGrpc);
+  ExpectSameResults(*socketed, *sent);
+  EXPECT_TRUE(socketed->grad_hidden.bytes == sent->grad_hidden.bytes) << "dL/dh differs";
+  EXPECT_EQ(socketed->messages_sent, sent->messages_sent);
+  const absl::StatusOr<client::Tensor> grad_sent = over_grpc.FetchGradWeight(by_grpc);
+  const absl::StatusOr<client::Tensor> grad_socketed = over_grpc.FetchGradWeight(by_socket);
+  ASSERT_TRUE(grad_sent.ok() && grad_socketed.ok());
+  EXPECT_TRUE(grad_socketed->bytes == grad_sent->bytes) << "dL/dW differs";
+  if (c.teacher != Teacher::kNone) return;  // the distillation references are the engine test's
+  client::Tensor hidden_tensor{hidden_bytes, c.hidden_dtype, c.rows, kHidden};
+  const ReferenceResult ref = ComputeReference(
+      MakeReferenceProblem(client::ToFloat32(hidden_tensor), weight, labels, kHidden, 3));
+  EXPECT_EQ(socketed->summary.counted_tokens(), ref.counted_tokens);
+  if (ref.counted_tokens > 0) {
+    EXPECT_LE(std::abs(socketed->summary.loss() - ref.loss) / ref.loss, kLossBound);
+    EXPECT_LE(RelativeError(client::ToFloat32(*grad_socketed), ref.grad_weight), kGradBound);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, ComputeSocketCaseTest,
+    ::testing::Values(
+        // About 80 rows per engine chunk, 50 per message: chunks and messages misalign.
+        SocketCase{"fp32_multi_chunk", 300, client::DType::kFloat32, 0.1, 50},
+        SocketCase{"bf16_rows", 300, client::DType::kBFloat16, 0.1},  // dL/dh back in bf16
+        SocketCase{"one_row", 1, client::DType::kFloat32, 0.0},
+        SocketCase{"all_ignored", 50, client::DType::kFloat32, 1.0},  // loss 0, dL/dh zero
+        SocketCase{"no_rows", 0, client::DType::kFloat32, 0.0},       // the start alone
+        SocketCase{"dense_teacher", 130, client::DType::kFloat32, 0.0, 40, Teacher::kDense}),
+    [](const ::testing::TestParamInfo<SocketCase>& info) { return std::string(info.param.name); });
+
+TEST_F(ComputeSocketTest, ErrorsAndConcurrentCallsAreAsOverGrpc) {
+  const Client over_grpc = Connect(SocketOptions(false));
+  const Client over_socket = Connect(SocketOptions(std::nullopt));  // chosen by itself
+  UploadRandomHead(over_grpc, "socket-errors");
+  const std::string hidden_bytes =
+      client::EncodeFromFloat32(RandomNormal(40 * kHidden, 1.0f, rng_), client::DType::kFloat32);
+  std::vector<int64_t> labels = RandomLabels(40, kVocab, 0.0, rng_);
+  labels[3] = kVocab + 7;
+  ComputeRequest request;
+  request.head = "socket-errors";
+  request.hidden = {hidden_bytes.data(), client::DType::kFloat32, 40, kHidden};
+  request.labels = labels;
+  SelectOutput(request.outputs, "grad_hidden");
+  std::vector<float> out(40 * kHidden, 7.0f);
+  request.grad_hidden_out = out.data();
+  const absl::StatusOr<ComputeResult> by_grpc = over_grpc.Compute(request);
+  const absl::StatusOr<ComputeResult> by_socket = over_socket.Compute(request);
+  ASSERT_FALSE(by_grpc.ok());
+  EXPECT_EQ(by_socket.status(), by_grpc.status());
+  ASSERT_TRUE(client::ErrorInfoOf(by_socket.status()).has_value());
+  EXPECT_EQ(client::ErrorInfoOf(by_socket.status())->field(), "labels[3]");
+  EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float v) { return v == 7.0f; }))
+      << "a failed call wrote grad_hidden_out";
+
+  // The next calls run, several at once, each on a connection of its own, and a kept
+  // connection that the server closed while idle (after 1 s) is replaced unseen.
+  labels[3] = 0;
+  std::vector<std::thread> callers;
+  std::vector<absl::Status> outcomes(4);
+  for (int i = 0; i < 4; ++i) {
+    callers.emplace_back([&, i] {
+      ComputeRequest mine = request;
+      mine.grad_hidden_out = nullptr;
+      outcomes[i] = over_socket.Compute(mine).status();
+    });
+  }
+  for (std::thread& caller : callers) caller.join();
+  for (const absl::Status& outcome : outcomes) EXPECT_TRUE(outcome.ok()) << outcome;
+  absl::SleepFor(absl::Seconds(2));
+  const absl::StatusOr<ComputeResult> after_idle = over_socket.Compute(request);
+  ASSERT_TRUE(after_idle.ok()) << after_idle.status();
+  EXPECT_EQ(after_idle->attempts, 1);
+  EXPECT_EQ(after_idle->transport, ComputeResult::Transport::kComputeSocket);
+  EXPECT_FALSE(std::all_of(out.begin(), out.end(), [](float v) { return v == 7.0f; }));
+}
+
+TEST_F(ComputeSocketTest, AServerWithoutOneKeepsAutoOnGrpcAndRefusesTrue) {
+  ChannelOptions options = OptionsFor(server_->port());  // the suite's server offers none
+  const Client automatic = Connect(options);
+  options.compute_socket = true;
+  const Client insisting = Connect(options);
+  const std::string hidden_bytes =
+      client::EncodeFromFloat32(RandomNormal(8 * kHidden, 1.0f, rng_), client::DType::kFloat32);
+  ComputeRequest request;
+  request.head = kHead;
+  request.hidden = {hidden_bytes.data(), client::DType::kFloat32, 8, kHidden};
+  request.labels = RandomLabels(8, kVocab, 0.0, rng_);
+  request.shared_memory = false;
+  const absl::StatusOr<ComputeResult> over_grpc = automatic.Compute(request);
+  ASSERT_TRUE(over_grpc.ok()) << over_grpc.status();
+  EXPECT_EQ(over_grpc->transport, ComputeResult::Transport::kGrpc);
+  const absl::Status refused = insisting.Compute(request).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "--compute_socket_listen")) << refused;
+}
+
 // A lent dL/dh stays as the call left it while the caller holds it: the next calls write into
 // other memfds. Dropped, its memfd serves calls again; with kMaxLent (4) out, dL/dh is copied.
 TEST_F(ClientTest, LentGradHiddenIsTheCallersUntilDropped) {
@@ -2176,6 +2358,33 @@ TEST(ChannelOptionsTest, RejectsUnusableSettings) {
   const absl::Status no_connections = Client::Connect(options).status();
   EXPECT_EQ(no_connections.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(no_connections.message(), "compute_connections")) << no_connections;
+  options = ChannelOptions();
+  options.compute_socket = true;  // its rows would go in the clear beside a TLS channel
+  options.tls_root_cert_pem = "-----BEGIN CERTIFICATE-----";
+  const absl::Status socket_with_tls = Client::Connect(options).status();
+  EXPECT_EQ(socket_with_tls.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(socket_with_tls.message(), "compute_socket")) << socket_with_tls;
+}
+
+TEST(TcpHostTest, NamesTheHostOfOneTcpServerOnly) {
+  const struct {
+    const char* address;
+    std::optional<std::string> host;
+  } cases[] = {
+      {"localhost:5", "localhost"},
+      {"dns:///lossd.svc:5", "lossd.svc"},
+      {"dns://8.8.8.8/lossd.svc:5", "lossd.svc"},  // the authority is the DNS server's
+      {"ipv4:10.0.0.1:5", "10.0.0.1"},
+      {"ipv6:[::1]:5", "::1"},
+      {"[::1]:5", "::1"},
+      {"unix:/tmp/lossd.sock", std::nullopt},        // not TCP
+      {"ipv4:10.0.0.1:5,10.0.0.2:5", std::nullopt},  // several servers
+  };
+  for (const auto& c : cases) {
+    const absl::StatusOr<client::Target> target = client::ParseTarget(c.address);
+    ASSERT_TRUE(target.ok()) << target.status();
+    EXPECT_EQ(client::TcpHost(*target), c.host) << c.address;
+  }
 }
 
 // The client's conversions, independent code, agree with the engine's half.h bit for bit.

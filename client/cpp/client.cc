@@ -4,6 +4,7 @@
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
 
+#include <netdb.h>
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -16,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "client/cpp/compute_socket_client.h"
 #include "client/cpp/result_assembler.h"
 #include "client/cpp/shared_buffer.h"
 #include "lossd/common/status_macros.h"
@@ -431,21 +433,28 @@ namespace {
 constexpr char kErrorInfoPayload[] = "type.googleapis.com/lossd.v1.ErrorInfo";
 }  // namespace
 
-absl::Status FromGrpcStatus(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
+absl::Status FromRpcStatus(const v1::RpcStatus& status) {
+  if (status.code() == 0) return absl::OkStatus();
   // gRPC and absl share the canonical code numbering (0..16).
-  absl::Status converted(static_cast<absl::StatusCode>(status.error_code()),
-                         status.error_message());
-  v1::RpcStatus details;
-  if (!status.error_details().empty() && details.ParseFromString(status.error_details())) {
-    for (const google::protobuf::Any& detail : details.details()) {
-      v1::ErrorInfo info;
-      if (!detail.UnpackTo(&info)) continue;
-      converted.SetPayload(kErrorInfoPayload, absl::Cord(info.SerializeAsString()));
-      if (!info.field().empty()) converted = WithField(std::move(converted), info.field());
-    }
+  absl::Status converted(static_cast<absl::StatusCode>(status.code()), status.message());
+  for (const google::protobuf::Any& detail : status.details()) {
+    v1::ErrorInfo info;
+    if (!detail.UnpackTo(&info)) continue;
+    converted.SetPayload(kErrorInfoPayload, absl::Cord(info.SerializeAsString()));
+    if (!info.field().empty()) converted = WithField(std::move(converted), info.field());
   }
   return converted;
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  v1::RpcStatus details;
+  if (status.error_details().empty() || !details.ParseFromString(status.error_details())) {
+    details.Clear();
+  }
+  details.set_code(static_cast<int32_t>(status.error_code()));
+  details.set_message(status.error_message());
+  return FromRpcStatus(details);
 }
 
 std::optional<v1::ErrorInfo> ErrorInfoOf(const absl::Status& status) {
@@ -465,6 +474,12 @@ absl::Status ValidateChannelOptions(const ChannelOptions& options) {
   if (options.deadline <= absl::ZeroDuration()) {
     return InvalidField("deadline", "a positive duration (infinite: none)",
                         absl::FormatDuration(options.deadline));
+  }
+  if (options.compute_socket == true && !options.tls_root_cert_pem.empty()) {
+    return InvalidField("compute_socket",
+                        "unset or false with TLS (tls_root_cert_pem): the Compute socket carries "
+                        "rows and the token in the clear, and servers with TLS offer none",
+                        "true");
   }
   if (options.compute_connections < 1) {
     return InvalidField("compute_connections", "at least 1",
@@ -628,7 +643,8 @@ Client::Client(ChannelOptions options, Target target)
       scoring_connections_(std::make_shared<ComputeConnections>(options_, balanced_channel_)),
       handover_(std::make_shared<Handover>()),
       shared_buffers_(std::make_shared<SharedBufferPool>()),
-      send_buffers_(wire::SendBuffers::Create()) {}
+      send_buffers_(wire::SendBuffers::Create()),
+      compute_socket_(std::make_shared<ComputeSocketChoice>()) {}
 
 absl::Status Client::RequireOneServer(absl::string_view what) const {
   if (target_.listed_addresses <= 1) return absl::OkStatus();
@@ -690,6 +706,84 @@ absl::StatusOr<v1::SharedMemorySocket> Client::SharedMemorySocket(absl::Duration
   RETURN_IF_ERROR(FromGrpcStatus(one_server_stub_->GetSharedMemorySocket(
       &context, v1::GetSharedMemorySocketRequest(), &response)));
   return response;
+}
+
+// What the client found of the server's Compute socket: nothing yet, none to use, or one.
+struct ComputeSocketChoice {
+  absl::Mutex mu;
+  bool asked ABSL_GUARDED_BY(mu) = false;
+  std::unique_ptr<ComputeSocketPool> pool ABSL_GUARDED_BY(mu);  // null: none to use
+};
+
+absl::StatusOr<ComputeSocketPool*> Client::ComputeSocketFor(const ComputeRequest& request) const {
+  const std::optional<bool> asked =
+      request.compute_socket.has_value() ? request.compute_socket : options_.compute_socket;
+  if (asked == false || (!asked.has_value() && !options_.tls_root_cert_pem.empty())) {
+    return nullptr;
+  }
+  const bool required = asked == true;
+  ComputeSocketChoice& choice = *compute_socket_;
+  absl::MutexLock lock(&choice.mu);
+  if (choice.asked && (choice.pool != nullptr || !required)) return choice.pool.get();
+  const auto none = [&](absl::Status why) -> absl::StatusOr<ComputeSocketPool*> {
+    if (required) return why;
+    choice.asked = true;
+    return nullptr;
+  };
+  const std::optional<std::string> host = TcpHost(target_);
+  if (!host.has_value()) {
+    return none(InvalidField("compute_socket", "an address that names one TCP server",
+                             absl::StrCat("\"", target_.uri, "\"")));
+  }
+  grpc::ClientContext context;
+  PrepareContext(context);
+  // A server that is up answers within milliseconds; one that does not answer soon is not worth
+  // holding the call for.
+  const absl::Duration probe_deadline = absl::Seconds(10);
+  if (probe_deadline < options_.deadline) {
+    context.set_deadline(absl::ToChronoTime(absl::Now() + probe_deadline));
+  }
+  // Asked of the one server (pick_first), which the socket then reaches: the address names one.
+  v1::ComputeSocket socket;
+  const absl::Status answered = FromGrpcStatus(
+      one_server_stub_->GetComputeSocket(&context, v1::GetComputeSocketRequest(), &socket));
+  if (!answered.ok()) {
+    if (required) return answered;
+    // Another failure (the server is down) leaves the question open for the next call, which
+    // goes over gRPC meanwhile and reports what is wrong.
+    if (absl::IsFailedPrecondition(answered) || absl::IsUnimplemented(answered)) {
+      choice.asked = true;
+    }
+    return nullptr;
+  }
+  // A name that resolves to several addresses may reach several servers: the call could land on
+  // another one than the client's other calls.
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  int addresses = 0;
+  if (getaddrinfo(host->c_str(), nullptr, &hints, &found) == 0) {
+    std::vector<std::string> seen;
+    for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+      std::string bytes(reinterpret_cast<const char*>(a->ai_addr), a->ai_addrlen);
+      if (std::find(seen.begin(), seen.end(), bytes) == seen.end()) seen.push_back(bytes);
+    }
+    addresses = static_cast<int>(seen.size());
+    freeaddrinfo(found);
+  }
+  if (addresses == 0) {
+    return none(
+        absl::UnavailableError(absl::StrCat("compute_socket: cannot resolve \"", *host, "\"")));
+  }
+  if (addresses > 1 && !required) {
+    return none(absl::FailedPreconditionError(
+        absl::StrCat("compute_socket: \"", *host, "\" resolves to ", addresses,
+                     " addresses, which may be several servers")));
+  }
+  choice.asked = true;
+  choice.pool = std::make_unique<ComputeSocketPool>(*host, socket.port(), options_.bearer_token,
+                                                    options_.max_message_bytes);
+  return choice.pool.get();
 }
 
 bool Client::UsesSharedMemory(const ComputeRequest& request) const {
@@ -993,14 +1087,23 @@ absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) con
         absl::StrCat(request.hidden.rows, " tokens in ", start_bytes, " bytes"));
   }
   const bool shared_memory = UsesSharedMemory(request);
+  ComputeSocketPool* socket = nullptr;
+  if (!shared_memory) {
+    ASSIGN_OR_RETURN(socket, ComputeSocketFor(request));
+  }
   return WithRetries<ComputeResult>(
       options_.compute_retry, [&](int attempt) -> absl::StatusOr<ComputeResult> {
         ComputeResult result;
         const absl::Time call_start = absl::Now();
         // The shared-memory path names its memfd in the start message, anew for each attempt.
         RETURN_IF_ERROR(shared_memory ? RunComputeShared(request, start_message, result)
-                                      : RunCompute(request, start_message, result));
+                        : socket != nullptr
+                            ? RunComputeOverSocket(request, start_message, result, *socket)
+                            : RunCompute(request, start_message, result));
         result.wall_seconds = absl::ToDoubleSeconds(absl::Now() - call_start);
+        result.transport = shared_memory      ? ComputeResult::Transport::kSharedMemory
+                           : socket != nullptr ? ComputeResult::Transport::kComputeSocket
+                                               : ComputeResult::Transport::kGrpc;
         result.call_id = start_message.start().call_id();
         result.attempts = attempt;
         return result;
@@ -1094,6 +1197,32 @@ std::vector<RowStream> RowStreams(const ComputeRequest& request) {
   return streams;
 }
 
+// Hands the call's request frames to `send` in order, the start and then chunks of
+// rows_per_message rows, until `send` returns false; true when every frame went. Rows are copied
+// into `copy_into` (gRPC keeps them past its Write), or lent where they lie when it is null (the
+// socket's write is done with them when it returns).
+bool SendRequestFrames(const ComputeRequest& request, const v1::ComputeRequest& start_message,
+                       int64_t rows_per_message, wire::SendBuffers* copy_into,
+                       absl::FunctionRef<bool(const wire::ComputeRequestFrame&)> send) {
+  wire::ComputeRequestFrame start;
+  start.message = start_message;
+  if (!send(start)) return false;
+  const std::vector<RowStream> streams = RowStreams(request);
+  wire::ComputeRequestFrame chunk;
+  chunk.message.mutable_chunk();
+  for (int64_t first = 0; first < request.hidden.rows; first += rows_per_message) {
+    const int64_t count = std::min(rows_per_message, request.hidden.rows - first);
+    for (const RowStream& part : streams) {
+      const absl::string_view rows(part.data + first * part.row_bytes,
+                                   static_cast<size_t>(count * part.row_bytes));
+      chunk.rows[part.field] =
+          copy_into != nullptr ? copy_into->Copy(rows) : wire::BulkBytes::Borrow(rows);
+    }
+    if (!send(chunk)) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeRequest& start_message,
@@ -1123,24 +1252,15 @@ absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeReques
   // server stops reading rows while its own results wait to be read, so sending and reading from
   // one thread could wait on each other forever for a large batch.
   std::thread writer([&] {
-    wire::ComputeRequestFrame start;
-    start.message = start_message;
-    if (!WriteFrame(*stream, start, result)) return;
-    const std::vector<RowStream> streams = RowStreams(request);
-    wire::ComputeRequestFrame chunk;
-    chunk.message.mutable_chunk();
-    for (int64_t first = 0; first < hidden.rows; first += rows_per_message) {
-      const int64_t count = std::min(rows_per_message, hidden.rows - first);
-      for (const RowStream& part : streams) {
-        // The rows' one copy on this side: gRPC sends the slice as it is, and frees it once sent.
-        chunk.rows[part.field] = send_buffers_->Copy(absl::string_view(
-            part.data + first * part.row_bytes, static_cast<size_t>(count * part.row_bytes)));
-      }
-      // A failed Write means the call has ended (the server returned an error, or it was
-      // cancelled); the reader learns why from Finish.
-      if (!WriteFrame(*stream, chunk, result)) return;
+    // A failed Write means the call has ended (the server returned an error, or it was
+    // cancelled); the reader learns why from Finish. The rows' one copy on this side goes to gRPC,
+    // which sends the slice as it is and frees it once sent.
+    if (SendRequestFrames(request, start_message, rows_per_message, send_buffers_.get(),
+                          [&](const wire::ComputeRequestFrame& frame) {
+                            return WriteFrame(*stream, frame, result);
+                          })) {
+      stream->WritesDone();
     }
-    stream->WritesDone();
   });
   const absl::Status assembled = ReadResults(context, *stream, assembler, result);
   writer.join();
@@ -1149,6 +1269,62 @@ absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeReques
     assembler.CopyKeptGradHidden(static_cast<uint8_t*>(request.grad_hidden_out));
   }
   return finished;
+}
+
+absl::Status Client::RunComputeOverSocket(const ComputeRequest& request,
+                                          v1::ComputeRequest& start_message, ComputeResult& result,
+                                          ComputeSocketPool& socket) const {
+  ASSIGN_OR_RETURN(
+      const int64_t rows_per_message,
+      RowsPerMessage(request.rows_per_message, ChunkRowBytes(request), options_.max_message_bytes));
+  ASSIGN_OR_RETURN(const DType grad_dtype, GradHiddenDType(request));
+  const absl::Time deadline = options_.deadline == absl::InfiniteDuration()
+                                  ? absl::InfiniteFuture()
+                                  : absl::Now() + options_.deadline;
+  const bool into_caller = request.grad_hidden_out != nullptr && request.outputs.grad_hidden();
+  // Made afresh for each try: a call repeated on a fresh connection starts from nothing.
+  std::unique_ptr<ResultAssembler> assembler;
+  absl::Status made = absl::OkStatus();
+  const auto fresh_assembler = [&]() {
+    result = ComputeResult();
+    absl::StatusOr<PerTokenAssembler> per_token =
+        PerTokenAssembler::Create(request.outputs, request.hidden.rows, &result.per_token);
+    if (!per_token.ok()) {
+      made = per_token.status();
+      return;
+    }
+    assembler = std::make_unique<ResultAssembler>(request, grad_dtype, *std::move(per_token),
+                                                  result, /*grad_hidden_in_messages=*/true,
+                                                  /*keep_grad_hidden=*/into_caller);
+  };
+  int64_t bytes_sent = 0;
+  int64_t bytes_received = 0;
+  RETURN_IF_ERROR(socket.Call(
+      [&] {
+        fresh_assembler();
+        bytes_sent = 0;
+        bytes_received = 0;
+      },
+      [&](RequestSink& sink) {
+        if (!made.ok()) return;
+        SendRequestFrames(request, start_message, rows_per_message, /*copy_into=*/nullptr,
+                          [&](const wire::ComputeRequestFrame& frame) {
+                            ++result.messages_sent;
+                            return sink.Send(frame);
+                          });
+      },
+      [&](wire::ComputeResponseFrame& response) -> absl::Status {
+        RETURN_IF_ERROR(made);
+        ++result.messages_received;
+        return assembler->Add(response.message, response.grad_hidden);
+      },
+      deadline, &bytes_sent, &bytes_received));
+  RETURN_IF_ERROR(made);
+  RETURN_IF_ERROR(assembler->Finish());
+  result.bytes_sent = bytes_sent;
+  result.bytes_received = bytes_received;
+  if (into_caller) assembler->CopyKeptGradHidden(static_cast<uint8_t*>(request.grad_hidden_out));
+  return absl::OkStatus();
 }
 
 absl::Status Client::RunComputeShared(const ComputeRequest& request,

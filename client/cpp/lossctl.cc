@@ -169,6 +169,9 @@ const std::vector<FlagSpec>& GlobalFlags() {
       {"max_message_mib", FlagKind::kInt, "256", "largest gRPC message sent or received, in MiB"},
       {"compute_connections", FlagKind::kInt, "4",
        "connections concurrent compute calls spread over"},
+      {"compute_socket", FlagKind::kString, "auto",
+       "compute calls' messages over the server's Compute socket (plain TCP beside gRPC): auto "
+       "(where the server offers one and there is no TLS), true, or false (gRPC)"},
       {"deadline_seconds", FlagKind::kDouble, "0", "deadline of each call in seconds; 0 sets none"},
       {"max_attempts", FlagKind::kInt, "4",
        "attempts per compute call: UNAVAILABLE and DEADLINE_EXCEEDED are retried with backoff, "
@@ -221,6 +224,15 @@ absl::StatusOr<Client> ConnectFromFlags(const Flags& flags) {
         absl::StrCat("--compute_connections: expected 1 to 64, got ", compute_connections));
   }
   options.compute_connections = static_cast<int>(compute_connections);
+  const std::string compute_socket = flags.String("compute_socket");
+  if (compute_socket == "true") {
+    options.compute_socket = true;
+  } else if (compute_socket == "false") {
+    options.compute_socket = false;
+  } else if (compute_socket != "auto") {
+    return UsageError(absl::StrCat("--compute_socket: expected auto, true or false, got \"",
+                                   compute_socket, "\""));
+  }
   const double deadline_seconds = flags.Double("deadline_seconds");
   if (deadline_seconds < 0) {
     return UsageError(absl::StrCat("--deadline_seconds: expected >= 0, got ", deadline_seconds));

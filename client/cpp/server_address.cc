@@ -91,28 +91,41 @@ absl::Status CheckServerAddress(absl::string_view address, absl::string_view fie
 
 namespace {
 
-// Whether one address names this host: a Unix socket, or a loopback host.
-bool IsLocalAddress(absl::string_view address) {
+// The gRPC scheme of one address ("dns", "unix", ...), lower-cased; empty for HOST:PORT.
+std::string SchemeOf(absl::string_view address) {
   const size_t colon = address.find(':');
-  const std::string scheme =
-      colon == absl::string_view::npos ? "" : absl::AsciiStrToLower(address.substr(0, colon));
-  if (scheme == "unix" || scheme == "unix-abstract") return true;
+  if (colon == absl::string_view::npos) return "";
+  const std::string scheme = absl::AsciiStrToLower(address.substr(0, colon));
+  for (absl::string_view known : kGrpcSchemes) {
+    if (scheme == known) return scheme;
+  }
+  return "";
+}
+
+// The host of one HOST:PORT, [V6]:PORT, dns: or ipv4:/ipv6: address, without brackets.
+absl::string_view HostOf(absl::string_view address) {
+  const std::string scheme = SchemeOf(address);
   if (scheme == "dns" || scheme == "ipv4" || scheme == "ipv6") {
-    address.remove_prefix(colon + 1);
+    address.remove_prefix(address.find(':') + 1);
+    const bool authority = absl::StartsWith(address, "//");
     while (absl::ConsumePrefix(&address, "/")) {
     }
     // dns://AUTHORITY/HOST:PORT
-    if (const size_t slash = address.find('/'); slash != absl::string_view::npos) {
+    if (const size_t slash = address.find('/');
+        authority && scheme == "dns" && slash != absl::string_view::npos) {
       address.remove_prefix(slash + 1);
     }
   }
-  absl::string_view host;
-  if (absl::StartsWith(address, "[")) {
-    host = address.substr(1, address.find(']') - 1);
-  } else {
-    const size_t port = address.rfind(':');
-    host = port == absl::string_view::npos ? address : address.substr(0, port);
-  }
+  if (absl::StartsWith(address, "[")) return address.substr(1, address.find(']') - 1);
+  const size_t port = address.rfind(':');
+  return port == absl::string_view::npos ? address : address.substr(0, port);
+}
+
+// Whether one address names this host: a Unix socket, or a loopback host.
+bool IsLocalAddress(absl::string_view address) {
+  const std::string scheme = SchemeOf(address);
+  if (scheme == "unix" || scheme == "unix-abstract") return true;
+  const absl::string_view host = HostOf(address);
   return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
 }
 
@@ -143,6 +156,17 @@ absl::StatusOr<Target> ParseTarget(absl::string_view address) {
   }
   target.local = IsLocalAddress(address);
   return target;
+}
+
+std::optional<std::string> TcpHost(const Target& target) {
+  if (target.listed_addresses != 1) return std::nullopt;
+  const std::string scheme = SchemeOf(target.uri);
+  if (!scheme.empty() && scheme != "dns" && scheme != "ipv4" && scheme != "ipv6") {
+    return std::nullopt;
+  }
+  const absl::string_view host = HostOf(target.uri);
+  if (host.empty()) return std::nullopt;
+  return std::string(host);
 }
 
 }  // namespace lossd::client

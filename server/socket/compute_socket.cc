@@ -1,20 +1,15 @@
 #include "server/socket/compute_socket.h"
 
 #include <arpa/inet.h>
-#include <endian.h>
-#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <array>
 #include <cerrno>
-#include <climits>
 #include <cstring>
 #include <utility>
 
@@ -22,15 +17,13 @@
 #include <grpcpp/support/slice.h>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "lossd/common/status_macros.h"
 #include "server/shm/shared_memory.h"
 #include "server/status/grpc_status.h"
 
 namespace lossd::server {
 namespace {
-
-static_assert(__BYTE_ORDER == __LITTLE_ENDIAN, "the Compute socket's headers are little-endian");
 
 // How long a connection that ends after a failed call keeps reading what its client still sends,
 // so that the kernel does not reset the connection (and drop the status the client has yet to
@@ -39,43 +32,6 @@ constexpr absl::Duration kLingerAfterFailure = absl::Seconds(2);
 // How long a status may take to leave: a few hundred bytes, which a client that reads at all
 // takes at once.
 constexpr absl::Duration kStatusSendLimit = absl::Seconds(2);
-
-struct FrameHeader {
-  uint32_t magic = kComputeSocketMagic;
-  uint32_t kind = 0;
-  uint64_t length = 0;
-};
-static_assert(sizeof(FrameHeader) == kComputeSocketHeaderBytes);
-
-std::string FrameKindName(uint32_t kind) {
-  return v1::ComputeSocketFrame_IsValid(static_cast<int>(kind))
-             ? v1::ComputeSocketFrame_Name(static_cast<v1::ComputeSocketFrame>(kind))
-             : absl::StrCat(kind);
-}
-
-int PollTimeoutMs(absl::Time deadline) {
-  if (deadline == absl::InfiniteFuture()) return -1;
-  const absl::Duration left = deadline - absl::Now();
-  if (left <= absl::ZeroDuration()) return 0;
-  return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, INT_MAX));
-}
-
-bool Readable(int fd) {
-  pollfd p{fd, POLLIN, 0};
-  return poll(&p, 1, 0) == 1 && (p.revents & POLLIN) != 0;
-}
-
-void Signal(int event_fd) {
-  const uint64_t one = 1;
-  // An eventfd's counter cannot overflow from a handful of writes; the result needs no check.
-  [[maybe_unused]] const ssize_t written = write(event_fd, &one, sizeof(one));
-}
-
-absl::StatusOr<UniqueFd> NewEventFd() {
-  UniqueFd fd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!fd.valid()) return ErrnoError("eventfd", errno);
-  return fd;
-}
 
 // The peer as gRPC's ServerContext::peer() would name it ("ipv4:127.0.0.1:5000",
 // "ipv6:[::1]:5000"), so that what keys on peers (pending memory's shares, IsLocalPeer) treats
@@ -92,36 +48,9 @@ std::string PeerName(const sockaddr_storage& address) {
   return absl::StrCat("ipv6:[", text, "]:", ntohs(v6.sin6_port));
 }
 
-// Frame errors name the frame's part as a field: the client learns what it sent wrong.
-absl::Status CheckHeader(const FrameHeader& header, uint64_t max_length) {
-  if (header.magic != kComputeSocketMagic) {
-    return InvalidField("frame.magic", absl::StrFormat("0x%08x", kComputeSocketMagic),
-                        absl::StrFormat("0x%08x (not a Compute socket frame)", header.magic));
-  }
-  if (header.length > max_length) {
-    return WithField(absl::ResourceExhaustedError(absl::StrCat(
-                         "frame.length: expected at most ", max_length, " bytes for a ",
-                         FrameKindName(header.kind),
-                         " frame (the server's --max_message_bytes), got ", header.length)),
-                     "frame.length");
-  }
-  return absl::OkStatus();
-}
-
-std::vector<iovec> StatusFrame(const absl::Status& status, std::string& payload,
-                               FrameHeader& header) {
-  payload = ToRpcStatus(status).SerializeAsString();
-  header.kind = v1::FRAME_STATUS;
-  header.length = payload.size();
-  return {iovec{&header, sizeof(header)}, iovec{payload.data(), payload.size()}};
-}
-
 // Sends `status` as a FRAME_STATUS on a connection no stream writes on.
 bool SendStatus(SocketConnection& connection, const absl::Status& status) {
-  std::string payload;
-  FrameHeader header;
-  return connection.WriteAll(StatusFrame(status, payload, header),
-                             absl::Now() + kStatusSendLimit) == SocketIo::kDone;
+  return wire::SendStatusFrame(connection, ToRpcStatus(status), absl::Now() + kStatusSendLimit);
 }
 
 // Closes a connection whose client may still be sending: our end first, then what comes is read
@@ -138,103 +67,6 @@ void CloseAfterFailure(SocketConnection& connection) {
 
 }  // namespace
 
-SocketConnection::SocketConnection(UniqueFd fd, std::vector<int> wake_fds)
-    : fd_(std::move(fd)), wake_fds_(std::move(wake_fds)) {}
-
-SocketIo SocketConnection::Wait(short events, absl::Time deadline,
-                                const std::vector<int>& extra_wake) {
-  std::vector<pollfd> fds;
-  fds.push_back({fd_.get(), events, 0});
-  for (int fd : wake_fds_) fds.push_back({fd, POLLIN, 0});
-  for (int fd : extra_wake) fds.push_back({fd, POLLIN, 0});
-  while (true) {
-    const int ready = poll(fds.data(), fds.size(), PollTimeoutMs(deadline));
-    if (ready < 0 && errno == EINTR) continue;
-    if (ready < 0) return SocketIo::kPeerClosed;
-    for (size_t i = 1; i < fds.size(); ++i) {
-      if (fds[i].revents != 0) return i <= wake_fds_.size() ? SocketIo::kStopped : SocketIo::kEnded;
-    }
-    if (fds[0].revents != 0) return SocketIo::kDone;
-    if (ready == 0 && absl::Now() >= deadline) return SocketIo::kTimedOut;
-  }
-}
-
-SocketIo SocketConnection::WaitReadable(absl::Time deadline, const std::vector<int>& extra_wake) {
-  return Wait(POLLIN, deadline, extra_wake);
-}
-
-SocketIo SocketConnection::ReadExact(void* out, size_t bytes, absl::Time deadline,
-                                     const std::vector<int>& extra_wake) {
-  auto* at = static_cast<uint8_t*>(out);
-  size_t got = 0;
-  while (got < bytes) {
-    const ssize_t n = recv(fd_.get(), at + got, bytes - got, 0);
-    if (n > 0) {
-      got += static_cast<size_t>(n);
-      continue;
-    }
-    if (n == 0) return SocketIo::kPeerClosed;
-    if (errno == EINTR) continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) return SocketIo::kPeerClosed;
-    const SocketIo waited = Wait(POLLIN, deadline, extra_wake);
-    if (waited != SocketIo::kDone) return waited;
-  }
-  return SocketIo::kDone;
-}
-
-SocketIo SocketConnection::WriteAll(std::vector<iovec> parts, absl::Time deadline,
-                                    const std::vector<int>& extra_wake, absl::Duration slow_after,
-                                    absl::FunctionRef<void()> on_slow, int64_t* sent) {
-  size_t first = 0;
-  int64_t total = 0;
-  bool slow_reported = slow_after <= absl::ZeroDuration();
-  const absl::Time slow_at = absl::Now() + slow_after;
-  while (first < parts.size()) {
-    if (parts[first].iov_len == 0) {
-      ++first;
-      continue;
-    }
-    msghdr message{};
-    message.msg_iov = parts.data() + first;
-    message.msg_iovlen = std::min<size_t>(parts.size() - first, IOV_MAX);
-    const ssize_t n = sendmsg(fd_.get(), &message, MSG_NOSIGNAL);
-    if (n >= 0) {
-      total += n;
-      for (size_t left = static_cast<size_t>(n); left > 0;) {
-        const size_t take = std::min(left, parts[first].iov_len);
-        parts[first].iov_base = static_cast<uint8_t*>(parts[first].iov_base) + take;
-        parts[first].iov_len -= take;
-        left -= take;
-        if (parts[first].iov_len == 0) ++first;
-      }
-      continue;
-    }
-    if (errno == EINTR) continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) {
-      if (sent != nullptr) *sent = total;
-      return SocketIo::kPeerClosed;
-    }
-    SocketIo waited =
-        Wait(POLLOUT, slow_reported ? deadline : std::min(deadline, slow_at), extra_wake);
-    if (waited == SocketIo::kTimedOut && !slow_reported && absl::Now() < deadline) {
-      slow_reported = true;
-      on_slow();
-      continue;
-    }
-    if (waited != SocketIo::kDone) {
-      if (sent != nullptr) *sent = total;
-      return waited;
-    }
-  }
-  if (sent != nullptr) *sent = total;
-  return SocketIo::kDone;
-}
-
-bool SocketConnection::PeerGone() const {
-  pollfd p{fd_.get(), POLLRDHUP, 0};
-  return poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
-}
-
 SocketComputeStream::SocketComputeStream(SocketConnection& connection, std::string peer,
                                          bool peer_is_local, Limits limits,
                                          std::shared_ptr<wire::SendBuffers> receive_buffers)
@@ -243,7 +75,7 @@ SocketComputeStream::SocketComputeStream(SocketConnection& connection, std::stri
       peer_is_local_(peer_is_local),
       limits_(limits),
       receive_buffers_(std::move(receive_buffers)),
-      ended_fd_(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {}
+      ended_fd_(wire::NewEventFd()) {}
 
 SocketComputeStream::Opening SocketComputeStream::ReadOpening(absl::Duration limit) {
   absl::MutexLock lock(&read_mu_);
@@ -264,7 +96,7 @@ bool SocketComputeStream::Read(wire::ComputeRequestFrame* request) {
     *request = std::move(first_);
     return true;
   }
-  if (reads_over_ || half_closed_ || Readable(ended_fd_.get())) return false;
+  if (reads_over_ || half_closed_ || EndedFdFired()) return false;
   return ReadFrame(request, absl::InfiniteFuture(), {ended_fd_.get()});
 }
 
@@ -275,7 +107,7 @@ bool SocketComputeStream::ReadFrame(wire::ComputeRequestFrame* request, absl::Ti
   last_io_ = io;
   absl::Status broken;
   if (io == SocketIo::kDone) {
-    broken = CheckHeader(header, static_cast<uint64_t>(limits_.max_message_bytes));
+    broken = wire::CheckFrameHeader(header, static_cast<uint64_t>(limits_.max_message_bytes));
     if (broken.ok() && header.kind == v1::FRAME_HALF_CLOSE) {
       if (header.length == 0) {
         half_closed_ = true;
@@ -284,7 +116,7 @@ bool SocketComputeStream::ReadFrame(wire::ComputeRequestFrame* request, absl::Ti
       broken = InvalidField("frame.length", "0 for FRAME_HALF_CLOSE", absl::StrCat(header.length));
     } else if (broken.ok() && header.kind != v1::FRAME_MESSAGE) {
       broken = InvalidField("frame.kind", "FRAME_MESSAGE or FRAME_HALF_CLOSE during a call",
-                            FrameKindName(header.kind));
+                            wire::FrameKindName(header.kind));
     }
     if (broken.ok()) {
       // Rows come in messages of megabytes, mostly of one size: pooled, their pages stay mapped
@@ -328,14 +160,8 @@ bool SocketComputeStream::WriteOrStall(const v1::ComputeResponse& response,
   constexpr absl::Duration kStallGrace = absl::Milliseconds(20);
   const grpc::ByteBuffer message = wire::EncodeComputeResponse(response, grad_hidden);
   std::vector<grpc::Slice> slices;
-  if (!message.Dump(&slices).ok()) return false;
   FrameHeader header;
-  header.kind = v1::FRAME_MESSAGE;
-  header.length = message.Length();
-  std::vector<iovec> parts{{&header, sizeof(header)}};
-  for (const grpc::Slice& slice : slices) {
-    parts.push_back({const_cast<uint8_t*>(slice.begin()), slice.size()});
-  }
+  std::vector<iovec> parts = wire::FrameParts(v1::FRAME_MESSAGE, message, slices, header);
   {
     absl::MutexLock lock(&write_mu_);
     write_mu_.Await(absl::Condition(
@@ -361,13 +187,18 @@ bool SocketComputeStream::WriteOrStall(const v1::ComputeResponse& response,
   return false;
 }
 
+bool SocketComputeStream::EndedFdFired() const {
+  pollfd p{ended_fd_.get(), POLLIN, 0};
+  return poll(&p, 1, 0) == 1;
+}
+
 bool SocketComputeStream::IsCancelled() const {
   return peer_closed_.load(std::memory_order_acquire) || connection_.PeerGone();
 }
 
 void SocketComputeStream::End(const absl::Status& status) {
   if (hooks_.ending) hooks_.ending(status);
-  Signal(ended_fd_.get());
+  wire::SignalEventFd(ended_fd_.get());
   absl::MutexLock lock(&write_mu_);
   write_mu_.Await(absl::Condition(
       +[](bool* writing) { return !*writing; }, &writing_));
@@ -446,7 +277,8 @@ absl::StatusOr<std::unique_ptr<ComputeSocketServer>> ComputeSocketServer::Start(
   const int port =
       ntohs(bound.ss_family == AF_INET ? reinterpret_cast<const sockaddr_in&>(bound).sin_port
                                        : reinterpret_cast<const sockaddr_in6&>(bound).sin6_port);
-  ASSIGN_OR_RETURN(UniqueFd stop, NewEventFd());
+  UniqueFd stop = wire::NewEventFd();
+  if (!stop.valid()) return ErrnoError("--compute_socket_listen: eventfd", errno);
   std::unique_ptr<ComputeSocketServer> server(new ComputeSocketServer(
       std::move(options), std::move(run_call), std::move(listener), std::move(stop), port));
   server->acceptor_ = std::make_unique<std::thread>([raw = server.get()] { raw->Accept(); });
@@ -467,7 +299,7 @@ ComputeSocketServer::~ComputeSocketServer() {
   threads_.JoinAll();
 }
 
-void ComputeSocketServer::Stop() { Signal(stop_.get()); }
+void ComputeSocketServer::Stop() { wire::SignalEventFd(stop_.get()); }
 
 int64_t ComputeSocketServer::connections() const {
   absl::MutexLock lock(&mu_);
@@ -484,7 +316,12 @@ void ComputeSocketServer::Accept() {
     socklen_t size = sizeof(address);
     UniqueFd fd(accept4(listener_.get(), reinterpret_cast<sockaddr*>(&address), &size,
                         SOCK_CLOEXEC | SOCK_NONBLOCK));
-    if (!fd.valid()) continue;  // the peer left already, or descriptors ran out for now
+    if (!fd.valid()) {
+      // Out of descriptors: the pending connection stays readable, so wait a little rather
+      // than spin on it. Any other failure is the peer's (it left already).
+      if (errno == EMFILE || errno == ENFILE) absl::SleepFor(absl::Milliseconds(50));
+      continue;
+    }
     const int on = 1;
     setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
     bool room;
@@ -522,10 +359,10 @@ void ComputeSocketServer::Serve(UniqueFd fd, std::string peer) {
   FrameHeader header;
   const absl::Time hello_deadline = absl::Now() + options_.stream_idle;
   if (connection.ReadExact(&header, sizeof(header), hello_deadline) != SocketIo::kDone) return;
-  absl::Status hello = CheckHeader(header, kComputeSocketMaxHelloBytes);
+  absl::Status hello = wire::CheckFrameHeader(header, wire::kComputeSocketMaxHelloBytes);
   if (hello.ok() && header.kind != v1::FRAME_HELLO) {
-    hello =
-        InvalidField("frame.kind", "FRAME_HELLO first on a connection", FrameKindName(header.kind));
+    hello = InvalidField("frame.kind", "FRAME_HELLO first on a connection",
+                         wire::FrameKindName(header.kind));
   }
   if (hello.ok()) {
     std::string body(header.length, '\0');
@@ -549,7 +386,7 @@ void ComputeSocketServer::Serve(UniqueFd fd, std::string peer) {
   while (true) {
     // Between calls: the connection waits for its client's next one, or closes.
     if (connection.WaitReadable(absl::Now() + options_.connection_idle) != SocketIo::kDone) return;
-    if (connection.PeerGone() && !Readable(connection.fd())) return;
+    if (connection.PeerGone() && !connection.Readable()) return;
     // A call's first message is read here, within the stream idle limit, before it costs a call.
     SocketComputeStream stream(connection, peer, peer_is_local, limits, receive_buffers_);
     switch (stream.ReadOpening(options_.stream_idle)) {

@@ -13,8 +13,6 @@
 #ifndef LOSSD_SERVER_SOCKET_COMPUTE_SOCKET_H_
 #define LOSSD_SERVER_SOCKET_COMPUTE_SOCKET_H_
 
-#include <sys/uio.h>
-
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -30,50 +28,15 @@
 #include "absl/time/time.h"
 #include "lossd/common/unique_fd.h"
 #include "lossd/v1/lossd.pb.h"
+#include "proto/wire/compute_socket_io.h"
 #include "server/call/compute_reactor.h"
 #include "server/call/compute_stream.h"
 
 namespace lossd::server {
 
-inline constexpr uint32_t kComputeSocketMagic = 0x3153434c;  // "LCS1" in little-endian order
-inline constexpr int64_t kComputeSocketHeaderBytes = 16;
-inline constexpr int64_t kComputeSocketMaxHelloBytes = 4096;
-
-// How one blocking step on a connection ended.
-enum class SocketIo {
-  kDone,
-  kPeerClosed,  // the peer closed or reset the connection
-  kTimedOut,
-  kStopped,  // the server stops
-  kEnded,    // the call was ended (one of the wait's own wake descriptors)
-};
-
-// A connection's descriptor with the waits the socket needs: each reads or writes until done, the
-// deadline, the peer's end, or a wake descriptor becomes readable (`wake_fds`: the server's stop;
-// a wait's `extra_wake`: its call's end), polling a non-blocking socket.
-class SocketConnection {
- public:
-  SocketConnection(UniqueFd fd, std::vector<int> wake_fds);
-  int fd() const { return fd_.get(); }
-  SocketIo ReadExact(void* out, size_t bytes, absl::Time deadline,
-                     const std::vector<int>& extra_wake = {});
-  // Sends every byte of `parts`; `on_slow`, if given, runs once when the peer has not taken
-  // them within `slow_after`. `sent` (if given) says how many bytes left.
-  SocketIo WriteAll(
-      std::vector<iovec> parts, absl::Time deadline, const std::vector<int>& extra_wake = {},
-      absl::Duration slow_after = {}, absl::FunctionRef<void()> on_slow = [] {},
-      int64_t* sent = nullptr);
-  // Waits until the socket has bytes to read (or the peer's end: kDone then too).
-  SocketIo WaitReadable(absl::Time deadline, const std::vector<int>& extra_wake = {});
-  // Whether the peer has closed its end (or the connection broke).
-  bool PeerGone() const;
-
- private:
-  SocketIo Wait(short events, absl::Time deadline, const std::vector<int>& extra_wake);
-
-  UniqueFd fd_;
-  const std::vector<int> wake_fds_;
-};
+using wire::FrameHeader;
+using wire::SocketConnection;
+using wire::SocketIo;
 
 // One Compute call on a connection, as the call sees its stream. Read takes the client's frames
 // (the first one read by ReadOpening already); Write sends FRAME_MESSAGEs; End records the call's
@@ -118,6 +81,8 @@ class SocketComputeStream final : public ComputeStream {
   // its status went out whole and the client's FRAME_HALF_CLOSE came). Reads the half-close if
   // it has not been read yet, waiting up to `wait` for it.
   bool ReusableAfterCall(absl::Duration wait);
+  // Whether End has been called (its eventfd fired).
+  bool EndedFdFired() const;
 
  private:
   // Reads one frame until `deadline` or one of `wake` is readable: true for a well-formed

@@ -201,6 +201,7 @@ def test_the_socket_gives_the_same_bits_as_grpc(over_grpc, over_socket, head, sh
                               rows_per_message=spec.get("rows_per_message"))
                for client in (over_grpc, over_socket)]
     grpc_result, socket_result = results
+    assert (grpc_result.transport, socket_result.transport) == ("grpc", "compute_socket")
     assert np.isfinite(grpc_result.loss)
     assert grpc_result.loss == socket_result.loss
     assert grpc_result.counted_tokens == socket_result.counted_tokens
@@ -256,7 +257,7 @@ def test_a_connection_the_server_closed_while_idle_is_replaced(over_socket, head
     over_socket.compute(head.head, hidden.numpy(), labels.numpy())
     time.sleep(4)  # past --compute_socket_idle_seconds=2: the server has closed the kept one
     result = over_socket.compute(head.head, hidden.numpy(), labels.numpy())
-    assert result.attempts == 1
+    assert result.attempts == 1 and result.transport == "compute_socket"
 
 
 # --- errors -------------------------------------------------------------------------------------
@@ -293,8 +294,9 @@ def test_a_server_without_the_socket_keeps_auto_on_grpc_and_refuses_true():
     with demo_server(64, 16) as plain:
         with lossd.Client(plain.address, timeout=600) as auto:
             rng = np.random.default_rng()
-            assert auto.compute("demo", rng.standard_normal((8, 16), dtype=np.float32),
-                                rng.integers(0, 64, 8), shared_memory=False).loss > 0
+            result = auto.compute("demo", rng.standard_normal((8, 16), dtype=np.float32),
+                                  rng.integers(0, 64, 8), shared_memory=False)
+            assert result.loss > 0 and result.transport == "grpc"
             with pytest.raises(lossd.LossdError) as error:
                 auto.compute("demo", rng.standard_normal((8, 16), dtype=np.float32),
                              rng.integers(0, 64, 8), shared_memory=False, compute_socket=True)
@@ -453,3 +455,10 @@ def test_a_peer_that_reads_nothing_cannot_hold_the_server(server, over_grpc, ove
                        for kind, body in frames)
         sender.join(120)
     assert over_socket.compute(head.head, hidden.numpy(), labels.numpy()).loss > 0
+
+
+def test_a_client_left_to_itself_takes_the_socket(server, head):
+    with lossd.Client(server.address, timeout=600) as automatic:
+        hidden, labels = random_batch(30)
+        result = automatic.compute(head.head, hidden.numpy(), labels.numpy())
+        assert result.transport == "compute_socket"

@@ -62,6 +62,7 @@ _ONE_SERVER_CALLS = {
     "SaveCheckpoint": "a checkpoint", "GetSharedMemorySocket": "shared memory",
     "AccumulateEmbeddingGrad": "an embedding gradient", "GradWeightNorm": "the gradient's norm",
     "CommitGradWeight": "a staged gradient", "DiscardGradWeight": "a staged gradient",
+    "GetComputeSocket": "the Compute socket",
 }
 # Read-only calls of one request message, which gRPC's own retryPolicy may send again whole.
 _GRPC_RETRIED_CALLS = ("ListHeads", "GetHead", "FetchWeight", "FetchGradWeight",
@@ -159,14 +160,17 @@ class LossResult:
     clip_fraction, mean_kl, mean_kd, ...), and every per-token output by its name in
     lossd.v1.ComputeResult: an array of num_tokens values (top_k_*: [num_tokens, k]) when the
     call asked for it, else None. grad_hidden is dL/dh [N, H] in grad_hidden_dtype (bfloat16:
-    uint16 bits), or None. call_id is the id sent ("" for none), attempts how many it took."""
+    uint16 bits), or None. call_id is the id sent ("" for none), attempts how many it took;
+    transport how the rows and dL/dh travelled: "grpc", "compute_socket" or "shared_memory"."""
 
-    def __init__(self, summary, outputs, grad_hidden=None, call_id="", attempts=1):
+    def __init__(self, summary, outputs, grad_hidden=None, call_id="", attempts=1,
+                 transport="grpc"):
         self.summary = summary
         self.outputs = outputs
         self.grad_hidden = grad_hidden
         self.call_id = call_id
         self.attempts = attempts
+        self.transport = transport
 
     def __getattr__(self, name):
         # Only names not set on the instance reach here.
@@ -872,6 +876,7 @@ class Client:
                 not isinstance(shared_rows_per_piece, (int, np.integer)) or shared_rows_per_piece < 1):
             raise ValueError(f"shared_rows_per_piece: expected a positive count of rows or None, "
                              f"got {shared_rows_per_piece!r}")
+        over_socket = None
         if shared_memory:
             def attempt():
                 return self._compute_shared(start, hidden, wanted, top_k, grad_dtype,
@@ -887,6 +892,8 @@ class Client:
                                               grad_hidden_out, one_server_for, side, over_socket)
         result = self._with_retries(attempt, start.call_id)
         result.call_id = start.call_id
+        result.transport = ("shared_memory" if shared_memory else
+                             "grpc" if over_socket is None else "compute_socket")
         return result
 
     def _with_retries(self, attempt, call_id, method="Compute"):

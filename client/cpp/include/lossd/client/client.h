@@ -105,6 +105,13 @@ struct ChannelOptions {
   // caller keeps to it): calls that share one HTTP/2 connection lose throughput to it. Training
   // calls keep to one connection, which reaches one server.
   int compute_connections = 4;
+  // Whether Compute calls whose rows travel in messages send them over the server's Compute
+  // socket (lossd_server --compute_socket_listen; ComputeSocket in lossd.proto: the same messages
+  // on a plain TCP connection of their own, around gRPC's HTTP/2 transport) instead of gRPC.
+  // Unset: where the server offers one, the channel has no TLS, and the address names one server
+  // (TcpHost, resolving to one address); the client asks once. true: FAILED_PRECONDITION where
+  // there is none; not with TLS. false: gRPC. ComputeRequest::compute_socket overrides it.
+  std::optional<bool> compute_socket;
 };
 
 // An address a channel can be built for: HOST:PORT ([IPV6]:PORT), or a gRPC target URI (dns:,
@@ -127,6 +134,11 @@ struct Target {
   bool local = false;
 };
 absl::StatusOr<Target> ParseTarget(absl::string_view address);
+// The host of a target that names one TCP server (HOST:PORT, dns:, or a one-entry ipv4: or ipv6:
+// list), as a socket connects to it, without brackets; none for anything else (a Unix socket,
+// several addresses, another resolver). The Python client's _address.tcp_host follows the same
+// rules.
+std::optional<std::string> TcpHost(const Target& target);
 
 // Which servers a channel's calls go to.
 enum class Balancing {
@@ -150,6 +162,8 @@ v1::DType ToProto(DType dtype);
 // The same code (gRPC and absl share the canonical numbering) and the server's message, with the
 // server's ErrorInfo (why, and the field it names) kept for ErrorInfoOf.
 absl::Status FromGrpcStatus(const grpc::Status& status);
+// The same from an RpcStatus, as the Compute socket's FRAME_STATUS carries it.
+absl::Status FromRpcStatus(const v1::RpcStatus& status);
 // The ErrorInfo a status from the server carried (its reason and field, to act on rather than the
 // message); none for a status without one.
 std::optional<v1::ErrorInfo> ErrorInfoOf(const absl::Status& status);
@@ -252,6 +266,9 @@ struct ComputeRequest {
   // this host, the call has no teacher and the server offers it (the client asks once, for at most
   // 10 s, and keeps to messages if it does not); true or false: as said.
   std::optional<bool> shared_memory;
+  // Over the Compute socket rather than gRPC, when the rows travel in messages (see
+  // ChannelOptions::compute_socket); unset: the client's choice.
+  std::optional<bool> compute_socket;
   // Rows that shared memory takes by copy (not in a SharedRegion) go into it after the call's
   // start, this many rows at a time, each piece announced once in place (SharedMemory.rows_follow),
   // so that the server computes while the rest are copied. 0: in pieces of about 32 MiB where the
@@ -302,6 +319,9 @@ struct ComputeResult {
   int64_t bytes_received = 0;
   int64_t messages_sent = 0;
   int64_t messages_received = 0;
+  // How the rows and dL/dh travelled.
+  enum class Transport { kGrpc, kComputeSocket, kSharedMemory };
+  Transport transport = Transport::kGrpc;
 };
 
 // Optimizer settings; torch.optim semantics and defaults, as the wire contract has them.
@@ -373,6 +393,8 @@ struct CommitResult {
 };
 
 class ComputeConnections;
+class ComputeSocketPool;
+struct ComputeSocketChoice;
 class Handover;
 class SharedBuffer;
 class SharedBufferPool;
@@ -470,6 +492,12 @@ class Client {
                           ComputeResult& result) const;
   absl::Status RunComputeShared(const ComputeRequest& request, v1::ComputeRequest& start_message,
                                 ComputeResult& result) const;
+  absl::Status RunComputeOverSocket(const ComputeRequest& request,
+                                    v1::ComputeRequest& start_message, ComputeResult& result,
+                                    ComputeSocketPool& socket) const;
+  // The Compute socket `request` goes over, or null for gRPC (ComputeRequest::compute_socket);
+  // FAILED_PRECONDITION when it asked for one that is not there.
+  absl::StatusOr<ComputeSocketPool*> ComputeSocketFor(const ComputeRequest& request) const;
 
   // Where the server takes memfds (GetSharedMemorySocket), asked within `deadline` at most.
   absl::StatusOr<v1::SharedMemorySocket> SharedMemorySocket(
@@ -493,6 +521,8 @@ class Client {
   std::shared_ptr<SharedBufferPool> shared_buffers_;  // memfds kept between shared-memory calls
   // Memory that rows are copied into to be sent, kept for the next message and call.
   std::shared_ptr<wire::SendBuffers> send_buffers_;
+  // The server's Compute socket, once asked for (ChannelOptions::compute_socket).
+  std::shared_ptr<ComputeSocketChoice> compute_socket_;
 };
 
 }  // namespace lossd::client

@@ -1,0 +1,72 @@
+// The C++ client's end of the Compute socket (ComputeSocket in lossd.proto): Compute calls'
+// messages on plain TCP connections of their own, kept between calls (one per call in flight).
+// The Python client's lossd/_compute_socket.py is the same for Python.
+#ifndef LOSSD_CLIENT_COMPUTE_SOCKET_CLIENT_H_
+#define LOSSD_CLIENT_COMPUTE_SOCKET_CLIENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "proto/wire/bulk_fields.h"
+#include "proto/wire/compute_frames.h"
+#include "proto/wire/compute_socket_io.h"
+
+namespace lossd::client {
+
+// Where a call's frames go: Send is false once the call can take no more (the server ended it,
+// or the connection broke); the reader learns why.
+class RequestSink {
+ public:
+  virtual ~RequestSink() = default;
+  virtual bool Send(const wire::ComputeRequestFrame& frame) = 0;
+};
+
+class ComputeSocketPool {
+ public:
+  ComputeSocketPool(std::string host, int port, std::string token, int64_t max_message_bytes);
+  ComputeSocketPool(const ComputeSocketPool&) = delete;
+  ComputeSocketPool& operator=(const ComputeSocketPool&) = delete;
+
+  // One Compute call: `send` hands the call's request frames to its sink in order, on a thread
+  // of its own, while each response goes to `take` as it arrives. `begin` runs on this thread
+  // before each try: a kept connection that turns out closed before the call began is replaced
+  // and the call tried again from the start. The call's status as the server sent
+  // it (FromRpcStatus), `take`'s first error, or UNAVAILABLE / DEADLINE_EXCEEDED when the
+  // connection fails or `deadline` passes. Counts bytes and messages into `sent` and `received`.
+  absl::Status Call(absl::FunctionRef<void()> begin, absl::FunctionRef<void(RequestSink&)> send,
+                    absl::FunctionRef<absl::Status(wire::ComputeResponseFrame&)> take,
+                    absl::Time deadline, int64_t* bytes_sent, int64_t* bytes_received);
+
+  std::string address() const;
+
+ private:
+  struct Outcome {
+    absl::Status status;
+    bool answered = false;  // a frame of the call came back: it ran, and is not to be repeated
+  };
+  absl::StatusOr<std::unique_ptr<wire::SocketConnection>> Connect(absl::Time deadline);
+  Outcome CallOn(wire::SocketConnection& connection, absl::FunctionRef<void(RequestSink&)> send,
+                 absl::FunctionRef<absl::Status(wire::ComputeResponseFrame&)> take,
+                 absl::Time deadline, int64_t* bytes_sent, int64_t* bytes_received);
+
+  const std::string host_;
+  const int port_;
+  const std::string token_;
+  const int64_t max_message_bytes_;
+  // Results are read into pooled slices: megabytes each, reused call after call.
+  const std::shared_ptr<wire::SendBuffers> receive_buffers_ = wire::SendBuffers::Create();
+  absl::Mutex mu_;
+  std::vector<std::unique_ptr<wire::SocketConnection>> idle_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace lossd::client
+
+#endif  // LOSSD_CLIENT_COMPUTE_SOCKET_CLIENT_H_
