@@ -79,6 +79,13 @@ SocketComputeStream::SocketComputeStream(SocketConnection& connection, std::stri
 
 SocketComputeStream::Opening SocketComputeStream::ReadOpening(absl::Duration limit) {
   absl::MutexLock lock(&read_mu_);
+  if (!ended_fd_.valid()) {
+    // Without it nothing could end a read that waits on a silent client.
+    first_taken_ = true;
+    End(absl::ResourceExhaustedError(
+        "the server is out of file descriptors; retry, or send the call over gRPC"));
+    return Opening::kRefused;
+  }
   if (ReadFrame(&first_, absl::Now() + limit, {ended_fd_.get()}) || half_closed_) {
     return Opening::kCall;
   }

@@ -175,10 +175,15 @@ class ComputeSocket:
         sender = threading.Thread(target=send, name="lossd-compute-socket-send", daemon=True)
         reusable = False
         started = time.monotonic()
+        connection.sock.settimeout(self._timeout)  # a kept one may hold a call's last remainder
         try:
             sender.start()
             answered = False
+            deadline = None if self._timeout is None else started + self._timeout
             while True:
+                if deadline is not None:
+                    # The whole call within the client's timeout, as a gRPC deadline bounds it.
+                    connection.sock.settimeout(max(1e-3, deadline - time.monotonic()))
                 try:
                     kind, body = connection.read_frame(answered)
                 except (socket.timeout, TimeoutError):
