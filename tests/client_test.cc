@@ -1763,6 +1763,23 @@ bool MapsMemfdReadOnly(const std::string& name) {
 
 void PrintTo(const SharedMemoryCase& c, std::ostream* os) { *os << c.name; }
 
+// A call's loss, its accumulated dL/dW and (when float32) its dL/dh against the float64 reference
+// of its rows, with top-3 outputs.
+void ExpectMatchesTheReference(const ComputeResult& result, const client::Tensor& grad_weight,
+                               const client::Tensor& grad_hidden, const client::Tensor& hidden,
+                               const std::vector<float>& weight,
+                               const std::vector<int64_t>& labels) {
+  const ReferenceResult ref =
+      ComputeReference(MakeReferenceProblem(client::ToFloat32(hidden), weight, labels, kHidden, 3));
+  EXPECT_EQ(result.summary.counted_tokens(), ref.counted_tokens);
+  if (ref.counted_tokens == 0) return;
+  EXPECT_LE(std::abs(result.summary.loss() - ref.loss) / ref.loss, kLossBound);
+  EXPECT_LE(RelativeError(client::ToFloat32(grad_weight), ref.grad_weight), kGradBound);
+  if (grad_hidden.dtype == client::DType::kFloat32) {
+    EXPECT_LE(RelativeError(client::ToFloat32(grad_hidden), ref.grad_hidden), kGradBound);
+  }
+}
+
 class SharedMemoryTest : public ClientTest,
                          public ::testing::WithParamInterface<SharedMemoryCase> {};
 
@@ -1843,17 +1860,8 @@ TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
   ASSERT_TRUE(grad_sent.ok() && grad_shared.ok());
   EXPECT_TRUE(grad_shared->bytes == grad_sent->bytes) << "dL/dW differs";
 
-  client::Tensor hidden_tensor{hidden_bytes, c.hidden_dtype, c.rows, kHidden};
-  const ReferenceResult ref = ComputeReference(
-      MakeReferenceProblem(client::ToFloat32(hidden_tensor), weight, labels, kHidden, 3));
-  EXPECT_EQ(shared->summary.counted_tokens(), ref.counted_tokens);
-  if (ref.counted_tokens > 0) {
-    EXPECT_LE(std::abs(shared->summary.loss() - ref.loss) / ref.loss, kLossBound);
-    EXPECT_LE(RelativeError(client::ToFloat32(*grad_shared), ref.grad_weight), kGradBound);
-    if (shared->grad_hidden.dtype == client::DType::kFloat32) {
-      EXPECT_LE(RelativeError(client::ToFloat32(shared_grad_hidden), ref.grad_hidden), kGradBound);
-    }
-  }
+  ExpectMatchesTheReference(*shared, *grad_shared, shared_grad_hidden,
+                            {hidden_bytes, c.hidden_dtype, c.rows, kHidden}, weight, labels);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -1978,14 +1986,8 @@ TEST_P(ComputeSocketCaseTest, MatchesGrpcBitwiseAndTheReference) {
   ASSERT_TRUE(grad_sent.ok() && grad_socketed.ok());
   EXPECT_TRUE(grad_socketed->bytes == grad_sent->bytes) << "dL/dW differs";
   if (c.teacher != Teacher::kNone) return;  // the distillation references are the engine test's
-  client::Tensor hidden_tensor{hidden_bytes, c.hidden_dtype, c.rows, kHidden};
-  const ReferenceResult ref = ComputeReference(
-      MakeReferenceProblem(client::ToFloat32(hidden_tensor), weight, labels, kHidden, 3));
-  EXPECT_EQ(socketed->summary.counted_tokens(), ref.counted_tokens);
-  if (ref.counted_tokens > 0) {
-    EXPECT_LE(std::abs(socketed->summary.loss() - ref.loss) / ref.loss, kLossBound);
-    EXPECT_LE(RelativeError(client::ToFloat32(*grad_socketed), ref.grad_weight), kGradBound);
-  }
+  ExpectMatchesTheReference(*socketed, *grad_socketed, socketed->grad_hidden,
+                            {hidden_bytes, c.hidden_dtype, c.rows, kHidden}, weight, labels);
 }
 
 INSTANTIATE_TEST_SUITE_P(

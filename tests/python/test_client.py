@@ -107,11 +107,9 @@ CASES = {
 }
 
 
-# Shared memory too: the same references must hold when forward and the backward's correction
-# hand their rows and dL/dh over in a memfd.
-@pytest.mark.parametrize("shared_memory", [False, True], ids=["messages", "shared_memory"])
-@pytest.mark.parametrize("case", CASES)
-def test_loss_and_gradients_match_torch(client, head, case, shared_memory):
+def check_case_against_torch(remote_head, head, case):
+    """CASES[case] through `remote_head` (a RemoteHead on `head`'s W, whichever way its calls
+    travel): loss, dL/dh and the accumulated dL/dW against torch's float64."""
     spec = CASES[case]
     num_tokens = 300
     hidden, labels = random_batch(num_tokens, spec.get("ignored", 0))
@@ -125,7 +123,6 @@ def test_loss_and_gradients_match_torch(client, head, case, shared_memory):
     smoothing = spec.get("label_smoothing", 0.0)
 
     remote_hidden = hidden.clone().requires_grad_()
-    remote_head = RemoteHead(client, head.head, shared_memory=shared_memory)
     loss = remote_head(remote_hidden, labels, weights=weights, reduction=spec["reduction"],
                        label_smoothing=smoothing)
     upstream(loss).backward()
@@ -138,6 +135,15 @@ def test_loss_and_gradients_match_torch(client, head, case, shared_memory):
     assert remote_hidden.grad.dtype == torch.float32
     assert relative_error(remote_hidden.grad, expected_grad_hidden) < GRAD_RTOL
     assert relative_error(head.fetch_grad_weight(), expected_grad_weight) < GRAD_RTOL
+
+
+# Shared memory too: the same references must hold when forward and the backward's correction
+# hand their rows and dL/dh over in a memfd.
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["messages", "shared_memory"])
+@pytest.mark.parametrize("case", CASES)
+def test_loss_and_gradients_match_torch(client, head, case, shared_memory):
+    check_case_against_torch(RemoteHead(client, head.head, shared_memory=shared_memory), head,
+                             case)
 
 
 def test_token_accuracy_is_the_share_of_labels_that_are_the_argmax(client, head):

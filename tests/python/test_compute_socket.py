@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from server_process import demo_server, ensure_python_client
-from test_client import CASES, GRAD_RTOL, LOSS_RTOL, random_batch, random_weighted_sum, \
-    relative_error, torch_reference
+from test_client import CASES, check_case_against_torch, random_batch
 
 ensure_python_client()
 import lossd  # noqa: E402
@@ -152,24 +151,7 @@ def raw_connection(server, client, token=""):
 
 @pytest.mark.parametrize("case", CASES)
 def test_loss_and_gradients_match_torch_over_the_socket(over_socket, head, case):
-    spec = CASES[case]
-    num_tokens = 300
-    hidden, labels = random_batch(num_tokens, spec.get("ignored", 0))
-    weights = None
-    if spec.get("weighted"):
-        weights = torch.rand(num_tokens) * 2 - 0.5
-    upstream = random_weighted_sum(num_tokens) if spec["upstream"] == "random" else spec["upstream"]
-    smoothing = spec.get("label_smoothing", 0.0)
-    remote_hidden = hidden.clone().requires_grad_()
-    loss = RemoteHead(over_socket, head.head)(remote_hidden, labels, weights=weights,
-                                              reduction=spec["reduction"],
-                                              label_smoothing=smoothing)
-    upstream(loss).backward()
-    expected_loss, expected_grad_hidden, expected_grad_weight = torch_reference(
-        hidden, head.fetch_weight(), labels, spec["reduction"], upstream, weights, smoothing)
-    assert relative_error(loss.detach(), expected_loss) < LOSS_RTOL
-    assert relative_error(remote_hidden.grad, expected_grad_hidden) < GRAD_RTOL
-    assert relative_error(head.fetch_grad_weight(), expected_grad_weight) < GRAD_RTOL
+    check_case_against_torch(RemoteHead(over_socket, head.head), head, case)
 
 
 SHAPES = {
