@@ -171,11 +171,53 @@ def compute_stream_seeds(pb):
     }
 
 
+# ---- fuzz_compute_socket: a mode byte, then what the client sends on the Compute socket ----
+MAGIC = 0x3153434C
+ERROR_END, RESULT_FIRST, TOKEN = 1, 2, 4
+
+
+def frame(kind, payload=b"", magic=MAGIC, length=None):
+    return struct.pack("<IIQ", magic, kind, len(payload) if length is None else length) + payload
+
+
+def compute_socket_seeds(pb):
+    def hello(token=""):
+        return frame(pb.FRAME_HELLO, pb.ComputeSocketHello(token=token).SerializeToString())
+
+    def call(rows=2):
+        start = pb.ComputeRequest(start=pb.ComputeStart(head="h", num_tokens=rows, hidden_size=4,
+                                                        hidden_dtype=pb.DTYPE_FLOAT32,
+                                                        labels=[1] * rows))
+        chunk = pb.ComputeRequest(chunk=pb.ComputeChunk(
+            hidden=np.arange(rows * 4, dtype=np.float32).tobytes()))
+        return (frame(pb.FRAME_MESSAGE, start.SerializeToString())
+                + frame(pb.FRAME_MESSAGE, chunk.SerializeToString()) + frame(pb.FRAME_HALF_CLOSE))
+
+    return {
+        "two_calls": bytes([0]) + hello() + call() + call(3),
+        "two_calls_with_results": bytes([RESULT_FIRST]) + hello() + call() + call(1),
+        "failed_call_then_more": bytes([ERROR_END]) + hello() + call() + call(),
+        "token": bytes([TOKEN]) + hello("t") + call(),
+        "wrong_token": bytes([TOKEN]) + hello("u") + call(),
+        "empty_call": bytes([0]) + hello() + frame(pb.FRAME_HALF_CLOSE),
+        "hello_alone": bytes([0]) + hello(),
+        "bad_magic": bytes([0]) + frame(pb.FRAME_HELLO, magic=0x20544547),
+        "message_before_hello": bytes([0]) + call(),
+        "oversized_message": bytes([0]) + hello() + frame(pb.FRAME_MESSAGE, length=1 << 40),
+        "unknown_kind": bytes([0]) + hello() + frame(77),
+        "half_close_with_bytes": bytes([0]) + hello() + frame(pb.FRAME_HALF_CLOSE, b"abc"),
+        "cut_mid_frame": bytes([0]) + hello() + call()[:30],
+        # A second call's start where the first's half-close belongs.
+        "no_half_close": bytes([0]) + hello() + call()[:-16] + call(),
+    }
+
+
 def main():
     pb, proto_out = load_proto_module()
     try:
         write_corpus("fuzz_safetensors", safetensors_seeds())
         write_corpus("fuzz_compute_stream", compute_stream_seeds(pb))
+        write_corpus("fuzz_compute_socket", compute_socket_seeds(pb))
     finally:
         shutil.rmtree(proto_out)
 

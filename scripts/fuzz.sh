@@ -15,7 +15,7 @@ if ! [[ "$seconds" =~ ^[0-9]+$ ]] || ((seconds < 1)); then
   echo "usage: $0 [seconds per target]" >&2
   exit 2
 fi
-targets=(fuzz_safetensors fuzz_compute_stream)
+targets=(fuzz_safetensors fuzz_compute_stream fuzz_compute_socket)
 
 source scripts/ensure_packages.sh
 ensure_packages clang-14 libclang-rt-14-dev libomp-14-dev

@@ -52,6 +52,12 @@ ABSL_FLAG(std::string, compute_socket_listen, "",
 ABSL_FLAG(double, compute_socket_idle_seconds, 300,
           "how long a Compute socket connection may wait for its client's next call before the "
           "server closes it");
+ABSL_FLAG(int, compute_socket_max_connections, 256,
+          "connections the Compute socket holds at once (each a thread); more are refused and "
+          "their clients' calls go over gRPC");
+ABSL_FLAG(int, compute_socket_max_connections_per_host, 64,
+          "of those, connections from one host (one address: a NAT counts as one), so that no one "
+          "host locks the others out");
 ABSL_FLAG(int64_t, max_call_ids, 65536,
           "calls with a call_id whose ids each head keeps per accumulator epoch (until its "
           "gradient is zeroed), so that a retried call is never accumulated twice; a new id past "
@@ -167,6 +173,9 @@ int main(int argc, char** argv) {
   config.shared_memory = absl::GetFlag(FLAGS_shared_memory);
   config.compute_socket_listen = absl::GetFlag(FLAGS_compute_socket_listen);
   config.compute_socket_idle = absl::Seconds(absl::GetFlag(FLAGS_compute_socket_idle_seconds));
+  config.compute_socket_max_connections = absl::GetFlag(FLAGS_compute_socket_max_connections);
+  config.compute_socket_max_connections_per_host =
+      absl::GetFlag(FLAGS_compute_socket_max_connections_per_host);
   config.max_call_ids = absl::GetFlag(FLAGS_max_call_ids);
   config.staged_grad_ttl = absl::Seconds(absl::GetFlag(FLAGS_staged_grad_seconds));
   config.staged_grad_bytes = absl::GetFlag(FLAGS_staged_grad_mib) << 20;

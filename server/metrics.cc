@@ -47,6 +47,8 @@ constexpr StateGaugeInfo kStateGauges[] = {
      "Ranges of clients' memfds mapped now (by running calls, or kept idle)."},
     {StateGauge::kSharedMemoryMappedBytes, "lossd_shared_memory_mapped_bytes",
      "Bytes of clients' memfds mapped now; client memory, outside lossd_memory_bytes."},
+    {StateGauge::kComputeSocketConnections, "lossd_compute_socket_connections",
+     "Connections open on the Compute socket, between calls or carrying one."},
     {StateGauge::kHeadVersion, "lossd_head_version",
      "Version of each head; grows with every step or upload."},
     {StateGauge::kHeadAccumulatedTokens, "lossd_head_accumulated_tokens",

@@ -36,6 +36,7 @@ enum class StateGauge : int {
   kSharedMemoryHandles,
   kSharedMemoryMappings,
   kSharedMemoryMappedBytes,
+  kComputeSocketConnections,
   kHeadVersion,
   kHeadAccumulatedTokens,
   kHeadStagedGradients,

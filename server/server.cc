@@ -412,6 +412,9 @@ std::vector<GaugeSample> LossServer::ReadState() const {
   samples.push_back({StateGauge::kSharedMemoryMappings, {}, static_cast<double>(maps.mappings())});
   samples.push_back(
       {StateGauge::kSharedMemoryMappedBytes, {}, static_cast<double>(maps.mapped_bytes())});
+  samples.push_back({StateGauge::kComputeSocketConnections,
+                     {},
+                     static_cast<double>(service_->compute_socket_connections())});
   for (const auto& head : heads_.List()) {
     const HeadSummary s = head->Summary();
     samples.push_back(
@@ -519,6 +522,16 @@ absl::Status ServerConfig::Validate() const {
                           "and its token in the clear",
                           absl::StrCat("\"", compute_socket_listen, "\""));
     }
+  }
+  if (compute_socket_max_connections < 1 || compute_socket_max_connections > 4096) {
+    return InvalidField("--compute_socket_max_connections", "a count in [1, 4096]",
+                        absl::StrCat(compute_socket_max_connections));
+  }
+  if (compute_socket_max_connections_per_host < 1 ||
+      compute_socket_max_connections_per_host > compute_socket_max_connections) {
+    return InvalidField("--compute_socket_max_connections_per_host",
+                        "a count in [1, --compute_socket_max_connections]",
+                        absl::StrCat(compute_socket_max_connections_per_host));
   }
   if (compute_socket_idle <= absl::ZeroDuration()) {
     return InvalidField("--compute_socket_idle_seconds", "a duration > 0",
@@ -663,8 +676,11 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
   }
 
   if (!config.compute_socket_listen.empty()) {
-    RETURN_IF_ERROR(server->service_->OpenComputeSocket(config.compute_socket_listen,
-                                                        config.compute_socket_idle));
+    RETURN_IF_ERROR(server->service_->OpenComputeSocket(
+        config.compute_socket_listen,
+        {.idle = config.compute_socket_idle,
+         .max_connections = config.compute_socket_max_connections,
+         .max_connections_per_host = config.compute_socket_max_connections_per_host}));
     server->startup_log_.push_back(
         absl::StrCat("Compute socket on port ", server->service_->compute_socket_port(),
                      " (--compute_socket_listen=", config.compute_socket_listen, ")"));

@@ -54,11 +54,14 @@ struct ServerConfig {
   bool cache_call_buffers = true;  // keep call buffers between calls
   // Host memory kept for the next call: rows from messages and the dL/dh going out in them.
   int64_t host_cache_bytes = int64_t{1} << 30;
-  bool shared_memory = true;     // rows in memfds from clients on this host
+  bool shared_memory = true;  // rows in memfds from clients on this host
   // HOST:PORT of the Compute socket (ComputeSocket in lossd.proto); empty: none. Not with TLS.
   std::string compute_socket_listen;
   // How long a Compute socket connection may wait for its next call before it is closed.
   absl::Duration compute_socket_idle = absl::Minutes(5);
+  // Connections the Compute socket holds at once (each a thread), and of those from one host.
+  int compute_socket_max_connections = 256;
+  int compute_socket_max_connections_per_host = 64;
   int64_t max_call_ids = 65536;  // per head and accumulator epoch
   // ComputeStart.stage_grad_weight: how long a staged dL/dW waits for its commit, and the device
   // memory all staged dL/dW may hold together (0: room for 8 of the largest head's).

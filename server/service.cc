@@ -800,12 +800,14 @@ absl::Status LossService::OpenSharedMemorySocket() {
 void LossService::CloseSharedMemorySocket() { handover_socket_.reset(); }
 
 absl::Status LossService::OpenComputeSocket(const std::string& address,
-                                            absl::Duration connection_idle) {
+                                            ComputeSocketLimits limits) {
   ComputeSocketServer::Options socket_options{
       .bearer_token = options_.bearer_token,
       .max_message_bytes = options_.max_message_bytes,
       .stream_idle = options_.compute.stream_idle,
-      .connection_idle = connection_idle,
+      .connection_idle = limits.idle,
+      .max_connections = limits.max_connections,
+      .max_connections_per_host = limits.max_connections_per_host,
   };
   ASSIGN_OR_RETURN(compute_socket_, ComputeSocketServer::Start(address, std::move(socket_options),
                                                                [this](SocketComputeStream& stream) {
@@ -818,7 +820,9 @@ void LossService::StopComputeSocket() {
   if (compute_socket_ != nullptr) compute_socket_->Stop();
 }
 
-void LossService::CloseComputeSocket() { compute_socket_.reset(); }
+void LossService::CloseComputeSocket() {
+  if (compute_socket_ != nullptr) compute_socket_->Close();
+}
 
 grpc::Status LossService::GetComputeSocket(grpc::ServerContext* context,
                                            const v1::GetComputeSocketRequest*,

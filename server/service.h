@@ -99,11 +99,20 @@ class LossService final
                                 v1::ComputeSocket* response) override;
   // The Compute socket (ComputeSocket in lossd.proto): opened on `address` before the service
   // serves, when the server offers one; stopped once the calls have drained (its calls in flight
-  // then end with UNAVAILABLE), and closed, its threads joined.
-  absl::Status OpenComputeSocket(const std::string& address, absl::Duration connection_idle);
+  // then end with UNAVAILABLE), and closed, its threads joined (it stays, closed, for the metrics
+  // that read it until the service goes away).
+  struct ComputeSocketLimits {
+    absl::Duration idle;  // a connection's wait for its next call
+    int max_connections = 256;
+    int max_connections_per_host = 64;
+  };
+  absl::Status OpenComputeSocket(const std::string& address, ComputeSocketLimits limits);
   void StopComputeSocket();
   void CloseComputeSocket();
   int compute_socket_port() const { return compute_socket_ ? compute_socket_->port() : 0; }
+  int64_t compute_socket_connections() const {
+    return compute_socket_ ? compute_socket_->connections() : 0;
+  }
   grpc::Status LookupEmbedding(grpc::ServerContext* context,
                                const v1::LookupEmbeddingRequest* request,
                                grpc::ServerWriter<v1::EmbeddingRows>* writer) override;

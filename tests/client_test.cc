@@ -2048,6 +2048,37 @@ TEST_F(ComputeSocketTest, ErrorsAndConcurrentCallsAreAsOverGrpc) {
   EXPECT_FALSE(std::all_of(out.begin(), out.end(), [](float v) { return v == 7.0f; }));
 }
 
+// A server whose socket takes one connection from a host: a second client's call, refused at its
+// HELLO, goes over gRPC instead of failing.
+TEST_F(ComputeSocketTest, AFullSocketSendsTheCallOverGrpc) {
+  server::ServerConfig config = MultiChunkDemoConfig(kHead, kVocab, kHidden, 11);
+  config.compute_socket_listen = "127.0.0.1:0";
+  config.compute_socket_max_connections_per_host = 1;
+  config.shared_memory = false;
+  const std::unique_ptr<server::LossServer> narrow = StartTestServer(config);
+  ASSERT_NE(narrow, nullptr);
+  ChannelOptions options = OptionsFor(narrow->port());
+  options.compute_socket = true;
+  const Client first = Connect(options);
+  const Client second = Connect(options);
+  const std::string hidden_bytes =
+      client::EncodeFromFloat32(RandomNormal(20 * kHidden, 1.0f, rng_), client::DType::kFloat32);
+  const std::vector<int64_t> labels = RandomLabels(20, kVocab, 0.0, rng_);
+  ComputeRequest request;
+  request.head = kHead;
+  request.hidden = {hidden_bytes.data(), client::DType::kFloat32, 20, kHidden};
+  request.labels = labels;
+  SelectOutput(request.outputs, "grad_hidden");
+  const absl::StatusOr<ComputeResult> holding = first.Compute(request);  // keeps its connection
+  ASSERT_TRUE(holding.ok()) << holding.status();
+  EXPECT_EQ(holding->transport, ComputeResult::Transport::kComputeSocket);
+  const absl::StatusOr<ComputeResult> refused = second.Compute(request);
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_EQ(refused->transport, ComputeResult::Transport::kGrpc);
+  ExpectSameResults(*refused, *holding);
+  EXPECT_TRUE(refused->grad_hidden.bytes == holding->grad_hidden.bytes);
+}
+
 TEST_F(ComputeSocketTest, AServerWithoutOneKeepsAutoOnGrpcAndRefusesTrue) {
   ChannelOptions options = OptionsFor(server_->port());  // the suite's server offers none
   const Client automatic = Connect(options);
@@ -2055,10 +2086,11 @@ TEST_F(ComputeSocketTest, AServerWithoutOneKeepsAutoOnGrpcAndRefusesTrue) {
   const Client insisting = Connect(options);
   const std::string hidden_bytes =
       client::EncodeFromFloat32(RandomNormal(8 * kHidden, 1.0f, rng_), client::DType::kFloat32);
+  const std::vector<int64_t> labels = RandomLabels(8, kVocab, 0.0, rng_);
   ComputeRequest request;
   request.head = kHead;
   request.hidden = {hidden_bytes.data(), client::DType::kFloat32, 8, kHidden};
-  request.labels = RandomLabels(8, kVocab, 0.0, rng_);
+  request.labels = labels;
   request.shared_memory = false;
   const absl::StatusOr<ComputeResult> over_grpc = automatic.Compute(request);
   ASSERT_TRUE(over_grpc.ok()) << over_grpc.status();

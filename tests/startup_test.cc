@@ -467,6 +467,13 @@ const BadSetting kBadSettings[] = {
        c.tls_key_file = "/nonexistent/key.pem";
      },
      "--compute_socket_listen: expected none with TLS on (--tls_cert_file)"},
+    {"compute_socket_host_over_total", "one host could never reach its share",
+     [](server::ServerConfig& c) {
+       c.compute_socket_max_connections = 8;
+       c.compute_socket_max_connections_per_host = 9;
+     },
+     "--compute_socket_max_connections_per_host: expected a count in [1, "
+     "--compute_socket_max_connections], got 9"},
     {"compute_socket_idle_zero", "every kept connection would close at once",
      [](server::ServerConfig& c) { c.compute_socket_idle = absl::ZeroDuration(); },
      "--compute_socket_idle_seconds: expected a duration > 0, got 0"},

@@ -1101,9 +1101,7 @@ absl::StatusOr<ComputeResult> Client::Compute(const ComputeRequest& request) con
                             ? RunComputeOverSocket(request, start_message, result, *socket)
                             : RunCompute(request, start_message, result));
         result.wall_seconds = absl::ToDoubleSeconds(absl::Now() - call_start);
-        result.transport = shared_memory      ? ComputeResult::Transport::kSharedMemory
-                           : socket != nullptr ? ComputeResult::Transport::kComputeSocket
-                                               : ComputeResult::Transport::kGrpc;
+        if (shared_memory) result.transport = ComputeResult::Transport::kSharedMemory;
         result.call_id = start_message.start().call_id();
         result.attempts = attempt;
         return result;
@@ -1299,7 +1297,8 @@ absl::Status Client::RunComputeOverSocket(const ComputeRequest& request,
   };
   int64_t bytes_sent = 0;
   int64_t bytes_received = 0;
-  RETURN_IF_ERROR(socket.Call(
+  bool no_room = false;
+  const absl::Status called = socket.Call(
       [&] {
         fresh_assembler();
         bytes_sent = 0;
@@ -1318,8 +1317,15 @@ absl::Status Client::RunComputeOverSocket(const ComputeRequest& request,
         ++result.messages_received;
         return assembler->Add(response.message, response.grad_hidden);
       },
-      deadline, &bytes_sent, &bytes_received));
+      deadline, &bytes_sent, &bytes_received, &no_room);
+  if (no_room) {
+    // The socket holds as many connections as it takes: the call never began there.
+    result = ComputeResult();
+    return RunCompute(request, start_message, result);
+  }
+  RETURN_IF_ERROR(called);
   RETURN_IF_ERROR(made);
+  result.transport = ComputeResult::Transport::kComputeSocket;
   RETURN_IF_ERROR(assembler->Finish());
   result.bytes_sent = bytes_sent;
   result.bytes_received = bytes_received;

@@ -122,7 +122,7 @@ std::string ComputeSocketPool::address() const {
 }
 
 absl::StatusOr<std::unique_ptr<wire::SocketConnection>> ComputeSocketPool::Connect(
-    absl::Time deadline) {
+    absl::Time deadline, bool* no_room) {
   const std::string where = address();
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -193,7 +193,9 @@ absl::StatusOr<std::unique_ptr<wire::SocketConnection>> ComputeSocketPool::Conne
                                             wire::FrameKindName(answer.kind)));
   }
   ASSIGN_OR_RETURN(const v1::RpcStatus status, ParseStatus(answer.body, where));
-  RETURN_IF_ERROR(FromRpcStatus(status));
+  const absl::Status answered = FromRpcStatus(status);
+  if (absl::IsResourceExhausted(answered) && no_room != nullptr) *no_room = true;
+  RETURN_IF_ERROR(answered);
   return connection;
 }
 
@@ -247,7 +249,8 @@ ComputeSocketPool::Outcome ComputeSocketPool::CallOn(
 absl::Status ComputeSocketPool::Call(
     absl::FunctionRef<void()> begin, absl::FunctionRef<void(RequestSink&)> send,
     absl::FunctionRef<absl::Status(wire::ComputeResponseFrame&)> take, absl::Time deadline,
-    int64_t* bytes_sent, int64_t* bytes_received) {
+    int64_t* bytes_sent, int64_t* bytes_received, bool* no_room) {
+  if (no_room != nullptr) *no_room = false;
   std::unique_ptr<wire::SocketConnection> connection;
   {
     absl::MutexLock lock(&mu_);
@@ -268,7 +271,7 @@ absl::Status ComputeSocketPool::Call(
       return kept.status;
     }
   }
-  ASSIGN_OR_RETURN(connection, Connect(deadline));
+  ASSIGN_OR_RETURN(connection, Connect(deadline, no_room));
   begin();
   Outcome fresh = CallOn(*connection, send, take, deadline, bytes_sent, bytes_received);
   if (fresh.status.ok()) {

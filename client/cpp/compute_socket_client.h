@@ -40,10 +40,13 @@ class ComputeSocketPool {
   // before each try: a kept connection that turns out closed before the call began is replaced
   // and the call tried again from the start. The call's status as the server sent
   // it (FromRpcStatus), `take`'s first error, or UNAVAILABLE / DEADLINE_EXCEEDED when the
-  // connection fails or `deadline` passes. Counts bytes and messages into `sent` and `received`.
+  // connection fails or `deadline` passes. Counts bytes into `bytes_sent` and `bytes_received`.
+  // `*no_room` (when given) says whether the server refused a new connection for want of room
+  // (its HELLO answered RESOURCE_EXHAUSTED): the call never began, and may go another way.
   absl::Status Call(absl::FunctionRef<void()> begin, absl::FunctionRef<void(RequestSink&)> send,
                     absl::FunctionRef<absl::Status(wire::ComputeResponseFrame&)> take,
-                    absl::Time deadline, int64_t* bytes_sent, int64_t* bytes_received);
+                    absl::Time deadline, int64_t* bytes_sent, int64_t* bytes_received,
+                    bool* no_room = nullptr);
 
   std::string address() const;
 
@@ -52,7 +55,9 @@ class ComputeSocketPool {
     absl::Status status;
     bool answered = false;  // a frame of the call came back: it ran, and is not to be repeated
   };
-  absl::StatusOr<std::unique_ptr<wire::SocketConnection>> Connect(absl::Time deadline);
+  // A new connection, its HELLO answered; `*no_room` as for Call.
+  absl::StatusOr<std::unique_ptr<wire::SocketConnection>> Connect(absl::Time deadline,
+                                                                  bool* no_room);
   Outcome CallOn(wire::SocketConnection& connection, absl::FunctionRef<void(RequestSink&)> send,
                  absl::FunctionRef<absl::Status(wire::ComputeResponseFrame&)> take,
                  absl::Time deadline, int64_t* bytes_sent, int64_t* bytes_received);

@@ -1,6 +1,7 @@
 #include "server/socket/compute_socket.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -300,9 +301,11 @@ ComputeSocketServer::ComputeSocketServer(Options options, RunCall run_call, Uniq
       stop_(std::move(stop)),
       port_(port) {}
 
-ComputeSocketServer::~ComputeSocketServer() {
+ComputeSocketServer::~ComputeSocketServer() { Close(); }
+
+void ComputeSocketServer::Close() {
   Stop();
-  if (acceptor_ != nullptr) acceptor_->join();
+  if (acceptor_ != nullptr && acceptor_->joinable()) acceptor_->join();
   threads_.JoinAll();
 }
 
@@ -331,31 +334,48 @@ void ComputeSocketServer::Accept() {
     }
     const int on = 1;
     setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
-    bool room;
+    std::string peer = PeerName(address);
+    // The host part: one host's connections count together, whatever their ports.
+    std::string host = peer.substr(0, peer.rfind(':'));
+    absl::Status refusal;
     {
       absl::MutexLock lock(&mu_);
-      room = connections_ < options_.max_connections;
-      if (room) ++connections_;
+      if (connections_ >= options_.max_connections) {
+        refusal = absl::ResourceExhaustedError(
+            absl::StrCat("the Compute socket holds its limit of ", options_.max_connections,
+                         " connections; retry, or send the call over gRPC"));
+      } else if (connections_of_host_[host] >= options_.max_connections_per_host) {
+        refusal = absl::ResourceExhaustedError(absl::StrCat(
+            "the Compute socket holds its limit of ", options_.max_connections_per_host,
+            " connections from one host (", host, "); retry, or send the call over gRPC"));
+      } else {
+        ++connections_;
+        ++connections_of_host_[host];
+      }
     }
-    if (!room) {
+    if (!refusal.ok()) {
       SocketConnection refused(std::move(fd), {stop_.get()});
-      SendStatus(refused, absl::ResourceExhaustedError(absl::StrCat(
-                              "the Compute socket holds its limit of ", options_.max_connections,
-                              " connections; retry, or send the call over gRPC")));
+      SendStatus(refused, refusal);
       continue;
     }
-    std::string peer = PeerName(address);
-    const absl::Status started =
-        threads_.Start([this, fd = std::move(fd), peer = std::move(peer)]() mutable {
-          Serve(std::move(fd), std::move(peer));
-          absl::MutexLock lock(&mu_);
-          --connections_;
-        });
-    if (!started.ok()) {
+    const auto forget = [this](const std::string& host) {
       absl::MutexLock lock(&mu_);
       --connections_;
-    }
+      if (--connections_of_host_[host] == 0) connections_of_host_.erase(host);
+    };
+    const absl::Status started =
+        threads_.Start([this, forget, fd = std::move(fd), peer = std::move(peer), host]() mutable {
+          Serve(std::move(fd), std::move(peer));
+          forget(host);
+        });
+    if (!started.ok()) forget(host);
   }
+}
+
+void ComputeSocketServer::ServeConnection(UniqueFd fd, std::string peer) {
+  const int flags = fcntl(fd.get(), F_GETFL);
+  if (flags < 0 || fcntl(fd.get(), F_SETFL, flags | O_NONBLOCK) != 0) return;
+  Serve(std::move(fd), std::move(peer));
 }
 
 void ComputeSocketServer::Serve(UniqueFd fd, std::string peer) {

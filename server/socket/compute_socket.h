@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -127,6 +128,8 @@ class ComputeSocketServer {
     // How long a connection may wait for its next call before the server closes it.
     absl::Duration connection_idle = absl::Minutes(5);
     int max_connections = 256;  // each holds a thread
+    // So that one host's idle connections cannot lock the others out.
+    int max_connections_per_host = 64;
   };
   // Runs one call: refuses it (stream.End) or sets its hooks and runs it, on this thread.
   using RunCall = std::function<void(SocketComputeStream& stream)>;
@@ -137,14 +140,19 @@ class ComputeSocketServer {
                                                                     RunCall run_call);
   ComputeSocketServer(const ComputeSocketServer&) = delete;
   ComputeSocketServer& operator=(const ComputeSocketServer&) = delete;
-  // Stop(), then joins every thread.
+  // Close().
   ~ComputeSocketServer();
 
   int port() const { return port_; }
   // Stops accepting and ends every connection: idle ones close, calls in flight end with
   // UNAVAILABLE at their next read or write. The service drains its calls before this.
   void Stop();
+  // Stop(), then waits for every connection's thread to end. Idempotent.
+  void Close();
   int64_t connections() const;
+  // Serves one connected stream socket on this thread as an accepted connection is served (made
+  // non-blocking first): for tests and fuzzing, which bring their own peer.
+  void ServeConnection(UniqueFd fd, std::string peer);
 
  private:
   ComputeSocketServer(Options options, RunCall run_call, UniqueFd listener, UniqueFd stop,
@@ -161,6 +169,7 @@ class ComputeSocketServer {
   CallThreads threads_;
   mutable absl::Mutex mu_;
   int64_t connections_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<std::string, int> connections_of_host_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<std::thread> acceptor_;  // last
 };
 

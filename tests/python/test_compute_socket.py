@@ -444,3 +444,48 @@ def test_a_client_left_to_itself_takes_the_socket(server, head):
         hidden, labels = random_batch(30)
         result = automatic.compute(head.head, hidden.numpy(), labels.numpy())
         assert result.transport == "compute_socket"
+
+
+def test_open_connections_are_a_gauge_on_the_metrics(server, head):
+    hidden, labels = random_batch(30)
+    with lossd.Client(server.address, timeout=600, compute_socket=True) as own:
+        own.compute(head.head, hidden.numpy(), labels.numpy())
+        # Its kept connection at least (other clients' kept ones may close meanwhile, when idle).
+        while_open = server.metric("lossd_compute_socket_connections")
+        assert while_open >= 1
+    deadline = time.monotonic() + 120
+    while server.metric("lossd_compute_socket_connections") > while_open - 1:
+        assert time.monotonic() < deadline, "a closed client's connection stayed counted"
+        time.sleep(0.05)
+
+
+def test_a_full_socket_sends_the_call_over_grpc(server, over_grpc, head):
+    """One host may hold 64 connections: past them the HELLO is refused (RESOURCE_EXHAUSTED),
+    and a client's call goes over gRPC instead of failing."""
+    held = []
+    try:
+        for _ in range(80):
+            sock = raw_connection(server, over_grpc)
+            held.append(sock)
+            status = read_status(sock)
+            if status.code != 0:
+                assert status.code == 8 and "from one host" in status.message, status
+                break
+        else:
+            pytest.fail("80 connections from one host were all taken")
+        hidden, labels = random_batch(30)
+        with lossd.Client(server.address, timeout=600, compute_socket=True) as refused:
+            result = refused.compute(head.head, hidden.numpy(), labels.numpy())
+            assert result.transport == "grpc" and result.loss > 0
+    finally:
+        for sock in held:
+            sock.close()
+    wait_for_no_call_in_flight(server)
+    deadline = time.monotonic() + 120
+    while True:
+        with lossd.Client(server.address, timeout=600, compute_socket=True) as again:
+            if again.compute(head.head, hidden.numpy(),
+                             labels.numpy()).transport == "compute_socket":
+                break
+        assert time.monotonic() < deadline, "the closed connections were never let go"
+        time.sleep(0.1)

@@ -25,6 +25,11 @@ _MAX_STATUS_BYTES = 1 << 20
 _MAX_IDLE_CONNECTIONS = 8
 
 
+class SocketFull(LossdError):
+    """The server's Compute socket holds as many connections as it takes (its HELLO answered
+    RESOURCE_EXHAUSTED): the call did not begin, and goes over gRPC instead."""
+
+
 class _ConnectionLost(Exception):
     """The connection closed or broke; `answered` says whether any frame of the call had come."""
 
@@ -51,7 +56,10 @@ class _Connection:
                                       answered=False)
             status = pb.RpcStatus.FromString(bytes(body))
             if status.code != 0:
-                raise from_rpc_status("Compute", status)
+                error = from_rpc_status("Compute", status)
+                if error.code == "RESOURCE_EXHAUSTED":
+                    raise SocketFull("Compute", error.code, error.message)
+                raise error
         except BaseException:
             self.sock.close()
             raise
@@ -125,6 +133,8 @@ class ComputeSocket:
     def _connect(self):
         try:
             return _Connection(self.address, self._token, self._timeout, self._max_message_bytes)
+        except LossdError:
+            raise
         except (socket.timeout, TimeoutError):
             raise LossdError("Compute", "DEADLINE_EXCEEDED",
                              f"no answer from the Compute socket at {self._where()} within "

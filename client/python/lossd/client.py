@@ -876,7 +876,6 @@ class Client:
                 not isinstance(shared_rows_per_piece, (int, np.integer)) or shared_rows_per_piece < 1):
             raise ValueError(f"shared_rows_per_piece: expected a positive count of rows or None, "
                              f"got {shared_rows_per_piece!r}")
-        over_socket = None
         if shared_memory:
             def attempt():
                 return self._compute_shared(start, hidden, wanted, top_k, grad_dtype,
@@ -892,8 +891,8 @@ class Client:
                                               grad_hidden_out, one_server_for, side, over_socket)
         result = self._with_retries(attempt, start.call_id)
         result.call_id = start.call_id
-        result.transport = ("shared_memory" if shared_memory else
-                             "grpc" if over_socket is None else "compute_socket")
+        if shared_memory:
+            result.transport = "shared_memory"
         return result
 
     def _with_retries(self, attempt, call_id, method="Compute"):
@@ -929,7 +928,8 @@ class Client:
                           one_server_for, side=None, over_socket=None):
         """compute() with the rows sent in chunk messages of `rows` rows (each with the same rows
         of every `side` array, a teacher's, under its ComputeChunk field name), and dL/dh back in
-        the result messages; over the Compute socket `over_socket` when given, else over gRPC:
+        the result messages; over the Compute socket `over_socket` when given (but for a socket
+        with no room for another connection), else over gRPC:
         to one server when one_server_for names why, else to the next replica."""
         num_tokens, hidden_size = hidden.shape
         side = side or {}
@@ -941,13 +941,19 @@ class Client:
                                                 **{name: array[r0:r0 + rows]
                                                    for name, array in side.items()}})
 
+        result = None
         if over_socket is not None:
-            responses = over_socket.responses(message_parts)
-        else:
+            try:
+                result = _assemble(over_socket.responses(message_parts), wanted, top_k,
+                                   num_tokens, hidden_size, grad_dtype)
+                result.transport = "compute_socket"
+            except _compute_socket.SocketFull as full:
+                _log.warning("%s; this call goes over gRPC", full.message)
+        if result is None:
             requests = (b"".join(parts) for parts in message_parts())
             responses = self._responses("Compute",
                                         self._call("Compute", requests, one_server_for))
-        result = _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype)
+            result = _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype)
         if grad_hidden_out is not None:
             # Assembled apart as the messages came, so that a failed call left it as it was.
             np.copyto(grad_hidden_out, result.grad_hidden)
