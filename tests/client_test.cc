@@ -2049,7 +2049,8 @@ TEST_F(ComputeSocketTest, ErrorsAndConcurrentCallsAreAsOverGrpc) {
 }
 
 // A server whose socket takes one connection from a host: a second client's call, refused at its
-// HELLO, goes over gRPC instead of failing.
+// HELLO, goes over gRPC instead of failing where the client chose the socket by itself, and fails
+// with RESOURCE_EXHAUSTED where it was asked for.
 TEST_F(ComputeSocketTest, AFullSocketSendsTheCallOverGrpc) {
   server::ServerConfig config = MultiChunkDemoConfig(kHead, kVocab, kHidden, 11);
   config.compute_socket_listen = "127.0.0.1:0";
@@ -2058,9 +2059,10 @@ TEST_F(ComputeSocketTest, AFullSocketSendsTheCallOverGrpc) {
   const std::unique_ptr<server::LossServer> narrow = StartTestServer(config);
   ASSERT_NE(narrow, nullptr);
   ChannelOptions options = OptionsFor(narrow->port());
-  options.compute_socket = true;
   const Client first = Connect(options);
   const Client second = Connect(options);
+  options.compute_socket = true;
+  const Client insisting = Connect(options);
   const std::string hidden_bytes =
       client::EncodeFromFloat32(RandomNormal(20 * kHidden, 1.0f, rng_), client::DType::kFloat32);
   const std::vector<int64_t> labels = RandomLabels(20, kVocab, 0.0, rng_);
@@ -2077,6 +2079,37 @@ TEST_F(ComputeSocketTest, AFullSocketSendsTheCallOverGrpc) {
   EXPECT_EQ(refused->transport, ComputeResult::Transport::kGrpc);
   ExpectSameResults(*refused, *holding);
   EXPECT_TRUE(refused->grad_hidden.bytes == holding->grad_hidden.bytes);
+  const absl::Status insisted = insisting.Compute(request).status();
+  EXPECT_EQ(insisted.code(), absl::StatusCode::kResourceExhausted) << insisted;
+}
+
+// A socket the client cannot reach (bound to another address than the one the client reached
+// gRPC at): its calls go over gRPC where it chose the socket by itself; asked for, they fail.
+TEST_F(ComputeSocketTest, AnUnreachableSocketSendsTheCallOverGrpc) {
+  server::ServerConfig config = MultiChunkDemoConfig(kHead, kVocab, kHidden, 11);
+  config.compute_socket_listen = "127.0.0.2:0";
+  config.shared_memory = false;
+  const std::unique_ptr<server::LossServer> elsewhere = StartTestServer(config);
+  ASSERT_NE(elsewhere, nullptr);
+  ChannelOptions options = OptionsFor(elsewhere->port());  // 127.0.0.1
+  const Client automatic = Connect(options);
+  options.compute_socket = true;
+  const Client insisting = Connect(options);
+  const std::string hidden_bytes =
+      client::EncodeFromFloat32(RandomNormal(20 * kHidden, 1.0f, rng_), client::DType::kFloat32);
+  const std::vector<int64_t> labels = RandomLabels(20, kVocab, 0.0, rng_);
+  ComputeRequest request;
+  request.head = kHead;
+  request.hidden = {hidden_bytes.data(), client::DType::kFloat32, 20, kHidden};
+  request.labels = labels;
+  for (int call = 0; call < 2; ++call) {  // the second without trying the socket again
+    const absl::StatusOr<ComputeResult> result = automatic.Compute(request);
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->transport, ComputeResult::Transport::kGrpc);
+  }
+  const absl::Status insisted = insisting.Compute(request).status();
+  EXPECT_EQ(insisted.code(), absl::StatusCode::kUnavailable) << insisted;
+  EXPECT_TRUE(absl::StrContains(insisted.message(), "Compute socket")) << insisted;
 }
 
 TEST_F(ComputeSocketTest, AServerWithoutOneKeepsAutoOnGrpcAndRefusesTrue) {

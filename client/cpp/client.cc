@@ -1297,7 +1297,7 @@ absl::Status Client::RunComputeOverSocket(const ComputeRequest& request,
   };
   int64_t bytes_sent = 0;
   int64_t bytes_received = 0;
-  bool no_room = false;
+  bool unusable = false;
   const absl::Status called = socket.Call(
       [&] {
         fresh_assembler();
@@ -1317,9 +1317,12 @@ absl::Status Client::RunComputeOverSocket(const ComputeRequest& request,
         ++result.messages_received;
         return assembler->Add(response.message, response.grad_hidden);
       },
-      deadline, &bytes_sent, &bytes_received, &no_room);
-  if (no_room) {
-    // The socket holds as many connections as it takes: the call never began there.
+      deadline, &bytes_sent, &bytes_received, &unusable);
+  // A socket the client chose by itself that cannot take the call (full, or out of reach): the
+  // call, which never began there, goes over gRPC.
+  const bool chosen_by_client =
+      !request.compute_socket.has_value() && !options_.compute_socket.has_value();
+  if (unusable && chosen_by_client) {
     result = ComputeResult();
     return RunCompute(request, start_message, result);
   }

@@ -21,6 +21,12 @@ namespace lossd::client {
 namespace {
 
 constexpr size_t kMaxIdleConnections = 8;
+// A connection that does not open within this is not worth holding a call for: a port the network
+// drops would otherwise take the call's whole deadline.
+constexpr absl::Duration kConnectLimit = absl::Seconds(10);
+// After the socket could not be reached, calls go another way for this long before it is tried
+// again.
+constexpr absl::Duration kUnreachableFor = absl::Seconds(60);
 
 struct Frame {
   uint32_t kind = 0;
@@ -122,8 +128,17 @@ std::string ComputeSocketPool::address() const {
 }
 
 absl::StatusOr<std::unique_ptr<wire::SocketConnection>> ComputeSocketPool::Connect(
-    absl::Time deadline, bool* no_room) {
+    absl::Time deadline, bool* unusable) {
   const std::string where = address();
+  {
+    absl::MutexLock lock(&mu_);
+    if (absl::Now() < unreachable_until_) {
+      if (unusable != nullptr) *unusable = true;
+      return absl::UnavailableError(
+          absl::StrCat("the Compute socket at ", where, " could not be reached lately"));
+    }
+  }
+  const absl::Time connect_deadline = std::min(deadline, absl::Now() + kConnectLimit);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -149,10 +164,8 @@ absl::StatusOr<std::unique_ptr<wire::SocketConnection>> ComputeSocketPool::Conne
     }
     // Connected (or refused) once writable; a refusal shows in SO_ERROR.
     pollfd p{attempt.get(), POLLOUT, 0};
-    const int wait_ms = deadline == absl::InfiniteFuture()
-                            ? -1
-                            : static_cast<int>(std::max<int64_t>(
-                                  0, absl::ToInt64Milliseconds(deadline - absl::Now()) + 1));
+    const int wait_ms = static_cast<int>(
+        std::max<int64_t>(0, absl::ToInt64Milliseconds(connect_deadline - absl::Now()) + 1));
     if (poll(&p, 1, wait_ms) != 1) {
       error = ETIMEDOUT;
       continue;
@@ -163,9 +176,14 @@ absl::StatusOr<std::unique_ptr<wire::SocketConnection>> ComputeSocketPool::Conne
   }
   freeaddrinfo(found);
   if (!fd.valid()) {
+    absl::MutexLock lock(&mu_);
+    unreachable_until_ = absl::Now() + kUnreachableFor;
+    if (unusable != nullptr) *unusable = true;
+  }
+  if (!fd.valid()) {
     if (error == ETIMEDOUT) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("no connection to the Compute socket at ", where, " within the deadline"));
+      return absl::UnavailableError(absl::StrCat("no connection to the Compute socket at ", where,
+                                                 " within ", absl::FormatDuration(kConnectLimit)));
     }
     return absl::UnavailableError(
         absl::StrCat("cannot reach the Compute socket at ", where, ": ", std::strerror(error)));
@@ -194,7 +212,7 @@ absl::StatusOr<std::unique_ptr<wire::SocketConnection>> ComputeSocketPool::Conne
   }
   ASSIGN_OR_RETURN(const v1::RpcStatus status, ParseStatus(answer.body, where));
   const absl::Status answered = FromRpcStatus(status);
-  if (absl::IsResourceExhausted(answered) && no_room != nullptr) *no_room = true;
+  if (absl::IsResourceExhausted(answered) && unusable != nullptr) *unusable = true;
   RETURN_IF_ERROR(answered);
   return connection;
 }
@@ -249,8 +267,8 @@ ComputeSocketPool::Outcome ComputeSocketPool::CallOn(
 absl::Status ComputeSocketPool::Call(
     absl::FunctionRef<void()> begin, absl::FunctionRef<void(RequestSink&)> send,
     absl::FunctionRef<absl::Status(wire::ComputeResponseFrame&)> take, absl::Time deadline,
-    int64_t* bytes_sent, int64_t* bytes_received, bool* no_room) {
-  if (no_room != nullptr) *no_room = false;
+    int64_t* bytes_sent, int64_t* bytes_received, bool* unusable) {
+  if (unusable != nullptr) *unusable = false;
   std::unique_ptr<wire::SocketConnection> connection;
   {
     absl::MutexLock lock(&mu_);
@@ -271,7 +289,7 @@ absl::Status ComputeSocketPool::Call(
       return kept.status;
     }
   }
-  ASSIGN_OR_RETURN(connection, Connect(deadline, no_room));
+  ASSIGN_OR_RETURN(connection, Connect(deadline, unusable));
   begin();
   Outcome fresh = CallOn(*connection, send, take, deadline, bytes_sent, bytes_received);
   if (fresh.status.ok()) {

@@ -41,12 +41,14 @@ class ComputeSocketPool {
   // and the call tried again from the start. The call's status as the server sent
   // it (FromRpcStatus), `take`'s first error, or UNAVAILABLE / DEADLINE_EXCEEDED when the
   // connection fails or `deadline` passes. Counts bytes into `bytes_sent` and `bytes_received`.
-  // `*no_room` (when given) says whether the server refused a new connection for want of room
-  // (its HELLO answered RESOURCE_EXHAUSTED): the call never began, and may go another way.
+  // `*unusable` (when given) says whether the socket could not take the call, which never began
+  // there: it refused a new connection for want of room (its HELLO answered RESOURCE_EXHAUSTED),
+  // or could not be reached (now, or within the last minute: a port the network does not pass).
+  // Such a call may go another way.
   absl::Status Call(absl::FunctionRef<void()> begin, absl::FunctionRef<void(RequestSink&)> send,
                     absl::FunctionRef<absl::Status(wire::ComputeResponseFrame&)> take,
                     absl::Time deadline, int64_t* bytes_sent, int64_t* bytes_received,
-                    bool* no_room = nullptr);
+                    bool* unusable = nullptr);
 
   std::string address() const;
 
@@ -55,9 +57,9 @@ class ComputeSocketPool {
     absl::Status status;
     bool answered = false;  // a frame of the call came back: it ran, and is not to be repeated
   };
-  // A new connection, its HELLO answered; `*no_room` as for Call.
+  // A new connection, its HELLO answered; `*unusable` as for Call.
   absl::StatusOr<std::unique_ptr<wire::SocketConnection>> Connect(absl::Time deadline,
-                                                                  bool* no_room);
+                                                                  bool* unusable);
   Outcome CallOn(wire::SocketConnection& connection, absl::FunctionRef<void(RequestSink&)> send,
                  absl::FunctionRef<absl::Status(wire::ComputeResponseFrame&)> take,
                  absl::Time deadline, int64_t* bytes_sent, int64_t* bytes_received);
@@ -70,6 +72,7 @@ class ComputeSocketPool {
   const std::shared_ptr<wire::SendBuffers> receive_buffers_ = wire::SendBuffers::Create();
   absl::Mutex mu_;
   std::vector<std::unique_ptr<wire::SocketConnection>> idle_ ABSL_GUARDED_BY(mu_);
+  absl::Time unreachable_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
 };
 
 }  // namespace lossd::client

@@ -461,8 +461,10 @@ def test_open_connections_are_a_gauge_on_the_metrics(server, head):
 
 def test_a_full_socket_sends_the_call_over_grpc(server, over_grpc, head):
     """One host may hold 64 connections: past them the HELLO is refused (RESOURCE_EXHAUSTED),
-    and a client's call goes over gRPC instead of failing."""
+    and a client that chose the socket by itself sends its call over gRPC instead of failing; one
+    that asked for the socket gets the refusal."""
     held = []
+    hidden, labels = random_batch(30)
     try:
         for _ in range(80):
             sock = raw_connection(server, over_grpc)
@@ -473,19 +475,42 @@ def test_a_full_socket_sends_the_call_over_grpc(server, over_grpc, head):
                 break
         else:
             pytest.fail("80 connections from one host were all taken")
-        hidden, labels = random_batch(30)
-        with lossd.Client(server.address, timeout=600, compute_socket=True) as refused:
-            result = refused.compute(head.head, hidden.numpy(), labels.numpy())
+        with lossd.Client(server.address, timeout=600) as automatic:
+            result = automatic.compute(head.head, hidden.numpy(), labels.numpy())
             assert result.transport == "grpc" and result.loss > 0
+        with lossd.Client(server.address, timeout=600, compute_socket=True) as insisting:
+            with pytest.raises(lossd.LossdError) as error:
+                insisting.compute(head.head, hidden.numpy(), labels.numpy())
+            assert error.value.code == "RESOURCE_EXHAUSTED"
     finally:
         for sock in held:
             sock.close()
     wait_for_no_call_in_flight(server)
     deadline = time.monotonic() + 120
     while True:
-        with lossd.Client(server.address, timeout=600, compute_socket=True) as again:
+        with lossd.Client(server.address, timeout=600) as again:
             if again.compute(head.head, hidden.numpy(),
                              labels.numpy()).transport == "compute_socket":
                 break
         assert time.monotonic() < deadline, "the closed connections were never let go"
         time.sleep(0.1)
+
+
+def test_an_unreachable_socket_sends_the_call_over_grpc():
+    """A socket bound to another address than the one the client reaches gRPC at (a port the
+    network does not pass, say): a client that chose it by itself sends its calls over gRPC, and
+    does not try it again for a while; one that asked for it gets UNAVAILABLE."""
+    with demo_server(64, 16, "--compute_socket_listen=127.0.0.2:0",
+                     "--shared_memory=false") as elsewhere:
+        rng = np.random.default_rng()
+        hidden = rng.standard_normal((8, 16), dtype=np.float32)
+        labels = rng.integers(0, 64, 8)
+        with lossd.Client(elsewhere.address, timeout=600) as automatic:
+            for _ in range(2):
+                started = time.monotonic()
+                assert automatic.compute("demo", hidden, labels).transport == "grpc"
+            assert time.monotonic() - started < 5  # the second tried no connection
+        with lossd.Client(elsewhere.address, timeout=600, compute_socket=True) as insisting:
+            with pytest.raises(lossd.LossdError) as error:
+                insisting.compute("demo", hidden, labels)
+            assert error.value.code == "UNAVAILABLE" and "Compute socket" in error.value.message

@@ -23,11 +23,22 @@ _MAGIC = 0x3153434C  # "LCS1" in little-endian byte order
 _HEADER = struct.Struct("<IIQ")
 _MAX_STATUS_BYTES = 1 << 20
 _MAX_IDLE_CONNECTIONS = 8
+# A connection that does not open within this is not worth holding a call for: a port the network
+# drops would otherwise take the call's whole timeout.
+_CONNECT_SECONDS = 10
+# After the socket could not be reached, calls go another way for this long before it is tried
+# again.
+_UNREACHABLE_SECONDS = 60
 
 
-class SocketFull(LossdError):
-    """The server's Compute socket holds as many connections as it takes (its HELLO answered
-    RESOURCE_EXHAUSTED): the call did not begin, and goes over gRPC instead."""
+class SocketUnusable(LossdError):
+    """The Compute socket cannot take the call, which did not begin there: it holds as many
+    connections as it takes (its HELLO answered RESOURCE_EXHAUSTED), or it cannot be reached (a
+    port the network does not pass, say)."""
+
+
+class _Unreachable(Exception):
+    """No connection could be opened."""
 
 
 class _ConnectionLost(Exception):
@@ -45,8 +56,13 @@ class _Connection:
         # Frames are read into this, grown as needed and kept: a fresh buffer per message would
         # be zeroed and faulted in again for every few megabytes of dL/dh.
         self._buffer = np.empty(0, np.uint8)
-        self.sock = socket.create_connection(address, timeout=timeout)
+        connect_timeout = _CONNECT_SECONDS if timeout is None else min(timeout, _CONNECT_SECONDS)
         try:
+            self.sock = socket.create_connection(address, timeout=connect_timeout)
+        except OSError as error:
+            raise _Unreachable(str(error)) from None
+        try:
+            self.sock.settimeout(timeout)
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.send_frame(pb.FRAME_HELLO,
                             [pb.ComputeSocketHello(token=token or "").SerializeToString()])
@@ -58,7 +74,7 @@ class _Connection:
             if status.code != 0:
                 error = from_rpc_status("Compute", status)
                 if error.code == "RESOURCE_EXHAUSTED":
-                    raise SocketFull("Compute", error.code, error.message)
+                    raise SocketUnusable("Compute", error.code, error.message)
                 raise error
         except BaseException:
             self.sock.close()
@@ -123,6 +139,7 @@ class ComputeSocket:
         self._max_message_bytes = max_message_bytes
         self._idle = []
         self._lock = threading.Lock()
+        self._unreachable_until = 0.0  # time.monotonic() before which no connection is tried
 
     def close(self):
         with self._lock:
@@ -131,10 +148,19 @@ class ComputeSocket:
             connection.close()
 
     def _connect(self):
+        if time.monotonic() < self._unreachable_until:
+            raise SocketUnusable("Compute", "UNAVAILABLE",
+                                 f"the Compute socket at {self._where()} could not be reached "
+                                 f"lately")
         try:
             return _Connection(self.address, self._token, self._timeout, self._max_message_bytes)
         except LossdError:
             raise
+        except _Unreachable as error:
+            self._unreachable_until = time.monotonic() + _UNREACHABLE_SECONDS
+            raise SocketUnusable("Compute", "UNAVAILABLE",
+                                 f"cannot reach the Compute socket at {self._where()}: "
+                                 f"{error}") from None
         except (socket.timeout, TimeoutError):
             raise LossdError("Compute", "DEADLINE_EXCEEDED",
                              f"no answer from the Compute socket at {self._where()} within "

@@ -885,10 +885,14 @@ class Client:
                 array.shape[1] * array.itemsize for array in side.values())
             rows = rows_per_message or self._rows_per_message(row_bytes)
             over_socket = self._use_compute_socket(compute_socket)
+            # Chosen by the client ("auto"): a socket it cannot use sends the call over gRPC.
+            fall_back = (self._compute_socket_choice if compute_socket is None
+                         else compute_socket) == "auto"
 
             def attempt():
                 return self._compute_messages(start, hidden, rows, wanted, top_k, grad_dtype,
-                                              grad_hidden_out, one_server_for, side, over_socket)
+                                              grad_hidden_out, one_server_for, side, over_socket,
+                                              fall_back)
         result = self._with_retries(attempt, start.call_id)
         result.call_id = start.call_id
         if shared_memory:
@@ -925,11 +929,11 @@ class Client:
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _compute_messages(self, start, hidden, rows, wanted, top_k, grad_dtype, grad_hidden_out,
-                          one_server_for, side=None, over_socket=None):
+                          one_server_for, side=None, over_socket=None, fall_back=True):
         """compute() with the rows sent in chunk messages of `rows` rows (each with the same rows
         of every `side` array, a teacher's, under its ComputeChunk field name), and dL/dh back in
-        the result messages; over the Compute socket `over_socket` when given (but for a socket
-        with no room for another connection), else over gRPC:
+        the result messages; over the Compute socket `over_socket` when given, else (or, with
+        fall_back, when that socket cannot be reached or has no room left) over gRPC:
         to one server when one_server_for names why, else to the next replica."""
         num_tokens, hidden_size = hidden.shape
         side = side or {}
@@ -947,8 +951,10 @@ class Client:
                 result = _assemble(over_socket.responses(message_parts), wanted, top_k,
                                    num_tokens, hidden_size, grad_dtype)
                 result.transport = "compute_socket"
-            except _compute_socket.SocketFull as full:
-                _log.warning("%s; this call goes over gRPC", full.message)
+            except _compute_socket.SocketUnusable as unusable:
+                if not fall_back:
+                    raise
+                _log.warning("%s; this call goes over gRPC", unusable.message)
         if result is None:
             requests = (b"".join(parts) for parts in message_parts())
             responses = self._responses("Compute",
