@@ -46,9 +46,9 @@ ABSL_FLAG(bool, shared_memory, true,
           "let clients on this host hand rows and dL/dh over in a memfd instead of messages");
 ABSL_FLAG(std::string, compute_socket_listen, "",
           "HOST:PORT where Compute calls are also taken over plain TCP connections of their own, "
-          "around gRPC's HTTP/2 transport, at up to three times its speed (port 0: any free one; "
-          "empty: none); clients that reach the server over an insecure channel use it. Not with "
-          "TLS: it carries rows and the token in the clear");
+          "around gRPC's HTTP/2 transport, which moves rows at about a third of the connection's "
+          "speed (port 0: any free one; empty: none); clients that reach the server over an "
+          "insecure channel use it. Not with TLS: it carries rows and the token in the clear");
 ABSL_FLAG(double, compute_socket_idle_seconds, 300,
           "how long a Compute socket connection may wait for its client's next call before the "
           "server closes it");

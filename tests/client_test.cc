@@ -638,6 +638,9 @@ TEST_F(ClientTest, ARetryAfterALostAnswerAccumulatesOnce) {
   };
   ChannelOptions options = OptionsFor(relay->port());
   options.deadline = absl::Minutes(10);  // a hang guard: the drop ends the call
+  // Over gRPC through the relay: a first call would otherwise ask for the Compute socket through
+  // it while it holds.
+  options.compute_socket = false;
   // Rows in messages: a local target would otherwise ask for the shared-memory socket at the
   // first call, through the relay while it holds.
   request.shared_memory = false;
@@ -715,6 +718,9 @@ TEST_F(ClientTest, ConcurrentScoringCallsTakeConnectionsOfTheirOwn) {
   ChannelOptions options = OptionsFor(relay->port());
   options.deadline = absl::Minutes(10);  // a hang guard
   options.compute_connections = 3;
+  // gRPC's connections are what is counted: no call asks for a Compute socket (through the relay,
+  // while it holds everything, that question would wait too).
+  options.compute_socket = false;
   const Client client = Connect(options);
   ASSERT_TRUE(client.GetHead("spread").ok());
   for (int i = 0; i < 2; ++i) ASSERT_TRUE(client.Compute(request_for(batches[0])).ok());
@@ -1916,6 +1922,33 @@ class ComputeSocketTest : public ClientTest {
     options.compute_socket = use;
     return options;
   }
+  // A server of its own with a Compute socket on `listen`.
+  static std::unique_ptr<server::LossServer> StartSocketServer(const std::string& listen,
+                                                               int max_connections_per_host = 64) {
+    server::ServerConfig config = MultiChunkDemoConfig(kHead, kVocab, kHidden, 11);
+    config.compute_socket_listen = listen;
+    config.compute_socket_max_connections_per_host = max_connections_per_host;
+    config.shared_memory = false;
+    return StartTestServer(config);
+  }
+  // A scoring call of `rows` random float32 rows on the demo head, with dL/dh; the request's views
+  // point into the rest.
+  struct DemoCall {
+    std::string hidden_bytes;
+    std::vector<int64_t> labels;
+    ComputeRequest request;
+  };
+  std::unique_ptr<DemoCall> NewDemoCall(int64_t rows) {
+    auto call = std::make_unique<DemoCall>();
+    call->hidden_bytes = client::EncodeFromFloat32(RandomNormal(rows * kHidden, 1.0f, rng_),
+                                                   client::DType::kFloat32);
+    call->labels = RandomLabels(rows, kVocab, 0.0, rng_);
+    call->request.head = kHead;
+    call->request.hidden = {call->hidden_bytes.data(), client::DType::kFloat32, rows, kHidden};
+    call->request.labels = call->labels;
+    SelectOutput(call->request.outputs, "grad_hidden");
+    return call;
+  }
   static server::LossServer* socket_server_;
 };
 
@@ -2052,62 +2085,44 @@ TEST_F(ComputeSocketTest, ErrorsAndConcurrentCallsAreAsOverGrpc) {
 // HELLO, goes over gRPC instead of failing where the client chose the socket by itself, and fails
 // with RESOURCE_EXHAUSTED where it was asked for.
 TEST_F(ComputeSocketTest, AFullSocketSendsTheCallOverGrpc) {
-  server::ServerConfig config = MultiChunkDemoConfig(kHead, kVocab, kHidden, 11);
-  config.compute_socket_listen = "127.0.0.1:0";
-  config.compute_socket_max_connections_per_host = 1;
-  config.shared_memory = false;
-  const std::unique_ptr<server::LossServer> narrow = StartTestServer(config);
+  const std::unique_ptr<server::LossServer> narrow =
+      StartSocketServer("127.0.0.1:0", /*max_connections_per_host=*/1);
   ASSERT_NE(narrow, nullptr);
   ChannelOptions options = OptionsFor(narrow->port());
   const Client first = Connect(options);
   const Client second = Connect(options);
   options.compute_socket = true;
   const Client insisting = Connect(options);
-  const std::string hidden_bytes =
-      client::EncodeFromFloat32(RandomNormal(20 * kHidden, 1.0f, rng_), client::DType::kFloat32);
-  const std::vector<int64_t> labels = RandomLabels(20, kVocab, 0.0, rng_);
-  ComputeRequest request;
-  request.head = kHead;
-  request.hidden = {hidden_bytes.data(), client::DType::kFloat32, 20, kHidden};
-  request.labels = labels;
-  SelectOutput(request.outputs, "grad_hidden");
-  const absl::StatusOr<ComputeResult> holding = first.Compute(request);  // keeps its connection
+  const std::unique_ptr<DemoCall> call = NewDemoCall(20);
+  // The first client keeps its connection, the one this host may hold.
+  const absl::StatusOr<ComputeResult> holding = first.Compute(call->request);
   ASSERT_TRUE(holding.ok()) << holding.status();
   EXPECT_EQ(holding->transport, ComputeResult::Transport::kComputeSocket);
-  const absl::StatusOr<ComputeResult> refused = second.Compute(request);
+  const absl::StatusOr<ComputeResult> refused = second.Compute(call->request);
   ASSERT_TRUE(refused.ok()) << refused.status();
   EXPECT_EQ(refused->transport, ComputeResult::Transport::kGrpc);
   ExpectSameResults(*refused, *holding);
   EXPECT_TRUE(refused->grad_hidden.bytes == holding->grad_hidden.bytes);
-  const absl::Status insisted = insisting.Compute(request).status();
+  const absl::Status insisted = insisting.Compute(call->request).status();
   EXPECT_EQ(insisted.code(), absl::StatusCode::kResourceExhausted) << insisted;
 }
 
 // A socket the client cannot reach (bound to another address than the one the client reached
 // gRPC at): its calls go over gRPC where it chose the socket by itself; asked for, they fail.
 TEST_F(ComputeSocketTest, AnUnreachableSocketSendsTheCallOverGrpc) {
-  server::ServerConfig config = MultiChunkDemoConfig(kHead, kVocab, kHidden, 11);
-  config.compute_socket_listen = "127.0.0.2:0";
-  config.shared_memory = false;
-  const std::unique_ptr<server::LossServer> elsewhere = StartTestServer(config);
+  const std::unique_ptr<server::LossServer> elsewhere = StartSocketServer("127.0.0.2:0");
   ASSERT_NE(elsewhere, nullptr);
   ChannelOptions options = OptionsFor(elsewhere->port());  // 127.0.0.1
   const Client automatic = Connect(options);
   options.compute_socket = true;
   const Client insisting = Connect(options);
-  const std::string hidden_bytes =
-      client::EncodeFromFloat32(RandomNormal(20 * kHidden, 1.0f, rng_), client::DType::kFloat32);
-  const std::vector<int64_t> labels = RandomLabels(20, kVocab, 0.0, rng_);
-  ComputeRequest request;
-  request.head = kHead;
-  request.hidden = {hidden_bytes.data(), client::DType::kFloat32, 20, kHidden};
-  request.labels = labels;
-  for (int call = 0; call < 2; ++call) {  // the second without trying the socket again
-    const absl::StatusOr<ComputeResult> result = automatic.Compute(request);
+  const std::unique_ptr<DemoCall> call = NewDemoCall(20);
+  for (int attempt = 0; attempt < 2; ++attempt) {  // the second without trying the socket again
+    const absl::StatusOr<ComputeResult> result = automatic.Compute(call->request);
     ASSERT_TRUE(result.ok()) << result.status();
     EXPECT_EQ(result->transport, ComputeResult::Transport::kGrpc);
   }
-  const absl::Status insisted = insisting.Compute(request).status();
+  const absl::Status insisted = insisting.Compute(call->request).status();
   EXPECT_EQ(insisted.code(), absl::StatusCode::kUnavailable) << insisted;
   EXPECT_TRUE(absl::StrContains(insisted.message(), "Compute socket")) << insisted;
 }
@@ -2117,13 +2132,8 @@ TEST_F(ComputeSocketTest, AServerWithoutOneKeepsAutoOnGrpcAndRefusesTrue) {
   const Client automatic = Connect(options);
   options.compute_socket = true;
   const Client insisting = Connect(options);
-  const std::string hidden_bytes =
-      client::EncodeFromFloat32(RandomNormal(8 * kHidden, 1.0f, rng_), client::DType::kFloat32);
-  const std::vector<int64_t> labels = RandomLabels(8, kVocab, 0.0, rng_);
-  ComputeRequest request;
-  request.head = kHead;
-  request.hidden = {hidden_bytes.data(), client::DType::kFloat32, 8, kHidden};
-  request.labels = labels;
+  const std::unique_ptr<DemoCall> call = NewDemoCall(8);
+  ComputeRequest& request = call->request;
   request.shared_memory = false;
   const absl::StatusOr<ComputeResult> over_grpc = automatic.Compute(request);
   ASSERT_TRUE(over_grpc.ok()) << over_grpc.status();

@@ -709,11 +709,41 @@ absl::StatusOr<v1::SharedMemorySocket> Client::SharedMemorySocket(absl::Duration
 }
 
 // What the client found of the server's Compute socket: nothing yet, none to use, or one.
+// What the client found of the server's Compute socket: nothing yet, none to use, or one.
 struct ComputeSocketChoice {
   absl::Mutex mu;
-  bool asked ABSL_GUARDED_BY(mu) = false;
+  bool asked ABSL_GUARDED_BY(mu) = false;  // the server answered (or there is nothing to ask)
   std::unique_ptr<ComputeSocketPool> pool ABSL_GUARDED_BY(mu);  // null: none to use
+  bool probing ABSL_GUARDED_BY(mu) = false;                     // a call is asking the server now
+  // The server could not be asked: calls go over gRPC until then without asking again.
+  absl::Time probe_again ABSL_GUARDED_BY(mu) = absl::InfinitePast();
 };
+
+namespace {
+
+// How long a call that chose the socket by itself waits for the server to name it before it goes
+// over gRPC (a server that is up answers within milliseconds), and how long the question then
+// rests. One asked for waits as long as the shared-memory probe.
+constexpr absl::Duration kComputeSocketProbe = absl::Seconds(5);
+constexpr absl::Duration kRequiredProbe = absl::Seconds(10);
+constexpr absl::Duration kProbeAgainAfter = absl::Seconds(60);
+
+// How many distinct addresses `host` resolves to (0: none).
+int AddressesOf(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0) return 0;
+  std::vector<std::string> seen;
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    std::string bytes(reinterpret_cast<const char*>(a->ai_addr), a->ai_addrlen);
+    if (std::find(seen.begin(), seen.end(), bytes) == seen.end()) seen.push_back(bytes);
+  }
+  freeaddrinfo(found);
+  return static_cast<int>(seen.size());
+}
+
+}  // namespace
 
 absl::StatusOr<ComputeSocketPool*> Client::ComputeSocketFor(const ComputeRequest& request) const {
   const std::optional<bool> asked =
@@ -723,11 +753,36 @@ absl::StatusOr<ComputeSocketPool*> Client::ComputeSocketFor(const ComputeRequest
   }
   const bool required = asked == true;
   ComputeSocketChoice& choice = *compute_socket_;
+  {
+    absl::MutexLock lock(&choice.mu);
+    if (choice.asked && (choice.pool != nullptr || !required)) return choice.pool.get();
+    // Another call is asking, or the server could not be asked lately: this one goes over gRPC
+    // rather than wait.
+    if (!required && (choice.probing || absl::Now() < choice.probe_again)) return nullptr;
+    choice.probing = true;
+  }
+  // Outside the lock: a server slow to answer holds up this call only.
+  absl::StatusOr<std::unique_ptr<ComputeSocketPool>> found = FindComputeSocket(required);
   absl::MutexLock lock(&choice.mu);
-  if (choice.asked && (choice.pool != nullptr || !required)) return choice.pool.get();
-  const auto none = [&](absl::Status why) -> absl::StatusOr<ComputeSocketPool*> {
-    if (required) return why;
+  choice.probing = false;
+  if (!found.ok()) {
+    if (required) return found.status();
+    choice.probe_again = absl::Now() + kProbeAgainAfter;
+    return nullptr;
+  }
+  if (!choice.asked) {
     choice.asked = true;
+    choice.pool = *std::move(found);
+  } else if (choice.pool == nullptr && *found != nullptr) {
+    choice.pool = *std::move(found);
+  }
+  return choice.pool.get();
+}
+
+absl::StatusOr<std::unique_ptr<ComputeSocketPool>> Client::FindComputeSocket(bool required) const {
+  // No socket to use: an error when asked for, else none (nullptr), for good.
+  const auto none = [&](absl::Status why) -> absl::StatusOr<std::unique_ptr<ComputeSocketPool>> {
+    if (required) return why;
     return nullptr;
   };
   const std::optional<std::string> host = TcpHost(target_);
@@ -737,9 +792,7 @@ absl::StatusOr<ComputeSocketPool*> Client::ComputeSocketFor(const ComputeRequest
   }
   grpc::ClientContext context;
   PrepareContext(context);
-  // A server that is up answers within milliseconds; one that does not answer soon is not worth
-  // holding the call for.
-  const absl::Duration probe_deadline = absl::Seconds(10);
+  const absl::Duration probe_deadline = required ? kRequiredProbe : kComputeSocketProbe;
   if (probe_deadline < options_.deadline) {
     context.set_deadline(absl::ToChronoTime(absl::Now() + probe_deadline));
   }
@@ -748,42 +801,26 @@ absl::StatusOr<ComputeSocketPool*> Client::ComputeSocketFor(const ComputeRequest
   const absl::Status answered = FromGrpcStatus(
       one_server_stub_->GetComputeSocket(&context, v1::GetComputeSocketRequest(), &socket));
   if (!answered.ok()) {
-    if (required) return answered;
-    // Another failure (the server is down) leaves the question open for the next call, which
-    // goes over gRPC meanwhile and reports what is wrong.
-    if (absl::IsFailedPrecondition(answered) || absl::IsUnimplemented(answered)) {
-      choice.asked = true;
+    // A server that offers none answers so for good; another failure (the server is down, slow)
+    // leaves the question open, and the call goes over gRPC, which reports what is wrong.
+    if (!required && (absl::IsFailedPrecondition(answered) || absl::IsUnimplemented(answered))) {
+      return nullptr;
     }
-    return nullptr;
+    return answered;
   }
   // A name that resolves to several addresses may reach several servers: the call could land on
   // another one than the client's other calls.
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  int addresses = 0;
-  if (getaddrinfo(host->c_str(), nullptr, &hints, &found) == 0) {
-    std::vector<std::string> seen;
-    for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
-      std::string bytes(reinterpret_cast<const char*>(a->ai_addr), a->ai_addrlen);
-      if (std::find(seen.begin(), seen.end(), bytes) == seen.end()) seen.push_back(bytes);
-    }
-    addresses = static_cast<int>(seen.size());
-    freeaddrinfo(found);
-  }
+  const int addresses = AddressesOf(*host);
   if (addresses == 0) {
-    return none(
-        absl::UnavailableError(absl::StrCat("compute_socket: cannot resolve \"", *host, "\"")));
+    return absl::UnavailableError(absl::StrCat("compute_socket: cannot resolve \"", *host, "\""));
   }
   if (addresses > 1 && !required) {
     return none(absl::FailedPreconditionError(
         absl::StrCat("compute_socket: \"", *host, "\" resolves to ", addresses,
                      " addresses, which may be several servers")));
   }
-  choice.asked = true;
-  choice.pool = std::make_unique<ComputeSocketPool>(*host, socket.port(), options_.bearer_token,
-                                                    options_.max_message_bytes);
-  return choice.pool.get();
+  return std::make_unique<ComputeSocketPool>(*host, socket.port(), options_.bearer_token,
+                                             options_.max_message_bytes);
 }
 
 bool Client::UsesSharedMemory(const ComputeRequest& request) const {

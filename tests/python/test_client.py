@@ -679,9 +679,9 @@ def test_a_retry_after_a_lost_answer_accumulates_once(server, head, caplog):
         hidden, head.fetch_weight(), labels, "mean", scalar_times(1.0))
     with HoldingRelay(server.port) as relay:
         # Without retries the caller sees UNAVAILABLE, the gradient already accumulated.
-        # Rows in messages: a local target would otherwise ask for the shared-memory socket at
-        # the first call, through the relay while it holds.
-        with lossd.Client(relay.address, timeout=600, shared_memory=False,
+        # Rows in messages over gRPC: a client would otherwise ask for the shared-memory socket
+        # and the Compute socket at its first call, through the relay while it holds.
+        with lossd.Client(relay.address, timeout=600, shared_memory=False, compute_socket=False,
                           retry=lossd.RetryPolicy(max_attempts=1)) as once:
             once.get_head(head.head)  # the connection is up before the hold
             relay.hold()
@@ -704,8 +704,8 @@ def test_a_retry_after_a_lost_answer_accumulates_once(server, head, caplog):
         policy = lossd.RetryPolicy(initial_backoff=0.02,
                                    on_retry=lambda error, attempt, wait: (failures.append(error),
                                                                           relay.release()))
-        with lossd.Client(relay.address, timeout=600, retry=policy,
-                          shared_memory=False) as retrying:
+        with lossd.Client(relay.address, timeout=600, retry=policy, shared_memory=False,
+                          compute_socket=False) as retrying:
             retrying.get_head(head.head)
             relay.hold()
             drop_once(relay, head, committed=1)
@@ -736,8 +736,8 @@ def test_remote_head_retries_a_lost_answer_without_counting_twice(server, head, 
         hidden, head.fetch_weight(), labels, "mean", upstream)
     with HoldingRelay(server.port) as relay:
         policy = lossd.RetryPolicy(initial_backoff=0.02, on_retry=lambda *failure: relay.release())
-        with lossd.Client(relay.address, timeout=600, retry=policy,
-                          shared_memory=False) as client:  # rows through the relay
+        with lossd.Client(relay.address, timeout=600, retry=policy, shared_memory=False,
+                          compute_socket=False) as client:  # rows through the relay, over gRPC
             remote = RemoteHead(client, head.head, stage_grad_weight=stage)
             remote.info()
             remote_hidden = hidden.clone().requires_grad_()

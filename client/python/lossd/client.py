@@ -263,10 +263,11 @@ class Client:
     Unix socket) that offers it, and sends messages otherwise or when the handover fails.
     compute_socket: whether compute() calls that send their rows in messages send them over the
     server's Compute socket (lossd_server --compute_socket_listen: the same messages on a plain
-    TCP connection of their own, around gRPC's HTTP/2 transport, at up to three times its
-    speed) by default (its compute_socket argument): "auto" (the default) does for a server that
-    offers one, reached without TLS at an address that names one server (HOST:PORT whose host
-    resolves to one address, or a one-entry ipv4:/ipv6: target), and keeps to gRPC otherwise.
+    TCP connection of their own, around gRPC's HTTP/2 transport: 1.6x faster calls where the
+    transport bounds them) by default (its compute_socket argument): "auto" (the default) does
+    for a server that offers one, reached without TLS at an address that names one server
+    (HOST:PORT whose host resolves to one address, or a one-entry ipv4:/ipv6: target), and keeps
+    to gRPC otherwise, and for a call the socket cannot take (full, or out of reach).
     """
 
     def __init__(self, address, token=None, tls_root_cert=None, max_message_bytes=256 * _MIB,
@@ -327,8 +328,11 @@ class Client:
         self._shared_memory_works = None  # "auto": decided at the first call that could use it
         self._handover = None  # the _HandoverConnection the pool's memfds are registered on
         self._handover_lock = threading.Lock()
-        self._compute_socket = None  # a _compute_socket.ComputeSocket, found on first use
+        # A _compute_socket.ComputeSocket, found on first use; False: none to use.
+        self._compute_socket = None
         self._compute_socket_lock = threading.Lock()
+        self._compute_socket_probing = False  # a call is asking the server now
+        self._compute_socket_probe_again = 0.0  # time.monotonic() before which none asks
         self.address = address
 
     def close(self):
@@ -385,11 +389,36 @@ class Client:
         asked = self._compute_socket_choice if asked is None else asked
         if asked is False or (asked == "auto" and self._tls):
             return None
+        required = asked is True
         with self._compute_socket_lock:
+            found = self._compute_socket
             # False: "auto" found none; asked for explicitly, the search says why.
-            if self._compute_socket is None or (self._compute_socket is False and asked is True):
-                self._compute_socket = self._find_compute_socket(required=asked is True)
+            if found is not None and not (found is False and required):
+                return found or None
+            if not required and (self._compute_socket_probing or
+                                 time.monotonic() < self._compute_socket_probe_again):
+                # Another call is asking, or the server could not be asked lately: this one
+                # goes over gRPC rather than wait.
+                return None
+            self._compute_socket_probing = True
+        try:
+            # Outside the lock: a server slow to answer holds up this call only.
+            found = self._find_compute_socket(required)
+        finally:
+            with self._compute_socket_lock:
+                self._compute_socket_probing = False
+        with self._compute_socket_lock:
+            if found is None:
+                self._compute_socket_probe_again = time.monotonic() + self._PROBE_AGAIN_SECONDS
+            elif self._compute_socket is None or self._compute_socket is False:
+                self._compute_socket = found
             return self._compute_socket or None
+
+    # How long "auto" waits for the server to name its Compute socket before the call goes over
+    # gRPC (the answer comes within milliseconds from a server that is up), and how long it then
+    # leaves the question before asking again.
+    _COMPUTE_SOCKET_PROBE_SECONDS = 5
+    _PROBE_AGAIN_SECONDS = 60
 
     def _find_compute_socket(self, required):
         """A ComputeSocket; False where there is none to use, None where the server could not be
@@ -406,7 +435,8 @@ class Client:
                         f"expected an address that names one TCP server, got {self.address!r}")
         try:
             answer = self._unary("GetComputeSocket", pb.GetComputeSocketRequest(),
-                                 timeout=self._PROBE_SECONDS)
+                                 timeout=(self._PROBE_SECONDS if required
+                                          else self._COMPUTE_SOCKET_PROBE_SECONDS))
         except LossdError as error:
             if required:
                 raise

@@ -498,6 +498,9 @@ class Client {
   // The Compute socket `request` goes over, or null for gRPC (ComputeRequest::compute_socket);
   // FAILED_PRECONDITION when it asked for one that is not there.
   absl::StatusOr<ComputeSocketPool*> ComputeSocketFor(const ComputeRequest& request) const;
+  // Asks the server for its Compute socket: the pool, or null where there is none to use (for
+  // good); an error where the server could not be asked, or (required) there is none.
+  absl::StatusOr<std::unique_ptr<ComputeSocketPool>> FindComputeSocket(bool required) const;
 
   // Where the server takes memfds (GetSharedMemorySocket), asked within `deadline` at most.
   absl::StatusOr<v1::SharedMemorySocket> SharedMemorySocket(
