@@ -4,12 +4,14 @@
 // only HTTP/2 is left out, which on loopback moved a call's rows at about a third of what the
 // same TCP connection carries.
 //
-// Each connection has a thread of its own, which also runs its calls, one after another. Every
-// wait on a peer is bounded: the HELLO and a call's first message by the stream idle limit, the
-// wait between calls by the connection idle limit, a call's rows and results by the call's own
-// limits (RowReader, the write stall limit). Nothing a peer sends is trusted: frames are checked
-// (magic, kind, length within the message limit) before anything is allocated for them, and a
-// connection that breaks the framing gets a FRAME_STATUS naming what was wrong and is closed.
+// Each connection has a thread of its own, which also runs its calls, one after another; the
+// threads are bounded (Options::max_connections, and max_connections_per_host from one host, past
+// which a HELLO is answered RESOURCE_EXHAUSTED). Every wait on a peer is bounded: the HELLO and a
+// call's first message by the stream idle limit, the wait between calls by the connection idle
+// limit, a call's rows and results by the call's own limits (RowReader, the write stall limit).
+// Nothing a peer sends is trusted: frames are checked (magic, kind, length within the message
+// limit) before anything is allocated for them, and a connection that breaks the framing gets a
+// FRAME_STATUS naming what was wrong and is closed.
 #ifndef LOSSD_SERVER_SOCKET_COMPUTE_SOCKET_H_
 #define LOSSD_SERVER_SOCKET_COMPUTE_SOCKET_H_
 
