@@ -950,6 +950,65 @@ def test_tensor_messages_encoded_by_hand_are_protobufs_messages():
         summary
 
 
+def server_style_result(result, grad_hidden):
+    """A ComputeResponse's bytes as the server writes a result: its small fields, then dL/dh."""
+    small = result.SerializeToString()
+    tail = _wire._key(10, 2) + _wire._varint(len(grad_hidden)) + grad_hidden
+    return _wire._key(1, 2) + _wire._varint(len(small) + len(tail)) + small + tail
+
+
+# A reader that takes a result's first bytes finds where its dL/dh starts when dL/dh is its last
+# field (as the server writes it), and declines (None: read it whole) in every other layout.
+@pytest.mark.parametrize("layout", [
+    "server_style",  # small fields, then dL/dh: found
+    "head_ends_inside_grad_hidden",  # only the first bytes of dL/dh are in the head: found
+    "protobuf_order",  # protobuf puts fields numbered above dL/dh's after it: declined
+    "head_ends_before_grad_key",  # the small fields outrun the head: declined
+    "head_ends_inside_grad_length",  # a varint cut by the head: declined
+    "no_grad_hidden",  # nothing to place
+    "summary",  # not a result
+    "bytes_after_the_result",  # the result is not the whole message: declined
+])
+def test_where_a_results_grad_hidden_starts(layout):
+    rng = np.random.default_rng()
+    grad = rng.standard_normal((4, 5), dtype=np.float32).tobytes()
+    small = pb.ComputeResult(row_offset=17, num_rows=4, token_loss=[0.5, 1.5, 2.5, 3.5],
+                             grad_hidden_dtype=pb.DTYPE_FLOAT32, kd=[0.25] * 4)
+    data = server_style_result(small, grad)
+    grad_start = len(data) - len(grad)
+    grad_key_start = grad_start - 2
+    head_bytes = len(data)
+    if layout == "protobuf_order":
+        whole = pb.ComputeResult()
+        whole.CopyFrom(small)
+        whole.grad_hidden = grad
+        data = pb.ComputeResponse(result=whole).SerializeToString()
+        head_bytes = len(data)
+    elif layout == "head_ends_inside_grad_hidden":
+        head_bytes = grad_start + 3
+    elif layout == "head_ends_before_grad_key":
+        head_bytes = grad_key_start - 1
+    elif layout == "head_ends_inside_grad_length":
+        data = server_style_result(small, grad * 8)  # 640 bytes: a two-byte length
+        grad_start = len(data) - 8 * len(grad)
+        head_bytes = grad_start - 1
+    elif layout == "no_grad_hidden":
+        data = pb.ComputeResponse(result=small).SerializeToString()
+        head_bytes = len(data)
+    elif layout == "summary":
+        data = pb.ComputeResponse(summary=pb.ComputeSummary(loss=2.0)).SerializeToString()
+        head_bytes = len(data)
+    elif layout == "bytes_after_the_result":
+        data += _wire._key(2, 2) + _wire._varint(0)
+        head_bytes = len(data)
+    split = _wire.split_result(memoryview(data)[:head_bytes], len(data))
+    if layout in ("server_style", "head_ends_inside_grad_hidden"):
+        message, start = split
+        assert message == small and start == grad_start and data[start:] == grad
+    else:
+        assert split is None
+
+
 # A server run with --shared_memory=false refuses it by name, and the same client goes on with
 # messages; the refused call's memfd is dropped, not pooled.
 def test_shared_memory_refused_by_a_server_without_it():

@@ -19,7 +19,7 @@ from test_client import CASES, check_case_against_torch, random_batch
 
 ensure_python_client()
 import lossd  # noqa: E402
-from lossd import _wire  # noqa: E402
+from lossd import _compute_socket, _shared_memory, _wire  # noqa: E402
 from lossd.torch import RemoteHead  # noqa: E402
 from lossd.v1 import lossd_pb2 as pb  # noqa: E402
 
@@ -37,6 +37,17 @@ def server():
                      f"--stream_idle_seconds={IDLE_SECONDS}", "--compute_socket_idle_seconds=2",
                      "--shared_memory=false", metrics=True) as s:
         yield s
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_results_placed_and_lent():
+    # These tests' results are far below the sizes at which a result's dL/dh is received straight
+    # into its array and that array lent from the pool: every size takes those paths here, and the
+    # tests at the clients' own thresholds are marked so.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_compute_socket, "_PLACED_MIN_BYTES", 0)
+        patch.setattr(_shared_memory._SharedBufferPool, "_MIN_LENT_ARRAY_BYTES", 0)
+        yield patch
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +168,9 @@ def test_loss_and_gradients_match_torch_over_the_socket(over_socket, head, case)
 SHAPES = {
     "one_row": dict(tokens=1),  # the smallest call: one message each way
     "chunk_boundaries": dict(tokens=777, rows_per_message=100),  # messages and chunks misalign
+    # Messages above 256 KiB: the server receives rows straight into its chunk buffers, each
+    # message's rows spanning many chunks.
+    "rows_received_in_place": dict(tokens=3000, rows_per_message=1100),
     "all_ignored": dict(tokens=64, ignored=64),  # no token counts: loss 0, dL/dh zero
     "extreme_logits": dict(tokens=50, scale=300.0),  # softmax saturates
     "bfloat16_rows": dict(tokens=300, dtype="bfloat16"),  # dL/dh back in bfloat16
@@ -191,6 +205,90 @@ def test_the_socket_gives_the_same_bits_as_grpc(over_grpc, over_socket, head, sh
     for name in names:
         expected, got = getattr(grpc_result, name), getattr(socket_result, name)
         assert got is not None and np.array_equal(expected, got), name
+
+
+# At the clients' own thresholds (a server of its own, whose default workspace computes 2048 rows
+# in one chunk): each result's dL/dh, megabytes in one message, is received straight into a lent
+# array, with the same bits as the one assembled from gRPC's messages; a result whose small fields
+# outrun the first bytes read is received whole, with the same bits too.
+@pytest.mark.parametrize("case", ["placed", "small_fields_outrun_the_head"])
+def test_a_large_result_lands_in_place_with_the_same_bits(small_results_placed_and_lent, case):
+    patch = small_results_placed_and_lent
+    patch.undo()  # the clients' own thresholds
+    placed = []  # rows of each result message read, placed or not
+
+    def spy(connection, answered, place):
+        kind, body = read_response(connection, answered, place)
+        if isinstance(body, _wire.Result):
+            placed.append((body.placed, body.message.num_rows))
+        return kind, body
+
+    read_response = _compute_socket._Connection.read_response
+    try:
+        patch.setattr(_compute_socket._Connection, "read_response", spy)
+        top_k = 0
+        if case == "small_fields_outrun_the_head":
+            patch.setattr(_compute_socket, "_HEAD_BYTES", 256)
+            top_k = 4
+        rng = np.random.default_rng()
+        n, vocab, hidden_size = 2048, 16, 2048
+        with demo_server(vocab, hidden_size, "--compute_socket_listen=127.0.0.1:0",
+                         "--shared_memory=false") as server, \
+                lossd.Client(server.address, timeout=600, compute_socket=False) as by_grpc, \
+                lossd.Client(server.address, timeout=600, compute_socket=True) as by_socket:
+            by_grpc.upload_head("large", rng.standard_normal((vocab, hidden_size),
+                                                             dtype=np.float32) * 0.1)
+            hidden = rng.standard_normal((n, hidden_size), dtype=np.float32)
+            labels = rng.integers(0, vocab, n)
+            results = [client.compute("large", hidden, labels, outputs=["grad_hidden", "logprob"],
+                                      top_k=top_k) for client in (by_grpc, by_socket)]
+        assert [result.transport for result in results] == ["grpc", "compute_socket"]
+        for name in ("grad_hidden", "logprob") + (("top_k_logprob",) if top_k else ()):
+            assert np.array_equal(getattr(results[0], name), getattr(results[1], name)), name
+        assert all(isinstance(result.grad_hidden.base, _shared_memory._Lease)
+                   for result in results)
+        # Messages under _PLACED_MIN_BYTES (the last of a call, say) are read whole.
+        rows_placed = sum(rows for was_placed, rows in placed if was_placed)
+        assert rows_placed >= n // 2 if case == "placed" else rows_placed == 0
+    finally:
+        patch.undo()
+        patch.setattr(_compute_socket, "_PLACED_MIN_BYTES", 0)
+        patch.setattr(_shared_memory._SharedBufferPool, "_MIN_LENT_ARRAY_BYTES", 0)
+
+
+# dL/dh arrays come from a pool: one the caller let go of serves the next call, one it keeps is
+# never written again, and past the lending limit results are arrays of their own.
+@pytest.mark.parametrize("transport", ["grpc", "compute_socket"])
+def test_a_kept_result_is_never_overwritten_by_later_calls(request, head, transport):
+    client = request.getfixturevalue("over_grpc" if transport == "grpc" else "over_socket")
+    rng = np.random.default_rng()
+    n = 300
+    labels = rng.integers(0, VOCAB, n)
+    batches = [rng.standard_normal((n, HIDDEN), dtype=np.float32) for _ in range(7)]
+
+    def grad_hidden(hidden):
+        result = client.compute(head.head, hidden, labels, outputs=["grad_hidden"])
+        assert result.transport == transport
+        return result.grad_hidden
+
+    let_go = grad_hidden(batches[0])
+    address = let_go.__array_interface__["data"][0]
+    del let_go
+    reused = grad_hidden(batches[0])
+    assert reused.__array_interface__["data"][0] == address
+    del reused
+    kept = [grad_hidden(hidden) for hidden in batches]  # more than the pool lends at once
+    copies = [array.copy() for array in kept]
+    lent = sum(isinstance(array.base, _shared_memory._Lease) for array in kept)
+    assert lent == _shared_memory._SharedBufferPool._MAX_LENT
+    views = [torch.from_numpy(array[::2]) for array in kept]  # a view keeps its array lent
+    del kept
+    for hidden in batches:
+        grad_hidden(hidden)
+    expected = [grad_hidden(hidden).copy() for hidden in batches]
+    for view, copy, again in zip(views, copies, expected):
+        assert np.array_equal(view.numpy(), copy[::2])
+        assert np.array_equal(copy, again)  # the same rows, computed again
 
 
 def test_a_teacher_travels_in_the_socket_messages_too(over_grpc, over_socket):

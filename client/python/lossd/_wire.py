@@ -100,12 +100,50 @@ def _fields(data, start, end):
 
 class Result:
     """A ComputeResult: its small fields parsed (a pb.ComputeResult without grad_hidden) and its
-    grad_hidden bytes as a view of the received message, not a copy."""
-    __slots__ = ("message", "grad_hidden")
+    grad_hidden bytes as a view of the received message, not a copy; or, `placed`, grad_hidden
+    None and its bytes already where the caller's `place` asked for them (split_result)."""
+    __slots__ = ("message", "grad_hidden", "placed")
 
-    def __init__(self, message, grad_hidden):
+    def __init__(self, message, grad_hidden, placed=False):
         self.message = message
         self.grad_hidden = grad_hidden
+        self.placed = placed
+
+
+def split_result(head, length):
+    """For a ComputeResponse of `length` bytes whose first bytes are `head`: (the pb.ComputeResult
+    without grad_hidden, the offset of grad_hidden's bytes) when it is a result whose grad_hidden
+    is its last field and starts within `head` (as the server writes them: small fields first),
+    else None. The reader can then receive dL/dh straight where it goes."""
+    try:
+        key, offset = _read_varint(head, 0)
+        if key != (_RESPONSE_RESULT << 3) | _LENGTH_DELIMITED:
+            return None
+        member_length, member_start = _read_varint(head, offset)
+        if member_start + member_length != length:
+            return None
+        offset = member_start
+        while offset < len(head):
+            field_start = offset
+            key, offset = _read_varint(head, offset)
+            field, wire_type = key >> 3, key & 7
+            if wire_type == _VARINT:
+                _, offset = _read_varint(head, offset)
+                continue
+            if wire_type == 1 or wire_type == 5:
+                offset += 8 if wire_type == 1 else 4
+                continue
+            if wire_type != _LENGTH_DELIMITED:
+                return None
+            value_length, value_start = _read_varint(head, offset)
+            if field == _RESULT_GRAD_HIDDEN:
+                if value_start + value_length != length or value_start > len(head):
+                    return None
+                return pb.ComputeResult.FromString(head[member_start:field_start]), value_start
+            offset = value_start + value_length
+    except IndexError:  # a varint cut by the end of head
+        return None
+    return None
 
 
 def decode_response(data):

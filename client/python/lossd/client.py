@@ -4,6 +4,7 @@ Arrays go in and come out as numpy arrays. bfloat16 tensors are uint16 arrays of
 (see lossd._tensors); float64 inputs are rounded to float32 before they are sent.
 """
 import dataclasses
+import functools
 import json
 import logging
 import random
@@ -825,10 +826,14 @@ class Client:
         place (SharedMemory.rows_follow), so that the server computes while the rest are copied;
         shared_rows_per_piece=n > 0 copies and announces n rows at a time whatever the server.
 
+        Over messages too, a grad_hidden of 4 MiB or more is an array lent from that pool, back
+        in it once it and everything made from it are gone, so that the next call's dL/dh lands
+        in pages already touched instead of fresh ones the kernel must zero (a fifth of the
+        client's time at 16,384 x 2048 float32); with a few alive, further ones are fresh arrays.
+
         grad_hidden_out, a writable C-contiguous [N, H] array of grad_hidden's dtype (uint16 for
-        bfloat16), receives dL/dh instead of a fresh array, and is the result's grad_hidden: a
-        training loop that reuses one saves allocating (and faulting in) N * H values per call. It
-        is written only once the call has succeeded.
+        bfloat16), receives dL/dh instead, and is the result's grad_hidden. It is written only
+        once the call has succeeded.
 
         call_id names the call on the server so that a retry cannot add its dL/dW twice (see
         RetryPolicy and ComputeStart.call_id in lossd.proto): None gives a call that accumulates
@@ -978,8 +983,10 @@ class Client:
         result = None
         if over_socket is not None:
             try:
-                result = _assemble(over_socket.responses(message_parts), wanted, top_k,
-                                   num_tokens, hidden_size, grad_dtype)
+                result = _assemble(None, wanted, top_k, num_tokens, hidden_size, grad_dtype,
+                                   new_array=self._shared_buffers.new_array,
+                                   responses_placing=functools.partial(over_socket.responses,
+                                                                       message_parts))
                 result.transport = "compute_socket"
             except _compute_socket.SocketUnusable as unusable:
                 if not fall_back:
@@ -989,7 +996,8 @@ class Client:
             requests = (b"".join(parts) for parts in message_parts())
             responses = self._responses("Compute",
                                         self._call("Compute", requests, one_server_for))
-            result = _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype)
+            result = _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype,
+                               new_array=self._shared_buffers.new_array)
         if grad_hidden_out is not None:
             # Assembled apart as the messages came, so that a failed call left it as it was.
             np.copyto(grad_hidden_out, result.grad_hidden)
@@ -1206,13 +1214,19 @@ def _check_grad_hidden_out(out, grad_wanted, num_tokens, hidden_size, dtype):
                          f"shape {(num_tokens, hidden_size)}, got {got}")
 
 
+def _empty_array(dtype, shape):
+    return np.empty(shape, dtype)
+
+
 def _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype,
-              grad_hidden_in_messages=True):
+              grad_hidden_in_messages=True, new_array=None, responses_placing=None):
     """A LossResult from a Compute call's responses (pb.ComputeSummary and _wire.Result):
     per-chunk results placed by row offset as they arrive, then the summary. Every per-token
     output the call asked for (lossd.options' naming rule) must come with each message's rows.
     Without grad_hidden_in_messages (shared memory) the messages carry no dL/dh and
-    grad_hidden is left None, for the caller to fill."""
+    grad_hidden is left None, for the caller to fill. new_array(dtype, shape) makes dL/dh's array
+    (np.empty by default). responses_placing(place), given instead of responses, gives responses
+    whose dL/dh may be received straight into that array, where place(result, nbytes) says."""
     per_row = {name: 1 for name in _options.ROW_OUTPUT_NAMES if name in wanted}
     if top_k > 0:
         per_row.update({name: top_k for name in _options.TOP_K_OUTPUT_NAMES})
@@ -1223,26 +1237,43 @@ def _assemble(responses, wanted, top_k, num_tokens, hidden_size, grad_dtype,
     # dL/dh bytes each result must carry per row: none unless asked for and sent in messages.
     grad_row_bytes = 0
     if "grad_hidden" in wanted and grad_hidden_in_messages:
-        grad_hidden = np.empty((num_tokens, hidden_size), _tensors.numpy_dtype(grad_dtype))
+        grad_hidden = (new_array or _empty_array)(_tensors.numpy_dtype(grad_dtype),
+                                                  (num_tokens, hidden_size))
         grad_row_bytes = hidden_size * grad_hidden.itemsize
+
+    def rows_of(chunk, grad_nbytes):
+        first, end = chunk.row_offset, chunk.row_offset + chunk.num_rows
+        if first < 0 or end > num_tokens:
+            raise LossdError("Compute", "INTERNAL",
+                             f"result rows [{first}, {end}) outside [0, {num_tokens})")
+        if grad_nbytes != chunk.num_rows * grad_row_bytes:
+            raise LossdError("Compute", "INTERNAL",
+                             f"result rows [{first}, {end}) carry {grad_nbytes} bytes "
+                             f"of grad_hidden, expected {chunk.num_rows * grad_row_bytes}")
+        return first, end
+
+    def place(chunk, grad_nbytes):
+        if grad_hidden is None:
+            return None
+        first, end = rows_of(chunk, grad_nbytes)
+        return memoryview(grad_hidden[first:end]).cast("B")
+
+    if responses_placing is not None:
+        responses = responses_placing(place)
     received = 0
     summary = None
     for response in responses:
         if isinstance(response, pb.ComputeSummary):
             summary = response
             continue
-        chunk, grad_bytes = response.message, response.grad_hidden
-        first, end = chunk.row_offset, chunk.row_offset + chunk.num_rows
-        if first < 0 or end > num_tokens:
-            raise LossdError("Compute", "INTERNAL",
-                             f"result rows [{first}, {end}) outside [0, {num_tokens})")
-        if len(grad_bytes) != chunk.num_rows * grad_row_bytes:
-            raise LossdError("Compute", "INTERNAL",
-                             f"result rows [{first}, {end}) carry {len(grad_bytes)} bytes "
-                             f"of grad_hidden, expected {chunk.num_rows * grad_row_bytes}")
-        if grad_hidden is not None:
-            grad_hidden[first:end] = _tensors.from_wire(grad_bytes, grad_dtype,
-                                                        (chunk.num_rows, hidden_size))
+        chunk = response.message
+        if response.placed:
+            first, end = chunk.row_offset, chunk.row_offset + chunk.num_rows  # checked by place
+        else:
+            first, end = rows_of(chunk, len(response.grad_hidden))
+            if grad_hidden is not None:
+                grad_hidden[first:end] = _tensors.from_wire(response.grad_hidden, grad_dtype,
+                                                            (chunk.num_rows, hidden_size))
         for name, array in outputs.items():
             values = getattr(chunk, name)
             if len(values) != chunk.num_rows * per_row[name]:
