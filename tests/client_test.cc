@@ -2032,7 +2032,12 @@ INSTANTIATE_TEST_SUITE_P(
         SocketCase{"one_row", 1, client::DType::kFloat32, 0.0},
         SocketCase{"all_ignored", 50, client::DType::kFloat32, 1.0},  // loss 0, dL/dh zero
         SocketCase{"no_rows", 0, client::DType::kFloat32, 0.0},       // the start alone
-        SocketCase{"dense_teacher", 130, client::DType::kFloat32, 0.0, 40, Teacher::kDense}),
+        SocketCase{"dense_teacher", 130, client::DType::kFloat32, 0.0, 40, Teacher::kDense},
+        // Messages above 256 KiB: the server receives rows straight into its chunk buffers,
+        // each message's spanning many chunks; beside a teacher's rows, which it copies.
+        SocketCase{"rows_received_in_place", 3000, client::DType::kFloat32, 0.1, 1500},
+        SocketCase{"teacher_beside_rows_in_place", 3000, client::DType::kFloat32, 0.0, 1400,
+                   Teacher::kDense}),
     [](const ::testing::TestParamInfo<SocketCase>& info) { return std::string(info.param.name); });
 
 TEST_F(ComputeSocketTest, ErrorsAndConcurrentCallsAreAsOverGrpc) {

@@ -3,6 +3,8 @@
 // bytes arrive in, and bytes that are not such a message are refused by name without a crash.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -351,6 +353,114 @@ TEST(ComputeFrameTest, AcceptsOnlyWhatProtobufParses) {
   // Both outcomes were reached often enough for the check to mean something.
   EXPECT_GT(accepted, 1000);
   EXPECT_GT(refused, 1000);
+}
+
+// Field `field` of wire type 2 holding `value`, as protobuf encodes it.
+std::string LengthDelimited(int field, const std::string& value) {
+  std::string bytes(1, static_cast<char>(field << 3 | 2));
+  for (uint64_t length = value.size();; length >>= 7) {
+    bytes += static_cast<char>((length & 0x7f) | (length >= 0x80 ? 0x80 : 0));
+    if (length < 0x80) break;
+  }
+  return bytes + value;
+}
+
+// A chunk's bytes as a client writes it (its other fields first, then its rows).
+std::string ChunkBytes(const std::string& hidden, const std::string& teacher,
+                       int64_t shared_rows = 0) {
+  ComputeRequestFrame frame;
+  frame.message.mutable_chunk()->set_shared_rows(shared_rows);
+  frame.rows[kHiddenRows] = BulkBytes::Copy(hidden);
+  frame.rows[kTeacherHiddenRows] = BulkBytes::Copy(teacher);
+  return Flatten(frame.Encode());
+}
+
+struct LeadingRowsCase {
+  const char* name;
+  std::string message;
+  size_t head;  // bytes of the message the reader has
+  bool found;
+};
+
+class LeadingHiddenRowsTest : public testing::TestWithParam<LeadingRowsCase> {};
+
+TEST_P(LeadingHiddenRowsTest, FindsTheRowsOnlyWhereTheyLead) {
+  const LeadingRowsCase& c = GetParam();
+  const std::string& bytes = c.message;
+  const std::optional<RowsInMessage> rows = LeadingHiddenRows(
+      {reinterpret_cast<const uint8_t*>(bytes.data()), std::min(c.head, bytes.size())},
+      bytes.size());
+  ASSERT_EQ(rows.has_value(), c.found);
+  if (!c.found) return;
+  v1::ComputeRequest parsed;
+  ASSERT_TRUE(parsed.ParseFromString(bytes));
+  EXPECT_EQ(bytes.substr(rows->offset, rows->size), parsed.chunk().hidden());
+}
+
+std::vector<LeadingRowsCase> LeadingRowsCases() {
+  const std::string hidden(1000, 'h');
+  const std::string teacher(300, 't');
+  const std::string plain = ChunkBytes(hidden, "");
+  v1::ComputeRequest start;
+  start.mutable_start()->set_num_tokens(4);
+  const std::string teacher_first =
+      LengthDelimited(v1::ComputeRequest::kChunkFieldNumber,
+                      LengthDelimited(v1::ComputeChunk::kTeacherHiddenFieldNumber, teacher) +
+                          LengthDelimited(v1::ComputeChunk::kHiddenFieldNumber, hidden));
+  return {
+      {"rows_alone", plain, 32, true},                               // a chunk of rows: found
+      {"rows_then_teacher", ChunkBytes(hidden, teacher), 32, true},  // the teacher's follow
+      {"head_ends_right_after_the_key", plain, 6, true},  // key, length, key, length: 6 bytes
+      {"head_cut_inside_a_length", plain, 4, false},      // the rows' length not yet known
+      {"other_fields_first", ChunkBytes(hidden, "", 7), 32, false},  // shared_rows leads
+      {"teacher_first", teacher_first, 32, false},                   // rows not the first field
+      {"a_start", start.SerializeAsString(), 32, false},             // no chunk at all
+      {"bytes_after_the_chunk", plain + std::string("\x10\x01", 2), 32, false},  // chunk not whole
+      {"rows_shorter_than_the_head", ChunkBytes("ab", teacher), 32, false},  // head outruns them
+  };
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, LeadingHiddenRowsTest, testing::ValuesIn(LeadingRowsCases()),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// A reader that received a message's leading rows straight into their destination hands over a
+// message whose rows lie there in part: decoding it and copying the rows to that destination gives
+// the rows the message carried, the placed bytes untouched, the rest copied after them; and where
+// the chunk sets its rows again later (protobuf keeps the last), those are what land.
+TEST(ComputeFrameTest, RowsReceivedInPlaceDecodeAndCopyAsTheMessageSays) {
+  std::mt19937 rng(7);
+  for (const bool rows_twice : {false, true}) {
+    SCOPED_TRACE(rows_twice ? "rows twice" : "rows once");
+    const std::string hidden = RandomBytes(4096, rng);
+    const std::string later_rows = RandomBytes(4096, rng);
+    const std::string bytes = LengthDelimited(
+        v1::ComputeRequest::kChunkFieldNumber,
+        LengthDelimited(v1::ComputeChunk::kHiddenFieldNumber, hidden) +
+            LengthDelimited(v1::ComputeChunk::kTeacherHiddenFieldNumber, RandomBytes(512, rng)) +
+            (rows_twice ? LengthDelimited(v1::ComputeChunk::kHiddenFieldNumber, later_rows) : ""));
+    const std::optional<RowsInMessage> rows =
+        LeadingHiddenRows({reinterpret_cast<const uint8_t*>(bytes.data()), 32}, bytes.size());
+    ASSERT_TRUE(rows.has_value());
+    ASSERT_EQ(bytes.substr(rows->offset, rows->size), hidden);
+    std::vector<uint8_t> destination(3000);  // room for part of the rows
+    const size_t placed = destination.size();
+    std::memcpy(destination.data(), bytes.data() + rows->offset, placed);
+    const grpc::Slice pieces[] = {
+        grpc::Slice(bytes.data(), rows->offset),
+        grpc::Slice(destination.data(), placed, grpc::Slice::STATIC_SLICE),
+        grpc::Slice(bytes.data() + rows->offset + placed, bytes.size() - rows->offset - placed),
+    };
+    ComputeRequestFrame received;
+    ASSERT_TRUE(received.Decode(grpc::ByteBuffer(pieces, 3)).ok());
+    const BulkBytes& got = received.rows[kHiddenRows];
+    const std::string& expected = rows_twice ? later_rows : hidden;
+    ASSERT_EQ(got.size(), static_cast<int64_t>(expected.size()));
+    if (!rows_twice) EXPECT_EQ(got.slices().front().begin(), destination.data());
+    got.CopyTo(0, static_cast<int64_t>(placed), destination.data());
+    std::string rest(expected.size() - placed, '\0');
+    got.CopyTo(static_cast<int64_t>(placed), static_cast<int64_t>(rest.size()), rest.data());
+    EXPECT_EQ(std::string(destination.begin(), destination.end()) + rest, expected);
+  }
 }
 
 TEST(SendBuffersTest, ReusesABufferOnceGrpcLetsGoOfIt) {

@@ -163,7 +163,8 @@ BulkBytes BulkBytes::Of(std::vector<grpc::Slice> slices) {
 void BulkBytes::CopyTo(int64_t offset, int64_t count, void* out) const {
   uint8_t* next = static_cast<uint8_t*>(out);
   ForEachPart(slices_, offset, count, [&](const grpc::Slice& slice, size_t begin, size_t end) {
-    std::memcpy(next, slice.begin() + begin, end - begin);
+    // Bytes a reader received straight into `out` are where they go already.
+    if (slice.begin() + begin != next) std::memcpy(next, slice.begin() + begin, end - begin);
     next += end - begin;
   });
 }

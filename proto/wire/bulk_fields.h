@@ -44,7 +44,8 @@ class BulkBytes {
   int64_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
   const std::vector<grpc::Slice>& slices() const { return slices_; }
-  // Copies bytes [offset, offset + count) to `out`; the range must lie within size().
+  // Copies bytes [offset, offset + count) to `out`; the range must lie within size(). A piece
+  // that already lies at its place in `out` (a reader put it there) is left as it is.
   void CopyTo(int64_t offset, int64_t count, void* out) const;
   std::string ToString() const;
   void Clear() {

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "lossd/v1/lossd.pb.h"
 #include "proto/wire/compute_frames.h"
 
@@ -20,6 +21,14 @@ class ComputeStream {
  public:
   virtual ~ComputeStream() = default;
   virtual bool Read(wire::ComputeRequestFrame* request) = 0;
+  // Read, where the next message's hidden rows may go straight into `rows_destination` (free
+  // memory where the reader copies them next), as far as they fit: a stream that receives them
+  // there leaves those bytes of request->rows[kHiddenRows] lying in it, which copying them there
+  // then skips (BulkBytes::CopyTo). The message is checked as any other after.
+  virtual bool ReadRowsInto(wire::ComputeRequestFrame* request,
+                            absl::Span<uint8_t> /*rows_destination*/) {
+    return Read(request);
+  }
   // `response`, with `grad_hidden` as its result's dL/dh.
   virtual bool Write(const v1::ComputeResponse& response, const wire::BulkBytes& grad_hidden) = 0;
   // Write, calling `on_stall` once, on this thread and before waiting on, if the client has not

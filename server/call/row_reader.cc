@@ -129,7 +129,8 @@ absl::Status RowReader::ReadRows() {
   wire::ComputeRequestFrame request;
   // Once the last row is in, the call has everything it needs: what the client sends after it,
   // and whether it half-closes, no longer matters to it.
-  while (received_rows_ < layout_.num_tokens && stream_.Read(&request)) {
+  while (received_rows_ < layout_.num_tokens &&
+         stream_.ReadRowsInto(&request, FreeSpaceForRows())) {
     {
       absl::MutexLock lock(&mu_);
       if (stop_) return absl::CancelledError("the call ended before its rows were all read");
@@ -143,6 +144,16 @@ absl::Status RowReader::ReadRows() {
   return InvalidField(layout_.shared_rows != nullptr ? "chunk.shared_rows" : "chunk.hidden",
                       absl::StrCat(layout_.num_tokens, " rows (num_tokens)"),
                       absl::StrCat(received_rows_, " before the stream ended"));
+}
+
+absl::Span<uint8_t> RowReader::FreeSpaceForRows() {
+  if (layout_.shared_rows != nullptr || received_rows_ == layout_.num_tokens) return {};
+  if (rows_in_filling_ == 0) {
+    absl::MutexLock lock(&mu_);
+    if (released_ + kBuffers <= filling_chunk_) return {};  // the engine still reads it
+  }
+  return absl::MakeSpan(BufferOf(filling_chunk_) + rows_in_filling_ * row_bytes_,
+                        (RowsInChunk(filling_chunk_) - rows_in_filling_) * row_bytes_);
 }
 
 absl::Status RowReader::TakeMessage(const wire::ComputeRequestFrame& request) {

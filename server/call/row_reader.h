@@ -132,6 +132,9 @@ class RowReader {
   }
   void ReadAll();
   absl::Status ReadRows();
+  // Where the next message's hidden rows would be copied, if that memory is free now: the rest
+  // of the chunk being filled (none while the engine still reads that buffer).
+  absl::Span<uint8_t> FreeSpaceForRows();
   absl::Status TakeMessage(const wire::ComputeRequestFrame& request);
   absl::Status TakeAnnouncement(const wire::ComputeRequestFrame& request);
   // Waits until the buffer for chunk filling_chunk_ is free again, holding `request` meanwhile

@@ -9,9 +9,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include <grpcpp/support/byte_buffer.h>
@@ -97,6 +99,11 @@ SocketComputeStream::Opening SocketComputeStream::ReadOpening(absl::Duration lim
 }
 
 bool SocketComputeStream::Read(wire::ComputeRequestFrame* request) {
+  return ReadRowsInto(request, {});
+}
+
+bool SocketComputeStream::ReadRowsInto(wire::ComputeRequestFrame* request,
+                                       absl::Span<uint8_t> rows_destination) {
   absl::MutexLock lock(&read_mu_);
   if (!first_taken_) {
     first_taken_ = true;
@@ -105,11 +112,58 @@ bool SocketComputeStream::Read(wire::ComputeRequestFrame* request) {
     return true;
   }
   if (reads_over_ || half_closed_ || EndedFdFired()) return false;
-  return ReadFrame(request, absl::InfiniteFuture(), {ended_fd_.get()});
+  return ReadFrame(request, absl::InfiniteFuture(), {ended_fd_.get()}, rows_destination);
+}
+
+SocketIo SocketComputeStream::ReadMessageBody(uint64_t length, absl::Time deadline,
+                                              const std::vector<int>& wake,
+                                              absl::Span<uint8_t> rows_destination,
+                                              grpc::ByteBuffer& message) {
+  // Rows come in messages of megabytes, mostly of one size: pooled, their pages stay mapped
+  // from call to call instead of being faulted in again for every message.
+  constexpr uint64_t kPooledMessageBytes = 256 << 10;
+  // Enough for a chunk's key and length and its hidden rows' (at most 22 bytes).
+  constexpr uint64_t kHeadBytes = 32;
+  grpc::Slice slice = length >= kPooledMessageBytes
+                          ? receive_buffers_->Allocate(static_cast<size_t>(length))
+                          : grpc::Slice(static_cast<size_t>(length));
+  uint8_t* const body = const_cast<uint8_t*>(slice.begin());
+  uint64_t head = 0;  // bytes read so far
+  std::optional<wire::RowsInMessage> rows;
+  if (length >= kPooledMessageBytes && rows_destination.size() >= kHeadBytes) {
+    head = std::min(length, kHeadBytes);
+    const SocketIo io = connection_.ReadExact(body, head, deadline, wake);
+    if (io != SocketIo::kDone) return io;
+    rows = wire::LeadingHiddenRows({body, head}, length);
+  }
+  if (!rows.has_value()) {
+    const SocketIo io = connection_.ReadExact(body + head, length - head, deadline, wake);
+    message = grpc::ByteBuffer(&slice, 1);
+    return io;
+  }
+  // The rows' first bytes came with the head; the rest of those that fit are read in place, and
+  // everything after them into the pooled slice, at their offsets in the message.
+  const uint64_t placed = std::min<uint64_t>(rows->size, rows_destination.size());
+  const uint64_t in_head = head - rows->offset;  // < kHeadBytes <= placed
+  std::memcpy(rows_destination.data(), body + rows->offset, in_head);
+  SocketIo io =
+      connection_.ReadExact(rows_destination.data() + in_head, placed - in_head, deadline, wake);
+  const uint64_t after = rows->offset + placed;
+  if (io == SocketIo::kDone) {
+    io = connection_.ReadExact(body + after, length - after, deadline, wake);
+  }
+  const grpc::Slice pieces[] = {
+      slice.sub(0, rows->offset),
+      grpc::Slice(rows_destination.data(), placed, grpc::Slice::STATIC_SLICE),
+      slice.sub(after, length),
+  };
+  message = grpc::ByteBuffer(pieces, 3);
+  return io;
 }
 
 bool SocketComputeStream::ReadFrame(wire::ComputeRequestFrame* request, absl::Time deadline,
-                                    const std::vector<int>& wake) {
+                                    const std::vector<int>& wake,
+                                    absl::Span<uint8_t> rows_destination) {
   FrameHeader header;
   SocketIo io = connection_.ReadExact(&header, sizeof(header), deadline, wake);
   last_io_ = io;
@@ -127,17 +181,11 @@ bool SocketComputeStream::ReadFrame(wire::ComputeRequestFrame* request, absl::Ti
                             wire::FrameKindName(header.kind));
     }
     if (broken.ok()) {
-      // Rows come in messages of megabytes, mostly of one size: pooled, their pages stay mapped
-      // from call to call instead of being faulted in again for every message.
-      constexpr uint64_t kPooledMessageBytes = 256 << 10;
-      grpc::Slice slice = header.length >= kPooledMessageBytes
-                              ? receive_buffers_->Allocate(static_cast<size_t>(header.length))
-                              : grpc::Slice(static_cast<size_t>(header.length));
-      io = connection_.ReadExact(const_cast<uint8_t*>(slice.begin()), slice.size(), deadline, wake);
+      grpc::ByteBuffer message;
+      io = ReadMessageBody(header.length, deadline, wake, rows_destination, message);
       last_io_ = io;
       if (io == SocketIo::kDone) {
-        const grpc::ByteBuffer buffer(&slice, 1);
-        broken = request->Decode(buffer);
+        broken = request->Decode(message);
         if (broken.ok()) return true;
       }
     }

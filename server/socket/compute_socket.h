@@ -29,6 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "lossd/common/unique_fd.h"
 #include "lossd/v1/lossd.pb.h"
 #include "proto/wire/compute_socket_io.h"
@@ -71,6 +72,8 @@ class SocketComputeStream final : public ComputeStream {
   void SetHooks(ComputeReactor::Hooks hooks) { hooks_ = std::move(hooks); }
 
   bool Read(wire::ComputeRequestFrame* request) override;
+  bool ReadRowsInto(wire::ComputeRequestFrame* request,
+                    absl::Span<uint8_t> rows_destination) override;
   bool Write(const v1::ComputeResponse& response, const wire::BulkBytes& grad_hidden) override;
   bool WriteOrStall(const v1::ComputeResponse& response, const wire::BulkBytes& grad_hidden,
                     absl::FunctionRef<void()> on_stall) override;
@@ -93,7 +96,13 @@ class SocketComputeStream final : public ComputeStream {
   // (peer_closed_), and anything else, which ends the call saying why (last_io_ says how the
   // read ended).
   bool ReadFrame(wire::ComputeRequestFrame* request, absl::Time deadline,
-                 const std::vector<int>& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(read_mu_);
+                 const std::vector<int>& wake, absl::Span<uint8_t> rows_destination = {})
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(read_mu_);
+  // Reads a FRAME_MESSAGE's `length` bytes into `message`: into pooled memory, but for the
+  // leading hidden rows of a chunk, which go into `rows_destination` as far as they fit.
+  SocketIo ReadMessageBody(uint64_t length, absl::Time deadline, const std::vector<int>& wake,
+                           absl::Span<uint8_t> rows_destination, grpc::ByteBuffer& message)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(read_mu_);
 
   SocketConnection& connection_;
   const std::string peer_;
