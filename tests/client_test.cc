@@ -2086,6 +2086,56 @@ TEST_F(ComputeSocketTest, ErrorsAndConcurrentCallsAreAsOverGrpc) {
   EXPECT_FALSE(std::all_of(out.begin(), out.end(), [](float v) { return v == 7.0f; }));
 }
 
+// With the server's default workspace a call of 8000 rows computes in one chunk, whose results
+// come in messages of megabytes: their dL/dh is received straight into the result, and into the
+// caller's grad_hidden_out only once the call has succeeded (it is kept as received until then).
+// Either way the bits are gRPC's, and match the float64 reference.
+TEST_F(ComputeSocketTest, LargeResultsLandWhereTheyGoWithTheSameBits) {
+  server::ServerConfig config = MultiChunkDemoConfig(kHead, kVocab, kHidden, 11);
+  config.workspace_budget_bytes = 256 << 20;
+  config.compute_socket_listen = "127.0.0.1:0";
+  config.shared_memory = false;
+  const std::unique_ptr<server::LossServer> wide = StartTestServer(config);
+  ASSERT_NE(wide, nullptr);
+  ChannelOptions options = OptionsFor(wide->port());
+  options.compute_socket = false;
+  const Client over_grpc = Connect(options);
+  options.compute_socket = true;
+  const Client over_socket = Connect(options);
+  const std::vector<float> weight = UploadRandomHead(over_grpc, "large-results");
+  constexpr int64_t kRows = 8000;
+  const std::string hidden_bytes =
+      client::EncodeFromFloat32(RandomNormal(kRows * kHidden, 1.0f, rng_), client::DType::kFloat32);
+  const std::vector<int64_t> labels = RandomLabels(kRows, kVocab, 0.1, rng_);
+  ComputeRequest request;
+  request.head = "large-results";
+  request.hidden = {hidden_bytes.data(), client::DType::kFloat32, kRows, kHidden};
+  request.labels = labels;
+  SelectOutput(request.outputs, "grad_hidden");
+  SelectOutput(request.outputs, "logprob");
+  const absl::StatusOr<ComputeResult> by_grpc = over_grpc.Compute(request);
+  ASSERT_TRUE(by_grpc.ok()) << by_grpc.status();
+  request.outputs.set_accumulate_grad_weight(true);  // this call's dL/dW alone, for the reference
+  const absl::StatusOr<ComputeResult> by_socket = over_socket.Compute(request);
+  ASSERT_TRUE(by_socket.ok()) << by_socket.status();
+  request.outputs.set_accumulate_grad_weight(false);
+  EXPECT_EQ(by_socket->transport, ComputeResult::Transport::kComputeSocket);
+  ExpectSameResults(*by_socket, *by_grpc);
+  EXPECT_TRUE(by_socket->grad_hidden.bytes == by_grpc->grad_hidden.bytes) << "dL/dh differs";
+  const absl::StatusOr<client::Tensor> grad_weight = over_grpc.FetchGradWeight("large-results");
+  ASSERT_TRUE(grad_weight.ok()) << grad_weight.status();
+  ExpectMatchesTheReference(*by_socket, *grad_weight, by_socket->grad_hidden,
+                            {hidden_bytes, client::DType::kFloat32, kRows, kHidden}, weight,
+                            labels);
+
+  std::vector<float> out(kRows * kHidden, 7.0f);
+  request.grad_hidden_out = out.data();
+  const absl::StatusOr<ComputeResult> into_caller = over_socket.Compute(request);
+  ASSERT_TRUE(into_caller.ok()) << into_caller.status();
+  EXPECT_EQ(std::memcmp(out.data(), by_grpc->grad_hidden.bytes.data(), out.size() * sizeof(float)),
+            0);
+}
+
 // A server whose socket takes one connection from a host: a second client's call, refused at its
 // HELLO, goes over gRPC instead of failing where the client chose the socket by itself, and fails
 // with RESOURCE_EXHAUSTED where it was asked for.

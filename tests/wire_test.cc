@@ -375,29 +375,45 @@ std::string ChunkBytes(const std::string& hidden, const std::string& teacher,
   return Flatten(frame.Encode());
 }
 
-struct LeadingRowsCase {
+struct FindFieldCase {
   const char* name;
   std::string message;
-  size_t head;  // bytes of the message the reader has
+  size_t head;    // bytes of the message the reader has
+  bool response;  // a ComputeResponse's dL/dh, else a ComputeRequest's hidden rows
   bool found;
 };
 
-class LeadingHiddenRowsTest : public testing::TestWithParam<LeadingRowsCase> {};
+class FindBulkFieldTest : public testing::TestWithParam<FindFieldCase> {};
 
-TEST_P(LeadingHiddenRowsTest, FindsTheRowsOnlyWhereTheyLead) {
-  const LeadingRowsCase& c = GetParam();
+TEST_P(FindBulkFieldTest, FindsTheFieldOnlyWhereItsFirstBytesAreInTheHead) {
+  const FindFieldCase& c = GetParam();
   const std::string& bytes = c.message;
-  const std::optional<RowsInMessage> rows = LeadingHiddenRows(
+  const std::optional<BulkFieldAt> at = FindBulkField(
       {reinterpret_cast<const uint8_t*>(bytes.data()), std::min(c.head, bytes.size())},
-      bytes.size());
-  ASSERT_EQ(rows.has_value(), c.found);
+      bytes.size(), c.response ? ComputeResponseFrame::kSpec : ComputeRequestFrame::kSpec,
+      c.response ? v1::ComputeResult::kGradHiddenFieldNumber
+                 : v1::ComputeChunk::kHiddenFieldNumber);
+  ASSERT_EQ(at.has_value(), c.found);
   if (!c.found) return;
-  v1::ComputeRequest parsed;
-  ASSERT_TRUE(parsed.ParseFromString(bytes));
-  EXPECT_EQ(bytes.substr(rows->offset, rows->size), parsed.chunk().hidden());
+  EXPECT_LE(at->member_offset, at->key_offset);
+  EXPECT_LT(at->key_offset, at->value_offset);
+  const std::string field = bytes.substr(at->value_offset, at->value_size);
+  if (c.response) {
+    v1::ComputeResponse parsed;
+    ASSERT_TRUE(parsed.ParseFromString(bytes));
+    EXPECT_EQ(field, parsed.result().grad_hidden());
+    v1::ComputeResult before;  // the fields before dL/dh
+    ASSERT_TRUE(before.ParseFromString(
+        bytes.substr(at->member_offset, at->key_offset - at->member_offset)));
+    EXPECT_EQ(before.row_offset(), parsed.result().row_offset());
+  } else {
+    v1::ComputeRequest parsed;
+    ASSERT_TRUE(parsed.ParseFromString(bytes));
+    EXPECT_EQ(field, parsed.chunk().hidden());
+  }
 }
 
-std::vector<LeadingRowsCase> LeadingRowsCases() {
+std::vector<FindFieldCase> FindFieldCases() {
   const std::string hidden(1000, 'h');
   const std::string teacher(300, 't');
   const std::string plain = ChunkBytes(hidden, "");
@@ -407,20 +423,37 @@ std::vector<LeadingRowsCase> LeadingRowsCases() {
       LengthDelimited(v1::ComputeRequest::kChunkFieldNumber,
                       LengthDelimited(v1::ComputeChunk::kTeacherHiddenFieldNumber, teacher) +
                           LengthDelimited(v1::ComputeChunk::kHiddenFieldNumber, hidden));
+  v1::ComputeResponse result;
+  result.mutable_result()->set_row_offset(4096);
+  result.mutable_result()->set_num_rows(3);
+  result.mutable_result()->add_token_loss(0.5f);
+  result.mutable_result()->set_grad_hidden_dtype(v1::DTYPE_FLOAT32);
+  const std::string server_result = Flatten(EncodeComputeResponse(result, BulkBytes::Copy(hidden)));
+  v1::ComputeResponse whole = result;
+  whole.mutable_result()->set_grad_hidden(hidden);
+  v1::ComputeResponse summary;
+  summary.mutable_summary()->set_loss(1.5);
   return {
-      {"rows_alone", plain, 32, true},                               // a chunk of rows: found
-      {"rows_then_teacher", ChunkBytes(hidden, teacher), 32, true},  // the teacher's follow
-      {"head_ends_right_after_the_key", plain, 6, true},  // key, length, key, length: 6 bytes
-      {"head_cut_inside_a_length", plain, 4, false},      // the rows' length not yet known
-      {"other_fields_first", ChunkBytes(hidden, "", 7), 32, false},  // shared_rows leads
-      {"teacher_first", teacher_first, 32, false},                   // rows not the first field
-      {"a_start", start.SerializeAsString(), 32, false},             // no chunk at all
-      {"bytes_after_the_chunk", plain + std::string("\x10\x01", 2), 32, false},  // chunk not whole
-      {"rows_shorter_than_the_head", ChunkBytes("ab", teacher), 32, false},  // head outruns them
+      {"rows_alone", plain, 32, false, true},  // a chunk of rows, as the clients write it
+      {"rows_then_teacher", ChunkBytes(hidden, teacher), 32, false, true},  // teacher after
+      {"head_ends_right_after_the_key", plain, 6, false, true},  // key, length, key, length
+      {"head_cut_inside_a_length", plain, 4, false, false},      // the rows' length not yet known
+      {"a_small_field_first", ChunkBytes(hidden, "", 7), 32, false, true},  // skipped
+      {"teacher_first", teacher_first, 32, false, false},        // a field before outruns the head
+      {"a_start", start.SerializeAsString(), 32, false, false},  // no chunk at all
+      {"bytes_after_the_chunk", plain + std::string("\x10\x01", 2), 32, false,
+       false},  // the chunk is not the whole message
+      {"rows_shorter_than_the_head", ChunkBytes("ab", teacher), 32, false,
+       false},                                                            // the head ends past them
+      {"result_as_the_server_writes_it", server_result, 64, true, true},  // small fields first
+      {"result_as_protobuf_writes_it", whole.SerializeAsString(), 64, true,
+       true},  // dL/dh before field 11, found all the same
+      {"result_head_before_its_bytes", server_result, 16, true, false},  // too short a head
+      {"a_summary", summary.SerializeAsString(), 64, true, false},       // no result
   };
 }
 
-INSTANTIATE_TEST_SUITE_P(Table, LeadingHiddenRowsTest, testing::ValuesIn(LeadingRowsCases()),
+INSTANTIATE_TEST_SUITE_P(Table, FindBulkFieldTest, testing::ValuesIn(FindFieldCases()),
                          [](const auto& info) { return std::string(info.param.name); });
 
 // A reader that received a message's leading rows straight into their destination hands over a
@@ -438,17 +471,19 @@ TEST(ComputeFrameTest, RowsReceivedInPlaceDecodeAndCopyAsTheMessageSays) {
         LengthDelimited(v1::ComputeChunk::kHiddenFieldNumber, hidden) +
             LengthDelimited(v1::ComputeChunk::kTeacherHiddenFieldNumber, RandomBytes(512, rng)) +
             (rows_twice ? LengthDelimited(v1::ComputeChunk::kHiddenFieldNumber, later_rows) : ""));
-    const std::optional<RowsInMessage> rows =
-        LeadingHiddenRows({reinterpret_cast<const uint8_t*>(bytes.data()), 32}, bytes.size());
+    const std::optional<BulkFieldAt> rows =
+        FindBulkField({reinterpret_cast<const uint8_t*>(bytes.data()), 32}, bytes.size(),
+                      ComputeRequestFrame::kSpec, v1::ComputeChunk::kHiddenFieldNumber);
     ASSERT_TRUE(rows.has_value());
-    ASSERT_EQ(bytes.substr(rows->offset, rows->size), hidden);
+    ASSERT_EQ(bytes.substr(rows->value_offset, rows->value_size), hidden);
     std::vector<uint8_t> destination(3000);  // room for part of the rows
     const size_t placed = destination.size();
-    std::memcpy(destination.data(), bytes.data() + rows->offset, placed);
+    std::memcpy(destination.data(), bytes.data() + rows->value_offset, placed);
     const grpc::Slice pieces[] = {
-        grpc::Slice(bytes.data(), rows->offset),
+        grpc::Slice(bytes.data(), rows->value_offset),
         grpc::Slice(destination.data(), placed, grpc::Slice::STATIC_SLICE),
-        grpc::Slice(bytes.data() + rows->offset + placed, bytes.size() - rows->offset - placed),
+        grpc::Slice(bytes.data() + rows->value_offset + placed,
+                    bytes.size() - rows->value_offset - placed),
     };
     ComputeRequestFrame received;
     ASSERT_TRUE(received.Decode(grpc::ByteBuffer(pieces, 3)).ok());

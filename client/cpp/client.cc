@@ -352,6 +352,19 @@ class ResultAssembler {
     });
   }
 
+  // Where a result's dL/dh of `bytes` bytes goes in the result, for a reader that receives it
+  // straight there; null when it is kept as received instead, or where the result's rows or byte
+  // count are not the call's (Add then says what is wrong). Add still checks the result whole.
+  uint8_t* GradHiddenPlace(const v1::ComputeResult& piece, int64_t bytes) const {
+    const int64_t first = piece.row_offset();
+    const int64_t count = piece.num_rows();
+    if (grad_hidden_ == nullptr || first < 0 || count < 0 || first > rows_ ||
+        count > rows_ - first || bytes != count * grad_row_bytes_) {
+      return nullptr;
+    }
+    return grad_hidden_ + first * grad_row_bytes_;
+  }
+
   absl::Status Finish() {
     if (!summary_received_) return ServerViolation("no summary before ending the call");
     RETURN_IF_ERROR(per_token_.Finish());
@@ -1353,6 +1366,9 @@ absl::Status Client::RunComputeOverSocket(const ComputeRequest& request,
         RETURN_IF_ERROR(made);
         ++result.messages_received;
         return assembler->Add(response.message, response.grad_hidden);
+      },
+      [&](const v1::ComputeResult& piece, int64_t bytes) {
+        return made.ok() ? assembler->GradHiddenPlace(piece, bytes) : nullptr;
       },
       deadline, &bytes_sent, &bytes_received, &unusable);
   // A socket the client chose by itself that cannot take the call (full, or out of reach): the

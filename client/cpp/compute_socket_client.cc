@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -28,9 +29,17 @@ constexpr absl::Duration kConnectLimit = absl::Seconds(10);
 // again.
 constexpr absl::Duration kUnreachableFor = absl::Seconds(60);
 
+// A result message at least this long has its dL/dh received straight where it goes, found from
+// its first kHeadBytes (the server writes a result's other fields first).
+constexpr uint64_t kPlacedMinBytes = 256 << 10;
+constexpr uint64_t kHeadBytes = 64 << 10;
+
 struct Frame {
   uint32_t kind = 0;
   grpc::Slice body;
+  // A message whose result's dL/dh was received into place: its bytes before dL/dh, then dL/dh
+  // where it lies (body is then unused).
+  std::vector<grpc::Slice> placed;
 };
 
 absl::Status IoError(wire::SocketIo io, absl::string_view what, absl::string_view where) {
@@ -42,11 +51,40 @@ absl::Status IoError(wire::SocketIo io, absl::string_view what, absl::string_vie
       absl::StrCat("the connection to the Compute socket at ", where, " ended while ", what));
 }
 
+// Reads the `length` bytes of a message frame into `frame`: into its body, but for a result's
+// dL/dh, which goes where `place` says when it is the message's last field.
+wire::SocketIo ReadMessage(wire::SocketConnection& connection, uint64_t length, absl::Time deadline,
+                           GradHiddenPlace place, Frame& frame) {
+  auto* const body = const_cast<uint8_t*>(frame.body.begin());
+  if (length < kPlacedMinBytes) return connection.ReadExact(body, length, deadline);
+  const uint64_t head = std::min(length, kHeadBytes);
+  const wire::SocketIo io = connection.ReadExact(body, head, deadline);
+  if (io != wire::SocketIo::kDone) return io;
+  const std::optional<wire::BulkFieldAt> grad =
+      wire::FindBulkField({body, head}, length, wire::ComputeResponseFrame::kSpec,
+                          v1::ComputeResult::kGradHiddenFieldNumber);
+  v1::ComputeResult before;  // the result's fields before dL/dh: where its rows go
+  uint8_t* into = nullptr;
+  if (grad.has_value() && grad->value_offset + grad->value_size == length &&
+      before.ParseFromArray(body + grad->member_offset,
+                            static_cast<int>(grad->key_offset - grad->member_offset))) {
+    into = place(before, static_cast<int64_t>(grad->value_size));
+  }
+  if (into == nullptr) return connection.ReadExact(body + head, length - head, deadline);
+  const uint64_t in_head = head - grad->value_offset;
+  std::memcpy(into, body + grad->value_offset, in_head);
+  frame.placed = {frame.body.sub(0, grad->value_offset),
+                  grpc::Slice(into, grad->value_size, grpc::Slice::STATIC_SLICE)};
+  return connection.ReadExact(into + in_head, grad->value_size - in_head, deadline);
+}
+
 // Reads one frame into a slice (pooled when `pool` is given and it is a message): a status of
-// at most kComputeSocketMaxStatusBytes, else of at most `max_message_bytes`.
+// at most kComputeSocketMaxStatusBytes, else of at most `max_message_bytes`; a result's dL/dh
+// where `place` (when given) says.
 absl::StatusOr<Frame> ReadFrame(wire::SocketConnection& connection, int64_t max_message_bytes,
                                 wire::SendBuffers* pool, absl::Time deadline,
-                                absl::string_view where, int64_t* bytes_received) {
+                                absl::string_view where, int64_t* bytes_received,
+                                const GradHiddenPlace* place = nullptr) {
   wire::FrameHeader header;
   const wire::SocketIo io = connection.ReadExact(&header, sizeof(header), deadline);
   if (io != wire::SocketIo::kDone) return IoError(io, "reading results", where);
@@ -62,7 +100,10 @@ absl::StatusOr<Frame> ReadFrame(wire::SocketConnection& connection, int64_t max_
                    ? pool->Allocate(static_cast<size_t>(header.length))
                    : grpc::Slice(static_cast<size_t>(header.length));
   const wire::SocketIo body_io =
-      connection.ReadExact(const_cast<uint8_t*>(frame.body.begin()), frame.body.size(), deadline);
+      place != nullptr && header.kind == v1::FRAME_MESSAGE
+          ? ReadMessage(connection, header.length, deadline, *place, frame)
+          : connection.ReadExact(const_cast<uint8_t*>(frame.body.begin()), frame.body.size(),
+                                 deadline);
   if (body_io != wire::SocketIo::kDone) return IoError(body_io, "reading results", where);
   if (bytes_received != nullptr) {
     *bytes_received += static_cast<int64_t>(sizeof(header) + header.length);
@@ -219,8 +260,8 @@ absl::StatusOr<std::unique_ptr<wire::SocketConnection>> ComputeSocketPool::Conne
 
 ComputeSocketPool::Outcome ComputeSocketPool::CallOn(
     wire::SocketConnection& connection, absl::FunctionRef<void(RequestSink&)> send,
-    absl::FunctionRef<absl::Status(wire::ComputeResponseFrame&)> take, absl::Time deadline,
-    int64_t* bytes_sent, int64_t* bytes_received) {
+    absl::FunctionRef<absl::Status(wire::ComputeResponseFrame&)> take, GradHiddenPlace place,
+    absl::Time deadline, int64_t* bytes_sent, int64_t* bytes_received) {
   const std::string where = address();
   const UniqueFd cancel = wire::NewEventFd();
   if (!cancel.valid()) return {ErrnoError("eventfd", errno), false};
@@ -234,7 +275,7 @@ ComputeSocketPool::Outcome ComputeSocketPool::CallOn(
   Outcome outcome;
   while (true) {
     absl::StatusOr<Frame> frame = ReadFrame(connection, max_message_bytes_, receive_buffers_.get(),
-                                            deadline, where, bytes_received);
+                                            deadline, where, bytes_received, &place);
     if (!frame.ok()) {
       outcome.status = frame.status();
       break;
@@ -251,7 +292,9 @@ ComputeSocketPool::Outcome ComputeSocketPool::CallOn(
       break;
     }
     wire::ComputeResponseFrame response;
-    const grpc::ByteBuffer message(&frame->body, 1);
+    const grpc::ByteBuffer message =
+        frame->placed.empty() ? grpc::ByteBuffer(&frame->body, 1)
+                              : grpc::ByteBuffer(frame->placed.data(), frame->placed.size());
     outcome.status = response.Decode(message);
     if (outcome.status.ok()) outcome.status = take(response);
     if (!outcome.status.ok()) break;
@@ -266,8 +309,8 @@ ComputeSocketPool::Outcome ComputeSocketPool::CallOn(
 
 absl::Status ComputeSocketPool::Call(
     absl::FunctionRef<void()> begin, absl::FunctionRef<void(RequestSink&)> send,
-    absl::FunctionRef<absl::Status(wire::ComputeResponseFrame&)> take, absl::Time deadline,
-    int64_t* bytes_sent, int64_t* bytes_received, bool* unusable) {
+    absl::FunctionRef<absl::Status(wire::ComputeResponseFrame&)> take, GradHiddenPlace place,
+    absl::Time deadline, int64_t* bytes_sent, int64_t* bytes_received, bool* unusable) {
   if (unusable != nullptr) *unusable = false;
   std::unique_ptr<wire::SocketConnection> connection;
   {
@@ -279,7 +322,7 @@ absl::Status ComputeSocketPool::Call(
   }
   if (connection != nullptr) {
     begin();
-    Outcome kept = CallOn(*connection, send, take, deadline, bytes_sent, bytes_received);
+    Outcome kept = CallOn(*connection, send, take, place, deadline, bytes_sent, bytes_received);
     // A kept connection the server closed while it sat idle: the call never began there.
     if (kept.answered || !absl::IsUnavailable(kept.status)) {
       if (kept.status.ok()) {
@@ -291,7 +334,7 @@ absl::Status ComputeSocketPool::Call(
   }
   ASSIGN_OR_RETURN(connection, Connect(deadline, unusable));
   begin();
-  Outcome fresh = CallOn(*connection, send, take, deadline, bytes_sent, bytes_received);
+  Outcome fresh = CallOn(*connection, send, take, place, deadline, bytes_sent, bytes_received);
   if (fresh.status.ok()) {
     absl::MutexLock lock(&mu_);
     if (idle_.size() < kMaxIdleConnections) idle_.push_back(std::move(connection));

@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "lossd/v1/lossd.pb.h"
 #include "proto/wire/bulk_fields.h"
 #include "proto/wire/compute_frames.h"
 #include "proto/wire/compute_socket_io.h"
@@ -28,6 +29,10 @@ class RequestSink {
   virtual ~RequestSink() = default;
   virtual bool Send(const wire::ComputeRequestFrame& frame) = 0;
 };
+
+// Where a result's dL/dh of `bytes` bytes goes, for a reader that can receive it straight there
+// (null: with the rest of its message). `result` holds the message's other fields.
+using GradHiddenPlace = absl::FunctionRef<uint8_t*(const v1::ComputeResult& result, int64_t bytes)>;
 
 class ComputeSocketPool {
  public:
@@ -44,11 +49,13 @@ class ComputeSocketPool {
   // `*unusable` (when given) says whether the socket could not take the call, which never began
   // there: it refused a new connection for want of room (its HELLO answered RESOURCE_EXHAUSTED),
   // or could not be reached (now, or within the last minute: a port the network does not pass).
-  // Such a call may go another way.
+  // Such a call may go another way. A large result's dL/dh is received where `place` says (the
+  // response `take` gets then holds it there, and copying it there is nothing to do:
+  // BulkBytes::CopyTo).
   absl::Status Call(absl::FunctionRef<void()> begin, absl::FunctionRef<void(RequestSink&)> send,
                     absl::FunctionRef<absl::Status(wire::ComputeResponseFrame&)> take,
-                    absl::Time deadline, int64_t* bytes_sent, int64_t* bytes_received,
-                    bool* unusable = nullptr);
+                    GradHiddenPlace place, absl::Time deadline, int64_t* bytes_sent,
+                    int64_t* bytes_received, bool* unusable = nullptr);
 
   std::string address() const;
 
@@ -62,7 +69,8 @@ class ComputeSocketPool {
                                                                   bool* unusable);
   Outcome CallOn(wire::SocketConnection& connection, absl::FunctionRef<void(RequestSink&)> send,
                  absl::FunctionRef<absl::Status(wire::ComputeResponseFrame&)> take,
-                 absl::Time deadline, int64_t* bytes_sent, int64_t* bytes_received);
+                 GradHiddenPlace place, absl::Time deadline, int64_t* bytes_sent,
+                 int64_t* bytes_received);
 
   const std::string host_;
   const int port_;

@@ -260,6 +260,34 @@ int64_t SendBuffers::idle_buffers() const {
   return static_cast<int64_t>(idle_.size());
 }
 
+std::optional<BulkFieldAt> FindBulkField(absl::Span<const uint8_t> head, uint64_t length,
+                                         const BulkFieldSpec& spec, int bulk_field) {
+  CodedInputStream in(head.data(), static_cast<int>(head.size()));
+  const auto position = [&in] { return static_cast<uint64_t>(in.CurrentPosition()); };
+  BulkFieldAt at;
+  uint64_t member_length = 0;
+  if (in.ReadTag() != LengthDelimitedTag(spec.member_field) || !in.ReadVarint64(&member_length) ||
+      member_length != length - position()) {
+    return std::nullopt;
+  }
+  at.member_offset = position();
+  while (true) {
+    at.key_offset = position();
+    const uint32_t tag = in.ReadTag();  // 0 at the end of `head`
+    if (tag == 0) return std::nullopt;
+    if (tag != LengthDelimitedTag(bulk_field)) {
+      if (!WireFormatLite::SkipField(&in, tag)) return std::nullopt;
+      continue;
+    }
+    if (!in.ReadVarint64(&at.value_size)) return std::nullopt;
+    at.value_offset = position();
+    if (at.value_size > length - at.value_offset || at.value_offset + at.value_size < head.size()) {
+      return std::nullopt;
+    }
+    return at;
+  }
+}
+
 grpc::ByteBuffer EncodeWithBulk(const BulkFieldSpec& spec,
                                 const google::protobuf::MessageLite& member,
                                 absl::Span<const BulkBytes> bulk) {

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -102,6 +103,20 @@ grpc::ByteBuffer EncodeWithBulk(const BulkFieldSpec& spec,
 // The bytes EncodeWithBulk gives for the same arguments.
 int64_t EncodedSizeWithBulk(const BulkFieldSpec& spec, const google::protobuf::MessageLite& member,
                             absl::Span<const BulkBytes> bulk);
+
+// Where the bytes of the member's bulk field `bulk_field` lie in a message of `length` bytes of
+// spec's form, told from its first bytes `head`, so that a reader can receive them straight where
+// they go: for the field's first occurrence, when the member is the whole message, every field
+// before it lies within `head`, and `head` ends within its bytes; nullopt for any other layout.
+// Offsets are into the message.
+struct BulkFieldAt {
+  uint64_t member_offset = 0;  // the member's first field
+  uint64_t key_offset = 0;     // the bulk field's key: the member's fields before it end here
+  uint64_t value_offset = 0;   // the bulk field's bytes
+  uint64_t value_size = 0;
+};
+std::optional<BulkFieldAt> FindBulkField(absl::Span<const uint8_t> head, uint64_t length,
+                                         const BulkFieldSpec& spec, int bulk_field);
 
 // Parses `buffer` into `outer` with the member's bulk fields left empty there and put in
 // `bulk[i]` (spec.bulk_fields[i]) as references to the buffer's slices; the other fields as

@@ -3,8 +3,6 @@
 #include <string>
 #include <utility>
 
-#include <google/protobuf/io/coded_stream.h>
-#include <google/protobuf/wire_format_lite.h>
 #include <grpcpp/impl/codegen/proto_utils.h>
 
 namespace lossd::wire {
@@ -30,26 +28,6 @@ std::string* MutableRowField(v1::ComputeChunk& chunk, int field) {
 }
 
 }  // namespace
-
-std::optional<RowsInMessage> LeadingHiddenRows(absl::Span<const uint8_t> head, uint64_t length) {
-  using google::protobuf::internal::WireFormatLite;
-  google::protobuf::io::CodedInputStream in(head.data(), static_cast<int>(head.size()));
-  const auto expect_length_delimited = [&](int field, uint64_t* value_length) {
-    return in.ReadTag() ==
-               WireFormatLite::MakeTag(field, WireFormatLite::WIRETYPE_LENGTH_DELIMITED) &&
-           in.ReadVarint64(value_length);
-  };
-  uint64_t chunk_length = 0;
-  uint64_t hidden_length = 0;
-  if (!expect_length_delimited(v1::ComputeRequest::kChunkFieldNumber, &chunk_length) ||
-      chunk_length != length - static_cast<uint64_t>(in.CurrentPosition()) ||
-      !expect_length_delimited(v1::ComputeChunk::kHiddenFieldNumber, &hidden_length)) {
-    return std::nullopt;
-  }
-  const auto offset = static_cast<uint64_t>(in.CurrentPosition());
-  if (hidden_length > length - offset || offset + hidden_length < head.size()) return std::nullopt;
-  return RowsInMessage{offset, hidden_length};
-}
 
 ComputeRequestFrame ComputeRequestFrame::FromMessage(v1::ComputeRequest message) {
   ComputeRequestFrame frame;

@@ -5,12 +5,10 @@
 
 #include <array>
 #include <cstdint>
-#include <optional>
 
 #include <grpcpp/support/byte_buffer.h>
 
 #include "absl/status/status.h"
-#include "absl/types/span.h"
 #include "lossd/v1/lossd.pb.h"
 #include "proto/wire/bulk_fields.h"
 
@@ -52,16 +50,6 @@ struct ComputeRequestFrame {
   v1::ComputeRequest message;
   std::array<BulkBytes, kChunkRowFields> rows;
 };
-
-// Where a chunk's hidden rows lie in a ComputeRequest of `length` bytes, told from its first
-// bytes `head`: bytes [offset, offset + size) of the message, when the message is one chunk whose
-// first field is `hidden` (as both clients write them) and `head` ends within those rows; nullopt
-// for any other layout. A reader can then receive the rows straight where they go.
-struct RowsInMessage {
-  uint64_t offset = 0;
-  uint64_t size = 0;
-};
-std::optional<RowsInMessage> LeadingHiddenRows(absl::Span<const uint8_t> head, uint64_t length);
 
 // A ComputeResponse: `message` without its result's dL/dh, which is in `grad_hidden`.
 struct ComputeResponseFrame {

@@ -122,19 +122,21 @@ SocketIo SocketComputeStream::ReadMessageBody(uint64_t length, absl::Time deadli
   // Rows come in messages of megabytes, mostly of one size: pooled, their pages stay mapped
   // from call to call instead of being faulted in again for every message.
   constexpr uint64_t kPooledMessageBytes = 256 << 10;
-  // Enough for a chunk's key and length and its hidden rows' (at most 22 bytes).
+  // Enough for a chunk's key and length and its hidden rows' (at most 22 bytes), which both
+  // clients write first.
   constexpr uint64_t kHeadBytes = 32;
   grpc::Slice slice = length >= kPooledMessageBytes
                           ? receive_buffers_->Allocate(static_cast<size_t>(length))
                           : grpc::Slice(static_cast<size_t>(length));
   uint8_t* const body = const_cast<uint8_t*>(slice.begin());
   uint64_t head = 0;  // bytes read so far
-  std::optional<wire::RowsInMessage> rows;
+  std::optional<wire::BulkFieldAt> rows;
   if (length >= kPooledMessageBytes && rows_destination.size() >= kHeadBytes) {
     head = std::min(length, kHeadBytes);
     const SocketIo io = connection_.ReadExact(body, head, deadline, wake);
     if (io != SocketIo::kDone) return io;
-    rows = wire::LeadingHiddenRows({body, head}, length);
+    rows = wire::FindBulkField({body, head}, length, wire::ComputeRequestFrame::kSpec,
+                               v1::ComputeChunk::kHiddenFieldNumber);
   }
   if (!rows.has_value()) {
     const SocketIo io = connection_.ReadExact(body + head, length - head, deadline, wake);
@@ -143,17 +145,17 @@ SocketIo SocketComputeStream::ReadMessageBody(uint64_t length, absl::Time deadli
   }
   // The rows' first bytes came with the head; the rest of those that fit are read in place, and
   // everything after them into the pooled slice, at their offsets in the message.
-  const uint64_t placed = std::min<uint64_t>(rows->size, rows_destination.size());
-  const uint64_t in_head = head - rows->offset;  // < kHeadBytes <= placed
-  std::memcpy(rows_destination.data(), body + rows->offset, in_head);
+  const uint64_t placed = std::min<uint64_t>(rows->value_size, rows_destination.size());
+  const uint64_t in_head = head - rows->value_offset;  // < kHeadBytes <= placed
+  std::memcpy(rows_destination.data(), body + rows->value_offset, in_head);
   SocketIo io =
       connection_.ReadExact(rows_destination.data() + in_head, placed - in_head, deadline, wake);
-  const uint64_t after = rows->offset + placed;
+  const uint64_t after = rows->value_offset + placed;
   if (io == SocketIo::kDone) {
     io = connection_.ReadExact(body + after, length - after, deadline, wake);
   }
   const grpc::Slice pieces[] = {
-      slice.sub(0, rows->offset),
+      slice.sub(0, rows->value_offset),
       grpc::Slice(rows_destination.data(), placed, grpc::Slice::STATIC_SLICE),
       slice.sub(after, length),
   };

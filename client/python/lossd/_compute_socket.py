@@ -27,7 +27,7 @@ _MAX_IDLE_CONNECTIONS = 8
 # returns, found from its first _HEAD_BYTES (the server writes a result's small fields first): the
 # copy out of the connection's buffer took an eighth of the client's time in a call of 128 MiB
 # each way.
-_PLACED_MIN_BYTES = 1 << 20
+_PLACED_MIN_BYTES = 256 << 10
 _HEAD_BYTES = 64 << 10
 # A connection that does not open within this is not worth holding a call for: a port the network
 # drops would otherwise take the call's whole timeout.
