@@ -483,6 +483,45 @@ def test_a_peer_that_vanishes_mid_call_leaves_no_gradient(server, over_grpc, ove
     assert over_socket.compute(head.head, hidden.numpy(), labels.numpy()).loss > 0
 
 
+# Messages above 256 KiB, whose rows the server receives straight into its chunk buffers before
+# it checks them: wrong ones are refused by name all the same (or, cut short, leave nothing), no
+# gradient is left, and the server goes on serving.
+LARGE_ROWS = 1100  # 275 KiB of rows per message
+
+
+def large_rows(count=LARGE_ROWS):
+    return np.random.default_rng().standard_normal((count, HIDDEN), dtype=np.float32)
+
+
+LARGE_MISTAKES = {
+    # case -> (rows the start announces, what follows the start, field named or None: cut short)
+    "rows_not_whole": (2000, lambda: frame(pb.FRAME_MESSAGE, _wire.encode_chunk(
+        {"hidden": np.concatenate([large_rows().view(np.uint8).ravel(),
+                                   np.zeros(4, np.uint8)])})), "chunk.hidden"),
+    "more_rows_than_announced": (LARGE_ROWS - 100, lambda: chunk_frame(large_rows()),
+                                 "chunk.hidden"),
+    "teacher_rows_unasked": (2000, lambda: frame(pb.FRAME_MESSAGE, _wire.encode_chunk(
+        {"hidden": large_rows(), "teacher_hidden": large_rows()})), "chunk.teacher_hidden"),
+    "cut_short_within_the_rows": (2000, lambda: chunk_frame(large_rows())[:200 << 10], None),
+}
+
+
+@pytest.mark.parametrize("case", LARGE_MISTAKES)
+def test_a_large_bad_message_is_refused_and_leaves_nothing(server, over_grpc, over_socket, head,
+                                                           case):
+    announced, follows, field = LARGE_MISTAKES[case]
+    with raw_connection(server, over_grpc) as sock:
+        assert read_status(sock).code == 0
+        sock.sendall(start_frame(head.head, announced, accumulate=True) + follows())
+        if field is not None:
+            status = read_status(sock)
+            assert status.code == 3 and field_of(status) == field, status
+    wait_for_no_call_in_flight(server)
+    assert not head.fetch_grad_weight().any()
+    hidden, labels = random_batch(20)
+    assert over_socket.compute(head.head, hidden.numpy(), labels.numpy()).loss > 0
+
+
 def test_a_silent_peer_is_ended_by_the_idle_limit(server, over_grpc, over_socket, head):
     started = time.monotonic()
     with raw_connection(server, over_grpc) as sock:
