@@ -173,7 +173,7 @@ def compute_stream_seeds(pb):
 
 # ---- fuzz_compute_socket: a mode byte, then what the client sends on the Compute socket ----
 MAGIC = 0x3153434C
-ERROR_END, RESULT_FIRST, TOKEN = 1, 2, 4
+ERROR_END, RESULT_FIRST, TOKEN, SMALL_ROW_OFFER = 1, 2, 4, 8
 
 
 def frame(kind, payload=b"", magic=MAGIC, length=None):
@@ -184,14 +184,20 @@ def compute_socket_seeds(pb):
     def hello(token=""):
         return frame(pb.FRAME_HELLO, pb.ComputeSocketHello(token=token).SerializeToString())
 
-    def call(rows=2):
+    def call(rows=2, teacher=False, chunk_bytes=None):
         start = pb.ComputeRequest(start=pb.ComputeStart(head="h", num_tokens=rows, hidden_size=4,
                                                         hidden_dtype=pb.DTYPE_FLOAT32,
                                                         labels=[1] * rows))
         chunk = pb.ComputeRequest(chunk=pb.ComputeChunk(
-            hidden=np.arange(rows * 4, dtype=np.float32).tobytes()))
+            hidden=np.arange(rows * 4, dtype=np.float32).tobytes(),
+            teacher_hidden=np.ones(rows * 4, dtype=np.float32).tobytes() if teacher else b""))
         return (frame(pb.FRAME_MESSAGE, start.SerializeToString())
-                + frame(pb.FRAME_MESSAGE, chunk.SerializeToString()) + frame(pb.FRAME_HALF_CLOSE))
+                + frame(pb.FRAME_MESSAGE, chunk_bytes or chunk.SerializeToString())
+                + frame(pb.FRAME_HALF_CLOSE))
+
+    # A chunk whose rows come twice: protobuf keeps the second, the first may land in place.
+    rows_twice = (b"\x12\x44" + b"\x0a\x20" + bytes(range(32)) + b"\x0a\x20"
+                  + bytes(range(32, 64)))
 
     return {
         "two_calls": bytes([0]) + hello() + call() + call(3),
@@ -207,6 +213,11 @@ def compute_socket_seeds(pb):
         "unknown_kind": bytes([0]) + hello() + frame(77),
         "half_close_with_bytes": bytes([0]) + hello() + frame(pb.FRAME_HALF_CLOSE, b"abc"),
         "cut_mid_frame": bytes([0]) + hello() + call()[:30],
+        # Rows received straight where the call offers them (the target offers 4 KiB or 64 B).
+        "rows_past_a_small_offer": bytes([SMALL_ROW_OFFER]) + hello() + call(20),
+        "rows_beside_a_teacher": bytes([SMALL_ROW_OFFER]) + hello() + call(8, teacher=True),
+        "rows_twice_in_a_chunk": bytes([SMALL_ROW_OFFER]) + hello() + call(2, chunk_bytes=rows_twice),
+        "cut_inside_rows": bytes([0]) + hello() + call(40)[:200],
         # A second call's start where the first's half-close belongs.
         "no_half_close": bytes([0]) + hello() + call()[:-16] + call(),
     }

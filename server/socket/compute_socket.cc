@@ -131,7 +131,8 @@ SocketIo SocketComputeStream::ReadMessageBody(uint64_t length, absl::Time deadli
   uint8_t* const body = const_cast<uint8_t*>(slice.begin());
   uint64_t head = 0;  // bytes read so far
   std::optional<wire::BulkFieldAt> rows;
-  if (length >= kPooledMessageBytes && rows_destination.size() >= kHeadBytes) {
+  if (static_cast<int64_t>(length) >= limits_.rows_in_place_min_bytes &&
+      rows_destination.size() >= kHeadBytes) {
     head = std::min(length, kHeadBytes);
     const SocketIo io = connection_.ReadExact(body, head, deadline, wake);
     if (io != SocketIo::kDone) return io;
@@ -458,8 +459,10 @@ void ComputeSocketServer::Serve(UniqueFd fd, std::string peer) {
     return;
   }
 
-  const SocketComputeStream::Limits limits{.max_message_bytes = options_.max_message_bytes,
-                                           .write_stall = options_.stream_idle};
+  const SocketComputeStream::Limits limits{
+      .max_message_bytes = options_.max_message_bytes,
+      .write_stall = options_.stream_idle,
+      .rows_in_place_min_bytes = options_.rows_in_place_min_bytes};
   while (true) {
     // Between calls: the connection waits for its client's next one, or closes.
     if (connection.WaitReadable(absl::Now() + options_.connection_idle) != SocketIo::kDone) return;

@@ -51,6 +51,9 @@ class SocketComputeStream final : public ComputeStream {
   struct Limits {
     int64_t max_message_bytes = 0;
     absl::Duration write_stall;  // --stream_idle_seconds, as for gRPC's writes
+    // Messages from this size up have their rows received straight where the call copies them
+    // (ReadRowsInto); below it the extra read of a message's head is not worth it.
+    int64_t rows_in_place_min_bytes = 256 << 10;
   };
 
   // `receive_buffers` holds the messages read (pooled: megabytes each, reused call after call).
@@ -141,6 +144,8 @@ class ComputeSocketServer {
     int max_connections = 256;  // each holds a thread
     // So that one host's idle connections cannot lock the others out.
     int max_connections_per_host = 64;
+    // SocketComputeStream::Limits; the fuzz target lowers it so that small inputs reach that path.
+    int64_t rows_in_place_min_bytes = 256 << 10;
   };
   // Runs one call: refuses it (stream.End) or sets its hooks and runs it, on this thread.
   using RunCall = std::function<void(SocketComputeStream& stream)>;
