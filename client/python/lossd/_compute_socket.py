@@ -4,7 +4,8 @@ about a third of what the same connection carries.
 
 A call's rows leave from the caller's array (sendmsg of views, no join into one message) on a
 thread of their own while the calling thread reads the results as they come, so both directions
-of the connection are busy at once. Connections are kept between calls (one per call in flight),
+of the connection are busy at once; each large result's dL/dh is received straight into the rows
+of the array the call returns. Connections are kept between calls (one per call in flight),
 and one that has sat idle may have been closed by the server meanwhile: a call that finds its kept
 connection closed before any answer came is sent again on a fresh one.
 """
