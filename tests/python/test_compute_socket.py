@@ -291,6 +291,25 @@ def test_a_kept_result_is_never_overwritten_by_later_calls(request, head, transp
         assert np.array_equal(copy, again)  # the same rows, computed again
 
 
+# Where no memfd can be had (descriptors used up, a sandbox that forbids memfd_create), dL/dh
+# comes in an array of its own, with the same bits.
+def test_results_come_without_a_memfd_to_lend(server, over_grpc, head, monkeypatch):
+    rng = np.random.default_rng()
+    hidden = rng.standard_normal((300, HIDDEN), dtype=np.float32)
+    labels = rng.integers(0, VOCAB, 300)
+    expected = over_grpc.compute(head.head, hidden, labels, outputs=["grad_hidden"]).grad_hidden
+
+    def no_memfd(*args):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(_shared_memory.os, "memfd_create", no_memfd)
+    for choice in (False, True):
+        with lossd.Client(server.address, timeout=600, compute_socket=choice) as client:
+            got = client.compute(head.head, hidden, labels, outputs=["grad_hidden"]).grad_hidden
+        assert not isinstance(got.base, _shared_memory._Lease)
+        assert np.array_equal(got, expected)
+
+
 def test_a_teacher_travels_in_the_socket_messages_too(over_grpc, over_socket):
     rng = np.random.default_rng()
     student = over_grpc.upload_head(f"student-{rng.integers(1 << 40):x}",

@@ -325,7 +325,10 @@ class _SharedBufferPool:
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
         if nbytes < self._MIN_LENT_ARRAY_BYTES or not hasattr(os, "memfd_create"):
             return np.empty(shape, dtype)
-        buffer = self.acquire(nbytes)
+        try:
+            buffer = self.acquire(nbytes)
+        except OSError:  # no memfd to be had (descriptors used up, a sandbox that forbids it)
+            return np.empty(shape, dtype)
         lent = self.lend(buffer, 0, dtype, shape)
         if lent is None:
             self.release(buffer)
