@@ -152,7 +152,8 @@ class OneCopyEchoReactor final
 
   grpc::ByteBuffer received_;
   std::string landing_;
-  const std::shared_ptr<lossd::wire::SendBuffers> pool_ = lossd::wire::SendBuffers::Create();
+  const std::shared_ptr<lossd::wire::MessageBufferPool> pool_ =
+      lossd::wire::MessageBufferPool::Create();
   absl::Mutex mu_;
   std::deque<grpc::ByteBuffer> queue_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
@@ -312,7 +313,8 @@ absl::StatusOr<Traffic> OneCopyEchoCall(grpc::Channel& channel, int64_t payload_
           grpc::internal::RpcMethod("/lossd.bench.Echo/Stream",
                                     grpc::internal::RpcMethod::BIDI_STREAMING),
           &context));
-  const std::shared_ptr<lossd::wire::SendBuffers> pool = lossd::wire::SendBuffers::Create();
+  const std::shared_ptr<lossd::wire::MessageBufferPool> pool =
+      lossd::wire::MessageBufferPool::Create();
   Traffic traffic;
   bool all_written = true;
   std::thread writer([&] {

@@ -498,8 +498,8 @@ TEST(ComputeFrameTest, RowsReceivedInPlaceDecodeAndCopyAsTheMessageSays) {
   }
 }
 
-TEST(SendBuffersTest, ReusesABufferOnceGrpcLetsGoOfIt) {
-  std::shared_ptr<SendBuffers> pool = SendBuffers::Create();
+TEST(MessageBufferPoolTest, ReusesABufferOnceGrpcLetsGoOfIt) {
+  std::shared_ptr<MessageBufferPool> pool = MessageBufferPool::Create();
   const std::string rows(1 << 20, 'r');
   const uint8_t* first_memory = nullptr;
   {
@@ -518,7 +518,7 @@ TEST(SendBuffersTest, ReusesABufferOnceGrpcLetsGoOfIt) {
   }
   // A slice outlives the pool's owner: it keeps the pool until gRPC lets go of it.
   BulkBytes kept = pool->Copy(rows);
-  const std::weak_ptr<SendBuffers> weak = pool;
+  const std::weak_ptr<MessageBufferPool> weak = pool;
   pool.reset();
   EXPECT_FALSE(weak.expired());
   EXPECT_EQ(kept.ToString(), rows);

@@ -656,7 +656,7 @@ Client::Client(ChannelOptions options, Target target)
       scoring_connections_(std::make_shared<ComputeConnections>(options_, balanced_channel_)),
       handover_(std::make_shared<Handover>()),
       shared_buffers_(std::make_shared<SharedBufferPool>()),
-      send_buffers_(wire::SendBuffers::Create()),
+      send_buffers_(wire::MessageBufferPool::Create()),
       compute_socket_(std::make_shared<ComputeSocketChoice>()) {}
 
 absl::Status Client::RequireOneServer(absl::string_view what) const {
@@ -1250,7 +1250,7 @@ std::vector<RowStream> RowStreams(const ComputeRequest& request) {
 // into `copy_into` (gRPC keeps them past its Write), or lent where they lie when it is null (the
 // socket's write is done with them when it returns).
 bool SendRequestFrames(const ComputeRequest& request, const v1::ComputeRequest& start_message,
-                       int64_t rows_per_message, wire::SendBuffers* copy_into,
+                       int64_t rows_per_message, wire::MessageBufferPool* copy_into,
                        absl::FunctionRef<bool(const wire::ComputeRequestFrame&)> send) {
   wire::ComputeRequestFrame start;
   start.message = start_message;

@@ -82,7 +82,7 @@ wire::SocketIo ReadMessage(wire::SocketConnection& connection, uint64_t length, 
 // at most kComputeSocketMaxStatusBytes, else of at most `max_message_bytes`; a result's dL/dh
 // where `place` (when given) says.
 absl::StatusOr<Frame> ReadFrame(wire::SocketConnection& connection, int64_t max_message_bytes,
-                                wire::SendBuffers* pool, absl::Time deadline,
+                                wire::MessageBufferPool* pool, absl::Time deadline,
                                 absl::string_view where, int64_t* bytes_received,
                                 const GradHiddenPlace* place = nullptr) {
   wire::FrameHeader header;

@@ -77,7 +77,8 @@ class ComputeSocketPool {
   const std::string token_;
   const int64_t max_message_bytes_;
   // Results are read into pooled slices: megabytes each, reused call after call.
-  const std::shared_ptr<wire::SendBuffers> receive_buffers_ = wire::SendBuffers::Create();
+  const std::shared_ptr<wire::MessageBufferPool> receive_buffers_ =
+      wire::MessageBufferPool::Create();
   absl::Mutex mu_;
   std::vector<std::unique_ptr<wire::SocketConnection>> idle_ ABSL_GUARDED_BY(mu_);
   absl::Time unreachable_until_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();

@@ -201,17 +201,17 @@ int64_t EncodedSizeWithBulk(const BulkFieldSpec& spec, const google::protobuf::M
 }
 
 // What a pooled slice's destroy callback needs: the pool (kept alive by it) and the memory.
-struct SendBuffers::Return {
-  std::shared_ptr<SendBuffers> pool;
+struct MessageBufferPool::Return {
+  std::shared_ptr<MessageBufferPool> pool;
   char* memory;
   size_t size;
 };
 
-SendBuffers::~SendBuffers() {
+MessageBufferPool::~MessageBufferPool() {
   for (const auto& [size, memory] : idle_) delete[] memory;
 }
 
-BulkBytes SendBuffers::Copy(absl::string_view bytes) {
+BulkBytes MessageBufferPool::Copy(absl::string_view bytes) {
   if (bytes.empty()) return BulkBytes();
   grpc::Slice slice = Allocate(bytes.size());
   std::memcpy(const_cast<uint8_t*>(slice.begin()), bytes.data(), bytes.size());
@@ -220,7 +220,7 @@ BulkBytes SendBuffers::Copy(absl::string_view bytes) {
   return BulkBytes::Of(std::move(slices));
 }
 
-grpc::Slice SendBuffers::Allocate(size_t bytes) {
+grpc::Slice MessageBufferPool::Allocate(size_t bytes) {
   char* memory = nullptr;
   std::vector<std::pair<size_t, char*>> unfit;
   {
@@ -243,19 +243,19 @@ grpc::Slice SendBuffers::Allocate(size_t bytes) {
   // The caller writes the bytes before anyone else sees the slice; GiveBack may run on any of
   // gRPC's threads.
   HandOverToGrpc(back);
-  return grpc::Slice(memory, bytes, &SendBuffers::GiveBack, back);
+  return grpc::Slice(memory, bytes, &MessageBufferPool::GiveBack, back);
 }
 
-void SendBuffers::GiveBack(void* what) {
+void MessageBufferPool::GiveBack(void* what) {
   TakeOverFromGrpc(what);
   std::unique_ptr<Return> back(static_cast<Return*>(what));
-  SendBuffers& pool = *back->pool;
+  MessageBufferPool& pool = *back->pool;
   // Kept: as many buffers as were in flight at once, which bounds the pool.
   absl::MutexLock lock(&pool.mu_);
   pool.idle_.emplace_back(back->size, back->memory);
 }
 
-int64_t SendBuffers::idle_buffers() const {
+int64_t MessageBufferPool::idle_buffers() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int64_t>(idle_.size());
 }

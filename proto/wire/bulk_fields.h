@@ -59,17 +59,17 @@ class BulkBytes {
   int64_t size_ = 0;
 };
 
-// Memory that bulk bytes are copied into before they are sent (or read into from a socket), reused
-// from message to message: a fresh allocation of megabytes for each would fault its pages in
-// every time. A buffer goes back to
-// the pool when gRPC lets go of its slice, which may be after the pool's owner is gone (the slices
-// share the pool). Thread-safe.
-class SendBuffers : public std::enable_shared_from_this<SendBuffers> {
+// Memory for the bytes of messages: bulk bytes copied in before they are sent, or a message read
+// from a socket. Reused from message to message: a fresh allocation of megabytes for each would
+// fault its pages in every time. A buffer goes back to the pool when gRPC (or whoever holds the
+// slice) lets go of it, which may be after the pool's owner is gone (the slices share the pool).
+// Thread-safe.
+class MessageBufferPool : public std::enable_shared_from_this<MessageBufferPool> {
  public:
-  static std::shared_ptr<SendBuffers> Create() {
-    return std::shared_ptr<SendBuffers>(new SendBuffers());
+  static std::shared_ptr<MessageBufferPool> Create() {
+    return std::shared_ptr<MessageBufferPool>(new MessageBufferPool());
   }
-  ~SendBuffers();
+  ~MessageBufferPool();
   // A copy of `bytes` in one slice of pooled memory.
   BulkBytes Copy(absl::string_view bytes);
   // A slice of `bytes` bytes of pooled memory, not yet written: for bytes read from a socket.
@@ -79,7 +79,7 @@ class SendBuffers : public std::enable_shared_from_this<SendBuffers> {
 
  private:
   struct Return;
-  SendBuffers() = default;
+  MessageBufferPool() = default;
   static void GiveBack(void* what);
 
   mutable absl::Mutex mu_;

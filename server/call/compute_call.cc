@@ -843,7 +843,7 @@ class ComputeCall {
   std::unique_ptr<RowReader> reader_;  // rows from messages
   v1::ComputeResponse result_message_;
   // The memory dL/dh is copied into to be sent, reused from message to message.
-  const std::shared_ptr<wire::SendBuffers> send_buffers_ = wire::SendBuffers::Create();
+  const std::shared_ptr<wire::MessageBufferPool> send_buffers_ = wire::MessageBufferPool::Create();
   int64_t computed_rows_ = 0;
   double loss_sum_ = 0.0;
   double sequence_loss_ = 0.0;  // with a sequence reduction: the reduced loss, chunk by chunk

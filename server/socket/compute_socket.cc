@@ -72,7 +72,7 @@ void CloseAfterFailure(SocketConnection& connection) {
 
 SocketComputeStream::SocketComputeStream(SocketConnection& connection, std::string peer,
                                          bool peer_is_local, Limits limits,
-                                         std::shared_ptr<wire::SendBuffers> receive_buffers)
+                                         std::shared_ptr<wire::MessageBufferPool> receive_buffers)
     : connection_(connection),
       peer_(std::move(peer)),
       peer_is_local_(peer_is_local),

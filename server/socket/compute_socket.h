@@ -58,7 +58,7 @@ class SocketComputeStream final : public ComputeStream {
 
   // `receive_buffers` holds the messages read (pooled: megabytes each, reused call after call).
   SocketComputeStream(SocketConnection& connection, std::string peer, bool peer_is_local,
-                      Limits limits, std::shared_ptr<wire::SendBuffers> receive_buffers);
+                      Limits limits, std::shared_ptr<wire::MessageBufferPool> receive_buffers);
   SocketComputeStream(const SocketComputeStream&) = delete;
   SocketComputeStream& operator=(const SocketComputeStream&) = delete;
 
@@ -111,7 +111,7 @@ class SocketComputeStream final : public ComputeStream {
   const std::string peer_;
   const bool peer_is_local_;
   const Limits limits_;
-  const std::shared_ptr<wire::SendBuffers> receive_buffers_;
+  const std::shared_ptr<wire::MessageBufferPool> receive_buffers_;
   ComputeReactor::Hooks hooks_;
   UniqueFd ended_fd_;  // an eventfd made readable by End: every wait of the call returns
 
@@ -181,7 +181,8 @@ class ComputeSocketServer {
   const UniqueFd listener_;
   const UniqueFd stop_;  // an eventfd: readable once the server stops
   const int port_;
-  const std::shared_ptr<wire::SendBuffers> receive_buffers_ = wire::SendBuffers::Create();
+  const std::shared_ptr<wire::MessageBufferPool> receive_buffers_ =
+      wire::MessageBufferPool::Create();
   CallThreads threads_;
   mutable absl::Mutex mu_;
   int64_t connections_ ABSL_GUARDED_BY(mu_) = 0;

@@ -39,7 +39,7 @@
 #include "lossd/v1/lossd.grpc.pb.h"
 
 namespace lossd::wire {
-class SendBuffers;
+class MessageBufferPool;
 }  // namespace lossd::wire
 
 namespace lossd::client {
@@ -523,7 +523,7 @@ class Client {
   std::shared_ptr<Handover> handover_;
   std::shared_ptr<SharedBufferPool> shared_buffers_;  // memfds kept between shared-memory calls
   // Memory that rows are copied into to be sent, kept for the next message and call.
-  std::shared_ptr<wire::SendBuffers> send_buffers_;
+  std::shared_ptr<wire::MessageBufferPool> send_buffers_;
   // The server's Compute socket, once asked for (ChannelOptions::compute_socket).
   std::shared_ptr<ComputeSocketChoice> compute_socket_;
 };
