@@ -1000,7 +1000,7 @@ class Client:
                                new_array=self._shared_buffers.new_array)
         if grad_hidden_out is not None:
             # Assembled apart as the messages came, so that a failed call left it as it was.
-            np.copyto(grad_hidden_out, result.grad_hidden)
+            copy_rows(grad_hidden_out, result.grad_hidden)
             result.grad_hidden = grad_hidden_out
         return result
 
