@@ -34,8 +34,8 @@
 #      racecheck, synccheck and initcheck, a short service check (lossd_server called by lossctl
 #      and the Python client), and the transport benchmark on the machine's cores
 #      (bench/transport_bench.py --quick: both clients' messages over gRPC and over the Compute
-#      socket, and shared memory, beside gRPC's echo and the TCP and memcpy floors). Files: $OUT/call2/summary.txt and
-#      $OUT/call2/call2.tar.gz.
+#      socket, and shared memory, beside gRPC's echo and the TCP and memcpy floors). Files:
+#      $OUT/call2/summary.txt and $OUT/call2/call2.tar.gz.
 #      Then give the machine back (`give_back`).
 #   3. Here: unpack the archives; peers/results.md and service/results.md hold tables for
 #      bench/RESULTS.md, *.xml the JUnit results with the recorded errors against float64.

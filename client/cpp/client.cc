@@ -722,7 +722,6 @@ absl::StatusOr<v1::SharedMemorySocket> Client::SharedMemorySocket(absl::Duration
 }
 
 // What the client found of the server's Compute socket: nothing yet, none to use, or one.
-// What the client found of the server's Compute socket: nothing yet, none to use, or one.
 struct ComputeSocketChoice {
   absl::Mutex mu;
   bool asked ABSL_GUARDED_BY(mu) = false;  // the server answered (or there is nothing to ask)

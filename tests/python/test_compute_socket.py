@@ -42,12 +42,18 @@ def server():
 @pytest.fixture(scope="module", autouse=True)
 def small_results_placed_and_lent():
     # These tests' results are far below the sizes at which a result's dL/dh is received straight
-    # into its array and that array lent from the pool: every size takes those paths here, and the
-    # tests at the clients' own thresholds are marked so.
+    # into its array and that array lent from the pool: every size takes those paths here, and a
+    # test of the clients' own thresholds sets them back (CLIENT_THRESHOLDS).
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_compute_socket, "_PLACED_MIN_BYTES", 0)
         patch.setattr(_shared_memory._SharedBufferPool, "_MIN_LENT_ARRAY_BYTES", 0)
-        yield patch
+        yield
+
+
+# The clients' own thresholds, as they were before the fixture above lowered them.
+CLIENT_THRESHOLDS = [(_compute_socket, "_PLACED_MIN_BYTES", _compute_socket._PLACED_MIN_BYTES),
+                     (_shared_memory._SharedBufferPool, "_MIN_LENT_ARRAY_BYTES",
+                      _shared_memory._SharedBufferPool._MIN_LENT_ARRAY_BYTES)]
 
 
 @pytest.fixture(scope="module")
@@ -212,10 +218,11 @@ def test_the_socket_gives_the_same_bits_as_grpc(over_grpc, over_socket, head, sh
 # array, with the same bits as the one assembled from gRPC's messages; a result whose small fields
 # outrun the first bytes read is received whole, with the same bits too.
 @pytest.mark.parametrize("case", ["placed", "small_fields_outrun_the_head"])
-def test_a_large_result_lands_in_place_with_the_same_bits(small_results_placed_and_lent, case):
-    patch = small_results_placed_and_lent
-    patch.undo()  # the clients' own thresholds
+def test_a_large_result_lands_in_place_with_the_same_bits(monkeypatch, case):
+    for owner, name, value in CLIENT_THRESHOLDS:
+        monkeypatch.setattr(owner, name, value)
     placed = []  # rows of each result message read, placed or not
+    read_response = _compute_socket._Connection.read_response
 
     def spy(connection, answered, place):
         kind, body = read_response(connection, answered, place)
@@ -223,37 +230,30 @@ def test_a_large_result_lands_in_place_with_the_same_bits(small_results_placed_a
             placed.append((body.placed, body.message.num_rows))
         return kind, body
 
-    read_response = _compute_socket._Connection.read_response
-    try:
-        patch.setattr(_compute_socket._Connection, "read_response", spy)
-        top_k = 0
-        if case == "small_fields_outrun_the_head":
-            patch.setattr(_compute_socket, "_HEAD_BYTES", 256)
-            top_k = 4
-        rng = np.random.default_rng()
-        n, vocab, hidden_size = 2048, 16, 2048
-        with demo_server(vocab, hidden_size, "--compute_socket_listen=127.0.0.1:0",
-                         "--shared_memory=false") as server, \
-                lossd.Client(server.address, timeout=600, compute_socket=False) as by_grpc, \
-                lossd.Client(server.address, timeout=600, compute_socket=True) as by_socket:
-            by_grpc.upload_head("large", rng.standard_normal((vocab, hidden_size),
-                                                             dtype=np.float32) * 0.1)
-            hidden = rng.standard_normal((n, hidden_size), dtype=np.float32)
-            labels = rng.integers(0, vocab, n)
-            results = [client.compute("large", hidden, labels, outputs=["grad_hidden", "logprob"],
-                                      top_k=top_k) for client in (by_grpc, by_socket)]
-        assert [result.transport for result in results] == ["grpc", "compute_socket"]
-        for name in ("grad_hidden", "logprob") + (("top_k_logprob",) if top_k else ()):
-            assert np.array_equal(getattr(results[0], name), getattr(results[1], name)), name
-        assert all(isinstance(result.grad_hidden.base, _shared_memory._Lease)
-                   for result in results)
-        # Messages under _PLACED_MIN_BYTES (the last of a call, say) are read whole.
-        rows_placed = sum(rows for was_placed, rows in placed if was_placed)
-        assert rows_placed >= n // 2 if case == "placed" else rows_placed == 0
-    finally:
-        patch.undo()
-        patch.setattr(_compute_socket, "_PLACED_MIN_BYTES", 0)
-        patch.setattr(_shared_memory._SharedBufferPool, "_MIN_LENT_ARRAY_BYTES", 0)
+    monkeypatch.setattr(_compute_socket._Connection, "read_response", spy)
+    top_k = 0
+    if case == "small_fields_outrun_the_head":
+        monkeypatch.setattr(_compute_socket, "_HEAD_BYTES", 256)
+        top_k = 4
+    rng = np.random.default_rng()
+    n, vocab, hidden_size = 2048, 16, 2048
+    with demo_server(vocab, hidden_size, "--compute_socket_listen=127.0.0.1:0",
+                     "--shared_memory=false") as server, \
+            lossd.Client(server.address, timeout=600, compute_socket=False) as by_grpc, \
+            lossd.Client(server.address, timeout=600, compute_socket=True) as by_socket:
+        by_grpc.upload_head("large", rng.standard_normal((vocab, hidden_size),
+                                                         dtype=np.float32) * 0.1)
+        hidden = rng.standard_normal((n, hidden_size), dtype=np.float32)
+        labels = rng.integers(0, vocab, n)
+        results = [client.compute("large", hidden, labels, outputs=["grad_hidden", "logprob"],
+                                  top_k=top_k) for client in (by_grpc, by_socket)]
+    assert [result.transport for result in results] == ["grpc", "compute_socket"]
+    for name in ("grad_hidden", "logprob") + (("top_k_logprob",) if top_k else ()):
+        assert np.array_equal(getattr(results[0], name), getattr(results[1], name)), name
+    assert all(isinstance(result.grad_hidden.base, _shared_memory._Lease) for result in results)
+    # Messages under _PLACED_MIN_BYTES (the last of a call, say) are read whole.
+    rows_placed = sum(rows for was_placed, rows in placed if was_placed)
+    assert rows_placed >= n // 2 if case == "placed" else rows_placed == 0
 
 
 # dL/dh arrays come from a pool: one the caller let go of serves the next call, one it keeps is

@@ -323,11 +323,11 @@ class _SharedBufferPool:
         every page the kernel faults in and zeroes: a fifth of the Python client's time in a
         call that moved 128 MiB each way."""
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        if nbytes < self._MIN_LENT_ARRAY_BYTES or not hasattr(os, "memfd_create"):
+        if nbytes < self._MIN_LENT_ARRAY_BYTES:
             return np.empty(shape, dtype)
         try:
             buffer = self.acquire(nbytes)
-        except OSError:  # no memfd to be had (descriptors used up, a sandbox that forbids it)
+        except OSError:  # no memfd to be had (not Linux, descriptors used up, a sandbox)
             return np.empty(shape, dtype)
         lent = self.lend(buffer, 0, dtype, shape)
         if lent is None:
