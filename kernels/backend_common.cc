@@ -761,27 +761,6 @@ int64_t CountCountedRows(const int64_t* labels, int64_t num_tokens, int64_t igno
   return counted;
 }
 
-namespace {
-
-// The largest x in [lo, hi] with fits(x), assuming fits is monotone (true below, false above);
-// lo - 1 when even lo does not fit.
-template <typename Fits>
-int64_t LargestFitting(int64_t lo, int64_t hi, Fits fits) {
-  if (lo > hi || !fits(lo)) return lo - 1;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo + 1) / 2;
-    if (fits(mid))
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
-}
-
-// Rows per chunk for a batch of n rows when at most `fitting` fit: as few chunks as chunks of
-// `fitting` rows rounded down to a multiple of `multiple` allow, evened out and still multiples
-// (the last chunk takes the rest). OpenBLAS's sgemm, for one, runs about
-// 15% slower at 523 rows than at 512 on a 2-core AVX2 machine.
 int64_t AlignedTokenChunk(int64_t n, int64_t fitting, int64_t multiple) {
   if (fitting >= n || multiple <= 1 || fitting < multiple) return fitting;
   const int64_t aligned = fitting / multiple * multiple;
@@ -789,8 +768,6 @@ int64_t AlignedTokenChunk(int64_t n, int64_t fitting, int64_t multiple) {
   const int64_t balanced = ((n + chunks - 1) / chunks + multiple - 1) / multiple * multiple;
   return std::min(aligned, balanced);
 }
-
-}  // namespace
 
 absl::StatusOr<ChunkPlan> ChooseChunkPlan(const ProblemShape& shape, size_t budget_bytes,
                                           const TileLimits& limits, WorkspaceBytesFn bytes_for) {
@@ -866,6 +843,7 @@ BatchSummary PlannedSummary(const ChunkPlan& plan, size_t workspace_bytes) {
   BatchSummary summary;
   summary.token_chunk = plan.token_chunk;
   summary.vocab_chunk = plan.vocab_chunk;
+  summary.logit_rows = plan.logit_rows > 0 ? plan.logit_rows : plan.token_chunk;
   summary.workspace_bytes = static_cast<int64_t>(workspace_bytes);
   return summary;
 }

@@ -44,6 +44,27 @@ struct TileLimits {
   int64_t forward_token_chunk;
 };
 
+// The largest x in [lo, hi] with fits(x), assuming fits is monotone (true below, false above);
+// lo - 1 when even lo does not fit.
+template <typename Fits>
+int64_t LargestFitting(int64_t lo, int64_t hi, Fits fits) {
+  if (lo > hi || !fits(lo)) return lo - 1;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (fits(mid))
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+// Rows per chunk for a batch of n rows when at most `fitting` fit: as few chunks as chunks of
+// `fitting` rows rounded down to a multiple of `multiple` allow, evened out and still multiples
+// (the last chunk takes the rest). OpenBLAS's sgemm, for one, runs about 15% slower at 523 rows
+// than at 512 on a 2-core AVX2 machine.
+int64_t AlignedTokenChunk(int64_t n, int64_t fitting, int64_t multiple);
+
 // Bytes of workspace for `token_chunk` rows and `vocab_chunk` columns, as the backend carves it.
 using WorkspaceBytesFn = absl::FunctionRef<size_t(int64_t token_chunk, int64_t vocab_chunk)>;
 

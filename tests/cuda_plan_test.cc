@@ -1,9 +1,11 @@
 // The CUDA backend's host-side decisions, on the CPU: its default budget follows free device
 // memory, its plans at the Llama 3 8B and Gemma 2 2B heads take one pass over the vocabulary in
-// chunks of 2048 to 8192 rows, the workspace it carves stays inside the budget and its pieces
-// neither overlap nor leave it, and the exact gradient mode is the only one that pays for dL/da's
-// second half. Also the shared math its kernels run: the scale that carries dL/da in 16 bits, and
-// the online statistics its row kernels keep per thread and merge per block.
+// chunks of 2048 to 8192 rows (windows of up to 16384), windows of rows come where they make the
+// gradient products longer and only for calls whose rows are finished alone, the workspace it
+// carves stays inside the budget and its pieces neither overlap nor leave it, and the exact
+// gradient mode is the only one that pays for dL/da's second half. Also the shared math its kernels
+// run: the scale that carries dL/da in 16 bits, and the online statistics its row kernels keep per
+// thread and merge per block.
 #include "kernels/cuda/cuda_plan.h"
 
 #include <gtest/gtest.h>
@@ -58,7 +60,7 @@ struct HeadCase {
 class CudaPlanAtScaleTest : public ::testing::TestWithParam<HeadCase> {};
 
 // The shapes the speed targets are read at, bf16, at the default budget of a GPU with room.
-TEST_P(CudaPlanAtScaleTest, OnePassInChunksOf2048To8192Rows) {
+TEST_P(CudaPlanAtScaleTest, OnePassInChunksOf2048To16384Rows) {
   const HeadCase& c = GetParam();
   for (const bool exact : {false, true}) {
     for (const bool training : {true, false}) {
@@ -72,7 +74,9 @@ TEST_P(CudaPlanAtScaleTest, OnePassInChunksOf2048To8192Rows) {
       ASSERT_TRUE(plan.ok()) << plan.status();
       EXPECT_EQ(plan->vocab_chunk, c.v);
       EXPECT_GE(plan->token_chunk, 2048);
-      EXPECT_LE(plan->token_chunk, std::min<int64_t>(c.n, training ? 8192 : 16384));
+      // Longer where a window holds the rows (FinishesRowsInWindows).
+      const int64_t longest = training && plan->logit_rows == 0 ? 8192 : 16384;
+      EXPECT_LE(plan->token_chunk, std::min<int64_t>(c.n, longest));
       EXPECT_EQ(plan->token_chunk % 128, 0);
       EXPECT_LE(plan->workspace_bytes, budget);
     }
@@ -110,12 +114,12 @@ TEST(CudaPlanTest, OnlyExactGradientsOfSixteenBitProductsPayForTheLowHalf) {
     EXPECT_EQ(GradientStoreOf(shape),
               dtype == DType::kFloat32 ? GradientStore::kFloat32 : GradientStore::kRounded);
     WorkspaceArena rounded(nullptr, 0);
-    CarveCudaWorkspace(rounded, shape, 1024, 32000);
+    CarveCudaWorkspace(rounded, shape, 1024, 32000, 1024);
     shape.exact_gradients = true;
     EXPECT_EQ(GradientStoreOf(shape),
               dtype == DType::kFloat32 ? GradientStore::kFloat32 : GradientStore::kSplit);
     WorkspaceArena split(nullptr, 0);
-    CarveCudaWorkspace(split, shape, 1024, 32000);
+    CarveCudaWorkspace(split, shape, 1024, 32000, 1024);
     const size_t low_half = 1024 * LeadingDimension(32000) * sizeof(uint16_t);
     EXPECT_EQ(split.used() - rounded.used(), dtype == DType::kFloat32 ? 0 : low_half);
   }
@@ -128,7 +132,8 @@ TEST(CudaPlanTest, OnlyExactGradientsOfSixteenBitProductsPayForTheLowHalf) {
 
 // The pieces of a carved workspace, as [begin, end) offsets from its base.
 std::vector<std::pair<size_t, size_t>> Pieces(const CudaWorkspace& w, const ProblemShape& s,
-                                              int64_t rows, int64_t cols, const char* base) {
+                                              int64_t rows, int64_t cols, int64_t logit_rows,
+                                              const char* base) {
   std::vector<std::pair<size_t, size_t>> pieces;
   const auto add = [&](const void* p, int64_t bytes) {
     if (p == nullptr) return;
@@ -155,10 +160,10 @@ std::vector<std::pair<size_t, size_t>> Pieces(const CudaWorkspace& w, const Prob
     add(in.sparse_rows, rows * static_cast<int64_t>(sizeof(SparseTeacherRow)));
   }
   add(w.d_hidden32, rows * h * 4);
-  add(w.d_logits, rows * ld * 4);
+  add(w.d_logits, logit_rows * ld * 4);
   add(w.d_grad_hi, rows * ld * 2);
   add(w.d_grad_lo, rows * ld * 2);
-  add(w.d_teacher_logits, rows * ld * 4);
+  add(w.d_teacher_logits, logit_rows * ld * 4);
   add(w.d_grad_hidden32, rows * h * 4);
   for (void* out : w.d_grad_hidden_out) {
     add(out, rows * h * static_cast<int64_t>(DTypeSize(s.grad_hidden_dtype)));
@@ -223,10 +228,16 @@ TEST(CudaPlanTest, CarvedWorkspaceFitsTheBudgetAndItsPiecesAreDisjoint) {
     EXPECT_LE(plan->workspace_bytes, budget);
     EXPECT_LE(plan->token_chunk, std::max<int64_t>(s.num_tokens, 1));
     EXPECT_LE(plan->vocab_chunk, s.vocab_size);
+    EXPECT_GE(plan->logit_rows, 0);
+    EXPECT_LE(plan->logit_rows, plan->token_chunk);
+    if (plan->logit_rows > 0) {
+      EXPECT_TRUE(FinishesRowsInWindows(s));
+    }
     // A fake base: the arena only adds offsets to it.
     const char* base = reinterpret_cast<const char*>(uintptr_t{1} << 40);
     WorkspaceArena arena(const_cast<char*>(base), plan->workspace_bytes);
-    const CudaWorkspace w = CarveCudaWorkspace(arena, s, plan->token_chunk, plan->vocab_chunk);
+    const CudaWorkspace w =
+        CarveCudaWorkspace(arena, s, plan->token_chunk, plan->vocab_chunk, LogitRows(*plan));
     EXPECT_EQ(arena.used(), plan->workspace_bytes);
     ASSERT_TRUE(arena.fits());
     const bool distill = s.teacher.kind != TeacherKind::kNone;
@@ -239,7 +250,7 @@ TEST(CudaPlanTest, CarvedWorkspaceFitsTheBudgetAndItsPiecesAreDisjoint) {
     EXPECT_EQ(w.d_grad_hi == nullptr, !gradients || GradientStoreOf(s) == GradientStore::kFloat32);
     EXPECT_EQ(w.d_grad_lo == nullptr, !gradients || GradientStoreOf(s) != GradientStore::kSplit);
     std::vector<std::pair<size_t, size_t>> pieces =
-        Pieces(w, s, plan->token_chunk, plan->vocab_chunk, base);
+        Pieces(w, s, plan->token_chunk, plan->vocab_chunk, LogitRows(*plan), base);
     std::sort(pieces.begin(), pieces.end());
     for (size_t i = 0; i < pieces.size(); ++i) {
       EXPECT_EQ(pieces[i].first % WorkspaceArena::kAlignment, 0u);
@@ -442,6 +453,110 @@ TEST(SharedMathTest, GradientSplitScaleKeepsScaledGradientsInRange) {
     EXPECT_GE(scaled, std::ldexp(1.0, kSplitMaxExponent - 1));
   }
 }
+
+// The plan the call would get without windows: ChooseChunkPlan with a chunk's logits all held.
+ChunkPlan ChunksWithoutWindows(const ProblemShape& s, size_t budget) {
+  auto plan = ChooseChunkPlan(s, budget, kCudaTileLimits, [&](int64_t rows, int64_t cols) {
+    WorkspaceArena arena(nullptr, 0);
+    CarveCudaWorkspace(arena, s, rows, cols, rows);
+    return arena.used();
+  });
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  return plan.value_or(ChunkPlan{});
+}
+
+struct WindowCase {
+  const char* name;
+  const char* why;
+  ProblemShape shape;
+  size_t budget;
+  int64_t logit_rows;  // expected; 0: no windows
+};
+
+void PrintTo(const WindowCase& c, std::ostream* os) { *os << c.name; }
+
+ProblemShape Adjusted(ProblemShape s, void (*change)(ProblemShape&)) {
+  change(s);
+  return s;
+}
+
+const ProblemShape kLlama16k = Training(16384, 4096, 128256, DType::kBFloat16);
+const ProblemShape kLlama8k = Training(8192, 4096, 128256, DType::kBFloat16);
+const ProblemShape kGemma8k = Training(8192, 2304, 256000, DType::kBFloat16);
+
+const WindowCase kWindowCases[] = {
+    {"llama16k_1gib", "1 GiB holds fewer, longer products in windows", kLlama16k, 1 * kGiB, 512},
+    {"llama16k_8gib", "two chunks of 8192 become one window", kLlama16k, 8 * kGiB, 512},
+    {"llama8k_1gib_exact", "hi and lo halves are both windowed",
+     Adjusted(kLlama8k, [](auto& s) { s.exact_gradients = true; }), 1 * kGiB, 512},
+    {"gemma8k_1gib", "V = 256000: pieces halve to 256 rows to leave room", kGemma8k, 1 * kGiB, 256},
+    {"dldw_only", "dL/dW alone is a gradient too",
+     Adjusted(kLlama16k, [](auto& s) { s.grad_hidden = false; }), 1 * kGiB, 512},
+    {"one_chunk", "one chunk holds the whole call already", kLlama8k, 8 * kGiB, 0},
+    {"pieces_too_short", "pieces under 256 rows would leave the logits product waiting on W",
+     kLlama16k, 256 * kMiB, 0},
+    {"vocabulary_tiled", "the chunks tile the vocabulary: no window holds a row's logits", kGemma8k,
+     256 * kMiB, 0},
+    {"scoring", "no gradients: nothing to carry between pieces",
+     Adjusted(kLlama16k, [](auto& s) { s.grad_hidden = s.grad_weight = false; }), 1 * kGiB, 0},
+    {"fp16", "fp16 carries dL/da under a scale from every row's bound",
+     Adjusted(kLlama16k, [](auto& s) { s.hidden_dtype = s.weight_dtype = DType::kFloat16; }),
+     1 * kGiB, 0},
+    {"fp32", "fp32 products keep dL/da in the logits themselves",
+     Adjusted(kLlama16k, [](auto& s) { s.hidden_dtype = s.weight_dtype = DType::kFloat32; }),
+     1 * kGiB, 0},
+    {"mixed_dtypes", "bf16 rows on an fp32 head: fp32 products",
+     Adjusted(kLlama16k, [](auto& s) { s.weight_dtype = DType::kFloat32; }), 1 * kGiB, 0},
+    {"dense_teacher", "a teacher's tile joins each row's logits",
+     Adjusted(kLlama16k,
+              [](auto& s) {
+                s.teacher.kind = TeacherKind::kDense;
+                s.teacher.hidden_size = 4096;
+                s.teacher.hidden_dtype = s.teacher.weight_dtype = DType::kBFloat16;
+              }),
+     1 * kGiB, 0},
+    {"sparse_teacher", "likewise a sparse teacher's",
+     Adjusted(kLlama16k,
+              [](auto& s) {
+                s.teacher.kind = TeacherKind::kSparse;
+                s.teacher.top_k = 8;
+              }),
+     1 * kGiB, 0},
+    {"sequence_ratio", "a sequence's ratio joins its rows before any is finished",
+     Adjusted(kLlama16k, [](auto& s) { s.sequence_ratio = true; }), 1 * kGiB, 0},
+};
+
+class CudaWindowPlanTest : public ::testing::TestWithParam<WindowCase> {};
+
+TEST_P(CudaWindowPlanTest, WindowsWhereTheyLengthenTheProducts) {
+  const WindowCase& c = GetParam();
+  SCOPED_TRACE(c.why);
+  auto plan = PlanCudaCall(c.shape, c.budget);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_LE(plan->workspace_bytes, c.budget);
+  EXPECT_EQ(plan->logit_rows, c.logit_rows);
+  const ChunkPlan chunks = ChunksWithoutWindows(c.shape, c.budget);
+  if (c.logit_rows == 0) {
+    EXPECT_EQ(plan->token_chunk, chunks.token_chunk);
+    EXPECT_EQ(plan->vocab_chunk, chunks.vocab_chunk);
+    EXPECT_EQ(plan->workspace_bytes, chunks.workspace_bytes);
+    return;
+  }
+  EXPECT_TRUE(FinishesRowsInWindows(c.shape));
+  EXPECT_EQ(plan->vocab_chunk, c.shape.vocab_size);
+  EXPECT_EQ(plan->token_chunk % kCudaTileLimits.token_chunk_multiple, 0);
+  EXPECT_GE(plan->token_chunk, 2 * plan->logit_rows);
+  // Fewer passes over dL/dW than the chunks would make.
+  const auto products = [&](int64_t rows) { return (c.shape.num_tokens + rows - 1) / rows; };
+  EXPECT_LT(products(plan->token_chunk), products(chunks.token_chunk))
+      << "windows of " << plan->token_chunk << " rows, chunks of " << chunks.token_chunk;
+  WorkspaceArena arena(nullptr, 0);
+  CarveCudaWorkspace(arena, c.shape, plan->token_chunk, plan->vocab_chunk, plan->logit_rows);
+  EXPECT_EQ(arena.used(), plan->workspace_bytes);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaWindowPlanTest, ::testing::ValuesIn(kWindowCases),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace lossd::cuda

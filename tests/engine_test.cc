@@ -59,7 +59,9 @@ bool RoundsGradients(const std::string& backend_name, const ProblemSpec& spec) {
   return TensorCoreProducts(backend_name, spec) && !spec.options.exact_gradients;
 }
 
-enum class Tiling { kAny, kTokenChunks, kVocabTiles };
+// kWindows: on the CUDA backend, windows of rows finished in pieces (FinishesRowsInWindows), the
+// last window and its last piece shorter than the rest; elsewhere chunks that hold their logits.
+enum class Tiling { kAny, kTokenChunks, kVocabTiles, kWindows };
 
 struct EngineCase {
   const char* name;
@@ -336,6 +338,39 @@ const EngineCase kCases[] = {
        s.top_k = 10;
      }),
      4 * kMiB, Tiling::kVocabTiles, /*gradients=*/false},
+    // Windows: 16 MiB holds 768 rows (512 exact) of bf16 dL/da with pieces of 256 rows of logits,
+    // where chunks holding their logits would get 256 (or tile the vocabulary).
+    {"bf16_windows", "a window's rows finished piece by piece; the last window and piece short",
+     Spec(1500, 64, 5003, [](ProblemSpec& s) {
+       s.hidden_dtype = DType::kBFloat16;
+       s.weight_dtype = DType::kBFloat16;
+       s.top_k = 5;
+       s.ignore_fraction = 0.1;
+     }), 16 * kMiB, Tiling::kWindows},
+    {"bf16_windows_exact", "both halves of dL/da carried for a window's pieces",
+     Spec(1500, 64, 5003, [](ProblemSpec& s) {
+       s.hidden_dtype = DType::kBFloat16;
+       s.weight_dtype = DType::kBFloat16;
+       s.options.exact_gradients = true;
+     }), 16 * kMiB, Tiling::kWindows},
+    {"bf16_windows_everything", "smoothing, soft cap, temperature, z-loss, weights, piece by piece",
+     Spec(1500, 64, 5003, [](ProblemSpec& s) {
+       s.hidden_dtype = DType::kBFloat16;
+       s.weight_dtype = DType::kBFloat16;
+       s.options = EverythingOptions();
+       s.token_weights = true;
+       s.ignore_fraction = 0.1;
+       s.logit_scale = 25.0;
+     }), 16 * kMiB, Tiling::kWindows},
+    {"bf16_windows_ppo_k3_entropy", "every per-row policy input read at its piece's rows",
+     Spec(1500, 64, 5003, [](ProblemSpec& s) {
+       s.hidden_dtype = DType::kBFloat16;
+       s.weight_dtype = DType::kBFloat16;
+       s.options = PpoKlEntropy(KlEstimator::kK3, Reduction::kSequenceMeanTokenMean);
+       s.ratio_targets = kRatioTargets;
+       s.max_sequence_length = 150;
+       s.ignore_fraction = 0.1;
+     }), 16 * kMiB, Tiling::kWindows, true, DType::kFloat32, kGradBound, kPolicyLossBound},
     {"bf16_grad_hidden", "dL/dh returned in bf16", Spec(64, 64, 1000), 64 * kMiB, Tiling::kAny,
      /*gradients=*/true, DType::kBFloat16},
     // The policy objectives: ratios from kRatioTargets, advantages of both signs and zero.
@@ -685,6 +720,16 @@ TEST_P(EngineCaseTest, MatchesFloat64Reference) {
       EXPECT_LT(s.vocab_chunk, c.spec.vocab_size);
       EXPECT_NE(c.spec.vocab_size % s.vocab_chunk, 0);
       break;
+    case Tiling::kWindows:
+      EXPECT_EQ(s.vocab_chunk, c.spec.vocab_size);
+      if (backend_name != "cuda") {
+        EXPECT_EQ(s.logit_rows, s.token_chunk);
+        break;
+      }
+      EXPECT_LT(s.logit_rows, s.token_chunk);
+      EXPECT_NE(n % s.token_chunk, 0);
+      EXPECT_NE(n % s.token_chunk % s.logit_rows, 0);
+      break;
     case Tiling::kAny: break;
   }
   EXPECT_LE(static_cast<size_t>(s.workspace_bytes), c.budget);
@@ -887,7 +932,8 @@ TEST(ReferenceTest, GradientsMatchFiniteDifferences) {
 }
 
 // Llama 3 8B's head (H = 4096, V = 128256) and 4096 tokens in bf16, against float64: at 256 MiB,
-// where the vocabulary comes in tiles (two passes), and at the backend's default budget, where
+// where the vocabulary comes in tiles (two passes), at 1 GiB, where the CUDA backend finishes
+// windows of rows in pieces, and at the backend's default budget, where
 // each token chunk's products run at their full lengths (K = H for the logits, K = V in blocks
 // for dL/dh, K = the chunk for dL/dW) and an accumulation that truncates instead of rounding would
 // show most; in the default gradient mode (dL/da rounded to bf16 once) and the exact one. The
@@ -922,8 +968,9 @@ TEST_P(EngineAtScaleTest, Llama3HeadInBf16MatchesFloat64) {
     bool exact;
   };
   const size_t default_budget = backend->DefaultWorkspaceBudget();
-  for (const Setting setting : {Setting{256 * kMiB, false}, Setting{default_budget, false},
-                                Setting{default_budget, true}}) {
+  for (const Setting setting :
+       {Setting{256 * kMiB, false}, Setting{1024 * kMiB, false}, Setting{1024 * kMiB, true},
+        Setting{default_budget, false}, Setting{default_budget, true}}) {
     const char* mode = setting.exact ? "exact" : "default";
     SCOPED_TRACE(::testing::Message()
                  << "budget " << setting.budget / kMiB << " MiB, " << mode << " gradients");
@@ -940,14 +987,15 @@ TEST_P(EngineAtScaleTest, Llama3HeadInBf16MatchesFloat64) {
     const double grad_hidden_error = RelativeError(run->grad_hidden, ref.grad_hidden);
     const double grad_weight_error = RelativeError(run->grad_weight, ref.grad_weight);
     std::printf(
-        "N=%ld H=%ld V=%ld bf16, budget %zu MiB (chunk %ld x %ld), %s gradients: loss "
+        "N=%ld H=%ld V=%ld bf16, budget %zu MiB (chunk %ld x %ld, logits of %ld rows), %s "
+        "gradients: loss "
         "%.2e, token loss %.2e, logprob max abs %.2e, dL/dh %.2e, dL/dW %.2e relative to "
         "float64; device %.4f s\n",
         static_cast<long>(spec.num_tokens), static_cast<long>(spec.hidden_size),
         static_cast<long>(spec.vocab_size), setting.budget / kMiB,
         static_cast<long>(run->summary.token_chunk), static_cast<long>(run->summary.vocab_chunk),
-        mode, loss_error, token_loss_error, logprob_error, grad_hidden_error, grad_weight_error,
-        run->summary.device_seconds);
+        static_cast<long>(run->summary.logit_rows), mode, loss_error, token_loss_error,
+        logprob_error, grad_hidden_error, grad_weight_error, run->summary.device_seconds);
     const std::string suffix = absl::StrCat("_", setting.budget / kMiB, "mib_", mode);
     RecordProperty("loss_rel_error" + suffix, absl::StrFormat("%.3e", loss_error));
     RecordProperty("grad_hidden_rel_error" + suffix, absl::StrFormat("%.3e", grad_hidden_error));

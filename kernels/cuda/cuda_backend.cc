@@ -277,8 +277,8 @@ class CudaBackend final : public Backend {
     ASSIGN_OR_RETURN(const CallPlan call,
                      PlanCall(*this, in, weight, options, out, grad_weight, workspace));
     WorkspaceArena arena(workspace.data(), workspace.bytes());
-    const CudaWorkspace ws =
-        CarveCudaWorkspace(arena, call.shape, call.plan.token_chunk, call.plan.vocab_chunk);
+    const CudaWorkspace ws = CarveCudaWorkspace(arena, call.shape, call.plan.token_chunk,
+                                                call.plan.vocab_chunk, LogitRows(call.plan));
     BatchSummary summary = PlannedSummary(call.plan, arena.used());
     WorkspaceArena measure(nullptr, 0);
     CarveHostStaging(measure, call.shape, call.plan.token_chunk);

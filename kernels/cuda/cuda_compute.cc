@@ -137,6 +137,8 @@ class ChunkedCompute::Impl {
         h_(weight.hidden_size),
         v_(weight.vocab_size),
         chunk_rows_(call.plan.token_chunk),
+        logit_rows_(LogitRows(call.plan)),
+        windowed_(logit_rows_ < chunk_rows_),
         tile_cols_(call.plan.vocab_chunk),
         ld_(LeadingDimension(call.plan.vocab_chunk)),
         k_(out.top_k),
@@ -416,13 +418,17 @@ class ChunkedCompute::Impl {
           ProductRows(d.teacher_hidden, in_.teacher.hidden_dtype, in_.teacher.hidden_size, rows,
                       teacher_product_dtype_, ws_.d_teacher_hidden32));
     }
-    RETURN_IF_ERROR(RowStatistics(d, rows));
-    if (distill_) {
-      RETURN_IF_ERROR(LaunchDistillConstants(rows, ws_.d_distill_stats, options_.distill,
-                                             ws_.d_constants, stream_));
-      RETURN_IF_ERROR(RowTerms(d, rows));
+    if (windowed_) {
+      RETURN_IF_ERROR(FinishWindow(d, rows));
+    } else {
+      RETURN_IF_ERROR(RowStatistics(d, rows));
+      if (distill_) {
+        RETURN_IF_ERROR(LaunchDistillConstants(rows, ws_.d_distill_stats, options_.distill,
+                                               ws_.d_constants, stream_));
+        RETURN_IF_ERROR(RowTerms(d, rows));
+      }
+      RETURN_IF_ERROR(FinishRows(d, slot, rows));
     }
-    RETURN_IF_ERROR(FinishRows(d, slot, rows));
     if (gradients_) RETURN_IF_ERROR(Gradients(d, slot, r0, rows));
     RETURN_IF_ERROR(
         Cuda(cudaEventRecord(context_.inputs_consumed[slot], stream_), "cudaEventRecord"));
@@ -472,14 +478,7 @@ class ChunkedCompute::Impl {
   // The rows' results, gradient constants and gradient bounds, on the device, from the chunk's
   // own copies of the per-row inputs (those the call has).
   absl::Status FinishRows(const ChunkBuffers& d, int slot, int64_t rows) {
-    RowInputArrays arrays;
-    arrays.labels = in_.labels != nullptr ? d.labels : nullptr;
-    arrays.token_weights = in_.token_weights != nullptr ? d.token_weights : nullptr;
-    arrays.sampling_logprobs = in_.sampling_logprobs != nullptr ? d.sampling_logprobs : nullptr;
-    arrays.advantages = in_.advantages != nullptr ? d.advantages : nullptr;
-    arrays.reference_logprobs = in_.reference_logprobs != nullptr ? d.reference_logprobs : nullptr;
-    arrays.logprob_grads = in_.logprob_grads != nullptr ? d.logprob_grads : nullptr;
-    arrays.reduction_scales = in_.reduction_scales != nullptr ? d.reduction_scales : nullptr;
+    RowInputArrays arrays = RowArrays(d, 0);
     if (options_.policy.sequence_ratio) {
       RETURN_IF_ERROR(LaunchSequenceLogRatios(slot_sequences_[slot], d.sequence_ends, arrays,
                                               finisher_.constants(), ws_.d_stats,
@@ -494,6 +493,61 @@ class ChunkedCompute::Impl {
     }
     return LaunchFinishRows(rows, arrays, finisher_.constants(), ws_.d_stats, ws_.d_results,
                             gradients_ ? ws_.d_row_grads : nullptr, ws_.d_bounds, stream_);
+  }
+
+  // The chunk's copies of the per-row inputs the call has, from its row `first` on.
+  RowInputArrays RowArrays(const ChunkBuffers& d, int64_t first) const {
+    const auto from = [first](const auto* call_has, auto* chunk_copy) {
+      return call_has != nullptr ? chunk_copy + first : nullptr;
+    };
+    RowInputArrays arrays;
+    arrays.labels = from(in_.labels, d.labels);
+    arrays.token_weights = from(in_.token_weights, d.token_weights);
+    arrays.sampling_logprobs = from(in_.sampling_logprobs, d.sampling_logprobs);
+    arrays.advantages = from(in_.advantages, d.advantages);
+    arrays.reference_logprobs = from(in_.reference_logprobs, d.reference_logprobs);
+    arrays.logprob_grads = from(in_.logprob_grads, d.logprob_grads);
+    arrays.reduction_scales = from(in_.reduction_scales, d.reduction_scales);
+    return arrays;
+  }
+
+  // Where dL/da of the chunk's rows from `first` on goes.
+  GradientOut GradientCarriage(int64_t first) const {
+    GradientOut out;
+    out.store = store_;
+    out.dtype = product_dtype_;
+    out.d_hi = ws_.d_grad_hi != nullptr ? ws_.d_grad_hi + first * ld_ : nullptr;
+    out.d_lo = ws_.d_grad_lo != nullptr ? ws_.d_grad_lo + first * ld_ : nullptr;
+    out.d_split_scale = ws_.d_split_scale;
+    return out;
+  }
+
+  // Phases 1 and 2 and dL/da of a window (FinishesRowsInWindows), piece by piece: each piece's
+  // logits, statistics, finished rows and dL/da, into the window's 16-bit carriage at the piece's
+  // rows, so that Gradients' products contract over the whole window while only one piece's fp32
+  // logits are held. The carriage's scale is 1, set before any row is seen: bf16 holds S dL/da
+  // at S = 1 as it holds it at any power of two.
+  absl::Status FinishWindow(const ChunkBuffers& d, int64_t rows) {
+    RETURN_IF_ERROR(
+        LaunchResetRows(rows, k_, ws_.d_stats, ws_.d_top_values, ws_.d_top_tokens, stream_));
+    RETURN_IF_ERROR(LaunchSplitScale(0, ws_.d_bounds, ws_.d_split_scale, stream_));
+    for (int64_t p0 = 0; p0 < rows; p0 += logit_rows_) {
+      const int64_t piece = std::min(logit_rows_, rows - p0);
+      RETURN_IF_ERROR(ComputeLogits(hidden_.At(p0 * hidden_.ld), weight_, product_dtype_, piece, 0,
+                                    v_, ws_.d_logits));
+      const LogitTile tile = Tile(piece, 0, v_);
+      float* d_top_values = k_ > 0 ? ws_.d_top_values + p0 * k_ : nullptr;
+      int32_t* d_top_tokens = k_ > 0 ? ws_.d_top_tokens + p0 * k_ : nullptr;
+      RETURN_IF_ERROR(LaunchRowStats(tile, d.labels + p0, transform_, true, k_, ws_.d_stats + p0,
+                                     d_top_values, d_top_tokens, stream_));
+      RETURN_IF_ERROR(LaunchFinishRows(piece, RowArrays(d, p0), finisher_.constants(),
+                                       ws_.d_stats + p0, ws_.d_results + p0, ws_.d_row_grads + p0,
+                                       ws_.d_bounds + p0, stream_));
+      RETURN_IF_ERROR(LaunchLogitGradients(tile, ws_.d_row_grads + p0, transform_,
+                                           /*apply_transform=*/false, entropy_,
+                                           GradientCarriage(p0), stream_));
+    }
+    return absl::OkStatus();
   }
 
   // dL/da of one tile into the logits tile (or its 16-bit carriage), recomputing the tile where
@@ -511,21 +565,20 @@ class ChunkedCompute::Impl {
                                 entropy_, out, stream_);
   }
 
-  // Phase 3: dL/da per tile, then dh += dA W and dW += dA^T h, and dL/dh on its way to the host.
+  // Phase 3: dL/da per tile (a window's is carried already), then dh += dA W and dW += dA^T h, and
+  // dL/dh on its way to the host.
   // For 16-bit products dA enters as S dA rounded to 16 bits once (one GEMM each), or with exact
   // gradients as hi + lo (two GEMMs each); the GEMMs divide by S.
   absl::Status Gradients(const ChunkBuffers& d, int slot, int64_t r0, int64_t rows) {
-    GradientOut out;
-    out.store = store_;
-    out.dtype = product_dtype_;
-    out.d_hi = ws_.d_grad_hi;
-    out.d_lo = ws_.d_grad_lo;
-    out.d_split_scale = ws_.d_split_scale;
+    const GradientOut out = GradientCarriage(0);
     std::vector<Matrix> parts;
     if (store_ == GradientStore::kFloat32) {
       parts = {{ws_.d_logits, DType::kFloat32, ld_}};
     } else {
-      RETURN_IF_ERROR(LaunchSplitScale(rows, ws_.d_bounds, ws_.d_split_scale, stream_));
+      // A window's dL/da is carried already, at the scale FinishWindow set.
+      if (!windowed_) {
+        RETURN_IF_ERROR(LaunchSplitScale(rows, ws_.d_bounds, ws_.d_split_scale, stream_));
+      }
       parts = {{ws_.d_grad_hi, product_dtype_, ld_}};
       if (store_ == GradientStore::kSplit) parts.push_back({ws_.d_grad_lo, product_dtype_, ld_});
     }
@@ -543,7 +596,7 @@ class ChunkedCompute::Impl {
     const bool resident = tile_cols_ >= v_;  // phase 1 left z of the only tile in place
     for (int64_t v0 = 0; v0 < v_; v0 += tile_cols_) {
       const int64_t cols = std::min(tile_cols_, v_ - v0);
-      RETURN_IF_ERROR(TileGradients(d, rows, v0, cols, resident, out));
+      if (!windowed_) RETURN_IF_ERROR(TileGradients(d, rows, v0, cols, resident, out));
       if (shape_.grad_hidden) {
         RETURN_IF_ERROR(ForEachWeightSlab(
             weight_, product_dtype_, v0, cols, [&](const Matrix& w, int64_t s0, int64_t slab_rows) {
@@ -607,6 +660,8 @@ class ChunkedCompute::Impl {
   const int64_t h_;
   const int64_t v_;
   const int64_t chunk_rows_;
+  const int64_t logit_rows_;  // rows of fp32 logits held at once
+  const bool windowed_;       // chunks finished in pieces of logit_rows_ (FinishesRowsInWindows)
   const int64_t tile_cols_;
   const int64_t ld_;
   const int k_;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "lossd/common/status_macros.h"
+
 namespace lossd::cuda {
 
 size_t CudaDefaultWorkspaceBudget(size_t free_bytes) {
@@ -60,7 +62,7 @@ ChunkBuffers CarveChunkBuffers(WorkspaceArena& arena, const ProblemShape& s, int
 }
 
 CudaWorkspace CarveCudaWorkspace(WorkspaceArena& arena, const ProblemShape& s, int64_t rows,
-                                 int64_t cols) {
+                                 int64_t cols, int64_t logit_rows) {
   CudaWorkspace w{};
   const int64_t h = s.hidden_size;
   const DType product = ProductDType(s);
@@ -78,13 +80,13 @@ CudaWorkspace CarveCudaWorkspace(WorkspaceArena& arena, const ProblemShape& s, i
       dense_teacher ? SlabFloats(t.weight_dtype, TeacherProductDType(s), cols, t.hidden_size) : 0);
   if (slab > 0) w.d_weight32 = arena.Take<float>(slab);
   const int64_t ld = LeadingDimension(cols);
-  w.d_logits = arena.Take<float>(rows * ld);
+  w.d_logits = arena.Take<float>(logit_rows * ld);
   const GradientStore store = GradientStoreOf(s);
   if (gradients && store != GradientStore::kFloat32) {
     w.d_grad_hi = arena.Take<uint16_t>(rows * ld);
     if (store == GradientStore::kSplit) w.d_grad_lo = arena.Take<uint16_t>(rows * ld);
   }
-  if (distill) w.d_teacher_logits = arena.Take<float>(rows * ld);
+  if (distill) w.d_teacher_logits = arena.Take<float>(logit_rows * ld);
   if (s.grad_hidden) {
     if (s.grad_hidden_dtype != DType::kFloat32) w.d_grad_hidden32 = arena.Take<float>(rows * h);
     for (void*& out : w.d_grad_hidden_out) {
@@ -117,12 +119,36 @@ CudaWorkspace CarveCudaWorkspace(WorkspaceArena& arena, const ProblemShape& s, i
   return w;
 }
 
+bool FinishesRowsInWindows(const ProblemShape& s) {
+  return WantsGradients(s) && ProductDType(s) == DType::kBFloat16 &&
+         s.teacher.kind == TeacherKind::kNone && !s.sequence_ratio;
+}
+
 absl::StatusOr<ChunkPlan> PlanCudaCall(const ProblemShape& shape, size_t budget_bytes) {
-  return ChooseChunkPlan(shape, budget_bytes, kCudaTileLimits, [&](int64_t rows, int64_t cols) {
+  const auto bytes_for = [&](int64_t rows, int64_t cols, int64_t logit_rows) {
     WorkspaceArena arena(nullptr, 0);
-    CarveCudaWorkspace(arena, shape, rows, cols);
+    CarveCudaWorkspace(arena, shape, rows, cols, logit_rows);
     return arena.used();
-  });
+  };
+  ASSIGN_OR_RETURN(ChunkPlan chunks, ChooseChunkPlan(shape, budget_bytes, kCudaTileLimits,
+                                                     [&](int64_t rows, int64_t cols) {
+                                                       return bytes_for(rows, cols, rows);
+                                                     }));
+  const int64_t v = shape.vocab_size;
+  const int64_t n = std::max<int64_t>(shape.num_tokens, 1);
+  const int64_t max_rows = std::min(n, kCudaTileLimits.max_token_chunk);
+  if (!FinishesRowsInWindows(shape) || chunks.vocab_chunk != v || chunks.token_chunk >= max_rows) {
+    return chunks;
+  }
+  for (int64_t piece = kWindowLogitRows; piece >= kMinWindowLogitRows; piece /= 2) {
+    const int64_t fitting = LargestFitting(
+        piece, max_rows, [&](int64_t rows) { return bytes_for(rows, v, piece) <= budget_bytes; });
+    if (fitting <= piece || fitting < std::min(max_rows, 2 * piece)) continue;
+    const int64_t rows = AlignedTokenChunk(n, fitting, kCudaTileLimits.token_chunk_multiple);
+    if (rows <= chunks.token_chunk) break;  // smaller pieces would only slow the logits product
+    return ChunkPlan{rows, v, bytes_for(rows, v, piece), piece};
+  }
+  return chunks;
 }
 
 HostStaging CarveHostStaging(WorkspaceArena& arena, const ProblemShape& s, int64_t rows) {

@@ -103,10 +103,10 @@ struct CudaWorkspace {
   float* d_hidden32;          // [Nc, H] when the products run in fp32 but hidden is 16-bit
   float* d_teacher_hidden32;  // [Nc, H_t] likewise for a dense teacher
   float* d_weight32;          // [slab, H] when the products run in fp32 but W is 16-bit
-  float* d_logits;            // [Nc, ld]: a, then z, then dL/da (fp32 products)
+  float* d_logits;            // [logit rows, ld]: a, then z, then dL/da (fp32 products)
   uint16_t* d_grad_hi;        // [Nc, ld] 16-bit products: S dL/da rounded, or its high half
   uint16_t* d_grad_lo;        // [Nc, ld] exact gradients: S dL/da - hi
-  float* d_teacher_logits;    // [Nc, ld] a distill call's teacher tile
+  float* d_teacher_logits;    // [logit rows, ld] a distill call's teacher tile
   // dL/dh accumulates in fp32 into d_grad_hidden32, or, wanted in fp32, straight into the slot
   // d_grad_hidden_out[c % 2] that it leaves the device from.
   float* d_grad_hidden32;               // [Nc, H] dL/dh wanted in 16 bits
@@ -126,13 +126,38 @@ struct CudaWorkspace {
   DistillRowGradient* d_distill_grads;  // [Nc]
 };
 
-// Carves the workspace of `rows` x `cols` tiles for `shape`; with a null arena base it only
+// Carves the workspace of chunks of `rows` x `cols` whose fp32 logits are held `logit_rows` at a
+// time (`rows` but in windows, ChunkPlan::logit_rows) for `shape`; with a null arena base it only
 // measures (arena.used() is then the workspace's size).
 CudaWorkspace CarveCudaWorkspace(WorkspaceArena& arena, const ProblemShape& shape, int64_t rows,
-                                 int64_t cols);
+                                 int64_t cols, int64_t logit_rows);
 
-// The chunking of a call whose workspace fits `budget_bytes` (ChooseChunkPlan with the layout
-// above).
+// Windows of rows (ChunkPlan::logit_rows < token_chunk). Each chunk's dL/dW product contracts over
+// its rows and streams the fp32 [V, H] dL/dW through HBM once more (2.1 GB each way at the Llama 3
+// 8B head), so short chunks under a small budget are bound by that traffic. A window keeps only a
+// piece of its rows' fp32 logits at once and their dL/da, in 16 bits, for all of them: at 1 GiB
+// and that head, 2048 rows a product instead of 896. The rows of a window are finished piece by
+// piece, so a call qualifies when nothing joins its rows but the products: a per-row objective
+// (no teacher tile, no sequence ratio), gradients, one pass over the vocabulary, and bf16
+// products, whose carriage of dL/da needs no scale (bf16 has fp32's exponent range, so the
+// window's one scale of 1 serves rows it has not seen yet; fp16 needs a scale from every row's
+// bound first).
+bool FinishesRowsInWindows(const ProblemShape& shape);
+// Pieces of 512 rows keep the logits product compute-bound (1024 flops per byte of W it reads,
+// against about 300 per byte of HBM on an H100) while the window's 16-bit dL/da takes most of the
+// budget; halved where the budget holds no window of twice the piece, but not below 256 rows,
+// under which the product would wait on W.
+inline constexpr int64_t kWindowLogitRows = 512;
+inline constexpr int64_t kMinWindowLogitRows = 256;
+
+// The rows of fp32 logits a plan holds at once.
+inline int64_t LogitRows(const ChunkPlan& plan) {
+  return plan.logit_rows > 0 ? plan.logit_rows : plan.token_chunk;
+}
+
+// The chunking of a call whose workspace fits `budget_bytes`: ChooseChunkPlan with the layout
+// above, then, where the call qualifies, windows whenever they make the products longer than its
+// chunks.
 absl::StatusOr<ChunkPlan> PlanCudaCall(const ProblemShape& shape, size_t budget_bytes);
 
 // The pinned host memory of a call: two input slots and two dL/dh slots of `rows` rows each, and

@@ -109,6 +109,10 @@ struct ChunkPlan {
   int64_t token_chunk = 0;
   int64_t vocab_chunk = 0;
   size_t workspace_bytes = 0;
+  // Rows whose fp32 logits a backend holds at once, when fewer than token_chunk: the chunk's rows
+  // are finished in pieces of this many, and its gradient products still contract over the whole
+  // chunk (a window of 16-bit dL/da). 0: token_chunk.
+  int64_t logit_rows = 0;
 };
 
 struct DeviceMemory {

@@ -298,6 +298,7 @@ struct BatchSummary {
   bool all_finite = true;
   int64_t token_chunk = 0;      // rows per chunk the plan chose
   int64_t vocab_chunk = 0;      // vocabulary columns per tile the plan chose
+  int64_t logit_rows = 0;       // rows of logits held at once (ChunkPlan::logit_rows)
   int64_t workspace_bytes = 0;  // peak workspace used by the call
   // With dL/dW: a bound on |entry| of this call's contribution to it,
   // sum_i max_v |dL/da_iv| * max_j |h_ij|; +inf when the backend does not compute one. A caller
