@@ -1,11 +1,11 @@
 // The CUDA backend's host-side decisions, on the CPU: its default budget follows free device
 // memory, its plans at the Llama 3 8B and Gemma 2 2B heads take one pass over the vocabulary in
 // chunks of 2048 to 8192 rows (windows of up to 16384), windows of rows come where they make the
-// gradient products longer and only for calls whose rows are finished alone, the workspace it
-// carves stays inside the budget and its pieces neither overlap nor leave it, and the exact
-// gradient mode is the only one that pays for dL/da's second half. Also the shared math its kernels
-// run: the scale that carries dL/da in 16 bits, and the online statistics its row kernels keep per
-// thread and merge per block.
+// products longer or the workspace smaller and only for calls whose rows are finished alone, the
+// workspace it carves stays inside the budget and its pieces neither overlap nor leave it, and the
+// exact gradient mode is the only one that pays for dL/da's second half. Also the shared math its
+// kernels run: the scale that carries dL/da in 16 bits, and the online statistics its row kernels
+// keep per thread and merge per block.
 #include "kernels/cuda/cuda_plan.h"
 
 #include <gtest/gtest.h>
@@ -232,6 +232,8 @@ TEST(CudaPlanTest, CarvedWorkspaceFitsTheBudgetAndItsPiecesAreDisjoint) {
     EXPECT_LE(plan->logit_rows, plan->token_chunk);
     if (plan->logit_rows > 0) {
       EXPECT_TRUE(FinishesRowsInWindows(s));
+      EXPECT_GE(plan->logit_rows, kMinWindowLogitRows);
+      EXPECT_LE((plan->token_chunk + plan->logit_rows - 1) / plan->logit_rows, kMaxPiecesPerWindow);
     }
     // A fake base: the arena only adds offsets to it.
     const char* base = reinterpret_cast<const char*>(uintptr_t{1} << 40);
@@ -492,13 +494,25 @@ const WindowCase kWindowCases[] = {
     {"gemma8k_1gib", "V = 256000: pieces halve to 256 rows to leave room", kGemma8k, 1 * kGiB, 256},
     {"dldw_only", "dL/dW alone is a gradient too",
      Adjusted(kLlama16k, [](auto& s) { s.grad_hidden = false; }), 1 * kGiB, 512},
-    {"one_chunk", "one chunk holds the whole call already", kLlama8k, 8 * kGiB, 0},
+    {"one_chunk", "one chunk holds the call; a window holds it in less memory", kLlama8k, 8 * kGiB,
+     512},
+    {"short_call", "fewer rows than two pieces: the chunk is the call",
+     Adjusted(kLlama8k, [](auto& s) { s.num_tokens = 300; }), 8 * kGiB, 0},
     {"pieces_too_short", "pieces under 256 rows would leave the logits product waiting on W",
      kLlama16k, 256 * kMiB, 0},
     {"vocabulary_tiled", "the chunks tile the vocabulary: no window holds a row's logits", kGemma8k,
      256 * kMiB, 0},
-    {"scoring", "no gradients: nothing to carry between pieces",
-     Adjusted(kLlama16k, [](auto& s) { s.grad_hidden = s.grad_weight = false; }), 1 * kGiB, 0},
+    {"scoring", "no gradients: pieces of logits, nothing carried",
+     Adjusted(kLlama16k, [](auto& s) { s.grad_hidden = s.grad_weight = false; }), 8 * kGiB, 512},
+    {"scoring_fp32", "fp32 scoring carries nothing either",
+     Adjusted(kLlama16k,
+              [](auto& s) {
+                s.grad_hidden = s.grad_weight = false;
+                s.hidden_dtype = s.weight_dtype = DType::kFloat32;
+              }),
+     8 * kGiB, 512},
+    {"scoring_small_budget", "pieces of 256 rows where 512 do not fit",
+     Adjusted(kLlama16k, [](auto& s) { s.grad_hidden = s.grad_weight = false; }), 256 * kMiB, 256},
     {"fp16", "fp16 carries dL/da under a scale from every row's bound",
      Adjusted(kLlama16k, [](auto& s) { s.hidden_dtype = s.weight_dtype = DType::kFloat16; }),
      1 * kGiB, 0},
@@ -507,6 +521,13 @@ const WindowCase kWindowCases[] = {
      1 * kGiB, 0},
     {"mixed_dtypes", "bf16 rows on an fp32 head: fp32 products",
      Adjusted(kLlama16k, [](auto& s) { s.weight_dtype = DType::kFloat32; }), 1 * kGiB, 0},
+    {"mixed_scoring", "a widened head would be widened again for every piece",
+     Adjusted(kLlama16k,
+              [](auto& s) {
+                s.grad_hidden = s.grad_weight = false;
+                s.hidden_dtype = DType::kFloat32;
+              }),
+     8 * kGiB, 0},
     {"dense_teacher", "a teacher's tile joins each row's logits",
      Adjusted(kLlama16k,
               [](auto& s) {
@@ -528,7 +549,7 @@ const WindowCase kWindowCases[] = {
 
 class CudaWindowPlanTest : public ::testing::TestWithParam<WindowCase> {};
 
-TEST_P(CudaWindowPlanTest, WindowsWhereTheyLengthenTheProducts) {
+TEST_P(CudaWindowPlanTest, WindowsWhereTheyPay) {
   const WindowCase& c = GetParam();
   SCOPED_TRACE(c.why);
   auto plan = PlanCudaCall(c.shape, c.budget);
@@ -546,10 +567,13 @@ TEST_P(CudaWindowPlanTest, WindowsWhereTheyLengthenTheProducts) {
   EXPECT_EQ(plan->vocab_chunk, c.shape.vocab_size);
   EXPECT_EQ(plan->token_chunk % kCudaTileLimits.token_chunk_multiple, 0);
   EXPECT_GE(plan->token_chunk, 2 * plan->logit_rows);
-  // Fewer passes over dL/dW than the chunks would make.
+  // No more passes over dL/dW than the chunks would make, and fewer or in less memory.
   const auto products = [&](int64_t rows) { return (c.shape.num_tokens + rows - 1) / rows; };
-  EXPECT_LT(products(plan->token_chunk), products(chunks.token_chunk))
-      << "windows of " << plan->token_chunk << " rows, chunks of " << chunks.token_chunk;
+  EXPECT_LE(products(plan->token_chunk), products(chunks.token_chunk));
+  EXPECT_TRUE(products(plan->token_chunk) < products(chunks.token_chunk) ||
+              plan->workspace_bytes < chunks.workspace_bytes)
+      << "windows of " << plan->token_chunk << " rows in " << plan->workspace_bytes
+      << " bytes, chunks of " << chunks.token_chunk << " in " << chunks.workspace_bytes;
   WorkspaceArena arena(nullptr, 0);
   CarveCudaWorkspace(arena, c.shape, plan->token_chunk, plan->vocab_chunk, plan->logit_rows);
   EXPECT_EQ(arena.used(), plan->workspace_bytes);

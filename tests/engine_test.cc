@@ -60,8 +60,9 @@ bool RoundsGradients(const std::string& backend_name, const ProblemSpec& spec) {
 }
 
 // kWindows: on the CUDA backend, windows of rows finished in pieces (FinishesRowsInWindows), the
-// last window and its last piece shorter than the rest; elsewhere chunks that hold their logits.
-enum class Tiling { kAny, kTokenChunks, kVocabTiles, kWindows };
+// last window and its last piece shorter than the rest; kOneWindow: the call one such window, its
+// last piece shorter; elsewhere chunks that hold their logits.
+enum class Tiling { kAny, kTokenChunks, kVocabTiles, kWindows, kOneWindow };
 
 struct EngineCase {
   const char* name;
@@ -339,7 +340,8 @@ const EngineCase kCases[] = {
      }),
      4 * kMiB, Tiling::kVocabTiles, /*gradients=*/false},
     // Windows: 16 MiB holds 768 rows (512 exact) of bf16 dL/da with pieces of 256 rows of logits,
-    // where chunks holding their logits would get 256 (or tile the vocabulary).
+    // where chunks holding their logits would get 256 (or tile the vocabulary); scoring, all 1500
+    // rows in pieces of 512.
     {"bf16_windows", "a window's rows finished piece by piece; the last window and piece short",
      Spec(1500, 64, 5003, [](ProblemSpec& s) {
        s.hidden_dtype = DType::kBFloat16;
@@ -362,6 +364,16 @@ const EngineCase kCases[] = {
        s.ignore_fraction = 0.1;
        s.logit_scale = 25.0;
      }), 16 * kMiB, Tiling::kWindows},
+    {"scoring_one_window", "scoring: the call one window of logits pieces, top-k",
+     Spec(1500, 64, 5003, [](ProblemSpec& s) { s.top_k = 5; }), 16 * kMiB, Tiling::kOneWindow,
+     /*gradients=*/false},
+    {"bf16_scoring_one_window", "bf16 scoring in pieces, with the transforms",
+     Spec(1500, 64, 5003, [](ProblemSpec& s) {
+       s.hidden_dtype = DType::kBFloat16;
+       s.weight_dtype = DType::kBFloat16;
+       s.options = EverythingOptions();
+       s.top_k = 5;
+     }), 16 * kMiB, Tiling::kOneWindow, /*gradients=*/false},
     {"bf16_windows_ppo_k3_entropy", "every per-row policy input read at its piece's rows",
      Spec(1500, 64, 5003, [](ProblemSpec& s) {
        s.hidden_dtype = DType::kBFloat16;
@@ -721,13 +733,18 @@ TEST_P(EngineCaseTest, MatchesFloat64Reference) {
       EXPECT_NE(c.spec.vocab_size % s.vocab_chunk, 0);
       break;
     case Tiling::kWindows:
-      EXPECT_EQ(s.vocab_chunk, c.spec.vocab_size);
+    case Tiling::kOneWindow:
       if (backend_name != "cuda") {
         EXPECT_EQ(s.logit_rows, s.token_chunk);
         break;
       }
+      EXPECT_EQ(s.vocab_chunk, c.spec.vocab_size);
       EXPECT_LT(s.logit_rows, s.token_chunk);
-      EXPECT_NE(n % s.token_chunk, 0);
+      if (c.tiling == Tiling::kOneWindow) {
+        EXPECT_EQ(s.token_chunk, n);
+      } else {
+        EXPECT_NE(n % s.token_chunk, 0);
+      }
       EXPECT_NE(n % s.token_chunk % s.logit_rows, 0);
       break;
     case Tiling::kAny: break;

@@ -55,6 +55,14 @@ absl::Status CreateStreamContext(size_t cublas_workspace_bytes, StreamContext& c
       }
     }
   }
+  for (int slot = 0; slot < 2; ++slot) {
+    for (cudaEvent_t& event : c.piece_copied[slot]) {
+      if (status.ok()) {
+        status = CudaStatus(cudaEventCreateWithFlags(&event, cudaEventDisableTiming),
+                            "cudaEventCreateWithFlags");
+      }
+    }
+  }
   if (status.ok()) {
     status = CudaStatus(cudaEventCreateWithFlags(&c.outputs_done, cudaEventDisableTiming),
                         "cudaEventCreateWithFlags");
@@ -74,6 +82,9 @@ void DestroyStreamContext(StreamContext& c) {
   for (int slot = 0; slot < 2; ++slot) {
     for (cudaEvent_t event : {c.inputs_copied[slot], c.inputs_consumed[slot], c.grad_ready[slot],
                               c.grad_copied[slot]}) {
+      if (event != nullptr) cudaEventDestroy(event);
+    }
+    for (cudaEvent_t event : c.piece_copied[slot]) {
       if (event != nullptr) cudaEventDestroy(event);
     }
   }
@@ -157,6 +168,11 @@ class ChunkedCompute::Impl {
         grad_hidden_page_locked_(IsPageLocked(out.grad_hidden)) {}
 
   absl::Status Run() {
+    if (windowed_ && (chunk_rows_ + logit_rows_ - 1) / logit_rows_ > kMaxPiecesPerWindow) {
+      return absl::InternalError(absl::StrCat("a window of ", chunk_rows_, " rows in pieces of ",
+                                              logit_rows_, " has more than ", kMaxPiecesPerWindow,
+                                              " pieces"));
+    }
     // The call's copies count in its device time: they start after the call's start.
     RETURN_IF_ERROR(
         Cuda(cudaStreamWaitEvent(input_, context_.call_start, 0), "cudaStreamWaitEvent"));
@@ -223,12 +239,6 @@ class ChunkedCompute::Impl {
     // The pinned slot was last read by the copy of the chunk before the previous one.
     RETURN_IF_ERROR(
         Cuda(cudaEventSynchronize(context_.inputs_copied[slot]), "cudaEventSynchronize"));
-    const size_t row_bytes = DTypeSize(in_.hidden_dtype) * static_cast<size_t>(h_);
-    const void* rows_source = static_cast<const char*>(in_.hidden) + r0 * row_bytes;
-    if (!rows_page_locked_) {
-      std::memcpy(h.hidden, rows_source, rows * row_bytes);
-      rows_source = h.hidden;
-    }
     if (in_.labels != nullptr) {
       std::memcpy(h.labels, in_.labels + r0, rows * sizeof(int64_t));
     } else {  // -1, which no column matches
@@ -275,7 +285,6 @@ class ChunkedCompute::Impl {
     // The device slot was last read by the compute of the chunk before the previous one.
     RETURN_IF_ERROR(Cuda(cudaStreamWaitEvent(input_, context_.inputs_consumed[slot], 0),
                          "cudaStreamWaitEvent"));
-    RETURN_IF_ERROR(ToDevice(d.hidden, rows_source, rows * row_bytes));
     RETURN_IF_ERROR(ToDevice(d.labels, h.labels, rows * sizeof(int64_t)));
     for (const auto& [device, pinned] : present) {
       RETURN_IF_ERROR(ToDevice(device, pinned, rows * sizeof(float)));
@@ -293,7 +302,34 @@ class ChunkedCompute::Impl {
           ToDevice(d.teacher_logprobs, h.teacher_logprobs, top_entries * sizeof(float)));
       RETURN_IF_ERROR(ToDevice(d.sparse_rows, h.sparse_rows, rows * sizeof(SparseTeacherRow)));
     }
+    RETURN_IF_ERROR(SendRows(slot, r0, rows));
     return Cuda(cudaEventRecord(context_.inputs_copied[slot], input_), "cudaEventRecord");
+  }
+
+  // The chunk's rows, last of its inputs: a window's piece by piece, each piece's arrival recorded
+  // (piece_copied), so that its first piece computes while the rest are on their way; rows from
+  // pageable memory go through the pinned slot a piece at a time, each piece's copy into it
+  // overlapping the previous one's to the device.
+  absl::Status SendRows(int slot, int64_t r0, int64_t rows) {
+    const ChunkBuffers& h = staging_.h_inputs[slot];
+    const ChunkBuffers& d = ws_.d_inputs[slot];
+    const size_t row_bytes = DTypeSize(in_.hidden_dtype) * static_cast<size_t>(h_);
+    const int64_t piece_rows = windowed_ ? logit_rows_ : rows;
+    for (int64_t p0 = 0, piece = 0; p0 < rows; p0 += piece_rows, ++piece) {
+      const size_t offset = p0 * row_bytes;
+      const size_t bytes = std::min(piece_rows, rows - p0) * row_bytes;
+      const void* source = static_cast<const char*>(in_.hidden) + r0 * row_bytes + offset;
+      if (!rows_page_locked_) {
+        std::memcpy(static_cast<char*>(h.hidden) + offset, source, bytes);
+        source = static_cast<const char*>(h.hidden) + offset;
+      }
+      RETURN_IF_ERROR(ToDevice(static_cast<char*>(d.hidden) + offset, source, bytes));
+      if (windowed_) {
+        RETURN_IF_ERROR(
+            Cuda(cudaEventRecord(context_.piece_copied[slot][piece], input_), "cudaEventRecord"));
+      }
+    }
+    return absl::OkStatus();
   }
 
   // The chunk's dL/dh from its pinned slot into the caller's rows, once the output stream put it
@@ -408,8 +444,12 @@ class ChunkedCompute::Impl {
 
   absl::Status ComputeChunk(int slot, int64_t r0, int64_t rows) {
     const ChunkBuffers& d = ws_.d_inputs[slot];
-    RETURN_IF_ERROR(
-        Cuda(cudaStreamWaitEvent(stream_, context_.inputs_copied[slot], 0), "cudaStreamWaitEvent"));
+    // A window waits for each piece's rows as it comes to them (FinishWindow); its other inputs
+    // arrived before its first piece.
+    RETURN_IF_ERROR(Cuda(
+        cudaStreamWaitEvent(
+            stream_, windowed_ ? context_.piece_copied[slot][0] : context_.inputs_copied[slot], 0),
+        "cudaStreamWaitEvent"));
     ASSIGN_OR_RETURN(
         hidden_, ProductRows(d.hidden, in_.hidden_dtype, h_, rows, product_dtype_, ws_.d_hidden32));
     if (in_.teacher.dense()) {
@@ -419,7 +459,7 @@ class ChunkedCompute::Impl {
                       teacher_product_dtype_, ws_.d_teacher_hidden32));
     }
     if (windowed_) {
-      RETURN_IF_ERROR(FinishWindow(d, rows));
+      RETURN_IF_ERROR(FinishWindow(d, slot, rows));
     } else {
       RETURN_IF_ERROR(RowStatistics(d, rows));
       if (distill_) {
@@ -522,30 +562,37 @@ class ChunkedCompute::Impl {
     return out;
   }
 
-  // Phases 1 and 2 and dL/da of a window (FinishesRowsInWindows), piece by piece: each piece's
-  // logits, statistics, finished rows and dL/da, into the window's 16-bit carriage at the piece's
-  // rows, so that Gradients' products contract over the whole window while only one piece's fp32
-  // logits are held. The carriage's scale is 1, set before any row is seen: bf16 holds S dL/da
-  // at S = 1 as it holds it at any power of two.
-  absl::Status FinishWindow(const ChunkBuffers& d, int64_t rows) {
+  // Phases 1 and 2 and dL/da of a window (FinishesRowsInWindows), piece by piece as each piece's
+  // rows arrive: each piece's logits, statistics, finished rows and, for gradients, dL/da into the
+  // window's 16-bit carriage at the piece's rows, so that Gradients' products contract over the
+  // whole window while only one piece's fp32 logits are held. The carriage's scale is 1, set
+  // before any row is seen: bf16 holds S dL/da at S = 1 as it holds it at any power of two.
+  absl::Status FinishWindow(const ChunkBuffers& d, int slot, int64_t rows) {
     RETURN_IF_ERROR(
         LaunchResetRows(rows, k_, ws_.d_stats, ws_.d_top_values, ws_.d_top_tokens, stream_));
-    RETURN_IF_ERROR(LaunchSplitScale(0, ws_.d_bounds, ws_.d_split_scale, stream_));
-    for (int64_t p0 = 0; p0 < rows; p0 += logit_rows_) {
-      const int64_t piece = std::min(logit_rows_, rows - p0);
-      RETURN_IF_ERROR(ComputeLogits(hidden_.At(p0 * hidden_.ld), weight_, product_dtype_, piece, 0,
-                                    v_, ws_.d_logits));
-      const LogitTile tile = Tile(piece, 0, v_);
+    if (gradients_) {
+      RETURN_IF_ERROR(LaunchSplitScale(0, ws_.d_bounds, ws_.d_split_scale, stream_));
+    }
+    for (int64_t p0 = 0, piece = 0; p0 < rows; p0 += logit_rows_, ++piece) {
+      const int64_t piece_rows = std::min(logit_rows_, rows - p0);
+      RETURN_IF_ERROR(Cuda(cudaStreamWaitEvent(stream_, context_.piece_copied[slot][piece], 0),
+                           "cudaStreamWaitEvent"));
+      RETURN_IF_ERROR(ComputeLogits(hidden_.At(p0 * hidden_.ld), weight_, product_dtype_,
+                                    piece_rows, 0, v_, ws_.d_logits));
+      const LogitTile tile = Tile(piece_rows, 0, v_);
       float* d_top_values = k_ > 0 ? ws_.d_top_values + p0 * k_ : nullptr;
       int32_t* d_top_tokens = k_ > 0 ? ws_.d_top_tokens + p0 * k_ : nullptr;
       RETURN_IF_ERROR(LaunchRowStats(tile, d.labels + p0, transform_, true, k_, ws_.d_stats + p0,
                                      d_top_values, d_top_tokens, stream_));
-      RETURN_IF_ERROR(LaunchFinishRows(piece, RowArrays(d, p0), finisher_.constants(),
-                                       ws_.d_stats + p0, ws_.d_results + p0, ws_.d_row_grads + p0,
-                                       ws_.d_bounds + p0, stream_));
-      RETURN_IF_ERROR(LaunchLogitGradients(tile, ws_.d_row_grads + p0, transform_,
-                                           /*apply_transform=*/false, entropy_,
-                                           GradientCarriage(p0), stream_));
+      RowGradient* d_row_grads = gradients_ ? ws_.d_row_grads + p0 : nullptr;
+      RETURN_IF_ERROR(LaunchFinishRows(piece_rows, RowArrays(d, p0), finisher_.constants(),
+                                       ws_.d_stats + p0, ws_.d_results + p0, d_row_grads,
+                                       gradients_ ? ws_.d_bounds + p0 : nullptr, stream_));
+      if (gradients_) {
+        RETURN_IF_ERROR(LaunchLogitGradients(tile, d_row_grads, transform_,
+                                             /*apply_transform=*/false, entropy_,
+                                             GradientCarriage(p0), stream_));
+      }
     }
     return absl::OkStatus();
   }

@@ -4,7 +4,8 @@
 // a teacher's rows or top-k) pass through one of two pinned host slots and go to one of two device
 // slots on the input stream while the previous chunk computes; the compute stream then runs the
 // statistics over the vocabulary tiles, finishes the rows on the device (row_finish.cu, with the
-// CPU backend's formulas), computes dL/da tile by tile and the dL/dh and dL/dW products, and hands
+// CPU backend's formulas), computes dL/da tile by tile (in a window, piece by piece as each
+// piece's rows arrive: FinishesRowsInWindows) and the dL/dh and dL/dW products, and hands
 // dL/dh to the output stream, which brings it back into one of two pinned slots that the host
 // copies out while the next chunk computes. Inputs and outputs travel on streams of their own, so
 // that neither waits behind the other (a GPU copies both ways at once). Every row's results come
@@ -50,6 +51,9 @@ struct StreamContext {
   cudaEvent_t inputs_consumed[2] = {};
   cudaEvent_t grad_ready[2] = {};
   cudaEvent_t grad_copied[2] = {};
+  // Per slot, in a window (FinishesRowsInWindows): each piece's rows on the device (input stream),
+  // after the slot's other inputs.
+  cudaEvent_t piece_copied[2][kMaxPiecesPerWindow] = {};
   cudaEvent_t outputs_done = nullptr;  // the output stream's last work of a call
   void* h_staging = nullptr;           // pinned (cudaHostAlloc)
   size_t staging_bytes = 0;

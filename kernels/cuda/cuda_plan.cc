@@ -120,8 +120,9 @@ CudaWorkspace CarveCudaWorkspace(WorkspaceArena& arena, const ProblemShape& s, i
 }
 
 bool FinishesRowsInWindows(const ProblemShape& s) {
-  return WantsGradients(s) && ProductDType(s) == DType::kBFloat16 &&
-         s.teacher.kind == TeacherKind::kNone && !s.sequence_ratio;
+  return s.teacher.kind == TeacherKind::kNone && !s.sequence_ratio &&
+         s.hidden_dtype == s.weight_dtype &&
+         (!WantsGradients(s) || s.hidden_dtype == DType::kBFloat16);
 }
 
 absl::StatusOr<ChunkPlan> PlanCudaCall(const ProblemShape& shape, size_t budget_bytes) {
@@ -137,15 +138,13 @@ absl::StatusOr<ChunkPlan> PlanCudaCall(const ProblemShape& shape, size_t budget_
   const int64_t v = shape.vocab_size;
   const int64_t n = std::max<int64_t>(shape.num_tokens, 1);
   const int64_t max_rows = std::min(n, kCudaTileLimits.max_token_chunk);
-  if (!FinishesRowsInWindows(shape) || chunks.vocab_chunk != v || chunks.token_chunk >= max_rows) {
-    return chunks;
-  }
+  if (!FinishesRowsInWindows(shape) || chunks.vocab_chunk != v) return chunks;
   for (int64_t piece = kWindowLogitRows; piece >= kMinWindowLogitRows; piece /= 2) {
     const int64_t fitting = LargestFitting(
         piece, max_rows, [&](int64_t rows) { return bytes_for(rows, v, piece) <= budget_bytes; });
-    if (fitting <= piece || fitting < std::min(max_rows, 2 * piece)) continue;
+    if (fitting < 2 * piece) continue;  // a window is at least two whole pieces
     const int64_t rows = AlignedTokenChunk(n, fitting, kCudaTileLimits.token_chunk_multiple);
-    if (rows <= chunks.token_chunk) break;  // smaller pieces would only slow the logits product
+    if (rows < chunks.token_chunk) break;  // smaller pieces would only slow the logits product
     return ChunkPlan{rows, v, bytes_for(rows, v, piece), piece};
   }
   return chunks;

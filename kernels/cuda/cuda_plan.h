@@ -132,16 +132,19 @@ struct CudaWorkspace {
 CudaWorkspace CarveCudaWorkspace(WorkspaceArena& arena, const ProblemShape& shape, int64_t rows,
                                  int64_t cols, int64_t logit_rows);
 
-// Windows of rows (ChunkPlan::logit_rows < token_chunk). Each chunk's dL/dW product contracts over
-// its rows and streams the fp32 [V, H] dL/dW through HBM once more (2.1 GB each way at the Llama 3
-// 8B head), so short chunks under a small budget are bound by that traffic. A window keeps only a
-// piece of its rows' fp32 logits at once and their dL/da, in 16 bits, for all of them: at 1 GiB
-// and that head, 2048 rows a product instead of 896. The rows of a window are finished piece by
-// piece, so a call qualifies when nothing joins its rows but the products: a per-row objective
-// (no teacher tile, no sequence ratio), gradients, one pass over the vocabulary, and bf16
-// products, whose carriage of dL/da needs no scale (bf16 has fp32's exponent range, so the
-// window's one scale of 1 serves rows it has not seen yet; fp16 needs a scale from every row's
-// bound first).
+// Windows of rows (ChunkPlan::logit_rows < token_chunk). A chunk holds the fp32 logits of all of
+// its rows (4 GiB for 8192 rows at the Llama 3 8B head), and each chunk's dL/dW product streams
+// the fp32 [V, H] dL/dW through HBM once more, so under a small budget short chunks are bound by
+// that traffic. A window holds the fp32 logits of a piece of its rows at a time, finishes them,
+// and for a training call carries their dL/da in 16 bits for all of its rows, whose dL/dh and
+// dL/dW products then contract over the whole window: at 1 GiB and that head, 2432 rows a product
+// instead of 1280, and at the default budget the same products in 2.6 GiB instead of 6.25. Each
+// piece's rows are copied to the device on their own, so the first piece computes while the rest
+// arrive. A call qualifies when nothing joins its rows but the products: a per-row objective (no
+// teacher tile, no sequence ratio), rows and head in one dtype (nothing widened per piece), and
+// for gradients bf16, whose carriage of dL/da needs no scale (bf16 has fp32's exponent range, so
+// the window's one scale of 1 serves rows it has not seen yet; fp16 needs a scale from every
+// row's bound first, and fp32 keeps dL/da in the logits themselves).
 bool FinishesRowsInWindows(const ProblemShape& shape);
 // Pieces of 512 rows keep the logits product compute-bound (1024 flops per byte of W it reads,
 // against about 300 per byte of HBM on an H100) while the window's 16-bit dL/da takes most of the
@@ -149,6 +152,8 @@ bool FinishesRowsInWindows(const ProblemShape& shape);
 // under which the product would wait on W.
 inline constexpr int64_t kWindowLogitRows = 512;
 inline constexpr int64_t kMinWindowLogitRows = 256;
+inline constexpr int64_t kMaxPiecesPerWindow =
+    kCudaTileLimits.max_token_chunk / kMinWindowLogitRows;
 
 // The rows of fp32 logits a plan holds at once.
 inline int64_t LogitRows(const ChunkPlan& plan) {
@@ -156,8 +161,8 @@ inline int64_t LogitRows(const ChunkPlan& plan) {
 }
 
 // The chunking of a call whose workspace fits `budget_bytes`: ChooseChunkPlan with the layout
-// above, then, where the call qualifies, windows whenever they make the products longer than its
-// chunks.
+// above, then, where the call qualifies and its chunks take one pass over the vocabulary, windows
+// of at least as many rows as those chunks.
 absl::StatusOr<ChunkPlan> PlanCudaCall(const ProblemShape& shape, size_t budget_bytes);
 
 // The pinned host memory of a call: two input slots and two dL/dh slots of `rows` rows each, and
