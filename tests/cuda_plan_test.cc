@@ -161,6 +161,7 @@ std::vector<std::pair<size_t, size_t>> Pieces(const CudaWorkspace& w, const Prob
   }
   add(w.d_hidden32, rows * h * 4);
   add(w.d_logits, logit_rows * ld * 4);
+  add(w.d_logits_next, logit_rows * ld * 4);
   add(w.d_grad_hi, rows * ld * 2);
   add(w.d_grad_lo, rows * ld * 2);
   add(w.d_teacher_logits, logit_rows * ld * 4);
@@ -245,6 +246,7 @@ TEST(CudaPlanTest, CarvedWorkspaceFitsTheBudgetAndItsPiecesAreDisjoint) {
     const bool distill = s.teacher.kind != TeacherKind::kNone;
     const bool gradients = s.grad_hidden || s.grad_weight;
     EXPECT_NE(w.d_logits, nullptr);
+    EXPECT_EQ(w.d_logits_next == nullptr, plan->logit_rows == 0);
     EXPECT_EQ(w.d_results == nullptr, distill);
     EXPECT_EQ(w.d_distill_results == nullptr, !distill);
     EXPECT_EQ(w.d_bounds == nullptr, !gradients);
@@ -489,8 +491,8 @@ const ProblemShape kGemma8k = Training(8192, 2304, 256000, DType::kBFloat16);
 const WindowCase kWindowCases[] = {
     {"llama16k_1gib", "1 GiB holds fewer, longer products in windows", kLlama16k, 1 * kGiB, 512},
     {"llama16k_8gib", "two chunks of 8192 become one window", kLlama16k, 8 * kGiB, 512},
-    {"llama8k_1gib_exact", "hi and lo halves are both windowed",
-     Adjusted(kLlama8k, [](auto& s) { s.exact_gradients = true; }), 1 * kGiB, 512},
+    {"llama8k_1gib_exact", "hi and lo halves are both windowed, pieces of 256 rows to fit",
+     Adjusted(kLlama8k, [](auto& s) { s.exact_gradients = true; }), 1 * kGiB, 256},
     {"gemma8k_1gib", "V = 256000: pieces halve to 256 rows to leave room", kGemma8k, 1 * kGiB, 256},
     {"dldw_only", "dL/dW alone is a gradient too",
      Adjusted(kLlama16k, [](auto& s) { s.grad_hidden = false; }), 1 * kGiB, 512},
@@ -511,8 +513,10 @@ const WindowCase kWindowCases[] = {
                 s.hidden_dtype = s.weight_dtype = DType::kFloat32;
               }),
      8 * kGiB, 512},
-    {"scoring_small_budget", "pieces of 256 rows where 512 do not fit",
-     Adjusted(kLlama16k, [](auto& s) { s.grad_hidden = s.grad_weight = false; }), 256 * kMiB, 256},
+    {"scoring_small_budget", "pieces of 256 rows where two of 512 do not fit",
+     Adjusted(kLlama16k, [](auto& s) { s.grad_hidden = s.grad_weight = false; }), 512 * kMiB, 256},
+    {"scoring_smaller_budget", "two pieces of 256 rows of logits alone take 263 MB",
+     Adjusted(kLlama16k, [](auto& s) { s.grad_hidden = s.grad_weight = false; }), 256 * kMiB, 0},
     {"fp16", "fp16 carries dL/da under a scale from every row's bound",
      Adjusted(kLlama16k, [](auto& s) { s.hidden_dtype = s.weight_dtype = DType::kFloat16; }),
      1 * kGiB, 0},

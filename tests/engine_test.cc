@@ -14,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "kernels/backend_impl.h"
+#include "kernels/cuda/cuda_plan.h"
 #include "lossd/kernels/backend.h"
 #include "lossd/kernels/backend_common.h"
 #include "lossd/kernels/loss_math.h"
@@ -339,22 +340,22 @@ const EngineCase kCases[] = {
        s.top_k = 10;
      }),
      4 * kMiB, Tiling::kVocabTiles, /*gradients=*/false},
-    // Windows: 16 MiB holds 768 rows (512 exact) of bf16 dL/da with pieces of 256 rows of logits,
-    // where chunks holding their logits would get 256 (or tile the vocabulary); scoring, all 1500
-    // rows in pieces of 512.
+    // Windows: 24 MiB holds 768 rows (512 exact) of bf16 dL/da beside two pieces of 256 rows of
+    // logits, where chunks holding their logits would get 512 (384 exact); scoring at 16 MiB, all
+    // 1500 rows in pieces of 256.
     {"bf16_windows", "a window's rows finished piece by piece; the last window and piece short",
      Spec(1500, 64, 5003, [](ProblemSpec& s) {
        s.hidden_dtype = DType::kBFloat16;
        s.weight_dtype = DType::kBFloat16;
        s.top_k = 5;
        s.ignore_fraction = 0.1;
-     }), 16 * kMiB, Tiling::kWindows},
+     }), 24 * kMiB, Tiling::kWindows},
     {"bf16_windows_exact", "both halves of dL/da carried for a window's pieces",
      Spec(1500, 64, 5003, [](ProblemSpec& s) {
        s.hidden_dtype = DType::kBFloat16;
        s.weight_dtype = DType::kBFloat16;
        s.options.exact_gradients = true;
-     }), 16 * kMiB, Tiling::kWindows},
+     }), 24 * kMiB, Tiling::kWindows},
     {"bf16_windows_everything", "smoothing, soft cap, temperature, z-loss, weights, piece by piece",
      Spec(1500, 64, 5003, [](ProblemSpec& s) {
        s.hidden_dtype = DType::kBFloat16;
@@ -363,7 +364,7 @@ const EngineCase kCases[] = {
        s.token_weights = true;
        s.ignore_fraction = 0.1;
        s.logit_scale = 25.0;
-     }), 16 * kMiB, Tiling::kWindows},
+     }), 24 * kMiB, Tiling::kWindows},
     {"scoring_one_window", "scoring: the call one window of logits pieces, top-k",
      Spec(1500, 64, 5003, [](ProblemSpec& s) { s.top_k = 5; }), 16 * kMiB, Tiling::kOneWindow,
      /*gradients=*/false},
@@ -382,7 +383,7 @@ const EngineCase kCases[] = {
        s.ratio_targets = kRatioTargets;
        s.max_sequence_length = 150;
        s.ignore_fraction = 0.1;
-     }), 16 * kMiB, Tiling::kWindows, true, DType::kFloat32, kGradBound, kPolicyLossBound},
+     }), 24 * kMiB, Tiling::kWindows, true, DType::kFloat32, kGradBound, kPolicyLossBound},
     {"bf16_grad_hidden", "dL/dh returned in bf16", Spec(64, 64, 1000), 64 * kMiB, Tiling::kAny,
      /*gradients=*/true, DType::kBFloat16},
     // The policy objectives: ratios from kRatioTargets, advantages of both signs and zero.
@@ -692,6 +693,21 @@ const EngineCase kCases[] = {
 };
 // clang-format on
 
+// A window case's plan on the CUDA backend (Tiling::kWindows, kOneWindow).
+void ExpectWindows(const EngineCase& c, int64_t token_chunk, int64_t vocab_chunk,
+                   int64_t logit_rows) {
+  const int64_t n = c.spec.num_tokens;
+  EXPECT_EQ(vocab_chunk, c.spec.vocab_size);
+  EXPECT_LT(logit_rows, token_chunk);
+  if (c.tiling == Tiling::kOneWindow) {
+    EXPECT_EQ(token_chunk, n);
+  } else {
+    EXPECT_NE(n % token_chunk, 0);
+  }
+  const int64_t last_window = n % token_chunk != 0 ? n % token_chunk : token_chunk;
+  EXPECT_NE(last_window % logit_rows, 0) << "the last piece is whole";
+}
+
 class EngineCaseTest : public ::testing::TestWithParam<std::tuple<std::string, EngineCase>> {};
 
 TEST_P(EngineCaseTest, MatchesFloat64Reference) {
@@ -734,18 +750,11 @@ TEST_P(EngineCaseTest, MatchesFloat64Reference) {
       break;
     case Tiling::kWindows:
     case Tiling::kOneWindow:
-      if (backend_name != "cuda") {
-        EXPECT_EQ(s.logit_rows, s.token_chunk);
-        break;
-      }
-      EXPECT_EQ(s.vocab_chunk, c.spec.vocab_size);
-      EXPECT_LT(s.logit_rows, s.token_chunk);
-      if (c.tiling == Tiling::kOneWindow) {
-        EXPECT_EQ(s.token_chunk, n);
+      if (backend_name == "cuda") {
+        ExpectWindows(c, s.token_chunk, s.vocab_chunk, s.logit_rows);
       } else {
-        EXPECT_NE(n % s.token_chunk, 0);
+        EXPECT_EQ(s.logit_rows, s.token_chunk);
       }
-      EXPECT_NE(n % s.token_chunk % s.logit_rows, 0);
       break;
     case Tiling::kAny: break;
   }
@@ -868,6 +877,29 @@ INSTANTIATE_TEST_SUITE_P(Cases, EngineCaseTest,
                          ::testing::Combine(::testing::Values("cpu", "cuda"),
                                             ::testing::ValuesIn(kCases)),
                          CaseName);
+
+// The window cases plan windows on the CUDA backend, checked on any machine: the GPU run of the
+// table asserts the same of the plan it got.
+TEST(EngineCaseTableTest, WindowCasesGetWindowsFromTheCudaPlanner) {
+  for (const EngineCase& c : kCases) {
+    if (c.tiling != Tiling::kWindows && c.tiling != Tiling::kOneWindow) continue;
+    SCOPED_TRACE(c.name);
+    ProblemShape shape;
+    shape.num_tokens = c.spec.num_tokens;
+    shape.hidden_size = c.spec.hidden_size;
+    shape.vocab_size = c.spec.vocab_size;
+    shape.hidden_dtype = c.spec.hidden_dtype;
+    shape.weight_dtype = c.spec.weight_dtype;
+    shape.grad_hidden = shape.grad_weight = c.gradients;
+    shape.grad_hidden_dtype = c.grad_hidden_dtype;
+    shape.top_k = c.spec.top_k;
+    shape.exact_gradients = c.spec.options.exact_gradients;
+    shape.sequence_ratio = c.spec.options.policy.sequence_ratio;
+    auto plan = cuda::PlanCudaCall(shape, c.budget);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ExpectWindows(c, plan->token_chunk, plan->vocab_chunk, plan->logit_rows);
+  }
+}
 
 // dL/dh of the reference's loss by central differences of step 1e-5, in double, rounded to float.
 std::vector<float> NumericGradHidden(const ReferenceProblem& problem) {

@@ -322,7 +322,10 @@ class CudaBackend final : public Backend {
     ASSIGN_OR_RETURN(StreamContext context, streams_.Acquire());
     const absl::Status status = fn(context);
     absl::Status synced = absl::OkStatus();
-    for (cudaStream_t stream : {context.input_stream, context.output_stream, context.stream}) {
+    // Every stream, the row stream too: a call that failed midway may have left work on any of
+    // them, and the next call reuses the buffers it touches.
+    for (cudaStream_t stream :
+         {context.input_stream, context.output_stream, context.row_stream, context.stream}) {
       const absl::Status stream_synced =
           CudaStatus(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
       if (synced.ok() || IsDeviceFault(stream_synced)) synced = stream_synced;

@@ -25,6 +25,17 @@ absl::Status CreateStreamContext(size_t cublas_workspace_bytes, StreamContext& c
           CudaStatus(cudaStreamCreateWithFlags(copies, cudaStreamNonBlocking), "cudaStreamCreate");
     }
   }
+  int least_priority = 0;
+  int greatest_priority = 0;
+  if (status.ok()) {
+    status = CudaStatus(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority),
+                        "cudaDeviceGetStreamPriorityRange");
+  }
+  if (status.ok()) {
+    status = CudaStatus(
+        cudaStreamCreateWithPriority(&c.row_stream, cudaStreamNonBlocking, greatest_priority),
+        "cudaStreamCreateWithPriority");
+  }
   if (status.ok()) status = CublasStatus(cublasCreate(&c.cublas), "cublasCreate");
   if (status.ok()) {
     status = CublasStatus(cublasSetStream(c.cublas, c.stream), "cublasSetStream");
@@ -62,6 +73,12 @@ absl::Status CreateStreamContext(size_t cublas_workspace_bytes, StreamContext& c
                             "cudaEventCreateWithFlags");
       }
     }
+    for (cudaEvent_t* event : {&c.logits_ready[slot], &c.rows_done[slot]}) {
+      if (status.ok()) {
+        status = CudaStatus(cudaEventCreateWithFlags(event, cudaEventDisableTiming),
+                            "cudaEventCreateWithFlags");
+      }
+    }
   }
   if (status.ok()) {
     status = CudaStatus(cudaEventCreateWithFlags(&c.outputs_done, cudaEventDisableTiming),
@@ -87,8 +104,11 @@ void DestroyStreamContext(StreamContext& c) {
     for (cudaEvent_t event : c.piece_copied[slot]) {
       if (event != nullptr) cudaEventDestroy(event);
     }
+    for (cudaEvent_t event : {c.logits_ready[slot], c.rows_done[slot]}) {
+      if (event != nullptr) cudaEventDestroy(event);
+    }
   }
-  for (cudaStream_t stream : {c.stream, c.input_stream, c.output_stream}) {
+  for (cudaStream_t stream : {c.stream, c.input_stream, c.output_stream, c.row_stream}) {
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
   c = StreamContext{};
@@ -563,36 +583,58 @@ class ChunkedCompute::Impl {
   }
 
   // Phases 1 and 2 and dL/da of a window (FinishesRowsInWindows), piece by piece as each piece's
-  // rows arrive: each piece's logits, statistics, finished rows and, for gradients, dL/da into the
-  // window's 16-bit carriage at the piece's rows, so that Gradients' products contract over the
-  // whole window while only one piece's fp32 logits are held. The carriage's scale is 1, set
-  // before any row is seen: bf16 holds S dL/da at S = 1 as it holds it at any power of two.
+  // rows arrive: each piece's logits product on the compute stream, into one of two buffers, and
+  // its statistics, finished rows and, for gradients, dL/da into the window's 16-bit carriage at
+  // the piece's rows on the row stream, while the next piece's product fills the other buffer; so
+  // that Gradients' products contract over the whole window while two pieces' fp32 logits are
+  // held. The carriage's scale is 1, set before any row is seen: bf16 holds S dL/da at S = 1 as it
+  // holds it at any power of two.
   absl::Status FinishWindow(const ChunkBuffers& d, int slot, int64_t rows) {
+    const cudaStream_t row_stream = context_.row_stream;
     RETURN_IF_ERROR(
         LaunchResetRows(rows, k_, ws_.d_stats, ws_.d_top_values, ws_.d_top_tokens, stream_));
     if (gradients_) {
       RETURN_IF_ERROR(LaunchSplitScale(0, ws_.d_bounds, ws_.d_split_scale, stream_));
     }
-    for (int64_t p0 = 0, piece = 0; p0 < rows; p0 += logit_rows_, ++piece) {
+    int64_t pieces = 0;
+    for (int64_t p0 = 0; p0 < rows; p0 += logit_rows_, ++pieces) {
       const int64_t piece_rows = std::min(logit_rows_, rows - p0);
-      RETURN_IF_ERROR(Cuda(cudaStreamWaitEvent(stream_, context_.piece_copied[slot][piece], 0),
+      const int buffer = static_cast<int>(pieces % 2);
+      float* d_logits = buffer == 0 ? ws_.d_logits : ws_.d_logits_next;
+      RETURN_IF_ERROR(Cuda(cudaStreamWaitEvent(stream_, context_.piece_copied[slot][pieces], 0),
                            "cudaStreamWaitEvent"));
+      // The buffer's last piece is done with it.
+      if (pieces >= 2) {
+        RETURN_IF_ERROR(Cuda(cudaStreamWaitEvent(stream_, context_.rows_done[buffer], 0),
+                             "cudaStreamWaitEvent"));
+      }
       RETURN_IF_ERROR(ComputeLogits(hidden_.At(p0 * hidden_.ld), weight_, product_dtype_,
-                                    piece_rows, 0, v_, ws_.d_logits));
-      const LogitTile tile = Tile(piece_rows, 0, v_);
+                                    piece_rows, 0, v_, d_logits));
+      RETURN_IF_ERROR(
+          Cuda(cudaEventRecord(context_.logits_ready[buffer], stream_), "cudaEventRecord"));
+      RETURN_IF_ERROR(Cuda(cudaStreamWaitEvent(row_stream, context_.logits_ready[buffer], 0),
+                           "cudaStreamWaitEvent"));
+      const LogitTile tile{d_logits, piece_rows, v_, ld_, 0};
       float* d_top_values = k_ > 0 ? ws_.d_top_values + p0 * k_ : nullptr;
       int32_t* d_top_tokens = k_ > 0 ? ws_.d_top_tokens + p0 * k_ : nullptr;
       RETURN_IF_ERROR(LaunchRowStats(tile, d.labels + p0, transform_, true, k_, ws_.d_stats + p0,
-                                     d_top_values, d_top_tokens, stream_));
+                                     d_top_values, d_top_tokens, row_stream));
       RowGradient* d_row_grads = gradients_ ? ws_.d_row_grads + p0 : nullptr;
       RETURN_IF_ERROR(LaunchFinishRows(piece_rows, RowArrays(d, p0), finisher_.constants(),
                                        ws_.d_stats + p0, ws_.d_results + p0, d_row_grads,
-                                       gradients_ ? ws_.d_bounds + p0 : nullptr, stream_));
+                                       gradients_ ? ws_.d_bounds + p0 : nullptr, row_stream));
       if (gradients_) {
         RETURN_IF_ERROR(LaunchLogitGradients(tile, d_row_grads, transform_,
                                              /*apply_transform=*/false, entropy_,
-                                             GradientCarriage(p0), stream_));
+                                             GradientCarriage(p0), row_stream));
       }
+      RETURN_IF_ERROR(
+          Cuda(cudaEventRecord(context_.rows_done[buffer], row_stream), "cudaEventRecord"));
+    }
+    // Every piece's rows are finished before anything reads them (Gradients, CopyResults).
+    for (int buffer = 0; buffer < std::min<int64_t>(pieces, 2); ++buffer) {
+      RETURN_IF_ERROR(
+          Cuda(cudaStreamWaitEvent(stream_, context_.rows_done[buffer], 0), "cudaStreamWaitEvent"));
     }
     return absl::OkStatus();
   }

@@ -5,7 +5,8 @@
 // slots on the input stream while the previous chunk computes; the compute stream then runs the
 // statistics over the vocabulary tiles, finishes the rows on the device (row_finish.cu, with the
 // CPU backend's formulas), computes dL/da tile by tile (in a window, piece by piece as each
-// piece's rows arrive: FinishesRowsInWindows) and the dL/dh and dL/dW products, and hands
+// piece's rows arrive, each piece's row kernels on a stream of their own beside the next piece's
+// logits product: FinishesRowsInWindows) and the dL/dh and dL/dW products, and hands
 // dL/dh to the output stream, which brings it back into one of two pinned slots that the host
 // copies out while the next chunk computes. Inputs and outputs travel on streams of their own, so
 // that neither waits behind the other (a GPU copies both ways at once). Every row's results come
@@ -38,6 +39,9 @@ struct StreamContext {
   cudaStream_t stream = nullptr;         // the compute
   cudaStream_t input_stream = nullptr;   // a Compute call's copies to the device
   cudaStream_t output_stream = nullptr;  // and back
+  // A window's row kernels, beside the compute stream's next logits product; of the device's
+  // greatest priority, so that its blocks take SMs as the product's blocks retire.
+  cudaStream_t row_stream = nullptr;
   cublasHandle_t cublas = nullptr;
   void* d_cublas_workspace = nullptr;
   double* d_sum_squares_partials = nullptr;  // [kSumSquaresBlocks]
@@ -54,6 +58,10 @@ struct StreamContext {
   // Per slot, in a window (FinishesRowsInWindows): each piece's rows on the device (input stream),
   // after the slot's other inputs.
   cudaEvent_t piece_copied[2][kMaxPiecesPerWindow] = {};
+  // Per logits buffer of a window: a piece's logits computed (compute stream), and its row kernels
+  // done with them (row stream).
+  cudaEvent_t logits_ready[2] = {};
+  cudaEvent_t rows_done[2] = {};
   cudaEvent_t outputs_done = nullptr;  // the output stream's last work of a call
   void* h_staging = nullptr;           // pinned (cudaHostAlloc)
   size_t staging_bytes = 0;

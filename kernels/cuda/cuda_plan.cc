@@ -81,6 +81,7 @@ CudaWorkspace CarveCudaWorkspace(WorkspaceArena& arena, const ProblemShape& s, i
   if (slab > 0) w.d_weight32 = arena.Take<float>(slab);
   const int64_t ld = LeadingDimension(cols);
   w.d_logits = arena.Take<float>(logit_rows * ld);
+  if (logit_rows < rows) w.d_logits_next = arena.Take<float>(logit_rows * ld);
   const GradientStore store = GradientStoreOf(s);
   if (gradients && store != GradientStore::kFloat32) {
     w.d_grad_hi = arena.Take<uint16_t>(rows * ld);

@@ -104,6 +104,7 @@ struct CudaWorkspace {
   float* d_teacher_hidden32;  // [Nc, H_t] likewise for a dense teacher
   float* d_weight32;          // [slab, H] when the products run in fp32 but W is 16-bit
   float* d_logits;            // [logit rows, ld]: a, then z, then dL/da (fp32 products)
+  float* d_logits_next;       // [logit rows, ld] in a window: the next piece's, computed meanwhile
   uint16_t* d_grad_hi;        // [Nc, ld] 16-bit products: S dL/da rounded, or its high half
   uint16_t* d_grad_lo;        // [Nc, ld] exact gradients: S dL/da - hi
   float* d_teacher_logits;    // [logit rows, ld] a distill call's teacher tile
@@ -137,10 +138,11 @@ CudaWorkspace CarveCudaWorkspace(WorkspaceArena& arena, const ProblemShape& shap
 // the fp32 [V, H] dL/dW through HBM once more, so under a small budget short chunks are bound by
 // that traffic. A window holds the fp32 logits of a piece of its rows at a time, finishes them,
 // and for a training call carries their dL/da in 16 bits for all of its rows, whose dL/dh and
-// dL/dW products then contract over the whole window: at 1 GiB and that head, 2432 rows a product
-// instead of 1280, and at the default budget the same products in 2.6 GiB instead of 6.25. Each
+// dL/dW products then contract over the whole window: at 1 GiB and that head, 1664 rows a product
+// instead of 1280, and at the default budget the same products in 2.8 GiB instead of 6.25. Each
 // piece's rows are copied to the device on their own, so the first piece computes while the rest
-// arrive. A call qualifies when nothing joins its rows but the products: a per-row objective (no
+// arrive, and a window holds two pieces' logits, so that one piece's row kernels (reading HBM)
+// run beside the next piece's logits product (computing) instead of after it. A call qualifies when nothing joins its rows but the products: a per-row objective (no
 // teacher tile, no sequence ratio), rows and head in one dtype (nothing widened per piece), and
 // for gradients bf16, whose carriage of dL/da needs no scale (bf16 has fp32's exponent range, so
 // the window's one scale of 1 serves rows it has not seen yet; fp16 needs a scale from every
