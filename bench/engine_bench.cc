@@ -524,6 +524,7 @@ struct Result {
   std::optional<double> ratio_to_floor, ratio_to_naive;
   std::optional<PairedComparison> paired_to_naive;  // engine rows with a timed naive baseline
   int64_t token_chunk = 0, vocab_chunk = 0;
+  int64_t logit_rows = 0;  // rows of logits held at once, when fewer than token_chunk (windows)
 };
 
 using Clock = std::chrono::steady_clock;
@@ -615,6 +616,7 @@ void PrintTableRow(const Result& r) {
     return;
   }
   std::string chunk = r.token_chunk > 0 ? absl::StrCat(r.token_chunk, " x ", r.vocab_chunk) : "-";
+  if (r.logit_rows > 0) absl::StrAppend(&chunk, " in pieces of ", r.logit_rows);
   if (!r.timing->device_rounds.empty()) {
     absl::StrAppendFormat(&chunk, "; device %.4f s", Median(r.timing->device_rounds));
   }
@@ -659,6 +661,7 @@ nlohmann::json ToJson(const Result& r, const nlohmann::json& machine, const Opti
                             {"sign_test_p", r.paired_to_naive->sign_test_p}};
   }
   if (r.token_chunk > 0) j["chunk"] = {{"tokens", r.token_chunk}, {"vocab", r.vocab_chunk}};
+  if (r.logit_rows > 0) j["chunk"]["logit_rows"] = r.logit_rows;
   if (!r.skipped.empty()) j["skipped"] = r.skipped;
   return j;
 }
@@ -717,6 +720,7 @@ absl::StatusOr<std::vector<Result>> BenchShape(Backend& backend, const Shape& s,
     engine.peak_extra_bytes = plan.workspace_bytes;
     engine.token_chunk = plan.token_chunk;
     engine.vocab_chunk = plan.vocab_chunk;
+    engine.logit_rows = plan.logit_rows;
     DeviceBuffer workspace;
     if (with_engine) {
       ASSIGN_OR_RETURN(workspace, touched(plan.workspace_bytes));

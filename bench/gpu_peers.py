@@ -485,11 +485,12 @@ def markdown(run, entries):
              "around each of its calls, counting the copies of rows and dL/dh between host and "
              "GPU that the call waits for); wall: the host's clock; TFLOP/s: useful flops (2NHV "
              "fwd, 6NHV fwd_bwd) over the median; extra: peak memory above the inputs (lossd: "
-             "its workspace); diff: loss and dL/dh relative to torch_naive.",
+             "its workspace); rows: lossd's rows per chunk, and in a window the rows of logits "
+             "it holds at once; diff: loss and dL/dh relative to torch_naive.",
              "",
              "| N, H, V | pass | method | device ms | min to max ms | wall ms | TFLOP/s "
-             "| x floor | extra GiB | first call s | loss, dL/dh diff |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| x floor | extra GiB | rows | first call s | loss, dL/dh diff |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |"]
     # The engine runs before the floor: its ratio to the floor is taken here.
     floors = {(e["n"], e["h"], e["v"], e["pass"]): e["seconds"] for e in entries
               if e["method"] == "floor" and "seconds" in e}
@@ -503,7 +504,7 @@ def markdown(run, entries):
         shape = f"{e['n']}, {e['h']}, {e['v']}"
         if "error" in e:
             lines.append(f"| {shape} | {e['pass']} | {e['method']} | {e['error']} "
-                         "| | | | | | | |")
+                         "| | | | | | | | |")
             continue
         diff = "-"
         if "loss_rel_diff" in e:
@@ -511,11 +512,17 @@ def markdown(run, entries):
             if "grad_hidden_rel_diff" in e:
                 diff += f", {e['grad_hidden_rel_diff']:.1e}"
         extra = f"{e['peak_extra_bytes'] / GIB:.2f}" if "peak_extra_bytes" in e else "-"
+        chunk = e.get("chunk") or {}
+        rows = str(chunk.get("tokens", "-"))
+        if chunk.get("vocab") and chunk["vocab"] < e["v"]:
+            rows += f" x {chunk['vocab']}"
+        if chunk.get("logit_rows"):
+            rows += f" by {chunk['logit_rows']}"
         lines.append(
             f"| {shape} | {e['pass']} | {e['method']} | {e['seconds'] * 1e3:.1f} | "
             f"{e['min_seconds'] * 1e3:.1f} to {e['max_seconds'] * 1e3:.1f} | "
             f"{e['wall_seconds'] * 1e3:.1f} | {cell(e, 'tflops', '{:.3g}')} | "
-            f"{cell(e, 'ratio_to_floor', '{:.2f}')} | {extra} | "
+            f"{cell(e, 'ratio_to_floor', '{:.2f}')} | {extra} | {rows} | "
             f"{cell(e, 'first_call_seconds', '{:.1f}')} | {diff} |")
     return "\n".join(lines) + "\n"
 

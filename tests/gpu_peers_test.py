@@ -62,6 +62,17 @@ def test_cpu_run_reports_every_method_for_both_passes(tmp_path):
     report = (tmp_path / "results.md").read_text()
     assert "| 300, 64, 1000 | fwd_bwd | torch_chunked |" in report
     assert "| 1, 32, 517 | fwd | lossd_2MiB |" in report
+    # lossd's chunking in its own column: rows per chunk, and its vocabulary tile where it tiles.
+    header = next(line for line in report.splitlines() if line.startswith("| N, H, V |"))
+    for line in report.splitlines():
+        if line.startswith("| 300, 64, 1000 | fwd_bwd | lossd_1MiB |"):
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
+            assert len(cells) == header.count("|") - 1
+            chunk = next(e["chunk"] for e in entries if e["method"] == "lossd_1MiB"
+                         and e["n"] == 300 and e["pass"] == "fwd_bwd")
+            rows_cell = cells[header.strip("|").split("|").index(" rows ")]
+            assert rows_cell.split(" x ")[0] == str(chunk["tokens"])
+            assert (" x " in rows_cell) == (chunk["vocab"] < 1000)
     assert report.startswith("Device: cpu\n")
     assert "Command: `bench/gpu_peers.py --device=cpu" in report
 
