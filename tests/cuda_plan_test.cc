@@ -165,6 +165,7 @@ std::vector<std::pair<size_t, size_t>> Pieces(const CudaWorkspace& w, const Prob
   add(w.d_grad_hi, rows * ld * 2);
   add(w.d_grad_lo, rows * ld * 2);
   add(w.d_teacher_logits, logit_rows * ld * 4);
+  add(w.d_teacher_logits_next, logit_rows * ld * 4);
   add(w.d_grad_hidden32, rows * h * 4);
   for (void* out : w.d_grad_hidden_out) {
     add(out, rows * h * static_cast<int64_t>(DTypeSize(s.grad_hidden_dtype)));
@@ -247,6 +248,7 @@ TEST(CudaPlanTest, CarvedWorkspaceFitsTheBudgetAndItsPiecesAreDisjoint) {
     const bool gradients = s.grad_hidden || s.grad_weight;
     EXPECT_NE(w.d_logits, nullptr);
     EXPECT_EQ(w.d_logits_next == nullptr, plan->logit_rows == 0);
+    EXPECT_EQ(w.d_teacher_logits_next == nullptr, plan->logit_rows == 0 || !distill);
     EXPECT_EQ(w.d_results == nullptr, distill);
     EXPECT_EQ(w.d_distill_results == nullptr, !distill);
     EXPECT_EQ(w.d_bounds == nullptr, !gradients);
@@ -532,21 +534,30 @@ const WindowCase kWindowCases[] = {
                 s.hidden_dtype = DType::kFloat32;
               }),
      8 * kGiB, 0},
-    {"dense_teacher", "a teacher's tile joins each row's logits",
+    {"dense_teacher", "a teacher's tile beside each piece's: two buffers each",
      Adjusted(kLlama16k,
               [](auto& s) {
                 s.teacher.kind = TeacherKind::kDense;
                 s.teacher.hidden_size = 4096;
                 s.teacher.hidden_dtype = s.teacher.weight_dtype = DType::kBFloat16;
               }),
+     1 * kGiB, 256},
+    {"widened_teacher", "fp32 teacher rows on a bf16 teacher head: widened again per piece",
+     Adjusted(kLlama16k,
+              [](auto& s) {
+                s.teacher.kind = TeacherKind::kDense;
+                s.teacher.hidden_size = 4096;
+                s.teacher.hidden_dtype = DType::kFloat32;
+                s.teacher.weight_dtype = DType::kBFloat16;
+              }),
      1 * kGiB, 0},
-    {"sparse_teacher", "likewise a sparse teacher's",
+    {"sparse_teacher", "a sparse teacher's tile is filled per piece",
      Adjusted(kLlama16k,
               [](auto& s) {
                 s.teacher.kind = TeacherKind::kSparse;
                 s.teacher.top_k = 8;
               }),
-     1 * kGiB, 0},
+     1 * kGiB, 256},
     {"sequence_ratio", "a sequence's ratio joins its rows before any is finished",
      Adjusted(kLlama16k, [](auto& s) { s.sequence_ratio = true; }), 1 * kGiB, 0},
 };

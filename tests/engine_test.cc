@@ -676,6 +676,34 @@ const EngineCase kCases[] = {
        s.hidden_dtype = DType::kBFloat16;
        s.weight_dtype = DType::kBFloat16;
      }), 64 * kMiB, Tiling::kAny, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    // Windows of a bf16 student (see the cross-entropy windows above), a teacher's tile beside
+    // each piece's.
+    {"distill_bf16_windows", "a dense bf16 teacher beside each piece, JSD with cross-entropy",
+     Spec(1500, 64, 5003, [](ProblemSpec& s) {
+       s.hidden_dtype = DType::kBFloat16;
+       s.weight_dtype = DType::kBFloat16;
+       s.teacher_hidden_dtype = DType::kBFloat16;
+       s.teacher_weight_dtype = DType::kBFloat16;
+       s.teacher_hidden_size = 48;
+       s.options = DistillEverything();
+       s.top_k = 5;
+       s.ignore_fraction = 0.1;
+     }), 28 * kMiB, Tiling::kWindows, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_tail_bucket_windows", "a sparse top-16 teacher with its tail, filled per piece",
+     Spec(1500, 64, 5003, [](ProblemSpec& s) {
+       s.hidden_dtype = DType::kBFloat16;
+       s.weight_dtype = DType::kBFloat16;
+       s.options = Distill(1.0, 0.2);
+       s.options.distill.sparse_mass = SparseTeacherMass::kTailBucket;
+       s.teacher_top_k = 16;
+     }), 28 * kMiB, Tiling::kWindows, true, DType::kFloat32, kGradBound, kDistillLossBound},
+    {"distill_scoring_one_window", "fp32 distillation scoring, the call one window of pieces",
+     Spec(1500, 64, 5003, [](ProblemSpec& s) {
+       s.options = Distill(0.5);
+       s.options.reduction = Reduction::kNone;
+       s.teacher_hidden_size = 48;
+     }), 48 * kMiB, Tiling::kOneWindow, /*gradients=*/false, DType::kFloat32, kGradBound,
+     kDistillLossBound},
     {"distill_scoring_no_labels", "monitoring: reverse KL per token, no labels, no gradients",
      Spec(90, 64, 6000, [](ProblemSpec& s) {
        s.options = Distill(1.0);
@@ -697,6 +725,7 @@ const EngineCase kCases[] = {
 void ExpectWindows(const EngineCase& c, int64_t token_chunk, int64_t vocab_chunk,
                    int64_t logit_rows) {
   const int64_t n = c.spec.num_tokens;
+  ASSERT_GT(logit_rows, 0);
   EXPECT_EQ(vocab_chunk, c.spec.vocab_size);
   EXPECT_LT(logit_rows, token_chunk);
   if (c.tiling == Tiling::kOneWindow) {
@@ -895,6 +924,16 @@ TEST(EngineCaseTableTest, WindowCasesGetWindowsFromTheCudaPlanner) {
     shape.top_k = c.spec.top_k;
     shape.exact_gradients = c.spec.options.exact_gradients;
     shape.sequence_ratio = c.spec.options.policy.sequence_ratio;
+    if (c.spec.options.objective == Objective::kDistill && c.spec.teacher_top_k > 0) {
+      shape.teacher.kind = TeacherKind::kSparse;
+      shape.teacher.top_k = c.spec.teacher_top_k;
+    } else if (c.spec.options.objective == Objective::kDistill) {
+      shape.teacher.kind = TeacherKind::kDense;
+      shape.teacher.hidden_size =
+          c.spec.teacher_hidden_size > 0 ? c.spec.teacher_hidden_size : c.spec.hidden_size;
+      shape.teacher.hidden_dtype = c.spec.teacher_hidden_dtype;
+      shape.teacher.weight_dtype = c.spec.teacher_weight_dtype;
+    }
     auto plan = cuda::PlanCudaCall(shape, c.budget);
     ASSERT_TRUE(plan.ok()) << plan.status();
     ExpectWindows(c, plan->token_chunk, plan->vocab_chunk, plan->logit_rows);
@@ -1180,7 +1219,9 @@ TEST_P(EngineBackendTest, IdenticalCallsGiveIdenticalBits) {
     auto second = RunEngine(*backend_, problem, request);
     ASSERT_TRUE(first.ok()) << first.status();
     ASSERT_TRUE(second.ok()) << second.status();
-    if (GetParam() == "cuda") EXPECT_LT(first->summary.logit_rows, first->summary.token_chunk);
+    if (GetParam() == "cuda") {
+      EXPECT_LT(first->summary.logit_rows, first->summary.token_chunk);
+    }
     ExpectBitwiseEqual(*first, *second);
   }
 }

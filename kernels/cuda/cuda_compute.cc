@@ -583,16 +583,20 @@ class ChunkedCompute::Impl {
   }
 
   // Phases 1 and 2 and dL/da of a window (FinishesRowsInWindows), piece by piece as each piece's
-  // rows arrive: each piece's logits product on the compute stream, into one of two buffers, and
-  // its statistics, finished rows and, for gradients, dL/da into the window's 16-bit carriage at
-  // the piece's rows on the row stream, while the next piece's product fills the other buffer; so
-  // that Gradients' products contract over the whole window while two pieces' fp32 logits are
-  // held. The carriage's scale is 1, set before any row is seen: bf16 holds S dL/da at S = 1 as it
-  // holds it at any power of two.
+  // rows arrive: each piece's logits products (the student's, a dense teacher's) on the compute
+  // stream, into one of two buffers, and its statistics, finished rows and, for gradients, dL/da
+  // into the window's 16-bit carriage at the piece's rows on the row stream, while the next
+  // piece's products fill the other buffers; so that Gradients' products contract over the whole
+  // window while two pieces' fp32 logits are held. The carriage's scale is 1, set before any row
+  // is seen: bf16 holds S dL/da at S = 1 as it holds it at any power of two.
   absl::Status FinishWindow(const ChunkBuffers& d, int slot, int64_t rows) {
     const cudaStream_t row_stream = context_.row_stream;
     RETURN_IF_ERROR(
         LaunchResetRows(rows, k_, ws_.d_stats, ws_.d_top_values, ws_.d_top_tokens, stream_));
+    if (distill_) {
+      RETURN_IF_ERROR(LaunchResetDistillStats(rows, in_.teacher.sparse() ? d.sparse_rows : nullptr,
+                                              ws_.d_distill_stats, stream_));
+    }
     if (gradients_) {
       RETURN_IF_ERROR(LaunchSplitScale(0, ws_.d_bounds, ws_.d_split_scale, stream_));
     }
@@ -600,33 +604,32 @@ class ChunkedCompute::Impl {
     for (int64_t p0 = 0; p0 < rows; p0 += logit_rows_, ++pieces) {
       const int64_t piece_rows = std::min(logit_rows_, rows - p0);
       const int buffer = static_cast<int>(pieces % 2);
-      float* d_logits = buffer == 0 ? ws_.d_logits : ws_.d_logits_next;
+      const LogitTile student{buffer == 0 ? ws_.d_logits : ws_.d_logits_next, piece_rows, v_, ld_,
+                              0};
+      const LogitTile teacher{buffer == 0 ? ws_.d_teacher_logits : ws_.d_teacher_logits_next,
+                              piece_rows, v_, ld_, 0};
       RETURN_IF_ERROR(Cuda(cudaStreamWaitEvent(stream_, context_.piece_copied[slot][pieces], 0),
                            "cudaStreamWaitEvent"));
-      // The buffer's last piece is done with it.
+      // The buffers' last piece is done with them.
       if (pieces >= 2) {
         RETURN_IF_ERROR(Cuda(cudaStreamWaitEvent(stream_, context_.rows_done[buffer], 0),
                              "cudaStreamWaitEvent"));
       }
       RETURN_IF_ERROR(ComputeLogits(hidden_.At(p0 * hidden_.ld), weight_, product_dtype_,
-                                    piece_rows, 0, v_, d_logits));
+                                    piece_rows, 0, v_, student.d_logits));
+      if (in_.teacher.dense()) {
+        RETURN_IF_ERROR(ComputeLogits(teacher_hidden_.At(p0 * teacher_hidden_.ld),
+                                      *in_.teacher.weight, teacher_product_dtype_, piece_rows, 0,
+                                      v_, teacher.d_logits));
+      }
       RETURN_IF_ERROR(
           Cuda(cudaEventRecord(context_.logits_ready[buffer], stream_), "cudaEventRecord"));
       RETURN_IF_ERROR(Cuda(cudaStreamWaitEvent(row_stream, context_.logits_ready[buffer], 0),
                            "cudaStreamWaitEvent"));
-      const LogitTile tile{d_logits, piece_rows, v_, ld_, 0};
-      float* d_top_values = k_ > 0 ? ws_.d_top_values + p0 * k_ : nullptr;
-      int32_t* d_top_tokens = k_ > 0 ? ws_.d_top_tokens + p0 * k_ : nullptr;
-      RETURN_IF_ERROR(LaunchRowStats(tile, d.labels + p0, transform_, true, k_, ws_.d_stats + p0,
-                                     d_top_values, d_top_tokens, row_stream));
-      RowGradient* d_row_grads = gradients_ ? ws_.d_row_grads + p0 : nullptr;
-      RETURN_IF_ERROR(LaunchFinishRows(piece_rows, RowArrays(d, p0), finisher_.constants(),
-                                       ws_.d_stats + p0, ws_.d_results + p0, d_row_grads,
-                                       gradients_ ? ws_.d_bounds + p0 : nullptr, row_stream));
-      if (gradients_) {
-        RETURN_IF_ERROR(LaunchLogitGradients(tile, d_row_grads, transform_,
-                                             /*apply_transform=*/false, entropy_,
-                                             GradientCarriage(p0), row_stream));
+      if (distill_) {
+        RETURN_IF_ERROR(FinishDistillPiece(d, p0, student, teacher, row_stream));
+      } else {
+        RETURN_IF_ERROR(FinishPiece(d, p0, student, row_stream));
       }
       RETURN_IF_ERROR(
           Cuda(cudaEventRecord(context_.rows_done[buffer], row_stream), "cudaEventRecord"));
@@ -637,6 +640,61 @@ class ChunkedCompute::Impl {
           Cuda(cudaStreamWaitEvent(stream_, context_.rows_done[buffer], 0), "cudaStreamWaitEvent"));
     }
     return absl::OkStatus();
+  }
+
+  // A window's piece of rows from its row `p0` on, its raw logits in `student`: statistics,
+  // finished rows, and dL/da into the carriage.
+  absl::Status FinishPiece(const ChunkBuffers& d, int64_t p0, const LogitTile& student,
+                           cudaStream_t stream) {
+    float* d_top_values = k_ > 0 ? ws_.d_top_values + p0 * k_ : nullptr;
+    int32_t* d_top_tokens = k_ > 0 ? ws_.d_top_tokens + p0 * k_ : nullptr;
+    RETURN_IF_ERROR(LaunchRowStats(student, d.labels + p0, transform_, true, k_, ws_.d_stats + p0,
+                                   d_top_values, d_top_tokens, stream));
+    RowGradient* d_row_grads = gradients_ ? ws_.d_row_grads + p0 : nullptr;
+    RETURN_IF_ERROR(LaunchFinishRows(student.rows, RowArrays(d, p0), finisher_.constants(),
+                                     ws_.d_stats + p0, ws_.d_results + p0, d_row_grads,
+                                     gradients_ ? ws_.d_bounds + p0 : nullptr, stream));
+    if (!gradients_) return absl::OkStatus();
+    return LaunchLogitGradients(student, d_row_grads, transform_, /*apply_transform=*/false,
+                                entropy_, GradientCarriage(p0), stream);
+  }
+
+  // FinishPiece of a distill call, the teacher's tile beside the student's (a dense teacher's raw
+  // logits, or to be filled from a sparse teacher's top-k): the three phases of the resident path
+  // on the piece's rows.
+  absl::Status FinishDistillPiece(const ChunkBuffers& d, int64_t p0, const LogitTile& student,
+                                  const LogitTile& teacher, cudaStream_t stream) {
+    const TeacherInputs& t = in_.teacher;
+    const int64_t rows = student.rows;
+    RETURN_IF_ERROR(LaunchTransformLogits(student, transform_, stream));
+    if (t.sparse()) {
+      RETURN_IF_ERROR(LaunchFillSparseTeacher(teacher, t.top_k, d.teacher_tokens + p0 * t.top_k,
+                                              d.teacher_logprobs + p0 * t.top_k, d.sparse_rows + p0,
+                                              stream));
+    } else {
+      RETURN_IF_ERROR(LaunchTransformLogits(teacher, teacher_transform_, stream));
+    }
+    const float inv_tau = static_cast<float>(1.0 / options_.distill.temperature);
+    float* d_top_values = k_ > 0 ? ws_.d_top_values + p0 * k_ : nullptr;
+    int32_t* d_top_tokens = k_ > 0 ? ws_.d_top_tokens + p0 * k_ : nullptr;
+    RETURN_IF_ERROR(LaunchDistillRowStats(student, teacher, d.labels + p0, inv_tau, tail_bucket_,
+                                          k_, ws_.d_stats + p0, d_top_values, d_top_tokens,
+                                          ws_.d_distill_stats + p0, stream));
+    RETURN_IF_ERROR(LaunchDistillConstants(rows, ws_.d_distill_stats + p0, options_.distill,
+                                           ws_.d_constants + p0, stream));
+    RETURN_IF_ERROR(
+        Cuda(cudaMemsetAsync(ws_.d_terms + p0, 0, rows * sizeof(DistillRowTerms), stream),
+             "cudaMemsetAsync"));
+    RETURN_IF_ERROR(LaunchAddTileDistillTerms(student, teacher, divergence_, tail_bucket_,
+                                              ws_.d_constants + p0, ws_.d_terms + p0, stream));
+    DistillRowGradient* d_grads = gradients_ ? ws_.d_distill_grads + p0 : nullptr;
+    RETURN_IF_ERROR(LaunchFinishDistillRows(
+        rows, RowArrays(d, p0), finisher_.constants(), options_.distill, t.dense(),
+        ws_.d_stats + p0, ws_.d_distill_stats + p0, ws_.d_terms + p0, ws_.d_constants + p0,
+        ws_.d_distill_results + p0, d_grads, gradients_ ? ws_.d_bounds + p0 : nullptr, stream));
+    if (!gradients_) return absl::OkStatus();
+    return LaunchDistillLogitGradients(student, teacher, d_grads, divergence_, tail_bucket_,
+                                       transform_, GradientCarriage(p0), stream);
   }
 
   // dL/da of one tile into the logits tile (or its 16-bit carriage), recomputing the tile where

@@ -87,7 +87,10 @@ CudaWorkspace CarveCudaWorkspace(WorkspaceArena& arena, const ProblemShape& s, i
     w.d_grad_hi = arena.Take<uint16_t>(rows * ld);
     if (store == GradientStore::kSplit) w.d_grad_lo = arena.Take<uint16_t>(rows * ld);
   }
-  if (distill) w.d_teacher_logits = arena.Take<float>(logit_rows * ld);
+  if (distill) {
+    w.d_teacher_logits = arena.Take<float>(logit_rows * ld);
+    if (logit_rows < rows) w.d_teacher_logits_next = arena.Take<float>(logit_rows * ld);
+  }
   if (s.grad_hidden) {
     if (s.grad_hidden_dtype != DType::kFloat32) w.d_grad_hidden32 = arena.Take<float>(rows * h);
     for (void*& out : w.d_grad_hidden_out) {
@@ -121,8 +124,9 @@ CudaWorkspace CarveCudaWorkspace(WorkspaceArena& arena, const ProblemShape& s, i
 }
 
 bool FinishesRowsInWindows(const ProblemShape& s) {
-  return s.teacher.kind == TeacherKind::kNone && !s.sequence_ratio &&
-         s.hidden_dtype == s.weight_dtype &&
+  const TeacherShape& t = s.teacher;
+  return !s.sequence_ratio && s.hidden_dtype == s.weight_dtype &&
+         (t.kind != TeacherKind::kDense || t.hidden_dtype == t.weight_dtype) &&
          (!WantsGradients(s) || s.hidden_dtype == DType::kBFloat16);
 }
 

@@ -108,6 +108,7 @@ struct CudaWorkspace {
   uint16_t* d_grad_hi;        // [Nc, ld] 16-bit products: S dL/da rounded, or its high half
   uint16_t* d_grad_lo;        // [Nc, ld] exact gradients: S dL/da - hi
   float* d_teacher_logits;    // [logit rows, ld] a distill call's teacher tile
+  float* d_teacher_logits_next;  // [logit rows, ld] in a window: the next piece's
   // dL/dh accumulates in fp32 into d_grad_hidden32, or, wanted in fp32, straight into the slot
   // d_grad_hidden_out[c % 2] that it leaves the device from.
   float* d_grad_hidden32;               // [Nc, H] dL/dh wanted in 16 bits
@@ -142,9 +143,10 @@ CudaWorkspace CarveCudaWorkspace(WorkspaceArena& arena, const ProblemShape& shap
 // instead of 1280, and at the default budget the same products in 2.8 GiB instead of 6.25. Each
 // piece's rows are copied to the device on their own, so the first piece computes while the rest
 // arrive, and a window holds two pieces' logits, so that one piece's row kernels (reading HBM)
-// run beside the next piece's logits product (computing) instead of after it. A call qualifies when nothing joins its rows but the products: a per-row objective (no
-// teacher tile, no sequence ratio), rows and head in one dtype (nothing widened per piece), and
-// for gradients bf16, whose carriage of dL/da needs no scale (bf16 has fp32's exponent range, so
+// run beside the next piece's logits product (computing) instead of after it. A call qualifies
+// when nothing joins its rows but the products (no sequence ratio), when its rows and head share
+// a dtype and so do a dense teacher's (nothing is widened again per piece), and for gradients when
+// that dtype is bf16, whose carriage of dL/da needs no scale (bf16 has fp32's exponent range, so
 // the window's one scale of 1 serves rows it has not seen yet; fp16 needs a scale from every
 // row's bound first, and fp32 keeps dL/da in the logits themselves).
 bool FinishesRowsInWindows(const ProblemShape& shape);
