@@ -125,6 +125,22 @@ LossOptions EverythingOptions() {
   return o;
 }
 
+// Rows and head in bf16.
+void InBf16(ProblemSpec& s) {
+  s.hidden_dtype = DType::kBFloat16;
+  s.weight_dtype = DType::kBFloat16;
+}
+
+// bf16 with every cross-entropy option, token weights, ignored rows and logits large enough to
+// reach the soft cap.
+void EverythingInBf16(ProblemSpec& s) {
+  InBf16(s);
+  s.options = EverythingOptions();
+  s.token_weights = true;
+  s.ignore_fraction = 0.1;
+  s.logit_scale = 25.0;
+}
+
 LossOptions SliceOfBatch() {
   LossOptions o;
   o.mean_denominator = 1000.0;
@@ -308,24 +324,11 @@ const EngineCase kCases[] = {
        s.top_k = kMaxTopK;
      })},
     {"everything_tiled", "bf16, smoothing, soft cap, temperature, z-loss, weights over vocab tiles",
-     Spec(150, 64, 3333, [](ProblemSpec& s) {
-       s.hidden_dtype = DType::kBFloat16;
-       s.weight_dtype = DType::kBFloat16;
-       s.options = EverythingOptions();
-       s.token_weights = true;
-       s.ignore_fraction = 0.1;
-       s.logit_scale = 25.0;
-     }),
-     256 * kKiB, Tiling::kVocabTiles},
+     Spec(150, 64, 3333, EverythingInBf16), 256 * kKiB, Tiling::kVocabTiles},
     {"everything_tiled_exact", "as everything_tiled, with exact gradients",
      Spec(150, 64, 3333, [](ProblemSpec& s) {
-       s.hidden_dtype = DType::kBFloat16;
-       s.weight_dtype = DType::kBFloat16;
-       s.options = EverythingOptions();
+       EverythingInBf16(s);
        s.options.exact_gradients = true;
-       s.token_weights = true;
-       s.ignore_fraction = 0.1;
-       s.logit_scale = 25.0;
      }),
      256 * kKiB, Tiling::kVocabTiles},
     {"slice_of_batch", "a slice of a larger batch: the mean divides by the caller's count",
@@ -345,40 +348,26 @@ const EngineCase kCases[] = {
     // 1500 rows in pieces of 256.
     {"bf16_windows", "a window's rows finished piece by piece; the last window and piece short",
      Spec(1500, 64, 5003, [](ProblemSpec& s) {
-       s.hidden_dtype = DType::kBFloat16;
-       s.weight_dtype = DType::kBFloat16;
-       s.top_k = 5;
+       InBf16(s);
        s.ignore_fraction = 0.1;
      }), 24 * kMiB, Tiling::kWindows},
     {"bf16_windows_exact", "both halves of dL/da carried for a window's pieces",
      Spec(1500, 64, 5003, [](ProblemSpec& s) {
-       s.hidden_dtype = DType::kBFloat16;
-       s.weight_dtype = DType::kBFloat16;
+       InBf16(s);
        s.options.exact_gradients = true;
      }), 24 * kMiB, Tiling::kWindows},
     {"bf16_windows_everything", "smoothing, soft cap, temperature, z-loss, weights, piece by piece",
-     Spec(1500, 64, 5003, [](ProblemSpec& s) {
-       s.hidden_dtype = DType::kBFloat16;
-       s.weight_dtype = DType::kBFloat16;
-       s.options = EverythingOptions();
-       s.token_weights = true;
-       s.ignore_fraction = 0.1;
-       s.logit_scale = 25.0;
-     }), 24 * kMiB, Tiling::kWindows},
+     Spec(1500, 64, 5003, EverythingInBf16), 24 * kMiB, Tiling::kWindows},
     {"scoring_one_window", "scoring: the call one window of logits pieces, top-k",
-     Spec(1500, 64, 5003, [](ProblemSpec& s) { s.top_k = 5; }), 16 * kMiB, Tiling::kOneWindow,
-     /*gradients=*/false},
+     Spec(1500, 64, 5003), 16 * kMiB, Tiling::kOneWindow, /*gradients=*/false},
     {"bf16_scoring_one_window", "bf16 scoring in pieces, with the transforms",
      Spec(1500, 64, 5003, [](ProblemSpec& s) {
-       s.hidden_dtype = DType::kBFloat16;
-       s.weight_dtype = DType::kBFloat16;
+       InBf16(s);
        s.options = EverythingOptions();
-       s.top_k = 5;
      }), 16 * kMiB, Tiling::kOneWindow, /*gradients=*/false},
     {"bf16_windows_ppo_k3_entropy", "every per-row policy input read at its piece's rows",
      Spec(1500, 64, 5003, [](ProblemSpec& s) {
-       s.hidden_dtype = DType::kBFloat16;
-       s.weight_dtype = DType::kBFloat16;
+       InBf16(s);
        s.options = PpoKlEntropy(KlEstimator::kK3, Reduction::kSequenceMeanTokenMean);
        s.ratio_targets = kRatioTargets;
        s.max_sequence_length = 150;
@@ -680,19 +669,16 @@ const EngineCase kCases[] = {
     // each piece's.
     {"distill_bf16_windows", "a dense bf16 teacher beside each piece, JSD with cross-entropy",
      Spec(1500, 64, 5003, [](ProblemSpec& s) {
-       s.hidden_dtype = DType::kBFloat16;
-       s.weight_dtype = DType::kBFloat16;
+       InBf16(s);
        s.teacher_hidden_dtype = DType::kBFloat16;
        s.teacher_weight_dtype = DType::kBFloat16;
        s.teacher_hidden_size = 48;
        s.options = DistillEverything();
-       s.top_k = 5;
        s.ignore_fraction = 0.1;
      }), 28 * kMiB, Tiling::kWindows, true, DType::kFloat32, kGradBound, kDistillLossBound},
     {"distill_tail_bucket_windows", "a sparse top-16 teacher with its tail, filled per piece",
      Spec(1500, 64, 5003, [](ProblemSpec& s) {
-       s.hidden_dtype = DType::kBFloat16;
-       s.weight_dtype = DType::kBFloat16;
+       InBf16(s);
        s.options = Distill(1.0, 0.2);
        s.options.distill.sparse_mass = SparseTeacherMass::kTailBucket;
        s.teacher_top_k = 16;
