@@ -21,7 +21,9 @@ and fwd (the loss alone, without autograd).
                   --lossd-modes=default,exact also in the exact gradient mode (_exact). Its
                   hidden states and dL/dh live in page-locked host memory, as the server's
                   do; the mode `pageable` (_pageable) gives it plain memory instead, as an
-                  in-process caller's own arrays, copied through staging. Its device
+                  in-process caller's own arrays, copied through staging; the mode `chunks`
+                  (_chunks) plans without windows of rows (LOSSD_CUDA_WINDOWS=0), as the engine
+                  planned before them, to time both in one run. Its device
                   time is the engine's own (CUDA events around each call, which count the copies
                   the call waits for); its wall time is the host's clock around each call.
 The engine is timed first, before this process holds any inputs on the GPU, so that its rows exist
@@ -99,7 +101,7 @@ def parse_methods(text):
     return items
 
 
-LOSSD_MODES = ("default", "exact", "pageable")
+LOSSD_MODES = ("default", "exact", "pageable", "chunks")
 
 
 def parse_modes(text):
@@ -342,7 +344,9 @@ def measure_engine(n, h, v, budget_mib, mode, args):
     if budget_mib > 0:
         argv.append(f"--budget-mib={budget_mib}")
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=args.engine_timeout)
+        env = dict(os.environ, LOSSD_CUDA_WINDOWS="0") if mode == "chunks" else None
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=args.engine_timeout,
+                              env=env)
     except subprocess.TimeoutExpired:
         return {p: {"error": f"failed: engine_bench ran past {args.engine_timeout:g} s"}
                 for p in args.passes}
@@ -543,8 +547,9 @@ def main(argv=None):
                         help="lossd's workspace budgets, one engine row each; 'default' for the "
                         "budget the server takes by default")
     parser.add_argument("--lossd-modes", default="default",
-                        help="lossd's modes, one row each: default, exact (gradients) and "
-                        "pageable (rows and dL/dh in plain host memory)")
+                        help="lossd's modes, one row each: default, exact (gradients), "
+                        "pageable (rows and dL/dh in plain host memory) and chunks (no windows "
+                        "of rows)")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help=f"which of {', '.join(METHODS)} to run (default all)")
     parser.add_argument("--peer-seconds", type=float, default=float("inf"),

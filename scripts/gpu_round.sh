@@ -42,8 +42,10 @@
 #   4. The peers at every shape, in the same round when call 1 took at most 5 minutes and status
 #      still gives budget_left_s >= 420 after call 2 (else the next round): Llama 3 8B at N = 8192
 #      and 16384 and Gemma 2 2B at N = 8192, lossd (rows page-locked, as the server holds them) at
-#      its default budget (8 GiB on an H100), 256, 1024 and 2048 MiB, beside the floor, torch
-#      naive, torch's F.linear_cross_entropy, Liger-Kernel and Cut Cross-Entropy:
+#      its default budget (8 GiB on an H100), 1024 and 2048 MiB, each planned with windows of rows
+#      and without them (LOSSD_CUDA_WINDOWS=0, the rows _chunks; 256 MiB, where both plans are
+#      chunks, was measured on 2026-11-27), beside the floor, torch naive, torch's
+#      F.linear_cross_entropy, Liger-Kernel and Cut Cross-Entropy:
 #        command:   scripts/gpu_round.sh bench
 #        carry:     [".gpu"]
 #        timeout_s: 400
@@ -517,8 +519,8 @@ peers() {
     --peer-seconds=30)
   if [ "$call" = bench ]; then
     scope=(--shapes="8192,4096,128256;16384,4096,128256;8192,2304,256000"
-      --budgets-mib=default,256,1024,2048 --methods=lossd,floor,torch_naive,torch_lce,liger,cce
-      --lossd-modes=default --peer-seconds=45)
+      --budgets-mib=default,1024,2048 --methods=lossd,floor,torch_naive,torch_lce,liger,cce
+      --lossd-modes=default,chunks --peer-seconds=45)
   fi
   # The peers stop starting 30 s before the check's end (the call's, when that comes first).
   local limit left

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <random>
 #include <utility>
 #include <vector>
@@ -596,6 +597,26 @@ TEST_P(CudaWindowPlanTest, WindowsWhereTheyPay) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaWindowPlanTest, ::testing::ValuesIn(kWindowCases),
                          [](const auto& info) { return std::string(info.param.name); });
+
+// LOSSD_CUDA_WINDOWS=0 gives the chunks a call would take without windows, for benchmarks to
+// time both; any other value, or none, leaves windows on.
+TEST(CudaPlanTest, WindowsCanBeTurnedOffForMeasurement) {
+  const ProblemShape shape = kLlama16k;
+  const auto windows_of = [&]() {
+    auto plan = PlanCudaCall(shape, 8 * kGiB);
+    EXPECT_TRUE(plan.ok()) << plan.status();
+    return plan.ok() ? plan->logit_rows : -1;
+  };
+  ASSERT_EQ(std::getenv("LOSSD_CUDA_WINDOWS"), nullptr);
+  EXPECT_EQ(windows_of(), kWindowLogitRows);
+  ASSERT_EQ(setenv("LOSSD_CUDA_WINDOWS", "0", 1), 0);
+  EXPECT_EQ(windows_of(), 0);
+  const ChunkPlan chunks = ChunksWithoutWindows(shape, 8 * kGiB);
+  EXPECT_EQ(PlanCudaCall(shape, 8 * kGiB)->token_chunk, chunks.token_chunk);
+  ASSERT_EQ(setenv("LOSSD_CUDA_WINDOWS", "1", 1), 0);
+  EXPECT_EQ(windows_of(), kWindowLogitRows);
+  ASSERT_EQ(unsetenv("LOSSD_CUDA_WINDOWS"), 0);
+}
 
 }  // namespace
 }  // namespace lossd::cuda

@@ -154,6 +154,22 @@ def test_the_pageable_mode_gives_the_engine_plain_memory(tmp_path):
     assert all(e["seconds"] > 0 for e in entries)
 
 
+def test_the_chunks_mode_plans_the_engine_without_windows(tmp_path):
+    # A wrapper that notes the engine process's LOSSD_CUDA_WINDOWS, then runs engine_bench.
+    wrapper = tmp_path / "engine_bench"
+    wrapper.write_text("#!/bin/sh\n"
+                       f"echo \"${{LOSSD_CUDA_WINDOWS-unset}}\" >> {tmp_path}/windows.txt\n"
+                       f"exec {os.environ['ENGINE_BENCH_BIN']} \"$@\"\n")
+    wrapper.chmod(0o755)
+    gpu_peers.main(cpu_argv(tmp_path, budgets="1", extra=["--passes=fwd", "--methods=lossd",
+                                                          "--lossd-modes=default,chunks",
+                                                          f"--engine-bench={wrapper}"]))
+    entries = read_entries(tmp_path)
+    assert [e["method"] for e in entries] == ["lossd_1MiB", "lossd_1MiB_chunks"]
+    assert all(e["seconds"] > 0 for e in entries)
+    assert (tmp_path / "windows.txt").read_text().split() == ["unset", "0"]
+
+
 def test_peers_past_the_deadline_are_skipped_but_the_engine_is_timed(tmp_path):
     gpu_peers.main(cpu_argv(tmp_path, budgets="1", extra=["--deadline-seconds=0"]))
     for row in read_entries(tmp_path):
@@ -179,7 +195,8 @@ def test_an_engine_that_fails_is_recorded(tmp_path):
      "torch_naive, torch_chunked, torch_lce, liger, cce, torch_compiled, got 'lossd,torch'"),
     ("--passes=bwd", "--passes: expected fwd_bwd, fwd or both, got 'bwd'"),
     ("--lossd-modes=fast",
-     "--lossd-modes: expected a comma-separated subset of default, exact, pageable, got 'fast'"),
+     "--lossd-modes: expected a comma-separated subset of default, exact, pageable, chunks, got "
+     "'fast'"),
 ])
 def test_bad_flags_are_named(tmp_path, flag, message):
     done = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_peers.py"),

@@ -257,8 +257,8 @@ def test_dry_run_of_a_call(dry_run, call, checks):
         with tarfile.open(out / call / f"{call}.tar.gz") as archive:
             peers = archive.extractfile("bench/peers/argv.txt").read().decode()
         assert "--shapes=8192,4096,128256;16384,4096,128256;8192,2304,256000" in peers
-        assert "--budgets-mib=default,256,1024,2048" in peers
-        assert "--lossd-modes=default " in peers and "torch_lce" in peers
+        assert "--budgets-mib=default,1024,2048" in peers
+        assert "--lossd-modes=default,chunks " in peers and "torch_lce" in peers
 
 
 def test_dry_run_of_named_checks_only(dry_run):

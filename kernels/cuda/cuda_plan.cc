@@ -1,6 +1,8 @@
 #include "kernels/cuda/cuda_plan.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 
 #include "lossd/common/status_macros.h"
 
@@ -123,6 +125,11 @@ CudaWorkspace CarveCudaWorkspace(WorkspaceArena& arena, const ProblemShape& s, i
   return w;
 }
 
+bool WindowsEnabled() {
+  const char* setting = std::getenv("LOSSD_CUDA_WINDOWS");
+  return setting == nullptr || std::string_view(setting) != "0";
+}
+
 bool FinishesRowsInWindows(const ProblemShape& s) {
   const TeacherShape& t = s.teacher;
   return !s.sequence_ratio && s.hidden_dtype == s.weight_dtype &&
@@ -143,7 +150,9 @@ absl::StatusOr<ChunkPlan> PlanCudaCall(const ProblemShape& shape, size_t budget_
   const int64_t v = shape.vocab_size;
   const int64_t n = std::max<int64_t>(shape.num_tokens, 1);
   const int64_t max_rows = std::min(n, kCudaTileLimits.max_token_chunk);
-  if (!FinishesRowsInWindows(shape) || chunks.vocab_chunk != v) return chunks;
+  if (!WindowsEnabled() || !FinishesRowsInWindows(shape) || chunks.vocab_chunk != v) {
+    return chunks;
+  }
   for (int64_t piece = kWindowLogitRows; piece >= kMinWindowLogitRows; piece /= 2) {
     const int64_t fitting = LargestFitting(
         piece, max_rows, [&](int64_t rows) { return bytes_for(rows, v, piece) <= budget_bytes; });

@@ -150,6 +150,9 @@ CudaWorkspace CarveCudaWorkspace(WorkspaceArena& arena, const ProblemShape& shap
 // the window's one scale of 1 serves rows it has not seen yet; fp16 needs a scale from every
 // row's bound first, and fp32 keeps dL/da in the logits themselves).
 bool FinishesRowsInWindows(const ProblemShape& shape);
+// False when the environment sets LOSSD_CUDA_WINDOWS=0: every call then takes chunks, so that a
+// benchmark can time windows against them in one run.
+bool WindowsEnabled();
 // Pieces of 512 rows keep the logits product compute-bound (1024 flops per byte of W it reads,
 // against about 300 per byte of HBM on an H100) while the window's 16-bit dL/da takes most of the
 // budget; halved where the budget holds no window of twice the piece, but not below 256 rows,
