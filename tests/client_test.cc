@@ -197,7 +197,7 @@ TEST_F(ClientTest, ComputeMatchesFloat64Reference) {
   const v1::ComputeResult& per_token = result->per_token;
   EXPECT_EQ(per_token.row_offset(), 0);
   EXPECT_EQ(per_token.num_rows(), n);
-  EXPECT_LE(RelativeError(Values(per_token.token_loss()), ref.token_loss), kLossBound);
+  EXPECT_LE(TokenLossError(Values(per_token.token_loss()), ref), kLossBound);
   EXPECT_LE(MaxAbsError(Values(per_token.logprob()), ref.logprob), 1e-5 * (1 + ref.max_abs_logit));
   EXPECT_LE(MaxAbsError(Values(per_token.lse()), ref.lse), 1e-5 * (1 + ref.max_abs_logit));
   EXPECT_LE(MaxAbsError(Values(per_token.entropy()), ref.entropy), 1e-4);
@@ -384,7 +384,7 @@ TEST_F(ClientTest, BatchLargerThanTheMessageLimitStreamsBothWaysAtOnce) {
   const ReferenceResult ref = ComputeReference(
       MakeReferenceProblem(hidden, client::ToFloat32(*weight), labels, hidden_size, 0));
   EXPECT_LE(std::abs(result->summary.loss() - ref.loss) / ref.loss, kLossBound);
-  EXPECT_LE(RelativeError(Values(result->per_token.token_loss()), ref.token_loss), kLossBound);
+  EXPECT_LE(TokenLossError(Values(result->per_token.token_loss()), ref), kLossBound);
   EXPECT_LE(RelativeError(client::ToFloat32(result->grad_hidden), ref.grad_hidden), kGradBound);
 
   // An error in the first rows ends the call while most rows are still unsent: the writer must
@@ -1076,7 +1076,7 @@ TEST_P(ClientObjectiveTest, MatchesTheFloat64Reference) {
     EXPECT_LE(LossError(s.loss(), ref), distill ? 1e-5 : kPolicyLossBound)
         << s.loss() << " vs " << ref.loss;
   }
-  EXPECT_LE(RelativeError(Values(t.token_loss()), ref.token_loss), kPolicyLossBound);
+  EXPECT_LE(TokenLossError(Values(t.token_loss()), ref), kPolicyLossBound);
   const double logit_bound = 1e-5 * (1 + ref.max_abs_logit);
   EXPECT_LE(MaxAbsError(Values(t.logprob()), ref.logprob), logit_bound);
   ASSERT_EQ(t.ratio_size(), policy ? c.rows : 0);
@@ -1103,10 +1103,12 @@ TEST_P(ClientObjectiveTest, MatchesTheFloat64Reference) {
     EXPECT_NEAR(s.mean_ce(), ref.ce_sum / counted, kTermBound);
     EXPECT_EQ(s.teacher_head_version() > 0, c.teacher == Teacher::kDense);
   }
-  EXPECT_LE(RelativeError(client::ToFloat32(result->grad_hidden), ref.grad_hidden), kGradBound);
+  // A row whose ppo term and KL penalty nearly cancel has a gradient small against their errors.
+  const double grad_bound = kGradBound * GradientCancellation(ref);
+  EXPECT_LE(RelativeError(client::ToFloat32(result->grad_hidden), ref.grad_hidden), grad_bound);
   const absl::StatusOr<client::Tensor> grad = client.FetchGradWeight(head);
   ASSERT_TRUE(grad.ok()) << grad.status();
-  EXPECT_LE(RelativeError(client::ToFloat32(*grad), ref.grad_weight), kGradBound);
+  EXPECT_LE(RelativeError(client::ToFloat32(*grad), ref.grad_weight), grad_bound);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, ClientObjectiveTest, ::testing::ValuesIn(kObjectiveCases),

@@ -137,7 +137,7 @@ class DistillServerTest : public ::testing::Test {
     EXPECT_LE(MaxAbsError(outcome.kd, ref.kd), kTermBound);
     EXPECT_LE(MaxAbsError(outcome.ce, ref.ce), kTermBound);
     EXPECT_LE(MaxAbsError(outcome.logprob, ref.logprob), kTermBound);
-    EXPECT_LE(RelativeError(outcome.token_loss, ref.token_loss), kLossBound);
+    EXPECT_LE(TokenLossError(outcome.token_loss, ref), kLossBound);
   }
 
   static server::LossServer* server_;

@@ -240,9 +240,9 @@ Problem MakeProblem(const ProblemSpec& spec, std::mt19937_64& rng) {
 double LossError(double loss, const ReferenceResult& ref) {
   double sum = 0.0;
   double magnitude = 0.0;
-  for (const double term : ref.token_loss) {
-    sum += term;
-    magnitude += std::abs(term);
+  for (size_t i = 0; i < ref.token_loss.size(); ++i) {
+    sum += ref.token_loss[i];
+    magnitude += ref.token_loss_scale[i];
   }
   const double cancellation = sum == 0.0 ? 1.0 : magnitude / std::abs(sum);
   return std::abs(loss - ref.loss) / std::abs(ref.loss) / std::max(1.0, cancellation);
@@ -391,6 +391,28 @@ absl::StatusOr<EngineRun> RunEngine(Backend& backend, const Problem& problem,
         backend.CopyToHost(grad_weight_buffer, 0, v * h * sizeof(float), run.grad_weight.data()));
   }
   return run;
+}
+
+double GradientCancellation(const ReferenceResult& ref) {
+  double scale = 0.0;
+  double coefficient = 0.0;
+  for (size_t i = 0; i < ref.logprob_coefficient.size(); ++i) {
+    scale += ref.logprob_coefficient_scale[i] * ref.logprob_coefficient_scale[i];
+    coefficient += ref.logprob_coefficient[i] * ref.logprob_coefficient[i];
+  }
+  return coefficient > 0 ? std::max(1.0, std::sqrt(scale / coefficient)) : 1.0;
+}
+
+double TokenLossError(const std::vector<float>& token_loss, const ReferenceResult& ref) {
+  if (token_loss.size() != ref.token_loss.size()) return std::numeric_limits<double>::infinity();
+  double diff = 0.0;
+  double norm = 0.0;
+  for (size_t i = 0; i < ref.token_loss.size(); ++i) {
+    const double d = static_cast<double>(token_loss[i]) - ref.token_loss[i];
+    diff += d * d;
+    norm += ref.token_loss_scale[i] * ref.token_loss_scale[i];
+  }
+  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
 }
 
 double RelativeError(const std::vector<float>& actual, const std::vector<double>& expected) {

@@ -123,9 +123,19 @@ inline const std::vector<double> kRatioTargets = {0.3,  0.79, 0.81, 1.0, 1.1,
                                                   1.27, 1.29, 2.5,  3.2, 0.95};
 
 // Relative error of the reduced loss. It is a positive multiple of the sum of the per-token
-// losses, each carrying fp32 error relative to itself; negative token weights make the terms
-// cancel, so the sum's relative error grows by sum |l_i| / |sum l_i| (1 without cancellation).
+// losses, each carrying fp32 error relative to the size of its terms (ReferenceResult::
+// token_loss_scale); negative token weights, or terms of one row of opposite signs, make them
+// cancel, so the sum's relative error grows by sum s_i / |sum l_i| (1 without cancellation).
 double LossError(double loss, const ReferenceResult& ref);
+
+// The per-token losses' error relative to the size of their terms: ||l - ref||_F / ||s||_F with
+// s = ref.token_loss_scale (RelativeError's where no row's terms cancel).
+double TokenLossError(const std::vector<float>& token_loss, const ReferenceResult& ref);
+
+// How much the gradients' relative error grows where a row's policy term and KL penalty pull
+// against each other: ||s|| / ||c|| over the rows' logprob_coefficient_scale s and
+// logprob_coefficient c (ReferenceResult), at least 1 (1 without cancellation or penalty).
+double GradientCancellation(const ReferenceResult& ref);
 
 // ||a - b||_F / ||b||_F, or ||a||_F when b is all zeros.
 double RelativeError(const std::vector<float>& actual, const std::vector<double>& expected);

@@ -333,6 +333,9 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
 
   ReferenceResult r;
   r.token_loss.assign(n, 0.0);
+  r.token_loss_scale.assign(n, 0.0);
+  r.logprob_coefficient.assign(n, 0.0);
+  r.logprob_coefficient_scale.assign(n, 0.0);
   r.logprob.assign(n, 0.0);
   r.lse.assign(n, 0.0);
   r.entropy.assign(n, 0.0);
@@ -437,7 +440,9 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
     const double logp = has_labels ? z[y] - lse : 0.0;
     r.logprob[i] = logp;
     double loss = o.z_loss_scale * lse * lse;
-    double dloss_dlogp = 0.0;  // of the objective's term and the KL penalty
+    double scale = std::abs(loss);   // the sum of |term| over loss's terms
+    double dloss_dlogp = 0.0;        // of the objective's term and the KL penalty
+    double dloss_dlogp_scale = 0.0;  // the sum of their sizes
     // Under distill: alpha, the cross-entropy's share, and dKD/dz.
     double ce_share = cross_entropy ? 1.0 : 0.0;
     std::vector<double> dkd_dz;
@@ -450,16 +455,20 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
       r.kd[i] = kd.kd;
       r.ce[i] = ce;
       loss += d.alpha * ce + (1 - d.alpha) * kd.kd;
+      scale += std::abs(d.alpha * ce) + std::abs((1 - d.alpha) * kd.kd);
       ce_share = d.alpha;
       dkd_dz = kd.dkd_dz;
       for (double& g : dkd_dz) g *= 1 - d.alpha;
     } else if (cross_entropy) {
       loss += (1 - eps) * (lse - z[y]) + eps * (lse - sum_z / v);
+      scale += std::abs((1 - eps) * (lse - z[y])) + std::abs(eps * (lse - sum_z / v));
     } else {
       const Term term = ObjectiveOf(o, logp, input(sampling, i), input(p.advantages, i),
                                     input(p.logprob_grads, i));
       loss += term.value;
+      scale += std::abs(term.value);
       dloss_dlogp += term.derivative;
+      dloss_dlogp_scale += std::abs(term.derivative);
       r.ratio[i] = term.ratio;
       r.clip[i] = term.clip;
     }
@@ -474,13 +483,19 @@ ReferenceResult ComputeReference(const ReferenceProblem& p) {
       }
       r.kl[i] = kl.value;
       loss += o.policy.kl_coef * kl.value;
+      scale += std::abs(o.policy.kl_coef * kl.value);
       dloss_dlogp += o.policy.kl_coef * kl.derivative;
+      dloss_dlogp_scale += std::abs(o.policy.kl_coef * kl.derivative);
     }
     loss -= o.policy.entropy_coef * entropy;
+    scale += std::abs(o.policy.entropy_coef * entropy);
     r.token_loss[i] = w * loss;
+    r.token_loss_scale[i] = std::abs(w) * scale;
 
     // d loss_i / d z_t, then through z = cap(a) / T to the raw logit a.
     const double g = w * factor[i] * o.grad_scale;
+    r.logprob_coefficient[i] = g * dloss_dlogp;
+    r.logprob_coefficient_scale[i] = std::abs(g) * dloss_dlogp_scale;
     for (int64_t t = 0; t < v; ++t) {
       const double prob = std::exp(z[t] - lse);
       const double onehot = t == y ? 1.0 : 0.0;

@@ -46,7 +46,16 @@ struct ReferenceResult {
   double loss = 0.0;  // reduced
   double loss_sum = 0.0;
   int64_t counted_tokens = 0;
-  std::vector<double> token_loss;     // [N]
+  std::vector<double> token_loss;  // [N]
+  // [N] the sum of |term| over the terms that make token_loss[i] (the objective's, the KL and
+  // entropy penalties, the z-loss, a distillation's two): the size its fp32 error scales with,
+  // where the terms of one row cancel (a ppo term against its KL penalty, say).
+  std::vector<double> token_loss_scale;
+  // [N] g_i d loss_i / d logp_i, the policy objective's and the KL penalty's together (g_i the
+  // row's gradient factor), and the sum of the two parts' sizes: where they cancel, the row's
+  // gradient is small against the fp32 error of its parts.
+  std::vector<double> logprob_coefficient;
+  std::vector<double> logprob_coefficient_scale;
   std::vector<double> logprob;        // [N], 0 for ignored rows
   std::vector<double> lse;            // [N]
   std::vector<double> entropy;        // [N]
