@@ -1146,8 +1146,10 @@ class EngineBackendTest : public ::testing::TestWithParam<std::string> {
 };
 
 void ExpectBitwiseEqual(const EngineRun& a, const EngineRun& b) {
+  // An output the call did not ask for is empty on both sides, and memcmp may not see its null.
   auto same = [](const auto& x, const auto& y) {
-    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0;
+    return x.size() == y.size() &&
+           (x.empty() || std::memcmp(x.data(), y.data(), x.size() * sizeof(x[0])) == 0);
   };
   EXPECT_EQ(a.summary.loss, b.summary.loss);
 #define LOSSD_EXPECT_SAME_OUTPUT(type, name) EXPECT_TRUE(same(a.name, b.name)) << #name;
