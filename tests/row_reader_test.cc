@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -259,6 +260,28 @@ TEST_P(RowReaderSplitTest, BufferBytesAreWhatTheReaderLeases) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Splits, RowReaderSplitTest, ::testing::ValuesIn(kSplits));
+
+// Every call length up to past four minimum chunks, and some far beyond: the call in at most
+// four chunks of equal length but the last, none under the minimum unless the call is one
+// chunk, and as many as that allows.
+TEST(OverlappedChunkRowLimitTest, CutsUpToFourEqualChunksOfTheMinimumOrMore) {
+  std::vector<int64_t> lengths;
+  for (int64_t n = 1; n <= 5 * kMinOverlappedChunkRows; ++n) lengths.push_back(n);
+  for (const int64_t n : {int64_t{65536}, int64_t{131071}, int64_t{1} << 24}) lengths.push_back(n);
+  for (const int64_t n : lengths) {
+    const int64_t limit = OverlappedChunkRowLimit(n);
+    const int64_t chunks = (n + limit - 1) / limit;
+    const int64_t last = n - (chunks - 1) * limit;
+    ASSERT_LE(chunks, kOverlappedChunksPerCall) << n;
+    ASSERT_TRUE(chunks == 1 || last >= kMinOverlappedChunkRows - chunks) << n;
+    ASSERT_LT(limit - last, chunks) << n << ": chunks of unequal length";
+    const int64_t more = std::min(chunks + 1, kOverlappedChunksPerCall);
+    ASSERT_TRUE(more == chunks || n / more < kMinOverlappedChunkRows)
+        << n << ": " << more << " chunks would fit";
+  }
+  EXPECT_EQ(OverlappedChunkRowLimit(16384), 4096);  // the Llama benchmark's call: four chunks
+  EXPECT_EQ(OverlappedChunkRowLimit(4095), 4095);   // shorter than two minimum chunks: whole
+}
 
 TEST(RowReaderTest, ReadsTheNextChunkWhileOneIsHeldButNoFurther) {
   const int64_t chunk_rows = 4;

@@ -11,10 +11,13 @@
 #include <optional>
 #include <random>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "lossd/kernels/half.h"
 #include "lossd/storage/safetensors.h"
+#include "server/call/row_reader.h"
 #include "tests/engine_harness.h"
 #include "tests/reference.h"
 #include "tests/server_harness.h"
@@ -1097,6 +1100,118 @@ TEST(ServerLimitsTest, OverBudgetCallsAndOversizedMessagesAreResourceExhausted) 
       CallCompute(*stub, TrainingStart("small", large), FloatBytes(large.hidden), 8000);
   EXPECT_EQ(oversized.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
 }
+
+// ---------------------------------------------------------------------------------------------
+// How a call is cut into engine chunks: into up to four, so that its rows arrive, compute and
+// leave at once (OverlappedChunkRowLimit), unless the workspace budget cuts shorter ones.
+
+// The CPU backend, recording the rows of every engine chunk it is given.
+class ChunkRecordingBackend final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+
+  absl::StatusOr<BatchSummary> Compute(const BatchInputs& in, const WeightView& weight,
+                                       const LossOptions& options, const TokenOutputs& out,
+                                       DeviceBuffer* grad_weight,
+                                       DeviceBuffer& workspace) override {
+    {
+      absl::MutexLock lock(&mutex_);
+      chunk_rows_.push_back(in.num_tokens);
+    }
+    return ForwardingBackend::Compute(in, weight, options, out, grad_weight, workspace);
+  }
+  std::vector<int64_t> TakeChunkRows() {
+    absl::MutexLock lock(&mutex_);
+    return std::exchange(chunk_rows_, {});
+  }
+
+ private:
+  absl::Mutex mutex_;
+  std::vector<int64_t> chunk_rows_ ABSL_GUARDED_BY(mutex_);
+};
+
+struct ChunkingCase {
+  const char* name;
+  int64_t rows;
+  int64_t budget_bytes;
+  // The engine chunks' rows in order; empty: those of the CPU's own plan under the budget.
+  std::vector<int64_t> chunk_rows;
+};
+
+void PrintTo(const ChunkingCase& c, std::ostream* os) { *os << c.name; }
+
+constexpr int64_t kChunkingVocab = 64;
+constexpr int64_t kRoomyBudget = int64_t{64} << 20;  // the CPU's plan alone: chunks of 4096 rows
+
+const ChunkingCase kChunkingCases[] = {
+    // The CPU's plan alone would take two chunks of 4096: four of the 2048-row minimum overlap
+    // more.
+    {"four_chunks_of_the_minimum", 8192, kRoomyBudget, {2048, 2048, 2048, 2048}},
+    // Never more than four, however long the call.
+    {"four_chunks_at_most", 16384, kRoomyBudget, {4096, 4096, 4096, 4096}},
+    // Fewer than four minimum chunks' rows: as many as fit, of equal length.
+    {"two_equal_chunks", 5000, kRoomyBudget, {2500, 2500}},
+    // Shorter than two minimum chunks: one chunk.
+    {"too_short_to_cut", 4095, kRoomyBudget, {4095}},
+    {"one_row", 1, kRoomyBudget, {1}},
+    // A budget that fits fewer rows than the overlap asks for: its own chunks stay.
+    {"the_budget_cuts_shorter_chunks", 8192, int64_t{1} << 18, {}},
+};
+
+class ChunkingTest : public ::testing::TestWithParam<ChunkingCase> {};
+
+TEST_P(ChunkingTest, CallIsComputedInOverlappedChunksAndMatchesTheReference) {
+  const ChunkingCase& c = GetParam();
+  std::mt19937_64 rng(FreshSeed());
+  absl::StatusOr<std::unique_ptr<Backend>> cpu = CreateBackend("cpu");
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  std::vector<int64_t> expected = c.chunk_rows;
+  if (expected.empty()) {
+    ProblemShape shape;
+    shape.num_tokens = c.rows;
+    shape.hidden_size = kHidden;
+    shape.vocab_size = kChunkingVocab;
+    shape.grad_hidden = true;
+    shape.grad_weight = true;
+    shape.top_k = 5;
+    const absl::StatusOr<ChunkPlan> plan = (*cpu)->Plan(shape, c.budget_bytes);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    ASSERT_LT(plan->token_chunk, server::OverlappedChunkRowLimit(c.rows))
+        << "the budget cuts nothing";
+    for (int64_t first = 0; first < c.rows; first += plan->token_chunk) {
+      expected.push_back(std::min(plan->token_chunk, c.rows - first));
+    }
+  }
+  auto recording = std::make_unique<ChunkRecordingBackend>(*std::move(cpu));
+  ChunkRecordingBackend& backend = *recording;
+  server::ServerConfig config;
+  config.workspace_budget_bytes = c.budget_bytes;
+  config.listen_address = "127.0.0.1:0";
+  config.metrics_address = "";
+  absl::StatusOr<std::unique_ptr<server::LossServer>> server =
+      server::LossServer::Start(config, std::move(recording));
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = ConnectTo((*server)->port());
+  const std::vector<float> weight = RandomWeight(kChunkingVocab, rng);
+  ASSERT_TRUE(Upload(*stub, "chunked", kChunkingVocab, kHidden, weight, false).ok());
+  Batch batch = RandomBatch(c.rows, rng);
+  for (int64_t& y : batch.labels) y %= kChunkingVocab;
+
+  const ComputeOutcome out = CallCompute(*stub, TrainingStart("chunked", batch),
+                                         FloatBytes(batch.hidden), /*rows_per_message=*/1000);
+  ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+  EXPECT_EQ(backend.TakeChunkRows(), expected);
+
+  const ReferenceResult ref = Reference(weight, batch, kChunkingVocab);
+  EXPECT_LE(std::abs(out.summary.loss() - ref.loss) / ref.loss, kLossBound);
+  EXPECT_LE(RelativeError(AsFloats(out.grad_hidden), ref.grad_hidden), kGradBound);
+  const FetchedTensor grad = Fetch(*stub, "chunked", /*gradient=*/true);
+  ASSERT_TRUE(grad.status.ok()) << grad.status.error_message();
+  EXPECT_LE(RelativeError(grad.values, ref.grad_weight), kGradBound);
+}
+
+INSTANTIATE_TEST_SUITE_P(Calls, ChunkingTest, ::testing::ValuesIn(kChunkingCases),
+                         [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace lossd::testing

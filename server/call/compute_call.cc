@@ -268,12 +268,21 @@ class ComputeCall {
       shape.teacher.top_k = spec_.teacher_top_k;
     }
     shape.sequence_ratio = !spec_.ratio_sequences.empty();
+    const int64_t* sequences = spec_.ratio_sequences.data();
+    const int64_t num_sequences = static_cast<int64_t>(spec_.ratio_sequences.size());
     ASSIGN_OR_RETURN(plan_, env_.backend->Plan(shape, env_.limits.workspace_budget_bytes));
+    // Chunks longer than the overlap allows (a gspo call's longest sequence kept whole) are
+    // planned again as a call of that many rows; where the budget cuts shorter ones, they stay.
+    const int64_t chunk_limit = std::max(OverlappedChunkRowLimit(shape.num_tokens),
+                                         LongestSequence(sequences, num_sequences));
+    if (plan_.token_chunk > chunk_limit) {
+      ProblemShape chunk_shape = shape;
+      chunk_shape.num_tokens = chunk_limit;
+      ASSIGN_OR_RETURN(plan_, env_.backend->Plan(chunk_shape, env_.limits.workspace_budget_bytes));
+    }
     // gspo: where every sequence fits in an engine chunk, the engine measures each sequence's
     // ratio and finishes its rows in the chunk's one pass (chunks cut at sequence ends); a longer
     // sequence needs the two passes of MeasureRatiosThenCompute.
-    const int64_t* sequences = spec_.ratio_sequences.data();
-    const int64_t num_sequences = static_cast<int64_t>(spec_.ratio_sequences.size());
     measure_ratios_first_ =
         shape.sequence_ratio && LongestSequence(sequences, num_sequences) > plan_.token_chunk;
     spec_.options.policy.sequence_ratio = shape.sequence_ratio && !measure_ratios_first_;

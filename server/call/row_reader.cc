@@ -24,6 +24,12 @@ constexpr SideField kSideFields[] = {SideField::kTeacherHidden, SideField::kTeac
 
 }  // namespace
 
+int64_t OverlappedChunkRowLimit(int64_t num_tokens) {
+  const int64_t chunks =
+      std::clamp<int64_t>(num_tokens / kMinOverlappedChunkRows, 1, kOverlappedChunksPerCall);
+  return (num_tokens + chunks - 1) / chunks;
+}
+
 absl::string_view SideFieldName(SideField field) {
   switch (field) {
     case SideField::kTeacherHidden: return "teacher_hidden";

@@ -72,6 +72,18 @@ struct RowChunk {
   std::array<const void*, kMaxSideStreams> side_rows{};
 };
 
+// The most rows one engine chunk of a call of `num_tokens` rows holds: the call cut into up to
+// kOverlappedChunksPerCall equal chunks of at least kMinOverlappedChunkRows rows each (one chunk
+// when the call is shorter than two of them). A chunk's rows are read while the chunk before it
+// computes, and its results leave while the next one computes, so a call computed as one chunk
+// would receive, compute and send in turn; in four chunks those steps overlap for all but a
+// quarter of the call at each end. Below 2048 rows a GPU's dL/dW product, which contracts over a
+// chunk's rows, falls off its rate. Every call is chunked so, however its rows travel (messages
+// or shared memory), so that its results do not depend on the transport.
+inline constexpr int64_t kOverlappedChunksPerCall = 4;
+inline constexpr int64_t kMinOverlappedChunkRows = 2048;
+int64_t OverlappedChunkRowLimit(int64_t num_tokens);
+
 // The ComputeChunk field of a side stream, as it names it in errors ("teacher_hidden").
 absl::string_view SideFieldName(SideField field);
 
