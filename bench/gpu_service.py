@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""The lossd service on one machine: lossd_server on --device, called over loopback gRPC by the C++
+"""The lossd service on one machine: lossd_server on --device, called over loopback by the C++
 client (lossctl bench) and the Python client (lossd.Client.compute), with the rows and dL/dh in
-messages and in shared memory, next to the engine in-process (engine_bench) on the same shape,
-dtype and workspace budget.
+messages (over gRPC and over the server's Compute socket) and in shared memory, next to the engine
+in-process (engine_bench) on the same shape, dtype and workspace budget.
 
 Every call is a training call: N rows of hidden states in --dtype, dL/dh returned in the same
 dtype, dL/dW accumulated on the server. For each way of calling: the median seconds per call, that
@@ -45,7 +45,8 @@ class Server:
         self.log = open(self.log_path, "w")
         argv = [args.server, "--listen=127.0.0.1:0", "--metrics_listen=", f"--device={args.device}",
                 f"--head_dtype={args.dtype}", f"--demo_vocab_size={v}", f"--demo_hidden_size={h}",
-                f"--workspace_budget_mib={args.budget_mib}", "--max_running_calls=1"]
+                f"--workspace_budget_mib={args.budget_mib}", "--max_running_calls=1",
+                "--compute_socket_listen=127.0.0.1:0"]
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
         self.port = None
         deadline = time.monotonic() + SERVER_START_SECONDS
@@ -94,8 +95,15 @@ def engine_in_process(args, n, h, v):
     return {"seconds": row["seconds"], "calls": row["reps"], "backend": row["machine"]["device"]}
 
 
-def lossctl_bench(args, server, n, shared_memory):
-    argv = [args.lossctl, f"--server={server.address}", "bench", "--head=demo", f"--tokens={n}",
+# How a call's rows and dL/dh travel: (the table's name, shared memory, the Compute socket).
+TRANSPORTS = (("gRPC messages", False, False), ("socket messages", False, True),
+              ("shared memory", True, False))
+
+
+def lossctl_bench(args, server, n, shared_memory, compute_socket):
+    argv = [args.lossctl, f"--server={server.address}",
+            f"--compute_socket={'true' if compute_socket else 'false'}", "bench", "--head=demo",
+            f"--tokens={n}",
             f"--dtype={args.dtype}", "--grad", "--accumulate", f"--warmup={args.warmup}",
             f"--calls={args.calls}", "--json"]
     if shared_memory:
@@ -112,7 +120,7 @@ def lossctl_bench(args, server, n, shared_memory):
             "server_compute_seconds": row["server_compute_seconds"] / row["calls"]}
 
 
-def python_client(args, server, n, h, v, shared_memory):
+def python_client(args, server, n, h, v, shared_memory, compute_socket):
     """The Python client's calls, in a process of its own whose PYTHONPATH holds lossd."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         filter(None, [args.python_path, os.environ.get("PYTHONPATH")])))
@@ -121,6 +129,8 @@ def python_client(args, server, n, h, v, shared_memory):
             f"--address={server.address}", f"--out={args.out}"]
     if shared_memory:
         argv.append("--shared-memory")
+    if compute_socket:
+        argv.append("--compute-socket")
     done = subprocess.run(argv, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
@@ -146,7 +156,8 @@ def python_worker(args):
         def call():
             begin = time.perf_counter()
             result = client.compute("demo", hidden, labels, outputs=["grad_hidden"],
-                                    accumulate_grad_weight=True, shared_memory=args.shared_memory)
+                                    accumulate_grad_weight=True, shared_memory=args.shared_memory,
+                                    compute_socket=args.compute_socket)
             return time.perf_counter() - begin, result
 
         for _ in range(args.warmup):
@@ -157,6 +168,7 @@ def python_worker(args):
         "seconds": statistics.median(seconds), "calls": len(seconds),
         "hidden_bytes_per_call": hidden.nbytes,
         "grad_hidden_bytes_per_call": timed[-1][1].grad_hidden.nbytes,
+        "travelled": timed[-1][1].transport,
         "server_compute_seconds": statistics.median(r.compute_seconds for _, r in timed)}))
 
 
@@ -203,6 +215,7 @@ def main(argv=None):
     parser.add_argument("--python-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--shared-memory", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--compute-socket", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.python_worker:
         python_worker(args)
@@ -224,13 +237,12 @@ def main(argv=None):
     rows = []
     try:
         for client in ("lossctl", "python"):
-            for shared_memory in (False, True):
-                transport = "shared memory" if shared_memory else "messages"
+            for transport, shared_memory, compute_socket in TRANSPORTS:
                 print(f"gpu_service: {client} over {transport}", file=sys.stderr, flush=True)
                 if client == "lossctl":
-                    row = lossctl_bench(args, server, n, shared_memory)
+                    row = lossctl_bench(args, server, n, shared_memory, compute_socket)
                 else:
-                    row = python_client(args, server, n, h, v, shared_memory)
+                    row = python_client(args, server, n, h, v, shared_memory, compute_socket)
                 row.update(client=client, transport=transport)
                 if "seconds" in row:
                     row["rows_gbps"] = row["hidden_bytes_per_call"] / row["seconds"] / 1e9
