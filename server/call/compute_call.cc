@@ -1,6 +1,7 @@
 #include "server/call/compute_call.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -19,6 +20,7 @@
 #include "lossd/kernels/loss_math.h"
 #include "server/call/call_spec.h"
 #include "server/call/proto_convert.h"
+#include "server/call/result_writer.h"
 #include "server/call/row_reader.h"
 #include "server/shm/shared_memory.h"
 #include "server/status/exception_status.h"
@@ -27,6 +29,10 @@ namespace lossd::server {
 namespace {
 
 double SecondsSince(absl::Time start) { return absl::ToDoubleSeconds(absl::Now() - start); }
+
+// How long a call may wait for its results to leave before it counts as stalled on its client and
+// gives its running slot back (as the streams' own writes do).
+constexpr absl::Duration kResultStallGrace = absl::Milliseconds(20);
 
 // Values a row of the one-value outputs (LOSSD_TOKEN_OUTPUTS), all four bytes wide.
 #define LOSSD_COUNT_TOKEN_OUTPUT(type, name) +1
@@ -80,6 +86,7 @@ class ComputeCall {
     }
     // A reader still waiting on the client ends the stream with the call's own status at once.
     if (!status.ok() && reader_ != nullptr) reader_->Stop(status);
+    if (!status.ok() && writer_ != nullptr) writer_->Stop(status);
     return status;
   }
 
@@ -124,6 +131,7 @@ class ComputeCall {
     RETURN_IF_ERROR(AllocateBuffers());
 
     RETURN_IF_ERROR(ReceiveAndCompute());
+    RETURN_IF_ERROR(AwaitResultsWritten(writer_->queued()));
     if (staging_.held()) {
       // The first engine chunk stores its dL/dW; a call without rows has none to store.
       if (computed_rows_ == 0) RETURN_IF_ERROR(env_.backend->Zero(staging_.buffer()));
@@ -324,11 +332,17 @@ class ComputeCall {
       // Not zeroed: the first engine chunk stores into it (LossOptions::overwrite_grad_weight).
       ASSIGN_OR_RETURN(staging_, env_.buffers->Acquire(staging_bytes_, MemoryPurpose::kGradients));
     }
+    writer_ = std::make_unique<ResultWriter>(stream_, env_.metrics);
     if (spec_.outputs.grad_hidden() && !spec_.shared_memory.has_value()) {
+      // One chunk's dL/dh leaves from one buffer while the next chunk's is computed into the other.
       const int64_t rows = std::min(plan_.token_chunk, spec_.num_tokens);
-      ASSIGN_OR_RETURN(message_grad_hidden_, env_.host_buffers->Acquire(
-                                                 static_cast<size_t>(rows * spec_.grad_row_bytes()),
-                                                 MemoryPurpose::kWorkspace));
+      const size_t buffers = chunk_ends_.size() > 1 ? 2 : 1;
+      for (size_t b = 0; b < buffers; ++b) {
+        ASSIGN_OR_RETURN(
+            message_grad_hidden_[b],
+            env_.host_buffers->Acquire(static_cast<size_t>(rows * spec_.grad_row_bytes()),
+                                       MemoryPurpose::kWorkspace));
+      }
     }
     // The client may rewrite its memory while the call runs: unless the backend reads each row
     // once, every engine chunk that adds to dL/dW is computed from a private copy of its rows, so
@@ -374,9 +388,21 @@ class ComputeCall {
     return absl::OkStatus();
   }
 
-  // One engine chunk's dL/dh on its way into result messages.
-  uint8_t* MessageGradHidden() {
-    return static_cast<uint8_t*>(message_grad_hidden_.buffer().data());
+  // Engine chunk `chunk`'s dL/dh on its way into result messages: chunks take turns between two
+  // buffers (one, for a call of one chunk).
+  uint8_t* MessageGradHidden(int64_t chunk) {
+    BufferLease& lease = message_grad_hidden_[message_grad_hidden_[1].held() ? chunk % 2 : 0];
+    return static_cast<uint8_t*>(lease.buffer().data());
+  }
+
+  // Waits until the results up to message number `message` (ResultWriter::Queue) have left. A call
+  // that waits on its client meanwhile gives its slot back, as a call waiting for rows does.
+  absl::Status AwaitResultsWritten(int64_t message) {
+    if (!writer_->AwaitWritten(message, kResultStallGrace, [this] { (void)PauseWhileWaiting(); })) {
+      return absl::CancelledError(
+          "client went away while results were sent; nothing was accumulated");
+    }
+    return ResumeIfPaused();
   }
 
   // Computes each engine chunk as soon as its rows are in, while the reader takes the next; rows
@@ -529,6 +555,9 @@ class ComputeCall {
   absl::Status ComputeChunk(const RowChunk& chunk) {
     const int64_t first = chunk.first_row;
     const int64_t rows = chunk.num_rows;
+    // The chunk two before this one used the same dL/dh buffer: its results must have left. The
+    // results in flight are so bounded to one chunk's, whatever the transport.
+    RETURN_IF_ERROR(AwaitResultsWritten(last_message_of_chunk_[computed_chunks_ % 2]));
     BatchInputs in = ChunkInputs(chunk);
     in.token_weights = spec_.token_weights.empty() ? nullptr : spec_.token_weights.data() + first;
     const auto rows_of = [first](const auto& values) {
@@ -563,7 +592,7 @@ class ComputeCall {
     if (spec_.outputs.grad_hidden()) {
       grad_hidden = spec_.shared_memory.has_value()
                         ? shared_memory_.grad_hidden() + first * spec_.grad_row_bytes()
-                        : MessageGradHidden();
+                        : MessageGradHidden(computed_chunks_);
     }
     const TokenOutputs out =
         outputs_.Bind(spec_.outputs, rows, grad_hidden, spec_.grad_hidden_dtype);
@@ -582,7 +611,9 @@ class ComputeCall {
     correct_tokens_ += summary.correct_tokens;
     grad_weight_bound_ += summary.grad_weight_bound;
     peak_workspace_bytes_ = std::max(peak_workspace_bytes_, summary.workspace_bytes);
-    RETURN_IF_ERROR(SendResults(first, rows));
+    QueueResults(first, rows);
+    last_message_of_chunk_[computed_chunks_ % 2] = writer_->queued();
+    ++computed_chunks_;
     computed_rows_ += rows;
     return absl::OkStatus();
   }
@@ -731,8 +762,9 @@ class ComputeCall {
                           status);
   }
 
-  // Streams one chunk's results, split so that no message exceeds the result message limit.
-  absl::Status SendResults(int64_t first, int64_t rows) {
+  // Queues the chunk's results, in messages of at most max_result_message_bytes; its dL/dh is
+  // borrowed from MessageGradHidden until they have left.
+  void QueueResults(int64_t first, int64_t rows) {
     const v1::OutputSelection& want = spec_.outputs;
     const int k = want.top_k();
     const bool grad_in_messages = want.grad_hidden() && !spec_.shared_memory.has_value();
@@ -742,10 +774,8 @@ class ComputeCall {
         std::max<int64_t>(1, env_.limits.max_result_message_bytes / row_bytes);
     for (int64_t r0 = 0; r0 < rows; r0 += rows_per_message) {
       const int64_t n = std::min(rows_per_message, rows - r0);
-      // One message kept for the whole call: Clear keeps its buffers, so the next message's
-      // payload needs no fresh allocation (whose pages would fault in as it is written).
-      v1::ComputeResult& result = *result_message_.mutable_result();
-      result.Clear();
+      std::unique_ptr<v1::ComputeResponse> message = writer_->NewMessage();
+      v1::ComputeResult& result = *message->mutable_result();
       result.set_row_offset(first + r0);
       result.set_num_rows(n);
       auto copy = [&](const auto& source, int64_t per_row, auto* target) {
@@ -758,20 +788,16 @@ class ComputeCall {
 #undef LOSSD_COPY_TOKEN_OUTPUT
       copy(outputs_.top_k_logprob, k, result.mutable_top_k_logprob());
       copy(outputs_.top_k_token, k, result.mutable_top_k_token());
-      wire::BulkBytes grad_hidden;
+      absl::string_view grad_hidden;
       if (grad_in_messages) {
-        const absl::string_view bytes(
-            reinterpret_cast<const char*>(MessageGradHidden() + r0 * grad_row_bytes),
-            static_cast<size_t>(n * grad_row_bytes));
-        // The one copy dL/dh takes on its way out, where the stream holds it past the write
-        // (gRPC sends this slice as it is); none where the write is done when it returns.
-        grad_hidden = stream_.WriteIsDoneOnReturn() ? wire::BulkBytes::Borrow(bytes)
-                                                    : send_buffers_->Copy(bytes);
+        grad_hidden =
+            absl::string_view(reinterpret_cast<const char*>(MessageGradHidden(computed_chunks_) +
+                                                            r0 * grad_row_bytes),
+                              static_cast<size_t>(n * grad_row_bytes));
         result.set_grad_hidden_dtype(ToProto(spec_.grad_hidden_dtype));
       }
-      RETURN_IF_ERROR(Send(result_message_, grad_hidden));
+      writer_->Queue(std::move(message), grad_hidden);
     }
-    return absl::OkStatus();
   }
 
   absl::Status SendSummary() {
@@ -845,14 +871,16 @@ class ComputeCall {
   Admission admission_;
   BufferLease workspace_;
   BufferLease staging_;
-  BufferLease message_grad_hidden_;  // host memory
-  BufferLease shared_rows_copy_;     // host memory: one engine chunk of rows out of shared memory
+  std::array<BufferLease, 2> message_grad_hidden_;  // host memory (MessageGradHidden)
+  BufferLease shared_rows_copy_;  // host memory: one engine chunk of rows out of shared memory
   ChunkOutputs outputs_;
   SharedCallMemory shared_memory_;
   std::unique_ptr<RowReader> reader_;  // rows from messages
-  v1::ComputeResponse result_message_;
-  // The memory dL/dh is copied into to be sent, reused from message to message.
-  const std::shared_ptr<wire::MessageBufferPool> send_buffers_ = wire::MessageBufferPool::Create();
+  // After the buffers its messages borrow from, so that it stops first.
+  std::unique_ptr<ResultWriter> writer_;
+  // The number of the last result message of the last chunk computed into each dL/dh buffer.
+  std::array<int64_t, 2> last_message_of_chunk_{};
+  int64_t computed_chunks_ = 0;
   int64_t computed_rows_ = 0;
   double loss_sum_ = 0.0;
   double sequence_loss_ = 0.0;  // with a sequence reduction: the reduced loss, chunk by chunk
