@@ -76,8 +76,8 @@ cmake --build build-asan --target "${asan_tests[@]}"
 
 # ---- TSan ----
 configure build-tsan thread
-tsan_tests=(engine_test row_reader_test scheduler_test server_e2e_test client_test accumulator_test
-            shared_memory_test replicas_test device_fault_test)
+tsan_tests=(engine_test row_reader_test result_writer_test scheduler_test server_e2e_test client_test
+            accumulator_test shared_memory_test replicas_test device_fault_test)
 with_robustness_test=0
 if [[ " $(test_targets build-tsan | tr '\n' ' ') " == *" robustness_test "* ]]; then
   with_robustness_test=1
@@ -95,6 +95,10 @@ build_tsan_abseil build-tsan/abseil-tsan
   # a second thread was reported as a race. Preloading puts the instrumented copies first.
   # Only the test binaries get it: the libraries need the TSan runtime linked into them.
   preload="LD_PRELOAD=$(find "$tsan_abseil" -name 'libabsl_*.so.*' -type l | sort | paste -sd:)"
+  # TSan's symbolizer inherits that preload and cannot start with it: this one drops it (its name
+  # must be llvm-symbolizer for TSan to speak that tool's protocol to it).
+  mkdir -p build-tsan/symbolizer
+  cc -static -O1 -o build-tsan/symbolizer/llvm-symbolizer scripts/tsan_symbolizer.c
   # libomp's own synchronization is invisible to TSan, so every parallel region would look like a
   # race. LLVM's Archer (an OpenMP tool shipped with libomp) tells TSan about it instead, so the
   # engine's OpenMP loops are checked with two threads.
@@ -105,9 +109,10 @@ build_tsan_abseil build-tsan/abseil-tsan
   # not checked, calls into them still synchronize.
   # tsan_suppressions.txt: gRPC's callback API hands ops from the thread that starts them to gRPC's
   # threads through libgrpc's uninstrumented queues; it names the gRPC code on either side.
-  export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$PWD/scripts/tsan_suppressions.txt"
+  export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 ignore_noninstrumented_modules=1 suppressions=$PWD/scripts/tsan_suppressions.txt external_symbolizer_path=$PWD/build-tsan/symbolizer/llvm-symbolizer"
   run_test env "$preload" build-tsan/bin/engine_test --gtest_filter='*/cpu_basic:*/cpu_vocab_tiled:*/cpu_everything_tiled:*/cpu_bf16_grad_hidden:*/cpu_top_k_max:*IdenticalCalls*/cpu:*GradWeightAccumulates*/cpu'
   run_test env "$preload" build-tsan/bin/row_reader_test
+  run_test env "$preload" build-tsan/bin/result_writer_test
   run_test env "$preload" build-tsan/bin/scheduler_test
   run_test env "$preload" build-tsan/bin/server_e2e_test
   # Shared memory: the handover socket's thread registering and revoking handles against calls
