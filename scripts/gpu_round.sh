@@ -31,8 +31,10 @@
 #        carry:     [".gpu"]
 #        timeout_s: 300
 #      a provoked device fault (UNAVAILABLE, NOT_SERVING, the server drains), compute-sanitizer
-#      racecheck, synccheck and initcheck, a short service check (lossd_server called by lossctl
-#      and the Python client), and the transport benchmark on the machine's cores
+#      racecheck, synccheck and initcheck, a short service check (lossd_server on the GPU called
+#      by lossctl and the Python client over gRPC, the Compute socket and shared memory, 16384
+#      bf16 rows of 2048 each way, against the engine in-process), and the transport benchmark on
+#      the machine's cores
 #      (bench/transport_bench.py --quick: both clients' messages over gRPC and over the Compute
 #      socket, and shared memory, beside gRPC's echo and the TCP and memcpy floors). Files:
 #      $OUT/call2/summary.txt and $OUT/call2/call2.tar.gz.
@@ -623,7 +625,7 @@ service() {
   python_client
   read -ra extra <<<"${LOSSD_GPU_SERVICE_ARGS:-}"
   timed service "$(limit service)" env PYTHONUNBUFFERED=1 python3 bench/gpu_service.py \
-    --device=cuda --shape=4096,2048,32000 --calls=2 --warmup=1 --server "$run/lossd_server" \
+    --device=cuda --shape=16384,2048,32000 --calls=2 --warmup=1 --server "$run/lossd_server" \
     --lossctl "$run/lossctl" --engine-bench "$run/engine_bench" --python-path "$python_path" \
     --out "$logs/service" "${extra[@]}"
   local result
