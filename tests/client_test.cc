@@ -2376,7 +2376,7 @@ TEST_F(ClientTest, LargeGradHiddenOutIsWhole) {
   const std::vector<float> weight = RandomNormal(kFewTokens * kWide, 0.03f, rng_);
   ASSERT_TRUE(
       client.UploadHead("wide", {weight.data(), client::DType::kFloat32, kFewTokens, kWide}).ok());
-  const int64_t n = 4200;  // 17.2 MB of float32 dL/dh, in five messages
+  const int64_t n = 4200;  // 17.2 MB of float32 dL/dh, in several messages
   const std::vector<float> hidden = RandomNormal(n * kWide, 1.0f, rng_);
   const std::vector<int64_t> labels = RandomLabels(n, kFewTokens, 0.1, rng_);
   ComputeRequest request = Fp32Request("wide", hidden, labels);
@@ -2389,7 +2389,7 @@ TEST_F(ClientTest, LargeGradHiddenOutIsWhole) {
   request.grad_hidden_out = out.data();
   const absl::StatusOr<ComputeResult> written = client.Compute(request);
   ASSERT_TRUE(written.ok()) << written.status();
-  EXPECT_GE(written->messages_received, 5);
+  EXPECT_GE(written->messages_received, 3);  // results in two messages or more, and the summary
   EXPECT_TRUE(out == reference->grad_hidden.bytes) << "dL/dh differs";
 }
 

@@ -283,6 +283,35 @@ TEST(OverlappedChunkRowLimitTest, CutsUpToFourEqualChunksOfTheMinimumOrMore) {
   EXPECT_EQ(OverlappedChunkRowLimit(4095), 4095);   // shorter than two minimum chunks: whole
 }
 
+// Every length up to 2^17 and some beyond: never fewer rows, at most 1/8 more, never less for a
+// longer call, at most eight planned lengths per power of two, and powers of two and lengths
+// under 16 as they are.
+TEST(PlannedCallRowsTest, RoundsUpToEightLengthsPerPowerOfTwo) {
+  int64_t previous = 0;
+  int64_t octave = 1;
+  std::vector<int64_t> octave_lengths;  // planned lengths in [octave, 2 * octave)
+  for (int64_t n = 1; n <= (int64_t{1} << 17); ++n) {
+    const int64_t planned = PlannedCallRows(n);
+    ASSERT_GE(planned, n);
+    ASSERT_LE(planned, n + n / 8) << n;
+    ASSERT_GE(planned, previous) << n;
+    const bool power_of_two = (n & (n - 1)) == 0;
+    if (n < 16 || power_of_two) ASSERT_EQ(planned, n);
+    if (power_of_two) {
+      octave = n;
+      octave_lengths.clear();
+    }
+    if (planned < 2 * octave && (octave_lengths.empty() || octave_lengths.back() != planned)) {
+      octave_lengths.push_back(planned);
+    }
+    ASSERT_LE(octave_lengths.size(), 8u)
+        << "lengths planned in [" << octave << ", " << 2 * octave << ")";
+    previous = planned;
+  }
+  EXPECT_EQ(PlannedCallRows(15000), 15360);
+  EXPECT_EQ(PlannedCallRows((int64_t{1} << 40) + 1), (int64_t{1} << 40) + (int64_t{1} << 37));
+}
+
 TEST(RowReaderTest, ReadsTheNextChunkWhileOneIsHeldButNoFurther) {
   const int64_t chunk_rows = 4;
   const std::vector<float> data = RandomRows(4 * chunk_rows, 11);

@@ -1103,9 +1103,11 @@ TEST(ServerLimitsTest, OverBudgetCallsAndOversizedMessagesAreResourceExhausted) 
 
 // ---------------------------------------------------------------------------------------------
 // How a call is cut into engine chunks: into up to four, so that its rows arrive, compute and
-// leave at once (OverlappedChunkRowLimit), unless the workspace budget cuts shorter ones.
+// leave at once (OverlappedChunkRowLimit), unless the workspace budget cuts shorter ones; planned
+// for its length rounded up (PlannedCallRows), so that calls of nearby lengths share buffers.
 
-// The CPU backend, recording the rows of every engine chunk it is given.
+// The CPU backend, recording the rows of every engine chunk it is given and the workspace each
+// computes in.
 class ChunkRecordingBackend final : public ForwardingBackend {
  public:
   using ForwardingBackend::ForwardingBackend;
@@ -1117,6 +1119,7 @@ class ChunkRecordingBackend final : public ForwardingBackend {
     {
       absl::MutexLock lock(&mutex_);
       chunk_rows_.push_back(in.num_tokens);
+      workspaces_.emplace_back(workspace.data(), workspace.bytes());
     }
     return ForwardingBackend::Compute(in, weight, options, out, grad_weight, workspace);
   }
@@ -1124,10 +1127,15 @@ class ChunkRecordingBackend final : public ForwardingBackend {
     absl::MutexLock lock(&mutex_);
     return std::exchange(chunk_rows_, {});
   }
+  std::vector<std::pair<const void*, size_t>> TakeWorkspaces() {
+    absl::MutexLock lock(&mutex_);
+    return std::exchange(workspaces_, {});
+  }
 
  private:
   absl::Mutex mutex_;
   std::vector<int64_t> chunk_rows_ ABSL_GUARDED_BY(mutex_);
+  std::vector<std::pair<const void*, size_t>> workspaces_ ABSL_GUARDED_BY(mutex_);
 };
 
 struct ChunkingCase {
@@ -1149,14 +1157,32 @@ const ChunkingCase kChunkingCases[] = {
     {"four_chunks_of_the_minimum", 8192, kRoomyBudget, {2048, 2048, 2048, 2048}},
     // Never more than four, however long the call.
     {"four_chunks_at_most", 16384, kRoomyBudget, {4096, 4096, 4096, 4096}},
-    // Fewer than four minimum chunks' rows: as many as fit, of equal length.
-    {"two_equal_chunks", 5000, kRoomyBudget, {2500, 2500}},
-    // Shorter than two minimum chunks: one chunk.
-    {"too_short_to_cut", 4095, kRoomyBudget, {4095}},
+    // Fewer than four minimum chunks' rows: as many as fit, cut as for 5120 rows, its plan's.
+    {"two_chunks", 5000, kRoomyBudget, {2560, 2440}},
+    // Planned as 3072 rows, shorter than two minimum chunks: one chunk.
+    {"too_short_to_cut", 3000, kRoomyBudget, {3000}},
+    // Planned as 15360 rows: four chunks of 3840 but the last.
+    {"planned_for_its_rounded_length", 15000, kRoomyBudget, {3840, 3840, 3840, 3480}},
     {"one_row", 1, kRoomyBudget, {1}},
     // A budget that fits fewer rows than the overlap asks for: its own chunks stay.
     {"the_budget_cuts_shorter_chunks", 8192, int64_t{1} << 18, {}},
 };
+
+// A CPU server whose backend records its chunks (in `backend`, which the server owns), or null.
+std::unique_ptr<server::LossServer> StartRecordingServer(int64_t budget_bytes,
+                                                         ChunkRecordingBackend** backend) {
+  absl::StatusOr<std::unique_ptr<Backend>> cpu = CreateBackend("cpu");
+  if (!cpu.ok()) return nullptr;
+  auto recording = std::make_unique<ChunkRecordingBackend>(*std::move(cpu));
+  *backend = recording.get();
+  server::ServerConfig config;
+  config.workspace_budget_bytes = budget_bytes;
+  config.listen_address = "127.0.0.1:0";
+  config.metrics_address = "";
+  absl::StatusOr<std::unique_ptr<server::LossServer>> server =
+      server::LossServer::Start(config, std::move(recording));
+  return server.ok() ? *std::move(server) : nullptr;
+}
 
 class ChunkingTest : public ::testing::TestWithParam<ChunkingCase> {};
 
@@ -1182,16 +1208,10 @@ TEST_P(ChunkingTest, CallIsComputedInOverlappedChunksAndMatchesTheReference) {
       expected.push_back(std::min(plan->token_chunk, c.rows - first));
     }
   }
-  auto recording = std::make_unique<ChunkRecordingBackend>(*std::move(cpu));
-  ChunkRecordingBackend& backend = *recording;
-  server::ServerConfig config;
-  config.workspace_budget_bytes = c.budget_bytes;
-  config.listen_address = "127.0.0.1:0";
-  config.metrics_address = "";
-  absl::StatusOr<std::unique_ptr<server::LossServer>> server =
-      server::LossServer::Start(config, std::move(recording));
-  ASSERT_TRUE(server.ok()) << server.status();
-  auto stub = ConnectTo((*server)->port());
+  ChunkRecordingBackend* backend = nullptr;
+  const std::unique_ptr<server::LossServer> server = StartRecordingServer(c.budget_bytes, &backend);
+  ASSERT_NE(server, nullptr);
+  auto stub = ConnectTo(server->port());
   const std::vector<float> weight = RandomWeight(kChunkingVocab, rng);
   ASSERT_TRUE(Upload(*stub, "chunked", kChunkingVocab, kHidden, weight, false).ok());
   Batch batch = RandomBatch(c.rows, rng);
@@ -1200,7 +1220,7 @@ TEST_P(ChunkingTest, CallIsComputedInOverlappedChunksAndMatchesTheReference) {
   const ComputeOutcome out = CallCompute(*stub, TrainingStart("chunked", batch),
                                          FloatBytes(batch.hidden), /*rows_per_message=*/1000);
   ASSERT_TRUE(out.status.ok()) << out.status.error_message();
-  EXPECT_EQ(backend.TakeChunkRows(), expected);
+  EXPECT_EQ(backend->TakeChunkRows(), expected);
 
   const ReferenceResult ref = Reference(weight, batch, kChunkingVocab);
   EXPECT_LE(std::abs(out.summary.loss() - ref.loss) / ref.loss, kLossBound);
@@ -1212,6 +1232,33 @@ TEST_P(ChunkingTest, CallIsComputedInOverlappedChunksAndMatchesTheReference) {
 
 INSTANTIATE_TEST_SUITE_P(Calls, ChunkingTest, ::testing::ValuesIn(kChunkingCases),
                          [](const auto& info) { return std::string(info.param.name); });
+
+// Calls of 15000 and 15300 rows, both planned as 15360, compute in the same workspace, kept
+// between them; one of 16384 rows, planned as itself, in a workspace of its own size.
+TEST(ChunkingTest, CallsOfNearbyLengthsComputeInTheSameWorkspace) {
+  std::mt19937_64 rng(FreshSeed());
+  ChunkRecordingBackend* backend = nullptr;
+  const std::unique_ptr<server::LossServer> server = StartRecordingServer(kRoomyBudget, &backend);
+  ASSERT_NE(server, nullptr);
+  auto stub = ConnectTo(server->port());
+  ASSERT_TRUE(
+      Upload(*stub, "chunked", kChunkingVocab, kHidden, RandomWeight(kChunkingVocab, rng), false)
+          .ok());
+  std::vector<std::pair<const void*, size_t>> workspaces;
+  for (const int64_t rows : {15000, 15300, 16384}) {
+    Batch batch = RandomBatch(rows, rng);
+    for (int64_t& y : batch.labels) y %= kChunkingVocab;
+    const ComputeOutcome out = CallCompute(*stub, TrainingStart("chunked", batch),
+                                           FloatBytes(batch.hidden), /*rows_per_message=*/1000);
+    ASSERT_TRUE(out.status.ok()) << out.status.error_message();
+    const std::vector<std::pair<const void*, size_t>> used = backend->TakeWorkspaces();
+    ASSERT_FALSE(used.empty());
+    for (const auto& chunk : used) EXPECT_EQ(chunk, used.front()) << rows << " rows";
+    workspaces.push_back(used.front());
+  }
+  EXPECT_EQ(workspaces[1], workspaces[0]) << "15300 rows did not reuse the workspace of 15000";
+  EXPECT_NE(workspaces[2].second, workspaces[0].second);
+}
 
 }  // namespace
 }  // namespace lossd::testing

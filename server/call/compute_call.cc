@@ -278,15 +278,17 @@ class ComputeCall {
     shape.sequence_ratio = !spec_.ratio_sequences.empty();
     const int64_t* sequences = spec_.ratio_sequences.data();
     const int64_t num_sequences = static_cast<int64_t>(spec_.ratio_sequences.size());
-    ASSIGN_OR_RETURN(plan_, env_.backend->Plan(shape, env_.limits.workspace_budget_bytes));
+    // Planned as a call of PlannedCallRows, so that calls of nearby lengths share buffer sizes.
+    ProblemShape planned = shape;
+    planned.num_tokens = PlannedCallRows(shape.num_tokens);
+    ASSIGN_OR_RETURN(plan_, env_.backend->Plan(planned, env_.limits.workspace_budget_bytes));
     // Chunks longer than the overlap allows (a gspo call's longest sequence kept whole) are
     // planned again as a call of that many rows; where the budget cuts shorter ones, they stay.
-    const int64_t chunk_limit = std::max(OverlappedChunkRowLimit(shape.num_tokens),
+    const int64_t chunk_limit = std::max(OverlappedChunkRowLimit(planned.num_tokens),
                                          LongestSequence(sequences, num_sequences));
     if (plan_.token_chunk > chunk_limit) {
-      ProblemShape chunk_shape = shape;
-      chunk_shape.num_tokens = chunk_limit;
-      ASSIGN_OR_RETURN(plan_, env_.backend->Plan(chunk_shape, env_.limits.workspace_budget_bytes));
+      planned.num_tokens = chunk_limit;
+      ASSIGN_OR_RETURN(plan_, env_.backend->Plan(planned, env_.limits.workspace_budget_bytes));
     }
     // gspo: where every sequence fits in an engine chunk, the engine measures each sequence's
     // ratio and finishes its rows in the chunk's one pass (chunks cut at sequence ends); a longer

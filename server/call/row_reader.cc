@@ -30,6 +30,14 @@ int64_t OverlappedChunkRowLimit(int64_t num_tokens) {
   return (num_tokens + chunks - 1) / chunks;
 }
 
+int64_t PlannedCallRows(int64_t num_tokens) {
+  if (num_tokens < 16) return num_tokens;
+  int64_t octave = 1;
+  while (octave * 2 <= num_tokens) octave *= 2;
+  const int64_t step = octave / 8;
+  return (num_tokens + step - 1) / step * step;
+}
+
 absl::string_view SideFieldName(SideField field) {
   switch (field) {
     case SideField::kTeacherHidden: return "teacher_hidden";

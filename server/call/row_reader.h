@@ -84,6 +84,13 @@ inline constexpr int64_t kOverlappedChunksPerCall = 4;
 inline constexpr int64_t kMinOverlappedChunkRows = 2048;
 int64_t OverlappedChunkRowLimit(int64_t num_tokens);
 
+// The row count a call of `num_tokens` rows is planned for: rounded up to one of eight sizes per
+// power of two (at most 1/8 more; counts under 16 as they are). Calls whose lengths vary from step
+// to step (packing, RL rollouts) then share a few plans, and with them their workspace and row
+// buffers, which the server keeps by size: a buffer of a size not seen before is allocated and its
+// pages faulted in afresh (on a GPU, cudaMalloc and cudaFree, which synchronize the device).
+int64_t PlannedCallRows(int64_t num_tokens);
+
 // The ComputeChunk field of a side stream, as it names it in errors ("teacher_hidden").
 absl::string_view SideFieldName(SideField field);
 

@@ -80,6 +80,16 @@ set_tests_properties(replicas_bench_runs PROPERTIES
   PASS_REGULAR_EXPRESSION "\\| 2 \\| 300 x 16 \\| 0 \\|"
   TIMEOUT 120)
 
+# The benchmark of calls whose row count varies, end to end on a tiny head.
+add_test(NAME varying_rows_bench_runs
+  COMMAND /usr/bin/python3 ${CMAKE_CURRENT_LIST_DIR}/../../bench/varying_rows_bench.py
+          --server $<TARGET_FILE:lossd_server> --python-dir ${LOSSD_PYTHON_DIR} --hidden 16
+          --min-rows 100 --max-rows 300 --calls 2 --rounds 1)
+set_tests_properties(varying_rows_bench_runs PROPERTIES
+  ENVIRONMENT "OMP_NUM_THREADS=2"
+  PASS_REGULAR_EXPRESSION "medians: one row count [0-9.]+ s, [0-9]+ faults per call; varying"
+  TIMEOUT 120)
+
 # The client suites and examples again (the slowest two only here), and lossd.hf and torch.compile,
 # under the current
 # torch, transformers and protobuf from PyPI: the environment scripts/python_env.sh makes in .venv/
