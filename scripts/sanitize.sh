@@ -2,12 +2,13 @@
 # Runs the C++ tests under sanitizers, built with clang-14 without CUDA:
 #   build-asan  AddressSanitizer + UndefinedBehaviorSanitizer (+ LeakSanitizer): every GoogleTest
 #               binary of the project (the build targets named *_test).
-#   build-tsan  ThreadSanitizer: the engine's OpenMP paths, the Compute call's row reader, the
-#               scheduler, the whole server end-to-end suite (concurrent streams, cancellation,
-#               scheduler limits, steps racing calls), shared memory (the handover socket's thread,
-#               a writer racing calls over a client's rows), replicas failing over mid-call, a
-#               device fault and, where robustness_test exists, its abandoned-stream, 32-client
-#               load, stalled-stream, pending-memory and handler-failure tests.
+#   build-tsan  ThreadSanitizer: the engine's OpenMP paths, the Compute call's row reader and result
+#               writer, the scheduler, the whole server end-to-end suite (concurrent streams,
+#               cancellation, scheduler limits, steps racing calls), shared memory (the handover
+#               socket's thread, a writer racing calls over a client's rows), replicas failing
+#               over mid-call, a device fault and, where robustness_test exists, its
+#               abandoned-stream, 32-client load, stalled-stream, pending-memory and
+#               handler-failure tests.
 # Exits non-zero on any test failure or sanitizer report. Run after scripts/setup.sh, which installs
 # the project's libraries. Needs network access to Debian's archive for the TSan abseil (below).
 set -euo pipefail
