@@ -403,28 +403,32 @@ double GradientCancellation(const ReferenceResult& ref) {
   return coefficient > 0 ? std::max(1.0, std::sqrt(scale / coefficient)) : 1.0;
 }
 
-double TokenLossError(const std::vector<float>& token_loss, const ReferenceResult& ref) {
-  if (token_loss.size() != ref.token_loss.size()) return std::numeric_limits<double>::infinity();
-  double diff = 0.0;
-  double norm = 0.0;
-  for (size_t i = 0; i < ref.token_loss.size(); ++i) {
-    const double d = static_cast<double>(token_loss[i]) - ref.token_loss[i];
-    diff += d * d;
-    norm += ref.token_loss_scale[i] * ref.token_loss_scale[i];
-  }
-  return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
-}
+namespace {
 
-double RelativeError(const std::vector<float>& actual, const std::vector<double>& expected) {
-  if (actual.size() != expected.size()) return std::numeric_limits<double>::infinity();
+// ||a - b||_F / ||scale||_F, or ||a - b||_F when scale is all zeros.
+double ErrorAgainstScale(const std::vector<float>& actual, const std::vector<double>& expected,
+                         const std::vector<double>& scale) {
+  if (actual.size() != expected.size() || scale.size() != expected.size()) {
+    return std::numeric_limits<double>::infinity();
+  }
   double diff = 0.0;
   double norm = 0.0;
   for (size_t i = 0; i < expected.size(); ++i) {
     const double d = static_cast<double>(actual[i]) - expected[i];
     diff += d * d;
-    norm += expected[i] * expected[i];
+    norm += scale[i] * scale[i];
   }
   return norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+}
+
+}  // namespace
+
+double TokenLossError(const std::vector<float>& token_loss, const ReferenceResult& ref) {
+  return ErrorAgainstScale(token_loss, ref.token_loss, ref.token_loss_scale);
+}
+
+double RelativeError(const std::vector<float>& actual, const std::vector<double>& expected) {
+  return ErrorAgainstScale(actual, expected, expected);
 }
 
 double MaxAbsError(const std::vector<float>& actual, const std::vector<double>& expected) {
