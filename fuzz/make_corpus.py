@@ -220,6 +220,14 @@ def compute_socket_seeds(pb):
         "cut_inside_rows": bytes([0]) + hello() + call(40)[:200],
         # A second call's start where the first's half-close belongs.
         "no_half_close": bytes([0]) + hello() + call()[:-16] + call(),
+        # Lanes on the one connection the target has: a call whose other lanes never join, a
+        # lane no call claims (each waits the stream idle limit), and frames that do not parse.
+        "lanes_that_never_join": bytes([0]) + hello() + frame(pb.FRAME_LANES, pb.ComputeSocketLanes(
+            call_key=bytes(16), lanes=2).SerializeToString()) + call(),
+        "join_nobody_claims": bytes([0]) + hello() + frame(pb.FRAME_JOIN, pb.ComputeSocketJoin(
+            call_key=bytes(16), lane=1).SerializeToString()),
+        "lanes_that_do_not_parse": bytes([0]) + hello() + frame(pb.FRAME_LANES, b"\xff\xff"),
+        "join_mid_call": bytes([0]) + hello() + call()[:-16] + frame(pb.FRAME_JOIN, b""),
     }
 
 

@@ -77,8 +77,8 @@ cmake --build build-asan --target "${asan_tests[@]}"
 
 # ---- TSan ----
 configure build-tsan thread
-tsan_tests=(engine_test row_reader_test result_writer_test scheduler_test server_e2e_test client_test
-            accumulator_test shared_memory_test replicas_test device_fault_test)
+tsan_tests=(engine_test row_reader_test result_writer_test lane_registry_test scheduler_test
+            server_e2e_test client_test accumulator_test shared_memory_test replicas_test device_fault_test)
 with_robustness_test=0
 if [[ " $(test_targets build-tsan | tr '\n' ' ') " == *" robustness_test "* ]]; then
   with_robustness_test=1
@@ -114,6 +114,7 @@ build_tsan_abseil build-tsan/abseil-tsan
   run_test env "$preload" build-tsan/bin/engine_test --gtest_filter='*/cpu_basic:*/cpu_vocab_tiled:*/cpu_everything_tiled:*/cpu_bf16_grad_hidden:*/cpu_top_k_max:*IdenticalCalls*/cpu:*GradWeightAccumulates*/cpu'
   run_test env "$preload" build-tsan/bin/row_reader_test
   run_test env "$preload" build-tsan/bin/result_writer_test
+  run_test env "$preload" build-tsan/bin/lane_registry_test
   run_test env "$preload" build-tsan/bin/scheduler_test
   run_test env "$preload" build-tsan/bin/server_e2e_test
   # Shared memory: the handover socket's thread registering and revoking handles against calls

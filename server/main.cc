@@ -58,6 +58,11 @@ ABSL_FLAG(int, compute_socket_max_connections, 256,
 ABSL_FLAG(int, compute_socket_max_connections_per_host, 64,
           "of those, connections from one host (one address: a NAT counts as one), so that no one "
           "host locks the others out");
+ABSL_FLAG(double, compute_socket_max_flow_mb_per_second, 0,
+          "MB (10^6 bytes) per second each Compute socket connection sends at most, paced by the "
+          "kernel (SO_MAX_PACING_RATE); 0: no limit. Shares a link among clients, or stands in "
+          "for a network whose flows are capped one by one (clients then spread a call over "
+          "lanes: compute_socket_lanes)");
 ABSL_FLAG(int64_t, max_call_ids, 65536,
           "calls with a call_id whose ids each head keeps per accumulator epoch (until its "
           "gradient is zeroed), so that a retried call is never accumulated twice; a new id past "
@@ -176,6 +181,8 @@ int main(int argc, char** argv) {
   config.compute_socket_max_connections = absl::GetFlag(FLAGS_compute_socket_max_connections);
   config.compute_socket_max_connections_per_host =
       absl::GetFlag(FLAGS_compute_socket_max_connections_per_host);
+  config.compute_socket_max_flow_bytes_per_second =
+      static_cast<int64_t>(absl::GetFlag(FLAGS_compute_socket_max_flow_mb_per_second) * 1e6);
   config.max_call_ids = absl::GetFlag(FLAGS_max_call_ids);
   config.staged_grad_ttl = absl::Seconds(absl::GetFlag(FLAGS_staged_grad_seconds));
   config.staged_grad_bytes = absl::GetFlag(FLAGS_staged_grad_mib) << 20;

@@ -533,6 +533,14 @@ absl::Status ServerConfig::Validate() const {
                         "a count in [1, --compute_socket_max_connections]",
                         absl::StrCat(compute_socket_max_connections_per_host));
   }
+  // SO_MAX_PACING_RATE takes bytes per second in an unsigned long; 1 MB/s is the least useful.
+  if (compute_socket_max_flow_bytes_per_second != 0 &&
+      (compute_socket_max_flow_bytes_per_second < 1000000 ||
+       compute_socket_max_flow_bytes_per_second > (int64_t{1} << 40))) {
+    return InvalidField("--compute_socket_max_flow_mb_per_second",
+                        "0 (no limit) or 1 to 1099511 MB per second",
+                        absl::StrCat(compute_socket_max_flow_bytes_per_second / 1e6));
+  }
   if (compute_socket_idle <= absl::ZeroDuration()) {
     return InvalidField("--compute_socket_idle_seconds", "a duration > 0",
                         absl::FormatDuration(compute_socket_idle));
@@ -680,7 +688,8 @@ absl::StatusOr<std::unique_ptr<LossServer>> LossServer::Start(const ServerConfig
         config.compute_socket_listen,
         {.idle = config.compute_socket_idle,
          .max_connections = config.compute_socket_max_connections,
-         .max_connections_per_host = config.compute_socket_max_connections_per_host}));
+         .max_connections_per_host = config.compute_socket_max_connections_per_host,
+         .max_flow_bytes_per_second = config.compute_socket_max_flow_bytes_per_second}));
     server->startup_log_.push_back(
         absl::StrCat("Compute socket on port ", server->service_->compute_socket_port(),
                      " (--compute_socket_listen=", config.compute_socket_listen, ")"));

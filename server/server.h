@@ -62,6 +62,8 @@ struct ServerConfig {
   // Connections the Compute socket holds at once (each a thread), and of those from one host.
   int compute_socket_max_connections = 256;
   int compute_socket_max_connections_per_host = 64;
+  // Bytes per second each connection sends at most (SO_MAX_PACING_RATE); 0: no limit.
+  int64_t compute_socket_max_flow_bytes_per_second = 0;
   int64_t max_call_ids = 65536;  // per head and accumulator epoch
   // ComputeStart.stage_grad_weight: how long a staged dL/dW waits for its commit, and the device
   // memory all staged dL/dW may hold together (0: room for 8 of the largest head's).

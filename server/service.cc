@@ -808,6 +808,7 @@ absl::Status LossService::OpenComputeSocket(const std::string& address,
       .connection_idle = limits.idle,
       .max_connections = limits.max_connections,
       .max_connections_per_host = limits.max_connections_per_host,
+      .max_flow_bytes_per_second = limits.max_flow_bytes_per_second,
   };
   ASSIGN_OR_RETURN(compute_socket_, ComputeSocketServer::Start(address, std::move(socket_options),
                                                                [this](SocketComputeStream& stream) {

@@ -105,6 +105,7 @@ class LossService final
     absl::Duration idle;  // a connection's wait for its next call
     int max_connections = 256;
     int max_connections_per_host = 64;
+    int64_t max_flow_bytes_per_second = 0;  // each connection's sending rate; 0: no limit
   };
   absl::Status OpenComputeSocket(const std::string& address, ComputeSocketLimits limits);
   void StopComputeSocket();

@@ -477,6 +477,10 @@ const BadSetting kBadSettings[] = {
     {"compute_socket_idle_zero", "every kept connection would close at once",
      [](server::ServerConfig& c) { c.compute_socket_idle = absl::ZeroDuration(); },
      "--compute_socket_idle_seconds: expected a duration > 0, got 0"},
+    {"compute_socket_flow_below_1_mb", "a rate the kernel would pace to a crawl",
+     [](server::ServerConfig& c) { c.compute_socket_max_flow_bytes_per_second = 5000; },
+     "--compute_socket_max_flow_mb_per_second: expected 0 (no limit) or 1 to 1099511 MB per "
+     "second, got 0.005"},
     {"rank_without_group", "a rank only means something in a replica group",
      [](server::ServerConfig& c) { c.replica_rank = 3; },
      "--replica_rank: expected 0 (or -1) without --replicas, got 3"},

@@ -25,6 +25,11 @@ inline constexpr uint32_t kComputeSocketMagic = 0x3153434c;  // "LCS1" in little
 inline constexpr int64_t kComputeSocketMaxHelloBytes = 4096;
 // A FRAME_STATUS is a code, a message and an ErrorInfo: far below this.
 inline constexpr int64_t kComputeSocketMaxStatusBytes = 1 << 20;
+// A call's lanes (ComputeSocketLanes): at most this many connections, lane 0 counted, meet under
+// a key of this many random bytes.
+inline constexpr int kComputeSocketMaxLanes = 8;
+inline constexpr int kComputeSocketMinCallKeyBytes = 16;
+inline constexpr int kComputeSocketMaxCallKeyBytes = 64;
 
 struct FrameHeader {
   uint32_t magic = kComputeSocketMagic;

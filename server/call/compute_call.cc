@@ -764,16 +764,16 @@ class ComputeCall {
                           status);
   }
 
-  // Queues the chunk's results, in messages of at most max_result_message_bytes; its dL/dh is
-  // borrowed from MessageGradHidden until they have left.
+  // Queues the chunk's results, in messages of at most max_result_message_bytes (or less, where
+  // the stream asks for less); its dL/dh is borrowed from MessageGradHidden until they have left.
   void QueueResults(int64_t first, int64_t rows) {
     const v1::OutputSelection& want = spec_.outputs;
     const int k = want.top_k();
     const bool grad_in_messages = want.grad_hidden() && !spec_.shared_memory.has_value();
     const int64_t grad_row_bytes = grad_in_messages ? spec_.grad_row_bytes() : 0;
     const int64_t row_bytes = grad_row_bytes + 4 * (kOneValueOutputs + 2 * k) + 16;
-    const int64_t rows_per_message =
-        std::max<int64_t>(1, env_.limits.max_result_message_bytes / row_bytes);
+    const int64_t rows_per_message = std::max<int64_t>(
+        1, stream_.ResultMessageBytes(env_.limits.max_result_message_bytes) / row_bytes);
     for (int64_t r0 = 0; r0 < rows; r0 += rows_per_message) {
       const int64_t n = std::min(rows_per_message, rows - r0);
       std::unique_ptr<v1::ComputeResponse> message = writer_->NewMessage();

@@ -4,6 +4,7 @@
 #ifndef LOSSD_SERVER_CALL_COMPUTE_STREAM_H_
 #define LOSSD_SERVER_CALL_COMPUTE_STREAM_H_
 
+#include <cstdint>
 #include <string>
 
 #include "absl/functional/function_ref.h"
@@ -43,6 +44,8 @@ class ComputeStream {
   // socket buffer, or the write failed), so that a call may lend it bytes it still holds
   // (wire::BulkBytes::Borrow) instead of copying them; gRPC keeps them until it has sent them.
   virtual bool WriteIsDoneOnReturn() const { return false; }
+  // How many bytes a result message should hold at most, given the server's `limit`.
+  virtual int64_t ResultMessageBytes(int64_t limit) const { return limit; }
   virtual bool IsCancelled() const = 0;
   // Ends the RPC now with `status`, unless it has ended already (the first status given is the
   // one the client sees): a Read or Write waiting on a client that sends or reads nothing returns

@@ -73,12 +73,25 @@ void CloseAfterFailure(SocketConnection& connection) {
 SocketComputeStream::SocketComputeStream(SocketConnection& connection, std::string peer,
                                          bool peer_is_local, Limits limits,
                                          std::shared_ptr<wire::MessageBufferPool> receive_buffers)
-    : connection_(connection),
+    : lanes_{&connection},
       peer_(std::move(peer)),
       peer_is_local_(peer_is_local),
       limits_(limits),
       receive_buffers_(std::move(receive_buffers)),
-      ended_fd_(wire::NewEventFd()) {}
+      ended_fd_(wire::NewEventFd()) {
+  absl::MutexLock read_lock(&read_mu_);
+  lane_half_closed_.assign(1, false);
+  absl::MutexLock write_lock(&write_mu_);
+  lane_writes_broken_.assign(1, false);
+}
+
+void SocketComputeStream::AddLanes(const std::vector<SocketConnection*>& lanes) {
+  lanes_.insert(lanes_.end(), lanes.begin(), lanes.end());
+  absl::MutexLock read_lock(&read_mu_);
+  lane_half_closed_.assign(lanes_.size(), false);
+  absl::MutexLock write_lock(&write_mu_);
+  lane_writes_broken_.assign(lanes_.size(), false);
+}
 
 SocketComputeStream::Opening SocketComputeStream::ReadOpening(absl::Duration limit) {
   absl::MutexLock lock(&read_mu_);
@@ -89,8 +102,14 @@ SocketComputeStream::Opening SocketComputeStream::ReadOpening(absl::Duration lim
         "the server is out of file descriptors; retry, or send the call over gRPC"));
     return Opening::kRefused;
   }
-  if (ReadFrame(&first_, absl::Now() + limit, {ended_fd_.get()}) || half_closed_) {
-    return Opening::kCall;
+  // Lanes are asked for once, before the call's first message.
+  const bool lanes_may_come = lanes_.size() == 1 && lanes_asked_.lanes() == 0;
+  switch (ReadFrame(0, &first_, absl::Now() + limit, {ended_fd_.get()}, {}, lanes_may_come)) {
+    case FrameRead::kMessage:
+    case FrameRead::kHalfClose: return Opening::kCall;
+    case FrameRead::kLanes: return Opening::kLanes;
+    case FrameRead::kJoin: return Opening::kJoin;
+    case FrameRead::kFailed: break;
   }
   first_taken_ = true;
   if (last_io_ == SocketIo::kTimedOut) End(StreamIdleError("the call's first message", limit));
@@ -112,11 +131,12 @@ bool SocketComputeStream::ReadRowsInto(wire::ComputeRequestFrame* request,
     return true;
   }
   if (reads_over_ || half_closed_ || EndedFdFired()) return false;
-  return ReadFrame(request, absl::InfiniteFuture(), {ended_fd_.get()}, rows_destination);
+  return ReadFrame(messages_read_ % lanes_.size(), request, absl::InfiniteFuture(),
+                   {ended_fd_.get()}, rows_destination) == FrameRead::kMessage;
 }
 
-SocketIo SocketComputeStream::ReadMessageBody(uint64_t length, absl::Time deadline,
-                                              const std::vector<int>& wake,
+SocketIo SocketComputeStream::ReadMessageBody(SocketConnection& connection, uint64_t length,
+                                              absl::Time deadline, const std::vector<int>& wake,
                                               absl::Span<uint8_t> rows_destination,
                                               grpc::ByteBuffer& message) {
   // Rows come in messages of megabytes, mostly of one size: pooled, their pages stay mapped
@@ -134,13 +154,13 @@ SocketIo SocketComputeStream::ReadMessageBody(uint64_t length, absl::Time deadli
   if (static_cast<int64_t>(length) >= limits_.rows_in_place_min_bytes &&
       rows_destination.size() >= kHeadBytes) {
     head = std::min(length, kHeadBytes);
-    const SocketIo io = connection_.ReadExact(body, head, deadline, wake);
+    const SocketIo io = connection.ReadExact(body, head, deadline, wake);
     if (io != SocketIo::kDone) return io;
     rows = wire::FindBulkField({body, head}, length, wire::ComputeRequestFrame::kSpec,
                                v1::ComputeChunk::kHiddenFieldNumber);
   }
   if (!rows.has_value()) {
-    const SocketIo io = connection_.ReadExact(body + head, length - head, deadline, wake);
+    const SocketIo io = connection.ReadExact(body + head, length - head, deadline, wake);
     message = grpc::ByteBuffer(&slice, 1);
     return io;
   }
@@ -150,10 +170,10 @@ SocketIo SocketComputeStream::ReadMessageBody(uint64_t length, absl::Time deadli
   const uint64_t in_head = head - rows->value_offset;  // < kHeadBytes <= placed
   std::memcpy(rows_destination.data(), body + rows->value_offset, in_head);
   SocketIo io =
-      connection_.ReadExact(rows_destination.data() + in_head, placed - in_head, deadline, wake);
+      connection.ReadExact(rows_destination.data() + in_head, placed - in_head, deadline, wake);
   const uint64_t after = rows->value_offset + placed;
   if (io == SocketIo::kDone) {
-    io = connection_.ReadExact(body + after, length - after, deadline, wake);
+    io = connection.ReadExact(body + after, length - after, deadline, wake);
   }
   const grpc::Slice pieces[] = {
       slice.sub(0, rows->value_offset),
@@ -164,47 +184,85 @@ SocketIo SocketComputeStream::ReadMessageBody(uint64_t length, absl::Time deadli
   return io;
 }
 
-bool SocketComputeStream::ReadFrame(wire::ComputeRequestFrame* request, absl::Time deadline,
-                                    const std::vector<int>& wake,
-                                    absl::Span<uint8_t> rows_destination) {
+absl::Status SocketComputeStream::ReadOpeningBody(SocketConnection& connection,
+                                                  const FrameHeader& header, absl::Time deadline,
+                                                  const std::vector<int>& wake,
+                                                  google::protobuf::MessageLite& message) {
+  if (header.length > static_cast<uint64_t>(wire::kComputeSocketMaxHelloBytes)) {
+    return InvalidField("frame.length",
+                        absl::StrCat("at most ", wire::kComputeSocketMaxHelloBytes, " bytes for a ",
+                                     wire::FrameKindName(header.kind)),
+                        absl::StrCat(header.length));
+  }
+  std::string body(header.length, '\0');
+  last_io_ = connection.ReadExact(body.data(), body.size(), deadline, wake);
+  if (last_io_ != SocketIo::kDone) return absl::OkStatus();  // the caller reads last_io_
+  if (!message.ParseFromString(body)) {
+    return InvalidField(header.kind == v1::FRAME_LANES ? "lanes" : "join",
+                        absl::StrCat("a ", message.GetTypeName()),
+                        "bytes that do not parse as one");
+  }
+  return absl::OkStatus();
+}
+
+SocketComputeStream::FrameRead SocketComputeStream::ReadFrame(
+    size_t lane, wire::ComputeRequestFrame* request, absl::Time deadline,
+    const std::vector<int>& wake, absl::Span<uint8_t> rows_destination, bool opening) {
+  SocketConnection& connection = *lanes_[lane];
   FrameHeader header;
-  SocketIo io = connection_.ReadExact(&header, sizeof(header), deadline, wake);
+  SocketIo io = connection.ReadExact(&header, sizeof(header), deadline, wake);
   last_io_ = io;
   absl::Status broken;
   if (io == SocketIo::kDone) {
     broken = wire::CheckFrameHeader(header, static_cast<uint64_t>(limits_.max_message_bytes));
+    const bool lanes_or_join = header.kind == v1::FRAME_LANES || header.kind == v1::FRAME_JOIN;
     if (broken.ok() && header.kind == v1::FRAME_HALF_CLOSE) {
       if (header.length == 0) {
-        half_closed_ = true;
-        return false;
+        lane_half_closed_[lane] = true;
+        if (lane == messages_read_ % lanes_.size()) half_closed_ = true;
+        return FrameRead::kHalfClose;
       }
       broken = InvalidField("frame.length", "0 for FRAME_HALF_CLOSE", absl::StrCat(header.length));
+    } else if (broken.ok() && opening && lanes_or_join) {
+      const bool lanes = header.kind == v1::FRAME_LANES;
+      broken = lanes ? ReadOpeningBody(connection, header, deadline, wake, lanes_asked_)
+                     : ReadOpeningBody(connection, header, deadline, wake, join_asked_);
+      io = last_io_;
+      if (broken.ok() && io == SocketIo::kDone) return lanes ? FrameRead::kLanes : FrameRead::kJoin;
     } else if (broken.ok() && header.kind != v1::FRAME_MESSAGE) {
-      broken = InvalidField("frame.kind", "FRAME_MESSAGE or FRAME_HALF_CLOSE during a call",
+      broken = InvalidField("frame.kind",
+                            opening ? "FRAME_MESSAGE, FRAME_HALF_CLOSE, FRAME_LANES or FRAME_JOIN "
+                                      "to begin a call"
+                                    : "FRAME_MESSAGE or FRAME_HALF_CLOSE during a call",
                             wire::FrameKindName(header.kind));
     }
-    if (broken.ok()) {
+    if (broken.ok() && header.kind == v1::FRAME_MESSAGE) {
       grpc::ByteBuffer message;
-      io = ReadMessageBody(header.length, deadline, wake, rows_destination, message);
+      io = ReadMessageBody(connection, header.length, deadline, wake, rows_destination, message);
       last_io_ = io;
       if (io == SocketIo::kDone) {
         broken = request->Decode(message);
-        if (broken.ok()) return true;
+        if (broken.ok()) {
+          ++messages_read_;
+          return FrameRead::kMessage;
+        }
       }
     }
   }
   reads_over_ = true;
   switch (io) {
     case SocketIo::kDone: break;  // `broken` says why
-    case SocketIo::kPeerClosed: peer_closed_.store(true, std::memory_order_release); return false;
+    case SocketIo::kPeerClosed:
+      peer_closed_.store(true, std::memory_order_release);
+      return FrameRead::kFailed;
     case SocketIo::kStopped:
       broken = absl::UnavailableError("the server is shutting down; the call was ended");
       break;
     case SocketIo::kTimedOut:
-    case SocketIo::kEnded: return false;
+    case SocketIo::kEnded: return FrameRead::kFailed;
   }
   End(broken);
-  return false;
+  return FrameRead::kFailed;
 }
 
 bool SocketComputeStream::Write(const v1::ComputeResponse& response,
@@ -221,22 +279,27 @@ bool SocketComputeStream::WriteOrStall(const v1::ComputeResponse& response,
   std::vector<grpc::Slice> slices;
   FrameHeader header;
   std::vector<iovec> parts = wire::FrameParts(v1::FRAME_MESSAGE, message, slices, header);
+  size_t lane = 0;
   {
     absl::MutexLock lock(&write_mu_);
     write_mu_.Await(absl::Condition(
         +[](bool* writing) { return !*writing; }, &writing_));
     if (ended_ || writes_broken_) return false;
     writing_ = true;
+    lane = static_cast<size_t>(messages_written_ % static_cast<int64_t>(lanes_.size()));
   }
   int64_t sent = 0;
-  const SocketIo io = connection_.WriteAll(std::move(parts), absl::Now() + limits_.write_stall,
-                                           {ended_fd_.get()}, kStallGrace, on_stall, &sent);
+  const SocketIo io = lanes_[lane]->WriteAll(std::move(parts), absl::Now() + limits_.write_stall,
+                                             {ended_fd_.get()}, kStallGrace, on_stall, &sent);
   {
     absl::MutexLock lock(&write_mu_);
     writing_ = false;
-    if (io == SocketIo::kDone) return true;
-    // A frame cut short leaves the client mid-frame: nothing more can follow it.
-    if (sent > 0) writes_broken_ = true;
+    if (io == SocketIo::kDone) {
+      ++messages_written_;
+      return true;
+    }
+    // A frame cut short leaves the client mid-frame: nothing more can follow it there.
+    if (sent > 0) writes_broken_ = lane_writes_broken_[lane] = true;
   }
   if (io == SocketIo::kTimedOut) {
     End(StreamIdleError("the client to read its results", limits_.write_stall));
@@ -246,13 +309,22 @@ bool SocketComputeStream::WriteOrStall(const v1::ComputeResponse& response,
   return false;
 }
 
+int64_t SocketComputeStream::ResultMessageBytes(int64_t limit) const {
+  // Below this the messages' own cost begins to count.
+  constexpr int64_t kLeastLaneMessageBytes = 256 << 10;
+  const auto lanes = static_cast<int64_t>(lanes_.size());
+  return lanes == 1 ? limit : std::min(limit, std::max(kLeastLaneMessageBytes, limit / lanes));
+}
+
 bool SocketComputeStream::EndedFdFired() const {
   pollfd p{ended_fd_.get(), POLLIN, 0};
   return poll(&p, 1, 0) == 1;
 }
 
 bool SocketComputeStream::IsCancelled() const {
-  return peer_closed_.load(std::memory_order_acquire) || connection_.PeerGone();
+  return peer_closed_.load(std::memory_order_acquire) ||
+         std::any_of(lanes_.begin(), lanes_.end(),
+                     [](const SocketConnection* lane) { return lane->PeerGone(); });
 }
 
 void SocketComputeStream::End(const absl::Status& status) {
@@ -265,8 +337,14 @@ void SocketComputeStream::End(const absl::Status& status) {
   ended_ = true;
   status_ = status;
   if (hooks_.finishing) hooks_.finishing(status);
-  if (writes_broken_) return;
-  status_sent_ = SendStatus(connection_, status);
+  // Every lane whose frames are whole hears the status, so that a client reading any of them
+  // learns how the call ended.
+  bool sent_everywhere = true;
+  for (size_t lane = 0; lane < lanes_.size(); ++lane) {
+    sent_everywhere =
+        !lane_writes_broken_[lane] && SendStatus(*lanes_[lane], status) && sent_everywhere;
+  }
+  status_sent_ = sent_everywhere;
 }
 
 bool SocketComputeStream::ReusableAfterCall(absl::Duration wait) {
@@ -275,12 +353,18 @@ bool SocketComputeStream::ReusableAfterCall(absl::Duration wait) {
     if (!ended_ || !status_.ok() || !status_sent_ || writes_broken_) return false;
   }
   absl::MutexLock lock(&read_mu_);
-  if (half_closed_) return true;
-  if (reads_over_) return false;
-  wire::ComputeRequestFrame extra;
-  // The stream has ended, so its ended_fd_ no longer bounds this read: only the wait does.
-  if (ReadFrame(&extra, absl::Now() + wait, {})) return false;  // more than the call's rows
-  return half_closed_;
+  // The lane of the next message first (more than the call's rows is no clean end), then every
+  // other lane's half-close.
+  const size_t next = static_cast<size_t>(messages_read_ % static_cast<int64_t>(lanes_.size()));
+  for (size_t i = 0; i < lanes_.size(); ++i) {
+    const size_t lane = (next + i) % lanes_.size();
+    if (lane_half_closed_[lane]) continue;
+    if (reads_over_) return false;
+    wire::ComputeRequestFrame extra;
+    // The stream has ended, so its ended_fd_ no longer bounds this read: only the wait does.
+    if (ReadFrame(lane, &extra, absl::Now() + wait, {}) != FrameRead::kHalfClose) return false;
+  }
+  return true;
 }
 
 absl::StatusOr<std::unique_ptr<ComputeSocketServer>> ComputeSocketServer::Start(
@@ -360,7 +444,10 @@ void ComputeSocketServer::Close() {
   threads_.JoinAll();
 }
 
-void ComputeSocketServer::Stop() { wire::SignalEventFd(stop_.get()); }
+void ComputeSocketServer::Stop() {
+  wire::SignalEventFd(stop_.get());
+  lanes_.Stop();
+}
 
 int64_t ComputeSocketServer::connections() const {
   absl::MutexLock lock(&mu_);
@@ -385,6 +472,12 @@ void ComputeSocketServer::Accept() {
     }
     const int on = 1;
     setsockopt(fd.get(), IPPROTO_TCP, TCP_NODELAY, &on, sizeof(on));
+    if (options_.max_flow_bytes_per_second > 0) {
+      // TCP paces itself (Linux 4.13 on) once a socket asks for a rate; where it cannot, the
+      // connection goes unpaced rather than refused.
+      const unsigned long rate = static_cast<unsigned long>(options_.max_flow_bytes_per_second);
+      setsockopt(fd.get(), SOL_SOCKET, SO_MAX_PACING_RATE, &rate, sizeof(rate));
+    }
     std::string peer = PeerName(address);
     // The host part: one host's connections count together, whatever their ports.
     std::string host = peer.substr(0, peer.rfind(':'));
@@ -463,19 +556,54 @@ void ComputeSocketServer::Serve(UniqueFd fd, std::string peer) {
       .max_message_bytes = options_.max_message_bytes,
       .write_stall = options_.stream_idle,
       .rows_in_place_min_bytes = options_.rows_in_place_min_bytes};
+  // One host's lanes meet: "ipv4:10.0.0.1:5000" -> "ipv4:10.0.0.1".
+  const std::string host = peer.substr(0, peer.rfind(':'));
   while (true) {
     // Between calls: the connection waits for its client's next one, or closes.
     if (connection.WaitReadable(absl::Now() + options_.connection_idle) != SocketIo::kDone) return;
     if (connection.PeerGone() && !connection.Readable()) return;
     // A call's first message is read here, within the stream idle limit, before it costs a call.
     SocketComputeStream stream(connection, peer, peer_is_local, limits, receive_buffers_);
-    switch (stream.ReadOpening(options_.stream_idle)) {
+    SocketComputeStream::Opening opening = stream.ReadOpening(options_.stream_idle);
+    if (opening == SocketComputeStream::Opening::kJoin) {
+      // A lane of another connection's call, which uses this connection until it hands it back.
+      const absl::StatusOr<bool> reusable =
+          lanes_.Join(host, stream.join_asked(), connection, absl::Now() + options_.stream_idle);
+      if (!reusable.ok()) SendStatus(connection, reusable.status());
+      if (!reusable.ok() || !*reusable) {
+        CloseAfterFailure(connection);
+        return;
+      }
+      continue;
+    }
+    std::unique_ptr<LaneRegistry::Loan> loan;  // returned before `stream` goes
+    if (opening == SocketComputeStream::Opening::kLanes) {
+      absl::StatusOr<std::unique_ptr<LaneRegistry::Loan>> claimed =
+          lanes_.Claim(host, stream.lanes_asked(), absl::Now() + options_.stream_idle);
+      if (!claimed.ok()) {
+        stream.End(claimed.status());
+        CloseAfterFailure(connection);
+        return;
+      }
+      loan = *std::move(claimed);
+      stream.AddLanes(loan->connections());
+      opening = stream.ReadOpening(options_.stream_idle);
+    }
+    switch (opening) {
       case SocketComputeStream::Opening::kCall: break;
       case SocketComputeStream::Opening::kGone: return;
       case SocketComputeStream::Opening::kRefused: CloseAfterFailure(connection); return;
+      case SocketComputeStream::Opening::kLanes:
+      case SocketComputeStream::Opening::kJoin:
+        // ReadOpening takes neither after lanes; nor before, where both are handled above.
+        stream.End(absl::InternalError("a call's lanes were asked for twice"));
+        CloseAfterFailure(connection);
+        return;
     }
     run_call_(stream);
-    if (!stream.ReusableAfterCall(options_.stream_idle)) {
+    const bool reusable = stream.ReusableAfterCall(options_.stream_idle);
+    if (loan != nullptr) loan->Return(reusable);
+    if (!reusable) {
       CloseAfterFailure(connection);
       return;
     }
