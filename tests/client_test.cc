@@ -1963,6 +1963,7 @@ struct SocketCase {
   double ignore_fraction;
   int64_t rows_per_message = 0;  // 0: the client's default
   Teacher teacher = Teacher::kNone;
+  int lanes = 1;  // ChannelOptions::compute_socket_lanes
 };
 
 void PrintTo(const SocketCase& c, std::ostream* os) { *os << c.name; }
@@ -1975,7 +1976,9 @@ class ComputeSocketCaseTest : public ComputeSocketTest,
 TEST_P(ComputeSocketCaseTest, MatchesGrpcBitwiseAndTheReference) {
   const SocketCase& c = GetParam();
   const Client over_grpc = Connect(SocketOptions(false));
-  const Client over_socket = Connect(SocketOptions(true));
+  ChannelOptions socket_options = SocketOptions(true);
+  socket_options.compute_socket_lanes = c.lanes;
+  const Client over_socket = Connect(socket_options);
   const std::string by_grpc = absl::StrCat("grpc-", c.name);
   const std::string by_socket = absl::StrCat("socket-", c.name);
   const std::vector<float> weight = UploadRandomHead(over_grpc, by_grpc);
@@ -2039,7 +2042,18 @@ INSTANTIATE_TEST_SUITE_P(
         // each message's spanning many chunks; beside a teacher's rows, which it copies.
         SocketCase{"rows_received_in_place", 3000, client::DType::kFloat32, 0.1, 1500},
         SocketCase{"teacher_beside_rows_in_place", 3000, client::DType::kFloat32, 0.0, 1400,
-                   Teacher::kDense}),
+                   Teacher::kDense},
+        // Lanes: message m on lane m mod lanes, results likewise, each lane sent by its own
+        // thread; 12 messages of rows over 3 lanes, the last round part-filled.
+        SocketCase{"three_lanes", 300, client::DType::kFloat32, 0.1, 25, Teacher::kNone, 3},
+        SocketCase{"lanes_in_bf16", 300, client::DType::kBFloat16, 0.1, 40, Teacher::kNone, 4},
+        // Two messages of rows: two lanes of the eight allowed.
+        SocketCase{"more_lanes_than_messages", 100, client::DType::kFloat32, 0.0, 50,
+                   Teacher::kNone, 8},
+        SocketCase{"lanes_with_a_teacher", 130, client::DType::kFloat32, 0.0, 20, Teacher::kDense,
+                   3},
+        SocketCase{"lanes_received_in_place", 3000, client::DType::kFloat32, 0.1, 1100,
+                   Teacher::kNone, 3}),
     [](const ::testing::TestParamInfo<SocketCase>& info) { return std::string(info.param.name); });
 
 TEST_F(ComputeSocketTest, ErrorsAndConcurrentCallsAreAsOverGrpc) {
@@ -2086,6 +2100,57 @@ TEST_F(ComputeSocketTest, ErrorsAndConcurrentCallsAreAsOverGrpc) {
   EXPECT_EQ(after_idle->attempts, 1);
   EXPECT_EQ(after_idle->transport, ComputeResult::Transport::kComputeSocket);
   EXPECT_FALSE(std::all_of(out.begin(), out.end(), [](float v) { return v == 7.0f; }));
+}
+
+// Lanes: a call refused by the server fails as over gRPC (every lane then closed), the next one
+// opens fresh lanes, calls of several callers each take their own, and kept lanes the server
+// closed while idle are replaced unseen.
+TEST_F(ComputeSocketTest, LanesFailAsOverGrpcAndAreReplaced) {
+  const Client over_grpc = Connect(SocketOptions(false));
+  ChannelOptions options = SocketOptions(true);
+  options.compute_socket_lanes = 3;
+  const Client over_lanes = Connect(options);
+  UploadRandomHead(over_grpc, "lanes-errors");
+  std::unique_ptr<DemoCall> call = NewDemoCall(200);
+  call->request.head = "lanes-errors";
+  call->request.rows_per_message = 20;
+  call->labels[3] = kVocab + 7;
+  const absl::StatusOr<ComputeResult> by_grpc = over_grpc.Compute(call->request);
+  const absl::StatusOr<ComputeResult> by_lanes = over_lanes.Compute(call->request);
+  ASSERT_FALSE(by_grpc.ok());
+  EXPECT_EQ(by_lanes.status(), by_grpc.status());
+  call->labels[3] = 0;
+  const absl::StatusOr<ComputeResult> expected = over_grpc.Compute(call->request);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  std::vector<std::thread> callers;
+  std::vector<absl::StatusOr<ComputeResult>> outcomes(3, absl::UnknownError("not run"));
+  for (int i = 0; i < 3; ++i) {
+    callers.emplace_back([&, i] { outcomes[i] = over_lanes.Compute(call->request); });
+  }
+  for (std::thread& caller : callers) caller.join();
+  for (const absl::StatusOr<ComputeResult>& outcome : outcomes) {
+    ASSERT_TRUE(outcome.ok()) << outcome.status();
+    EXPECT_EQ(outcome->transport, ComputeResult::Transport::kComputeSocket);
+    EXPECT_TRUE(outcome->grad_hidden.bytes == expected->grad_hidden.bytes);
+  }
+  absl::SleepFor(absl::Seconds(2));  // past the socket's idle limit of 1 s
+  const absl::StatusOr<ComputeResult> after_idle = over_lanes.Compute(call->request);
+  ASSERT_TRUE(after_idle.ok()) << after_idle.status();
+  EXPECT_EQ(after_idle->attempts, 1);
+  EXPECT_TRUE(after_idle->grad_hidden.bytes == expected->grad_hidden.bytes);
+
+  // Some kept lanes closed by the server, one still open (a call of one message kept it busy):
+  // the closed ones are replaced at once, not waited on for a join that can never come.
+  absl::SleepFor(absl::Milliseconds(600));
+  ComputeRequest one_message = call->request;
+  one_message.rows_per_message = 0;
+  ASSERT_TRUE(over_lanes.Compute(one_message).ok());
+  absl::SleepFor(absl::Milliseconds(600));
+  const absl::Time started = absl::Now();
+  const absl::StatusOr<ComputeResult> some_closed = over_lanes.Compute(call->request);
+  ASSERT_TRUE(some_closed.ok()) << some_closed.status();
+  EXPECT_EQ(some_closed->attempts, 1);
+  EXPECT_LT(absl::Now() - started, absl::Seconds(30));  // the server waits 60 s for a lane
 }
 
 // With the server's default workspace a call of 8000 rows computes in one chunk, whose results
@@ -2492,6 +2557,13 @@ TEST(ChannelOptionsTest, RejectsUnusableSettings) {
   const absl::Status no_connections = Client::Connect(options).status();
   EXPECT_EQ(no_connections.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StrContains(no_connections.message(), "compute_connections")) << no_connections;
+  for (const int lanes : {0, 9}) {  // a call on no connection; past the server's 8
+    options = ChannelOptions();
+    options.compute_socket_lanes = lanes;
+    const absl::Status bad_lanes = Client::Connect(options).status();
+    EXPECT_EQ(bad_lanes.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(FieldOf(bad_lanes), "compute_socket_lanes") << bad_lanes;
+  }
   options = ChannelOptions();
   options.compute_socket = true;  // its rows would go in the clear beside a TLS channel
   options.tls_root_cert_pem = "-----BEGIN CERTIFICATE-----";

@@ -498,6 +498,12 @@ absl::Status ValidateChannelOptions(const ChannelOptions& options) {
     return InvalidField("compute_connections", "at least 1",
                         absl::StrCat(options.compute_connections));
   }
+  if (options.compute_socket_lanes < 1 ||
+      options.compute_socket_lanes > wire::kComputeSocketMaxLanes) {
+    return InvalidField("compute_socket_lanes",
+                        absl::StrCat("1 to ", wire::kComputeSocketMaxLanes, " connections"),
+                        absl::StrCat(options.compute_socket_lanes));
+  }
   if (options.keepalive_time <= absl::ZeroDuration() ||
       options.keepalive_timeout <= absl::ZeroDuration()) {
     return InvalidField("keepalive_time/keepalive_timeout", "positive durations",
@@ -1322,8 +1328,17 @@ absl::Status Client::RunComputeOverSocket(const ComputeRequest& request,
                                           v1::ComputeRequest& start_message, ComputeResult& result,
                                           ComputeSocketPool& socket) const {
   ASSIGN_OR_RETURN(
-      const int64_t rows_per_message,
+      int64_t rows_per_message,
       RowsPerMessage(request.rows_per_message, ChunkRowBytes(request), options_.max_message_bytes));
+  // No more lanes than messages of rows: a lane with none to carry only waits.
+  const int lanes = static_cast<int>(
+      std::clamp<int64_t>((request.hidden.rows + rows_per_message - 1) / rows_per_message, 1,
+                          options_.compute_socket_lanes));
+  if (lanes > 1 && request.rows_per_message == 0) {
+    // A round of messages, one on each lane, holds what one message would, so that each fits in
+    // its socket's buffers and every lane keeps moving while the server reads the others in turn.
+    rows_per_message = (rows_per_message + lanes - 1) / lanes;
+  }
   ASSIGN_OR_RETURN(const DType grad_dtype, GradHiddenDType(request));
   const absl::Time deadline = options_.deadline == absl::InfiniteDuration()
                                   ? absl::InfiniteFuture()
@@ -1369,7 +1384,7 @@ absl::Status Client::RunComputeOverSocket(const ComputeRequest& request,
       [&](const v1::ComputeResult& piece, int64_t bytes) {
         return made.ok() ? assembler->GradHiddenPlace(piece, bytes) : nullptr;
       },
-      deadline, &bytes_sent, &bytes_received, &unusable);
+      deadline, &bytes_sent, &bytes_received, &unusable, lanes);
   // A socket the client chose by itself that cannot take the call (full, or out of reach): the
   // call, which never began there, goes over gRPC.
   const bool chosen_by_client =

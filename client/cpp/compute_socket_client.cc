@@ -4,6 +4,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -154,6 +155,129 @@ class SocketSink final : public RequestSink {
   bool failed_ = false;
 };
 
+// The call's frames onto its lanes: frame m on lane m mod lanes, each lane written by a thread of
+// its own, so that every lane keeps sending while another waits for its peer to take bytes. Send
+// waits only until the lane's previous frame has left; the frames lend the caller's rows, which
+// outlive the call.
+class LanedSink final : public RequestSink {
+ public:
+  LanedSink(const std::vector<wire::SocketConnection*>& lanes, absl::Time deadline, int cancel_fd)
+      : deadline_(deadline), cancel_fd_(cancel_fd), lanes_(lanes.size()) {
+    for (size_t i = 0; i < lanes.size(); ++i) {
+      lanes_[i].connection = lanes[i];
+      lanes_[i].thread = std::thread([this, i] { Run(lanes_[i]); });
+    }
+  }
+  LanedSink(const LanedSink&) = delete;
+  LanedSink& operator=(const LanedSink&) = delete;
+  ~LanedSink() { Close(); }
+
+  // Waits until every frame posted has left (or failed), and ends the lanes' threads.
+  void Close() {
+    {
+      absl::MutexLock lock(&mu_);
+      closing_ = true;
+    }
+    for (Lane& lane : lanes_) {
+      if (lane.thread.joinable()) lane.thread.join();
+    }
+  }
+
+  bool Send(const wire::ComputeRequestFrame& frame) override {
+    return Post(sent_++ % lanes_.size(), v1::FRAME_MESSAGE, frame.Encode());
+  }
+  // After the last frame: a half-close on every lane.
+  void HalfCloseAll() {
+    for (size_t i = 0; i < lanes_.size(); ++i) Post(i, v1::FRAME_HALF_CLOSE, grpc::ByteBuffer());
+  }
+  bool failed() const {
+    absl::MutexLock lock(&mu_);
+    return failed_;
+  }
+  int64_t bytes_sent() const {
+    absl::MutexLock lock(&mu_);
+    return bytes_;
+  }
+
+ private:
+  struct Lane {
+    wire::SocketConnection* connection = nullptr;
+    std::optional<std::pair<uint32_t, grpc::ByteBuffer>> next;  // the frame to send next
+    std::thread thread;
+  };
+
+  bool Post(size_t index, uint32_t kind, grpc::ByteBuffer message) {
+    Lane& lane = lanes_[index];
+    absl::MutexLock lock(&mu_);
+    const auto free = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return failed_ || !lane.next.has_value();
+    };
+    mu_.Await(absl::Condition(&free));
+    if (failed_) return false;
+    lane.next.emplace(kind, std::move(message));
+    return true;
+  }
+
+  void Run(Lane& lane) {
+    while (true) {
+      std::pair<uint32_t, grpc::ByteBuffer> frame;
+      {
+        absl::MutexLock lock(&mu_);
+        const auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          return closing_ || lane.next.has_value();
+        };
+        mu_.Await(absl::Condition(&ready));
+        if (!lane.next.has_value()) return;  // closing, nothing left to send
+        frame = std::move(*lane.next);
+      }
+      std::vector<grpc::Slice> slices;
+      wire::FrameHeader header;
+      const wire::SocketIo io = lane.connection->WriteAll(
+          wire::FrameParts(frame.first, frame.second, slices, header), deadline_, {cancel_fd_});
+      absl::MutexLock lock(&mu_);
+      lane.next.reset();  // Post may fill it again: the frame has left (or never will)
+      if (io == wire::SocketIo::kDone) {
+        bytes_ += static_cast<int64_t>(sizeof(header) + header.length);
+      } else {
+        failed_ = true;
+      }
+    }
+  }
+
+  const absl::Time deadline_;
+  const int cancel_fd_;
+  size_t sent_ = 0;  // frames handed to Send: the sending thread's alone
+  mutable absl::Mutex mu_;
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  bool failed_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<Lane> lanes_;  // each Lane's `next` under mu_
+};
+
+// Draws a call's key for its lanes (ComputeSocketLanes.call_key): unguessable to other clients.
+absl::StatusOr<std::string> NewCallKey() {
+  std::string key(32, '\0');
+  size_t got = 0;
+  while (got < key.size()) {
+    const ssize_t n = getrandom(key.data() + got, key.size() - got, 0);
+    if (n < 0 && errno != EINTR) return ErrnoError("getrandom", errno);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  return key;
+}
+
+// Sends one small frame of `kind` carrying `message`.
+wire::SocketIo SendSmallFrame(wire::SocketConnection& connection, uint32_t kind,
+                              const google::protobuf::MessageLite& message, absl::Time deadline) {
+  const std::string payload = message.SerializeAsString();
+  wire::FrameHeader header;
+  header.kind = kind;
+  header.length = payload.size();
+  return connection.WriteAll(
+      {iovec{&header, sizeof(header)}, iovec{const_cast<char*>(payload.data()), payload.size()}},
+      deadline);
+}
+
 }  // namespace
 
 ComputeSocketPool::ComputeSocketPool(std::string host, int port, std::string token,
@@ -235,12 +359,7 @@ absl::StatusOr<std::unique_ptr<wire::SocketConnection>> ComputeSocketPool::Conne
 
   v1::ComputeSocketHello hello;
   hello.set_token(token_);
-  std::string payload = hello.SerializeAsString();
-  wire::FrameHeader header;
-  header.kind = v1::FRAME_HELLO;
-  header.length = payload.size();
-  if (const wire::SocketIo io = connection->WriteAll(
-          {iovec{&header, sizeof(header)}, iovec{payload.data(), payload.size()}}, deadline);
+  if (const wire::SocketIo io = SendSmallFrame(*connection, v1::FRAME_HELLO, hello, deadline);
       io != wire::SocketIo::kDone) {
     return IoError(io, "saying hello", where);
   }
@@ -259,23 +378,49 @@ absl::StatusOr<std::unique_ptr<wire::SocketConnection>> ComputeSocketPool::Conne
 }
 
 ComputeSocketPool::Outcome ComputeSocketPool::CallOn(
-    wire::SocketConnection& connection, absl::FunctionRef<void(RequestSink&)> send,
+    const std::vector<wire::SocketConnection*>& lanes, absl::FunctionRef<void(RequestSink&)> send,
     absl::FunctionRef<absl::Status(wire::ComputeResponseFrame&)> take, GradHiddenPlace place,
     absl::Time deadline, int64_t* bytes_sent, int64_t* bytes_received) {
   const std::string where = address();
   const UniqueFd cancel = wire::NewEventFd();
   if (!cancel.valid()) return {ErrnoError("eventfd", errno), false};
+  if (lanes.size() > 1) {
+    absl::StatusOr<std::string> key = NewCallKey();
+    if (!key.ok()) return {key.status(), false};
+    v1::ComputeSocketLanes asked;
+    asked.set_call_key(*key);
+    asked.set_lanes(static_cast<uint32_t>(lanes.size()));
+    wire::SocketIo io = SendSmallFrame(*lanes[0], v1::FRAME_LANES, asked, deadline);
+    for (size_t lane = 1; lane < lanes.size() && io == wire::SocketIo::kDone; ++lane) {
+      v1::ComputeSocketJoin join;
+      join.set_call_key(*key);
+      join.set_lane(static_cast<uint32_t>(lane));
+      io = SendSmallFrame(*lanes[lane], v1::FRAME_JOIN, join, deadline);
+    }
+    if (io != wire::SocketIo::kDone) return {IoError(io, "opening the call's lanes", where), false};
+  }
   // The sender runs beside the reader: the server stops reading rows while its results wait to
   // be read, so one thread doing both could wait on itself for a large batch.
   std::thread sender([&] {
-    SocketSink sink(connection, deadline, cancel.get(), bytes_sent);
+    if (lanes.size() == 1) {
+      SocketSink sink(*lanes[0], deadline, cancel.get(), bytes_sent);
+      send(sink);
+      if (!sink.failed()) sink.HalfClose();
+      return;
+    }
+    LanedSink sink(lanes, deadline, cancel.get());
     send(sink);
-    if (!sink.failed()) sink.HalfClose();
+    if (!sink.failed()) sink.HalfCloseAll();
+    sink.Close();
+    if (bytes_sent != nullptr) *bytes_sent += sink.bytes_sent();
   });
   Outcome outcome;
+  // The server's message r comes on lane r mod lanes; its status on every lane.
+  size_t read = 0;
   while (true) {
-    absl::StatusOr<Frame> frame = ReadFrame(connection, max_message_bytes_, receive_buffers_.get(),
-                                            deadline, where, bytes_received, &place);
+    absl::StatusOr<Frame> frame =
+        ReadFrame(*lanes[read % lanes.size()], max_message_bytes_, receive_buffers_.get(), deadline,
+                  where, bytes_received, &place);
     if (!frame.ok()) {
       outcome.status = frame.status();
       break;
@@ -284,6 +429,19 @@ ComputeSocketPool::Outcome ComputeSocketPool::CallOn(
     if (frame->kind == v1::FRAME_STATUS) {
       absl::StatusOr<v1::RpcStatus> status = ParseStatus(frame->body, where);
       outcome.status = status.ok() ? FromRpcStatus(*status) : status.status();
+      for (size_t other = 1; other < lanes.size() && outcome.status.ok(); ++other) {
+        // Read, so that each lane is clean for the next call.
+        absl::StatusOr<Frame> copy =
+            ReadFrame(*lanes[(read + other) % lanes.size()], max_message_bytes_, nullptr, deadline,
+                      where, bytes_received);
+        if (!copy.ok()) {
+          outcome.status = copy.status();
+        } else if (copy->kind != v1::FRAME_STATUS) {
+          outcome.status = absl::InternalError(
+              absl::StrCat("the Compute socket at ", where, " sent a ",
+                           wire::FrameKindName(copy->kind), " after the call's status"));
+        }
+      }
       break;
     }
     if (frame->kind != v1::FRAME_MESSAGE) {
@@ -291,6 +449,7 @@ ComputeSocketPool::Outcome ComputeSocketPool::CallOn(
                                                         wire::FrameKindName(frame->kind)));
       break;
     }
+    ++read;
     wire::ComputeResponseFrame response;
     const grpc::ByteBuffer message =
         frame->placed.empty() ? grpc::ByteBuffer(&frame->body, 1)
@@ -307,38 +466,51 @@ ComputeSocketPool::Outcome ComputeSocketPool::CallOn(
   return outcome;
 }
 
+void ComputeSocketPool::KeepIdle(std::vector<std::unique_ptr<wire::SocketConnection>> connections) {
+  absl::MutexLock lock(&mu_);
+  for (auto& connection : connections) {
+    if (idle_.size() < kMaxIdleConnections) idle_.push_back(std::move(connection));
+  }
+}
+
 absl::Status ComputeSocketPool::Call(
     absl::FunctionRef<void()> begin, absl::FunctionRef<void(RequestSink&)> send,
     absl::FunctionRef<absl::Status(wire::ComputeResponseFrame&)> take, GradHiddenPlace place,
-    absl::Time deadline, int64_t* bytes_sent, int64_t* bytes_received, bool* unusable) {
+    absl::Time deadline, int64_t* bytes_sent, int64_t* bytes_received, bool* unusable, int lanes) {
   if (unusable != nullptr) *unusable = false;
-  std::unique_ptr<wire::SocketConnection> connection;
+  const size_t count = static_cast<size_t>(std::clamp(lanes, 1, wire::kComputeSocketMaxLanes));
+  std::vector<std::unique_ptr<wire::SocketConnection>> connections;
   {
     absl::MutexLock lock(&mu_);
-    if (!idle_.empty()) {
-      connection = std::move(idle_.back());
+    while (!idle_.empty() && connections.size() < count) {
+      connections.push_back(std::move(idle_.back()));
       idle_.pop_back();
     }
   }
-  if (connection != nullptr) {
+  // Those the server closed while they sat idle are no use: a lane among them would keep the call
+  // waiting for it to join.
+  std::erase_if(connections, [](const auto& connection) { return connection->PeerGone(); });
+  const auto run = [&]() -> absl::StatusOr<Outcome> {
+    while (connections.size() < count) {
+      ASSIGN_OR_RETURN(std::unique_ptr<wire::SocketConnection> fresh, Connect(deadline, unusable));
+      connections.push_back(std::move(fresh));
+    }
+    std::vector<wire::SocketConnection*> used;
+    for (const auto& connection : connections) used.push_back(connection.get());
     begin();
-    Outcome kept = CallOn(*connection, send, take, place, deadline, bytes_sent, bytes_received);
+    return CallOn(used, send, take, place, deadline, bytes_sent, bytes_received);
+  };
+  if (!connections.empty()) {
+    ASSIGN_OR_RETURN(const Outcome kept, run());
     // A kept connection the server closed while it sat idle: the call never began there.
     if (kept.answered || !absl::IsUnavailable(kept.status)) {
-      if (kept.status.ok()) {
-        absl::MutexLock lock(&mu_);
-        if (idle_.size() < kMaxIdleConnections) idle_.push_back(std::move(connection));
-      }
+      if (kept.status.ok()) KeepIdle(std::move(connections));
       return kept.status;
     }
+    connections.clear();
   }
-  ASSIGN_OR_RETURN(connection, Connect(deadline, unusable));
-  begin();
-  Outcome fresh = CallOn(*connection, send, take, place, deadline, bytes_sent, bytes_received);
-  if (fresh.status.ok()) {
-    absl::MutexLock lock(&mu_);
-    if (idle_.size() < kMaxIdleConnections) idle_.push_back(std::move(connection));
-  }
+  ASSIGN_OR_RETURN(const Outcome fresh, run());
+  if (fresh.status.ok()) KeepIdle(std::move(connections));
   return fresh.status;
 }
 

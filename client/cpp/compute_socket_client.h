@@ -1,6 +1,7 @@
 // The C++ client's end of the Compute socket (ComputeSocket in lossd.proto): Compute calls'
-// messages on plain TCP connections of their own, kept between calls (one per call in flight).
-// The Python client's lossd/_compute_socket.py is the same for Python.
+// messages on plain TCP connections of their own, kept between calls (one per call in flight, or
+// one per lane of a call spread over several). The Python client's lossd/_compute_socket.py is the
+// same for Python.
 #ifndef LOSSD_CLIENT_COMPUTE_SOCKET_CLIENT_H_
 #define LOSSD_CLIENT_COMPUTE_SOCKET_CLIENT_H_
 
@@ -51,11 +52,12 @@ class ComputeSocketPool {
   // or could not be reached (now, or within the last minute: a port the network does not pass).
   // Such a call may go another way. A large result's dL/dh is received where `place` says (the
   // response `take` gets then holds it there, and copying it there is nothing to do:
-  // BulkBytes::CopyTo).
+  // BulkBytes::CopyTo). With `lanes` > 1 the call's frames spread over that many connections
+  // (ComputeSocketLanes), each lane sent by a thread of its own.
   absl::Status Call(absl::FunctionRef<void()> begin, absl::FunctionRef<void(RequestSink&)> send,
                     absl::FunctionRef<absl::Status(wire::ComputeResponseFrame&)> take,
                     GradHiddenPlace place, absl::Time deadline, int64_t* bytes_sent,
-                    int64_t* bytes_received, bool* unusable = nullptr);
+                    int64_t* bytes_received, bool* unusable = nullptr, int lanes = 1);
 
   std::string address() const;
 
@@ -67,10 +69,14 @@ class ComputeSocketPool {
   // A new connection, its HELLO answered; `*unusable` as for Call.
   absl::StatusOr<std::unique_ptr<wire::SocketConnection>> Connect(absl::Time deadline,
                                                                   bool* unusable);
-  Outcome CallOn(wire::SocketConnection& connection, absl::FunctionRef<void(RequestSink&)> send,
+  // The call on `lanes` (lane 0 first).
+  Outcome CallOn(const std::vector<wire::SocketConnection*>& lanes,
+                 absl::FunctionRef<void(RequestSink&)> send,
                  absl::FunctionRef<absl::Status(wire::ComputeResponseFrame&)> take,
                  GradHiddenPlace place, absl::Time deadline, int64_t* bytes_sent,
                  int64_t* bytes_received);
+  // Keeps `connections` for later calls, as far as there is room.
+  void KeepIdle(std::vector<std::unique_ptr<wire::SocketConnection>> connections);
 
   const std::string host_;
   const int port_;

@@ -172,6 +172,9 @@ const std::vector<FlagSpec>& GlobalFlags() {
       {"compute_socket", FlagKind::kString, "auto",
        "compute calls' messages over the server's Compute socket (plain TCP beside gRPC): auto "
        "(where the server offers one and there is no TLS), true, or false (gRPC)"},
+      {"compute_socket_lanes", FlagKind::kInt, "1",
+       "connections (1 to 8) one compute call over the Compute socket spreads its messages over, "
+       "for a network where one TCP flow cannot fill the link"},
       {"deadline_seconds", FlagKind::kDouble, "0", "deadline of each call in seconds; 0 sets none"},
       {"max_attempts", FlagKind::kInt, "4",
        "attempts per compute call: UNAVAILABLE and DEADLINE_EXCEEDED are retried with backoff, "
@@ -233,6 +236,8 @@ absl::StatusOr<Client> ConnectFromFlags(const Flags& flags) {
     return UsageError(absl::StrCat("--compute_socket: expected auto, true or false, got \"",
                                    compute_socket, "\""));
   }
+  options.compute_socket_lanes = static_cast<int>(
+      std::clamp<int64_t>(flags.Int("compute_socket_lanes"), INT32_MIN, INT32_MAX));
   const double deadline_seconds = flags.Double("deadline_seconds");
   if (deadline_seconds < 0) {
     return UsageError(absl::StrCat("--deadline_seconds: expected >= 0, got ", deadline_seconds));

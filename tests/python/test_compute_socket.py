@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from server_process import demo_server, ensure_python_client
-from test_client import CASES, check_case_against_torch, random_batch
+from test_client import (CASES, GRAD_RTOL, LOSS_RTOL, check_case_against_torch, random_batch,
+                         relative_error)
 
 ensure_python_client()
 import lossd  # noqa: E402
@@ -65,6 +66,13 @@ def over_grpc(server):
 @pytest.fixture(scope="module")
 def over_socket(server):
     with lossd.Client(server.address, timeout=600, compute_socket=True) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def over_lanes(server):
+    with lossd.Client(server.address, timeout=600, compute_socket=True,
+                      compute_socket_lanes=3) as c:
         yield c
 
 
@@ -334,6 +342,11 @@ def test_calls_reuse_one_connection_and_concurrent_calls_take_their_own(over_soc
     for _ in range(3):
         over_socket.compute(head.head, hidden.numpy(), labels.numpy())
     assert len(over_socket._compute_socket._idle) == 1
+    kept = over_socket._compute_socket._idle[0]
+    over_socket.compute(head.head, hidden.numpy(), labels.numpy())
+    # The same connection: not one replaced after the server closed it while idle (the check for
+    # a closed one must not wait for that).
+    assert over_socket._compute_socket._idle == [kept]
     errors = []
 
     def call():
@@ -351,12 +364,255 @@ def test_calls_reuse_one_connection_and_concurrent_calls_take_their_own(over_soc
     assert 1 <= len(over_socket._compute_socket._idle) <= 3
 
 
-def test_a_connection_the_server_closed_while_idle_is_replaced(over_socket, head):
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_a_connection_the_server_closed_while_idle_is_replaced(server, head, lanes):
     hidden, labels = random_batch(50)
-    over_socket.compute(head.head, hidden.numpy(), labels.numpy())
-    time.sleep(4)  # past --compute_socket_idle_seconds=2: the server has closed the kept one
-    result = over_socket.compute(head.head, hidden.numpy(), labels.numpy())
-    assert result.attempts == 1 and result.transport == "compute_socket"
+    with lossd.Client(server.address, timeout=600, compute_socket=True,
+                      compute_socket_lanes=lanes) as client:
+        client.compute(head.head, hidden.numpy(), labels.numpy(), rows_per_message=20)
+        assert len(client._compute_socket._idle) == lanes
+        time.sleep(4)  # past --compute_socket_idle_seconds=2: the server has closed the kept ones
+        result = client.compute(head.head, hidden.numpy(), labels.numpy(), rows_per_message=20)
+        assert result.attempts == 1 and result.transport == "compute_socket"
+
+
+# --- lanes: one call over several connections ------------------------------------------------------
+
+LANE_SHAPES = {
+    # case -> (tokens, rows_per_message, lanes the client may use, lanes the call takes)
+    "many_rounds": (700, 50, 3, 3),  # 14 messages of rows: each lane carries several
+    "uneven_last_round": (531, 40, 3, 3),  # the last round fills one lane of three
+    "more_lanes_than_messages": (100, 50, 8, 2),  # no lane without rows to carry
+    "one_message": (40, None, 4, 1),  # a call of one message of rows keeps to one connection
+    "one_row": (1, 1, 4, 1),  # N = 1
+    "bfloat16_rows": (300, 16, 4, 4),  # dL/dh back in bfloat16, spread over the lanes
+    "all_lanes_the_server_takes": (600, 25, 8, 8),  # the most a call may use
+}
+
+
+@pytest.mark.parametrize("case", LANE_SHAPES)
+def test_lanes_give_the_same_bits_as_grpc(server, over_grpc, head, case):
+    tokens, rows_per_message, lanes, used = LANE_SHAPES[case]
+    rng = np.random.default_rng()
+    hidden = rng.standard_normal((tokens, HIDDEN), dtype=np.float32)
+    if case == "bfloat16_rows":
+        hidden = lossd.float32_to_bfloat16_bits(hidden)
+    labels = rng.integers(0, VOCAB, tokens)
+    labels[::7] = -100
+    outputs = ["grad_hidden", "token_loss", "logprob", "lse", "entropy", "argmax"]
+    expected = over_grpc.compute(head.head, hidden, labels, outputs=outputs, top_k=3,
+                                 rows_per_message=rows_per_message)
+    with lossd.Client(server.address, timeout=600, compute_socket=True,
+                      compute_socket_lanes=lanes) as client:
+        for _ in range(2):  # on fresh connections, then on the kept ones
+            got = client.compute(head.head, hidden, labels, outputs=outputs, top_k=3,
+                                 rows_per_message=rows_per_message)
+            assert got.transport == "compute_socket"
+            assert len(client._compute_socket._idle) == used  # each lane kept for the next call
+            assert got.loss == expected.loss and np.isfinite(got.loss)
+            for name in outputs + ["top_k_token", "top_k_logprob"]:
+                assert np.array_equal(getattr(got, name), getattr(expected, name)), name
+
+
+def test_kept_lanes_the_server_closed_meanwhile_are_replaced(server, head):
+    """Some kept connections closed by the server (idle past --compute_socket_idle_seconds=2),
+    another still open: the call takes fresh lanes for the closed ones at once, rather than wait
+    on lane 0 for lanes that can never join."""
+    hidden, labels = random_batch(100)
+    with lossd.Client(server.address, timeout=600, compute_socket=True,
+                      compute_socket_lanes=3) as client:
+        client.compute(head.head, hidden.numpy(), labels.numpy(), rows_per_message=10)
+        time.sleep(1.2)
+        # One message of rows: one connection, whose idle time starts again.
+        client.compute(head.head, hidden.numpy(), labels.numpy())
+        time.sleep(1.2)  # the other two, idle 2.4 s, are closed now
+        started = time.monotonic()
+        result = client.compute(head.head, hidden.numpy(), labels.numpy(), rows_per_message=10)
+        assert result.attempts == 1 and result.transport == "compute_socket"
+        assert time.monotonic() - started < IDLE_SECONDS  # no wait for a lane that never joins
+
+
+def test_lanes_match_torch_in_float64(over_lanes, head):
+    # Enough rows for several messages of the client's own size (none given), which it cuts
+    # smaller for the lanes.
+    hidden, labels = random_batch(40000)
+    result = over_lanes.compute(head.head, hidden.numpy(), labels.numpy(),
+                                outputs=["grad_hidden"])
+    assert result.transport == "compute_socket"
+    assert len(over_lanes._compute_socket._idle) == 3
+    h = hidden.double().requires_grad_()
+    loss = torch.nn.functional.cross_entropy(h @ head.fetch_weight().double().T, labels,
+                                             ignore_index=-100)
+    loss.backward()
+    assert relative_error(torch.tensor(result.loss), loss.detach()) < LOSS_RTOL
+    assert relative_error(torch.from_numpy(result.grad_hidden), h.grad) < GRAD_RTOL
+
+
+@pytest.mark.parametrize("mistake,code,field", [
+    ("label_out_of_range", "INVALID_ARGUMENT", "labels[3]"),  # refused at the call's start
+    ("unknown_head", "NOT_FOUND", None),  # refused before any row is read
+])
+def test_a_call_over_lanes_fails_as_over_grpc(over_grpc, over_lanes, head, mistake, code, field):
+    hidden, labels = random_batch(400)
+    labels = labels.numpy()
+    name = head.head
+    if mistake == "label_out_of_range":
+        labels[3] = VOCAB + 7
+    else:
+        name = "no-such-head"
+    errors = []
+    for client in (over_grpc, over_lanes):
+        with pytest.raises(lossd.LossdError) as error:
+            client.compute(name, hidden.numpy(), labels, rows_per_message=50)
+        errors.append(error.value)
+    assert errors[0].code == errors[1].code == code
+    assert errors[0].message == errors[1].message
+    assert errors[1].field == field
+    # Every lane of the failed call is closed; the next call opens fresh ones.
+    result = over_lanes.compute(head.head, hidden.numpy(), random_batch(400)[1].numpy(),
+                                rows_per_message=50)
+    assert result.loss > 0 and result.attempts == 1
+
+
+def lanes_frame(key, lanes):
+    return frame(pb.FRAME_LANES,
+                 pb.ComputeSocketLanes(call_key=key, lanes=lanes).SerializeToString())
+
+
+def join_frame(key, lane):
+    return frame(pb.FRAME_JOIN, pb.ComputeSocketJoin(call_key=key, lane=lane).SerializeToString())
+
+
+def hello_from(server, client, source="127.0.0.1"):
+    sock = socket.create_connection(("127.0.0.1", socket_port(client)), timeout=60,
+                                    source_address=(source, 0))
+    sock.sendall(frame(pb.FRAME_HELLO, pb.ComputeSocketHello().SerializeToString()))
+    assert read_status(sock).code == 0
+    return sock
+
+
+def test_a_raw_call_over_two_lanes_takes_turns(server, over_grpc, head):
+    """The framing as lossd.proto gives it, spoken by hand: message m on lane m mod 2, a
+    half-close and the status on each lane, and both connections kept for the next call."""
+    rows = np.random.default_rng().standard_normal((90, HIDDEN), dtype=np.float32)
+    start = pb.ComputeStart(head=head.head, num_tokens=90, hidden_size=HIDDEN,
+                            hidden_dtype=pb.DTYPE_FLOAT32, labels=list(range(90)),
+                            outputs=pb.OutputSelection(grad_hidden=True))
+    expected = over_grpc.compute(head.head, rows, np.arange(90), outputs=["grad_hidden"])
+    with hello_from(server, over_grpc) as lane0, hello_from(server, over_grpc) as lane1:
+        for _ in range(2):
+            key = np.random.default_rng().bytes(24)
+            lane1.sendall(join_frame(key, 1))
+            lane0.sendall(lanes_frame(key, 2) + frame(pb.FRAME_MESSAGE, _wire.encode_start(start)))
+            lane1.sendall(chunk_frame(rows[:40]))
+            lane0.sendall(chunk_frame(rows[40:]))
+            for lane in (lane0, lane1):
+                lane.sendall(frame(pb.FRAME_HALF_CLOSE))
+            grad = np.empty_like(rows)
+            summary = None
+            for r in range(100):
+                kind, body = read_frame((lane0, lane1)[r % 2])
+                if kind == pb.FRAME_STATUS:
+                    assert pb.RpcStatus.FromString(body).code == 0
+                    break
+                response = _wire.decode_response(memoryview(body))
+                if isinstance(response, pb.ComputeSummary):
+                    summary = response
+                    continue
+                chunk = response.message
+                grad[chunk.row_offset:chunk.row_offset + chunk.num_rows] = np.frombuffer(
+                    response.grad_hidden, np.float32).reshape(chunk.num_rows, HIDDEN)
+            # The other lane's copy of the status follows its last message.
+            assert read_status((lane0, lane1)[(r + 1) % 2]).code == 0
+            assert summary is not None and summary.loss == expected.loss
+            assert np.array_equal(grad, expected.grad_hidden)
+
+
+LANE_MISTAKES = {
+    # case -> (frame after a good HELLO, status code, field, or None where the message says)
+    "lanes_key_too_short": (lambda: lanes_frame(b"k" * 8, 2), 3, "lanes.call_key"),
+    "lanes_key_too_long": (lambda: lanes_frame(b"k" * 65, 2), 3, "lanes.call_key"),
+    "one_lane": (lambda: lanes_frame(b"k" * 16, 1), 3, "lanes.lanes"),  # not a spread call
+    "nine_lanes": (lambda: lanes_frame(b"k" * 16, 9), 3, "lanes.lanes"),  # past the server's 8
+    "join_lane_zero": (lambda: join_frame(b"k" * 16, 0), 3, "join.lane"),  # lane 0 runs the call
+    "join_lane_eight": (lambda: join_frame(b"k" * 16, 8), 3, "join.lane"),
+    "lanes_that_do_not_parse": (lambda: frame(pb.FRAME_LANES, b"\xff\xff"), 3, "lanes"),
+    "join_too_long": (lambda: frame(pb.FRAME_JOIN, b"\0" * 5000), 3, "frame.length"),
+    # Waits the stream idle limit for lanes that never come, naming them.
+    "lanes_that_never_join": (lambda: lanes_frame(np.random.default_rng().bytes(16), 3), 4,
+                              None),
+    # Waits the stream idle limit for a call that never claims the lane.
+    "join_that_no_call_claims": (lambda: join_frame(np.random.default_rng().bytes(16), 1), 4,
+                                 None),
+}
+
+
+@pytest.mark.parametrize("case", LANE_MISTAKES)
+def test_a_bad_lane_frame_is_answered_and_closed(server, over_grpc, over_lanes, head, case):
+    make, code, field = LANE_MISTAKES[case]
+    with hello_from(server, over_grpc) as sock:
+        sock.sendall(make())
+        status = read_status(sock)
+        assert status.code == code, status
+        if field is not None:
+            assert field_of(status) == field, status
+        if case == "lanes_that_never_join":
+            assert "lane 1, 2 of 3 did not join" in status.message, status
+        assert closed_by_server(sock)
+    hidden, labels = random_batch(400)
+    assert over_lanes.compute(head.head, hidden.numpy(), labels.numpy(),
+                              rows_per_message=50).loss > 0
+
+
+def test_a_lane_from_another_host_does_not_join(server, over_grpc, head):
+    """Lanes meet by key and host: a connection from 127.0.0.2 that presents lane 0's key (from
+    127.0.0.1) joins nothing, and lane 0 waits for its own lane until the idle limit."""
+    key = np.random.default_rng().bytes(32)
+    with hello_from(server, over_grpc) as lane0, \
+            hello_from(server, over_grpc, source="127.0.0.2") as stranger:
+        stranger.sendall(join_frame(key, 1))
+        lane0.sendall(lanes_frame(key, 2))
+        for sock, says in ((lane0, "lane 1 of 2 did not join"), (stranger, "no call claimed")):
+            status = read_status(sock)
+            assert status.code == 4 and says in status.message, status
+            assert closed_by_server(sock)
+
+
+def test_a_lane_joined_twice_is_refused(server, over_grpc, head):
+    key = np.random.default_rng().bytes(16)
+    with hello_from(server, over_grpc) as first, hello_from(server, over_grpc) as second:
+        first.sendall(join_frame(key, 1))
+        second.sendall(join_frame(key, 1))
+        # One of the two waits for the call; the other is refused at once.
+        refused = []
+        for sock in (first, second):
+            sock.settimeout(IDLE_SECONDS / 2)
+            try:
+                refused.append(read_status(sock))
+            except socket.timeout:
+                pass
+        assert [status.code for status in refused] == [6], refused
+        assert field_of(refused[0]) == "join.lane"
+
+
+def test_a_lane_that_vanishes_mid_call_leaves_no_gradient(server, over_grpc, over_lanes, head):
+    rows = np.random.default_rng().standard_normal((400, HIDDEN), dtype=np.float32)
+    key = np.random.default_rng().bytes(16)
+    with hello_from(server, over_grpc) as lane0:
+        with hello_from(server, over_grpc) as lane1:
+            lane1.sendall(join_frame(key, 1))
+            lane0.sendall(lanes_frame(key, 2) + start_frame(head.head, 400, accumulate=True))
+            lane1.sendall(chunk_frame(rows[:250]))
+            time.sleep(0.5)  # the server computes what it has
+        # Lane 1 is gone: the call ends, and lane 0 hears why before it closes.
+        kinds, _ = frames_until_closed(lane0)
+        assert kinds and kinds[-1][0] == pb.FRAME_STATUS
+        assert pb.RpcStatus.FromString(kinds[-1][1]).code != 0
+    wait_for_no_call_in_flight(server)
+    assert not head.fetch_grad_weight().any()
+    hidden, labels = random_batch(400)
+    assert over_lanes.compute(head.head, hidden.numpy(), labels.numpy(),
+                              rows_per_message=50).loss > 0
 
 
 # --- errors -------------------------------------------------------------------------------------

@@ -8,7 +8,12 @@ of the connection are busy at once; each large result's dL/dh is received straig
 of the array the call returns. Connections are kept between calls (one per call in flight),
 and one that has sat idle may have been closed by the server meanwhile: a call that finds its kept
 connection closed before any answer came is sent again on a fresh one.
+
+A call may spread over several connections (its lanes, ComputeSocketLanes in lossd.proto) for a
+network where one TCP flow cannot carry what the link does: message m travels on lane m mod
+lanes, each lane's messages sent by a thread of its own, and the results are read in turn.
 """
+import os
 import socket
 import struct
 import threading
@@ -36,6 +41,10 @@ _CONNECT_SECONDS = 10
 # After the socket could not be reached, calls go another way for this long before it is tried
 # again.
 _UNREACHABLE_SECONDS = 60
+# A call's lanes (the server takes 2 to 8, lane 0 counted) meet under a key of this many random
+# bytes (16 to 64).
+MAX_LANES = 8
+_CALL_KEY_BYTES = 32
 
 
 def _nowhere(result, nbytes):
@@ -167,6 +176,20 @@ class _Connection:
         self._read_into(target[arrived:], True)
         return kind, _wire.Result(message, None, placed=True)
 
+    def closed_by_peer(self):
+        """Whether the server has closed this (idle) connection: its end is readable now."""
+        timeout = self.sock.gettimeout()
+        # Non-blocking for the peek: with a timeout Python would wait for bytes first.
+        self.sock.setblocking(False)
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        finally:
+            self.sock.settimeout(timeout)
+
     def close(self):
         try:
             # Wakes a thread that sends on it (close alone would not).
@@ -220,65 +243,101 @@ class ComputeSocket:
         host, port = self.address
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    def responses(self, make_frames, place=None):
+    def responses(self, make_frames, place=None, lanes=1):
         """The call's responses (pb.ComputeSummary and _wire.Result) as they arrive, the frames
-        of make_frames() (each a list of bytes-like pieces of one ComputeRequest) sent meanwhile;
-        raises LossdError as the same call over gRPC would. place(result, nbytes): where a
-        result's dL/dh goes, if it can go there straight (_Connection.read_response)."""
+        of make_frames() (each a list of bytes-like pieces of one ComputeRequest) sent meanwhile
+        over `lanes` connections; raises LossdError as the same call over gRPC would.
+        place(result, nbytes): where a result's dL/dh goes, if it can go there straight
+        (_Connection.read_response)."""
         with self._lock:
-            kept = self._idle.pop() if self._idle else None
-        if kept is not None:
+            kept = [self._idle.pop() for _ in range(min(lanes, len(self._idle)))]
+        # Those the server closed while they sat idle are no use: a lane among them would keep
+        # the call waiting for it to join.
+        for connection in [c for c in kept if c.closed_by_peer()]:
+            kept.remove(connection)
+            connection.close()
+        if kept:
             try:
-                yield from self._call(kept, make_frames, place)
+                yield from self._call(self._connect_more(kept, lanes), make_frames, place)
                 return
             except _ConnectionLost as lost:
                 if lost.answered:
                     raise self._lost_error(lost) from None
-                # Closed while it sat idle: the server saw no call.
+                # A kept one was closed while it sat idle: the server saw no call.
         try:
-            yield from self._call(self._connect(), make_frames, place)
+            yield from self._call(self._connect_more([], lanes), make_frames, place)
         except _ConnectionLost as lost:
             raise self._lost_error(lost) from None
+
+    def _connect_more(self, connections, count):
+        """`connections` with fresh ones added up to `count`; all closed if one cannot open."""
+        try:
+            while len(connections) < count:
+                connections.append(self._connect())
+            return connections
+        except BaseException:
+            for connection in connections:
+                connection.close()
+            raise
 
     def _lost_error(self, lost):
         return LossdError("Compute", "UNAVAILABLE",
                           f"the connection to the Compute socket at {self._where()} ended "
                           f"mid-call: {lost}")
 
-    def _call(self, connection, make_frames, place):
-        send_error = []
+    def _call(self, connections, make_frames, place):
+        lanes = len(connections)
+        turns = _Turns(make_frames(), lanes)
+        send_errors = []
 
-        def send():
+        def send(lane):
+            connection = connections[lane]
             try:
-                for parts in make_frames():
+                while (parts := turns.take(lane)) is not None:
                     connection.send_frame(pb.FRAME_MESSAGE, parts)
-                connection.send_frame(pb.FRAME_HALF_CLOSE, [])
+                if turns.finished:
+                    connection.send_frame(pb.FRAME_HALF_CLOSE, [])
             except BaseException as error:  # the reader reports the call's end
-                send_error.append(error)
+                send_errors.append(error)
+                turns.stop()
 
-        sender = threading.Thread(target=send, name="lossd-compute-socket-send", daemon=True)
-        reusable = False
+        senders = [threading.Thread(target=send, args=(lane,), daemon=True,
+                                    name=f"lossd-compute-socket-send-{lane}")
+                   for lane in range(lanes)]
         started = time.monotonic()
-        connection.sock.settimeout(self._timeout)  # a kept one may hold a call's last remainder
+        deadline = None if self._timeout is None else started + self._timeout
+        readers = None if lanes == 1 else _LaneReaders(
+            connections, lambda connection, answered: self._read(connection, answered, place,
+                                                                 started, deadline))
+        reusable = False
+        answered = False
         try:
-            sender.start()
-            answered = False
-            deadline = None if self._timeout is None else started + self._timeout
+            for connection in connections:
+                # A kept one may hold a call's last remainder.
+                connection.sock.settimeout(self._timeout)
+            if lanes > 1:
+                key = os.urandom(_CALL_KEY_BYTES)
+                connections[0].send_frame(pb.FRAME_LANES, [pb.ComputeSocketLanes(
+                    call_key=key, lanes=lanes).SerializeToString()])
+                for lane, connection in enumerate(connections[1:], start=1):
+                    connection.send_frame(pb.FRAME_JOIN, [pb.ComputeSocketJoin(
+                        call_key=key, lane=lane).SerializeToString()])
+                readers.start()
+            for sender in senders:
+                sender.start()
+            read = 0  # the server's message r comes on lane r mod lanes, its status on each
             while True:
-                if deadline is not None:
-                    # The whole call within the client's timeout, as a gRPC deadline bounds it.
-                    connection.sock.settimeout(max(1e-3, deadline - time.monotonic()))
-                try:
-                    kind, body = connection.read_response(answered, place or _nowhere)
-                except (socket.timeout, TimeoutError):
-                    raise LossdError("Compute", "DEADLINE_EXCEEDED",
-                                     f"the call took more than {self._timeout} s "
-                                     f"({time.monotonic() - started:.1f} s)") from None
-                except OSError as error:
-                    raise _ConnectionLost(str(error), answered) from None
+                lane = read % lanes
+                if readers is None:
+                    kind, body = self._read(connections[0], answered, place, started, deadline)
+                else:
+                    kind, body = readers.next_frame(lane)
                 if kind == pb.FRAME_MESSAGE:
                     answered = True
+                    read += 1
                     yield body
+                    if readers is not None:
+                        readers.read_on(lane)  # the body is used: its buffer may take the next
                 elif kind == pb.FRAME_STATUS:
                     status = pb.RpcStatus.FromString(bytes(body))
                     if status.code != 0:
@@ -286,17 +345,150 @@ class ComputeSocket:
                     break
                 else:
                     raise _ConnectionLost(f"a frame of kind {kind} from the server", True)
-            sender.join()
-            if send_error:
-                raise _ConnectionLost(f"sending failed: {send_error[0]}", answered=True)
+            for other in range(1, lanes):
+                # The same status on every other lane: read, so that each is clean for reuse.
+                kind, _ = readers.next_frame((read + other) % lanes)
+                if kind != pb.FRAME_STATUS:
+                    raise _ConnectionLost(f"a frame of kind {kind} after the call's status",
+                                          True)
+            for sender in senders:
+                sender.join()
+            if send_errors:
+                raise _ConnectionLost(f"sending failed: {send_errors[0]}", answered=True)
             reusable = True
         finally:
+            turns.stop()
+            if readers is not None:
+                readers.stop()
             if reusable:
                 with self._lock:
-                    if len(self._idle) < _MAX_IDLE_CONNECTIONS:
-                        self._idle.append(connection)
-                        connection = None
-            if connection is not None:
+                    while connections and len(self._idle) < _MAX_IDLE_CONNECTIONS:
+                        self._idle.append(connections.pop())
+            for connection in connections:
                 connection.close()
-                if sender.ident is not None:
-                    sender.join()
+            for thread in senders + ([] if readers is None else readers.threads):
+                if thread.ident is not None:
+                    thread.join()
+
+    def _read(self, connection, answered, place, started, deadline):
+        """The next frame on `connection` (_Connection.read_response), within the call's
+        deadline."""
+        if deadline is not None:
+            # The whole call within the client's timeout, as a gRPC deadline bounds it.
+            connection.sock.settimeout(max(1e-3, deadline - time.monotonic()))
+        try:
+            return connection.read_response(answered, place or _nowhere)
+        except (socket.timeout, TimeoutError):
+            raise LossdError("Compute", "DEADLINE_EXCEEDED",
+                             f"the call took more than {self._timeout} s "
+                             f"({time.monotonic() - started:.1f} s)") from None
+        except OSError as error:
+            raise _ConnectionLost(str(error), answered) from None
+
+
+class _LaneReaders:
+    """A thread per lane that reads the lane's next frame ahead of the caller, so that every
+    lane's bytes keep arriving while the caller takes another lane's frame. A frame's body lies
+    in its connection's buffer, so a lane reads its next frame only once the caller is done with
+    the last one (read_on)."""
+
+    def __init__(self, connections, read):
+        self._read = read  # read(connection, answered) -> (kind, body)
+        self._connections = connections
+        self._frames = [None] * len(connections)  # (kind, body) or the read's exception
+        self._go = [True] * len(connections)
+        self._stopped = False
+        self._answered = False
+        self._changed = threading.Condition()
+        self.threads = [threading.Thread(target=self._run, args=(lane,), daemon=True,
+                                         name=f"lossd-compute-socket-read-{lane}")
+                        for lane in range(len(connections))]
+
+    def start(self):
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, lane):
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._stopped or self._go[lane])
+                if self._stopped:
+                    return
+                self._go[lane] = False
+                answered = self._answered
+            try:
+                frame = self._read(self._connections[lane], answered)
+            except BaseException as error:
+                frame = error
+            with self._changed:
+                self._frames[lane] = frame
+                self._changed.notify_all()
+                if isinstance(frame, BaseException) or frame[0] != pb.FRAME_MESSAGE:
+                    return  # a lane's status (or failure) is its last frame of the call
+
+    def next_frame(self, lane):
+        """The lane's next frame, (kind, body), once read; raises what reading it raised, or
+        what reading another lane raised first (a lane that broke would leave the call waiting
+        on the others)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._frames[lane] is not None or any(
+                isinstance(frame, BaseException) for frame in self._frames))
+            if self._frames[lane] is None:
+                raise next(frame for frame in self._frames if isinstance(frame, BaseException))
+            frame, self._frames[lane] = self._frames[lane], None
+            if not isinstance(frame, BaseException) and frame[0] == pb.FRAME_MESSAGE:
+                self._answered = True
+        if isinstance(frame, BaseException):
+            raise frame
+        return frame
+
+    def read_on(self, lane):
+        with self._changed:
+            self._go[lane] = True
+            self._changed.notify_all()
+
+    def stop(self):
+        """Ends the threads once their reads end (closing the connections ends those)."""
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
+
+
+class _Turns:
+    """A call's messages handed to its lanes' senders in order: message m to lane m mod lanes.
+    A sender takes its next message once the one before it has been taken (not sent), so the
+    lanes send at once."""
+
+    def __init__(self, messages, lanes):
+        self._messages = iter(messages)
+        self._lanes = lanes
+        self._next = 0
+        self._over = False
+        self.finished = False  # every message was taken: the lanes may half-close
+        self._changed = threading.Condition()
+
+    def take(self, lane):
+        """The lane's next message (a list of parts), or None once there are no more (or the
+        call has stopped)."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._over or self._next % self._lanes == lane)
+            if self._over:
+                return None
+            try:
+                parts = next(self._messages)
+            except StopIteration:
+                self.finished = self._over = True
+                self._changed.notify_all()
+                return None
+            except BaseException:
+                self._over = True
+                self._changed.notify_all()
+                raise
+            self._next += 1
+            self._changed.notify_all()
+            return parts
+
+    def stop(self):
+        with self._changed:
+            self._over = True
+            self._changed.notify_all()

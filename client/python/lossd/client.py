@@ -269,10 +269,15 @@ class Client:
     for a server that offers one, reached without TLS at an address that names one server
     (HOST:PORT whose host resolves to one address, or a one-entry ipv4:/ipv6: target), and keeps
     to gRPC otherwise, and for a call the socket cannot take (full, or out of reach).
+    compute_socket_lanes: how many connections (1 to 8) one call over the Compute socket may
+    spread its messages over, for a network where one TCP flow cannot carry what the link does
+    (flows capped one by one, a long path with a small window); a call uses at most one per
+    message of rows. One connection fills a loopback or LAN link, so the default is 1.
     """
 
     def __init__(self, address, token=None, tls_root_cert=None, max_message_bytes=256 * _MIB,
-                 timeout=None, retry=RetryPolicy(), shared_memory="auto", compute_socket="auto"):
+                 timeout=None, retry=RetryPolicy(), shared_memory="auto", compute_socket="auto",
+                 compute_socket_lanes=1):
         self.target = _address.parse_target(address)
         if shared_memory not in ("auto", True, False):
             raise ValueError(f"shared_memory: expected 'auto', True or False, got "
@@ -280,6 +285,12 @@ class Client:
         if compute_socket not in ("auto", True, False):
             raise ValueError(f"compute_socket: expected 'auto', True or False, got "
                              f"{compute_socket!r}")
+        if (not isinstance(compute_socket_lanes, (int, np.integer)) or
+                isinstance(compute_socket_lanes, bool) or
+                not 1 <= compute_socket_lanes <= _compute_socket.MAX_LANES):
+            raise ValueError(f"compute_socket_lanes: expected 1 to {_compute_socket.MAX_LANES} "
+                             f"connections, got {compute_socket_lanes!r}")
+        self._compute_socket_lanes = int(compute_socket_lanes)
         if compute_socket is True and tls_root_cert is not None:
             raise ValueError("compute_socket: not with tls_root_cert (the Compute socket carries "
                              "rows and the token in the clear; servers with TLS offer none)")
@@ -920,6 +931,15 @@ class Client:
                 array.shape[1] * array.itemsize for array in side.values())
             rows = rows_per_message or self._rows_per_message(row_bytes)
             over_socket = self._use_compute_socket(compute_socket)
+            lanes = 1
+            if over_socket is not None:
+                # No more lanes than messages of rows: a lane with none to carry only waits.
+                lanes = max(1, min(self._compute_socket_lanes, -(-num_tokens // rows)))
+                if lanes > 1 and rows_per_message is None:
+                    # A round of messages, one on each lane, holds what one message would, so
+                    # that each fits in its socket's buffers and every lane keeps moving while
+                    # the server reads the others in turn.
+                    rows = -(-rows // lanes)
             # Chosen by the client ("auto"): a socket it cannot use sends the call over gRPC.
             fall_back = (self._compute_socket_choice if compute_socket is None
                          else compute_socket) == "auto"
@@ -927,7 +947,7 @@ class Client:
             def attempt():
                 return self._compute_messages(start, hidden, rows, wanted, top_k, grad_dtype,
                                               grad_hidden_out, one_server_for, side, over_socket,
-                                              fall_back)
+                                              fall_back, lanes)
         result = self._with_retries(attempt, start.call_id)
         result.call_id = start.call_id
         if shared_memory:
@@ -964,12 +984,14 @@ class Client:
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _compute_messages(self, start, hidden, rows, wanted, top_k, grad_dtype, grad_hidden_out,
-                          one_server_for, side=None, over_socket=None, fall_back=True):
+                          one_server_for, side=None, over_socket=None, fall_back=True,
+                          lanes=1):
         """compute() with the rows sent in chunk messages of `rows` rows (each with the same rows
         of every `side` array, a teacher's, under its ComputeChunk field name), and dL/dh back in
         the result messages; over the Compute socket `over_socket` when given, else (or, with
         fall_back, when that socket cannot be reached or has no room left) over gRPC:
-        to one server when one_server_for names why, else to the next replica."""
+        to one server when one_server_for names why, else to the next replica. Over the socket
+        the call spreads over `lanes` connections."""
         num_tokens, hidden_size = hidden.shape
         side = side or {}
 
@@ -985,8 +1007,8 @@ class Client:
             try:
                 result = _assemble(None, wanted, top_k, num_tokens, hidden_size, grad_dtype,
                                    new_array=self._shared_buffers.new_array,
-                                   responses_placing=functools.partial(over_socket.responses,
-                                                                       message_parts))
+                                   responses_placing=functools.partial(
+                                       over_socket.responses, message_parts, lanes=lanes))
                 result.transport = "compute_socket"
             except _compute_socket.SocketUnusable as unusable:
                 if not fall_back:

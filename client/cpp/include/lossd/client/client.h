@@ -112,6 +112,11 @@ struct ChannelOptions {
   // (TcpHost, resolving to one address); the client asks once. true: FAILED_PRECONDITION where
   // there is none; not with TLS. false: gRPC. ComputeRequest::compute_socket overrides it.
   std::optional<bool> compute_socket;
+  // How many connections (1 to 8) one call over the Compute socket may spread its messages over
+  // (ComputeSocketLanes in lossd.proto), for a network where one TCP flow cannot carry what the
+  // link does (flows capped one by one, a long path with a small window); a call uses at most one
+  // per message of rows. One connection fills a loopback or LAN link: the default is 1.
+  int compute_socket_lanes = 1;
 };
 
 // An address a channel can be built for: HOST:PORT ([IPV6]:PORT), or a gRPC target URI (dns:,
