@@ -12,11 +12,11 @@ line per round and the medians of all rounds.
 """
 import argparse
 import os
-import re
 import statistics
-import subprocess
 import sys
 import time
+
+import demo_server
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,17 +44,9 @@ def main():
 
     log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"varying-rows-{os.getpid()}.log")
     with open(log_path, "w") as log:
-        server = subprocess.Popen(
-            [args.server, "--listen=127.0.0.1:0", "--metrics_listen=", "--device=cpu",
-             "--demo_vocab_size=16", f"--demo_hidden_size={args.hidden}",
-             "--compute_socket_listen=127.0.0.1:0"], stdout=log, stderr=subprocess.STDOUT)
+        server, address = demo_server.start(args.server, args.hidden, log)
     try:
-        deadline = time.monotonic() + 60
-        while not (found := re.search(r"serving gRPC on \S+ \(port (\d+)\)", open(log_path).read())):
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"lossd_server did not start: {open(log_path).read()[-500:]}")
-            time.sleep(0.1)
-        client = lossd.Client(f"127.0.0.1:{found.group(1)}", compute_socket=True)
+        client = lossd.Client(address, compute_socket=True)
         client.upload_head("wire", np.zeros((16, args.hidden), np.float32))
         rng = np.random.default_rng(0)
         hidden = rng.standard_normal((args.max_rows, args.hidden), dtype=np.float32)

@@ -90,6 +90,15 @@ set_tests_properties(varying_rows_bench_runs PROPERTIES
   PASS_REGULAR_EXPRESSION "medians: one row count [0-9.]+ s, [0-9]+ faults per call; varying"
   TIMEOUT 120)
 
+# The benchmark of one call over several connections, end to end on a tiny head.
+add_test(NAME lanes_bench_runs
+  COMMAND /usr/bin/python3 ${CMAKE_CURRENT_LIST_DIR}/../../bench/lanes_bench.py
+          --server $<TARGET_FILE:lossd_server> --python-dir ${LOSSD_PYTHON_DIR} --quick)
+set_tests_properties(lanes_bench_runs PROPERTIES
+  ENVIRONMENT "OMP_NUM_THREADS=2"
+  PASS_REGULAR_EXPRESSION "no cap: .*median, 3 lanes: [0-9.]+ s"
+  TIMEOUT 120)
+
 # The client suites and examples again (the slowest two only here), and lossd.hf and torch.compile,
 # under the current
 # torch, transformers and protobuf from PyPI: the environment scripts/python_env.sh makes in .venv/
