@@ -28,6 +28,12 @@ and remote time over in-process engine time for the same call, where compute is 
 transport-bound case) and at a CPU benchmark shape (V = 32000, H = 2048, N = 2048, training).
 
     bench/transport_bench.py [--build-dir build] [--tokens 16384] [--out DIR] [--quick]
+    bench/transport_bench.py --floor-rounds R   only the floor against both clients' socket calls
+
+The floor of loopback TCP moves between runs on a shared machine (1.8-2.8 GB/s each way on the
+2-vCPU one) more than the paths do, so --floor-rounds R measures, R times in turn (the order
+rotated each round), TCP both ways and one float32 call of each client over the Compute socket,
+and reports each round's ratio of path to floor and their medians.
 
 Writes DIR (default bench/results/<machine>-<date>-transport/): results.jsonl, results.md,
 gbps_vs_message_size.png. Run it with a Python that has numpy, grpcio and protobuf (Debian's
@@ -39,6 +45,7 @@ import json
 import multiprocessing
 import os
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -268,6 +275,64 @@ def measure(args, record):
         record(dict(path="engine_training_call", shape=[v, h, n], seconds=engine["seconds"]))
 
 
+def measure_against_floor(args, record):
+    """R rounds of the TCP floor (both ways at once) and each client's socket call, in turn."""
+    runner = peers.Runner(args)
+    server = peers.Server(runner, peers.TRANSPORT_VOCAB, HIDDEN, compute_socket=True)
+    tokens = args.tokens
+
+    def floor():
+        return "tcp_both_ways", min(tcp_gbps(2))
+
+    def cpp():
+        result = fastest_lossctl(runner, args.reps, server.address, "wire", tokens,
+                                 accumulate=False, warmup=1, warmup_tokens=0,
+                                 compute_socket=True)
+        if "error" in result:
+            raise RuntimeError(result["error"])
+        return "cpp_socket", result["hidden_bytes"] / result["seconds"] / 1e9
+
+    def python():
+        seconds, moved = python_compute(server.address, tokens, "float32", 1, False,
+                                        calls=args.reps, compute_socket=True)
+        return "python_socket", moved / seconds / 1e9
+
+    try:
+        steps = [floor, cpp, python]
+        for round_index in range(args.floor_rounds):
+            shift = round_index % len(steps)
+            for step in steps[shift:] + steps[:shift]:
+                path, gbps = step()
+                record(dict(path=path, round=round_index, dtype="float32", callers=1,
+                            gbps=gbps))
+    finally:
+        server.stop()
+
+
+def report_against_floor(out_dir, rows, machine, command):
+    rounds = sorted({row["round"] for row in rows})
+    gbps = {(row["path"], row["round"]): row["gbps"] for row in rows}
+    lines = [f"# Transport against the TCP floor, round by round, on {machine}", "",
+             f"`{command}`", "",
+             "| round | TCP both ways, GB/s each way | C++ socket | of the floor | Python socket | "
+             "of the floor |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    ratios = {"cpp_socket": [], "python_socket": []}
+    for r in rounds:
+        floor = gbps[("tcp_both_ways", r)]
+        cells = [f"{floor:.2f}"]
+        for path in ratios:
+            ratios[path].append(gbps[(path, r)] / floor)
+            cells += [f"{gbps[(path, r)]:.2f}", f"{ratios[path][-1]:.2f}"]
+        lines.append(f"| {r} | " + " | ".join(cells) + " |")
+    lines += ["", "Medians over rounds: floor "
+              f"{statistics.median(gbps[('tcp_both_ways', r)] for r in rounds):.2f} GB/s; " +
+              "; ".join(f"{path} {statistics.median(values):.2f} of the floor"
+                        for path, values in ratios.items())]
+    with open(os.path.join(out_dir, "results.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def report(out_dir, rows, machine, command):
     """results.md: the throughput table, the message-size sweep, the ratios; and the plot."""
     by = {}
@@ -352,6 +417,9 @@ def main():
     parser.add_argument("--memory-cap-gib", type=float, default=16.0)
     parser.add_argument("--out")
     parser.add_argument("--quick", action="store_true", help="4096 tokens")
+    parser.add_argument("--floor-rounds", type=int, default=0,
+                        help="only the TCP floor and both clients' socket calls, this many "
+                             "rounds in turn")
     args = parser.parse_args()
     if args.quick:
         args.tokens = peers.QUICK_TRANSPORT_TOKENS
@@ -372,10 +440,15 @@ def main():
             f.write(json.dumps(row) + "\n")
 
     record(dict(path="machine", **described, date=date))
-    measure(args, record)
-    report(out_dir, [row for row in rows if row["path"] != "machine"],
-           f"{described['cpu']}, {args.threads} threads, {date}",
-           "bench/transport_bench.py " + " ".join(sys.argv[1:]))
+    where = f"{described['cpu']}, {args.threads} threads, {date}"
+    command = "bench/transport_bench.py " + " ".join(sys.argv[1:])
+    if args.floor_rounds:
+        measure_against_floor(args, record)
+        report_against_floor(out_dir, [row for row in rows if row["path"] != "machine"], where,
+                             command)
+    else:
+        measure(args, record)
+        report(out_dir, [row for row in rows if row["path"] != "machine"], where, command)
     print(f"wrote {out_dir}", file=sys.stderr)
 
 

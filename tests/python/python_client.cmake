@@ -99,6 +99,16 @@ set_tests_properties(lanes_bench_runs PROPERTIES
   PASS_REGULAR_EXPRESSION "no cap: .*median, 3 lanes: [0-9.]+ s"
   TIMEOUT 120)
 
+# The transport benchmark's rounds against the TCP floor, end to end and small.
+add_test(NAME transport_floor_bench_runs
+  COMMAND /usr/bin/python3 ${CMAKE_CURRENT_LIST_DIR}/../../bench/transport_bench.py
+          --build-dir ${CMAKE_BINARY_DIR} --quick --floor-rounds 1 --reps 1
+          --out ${CMAKE_CURRENT_BINARY_DIR}/transport_floor_bench)
+set_tests_properties(transport_floor_bench_runs PROPERTIES
+  ENVIRONMENT "OMP_NUM_THREADS=2"
+  PASS_REGULAR_EXPRESSION "Medians over rounds: floor [0-9.]+ GB/s; cpp_socket [0-9.]+ of the floor; python_socket [0-9.]+ of the floor"
+  TIMEOUT 300)
+
 # The client suites and examples again (the slowest two only here), and lossd.hf and torch.compile,
 # under the current
 # torch, transformers and protobuf from PyPI: the environment scripts/python_env.sh makes in .venv/
