@@ -1,8 +1,8 @@
 // Where a Compute socket call's lanes meet: lane 0 gets every other lane in order whichever
 // comes first, a lane goes back to its thread when the call returns it, and every way a meeting
 // can fail (a lane that never comes, a call that never claims, a lane joined twice or past the
-// call's count, a key already in use, another host, a server that stops) ends both sides' waits
-// with an error that names the field, leaving no meeting behind.
+// call's count, a key already in use, another host, a client that leaves, a server that stops)
+// ends both sides' waits with an error that names the field, leaving no meeting behind.
 #include "server/socket/lane_registry.h"
 
 #include <gtest/gtest.h>
@@ -42,12 +42,32 @@ v1::ComputeSocketJoin Join(const std::string& key, int lane) {
   return message;
 }
 
-// A connection for the registry to hand over: the registry never reads or writes it.
-std::unique_ptr<SocketConnection> Connection() {
+// A connection for the registry to hand over (it never reads or writes one), and its client's
+// end, open until the client leaves.
+struct Link {
+  std::unique_ptr<SocketConnection> connection;
+  std::unique_ptr<UniqueFd> client;
+};
+
+Link NewLink() {
   std::array<int, 2> fds{};
   EXPECT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, fds.data()), 0);
-  close(fds[1]);
-  return std::make_unique<SocketConnection>(UniqueFd(fds[0]), std::vector<int>{});
+  return {std::make_unique<SocketConnection>(UniqueFd(fds[0]), std::vector<int>{}),
+          std::make_unique<UniqueFd>(fds[1])};
+}
+
+// A connection whose client stays.
+std::unique_ptr<SocketConnection> Connection() {
+  static auto* const clients = new std::vector<std::unique_ptr<UniqueFd>>();
+  Link link = NewLink();
+  clients->push_back(std::move(link.client));
+  return std::move(link.connection);
+}
+
+// Lane 0 of the tests' calls, whose client stays.
+const SocketConnection& LaneZero() {
+  static const SocketConnection* const lane_zero = Connection().release();
+  return *lane_zero;
 }
 
 // A lane's thread: joins, then records what the wait ended with.
@@ -94,7 +114,8 @@ TEST(LaneRegistryTest, LaneZeroGetsEveryLaneInOrderWhicheverComesFirst) {
   JoiningLane lane2(registry, kHost, Join(kKey, 2));
   AwaitMeetings(registry, 1);
   absl::StatusOr<std::unique_ptr<LaneRegistry::Loan>> loan;
-  std::thread claim([&] { loan = registry.Claim(kHost, Lanes(kKey, 3), absl::Now() + kLong); });
+  std::thread claim(
+      [&] { loan = registry.Claim(kHost, Lanes(kKey, 3), LaneZero(), absl::Now() + kLong); });
   absl::SleepFor(kShort);
   JoiningLane lane1(registry, kHost, Join(kKey, 1));
   claim.join();
@@ -115,7 +136,7 @@ TEST(LaneRegistryTest, ALoanDroppedUnreturnedClosesItsLanes) {
   JoiningLane lane1(registry, kHost, Join(kKey, 1));
   {
     absl::StatusOr<std::unique_ptr<LaneRegistry::Loan>> loan =
-        registry.Claim(kHost, Lanes(kKey, 2), absl::Now() + kLong);
+        registry.Claim(kHost, Lanes(kKey, 2), LaneZero(), absl::Now() + kLong);
     ASSERT_TRUE(loan.ok()) << loan.status();
   }
   EXPECT_EQ(lane1.Result().value(), false);
@@ -127,7 +148,7 @@ TEST(LaneRegistryTest, AKeyServesCallAfterCall) {
   for (int call = 0; call < 3; ++call) {
     JoiningLane lane1(registry, kHost, Join(kKey, 1));
     absl::StatusOr<std::unique_ptr<LaneRegistry::Loan>> loan =
-        registry.Claim(kHost, Lanes(kKey, 2), absl::Now() + kLong);
+        registry.Claim(kHost, Lanes(kKey, 2), LaneZero(), absl::Now() + kLong);
     ASSERT_TRUE(loan.ok()) << loan.status();
     (*loan)->Return(true);
     EXPECT_EQ(lane1.Result().value(), true);
@@ -138,7 +159,7 @@ TEST(LaneRegistryTest, AKeyServesCallAfterCall) {
 TEST(LaneRegistryTest, AClaimWhoseLanesDoNotComeNamesThemAndLetsTheOthersGo) {
   LaneRegistry registry;
   JoiningLane lane2(registry, kHost, Join(kKey, 2));
-  const auto loan = registry.Claim(kHost, Lanes(kKey, 4), absl::Now() + kShort);
+  const auto loan = registry.Claim(kHost, Lanes(kKey, 4), LaneZero(), absl::Now() + kShort);
   ASSERT_EQ(loan.status().code(), absl::StatusCode::kDeadlineExceeded) << loan.status();
   EXPECT_NE(loan.status().message().find("lane 1, 3 of 4 did not join"), std::string::npos)
       << loan.status();
@@ -156,7 +177,7 @@ TEST(LaneRegistryTest, ALaneNoCallClaimsEndsAtItsDeadline) {
 TEST(LaneRegistryTest, ALaneOfAnotherHostDoesNotMeetTheCall) {
   LaneRegistry registry;
   JoiningLane stranger(registry, "ipv4:10.0.0.9", Join(kKey, 1), kShort);
-  const auto loan = registry.Claim(kHost, Lanes(kKey, 2), absl::Now() + kShort);
+  const auto loan = registry.Claim(kHost, Lanes(kKey, 2), LaneZero(), absl::Now() + kShort);
   EXPECT_EQ(loan.status().code(), absl::StatusCode::kDeadlineExceeded) << loan.status();
   EXPECT_EQ(stranger.Result().status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(registry.meetings(), 0);
@@ -172,7 +193,7 @@ TEST(LaneRegistryTest, ALaneJoinedTwiceIsRefused) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kAlreadyExists) << refused.status();
   EXPECT_EQ(FieldOf(refused.status()), "join.lane");
   // The first is the call's lane 1.
-  auto loan = registry.Claim(kHost, Lanes(kKey, 2), absl::Now() + kLong);
+  auto loan = registry.Claim(kHost, Lanes(kKey, 2), LaneZero(), absl::Now() + kLong);
   ASSERT_TRUE(loan.ok()) << loan.status();
   EXPECT_EQ((*loan)->connections(), std::vector<SocketConnection*>{first.connection()});
   (*loan)->Return(true);
@@ -185,7 +206,8 @@ TEST(LaneRegistryTest, ALanePastTheCallsCountIsRefusedBeforeOrAfterTheClaim) {
     // After: the lane is refused at once; the claim goes on waiting for its own lane.
     LaneRegistry registry;
     absl::StatusOr<std::unique_ptr<LaneRegistry::Loan>> loan;
-    std::thread claim([&] { loan = registry.Claim(kHost, Lanes(kKey, 2), absl::Now() + kLong); });
+    std::thread claim(
+        [&] { loan = registry.Claim(kHost, Lanes(kKey, 2), LaneZero(), absl::Now() + kLong); });
     AwaitMeetings(registry, 1);
     auto past = Connection();
     const absl::StatusOr<bool> refused =
@@ -203,7 +225,7 @@ TEST(LaneRegistryTest, ALanePastTheCallsCountIsRefusedBeforeOrAfterTheClaim) {
     LaneRegistry registry;
     JoiningLane past(registry, kHost, Join(kKey, 5));
     AwaitMeetings(registry, 1);
-    const auto loan = registry.Claim(kHost, Lanes(kKey, 2), absl::Now() + kLong);
+    const auto loan = registry.Claim(kHost, Lanes(kKey, 2), LaneZero(), absl::Now() + kLong);
     EXPECT_EQ(loan.status().code(), absl::StatusCode::kInvalidArgument) << loan.status();
     EXPECT_EQ(FieldOf(loan.status()), "join.lane");
     EXPECT_EQ(past.Result().value(), false);
@@ -214,9 +236,9 @@ TEST(LaneRegistryTest, ALanePastTheCallsCountIsRefusedBeforeOrAfterTheClaim) {
 TEST(LaneRegistryTest, AKeyInUseTakesNoSecondCallNorLateLane) {
   LaneRegistry registry;
   JoiningLane lane1(registry, kHost, Join(kKey, 1));
-  auto loan = registry.Claim(kHost, Lanes(kKey, 2), absl::Now() + kLong);
+  auto loan = registry.Claim(kHost, Lanes(kKey, 2), LaneZero(), absl::Now() + kLong);
   ASSERT_TRUE(loan.ok()) << loan.status();
-  const auto again = registry.Claim(kHost, Lanes(kKey, 2), absl::Now() + kLong);
+  const auto again = registry.Claim(kHost, Lanes(kKey, 2), LaneZero(), absl::Now() + kLong);
   EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists) << again.status();
   EXPECT_EQ(FieldOf(again.status()), "lanes.call_key");
   auto late = Connection();
@@ -228,16 +250,52 @@ TEST(LaneRegistryTest, AKeyInUseTakesNoSecondCallNorLateLane) {
   EXPECT_EQ(registry.meetings(), 0);
 }
 
+TEST(LaneRegistryTest, AClientThatLeavesEndsItsWaitBeforeTheDeadline) {
+  {
+    // Lane 0's client leaves while a lane is missing: the claim ends, and the lane that had
+    // joined closes.
+    LaneRegistry registry;
+    JoiningLane lane1(registry, kHost, Join(kKey, 1));
+    AwaitMeetings(registry, 1);
+    Link lane0 = NewLink();
+    absl::StatusOr<std::unique_ptr<LaneRegistry::Loan>> loan;
+    std::thread claim([&] {
+      loan = registry.Claim(kHost, Lanes(kKey, 3), *lane0.connection, absl::Now() + kLong);
+    });
+    absl::SleepFor(kShort);
+    lane0.client.reset();
+    claim.join();
+    EXPECT_EQ(loan.status().code(), absl::StatusCode::kCancelled) << loan.status();
+    EXPECT_EQ(lane1.Result().value(), false);
+    EXPECT_EQ(registry.meetings(), 0);
+  }
+  {
+    // A lane's client leaves before any call claims it: the lane leaves the meeting.
+    LaneRegistry registry;
+    Link lane = NewLink();
+    absl::StatusOr<bool> joined;
+    std::thread join([&] {
+      joined = registry.Join(kHost, Join(kKey, 1), *lane.connection, absl::Now() + kLong);
+    });
+    AwaitMeetings(registry, 1);
+    lane.client.reset();
+    join.join();
+    EXPECT_EQ(joined.status().code(), absl::StatusCode::kCancelled) << joined.status();
+    EXPECT_EQ(registry.meetings(), 0);
+  }
+}
+
 TEST(LaneRegistryTest, StopEndsWaitsButALentLaneWaitsForItsReturn) {
   LaneRegistry registry;
   JoiningLane lent(registry, kHost, Join(kKey, 1));
-  auto loan = registry.Claim(kHost, Lanes(kKey, 2), absl::Now() + kLong);
+  auto loan = registry.Claim(kHost, Lanes(kKey, 2), LaneZero(), absl::Now() + kLong);
   ASSERT_TRUE(loan.ok()) << loan.status();
   const std::string other(16, 'o');
   JoiningLane waiting(registry, kHost, Join(other, 1));
   absl::StatusOr<std::unique_ptr<LaneRegistry::Loan>> claiming;
   std::thread claim([&] {
-    claiming = registry.Claim(kHost, Lanes(std::string(16, 'c'), 2), absl::Now() + kLong);
+    claiming =
+        registry.Claim(kHost, Lanes(std::string(16, 'c'), 2), LaneZero(), absl::Now() + kLong);
   });
   absl::SleepFor(kShort);
   registry.Stop();
@@ -285,7 +343,8 @@ TEST_P(BadFrameTest, IsRefusedNamingItsField) {
   LaneRegistry registry;
   auto connection = Connection();
   const absl::Status refused =
-      bad.lanes ? registry.Claim(kHost, Lanes(bad.key, bad.count), absl::Now() + kLong).status()
+      bad.lanes ? registry.Claim(kHost, Lanes(bad.key, bad.count), LaneZero(), absl::Now() + kLong)
+                      .status()
                 : registry.Join(kHost, Join(bad.key, bad.count), *connection, absl::Now() + kLong)
                       .status();
   EXPECT_EQ(refused, status);

@@ -579,7 +579,7 @@ void ComputeSocketServer::Serve(UniqueFd fd, std::string peer) {
     std::unique_ptr<LaneRegistry::Loan> loan;  // returned before `stream` goes
     if (opening == SocketComputeStream::Opening::kLanes) {
       absl::StatusOr<std::unique_ptr<LaneRegistry::Loan>> claimed =
-          lanes_.Claim(host, stream.lanes_asked(), absl::Now() + options_.stream_idle);
+          lanes_.Claim(host, stream.lanes_asked(), connection, absl::Now() + options_.stream_idle);
       if (!claimed.ok()) {
         stream.End(claimed.status());
         CloseAfterFailure(connection);

@@ -65,6 +65,18 @@ std::string LaneRegistry::MeetingId(absl::string_view host, absl::string_view ke
   return absl::StrCat(host, "\n", key);
 }
 
+bool LaneRegistry::AwaitWatching(const absl::Condition& settled, absl::Time deadline,
+                                 const wire::SocketConnection& connection) {
+  // A client that gives up on a call closes its connections; noticed this soon, a wait for lanes
+  // that will never come does not hold the connection's thread for the stream idle limit.
+  constexpr absl::Duration kWatchEvery = absl::Milliseconds(50);
+  while (!mu_.AwaitWithDeadline(settled, std::min(deadline, absl::Now() + kWatchEvery))) {
+    if (absl::Now() >= deadline) return false;
+    if (connection.PeerGone()) return true;
+  }
+  return false;
+}
+
 std::shared_ptr<LaneRegistry::Meeting> LaneRegistry::MeetingOf(const std::string& id) {
   std::shared_ptr<Meeting>& meeting = meetings_[id];
   if (meeting == nullptr) meeting = std::make_shared<Meeting>();
@@ -79,7 +91,8 @@ void LaneRegistry::Finish(const std::string& id, Meeting& meeting, bool reusable
 }
 
 absl::StatusOr<std::unique_ptr<LaneRegistry::Loan>> LaneRegistry::Claim(
-    absl::string_view host, const v1::ComputeSocketLanes& lanes, absl::Time deadline) {
+    absl::string_view host, const v1::ComputeSocketLanes& lanes,
+    const wire::SocketConnection& lane_zero, absl::Time deadline) {
   RETURN_IF_ERROR(CheckLanes(lanes));
   const std::string id = MeetingId(host, lanes.call_key());
   const int count = static_cast<int>(lanes.lanes());
@@ -107,9 +120,11 @@ absl::StatusOr<std::unique_ptr<LaneRegistry::Loan>> LaneRegistry::Claim(
     return lanes;
   };
   const auto settled = [&] { return stopping_ || joined_past() != 0 || missing().empty(); };
-  mu_.AwaitWithDeadline(absl::Condition(&settled), deadline);
+  const bool abandoned = AwaitWatching(absl::Condition(&settled), deadline, lane_zero);
   absl::Status failure;
-  if (stopping_) {
+  if (abandoned) {
+    failure = absl::CancelledError("lanes: the client closed lane 0 before its lanes joined");
+  } else if (stopping_) {
     failure = absl::UnavailableError("the server is shutting down; the call was ended");
   } else if (const int past = joined_past(); past != 0) {
     failure = InvalidField("join.lane",
@@ -156,7 +171,7 @@ absl::StatusOr<bool> LaneRegistry::Join(absl::string_view host, const v1::Comput
   }
   meeting->joined[lane] = &connection;
   const auto claimed = [&] { return stopping_ || meeting->state != Meeting::State::kOpen; };
-  mu_.AwaitWithDeadline(absl::Condition(&claimed), deadline);
+  const bool abandoned = AwaitWatching(absl::Condition(&claimed), deadline, connection);
   if (meeting->state == Meeting::State::kOpen) {
     meeting->joined[lane] = nullptr;
     const bool empty = meeting->lanes == 0 &&
@@ -164,6 +179,7 @@ absl::StatusOr<bool> LaneRegistry::Join(absl::string_view host, const v1::Comput
                                    [](const wire::SocketConnection* c) { return c == nullptr; });
     if (empty) meetings_.erase(id);
     if (stopping_) return absl::UnavailableError("the server is shutting down");
+    if (abandoned) return absl::CancelledError("join: the client closed the lane before its call");
     return absl::DeadlineExceededError(absl::StrCat(
         "join: no call claimed lane ", lane,
         " within the stream idle limit (--stream_idle_seconds); send the call's FRAME_LANES on "

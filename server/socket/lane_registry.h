@@ -58,18 +58,20 @@ class LaneRegistry {
   static absl::Status CheckLanes(const v1::ComputeSocketLanes& lanes);
   static absl::Status CheckJoin(const v1::ComputeSocketJoin& join);
 
-  // Lane 0 of the call `lanes` names, from `host`: waits until `deadline` for every other lane to
-  // join. DEADLINE_EXCEEDED if some did not (saying which), ALREADY_EXISTS for a key that names a
-  // call already claimed, INVALID_ARGUMENT for a lane that joined past the call's count,
-  // UNAVAILABLE once the server stops. On failure the lanes that had joined are returned as not
-  // reusable (they close).
+  // Lane 0 (`lane_zero`) of the call `lanes` names, from `host`: waits until `deadline` for every
+  // other lane to join. DEADLINE_EXCEEDED if some did not (saying which), ALREADY_EXISTS for a key
+  // that names a call already claimed, INVALID_ARGUMENT for a lane that joined past the call's
+  // count, CANCELLED once lane 0's client has closed it, UNAVAILABLE once the server stops. On
+  // failure the lanes that had joined are returned as not reusable (they close).
   absl::StatusOr<std::unique_ptr<Loan>> Claim(absl::string_view host,
                                               const v1::ComputeSocketLanes& lanes,
+                                              const wire::SocketConnection& lane_zero,
                                               absl::Time deadline);
   // A lane: offers `connection` to the call `join` names, from `host`, and waits until the call
   // claims it (by `deadline`) and then until the call returns it: whether the connection takes
-  // its client's next frame. An error (nothing was lent) for a lane that was not claimed in time,
-  // a lane already joined, a lane past the claimed call's count, or a server that stops.
+  // its client's next frame. An error (nothing was lent) for a lane that was not claimed in time
+  // or whose client closed it first, a lane already joined, a lane past the claimed call's count,
+  // or a server that stops.
   absl::StatusOr<bool> Join(absl::string_view host, const v1::ComputeSocketJoin& join,
                             wire::SocketConnection& connection, absl::Time deadline);
   // Ends every wait for a claim or a join (UNAVAILABLE); lent lanes still wait for their return.
@@ -86,6 +88,11 @@ class LaneRegistry {
     bool reusable = false;
   };
   static std::string MeetingId(absl::string_view host, absl::string_view key);
+  // Waits until `settled` holds or `deadline` passes; every kWatchEvery meanwhile, whether the
+  // client has closed `connection` (nothing else would end the wait until the deadline). True if
+  // it has, and `settled` does not hold.
+  bool AwaitWatching(const absl::Condition& settled, absl::Time deadline,
+                     const wire::SocketConnection& connection) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The meeting `id` names, begun now if none is.
   std::shared_ptr<Meeting> MeetingOf(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends a meeting: its lanes go back to their threads.
