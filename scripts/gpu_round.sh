@@ -34,9 +34,11 @@
 #      racecheck, synccheck and initcheck, a short service check (lossd_server on the GPU called
 #      by lossctl and the Python client over gRPC, the Compute socket and shared memory, 16384
 #      bf16 rows of 2048 each way, against the engine in-process), and the transport benchmark on
-#      the machine's cores
-#      (bench/transport_bench.py --quick: both clients' messages over gRPC and over the Compute
-#      socket, and shared memory, beside gRPC's echo and the TCP and memcpy floors). Files:
+#      the machine's cores: first bench/transport_bench.py --floor-rounds 3 (the TCP floor and
+#      both clients' Compute socket calls of 16384 float32 rows in turn, each round's ratio; 12 s
+#      on 2 cores), then --quick as far as its time goes (both clients' messages over gRPC and
+#      over the Compute socket, and shared memory, beside gRPC's echo and the TCP and memcpy
+#      floors; 83 s on 2 cores, its rows in transport/results.jsonl as they come). Files:
 #      $OUT/call2/summary.txt and $OUT/call2/call2.tar.gz.
 #      Then give the machine back (`give_back`).
 #   3. Here: unpack the archives; peers/results.md and service/results.md hold tables for
@@ -179,7 +181,7 @@ case "$call" in
   call1) plan=(table:45 probe:25 foreign:15 scale:170 peers:110 memcheck:50 profile:40
     profile_fwd:30) ;;
   call2) plan=(fault:20 fault_drain:20 racecheck:45 synccheck:25 initcheck:35 service:40
-    transport:60) ;;
+    transport_floor:20 transport:40) ;;
   bench) plan=(peers:340) ;;
 esac
 # limit NAME: the planned seconds of a check.
@@ -641,18 +643,34 @@ service() {
 
 # The transport benchmark (CPU engine, a tiny vocabulary: the transport's own speed) on this
 # machine's cores, through the packed programs: a build folder of their wrappers and the client.
-transport() {
-  wanted transport || return
+# transport_bench NAME LABEL ARGS...: runs it with ARGS as check NAME, its files in $logs/NAME.
+transport_bench() {
+  local name="$1" label="$2"
+  shift 2
   python_client
   local build="$work/transport-build"
   mkdir -p "$build"
   ln -sfn "$run" "$build/bin"
   ln -sfn "$pkg/python" "$build/python"
-  timed transport "$(limit transport)" env PYTHONPATH="$python_path" PYTHONUNBUFFERED=1 \
-    python3 bench/transport_bench.py --quick --build-dir "$build" --out "$logs/transport"
-  record transport "$(verdict)" "bench/transport_bench.py --quick (transport/results.md in the archive); ${took} s"
+  timed "$name" "$(limit "$name")" env PYTHONPATH="$python_path" PYTHONUNBUFFERED=1 \
+    python3 bench/transport_bench.py "$@" --build-dir "$build" --out "$logs/$name"
+  record "$name" "$(verdict)" "bench/transport_bench.py $label ($name/results.md in the archive); ${took} s"
+}
+
+transport() {
+  wanted transport || return
+  transport_bench transport --quick --quick
   [ -f "$logs/transport/results.md" ] && grep '^|\|^memcpy' "$logs/transport/results.md" |
     head -n 25 | tee -a "$summary"
+}
+
+# Both clients' Compute socket calls against the TCP floor measured beside them, round by round
+# (the floor moves between runs more than the paths do).
+transport_floor() {
+  wanted transport_floor || return
+  transport_bench transport_floor "--floor-rounds 3 --reps 2" --floor-rounds 3 --reps 2
+  [ -f "$logs/transport_floor/results.md" ] &&
+    grep '^|\|^Medians' "$logs/transport_floor/results.md" | tee -a "$summary"
 }
 
 # ---- The calls ----------------------------------------------------------------------------------
@@ -695,6 +713,7 @@ call2() {
   # logits would read as uninitialized in lossd's kernels).
   sanitize initcheck "$sanitizer_cases"
   service
+  transport_floor
   transport
 }
 

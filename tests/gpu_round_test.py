@@ -208,7 +208,7 @@ def checks_of(summary):
     ("call1", ["table", "probe", "foreign", "scale", "peers", "memcheck", "profile",
                "profile_fwd"]),
     ("call2", ["fault", "fault_drain", "racecheck", "synccheck", "initcheck", "service",
-               "transport"]),
+               "transport_floor", "transport"]),
     ("bench", ["peers"]),
 ])
 def test_dry_run_of_a_call(dry_run, call, checks):
