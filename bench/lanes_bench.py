@@ -69,13 +69,10 @@ def main():
     rng = np.random.default_rng(0)
     hidden = rng.standard_normal((args.rows, args.hidden), dtype=np.float32)
     labels = rng.integers(0, 16, args.rows)
-    log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"lanes-bench-{os.getpid()}.log")
     for cap_mb in (args.cap_mb, 0):
         pace_client_connections(cap_mb)
-        with open(log_path, "w") as log:
-            flags = [f"--compute_socket_max_flow_mb_per_second={cap_mb}"] if cap_mb else []
-            server, address = demo_server.start(args.server, args.hidden, log, *flags)
-        try:
+        flags = [f"--compute_socket_max_flow_mb_per_second={cap_mb}"] if cap_mb else []
+        with demo_server.running(args.server, args.hidden, *flags) as (_, address):
             with lossd.Client(address, compute_socket=False) as setup:
                 setup.upload_head("wire", np.zeros((16, args.hidden), np.float32))
             clients = {n: lossd.Client(address, compute_socket=True, compute_socket_lanes=n)
@@ -108,10 +105,6 @@ def main():
                       f"{one / median:.2f}x of {lane_counts[0]}", flush=True)
             for client in clients.values():
                 client.close()
-        finally:
-            server.terminate()
-            server.wait()
-    os.unlink(log_path)
 
 
 if __name__ == "__main__":

@@ -42,10 +42,7 @@ def main():
 
     import lossd
 
-    log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"varying-rows-{os.getpid()}.log")
-    with open(log_path, "w") as log:
-        server, address = demo_server.start(args.server, args.hidden, log)
-    try:
+    with demo_server.running(args.server, args.hidden) as (server, address):
         client = lossd.Client(address, compute_socket=True)
         client.upload_head("wire", np.zeros((16, args.hidden), np.float32))
         rng = np.random.default_rng(0)
@@ -77,10 +74,6 @@ def main():
               f"{statistics.median(s for s, _ in varying):.3f} s, "
               f"{statistics.median(f for _, f in varying):.0f} faults per call")
         client.close()
-    finally:
-        server.terminate()
-        server.wait()
-        os.unlink(log_path)
 
 
 if __name__ == "__main__":
