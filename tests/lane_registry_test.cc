@@ -15,7 +15,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/const_init.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "lossd/common/status_macros.h"
@@ -56,10 +58,12 @@ Link NewLink() {
           std::make_unique<UniqueFd>(fds[1])};
 }
 
-// A connection whose client stays.
+// A connection whose client stays (for the test's life), from any of the test's threads.
 std::unique_ptr<SocketConnection> Connection() {
+  static absl::Mutex mu(absl::kConstInit);
   static auto* const clients = new std::vector<std::unique_ptr<UniqueFd>>();
   Link link = NewLink();
+  absl::MutexLock lock(&mu);
   clients->push_back(std::move(link.client));
   return std::move(link.connection);
 }

@@ -11,7 +11,8 @@ connection closed before any answer came is sent again on a fresh one.
 
 A call may spread over several connections (its lanes, ComputeSocketLanes in lossd.proto) for a
 network where one TCP flow cannot carry what the link does: message m travels on lane m mod
-lanes, each lane's messages sent by a thread of its own, and the results are read in turn.
+lanes both ways, each lane sent on by a thread of its own and read one message ahead by another,
+and the results are taken in turn.
 """
 import os
 import socket
