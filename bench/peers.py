@@ -299,10 +299,11 @@ class Runner:
     def lossctl_bench(self, address, head, tokens, streams=1, dtype="float32", accumulate=True,
                       warmup=1, warmup_tokens=WARM_UP_TOKENS, rows_per_message=0,
                       shared_memory=False, in_place=False, shared_rows_per_piece=0,
-                      compute_socket=False):
+                      compute_socket=False, lend_grad_hidden=False):
         """One batch of `tokens` rows, split over `streams` concurrent calls, after `warmup` calls
         of `warmup_tokens` rows (0: the whole batch); over the server's Compute socket when
-        compute_socket, else over gRPC."""
+        compute_socket, else over gRPC. dL/dh goes into a buffer of each stream's, or with
+        lend_grad_hidden is lent by the client (ComputeRequest::lend_grad_hidden)."""
         argv = [os.path.join(self.bin, "lossctl"), f"--server={address}",
                 f"--compute_socket={'true' if compute_socket else 'false'}", "bench",
                 f"--head={head}", f"--tokens={tokens // streams}", f"--calls={streams}",
@@ -315,6 +316,8 @@ class Runner:
             argv.append("--shared_memory")
         if in_place:
             argv.append("--in_place")
+        if lend_grad_hidden:
+            argv.append("--lend_grad_hidden")
         if shared_rows_per_piece:
             argv.append(f"--shared_rows_per_piece={shared_rows_per_piece}")
         code, out, err, rss = self.launch(argv)

@@ -11,8 +11,12 @@ each way is the transport's. Measured beside each other:
                  moves them between the C++ client and the server (proto/wire)
   grpc_echo_one_copy_N_connections  with several callers: their calls spread over N connections
                  instead of sharing one, whether one large call would gain from several
-  cpp_messages   lossd Compute from the C++ client (lossctl bench), rows and dL/dh in messages
+  cpp_messages   lossd Compute from the C++ client (lossctl bench), rows and dL/dh in messages,
+                 dL/dh lent by the client (ComputeRequest::lend_grad_hidden) as the Python
+                 client's is by default
   cpp_socket     the same messages over the server's Compute socket (plain TCP beside gRPC)
+  cpp_socket_into_buffer  the same with dL/dh written into a buffer of the caller's
+                 (ComputeRequest::grad_hidden_out), only once the call has succeeded
   cpp_shm        the same through a memfd shared with the server, the rows copied into it as the
                  server says (before the start where it computes on the host's cores)
   cpp_shm_rows_follow  the same with the rows copied after the start, 32 MiB at a time, each piece
@@ -32,8 +36,9 @@ transport-bound case) and at a CPU benchmark shape (V = 32000, H = 2048, N = 204
 
 The floor of loopback TCP moves between runs on a shared machine (1.8-2.8 GB/s each way on the
 2-vCPU one) more than the paths do, so --floor-rounds R measures, R times in turn (the order
-rotated each round), TCP both ways and one float32 call of each client over the Compute socket,
-and reports each round's ratio of path to floor and their medians.
+rotated each round), TCP both ways and one float32 call of each client over the Compute socket
+(the C++ client's with dL/dh lent and into a buffer of the caller's), and reports each round's
+ratio of path to floor and their medians.
 
 Writes DIR (default bench/results/<machine>-<date>-transport/): results.jsonl, results.md,
 gbps_vs_message_size.png. Run it with a Python that has numpy, grpcio and protobuf (Debian's
@@ -209,6 +214,7 @@ def measure(args, record):
                 follow = FOLLOWING_PIECE_BYTES // (HIDDEN * DTYPES[dtype])
                 for path, shared, in_place, piece in (("cpp_messages", False, False, 0),
                                                       ("cpp_socket", False, False, 0),
+                                                      ("cpp_socket_into_buffer", False, False, 0),
                                                       ("cpp_shm", True, False, 0),
                                                       ("cpp_shm_rows_follow", True, False, follow),
                                                       ("cpp_shm_in_place", True, True, 0)):
@@ -216,7 +222,8 @@ def measure(args, record):
                                              streams=callers, dtype=dtype, accumulate=False,
                                              warmup=1, warmup_tokens=0, shared_memory=shared,
                                              in_place=in_place, shared_rows_per_piece=piece,
-                                             compute_socket=path == "cpp_socket")
+                                             compute_socket=path.startswith("cpp_socket"),
+                                             lend_grad_hidden=not path.endswith("_into_buffer"))
                     if "error" in result:
                         record(dict(path=path, dtype=dtype, callers=callers,
                                     error=result["error"]))
@@ -241,7 +248,7 @@ def measure(args, record):
                 result = fastest_lossctl(runner, args.reps, server.address, "wire", tokens,
                                          dtype="float32", accumulate=False, warmup=1,
                                          warmup_tokens=0, rows_per_message=rows,
-                                         compute_socket=socket_too)
+                                         compute_socket=socket_too, lend_grad_hidden=True)
                 if "error" not in result:
                     record(entry("cpp" + suffix, "float32", 1, result["seconds"],
                                  result["hidden_bytes"], message_mib=mib))
@@ -284,13 +291,19 @@ def measure_against_floor(args, record):
     def floor():
         return "tcp_both_ways", min(tcp_gbps(2))
 
-    def cpp():
+    def cpp_call(path, lend_grad_hidden):
         result = fastest_lossctl(runner, args.reps, server.address, "wire", tokens,
                                  accumulate=False, warmup=1, warmup_tokens=0,
-                                 compute_socket=True)
+                                 compute_socket=True, lend_grad_hidden=lend_grad_hidden)
         if "error" in result:
             raise RuntimeError(result["error"])
-        return "cpp_socket", result["hidden_bytes"] / result["seconds"] / 1e9
+        return path, result["hidden_bytes"] / result["seconds"] / 1e9
+
+    def cpp():
+        return cpp_call("cpp_socket", True)
+
+    def cpp_into_buffer():
+        return cpp_call("cpp_socket_into_buffer", False)
 
     def python():
         seconds, moved = python_compute(server.address, tokens, "float32", 1, False,
@@ -298,7 +311,7 @@ def measure_against_floor(args, record):
         return "python_socket", moved / seconds / 1e9
 
     try:
-        steps = [floor, cpp, python]
+        steps = [floor, cpp, cpp_into_buffer, python]
         for round_index in range(args.floor_rounds):
             shift = round_index % len(steps)
             for step in steps[shift:] + steps[:shift]:
@@ -312,11 +325,15 @@ def measure_against_floor(args, record):
 def report_against_floor(out_dir, rows, machine, command):
     rounds = sorted({row["round"] for row in rows})
     gbps = {(row["path"], row["round"]): row["gbps"] for row in rows}
+    paths = {"cpp_socket": "C++ socket, dL/dh lent",
+             "cpp_socket_into_buffer": "C++ socket, dL/dh into the caller's buffer",
+             "python_socket": "Python socket"}
     lines = [f"# Transport against the TCP floor, round by round, on {machine}", "",
              f"`{command}`", "",
-             "| round | TCP both ways, GB/s each way | C++ socket | of the floor | Python socket | "
-             "of the floor |", "| ---: | ---: | ---: | ---: | ---: | ---: |"]
-    ratios = {"cpp_socket": [], "python_socket": []}
+             "| round | TCP both ways, GB/s each way | " +
+             " | ".join(f"{label} | of the floor" for label in paths.values()) + " |",
+             "| ---: | ---: |" + " ---: | ---: |" * len(paths)]
+    ratios = {path: [] for path in paths}
     for r in rounds:
         floor = gbps[("tcp_both_ways", r)]
         cells = [f"{floor:.2f}"]

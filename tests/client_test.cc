@@ -15,6 +15,7 @@
 #include <limits>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -1816,7 +1817,6 @@ TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
     region = *std::move(created);
     std::memcpy(region->data() + kRowsOffset, hidden_bytes.data(), hidden_bytes.size());
     request.hidden.data = region->data() + kRowsOffset;
-    request.lend_grad_hidden = true;  // and dL/dh left in shared memory: nothing copied
   }
   request.labels = labels;
   for (const char* output : {"token_loss", "logprob", "lse", "entropy", "argmax", "grad_hidden",
@@ -1833,6 +1833,8 @@ TEST_P(SharedMemoryTest, MatchesMessagesBitwiseAndTheReference) {
   request.head = by_memory;
   request.shared_memory = true;
   request.shared_rows_per_piece = c.rows_per_piece;
+  // Rows in a region: dL/dh left in shared memory too, nothing copied.
+  request.lend_grad_hidden = c.rows_in_region;
   const absl::StatusOr<ComputeResult> shared = client.Compute(request);
   ASSERT_TRUE(shared.ok()) << shared.status();
   if (c.rows_in_region) {
@@ -2265,36 +2267,66 @@ TEST_F(ComputeSocketTest, AServerWithoutOneKeepsAutoOnGrpcAndRefusesTrue) {
   EXPECT_TRUE(absl::StrContains(refused.message(), "--compute_socket_listen")) << refused;
 }
 
-// A lent dL/dh stays as the call left it while the caller holds it: the next calls write into
-// other memfds. Dropped, its memfd serves calls again; with kMaxLent (4) out, dL/dh is copied.
-TEST_F(ClientTest, LentGradHiddenIsTheCallersUntilDropped) {
-  const Client client = Connect(OptionsFor(server_->port()));
-  const std::string head = "lent-grad-hidden";
+// How a call's dL/dh comes back to be lent (ComputeRequest::lend_grad_hidden).
+struct LendCase {
+  const char* name;
+  ComputeResult::Transport transport;
+  // Whether a failed call's buffer serves the next calls: in messages it was the client's alone;
+  // a shared memfd is dropped, since a server still running the call might yet write into it.
+  bool failed_call_returns_buffer;
+};
+
+void PrintTo(const LendCase& c, std::ostream* os) { *os << c.name; }
+
+class LentGradHiddenTest : public ComputeSocketTest,
+                           public ::testing::WithParamInterface<LendCase> {};
+
+// A lent dL/dh has the bits of one the call copies out, and stays as the call left it while the
+// caller holds it: the next calls write into other buffers. Dropped, its buffer serves calls
+// again; a failed call gives its buffer back without lending it; with kMaxLent (4) out, dL/dh is
+// copied.
+TEST_P(LentGradHiddenTest, IsTheCallersUntilDroppedWithTheSameBits) {
+  const LendCase& c = GetParam();
+  const bool over_socket = c.transport == ComputeResult::Transport::kComputeSocket;
+  ChannelOptions options = over_socket ? SocketOptions(true) : OptionsFor(server_->port());
+  if (!over_socket) options.compute_socket = false;
+  const Client client = Connect(options);
+  const std::string head = std::string("lent-grad-hidden-") + c.name;
   UploadRandomHead(client, head);
-  constexpr int64_t kRows = 120;
+  constexpr int64_t kRows = 300;  // several engine chunks and result messages
   const std::string first_rows =
       client::EncodeFromFloat32(RandomNormal(kRows * kHidden, 1.0f, rng_), client::DType::kFloat32);
   const std::string other_rows =
       client::EncodeFromFloat32(RandomNormal(kRows * kHidden, 1.0f, rng_), client::DType::kFloat32);
-  const std::vector<int64_t> labels = RandomLabels(kRows, kVocab, 0.0, rng_);
+  std::vector<int64_t> labels = RandomLabels(kRows, kVocab, 0.1, rng_);
   ComputeRequest request;
   request.head = head;
   request.labels = labels;
   request.outputs.set_grad_hidden(true);
-  request.shared_memory = true;
+  request.shared_memory = c.transport == ComputeResult::Transport::kSharedMemory;
+  request.rows_per_message = 37;
   request.lend_grad_hidden = true;
   auto call = [&](const std::string& rows) {
     request.hidden = {rows.data(), client::DType::kFloat32, kRows, kHidden};
     absl::StatusOr<ComputeResult> result = client.Compute(request);
     EXPECT_TRUE(result.ok()) << result.status();
+    if (result.ok()) EXPECT_EQ(result->transport, c.transport);
     return result.ok() ? *std::move(result) : ComputeResult();
   };
   const size_t grad_bytes = kRows * kHidden * sizeof(float);
 
+  request.lend_grad_hidden = false;
+  const std::string copied_grad = call(first_rows).grad_hidden.bytes;
+  ASSERT_EQ(copied_grad.size(), grad_bytes);
+  request.lend_grad_hidden = true;
   ComputeResult first = call(first_rows);
   ASSERT_NE(first.grad_hidden_shared, nullptr);
+  EXPECT_TRUE(first.grad_hidden.bytes.empty());
+  EXPECT_EQ(first.grad_hidden.rows, kRows);
+  EXPECT_EQ(first.grad_hidden.dtype, client::DType::kFloat32);
   const std::string first_grad(reinterpret_cast<const char*>(first.grad_hidden_shared.get()),
                                grad_bytes);
+  EXPECT_TRUE(first_grad == copied_grad) << "lent and copied dL/dh differ";
   ComputeResult second = call(other_rows);
   ASSERT_NE(second.grad_hidden_shared, nullptr);
   EXPECT_NE(second.grad_hidden_shared.get(), first.grad_hidden_shared.get());
@@ -2304,20 +2336,45 @@ TEST_F(ClientTest, LentGradHiddenIsTheCallersUntilDropped) {
   const uint8_t* second_memory = second.grad_hidden_shared.get();
   first.grad_hidden_shared.reset();
   second.grad_hidden_shared.reset();
-  // Back in the pool: the next call takes one of the two memfds again.
+  // Back in the pool: the next call takes one of the two buffers again.
   ComputeResult third = call(first_rows);
   ASSERT_NE(third.grad_hidden_shared, nullptr);
   EXPECT_TRUE(third.grad_hidden_shared.get() == first_memory ||
               third.grad_hidden_shared.get() == second_memory);
   EXPECT_TRUE(std::memcmp(third.grad_hidden_shared.get(), first_grad.data(), grad_bytes) == 0);
+  third.grad_hidden_shared.reset();
 
+  // A label past the vocabulary in the last rows fails the call after results have come.
+  const int64_t last_label = labels.back();
+  labels.back() = kVocab;
+  request.hidden = {first_rows.data(), client::DType::kFloat32, kRows, kHidden};
+  const absl::Status failed = client.Compute(request).status();
+  EXPECT_EQ(failed.code(), absl::StatusCode::kInvalidArgument) << failed;
+  labels.back() = last_label;
   std::vector<ComputeResult> kept;
-  for (int i = 0; i < 4; ++i) kept.push_back(call(first_rows));
-  // `third` and the first three of these are lent; the fourth is copied.
-  EXPECT_NE(kept[2].grad_hidden_shared, nullptr);
-  EXPECT_EQ(kept[3].grad_hidden_shared, nullptr);
-  EXPECT_TRUE(kept[3].grad_hidden.bytes == first_grad);
+  for (int i = 0; i < 5; ++i) kept.push_back(call(first_rows));
+  if (c.failed_call_returns_buffer) {
+    // Both buffers were idle again after the failed call, and serve the next two.
+    std::set<const uint8_t*> reused = {kept[0].grad_hidden_shared.get(),
+                                       kept[1].grad_hidden_shared.get()};
+    EXPECT_EQ(reused, (std::set<const uint8_t*>{first_memory, second_memory}));
+  }
+  // The first four are lent; the fifth is copied.
+  EXPECT_NE(kept[3].grad_hidden_shared, nullptr);
+  EXPECT_EQ(kept[4].grad_hidden_shared, nullptr);
+  EXPECT_TRUE(kept[4].grad_hidden.bytes == copied_grad);
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Transports, LentGradHiddenTest,
+    ::testing::Values(
+        // Left where the server wrote it in the call's memfd.
+        LendCase{"shared_memory", ComputeResult::Transport::kSharedMemory, false},
+        // Copied once out of gRPC's slices, into pages an earlier call touched.
+        LendCase{"grpc_messages", ComputeResult::Transport::kGrpc, true},
+        // Received straight from the connection into the buffer.
+        LendCase{"compute_socket", ComputeResult::Transport::kComputeSocket, true}),
+    [](const ::testing::TestParamInfo<LendCase>& info) { return std::string(info.param.name); });
 
 struct CopyCase {
   const char* name;

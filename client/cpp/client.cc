@@ -296,14 +296,15 @@ v1::ComputeRequest StartMessage(const ComputeRequest& request) {
 }
 
 // Puts one Compute call's results together as they arrive: the per-token outputs by the
-// contract's rule (PerTokenAssembler), dL/dh from the result messages into the result, or kept as
+// contract's rule (PerTokenAssembler), dL/dh from the result messages into the result, into
+// `grad_hidden_into` (a buffer of the client's, lent once the call has succeeded), or kept as
 // received until the call has succeeded (`keep_grad_hidden`: the caller's buffer is written only
 // then, by CopyKeptGradHidden), or (shared memory) not at all, and the summary.
 class ResultAssembler {
  public:
   ResultAssembler(const ComputeRequest& request, DType grad_dtype, PerTokenAssembler per_token,
                   ComputeResult& result, bool grad_hidden_in_messages,
-                  bool keep_grad_hidden = false)
+                  bool keep_grad_hidden = false, uint8_t* grad_hidden_into = nullptr)
       : on_progress_(request.on_progress),
         grad_hidden_wanted_(request.outputs.grad_hidden()),
         grad_hidden_in_messages_(grad_hidden_in_messages),
@@ -315,8 +316,11 @@ class ResultAssembler {
         per_token_(std::move(per_token)) {
     if (grad_hidden_wanted_) {
       if (grad_hidden_in_messages_ && !keep_grad_hidden_) {
-        result_.grad_hidden.bytes.resize(rows_ * grad_row_bytes_);
-        grad_hidden_ = reinterpret_cast<uint8_t*>(result_.grad_hidden.bytes.data());
+        grad_hidden_ = grad_hidden_into;
+        if (grad_hidden_ == nullptr) {
+          result_.grad_hidden.bytes.resize(rows_ * grad_row_bytes_);
+          grad_hidden_ = reinterpret_cast<uint8_t*>(result_.grad_hidden.bytes.data());
+        }
       }
       result_.grad_hidden.dtype = grad_dtype_;
       result_.grad_hidden.rows = rows_;
@@ -413,6 +417,49 @@ class ResultAssembler {
   PerTokenAssembler per_token_;
   bool summary_received_ = false;
 };
+
+// The bytes of a call's dL/dh: 0 when not asked for.
+uint64_t GradHiddenBytes(const ComputeRequest& request, DType grad_dtype) {
+  return request.outputs.grad_hidden() ? static_cast<uint64_t>(request.hidden.rows) *
+                                             request.hidden.cols * DTypeSize(grad_dtype)
+                                       : 0;
+}
+
+// A buffer of the client's that a call through messages receives its dL/dh into, to lend it on
+// success (ComputeRequest::lend_grad_hidden without grad_hidden_out): pooled, its pages already
+// touched by earlier calls, so that dL/dh is neither copied nor received into fresh pages. Null
+// when the call does not lend dL/dh.
+absl::StatusOr<std::unique_ptr<SharedBuffer>> GradHiddenLendingBuffer(const ComputeRequest& request,
+                                                                      DType grad_dtype,
+                                                                      SharedBufferPool& pool) {
+  const uint64_t grad_bytes = GradHiddenBytes(request, grad_dtype);
+  if (!request.lend_grad_hidden || request.grad_hidden_out != nullptr || grad_bytes == 0) {
+    return nullptr;
+  }
+  return pool.Acquire(grad_bytes);
+}
+
+// The end of a call that succeeded with its `grad_bytes` of dL/dh at `offset` in `buffer`, one of
+// the client's: lent as result.grad_hidden_shared when the call asked for that and the pool lends
+// more, else copied into the caller's grad_hidden_out or result.grad_hidden. The buffer, unless
+// lent, goes back to the pool.
+void DeliverGradHidden(const ComputeRequest& request, SharedBufferPool& pool,
+                       std::unique_ptr<SharedBuffer> buffer, uint64_t offset, uint64_t grad_bytes,
+                       ComputeResult& result) {
+  if (buffer == nullptr) return;
+  if (grad_bytes > 0 && request.lend_grad_hidden && request.grad_hidden_out == nullptr) {
+    result.grad_hidden_shared = pool.Lend(buffer, offset);
+  }
+  if (grad_bytes > 0 && result.grad_hidden_shared == nullptr) {
+    void* target = request.grad_hidden_out;
+    if (target == nullptr) {
+      result.grad_hidden.bytes.resize(grad_bytes);
+      target = result.grad_hidden.bytes.data();
+    }
+    CopyInParallel(target, buffer->data() + offset, grad_bytes);
+  }
+  if (buffer != nullptr) pool.Release(std::move(buffer));
+}
 
 // Runs `attempt` (given its number, from 1) until it succeeds, fails with a code other than those
 // after which the client cannot know whether the server acted (IsRetryable), or has had
@@ -1290,8 +1337,11 @@ absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeReques
   // dL/dh bound for the caller's buffer stays where gRPC received it until the call has succeeded,
   // so that a failed call leaves that buffer as it was.
   const bool into_caller = request.grad_hidden_out != nullptr && request.outputs.grad_hidden();
+  ASSIGN_OR_RETURN(std::unique_ptr<SharedBuffer> lending,
+                   GradHiddenLendingBuffer(request, grad_dtype, *shared_buffers_));
   ResultAssembler assembler(request, grad_dtype, std::move(per_token), result,
-                            /*grad_hidden_in_messages=*/true, /*keep_grad_hidden=*/into_caller);
+                            /*grad_hidden_in_messages=*/true, /*keep_grad_hidden=*/into_caller,
+                            lending != nullptr ? lending->data() : nullptr);
   grpc::ClientContext context;
   PrepareContext(context);
   // A scoring call takes the next server in the rotation, on a connection of its own when others
@@ -1321,6 +1371,15 @@ absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeReques
   if (finished.ok() && into_caller) {
     assembler.CopyKeptGradHidden(static_cast<uint8_t*>(request.grad_hidden_out));
   }
+  if (lending != nullptr) {
+    // A failed call's dL/dh, never seen by the caller, is overwritten by the buffer's next call.
+    if (finished.ok()) {
+      DeliverGradHidden(request, *shared_buffers_, std::move(lending), 0,
+                        GradHiddenBytes(request, grad_dtype), result);
+    } else {
+      shared_buffers_->Release(std::move(lending));
+    }
+  }
   return finished;
 }
 
@@ -1344,6 +1403,8 @@ absl::Status Client::RunComputeOverSocket(const ComputeRequest& request,
                                   ? absl::InfiniteFuture()
                                   : absl::Now() + options_.deadline;
   const bool into_caller = request.grad_hidden_out != nullptr && request.outputs.grad_hidden();
+  ASSIGN_OR_RETURN(std::unique_ptr<SharedBuffer> lending,
+                   GradHiddenLendingBuffer(request, grad_dtype, *shared_buffers_));
   // Made afresh for each try: a call repeated on a fresh connection starts from nothing.
   std::unique_ptr<ResultAssembler> assembler;
   absl::Status made = absl::OkStatus();
@@ -1355,9 +1416,9 @@ absl::Status Client::RunComputeOverSocket(const ComputeRequest& request,
       made = per_token.status();
       return;
     }
-    assembler = std::make_unique<ResultAssembler>(request, grad_dtype, *std::move(per_token),
-                                                  result, /*grad_hidden_in_messages=*/true,
-                                                  /*keep_grad_hidden=*/into_caller);
+    assembler = std::make_unique<ResultAssembler>(
+        request, grad_dtype, *std::move(per_token), result, /*grad_hidden_in_messages=*/true,
+        /*keep_grad_hidden=*/into_caller, lending != nullptr ? lending->data() : nullptr);
   };
   int64_t bytes_sent = 0;
   int64_t bytes_received = 0;
@@ -1389,17 +1450,25 @@ absl::Status Client::RunComputeOverSocket(const ComputeRequest& request,
   // call, which never began there, goes over gRPC.
   const bool chosen_by_client =
       !request.compute_socket.has_value() && !options_.compute_socket.has_value();
+  absl::Status finished = called;
+  if (finished.ok()) finished = made;
+  if (finished.ok()) finished = assembler->Finish();
+  if (lending != nullptr && !finished.ok()) {
+    // The reader is done with it: a failed call's dL/dh, never seen by the caller, is
+    // overwritten by the buffer's next call.
+    shared_buffers_->Release(std::move(lending));
+  }
   if (unusable && chosen_by_client) {
     result = ComputeResult();
     return RunCompute(request, start_message, result);
   }
-  RETURN_IF_ERROR(called);
-  RETURN_IF_ERROR(made);
+  RETURN_IF_ERROR(finished);
   result.transport = ComputeResult::Transport::kComputeSocket;
-  RETURN_IF_ERROR(assembler->Finish());
   result.bytes_sent = bytes_sent;
   result.bytes_received = bytes_received;
   if (into_caller) assembler->CopyKeptGradHidden(static_cast<uint8_t*>(request.grad_hidden_out));
+  DeliverGradHidden(request, *shared_buffers_, std::move(lending), 0,
+                    GradHiddenBytes(request, grad_dtype), result);
   return absl::OkStatus();
 }
 
@@ -1412,10 +1481,7 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request,
   ASSIGN_OR_RETURN(const DType grad_dtype, GradHiddenDType(request));
   ASSIGN_OR_RETURN(PerTokenAssembler per_token,
                    PerTokenAssembler::Create(request.outputs, hidden.rows, &result.per_token));
-  const uint64_t grad_bytes =
-      request.outputs.grad_hidden()
-          ? static_cast<uint64_t>(hidden.rows) * hidden.cols * DTypeSize(grad_dtype)
-          : 0;
+  const uint64_t grad_bytes = GradHiddenBytes(request, grad_dtype);
   constexpr uint64_t kAlignment = 64;  // the server's rule for both offsets
   ASSIGN_OR_RETURN(const std::shared_ptr<HandoverConnection> handover,
                    handover_->Get([this] { return AsHandoverSocket(SharedMemorySocket()); }));
@@ -1492,18 +1558,7 @@ absl::Status Client::RunComputeShared(const ComputeRequest& request,
   // A failed call drops the buffer instead of keeping it: a server still running a cancelled call
   // may yet write dL/dh into it, which must not land in the next call's.
   RETURN_IF_ERROR(FinishCall(*stream, assembled, assembler));
-  if (grad_bytes > 0 && request.lend_grad_hidden && request.grad_hidden_out == nullptr) {
-    result.grad_hidden_shared = shared_buffers_->Lend(buffer, grad_offset);
-  }
-  if (grad_bytes > 0 && result.grad_hidden_shared == nullptr) {
-    void* target = request.grad_hidden_out;
-    if (target == nullptr) {
-      result.grad_hidden.bytes.resize(grad_bytes);
-      target = result.grad_hidden.bytes.data();
-    }
-    CopyInParallel(target, buffer->data() + grad_offset, grad_bytes);
-  }
-  if (buffer != nullptr) shared_buffers_->Release(std::move(buffer));
+  DeliverGradHidden(request, *shared_buffers_, std::move(buffer), grad_offset, grad_bytes, result);
   return absl::OkStatus();
 }
 

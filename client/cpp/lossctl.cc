@@ -1257,8 +1257,8 @@ absl::Status RunBench(const Flags& flags) {
     ASSIGN_OR_RETURN(shared_rows, client.NewSharedRegion(hidden.bytes.size()));
     std::memcpy(shared_rows->data(), hidden.bytes.data(), hidden.bytes.size());
     request.hidden.data = shared_rows->data();
-    request.lend_grad_hidden = true;
   }
+  request.lend_grad_hidden = in_place || flags.Bool("lend_grad_hidden");
   ASSIGN_OR_RETURN(request.weight_sha256, PinnedWeights(client, flags, head));
 
   const bool quiet = flags.Bool("quiet");
@@ -1280,10 +1280,10 @@ absl::Status RunBench(const Flags& flags) {
   for (int64_t i = 0; i < warmup; ++i) RETURN_IF_ERROR(client.Compute(warmup_request).status());
 
   // Each stream writes dL/dh into a buffer of its own, reused from call to call as a training
-  // loop would, allocated (and its pages faulted in) before the clock starts.
+  // loop would, allocated (and its pages faulted in) before the clock starts; or has it lent.
   const size_t grad_hidden_bytes_per_call = request.outputs.grad_hidden() ? hidden.bytes.size() : 0;
   std::vector<std::string> grad_hidden_outs(
-      streams, std::string(in_place ? 0 : grad_hidden_bytes_per_call, '\0'));
+      streams, std::string(request.lend_grad_hidden ? 0 : grad_hidden_bytes_per_call, '\0'));
 
   std::mutex mutex;
   std::condition_variable progressed;
@@ -1295,7 +1295,7 @@ absl::Status RunBench(const Flags& flags) {
   for (int64_t s = 0; s < streams; ++s) {
     workers.emplace_back([&, s] {
       ComputeRequest own = request;
-      if (grad_hidden_bytes_per_call > 0 && !in_place) {
+      if (grad_hidden_bytes_per_call > 0 && !request.lend_grad_hidden) {
         own.grad_hidden_out = grad_hidden_outs[s].data();
       }
       while (!failed.load() && next_call.fetch_add(1) < calls) {
@@ -1663,6 +1663,10 @@ const std::vector<Subcommand>& Subcommands() {
         {"in_place", FlagKind::kBool, "false",
          "with --shared_memory: the batch lies in a SharedRegion, read where it is, and dL/dh is "
          "lent where the server wrote it (ComputeRequest::lend_grad_hidden): nothing is copied"},
+        {"lend_grad_hidden", FlagKind::kBool, "false",
+         "dL/dh lent by the client (ComputeRequest::lend_grad_hidden) instead of written into a "
+         "buffer of each stream's: through messages, received straight into a buffer reused from "
+         "call to call"},
         PinWeightsFlag(),
         {"json", FlagKind::kBool, "false",
          "print the totals as one JSON object (seconds, tokens/s, bytes each way, latencies, "

@@ -105,7 +105,7 @@ class Handover {
 
 // Buffers between calls: a call takes one at least as large as it needs (or a new one) and gives
 // it back, so that the pages of a batch's size are allocated once, not on every call. Calls
-// through messages stage in them the dL/dh bound for the caller's buffer.
+// through messages that lend their dL/dh (ComputeRequest::lend_grad_hidden) receive it in them.
 //
 // It also knows the client's shared regions (Client::NewSharedRegion), so that a call finds the
 // one its rows lie in.

@@ -293,10 +293,12 @@ struct ComputeRequest {
   // (result.grad_hidden then has no bytes). A buffer reused across calls saves allocating and
   // faulting in a fresh one per call.
   void* grad_hidden_out = nullptr;
-  // With shared memory and no grad_hidden_out: dL/dh is left where the server wrote it and lent
-  // as result.grad_hidden_shared (result.grad_hidden then has no bytes), which saves copying it
-  // out; its memfd serves no other call until the last copy of that pointer is dropped. With a
-  // few lent out already, or with messages, dL/dh fills result.grad_hidden as usual.
+  // With no grad_hidden_out: dL/dh is lent as result.grad_hidden_shared (result.grad_hidden then
+  // has no bytes) from a buffer of the client's, which serves no other call until the last copy
+  // of that pointer is dropped. With shared memory it is left where the server wrote it, which
+  // saves copying it out; with messages it is received straight into a buffer that earlier calls
+  // have used, which saves copying it and faulting in fresh pages. With a few lent out already,
+  // dL/dh fills result.grad_hidden as usual.
   bool lend_grad_hidden = false;
 };
 
