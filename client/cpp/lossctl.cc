@@ -1272,18 +1272,22 @@ absl::Status RunBench(const Flags& flags) {
                   streams, request.outputs.grad_hidden() ? ", dL/dh" : "",
                   request.outputs.accumulate_grad_weight() ? ", dL/dW accumulated" : "", pinned);
   }
-  // The first rows only, where a whole call would cost as much as a timed one: enough to connect,
-  // start the server's threads and bring this machine's cores up to speed.
-  ComputeRequest warmup_request = request;
-  warmup_request.hidden.rows = warmup_tokens;
-  warmup_request.labels = warmup_request.labels.subspan(0, warmup_tokens);
-  for (int64_t i = 0; i < warmup; ++i) RETURN_IF_ERROR(client.Compute(warmup_request).status());
-
   // Each stream writes dL/dh into a buffer of its own, reused from call to call as a training
   // loop would, allocated (and its pages faulted in) before the clock starts; or has it lent.
   const size_t grad_hidden_bytes_per_call = request.outputs.grad_hidden() ? hidden.bytes.size() : 0;
   std::vector<std::string> grad_hidden_outs(
       streams, std::string(request.lend_grad_hidden ? 0 : grad_hidden_bytes_per_call, '\0'));
+
+  // The first rows only, where a whole call would cost as much as a timed one: enough to connect,
+  // start the server's threads and bring this machine's cores up to speed. They put dL/dh where
+  // the timed calls do, so that the client's buffers for it are in use already.
+  ComputeRequest warmup_request = request;
+  warmup_request.hidden.rows = warmup_tokens;
+  warmup_request.labels = warmup_request.labels.subspan(0, warmup_tokens);
+  if (grad_hidden_bytes_per_call > 0 && !request.lend_grad_hidden) {
+    warmup_request.grad_hidden_out = grad_hidden_outs[0].data();
+  }
+  for (int64_t i = 0; i < warmup; ++i) RETURN_IF_ERROR(client.Compute(warmup_request).status());
 
   std::mutex mutex;
   std::condition_variable progressed;
