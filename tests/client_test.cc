@@ -2274,6 +2274,7 @@ struct LendCase {
   // Whether a failed call's buffer serves the next calls: in messages it was the client's alone;
   // a shared memfd is dropped, since a server still running the call might yet write into it.
   bool failed_call_returns_buffer;
+  int lanes = 1;  // ChannelOptions::compute_socket_lanes
 };
 
 void PrintTo(const LendCase& c, std::ostream* os) { *os << c.name; }
@@ -2290,6 +2291,7 @@ TEST_P(LentGradHiddenTest, IsTheCallersUntilDroppedWithTheSameBits) {
   const bool over_socket = c.transport == ComputeResult::Transport::kComputeSocket;
   ChannelOptions options = over_socket ? SocketOptions(true) : OptionsFor(server_->port());
   if (!over_socket) options.compute_socket = false;
+  options.compute_socket_lanes = c.lanes;
   const Client client = Connect(options);
   const std::string head = std::string("lent-grad-hidden-") + c.name;
   UploadRandomHead(client, head);
@@ -2373,7 +2375,9 @@ INSTANTIATE_TEST_SUITE_P(
         // Copied once out of gRPC's slices, into pages an earlier call touched.
         LendCase{"grpc_messages", ComputeResult::Transport::kGrpc, true},
         // Received straight from the connection into the buffer.
-        LendCase{"compute_socket", ComputeResult::Transport::kComputeSocket, true}),
+        LendCase{"compute_socket", ComputeResult::Transport::kComputeSocket, true},
+        // Each lane's results received into their rows of the one buffer.
+        LendCase{"compute_socket_lanes", ComputeResult::Transport::kComputeSocket, true, 3}),
     [](const ::testing::TestParamInfo<LendCase>& info) { return std::string(info.param.name); });
 
 struct CopyCase {
