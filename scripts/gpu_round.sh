@@ -35,10 +35,11 @@
 #      by lossctl and the Python client over gRPC, the Compute socket and shared memory, 16384
 #      bf16 rows of 2048 each way, against the engine in-process), and the transport benchmark on
 #      the machine's cores: first bench/transport_bench.py --floor-rounds 3 (the TCP floor and
-#      both clients' Compute socket calls of 16384 float32 rows in turn, each round's ratio; 12 s
-#      on 2 cores), then --quick as far as its time goes (both clients' messages over gRPC and
-#      over the Compute socket, and shared memory, beside gRPC's echo and the TCP and memcpy
-#      floors; 83 s on 2 cores, its rows in transport/results.jsonl as they come). Files:
+#      both clients' Compute socket calls of 16384 float32 rows in turn, the C++ client's with
+#      dL/dh lent and into the caller's buffer, each round's ratio; 14 s on 2 cores), then
+#      --quick as far as its time goes (both clients' messages over gRPC and over the Compute
+#      socket, and shared memory, beside gRPC's echo and the TCP and memcpy floors; 83 s on 2
+#      cores, its rows in transport/results.jsonl as they come). Files:
 #      $OUT/call2/summary.txt and $OUT/call2/call2.tar.gz.
 #      Then give the machine back (`give_back`).
 #   3. Here: unpack the archives; peers/results.md and service/results.md hold tables for
@@ -181,7 +182,7 @@ case "$call" in
   call1) plan=(table:45 probe:25 foreign:15 scale:170 peers:110 memcheck:50 profile:40
     profile_fwd:30) ;;
   call2) plan=(fault:20 fault_drain:20 racecheck:45 synccheck:25 initcheck:35 service:40
-    transport_floor:20 transport:40) ;;
+    transport_floor:30 transport:30) ;;
   bench) plan=(peers:340) ;;
 esac
 # limit NAME: the planned seconds of a check.
