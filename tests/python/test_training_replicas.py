@@ -119,13 +119,16 @@ def test_three_replicas_train_as_one_server_and_a_killed_replica_fails_the_step_
         for replica in replicas:
             replica.stop(signal.SIGKILL)
     assert all(p.returncode != 0 for p in ranks)
-    # No replica applied the step the kill interrupted: both say where their head stood.
-    versions = set()
+    # No replica applied the step the kill interrupted, but in the one window the README's Faults
+    # names: replica 2 dying inside the ring's last exchange after another replica had received
+    # its whole sum, which that one applies (a complete global step) before exiting with the
+    # others. Both say where their head stood.
+    versions = []
     for replica in replicas[:2]:
         text = replica.output()
         assert "replica group" in text and "exiting with status 4" in text, text
-        versions.add(re.search(r"'main' at version (\d+)", text).group(1))
-    assert len(versions) == 1, versions
+        versions.append(int(re.search(r"'main' at version (\d+)", text).group(1)))
+    assert max(versions) - min(versions) <= 1, versions
     first = read_digests(digests)
     # Step KILL_AT's line may be lost with replica 2 (every rank asks its own replica).
     assert [entry["step"] for entry in first] == list(range(1, len(first) + 1))
