@@ -1368,19 +1368,15 @@ absl::Status Client::RunCompute(const ComputeRequest& request, v1::ComputeReques
   const absl::Status assembled = ReadResults(context, *stream, assembler, result);
   writer.join();
   const absl::Status finished = FinishCall(*stream, assembled, assembler);
-  if (finished.ok() && into_caller) {
-    assembler.CopyKeptGradHidden(static_cast<uint8_t*>(request.grad_hidden_out));
-  }
-  if (lending != nullptr) {
+  if (lending != nullptr && !finished.ok()) {
     // A failed call's dL/dh, never seen by the caller, is overwritten by the buffer's next call.
-    if (finished.ok()) {
-      DeliverGradHidden(request, *shared_buffers_, std::move(lending), 0,
-                        GradHiddenBytes(request, grad_dtype), result);
-    } else {
-      shared_buffers_->Release(std::move(lending));
-    }
+    shared_buffers_->Release(std::move(lending));
   }
-  return finished;
+  RETURN_IF_ERROR(finished);
+  if (into_caller) assembler.CopyKeptGradHidden(static_cast<uint8_t*>(request.grad_hidden_out));
+  DeliverGradHidden(request, *shared_buffers_, std::move(lending), 0,
+                    GradHiddenBytes(request, grad_dtype), result);
+  return absl::OkStatus();
 }
 
 absl::Status Client::RunComputeOverSocket(const ComputeRequest& request,
